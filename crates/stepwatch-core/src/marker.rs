@@ -1,0 +1,109 @@
+//! Markers (phase events from a training rank) and the phases they bound.
+
+use serde::Serialize;
+
+/// The event a marker records. The order of the variants is the order in
+/// which they occur within one step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MarkerKind {
+    StepBegin,
+    ForwardBegin,
+    BackwardBegin,
+    OptimizerBegin,
+    OptimizerEnd,
+    StepEnd,
+    /// The step died with a CUDA out-of-memory error; ends the step.
+    Oom,
+}
+
+impl MarkerKind {
+    /// The phase this marker opens, if any. `StepEnd` and `Oom` close a step
+    /// and open nothing.
+    pub fn opens(self) -> Option<PhaseKind> {
+        match self {
+            MarkerKind::StepBegin => Some(PhaseKind::Prologue),
+            MarkerKind::ForwardBegin => Some(PhaseKind::Forward),
+            MarkerKind::BackwardBegin => Some(PhaseKind::Backward),
+            MarkerKind::OptimizerBegin => Some(PhaseKind::Optimizer),
+            MarkerKind::OptimizerEnd => Some(PhaseKind::Epilogue),
+            MarkerKind::StepEnd | MarkerKind::Oom => None,
+        }
+    }
+
+    /// Stable snake_case name, used in logs and JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MarkerKind::StepBegin => "step_begin",
+            MarkerKind::ForwardBegin => "forward_begin",
+            MarkerKind::BackwardBegin => "backward_begin",
+            MarkerKind::OptimizerBegin => "optimizer_begin",
+            MarkerKind::OptimizerEnd => "optimizer_end",
+            MarkerKind::StepEnd => "step_end",
+            MarkerKind::Oom => "oom",
+        }
+    }
+}
+
+/// A phase is the interval between two consecutive markers of one step,
+/// named after the marker that opens it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PhaseKind {
+    /// Step begin to the first forward: data loading, zero_grad.
+    Prologue,
+    Forward,
+    Backward,
+    Optimizer,
+    /// Optimizer end to step end: logging, LR schedulers.
+    Epilogue,
+}
+
+impl PhaseKind {
+    /// Every phase kind, in step order; metric exporters iterate this.
+    pub const ALL: [PhaseKind; 5] = [
+        PhaseKind::Prologue,
+        PhaseKind::Forward,
+        PhaseKind::Backward,
+        PhaseKind::Optimizer,
+        PhaseKind::Epilogue,
+    ];
+
+    /// Stable label value for metrics and JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PhaseKind::Prologue => "prologue",
+            PhaseKind::Forward => "forward",
+            PhaseKind::Backward => "backward",
+            PhaseKind::Optimizer => "optimizer",
+            PhaseKind::Epilogue => "epilogue",
+        }
+    }
+}
+
+/// Figures from `torch.cuda.memory_stats()` carried by a marker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct AllocatorStats {
+    pub allocated_bytes: u64,
+    pub allocated_peak_bytes: u64,
+    pub reserved_bytes: u64,
+    pub reserved_peak_bytes: u64,
+    pub active_bytes: u64,
+    pub active_peak_bytes: u64,
+    pub num_alloc_retries: u64,
+}
+
+/// One phase event of one rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Marker {
+    pub kind: MarkerKind,
+    /// Optimizer step number; the first step is 1.
+    pub step: u64,
+    /// CLOCK_MONOTONIC ns, shared with the agent's GPU samples.
+    pub monotonic_ns: u64,
+    /// Wall clock ns since the Unix epoch, for display and stall detection.
+    pub wall_ns: u64,
+    /// Micro-batch index within the step (gradient accumulation).
+    pub micro_batch: u32,
+    pub allocator: Option<AllocatorStats>,
+}

@@ -1,0 +1,379 @@
+//! One rank's steps and phases, built from its validated marker stream.
+
+use std::collections::VecDeque;
+
+use serde::Serialize;
+
+use crate::error::{kind_name, MarkerError};
+use crate::marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
+
+/// A step holds at most this many phases (a forward and a backward per
+/// micro-batch); more is refused rather than grown without bound.
+pub const MAX_PHASES_PER_STEP: usize = 4096;
+
+/// Memory seen by NVML during one phase, from the GPU samples whose
+/// timestamps fall inside it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SampleStats {
+    pub samples: u64,
+    pub peak_bytes: u64,
+    pub sum_bytes: u128,
+}
+
+impl SampleStats {
+    /// Adds one sample's device-used bytes.
+    pub fn add(&mut self, used_bytes: u64) {
+        self.samples += 1;
+        self.peak_bytes = self.peak_bytes.max(used_bytes);
+        self.sum_bytes += u128::from(used_bytes);
+    }
+
+    /// Mean bytes, or None without samples.
+    pub fn mean_bytes(&self) -> Option<u64> {
+        (self.samples > 0).then(|| (self.sum_bytes / u128::from(self.samples)) as u64)
+    }
+}
+
+/// One phase of one step.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PhaseRecord {
+    pub phase: PhaseKind,
+    pub micro_batch: u32,
+    pub start_monotonic_ns: u64,
+    /// None while the phase is open.
+    pub end_monotonic_ns: Option<u64>,
+    pub allocator_at_start: Option<AllocatorStats>,
+    pub allocator_at_end: Option<AllocatorStats>,
+    /// NVML samples attributed to this phase.
+    pub nvml: SampleStats,
+    /// Set once the phase has closed and the sample window has been scanned
+    /// for it; later samples are credited on arrival. Keeps attribution
+    /// exactly-once whatever the arrival order.
+    #[serde(skip)]
+    pub(crate) credited: bool,
+}
+
+impl PhaseRecord {
+    /// Duration in ns once the phase has closed.
+    pub fn duration_ns(&self) -> Option<u64> {
+        self.end_monotonic_ns
+            .map(|end| end.saturating_sub(self.start_monotonic_ns))
+    }
+
+    /// Whether a sample at `t` belongs to this phase: phases are half-open
+    /// intervals [start, end), so a sample on a boundary belongs to exactly one.
+    pub fn contains(&self, t: u64) -> bool {
+        t >= self.start_monotonic_ns && self.end_monotonic_ns.is_none_or(|end| t < end)
+    }
+}
+
+/// How a step ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepOutcome {
+    Running,
+    Completed,
+    /// The OOM marker ended it.
+    Oom,
+    /// A later step began before this one ended (markers were lost).
+    Abandoned,
+}
+
+/// One optimizer step of one rank.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepRecord {
+    pub step: u64,
+    pub begin_monotonic_ns: u64,
+    pub begin_wall_ns: u64,
+    pub end_monotonic_ns: Option<u64>,
+    pub end_wall_ns: Option<u64>,
+    pub outcome: StepOutcome,
+    pub phases: Vec<PhaseRecord>,
+}
+
+impl StepRecord {
+    /// Duration in ns once the step has ended.
+    pub fn duration_ns(&self) -> Option<u64> {
+        self.end_monotonic_ns
+            .map(|end| end.saturating_sub(self.begin_monotonic_ns))
+    }
+
+    /// Sum of the durations of this step's closed phases of one kind.
+    pub fn phase_duration_ns(&self, kind: PhaseKind) -> Option<u64> {
+        let mut found = false;
+        let total = self
+            .phases
+            .iter()
+            .filter(|p| p.phase == kind)
+            .filter_map(|p| p.duration_ns())
+            .inspect(|_| found = true)
+            .sum();
+        found.then_some(total)
+    }
+
+    /// Highest NVML sample over the whole step.
+    pub fn nvml_peak_bytes(&self) -> Option<u64> {
+        self.phases
+            .iter()
+            .filter(|p| p.nvml.samples > 0)
+            .map(|p| p.nvml.peak_bytes)
+            .max()
+    }
+
+    fn last_kind(&self) -> Option<MarkerKind> {
+        self.phases.last().map(|p| match p.phase {
+            PhaseKind::Prologue => MarkerKind::StepBegin,
+            PhaseKind::Forward => MarkerKind::ForwardBegin,
+            PhaseKind::Backward => MarkerKind::BackwardBegin,
+            PhaseKind::Optimizer => MarkerKind::OptimizerBegin,
+            PhaseKind::Epilogue => MarkerKind::OptimizerEnd,
+        })
+    }
+}
+
+/// Whether `next` may follow `prev` within one step.
+fn may_follow(prev: MarkerKind, next: MarkerKind) -> bool {
+    use MarkerKind::*;
+    match next {
+        StepBegin => false,
+        // An OOM can happen anywhere.
+        Oom => true,
+        ForwardBegin => matches!(prev, StepBegin | ForwardBegin | BackwardBegin),
+        BackwardBegin => matches!(prev, ForwardBegin),
+        // Several optimizers (GANs) may run back to back.
+        OptimizerBegin => matches!(
+            prev,
+            StepBegin | ForwardBegin | BackwardBegin | OptimizerEnd
+        ),
+        OptimizerEnd => matches!(prev, OptimizerBegin),
+        StepEnd => !matches!(prev, OptimizerBegin),
+    }
+}
+
+/// A rank's bounded step history. Step 1 (the first step seen) is always
+/// kept, because the first-step analysis compares everything against it.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankTimeline {
+    steps: VecDeque<StepRecord>,
+    #[serde(skip)]
+    max_retained_steps: usize,
+    last_monotonic_ns: u64,
+    steps_completed: u64,
+    ooms: u64,
+}
+
+impl RankTimeline {
+    /// An empty timeline that keeps at most `max_retained_steps` steps.
+    pub fn new(max_retained_steps: usize) -> Self {
+        Self {
+            steps: VecDeque::new(),
+            max_retained_steps: max_retained_steps.max(2),
+            last_monotonic_ns: 0,
+            steps_completed: 0,
+            ooms: 0,
+        }
+    }
+
+    /// Applies a batch of markers, all or nothing: the first invalid marker
+    /// rejects the batch and leaves the timeline unchanged.
+    pub fn apply_batch(&mut self, markers: &[Marker]) -> Result<(), MarkerError> {
+        let mut cursor = self.cursor();
+        for m in markers {
+            cursor.check_and_advance(m)?;
+        }
+        for m in markers {
+            self.apply_unchecked(m);
+        }
+        Ok(())
+    }
+
+    /// Steps retained, oldest first.
+    pub fn steps(&self) -> impl DoubleEndedIterator<Item = &StepRecord> + ExactSizeIterator {
+        self.steps.iter()
+    }
+
+    /// Mutable access for sample attribution.
+    pub(crate) fn steps_mut(&mut self) -> impl DoubleEndedIterator<Item = &mut StepRecord> {
+        self.steps.iter_mut()
+    }
+
+    /// Number of steps that reached their step end.
+    pub fn steps_completed(&self) -> u64 {
+        self.steps_completed
+    }
+
+    /// Number of OOM markers seen.
+    pub fn ooms(&self) -> u64 {
+        self.ooms
+    }
+
+    /// The latest step, open or not.
+    pub fn current(&self) -> Option<&StepRecord> {
+        self.steps.back()
+    }
+
+    /// The latest step that completed.
+    pub fn last_completed(&self) -> Option<&StepRecord> {
+        self.steps
+            .iter()
+            .rev()
+            .find(|s| s.outcome == StepOutcome::Completed)
+    }
+
+    /// Timestamp of the latest marker.
+    pub fn last_monotonic_ns(&self) -> u64 {
+        self.last_monotonic_ns
+    }
+
+    fn cursor(&self) -> Cursor {
+        let current = self.steps.back();
+        Cursor {
+            last_step: current.map_or(0, |s| s.step),
+            open_kind: current
+                .filter(|s| s.outcome == StepOutcome::Running)
+                .and_then(|s| s.last_kind().or(Some(MarkerKind::StepBegin))),
+            phases: current.map_or(0, |s| s.phases.len()),
+            last_ns: self.last_monotonic_ns,
+        }
+    }
+
+    fn apply_unchecked(&mut self, m: &Marker) {
+        self.last_monotonic_ns = m.monotonic_ns;
+        let opens_new_step = self.steps.back().is_none_or(|s| m.step > s.step);
+        if opens_new_step {
+            if let Some(prev) = self.steps.back_mut() {
+                if prev.outcome == StepOutcome::Running {
+                    close_open_phase(prev, m);
+                    prev.outcome = StepOutcome::Abandoned;
+                }
+            }
+            self.steps.push_back(StepRecord {
+                step: m.step,
+                begin_monotonic_ns: m.monotonic_ns,
+                begin_wall_ns: m.wall_ns,
+                end_monotonic_ns: None,
+                end_wall_ns: None,
+                outcome: StepOutcome::Running,
+                phases: Vec::new(),
+            });
+            // Keep the first step; drop the oldest after it.
+            if self.steps.len() > self.max_retained_steps {
+                self.steps.remove(1);
+            }
+        }
+        let step = self.steps.back_mut().expect("a step is open");
+        close_open_phase(step, m);
+        match m.kind {
+            MarkerKind::StepEnd | MarkerKind::Oom => {
+                step.end_monotonic_ns = Some(m.monotonic_ns);
+                step.end_wall_ns = Some(m.wall_ns);
+                if m.kind == MarkerKind::Oom {
+                    step.outcome = StepOutcome::Oom;
+                    self.ooms += 1;
+                } else {
+                    step.outcome = StepOutcome::Completed;
+                    self.steps_completed += 1;
+                }
+            }
+            kind => {
+                let phase = kind.opens().expect("non-terminal markers open a phase");
+                step.phases.push(PhaseRecord {
+                    phase,
+                    micro_batch: m.micro_batch,
+                    start_monotonic_ns: m.monotonic_ns,
+                    end_monotonic_ns: None,
+                    allocator_at_start: m.allocator,
+                    allocator_at_end: None,
+                    nvml: SampleStats::default(),
+                    credited: false,
+                });
+            }
+        }
+    }
+}
+
+fn close_open_phase(step: &mut StepRecord, m: &Marker) {
+    if let Some(open) = step
+        .phases
+        .last_mut()
+        .filter(|p| p.end_monotonic_ns.is_none())
+    {
+        open.end_monotonic_ns = Some(m.monotonic_ns);
+        open.allocator_at_end = m.allocator;
+    }
+}
+
+/// The few facts needed to validate the next marker, so a batch can be
+/// checked completely before anything changes.
+#[derive(Debug, Clone, Copy)]
+struct Cursor {
+    last_step: u64,
+    /// Kind of the marker that opened the current phase; None when no step is open.
+    open_kind: Option<MarkerKind>,
+    phases: usize,
+    last_ns: u64,
+}
+
+impl Cursor {
+    fn check_and_advance(&mut self, m: &Marker) -> Result<(), MarkerError> {
+        if m.step == 0 {
+            return Err(MarkerError::StepZero);
+        }
+        if m.step < self.last_step {
+            return Err(MarkerError::StepRegressed {
+                last: self.last_step,
+                got: m.step,
+            });
+        }
+        if m.monotonic_ns < self.last_ns {
+            return Err(MarkerError::ClockRegressed {
+                last: self.last_ns,
+                got: m.monotonic_ns,
+            });
+        }
+        if m.step > self.last_step {
+            // A new step. StepBegin is expected; any other kind opens the step
+            // implicitly, because a client that dropped markers under load
+            // must not be locked out until the next step.
+            if m.kind == MarkerKind::StepEnd && self.last_step == 0 {
+                return Err(MarkerError::NoOpenStep {
+                    kind: kind_name(m.kind),
+                    step: m.step,
+                });
+            }
+            self.last_step = m.step;
+            self.phases = 0;
+        } else {
+            match self.open_kind {
+                None => {
+                    return Err(MarkerError::StepMismatch {
+                        kind: kind_name(m.kind),
+                        current: self.last_step,
+                        got: m.step,
+                    })
+                }
+                Some(prev) if !may_follow(prev, m.kind) => {
+                    return Err(MarkerError::OutOfOrder {
+                        kind: kind_name(m.kind),
+                        after: kind_name(prev),
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        if m.kind.opens().is_some() {
+            if self.phases >= MAX_PHASES_PER_STEP {
+                return Err(MarkerError::TooManyPhases {
+                    step: m.step,
+                    limit: MAX_PHASES_PER_STEP,
+                });
+            }
+            self.phases += 1;
+            self.open_kind = Some(m.kind);
+        } else {
+            self.open_kind = None;
+        }
+        self.last_ns = m.monotonic_ns;
+        Ok(())
+    }
+}

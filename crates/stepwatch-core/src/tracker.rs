@@ -1,0 +1,258 @@
+//! The node-wide step tracker: every rank's timeline, the GPU samples of
+//! every GPU, and the attribution of samples to phases.
+//!
+//! Attribution is order-independent: a sample is credited to a phase only
+//! once that phase has closed, either when the closing marker arrives (by
+//! scanning the GPU's sample window) or when a late sample arrives for an
+//! already closed phase. Either way each sample lands in exactly one phase of
+//! each rank on its GPU.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+use serde::Serialize;
+
+use crate::error::{HelloError, MarkerError};
+use crate::identity::{RankInfo, RankKey};
+use crate::marker::Marker;
+use crate::timeline::{PhaseRecord, RankTimeline};
+
+/// One reading of one GPU's device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct GpuSample {
+    /// CLOCK_MONOTONIC ns when the reading was taken.
+    pub monotonic_ns: u64,
+    /// Device memory in use (NVML memory info v2 `used`).
+    pub used_bytes: u64,
+    /// Device capacity.
+    pub total_bytes: u64,
+}
+
+/// Bounds of the tracker. Every map and queue in it is bounded by these.
+#[derive(Debug, Clone, Copy)]
+pub struct TrackerConfig {
+    /// Most ranks tracked at once; further hellos are refused.
+    pub max_ranks: usize,
+    /// Steps kept per rank (step 1 is always kept on top).
+    pub max_retained_steps: usize,
+    /// GPU samples kept per GPU for attribution to phases that are still open.
+    pub max_samples_per_gpu: usize,
+    /// Most GPUs sampled.
+    pub max_gpus: usize,
+}
+
+impl Default for TrackerConfig {
+    fn default() -> Self {
+        Self {
+            max_ranks: 256,
+            max_retained_steps: 1000,
+            // 60 s at 100 Hz.
+            max_samples_per_gpu: 6000,
+            max_gpus: 64,
+        }
+    }
+}
+
+/// Refusal of a hello.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OpenError {
+    #[error(transparent)]
+    Invalid(#[from] HelloError),
+    #[error("the agent already tracks {0} ranks, its limit")]
+    TooManyRanks(usize),
+}
+
+/// A tracked rank: what it said about itself and what it did.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankState {
+    pub info: RankInfo,
+    pub timeline: RankTimeline,
+    /// Streams currently open for this rank (normally 0 or 1).
+    pub connected_streams: u32,
+    /// Caller-supplied time of the last hello, marker or disconnect; drives eviction.
+    pub last_activity_ns: u64,
+}
+
+/// All ranks and GPUs on this node.
+#[derive(Debug, Default)]
+pub struct Tracker {
+    config: TrackerConfig,
+    ranks: BTreeMap<RankKey, RankState>,
+    samples: HashMap<String, VecDeque<GpuSample>>,
+}
+
+impl Tracker {
+    pub fn new(config: TrackerConfig) -> Self {
+        Self {
+            config,
+            ranks: BTreeMap::new(),
+            samples: HashMap::new(),
+        }
+    }
+
+    /// Registers a stream's hello. A reconnect of the same process resumes
+    /// its timeline; a new process under the same job and rank (a restarted
+    /// run) starts a fresh one.
+    pub fn open(&mut self, info: RankInfo, now_ns: u64) -> Result<RankKey, OpenError> {
+        info.validate()?;
+        let key = info.key();
+        let retained = self.config.max_retained_steps;
+        if let Some(state) = self.ranks.get_mut(&key) {
+            if state.info.pid != 0 && info.pid != 0 && state.info.pid != info.pid {
+                state.timeline = RankTimeline::new(retained);
+            }
+            state.info = info;
+            state.connected_streams += 1;
+            state.last_activity_ns = now_ns;
+            return Ok(key);
+        }
+        if self.ranks.len() >= self.config.max_ranks {
+            return Err(OpenError::TooManyRanks(self.config.max_ranks));
+        }
+        self.ranks.insert(
+            key.clone(),
+            RankState {
+                info,
+                timeline: RankTimeline::new(retained),
+                connected_streams: 1,
+                last_activity_ns: now_ns,
+            },
+        );
+        Ok(key)
+    }
+
+    /// Marks one stream of the rank closed.
+    pub fn close(&mut self, key: &RankKey, now_ns: u64) {
+        if let Some(state) = self.ranks.get_mut(key) {
+            state.connected_streams = state.connected_streams.saturating_sub(1);
+            state.last_activity_ns = now_ns;
+        }
+    }
+
+    /// Applies a batch of markers for an open rank, all or nothing, and
+    /// credits GPU samples to the phases the batch closed.
+    pub fn markers(
+        &mut self,
+        key: &RankKey,
+        markers: &[Marker],
+        now_ns: u64,
+    ) -> Result<(), MarkerError> {
+        let Some(state) = self.ranks.get_mut(key) else {
+            return Ok(());
+        };
+        state.timeline.apply_batch(markers)?;
+        state.last_activity_ns = now_ns;
+        let empty = VecDeque::new();
+        let window = self.samples.get(&state.info.gpu_uuid).unwrap_or(&empty);
+        credit_newly_closed(&mut state.timeline, window);
+        Ok(())
+    }
+
+    /// Adds GPU samples (any order, any batch size) and credits those that
+    /// fall in already closed phases of the ranks on that GPU.
+    pub fn gpu_samples(&mut self, gpu_uuid: &str, samples: &[GpuSample]) {
+        if samples.is_empty() {
+            return;
+        }
+        if !self.samples.contains_key(gpu_uuid) && self.samples.len() >= self.config.max_gpus {
+            return;
+        }
+        let window = self.samples.entry(gpu_uuid.to_owned()).or_default();
+        for s in samples {
+            // Samples normally arrive in time order; keep the window sorted anyway.
+            let at = window.partition_point(|w| w.monotonic_ns <= s.monotonic_ns);
+            window.insert(at, *s);
+        }
+        while window.len() > self.config.max_samples_per_gpu {
+            window.pop_front();
+        }
+        for state in self
+            .ranks
+            .values_mut()
+            .filter(|r| r.info.gpu_uuid == gpu_uuid)
+        {
+            for s in samples {
+                if let Some(phase) = closed_phase_at(&mut state.timeline, s.monotonic_ns) {
+                    phase.nvml.add(s.used_bytes);
+                }
+            }
+        }
+    }
+
+    /// Samples of a GPU from `from_ns` on (for phases that are still open).
+    pub fn samples_since(&self, gpu_uuid: &str, from_ns: u64) -> impl Iterator<Item = &GpuSample> {
+        self.samples.get(gpu_uuid).into_iter().flat_map(move |w| {
+            let start = w.partition_point(|s| s.monotonic_ns < from_ns);
+            w.range(start..)
+        })
+    }
+
+    /// Latest sample of a GPU.
+    pub fn latest_sample(&self, gpu_uuid: &str) -> Option<&GpuSample> {
+        self.samples.get(gpu_uuid).and_then(|w| w.back())
+    }
+
+    /// Drops ranks with no open stream and no activity for `retention_ns`.
+    /// Returns how many were evicted.
+    pub fn evict_idle(&mut self, now_ns: u64, retention_ns: u64) -> usize {
+        let before = self.ranks.len();
+        self.ranks.retain(|_, r| {
+            r.connected_streams > 0 || now_ns.saturating_sub(r.last_activity_ns) < retention_ns
+        });
+        before - self.ranks.len()
+    }
+
+    pub fn rank(&self, key: &RankKey) -> Option<&RankState> {
+        self.ranks.get(key)
+    }
+
+    /// All ranks, ordered by job then rank.
+    pub fn ranks(&self) -> impl Iterator<Item = (&RankKey, &RankState)> {
+        self.ranks.iter()
+    }
+
+    pub fn rank_count(&self) -> usize {
+        self.ranks.len()
+    }
+}
+
+/// Credits window samples to every phase that has closed but not yet been
+/// scanned. Only the newest steps can hold such phases, so the walk stops at
+/// the first step that has none.
+fn credit_newly_closed(timeline: &mut RankTimeline, window: &VecDeque<GpuSample>) {
+    for step in timeline.steps_mut().rev() {
+        let mut found = false;
+        for phase in step
+            .phases
+            .iter_mut()
+            .filter(|p| p.end_monotonic_ns.is_some() && !p.credited)
+        {
+            let start = window.partition_point(|s| s.monotonic_ns < phase.start_monotonic_ns);
+            let end = phase.end_monotonic_ns.unwrap_or(u64::MAX);
+            for s in window.range(start..).take_while(|s| s.monotonic_ns < end) {
+                phase.nvml.add(s.used_bytes);
+            }
+            phase.credited = true;
+            found = true;
+        }
+        if !found
+            && step
+                .phases
+                .iter()
+                .all(|p| p.credited || p.end_monotonic_ns.is_none())
+        {
+            break;
+        }
+    }
+}
+
+/// The closed, already scanned phase holding time `t`, if any.
+fn closed_phase_at(timeline: &mut RankTimeline, t: u64) -> Option<&mut PhaseRecord> {
+    let step = timeline
+        .steps_mut()
+        .rev()
+        .find(|s| s.begin_monotonic_ns <= t)?;
+    step.phases
+        .iter_mut()
+        .find(|p| p.contains(t))
+        .filter(|p| p.credited)
+}
