@@ -46,12 +46,6 @@ pub enum MarkerError {
     StepZero,
     #[error("step {got} does not follow step {last}; steps must increase per rank")]
     StepRegressed { last: u64, got: u64 },
-    #[error("{kind} for step {got} while step {current} is open")]
-    StepMismatch {
-        kind: &'static str,
-        current: u64,
-        got: u64,
-    },
     #[error("{kind} cannot follow {after} within a step")]
     OutOfOrder {
         kind: &'static str,
@@ -71,7 +65,7 @@ impl MarkerError {
         match self {
             MarkerError::UnspecifiedKind => "unspecified_kind",
             MarkerError::StepZero | MarkerError::StepRegressed { .. } => "step_regressed",
-            MarkerError::StepMismatch { .. } | MarkerError::NoOpenStep { .. } => "step_mismatch",
+            MarkerError::NoOpenStep { .. } => "no_open_step",
             MarkerError::OutOfOrder { .. } => "out_of_order",
             MarkerError::ClockRegressed { .. } => "clock_regressed",
             MarkerError::TooManyPhases { .. } => "too_many_phases",

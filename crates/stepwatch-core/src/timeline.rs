@@ -319,7 +319,8 @@ impl Cursor {
         if m.step == 0 {
             return Err(MarkerError::StepZero);
         }
-        if m.step < self.last_step {
+        // A step that has ended cannot be reopened.
+        if m.step < self.last_step || (m.step == self.last_step && self.open_kind.is_none()) {
             return Err(MarkerError::StepRegressed {
                 last: self.last_step,
                 got: m.step,
@@ -344,21 +345,12 @@ impl Cursor {
             self.last_step = m.step;
             self.phases = 0;
         } else {
-            match self.open_kind {
-                None => {
-                    return Err(MarkerError::StepMismatch {
-                        kind: kind_name(m.kind),
-                        current: self.last_step,
-                        got: m.step,
-                    })
-                }
-                Some(prev) if !may_follow(prev, m.kind) => {
-                    return Err(MarkerError::OutOfOrder {
-                        kind: kind_name(m.kind),
-                        after: kind_name(prev),
-                    })
-                }
-                Some(_) => {}
+            let prev = self.open_kind.expect("checked above: the step is open");
+            if !may_follow(prev, m.kind) {
+                return Err(MarkerError::OutOfOrder {
+                    kind: kind_name(m.kind),
+                    after: kind_name(prev),
+                });
             }
         }
         if m.kind.opens().is_some() {
