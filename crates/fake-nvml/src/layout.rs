@@ -1,0 +1,144 @@
+//! The binary layout of `state.bin`.
+//!
+//! Everything here is `#[repr(C)]` with explicit padding so that the file means the same
+//! thing to every process that maps it: the test (writer), simulated trainers (writers)
+//! and the agent, which reads it through the C API in the cdylib. Fields that change after
+//! creation are atomics: several processes mutate and read them at once without locks.
+//! Fixed-size text (names, UUIDs, version strings) is written once, before the file is
+//! renamed into place, and never changes afterwards, so plain reads of it are race-free.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// `"FNVM"` as a little-endian `u32`: the first four bytes of every state file.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"FNVM");
+/// Bumped whenever [`State`]'s layout changes, so an old mapping is refused, not misread.
+pub const LAYOUT_VERSION: u32 = 1;
+/// The most GPUs one state file can describe (an 8-GPU node with room to spare).
+pub const MAX_GPUS: usize = 16;
+/// Process slots per GPU. Real nodes run a handful of processes per GPU; 64 leaves room
+/// for tests that churn through many short-lived simulated trainers.
+pub const MAX_PROCS: usize = 64;
+/// Room for call classes in the fault tables; [`crate::Call`] uses the first few.
+pub const MAX_CALLS: usize = 16;
+/// Matches `NVML_DEVICE_NAME_V2_BUFFER_SIZE`.
+pub const NAME_LEN: usize = 96;
+/// Matches `NVML_DEVICE_UUID_V2_BUFFER_SIZE`.
+pub const UUID_LEN: usize = 96;
+/// Matches `NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE`.
+pub const VERSION_LEN: usize = 80;
+
+/// The file header: identity, the GPU count and the process-wide fault switches.
+#[repr(C)]
+pub struct Header {
+    /// [`MAGIC`], written last at creation: a file with it is complete.
+    pub magic: u32,
+    /// [`LAYOUT_VERSION`] of the writer.
+    pub layout_version: u32,
+    /// GPUs in use, at most [`MAX_GPUS`]; entries past it are zero.
+    pub gpu_count: u32,
+    /// Non-zero: the "driver" is gone. See [`crate::FakeNvml::set_unavailable`].
+    pub unavailable: AtomicU32,
+    /// NUL-terminated `nvmlSystemGetDriverVersion` answer.
+    pub driver_version: [u8; VERSION_LEN],
+    /// NUL-terminated `nvmlSystemGetNVMLVersion` answer.
+    pub nvml_version: [u8; VERSION_LEN],
+    /// Per [`crate::Call`]: 0 = behave normally, otherwise the NVML return code to fail with.
+    pub call_failure: [AtomicU32; MAX_CALLS],
+    /// Per [`crate::Call`]: nanoseconds to sleep inside the call before answering.
+    pub call_delay_ns: [AtomicU64; MAX_CALLS],
+}
+
+/// One process's claim on a GPU. `pid == 0` means the slot is free.
+#[repr(C)]
+pub struct Slot {
+    /// Owner, claimed by compare-and-swap from 0; released last on removal.
+    pub pid: AtomicU32,
+    /// Explicit padding so the layout has no implicit holes.
+    pub _pad: u32,
+    /// Bytes the owner uses; zeroed before the slot is released.
+    pub used_bytes: AtomicU64,
+}
+
+/// One GPU.
+#[repr(C)]
+pub struct Gpu {
+    /// NUL-terminated product name.
+    pub name: [u8; NAME_LEN],
+    /// NUL-terminated UUID.
+    pub uuid: [u8; UUID_LEN],
+    /// Framebuffer size.
+    pub total_bytes: AtomicU64,
+    /// Driver and non-process usage, counted in v2 `used`.
+    pub base_used_bytes: AtomicU64,
+    /// Running sum of every slot's `used_bytes` (wrapping), kept by the writers so that a
+    /// memory read is O(1) rather than a scan of all slots: ~35 ns instead of ~850 ns per
+    /// `memory_info()` in the unoptimised builds tests use.
+    pub proc_used_bytes: AtomicU64,
+    /// Driver-reserved memory: v2 reports it apart, v1 folds it into `used`.
+    pub reserved_bytes: AtomicU64,
+    /// `nvmlUtilization_t.gpu`, percent.
+    pub util_gpu: AtomicU32,
+    /// `nvmlUtilization_t.memory`, percent.
+    pub util_mem: AtomicU32,
+    /// Non-zero: the GPU "fell off the bus"; calls on it return `NVML_ERROR_GPU_IS_LOST`.
+    pub lost: AtomicU32,
+    /// Position in the file, what `nvmlDeviceGetIndex` reports.
+    pub index: u32,
+    /// Process slots; the device's `used` sums them.
+    pub slots: [Slot; MAX_PROCS],
+}
+
+/// The whole file. Its size is fixed whatever the GPU count, so every mapping is the same.
+#[repr(C)]
+pub struct State {
+    /// Identity and global switches.
+    pub header: Header,
+    /// All GPU entries; only the first `header.gpu_count` are in use.
+    pub gpus: [Gpu; MAX_GPUS],
+}
+
+/// Size in bytes of `state.bin`.
+pub const STATE_SIZE: usize = std::mem::size_of::<State>();
+
+impl Gpu {
+    /// v2 `used`: base usage plus the running sum of the process slots, saturating.
+    #[inline]
+    pub fn used_v2(&self) -> u64 {
+        self.base_used_bytes
+            .load(Ordering::Relaxed)
+            .saturating_add(self.proc_used_bytes.load(Ordering::Relaxed))
+    }
+
+    /// Sets a slot's bytes and moves the running sum by the difference. Slot and sum are
+    /// two atomics, so a reader may briefly see one updated and not the other; once writers
+    /// pause, the sum is exact (wrapping deltas cancel).
+    #[inline]
+    pub fn store_slot_bytes(&self, slot: &Slot, bytes: u64) {
+        let old = slot.used_bytes.swap(bytes, Ordering::AcqRel);
+        self.proc_used_bytes
+            .fetch_add(bytes.wrapping_sub(old), Ordering::AcqRel);
+    }
+
+    /// `(total, reserved, free, used_v2)`, with `free = total - reserved - used`, saturating.
+    #[inline]
+    pub fn memory(&self) -> (u64, u64, u64, u64) {
+        let total = self.total_bytes.load(Ordering::Relaxed);
+        let reserved = self.reserved_bytes.load(Ordering::Relaxed);
+        let used = self.used_v2();
+        let free = total.saturating_sub(reserved).saturating_sub(used);
+        (total, reserved, free, used)
+    }
+}
+
+/// Copies `s` into a fixed NUL-terminated buffer, truncating to leave room for the NUL.
+pub fn put_cstr(dst: &mut [u8], s: &str) {
+    dst.fill(0);
+    let n = s.len().min(dst.len() - 1);
+    dst[..n].copy_from_slice(&s.as_bytes()[..n]);
+}
+
+/// The bytes of a fixed NUL-terminated buffer, up to (not including) the first NUL.
+pub fn cstr_bytes(src: &[u8]) -> &[u8] {
+    let n = src.iter().position(|&b| b == 0).unwrap_or(src.len());
+    &src[..n]
+}

@@ -1,0 +1,386 @@
+//! The fake through nvml-wrapper 0.13, exactly as the agent uses NVML.
+//!
+//! The cdylib is `dlopen`ed (via `Nvml::builder().lib_path(..)`), so its globals are shared
+//! by every test in this process, and `nvmlInit` reads `STEPWATCH_FAKE_NVML_DIR`, a process
+//! global too. Each test therefore holds `LOCK` for its whole life, points the variable at
+//! its own state directory, and drops every `Nvml` before it returns (bringing the init
+//! count back to 0 so the next test's init reads the variable afresh).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use fake_nvml::{codes, Call, FakeNvml, GpuSpec, DEFAULT_RESERVED_BYTES, STATE_DIR_ENV};
+use nvml_wrapper::enums::device::UsedGpuMemory;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::Nvml;
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+/// The cdylib cargo built alongside this test binary. A plain `cargo test` leaves it in
+/// `target/<profile>/deps/` (next to the test binary); only `cargo build` copies it up to
+/// `target/<profile>/`. `find_cdylib` looks in both.
+fn lib_path() -> PathBuf {
+    fake_nvml::find_cdylib().expect("libfake_nvml.so not found near the test binary")
+}
+
+/// One test's private world: the lock, a state dir with `n` H100s, and the env var set.
+struct World {
+    fake: FakeNvml,
+    dir: PathBuf,
+    _guard: MutexGuard<'static, ()>,
+}
+
+impl World {
+    fn new(tag: &str, n: u32) -> World {
+        let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = std::env::temp_dir().join(format!(
+            "fake-nvml-it-{tag}-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let specs: Vec<_> = (0..n).map(GpuSpec::h100_80gb).collect();
+        let fake = FakeNvml::create(&dir, &specs).unwrap();
+        std::env::set_var(STATE_DIR_ENV, &dir);
+        World {
+            fake,
+            dir,
+            _guard: guard,
+        }
+    }
+
+    fn init(&self) -> Result<Nvml, NvmlError> {
+        Nvml::builder().lib_path(lib_path().as_os_str()).init()
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn used(m: &UsedGpuMemory) -> u64 {
+    match m {
+        UsedGpuMemory::Used(b) => *b,
+        UsedGpuMemory::Unavailable => panic!("fake reported Unavailable"),
+    }
+}
+
+#[test]
+fn reads_match_the_state() {
+    let w = World::new("reads", 2);
+    let f = &w.fake;
+    f.set_base_used(0, 300 << 20);
+    f.set_process_memory(0, 4242, 10 << 30).unwrap();
+    f.set_process_memory(0, 4343, 2 << 30).unwrap();
+    f.set_process_memory(1, 4242, 1 << 30).unwrap();
+    f.set_utilization(0, 87, 41);
+
+    let nvml = w.init().unwrap();
+    assert_eq!(nvml.device_count().unwrap(), 2);
+    assert_eq!(
+        nvml.sys_driver_version().unwrap(),
+        fake_nvml::DRIVER_VERSION
+    );
+    let d0 = nvml.device_by_index(0).unwrap();
+    let d1 = nvml.device_by_index(1).unwrap();
+    assert_eq!(d0.name().unwrap(), "NVIDIA H100 80GB HBM3");
+    assert_eq!(d0.uuid().unwrap(), f.gpu_uuid(0));
+    assert_eq!(
+        d1.uuid().unwrap(),
+        "GPU-00000000-0000-0000-0000-000000000001"
+    );
+    assert_eq!(d1.index().unwrap(), 1);
+    let by_uuid = nvml.device_by_uuid(f.gpu_uuid(1)).unwrap();
+    assert_eq!(by_uuid.index().unwrap(), 1);
+    assert!(matches!(
+        nvml.device_by_uuid("GPU-missing"),
+        Err(NvmlError::NotFound)
+    ));
+
+    let m = d0.memory_info().unwrap();
+    let expect_used = (300 << 20) + (12u64 << 30);
+    assert_eq!(m.total, f.total_bytes(0));
+    assert_eq!(m.used, expect_used);
+    assert_eq!(m.used, f.device_used_bytes(0));
+    assert_eq!(m.reserved, DEFAULT_RESERVED_BYTES);
+    assert_eq!(m.free, m.total - m.used - m.reserved);
+
+    let mut procs: Vec<(u32, u64)> = d0
+        .running_compute_processes()
+        .unwrap()
+        .iter()
+        .map(|p| (p.pid, used(&p.used_gpu_memory)))
+        .collect();
+    procs.sort_unstable();
+    assert_eq!(procs, vec![(4242, 10 << 30), (4343, 2 << 30)]);
+    for p in d0.running_compute_processes().unwrap() {
+        assert_eq!(p.gpu_instance_id, None);
+        assert_eq!(p.compute_instance_id, None);
+    }
+    assert_eq!(d0.running_compute_processes_count().unwrap(), 2);
+    assert_eq!(d1.running_compute_processes().unwrap().len(), 1);
+    assert!(d0.running_graphics_processes().unwrap().is_empty());
+
+    let u = d0.utilization_rates().unwrap();
+    assert_eq!((u.gpu, u.memory), (87, 41));
+
+    // Live: writes after init show up on the next read, without re-init.
+    f.set_process_memory(0, 4343, 5 << 30).unwrap();
+    f.remove_process(0, 4242);
+    f.set_base_used(0, 0);
+    assert_eq!(d0.memory_info().unwrap().used, 5 << 30);
+    let procs = d0.running_compute_processes().unwrap();
+    assert_eq!(procs.len(), 1);
+    assert_eq!(
+        (procs[0].pid, used(&procs[0].used_gpu_memory)),
+        (4343, 5 << 30)
+    );
+    f.remove_process(0, 4343);
+    assert!(d0.running_compute_processes().unwrap().is_empty());
+    assert_eq!(d0.memory_info().unwrap().used, 0);
+}
+
+#[test]
+fn a_full_gpu_lists_all_64_processes() {
+    let w = World::new("full", 1);
+    for pid in 1..=64 {
+        w.fake
+            .set_process_memory(0, 1000 + pid, pid as u64)
+            .unwrap();
+    }
+    let nvml = w.init().unwrap();
+    let d = nvml.device_by_index(0).unwrap();
+    let procs = d.running_compute_processes().unwrap();
+    assert_eq!(procs.len(), 64);
+    let sum: u64 = procs.iter().map(|p| used(&p.used_gpu_memory)).sum();
+    assert_eq!(sum, (1..=64).sum::<u64>());
+    assert_eq!(d.memory_info().unwrap().used, sum);
+}
+
+#[test]
+fn writes_from_another_process_are_seen() {
+    let w = World::new("xproc", 1);
+    let nvml = w.init().unwrap();
+    let d = nvml.device_by_index(0).unwrap();
+    // A real second process writes the state: this test binary re-run as a helper.
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "helper_writer", "--ignored"])
+        .env("FAKE_NVML_HELPER_DIR", &w.dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "helper failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"));
+    let procs = d.running_compute_processes().unwrap();
+    assert_eq!(procs.len(), 1);
+    assert_eq!(procs[0].pid, 777);
+    assert_eq!(d.memory_info().unwrap().used, 123_456_789);
+}
+
+/// Run only by `writes_from_another_process_are_seen`, in a child process.
+#[test]
+#[ignore = "helper for writes_from_another_process_are_seen"]
+fn helper_writer() {
+    let dir = std::env::var_os("FAKE_NVML_HELPER_DIR").expect("run by the cross-process test");
+    let f = FakeNvml::open(Path::new(&dir)).unwrap();
+    f.set_process_memory(0, 777, 123_456_789).unwrap();
+}
+
+#[test]
+fn unavailable_fails_init_and_live_calls_then_recovers() {
+    let w = World::new("unavail", 1);
+    let nvml = w.init().unwrap();
+    let d = nvml.device_by_index(0).unwrap();
+    assert!(d.memory_info().is_ok());
+
+    w.fake.set_unavailable(true);
+    assert!(matches!(d.memory_info(), Err(NvmlError::Uninitialized)));
+    assert!(matches!(
+        d.running_compute_processes(),
+        Err(NvmlError::Uninitialized)
+    ));
+    assert!(matches!(nvml.device_count(), Err(NvmlError::Uninitialized)));
+    // A fresh init (what a recovering agent does) fails while the driver is "gone"...
+    assert!(matches!(w.init(), Err(NvmlError::DriverNotLoaded)));
+    drop(nvml); // shutdown still succeeds; the init count is back to 0
+    assert!(matches!(w.init(), Err(NvmlError::DriverNotLoaded)));
+
+    // ...and succeeds once it is back.
+    w.fake.set_unavailable(false);
+    let nvml = w.init().unwrap();
+    let d = nvml.device_by_index(0).unwrap();
+    w.fake.set_process_memory(0, 9, 99).unwrap();
+    assert_eq!(d.memory_info().unwrap().used, 99);
+}
+
+#[test]
+fn lost_gpu_reports_gpu_lost_and_others_work() {
+    let w = World::new("lost", 2);
+    let nvml = w.init().unwrap();
+    let d1 = nvml.device_by_index(1).unwrap();
+    w.fake.set_gpu_lost(1, true);
+    assert!(matches!(d1.memory_info(), Err(NvmlError::GpuLost)));
+    assert!(matches!(
+        d1.running_compute_processes(),
+        Err(NvmlError::GpuLost)
+    ));
+    assert!(matches!(d1.utilization_rates(), Err(NvmlError::GpuLost)));
+    assert!(matches!(d1.uuid(), Err(NvmlError::GpuLost)));
+    assert!(matches!(nvml.device_by_index(1), Err(NvmlError::GpuLost)));
+    assert_eq!(nvml.device_count().unwrap(), 2);
+    let d0 = nvml.device_by_index(0).unwrap();
+    assert!(d0.memory_info().is_ok());
+    w.fake.set_gpu_lost(1, false);
+    assert!(d1.memory_info().is_ok());
+}
+
+#[test]
+fn injected_call_failures() {
+    let w = World::new("fail", 1);
+    let f = &w.fake;
+
+    f.set_call_failure(Call::Init, Some(codes::DRIVER_NOT_LOADED));
+    assert!(matches!(w.init(), Err(NvmlError::DriverNotLoaded)));
+    f.set_call_failure(Call::Init, None);
+
+    let nvml = w.init().unwrap();
+    let d = nvml.device_by_index(0).unwrap();
+    f.set_call_failure(Call::MemoryInfo, Some(codes::UNKNOWN));
+    assert!(matches!(d.memory_info(), Err(NvmlError::Unknown)));
+    // Only that class fails.
+    assert!(d.running_compute_processes().is_ok());
+    assert!(d.utilization_rates().is_ok());
+
+    f.set_call_failure(Call::Processes, Some(codes::TIMEOUT));
+    assert!(matches!(
+        d.running_compute_processes(),
+        Err(NvmlError::Timeout)
+    ));
+    f.set_call_failure(Call::Utilization, Some(codes::NOT_SUPPORTED));
+    assert!(matches!(
+        d.utilization_rates(),
+        Err(NvmlError::NotSupported)
+    ));
+    f.set_call_failure(Call::Count, Some(codes::UNKNOWN));
+    assert!(matches!(nvml.device_count(), Err(NvmlError::Unknown)));
+    f.set_call_failure(Call::Handle, Some(codes::GPU_IS_LOST));
+    assert!(matches!(nvml.device_by_index(0), Err(NvmlError::GpuLost)));
+    f.set_call_failure(Call::Name, Some(codes::UNKNOWN));
+    assert!(matches!(d.name(), Err(NvmlError::Unknown)));
+    f.set_call_failure(Call::Uuid, Some(codes::UNKNOWN));
+    assert!(matches!(d.uuid(), Err(NvmlError::Unknown)));
+    f.set_call_failure(Call::DriverVersion, Some(codes::UNKNOWN));
+    assert!(matches!(nvml.sys_driver_version(), Err(NvmlError::Unknown)));
+
+    f.clear_faults();
+    assert!(d.memory_info().is_ok());
+    assert!(d.running_compute_processes().is_ok());
+    assert!(nvml.device_count().is_ok());
+    assert_eq!(d.name().unwrap(), "NVIDIA H100 80GB HBM3");
+}
+
+#[test]
+fn delays_slow_only_their_class() {
+    let w = World::new("delay", 1);
+    let nvml = w.init().unwrap();
+    let d = nvml.device_by_index(0).unwrap();
+    w.fake.set_process_memory(0, 5, 5).unwrap();
+    w.fake
+        .set_call_delay(Call::Processes, Duration::from_millis(60));
+
+    let t = Instant::now();
+    d.memory_info().unwrap();
+    assert!(
+        t.elapsed() < Duration::from_millis(30),
+        "memory_info was slowed"
+    );
+
+    // nvml-wrapper makes two process calls (size query, then fetch): two delays.
+    let t = Instant::now();
+    assert_eq!(d.running_compute_processes().unwrap().len(), 1);
+    assert!(
+        t.elapsed() >= Duration::from_millis(120),
+        "{:?}",
+        t.elapsed()
+    );
+
+    w.fake.set_call_delay(Call::Processes, Duration::ZERO);
+    let t = Instant::now();
+    d.running_compute_processes().unwrap();
+    assert!(t.elapsed() < Duration::from_millis(30));
+}
+
+#[test]
+fn init_without_state_is_library_not_found() {
+    let w = World::new("nostate", 1);
+    std::env::remove_var(STATE_DIR_ENV);
+    assert!(matches!(w.init(), Err(NvmlError::LibraryNotFound)));
+    std::env::set_var(STATE_DIR_ENV, w.dir.join("does-not-exist"));
+    assert!(matches!(w.init(), Err(NvmlError::LibraryNotFound)));
+    std::env::set_var(STATE_DIR_ENV, &w.dir);
+    assert!(w.init().is_ok());
+}
+
+#[test]
+fn init_is_reference_counted() {
+    let w = World::new("refcount", 1);
+    let a = w.init().unwrap();
+    let b = w.init().unwrap();
+    drop(a);
+    let d = b.device_by_index(0).unwrap();
+    assert!(
+        d.memory_info().is_ok(),
+        "one shutdown must not end both sessions"
+    );
+    drop(b);
+}
+
+/// Measures the cost of nvml-wrapper calls on the fake, for the README. Run by hand:
+/// `cargo test --release -p fake-nvml --test nvml_wrapper -- --ignored --nocapture bench`
+#[test]
+#[ignore = "timing, run by hand"]
+fn bench_call_costs() {
+    let w = World::new("bench", 8);
+    for g in 0..8 {
+        for p in 0..4 {
+            w.fake.set_process_memory(g, 100 + p, 1 << 30).unwrap();
+        }
+    }
+    let nvml = w.init().unwrap();
+    let d = nvml.device_by_index(3).unwrap();
+    let time = |label: &str, iters: u32, f: &mut dyn FnMut()| {
+        for _ in 0..iters / 10 {
+            f();
+        }
+        let t = Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        let ns = t.elapsed().as_nanos() as f64 / iters as f64;
+        println!("{label}: {ns:.1} ns/call");
+        ns
+    };
+    let mem = time("memory_info (v2)", 2_000_000, &mut || {
+        std::hint::black_box(d.memory_info().unwrap());
+    });
+    time("running_compute_processes (4 procs)", 500_000, &mut || {
+        std::hint::black_box(d.running_compute_processes().unwrap());
+    });
+    time("utilization_rates", 2_000_000, &mut || {
+        std::hint::black_box(d.utilization_rates().unwrap());
+    });
+    time("set_process_memory (writer)", 2_000_000, &mut || {
+        w.fake.set_process_memory(3, 101, 2 << 30).unwrap();
+    });
+    assert!(mem < 1000.0, "memory_info costs {mem} ns");
+}
