@@ -1,1 +1,223 @@
-//! TODO
+//! The stepwatch per-node agent.
+//!
+//! Wiring only: the NVML sampler (stepwatch-gpu) and the step model
+//! (stepwatch-core) do the work; this crate puts a gRPC ingest server on a
+//! Unix socket (and optionally TCP), an HTTP server for `/metrics`, health
+//! and the JSON API, and a task that moves GPU samples into the step model.
+
+pub mod config;
+mod exporter;
+mod http;
+mod ingest;
+mod state;
+
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::Context;
+use stepwatch_core::{Tracker, TrackerConfig};
+use stepwatch_gpu::{SamplerConfig, SamplerHandle};
+use stepwatch_proto::clock::monotonic_ns;
+use stepwatch_proto::v1::ingest_server::IngestServer;
+use stepwatch_proto::MAX_MESSAGE_BYTES;
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::watch;
+use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
+
+pub use config::{AgentConfig, LogFormat, DEFAULT_SOCKET};
+
+/// Sets up logging on stderr; `RUST_LOG` overrides the default `info` level.
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Runs the agent until SIGTERM or SIGINT.
+pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
+    run_until(config, shutdown_signal()).await
+}
+
+/// Runs the agent until `shutdown` completes.
+pub async fn run_until(
+    config: AgentConfig,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let node = config.node_name.clone().unwrap_or_else(hostname);
+    let sampler = SamplerHandle::start(SamplerConfig {
+        lib_path: config.nvml_lib.clone(),
+        memory_interval: Duration::from_secs_f64(1.0 / config.sample_hz),
+        process_interval: config.process_interval,
+        max_window: config.max_window,
+        ..SamplerConfig::default()
+    });
+    let tracker = Tracker::new(TrackerConfig {
+        max_ranks: config.max_ranks,
+        max_retained_steps: config.max_steps,
+        ..TrackerConfig::default()
+    });
+    let state = state::AgentState::new(tracker, sampler.clone(), node.clone())?;
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.changed().await;
+    };
+
+    // HTTP first, so /healthz answers while everything else starts.
+    let http = TcpListener::bind(config.http_listen)
+        .await
+        .with_context(|| format!("cannot listen for HTTP on {}", config.http_listen))?;
+    let http_addr = http.local_addr()?;
+    let http_task = tokio::spawn({
+        let app = http::router(state.clone());
+        let stop = stopped(stop_rx.clone());
+        async move { axum::serve(http, app).with_graceful_shutdown(stop).await }
+    });
+
+    let uds = bind_socket(&config.socket, config.socket_mode)?;
+    let ingest = || {
+        IngestServer::new(ingest::IngestService::new(
+            state.clone(),
+            config.max_streams,
+            config.max_marker_rate,
+        ))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    };
+    let uds_task = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(ingest())
+            .serve_with_incoming_shutdown(UnixListenerStream::new(uds), stopped(stop_rx.clone())),
+    );
+    let tcp_task = match config.grpc_listen {
+        Some(addr) => {
+            let tcp = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for gRPC on {addr}"))?;
+            tracing::info!(%addr, "TCP ingest enabled (no authentication; keep it on a private interface)");
+            Some(tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(ingest())
+                    .serve_with_incoming_shutdown(
+                        TcpListenerStream::new(tcp),
+                        stopped(stop_rx.clone()),
+                    ),
+            ))
+        }
+        None => None,
+    };
+    state.ingest_listening.store(true, Ordering::Relaxed);
+    tracing::info!(
+        node = %node,
+        http = %http_addr,
+        socket = %config.socket.display(),
+        sample_hz = config.sample_hz,
+        "stepwatch agent running; metrics at http://{http_addr}/metrics"
+    );
+
+    // Moves samples into the step model and evicts finished ranks.
+    let housekeeping = tokio::spawn({
+        let state = state.clone();
+        let retention = config.retention;
+        let mut stop = stop_rx.clone();
+        async move {
+            let mut attribute = tokio::time::interval(Duration::from_millis(20));
+            let mut evict = tokio::time::interval(Duration::from_secs(10));
+            loop {
+                tokio::select! {
+                    _ = attribute.tick() => {
+                        let state = state.clone();
+                        let _ = tokio::task::spawn_blocking(move || state.attribute_samples()).await;
+                    }
+                    _ = evict.tick() => {
+                        let n = state.tracker().evict_idle(monotonic_ns(), retention.as_nanos() as u64);
+                        if n > 0 {
+                            state.ingest.ranks_evicted.inc_by(n as u64);
+                            tracing::info!(ranks = n, "evicted finished ranks after the retention window");
+                        }
+                    }
+                    _ = stop.changed() => break,
+                }
+            }
+        }
+    });
+
+    shutdown.await;
+    tracing::info!("shutting down");
+    state.ingest_listening.store(false, Ordering::Relaxed);
+    let _ = stop_tx.send(true);
+    // Streams from live trainers never end by themselves; don't wait forever.
+    let drain = async {
+        let _ = uds_task.await;
+        if let Some(t) = tcp_task {
+            let _ = t.await;
+        }
+        let _ = http_task.await;
+        let _ = housekeeping.await;
+    };
+    if tokio::time::timeout(Duration::from_secs(3), drain)
+        .await
+        .is_err()
+    {
+        tracing::warn!("open streams did not close within 3 s; exiting anyway");
+    }
+    let sampler_stop = tokio::task::spawn_blocking(move || sampler.stop());
+    let _ = tokio::time::timeout(Duration::from_secs(3), sampler_stop).await;
+    let _ = std::fs::remove_file(&config.socket);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Binds the marker socket: creates its directory, replaces a stale socket
+/// file, and sets the file mode.
+fn bind_socket(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the socket directory {}", dir.display()))?;
+    }
+    if path.exists() {
+        // A live agent would still answer; a dead one leaves its file behind.
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            anyhow::bail!(
+                "another process is already listening on {}; stop it or pass --socket",
+                path.display()
+            );
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("cannot remove the stale socket {}", path.display()))?;
+    }
+    let listener = UnixListener::bind(path)
+        .with_context(|| format!("cannot listen on the Unix socket {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .with_context(|| format!("cannot set mode {mode:o} on {}", path.display()))?;
+    Ok(listener)
+}
+
+fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: buf is writable for its whole length.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "unknown".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}

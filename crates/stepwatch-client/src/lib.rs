@@ -1,1 +1,338 @@
-//! TODO
+//! Streams step markers from a training process to the node's stepwatch
+//! agent, without ever blocking or failing the training loop.
+//!
+//! [`Client::mark`] is a bounded, non-blocking enqueue. A background thread
+//! with its own small runtime owns the gRPC stream: it sends the hello,
+//! batches queued markers, reconnects with backoff when the agent is absent
+//! or restarts, and hands advisories back. When the queue is full, markers
+//! are dropped and counted; training goes on.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub use stepwatch_proto::clock::{monotonic_ns, wall_ns};
+use stepwatch_proto::v1::{
+    agent_message, client_message, ingest_client::IngestClient, Advisory, ClientMessage, Hello,
+    Marker, MarkerBatch, MarkerKind,
+};
+use stepwatch_proto::MAX_MARKERS_PER_BATCH;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// Default endpoint: the agent's Unix socket.
+pub const DEFAULT_ENDPOINT: &str = "unix:///run/stepwatch/stepwatch.sock";
+
+/// Called with every advisory the agent sends.
+pub type AdvisoryCallback = Arc<dyn Fn(&Advisory) + Send + Sync>;
+
+/// How the client connects and how much it buffers.
+#[derive(Clone)]
+pub struct ClientOptions {
+    /// `unix:///path`, `http://host:port` or `host:port`.
+    pub endpoint: String,
+    /// Sent first on every (re)connection.
+    pub hello: Hello,
+    /// Markers buffered while the agent is slow or away; beyond this they are dropped.
+    pub queue_capacity: usize,
+    pub reconnect_min: Duration,
+    pub reconnect_max: Duration,
+    pub on_advisory: Option<AdvisoryCallback>,
+}
+
+impl ClientOptions {
+    pub fn new(endpoint: impl Into<String>, hello: Hello) -> Self {
+        Self {
+            endpoint: endpoint.into(),
+            hello,
+            queue_capacity: 65_536,
+            reconnect_min: Duration::from_millis(100),
+            reconnect_max: Duration::from_secs(5),
+            on_advisory: None,
+        }
+    }
+}
+
+/// Counters a user can check (and tests assert).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// Markers accepted into the queue.
+    pub enqueued: u64,
+    /// Markers handed to the gRPC stream.
+    pub sent: u64,
+    /// Markers dropped because the queue was full.
+    pub dropped: u64,
+    /// Connections opened after the first.
+    pub reconnects: u64,
+    /// Streams the agent ended with an error status (bad input, limits).
+    pub rejected_streams: u64,
+    pub advisories: u64,
+}
+
+#[derive(Default)]
+struct Shared {
+    enqueued: AtomicU64,
+    sent: AtomicU64,
+    dropped: AtomicU64,
+    reconnects: AtomicU64,
+    rejected_streams: AtomicU64,
+    advisories: AtomicU64,
+    connected: AtomicBool,
+    last_advisory: Mutex<Option<Advisory>>,
+}
+
+/// A connection to the agent for one rank.
+pub struct Client {
+    queue: Option<mpsc::Sender<Marker>>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Client {
+    /// Starts the background sender. Never fails and never waits for the agent.
+    pub fn start(options: ClientOptions) -> Self {
+        let (tx, rx) = mpsc::channel(options.queue_capacity.max(1));
+        let shared = Arc::new(Shared::default());
+        let thread = {
+            let shared = shared.clone();
+            std::thread::Builder::new()
+                .name("stepwatch-client".into())
+                .spawn(move || {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("build the client runtime");
+                    runtime.block_on(sender(options, rx, shared));
+                })
+                .expect("spawn the stepwatch client thread")
+        };
+        Self {
+            queue: Some(tx),
+            shared,
+            thread: Some(thread),
+        }
+    }
+
+    /// Queues a marker. Never blocks; returns false when it was dropped.
+    pub fn mark(&self, marker: Marker) -> bool {
+        let Some(queue) = &self.queue else {
+            return false;
+        };
+        match queue.try_send(marker) {
+            Ok(()) => {
+                self.shared.enqueued.fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err(_) => {
+                self.shared.dropped.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    /// Queues a marker of `kind` for `step`, stamped now.
+    pub fn mark_now(&self, kind: MarkerKind, step: u64, micro_batch: u32) -> bool {
+        self.mark(Marker {
+            kind: kind as i32,
+            step,
+            monotonic_ns: monotonic_ns(),
+            wall_ns: wall_ns(),
+            allocator: None,
+            micro_batch,
+        })
+    }
+
+    pub fn stats(&self) -> ClientStats {
+        let s = &self.shared;
+        ClientStats {
+            enqueued: s.enqueued.load(Ordering::Relaxed),
+            sent: s.sent.load(Ordering::Relaxed),
+            dropped: s.dropped.load(Ordering::Relaxed),
+            reconnects: s.reconnects.load(Ordering::Relaxed),
+            rejected_streams: s.rejected_streams.load(Ordering::Relaxed),
+            advisories: s.advisories.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether a stream to the agent is open now.
+    pub fn connected(&self) -> bool {
+        self.shared.connected.load(Ordering::Relaxed)
+    }
+
+    /// The latest advisory from the agent.
+    pub fn last_advisory(&self) -> Option<Advisory> {
+        self.shared
+            .last_advisory
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Waits up to `timeout` for every queued marker to be handed to the
+    /// stream; returns whether it got there.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let s = self.stats();
+            if s.sent >= s.enqueued {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Flushes for up to `timeout`, ends the stream and stops the thread.
+    pub fn close(mut self, timeout: Duration) -> ClientStats {
+        self.flush(timeout);
+        self.queue = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.stats()
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        // Closing the queue ends the sender; don't wait for a dead agent here.
+        self.queue = None;
+    }
+}
+
+/// Normalises `host:port` to `http://host:port`; leaves `unix:` and `http(s):` alone.
+pub fn normalize_endpoint(endpoint: &str) -> String {
+    if endpoint.starts_with("unix:") || endpoint.contains("://") {
+        endpoint.to_string()
+    } else {
+        format!("http://{endpoint}")
+    }
+}
+
+async fn sender(options: ClientOptions, mut queue: mpsc::Receiver<Marker>, shared: Arc<Shared>) {
+    let endpoint = normalize_endpoint(&options.endpoint);
+    let mut backoff = options.reconnect_min;
+    let mut attempts = 0u64;
+    let mut pending: Vec<Marker> = Vec::new();
+    loop {
+        attempts += 1;
+        if attempts > 1 {
+            shared.reconnects.fetch_add(1, Ordering::Relaxed);
+        }
+        let outcome = session(&endpoint, &options, &mut queue, &mut pending, &shared).await;
+        shared.connected.store(false, Ordering::Relaxed);
+        match outcome {
+            Session::QueueClosed => return,
+            Session::Ended => backoff = options.reconnect_min,
+            Session::Failed(e) => {
+                tracing::debug!(error = %e, retry_in_ms = backoff.as_millis() as u64, "stepwatch agent unreachable");
+            }
+        }
+        // Wait out the backoff, but leave at once if the user closed the client
+        // and nothing is left to send.
+        let sleep = tokio::time::sleep(backoff);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                _ = &mut sleep => break,
+                m = queue.recv(), if pending.len() < MAX_MARKERS_PER_BATCH => match m {
+                    Some(m) => pending.push(m),
+                    // Closed while the agent is away: close() already waited
+                    // its flush timeout, so what is left is dropped, counted.
+                    None => {
+                        shared.dropped.fetch_add(pending.len() as u64, Ordering::Relaxed);
+                        return;
+                    }
+                },
+            }
+        }
+        backoff = (backoff * 2).min(options.reconnect_max);
+    }
+}
+
+enum Session {
+    QueueClosed,
+    Ended,
+    Failed(String),
+}
+
+async fn session(
+    endpoint: &str,
+    options: &ClientOptions,
+    queue: &mut mpsc::Receiver<Marker>,
+    pending: &mut Vec<Marker>,
+    shared: &Shared,
+) -> Session {
+    let channel = match tonic::transport::Endpoint::from_shared(endpoint.to_string()) {
+        Ok(e) => match e.connect_timeout(Duration::from_secs(2)).connect().await {
+            Ok(c) => c,
+            Err(e) => return Session::Failed(e.to_string()),
+        },
+        Err(e) => return Session::Failed(format!("bad endpoint {endpoint:?}: {e}")),
+    };
+    let (out, out_rx) = mpsc::channel::<ClientMessage>(8);
+    let hello = ClientMessage {
+        kind: Some(client_message::Kind::Hello(options.hello.clone())),
+    };
+    let _ = out.send(hello).await;
+    let mut client = IngestClient::new(channel);
+    let mut inbound = match client.stream(ReceiverStream::new(out_rx)).await {
+        Ok(r) => r.into_inner(),
+        Err(status) => return Session::Failed(status.to_string()),
+    };
+    shared.connected.store(true, Ordering::Relaxed);
+    let mut out = Some(out);
+    loop {
+        if let (Some(sink), false) = (&out, pending.is_empty()) {
+            let n = pending.len() as u64;
+            let batch = ClientMessage {
+                kind: Some(client_message::Kind::Markers(MarkerBatch {
+                    markers: std::mem::take(pending),
+                })),
+            };
+            if sink.send(batch).await.is_err() {
+                return Session::Ended;
+            }
+            shared.sent.fetch_add(n, Ordering::Relaxed);
+        }
+        tokio::select! {
+            m = queue.recv(), if out.is_some() => match m {
+                Some(m) => {
+                    pending.push(m);
+                    while pending.len() < MAX_MARKERS_PER_BATCH {
+                        match queue.try_recv() {
+                            Ok(m) => pending.push(m),
+                            Err(_) => break,
+                        }
+                    }
+                }
+                // The user closed the client: half-close and wait for the agent.
+                None => out = None,
+            },
+            message = inbound.message() => match message {
+                Ok(Some(message)) => {
+                    if let Some(agent_message::Kind::Advisory(a)) = message.kind {
+                        shared.advisories.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(message = %a.message, "stepwatch advisory");
+                        if let Some(cb) = &options.on_advisory {
+                            cb(&a);
+                        }
+                        *shared.last_advisory.lock().unwrap_or_else(|e| e.into_inner()) = Some(a);
+                    }
+                }
+                Ok(None) => return if out.is_none() { Session::QueueClosed } else { Session::Ended },
+                Err(status) => {
+                    if out.is_none() {
+                        return Session::QueueClosed;
+                    }
+                    shared.rejected_streams.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(code = ?status.code(), message = status.message(), "stepwatch agent ended the stream; reconnecting");
+                    return Session::Failed(status.to_string());
+                }
+            },
+        }
+    }
+}

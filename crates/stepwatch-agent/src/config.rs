@@ -1,0 +1,138 @@
+//! Command-line flags of `stepwatch agent`, each with a `STEPWATCH_*`
+//! environment equivalent.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Default path of the marker socket; training pods mount its directory.
+pub const DEFAULT_SOCKET: &str = "/run/stepwatch/stepwatch.sock";
+
+/// How the agent runs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgentConfig {
+    /// Unix socket for marker ingest (gRPC). Its directory is created if missing.
+    #[arg(long, env = "STEPWATCH_SOCKET", default_value = DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+
+    /// File mode of the marker socket, octal. Only processes that can write
+    /// the socket can send markers; use 0666 when training runs as other users.
+    #[arg(long, env = "STEPWATCH_SOCKET_MODE", default_value = "0660", value_parser = parse_mode)]
+    pub socket_mode: u32,
+
+    /// Also accept marker ingest over TCP at this address (off unless given).
+    /// It has no authentication: bind it to a private interface.
+    #[arg(long, env = "STEPWATCH_GRPC_LISTEN")]
+    pub grpc_listen: Option<SocketAddr>,
+
+    /// Address of the HTTP server: /metrics, /healthz, /readyz, /api/v1.
+    #[arg(long, env = "STEPWATCH_HTTP_LISTEN", default_value = "0.0.0.0:9400")]
+    pub http_listen: SocketAddr,
+
+    /// Node name put on every series as the `node` label (defaults to the hostname).
+    #[arg(long, env = "STEPWATCH_NODE_NAME")]
+    pub node_name: Option<String>,
+
+    /// Path of libnvidia-ml to load (default: libnvidia-ml.so.1 from the loader path).
+    #[arg(long, env = "STEPWATCH_NVML_LIB")]
+    pub nvml_lib: Option<PathBuf>,
+
+    /// Device-memory sampling rate per GPU, in Hz.
+    #[arg(long, env = "STEPWATCH_SAMPLE_HZ", default_value_t = 100.0, value_parser = parse_hz)]
+    pub sample_hz: f64,
+
+    /// Period of process-list and utilisation reads. Process lists take the
+    /// driver's global lock, so keep this slow.
+    #[arg(long, env = "STEPWATCH_PROCESS_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    pub process_interval: Duration,
+
+    /// Trailing window of stepwatch_gpu_memory_used_max_bytes; set it to the scrape interval.
+    #[arg(long, env = "STEPWATCH_MAX_WINDOW", default_value = "15s", value_parser = parse_duration)]
+    pub max_window: Duration,
+
+    /// How long a finished rank's figures stay exported after its last stream closed.
+    #[arg(long, env = "STEPWATCH_RETENTION", default_value = "1h", value_parser = parse_duration)]
+    pub retention: Duration,
+
+    /// Steps kept per rank (step 1 is always kept as well).
+    #[arg(long, env = "STEPWATCH_MAX_STEPS", default_value_t = 1000)]
+    pub max_steps: usize,
+
+    /// Ranks tracked at once; further hellos get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "STEPWATCH_MAX_RANKS", default_value_t = 256)]
+    pub max_ranks: usize,
+
+    /// Concurrent ingest streams; further streams get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "STEPWATCH_MAX_STREAMS", default_value_t = 512)]
+    pub max_streams: usize,
+
+    /// Markers per second one stream may send (burst: one second's worth);
+    /// beyond it the stream gets RESOURCE_EXHAUSTED.
+    #[arg(long, env = "STEPWATCH_MAX_MARKER_RATE", default_value_t = 200_000.0)]
+    pub max_marker_rate: f64,
+
+    /// Log format.
+    #[arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{s:?} is not an octal file mode like 0660"))
+}
+
+fn parse_hz(s: &str) -> Result<f64, String> {
+    let hz: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if !(0.1..=10_000.0).contains(&hz) {
+        return Err(format!("{hz} Hz is outside 0.1..=10000"));
+    }
+    Ok(hz)
+}
+
+/// Parses "250ms", "15s", "5m", "1h".
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 250ms, 15s, 5m or 1h"))?;
+    let secs = match unit {
+        "ms" => n / 1000.0,
+        "s" | "" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?}; use ms, s, m or h")),
+    };
+    if !(secs.is_finite() && secs > 0.0) {
+        return Err(format!("{s:?} must be positive"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_modes_parse_or_explain() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+        assert!(parse_duration("5 parsecs")
+            .unwrap_err()
+            .contains("unknown unit"));
+        assert!(parse_duration("0s").is_err());
+        assert_eq!(parse_mode("0660"), Ok(0o660));
+        assert!(parse_mode("999").is_err());
+        assert!(parse_hz("0").is_err());
+    }
+}

@@ -1,0 +1,282 @@
+//! The gRPC ingest adapter: proto messages in, tracker calls out.
+//!
+//! Validation of content lives in stepwatch-core; this file checks only what
+//! is about the wire (message order, sizes, rates) and maps errors to gRPC
+//! statuses that name the problem.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use stepwatch_core::{
+    AllocatorStats, Marker, MarkerKind, ModelFacts, OpenError, OptimizerKind, Precision, RankInfo,
+    RankKey,
+};
+use stepwatch_proto::clock::monotonic_ns;
+use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
+use stepwatch_proto::MAX_MARKERS_PER_BATCH;
+use tokio::sync::{mpsc, Semaphore};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::state::AgentState;
+
+/// The `Ingest` service.
+pub struct IngestService {
+    state: Arc<AgentState>,
+    streams: Arc<Semaphore>,
+    max_marker_rate: f64,
+}
+
+impl IngestService {
+    pub fn new(state: Arc<AgentState>, max_streams: usize, max_marker_rate: f64) -> Self {
+        Self {
+            state,
+            streams: Arc::new(Semaphore::new(max_streams)),
+            max_marker_rate,
+        }
+    }
+}
+
+type AgentStream = Pin<Box<dyn Stream<Item = Result<pb::AgentMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Ingest for IngestService {
+    type StreamStream = AgentStream;
+
+    async fn stream(
+        &self,
+        request: Request<Streaming<pb::ClientMessage>>,
+    ) -> Result<Response<AgentStream>, Status> {
+        let Ok(permit) = self.streams.clone().try_acquire_owned() else {
+            self.state.ingest.reject("too_many_streams", 1);
+            return Err(Status::resource_exhausted(
+                "the agent has reached its limit of concurrent streams (--max-streams)",
+            ));
+        };
+        // SO_PEERCRED: the sender's PID in our namespace, when on the Unix socket.
+        let peer_pid = request
+            .extensions()
+            .get::<tonic::transport::server::UdsConnectInfo>()
+            .and_then(|info| info.peer_cred)
+            .and_then(|cred| cred.pid())
+            .and_then(|pid| u32::try_from(pid).ok());
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        let state = self.state.clone();
+        let rate = self.max_marker_rate;
+        tokio::spawn(async move {
+            let _permit = permit;
+            state.ingest.streams_opened.inc();
+            state.ingest.streams_active.inc();
+            if let Err(status) = serve_stream(&state, inbound, peer_pid, rate, &tx).await {
+                tracing::debug!(code = ?status.code(), message = status.message(), "stream ended with an error");
+                let _ = tx.send(Err(status)).await;
+            }
+            state.ingest.streams_active.dec();
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}
+
+async fn serve_stream(
+    state: &AgentState,
+    mut inbound: Streaming<pb::ClientMessage>,
+    peer_pid: Option<u32>,
+    max_rate: f64,
+    _tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
+) -> Result<(), Status> {
+    let hello = match inbound.message().await? {
+        Some(pb::ClientMessage {
+            kind: Some(Kind::Hello(hello)),
+        }) => hello,
+        Some(_) => {
+            state.ingest.reject("no_hello", 1);
+            return Err(Status::failed_precondition(
+                "the first message on a stream must be a Hello",
+            ));
+        }
+        None => return Ok(()),
+    };
+    let info = rank_info(hello, peer_pid);
+    let key = match state.tracker().open(info.clone(), monotonic_ns()) {
+        Ok(key) => key,
+        Err(OpenError::Invalid(e)) => {
+            state.ingest.reject(e.reason(), 1);
+            return Err(Status::invalid_argument(format!("invalid hello: {e}")));
+        }
+        Err(e @ OpenError::TooManyRanks(_)) => {
+            state.ingest.reject("too_many_ranks", 1);
+            return Err(Status::resource_exhausted(e.to_string()));
+        }
+    };
+    tracing::info!(job = %key.job, rank = key.rank, pid = info.pid, gpu = %info.gpu_uuid, "rank connected");
+    let result = receive_markers(state, &key, &mut inbound, max_rate).await;
+    state.tracker().close(&key, monotonic_ns());
+    tracing::info!(job = %key.job, rank = key.rank, "rank disconnected");
+    result
+}
+
+async fn receive_markers(
+    state: &AgentState,
+    key: &RankKey,
+    inbound: &mut Streaming<pb::ClientMessage>,
+    max_rate: f64,
+) -> Result<(), Status> {
+    let mut bucket = TokenBucket::new(max_rate);
+    let mut markers = Vec::new();
+    while let Some(message) = inbound.message().await? {
+        let batch = match message.kind {
+            Some(Kind::Markers(batch)) => batch,
+            Some(Kind::Hello(_)) => {
+                state.ingest.reject("duplicate_hello", 1);
+                return Err(Status::failed_precondition(
+                    "Hello may only be the first message of a stream",
+                ));
+            }
+            None => {
+                state.ingest.reject("empty_message", 1);
+                return Err(Status::invalid_argument("ClientMessage has no content"));
+            }
+        };
+        let n = batch.markers.len() as u64;
+        if batch.markers.len() > MAX_MARKERS_PER_BATCH {
+            state.ingest.reject("batch_too_large", n);
+            return Err(Status::invalid_argument(format!(
+                "a MarkerBatch holds {} markers; at most {MAX_MARKERS_PER_BATCH} are allowed",
+                batch.markers.len()
+            )));
+        }
+        if !bucket.take(n as f64) {
+            state.ingest.reject("rate_limited", n);
+            return Err(Status::resource_exhausted(format!(
+                "more than {max_rate} markers/s on one stream (--max-marker-rate)"
+            )));
+        }
+        markers.clear();
+        for m in batch.markers {
+            match marker(m) {
+                Some(m) => markers.push(m),
+                None => {
+                    state.ingest.reject("unspecified_kind", n);
+                    return Err(Status::invalid_argument(
+                        "marker kind is unspecified or unknown",
+                    ));
+                }
+            }
+        }
+        let applied = state.tracker().markers(key, &markers, monotonic_ns());
+        match applied {
+            Ok(()) => state.ingest.markers_received.inc_by(n),
+            Err(e) => {
+                state.ingest.reject(e.reason(), n);
+                return Err(Status::invalid_argument(format!(
+                    "marker rejected for job {} rank {}: {e}",
+                    key.job, key.rank
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Token bucket holding up to one second of markers.
+struct TokenBucket {
+    rate: f64,
+    tokens: f64,
+    last: Instant,
+}
+
+impl TokenBucket {
+    fn new(rate: f64) -> Self {
+        Self {
+            rate,
+            tokens: rate,
+            last: Instant::now(),
+        }
+    }
+
+    fn take(&mut self, n: f64) -> bool {
+        let now = Instant::now();
+        self.tokens =
+            (self.tokens + now.duration_since(self.last).as_secs_f64() * self.rate).min(self.rate);
+        self.last = now;
+        if self.tokens >= n {
+            self.tokens -= n;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+fn rank_info(hello: pb::Hello, peer_pid: Option<u32>) -> RankInfo {
+    let id = hello.identity.unwrap_or_default();
+    let model = hello.model.unwrap_or_default();
+    RankInfo {
+        job: id.job_id,
+        rank: id.rank,
+        local_rank: id.local_rank,
+        world_size: id.world_size,
+        node_name: id.node_name,
+        pod: id.pod,
+        namespace: id.namespace,
+        gpu_uuid: hello.gpu_uuid,
+        pid: peer_pid.unwrap_or(hello.pid),
+        framework: hello.framework,
+        framework_version: hello.framework_version,
+        model: ModelFacts {
+            parameter_count: model.parameter_count,
+            parameter_bytes: model.parameter_bytes,
+            optimizer: match pb::OptimizerKind::try_from(model.optimizer) {
+                Ok(pb::OptimizerKind::Adam) => OptimizerKind::Adam,
+                Ok(pb::OptimizerKind::SgdMomentum) => OptimizerKind::SgdMomentum,
+                Ok(pb::OptimizerKind::Sgd) => OptimizerKind::Sgd,
+                Ok(pb::OptimizerKind::Other) => OptimizerKind::Other,
+                _ => OptimizerKind::Unknown,
+            },
+            state_bytes_per_parameter: model.state_bytes_per_parameter,
+            precision: match pb::Precision::try_from(model.precision) {
+                Ok(pb::Precision::Fp32) => Precision::Fp32,
+                Ok(pb::Precision::MixedBf16) => Precision::MixedBf16,
+                Ok(pb::Precision::MixedFp16) => Precision::MixedFp16,
+                Ok(pb::Precision::Bf16) => Precision::Bf16,
+                _ => Precision::Unknown,
+            },
+            sharding_factor: model.sharding_factor,
+            grad_accumulation_steps: model.grad_accumulation_steps,
+            state_precreated: model.state_precreated,
+            grads_set_to_none: model.grads_set_to_none,
+        },
+    }
+}
+
+fn marker(m: pb::Marker) -> Option<Marker> {
+    let kind = match pb::MarkerKind::try_from(m.kind).ok()? {
+        pb::MarkerKind::Unspecified => return None,
+        pb::MarkerKind::StepBegin => MarkerKind::StepBegin,
+        pb::MarkerKind::ForwardBegin => MarkerKind::ForwardBegin,
+        pb::MarkerKind::BackwardBegin => MarkerKind::BackwardBegin,
+        pb::MarkerKind::OptimizerBegin => MarkerKind::OptimizerBegin,
+        pb::MarkerKind::OptimizerEnd => MarkerKind::OptimizerEnd,
+        pb::MarkerKind::StepEnd => MarkerKind::StepEnd,
+        pb::MarkerKind::Oom => MarkerKind::Oom,
+    };
+    Some(Marker {
+        kind,
+        step: m.step,
+        monotonic_ns: m.monotonic_ns,
+        wall_ns: m.wall_ns,
+        micro_batch: m.micro_batch,
+        allocator: m.allocator.map(|a| AllocatorStats {
+            allocated_bytes: a.allocated_bytes,
+            allocated_peak_bytes: a.allocated_peak_bytes,
+            reserved_bytes: a.reserved_bytes,
+            reserved_peak_bytes: a.reserved_peak_bytes,
+            active_bytes: a.active_bytes,
+            active_peak_bytes: a.active_peak_bytes,
+            num_alloc_retries: a.num_alloc_retries,
+        }),
+    })
+}

@@ -1,0 +1,119 @@
+//! State shared by the agent's servers and tasks.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use stepwatch_core::Tracker;
+use stepwatch_gpu::SamplerHandle;
+
+/// Counters of the ingest path, registered once in the agent's registry.
+pub struct IngestMetrics {
+    pub markers_received: IntCounter,
+    pub markers_rejected: IntCounterVec,
+    pub streams_active: IntGauge,
+    pub streams_opened: IntCounter,
+    pub ranks_evicted: IntCounter,
+}
+
+impl IngestMetrics {
+    fn register(registry: &Registry) -> prometheus::Result<Self> {
+        let m = Self {
+            markers_received: IntCounter::new(
+                "stepwatch_markers_received_total",
+                "Markers accepted from training processes.",
+            )?,
+            markers_rejected: IntCounterVec::new(
+                Opts::new(
+                    "stepwatch_markers_rejected_total",
+                    "Markers (or hellos) refused, by reason; the client got a gRPC status naming the problem.",
+                ),
+                &["reason"],
+            )?,
+            streams_active: IntGauge::new(
+                "stepwatch_ingest_streams_active",
+                "Marker streams currently open.",
+            )?,
+            streams_opened: IntCounter::new(
+                "stepwatch_ingest_streams_opened_total",
+                "Marker streams opened since start.",
+            )?,
+            ranks_evicted: IntCounter::new(
+                "stepwatch_ranks_evicted_total",
+                "Ranks dropped after the retention window with no open stream.",
+            )?,
+        };
+        registry.register(Box::new(m.markers_received.clone()))?;
+        registry.register(Box::new(m.markers_rejected.clone()))?;
+        registry.register(Box::new(m.streams_active.clone()))?;
+        registry.register(Box::new(m.streams_opened.clone()))?;
+        registry.register(Box::new(m.ranks_evicted.clone()))?;
+        Ok(m)
+    }
+
+    /// Counts a refusal under `reason`.
+    pub fn reject(&self, reason: &str, markers: u64) {
+        self.markers_rejected
+            .with_label_values(&[reason])
+            .inc_by(markers.max(1));
+    }
+}
+
+/// Everything the servers share.
+pub struct AgentState {
+    tracker: Mutex<Tracker>,
+    pub sampler: SamplerHandle,
+    pub registry: Registry,
+    pub ingest: IngestMetrics,
+    pub node: String,
+    pub ingest_listening: AtomicBool,
+    pub samples_attributed: AtomicU64,
+}
+
+impl AgentState {
+    pub fn new(
+        tracker: Tracker,
+        sampler: SamplerHandle,
+        node: String,
+    ) -> anyhow::Result<Arc<Self>> {
+        let labels = [("node".to_string(), node.clone())].into_iter().collect();
+        let registry = Registry::new_custom(None, Some(labels))?;
+        let ingest = IngestMetrics::register(&registry)?;
+        Ok(Arc::new(Self {
+            tracker: Mutex::new(tracker),
+            sampler,
+            registry,
+            ingest,
+            node,
+            ingest_listening: AtomicBool::new(false),
+            samples_attributed: AtomicU64::new(0),
+        }))
+    }
+
+    /// The tracker. Critical sections are short (one batch, one scrape).
+    pub fn tracker(&self) -> MutexGuard<'_, Tracker> {
+        self.tracker.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Moves fresh GPU samples from the sampler into the tracker.
+    pub fn attribute_samples(&self) {
+        let drained = self.sampler.drain_samples();
+        if drained.is_empty() {
+            return;
+        }
+        let mut tracker = self.tracker();
+        for (uuid, samples) in drained {
+            let converted: Vec<stepwatch_core::GpuSample> = samples
+                .iter()
+                .map(|s| stepwatch_core::GpuSample {
+                    monotonic_ns: s.monotonic_ns,
+                    used_bytes: s.used_bytes,
+                    total_bytes: s.total_bytes,
+                })
+                .collect();
+            tracker.gpu_samples(&uuid, &converted);
+            self.samples_attributed
+                .fetch_add(converted.len() as u64, Ordering::Relaxed);
+        }
+    }
+}
