@@ -1,1 +1,52 @@
-fn main() {}
+//! `stepwatch`: the per-node agent and its tools, in one binary.
+
+mod demo;
+mod http_get;
+mod sim;
+
+use clap::{Parser, Subcommand};
+
+/// GPU memory monitoring that knows what a training step is.
+///
+/// The agent samples every GPU through NVML, takes step markers from
+/// training processes over gRPC, and joins the two into per-step, per-phase
+/// memory profiles exported to Prometheus.
+#[derive(Parser)]
+#[command(name = "stepwatch", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the per-node agent (one per GPU node, e.g. as a DaemonSet).
+    Agent(stepwatch_agent::AgentConfig),
+    /// Run a self-contained demo: the agent on 2 simulated GPUs (fake NVML)
+    /// with simulated training jobs. Needs no GPU.
+    Demo(demo::DemoArgs),
+    /// Run one simulated training rank against an agent (for tests and demos).
+    Sim(sim::SimArgs),
+    /// Create or change a fake NVML state directory (simulated GPUs and faults).
+    FakeGpu(sim::FakeGpuArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Agent(config) => {
+            stepwatch_agent::init_logging(config.log_format);
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?
+                .block_on(stepwatch_agent::run(config))
+        }
+        Command::Demo(args) => demo::run(args),
+        Command::Sim(args) => {
+            stepwatch_agent::init_logging(stepwatch_agent::LogFormat::Text);
+            sim::run(args)
+        }
+        Command::FakeGpu(args) => sim::fake_gpu(args),
+    }
+}

@@ -328,8 +328,13 @@ async fn session(
                     if out.is_none() {
                         return Session::QueueClosed;
                     }
-                    shared.rejected_streams.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(code = ?status.code(), message = status.message(), "stepwatch agent ended the stream; reconnecting");
+                    use tonic::Code;
+                    if matches!(status.code(), Code::InvalidArgument | Code::FailedPrecondition | Code::ResourceExhausted) {
+                        shared.rejected_streams.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(code = ?status.code(), message = status.message(), "stepwatch agent refused our markers; reconnecting");
+                    } else {
+                        tracing::debug!(code = ?status.code(), message = status.message(), "stream to the stepwatch agent ended; reconnecting");
+                    }
                     return Session::Failed(status.to_string());
                 }
             },

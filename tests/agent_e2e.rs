@@ -1,0 +1,220 @@
+//! End to end: the agent binary on fake NVML, simulated ranks as processes,
+//! and what a user reads from /metrics, /readyz and the JSON API.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const GPU0: &str = "GPU-00000000-0000-0000-0000-000000000000";
+const GPU1: &str = "GPU-00000000-0000-0000-0000-000000000001";
+
+#[test]
+fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
+    let agent = Agent::start("steps", 2);
+    let ranks: Vec<_> = (0..2)
+        .map(|r| agent.sim("train-a", r, 2, r, 3, 300))
+        .collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        wait_ok(child, &format!("sim rank {r}"));
+    }
+    let m = agent.wait_metrics(
+        "3 completed steps on both ranks",
+        Duration::from_secs(10),
+        |m| {
+            (0..2).all(|r| {
+                m.get(
+                    "stepwatch_rank_steps_completed_total",
+                    &[("job", "train-a"), ("rank", &r.to_string())],
+                ) == Some(3.0)
+            })
+        },
+    );
+
+    // Per-GPU memory: capacity, a current reading, and a window max that
+    // caught the simulated peak although the ranks have finished.
+    for gpu in [GPU0, GPU1] {
+        let labels = [("uuid", gpu), ("node", "test-node")];
+        let total = m.get("stepwatch_gpu_memory_total_bytes", &labels).unwrap();
+        assert!(total > 80e9, "H100-like capacity, got {total}");
+        assert!(m.get("stepwatch_gpu_memory_used_bytes", &labels).is_some());
+        let max = m
+            .get("stepwatch_gpu_memory_used_max_bytes", &labels)
+            .unwrap();
+        // weights 4 GiB + state 8 GiB + grads 4 GiB during the optimizer phase.
+        assert!(max >= 16.0 * (1u64 << 30) as f64, "peak was {max}");
+        assert!(m.get("stepwatch_gpu_samples_total", &labels).unwrap() > 10.0);
+    }
+    assert_eq!(m.get("stepwatch_nvml_up", &[]), Some(1.0));
+
+    // Per-rank step and phase series.
+    for r in ["0", "1"] {
+        let rank = [("job", "train-a"), ("rank", r)];
+        assert_eq!(m.get("stepwatch_rank_last_step", &rank), Some(3.0));
+        let step = m
+            .get("stepwatch_rank_step_duration_seconds", &rank)
+            .unwrap();
+        assert!((0.25..2.0).contains(&step), "step took {step} s");
+        for phase in ["forward", "backward", "optimizer", "epilogue"] {
+            let d = m
+                .get(
+                    "stepwatch_rank_phase_duration_seconds",
+                    &[rank[0], rank[1], ("phase", phase)],
+                )
+                .unwrap_or_else(|| panic!("no {phase} duration for rank {r}"));
+            assert!(
+                d > 0.03 && d < step,
+                "{phase} took {d} s of a {step} s step"
+            );
+        }
+    }
+    assert_eq!(m.get("stepwatch_markers_received_total", &[]), Some(36.0));
+    promtool_check_metrics(&m.0);
+
+    // The JSON timeline lists the steps and their phases in order, with
+    // NVML samples attributed to them.
+    let (code, body) = agent.get("/api/v1/jobs/train-a/ranks/1");
+    assert_eq!(code, 200, "{body}");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let steps = report["steps"].as_array().unwrap();
+    assert_eq!(
+        steps
+            .iter()
+            .map(|s| s["step"].as_u64().unwrap())
+            .collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
+    let phases: Vec<&str> = steps[1]["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        phases,
+        ["prologue", "forward", "backward", "optimizer", "epilogue"]
+    );
+    let sampled: u64 = steps[1]["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["nvml_samples"].as_u64().unwrap())
+        .sum();
+    assert!(
+        sampled >= 10,
+        "a 300 ms step at 100 Hz has ~30 samples, got {sampled}"
+    );
+    let (code, body) = agent.get("/api/v1/jobs");
+    assert_eq!(code, 200);
+    assert!(body.contains("\"train-a\""), "{body}");
+    assert_eq!(agent.get("/api/v1/jobs/nope").0, 404);
+}
+
+#[test]
+fn nvml_unavailable_at_start_then_recovers_without_restart() {
+    let agent = Agent::start_with("nvml-down", 2, &[], |fake| fake.set_unavailable(true));
+    assert_eq!(agent.get("/healthz").0, 200);
+    let (code, why) = agent.get("/readyz");
+    assert_eq!(code, 503);
+    assert!(why.contains("nvml"), "readyz should say why: {why}");
+    let m = agent.wait_metrics("nvml_up 0", Duration::from_secs(5), |m| {
+        m.get("stepwatch_nvml_up", &[]) == Some(0.0)
+    });
+    assert!(
+        m.get("stepwatch_nvml_errors_total", &[("call", "init")])
+            .unwrap()
+            >= 1.0
+    );
+    assert_eq!(m.count("stepwatch_gpu_memory_used_bytes"), 0);
+    assert!(
+        agent.log().contains("NVML unavailable"),
+        "log says what happened:\n{}",
+        agent.log()
+    );
+
+    agent.fake.set_unavailable(false);
+    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    let m = agent.wait_metrics("GPU series after recovery", Duration::from_secs(5), |m| {
+        m.get("stepwatch_nvml_up", &[]) == Some(1.0)
+            && m.count("stepwatch_gpu_memory_used_bytes") == 2
+    });
+    assert!(m.get("stepwatch_nvml_init_attempts_total", &[]).unwrap() >= 2.0);
+}
+
+#[test]
+fn nvml_lost_while_running_is_reported_and_recovered() {
+    let agent = Agent::start("nvml-lost", 1);
+    agent.fake.set_unavailable(true);
+    agent.wait_metrics(
+        "nvml_up 0 after NVML vanished",
+        Duration::from_secs(10),
+        |m| m.get("stepwatch_nvml_up", &[]) == Some(0.0),
+    );
+    assert_eq!(agent.get("/readyz").0, 503);
+    assert_eq!(agent.get("/healthz").0, 200);
+    agent.fake.set_unavailable(false);
+    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+}
+
+#[test]
+fn a_lost_gpu_is_reported_while_the_others_keep_sampling() {
+    let agent = Agent::start("gpu-lost", 2);
+    agent.fake.set_gpu_lost(1, true);
+    let m = agent.wait_metrics("gpu 1 down", Duration::from_secs(10), |m| {
+        m.get("stepwatch_gpu_up", &[("uuid", GPU1)]) == Some(0.0)
+    });
+    assert_eq!(m.get("stepwatch_gpu_up", &[("uuid", GPU0)]), Some(1.0));
+    assert_eq!(m.get("stepwatch_nvml_up", &[]), Some(1.0));
+    assert!(
+        m.get("stepwatch_nvml_errors_total", &[("call", "memory_info")])
+            .unwrap()
+            > 0.0
+    );
+    let before = m
+        .get("stepwatch_gpu_samples_total", &[("uuid", GPU0)])
+        .unwrap();
+    agent.wait_metrics("gpu 0 still sampled", Duration::from_secs(5), |m| {
+        m.get("stepwatch_gpu_samples_total", &[("uuid", GPU0)])
+            .unwrap()
+            > before + 5.0
+    });
+    agent.fake.set_gpu_lost(1, false);
+    agent.wait_metrics("gpu 1 back", Duration::from_secs(10), |m| {
+        m.get("stepwatch_gpu_up", &[("uuid", GPU1)]) == Some(1.0)
+    });
+}
+
+#[test]
+fn sigterm_shuts_down_cleanly_and_removes_the_socket() {
+    let mut agent = Agent::start("sigterm", 1);
+    assert!(agent.socket.exists());
+    let status = agent.terminate();
+    assert!(
+        status.success(),
+        "exit status {status}; log:\n{}",
+        agent.log()
+    );
+    assert!(!agent.socket.exists(), "socket file left behind");
+    assert!(agent.log().contains("stopped"));
+}
+
+#[test]
+fn a_second_agent_on_the_same_socket_refuses_to_start() {
+    let agent = Agent::start("double", 1);
+    let out = std::process::Command::new(BIN)
+        .arg("agent")
+        .arg("--socket")
+        .arg(&agent.socket)
+        .arg("--http-listen")
+        .arg(free_port().to_string())
+        .arg("--nvml-lib")
+        .arg("/nonexistent/libnvidia-ml.so.1")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("already listening"), "{err}");
+    // The first agent is untouched.
+    assert_eq!(agent.get("/readyz").0, 200);
+}

@@ -1,0 +1,325 @@
+//! Harness for end-to-end tests: the real `stepwatch` binary as an agent on
+//! fake NVML, plus simulated ranks as separate processes.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use fake_nvml::{FakeNvml, GpuSpec};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_stepwatch");
+
+/// A temp dir removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .subsec_nanos();
+        let p = std::env::temp_dir().join(format!(
+            "stepwatch-e2e-{tag}-{}-{nanos}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+}
+
+/// An agent process on its own fake NVML state.
+pub struct Agent {
+    pub dir: TempDir,
+    pub fake: FakeNvml,
+    pub http: SocketAddr,
+    pub socket: PathBuf,
+    pub child: Option<Child>,
+}
+
+impl Agent {
+    /// Creates `gpus` fake GPUs, lets `prepare` set faults, then starts the agent.
+    pub fn start_with(
+        tag: &str,
+        gpus: u32,
+        extra_args: &[&str],
+        prepare: impl FnOnce(&FakeNvml),
+    ) -> Self {
+        Self::start_full(tag, gpus, None, extra_args, prepare)
+    }
+
+    /// Like `start_with`, with the marker socket at a chosen path.
+    pub fn start_full(
+        tag: &str,
+        gpus: u32,
+        socket: Option<PathBuf>,
+        extra_args: &[&str],
+        prepare: impl FnOnce(&FakeNvml),
+    ) -> Self {
+        let dir = TempDir::new(tag);
+        let specs: Vec<GpuSpec> = (0..gpus).map(GpuSpec::h100_80gb).collect();
+        let fake = FakeNvml::create(&dir.0, &specs).unwrap();
+        prepare(&fake);
+        let lib = fake_nvml::find_cdylib()
+            .expect("libfake_nvml.so is built as a dependency of stepwatch");
+        let http = free_port();
+        let socket = socket.unwrap_or_else(|| dir.0.join("agent.sock"));
+        let log = std::fs::File::create(dir.0.join("agent.log")).unwrap();
+        let child = Command::new(BIN)
+            .arg("agent")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--http-listen")
+            .arg(http.to_string())
+            .arg("--nvml-lib")
+            .arg(&lib)
+            .args(["--node-name", "test-node", "--process-interval", "200ms"])
+            .args(extra_args)
+            .env(fake_nvml::STATE_DIR_ENV, &dir.0)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start the agent");
+        let agent = Self {
+            dir,
+            fake,
+            http,
+            socket,
+            child: Some(child),
+        };
+        agent.wait_for("/healthz", 200, Duration::from_secs(20));
+        agent
+    }
+
+    pub fn start(tag: &str, gpus: u32) -> Self {
+        let agent = Self::start_with(tag, gpus, &[], |_| {});
+        agent.wait_for("/readyz", 200, Duration::from_secs(20));
+        agent
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("unix://{}", self.socket.display())
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join("agent.log")).unwrap_or_default()
+    }
+
+    pub fn get(&self, path: &str) -> (u16, String) {
+        http_get(self.http, path)
+            .unwrap_or_else(|e| panic!("GET {path}: {e}\nagent log:\n{}", self.log()))
+    }
+
+    pub fn metrics(&self) -> String {
+        let (code, body) = self.get("/metrics");
+        assert_eq!(code, 200);
+        body
+    }
+
+    /// Polls `path` until it answers `code`.
+    pub fn wait_for(&self, path: &str, code: u16, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok((c, body)) = http_get(self.http, path) {
+                if c == code {
+                    return body;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{path} never answered {code}; agent log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Polls /metrics until `pred` holds.
+    pub fn wait_metrics(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Metrics) -> bool,
+    ) -> Metrics {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let m = Metrics(self.metrics());
+            if pred(&m) {
+                return m;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; last /metrics:\n{}\nagent log:\n{}",
+                m.0,
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Starts one simulated rank as its own process.
+    pub fn sim(
+        &self,
+        job: &str,
+        rank: u32,
+        world: u32,
+        gpu: u32,
+        steps: u64,
+        step_ms: u64,
+    ) -> Child {
+        Command::new(BIN)
+            .args(["sim", "--job", job])
+            .args([
+                "--rank",
+                &rank.to_string(),
+                "--world-size",
+                &world.to_string(),
+            ])
+            .args(["--gpu", &gpu.to_string(), "--steps", &steps.to_string()])
+            .args(["--step-ms", &step_ms.to_string()])
+            .arg("--endpoint")
+            .arg(self.endpoint())
+            .arg("--fake-nvml-dir")
+            .arg(&self.dir.0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start a simulated rank")
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("agent running");
+        // SAFETY: kill(2) on our own child.
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!(
+                    "agent did not exit within 10 s of SIGTERM; log:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Waits for a child and asserts it succeeded.
+pub fn wait_ok(mut child: Child, what: &str) {
+    let status = child.wait().unwrap();
+    if !status.success() {
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
+        panic!("{what} failed ({status}):\n{err}");
+    }
+}
+
+pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((status, body))
+}
+
+/// A parsed exposition, queried by name and label subset.
+pub struct Metrics(pub String);
+
+impl Metrics {
+    /// Value of the first series of `name` whose labels include all of `labels`.
+    pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        self.0
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .find_map(|line| {
+                let (series, value) = line.rsplit_once(' ')?;
+                let (metric, lbls) = series.split_once('{').unwrap_or((series, ""));
+                if metric != name {
+                    return None;
+                }
+                labels
+                    .iter()
+                    .all(|(k, v)| lbls.contains(&format!("{k}=\"{v}\"")))
+                    .then(|| value.parse().ok())?
+            })
+    }
+
+    pub fn count(&self, name: &str) -> usize {
+        self.0
+            .lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter(|l| l.split(['{', ' ']).next() == Some(name))
+            .count()
+    }
+}
+
+/// Runs `promtool check metrics` on an exposition.
+pub fn promtool_check_metrics(text: &str) {
+    let mut child = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("promtool is needed (Debian package `prometheus`; scripts/test installs it)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+pub fn exists(p: &Path) -> bool {
+    p.exists()
+}

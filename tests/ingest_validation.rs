@@ -1,0 +1,227 @@
+//! Bad input on the wire gets a gRPC status that names the problem, is
+//! counted, and changes nothing else; the agent keeps serving.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use stepwatch_proto::v1::{
+    client_message::Kind, ingest_client::IngestClient, ClientMessage, Hello, Identity, Marker,
+    MarkerBatch, MarkerKind,
+};
+use tonic::Code;
+
+fn hello(job: &str, rank: u32, world: u32) -> ClientMessage {
+    ClientMessage {
+        kind: Some(Kind::Hello(Hello {
+            identity: Some(Identity {
+                job_id: job.into(),
+                rank,
+                world_size: world,
+                ..Default::default()
+            }),
+            gpu_uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
+            pid: 1,
+            ..Default::default()
+        })),
+    }
+}
+
+fn marker(kind: MarkerKind, step: u64, t: u64) -> Marker {
+    Marker {
+        kind: kind as i32,
+        step,
+        monotonic_ns: t,
+        wall_ns: t,
+        ..Default::default()
+    }
+}
+
+fn batch(markers: Vec<Marker>) -> ClientMessage {
+    ClientMessage {
+        kind: Some(Kind::Markers(MarkerBatch { markers })),
+    }
+}
+
+fn step(n: u64, t0: u64) -> Vec<Marker> {
+    [
+        MarkerKind::StepBegin,
+        MarkerKind::ForwardBegin,
+        MarkerKind::BackwardBegin,
+        MarkerKind::OptimizerBegin,
+        MarkerKind::OptimizerEnd,
+        MarkerKind::StepEnd,
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, k)| marker(*k, n, t0 + i as u64 * 1000))
+    .collect()
+}
+
+/// Sends `messages` on one stream, then half-closes; returns how it ended.
+async fn exchange(endpoint: &str, messages: Vec<ClientMessage>) -> Result<(), tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to the agent");
+    let mut client = IngestClient::new(channel);
+    let mut inbound = client
+        .stream(tokio_stream::iter(messages))
+        .await?
+        .into_inner();
+    while inbound.message().await?.is_some() {}
+    Ok(())
+}
+
+fn expect(result: Result<(), tonic::Status>, code: Code, says: &str) {
+    let status = result.expect_err("the agent should refuse this");
+    assert_eq!(status.code(), code, "{status:?}");
+    assert!(
+        status.message().contains(says),
+        "status {:?} should mention {says:?}",
+        status.message()
+    );
+}
+
+#[test]
+fn malformed_and_out_of_range_input_is_refused_and_counted() {
+    let agent = Agent::start("validation", 1);
+    let ep = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        expect(
+            exchange(&ep, vec![hello("j", 5, 2)]).await,
+            Code::InvalidArgument,
+            "rank 5 is not below world_size 2",
+        );
+        expect(
+            exchange(&ep, vec![hello("bad job!", 0, 1)]).await,
+            Code::InvalidArgument,
+            "job_id",
+        );
+        expect(
+            exchange(&ep, vec![batch(step(1, 1))]).await,
+            Code::FailedPrecondition,
+            "Hello",
+        );
+
+        // A good rank with 3 steps, then a batch that goes back to step 2.
+        exchange(
+            &ep,
+            vec![
+                hello("j", 0, 1),
+                batch(step(1, 1_000)),
+                batch(step(2, 10_000)),
+                batch(step(3, 20_000)),
+            ],
+        )
+        .await
+        .expect("valid markers are accepted");
+        expect(
+            exchange(&ep, vec![hello("j", 0, 1), batch(step(2, 30_000))]).await,
+            Code::InvalidArgument,
+            "step 2 does not follow step 3",
+        );
+        let mut unspecified = step(4, 40_000);
+        unspecified[2].kind = 0;
+        expect(
+            exchange(&ep, vec![hello("j", 0, 1), batch(unspecified)]).await,
+            Code::InvalidArgument,
+            "unspecified",
+        );
+        let mut out_of_order = step(4, 40_000);
+        out_of_order.swap(1, 2);
+        expect(
+            exchange(&ep, vec![hello("j", 0, 1), batch(out_of_order)]).await,
+            Code::InvalidArgument,
+            "backward_begin cannot follow step_begin",
+        );
+        let huge: Vec<Marker> = (0..1025)
+            .map(|i| marker(MarkerKind::ForwardBegin, 4, 50_000 + i))
+            .collect();
+        expect(
+            exchange(&ep, vec![hello("j", 0, 1), batch(huge)]).await,
+            Code::InvalidArgument,
+            "at most 1024",
+        );
+    });
+
+    let m = agent.metrics();
+    let m = Metrics(m);
+    let rejected = |reason| {
+        m.get("stepwatch_markers_rejected_total", &[("reason", reason)])
+            .unwrap_or(0.0)
+    };
+    assert_eq!(rejected("rank_out_of_range"), 1.0);
+    assert_eq!(rejected("bad_identity"), 1.0);
+    assert_eq!(rejected("no_hello"), 1.0);
+    assert_eq!(
+        rejected("step_regressed"),
+        6.0,
+        "the whole batch of 6 counts"
+    );
+    assert_eq!(rejected("unspecified_kind"), 6.0);
+    assert_eq!(rejected("out_of_order"), 6.0);
+    assert_eq!(rejected("batch_too_large"), 1025.0);
+    // Rejected batches changed nothing.
+    assert_eq!(m.get("stepwatch_markers_received_total", &[]), Some(18.0));
+    assert_eq!(
+        m.get(
+            "stepwatch_rank_steps_completed_total",
+            &[("job", "j"), ("rank", "0")]
+        ),
+        Some(3.0)
+    );
+    assert_eq!(
+        m.get("stepwatch_rank_last_step", &[("job", "j"), ("rank", "0")]),
+        Some(3.0)
+    );
+
+    // And the agent keeps serving: the same rank continues with step 4.
+    rt.block_on(async {
+        exchange(&ep, vec![hello("j", 0, 1), batch(step(4, 60_000))])
+            .await
+            .expect("step 4 is accepted");
+    });
+    agent.wait_metrics("step 4 counted", Duration::from_secs(5), |m| {
+        m.get(
+            "stepwatch_rank_steps_completed_total",
+            &[("job", "j"), ("rank", "0")],
+        ) == Some(4.0)
+    });
+    assert_eq!(agent.get("/readyz").0, 200);
+}
+
+#[test]
+fn a_marker_flood_on_one_stream_is_refused_with_resource_exhausted() {
+    let agent = Agent::start_with("flood", 1, &["--max-marker-rate", "100"], |_| {});
+    let ep = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut messages = vec![hello("flood", 0, 1)];
+        for s in 1..=40u64 {
+            messages.push(batch(step(s, s * 10_000)));
+        }
+        expect(
+            exchange(&ep, messages).await,
+            Code::ResourceExhausted,
+            "markers/s",
+        );
+    });
+    let m = Metrics(agent.metrics());
+    assert!(
+        m.get(
+            "stepwatch_markers_rejected_total",
+            &[("reason", "rate_limited")]
+        )
+        .unwrap()
+            > 0.0
+    );
+    let accepted = m.get("stepwatch_markers_received_total", &[]).unwrap();
+    assert!(
+        accepted <= 102.0,
+        "no more than the burst got in: {accepted}"
+    );
+}
