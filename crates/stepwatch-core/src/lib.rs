@@ -5,14 +5,30 @@
 //! an argument), no I/O, no threads, so every result can be reproduced in a
 //! test from the same inputs.
 
+pub mod analysis;
+pub mod divergence;
 pub mod error;
 pub mod identity;
 pub mod marker;
+pub mod predict;
+pub mod profile;
 pub mod timeline;
 pub mod tracker;
 
+pub use analysis::{
+    activation_plateau, analyze_rank, steady_state, ActivationPlateau, AnalysisConfig,
+    FirstStepAnomaly, RankAnalysis, SteadyState,
+};
+pub use divergence::{divergence, Divergence, Outlier, PeakSource, RankFigures, Spread};
 pub use error::{HelloError, MarkerError};
 pub use identity::{ModelFacts, OptimizerKind, Precision, RankInfo, RankKey};
 pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
-pub use timeline::{PhaseRecord, RankTimeline, SampleStats, StepOutcome, StepRecord};
+pub use predict::{
+    predict, predict_with, BindingTerm, GradsSource, LiveStep, PredictConfig, Prediction,
+    PredictionBasis, PredictionInputs, StateSource,
+};
+pub use profile::{
+    phase_allocator_peaks, PhaseProfile, SteadyPhaseProfile, SteadyProfile, StepProfile,
+};
+pub use timeline::{PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord};
 pub use tracker::{GpuSample, OpenError, RankState, Tracker, TrackerConfig};

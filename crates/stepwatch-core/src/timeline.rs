@@ -34,6 +34,41 @@ impl SampleStats {
     }
 }
 
+/// The earliest and latest NVML samples of a phase (by timestamp, ties broken
+/// by bytes so the result never depends on arrival order). They give the
+/// memory level at the phase's boundaries, which the per-phase peak and mean
+/// cannot.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SampleEdges {
+    /// `(monotonic_ns, used_bytes)` of the earliest sample.
+    pub first: Option<(u64, u64)>,
+    /// `(monotonic_ns, used_bytes)` of the latest sample.
+    pub last: Option<(u64, u64)>,
+}
+
+impl SampleEdges {
+    /// Takes one sample into account.
+    pub fn add(&mut self, monotonic_ns: u64, used_bytes: u64) {
+        let s = (monotonic_ns, used_bytes);
+        if self.first.is_none_or(|f| s < f) {
+            self.first = Some(s);
+        }
+        if self.last.is_none_or(|l| s > l) {
+            self.last = Some(s);
+        }
+    }
+
+    /// Bytes of the earliest sample.
+    pub fn first_bytes(&self) -> Option<u64> {
+        self.first.map(|(_, b)| b)
+    }
+
+    /// Bytes of the latest sample.
+    pub fn last_bytes(&self) -> Option<u64> {
+        self.last.map(|(_, b)| b)
+    }
+}
+
 /// One phase of one step.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PhaseRecord {
@@ -46,6 +81,8 @@ pub struct PhaseRecord {
     pub allocator_at_end: Option<AllocatorStats>,
     /// NVML samples attributed to this phase.
     pub nvml: SampleStats,
+    /// Earliest and latest of those samples.
+    pub nvml_edges: SampleEdges,
     /// Set once the phase has closed and the sample window has been scanned
     /// for it; later samples are credited on arrival. Keeps attribution
     /// exactly-once whatever the arrival order.
@@ -58,6 +95,12 @@ impl PhaseRecord {
     pub fn duration_ns(&self) -> Option<u64> {
         self.end_monotonic_ns
             .map(|end| end.saturating_sub(self.start_monotonic_ns))
+    }
+
+    /// Credits one NVML sample to this phase (stats and edges).
+    pub(crate) fn add_sample(&mut self, monotonic_ns: u64, used_bytes: u64) {
+        self.nvml.add(used_bytes);
+        self.nvml_edges.add(monotonic_ns, used_bytes);
     }
 
     /// Whether a sample at `t` belongs to this phase: phases are half-open
@@ -285,6 +328,7 @@ impl RankTimeline {
                     allocator_at_start: m.allocator,
                     allocator_at_end: None,
                     nvml: SampleStats::default(),
+                    nvml_edges: SampleEdges::default(),
                     credited: false,
                 });
             }

@@ -11,10 +11,17 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::Serialize;
 
+use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
+use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{RankInfo, RankKey};
 use crate::marker::Marker;
-use crate::timeline::{PhaseRecord, RankTimeline};
+use crate::predict::LiveStep;
+use crate::profile::StepProfile;
+use crate::timeline::{PhaseRecord, RankTimeline, StepOutcome};
+
+/// Most processes remembered per GPU (see [`Tracker::set_gpu_processes`]).
+pub const MAX_PROCESSES_PER_GPU: usize = 1024;
 
 /// One reading of one GPU's device memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -78,6 +85,9 @@ pub struct Tracker {
     config: TrackerConfig,
     ranks: BTreeMap<RankKey, RankState>,
     samples: HashMap<String, VecDeque<GpuSample>>,
+    /// Per GPU: (pid, used bytes) of the processes NVML lists on it.
+    processes: HashMap<String, Vec<(u32, u64)>>,
+    analysis: AnalysisConfig,
 }
 
 impl Tracker {
@@ -86,7 +96,108 @@ impl Tracker {
             config,
             ranks: BTreeMap::new(),
             samples: HashMap::new(),
+            processes: HashMap::new(),
+            analysis: AnalysisConfig::default(),
         }
+    }
+
+    /// Replaces the tunables of [`Tracker::rank_analysis`] and
+    /// [`Tracker::job_divergence`].
+    pub fn set_analysis_config(&mut self, config: AnalysisConfig) {
+        self.analysis = config;
+    }
+
+    pub fn analysis_config(&self) -> &AnalysisConfig {
+        &self.analysis
+    }
+
+    /// Records the processes NVML lists on a GPU, as (pid, used bytes); the
+    /// latest list replaces the previous one. Used to tell each rank how much
+    /// of its GPU other processes hold. Bounded like the sample windows.
+    pub fn set_gpu_processes(&mut self, gpu_uuid: &str, processes: &[(u32, u64)]) {
+        if !self.processes.contains_key(gpu_uuid) && self.processes.len() >= self.config.max_gpus {
+            return;
+        }
+        let list = self.processes.entry(gpu_uuid.to_owned()).or_default();
+        list.clear();
+        list.extend(processes.iter().take(MAX_PROCESSES_PER_GPU).copied());
+    }
+
+    /// Bytes held on the rank's GPU by processes other than the rank's own
+    /// PID, from the latest [`Tracker::set_gpu_processes`] list (0 without one).
+    pub fn other_process_bytes(&self, key: &RankKey) -> u64 {
+        let Some(state) = self.ranks.get(key) else {
+            return 0;
+        };
+        self.processes.get(&state.info.gpu_uuid).map_or(0, |list| {
+            list.iter()
+                .filter(|(pid, _)| *pid != state.info.pid)
+                .fold(0u64, |acc, (_, b)| acc.saturating_add(*b))
+        })
+    }
+
+    /// The first-step analysis of a rank: first-step and steady profiles,
+    /// anomaly, steady state and the prediction from step 1 (running or
+    /// complete; a running step's open phase is read from the sample
+    /// window). Capacity comes from the GPU's latest sample (0 when none),
+    /// other processes from [`Tracker::other_process_bytes`]. None for an
+    /// unknown rank.
+    pub fn rank_analysis(&self, key: &RankKey) -> Option<RankAnalysis> {
+        let state = self.ranks.get(key)?;
+        let gpu = state.info.gpu_uuid.as_str();
+        let first = state.timeline.steps().next();
+        let live = first
+            .filter(|s| s.outcome == StepOutcome::Running)
+            .and_then(|s| s.phases.last())
+            .filter(|p| p.end_monotonic_ns.is_none())
+            .map(|p| LiveStep::from_samples(self.samples_since(gpu, p.start_monotonic_ns)));
+        let samples = first.into_iter().flat_map(|s| {
+            let end = s.end_monotonic_ns.unwrap_or(u64::MAX);
+            self.samples_since(gpu, s.begin_monotonic_ns)
+                .take_while(move |x| x.monotonic_ns < end)
+        });
+        Some(analyze_rank(
+            &state.timeline,
+            &state.info.model,
+            self.latest_sample(gpu).map_or(0, |s| s.total_bytes),
+            self.other_process_bytes(key),
+            live.as_ref(),
+            samples,
+            &self.analysis,
+        ))
+    }
+
+    /// Divergence of step-1 figures across the ranks of `job` on this node.
+    /// A rank's peaks count once its first step has ended (completed or OOM),
+    /// its duration once it has completed. None when the job has no rank here.
+    pub fn job_divergence(&self, job: &str) -> Option<Divergence> {
+        let lo = RankKey {
+            job: job.to_owned(),
+            rank: 0,
+        };
+        let hi = RankKey {
+            job: job.to_owned(),
+            rank: u32::MAX,
+        };
+        let figures: Vec<RankFigures> = self
+            .ranks
+            .range(lo..=hi)
+            .map(|(key, state)| {
+                let first = state.timeline.steps().next();
+                let ended = first
+                    .filter(|s| s.outcome != StepOutcome::Running)
+                    .map(StepProfile::of);
+                RankFigures {
+                    rank: key.rank,
+                    nvml_peak_bytes: ended.as_ref().and_then(|p| p.nvml_peak_bytes),
+                    allocated_peak_bytes: ended.as_ref().and_then(|p| p.allocated_peak_bytes),
+                    duration_ns: first
+                        .filter(|s| s.outcome == StepOutcome::Completed)
+                        .and_then(|s| s.duration_ns()),
+                }
+            })
+            .collect();
+        divergence(job, &figures, self.analysis.divergence_threshold)
     }
 
     /// Registers a stream's hello. A reconnect of the same process resumes
@@ -172,7 +283,7 @@ impl Tracker {
         {
             for s in samples {
                 if let Some(phase) = closed_phase_at(&mut state.timeline, s.monotonic_ns) {
-                    phase.nvml.add(s.used_bytes);
+                    phase.add_sample(s.monotonic_ns, s.used_bytes);
                 }
             }
         }
@@ -216,11 +327,14 @@ impl Tracker {
 }
 
 /// Credits window samples to every phase that has closed but not yet been
-/// scanned. Only the newest steps can hold such phases, so the walk stops at
-/// the first step that has none.
+/// scanned. Phases are credited in the order they close, so a step with a
+/// phase credited by an earlier call has only settled steps before it: the
+/// walk stops there. (It must not stop at a step that merely has nothing new,
+/// such as a just-opened step whose only phase is still open: the same batch
+/// may have closed the step before it.)
 fn credit_newly_closed(timeline: &mut RankTimeline, window: &VecDeque<GpuSample>) {
     for step in timeline.steps_mut().rev() {
-        let mut found = false;
+        let settled = step.phases.iter().any(|p| p.credited);
         for phase in step
             .phases
             .iter_mut()
@@ -229,17 +343,11 @@ fn credit_newly_closed(timeline: &mut RankTimeline, window: &VecDeque<GpuSample>
             let start = window.partition_point(|s| s.monotonic_ns < phase.start_monotonic_ns);
             let end = phase.end_monotonic_ns.unwrap_or(u64::MAX);
             for s in window.range(start..).take_while(|s| s.monotonic_ns < end) {
-                phase.nvml.add(s.used_bytes);
+                phase.add_sample(s.monotonic_ns, s.used_bytes);
             }
             phase.credited = true;
-            found = true;
         }
-        if !found
-            && step
-                .phases
-                .iter()
-                .all(|p| p.credited || p.end_monotonic_ns.is_none())
-        {
+        if settled {
             break;
         }
     }

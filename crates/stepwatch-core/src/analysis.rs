@@ -1,0 +1,340 @@
+//! First-step analysis of one rank: the first step's profile against the
+//! steady state, the anomaly between them, whether steady state has been
+//! reached, and the prediction.
+//!
+//! * **First step**: the first step the rank's timeline holds (step 1 of the
+//!   process; the timeline always keeps it).
+//! * **Steady profile**: the median of each figure over the first
+//!   [`AnalysisConfig::steady_window`] completed steps after the first (steps
+//!   2..k), once at least [`AnalysisConfig::min_steady_steps`] (k ≥ 3) have
+//!   completed. When retention dropped those steps, the earliest retained ones
+//!   stand in.
+//! * **Steady state reached**: among the completed steps after the first, in
+//!   order, [`AnalysisConfig::steady_agreements`] consecutive pairs of step
+//!   peaks agree within [`AnalysisConfig::steady_tolerance`] of the larger
+//!   (default: 3 steps in a row within 2%). Peaks are NVML peaks when every
+//!   such step has one, else allocated peaks.
+//! * **Activation plateau**: from the device samples of step 1, for the
+//!   forward phase with the highest NVML peak `P`: from the first sample in
+//!   that forward at or above `P × (1 − plateau_tolerance)` to the first later
+//!   sample below it, searched up to the end of the backward phase that
+//!   follows. NVML shows the allocator's reserved pool, which does not shrink
+//!   when backward frees activations into the cache, so the plateau often
+//!   lasts to the end of backward: then `cleared` is false and the plateau
+//!   ends with backward. It needs the samples, which the tracker keeps only for
+//!   a bounded window (60 s at 100 Hz by default): after that it is None.
+//! * **Optimizer jump**: allocated at optimizer end − at optimizer begin; and
+//!   for NVML, the level just after the optimizer phase − just before it, and
+//!   the optimizer-phase NVML peak − the backward NVML peak.
+
+use serde::Serialize;
+
+use crate::divergence::{PeakSource, DEFAULT_OUTLIER_THRESHOLD};
+use crate::identity::ModelFacts;
+use crate::marker::PhaseKind;
+use crate::predict::{
+    jump_across, predict_with, LiveStep, PredictConfig, Prediction, PredictionBasis,
+};
+use crate::profile::{phase_allocator_peaks, SteadyProfile, StepProfile};
+use crate::timeline::{RankTimeline, StepOutcome, StepRecord};
+use crate::tracker::GpuSample;
+
+/// Tunables of the analysis.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct AnalysisConfig {
+    /// Completed steps after the first that the steady profile uses, at most.
+    pub steady_window: usize,
+    /// Completed steps after the first needed for a steady profile (k − 1).
+    pub min_steady_steps: usize,
+    /// Relative tolerance within which consecutive step peaks agree.
+    pub steady_tolerance: f64,
+    /// Consecutive agreeing pairs that make a steady state.
+    pub steady_agreements: usize,
+    /// Relative distance from the forward peak that counts as the plateau.
+    pub plateau_tolerance: f64,
+    /// Divergence outlier threshold, relative to the median.
+    pub divergence_threshold: f64,
+    pub predict: PredictConfig,
+}
+
+impl Default for AnalysisConfig {
+    fn default() -> Self {
+        Self {
+            steady_window: 10,
+            min_steady_steps: 2,
+            steady_tolerance: 0.02,
+            steady_agreements: 2,
+            plateau_tolerance: 0.05,
+            divergence_threshold: DEFAULT_OUTLIER_THRESHOLD,
+            predict: PredictConfig::default(),
+        }
+    }
+}
+
+/// How long memory stayed near its forward peak in step 1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ActivationPlateau {
+    pub forward_peak_bytes: u64,
+    pub start_ns: u64,
+    pub end_ns: u64,
+    pub duration_ns: u64,
+    /// Whether samples showed memory falling below the plateau before the
+    /// backward phase ended.
+    pub cleared: bool,
+}
+
+/// Step 1 against the steady state.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FirstStepAnomaly {
+    pub first_step: u64,
+    /// steady peak / first-step peak.
+    pub nvml_peak_ratio: Option<f64>,
+    pub allocated_peak_ratio: Option<f64>,
+    pub reserved_peak_ratio: Option<f64>,
+    /// Allocated at optimizer end − at optimizer begin, summed over the
+    /// step's closed optimizer phases.
+    pub optimizer_allocated_jump_bytes: Option<i64>,
+    /// NVML level just after the optimizer phase − just before it.
+    pub optimizer_nvml_jump_bytes: Option<i64>,
+    /// NVML optimizer-phase peak − backward peak.
+    pub optimizer_nvml_peak_over_backward_bytes: Option<i64>,
+    pub activation_plateau: Option<ActivationPlateau>,
+}
+
+/// Whether step peaks have settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SteadyState {
+    pub reached: bool,
+    /// First step of the first agreeing run.
+    pub since_step: Option<u64>,
+    pub source: Option<PeakSource>,
+}
+
+/// Everything the first-step analysis says about one rank.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RankAnalysis {
+    pub first_step: Option<StepProfile>,
+    pub steady: Option<SteadyProfile>,
+    pub anomaly: Option<FirstStepAnomaly>,
+    /// steady / first-step peak: NVML when both have it, else allocated.
+    pub anomaly_ratio: Option<f64>,
+    pub steady_state: SteadyState,
+    /// From step 1, complete or running.
+    pub prediction: Option<Prediction>,
+    pub capacity_bytes: u64,
+    pub other_process_bytes: u64,
+}
+
+/// Analyses one rank. `live` holds the samples of step 1's open phase when
+/// step 1 is still running; `samples` are the GPU's samples from step 1 on
+/// (time-ordered), for the activation plateau.
+pub fn analyze_rank<'a>(
+    timeline: &RankTimeline,
+    facts: &ModelFacts,
+    capacity_bytes: u64,
+    other_process_bytes: u64,
+    live: Option<&LiveStep>,
+    samples: impl IntoIterator<Item = &'a GpuSample>,
+    config: &AnalysisConfig,
+) -> RankAnalysis {
+    let first = timeline.steps().next();
+    let later: Vec<&StepRecord> = timeline
+        .steps()
+        .skip(1)
+        .filter(|s| s.outcome == StepOutcome::Completed)
+        .collect();
+    let window: Vec<StepProfile> = later
+        .iter()
+        .take(config.steady_window.max(1))
+        .map(|s| StepProfile::of(s))
+        .collect();
+    let steady = SteadyProfile::of(&window, config.min_steady_steps.max(1));
+    let first_profile = first.map(StepProfile::of);
+    let ratio = |s: Option<u64>, f: Option<u64>| match (s, f) {
+        (Some(s), Some(f)) if f > 0 => Some(s as f64 / f as f64),
+        _ => None,
+    };
+    let anomaly = first.zip(first_profile.as_ref()).map(|(step, fp)| {
+        let st = steady.as_ref();
+        let opt_jump = |basis| {
+            let idx: Vec<usize> = (0..step.phases.len())
+                .filter(|&i| step.phases[i].phase == PhaseKind::Optimizer)
+                .collect();
+            let closed = !idx.is_empty()
+                && idx
+                    .iter()
+                    .all(|&i| step.phases[i].end_monotonic_ns.is_some());
+            if !closed {
+                return None;
+            }
+            idx.iter()
+                .map(|&i| jump_across(&step.phases, i, basis))
+                .sum::<Option<i64>>()
+        };
+        let nvml_peak = |k| fp.phase(k).and_then(|p| p.nvml_peak_bytes);
+        FirstStepAnomaly {
+            first_step: step.step,
+            nvml_peak_ratio: ratio(st.and_then(|s| s.nvml_peak_bytes), fp.nvml_peak_bytes),
+            allocated_peak_ratio: ratio(
+                st.and_then(|s| s.allocated_peak_bytes),
+                fp.allocated_peak_bytes,
+            ),
+            reserved_peak_ratio: ratio(
+                st.and_then(|s| s.reserved_peak_bytes),
+                fp.reserved_peak_bytes,
+            ),
+            optimizer_allocated_jump_bytes: opt_jump(PredictionBasis::Allocator),
+            optimizer_nvml_jump_bytes: opt_jump(PredictionBasis::NvmlOnly),
+            optimizer_nvml_peak_over_backward_bytes: nvml_peak(PhaseKind::Optimizer)
+                .zip(nvml_peak(PhaseKind::Backward))
+                .map(|(o, b)| (i128::from(o) - i128::from(b)) as i64),
+            activation_plateau: activation_plateau(step, samples, config.plateau_tolerance),
+        }
+    });
+    let anomaly_ratio = anomaly
+        .as_ref()
+        .and_then(|a| a.nvml_peak_ratio.or(a.allocated_peak_ratio));
+    let live = first
+        .filter(|s| s.outcome == StepOutcome::Running)
+        .and(live);
+    let prediction = first.and_then(|s| {
+        predict_with(
+            s,
+            facts,
+            capacity_bytes,
+            other_process_bytes,
+            live,
+            &config.predict,
+        )
+    });
+    RankAnalysis {
+        first_step: first_profile,
+        steady,
+        anomaly,
+        anomaly_ratio,
+        steady_state: steady_state(&later, config),
+        prediction,
+        capacity_bytes,
+        other_process_bytes,
+    }
+}
+
+/// Steady-state detection over completed steps after the first, in order.
+/// Cheap: step peaks only, no profiles, so it can run on every scrape.
+pub fn steady_state(later: &[&StepRecord], config: &AnalysisConfig) -> SteadyState {
+    if later.is_empty() {
+        return SteadyState {
+            reached: false,
+            since_step: None,
+            source: None,
+        };
+    }
+    let allocated = |s: &StepRecord| {
+        s.phases
+            .iter()
+            .filter_map(|p| phase_allocator_peaks(p).map(|(a, _)| a))
+            .max()
+    };
+    let nvml = |s: &StepRecord| s.nvml_peak_bytes();
+    let all_nvml = later.iter().all(|s| nvml(s).is_some());
+    let source = if !all_nvml && later.iter().all(|s| allocated(s).is_some()) {
+        PeakSource::Allocated
+    } else {
+        PeakSource::Nvml
+    };
+    let peak = |s: &StepRecord| match source {
+        PeakSource::Allocated => allocated(s),
+        PeakSource::Nvml => nvml(s),
+    };
+    let need = config.steady_agreements.max(1);
+    let mut run = 0;
+    let mut prev = peak(later[0]);
+    for i in 1..later.len() {
+        let cur = peak(later[i]);
+        let agree = match (prev, cur) {
+            (Some(a), Some(b)) => a.abs_diff(b) as f64 <= config.steady_tolerance * a.max(b) as f64,
+            _ => false,
+        };
+        prev = cur;
+        run = if agree { run + 1 } else { 0 };
+        if run >= need {
+            return SteadyState {
+                reached: true,
+                since_step: Some(later[i - need].step),
+                source: Some(source),
+            };
+        }
+    }
+    SteadyState {
+        reached: false,
+        since_step: None,
+        source: Some(source),
+    }
+}
+
+/// The activation plateau of a step, from its GPU's samples (any order).
+/// See the module documentation.
+pub fn activation_plateau<'a>(
+    step: &StepRecord,
+    samples: impl IntoIterator<Item = &'a GpuSample>,
+    tolerance: f64,
+) -> Option<ActivationPlateau> {
+    let begin = step.begin_monotonic_ns;
+    let end = step.end_monotonic_ns.unwrap_or(u64::MAX);
+    let mut s: Vec<(u64, u64)> = samples
+        .into_iter()
+        .filter(|x| x.monotonic_ns >= begin && x.monotonic_ns < end)
+        .map(|x| (x.monotonic_ns, x.used_bytes))
+        .collect();
+    s.sort_unstable();
+    let in_range = |from: u64, to: Option<u64>| {
+        let lo = s.partition_point(|&(t, _)| t < from);
+        let hi = to.map_or(s.len(), |to| s.partition_point(|&(t, _)| t < to));
+        &s[lo..hi.max(lo)]
+    };
+    // The forward phase with the highest sampled peak, and the backward after it.
+    let mut best: Option<(u64, usize, usize)> = None;
+    for (fi, f) in step.phases.iter().enumerate() {
+        if f.phase != PhaseKind::Forward {
+            continue;
+        }
+        let Some(bi) =
+            (fi + 1..step.phases.len()).find(|&j| step.phases[j].phase == PhaseKind::Backward)
+        else {
+            continue;
+        };
+        let Some(peak) = in_range(f.start_monotonic_ns, f.end_monotonic_ns)
+            .iter()
+            .map(|&(_, b)| b)
+            .max()
+        else {
+            continue;
+        };
+        if best.is_none_or(|(p, _, _)| peak > p) {
+            best = Some((peak, fi, bi));
+        }
+    }
+    let (peak, fi, bi) = best?;
+    let threshold = peak as f64 * (1.0 - tolerance);
+    let fwd = &step.phases[fi];
+    let bwd = &step.phases[bi];
+    let &(start, _) = in_range(fwd.start_monotonic_ns, fwd.end_monotonic_ns)
+        .iter()
+        .find(|&&(_, b)| b as f64 >= threshold)?;
+    let search = in_range(start, bwd.end_monotonic_ns);
+    let (end_ns, cleared) = match search.iter().find(|&&(_, b)| (b as f64) < threshold) {
+        Some(&(t, _)) => (t, true),
+        None => (
+            bwd.end_monotonic_ns
+                .unwrap_or_else(|| search.last().map_or(start, |&(t, _)| t)),
+            false,
+        ),
+    };
+    Some(ActivationPlateau {
+        forward_peak_bytes: peak,
+        start_ns: start,
+        end_ns,
+        duration_ns: end_ns.saturating_sub(start),
+        cleared,
+    })
+}

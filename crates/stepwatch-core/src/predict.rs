@@ -1,0 +1,621 @@
+//! The steady-state peak predicted from step 1, before step 2 begins.
+//!
+//! # Formula
+//!
+//! Step 1's phases are split positionally: the *first micro-batch group* is
+//! every forward/backward phase up to and including the first backward phase
+//! (no gradients exist yet while it runs); the *later micro-batches* are the
+//! forward/backward phases after it (gradient accumulation: their gradients
+//! already exist). Each figure below is taken in the units of the basis:
+//! allocated bytes ([`PredictionBasis::Allocator`], when step 1's
+//! forward/backward markers carry allocator figures) or device used bytes
+//! ([`PredictionBasis::NvmlOnly`]).
+//!
+//! ```text
+//! basis_peak = max( first_group_peak + state + grads,
+//!                   later_peak       + state,
+//!                   optimizer_phase_peak,
+//!                   step1_peak )                       // any phase of step 1
+//! ```
+//!
+//! * `state` — optimizer state, see [`StateSource`]: 0 when declared
+//!   pre-created; else, once the step-1 optimizer phase has closed, the jump
+//!   across it (allocated at optimizer end − at optimizer begin; for NVML
+//!   only, the level just after the phase minus the level just before it);
+//!   before that, `parameter_count × state_bytes_per_parameter /
+//!   sharding_factor` (defaults 8 Adam, 4 SGD momentum, 0 SGD). A jump below
+//!   [`PredictConfig::zero_jump_bytes`] with a stateful optimizer means the
+//!   state was pre-created (allocator basis). On the NVML basis a zero or
+//!   small jump proves nothing — the caching allocator may serve the state
+//!   from blocks freed by backward — so there the state is
+//!   `max(jump, model-facts state)`.
+//! * `grads` — only when `grads_set_to_none == Some(false)` (gradients
+//!   persist into step 2's forward): allocated at the end of the first
+//!   backward − allocated at the start of the first forward, else
+//!   `parameter_bytes` (or `parameter_count` × 2 for bf16, × 4 otherwise).
+//!   Unknown (`None`) is read as PyTorch's default, set to None.
+//!
+//! Allocator basis, to device bytes:
+//!
+//! ```text
+//! ratio     = max(1, step1 reserved peak / step1 allocated peak)
+//! reserved  = max(ceil(basis_peak × ratio), step1 reserved peak)
+//! overhead  = min over step-1 phases of (first NVML sample − reserved at phase start)
+//! device    = max(reserved + overhead, step1 NVML peak)
+//! ```
+//!
+//! `overhead` is NVML's view minus the allocator's (CUDA context, NCCL and
+//! cuBLAS workspaces) *and other processes on the GPU*, because NVML samples
+//! are device-wide. Without any NVML sample it is unknown; then
+//! `device = reserved + assumed_overhead_bytes + other_process_bytes`.
+//!
+//! NVML-only basis: `device = basis_peak`; device samples already include
+//! other processes.
+//!
+//! # Headroom, without double counting
+//!
+//! `predicted_peak_bytes` is the device-used figure NVML will show, other
+//! processes included. The rank's own share is
+//! `predicted_rank_peak_bytes = predicted_peak_bytes − other_process_bytes`,
+//! and
+//!
+//! ```text
+//! headroom = capacity − predicted_rank_peak − other_process_bytes
+//!          = capacity − predicted_peak
+//! ```
+//!
+//! so other processes are subtracted exactly once (this assumes they used
+//! about the same memory during step 1 as now).
+
+use std::borrow::Cow;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use crate::identity::{ModelFacts, OptimizerKind, Precision};
+use crate::marker::PhaseKind;
+use crate::profile::{max_opt, phase_allocator_peaks};
+use crate::timeline::{PhaseRecord, SampleEdges, SampleStats, StepOutcome, StepRecord};
+use crate::tracker::GpuSample;
+
+/// Tunables of the prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct PredictConfig {
+    /// `low_headroom` below this fraction of capacity.
+    pub low_headroom_fraction: f64,
+    /// A jump across the optimizer phase below this is "no jump".
+    pub zero_jump_bytes: u64,
+    /// Non-allocator device memory assumed when no NVML sample measured it.
+    pub assumed_overhead_bytes: u64,
+}
+
+impl Default for PredictConfig {
+    fn default() -> Self {
+        Self {
+            low_headroom_fraction: 0.05,
+            zero_jump_bytes: 1 << 20,
+            assumed_overhead_bytes: 0,
+        }
+    }
+}
+
+/// NVML samples of the phase that is still open, which the tracker has not
+/// credited yet (see [`crate::Tracker::samples_since`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct LiveStep {
+    pub nvml: SampleStats,
+    pub nvml_edges: SampleEdges,
+}
+
+impl LiveStep {
+    /// Folds the samples taken since the open phase began.
+    pub fn from_samples<'a>(samples: impl IntoIterator<Item = &'a GpuSample>) -> Self {
+        let mut live = LiveStep::default();
+        for s in samples {
+            live.nvml.add(s.used_bytes);
+            live.nvml_edges.add(s.monotonic_ns, s.used_bytes);
+        }
+        live
+    }
+}
+
+/// Which figures the prediction was computed from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PredictionBasis {
+    /// Allocator figures from the markers, scaled to device bytes.
+    Allocator,
+    /// Device-used NVML samples alone.
+    NvmlOnly,
+}
+
+/// Where the optimizer-state figure came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateSource {
+    /// The jump across step 1's optimizer phase.
+    MeasuredJump,
+    /// parameter_count × state_bytes_per_parameter / sharding_factor.
+    ModelFacts,
+    /// The client said the state exists before step 1 (`state_precreated`).
+    DeclaredPrecreated,
+    /// No jump across the optimizer phase although the optimizer keeps state.
+    DetectedPrecreated,
+    /// The optimizer keeps no state (plain SGD).
+    Stateless,
+    /// No jump, and no facts to tell stateless from pre-created; 0 either way.
+    NoJump,
+    /// The optimizer phase has not closed and there are no facts: 0 for now.
+    Unknown,
+}
+
+/// Where the persistent-gradient figure came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradsSource {
+    /// Gradients are set to None between steps (or unknown: PyTorch's default).
+    NotPersistent,
+    /// Allocated after the first backward minus before the first forward.
+    Measured,
+    /// parameter_bytes, or parameter_count × dtype bytes.
+    ModelFacts,
+    /// Persistent, but nothing to size them with: 0.
+    Unknown,
+}
+
+/// The term of the max that set the prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BindingTerm {
+    FirstMicroBatch,
+    LaterMicroBatches,
+    OptimizerPhase,
+    Step1Peak,
+}
+
+/// Every figure the prediction used, so a user can see why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PredictionInputs {
+    pub basis: PredictionBasis,
+    /// The step the prediction was made from.
+    pub step: u64,
+    pub step_outcome: StepOutcome,
+    /// The phase still open when the prediction was made.
+    pub open_phase: Option<PhaseKind>,
+    pub optimizer_phase_closed: bool,
+    /// Peaks of step 1 in basis units (allocated or device bytes).
+    pub first_micro_batch_peak_bytes: u64,
+    pub later_micro_batches_peak_bytes: Option<u64>,
+    pub optimizer_phase_peak_bytes: Option<u64>,
+    pub step1_peak_bytes: u64,
+    /// Optimizer state added to the forward/backward peaks.
+    pub state_bytes: u64,
+    pub state_source: StateSource,
+    /// Jump across the optimizer phase(s), basis units; None until closed.
+    pub measured_jump_bytes: Option<i64>,
+    /// State computed from model facts, when they allow it.
+    pub facts_state_bytes: Option<u64>,
+    pub state_bytes_per_parameter: Option<u32>,
+    pub sharding_factor: u32,
+    /// round(unsharded facts state / measured jump) when that is 2 or more.
+    pub inferred_sharding_factor: Option<u32>,
+    pub grads_persistent: bool,
+    pub grad_bytes: u64,
+    pub grads_source: GradsSource,
+    pub binding: BindingTerm,
+    /// The max above, in basis units.
+    pub basis_peak_bytes: u64,
+    /// Allocator basis only.
+    pub reserved_ratio: Option<f64>,
+    pub step1_reserved_peak_bytes: Option<u64>,
+    pub predicted_reserved_bytes: Option<u64>,
+    /// NVML minus reserved (includes other processes); None when unmeasured.
+    pub overhead_bytes: Option<u64>,
+    pub step1_nvml_peak_bytes: Option<u64>,
+    pub capacity_bytes: u64,
+    pub other_process_bytes: u64,
+}
+
+/// The predicted steady-state peak and headroom.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Prediction {
+    /// Device used bytes NVML will show at the steady-state peak, other
+    /// processes included.
+    pub predicted_peak_bytes: u64,
+    /// This rank's share: predicted_peak_bytes − other_process_bytes.
+    pub predicted_rank_peak_bytes: u64,
+    /// capacity − predicted_rank_peak − other; None when capacity is unknown (0).
+    pub headroom_bytes: Option<i64>,
+    pub oom_risk: bool,
+    pub low_headroom: bool,
+    /// Step 1 was still running: later phases may refine the figure.
+    pub provisional: bool,
+    pub inputs: PredictionInputs,
+    /// The formula with its figures, for humans.
+    pub explanation: String,
+}
+
+/// [`predict_with`] under the default [`PredictConfig`].
+pub fn predict(
+    step1: &StepRecord,
+    facts: &ModelFacts,
+    capacity_bytes: u64,
+    other_process_bytes: u64,
+    live: Option<&LiveStep>,
+) -> Option<Prediction> {
+    predict_with(
+        step1,
+        facts,
+        capacity_bytes,
+        other_process_bytes,
+        live,
+        &PredictConfig::default(),
+    )
+}
+
+/// Default optimizer-state bytes per parameter of an optimizer family.
+pub fn default_state_bytes_per_parameter(kind: OptimizerKind) -> Option<u32> {
+    match kind {
+        OptimizerKind::Adam => Some(8),
+        OptimizerKind::SgdMomentum => Some(4),
+        OptimizerKind::Sgd => Some(0),
+        OptimizerKind::Unknown | OptimizerKind::Other => None,
+    }
+}
+
+/// Predicts the steady-state peak from step 1 (complete or running; `live`
+/// holds the samples of its open phase). None when step 1 has no
+/// forward/backward phase with a figure yet.
+pub fn predict_with(
+    step1: &StepRecord,
+    facts: &ModelFacts,
+    capacity_bytes: u64,
+    other_process_bytes: u64,
+    live: Option<&LiveStep>,
+    config: &PredictConfig,
+) -> Option<Prediction> {
+    let step = with_live(step1, live);
+    let phases = &step.phases;
+    let is_fb = |p: &PhaseRecord| matches!(p.phase, PhaseKind::Forward | PhaseKind::Backward);
+    let first_bwd = phases.iter().position(|p| p.phase == PhaseKind::Backward);
+    let first_group = |i: usize| first_bwd.is_none_or(|b| i <= b);
+
+    let alloc = |p: &PhaseRecord| phase_allocator_peaks(p).map(|(a, _)| a);
+    let nvml = |p: &PhaseRecord| (p.nvml.samples > 0).then_some(p.nvml.peak_bytes);
+    let basis = if phases
+        .iter()
+        .filter(|p| is_fb(p))
+        .any(|p| alloc(p).is_some())
+    {
+        PredictionBasis::Allocator
+    } else if phases
+        .iter()
+        .filter(|p| is_fb(p))
+        .any(|p| nvml(p).is_some())
+    {
+        PredictionBasis::NvmlOnly
+    } else {
+        return None;
+    };
+    let figure = |p: &PhaseRecord| match basis {
+        PredictionBasis::Allocator => alloc(p),
+        PredictionBasis::NvmlOnly => nvml(p),
+    };
+    let max_where = |keep: &dyn Fn(usize, &PhaseRecord) -> bool| {
+        phases
+            .iter()
+            .enumerate()
+            .filter(|(i, p)| keep(*i, p))
+            .map(|(_, p)| figure(p))
+            .fold(None, max_opt)
+    };
+    let first_peak = max_where(&|i, p| is_fb(p) && first_group(i));
+    let later_peak = max_where(&|i, p| is_fb(p) && !first_group(i));
+    let opt_peak = max_where(&|_, p| p.phase == PhaseKind::Optimizer);
+    let step1_peak = max_where(&|_, _| true).unwrap_or(0);
+    let first_peak = first_peak.unwrap_or(0);
+
+    // Optimizer state.
+    let opt_idx: Vec<usize> = (0..phases.len())
+        .filter(|&i| phases[i].phase == PhaseKind::Optimizer)
+        .collect();
+    let optimizer_phase_closed = !opt_idx.is_empty()
+        && opt_idx
+            .iter()
+            .all(|&i| phases[i].end_monotonic_ns.is_some());
+    let measured_jump = if optimizer_phase_closed {
+        opt_idx
+            .iter()
+            .map(|&i| jump_across(phases, i, basis))
+            .sum::<Option<i64>>()
+    } else {
+        None
+    };
+    let bpp = facts
+        .state_bytes_per_parameter
+        .or_else(|| default_state_bytes_per_parameter(facts.optimizer));
+    let sharding = facts.sharding_factor.unwrap_or(1).max(1);
+    let unsharded = facts
+        .parameter_count
+        .zip(bpp)
+        .map(|(n, b)| u128::from(n) * u128::from(b));
+    let facts_state = unsharded.map(|u| sat_u64(u.div_ceil(u128::from(sharding))));
+    let stateful = bpp.map(|b| b > 0);
+    let (state, state_source) = if facts.state_precreated == Some(true) {
+        (0, StateSource::DeclaredPrecreated)
+    } else if let Some(jump) = measured_jump {
+        let jump_u = u64::try_from(jump.max(0)).unwrap_or(0);
+        match basis {
+            PredictionBasis::NvmlOnly if facts_state.is_some_and(|f| f > jump_u) => {
+                (facts_state.unwrap_or(0), StateSource::ModelFacts)
+            }
+            _ if jump_u >= config.zero_jump_bytes => (jump_u, StateSource::MeasuredJump),
+            PredictionBasis::NvmlOnly if stateful == Some(false) => (0, StateSource::Stateless),
+            PredictionBasis::NvmlOnly => (jump_u, StateSource::MeasuredJump),
+            PredictionBasis::Allocator => match stateful {
+                Some(true) => (0, StateSource::DetectedPrecreated),
+                Some(false) => (0, StateSource::Stateless),
+                None => (0, StateSource::NoJump),
+            },
+        }
+    } else if stateful == Some(false) {
+        (0, StateSource::Stateless)
+    } else if let Some(f) = facts_state {
+        (f, StateSource::ModelFacts)
+    } else {
+        (0, StateSource::Unknown)
+    };
+    let inferred_sharding_factor = match (state_source, unsharded) {
+        (StateSource::MeasuredJump, Some(u)) if state > 0 => {
+            let r = (u as f64 / state as f64).round();
+            (r >= 2.0).then_some(r.min(f64::from(u32::MAX)) as u32)
+        }
+        _ => None,
+    };
+
+    // Persistent gradients.
+    let grads_persistent = facts.grads_set_to_none == Some(false);
+    let measured_grads = (basis == PredictionBasis::Allocator)
+        .then(|| {
+            let first_fwd = phases.iter().find(|p| p.phase == PhaseKind::Forward)?;
+            let bwd = &phases[first_bwd?];
+            let before = first_fwd.allocator_at_start?.allocated_bytes;
+            let after = bwd.allocator_at_end?.allocated_bytes;
+            Some(after.saturating_sub(before))
+        })
+        .flatten();
+    let facts_grads = facts.parameter_bytes.or_else(|| {
+        let per = if facts.precision == Precision::Bf16 {
+            2
+        } else {
+            4
+        };
+        facts.parameter_count.map(|n| n.saturating_mul(per))
+    });
+    let (grads, grads_source) = if !grads_persistent {
+        (0, GradsSource::NotPersistent)
+    } else if let Some(g) = measured_grads {
+        (g, GradsSource::Measured)
+    } else if let Some(g) = facts_grads {
+        (g, GradsSource::ModelFacts)
+    } else {
+        (0, GradsSource::Unknown)
+    };
+
+    // The max.
+    let terms = [
+        (
+            Some(first_peak.saturating_add(state).saturating_add(grads)),
+            BindingTerm::FirstMicroBatch,
+        ),
+        (
+            later_peak.map(|p| p.saturating_add(state)),
+            BindingTerm::LaterMicroBatches,
+        ),
+        (opt_peak, BindingTerm::OptimizerPhase),
+        (Some(step1_peak), BindingTerm::Step1Peak),
+    ];
+    let (basis_peak, binding) = terms.iter().filter_map(|(v, t)| v.map(|v| (v, *t))).fold(
+        (0, BindingTerm::FirstMicroBatch),
+        |best, (v, t)| {
+            if v > best.0 {
+                (v, t)
+            } else {
+                best
+            }
+        },
+    );
+
+    // To device bytes.
+    let step1_nvml_peak = phases.iter().map(nvml).fold(None, max_opt);
+    let mut reserved_ratio = None;
+    let mut step1_reserved_peak = None;
+    let mut predicted_reserved = None;
+    let mut overhead = None;
+    let (device, rank_peak) = match basis {
+        PredictionBasis::NvmlOnly => (basis_peak, basis_peak.saturating_sub(other_process_bytes)),
+        PredictionBasis::Allocator => {
+            let res_peak = phases
+                .iter()
+                .filter_map(|p| phase_allocator_peaks(p).map(|(_, r)| r))
+                .max();
+            let ratio = match res_peak {
+                Some(r) if step1_peak > 0 => (r as f64 / step1_peak as f64).max(1.0),
+                _ => 1.0,
+            };
+            let reserved = ((basis_peak as f64 * ratio).ceil() as u64).max(res_peak.unwrap_or(0));
+            let oh = phases
+                .iter()
+                .filter_map(|p| {
+                    let first = p.nvml_edges.first_bytes()?;
+                    Some(first.saturating_sub(p.allocator_at_start?.reserved_bytes))
+                })
+                .min();
+            reserved_ratio = Some(ratio);
+            step1_reserved_peak = res_peak;
+            predicted_reserved = Some(reserved);
+            overhead = oh;
+            match oh {
+                Some(oh) => {
+                    let device = reserved
+                        .saturating_add(oh)
+                        .max(step1_nvml_peak.unwrap_or(0));
+                    (device, device.saturating_sub(other_process_bytes))
+                }
+                None => {
+                    let rank = reserved.saturating_add(config.assumed_overhead_bytes);
+                    (rank.saturating_add(other_process_bytes), rank)
+                }
+            }
+        }
+    };
+    let headroom = (capacity_bytes > 0).then(|| {
+        i128::from(capacity_bytes) - i128::from(rank_peak) - i128::from(other_process_bytes)
+    });
+    let headroom = headroom.map(|h| h.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64);
+    let oom_risk = headroom.is_some_and(|h| h < 0);
+    let low_headroom =
+        headroom.is_some_and(|h| (h as f64) < config.low_headroom_fraction * capacity_bytes as f64);
+
+    let inputs = PredictionInputs {
+        basis,
+        step: step.step,
+        step_outcome: step.outcome,
+        open_phase: phases
+            .last()
+            .filter(|p| p.end_monotonic_ns.is_none())
+            .map(|p| p.phase),
+        optimizer_phase_closed,
+        first_micro_batch_peak_bytes: first_peak,
+        later_micro_batches_peak_bytes: later_peak,
+        optimizer_phase_peak_bytes: opt_peak,
+        step1_peak_bytes: step1_peak,
+        state_bytes: state,
+        state_source,
+        measured_jump_bytes: measured_jump,
+        facts_state_bytes: facts_state,
+        state_bytes_per_parameter: bpp,
+        sharding_factor: sharding,
+        inferred_sharding_factor,
+        grads_persistent,
+        grad_bytes: grads,
+        grads_source,
+        binding,
+        basis_peak_bytes: basis_peak,
+        reserved_ratio,
+        step1_reserved_peak_bytes: step1_reserved_peak,
+        predicted_reserved_bytes: predicted_reserved,
+        overhead_bytes: overhead,
+        step1_nvml_peak_bytes: step1_nvml_peak,
+        capacity_bytes,
+        other_process_bytes,
+    };
+    Some(Prediction {
+        predicted_peak_bytes: device,
+        predicted_rank_peak_bytes: rank_peak,
+        headroom_bytes: headroom,
+        oom_risk,
+        low_headroom,
+        provisional: step.outcome == StepOutcome::Running,
+        explanation: explain(&inputs, device, headroom),
+        inputs,
+    })
+}
+
+/// The step with the live samples credited to its open phase.
+fn with_live<'a>(step: &'a StepRecord, live: Option<&LiveStep>) -> Cow<'a, StepRecord> {
+    match (live, step.phases.last()) {
+        (Some(live), Some(last)) if last.end_monotonic_ns.is_none() && live.nvml.samples > 0 => {
+            let mut owned = step.clone();
+            let open = owned.phases.last_mut().expect("checked above");
+            open.nvml = live.nvml;
+            open.nvml_edges = live.nvml_edges;
+            Cow::Owned(owned)
+        }
+        _ => Cow::Borrowed(step),
+    }
+}
+
+/// The jump across the optimizer phase at `i`: allocated at its end minus at
+/// its start, or for NVML the nearest sample after it (the next phase's
+/// first, else its own last) minus the nearest before it (the previous
+/// phase's last, else its own first).
+pub(crate) fn jump_across(phases: &[PhaseRecord], i: usize, basis: PredictionBasis) -> Option<i64> {
+    let p = &phases[i];
+    let (before, after) = match basis {
+        PredictionBasis::Allocator => (
+            p.allocator_at_start?.allocated_bytes,
+            p.allocator_at_end?.allocated_bytes,
+        ),
+        PredictionBasis::NvmlOnly => (
+            i.checked_sub(1)
+                .and_then(|j| phases[j].nvml_edges.last_bytes())
+                .or(p.nvml_edges.first_bytes())?,
+            phases
+                .get(i + 1)
+                .and_then(|n| n.nvml_edges.first_bytes())
+                .or(p.nvml_edges.last_bytes())?,
+        ),
+    };
+    Some(sat_i64(i128::from(after) - i128::from(before)))
+}
+
+fn sat_u64(v: u128) -> u64 {
+    u64::try_from(v).unwrap_or(u64::MAX)
+}
+
+fn sat_i64(v: i128) -> i64 {
+    v.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
+}
+
+fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
+    let unit = match i.basis {
+        PredictionBasis::Allocator => "allocated",
+        PredictionBasis::NvmlOnly => "device",
+    };
+    let mut s = format!(
+        "{unit} peak = max(first micro-batch {} + state {} ({:?}) + grads {} ({:?})",
+        i.first_micro_batch_peak_bytes, i.state_bytes, i.state_source, i.grad_bytes, i.grads_source
+    );
+    if let Some(l) = i.later_micro_batches_peak_bytes {
+        let _ = write!(s, ", later micro-batches {l} + state");
+    }
+    if let Some(o) = i.optimizer_phase_peak_bytes {
+        let _ = write!(s, ", optimizer phase {o}");
+    }
+    let _ = write!(
+        s,
+        ", step-1 peak {}) = {} ({:?})",
+        i.step1_peak_bytes, i.basis_peak_bytes, i.binding
+    );
+    if let (Some(ratio), Some(res)) = (i.reserved_ratio, i.predicted_reserved_bytes) {
+        let _ = write!(
+            s,
+            "; reserved = max(× {ratio:.4}, step-1 reserved peak) = {res}"
+        );
+        match i.overhead_bytes {
+            Some(oh) => {
+                let _ = write!(
+                    s,
+                    "; + overhead {oh} (NVML − reserved), at least the step-1 NVML peak"
+                );
+            }
+            None => {
+                let _ = write!(
+                    s,
+                    "; + assumed overhead + other processes {}",
+                    i.other_process_bytes
+                );
+            }
+        }
+    }
+    let _ = write!(s, "; predicted device peak {device}");
+    if let Some(h) = headroom {
+        let _ = write!(
+            s,
+            "; headroom = capacity {} − predicted peak = {h}",
+            i.capacity_bytes
+        );
+    }
+    s
+}

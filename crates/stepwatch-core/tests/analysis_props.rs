@@ -1,0 +1,251 @@
+//! Property tests: the step-1 prediction (and the whole rank analysis) does
+//! not depend on the arrival order of samples versus markers; divergence does
+//! not depend on rank order and is 0 when all ranks are equal.
+
+use std::collections::VecDeque;
+
+use proptest::prelude::*;
+use stepwatch_core::*;
+
+const GPU: &str = "GPU-a";
+
+fn facts_strategy() -> impl Strategy<Value = ModelFacts> {
+    (
+        prop::option::of(1u64..1_000_000),
+        prop_oneof![
+            Just(OptimizerKind::Unknown),
+            Just(OptimizerKind::Adam),
+            Just(OptimizerKind::SgdMomentum),
+            Just(OptimizerKind::Sgd),
+        ],
+        prop::option::of(1u32..8),
+        prop::option::of(any::<bool>()),
+        prop::option::of(any::<bool>()),
+    )
+        .prop_map(|(count, optimizer, shard, pre, none)| ModelFacts {
+            parameter_count: count,
+            optimizer,
+            sharding_factor: shard,
+            state_precreated: pre,
+            grads_set_to_none: none,
+            ..Default::default()
+        })
+}
+
+/// Markers of `steps` steps with `micro` forward/backward pairs; allocator
+/// figures drawn from `levels` when `with_alloc`.
+fn markers(steps: u64, micro: u32, gaps: &[u64], levels: &[u64], with_alloc: bool) -> Vec<Marker> {
+    use MarkerKind::*;
+    let mut t = 1_000;
+    let mut out = Vec::new();
+    let (mut peak, mut reserved) = (0u64, 0u64);
+    let mut i = 0usize;
+    let mut push = |kind, step, mb| {
+        t += gaps[i % gaps.len()];
+        let allocated = levels[i % levels.len()];
+        peak = peak.max(allocated + levels[(i + 1) % levels.len()] / 2);
+        reserved = reserved.max(peak + peak / 8);
+        i += 1;
+        out.push(Marker {
+            kind,
+            step,
+            monotonic_ns: t,
+            wall_ns: t,
+            micro_batch: mb,
+            allocator: with_alloc.then_some(AllocatorStats {
+                allocated_bytes: allocated,
+                allocated_peak_bytes: peak,
+                reserved_bytes: reserved,
+                reserved_peak_bytes: reserved,
+                ..Default::default()
+            }),
+        });
+    };
+    for step in 1..=steps {
+        push(StepBegin, step, 0);
+        for mb in 0..micro {
+            push(ForwardBegin, step, mb);
+            push(BackwardBegin, step, mb);
+        }
+        push(OptimizerBegin, step, 0);
+        push(OptimizerEnd, step, 0);
+        push(StepEnd, step, 0);
+    }
+    out
+}
+
+#[derive(Debug, Clone)]
+enum Event {
+    Markers(Vec<Marker>),
+    Samples(Vec<GpuSample>),
+}
+
+fn analyse(facts: &ModelFacts, events: &[Event]) -> RankAnalysis {
+    let mut tracker = Tracker::new(TrackerConfig {
+        max_samples_per_gpu: 100_000,
+        ..Default::default()
+    });
+    let key = tracker
+        .open(
+            RankInfo {
+                job: "job".into(),
+                world_size: 1,
+                gpu_uuid: GPU.into(),
+                pid: 1,
+                model: facts.clone(),
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
+    tracker.set_gpu_processes(GPU, &[(1, 10), (2, 1_000)]);
+    for e in events {
+        match e {
+            Event::Markers(ms) => tracker.markers(&key, ms, 0).unwrap(),
+            Event::Samples(ss) => tracker.gpu_samples(GPU, ss),
+        }
+    }
+    tracker.rank_analysis(&key).unwrap()
+}
+
+fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut s = seed | 1;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn prediction_does_not_depend_on_arrival_order(
+        steps in 1u64..3,
+        micro in 1u32..4,
+        gaps in prop::collection::vec(1u64..60, 1..8),
+        levels in prop::collection::vec(0u64..50_000_000, 1..12),
+        with_alloc in any::<bool>(),
+        cut_frac in 0.1f64..1.0,
+        sample_points in prop::collection::vec((0u64..1_500, 0u64..60_000_000), 0..120),
+        marker_chunk in 1usize..5,
+        sample_chunk in 1usize..16,
+        seed in any::<u64>(),
+        facts in facts_strategy(),
+    ) {
+        let all = markers(steps, micro, &gaps, &levels, with_alloc);
+        // Cut the stream anywhere: step 1 may still be running.
+        let cut = ((all.len() as f64 * cut_frac).ceil() as usize).clamp(1, all.len());
+        let ms = &all[..cut];
+        let mut next = xorshift(seed);
+        let mut samples: Vec<GpuSample> = sample_points
+            .iter()
+            .map(|&(t, used)| GpuSample { monotonic_ns: 900 + t, used_bytes: used, total_bytes: 80_000_000 })
+            .collect();
+        // Samples may arrive in any order, in any batches.
+        for i in (1..samples.len()).rev() {
+            let j = (next() % (i as u64 + 1)) as usize;
+            samples.swap(i, j);
+        }
+        let mut queues: [VecDeque<Event>; 2] = [
+            ms.chunks(marker_chunk).map(|c| Event::Markers(c.to_vec())).collect(),
+            samples.chunks(sample_chunk).map(|c| Event::Samples(c.to_vec())).collect(),
+        ];
+        let mut shuffled = Vec::new();
+        while queues.iter().any(|q| !q.is_empty()) {
+            let live: Vec<usize> = (0..2).filter(|&i| !queues[i].is_empty()).collect();
+            let pick = live[(next() % live.len() as u64) as usize];
+            shuffled.push(queues[pick].pop_front().unwrap());
+        }
+        let markers_first = [Event::Markers(ms.to_vec()), Event::Samples(samples.clone())];
+        let samples_first = [Event::Samples(samples.clone()), Event::Markers(ms.to_vec())];
+
+        let a = analyse(&facts, &shuffled);
+        let b = analyse(&facts, &markers_first);
+        let c = analyse(&facts, &samples_first);
+        prop_assert_eq!(&a.prediction, &b.prediction);
+        prop_assert_eq!(&a, &b);
+        prop_assert_eq!(&b, &c);
+        // Other processes are subtracted once.
+        if let Some(p) = &a.prediction {
+            prop_assert!(p.predicted_peak_bytes >= p.predicted_rank_peak_bytes);
+            prop_assert_eq!(p.inputs.other_process_bytes, 1_000);
+            if let Some(h) = p.headroom_bytes {
+                prop_assert_eq!(h, 80_000_000 - p.predicted_rank_peak_bytes as i64 - 1_000);
+                prop_assert_eq!(p.oom_risk, h < 0);
+            }
+        }
+    }
+
+    #[test]
+    fn divergence_is_invariant_to_rank_order(
+        values in prop::collection::vec(
+            (prop::option::of(0u64..1_000_000), prop::option::of(0u64..1_000_000), prop::option::of(1u64..10_000)),
+            1..10,
+        ),
+        seed in any::<u64>(),
+        threshold in 0.0f64..0.5,
+    ) {
+        let figures: Vec<RankFigures> = values
+            .iter()
+            .enumerate()
+            .map(|(rank, &(nvml, alloc, dur))| RankFigures {
+                rank: rank as u32,
+                nvml_peak_bytes: nvml,
+                allocated_peak_bytes: alloc,
+                duration_ns: dur,
+            })
+            .collect();
+        let mut shuffled = figures.clone();
+        let mut next = xorshift(seed);
+        for i in (1..shuffled.len()).rev() {
+            let j = (next() % (i as u64 + 1)) as usize;
+            shuffled.swap(i, j);
+        }
+        let d = divergence("job", &figures, threshold).unwrap();
+        prop_assert_eq!(&d, &divergence("job", &shuffled, threshold).unwrap());
+
+        // Reassigning the figures to other ranks keeps the spread.
+        let relabelled: Vec<RankFigures> = shuffled
+            .iter()
+            .enumerate()
+            .map(|(rank, f)| RankFigures { rank: rank as u32, ..*f })
+            .collect();
+        let r = divergence("job", &relabelled, threshold).unwrap();
+        for (x, y) in [(&d.peak, &r.peak), (&d.duration, &r.duration)] {
+            prop_assert_eq!(x.is_some(), y.is_some());
+            if let (Some(x), Some(y)) = (x, y) {
+                prop_assert_eq!((x.ranks, x.min, x.max), (y.ranks, y.min, y.max));
+                prop_assert_eq!(x.median, y.median);
+                prop_assert_eq!(x.spread, y.spread);
+                prop_assert_eq!(x.outliers.len(), y.outliers.len());
+                prop_assert!(x.spread >= 0.0);
+            }
+        }
+    }
+
+    #[test]
+    fn divergence_is_zero_when_ranks_are_equal(
+        ranks in 1usize..10,
+        peak in 0u64..1_000_000_000,
+        dur in 0u64..1_000_000,
+        threshold in 0.0f64..0.5,
+    ) {
+        let figures: Vec<RankFigures> = (0..ranks)
+            .map(|r| RankFigures {
+                rank: r as u32,
+                nvml_peak_bytes: Some(peak),
+                allocated_peak_bytes: None,
+                duration_ns: Some(dur),
+            })
+            .collect();
+        let d = divergence("job", &figures, threshold).unwrap();
+        for s in [d.peak.unwrap(), d.duration.unwrap()] {
+            prop_assert_eq!(s.spread, 0.0);
+            prop_assert!(s.outliers.is_empty());
+            prop_assert_eq!(s.ranks, ranks);
+        }
+    }
+}

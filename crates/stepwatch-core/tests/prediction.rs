@@ -1,0 +1,663 @@
+//! The prediction rules, each against figures computed by hand.
+//!
+//! Unit: M = 1 MiB. The base scenario (one micro-batch, Adam, lazy state):
+//!
+//! | marker          | t   | allocated | alloc peak | reserved | NVML sample (t, used)    |
+//! |-----------------|-----|-----------|------------|----------|--------------------------|
+//! | step_begin      | 100 | 1000      | 1000       | 1200     | 150: 1700                |
+//! | forward_begin   | 200 | 1000      | 1000       | 1200     | 250: 3500                |
+//! | backward_begin  | 300 | 5000      | 5000       | 6250     | 350: 7000                |
+//! | optimizer_begin | 400 | 1400      | 6000       | 7500     | 450: 8000                |
+//! | optimizer_end   | 500 | 2200      | 6000       | 7500     | 550: 8000                |
+//! | step_end        | 600 | 2200      | 6000       | 7500     |                          |
+//!
+//! NVML = reserved + 500 (CUDA context 200 + another process 300).
+
+use stepwatch_core::*;
+
+const M: u64 = 1 << 20;
+const GPU: &str = "GPU-0";
+const PID: u32 = 4242;
+const OTHER_PID: u32 = 77;
+
+type Alloc = Option<(u64, u64, u64)>;
+
+fn stats(a: Alloc) -> Option<AllocatorStats> {
+    a.map(|(allocated, peak, reserved)| AllocatorStats {
+        allocated_bytes: allocated * M,
+        allocated_peak_bytes: peak * M,
+        reserved_bytes: reserved * M,
+        reserved_peak_bytes: reserved * M,
+        ..Default::default()
+    })
+}
+
+fn marker(kind: MarkerKind, step: u64, t: u64, mb: u32, a: Alloc) -> Marker {
+    Marker {
+        kind,
+        step,
+        monotonic_ns: t,
+        wall_ns: t,
+        micro_batch: mb,
+        allocator: stats(a),
+    }
+}
+
+fn base_markers(with_alloc: bool) -> Vec<Marker> {
+    use MarkerKind::*;
+    let a = |x: (u64, u64, u64)| with_alloc.then_some(x);
+    vec![
+        marker(StepBegin, 1, 100, 0, a((1000, 1000, 1200))),
+        marker(ForwardBegin, 1, 200, 0, a((1000, 1000, 1200))),
+        marker(BackwardBegin, 1, 300, 0, a((5000, 5000, 6250))),
+        marker(OptimizerBegin, 1, 400, 0, a((1400, 6000, 7500))),
+        marker(OptimizerEnd, 1, 500, 0, a((2200, 6000, 7500))),
+        marker(StepEnd, 1, 600, 0, a((2200, 6000, 7500))),
+    ]
+}
+
+fn samples(points: &[(u64, u64)], capacity: u64) -> Vec<GpuSample> {
+    points
+        .iter()
+        .map(|&(t, used)| GpuSample {
+            monotonic_ns: t,
+            used_bytes: used * M,
+            total_bytes: capacity * M,
+        })
+        .collect()
+}
+
+const BASE_SAMPLES: [(u64, u64); 5] = [
+    (150, 1700),
+    (250, 3500),
+    (350, 7000),
+    (450, 8000),
+    (550, 8000),
+];
+
+fn tracker(facts: ModelFacts) -> (Tracker, RankKey) {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = t
+        .open(
+            RankInfo {
+                job: "job".into(),
+                world_size: 1,
+                gpu_uuid: GPU.into(),
+                pid: PID,
+                model: facts,
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
+    t.set_gpu_processes(GPU, &[(PID, 7000 * M), (OTHER_PID, 300 * M)]);
+    (t, key)
+}
+
+/// Runs the scenario and returns the prediction of the rank analysis.
+fn run(facts: ModelFacts, markers: &[Marker], points: &[(u64, u64)], capacity: u64) -> Prediction {
+    let (mut t, key) = tracker(facts);
+    t.gpu_samples(GPU, &samples(points, capacity));
+    t.markers(&key, markers, 0).unwrap();
+    t.rank_analysis(&key).unwrap().prediction.unwrap()
+}
+
+fn adam(params: u64) -> ModelFacts {
+    ModelFacts {
+        parameter_count: Some(params),
+        optimizer: OptimizerKind::Adam,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn adam_lazy_state_measured_across_the_optimizer_phase() {
+    let p = run(
+        ModelFacts::default(),
+        &base_markers(true),
+        &BASE_SAMPLES,
+        10_000,
+    );
+    let i = &p.inputs;
+    assert_eq!(i.basis, PredictionBasis::Allocator);
+    assert_eq!(i.first_micro_batch_peak_bytes, 6000 * M);
+    assert_eq!(i.later_micro_batches_peak_bytes, None);
+    assert_eq!(i.optimizer_phase_peak_bytes, Some(2200 * M));
+    assert_eq!(i.measured_jump_bytes, Some(800 * M as i64));
+    assert_eq!(
+        (i.state_bytes, i.state_source),
+        (800 * M, StateSource::MeasuredJump)
+    );
+    assert_eq!(i.grads_source, GradsSource::NotPersistent);
+    // max(6000 + 800, 2200, 6000) = 6800 allocated.
+    assert_eq!(
+        (i.basis_peak_bytes, i.binding),
+        (6800 * M, BindingTerm::FirstMicroBatch)
+    );
+    // reserved/allocated = 7500 / 6000 = 1.25 → 8500 reserved.
+    assert_eq!(i.reserved_ratio, Some(1.25));
+    assert_eq!(i.predicted_reserved_bytes, Some(8500 * M));
+    // overhead = min(1700−1200, 3500−1200, 7000−6250, 8000−7500, 8000−7500) = 500.
+    assert_eq!(i.overhead_bytes, Some(500 * M));
+    assert_eq!(i.step1_nvml_peak_bytes, Some(8000 * M));
+    // device = max(8500 + 500, 8000) = 9000; own share 9000 − 300.
+    assert_eq!(p.predicted_peak_bytes, 9000 * M);
+    assert_eq!(p.predicted_rank_peak_bytes, 8700 * M);
+    assert_eq!(i.other_process_bytes, 300 * M);
+    // headroom = 10000 − 8700 − 300.
+    assert_eq!(p.headroom_bytes, Some(1000 * M as i64));
+    assert!(!p.oom_risk && !p.low_headroom && !p.provisional);
+    assert!(
+        p.explanation.contains("predicted device peak"),
+        "{}",
+        p.explanation
+    );
+
+    let tight = run(
+        ModelFacts::default(),
+        &base_markers(true),
+        &BASE_SAMPLES,
+        9_400,
+    );
+    assert_eq!(tight.headroom_bytes, Some(400 * M as i64));
+    assert!(tight.low_headroom && !tight.oom_risk, "400 < 5% of 9400");
+    let over = run(
+        ModelFacts::default(),
+        &base_markers(true),
+        &BASE_SAMPLES,
+        8_800,
+    );
+    assert_eq!(over.headroom_bytes, Some(-(200 * M as i64)));
+    assert!(over.oom_risk && over.low_headroom);
+}
+
+#[test]
+fn adam_state_from_model_facts_while_backward_runs() {
+    // 100 Mi parameters × 8 bytes = 800 M of state, before the optimizer runs.
+    let markers = &base_markers(true)[..3];
+    let p = run(adam(100 * M), markers, &BASE_SAMPLES[..3], 10_000);
+    let i = &p.inputs;
+    assert!(p.provisional);
+    assert_eq!(i.open_phase, Some(PhaseKind::Backward));
+    assert!(!i.optimizer_phase_closed);
+    // Forward closed at 5000; the open backward has only its start figure.
+    assert_eq!(i.first_micro_batch_peak_bytes, 5000 * M);
+    assert_eq!(
+        (i.state_bytes, i.state_source),
+        (800 * M, StateSource::ModelFacts)
+    );
+    assert_eq!(i.basis_peak_bytes, 5800 * M);
+    // 6250 / 5000 = 1.25 → 7250; overhead min(500, 2300, 7000−6250 live) = 500.
+    assert_eq!(i.predicted_reserved_bytes, Some(7250 * M));
+    assert_eq!(i.overhead_bytes, Some(500 * M));
+    assert_eq!(
+        i.step1_nvml_peak_bytes,
+        Some(7000 * M),
+        "the live sample counts"
+    );
+    assert_eq!(p.predicted_peak_bytes, 7750 * M);
+
+    // Without facts the state is unknown until the optimizer phase ends.
+    let p = run(ModelFacts::default(), markers, &BASE_SAMPLES[..3], 10_000);
+    assert_eq!(p.inputs.state_source, StateSource::Unknown);
+    // max(6250 + 500, the live step-1 NVML peak 7000).
+    assert_eq!(p.inputs.predicted_reserved_bytes, Some(6250 * M));
+    assert_eq!(p.predicted_peak_bytes, 7000 * M);
+}
+
+fn no_jump_markers() -> Vec<Marker> {
+    let mut ms = base_markers(true);
+    ms[4].allocator = stats(Some((1400, 6000, 7500)));
+    ms[5].allocator = stats(Some((1400, 6000, 7500)));
+    ms
+}
+
+#[test]
+fn sgd_keeps_no_state() {
+    let sgd = ModelFacts {
+        parameter_count: Some(100 * M),
+        optimizer: OptimizerKind::Sgd,
+        ..Default::default()
+    };
+    let p = run(sgd.clone(), &no_jump_markers(), &BASE_SAMPLES, 10_000);
+    assert_eq!(
+        (p.inputs.state_bytes, p.inputs.state_source),
+        (0, StateSource::Stateless)
+    );
+    // max(6000, 1400, 6000) = 6000 → reserved max(7500, 7500) → + 500.
+    assert_eq!(p.inputs.basis_peak_bytes, 6000 * M);
+    assert_eq!(p.predicted_peak_bytes, 8000 * M);
+    // Before the optimizer phase: the facts already say stateless.
+    let early = run(sgd, &base_markers(true)[..3], &BASE_SAMPLES[..3], 10_000);
+    assert_eq!(early.inputs.state_source, StateSource::Stateless);
+    assert_eq!(early.inputs.state_bytes, 0);
+}
+
+#[test]
+fn pre_created_state_declared_or_detected() {
+    let declared = ModelFacts {
+        state_precreated: Some(true),
+        ..adam(100 * M)
+    };
+    // Declared: no state even before the optimizer phase.
+    let p = run(
+        declared,
+        &base_markers(true)[..3],
+        &BASE_SAMPLES[..3],
+        10_000,
+    );
+    assert_eq!(
+        (p.inputs.state_bytes, p.inputs.state_source),
+        (0, StateSource::DeclaredPrecreated)
+    );
+    // max(6250 + 500, the live step-1 NVML peak 7000).
+    assert_eq!(p.predicted_peak_bytes, 7000 * M);
+
+    // Detected: Adam, but nothing appeared across the optimizer phase.
+    let p = run(adam(100 * M), &no_jump_markers(), &BASE_SAMPLES, 10_000);
+    assert_eq!(p.inputs.measured_jump_bytes, Some(0));
+    assert_eq!(
+        (p.inputs.state_bytes, p.inputs.state_source),
+        (0, StateSource::DetectedPrecreated)
+    );
+    assert_eq!(p.predicted_peak_bytes, 8000 * M);
+
+    // No facts: stateless and pre-created look alike; 0 either way.
+    let p = run(
+        ModelFacts::default(),
+        &no_jump_markers(),
+        &BASE_SAMPLES,
+        10_000,
+    );
+    assert_eq!(p.inputs.state_source, StateSource::NoJump);
+}
+
+#[test]
+fn sharded_state_from_facts_and_inferred_from_the_jump() {
+    // 400 Mi parameters × 8 bytes / 4 shards = 800 M per rank.
+    let facts = ModelFacts {
+        sharding_factor: Some(4),
+        ..adam(400 * M)
+    };
+    let early = run(
+        facts.clone(),
+        &base_markers(true)[..3],
+        &BASE_SAMPLES[..3],
+        10_000,
+    );
+    assert_eq!(early.inputs.facts_state_bytes, Some(800 * M));
+    assert_eq!(early.inputs.sharding_factor, 4);
+    assert_eq!(early.predicted_peak_bytes, 7750 * M);
+
+    // Unsharded facts, but the measured jump is a quarter of the facts state.
+    let p = run(adam(400 * M), &base_markers(true), &BASE_SAMPLES, 10_000);
+    assert_eq!(p.inputs.state_source, StateSource::MeasuredJump);
+    assert_eq!(p.inputs.inferred_sharding_factor, Some(4));
+    assert_eq!(p.predicted_peak_bytes, 9000 * M);
+}
+
+#[test]
+fn persistent_grads_are_added_unless_set_to_none() {
+    let keep = ModelFacts {
+        grads_set_to_none: Some(false),
+        ..Default::default()
+    };
+    let p = run(keep, &base_markers(true), &BASE_SAMPLES, 10_000);
+    // grads = allocated after the first backward 1400 − before the first forward 1000.
+    assert_eq!(
+        (p.inputs.grad_bytes, p.inputs.grads_source),
+        (400 * M, GradsSource::Measured)
+    );
+    // max(6000 + 800 + 400, …) = 7200 → × 1.25 = 9000 → + 500.
+    assert_eq!(p.inputs.basis_peak_bytes, 7200 * M);
+    assert_eq!(p.predicted_peak_bytes, 9500 * M);
+
+    let none = ModelFacts {
+        grads_set_to_none: Some(true),
+        ..Default::default()
+    };
+    let p = run(none, &base_markers(true), &BASE_SAMPLES, 10_000);
+    assert_eq!(
+        (p.inputs.grad_bytes, p.inputs.grads_source),
+        (0, GradsSource::NotPersistent)
+    );
+    assert_eq!(p.predicted_peak_bytes, 9000 * M);
+}
+
+/// Two micro-batches; the second forward/backward runs with the gradients of
+/// the first already allocated (400).
+fn accumulation_markers() -> Vec<Marker> {
+    use MarkerKind::*;
+    vec![
+        marker(StepBegin, 1, 100, 0, Some((1000, 1000, 1200))),
+        marker(ForwardBegin, 1, 200, 0, Some((1000, 1000, 1200))),
+        marker(BackwardBegin, 1, 300, 0, Some((5000, 5000, 6250))),
+        marker(ForwardBegin, 1, 400, 1, Some((1400, 6000, 7500))),
+        marker(BackwardBegin, 1, 500, 1, Some((5400, 6000, 7500))),
+        marker(OptimizerBegin, 1, 600, 0, Some((1400, 6400, 8000))),
+        marker(OptimizerEnd, 1, 700, 0, Some((2200, 6400, 8000))),
+        marker(StepEnd, 1, 800, 0, Some((2200, 6400, 8000))),
+    ]
+}
+
+const ACC_SAMPLES: [(u64, u64); 4] = [(150, 1700), (350, 7000), (550, 8500), (750, 8500)];
+
+#[test]
+fn accumulation_adds_grads_only_to_the_first_micro_batch() {
+    let p = run(
+        ModelFacts::default(),
+        &accumulation_markers(),
+        &ACC_SAMPLES,
+        12_000,
+    );
+    let i = &p.inputs;
+    assert_eq!(i.first_micro_batch_peak_bytes, 6000 * M);
+    // Forward 1: max(1400, 5400), high-water mark unmoved; backward 1: 6400.
+    assert_eq!(i.later_micro_batches_peak_bytes, Some(6400 * M));
+    // max(6000 + 800, 6400 + 800) = 7200 → × 8000/6400 = 9000 → + 500.
+    assert_eq!(
+        (i.basis_peak_bytes, i.binding),
+        (7200 * M, BindingTerm::LaterMicroBatches)
+    );
+    assert_eq!(p.predicted_peak_bytes, 9500 * M);
+    assert_eq!(
+        t_profile(&accumulation_markers()).micro_batches,
+        2,
+        "two forward phases"
+    );
+
+    let keep = ModelFacts {
+        grads_set_to_none: Some(false),
+        ..Default::default()
+    };
+    let p = run(keep, &accumulation_markers(), &ACC_SAMPLES, 12_000);
+    // First: 6000 + 800 + 400 = 7200; later micro-batches already hold their
+    // grads: 6400 + 800 = 7200, not 6400 + 800 + 400.
+    assert_eq!(p.inputs.basis_peak_bytes, 7200 * M);
+    assert_eq!(p.predicted_peak_bytes, 9500 * M);
+}
+
+fn t_profile(markers: &[Marker]) -> StepProfile {
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.markers(&key, markers, 0).unwrap();
+    t.rank_analysis(&key).unwrap().first_step.unwrap()
+}
+
+/// NVML only: backward peaks at 7100, the cache absorbs part of the state.
+const NVML_SAMPLES: [(u64, u64); 8] = [
+    (150, 2000),
+    (250, 5000),
+    (350, 7100),
+    (390, 7000),
+    (450, 7200),
+    (490, 7500),
+    (550, 7600),
+    (590, 7600),
+];
+
+#[test]
+fn nvml_only_uses_the_level_jump_across_the_optimizer() {
+    let p = run(
+        ModelFacts::default(),
+        &base_markers(false),
+        &NVML_SAMPLES,
+        8_000,
+    );
+    let i = &p.inputs;
+    assert_eq!(i.basis, PredictionBasis::NvmlOnly);
+    assert_eq!(i.first_micro_batch_peak_bytes, 7100 * M);
+    // After (epilogue's first sample 7600) − before (backward's last 7000).
+    assert_eq!(i.measured_jump_bytes, Some(600 * M as i64));
+    assert_eq!(i.optimizer_phase_peak_bytes, Some(7500 * M));
+    assert_eq!(i.step1_peak_bytes, 7600 * M);
+    // max(7100 + 600, 7500, 7600) = 7700; device samples include the other 300.
+    assert_eq!(p.predicted_peak_bytes, 7700 * M);
+    assert_eq!(p.predicted_rank_peak_bytes, 7400 * M);
+    assert_eq!(i.predicted_reserved_bytes, None);
+    assert_eq!(p.headroom_bytes, Some(300 * M as i64));
+    assert!(p.low_headroom && !p.oom_risk);
+
+    // Facts say Adam with 1000 M of state: the 600 M jump was partly served
+    // from the cache, so the facts win.
+    let p = run(adam(125 * M), &base_markers(false), &NVML_SAMPLES, 8_000);
+    assert_eq!(
+        (p.inputs.state_bytes, p.inputs.state_source),
+        (1000 * M, StateSource::ModelFacts)
+    );
+    assert_eq!(p.predicted_peak_bytes, 8100 * M);
+    assert!(p.oom_risk);
+
+    // Persistent grads from parameter_bytes.
+    let keep = ModelFacts {
+        parameter_bytes: Some(200 * M),
+        grads_set_to_none: Some(false),
+        ..Default::default()
+    };
+    let p = run(keep, &base_markers(false), &NVML_SAMPLES, 8_000);
+    assert_eq!(
+        (p.inputs.grad_bytes, p.inputs.grads_source),
+        (200 * M, GradsSource::ModelFacts)
+    );
+    assert_eq!(p.predicted_peak_bytes, 7900 * M);
+}
+
+#[test]
+fn no_figures_no_prediction() {
+    let p = predict(
+        &StepRecord {
+            step: 1,
+            begin_monotonic_ns: 0,
+            begin_wall_ns: 0,
+            end_monotonic_ns: None,
+            end_wall_ns: None,
+            outcome: StepOutcome::Running,
+            phases: vec![],
+        },
+        &ModelFacts::default(),
+        0,
+        0,
+        None,
+    );
+    assert!(p.is_none());
+}
+
+/// Steps 2.. with NVML step peaks as given (no allocator figures).
+fn steps_with_peaks(peaks: &[u64]) -> (Vec<Marker>, Vec<GpuSample>) {
+    use MarkerKind::*;
+    let mut ms = Vec::new();
+    let mut ss = Vec::new();
+    for (i, &peak) in peaks.iter().enumerate() {
+        let step = i as u64 + 1;
+        let t0 = step * 1000;
+        for (k, kind) in [
+            StepBegin,
+            ForwardBegin,
+            BackwardBegin,
+            OptimizerBegin,
+            OptimizerEnd,
+            StepEnd,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            ms.push(marker(kind, step, t0 + 100 * k as u64, 0, None));
+        }
+        ss.extend(samples(
+            &[(t0 + 50, 1000), (t0 + 150, peak), (t0 + 250, peak - 100)],
+            20_000,
+        ));
+    }
+    (ms, ss)
+}
+
+#[test]
+fn first_step_anomaly_steady_profile_and_steady_state() {
+    let (ms, ss) = steps_with_peaks(&[6000, 8000, 8300, 8100, 8100, 8100]);
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.markers(&key, &ms, 0).unwrap();
+    t.gpu_samples(GPU, &ss);
+    let a = t.rank_analysis(&key).unwrap();
+    assert_eq!(
+        a.first_step.as_ref().unwrap().nvml_peak_bytes,
+        Some(6000 * M)
+    );
+    let steady = a.steady.as_ref().unwrap();
+    assert_eq!(steady.steps, [2, 3, 4, 5, 6]);
+    assert_eq!(steady.nvml_peak_bytes, Some(8100 * M));
+    assert_eq!(steady.duration_ns, Some(500));
+    assert_eq!(
+        steady.phase(PhaseKind::Forward).unwrap().nvml_peak_bytes,
+        Some(8100 * M)
+    );
+    assert_eq!(a.anomaly_ratio, Some(8100.0 / 6000.0));
+    // 8000→8300 and 8300→8100 differ by more than 2%; 8100, 8100, 8100 agree.
+    assert_eq!(
+        a.steady_state,
+        SteadyState {
+            reached: true,
+            since_step: Some(4),
+            source: Some(PeakSource::Nvml)
+        }
+    );
+    let anomaly = a.anomaly.unwrap();
+    // Neither the optimizer phase nor the epilogue has a sample: no level
+    // after the optimizer, so no NVML jump; no allocator figures either.
+    assert_eq!(anomaly.optimizer_nvml_jump_bytes, None);
+    assert_eq!(anomaly.optimizer_allocated_jump_bytes, None);
+
+    // Two completed steps after the first make a steady profile, not a steady state.
+    let (ms, ss) = steps_with_peaks(&[6000, 8000, 8100]);
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.markers(&key, &ms, 0).unwrap();
+    t.gpu_samples(GPU, &ss);
+    let a = t.rank_analysis(&key).unwrap();
+    assert_eq!(a.steady.unwrap().nvml_peak_bytes, Some(8050 * M));
+    assert!(!a.steady_state.reached);
+}
+
+#[test]
+fn optimizer_jumps_and_activation_plateau_of_step_one() {
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.markers(&key, &base_markers(true), 0).unwrap();
+    // Forward peaks at 5000 (t 280); within 5% (≥ 4750) from t 250; backward
+    // drops below 4750 at t 360.
+    t.gpu_samples(
+        GPU,
+        &samples(
+            &[
+                (210, 2000),
+                (250, 4800),
+                (280, 5000),
+                (320, 4900),
+                (360, 4600),
+                (450, 5200),
+                (550, 5300),
+            ],
+            10_000,
+        ),
+    );
+    let anomaly = t.rank_analysis(&key).unwrap().anomaly.unwrap();
+    assert_eq!(anomaly.optimizer_allocated_jump_bytes, Some(800 * M as i64));
+    // 5300 (epilogue's first) − 4600 (backward's last).
+    assert_eq!(anomaly.optimizer_nvml_jump_bytes, Some(700 * M as i64));
+    // Optimizer-phase peak 5200 − backward peak 4900.
+    assert_eq!(
+        anomaly.optimizer_nvml_peak_over_backward_bytes,
+        Some(300 * M as i64)
+    );
+    assert_eq!(
+        anomaly.activation_plateau,
+        Some(ActivationPlateau {
+            forward_peak_bytes: 5000 * M,
+            start_ns: 250,
+            end_ns: 360,
+            duration_ns: 110,
+            cleared: true
+        })
+    );
+
+    // NVML that never drops (the reserved pool): the plateau lasts to backward's end.
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.markers(&key, &base_markers(true), 0).unwrap();
+    t.gpu_samples(
+        GPU,
+        &samples(&[(250, 4800), (280, 5000), (320, 5000)], 10_000),
+    );
+    let plateau = t
+        .rank_analysis(&key)
+        .unwrap()
+        .anomaly
+        .unwrap()
+        .activation_plateau
+        .unwrap();
+    assert_eq!(
+        (plateau.start_ns, plateau.end_ns, plateau.cleared),
+        (250, 400, false)
+    );
+}
+
+#[test]
+fn job_divergence_names_the_outlier_rank() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let peaks = [7000, 7000, 9100];
+    for (rank, &peak) in peaks.iter().enumerate() {
+        let gpu = format!("GPU-{rank}");
+        let key = t
+            .open(
+                RankInfo {
+                    job: "job".into(),
+                    rank: rank as u32,
+                    local_rank: rank as u32,
+                    world_size: 3,
+                    gpu_uuid: gpu.clone(),
+                    pid: 10 + rank as u32,
+                    ..Default::default()
+                },
+                0,
+            )
+            .unwrap();
+        let mut ms = base_markers(false);
+        // Rank 1's step takes 660 ns, the others 500.
+        if rank == 1 {
+            ms[5].monotonic_ns = 760;
+        }
+        t.markers(&key, &ms, 0).unwrap();
+        t.gpu_samples(&gpu, &samples(&[(350, peak)], 10_000));
+    }
+    // Another job on the node does not count.
+    t.open(
+        RankInfo {
+            job: "other".into(),
+            world_size: 1,
+            ..Default::default()
+        },
+        0,
+    )
+    .unwrap();
+    let d = t.job_divergence("job").unwrap();
+    assert_eq!(d.ranks, [0, 1, 2]);
+    let p = d.peak.unwrap();
+    // (9100 − 7000) / 7000 = 0.3; rank 2 is 30% above the median.
+    assert!((p.spread - 0.3).abs() < 1e-12);
+    assert_eq!(p.outliers.iter().map(|o| o.rank).collect::<Vec<_>>(), [2]);
+    let dur = d.duration.unwrap();
+    // durations 500, 660, 500: (660 − 500) / 500 = 0.32.
+    assert!((dur.spread - 0.32).abs() < 1e-12);
+    assert_eq!(dur.outliers.iter().map(|o| o.rank).collect::<Vec<_>>(), [1]);
+    assert!(t.job_divergence("nobody").is_none());
+}
+
+#[test]
+fn samples_are_credited_when_one_batch_closes_a_step_and_opens_the_next() {
+    // Regression: the crediting walk used to stop at the new step (its only
+    // phase still open) and never reach the step the same batch closed.
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.gpu_samples(GPU, &samples(&BASE_SAMPLES, 10_000));
+    let mut ms = base_markers(true);
+    ms.push(marker(MarkerKind::StepBegin, 2, 700, 0, None));
+    t.markers(&key, &ms, 0).unwrap();
+    let first = t.rank(&key).unwrap().timeline.steps().next().unwrap();
+    assert_eq!(first.nvml_peak_bytes(), Some(8000 * M));
+    let credited: u64 = first.phases.iter().map(|p| p.nvml.samples).sum();
+    assert_eq!(credited, 5);
+}
