@@ -1,0 +1,59 @@
+//! Driving a simulated rank in real time, for demos and end-to-end tests.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use stepwatch_core::Marker;
+
+use crate::rank::{RankSim, SimEvent};
+
+/// Where a real-time run delivers what the rank does. The lead's
+/// implementation writes the fake-NVML state and sends markers through the
+/// client.
+pub trait Sink {
+    /// The process's NVML-visible memory changed.
+    fn memory(&mut self, nvml_used_bytes: u64);
+    /// A marker, stamped with the real clocks.
+    fn marker(&mut self, marker: Marker);
+}
+
+/// Plays `rank`'s events into `sink`, sleeping so that they follow the
+/// scenario's timings divided by `speed` (2.0 runs twice as fast). A `speed`
+/// that is not a positive finite number runs without sleeping.
+///
+/// Markers are re-stamped: `monotonic_ns` from `clock` (a monotonic ns
+/// clock, e.g. `CLOCK_MONOTONIC`) and `wall_ns` from the system clock. The
+/// run ends when the rank does (after its last step or its OOM marker).
+pub fn run_realtime(rank: &mut RankSim, sink: &mut dyn Sink, clock: &dyn Fn() -> u64, speed: f64) {
+    let paced = speed.is_finite() && speed > 0.0;
+    let real_start = clock();
+    let sim_start = rank.now_ns();
+    let mut last_stamp = 0;
+    while let Some(event) = rank.next_event() {
+        if paced {
+            let offset = (event.at_ns().saturating_sub(sim_start) as f64 / speed) as u64;
+            let target = real_start.saturating_add(offset);
+            let now = clock();
+            if target > now {
+                std::thread::sleep(Duration::from_nanos(target - now));
+            }
+        }
+        match event {
+            SimEvent::Memory {
+                nvml_used_bytes, ..
+            } => sink.memory(nvml_used_bytes),
+            SimEvent::Marker(mut m) => {
+                // Never let a marker go back in time, even with a coarse clock.
+                last_stamp = clock().max(last_stamp);
+                m.monotonic_ns = last_stamp;
+                m.wall_ns = wall_now_ns();
+                sink.marker(m);
+            }
+        }
+    }
+}
+
+fn wall_now_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
