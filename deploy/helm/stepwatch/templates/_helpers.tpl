@@ -1,0 +1,54 @@
+{{/* Chart name, truncated to the 63 characters of a DNS label. */}}
+{{- define "stepwatch.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name. */}}
+{{- define "stepwatch.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "stepwatch.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "stepwatch.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "stepwatch.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "stepwatch.labels" -}}
+helm.sh/chart: {{ include "stepwatch.chart" . }}
+{{ include "stepwatch.selectorLabels" . }}
+app.kubernetes.io/component: agent
+app.kubernetes.io/part-of: stepwatch
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "stepwatch.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "stepwatch.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "stepwatch.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "stepwatch.socketPath" -}}
+{{- printf "%s/%s" (.Values.socket.hostPath | trimSuffix "/") .Values.socket.name }}
+{{- end }}

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Checks that the promtool unit tests cover every rule, and that every alert is complete.
+
+  check_rule_tests.py RULES.yml TEST.yml...
+
+* every alert has at least one alert_rule_test where it fires (exp_alerts not empty) and
+  one where it must stay silent (exp_alerts empty);
+* every recording rule is asserted by a promql_expr_test with expected samples;
+* every alert has a severity label and summary, description and runbook annotations;
+* Step2OOMPredicted fires without waiting (for: 0m), so it is raised during step 1.
+"""
+import re
+import sys
+
+import yaml
+
+
+def main(argv):
+    if len(argv) < 3:
+        print(__doc__)
+        return 2
+    rules = yaml.safe_load(open(argv[1]))
+    alerts, records = {}, []
+    for g in rules["groups"]:
+        for r in g["rules"]:
+            if "alert" in r:
+                alerts[r["alert"]] = r
+            else:
+                records.append(r["record"])
+    fires, silent, asserted = set(), set(), set()
+    for path in argv[2:]:
+        doc = yaml.safe_load(open(path))
+        for test in doc.get("tests", []):
+            for at in test.get("alert_rule_test", []) or []:
+                (fires if at.get("exp_alerts") else silent).add(at["alertname"])
+            for et in test.get("promql_expr_test", []) or []:
+                names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", et["expr"]))
+                if et.get("exp_samples"):
+                    asserted |= names
+    errors = []
+    for name, rule in sorted(alerts.items()):
+        if name not in fires:
+            errors.append(f"alert {name}: no test where it fires")
+        if name not in silent:
+            errors.append(f"alert {name}: no test where it stays silent")
+        if not rule.get("labels", {}).get("severity"):
+            errors.append(f"alert {name}: no severity label")
+        for key in ("summary", "description", "runbook"):
+            if not rule.get("annotations", {}).get(key, "").strip():
+                errors.append(f"alert {name}: no {key} annotation")
+    for name in records:
+        if name not in asserted:
+            errors.append(f"recording rule {name}: no promql_expr_test with expected samples")
+    for name in sorted(set(fires | silent) - set(alerts)):
+        errors.append(f"tests name alert {name}, which the rules do not define")
+    oom = alerts.get("Step2OOMPredicted")
+    if oom is None or oom.get("for", "0m") not in ("0m", "0s", 0):
+        errors.append("Step2OOMPredicted must exist and have for: 0m (fire during step 1)")
+    for e in errors:
+        print(f"  FAIL {e}")
+    print(f"  {len(alerts)} alerts (each fires and stays silent in a test), {len(records)} recording rules asserted: "
+          + ("FAILED" if errors else "ok"))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

