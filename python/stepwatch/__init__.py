@@ -1,0 +1,50 @@
+"""stepwatch: tell the node-local stepwatch agent what each training step does.
+
+One line in a PyTorch training script::
+
+    import stepwatch
+    stepwatch.watch(model, optimizer)
+
+Markers (step begin, forward, backward, optimizer, step end, OOM) go to the
+agent over gRPC (``STEPWATCH_ENDPOINT``, default
+``unix:///run/stepwatch/stepwatch.sock``) from a background thread. Marking
+never blocks training; with no agent, markers are buffered up to a bound and
+then dropped and counted (:func:`stats`).
+"""
+
+from ._client import Prediction, StepwatchError
+from ._identity import DEFAULT_ENDPOINT, Identity, resolve_identity
+from ._runtime import (
+    WatchHandle,
+    __version__,
+    configure,
+    flush,
+    last_prediction,
+    oom_guard,
+    phase,
+    reset,
+    shutdown,
+    stats,
+    step,
+    watch,
+)
+
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "Identity",
+    "Prediction",
+    "StepwatchError",
+    "WatchHandle",
+    "__version__",
+    "configure",
+    "flush",
+    "last_prediction",
+    "oom_guard",
+    "phase",
+    "reset",
+    "resolve_identity",
+    "shutdown",
+    "stats",
+    "step",
+    "watch",
+]

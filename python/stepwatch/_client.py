@@ -1,0 +1,524 @@
+"""The marker queue and the background sender that owns the gRPC stream.
+
+The training thread only ever appends a tuple to a bounded deque. A daemon
+thread drains it, turns tuples into protobuf messages and writes them to the
+agent's bidirectional ``Ingest.Stream``; it reconnects with exponential backoff
+(sending a fresh Hello each time) and hands advisories to the logger and to the
+user's callback. Nothing here blocks or raises into training unless the client
+was made ``strict``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import random
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+log = logging.getLogger("stepwatch")
+
+# Marker kinds, as in stepwatch.v1.MarkerKind.
+STEP_BEGIN = 1
+FORWARD_BEGIN = 2
+BACKWARD_BEGIN = 3
+OPTIMIZER_BEGIN = 4
+OPTIMIZER_END = 5
+STEP_END = 6
+OOM = 7
+
+KIND_NAMES = {
+    STEP_BEGIN: "STEP_BEGIN",
+    FORWARD_BEGIN: "FORWARD_BEGIN",
+    BACKWARD_BEGIN: "BACKWARD_BEGIN",
+    OPTIMIZER_BEGIN: "OPTIMIZER_BEGIN",
+    OPTIMIZER_END: "OPTIMIZER_END",
+    STEP_END: "STEP_END",
+    OOM: "OOM",
+}
+
+MAX_MARKERS_PER_BATCH = 1024  # the agent's limit
+MAX_BATCH_BYTES = 60 * 1024  # the agent refuses messages over 64 KiB
+
+# (kind, step, monotonic_ns, wall_ns, micro_batch, allocator 7-tuple or None)
+MarkerTuple = Tuple[int, int, int, int, int, Optional[Tuple[int, ...]]]
+
+_monotonic_ns = time.monotonic_ns
+_time_ns = time.time_ns
+
+
+class StepwatchError(RuntimeError):
+    """Raised into training only by a client made with ``strict=True``."""
+
+
+@dataclass
+class Prediction:
+    """An advisory from the agent (``stepwatch.last_prediction()`` returns the latest)."""
+
+    kind: str
+    severity: str
+    message: str
+    step: int
+    predicted_peak_bytes: int
+    capacity_bytes: int
+    predicted_headroom_bytes: int
+    received_wall_ns: int = field(default_factory=time.time_ns)
+
+
+def _fmt_bytes(n: int) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{sign}{n / scale:.1f} {unit}"
+    return f"{sign}{n} B"
+
+
+def advisory_text(p: Prediction, rank: Optional[int] = None) -> str:
+    """The log line for an advisory, e.g. for a person reading training logs."""
+    who = f"rank {rank}, " if rank is not None else ""
+    text = f"stepwatch advisory ({who}step {p.step}): {p.message or p.kind}"
+    figures = []
+    if p.predicted_peak_bytes:
+        figures.append(f"predicted peak {_fmt_bytes(p.predicted_peak_bytes)}")
+    if p.capacity_bytes:
+        figures.append(f"GPU capacity {_fmt_bytes(p.capacity_bytes)}")
+    if p.predicted_peak_bytes or p.capacity_bytes:
+        figures.append(f"headroom {_fmt_bytes(p.predicted_headroom_bytes)}")
+    if figures:
+        text += " [" + ", ".join(figures) + "]"
+    return text
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+_all_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+class Client:
+    """One rank's connection to the agent. Cheap to create; starts its thread lazily.
+
+    ``hello_factory`` returns the Hello message to open each stream with; it is
+    called on the sender thread at every (re)connect, so identity and model facts
+    set after construction are picked up by the next stream.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        hello_factory: Callable[[], Any],
+        *,
+        queue_size: Optional[int] = None,
+        on_advisory: Optional[Callable[[Prediction], None]] = None,
+        strict: bool = False,
+        connect_timeout: Optional[float] = None,
+        backoff_initial: float = 0.1,
+        backoff_max: Optional[float] = None,
+        flush_interval: Optional[float] = None,
+        rank_for_logs: Optional[int] = None,
+    ) -> None:
+        self.target = target
+        self.hello_factory = hello_factory
+        self.maxlen = queue_size or _env_int("STEPWATCH_QUEUE_SIZE", 16384)
+        self.on_advisory = on_advisory
+        self.strict = strict
+        self.connect_timeout = (
+            connect_timeout
+            if connect_timeout is not None
+            else _env_float("STEPWATCH_CONNECT_TIMEOUT", 2.0)
+        )
+        self.backoff_initial = backoff_initial
+        self.backoff_max = (
+            backoff_max if backoff_max is not None else _env_float("STEPWATCH_BACKOFF_MAX", 10.0)
+        )
+        self.flush_interval = (
+            flush_interval
+            if flush_interval is not None
+            else _env_float("STEPWATCH_FLUSH_INTERVAL_MS", 10.0) / 1000.0
+        )
+        self.rank_for_logs = rank_for_logs
+        self._last_prediction: Optional[Prediction] = None
+        self._strict_error: Optional[BaseException] = None
+        self._reset_state()
+        _all_clients.add(self)
+
+    # ----------------------------------------------------------------- state
+    def _reset_state(self) -> None:
+        """Fresh queue, counters and thread state (also used in a forked child)."""
+        self._q: Deque[MarkerTuple] = collections.deque(maxlen=self.maxlen)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._channel: Any = None
+        self._connected = False
+        self._agent_absent = False
+        self._in_flight = 0
+        self._pid = os.getpid()
+        self.counters: Dict[str, int] = {
+            "enqueued": 0,  # markers handed to mark()
+            "sent": 0,  # markers written to a stream
+            "dropped": 0,  # markers lost because the queue was full
+            "batches": 0,  # MarkerBatch messages written
+            "connects": 0,  # streams opened (Hello sent)
+            "reconnects": 0,  # streams opened after the first one
+            "connect_failures": 0,  # attempts that found no agent
+            "stream_errors": 0,  # streams that ended with an error status
+            "rejections": 0,  # streams the agent refused (bad input / rate limit)
+            "advisories": 0,  # advisories received
+            "hook_errors": 0,  # internal errors swallowed in hooks
+        }
+        self._warned: Dict[str, float] = {}
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's thread and channel do not exist in the child; its queued
+        # markers belong to the parent. Start over, lazily.
+        self._reset_state()
+
+    # --------------------------------------------------------- training side
+    def mark(
+        self,
+        kind: int,
+        step: int,
+        micro_batch: int = 0,
+        allocator: Optional[Tuple[int, ...]] = None,
+    ) -> None:
+        """Queue one marker. Never blocks; counts a drop when the queue is full."""
+        q = self._q
+        if len(q) >= self.maxlen:
+            self.counters["dropped"] += 1  # the deque discards the oldest
+        q.append((kind, step, _monotonic_ns(), _time_ns(), micro_batch, allocator))
+        self.counters["enqueued"] += 1
+        if self._thread is None:
+            self._start()
+        if self._strict_error is not None and self.strict:
+            err, self._strict_error = self._strict_error, None
+            raise StepwatchError(str(err)) from err
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None or self._closed.is_set():
+                return
+            t = threading.Thread(target=self._run, name="stepwatch-sender", daemon=True)
+            self._thread = t
+            t.start()
+
+    def start(self) -> None:
+        """Start the sender now instead of at the first marker."""
+        if self._thread is None:
+            self._start()
+
+    def stats(self) -> Dict[str, Any]:
+        s: Dict[str, Any] = dict(self.counters)
+        s["queued"] = len(self._q)
+        s["connected"] = self._connected
+        s["endpoint"] = self.target
+        return s
+
+    def last_prediction(self) -> Optional[Prediction]:
+        return self._last_prediction
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Start the sender and wait until a stream is open (for strict mode and tests)."""
+        self.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._connected:
+                return True
+            time.sleep(0.01)
+        return self._connected
+
+    def flush(self, timeout: float = 1.0) -> bool:
+        """Wait (at most ``timeout`` s) until everything queued has been written."""
+        if self._thread is None:
+            return not self._q
+        deadline = time.monotonic() + timeout
+        self._wake.set()
+        while time.monotonic() < deadline:
+            if not self._q and self._in_flight == 0:
+                return True
+            if self._agent_absent:
+                return False
+            time.sleep(0.002)
+            self._wake.set()
+        return not self._q and self._in_flight == 0
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Flush for at most ``timeout`` seconds, end the stream, stop the thread."""
+        if os.getpid() != self._pid:
+            self._reset_state()
+        # Wait for delivery while a stream is open or still being opened; not when
+        # the last attempt found no agent (exit must stay quick then).
+        if self._thread is not None and (self._connected or not self._agent_absent):
+            self.flush(timeout)
+        self._closed.set()
+        self._wake.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(max(0.05, min(timeout, 0.5)))
+        ch = self._channel
+        if ch is not None:
+            try:
+                ch.close()
+            except Exception:  # pragma: no cover - best effort at shutdown
+                pass
+
+    # ----------------------------------------------------------- sender side
+    def _warn(self, key: str, msg: str, *args: Any, level: int = logging.WARNING) -> None:
+        """Log at most once a minute per key (an absent agent: once), then at DEBUG."""
+        now = time.monotonic()
+        last = self._warned.get(key)
+        if last is None or (now - last > 60.0 and key != "absent"):
+            self._warned[key] = now
+            log.log(level, msg, *args)
+        else:
+            log.debug(msg, *args)
+
+    def _run(self) -> None:
+        import grpc
+
+        from ._proto.stepwatch.v1 import ingest_pb2_grpc
+
+        backoff = self.backoff_initial
+        first = True
+        while not self._closed.is_set():
+            options = [
+                ("grpc.use_local_subchannel_pool", 1),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 2000),
+            ]
+            if self.target.startswith("unix"):
+                # grpc-core would send the socket path, percent-encoded, as
+                # :authority; the agent's HTTP/2 stack (hyper) resets such
+                # streams with PROTOCOL_ERROR.
+                options.append(("grpc.default_authority", "localhost"))
+            channel = grpc.insecure_channel(self.target, options=options)
+            self._channel = channel
+            healthy = False
+            try:
+                if not self._wait_ready(grpc, channel):
+                    if self._closed.is_set():
+                        break
+                    self.counters["connect_failures"] += 1
+                    self._agent_absent = True
+                    self._warn(
+                        "absent",
+                        "stepwatch: no agent at %s; training goes on, markers are kept "
+                        "(up to %d) and then dropped; retrying",
+                        self.target,
+                        self.maxlen,
+                    )
+                    continue
+                if self._agent_absent:
+                    log.info("stepwatch: connected to the agent at %s", self.target)
+                self._agent_absent = False
+                if self._closed.is_set():
+                    break
+                stub = ingest_pb2_grpc.IngestStub(channel)
+                stream = _StreamState()
+                call = stub.Stream(self._requests(stream))
+                self.counters["connects"] += 1
+                if not first:
+                    self.counters["reconnects"] += 1
+                first = False
+                try:
+                    for msg in call:
+                        healthy = True
+                        self._on_agent_message(msg)
+                    healthy = healthy or stream.hello_sent
+                    if not self._closed.is_set():
+                        self._warn("ended", "stepwatch: the agent closed the stream; reconnecting")
+                except grpc.RpcError as e:
+                    healthy = healthy or stream.batches > 0
+                    self._on_rpc_error(e)
+                finally:
+                    stream.closed = True
+                    self._connected = False
+                    self._in_flight = 0
+            except Exception as e:  # never let the sender die
+                self.counters["stream_errors"] += 1
+                self._warn("internal", "stepwatch: sender error: %r", e)
+            finally:
+                self._connected = False
+                try:
+                    channel.close()
+                except Exception:
+                    pass
+                self._channel = None
+            if self._closed.is_set():
+                break
+            if healthy:
+                backoff = self.backoff_initial
+            delay = backoff * (0.5 + random.random() / 2)
+            backoff = min(backoff * 2, self.backoff_max)
+            self._closed.wait(delay)
+
+    def _wait_ready(self, grpc: Any, channel: Any) -> bool:
+        """Wait for the channel to connect; give up on timeout or close()."""
+        fut = grpc.channel_ready_future(channel)
+        deadline = time.monotonic() + self.connect_timeout
+        try:
+            while not self._closed.is_set():
+                try:
+                    fut.result(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+                    return True
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() >= deadline:
+                        return False
+            return False
+        finally:
+            fut.cancel()
+
+    def _on_rpc_error(self, e: Any) -> None:
+        import grpc
+
+        code = e.code() if hasattr(e, "code") else None
+        details = e.details() if hasattr(e, "details") else str(e)
+        if self._closed.is_set() and code == grpc.StatusCode.CANCELLED:
+            return
+        self.counters["stream_errors"] += 1
+        name = code.name if code is not None else "UNKNOWN"
+        if code in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.OUT_OF_RANGE,
+            grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.UNAUTHENTICATED,
+        ):
+            self.counters["rejections"] += 1
+            self._warn(
+                f"reject-{name}",
+                "stepwatch: the agent rejected the stream (%s: %s); reconnecting",
+                name,
+                details,
+            )
+            if self.strict:
+                self._strict_error = StepwatchError(f"agent rejected the stream: {name}: {details}")
+        else:
+            self._warn(
+                f"err-{name}", "stepwatch: stream to the agent ended (%s: %s)", name, details
+            )
+
+    def _on_agent_message(self, msg: Any) -> None:
+        if msg.WhichOneof("kind") != "advisory":
+            return
+        a = msg.advisory
+        from ._proto.stepwatch.v1 import ingest_pb2 as pb
+
+        p = Prediction(
+            kind=pb.AdvisoryKind.Name(a.kind)
+            if a.kind in pb.AdvisoryKind.values()
+            else str(a.kind),
+            severity=pb.Severity.Name(a.severity)
+            if a.severity in pb.Severity.values()
+            else str(a.severity),
+            message=a.message,
+            step=a.step,
+            predicted_peak_bytes=a.predicted_peak_bytes,
+            capacity_bytes=a.capacity_bytes,
+            predicted_headroom_bytes=a.predicted_headroom_bytes,
+        )
+        self._last_prediction = p
+        self.counters["advisories"] += 1
+        level = logging.INFO if a.severity == pb.SEVERITY_INFO else logging.WARNING
+        log.log(level, "%s", advisory_text(p, self.rank_for_logs))
+        cb = self.on_advisory
+        if cb is not None:
+            try:
+                cb(p)
+            except Exception:
+                log.exception("stepwatch: on_advisory callback raised")
+
+    def _requests(self, stream: _StreamState):
+        from ._proto.stepwatch.v1 import ingest_pb2 as pb
+
+        yield pb.ClientMessage(hello=self.hello_factory())
+        stream.hello_sent = True
+        self._connected = True
+        q = self._q
+        interval = self.flush_interval
+        while not stream.closed:
+            if q:
+                items: List[MarkerTuple] = []
+                size = 0
+                while q and len(items) < MAX_MARKERS_PER_BATCH:
+                    try:
+                        t = q.popleft()
+                    except IndexError:
+                        break
+                    items.append(t)
+                    size += 40 if t[5] is None else 120  # generous upper bounds
+                    if size >= MAX_BATCH_BYTES:
+                        break
+                n = len(items)
+                self._in_flight = n
+                msg = pb.ClientMessage(
+                    markers=pb.MarkerBatch(markers=[_to_pb(pb, t) for t in items])
+                )
+                stream.batches += 1
+                self.counters["sent"] += n
+                self.counters["batches"] += 1
+                yield msg
+                # grpc asks for the next message once this one went out.
+                self._in_flight = 0
+                continue
+            if self._closed.is_set():
+                return  # half-close: the agent sees the end of our stream
+            self._wake.wait(interval)
+            self._wake.clear()
+
+
+class _StreamState:
+    __slots__ = ("closed", "hello_sent", "batches")
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.hello_sent = False
+        self.batches = 0
+
+
+def _to_pb(pb: Any, t: MarkerTuple) -> Any:
+    kind, step, mono, wall, micro, alloc = t
+    m = pb.Marker(kind=kind, step=step, monotonic_ns=mono, wall_ns=wall, micro_batch=micro)
+    if alloc is not None:
+        a = m.allocator
+        (
+            a.allocated_bytes,
+            a.allocated_peak_bytes,
+            a.reserved_bytes,
+            a.reserved_peak_bytes,
+            a.active_bytes,
+            a.active_peak_bytes,
+            a.num_alloc_retries,
+        ) = alloc
+    return m
+
+
+def _after_fork_in_child() -> None:
+    for c in list(_all_clients):
+        try:
+            c._after_fork_in_child()
+        except Exception:  # pragma: no cover
+            pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,147 @@
+"""Who this process is: rank, job, node, pod — from the launcher's environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+DEFAULT_ENDPOINT = "unix:///run/stepwatch/stepwatch.sock"
+_K8S_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+_BAD_CHARS = re.compile(r"[^A-Za-z0-9._:/@+\-]")
+MAX_ID_LEN = 128
+
+
+def sanitize_id(value: str) -> str:
+    """Fit a string to the agent's identifier rules: 1..=128 of [A-Za-z0-9._:/@+-]."""
+    return _BAD_CHARS.sub("_", value)[:MAX_ID_LEN]
+
+
+@dataclass
+class Identity:
+    job_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    node_name: str
+    pod: str = ""
+    namespace: str = ""
+    source: str = "default"  # which launcher the figures came from, for logs
+
+
+def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
+    for name in names:
+        raw = env.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            return int(raw.strip())
+        except ValueError:
+            continue
+    return None
+
+
+def resolve_identity(
+    env: Optional[Mapping[str, str]] = None,
+    *,
+    job_id: Optional[str] = None,
+    rank: Optional[int] = None,
+    local_rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    node_name: Optional[str] = None,
+    pod: Optional[str] = None,
+    namespace: Optional[str] = None,
+    hostname: Optional[str] = None,
+    pid: Optional[int] = None,
+) -> Identity:
+    """Work out the rank's identity.
+
+    Precedence: explicit arguments, then STEPWATCH_* variables, then torchrun /
+    torch elastic (RANK, LOCAL_RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID), then Slurm
+    (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_ID), then a single-rank
+    default whose job id is "<host>-<pid>".
+    """
+    env = os.environ if env is None else env
+    hostname = hostname or socket.gethostname() or "localhost"
+    pid = os.getpid() if pid is None else pid
+
+    source = "default"
+    if env.get("RANK") is not None or env.get("TORCHELASTIC_RUN_ID") is not None:
+        source = "torchrun"
+        env_rank = _int(env, "STEPWATCH_RANK", "RANK")
+        env_local = _int(env, "STEPWATCH_LOCAL_RANK", "LOCAL_RANK")
+        env_world = _int(env, "STEPWATCH_WORLD_SIZE", "WORLD_SIZE")
+    elif env.get("SLURM_PROCID") is not None:
+        source = "slurm"
+        env_rank = _int(env, "STEPWATCH_RANK", "SLURM_PROCID")
+        env_local = _int(env, "STEPWATCH_LOCAL_RANK", "SLURM_LOCALID")
+        env_world = _int(env, "STEPWATCH_WORLD_SIZE", "SLURM_NTASKS", "SLURM_NPROCS")
+    else:
+        env_rank = _int(env, "STEPWATCH_RANK")
+        env_local = _int(env, "STEPWATCH_LOCAL_RANK")
+        env_world = _int(env, "STEPWATCH_WORLD_SIZE")
+
+    r = rank if rank is not None else (env_rank if env_rank is not None else 0)
+    lr = local_rank if local_rank is not None else (env_local if env_local is not None else 0)
+    ws = world_size if world_size is not None else (env_world if env_world is not None else 1)
+    r, lr, ws = max(0, int(r)), max(0, int(lr)), max(1, int(ws))
+    # The agent rejects rank >= world_size; an inconsistent environment must not
+    # cost the whole stream, so widen the world rather than lie about the rank.
+    ws = max(ws, r + 1, lr + 1)
+
+    job = job_id or env.get("STEPWATCH_JOB_ID")
+    if not job:
+        run_id = env.get("TORCHELASTIC_RUN_ID")
+        if run_id and run_id != "none":
+            job = run_id
+    if not job and env.get("SLURM_JOB_ID"):
+        job = env["SLURM_JOB_ID"]
+        if env.get("SLURM_STEP_ID"):
+            job = f"{job}.{env['SLURM_STEP_ID']}"
+    if not job and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        # torchrun without a rendezvous id: ranks share the master address.
+        job = f"torchrun-{env['MASTER_ADDR']}-{env['MASTER_PORT']}"
+    if not job and env.get("JOB_NAME"):
+        job = env["JOB_NAME"]
+    if not job:
+        job = f"{hostname}-{pid}"
+
+    in_k8s = bool(env.get("KUBERNETES_SERVICE_HOST"))
+    pod_name = (
+        pod
+        if pod is not None
+        else env.get("POD_NAME") or (env.get("HOSTNAME", "") if in_k8s else "")
+    )
+    ns = namespace if namespace is not None else env.get("POD_NAMESPACE", "")
+    if not ns and in_k8s:
+        try:
+            with open(_K8S_NAMESPACE_FILE) as f:
+                ns = f.read().strip()
+        except OSError:
+            ns = ""
+    node = node_name or env.get("STEPWATCH_NODE_NAME") or env.get("NODE_NAME") or hostname
+
+    return Identity(
+        job_id=sanitize_id(job) or "job",
+        rank=r,
+        local_rank=lr,
+        world_size=ws,
+        node_name=sanitize_id(node) or "localhost",
+        pod=sanitize_id(pod_name) if pod_name else "",
+        namespace=sanitize_id(ns) if ns else "",
+        source=source,
+    )
+
+
+def endpoint_target(endpoint: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> str:
+    """Turn STEPWATCH_ENDPOINT (``unix:///path`` or ``host:port``) into a gRPC target."""
+    env = os.environ if env is None else env
+    ep = (endpoint or env.get("STEPWATCH_ENDPOINT") or DEFAULT_ENDPOINT).strip()
+    for prefix in ("tcp://", "http://", "grpc://"):
+        if ep.startswith(prefix):
+            return ep[len(prefix) :]
+    if ep.startswith("/"):
+        return "unix://" + ep
+    return ep

@@ -1,0 +1,205 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OptimizerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OPTIMIZER_KIND_UNSPECIFIED: _ClassVar[OptimizerKind]
+    OPTIMIZER_KIND_ADAM: _ClassVar[OptimizerKind]
+    OPTIMIZER_KIND_SGD_MOMENTUM: _ClassVar[OptimizerKind]
+    OPTIMIZER_KIND_SGD: _ClassVar[OptimizerKind]
+    OPTIMIZER_KIND_OTHER: _ClassVar[OptimizerKind]
+
+class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRECISION_UNSPECIFIED: _ClassVar[Precision]
+    PRECISION_FP32: _ClassVar[Precision]
+    PRECISION_MIXED_BF16: _ClassVar[Precision]
+    PRECISION_MIXED_FP16: _ClassVar[Precision]
+    PRECISION_BF16: _ClassVar[Precision]
+
+class MarkerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MARKER_KIND_UNSPECIFIED: _ClassVar[MarkerKind]
+    STEP_BEGIN: _ClassVar[MarkerKind]
+    FORWARD_BEGIN: _ClassVar[MarkerKind]
+    BACKWARD_BEGIN: _ClassVar[MarkerKind]
+    OPTIMIZER_BEGIN: _ClassVar[MarkerKind]
+    OPTIMIZER_END: _ClassVar[MarkerKind]
+    STEP_END: _ClassVar[MarkerKind]
+    OOM: _ClassVar[MarkerKind]
+
+class AdvisoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ADVISORY_KIND_UNSPECIFIED: _ClassVar[AdvisoryKind]
+    ADVISORY_KIND_STEP2_OOM_PREDICTED: _ClassVar[AdvisoryKind]
+    ADVISORY_KIND_LOW_HEADROOM: _ClassVar[AdvisoryKind]
+    ADVISORY_KIND_RANK_DIVERGENCE: _ClassVar[AdvisoryKind]
+
+class Severity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SEVERITY_UNSPECIFIED: _ClassVar[Severity]
+    SEVERITY_INFO: _ClassVar[Severity]
+    SEVERITY_WARNING: _ClassVar[Severity]
+    SEVERITY_CRITICAL: _ClassVar[Severity]
+OPTIMIZER_KIND_UNSPECIFIED: OptimizerKind
+OPTIMIZER_KIND_ADAM: OptimizerKind
+OPTIMIZER_KIND_SGD_MOMENTUM: OptimizerKind
+OPTIMIZER_KIND_SGD: OptimizerKind
+OPTIMIZER_KIND_OTHER: OptimizerKind
+PRECISION_UNSPECIFIED: Precision
+PRECISION_FP32: Precision
+PRECISION_MIXED_BF16: Precision
+PRECISION_MIXED_FP16: Precision
+PRECISION_BF16: Precision
+MARKER_KIND_UNSPECIFIED: MarkerKind
+STEP_BEGIN: MarkerKind
+FORWARD_BEGIN: MarkerKind
+BACKWARD_BEGIN: MarkerKind
+OPTIMIZER_BEGIN: MarkerKind
+OPTIMIZER_END: MarkerKind
+STEP_END: MarkerKind
+OOM: MarkerKind
+ADVISORY_KIND_UNSPECIFIED: AdvisoryKind
+ADVISORY_KIND_STEP2_OOM_PREDICTED: AdvisoryKind
+ADVISORY_KIND_LOW_HEADROOM: AdvisoryKind
+ADVISORY_KIND_RANK_DIVERGENCE: AdvisoryKind
+SEVERITY_UNSPECIFIED: Severity
+SEVERITY_INFO: Severity
+SEVERITY_WARNING: Severity
+SEVERITY_CRITICAL: Severity
+
+class ClientMessage(_message.Message):
+    __slots__ = ("hello", "markers")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    MARKERS_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    markers: MarkerBatch
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., markers: _Optional[_Union[MarkerBatch, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("identity", "gpu_uuid", "pid", "framework", "framework_version", "model", "client_version")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    identity: Identity
+    gpu_uuid: str
+    pid: int
+    framework: str
+    framework_version: str
+    model: ModelFacts
+    client_version: str
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., gpu_uuid: _Optional[str] = ..., pid: _Optional[int] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., model: _Optional[_Union[ModelFacts, _Mapping]] = ..., client_version: _Optional[str] = ...) -> None: ...
+
+class Identity(_message.Message):
+    __slots__ = ("job_id", "rank", "local_rank", "world_size", "node_name", "pod", "namespace")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    local_rank: int
+    world_size: int
+    node_name: str
+    pod: str
+    namespace: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_name: _Optional[str] = ..., pod: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class ModelFacts(_message.Message):
+    __slots__ = ("parameter_count", "parameter_bytes", "optimizer", "state_bytes_per_parameter", "precision", "sharding_factor", "grad_accumulation_steps", "state_precreated", "grads_set_to_none")
+    PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_PER_PARAMETER_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    GRAD_ACCUMULATION_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STATE_PRECREATED_FIELD_NUMBER: _ClassVar[int]
+    GRADS_SET_TO_NONE_FIELD_NUMBER: _ClassVar[int]
+    parameter_count: int
+    parameter_bytes: int
+    optimizer: OptimizerKind
+    state_bytes_per_parameter: int
+    precision: Precision
+    sharding_factor: int
+    grad_accumulation_steps: int
+    state_precreated: bool
+    grads_set_to_none: bool
+    def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ...) -> None: ...
+
+class MarkerBatch(_message.Message):
+    __slots__ = ("markers",)
+    MARKERS_FIELD_NUMBER: _ClassVar[int]
+    markers: _containers.RepeatedCompositeFieldContainer[Marker]
+    def __init__(self, markers: _Optional[_Iterable[_Union[Marker, _Mapping]]] = ...) -> None: ...
+
+class Marker(_message.Message):
+    __slots__ = ("kind", "step", "monotonic_ns", "wall_ns", "allocator", "micro_batch")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MONOTONIC_NS_FIELD_NUMBER: _ClassVar[int]
+    WALL_NS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    kind: MarkerKind
+    step: int
+    monotonic_ns: int
+    wall_ns: int
+    allocator: AllocatorStats
+    micro_batch: int
+    def __init__(self, kind: _Optional[_Union[MarkerKind, str]] = ..., step: _Optional[int] = ..., monotonic_ns: _Optional[int] = ..., wall_ns: _Optional[int] = ..., allocator: _Optional[_Union[AllocatorStats, _Mapping]] = ..., micro_batch: _Optional[int] = ...) -> None: ...
+
+class AllocatorStats(_message.Message):
+    __slots__ = ("allocated_bytes", "allocated_peak_bytes", "reserved_bytes", "reserved_peak_bytes", "active_bytes", "active_peak_bytes", "num_alloc_retries")
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_ALLOC_RETRIES_FIELD_NUMBER: _ClassVar[int]
+    allocated_bytes: int
+    allocated_peak_bytes: int
+    reserved_bytes: int
+    reserved_peak_bytes: int
+    active_bytes: int
+    active_peak_bytes: int
+    num_alloc_retries: int
+    def __init__(self, allocated_bytes: _Optional[int] = ..., allocated_peak_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., reserved_peak_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., active_peak_bytes: _Optional[int] = ..., num_alloc_retries: _Optional[int] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("advisory",)
+    ADVISORY_FIELD_NUMBER: _ClassVar[int]
+    advisory: Advisory
+    def __init__(self, advisory: _Optional[_Union[Advisory, _Mapping]] = ...) -> None: ...
+
+class Advisory(_message.Message):
+    __slots__ = ("kind", "severity", "message", "step", "predicted_peak_bytes", "capacity_bytes", "predicted_headroom_bytes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_HEADROOM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kind: AdvisoryKind
+    severity: Severity
+    message: str
+    step: int
+    predicted_peak_bytes: int
+    capacity_bytes: int
+    predicted_headroom_bytes: int
+    def __init__(self, kind: _Optional[_Union[AdvisoryKind, str]] = ..., severity: _Optional[_Union[Severity, str]] = ..., message: _Optional[str] = ..., step: _Optional[int] = ..., predicted_peak_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., predicted_headroom_bytes: _Optional[int] = ...) -> None: ...

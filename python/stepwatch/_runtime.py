@@ -1,0 +1,509 @@
+"""The process-wide stepwatch state: one client and one step tracker per process (rank)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+from . import _torch
+from ._client import Client, Prediction, StepwatchError
+from ._identity import Identity, endpoint_target, resolve_identity
+from ._tracker import StepTracker
+
+log = logging.getLogger("stepwatch")
+
+__version__ = "0.1.0"
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+class _Runtime:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.client: Optional[Client] = None
+        self.tracker = StepTracker(self._emit)
+        self.identity_overrides: Dict[str, Any] = {}
+        self.identity: Optional[Identity] = None
+        self.endpoint: Optional[str] = None
+        self.on_advisory: Optional[Callable[[Prediction], None]] = None
+        self.strict = False
+        self.queue_size: Optional[int] = None
+        self.framework = "pytorch"
+        self.framework_version = ""
+        self.facts: Dict[str, Any] = {}
+        self.gpu_uuid = ""
+        self.allocator_stats = True
+        # CUDA device whose allocator figures go with each marker; None = none.
+        self.cuda_device: Optional[int] = None
+        self.cuda_checked = False
+        self.excepthook_installed = False
+        self._prev_excepthook: Any = None
+
+    # ------------------------------------------------------------ configure
+    def configure(
+        self,
+        *,
+        endpoint: Optional[str] = None,
+        job_id: Optional[str] = None,
+        rank: Optional[int] = None,
+        local_rank: Optional[int] = None,
+        world_size: Optional[int] = None,
+        node_name: Optional[str] = None,
+        pod: Optional[str] = None,
+        namespace: Optional[str] = None,
+        on_advisory: Optional[Callable[[Prediction], None]] = None,
+        strict: Optional[bool] = None,
+        queue_size: Optional[int] = None,
+        framework: Optional[str] = None,
+        framework_version: Optional[str] = None,
+        allocator_stats: Optional[bool] = None,
+    ) -> Client:
+        with self.lock:
+            overrides = dict(
+                job_id=job_id,
+                rank=rank,
+                local_rank=local_rank,
+                world_size=world_size,
+                node_name=node_name,
+                pod=pod,
+                namespace=namespace,
+            )
+            self.identity_overrides.update({k: v for k, v in overrides.items() if v is not None})
+            self.identity = None
+            if on_advisory is not None:
+                self.on_advisory = on_advisory
+            if strict is not None:
+                self.strict = strict
+            if queue_size is not None:
+                self.queue_size = queue_size
+            if framework is not None:
+                self.framework = framework
+            if framework_version is not None:
+                self.framework_version = framework_version
+            if allocator_stats is not None:
+                self.allocator_stats = allocator_stats
+            target = endpoint_target(endpoint or self.endpoint)
+            if endpoint is not None:
+                self.endpoint = endpoint
+            c = self.client
+            if c is not None and c.target != target:
+                c.close(timeout=0.2)
+                c = None
+            if c is None:
+                c = Client(
+                    target,
+                    self.hello,
+                    queue_size=self.queue_size,
+                    on_advisory=self._advisory,
+                    strict=self.strict,
+                )
+                self.client = c
+            else:
+                c.strict = self.strict
+            c.rank_for_logs = self.get_identity().rank
+            return c
+
+    def get_client(self) -> Client:
+        c = self.client
+        if c is None:
+            c = self.configure()
+        return c
+
+    def get_identity(self) -> Identity:
+        ident = self.identity
+        if ident is None:
+            ident = resolve_identity(**self.identity_overrides)
+            self.identity = ident
+        return ident
+
+    def _advisory(self, p: Prediction) -> None:
+        cb = self.on_advisory
+        if cb is not None:
+            cb(p)
+
+    def hello(self) -> Any:
+        from ._proto.stepwatch.v1 import ingest_pb2 as pb
+
+        ident = self.get_identity()
+        fw_version = self.framework_version
+        if not fw_version and self.framework == "pytorch":
+            fw_version = _torch.torch_version()
+        h = pb.Hello(
+            identity=pb.Identity(
+                job_id=ident.job_id,
+                rank=ident.rank,
+                local_rank=ident.local_rank,
+                world_size=ident.world_size,
+                node_name=ident.node_name,
+                pod=ident.pod,
+                namespace=ident.namespace,
+            ),
+            gpu_uuid=self.gpu_uuid,
+            pid=os.getpid(),
+            framework=self.framework,
+            framework_version=_torch.sanitize_version(fw_version),
+            client_version=__version__,
+        )
+        facts = self.facts
+        if facts:
+            m = h.model
+            for key, value in facts.items():
+                if value is not None:
+                    setattr(m, key, value)
+        return h
+
+    # -------------------------------------------------------------- markers
+    def _emit(self, kind: int, step: int, micro: int) -> None:
+        alloc = None
+        if self.allocator_stats:
+            if not self.cuda_checked and kind == 1:  # STEP_BEGIN: look for CUDA once
+                self.cuda_checked = True
+                if self.cuda_device is None:
+                    self.cuda_device = _torch.active_cuda_device()
+            dev = self.cuda_device
+            if dev is not None:
+                alloc = _torch.allocator_figures(dev)
+        c = self.client
+        if c is None:
+            c = self.get_client()
+        c.mark(kind, step, micro, alloc)
+
+    def guarded(self, fn: Callable[[], None]) -> None:
+        """Run a marking action from a hook: never raise into training unless strict."""
+        try:
+            fn()
+        except StepwatchError:
+            if self.strict:
+                raise
+        except Exception as e:
+            c = self.client
+            if c is not None:
+                c.counters["hook_errors"] += 1
+            if self.strict:
+                raise
+            log.debug("stepwatch: marking failed: %r", e)
+
+    def report_oom(self, exc: BaseException) -> None:
+        """Send the OOM marker for ``exc`` once, and give it a short chance to go out."""
+        if getattr(exc, "_stepwatch_oom_reported", False):
+            return
+        try:
+            exc._stepwatch_oom_reported = True  # type: ignore[attr-defined]
+        except Exception:
+            pass
+        try:
+            self.tracker.oom()
+            c = self.client
+            if c is not None:
+                c.flush(timeout=_oom_flush_timeout())
+        except Exception as e:  # the OOM is what matters; never mask it
+            log.debug("stepwatch: could not report OOM: %r", e)
+
+    # ------------------------------------------------------------ excepthook
+    def install_excepthook(self) -> None:
+        with self.lock:
+            if self.excepthook_installed:
+                return
+            self._prev_excepthook = sys.excepthook
+            sys.excepthook = self._excepthook
+            self.excepthook_installed = True
+
+    def remove_excepthook(self) -> None:
+        with self.lock:
+            if not self.excepthook_installed:
+                return
+            if sys.excepthook == self._excepthook:
+                sys.excepthook = self._prev_excepthook
+            self.excepthook_installed = False
+
+    def _excepthook(self, etype: Any, value: Any, tb: Any) -> None:
+        try:
+            if value is not None and _torch.is_oom(value):
+                self.report_oom(value)
+        finally:
+            prev = self._prev_excepthook or sys.__excepthook__
+            prev(etype, value, tb)
+
+    # --------------------------------------------------------------- atexit
+    def shutdown(self) -> None:
+        c = self.client
+        if c is not None:
+            try:
+                c.close(timeout=_exit_flush_timeout())
+            except Exception:
+                pass
+
+
+def _float_env(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _oom_flush_timeout() -> float:
+    return _float_env("STEPWATCH_OOM_FLUSH_S", 0.5)
+
+
+def _exit_flush_timeout() -> float:
+    return _float_env("STEPWATCH_EXIT_FLUSH_S", 1.0)
+
+
+RT = _Runtime()
+atexit.register(RT.shutdown)
+
+
+def _after_fork_in_child() -> None:
+    # The child keeps the tracker's step numbers (it is the same program) and
+    # gets a fresh lock; its Client resets itself (see _client).
+    RT.lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# ---------------------------------------------------------------------- API
+class WatchHandle:
+    """What ``watch()`` returns. ``remove()`` takes every hook out again."""
+
+    def __init__(self) -> None:
+        self._handles: List[Any] = []
+        self._excepthook = False
+        self.removed = False
+
+    def remove(self) -> None:
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:
+                pass
+        self._handles.clear()
+        if self._excepthook:
+            RT.remove_excepthook()
+            self._excepthook = False
+        self.removed = True
+
+    def __enter__(self) -> WatchHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def watch(
+    model: Any,
+    optimizer: Any = None,
+    *,
+    job_id: Optional[str] = None,
+    rank: Optional[int] = None,
+    local_rank: Optional[int] = None,
+    world_size: Optional[int] = None,
+    endpoint: Optional[str] = None,
+    on_advisory: Optional[Callable[[Prediction], None]] = None,
+    strict: bool = False,
+    grad_accumulation_steps: Optional[int] = None,
+    precision: Optional[str] = None,
+    sharding_factor: Optional[int] = None,
+    grads_set_to_none: Optional[bool] = None,
+    queue_size: Optional[int] = None,
+    allocator_stats: bool = True,
+    oom_excepthook: bool = True,
+    framework: str = "pytorch",
+    framework_version: Optional[str] = None,
+    connect_timeout: Optional[float] = None,
+) -> WatchHandle:
+    """Hook a PyTorch model (and its optimizer) so every training step is reported.
+
+    One line in a training script::
+
+        handle = stepwatch.watch(model, optimizer)
+
+    Markers: the first forward of a step opens it (STEP_BEGIN, FORWARD_BEGIN);
+    the gradient reaching the model's output marks BACKWARD_BEGIN; the
+    optimizer's step pre/post hooks mark OPTIMIZER_BEGIN/END and close the step
+    (STEP_END). Further forward/backward pairs before the optimizer step are
+    micro-batches (gradient accumulation). Forwards in eval mode or under
+    ``torch.no_grad()`` are ignored.
+
+    With ``strict=True`` the agent must answer within ``connect_timeout``
+    seconds (else :class:`StepwatchError`), and marking errors and agent
+    rejections are raised into training instead of being counted.
+    """
+    torch = _torch.require_torch()
+    with RT.lock:
+        RT.gpu_uuid = _torch.gpu_uuid_for(model)
+        RT.cuda_device = _torch.model_cuda_device(model)
+        RT.cuda_checked = RT.cuda_device is not None
+        RT.facts = _torch.model_facts(
+            model,
+            optimizer,
+            grad_accumulation_steps=grad_accumulation_steps,
+            precision=precision,
+            sharding_factor=sharding_factor,
+            grads_set_to_none=grads_set_to_none,
+        )
+        RT.tracker.grad_accumulation_steps = grad_accumulation_steps
+        client = RT.configure(
+            endpoint=endpoint,
+            job_id=job_id,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            on_advisory=on_advisory,
+            strict=strict,
+            queue_size=queue_size,
+            framework=framework,
+            framework_version=framework_version or torch.__version__,
+            allocator_stats=allocator_stats,
+        )
+    handle = WatchHandle()
+    handle._handles += _torch.install_module_hooks(RT, model)
+    if optimizer is not None:
+        handle._handles += _torch.install_optimizer_hooks(RT, optimizer)
+    if oom_excepthook:
+        RT.install_excepthook()
+        handle._excepthook = True
+    if strict:
+        timeout = connect_timeout if connect_timeout is not None else client.connect_timeout
+        if not client.wait_connected(timeout + 0.5):
+            handle.remove()
+            raise StepwatchError(f"no stepwatch agent answered at {client.target}")
+    else:
+        client.start()  # connect in the background while the first batch loads
+    return handle
+
+
+@contextlib.contextmanager
+def step(number: Optional[int] = None) -> Iterator[int]:
+    """Mark one training step by hand: ``with stepwatch.step(i): ...``.
+
+    ``number`` is the 1-based optimizer step (default: the next one). A CUDA
+    out-of-memory error escaping the block is reported (OOM marker) before it
+    propagates; no error is ever swallowed.
+    """
+    tr = RT.tracker
+    n: List[int] = [number or 0]
+
+    def begin() -> None:
+        n[0] = tr.begin_step(number, manual=True)
+
+    RT.guarded(begin)
+    try:
+        yield n[0]
+    except BaseException as e:
+        if _torch.is_oom(e):
+            RT.report_oom(e)
+        else:
+            RT.guarded(tr.abandon_step)
+        raise
+    else:
+        RT.guarded(tr.end_step)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Mark a phase by hand: ``with stepwatch.phase("forward"): ...``.
+
+    ``name`` is "forward", "backward" or "optimizer". Outside a ``step()`` block
+    the first phase of a step opens it and the end of "optimizer" closes it.
+    """
+    if name not in PHASES:
+        raise ValueError(f"unknown phase {name!r}; use one of {', '.join(PHASES)}")
+    tr = RT.tracker
+    begin = {"forward": tr.forward, "backward": tr.backward, "optimizer": tr.optimizer_begin}[name]
+    RT.guarded(begin)
+    try:
+        yield
+    except BaseException as e:
+        if _torch.is_oom(e):
+            RT.report_oom(e)
+        raise
+    else:
+        if name == "optimizer":
+            RT.guarded(tr.optimizer_end)
+
+
+@contextlib.contextmanager
+def oom_guard() -> Iterator[None]:
+    """Report a CUDA OOM escaping the block (then let it propagate)."""
+    try:
+        yield
+    except BaseException as e:
+        if _torch.is_oom(e):
+            RT.report_oom(e)
+        raise
+
+
+def configure(**kwargs: Any) -> None:
+    """Set identity/endpoint/callback without hooking a model (for manual marking)."""
+    RT.configure(**kwargs)
+
+
+def stats() -> Dict[str, Any]:
+    """Counters of this process's client: sent, dropped, reconnects, … (see README)."""
+    c = RT.client
+    if c is None:
+        return {
+            "enqueued": 0,
+            "sent": 0,
+            "dropped": 0,
+            "batches": 0,
+            "connects": 0,
+            "reconnects": 0,
+            "connect_failures": 0,
+            "stream_errors": 0,
+            "rejections": 0,
+            "advisories": 0,
+            "hook_errors": 0,
+            "queued": 0,
+            "connected": False,
+            "endpoint": endpoint_target(RT.endpoint),
+        }
+    return c.stats()
+
+
+def last_prediction() -> Optional[Prediction]:
+    """The latest advisory from the agent, or None."""
+    c = RT.client
+    return None if c is None else c.last_prediction()
+
+
+def flush(timeout: float = 1.0) -> bool:
+    """Wait at most ``timeout`` s for queued markers to be written to the agent."""
+    c = RT.client
+    return True if c is None else c.flush(timeout)
+
+
+def shutdown(timeout: float = 1.0) -> None:
+    """Flush (bounded), end the stream and forget the client; the next marker starts anew."""
+    with RT.lock:
+        c, RT.client = RT.client, None
+    if c is not None:
+        c.close(timeout=timeout)
+
+
+def reset() -> None:
+    """Forget all state (client, step numbers, identity). Meant for tests."""
+    shutdown(timeout=0.2)
+    RT.remove_excepthook()
+    with RT.lock:
+        RT.tracker = StepTracker(RT._emit)
+        RT.identity_overrides = {}
+        RT.identity = None
+        RT.endpoint = None
+        RT.on_advisory = None
+        RT.strict = False
+        RT.queue_size = None
+        RT.framework = "pytorch"
+        RT.framework_version = ""
+        RT.facts = {}
+        RT.gpu_uuid = ""
+        RT.allocator_stats = True
+        RT.cuda_device = None
+        RT.cuda_checked = False

@@ -1,0 +1,342 @@
+"""Everything that touches PyTorch. torch is imported lazily, only when used."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._runtime import _Runtime
+
+log = logging.getLogger("stepwatch")
+
+# stepwatch.v1 enum values
+OPT_ADAM, OPT_SGD_MOMENTUM, OPT_SGD, OPT_OTHER = 1, 2, 3, 4
+PRECISIONS = {
+    "fp32": 1,
+    "32": 1,
+    "32-true": 1,
+    "bf16-mixed": 2,
+    "mixed-bf16": 2,
+    "fp16-mixed": 3,
+    "16-mixed": 3,
+    "mixed-fp16": 3,
+    "bf16": 4,
+    "bf16-true": 4,
+}
+
+_VERSION_BAD = re.compile(r"[^A-Za-z0-9._:/@+\-]")
+
+
+def require_torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("stepwatch.watch() needs PyTorch (pip install torch)") from e
+    return torch
+
+
+def torch_version() -> str:
+    torch = sys.modules.get("torch")
+    return getattr(torch, "__version__", "") if torch is not None else ""
+
+
+def sanitize_version(v: str) -> str:
+    return _VERSION_BAD.sub("_", str(v))[:128]
+
+
+# ------------------------------------------------------------------ OOM
+def is_oom(exc: BaseException) -> bool:
+    """True for torch.cuda.OutOfMemoryError (and the older RuntimeError form)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        cls = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
+        if cls is not None and isinstance(exc, cls):
+            return True
+    return isinstance(exc, RuntimeError) and "CUDA out of memory" in str(exc)
+
+
+# ------------------------------------------------------------- devices
+def _first_param(model: Any) -> Any:
+    try:
+        return next(iter(model.parameters()))
+    except (StopIteration, AttributeError, TypeError):
+        return None
+
+
+def model_cuda_device(model: Any) -> Optional[int]:
+    p = _first_param(model)
+    if p is None or getattr(p.device, "type", None) != "cuda":
+        return None
+    idx = p.device.index
+    if idx is None:
+        import torch
+
+        idx = torch.cuda.current_device()
+    return int(idx)
+
+
+def active_cuda_device() -> Optional[int]:
+    """The current CUDA device if this process already initialised CUDA, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return int(torch.cuda.current_device())
+    except Exception:
+        pass
+    return None
+
+
+def gpu_uuid_for(model: Any) -> str:
+    dev = model_cuda_device(model)
+    if dev is None:
+        return ""
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(dev).uuid)
+    except Exception:
+        return ""
+    if uuid and not uuid.startswith(("GPU-", "MIG-")):
+        uuid = "GPU-" + uuid
+    return uuid
+
+
+_memory_stats_fast: Any = None
+
+
+def allocator_figures(device: int) -> Optional[Tuple[int, ...]]:
+    """(allocated, allocated peak, reserved, reserved peak, active, active peak, retries)."""
+    global _memory_stats_fast
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if _memory_stats_fast is None:
+            _memory_stats_fast = getattr(torch._C, "_cuda_memoryStats", False)
+        if _memory_stats_fast:
+            s = _memory_stats_fast(device)
+            a, r, act = (
+                s["allocated_bytes"]["all"],
+                s["reserved_bytes"]["all"],
+                s["active_bytes"]["all"],
+            )
+            return (
+                int(a["current"]),
+                int(a["peak"]),
+                int(r["current"]),
+                int(r["peak"]),
+                int(act["current"]),
+                int(act["peak"]),
+                int(s.get("num_alloc_retries", 0)),
+            )
+        s = torch.cuda.memory_stats(device)
+        return (
+            int(s.get("allocated_bytes.all.current", 0)),
+            int(s.get("allocated_bytes.all.peak", 0)),
+            int(s.get("reserved_bytes.all.current", 0)),
+            int(s.get("reserved_bytes.all.peak", 0)),
+            int(s.get("active_bytes.all.current", 0)),
+            int(s.get("active_bytes.all.peak", 0)),
+            int(s.get("num_alloc_retries", 0)),
+        )
+    except Exception:
+        return None
+
+
+# --------------------------------------------------------- model facts
+def _optimizers(optimizer: Any) -> List[Any]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, (list, tuple)):
+        return [o for o in optimizer if o is not None]
+    return [optimizer]
+
+
+def optimizer_kind(optimizer: Any) -> Tuple[int, Optional[int]]:
+    """(OptimizerKind, state tensors per parameter or None when unknown)."""
+    import torch
+
+    opt = (
+        getattr(optimizer, "optimizer", None)
+        if not isinstance(optimizer, torch.optim.Optimizer)
+        else optimizer
+    )
+    opt = opt if opt is not None else optimizer  # LightningOptimizer / accelerate wrappers
+    groups = getattr(opt, "param_groups", None) or [{}]
+    g0 = groups[0]
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return OPT_ADAM, 3 if g0.get("amsgrad") else 2
+    if isinstance(opt, torch.optim.SGD):
+        if g0.get("momentum", 0):
+            return OPT_SGD_MOMENTUM, 1
+        return OPT_SGD, 0
+    name = type(opt).__name__.lower()
+    if name in ("adam", "adamw", "fusedadam", "deepspeedcpuadam", "adamw8bit"):
+        return OPT_ADAM, None
+    return OPT_OTHER, None
+
+
+def _state_exists(optimizer: Any) -> bool:
+    opt = getattr(optimizer, "optimizer", optimizer)
+    state = getattr(opt, "state", None)
+    if not state:
+        return False
+    try:
+        return any(bool(v) for v in state.values())
+    except Exception:
+        return False
+
+
+def model_facts(
+    model: Any,
+    optimizer: Any = None,
+    *,
+    grad_accumulation_steps: Optional[int] = None,
+    precision: Optional[str] = None,
+    sharding_factor: Optional[int] = None,
+    grads_set_to_none: Optional[bool] = None,
+) -> Dict[str, Any]:
+    """ModelFacts fields (unknown ones left out) from a model and its optimizer."""
+    facts: Dict[str, Any] = {}
+    count = 0
+    nbytes = 0
+    elem_size = None
+    dtypes = set()
+    try:
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            n = p.numel()
+            count += n
+            nbytes += n * p.element_size()
+            if elem_size is None:
+                elem_size = p.element_size()
+            dtypes.add(str(p.dtype))
+    except Exception:
+        pass
+    if count:
+        facts["parameter_count"] = count
+        facts["parameter_bytes"] = nbytes
+    opts = _optimizers(optimizer)
+    if opts:
+        kind, tensors = optimizer_kind(opts[0])
+        facts["optimizer"] = kind
+        if tensors is not None:
+            facts["state_bytes_per_parameter"] = tensors * (elem_size or 4)
+        facts["state_precreated"] = any(_state_exists(o) for o in opts)
+    if precision:
+        key = str(precision).lower()
+        if key not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; use one of {sorted(PRECISIONS)}")
+        facts["precision"] = PRECISIONS[key]
+    elif dtypes == {"torch.bfloat16"}:
+        facts["precision"] = PRECISIONS["bf16"]
+    if sharding_factor:
+        facts["sharding_factor"] = int(sharding_factor)
+    if grad_accumulation_steps:
+        facts["grad_accumulation_steps"] = int(grad_accumulation_steps)
+    if grads_set_to_none is not None:
+        facts["grads_set_to_none"] = bool(grads_set_to_none)
+    return facts
+
+
+# --------------------------------------------------------------- hooks
+def _tensors(obj: Any, depth: int = 0) -> Iterator[Any]:
+    """Tensors in a module output: a tensor, tuple/list, dict/ModelOutput (bounded)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 2:
+        if isinstance(obj, dict):
+            items = list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            items = list(obj)
+        else:
+            return
+        for item in items[:16]:
+            yield from _tensors(item, depth + 1)
+
+
+def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
+    """FORWARD_BEGIN on the top module's forward pre hook; BACKWARD_BEGIN when the
+    gradient reaches the model's output; OOM when a CUDA OOM escapes forward."""
+    import torch
+
+    def is_training(module: Any) -> bool:
+        return bool(getattr(module, "training", True)) and torch.is_grad_enabled()
+
+    def pre_hook(module: Any, args: Any) -> None:
+        if is_training(module):
+            rt.guarded(rt.tracker.forward)
+
+    def post_hook(module: Any, args: Any, output: Any) -> None:
+        exc = sys.exc_info()[1]
+        if exc is not None:  # forward raised; always_call hooks run inside `except`
+            if is_oom(exc):
+                rt.report_oom(exc)
+            return
+        if not is_training(module):
+            return
+        tracker = rt.tracker
+        token = (tracker.step, tracker.micro)
+        fired = [False]
+
+        def grad_hook(grad: Any) -> None:
+            if fired[0]:
+                return None
+            fired[0] = True
+            tr = rt.tracker
+            if (tr.step, tr.micro) == token:
+                rt.guarded(tr.backward)
+            return None
+
+        def register() -> None:
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(grad_hook)
+
+        rt.guarded(register)
+
+    handles = [model.register_forward_pre_hook(pre_hook)]
+    try:
+        handles.append(model.register_forward_hook(post_hook, always_call=True))
+    except TypeError:  # torch < 2.0: no always_call; forward OOM is then not seen here
+        handles.append(model.register_forward_hook(post_hook))
+    return handles
+
+
+def install_optimizer_hooks(rt: _Runtime, optimizer: Any, *, begin: bool = True) -> List[Any]:
+    """OPTIMIZER_BEGIN/END (and STEP_END) from Optimizer step pre/post hooks (torch >= 2.0).
+
+    With several optimizers the step closes after the last one in the list.
+    """
+    opts = _optimizers(optimizer)
+    handles: List[Any] = []
+    for i, opt in enumerate(opts):
+        opt = opt if hasattr(opt, "register_step_post_hook") else getattr(opt, "optimizer", opt)
+        if not hasattr(opt, "register_step_post_hook"):
+            log.warning(
+                "stepwatch: %s has no step hooks (needs torch >= 2.0); mark the optimizer "
+                "phase with stepwatch.phase('optimizer')",
+                type(opt).__name__,
+            )
+            continue
+        last = i == len(opts) - 1
+
+        def pre(o: Any, args: Any, kwargs: Any) -> None:
+            rt.guarded(rt.tracker.optimizer_begin)
+
+        def post(o: Any, args: Any, kwargs: Any, _last: bool = last) -> None:
+            if _last:
+                rt.guarded(rt.tracker.optimizer_end)
+
+        if begin:
+            handles.append(opt.register_step_pre_hook(pre))
+        handles.append(opt.register_step_post_hook(post))
+    return handles

@@ -1,0 +1,107 @@
+"""Hugging Face ``Trainer`` integration::
+
+    from stepwatch.transformers import StepwatchCallback
+    trainer = Trainer(..., callbacks=[StepwatchCallback()])
+
+Step and optimizer boundaries come from the Trainer's callback events
+(on_step_begin, on_pre_optimizer_step, on_optimizer_step, on_step_end);
+forward and backward from hooks on the model (as in ``stepwatch.watch``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - depends on what is installed
+    raise ImportError("stepwatch.transformers needs transformers (pip install transformers)") from e
+
+from . import _torch
+from ._client import Prediction
+from ._runtime import RT
+
+
+class StepwatchCallback(TrainerCallback):
+    """Reports each optimizer step of a ``transformers.Trainer`` to the stepwatch agent."""
+
+    def __init__(
+        self,
+        *,
+        job_id: Optional[str] = None,
+        endpoint: Optional[str] = None,
+        on_advisory: Optional[Callable[[Prediction], None]] = None,
+        precision: Optional[str] = None,
+        sharding_factor: Optional[int] = None,
+        strict: bool = False,
+    ) -> None:
+        self.job_id = job_id
+        self.endpoint = endpoint
+        self.on_advisory = on_advisory
+        self.precision = precision
+        self.sharding_factor = sharding_factor
+        self.strict = strict
+        self._handles: List[Any] = []
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        import transformers
+
+        model = kwargs.get("model")
+        optimizer = kwargs.get("optimizer")
+        gas = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        world = int(getattr(args, "world_size", 1) or 1)
+        precision = self.precision
+        if precision is None:
+            if getattr(args, "bf16", False):
+                precision = "bf16-mixed"
+            elif getattr(args, "fp16", False):
+                precision = "fp16-mixed"
+        if model is not None:
+            RT.gpu_uuid = _torch.gpu_uuid_for(model)
+            RT.cuda_device = _torch.model_cuda_device(model)
+            RT.cuda_checked = RT.cuda_device is not None
+            RT.facts = _torch.model_facts(
+                model,
+                optimizer,
+                grad_accumulation_steps=gas,
+                precision=precision,
+                sharding_factor=self.sharding_factor,
+            )
+        RT.tracker.grad_accumulation_steps = gas
+        RT.configure(
+            endpoint=self.endpoint,
+            job_id=self.job_id,
+            rank=int(getattr(args, "process_index", 0)) if world > 1 else None,
+            local_rank=int(getattr(args, "local_process_index", 0)) if world > 1 else None,
+            world_size=world if world > 1 else None,
+            on_advisory=self.on_advisory,
+            strict=self.strict,
+            framework="transformers",
+            framework_version=getattr(transformers, "__version__", ""),
+        ).start()
+        if model is not None and not self._handles:
+            self._handles = _torch.install_module_hooks(RT, model)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        RT.guarded(RT.tracker.end_step)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        tr = RT.tracker
+
+        def begin() -> None:
+            if not tr.in_step:
+                tr.begin_step()
+
+        RT.guarded(begin)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        RT.guarded(RT.tracker.optimizer_begin)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        RT.guarded(lambda: RT.tracker.optimizer_end(end_step=False))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        RT.guarded(RT.tracker.end_step)

@@ -1,0 +1,177 @@
+"""Shared fixtures: an in-process fake agent (a real gRPC server built from the stubs)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import threading
+import time
+from concurrent import futures
+from typing import Any, Callable, List, Optional
+
+import grpc
+import pytest
+
+import stepwatch
+from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
+from stepwatch._proto.stepwatch.v1 import ingest_pb2_grpc as pb_grpc
+
+KIND = {v: k for k, v in pb.MarkerKind.items()}
+
+
+class RecordedStream:
+    def __init__(self) -> None:
+        self.hello: Optional[pb.Hello] = None
+        self.messages: List[pb.ClientMessage] = []
+        self.markers: List[pb.Marker] = []
+        self.sizes: List[int] = []
+        self.ended = False  # the client half-closed
+        self.outbox: queue.Queue[Optional[pb.AgentMessage]] = queue.Queue()
+
+
+class FakeAgent(pb_grpc.IngestServicer):
+    """Records every stream; can reject streams and push advisories."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.endpoint = "unix://" + path
+        self.streams: List[RecordedStream] = []
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        # (code, details) to abort the next N streams with, after their Hello.
+        self.reject: List[Any] = []
+        self.on_marker: Optional[Callable[[RecordedStream, pb.Marker], None]] = None
+        self.server: Any = None
+
+    # grpc servicer
+    def Stream(self, request_iterator, context):  # noqa: N802 (grpc naming)
+        rec = RecordedStream()
+        with self.lock:
+            self.streams.append(rec)
+            reject = self.reject.pop(0) if self.reject else None
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "hello":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "first message must be a Hello")
+        with self.lock:
+            rec.hello = first.hello
+            rec.messages.append(first)
+            self.changed.notify_all()
+        if reject is not None:
+            context.abort(reject[0], reject[1])
+
+        def reader() -> None:
+            try:
+                for msg in request_iterator:
+                    if msg.WhichOneof("kind") != "markers":
+                        continue
+                    with self.lock:
+                        rec.messages.append(msg)
+                        rec.sizes.append(msg.ByteSize())
+                        rec.markers.extend(msg.markers.markers)
+                        self.changed.notify_all()
+                    cb = self.on_marker
+                    if cb is not None:
+                        for m in msg.markers.markers:
+                            cb(rec, m)
+            except Exception:
+                pass
+            finally:
+                with self.lock:
+                    rec.ended = True
+                    self.changed.notify_all()
+                rec.outbox.put(None)
+
+        threading.Thread(target=reader, daemon=True).start()
+        while True:
+            item = rec.outbox.get()
+            if item is None:
+                return
+            yield item
+
+    # helpers
+    def start(self) -> FakeAgent:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        pb_grpc.add_IngestServicer_to_server(self, self.server)
+        self.server.add_insecure_port("unix:" + self.path)
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            for s in list(self.streams):
+                s.outbox.put(None)
+            self.server.stop(grace=0).wait(5)
+            self.server = None
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def all_markers(self) -> List[pb.Marker]:
+        with self.lock:
+            return [m for s in self.streams for m in s.markers]
+
+    def wait_for(self, pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            while not pred():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(min(left, 0.05))
+        return True
+
+    def wait_markers(self, n: int, timeout: float = 10.0) -> List[pb.Marker]:
+        ok = self.wait_for(lambda: sum(len(s.markers) for s in self.streams) >= n, timeout)
+        got = self.all_markers()
+        assert ok, f"expected {n} markers, got {len(got)}: {summary(got)}"
+        return got
+
+    def advise(self, **fields: Any) -> None:
+        msg = pb.AgentMessage(advisory=pb.Advisory(**fields))
+        with self.lock:
+            streams = [s for s in self.streams if not s.ended]
+        for s in streams:
+            s.outbox.put(msg)
+
+
+def summary(markers: List[pb.Marker]) -> List[tuple]:
+    """Markers as (KIND, step, micro_batch) for readable asserts."""
+    return [(KIND[m.kind], m.step, m.micro_batch) for m in markers]
+
+
+@pytest.fixture
+def sock_dir():
+    # Unix socket paths are limited to ~100 bytes: keep them short.
+    with tempfile.TemporaryDirectory(prefix="sw-") as d:
+        yield d
+
+
+@pytest.fixture
+def agent(sock_dir, monkeypatch):
+    a = FakeAgent(os.path.join(sock_dir, "agent.sock")).start()
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", a.endpoint)
+    yield a
+    stepwatch.reset()
+    a.stop()
+
+
+@pytest.fixture(autouse=True)
+def clean_stepwatch(monkeypatch):
+    """Fresh client state per test; fast reconnects; no launcher variables leaking in."""
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "TORCHELASTIC_", "STEPWATCH_")) or name in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ):
+            if name != "STEPWATCH_SKIP_AGENT_TESTS" and name != "STEPWATCH_BIN":
+                monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("STEPWATCH_BACKOFF_MAX", "0.3")
+    monkeypatch.setenv("STEPWATCH_CONNECT_TIMEOUT", "0.5")
+    stepwatch.reset()
+    yield
+    stepwatch.reset()

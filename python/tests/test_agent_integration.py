@@ -1,0 +1,198 @@
+"""The Python client against the real Rust agent (``stepwatch agent``).
+
+The agent binary is ``$STEPWATCH_BIN`` or ``<repo>/target/debug/stepwatch``
+(build it with ``cargo build -p stepwatch``). When it is missing these tests
+FAIL; set ``STEPWATCH_SKIP_AGENT_TESTS=1`` to skip them on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+import stepwatch
+
+torch = pytest.importorskip("torch")
+
+REPO = Path(__file__).resolve().parents[2]
+PHASES = ["prologue", "forward", "backward", "optimizer", "epilogue"]
+
+
+def agent_binary() -> Path:
+    return Path(os.environ.get("STEPWATCH_BIN") or REPO / "target" / "debug" / "stepwatch")
+
+
+@pytest.fixture
+def real_agent(sock_dir, monkeypatch, tmp_path):
+    if os.environ.get("STEPWATCH_SKIP_AGENT_TESTS") == "1":
+        pytest.skip("STEPWATCH_SKIP_AGENT_TESTS=1")
+    binary = agent_binary()
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        pytest.fail(
+            f"stepwatch agent binary not found at {binary}: build it with "
+            "`cargo build -p stepwatch` (or set STEPWATCH_BIN), or set "
+            "STEPWATCH_SKIP_AGENT_TESTS=1 to skip the agent integration tests"
+        )
+    agent = _Agent(binary, sock_dir, tmp_path)
+    agent.start()
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", "unix://" + agent.socket)
+    yield agent
+    stepwatch.reset()
+    agent.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Agent:
+    def __init__(self, binary: Path, sock_dir: str, tmp_path: Path) -> None:
+        self.binary = binary
+        self.socket = os.path.join(sock_dir, "stepwatch.sock")
+        self.port = _free_port()
+        self.log = tmp_path / "agent.log"
+        self.proc = None
+
+    def start(self) -> None:
+        cmd = [
+            str(self.binary),
+            "agent",
+            "--socket",
+            self.socket,
+            "--http-listen",
+            f"127.0.0.1:{self.port}",
+            "--nvml-lib",
+            "/nonexistent",
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"agent exited with {self.proc.returncode}: {self.log.read_text()}")
+            try:
+                if os.path.exists(self.socket) and self.get("/healthz", raw=True) is not None:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"agent did not come up in 20 s: {self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def get(self, path: str, raw: bool = False):
+        url = f"http://127.0.0.1:{self.port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                body = r.read()
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
+        return body if raw else json.loads(body)
+
+    def rank_report(self, job: str, rank: int, steps: int, timeout: float = 15.0):
+        deadline = time.monotonic() + timeout
+        report = None
+        while time.monotonic() < deadline:
+            report = self.get(f"/api/v1/jobs/{job}/ranks/{rank}")
+            if report and report.get("steps_completed", 0) >= steps:
+                return report
+            time.sleep(0.1)
+        pytest.fail(
+            f"agent reported {report!r} for {job}/{rank} (wanted {steps} steps); "
+            f"client stats {stepwatch.stats()}; agent log:\n{self.log.read_text()[-4000:]}"
+        )
+
+
+def _train(steps: int, accumulate: int, **watch_opts) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    handle = stepwatch.watch(model, opt, grad_accumulation_steps=accumulate, **watch_opts)
+    try:
+        for _ in range(steps):
+            for _ in range(accumulate):
+                x, y = torch.randn(8, 16), torch.randn(8, 1)
+                (torch.nn.functional.mse_loss(model(x), y) / accumulate).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        handle.remove()
+
+
+def _expected_phases(accumulate: int):
+    out = [("prologue", 0)]
+    for m in range(accumulate):
+        out += [("forward", m), ("backward", m)]
+    return out + [("optimizer", None), ("epilogue", None)]
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_agent_reports_steps_and_phases(real_agent, accumulate):
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    _train(5, accumulate, job_id=job)
+    assert stepwatch.flush(5), stepwatch.stats()
+    report = real_agent.rank_report(job, 0, 5)
+    jobs = real_agent.get("/api/v1/jobs")
+    assert {"job": job, "ranks": [0]} in jobs["jobs"]
+    assert report["job"] == job and report["rank"] == 0
+    assert report["steps_completed"] == 5
+    steps = report["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+    for s in steps:
+        assert s["complete"] is True, s
+        assert s["duration_seconds"] >= 0
+        got = [(p["phase"], p["micro_batch"]) for p in s["phases"]]
+        want = _expected_phases(accumulate)
+        assert [g[0] for g in got] == [w[0] for w in want], s
+        assert [g[1] for g, w in zip(got, want) if w[1] is not None] == [
+            w[1] for w in want if w[1] is not None
+        ], s
+        starts = [p["start_monotonic_ns"] for p in s["phases"]]
+        assert starts == sorted(starts)
+        # The agent shares CLOCK_MONOTONIC with us.
+        assert starts[0] <= time.monotonic_ns()
+    st = stepwatch.stats()
+    assert st["dropped"] == 0 and st["rejections"] == 0, st
+
+
+def test_training_completes_with_agent_stopped(real_agent):
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    _train(2, 1, job_id=job)
+    assert stepwatch.flush(5)
+    real_agent.rank_report(job, 0, 2)
+    real_agent.stop()
+    t0 = time.monotonic()
+    _train(5, 2, job_id=job)  # same training, agent gone
+    assert time.monotonic() - t0 < 30
+    st = stepwatch.stats()
+    assert st["enqueued"] >= 2 * 6 + 5 * 8
+
+
+def test_training_completes_with_no_agent_at_all(sock_dir, monkeypatch):
+    if os.environ.get("STEPWATCH_SKIP_AGENT_TESTS") == "1":
+        pytest.skip("STEPWATCH_SKIP_AGENT_TESTS=1")
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", f"unix://{sock_dir}/absent.sock")
+    t0 = time.monotonic()
+    _train(5, 2)
+    assert time.monotonic() - t0 < 30
+    assert stepwatch.stats()["sent"] == 0

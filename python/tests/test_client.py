@@ -1,0 +1,272 @@
+"""The sender against an in-process fake agent: Hello, batching, outages, rejections,
+advisories, fork and shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import pytest
+from conftest import FakeAgent, summary
+
+import stepwatch
+from stepwatch._client import MAX_MARKERS_PER_BATCH, OPTIMIZER_BEGIN, STEP_BEGIN, STEP_END, Client
+from stepwatch._runtime import RT
+
+
+def mark_steps(n, start=1):
+    for i in range(start, start + n):
+        with stepwatch.step(i):
+            with stepwatch.phase("forward"):
+                pass
+            with stepwatch.phase("backward"):
+                pass
+            with stepwatch.phase("optimizer"):
+                pass
+
+
+def test_hello_first_then_markers_in_order(agent):
+    stepwatch.configure(job_id="job-1", rank=1, world_size=2)
+    mark_steps(2)
+    ms = agent.wait_markers(12)
+    s = agent.streams[0]
+    assert s.messages[0].WhichOneof("kind") == "hello"
+    assert (s.hello.identity.job_id, s.hello.identity.rank, s.hello.identity.world_size) == (
+        "job-1",
+        1,
+        2,
+    )
+    assert s.hello.pid == os.getpid() and s.hello.client_version == stepwatch.__version__
+    assert summary(ms) == [
+        ("STEP_BEGIN", 1, 0),
+        ("FORWARD_BEGIN", 1, 0),
+        ("BACKWARD_BEGIN", 1, 0),
+        ("OPTIMIZER_BEGIN", 1, 0),
+        ("OPTIMIZER_END", 1, 0),
+        ("STEP_END", 1, 0),
+        ("STEP_BEGIN", 2, 0),
+        ("FORWARD_BEGIN", 2, 0),
+        ("BACKWARD_BEGIN", 2, 0),
+        ("OPTIMIZER_BEGIN", 2, 0),
+        ("OPTIMIZER_END", 2, 0),
+        ("STEP_END", 2, 0),
+    ]
+    monos = [m.monotonic_ns for m in ms]
+    assert monos == sorted(monos) and monos[0] <= time.monotonic_ns()
+    assert abs(ms[0].wall_ns - time.time_ns()) < 60e9
+    assert not ms[0].HasField("allocator")  # CPU: no allocator figures
+
+
+def test_batches_respect_agent_limits(agent):
+    c = RT.get_client() if False else stepwatch._runtime.RT.get_client()
+    assert c.wait_connected(5)
+    n = 5000
+    for i in range(n):
+        c.mark(STEP_BEGIN, i + 1, 0, (10**12,) * 7)  # allocator figures: biggest markers
+    ms = agent.wait_markers(n)
+    assert [m.step for m in ms] == list(range(1, n + 1))
+    batches = agent.streams[0].messages[1:]
+    assert all(len(b.markers.markers) <= MAX_MARKERS_PER_BATCH for b in batches)
+    assert max(agent.streams[0].sizes) <= 64 * 1024
+    assert stepwatch.stats()["sent"] == n
+
+
+def test_agent_absent_never_blocks_and_counts_drops(sock_dir, monkeypatch):
+    path = os.path.join(sock_dir, "late.sock")
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", "unix://" + path)
+    stepwatch.configure(queue_size=100)
+    t0 = time.perf_counter()
+    mark_steps(50)  # 300 markers into a queue of 100
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 1.0, f"marking took {elapsed:.3f}s with no agent"
+    st = stepwatch.stats()
+    assert st["dropped"] == 200 and st["queued"] == 100 and st["sent"] == 0
+    time.sleep(0.8)  # at least one connect attempt times out
+    # The agent appears: the buffered (newest) markers arrive after a Hello.
+    late = FakeAgent(path).start()
+    try:
+        ms = late.wait_markers(100)
+        assert late.streams[0].hello.identity.job_id
+        assert [m.step for m in ms][-1] == 50
+        assert stepwatch.stats()["connect_failures"] >= 1
+    finally:
+        stepwatch.reset()
+        late.stop()
+
+
+def test_agent_restart_reconnects_with_new_hello(agent):
+    mark_steps(1)
+    agent.wait_markers(6)
+    agent.stop()
+    mark_steps(1, start=2)  # while the agent is gone
+    again = FakeAgent(agent.path).start()
+    try:
+        mark_steps(1, start=3)
+        ms = again.wait_markers(6)
+        assert again.streams[0].hello is not None
+        assert ms[-1].step == 3 and ms[-1].kind == STEP_END
+        st = stepwatch.stats()
+        assert st["reconnects"] >= 1 and st["connects"] >= 2
+    finally:
+        stepwatch.reset()
+        again.stop()
+
+
+def test_rejection_is_logged_and_retried(agent, caplog):
+    agent.reject = [(grpc.StatusCode.INVALID_ARGUMENT, "job_id: bad character")]
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        stepwatch.configure()
+        RT.get_client().start()
+        assert agent.wait_for(lambda: len(agent.streams) >= 2, 10)
+        mark_steps(1)
+        agent.wait_markers(6)
+    assert stepwatch.stats()["rejections"] == 1
+    assert any(
+        "rejected" in r.getMessage() and "bad character" in r.getMessage() for r in caplog.records
+    )
+
+
+def test_strict_raises_when_agent_rejects(agent):
+    agent.reject = [(grpc.StatusCode.INVALID_ARGUMENT, "rank 9 >= world_size 2")] * 50
+    stepwatch.configure(strict=True)
+    c = RT.get_client()
+    c.start()
+    assert agent.wait_for(lambda: len(agent.streams) >= 1, 10)
+    deadline = time.monotonic() + 5
+    with pytest.raises(stepwatch.StepwatchError, match="rank 9"):
+        while time.monotonic() < deadline:
+            c.mark(STEP_BEGIN, 1)
+            time.sleep(0.01)
+
+
+def test_not_strict_never_raises(sock_dir, monkeypatch):
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", "unix://" + os.path.join(sock_dir, "none.sock"))
+    mark_steps(3)
+    with pytest.raises(ZeroDivisionError):  # training errors still propagate untouched
+        with stepwatch.step():
+            raise ZeroDivisionError
+    assert stepwatch.stats()["enqueued"] == 19
+
+
+def test_advisory_logged_callback_and_last_prediction(agent, caplog):
+    got = []
+    stepwatch.configure(on_advisory=got.append, rank=3, world_size=4)
+    mark_steps(1)
+    agent.wait_markers(6)
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        agent.advise(
+            kind=1,
+            severity=3,
+            step=1,
+            message="predicted steady-state peak 81.2 GB exceeds capacity 80.0 GB; "
+            "step 2 will likely run out of memory",
+            predicted_peak_bytes=81_200_000_000,
+            capacity_bytes=80_000_000_000,
+            predicted_headroom_bytes=-1_200_000_000,
+        )
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert got and got[0].kind == "ADVISORY_KIND_STEP2_OOM_PREDICTED"
+    p = stepwatch.last_prediction()
+    assert p is got[0] and p.predicted_headroom_bytes == -1_200_000_000
+    text = [r.getMessage() for r in caplog.records if r.name == "stepwatch"]
+    assert any("step 2 will likely run out of memory" in t and "rank 3" in t for t in text)
+    assert stepwatch.stats()["advisories"] == 1
+
+
+def test_failing_callback_does_not_break_the_stream(agent):
+    def boom(p):
+        raise RuntimeError("user bug")
+
+    stepwatch.configure(on_advisory=boom)
+    mark_steps(1)
+    agent.wait_markers(6)
+    agent.advise(kind=2, severity=1, message="low headroom", step=1)
+    time.sleep(0.2)
+    mark_steps(1, start=2)
+    agent.wait_markers(12)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_fork_child_gets_fresh_sender(agent):
+    mark_steps(1)
+    agent.wait_markers(6)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: marking must not block, state must be fresh
+        try:
+            st = stepwatch.stats()
+            t0 = time.perf_counter()
+            RT.get_client().mark(OPTIMIZER_BEGIN, 2)
+            ok = st["enqueued"] == 0 and time.perf_counter() - t0 < 0.5
+            os.write(w, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.waitpid(pid, 0)
+    mark_steps(1, start=2)  # the parent's stream still works
+    ms = agent.wait_markers(12)
+    assert ms[-1].step == 2
+
+
+def test_dataloader_workers_do_not_deadlock(agent):
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepwatch.watch(model, opt)
+    ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+    dl = torch.utils.data.DataLoader(
+        ds, batch_size=8, num_workers=2, multiprocessing_context="fork"
+    )
+    for x, y in dl:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert agent.wait_markers(24)[-1].step == 4
+
+
+SCRIPT = textwrap.dedent("""
+    import stepwatch
+    for i in range(1, 4):
+        with stepwatch.step(i):
+            with stepwatch.phase("forward"):
+                pass
+    print("done", flush=True)
+""")
+
+
+def test_exit_flushes_within_bound(agent):
+    env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint)
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - t0 < 10
+    ms = agent.wait_markers(9)
+    assert [m.kind for m in ms].count(STEP_END) == 3
+    assert agent.wait_for(lambda: agent.streams[-1].ended, 5)  # clean half-close
+
+
+def test_exit_with_no_agent_is_quick(sock_dir):
+    env = dict(os.environ, STEPWATCH_ENDPOINT="unix://" + os.path.join(sock_dir, "x.sock"))
+    t0 = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0 and "done" in out.stdout, out.stderr
+    assert time.monotonic() - t0 < 8
+
+
+def test_client_without_thread_flush_is_noop():
+    c = Client("unix:///nonexistent", lambda: None)
+    assert c.flush(0.1) is True
+    c.close(0.1)

@@ -1,0 +1,84 @@
+from stepwatch._identity import DEFAULT_ENDPOINT, endpoint_target, resolve_identity, sanitize_id
+
+
+def ident(env, **kw):
+    return resolve_identity(env, hostname="node-a", pid=42, **kw)
+
+
+def test_default_is_single_rank_job_named_after_host_and_pid():
+    i = ident({})
+    assert (i.job_id, i.rank, i.local_rank, i.world_size, i.node_name) == (
+        "node-a-42",
+        0,
+        0,
+        1,
+        "node-a",
+    )
+    assert (i.pod, i.namespace) == ("", "")
+
+
+def test_torchrun():
+    env = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "run-7"}
+    i = ident(env)
+    assert (i.job_id, i.rank, i.local_rank, i.world_size, i.source) == (
+        "run-7",
+        3,
+        1,
+        8,
+        "torchrun",
+    )
+
+
+def test_torchrun_without_rendezvous_id_uses_master_address():
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "none",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
+    }
+    assert ident(env).job_id == "torchrun-10.0.0.1-29500"
+
+
+def test_slurm():
+    env = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16", "SLURM_JOB_ID": "991"}
+    i = ident(env)
+    assert (i.job_id, i.rank, i.local_rank, i.world_size, i.source) == ("991", 5, 1, 16, "slurm")
+
+
+def test_kubernetes_pod_and_namespace():
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "HOSTNAME": "train-0", "POD_NAMESPACE": "ml"}
+    i = ident(env)
+    assert (i.pod, i.namespace) == ("train-0", "ml")
+    i = ident({"POD_NAME": "p-1", "POD_NAMESPACE": "ns", "NODE_NAME": "gpu-node-3"})
+    assert (i.pod, i.namespace, i.node_name) == ("p-1", "ns", "gpu-node-3")
+
+
+def test_explicit_overrides_beat_environment():
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "8",
+        "TORCHELASTIC_RUN_ID": "run-7",
+        "STEPWATCH_JOB_ID": "env-job",
+    }
+    assert ident(env).job_id == "env-job"
+    i = ident(env, job_id="mine", rank=5)
+    assert (i.job_id, i.rank, i.world_size) == ("mine", 5, 8)
+
+
+def test_inconsistent_rank_widens_world_instead_of_being_rejected():
+    i = ident({"RANK": "4", "WORLD_SIZE": "2"})
+    assert i.rank == 4 and i.world_size == 5
+
+
+def test_identifiers_fit_the_agent_charset():
+    assert sanitize_id("my job #1 (ü)") == "my_job__1____"
+    assert len(ident({}, job_id="x" * 300).job_id) == 128
+
+
+def test_endpoint_forms():
+    assert endpoint_target(env={}) == DEFAULT_ENDPOINT
+    assert endpoint_target(env={"STEPWATCH_ENDPOINT": "unix:///tmp/s.sock"}) == "unix:///tmp/s.sock"
+    assert endpoint_target(env={"STEPWATCH_ENDPOINT": "127.0.0.1:7070"}) == "127.0.0.1:7070"
+    assert endpoint_target(env={"STEPWATCH_ENDPOINT": "/tmp/s.sock"}) == "unix:///tmp/s.sock"
+    assert endpoint_target("tcp://h:1", env={}) == "h:1"

@@ -1,0 +1,255 @@
+"""stepwatch.watch() on a real PyTorch model (CPU path runs every hook)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import summary
+
+import stepwatch
+
+torch = pytest.importorskip("torch")
+
+STEP = [
+    "STEP_BEGIN",
+    "FORWARD_BEGIN",
+    "BACKWARD_BEGIN",
+    "OPTIMIZER_BEGIN",
+    "OPTIMIZER_END",
+    "STEP_END",
+]
+
+
+def small_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def train(model, opt, steps, accumulate=1):
+    for _ in range(steps):
+        for _ in range(accumulate):
+            x, y = torch.randn(4, 8), torch.randn(4, 1)
+            loss = torch.nn.functional.mse_loss(model(x), y) / accumulate
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_steps_and_phases(agent):
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stepwatch.watch(model, opt)
+    train(model, opt, 3)
+    ms = agent.wait_markers(18)
+    assert summary(ms) == [(k, s, 0) for s in (1, 2, 3) for k in STEP]
+
+
+def test_gradient_accumulation_micro_batches(agent):
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stepwatch.watch(model, opt, grad_accumulation_steps=3)
+    train(model, opt, 2, accumulate=3)
+    ms = agent.wait_markers(2 * 10)
+    assert summary(ms)[:10] == [
+        ("STEP_BEGIN", 1, 0),
+        ("FORWARD_BEGIN", 1, 0),
+        ("BACKWARD_BEGIN", 1, 0),
+        ("FORWARD_BEGIN", 1, 1),
+        ("BACKWARD_BEGIN", 1, 1),
+        ("FORWARD_BEGIN", 1, 2),
+        ("BACKWARD_BEGIN", 1, 2),
+        ("OPTIMIZER_BEGIN", 1, 2),
+        ("OPTIMIZER_END", 1, 2),
+        ("STEP_END", 1, 2),
+    ]
+    assert summary(ms)[10] == ("STEP_BEGIN", 2, 0)
+    assert agent.streams[0].hello.model.grad_accumulation_steps == 3
+
+
+def test_eval_and_no_grad_forwards_are_not_steps(agent):
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepwatch.watch(model, opt)
+    train(model, opt, 1)
+    with torch.no_grad():
+        model(torch.randn(2, 8))
+    model.eval()
+    model(torch.randn(2, 8))
+    model.train()
+    train(model, opt, 1)
+    ms = agent.wait_markers(12)
+    assert summary(ms) == [(k, s, 0) for s in (1, 2) for k in STEP]
+
+
+def test_output_structures_dict_and_tuple(agent):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            out = self.lin(x)
+            return {"logits": out, "loss": out.pow(2).mean(), "aux": (out, 3)}
+
+    model = M()
+    opt = torch.optim.Adam(model.parameters())
+    stepwatch.watch(model, opt)
+    for _ in range(2):
+        model(torch.randn(3, 4))["loss"].backward()
+        opt.step()
+        opt.zero_grad()
+    ms = agent.wait_markers(12)
+    assert summary(ms) == [(k, s, 0) for s in (1, 2) for k in STEP]
+
+
+def test_remove_takes_out_every_hook(agent):
+    model = small_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    h = stepwatch.watch(model, opt)
+    train(model, opt, 1)
+    agent.wait_markers(6)
+    h.remove()
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    train(model, opt, 2)
+    stepwatch.flush(1)
+    assert stepwatch.stats()["enqueued"] == 6
+
+
+def test_hello_model_facts(agent):
+    model = small_model()
+    n = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters())
+    stepwatch.watch(model, opt, job_id="facts", precision="bf16-mixed", sharding_factor=2)
+    train(model, opt, 1)
+    agent.wait_markers(6)
+    h = agent.streams[0].hello
+    assert h.framework == "pytorch" and h.framework_version.startswith(torch.__version__[:3])
+    assert h.gpu_uuid == ""  # CPU
+    m = h.model
+    assert (m.parameter_count, m.parameter_bytes) == (n, 4 * n)
+    assert m.optimizer == 1 and m.state_bytes_per_parameter == 8  # ADAM, 2 x fp32
+    assert m.precision == 2 and m.sharding_factor == 2
+    assert m.HasField("state_precreated") and not m.state_precreated
+
+
+@pytest.mark.parametrize(
+    "make,kind,state_bytes,precreated",
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1), 3, 0, False),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 2, 4, False),
+        (lambda p: torch.optim.Adam(p, amsgrad=True), 1, 12, False),
+        (lambda p: torch.optim.RMSprop(p), 4, None, False),
+    ],
+)
+def test_optimizer_kinds(make, kind, state_bytes, precreated):
+    from stepwatch._torch import model_facts
+
+    model = small_model()
+    f = model_facts(model, make(model.parameters()))
+    assert f["optimizer"] == kind
+    assert f.get("state_bytes_per_parameter") == state_bytes
+    assert f["state_precreated"] is precreated
+
+
+def test_state_precreated_detected():
+    from stepwatch._torch import model_facts
+
+    model = small_model()
+    opt = torch.optim.Adam(model.parameters())
+    train(model, opt, 1)
+    assert model_facts(model, opt)["state_precreated"] is True
+
+
+def fake_oom():
+    return torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_oom_in_forward_is_reported_before_it_propagates(agent):
+    class Boom(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+            self.fail = False
+
+        def forward(self, x):
+            if self.fail:
+                raise fake_oom()
+            return self.lin(x)
+
+    model = Boom()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepwatch.watch(model, opt)
+    train_one = lambda: (model(torch.randn(1, 2)).sum().backward(), opt.step())  # noqa: E731
+    train_one()
+    model.fail = True
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        train_one()
+    # The OOM marker was queued (and flushed, bounded) before the error left forward().
+    assert stepwatch.stats()["enqueued"] == 9
+    ms = agent.wait_markers(9)
+    assert summary(ms)[-3:] == [("STEP_BEGIN", 2, 0), ("FORWARD_BEGIN", 2, 0), ("OOM", 2, 0)]
+
+
+def test_oom_in_manual_step(agent):
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        with stepwatch.step(1):
+            with stepwatch.phase("forward"):
+                pass
+            with stepwatch.phase("backward"):
+                raise fake_oom()
+    ms = agent.wait_markers(4)
+    assert summary(ms) == [
+        ("STEP_BEGIN", 1, 0),
+        ("FORWARD_BEGIN", 1, 0),
+        ("BACKWARD_BEGIN", 1, 0),
+        ("OOM", 1, 0),
+    ]
+    # Training may catch the OOM and go on: the next step is a new one.
+    with stepwatch.step():
+        pass
+    assert summary(agent.wait_markers(6))[-2:] == [("STEP_BEGIN", 2, 0), ("STEP_END", 2, 0)]
+
+
+def test_uncaught_oom_reported_by_excepthook(agent):
+    import sys
+
+    model = small_model()
+    h = stepwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(1, 8)).sum().backward()
+    called = []
+    prev = stepwatch._runtime.RT._prev_excepthook
+    stepwatch._runtime.RT._prev_excepthook = lambda *a: called.append(a)
+    try:
+        e = fake_oom()
+        sys.excepthook(type(e), e, None)
+    finally:
+        stepwatch._runtime.RT._prev_excepthook = prev
+    assert called  # the previous hook still runs
+    assert summary(agent.wait_markers(4))[-1] == ("OOM", 1, 0)
+    h.remove()
+    assert sys.excepthook is not stepwatch._runtime.RT._excepthook
+
+
+def test_strict_without_agent_raises(sock_dir, monkeypatch):
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", f"unix://{sock_dir}/none.sock")
+    model = small_model()
+    with pytest.raises(stepwatch.StepwatchError, match="no stepwatch agent"):
+        stepwatch.watch(model, None, strict=True, connect_timeout=0.3)
+    assert not model._forward_pre_hooks
+
+
+def test_training_result_unchanged_by_watch(sock_dir, monkeypatch):
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", f"unix://{sock_dir}/none.sock")
+
+    def run(with_watch):
+        model = small_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        h = stepwatch.watch(model, opt) if with_watch else None
+        torch.manual_seed(1)
+        train(model, opt, 3)
+        if h:
+            h.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    a, b = run(False), run(True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
