@@ -1,5 +1,5 @@
-//! `stepwatch sim` (one simulated training rank) and `stepwatch fake-gpu`
-//! (manage a fake NVML state directory).
+//! `stepwatch sim` (one simulated training rank, as its own process) and
+//! `stepwatch fake-gpu` (manage a fake NVML state directory).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -7,116 +7,231 @@ use std::time::Duration;
 use anyhow::Context;
 use fake_nvml::{FakeNvml, GpuSpec};
 use stepwatch_client::{Client, ClientOptions, DEFAULT_ENDPOINT};
-use stepwatch_proto::v1::{Hello, Identity, MarkerKind};
+use stepwatch_core::{Marker, MarkerKind, OptimizerKind, Precision};
+use stepwatch_proto::v1 as pb;
+use stepwatch_sim::{RankSim, Scenario, Sink};
 
 const GIB: u64 = 1 << 30;
 
+/// Exit code of a rank that ran out of (simulated) GPU memory.
+pub const OOM_EXIT_CODE: i32 = 3;
+
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimArgs {
+    /// Scenario: a built-in name (see --list) or a path to a scenario JSON file.
+    #[arg(long, default_value = "demo-small")]
+    pub scenario: String,
+    /// List the built-in scenarios and exit.
+    #[arg(long)]
+    pub list: bool,
+    /// Rank of the scenario to run.
+    #[arg(long, default_value_t = 0)]
+    pub rank: u32,
+    /// Job id sent to the agent (default: the scenario name).
+    #[arg(long)]
+    pub job: Option<String>,
+    /// Steps to run (default: the scenario's).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Time scale: 2 runs twice as fast as the scenario's timings, 0.1 ten times slower.
+    #[arg(long, default_value_t = 1.0)]
+    pub speed: f64,
     /// Agent endpoint: unix:///path or host:port.
     #[arg(long, env = "STEPWATCH_ENDPOINT", default_value = DEFAULT_ENDPOINT)]
     pub endpoint: String,
     /// Fake NVML state directory the rank writes its GPU memory to.
     #[arg(long, env = fake_nvml::STATE_DIR_ENV)]
-    pub fake_nvml_dir: PathBuf,
-    /// Index of the fake GPU this rank runs on.
-    #[arg(long, default_value_t = 0)]
-    pub gpu: u32,
-    #[arg(long, default_value = "sim-job")]
-    pub job: String,
-    #[arg(long, default_value_t = 0)]
-    pub rank: u32,
-    #[arg(long, default_value_t = 1)]
-    pub world_size: u32,
-    /// Steps to run; 0 runs until killed.
-    #[arg(long, default_value_t = 10)]
-    pub steps: u64,
-    /// Wall time of one step, in milliseconds.
-    #[arg(long, default_value_t = 400)]
-    pub step_ms: u64,
-    /// Weights in GiB; grads match them and Adam state is twice them.
-    #[arg(long, default_value_t = 4.0)]
-    pub weights_gib: f64,
-    /// Peak activations in GiB.
-    #[arg(long, default_value_t = 8.0)]
-    pub activations_gib: f64,
+    pub fake_nvml_dir: Option<PathBuf>,
+    /// Index of the fake GPU this rank runs on (default: the rank, modulo the GPU count).
+    #[arg(long)]
+    pub gpu: Option<u32>,
 }
 
-/// Runs one rank of a crude Adam training job: weights, activations that
-/// rise through forward and fall through backward, grads, and optimizer
-/// state created in the first step. Memory goes to the fake NVML state under
-/// this process's PID; markers go to the agent through the real client.
+/// Writes the rank's memory into the fake NVML state under this PID, sends
+/// markers through the real client, and reads co-located processes' memory.
+struct LiveRank<'a> {
+    fake: &'a FakeNvml,
+    gpu: u32,
+    pid: u32,
+    client: &'a Client,
+    oom_step: Option<u64>,
+}
+
+impl Sink for LiveRank<'_> {
+    fn memory(&mut self, nvml_used_bytes: u64) {
+        if let Err(e) = self
+            .fake
+            .set_process_memory(self.gpu, self.pid, nvml_used_bytes)
+        {
+            tracing::warn!(error = %e, "cannot write fake GPU memory");
+        }
+    }
+
+    fn marker(&mut self, m: Marker) {
+        if m.kind == MarkerKind::Oom {
+            self.oom_step = Some(m.step);
+        }
+        self.client.mark(proto_marker(&m));
+    }
+
+    fn other_process_bytes(&mut self) -> Option<u64> {
+        let others = self
+            .fake
+            .processes(self.gpu)
+            .into_iter()
+            .filter(|(pid, _)| *pid != self.pid)
+            .map(|(_, bytes)| bytes)
+            .sum();
+        Some(others)
+    }
+}
+
+/// Loads a built-in scenario by name, or a scenario file by path.
+pub fn load_scenario(name_or_path: &str) -> anyhow::Result<Scenario> {
+    if let Some(s) = stepwatch_sim::builtin_scenario(name_or_path) {
+        return Ok(s);
+    }
+    let path = std::path::Path::new(name_or_path);
+    if path.exists() {
+        return Scenario::load(path).map_err(Into::into);
+    }
+    let names: Vec<&str> = stepwatch_sim::scenario::BUILTIN
+        .iter()
+        .map(|(n, _)| *n)
+        .collect();
+    anyhow::bail!(
+        "no scenario {name_or_path:?}: neither a built-in ({}) nor a file",
+        names.join(", ")
+    )
+}
+
+/// Runs one rank of a scenario in real time. Exits with OOM_EXIT_CODE when
+/// the rank runs out of memory, as a training process dies on a CUDA OOM.
 pub fn run(args: SimArgs) -> anyhow::Result<()> {
-    let fake = FakeNvml::open(&args.fake_nvml_dir).with_context(|| {
-        format!(
-            "cannot open fake NVML state in {}",
-            args.fake_nvml_dir.display()
-        )
-    })?;
+    if args.list {
+        for scenario in stepwatch_sim::builtin_scenarios()? {
+            println!("{:18} {}", scenario.name, scenario.description);
+        }
+        return Ok(());
+    }
+    let mut scenario = load_scenario(&args.scenario)?;
+    let dir = args.fake_nvml_dir.clone().context(
+        "--fake-nvml-dir (or STEPWATCH_FAKE_NVML_DIR) is required: the simulated GPUs live there",
+    )?;
+    let fake = FakeNvml::open(&dir)
+        .with_context(|| format!("cannot open fake NVML state in {}", dir.display()))?;
+    let gpu = args.gpu.unwrap_or(args.rank % fake.gpu_count().max(1));
     anyhow::ensure!(
-        args.gpu < fake.gpu_count(),
-        "--gpu {} does not exist; the fake state has {} GPU(s)",
-        args.gpu,
+        gpu < fake.gpu_count(),
+        "--gpu {gpu} does not exist; the fake state has {} GPU(s)",
         fake.gpu_count()
     );
+    // The simulated GPU is the one the agent sees.
+    scenario.gpu.capacity_bytes = fake.total_bytes(gpu);
+    if let Some(steps) = args.steps {
+        scenario.training.steps = steps;
+    }
+    let mut rank = RankSim::new(&scenario, args.rank)?;
     let pid = std::process::id();
-    let hello = Hello {
-        identity: Some(Identity {
-            job_id: args.job.clone(),
+    let job = args.job.clone().unwrap_or_else(|| scenario.name.clone());
+    let hello = pb::Hello {
+        identity: Some(pb::Identity {
+            job_id: job.clone(),
             rank: args.rank,
             local_rank: args.rank,
-            world_size: args.world_size,
+            world_size: scenario.ranks.count,
             node_name: "sim".into(),
             ..Default::default()
         }),
-        gpu_uuid: fake.gpu_uuid(args.gpu),
+        gpu_uuid: fake.gpu_uuid(gpu),
         pid,
         framework: "stepwatch-sim".into(),
         framework_version: env!("CARGO_PKG_VERSION").into(),
         client_version: env!("CARGO_PKG_VERSION").into(),
-        model: None,
+        model: Some(proto_facts(&rank.model_facts())),
     };
     let client = Client::start(ClientOptions::new(&args.endpoint, hello));
+    tracing::info!(scenario = %scenario.name, job = %job, rank = args.rank, gpu, pid, "simulated rank starting");
 
-    let weights = (args.weights_gib * GIB as f64) as u64;
-    let activations = (args.activations_gib * GIB as f64) as u64;
-    let context = 512 << 20;
-    let mut state_bytes = 0;
-    let phase = Duration::from_millis(args.step_ms / 4);
-    let ticks = 8u64;
-    let set = |bytes: u64| {
-        if let Err(e) = fake.set_process_memory(args.gpu, pid, context + bytes) {
-            tracing::warn!(error = %e, "cannot write fake GPU memory");
-        }
+    let mut sink = LiveRank {
+        fake: &fake,
+        gpu,
+        pid,
+        client: &client,
+        oom_step: None,
     };
-    set(weights);
-    let mut step = 1;
-    while args.steps == 0 || step <= args.steps {
-        client.mark_now(MarkerKind::StepBegin, step, 0);
-        client.mark_now(MarkerKind::ForwardBegin, step, 0);
-        for i in 1..=ticks {
-            set(weights + state_bytes + activations * i / ticks);
-            std::thread::sleep(phase / ticks as u32);
-        }
-        client.mark_now(MarkerKind::BackwardBegin, step, 0);
-        for i in 1..=ticks {
-            set(weights + state_bytes + activations * (ticks - i) / ticks + weights * i / ticks);
-            std::thread::sleep(phase / ticks as u32);
-        }
-        client.mark_now(MarkerKind::OptimizerBegin, step, 0);
-        state_bytes = 2 * weights;
-        set(weights * 2 + state_bytes);
-        std::thread::sleep(phase);
-        client.mark_now(MarkerKind::OptimizerEnd, step, 0);
-        set(weights + state_bytes);
-        std::thread::sleep(phase);
-        client.mark_now(MarkerKind::StepEnd, step, 0);
-        step += 1;
-    }
+    stepwatch_sim::run_realtime(
+        &mut rank,
+        &mut sink,
+        &stepwatch_proto::clock::monotonic_ns,
+        args.speed,
+    );
+    let oom_step = sink.oom_step;
     let stats = client.close(Duration::from_secs(5));
-    fake.remove_process(args.gpu, pid);
+    fake.remove_process(gpu, pid);
     tracing::info!(?stats, "simulated rank finished");
+    if let Some(step) = oom_step {
+        eprintln!(
+            "torch.OutOfMemoryError: CUDA out of memory (simulated): job {job} rank {} died in step {step}",
+            args.rank
+        );
+        std::process::exit(OOM_EXIT_CODE);
+    }
     Ok(())
+}
+
+fn proto_marker(m: &Marker) -> pb::Marker {
+    let kind = match m.kind {
+        MarkerKind::StepBegin => pb::MarkerKind::StepBegin,
+        MarkerKind::ForwardBegin => pb::MarkerKind::ForwardBegin,
+        MarkerKind::BackwardBegin => pb::MarkerKind::BackwardBegin,
+        MarkerKind::OptimizerBegin => pb::MarkerKind::OptimizerBegin,
+        MarkerKind::OptimizerEnd => pb::MarkerKind::OptimizerEnd,
+        MarkerKind::StepEnd => pb::MarkerKind::StepEnd,
+        MarkerKind::Oom => pb::MarkerKind::Oom,
+    };
+    pb::Marker {
+        kind: kind as i32,
+        step: m.step,
+        monotonic_ns: m.monotonic_ns,
+        wall_ns: m.wall_ns,
+        micro_batch: m.micro_batch,
+        allocator: m.allocator.map(|a| pb::AllocatorStats {
+            allocated_bytes: a.allocated_bytes,
+            allocated_peak_bytes: a.allocated_peak_bytes,
+            reserved_bytes: a.reserved_bytes,
+            reserved_peak_bytes: a.reserved_peak_bytes,
+            active_bytes: a.active_bytes,
+            active_peak_bytes: a.active_peak_bytes,
+            num_alloc_retries: a.num_alloc_retries,
+        }),
+    }
+}
+
+fn proto_facts(f: &stepwatch_core::ModelFacts) -> pb::ModelFacts {
+    pb::ModelFacts {
+        parameter_count: f.parameter_count,
+        parameter_bytes: f.parameter_bytes,
+        optimizer: match f.optimizer {
+            OptimizerKind::Unknown => pb::OptimizerKind::Unspecified,
+            OptimizerKind::Adam => pb::OptimizerKind::Adam,
+            OptimizerKind::SgdMomentum => pb::OptimizerKind::SgdMomentum,
+            OptimizerKind::Sgd => pb::OptimizerKind::Sgd,
+            OptimizerKind::Other => pb::OptimizerKind::Other,
+        } as i32,
+        state_bytes_per_parameter: f.state_bytes_per_parameter,
+        precision: match f.precision {
+            Precision::Unknown => pb::Precision::Unspecified,
+            Precision::Fp32 => pb::Precision::Fp32,
+            Precision::MixedBf16 => pb::Precision::MixedBf16,
+            Precision::MixedFp16 => pb::Precision::MixedFp16,
+            Precision::Bf16 => pb::Precision::Bf16,
+        } as i32,
+        sharding_factor: f.sharding_factor,
+        grad_accumulation_steps: f.grad_accumulation_steps,
+        state_precreated: f.state_precreated,
+        grads_set_to_none: f.grads_set_to_none,
+    }
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -134,7 +249,7 @@ pub enum FakeGpuAction {
     Init {
         #[arg(long, default_value_t = 2)]
         gpus: u32,
-        /// Capacity of each GPU in GiB.
+        /// Capacity of each GPU in GiB (default: 80 GB H100).
         #[arg(long)]
         total_gib: Option<f64>,
     },
@@ -159,8 +274,7 @@ pub fn fake_gpu(args: FakeGpuArgs) -> anyhow::Result<()> {
     let open = || {
         FakeNvml::open(&args.dir).with_context(|| {
             format!(
-                "no fake NVML state in {}; run `stepwatch fake-gpu --dir {} init` first",
-                args.dir.display(),
+                "no fake NVML state in {0}; run `stepwatch fake-gpu --dir {0} init` first",
                 args.dir.display()
             )
         })

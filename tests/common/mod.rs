@@ -174,26 +174,20 @@ impl Agent {
         }
     }
 
-    /// Starts one simulated rank as its own process.
+    /// Starts one rank of a simulated scenario as its own process.
     pub fn sim(
         &self,
+        scenario: &str,
         job: &str,
         rank: u32,
-        world: u32,
         gpu: u32,
         steps: u64,
-        step_ms: u64,
+        speed: f64,
     ) -> Child {
         Command::new(BIN)
-            .args(["sim", "--job", job])
-            .args([
-                "--rank",
-                &rank.to_string(),
-                "--world-size",
-                &world.to_string(),
-            ])
-            .args(["--gpu", &gpu.to_string(), "--steps", &steps.to_string()])
-            .args(["--step-ms", &step_ms.to_string()])
+            .args(["sim", "--scenario", scenario, "--job", job])
+            .args(["--rank", &rank.to_string(), "--gpu", &gpu.to_string()])
+            .args(["--steps", &steps.to_string(), "--speed", &speed.to_string()])
             .arg("--endpoint")
             .arg(self.endpoint())
             .arg("--fake-nvml-dir")

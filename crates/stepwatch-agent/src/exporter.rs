@@ -304,8 +304,187 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
     ] {
         f.done(out);
     }
+    analysis_families(&tracker, node, out);
 }
 
 fn ns_to_s(ns: u64) -> f64 {
     ns as f64 / 1e9
+}
+
+/// First-step, steady-state and prediction series, and per-job divergence.
+fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Vec<MetricFamily>) {
+    let mut first_peak = Family::gauge(
+        node,
+        "stepwatch_rank_first_step_peak_bytes",
+        "Peak device memory (NVML) during the rank's first step.",
+    );
+    let mut steady_peak = Family::gauge(
+        node,
+        "stepwatch_rank_steady_step_peak_bytes",
+        "Median peak device memory (NVML) of the steps after the first (steady state).",
+    );
+    let mut anomaly = Family::gauge(
+        node,
+        "stepwatch_rank_first_step_anomaly_ratio",
+        "Steady-state peak divided by first-step peak (above 1: later steps need more than step 1).",
+    );
+    let mut steady_reached = Family::gauge(
+        node,
+        "stepwatch_rank_steady_state_reached",
+        "1 once consecutive step peaks agree within the tolerance.",
+    );
+    let mut phase_peak = Family::gauge(
+        node,
+        "stepwatch_rank_phase_peak_bytes",
+        "Peak memory per phase, from NVML (device) or the allocator (allocated), for the first step and the steady state.",
+    );
+    let mut predicted = Family::gauge(
+        node,
+        "stepwatch_rank_predicted_peak_bytes",
+        "Predicted steady-state peak device memory (as NVML will see it, other processes included), made during step 1.",
+    );
+    let mut headroom = Family::gauge(
+        node,
+        "stepwatch_rank_predicted_headroom_bytes",
+        "GPU capacity minus the predicted steady-state peak (rank plus other processes); negative means step 2 will not fit.",
+    );
+    let mut capacity = Family::gauge(
+        node,
+        "stepwatch_rank_gpu_capacity_bytes",
+        "Capacity of the rank's GPU.",
+    );
+    let mut risk = Family::gauge(
+        node,
+        "stepwatch_rank_oom_risk",
+        "1 when the predicted headroom is negative: step 2 will likely run out of memory.",
+    );
+    let mut provisional = Family::gauge(
+        node,
+        "stepwatch_rank_prediction_provisional",
+        "1 while step 1 is still running and the prediction may still be refined.",
+    );
+    let mut peak_div = Family::gauge(
+        node,
+        "stepwatch_job_first_step_peak_divergence_ratio",
+        "(max - min) / median of the first-step peaks of the job's ranks on this node.",
+    );
+    let mut dur_div = Family::gauge(
+        node,
+        "stepwatch_job_first_step_duration_divergence_ratio",
+        "(max - min) / median of the first-step durations of the job's ranks on this node.",
+    );
+    let mut outlier = Family::gauge(
+        node,
+        "stepwatch_job_rank_outlier",
+        "1 for a rank whose first-step peak deviates from the job's median on this node beyond the threshold.",
+    );
+    let mut last_job: Option<&str> = None;
+    for (key, _) in tracker.ranks() {
+        let rank_label = key.rank.to_string();
+        let labels = [("job", key.job.as_str()), ("rank", rank_label.as_str())];
+        if last_job != Some(key.job.as_str()) {
+            last_job = Some(key.job.as_str());
+            if let Some(div) = tracker.job_divergence(&key.job) {
+                let job = [("job", key.job.as_str())];
+                if let Some(peak) = &div.peak {
+                    peak_div.add(&job, peak.spread);
+                    for o in &peak.outliers {
+                        outlier.add(&[("job", &key.job), ("rank", &o.rank.to_string())], 1.0);
+                    }
+                }
+                if let Some(d) = &div.duration {
+                    dur_div.add(&job, d.spread);
+                }
+            }
+        }
+        let Some(a) = tracker.rank_analysis(key) else {
+            continue;
+        };
+        if a.capacity_bytes > 0 {
+            capacity.add(&labels, a.capacity_bytes as f64);
+        }
+        steady_reached.add(&labels, if a.steady_state.reached { 1.0 } else { 0.0 });
+        if let Some(ratio) = a.anomaly_ratio {
+            anomaly.add(&labels, ratio);
+        }
+        if let Some(first) = &a.first_step {
+            if let Some(p) = first.nvml_peak_bytes {
+                first_peak.add(&labels, p as f64);
+            }
+            for ph in &first.phases {
+                add_phase_peaks(
+                    &mut phase_peak,
+                    &labels,
+                    ph.phase,
+                    "first",
+                    ph.nvml_peak_bytes,
+                    ph.allocated_peak_bytes,
+                );
+            }
+        }
+        if let Some(steady) = &a.steady {
+            if let Some(p) = steady.nvml_peak_bytes {
+                steady_peak.add(&labels, p as f64);
+            }
+            for ph in &steady.phases {
+                add_phase_peaks(
+                    &mut phase_peak,
+                    &labels,
+                    ph.phase,
+                    "steady",
+                    ph.nvml_peak_bytes,
+                    ph.allocated_peak_bytes,
+                );
+            }
+        }
+        if let Some(p) = &a.prediction {
+            predicted.add(&labels, p.predicted_peak_bytes as f64);
+            if let Some(h) = p.headroom_bytes {
+                headroom.add(&labels, h as f64);
+            }
+            risk.add(&labels, if p.oom_risk { 1.0 } else { 0.0 });
+            provisional.add(&labels, if p.provisional { 1.0 } else { 0.0 });
+        }
+    }
+    for f in [
+        first_peak,
+        steady_peak,
+        anomaly,
+        steady_reached,
+        phase_peak,
+        predicted,
+        headroom,
+        capacity,
+        risk,
+        provisional,
+        peak_div,
+        dur_div,
+        outlier,
+    ] {
+        f.done(out);
+    }
+}
+
+fn add_phase_peaks(
+    family: &mut Family<'_>,
+    rank: &[(&str, &str); 2],
+    phase: PhaseKind,
+    step_class: &str,
+    nvml: Option<u64>,
+    allocated: Option<u64>,
+) {
+    for (source, value) in [("nvml", nvml), ("allocator", allocated)] {
+        if let Some(v) = value {
+            family.add(
+                &[
+                    rank[0],
+                    rank[1],
+                    ("phase", phase.as_str()),
+                    ("source", source),
+                    ("step_class", step_class),
+                ],
+                v as f64,
+            );
+        }
+    }
 }

@@ -87,7 +87,9 @@ async fn job(State(state): State<Arc<AgentState>>, Path(job): Path<String>) -> R
     if ranks.is_empty() {
         return not_found(format!("no job {job:?} on this node"));
     }
-    Json(json!({"node": state.node, "job": job, "ranks": ranks})).into_response()
+    let divergence = tracker.job_divergence(&job);
+    Json(json!({"node": state.node, "job": job, "ranks": ranks, "divergence": divergence}))
+        .into_response()
 }
 
 #[derive(Deserialize)]
@@ -127,6 +129,8 @@ async fn rank(
         .collect();
     let mut body = rank_summary(&key, r);
     body["node"] = json!(state.node);
+    body["analysis"] = json!(tracker.rank_analysis(&key));
+    body["advisories"] = json!(r.advisories);
     body["steps"] = json!(steps);
     Json(body).into_response()
 }

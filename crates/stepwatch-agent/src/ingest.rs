@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use stepwatch_core::{
-    AllocatorStats, Marker, MarkerKind, ModelFacts, OpenError, OptimizerKind, Precision, RankInfo,
-    RankKey,
+    Advisory, AdvisoryKind, AllocatorStats, Marker, MarkerKind, ModelFacts, OpenError,
+    OptimizerKind, Precision, RankInfo, RankKey,
 };
 use stepwatch_proto::clock::monotonic_ns;
 use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
@@ -85,7 +85,7 @@ async fn serve_stream(
     mut inbound: Streaming<pb::ClientMessage>,
     peer_pid: Option<u32>,
     max_rate: f64,
-    _tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
+    tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
     let hello = match inbound.message().await? {
         Some(pb::ClientMessage {
@@ -112,7 +112,7 @@ async fn serve_stream(
         }
     };
     tracing::info!(job = %key.job, rank = key.rank, pid = info.pid, gpu = %info.gpu_uuid, "rank connected");
-    let result = receive_markers(state, &key, &mut inbound, max_rate).await;
+    let result = receive_markers(state, &key, &mut inbound, max_rate, tx).await;
     state.tracker().close(&key, monotonic_ns());
     tracing::info!(job = %key.job, rank = key.rank, "rank disconnected");
     result
@@ -123,6 +123,7 @@ async fn receive_markers(
     key: &RankKey,
     inbound: &mut Streaming<pb::ClientMessage>,
     max_rate: f64,
+    tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
     let mut bucket = TokenBucket::new(max_rate);
     let mut markers = Vec::new();
@@ -168,7 +169,19 @@ async fn receive_markers(
         }
         let applied = state.tracker().markers(key, &markers, monotonic_ns());
         match applied {
-            Ok(()) => state.ingest.markers_received.inc_by(n),
+            Ok(()) => {
+                state.ingest.markers_received.inc_by(n);
+                for advisory in state.advise(key) {
+                    tracing::warn!(job = %key.job, rank = key.rank, step = advisory.step, "{}", advisory.message);
+                    state
+                        .ingest
+                        .advisories_sent
+                        .with_label_values(&[advisory_kind(advisory.kind).as_str_name()])
+                        .inc();
+                    // Never wait on a slow client; the metric carries the news too.
+                    let _ = tx.try_send(Ok(agent_message(&advisory)));
+                }
+            }
             Err(e) => {
                 state.ingest.reject(e.reason(), n);
                 return Err(Status::invalid_argument(format!(
@@ -208,6 +221,31 @@ impl TokenBucket {
         } else {
             false
         }
+    }
+}
+
+fn advisory_kind(kind: AdvisoryKind) -> pb::AdvisoryKind {
+    match kind {
+        AdvisoryKind::Step2OomPredicted => pb::AdvisoryKind::Step2OomPredicted,
+        AdvisoryKind::LowHeadroom => pb::AdvisoryKind::LowHeadroom,
+    }
+}
+
+fn agent_message(a: &Advisory) -> pb::AgentMessage {
+    let severity = match a.kind {
+        AdvisoryKind::Step2OomPredicted => pb::Severity::Critical,
+        AdvisoryKind::LowHeadroom => pb::Severity::Warning,
+    };
+    pb::AgentMessage {
+        kind: Some(pb::agent_message::Kind::Advisory(pb::Advisory {
+            kind: advisory_kind(a.kind) as i32,
+            severity: severity as i32,
+            message: a.message.clone(),
+            step: a.step,
+            predicted_peak_bytes: a.predicted_peak_bytes,
+            capacity_bytes: a.capacity_bytes,
+            predicted_headroom_bytes: a.predicted_headroom_bytes,
+        })),
     }
 }
 

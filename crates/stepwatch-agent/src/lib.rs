@@ -131,14 +131,15 @@ pub async fn run_until(
         let retention = config.retention;
         let mut stop = stop_rx.clone();
         async move {
-            let mut attribute = tokio::time::interval(Duration::from_millis(20));
+            // Samples wait in the sampler's bounded buffer between drains;
+            // 100 ms keeps the live step-1 view fresh at little cost.
+            let mut attribute = tokio::time::interval(Duration::from_millis(100));
+            let mut processes = tokio::time::interval(Duration::from_secs(1));
             let mut evict = tokio::time::interval(Duration::from_secs(10));
             loop {
                 tokio::select! {
-                    _ = attribute.tick() => {
-                        let state = state.clone();
-                        let _ = tokio::task::spawn_blocking(move || state.attribute_samples()).await;
-                    }
+                    _ = attribute.tick() => state.attribute_samples(),
+                    _ = processes.tick() => state.update_processes(),
                     _ = evict.tick() => {
                         let n = state.tracker().evict_idle(monotonic_ns(), retention.as_nanos() as u64);
                         if n > 0 {

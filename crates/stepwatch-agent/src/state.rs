@@ -4,8 +4,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
-use stepwatch_core::Tracker;
+use stepwatch_core::{Advisory, RankKey, Tracker};
 use stepwatch_gpu::SamplerHandle;
+use stepwatch_proto::clock::monotonic_ns;
 
 /// Counters of the ingest path, registered once in the agent's registry.
 pub struct IngestMetrics {
@@ -14,6 +15,7 @@ pub struct IngestMetrics {
     pub streams_active: IntGauge,
     pub streams_opened: IntCounter,
     pub ranks_evicted: IntCounter,
+    pub advisories_sent: IntCounterVec,
 }
 
 impl IngestMetrics {
@@ -42,7 +44,15 @@ impl IngestMetrics {
                 "stepwatch_ranks_evicted_total",
                 "Ranks dropped after the retention window with no open stream.",
             )?,
+            advisories_sent: IntCounterVec::new(
+                Opts::new(
+                    "stepwatch_advisories_sent_total",
+                    "Advisories sent to training processes, by kind (e.g. ADVISORY_KIND_STEP2_OOM_PREDICTED).",
+                ),
+                &["kind"],
+            )?,
         };
+        registry.register(Box::new(m.advisories_sent.clone()))?;
         registry.register(Box::new(m.markers_received.clone()))?;
         registry.register(Box::new(m.markers_rejected.clone()))?;
         registry.register(Box::new(m.streams_active.clone()))?;
@@ -95,7 +105,8 @@ impl AgentState {
         self.tracker.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Moves fresh GPU samples from the sampler into the tracker.
+    /// Moves fresh GPU samples from the sampler into the tracker. Samples
+    /// of GPUs no rank runs on are dropped: no phase can ever claim them.
     pub fn attribute_samples(&self) {
         let drained = self.sampler.drain_samples();
         if drained.is_empty() {
@@ -103,6 +114,9 @@ impl AgentState {
         }
         let mut tracker = self.tracker();
         for (uuid, samples) in drained {
+            if !tracker.ranks().any(|(_, r)| r.info.gpu_uuid == uuid) {
+                continue;
+            }
             let converted: Vec<stepwatch_core::GpuSample> = samples
                 .iter()
                 .map(|s| stepwatch_core::GpuSample {
@@ -115,5 +129,37 @@ impl AgentState {
             self.samples_attributed
                 .fetch_add(converted.len() as u64, Ordering::Relaxed);
         }
+    }
+
+    /// Feeds the sampler's latest process lists to the tracker, for the
+    /// "other processes" term of headroom.
+    pub fn update_processes(&self) {
+        let snapshot = self.sampler.snapshot(monotonic_ns());
+        let mut tracker = self.tracker();
+        for gpu in &snapshot.gpus {
+            let procs: Vec<(u32, u64)> = gpu
+                .processes
+                .iter()
+                .map(|p| (p.pid, p.used_bytes))
+                .collect();
+            tracker.set_gpu_processes(&gpu.uuid, &procs);
+        }
+    }
+
+    /// Advisories due for a rank during its first step, with the freshest
+    /// samples attributed first so the prediction sees them.
+    pub fn advise(&self, key: &RankKey) -> Vec<Advisory> {
+        let in_first_step = {
+            let tracker = self.tracker();
+            tracker.rank(key).is_some_and(|r| {
+                let mut steps = r.timeline.steps();
+                steps.len() == 1 && steps.next().is_some()
+            })
+        };
+        if !in_first_step {
+            return Vec::new();
+        }
+        self.attribute_samples();
+        self.tracker().advise(key, monotonic_ns())
     }
 }

@@ -5,6 +5,7 @@
 //! an argument), no I/O, no threads, so every result can be reproduced in a
 //! test from the same inputs.
 
+pub mod advisory;
 pub mod analysis;
 pub mod divergence;
 pub mod error;
@@ -20,6 +21,7 @@ pub use analysis::{
     FirstStepAnomaly, RankAnalysis, SteadyState,
 };
 pub use divergence::{divergence, Divergence, Outlier, PeakSource, RankFigures, Spread};
+pub use advisory::{Advisory, AdvisoryKind};
 pub use error::{HelloError, MarkerError};
 pub use identity::{ModelFacts, OptimizerKind, Precision, RankInfo, RankKey};
 pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};

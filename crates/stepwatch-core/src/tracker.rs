@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
 use crate::divergence::{divergence, Divergence, RankFigures};
+use crate::advisory::{self, Advisory};
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{RankInfo, RankKey};
 use crate::marker::Marker;
@@ -77,6 +78,8 @@ pub struct RankState {
     pub connected_streams: u32,
     /// Caller-supplied time of the last hello, marker or disconnect; drives eviction.
     pub last_activity_ns: u64,
+    /// Advisories issued to this rank (at most one of each kind per timeline).
+    pub advisories: Vec<Advisory>,
 }
 
 /// All ranks and GPUs on this node.
@@ -167,6 +170,32 @@ impl Tracker {
         ))
     }
 
+    /// Advisories that have become due for `key`, recorded as issued.
+    /// Only while the rank's first step is its latest step: the point is to
+    /// warn before step 2 begins.
+    pub fn advise(&mut self, key: &RankKey, now_ns: u64) -> Vec<Advisory> {
+        let Some(state) = self.ranks.get(key) else {
+            return Vec::new();
+        };
+        let (Some(first), Some(current)) = (state.timeline.steps().next(), state.timeline.current()) else {
+            return Vec::new();
+        };
+        if first.step != current.step {
+            return Vec::new();
+        }
+        let step = first.step;
+        let Some(analysis) = self.rank_analysis(key) else {
+            return Vec::new();
+        };
+        let Some(prediction) = analysis.prediction else {
+            return Vec::new();
+        };
+        let state = self.ranks.get_mut(key).expect("checked above");
+        let due = advisory::due(&prediction, analysis.capacity_bytes, step, now_ns, &state.advisories);
+        state.advisories.extend(due.iter().cloned());
+        due
+    }
+
     /// Divergence of step-1 figures across the ranks of `job` on this node.
     /// A rank's peaks count once its first step has ended (completed or OOM),
     /// its duration once it has completed. None when the job has no rank here.
@@ -210,6 +239,7 @@ impl Tracker {
         if let Some(state) = self.ranks.get_mut(&key) {
             if state.info.pid != 0 && info.pid != 0 && state.info.pid != info.pid {
                 state.timeline = RankTimeline::new(retained);
+                state.advisories.clear();
             }
             state.info = info;
             state.connected_streams += 1;
@@ -226,6 +256,7 @@ impl Tracker {
                 timeline: RankTimeline::new(retained),
                 connected_streams: 1,
                 last_activity_ns: now_ns,
+                advisories: Vec::new(),
             },
         );
         Ok(key)

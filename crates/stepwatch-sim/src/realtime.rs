@@ -14,6 +14,12 @@ pub trait Sink {
     fn memory(&mut self, nvml_used_bytes: u64);
     /// A marker, stamped with the real clocks.
     fn marker(&mut self, marker: Marker);
+    /// Memory other processes hold on this GPU now, read before each event
+    /// so that co-located jobs see each other live; None keeps the
+    /// scenario's figure.
+    fn other_process_bytes(&mut self) -> Option<u64> {
+        None
+    }
 }
 
 /// Plays `rank`'s events into `sink`, sleeping so that they follow the
@@ -28,7 +34,13 @@ pub fn run_realtime(rank: &mut RankSim, sink: &mut dyn Sink, clock: &dyn Fn() ->
     let real_start = clock();
     let sim_start = rank.now_ns();
     let mut last_stamp = 0;
-    while let Some(event) = rank.next_event() {
+    loop {
+        if let Some(other) = sink.other_process_bytes() {
+            rank.set_other_process_bytes(other);
+        }
+        let Some(event) = rank.next_event() else {
+            break;
+        };
         if paced {
             let offset = (event.at_ns().saturating_sub(sim_start) as f64 / speed) as u64;
             let target = real_start.saturating_add(offset);
