@@ -57,6 +57,49 @@ impl Drop for Children {
     }
 }
 
+/// One simulated job the demo keeps running.
+struct DemoJob {
+    label: &'static str,
+    scenario: &'static str,
+    gpu: u32,
+    speed: f64,
+    steps: Option<u64>,
+    run: u32,
+    child: Option<Child>,
+    /// When the last run ended, to restart after a pause.
+    ended: Option<Instant>,
+}
+
+impl DemoJob {
+    fn job_id(&self) -> String {
+        format!("{}-{}", self.label, self.run)
+    }
+
+    fn start(&mut self, exe: &Path, endpoint: &str, dir: &Path) -> anyhow::Result<()> {
+        self.run += 1;
+        let mut cmd = Command::new(exe);
+        cmd.args(["sim", "--scenario", self.scenario, "--job", &self.job_id()])
+            .args([
+                "--gpu",
+                &self.gpu.to_string(),
+                "--speed",
+                &self.speed.to_string(),
+            ])
+            .arg("--endpoint")
+            .arg(endpoint)
+            .arg("--fake-nvml-dir")
+            .arg(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        if let Some(steps) = self.steps {
+            cmd.args(["--steps", &steps.to_string()]);
+        }
+        self.child = Some(cmd.spawn().context("cannot start a simulated job")?);
+        self.ended = None;
+        Ok(())
+    }
+}
+
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     // SAFETY: the handler only stores to an atomic.
     unsafe {
@@ -66,12 +109,21 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("cannot find the stepwatch binary")?;
     let lib = fake_nvml::find_cdylib().context(
         "the fake NVML library (libfake_nvml.so) was not found next to this binary; \
-         build it with `cargo build` (scripts/demo does this)",
+         build the workspace with `cargo build` first",
     )?;
     let dir = std::env::temp_dir().join(format!("stepwatch-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let _cleanup = RemoveOnDrop(dir.clone());
-    let gpus: Vec<GpuSpec> = (0..2).map(GpuSpec::h100_80gb).collect();
+    // A 24 GB card for the healthy job, a 48 GB card for the doomed one.
+    let capacities = [24_146_608_128u64, 48_305_799_168];
+    let gpus: Vec<GpuSpec> = capacities
+        .iter()
+        .enumerate()
+        .map(|(i, &total_bytes)| GpuSpec {
+            total_bytes,
+            ..GpuSpec::h100_80gb(i as u32)
+        })
+        .collect();
     let fake = FakeNvml::create(&dir, &gpus)?;
     let socket = dir.join("stepwatch.sock");
     let log_path = dir.join("agent.log");
@@ -81,7 +133,14 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         .arg("agent")
         .arg("--socket")
         .arg(&socket)
-        .args(["--socket-mode", "0600", "--node-name", "demo-node"])
+        .args([
+            "--socket-mode",
+            "0600",
+            "--node-name",
+            "demo-node",
+            "--retention",
+            "60s",
+        ])
         .arg("--http-listen")
         .arg(args.http_listen.to_string())
         .arg("--nvml-lib")
@@ -95,61 +154,91 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     wait_ready(args.http_listen, &log_path, &mut children)?;
 
     let endpoint = format!("unix://{}", socket.display());
-    for rank in 0..2u32 {
-        let sim = Command::new(&exe)
-            .args([
-                "sim",
-                "--job",
-                "demo-llm",
-                "--world-size",
-                "2",
-                "--steps",
-                "0",
-            ])
-            .args(["--rank", &rank.to_string(), "--gpu", &rank.to_string()])
-            .args(["--step-ms", "800"])
-            .arg("--endpoint")
-            .arg(&endpoint)
-            .arg("--fake-nvml-dir")
-            .arg(&dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("cannot start a simulated rank")?;
-        children.0.push((format!("rank {rank}"), sim));
+    let mut jobs = [
+        DemoJob {
+            label: "healthy-llm",
+            scenario: "demo-small",
+            gpu: 0,
+            speed: 1.0,
+            steps: Some(1_000_000),
+            run: 0,
+            child: None,
+            ended: None,
+        },
+        DemoJob {
+            label: "doomed-llm",
+            scenario: "adam-step2-oom",
+            gpu: 1,
+            speed: 0.05,
+            steps: None,
+            run: 0,
+            child: None,
+            ended: None,
+        },
+    ];
+    for job in &mut jobs {
+        job.start(&exe, &endpoint, &dir)?;
     }
 
     let base = format!("http://{}", args.http_listen);
-    println!(
-        "stepwatch demo: agent on 2 simulated H100 GPUs (fake NVML), job \"demo-llm\" with 2 ranks"
-    );
-    println!("  metrics:  curl {base}/metrics");
-    println!("  jobs:     curl {base}/api/v1/jobs");
-    println!("  timeline: curl {base}/api/v1/jobs/demo-llm/ranks/0?steps=3");
+    println!("stepwatch demo: the agent on 2 simulated GPUs (fake NVML), with two simulated PyTorch jobs:");
+    println!("  healthy-llm  GPT-2 small with AdamW on a 24 GB GPU: fits");
+    println!("  doomed-llm   GPT 1.3B with AdamW on a 48 GB GPU: step 1 fits, step 2 will not (the optimizer");
+    println!("               state is created inside step 1's optimizer.step()); stepwatch predicts it during step 1");
+    println!();
+    println!("  metrics:   curl {base}/metrics");
+    println!("  jobs:      curl {base}/api/v1/jobs");
+    println!("  a rank:    curl '{base}/api/v1/jobs/doomed-llm-1/ranks/0?steps=3'");
     println!("  agent log: {}", log_path.display());
     println!("  Ctrl-C to stop.\n");
 
     let started = Instant::now();
     let deadline = args.seconds.map(|s| started + Duration::from_secs(s));
+    let mut next_print = started;
     while !INTERRUPTED.load(Ordering::SeqCst) && deadline.is_none_or(|d| Instant::now() < d) {
-        std::thread::sleep(Duration::from_millis(200));
-        if started.elapsed().as_secs() % args.every.max(1) != 0
-            || started.elapsed().subsec_millis() >= 200
-        {
-            continue;
+        std::thread::sleep(Duration::from_millis(100));
+        if let Ok(Some(status)) = children.0[0].1.try_wait() {
+            anyhow::bail!(
+                "the agent exited unexpectedly ({status}); see {}",
+                log_path.display()
+            );
         }
-        for (name, child) in &mut children.0 {
-            if let Ok(Some(status)) = child.try_wait() {
-                anyhow::bail!(
-                    "{name} exited unexpectedly ({status}); see {}",
-                    log_path.display()
-                );
+        for job in &mut jobs {
+            if let Some(child) = &mut job.child {
+                if let Ok(Some(status)) = child.try_wait() {
+                    job.child = None;
+                    job.ended = Some(Instant::now());
+                    if status.code() == Some(crate::sim::OOM_EXIT_CODE) {
+                        println!(
+                            ">> {} died: CUDA out of memory in step 2, as stepwatch predicted during step 1. Restarting it in 10 s.",
+                            job.job_id()
+                        );
+                    } else {
+                        println!(
+                            ">> {} ended ({status}); restarting it in 10 s.",
+                            job.job_id()
+                        );
+                    }
+                }
+            } else if job
+                .ended
+                .is_some_and(|t| t.elapsed() > Duration::from_secs(10))
+            {
+                job.start(&exe, &endpoint, &dir)?;
             }
         }
-        match http_get::get(args.http_listen, "/metrics") {
-            Ok((200, body)) => print_status(started.elapsed(), &body),
-            Ok((code, _)) => println!("/metrics answered {code}"),
-            Err(e) => println!("/metrics unreachable: {e}"),
+        if Instant::now() >= next_print {
+            next_print += Duration::from_secs(args.every.max(1));
+            match http_get::get(args.http_listen, "/metrics") {
+                Ok((200, body)) => print_status(started.elapsed(), &body, &jobs),
+                Ok((code, _)) => println!("/metrics answered {code}"),
+                Err(e) => println!("/metrics unreachable: {e}"),
+            }
+        }
+    }
+    for job in &mut jobs {
+        if let Some(child) = job.child.take() {
+            children.0.push((job.job_id(), child));
         }
     }
     drop(children);
@@ -178,8 +267,8 @@ fn wait_ready(addr: SocketAddr, log: &Path, children: &mut Children) -> anyhow::
     }
 }
 
-/// One line per GPU and per rank, read from the exposition like Prometheus would.
-fn print_status(elapsed: Duration, metrics: &str) {
+/// One line per GPU and per job, read from the exposition like Prometheus would.
+fn print_status(elapsed: Duration, metrics: &str, jobs: &[DemoJob]) {
     let value = |name: &str, labels: &[(&str, &str)]| -> Option<f64> {
         metrics.lines().find_map(|line| {
             let rest = line.strip_prefix(name)?;
@@ -193,30 +282,58 @@ fn print_status(elapsed: Duration, metrics: &str) {
                 .then(|| val.parse().ok())?
         })
     };
-    let gib = |b: f64| b / (1u64 << 30) as f64;
-    println!("t={:>4}s", elapsed.as_secs());
+    let gb = |b: f64| b / 1e9;
+    let mut line = format!("t={:>4}s ", elapsed.as_secs());
     for gpu in ["0", "1"] {
         let used = value("stepwatch_gpu_memory_used_bytes", &[("gpu", gpu)]);
         let max = value("stepwatch_gpu_memory_used_max_bytes", &[("gpu", gpu)]);
         let total = value("stepwatch_gpu_memory_total_bytes", &[("gpu", gpu)]);
         if let (Some(used), Some(total)) = (used, total) {
-            println!(
-                "  gpu {gpu}: used {:6.2} GiB (15s max {:6.2}) of {:5.1} GiB",
-                gib(used),
-                gib(max.unwrap_or(used)),
-                gib(total)
+            line += &format!(
+                " | gpu{gpu} {:5.2} GB used (15 s max {:5.2}) of {:5.2}",
+                gb(used),
+                gb(max.unwrap_or(used)),
+                gb(total)
             );
         }
     }
-    for rank in ["0", "1"] {
-        let labels = [("job", "demo-llm"), ("rank", rank)];
-        if let Some(steps) = value("stepwatch_rank_steps_completed_total", &labels) {
-            let dur = value("stepwatch_rank_step_duration_seconds", &labels).unwrap_or(0.0);
-            println!(
-                "  demo-llm rank {rank}: {steps:.0} steps, last {:.0} ms",
-                dur * 1e3
-            );
+    println!("{line}");
+    for job in jobs {
+        let id = job.job_id();
+        let rank = [("job", id.as_str()), ("rank", "0")];
+        let Some(step) = value("stepwatch_rank_last_step", &rank) else {
+            println!("  {id:14} starting");
+            continue;
+        };
+        let mut text = format!("  {id:14} step {step:<4}");
+        if let Some(peak) = value("stepwatch_rank_first_step_peak_bytes", &rank) {
+            text += &format!(" step-1 peak {:5.2} GB", gb(peak));
         }
+        match (
+            value("stepwatch_rank_predicted_peak_bytes", &rank),
+            value("stepwatch_rank_predicted_headroom_bytes", &rank),
+            value("stepwatch_rank_gpu_capacity_bytes", &rank),
+        ) {
+            (Some(peak), Some(headroom), Some(cap)) => {
+                let provisional =
+                    value("stepwatch_rank_prediction_provisional", &rank) == Some(1.0);
+                text += &format!(
+                    " | predicted step-2 peak {:5.2} GB of {:5.2}, headroom {:+6.2} GB{}",
+                    gb(peak),
+                    gb(cap),
+                    gb(headroom),
+                    if provisional { " (provisional)" } else { "" }
+                );
+                if value("stepwatch_rank_oom_risk", &rank) == Some(1.0) {
+                    text += "  << STEP-2 OOM PREDICTED";
+                }
+            }
+            _ => text += " | predicting...",
+        }
+        if value("stepwatch_rank_ooms_total", &rank).unwrap_or(0.0) > 0.0 {
+            text += "  [died: CUDA OOM]";
+        }
+        println!("{text}");
     }
 }
 

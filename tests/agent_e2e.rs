@@ -244,3 +244,91 @@ fn a_second_agent_on_the_same_socket_refuses_to_start() {
     // The first agent is untouched.
     assert_eq!(agent.get("/readyz").0, 200);
 }
+
+/// README.md's metrics table is the documentation users read: every metric
+/// family the agent exports must be in it.
+#[test]
+fn every_exported_metric_is_documented_in_the_readme() {
+    let agent = Agent::start("readme", 1);
+    let child = agent.sim("rank0-skew", "doc", 1, 0, 3, 4.0);
+    wait_ok(child, "sim");
+    let m = agent.wait_metrics("analysis series", Duration::from_secs(10), |m| {
+        m.count("stepwatch_rank_steady_step_peak_bytes") > 0
+    });
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let missing: Vec<&str> =
+        m.0.lines()
+            .filter_map(|l| l.strip_prefix("# HELP "))
+            .filter_map(|l| l.split(' ').next())
+            .filter(|name| !readme.contains(&format!("`{name}`")))
+            .collect();
+    assert!(
+        missing.is_empty(),
+        "metrics missing from README.md: {missing:?}"
+    );
+}
+
+/// The product's promise: during step 1 the agent predicts that step 2 will
+/// not fit, tells the training process before step 2 begins, and stays quiet
+/// for a job that fits.
+#[test]
+fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
+    let agent = Agent::start("advisory", 2);
+    // thin-margin: step 1 fits an 80 GB GPU with <1% to spare; step 2 does not.
+    let doomed = agent.sim("thin-margin", "doomed", 0, 0, 4, 1.0);
+    let healthy = agent.sim("precreated-state", "healthy", 0, 1, 4, 1.0);
+    let doomed = doomed.wait_with_output().unwrap();
+    let doomed_log = String::from_utf8_lossy(&doomed.stderr);
+    assert_eq!(
+        doomed.status.code(),
+        Some(3),
+        "the doomed rank dies of a simulated OOM:\n{doomed_log}"
+    );
+    assert!(
+        doomed_log.contains("advisories: 1"),
+        "its client got the advisory:\n{doomed_log}"
+    );
+    wait_ok(healthy, "healthy sim");
+
+    let (_, body) = agent.get("/api/v1/jobs/doomed/ranks/0");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let advisory = &report["advisories"][0];
+    assert_eq!(advisory["kind"], "step2_oom_predicted", "{body}");
+    assert_eq!(advisory["step"], 1);
+    let issued = advisory["issued_monotonic_ns"].as_u64().unwrap();
+    let step2 = &report["steps"][1];
+    assert_eq!(step2["step"], 2);
+    assert_eq!(step2["outcome"], "oom");
+    let step2_begin = step2["begin_monotonic_ns"].as_u64().unwrap();
+    assert!(
+        issued < step2_begin,
+        "advised at {issued}, step 2 began at {step2_begin}"
+    );
+    assert!(advisory["predicted_headroom_bytes"].as_i64().unwrap() < 0);
+
+    let (_, body) = agent.get("/api/v1/jobs/healthy/ranks/0");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(report["advisories"].as_array().unwrap().len(), 0, "{body}");
+
+    let m = Metrics(agent.metrics());
+    assert_eq!(
+        m.get(
+            "stepwatch_advisories_sent_total",
+            &[("kind", "ADVISORY_KIND_STEP2_OOM_PREDICTED")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        m.get("stepwatch_rank_ooms_total", &[("job", "doomed")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        m.get("stepwatch_rank_oom_risk", &[("job", "doomed")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        m.get("stepwatch_rank_oom_risk", &[("job", "healthy")]),
+        Some(0.0)
+    );
+}

@@ -72,9 +72,21 @@ impl Agent {
         extra_args: &[&str],
         prepare: impl FnOnce(&FakeNvml),
     ) -> Self {
-        let dir = TempDir::new(tag);
         let specs: Vec<GpuSpec> = (0..gpus).map(GpuSpec::h100_80gb).collect();
-        let fake = FakeNvml::create(&dir.0, &specs).unwrap();
+        Self::start_node(tag, "test-node", &specs, socket, extra_args, prepare)
+    }
+
+    /// Like `start_full`, with chosen fake GPUs and `--node-name`.
+    pub fn start_node(
+        tag: &str,
+        node_name: &str,
+        specs: &[GpuSpec],
+        socket: Option<PathBuf>,
+        extra_args: &[&str],
+        prepare: impl FnOnce(&FakeNvml),
+    ) -> Self {
+        let dir = TempDir::new(tag);
+        let fake = FakeNvml::create(&dir.0, specs).unwrap();
         prepare(&fake);
         let lib = fake_nvml::find_cdylib()
             .expect("libfake_nvml.so is built as a dependency of stepwatch");
@@ -89,7 +101,7 @@ impl Agent {
             .arg(http.to_string())
             .arg("--nvml-lib")
             .arg(&lib)
-            .args(["--node-name", "test-node", "--process-interval", "200ms"])
+            .args(["--node-name", node_name, "--process-interval", "200ms"])
             .args(extra_args)
             .env(fake_nvml::STATE_DIR_ENV, &dir.0)
             .env("RUST_LOG", "info")
@@ -316,4 +328,136 @@ pub fn promtool_check_metrics(text: &str) {
 
 pub fn exists(p: &Path) -> bool {
     p.exists()
+}
+
+/// A real Prometheus server (Debian package `prometheus`) on a temp TSDB,
+/// listening on 127.0.0.1; killed on drop.
+pub struct Prometheus {
+    pub dir: TempDir,
+    pub addr: SocketAddr,
+    child: Option<Child>,
+}
+
+impl Prometheus {
+    /// Writes `config` (prometheus.yml text) to a temp dir and starts the
+    /// server on it; returns once /-/ready answers 200.
+    pub fn start(tag: &str, config: &str) -> Self {
+        if Command::new("prometheus")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_err()
+        {
+            panic!(
+                "`prometheus` is not on PATH: this test runs a real Prometheus server. \
+                 Install Debian's package `prometheus` (scripts/test installs it)."
+            );
+        }
+        let dir = TempDir::new(tag);
+        let config_path = dir.0.join("prometheus.yml");
+        std::fs::write(&config_path, config).unwrap();
+        let addr = free_port();
+        let log = std::fs::File::create(dir.0.join("prometheus.log")).unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config_path.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.0.join("data").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start prometheus");
+        let mut prom = Self {
+            dir,
+            addr,
+            child: Some(child),
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok((200, _)) = http_get(addr, "/-/ready") {
+                return prom;
+            }
+            if let Some(status) = prom.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!("prometheus exited ({status}); log:\n{}", prom.log());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "prometheus not ready within 30 s; log:\n{}",
+                prom.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join("prometheus.log")).unwrap_or_default()
+    }
+
+    /// GET an API path (query string already encoded); the JSON `data` of a
+    /// successful answer, else "errorType: error".
+    pub fn api(&self, path: &str) -> Result<serde_json::Value, String> {
+        let (code, body) = http_get(self.addr, path).map_err(|e| format!("GET {path}: {e}"))?;
+        let v: serde_json::Value = serde_json::from_str(&body)
+            .map_err(|e| format!("GET {path}: HTTP {code}, not JSON ({e}): {body}"))?;
+        if v["status"] == "success" {
+            Ok(v["data"].clone())
+        } else {
+            Err(format!("{}: {}", v["errorType"], v["error"]))
+        }
+    }
+
+    /// Instant query at the current time: the `data` object (resultType, result).
+    pub fn query(&self, expr: &str) -> Result<serde_json::Value, String> {
+        self.api(&format!("/api/v1/query?query={}", url_encode(expr)))
+    }
+
+    /// Range query from `start` to now (Unix seconds), `step` seconds apart.
+    pub fn query_range(
+        &self,
+        expr: &str,
+        start: f64,
+        step: f64,
+    ) -> Result<serde_json::Value, String> {
+        let end = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        self.api(&format!(
+            "/api/v1/query_range?query={}&start={start:.3}&end={end:.3}&step={step}",
+            url_encode(expr)
+        ))
+    }
+
+    /// The result vector of an instant query, panicking with the log on error.
+    pub fn vector(&self, expr: &str) -> Vec<serde_json::Value> {
+        match self.query(expr) {
+            Ok(data) => data["result"].as_array().cloned().unwrap_or_default(),
+            Err(e) => panic!("query {expr}: {e}"),
+        }
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Percent-encodes a query-string value.
+pub fn url_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() * 3);
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
