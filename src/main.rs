@@ -1,5 +1,6 @@
 //! `stepwatch`: the per-node agent and its tools, in one binary.
 
+mod bench;
 mod demo;
 mod http_get;
 mod sim;
@@ -29,6 +30,8 @@ enum Command {
     Sim(sim::SimArgs),
     /// Create or change a fake NVML state directory (simulated GPUs and faults).
     FakeGpu(sim::FakeGpuArgs),
+    /// Benchmarks that need the whole system (e.g. `bench accuracy`).
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -48,5 +51,6 @@ fn main() -> anyhow::Result<()> {
             sim::run(args)
         }
         Command::FakeGpu(args) => sim::fake_gpu(args),
+        Command::Bench(args) => bench::run(args),
     }
 }

@@ -363,6 +363,11 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         "stepwatch_rank_prediction_provisional",
         "1 while step 1 is still running and the prediction may still be refined.",
     );
+    let mut error = Family::gauge(
+        node,
+        "stepwatch_rank_prediction_error_ratio",
+        "(prediction made before step 2 began - steady-state peak) / steady-state peak, once steady state is measured.",
+    );
     let mut peak_div = Family::gauge(
         node,
         "stepwatch_job_first_step_peak_divergence_ratio",
@@ -425,6 +430,10 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         if let Some(steady) = &a.steady {
             if let Some(p) = steady.nvml_peak_bytes {
                 steady_peak.add(&labels, p as f64);
+                let frozen = tracker.rank(key).and_then(|r| r.prediction_before_step2.as_ref());
+                if let (Some(frozen), true) = (frozen, p > 0) {
+                    error.add(&labels, (frozen.predicted_peak_bytes as f64 - p as f64) / p as f64);
+                }
             }
             for ph in &steady.phases {
                 add_phase_peaks(
@@ -457,6 +466,7 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         capacity,
         risk,
         provisional,
+        error,
         peak_div,
         dur_div,
         outlier,

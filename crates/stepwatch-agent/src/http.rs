@@ -131,6 +131,7 @@ async fn rank(
     body["node"] = json!(state.node);
     body["analysis"] = json!(tracker.rank_analysis(&key));
     body["advisories"] = json!(r.advisories);
+    body["prediction_before_step2"] = json!(r.prediction_before_step2);
     body["steps"] = json!(steps);
     Json(body).into_response()
 }

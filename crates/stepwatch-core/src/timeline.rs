@@ -220,12 +220,19 @@ impl RankTimeline {
     /// Applies a batch of markers, all or nothing: the first invalid marker
     /// rejects the batch and leaves the timeline unchanged.
     pub fn apply_batch(&mut self, markers: &[Marker]) -> Result<(), MarkerError> {
+        self.check_batch(markers)?;
+        for m in markers {
+            self.apply_unchecked(m);
+        }
+        Ok(())
+    }
+
+    /// Checks a batch without applying it: Ok means `apply_batch` would
+    /// accept it, in whole or split in order.
+    pub fn check_batch(&self, markers: &[Marker]) -> Result<(), MarkerError> {
         let mut cursor = self.cursor();
         for m in markers {
             cursor.check_and_advance(m)?;
-        }
-        for m in markers {
-            self.apply_unchecked(m);
         }
         Ok(())
     }

@@ -17,7 +17,7 @@ use crate::advisory::{self, Advisory};
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{RankInfo, RankKey};
 use crate::marker::Marker;
-use crate::predict::LiveStep;
+use crate::predict::{LiveStep, Prediction};
 use crate::profile::StepProfile;
 use crate::timeline::{PhaseRecord, RankTimeline, StepOutcome};
 
@@ -80,6 +80,9 @@ pub struct RankState {
     pub last_activity_ns: u64,
     /// Advisories issued to this rank (at most one of each kind per timeline).
     pub advisories: Vec<Advisory>,
+    /// The prediction as it stood just before the second step began: what
+    /// the step-2 warning was based on, kept to measure how good it was.
+    pub prediction_before_step2: Option<Prediction>,
 }
 
 /// All ranks and GPUs on this node.
@@ -240,6 +243,7 @@ impl Tracker {
             if state.info.pid != 0 && info.pid != 0 && state.info.pid != info.pid {
                 state.timeline = RankTimeline::new(retained);
                 state.advisories.clear();
+                state.prediction_before_step2 = None;
             }
             state.info = info;
             state.connected_streams += 1;
@@ -257,6 +261,7 @@ impl Tracker {
                 connected_streams: 1,
                 last_activity_ns: now_ns,
                 advisories: Vec::new(),
+                prediction_before_step2: None,
             },
         );
         Ok(key)
@@ -281,12 +286,41 @@ impl Tracker {
         let Some(state) = self.ranks.get_mut(key) else {
             return Ok(());
         };
-        state.timeline.apply_batch(markers)?;
+        state.timeline.check_batch(markers)?;
         state.last_activity_ns = now_ns;
+        // Freeze the prediction at the first marker of the second step.
+        let split = if state.prediction_before_step2.is_none() && state.timeline.steps().len() <= 1 {
+            let first = state.timeline.steps().next().map(|s| s.step).or(markers.first().map(|m| m.step));
+            markers.iter().position(|m| Some(m.step) > first)
+        } else {
+            None
+        };
+        match split {
+            Some(at) => {
+                self.apply_and_credit(key, &markers[..at]);
+                let prediction = self.rank_analysis(key).and_then(|a| a.prediction);
+                if let Some(state) = self.ranks.get_mut(key) {
+                    state.prediction_before_step2 = prediction;
+                }
+                self.apply_and_credit(key, &markers[at..]);
+            }
+            None => self.apply_and_credit(key, markers),
+        }
+        Ok(())
+    }
+
+    /// Applies an already checked batch and credits samples to the phases it closed.
+    fn apply_and_credit(&mut self, key: &RankKey, markers: &[Marker]) {
+        let Some(state) = self.ranks.get_mut(key) else {
+            return;
+        };
+        state
+            .timeline
+            .apply_batch(markers)
+            .expect("the batch was checked as a whole");
         let empty = VecDeque::new();
         let window = self.samples.get(&state.info.gpu_uuid).unwrap_or(&empty);
         credit_newly_closed(&mut state.timeline, window);
-        Ok(())
     }
 
     /// Adds GPU samples (any order, any batch size) and credits those that

@@ -1,0 +1,98 @@
+//! The prediction is frozen just before step 2 begins, whatever the batching.
+
+use stepwatch_core::*;
+
+fn info() -> RankInfo {
+    RankInfo {
+        job: "j".into(),
+        rank: 0,
+        world_size: 1,
+        gpu_uuid: "GPU-a".into(),
+        pid: 7,
+        ..Default::default()
+    }
+}
+
+/// Two steps of one rank whose optimizer phase allocates 1 GB of state.
+fn markers() -> Vec<Marker> {
+    const GB: u64 = 1_000_000_000;
+    let alloc = |allocated: u64| AllocatorStats {
+        allocated_bytes: allocated,
+        allocated_peak_bytes: allocated,
+        reserved_bytes: allocated,
+        reserved_peak_bytes: allocated,
+        ..Default::default()
+    };
+    let mut out = Vec::new();
+    let mut t = 1_000_000;
+    for step in 1..=2 {
+        let state = if step == 1 { 0 } else { GB };
+        for (kind, allocated) in [
+            (MarkerKind::StepBegin, 2 * GB + state),
+            (MarkerKind::ForwardBegin, 2 * GB + state),
+            (MarkerKind::BackwardBegin, 6 * GB + state),
+            (MarkerKind::OptimizerBegin, 3 * GB + state),
+            (MarkerKind::OptimizerEnd, 3 * GB + GB),
+            (MarkerKind::StepEnd, 2 * GB + GB),
+        ] {
+            t += 10_000_000;
+            out.push(Marker {
+                kind,
+                step,
+                monotonic_ns: t,
+                wall_ns: t,
+                micro_batch: 0,
+                allocator: Some(alloc(allocated)),
+            });
+        }
+    }
+    out
+}
+
+fn samples() -> Vec<GpuSample> {
+    (0..200)
+        .map(|i| GpuSample {
+            monotonic_ns: 1_000_000 + i * 1_000_000,
+            used_bytes: 7_000_000_000,
+            total_bytes: 80_000_000_000,
+        })
+        .collect()
+}
+
+fn run(batches: &[&[Marker]]) -> (Option<Prediction>, Option<Prediction>) {
+    let mut tracker = Tracker::new(TrackerConfig::default());
+    let key = tracker.open(info(), 0).unwrap();
+    tracker.gpu_samples("GPU-a", &samples());
+    let mut after_step1 = None;
+    for batch in batches {
+        tracker.markers(&key, batch, 0).unwrap();
+        if tracker.rank(&key).unwrap().timeline.steps().len() == 1 {
+            after_step1 = tracker.rank_analysis(&key).and_then(|a| a.prediction);
+        }
+    }
+    (after_step1, tracker.rank(&key).unwrap().prediction_before_step2.clone())
+}
+
+#[test]
+fn prediction_is_frozen_at_the_first_marker_of_step_2() {
+    let all = markers();
+    let (seen_after_step1, frozen_split) = run(&[&all[..6], &all[6..]]);
+    let seen = seen_after_step1.expect("a prediction after step 1");
+    let frozen_split = frozen_split.expect("frozen when step 2 began");
+    assert_eq!(frozen_split, seen);
+    // One batch holding both steps freezes the same figure.
+    let (_, frozen_whole) = run(&[&all]);
+    assert_eq!(frozen_whole, Some(seen));
+}
+
+#[test]
+fn a_rejected_batch_freezes_nothing() {
+    let mut all = markers();
+    let mut tracker = Tracker::new(TrackerConfig::default());
+    let key = tracker.open(info(), 0).unwrap();
+    all[8].kind = MarkerKind::OptimizerEnd; // out of order in step 2
+    assert!(tracker.markers(&key, &all, 0).is_err());
+    let state = tracker.rank(&key).unwrap();
+    assert!(state.prediction_before_step2.is_none());
+    assert_eq!(state.timeline.steps().len(), 0);
+}

@@ -1,0 +1,365 @@
+//! `stepwatch bench accuracy`: every scenario through the real agent, fake
+//! NVML and simulated ranks as processes, and how well the step-2
+//! prediction did.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use fake_nvml::{FakeNvml, GpuSpec};
+use serde_json::Value;
+use stepwatch_sim::Scenario;
+
+use crate::http_get;
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub kind: BenchKind,
+}
+
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum BenchKind {
+    /// Prediction accuracy and step-2 OOM warnings over the scenario suite.
+    Accuracy(AccuracyArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct AccuracyArgs {
+    /// Scenarios to run (default: every built-in one). Repeatable.
+    #[arg(long = "scenario")]
+    pub scenarios: Vec<String>,
+    /// Time scale of the simulated jobs (2 = twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    pub speed: f64,
+    /// Targets: median and maximum absolute error, in percent.
+    #[arg(long, default_value_t = 2.0)]
+    pub max_median_error: f64,
+    #[arg(long, default_value_t = 5.0)]
+    pub max_error: f64,
+}
+
+/// One rank of one scenario, measured.
+#[derive(Debug, Clone)]
+struct Row {
+    scenario: String,
+    rank: u32,
+    expected_oom: bool,
+    died_in_step: Option<u64>,
+    predicted: Option<u64>,
+    actual: Option<u64>,
+    capacity: u64,
+    /// Warning kind and its lead over step 2's begin (ms; None: step 2 never began).
+    warning: Option<(String, Option<f64>)>,
+}
+
+impl Row {
+    fn error(&self) -> Option<f64> {
+        match (self.predicted, self.actual) {
+            (Some(p), Some(a)) if a > 0 => Some((p as f64 - a as f64) / a as f64),
+            _ => None,
+        }
+    }
+
+    fn true_headroom(&self) -> Option<f64> {
+        self.actual
+            .map(|a| (self.capacity as f64 - a as f64) / self.capacity.max(1) as f64)
+    }
+
+    fn warned_in_time(&self) -> bool {
+        matches!(&self.warning, Some((kind, lead)) if kind == "step2_oom_predicted" && lead.is_none_or(|ms| ms > 0.0))
+    }
+
+    fn false_alarm(&self) -> bool {
+        self.warning.is_some() && self.true_headroom().is_some_and(|h| h >= 0.05)
+    }
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let BenchKind::Accuracy(args) = args.kind;
+    let all = stepwatch_sim::builtin_scenarios()?;
+    let chosen: Vec<Scenario> = if args.scenarios.is_empty() {
+        all
+    } else {
+        args.scenarios
+            .iter()
+            .map(|name| crate::sim::load_scenario(name))
+            .collect::<anyhow::Result<_>>()?
+    };
+    // Co-located scenarios run together on one GPU.
+    let mut groups: Vec<Vec<Scenario>> = Vec::new();
+    for s in chosen {
+        if let Some(group) = groups
+            .iter_mut()
+            .find(|g| g.iter().any(|o| o.colocated_with.as_deref() == Some(&s.name)))
+        {
+            group.push(s);
+        } else {
+            groups.push(vec![s]);
+        }
+    }
+    let mut rows = Vec::new();
+    for group in &groups {
+        let names: Vec<&str> = group.iter().map(|s| s.name.as_str()).collect();
+        eprintln!("bench: running {} at capacity ...", names.join(" + "));
+        let real = run_group(group, 1.0, args.speed)?;
+        let needs_unbounded = real.iter().any(|r| r.died_in_step.is_some());
+        let unbounded = if needs_unbounded {
+            eprintln!("bench: running {} on 2x capacity to measure the steady peak OOM cut short", names.join(" + "));
+            Some(run_group(group, 2.0, args.speed)?)
+        } else {
+            None
+        };
+        for mut row in real {
+            if row.died_in_step.is_some() {
+                row.actual = unbounded
+                    .as_ref()
+                    .and_then(|u| u.iter().find(|o| o.scenario == row.scenario && o.rank == row.rank))
+                    .and_then(|o| o.actual);
+            }
+            rows.push(row);
+        }
+    }
+    println!("{}", render(&rows));
+    let errors: Vec<f64> = rows.iter().filter_map(Row::error).map(f64::abs).collect();
+    let median = median(&errors) * 100.0;
+    let max = errors.iter().copied().fold(0.0, f64::max) * 100.0;
+    let ooms: Vec<&Row> = rows.iter().filter(|r| r.died_in_step == Some(2)).collect();
+    let warned = ooms.iter().filter(|r| r.warned_in_time()).count();
+    let false_alarms = rows.iter().filter(|r| r.false_alarm()).count();
+    println!(
+        "\nmedian |error| {median:.2}% (target ≤ {:.1}%), max |error| {max:.2}% (target ≤ {:.1}%), \
+         step-2 OOMs warned before step 2: {warned}/{}, false alarms at ≥5% true headroom: {false_alarms}",
+        args.max_median_error,
+        args.max_error,
+        ooms.len()
+    );
+    let unexpected: Vec<String> = rows
+        .iter()
+        .filter(|r| r.expected_oom != r.died_in_step.is_some())
+        .map(|r| format!("{} rank {}", r.scenario, r.rank))
+        .collect();
+    let pass = median <= args.max_median_error
+        && max <= args.max_error
+        && warned == ooms.len()
+        && false_alarms == 0
+        && unexpected.is_empty()
+        && errors.len() == rows.len();
+    if !unexpected.is_empty() {
+        println!("outcome differs from the scenario's expectation: {}", unexpected.join(", "));
+    }
+    if errors.len() != rows.len() {
+        println!("{} rank(s) had no prediction or no measured steady peak", rows.len() - errors.len());
+    }
+    println!("{}", if pass { "accuracy: PASS" } else { "accuracy: FAIL" });
+    if !pass {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+fn median(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let mid = v.len() / 2;
+    if v.len() % 2 == 0 {
+        (v[mid - 1] + v[mid]) / 2.0
+    } else {
+        v[mid]
+    }
+}
+
+fn render(rows: &[Row]) -> String {
+    let gb = |b: Option<u64>| b.map_or("-".to_string(), |b| format!("{:.2}", b as f64 / 1e9));
+    let mut out = String::from(
+        "| scenario | rank | outcome | predicted peak GB (before step 2) | actual steady peak GB | error | true headroom | warning | lead before step 2 |\n\
+         | --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |\n",
+    );
+    for r in rows {
+        let outcome = match r.died_in_step {
+            Some(step) => format!("OOM in step {step}"),
+            None => "fits".into(),
+        };
+        let (warning, lead) = match &r.warning {
+            Some((kind, Some(ms))) => (kind.clone(), format!("{ms:.0} ms")),
+            Some((kind, None)) => (kind.clone(), "-".into()),
+            None => ("none".into(), "-".into()),
+        };
+        out += &format!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            r.scenario,
+            r.rank,
+            outcome,
+            gb(r.predicted),
+            gb(r.actual),
+            r.error().map_or("-".into(), |e| format!("{:+.2}%", e * 100.0)),
+            r.true_headroom().map_or("-".into(), |h| format!("{:.1}%", h * 100.0)),
+            warning,
+            lead,
+        );
+    }
+    out
+}
+
+/// Runs the scenarios of one group (one, or co-located ones sharing GPU 0)
+/// against a fresh agent with GPUs of `scale` × the scenario's capacity.
+fn run_group(group: &[Scenario], scale: f64, speed: f64) -> anyhow::Result<Vec<Row>> {
+    let exe = std::env::current_exe()?;
+    let lib = fake_nvml::find_cdylib().context("libfake_nvml.so not found next to the binary; run cargo build")?;
+    let dir = std::env::temp_dir().join(format!(
+        "stepwatch-bench-{}-{}",
+        std::process::id(),
+        group[0].name
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    let _cleanup = RemoveDir(dir.clone());
+    let colocated = group.len() > 1;
+    let gpu_count = if colocated { 1 } else { group[0].ranks.count.max(1) };
+    let capacity = (group[0].gpu.capacity_bytes as f64 * scale) as u64;
+    let specs: Vec<GpuSpec> = (0..gpu_count)
+        .map(|i| GpuSpec {
+            total_bytes: capacity,
+            ..GpuSpec::h100_80gb(i)
+        })
+        .collect();
+    let _fake = FakeNvml::create(&dir, &specs)?;
+    let http: SocketAddr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+        l.local_addr()?
+    };
+    let socket = dir.join("agent.sock");
+    let mut agent = Killed(
+        Command::new(&exe)
+            .arg("agent")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--http-listen")
+            .arg(http.to_string())
+            .arg("--nvml-lib")
+            .arg(&lib)
+            .args(["--process-interval", "200ms", "--node-name", "bench"])
+            .env(fake_nvml::STATE_DIR_ENV, &dir)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("agent.log"))?)
+            .spawn()?,
+    );
+    wait_ready(http, &dir.join("agent.log"))?;
+
+    let endpoint = format!("unix://{}", socket.display());
+    let mut sims: Vec<(String, u32, Child)> = Vec::new();
+    for (i, scenario) in group.iter().enumerate() {
+        if i > 0 {
+            // Co-located jobs start in their scenario order, offset in time.
+            let offset = (scenario.start_offset_ms - group[i - 1].start_offset_ms).max(0.0);
+            std::thread::sleep(Duration::from_secs_f64(offset / 1000.0 / speed));
+        }
+        for rank in 0..scenario.ranks.count.max(1) {
+            let gpu = if colocated { 0 } else { rank };
+            let child = spawn_sim(&exe, &scenario.name, rank, gpu, speed, &endpoint, &dir)?;
+            sims.push((scenario.name.clone(), rank, child));
+        }
+    }
+    let mut died = Vec::new();
+    for (name, rank, mut child) in sims {
+        let status = child.wait()?;
+        let oom = status.code() == Some(crate::sim::OOM_EXIT_CODE);
+        anyhow::ensure!(oom || status.success(), "sim {name} rank {rank} failed: {status}");
+        died.push((name, rank, oom));
+    }
+    // Let the agent attribute the last samples.
+    std::thread::sleep(Duration::from_millis(400));
+
+    let mut rows = Vec::new();
+    for (name, rank, oom) in died {
+        let scenario = group.iter().find(|s| s.name == name).expect("scenario of the group");
+        let (code, body) = http_get::get(http, &format!("/api/v1/jobs/{name}/ranks/{rank}"))?;
+        anyhow::ensure!(code == 200, "no report for {name} rank {rank}: {body}");
+        let report: Value = serde_json::from_str(&body)?;
+        let steps = report["steps"].as_array().cloned().unwrap_or_default();
+        let step2_begin = steps.get(1).and_then(|s| s["begin_monotonic_ns"].as_u64());
+        let died_in_step = oom.then(|| {
+            steps
+                .iter()
+                .find(|s| s["outcome"] == "oom")
+                .and_then(|s| s["step"].as_u64())
+                .unwrap_or(0)
+        });
+        // The most severe advisory: an OOM prediction may follow a low-headroom one.
+        let advisories = report["advisories"].as_array().cloned().unwrap_or_default();
+        let severe = advisories
+            .iter()
+            .find(|a| a["kind"] == "step2_oom_predicted")
+            .or(advisories.first());
+        let warning = severe.map(|a| {
+            let kind = a["kind"].as_str().unwrap_or("?").to_string();
+            let issued = a["issued_monotonic_ns"].as_u64().unwrap_or(0);
+            (kind, step2_begin.map(|b| (b as f64 - issued as f64) / 1e6))
+        });
+        let expected_oom = scenario
+            .expected
+            .ranks
+            .get(&rank)
+            .map_or(scenario.expected.outcome, |e| e.outcome)
+            == stepwatch_sim::scenario::OutcomeKind::Oom;
+        rows.push(Row {
+            scenario: name.clone(),
+            rank,
+            expected_oom,
+            died_in_step,
+            predicted: report["prediction_before_step2"]["predicted_peak_bytes"].as_u64(),
+            actual: report["analysis"]["steady"]["nvml_peak_bytes"].as_u64(),
+            capacity: scenario.gpu.capacity_bytes,
+            warning,
+        });
+    }
+    let _ = agent.0.kill();
+    let _ = agent.0.wait();
+    Ok(rows)
+}
+
+fn spawn_sim(exe: &Path, scenario: &str, rank: u32, gpu: u32, speed: f64, endpoint: &str, dir: &Path) -> anyhow::Result<Child> {
+    Ok(Command::new(exe)
+        .args(["sim", "--scenario", scenario])
+        .args(["--rank", &rank.to_string(), "--gpu", &gpu.to_string(), "--speed", &speed.to_string()])
+        .arg("--endpoint")
+        .arg(endpoint)
+        .arg("--fake-nvml-dir")
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?)
+}
+
+fn wait_ready(addr: SocketAddr, log: &Path) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok((200, _)) = http_get::get(addr, "/readyz") {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    anyhow::bail!("agent not ready: {}", std::fs::read_to_string(log).unwrap_or_default())
+}
+
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct RemoveDir(PathBuf);
+
+impl Drop for RemoveDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
