@@ -24,6 +24,22 @@ pub struct BenchArgs {
 pub enum BenchKind {
     /// Prediction accuracy and step-2 OOM warnings over the scenario suite.
     Accuracy(AccuracyArgs),
+    /// Marker ingest throughput over the Unix socket, marker-to-report
+    /// latency, /metrics latency and agent RSS with 8 GPUs and 8 ranks.
+    Ingest(IngestArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct IngestArgs {
+    /// Concurrent ranks (one stream each).
+    #[arg(long, default_value_t = 8)]
+    pub ranks: u32,
+    /// Steps each rank pushes (6 markers per step); 1,000 fill the agent's retention.
+    #[arg(long, default_value_t = 2000)]
+    pub steps: u64,
+    /// Round trips measured for marker-to-report latency.
+    #[arg(long, default_value_t = 200)]
+    pub latency_samples: u32,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -78,7 +94,213 @@ impl Row {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
-    let BenchKind::Accuracy(args) = args.kind;
+    match args.kind {
+        BenchKind::Accuracy(args) => accuracy(args),
+        BenchKind::Ingest(args) => ingest(args),
+    }
+}
+
+/// A fresh agent on `gpus` fake GPUs in its own temp dir.
+struct BenchAgent {
+    child: Killed,
+    http: SocketAddr,
+    endpoint: String,
+    _dir: RemoveDir,
+}
+
+fn start_agent(tag: &str, specs: &[GpuSpec]) -> anyhow::Result<(BenchAgent, PathBuf)> {
+    let exe = std::env::current_exe()?;
+    let lib = fake_nvml::find_cdylib()
+        .context("libfake_nvml.so not found next to the binary; run cargo build")?;
+    let dir = std::env::temp_dir().join(format!("stepwatch-bench-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    FakeNvml::create(&dir, specs)?;
+    let http: SocketAddr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+    let socket = dir.join("agent.sock");
+    let child = Killed(
+        Command::new(&exe)
+            .arg("agent")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--http-listen")
+            .arg(http.to_string())
+            .arg("--nvml-lib")
+            .arg(&lib)
+            .args(["--process-interval", "200ms", "--node-name", "bench"])
+            .env(fake_nvml::STATE_DIR_ENV, &dir)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("agent.log"))?)
+            .spawn()?,
+    );
+    wait_ready(http, &dir.join("agent.log"))?;
+    Ok((
+        BenchAgent {
+            child,
+            http,
+            endpoint: format!("unix://{}", socket.display()),
+            _dir: RemoveDir(dir.clone()),
+        },
+        dir,
+    ))
+}
+
+fn metric(body: &str, name: &str) -> f64 {
+    body.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+        .sum()
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn ingest(args: IngestArgs) -> anyhow::Result<()> {
+    use stepwatch_client::{Client, ClientOptions};
+    use stepwatch_proto::v1::{Hello, Identity, MarkerKind};
+
+    let specs: Vec<GpuSpec> = (0..8).map(GpuSpec::h100_80gb).collect();
+    let (agent, _dir) = start_agent("ingest", &specs)?;
+    let kinds = [
+        MarkerKind::StepBegin,
+        MarkerKind::ForwardBegin,
+        MarkerKind::BackwardBegin,
+        MarkerKind::OptimizerBegin,
+        MarkerKind::OptimizerEnd,
+        MarkerKind::StepEnd,
+    ];
+    let client_for = |rank: u32| {
+        let hello = Hello {
+            identity: Some(Identity {
+                job_id: "bench".into(),
+                rank,
+                local_rank: rank,
+                world_size: args.ranks.max(1) + 1,
+                ..Default::default()
+            }),
+            gpu_uuid: GpuSpec::h100_80gb(rank % 8).uuid,
+            pid: std::process::id(),
+            ..Default::default()
+        };
+        Client::start(ClientOptions::new(&agent.endpoint, hello))
+    };
+
+    // Throughput: every rank pushes its steps as fast as the queue takes them.
+    let total = u64::from(args.ranks) * args.steps * kinds.len() as u64;
+    eprintln!(
+        "bench: {} ranks x {} steps = {total} markers over the Unix socket",
+        args.ranks, args.steps
+    );
+    let started = Instant::now();
+    let threads: Vec<_> = (0..args.ranks)
+        .map(|rank| {
+            let client = client_for(rank);
+            let steps = args.steps;
+            std::thread::spawn(move || {
+                for step in 1..=steps {
+                    for kind in kinds {
+                        while !client.mark_now(kind, step, 0) {
+                            std::thread::yield_now();
+                        }
+                    }
+                }
+                client.close(Duration::from_secs(30))
+            })
+        })
+        .collect();
+    let mut dropped = 0;
+    for t in threads {
+        dropped += t.join().expect("load thread").dropped;
+    }
+    loop {
+        let (_, body) = http_get::get(agent.http, "/metrics")?;
+        if metric(&body, "stepwatch_markers_received_total") as u64 >= total {
+            break;
+        }
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(120),
+            "the agent did not take all markers in 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+
+    // Marker-to-report latency: one more step end, then poll the rank report.
+    let probe = client_for(args.ranks);
+    let mut latencies = Vec::new();
+    for step in 1..=u64::from(args.latency_samples) {
+        for kind in &kinds[..5] {
+            probe.mark_now(*kind, step, 0);
+        }
+        probe.flush(Duration::from_secs(5));
+        let t0 = Instant::now();
+        probe.mark_now(MarkerKind::StepEnd, step, 0);
+        let path = format!("/api/v1/jobs/bench/ranks/{}?steps=1", args.ranks);
+        loop {
+            let (_, body) = http_get::get(agent.http, &path)?;
+            let report: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+            if report["steps_completed"].as_u64() == Some(step) {
+                break;
+            }
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(5),
+                "step {step} never showed up"
+            );
+        }
+        latencies.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    probe.close(Duration::from_secs(5));
+    latencies.sort_by(|a, b| a.total_cmp(b));
+
+    // /metrics with 8 GPUs, the ranks and their retained steps.
+    let mut scrapes = Vec::new();
+    let mut series = 0;
+    for _ in 0..50 {
+        let t0 = Instant::now();
+        let (_, body) = http_get::get(agent.http, "/metrics")?;
+        scrapes.push(t0.elapsed().as_secs_f64() * 1e3);
+        series = body.lines().filter(|l| !l.starts_with('#')).count();
+    }
+    scrapes.sort_by(|a, b| a.total_cmp(b));
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.child.0.id()))?;
+    let rss = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|kb| kb.parse::<f64>().ok())
+            .map_or(0.0, |kb| kb / 1024.0)
+    };
+    println!(
+        "markers: {total} in {elapsed:.2} s = {:.0} markers/s ({dropped} dropped by clients)",
+        total as f64 / elapsed
+    );
+    println!(
+        "marker to report (step end -> /api/v1 shows it): p50 {:.2} ms, p99 {:.2} ms over {} round trips",
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+        latencies.len()
+    );
+    println!(
+        "/metrics ({series} series, {} ranks x {} retained steps, 8 GPUs): median {:.2} ms, p99 {:.2} ms",
+        args.ranks + 1,
+        args.steps.min(1000),
+        percentile(&scrapes, 0.5),
+        percentile(&scrapes, 0.99)
+    );
+    println!(
+        "agent RSS {:.1} MiB (peak {:.1} MiB)",
+        rss("VmRSS:"),
+        rss("VmHWM:")
+    );
+    Ok(())
+}
+
+fn accuracy(args: AccuracyArgs) -> anyhow::Result<()> {
     let all = stepwatch_sim::builtin_scenarios()?;
     let chosen: Vec<Scenario> = if args.scenarios.is_empty() {
         all
@@ -91,10 +313,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     // Co-located scenarios run together on one GPU.
     let mut groups: Vec<Vec<Scenario>> = Vec::new();
     for s in chosen {
-        if let Some(group) = groups
-            .iter_mut()
-            .find(|g| g.iter().any(|o| o.colocated_with.as_deref() == Some(&s.name)))
-        {
+        if let Some(group) = groups.iter_mut().find(|g| {
+            g.iter()
+                .any(|o| o.colocated_with.as_deref() == Some(&s.name))
+        }) {
             group.push(s);
         } else {
             groups.push(vec![s]);
@@ -107,7 +329,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let real = run_group(group, 1.0, args.speed)?;
         let needs_unbounded = real.iter().any(|r| r.died_in_step.is_some());
         let unbounded = if needs_unbounded {
-            eprintln!("bench: running {} on 2x capacity to measure the steady peak OOM cut short", names.join(" + "));
+            eprintln!(
+                "bench: running {} on 2x capacity to measure the steady peak OOM cut short",
+                names.join(" + ")
+            );
             Some(run_group(group, 2.0, args.speed)?)
         } else {
             None
@@ -116,7 +341,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             if row.died_in_step.is_some() {
                 row.actual = unbounded
                     .as_ref()
-                    .and_then(|u| u.iter().find(|o| o.scenario == row.scenario && o.rank == row.rank))
+                    .and_then(|u| {
+                        u.iter()
+                            .find(|o| o.scenario == row.scenario && o.rank == row.rank)
+                    })
                     .and_then(|o| o.actual);
             }
             rows.push(row);
@@ -148,12 +376,25 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         && unexpected.is_empty()
         && errors.len() == rows.len();
     if !unexpected.is_empty() {
-        println!("outcome differs from the scenario's expectation: {}", unexpected.join(", "));
+        println!(
+            "outcome differs from the scenario's expectation: {}",
+            unexpected.join(", ")
+        );
     }
     if errors.len() != rows.len() {
-        println!("{} rank(s) had no prediction or no measured steady peak", rows.len() - errors.len());
+        println!(
+            "{} rank(s) had no prediction or no measured steady peak",
+            rows.len() - errors.len()
+        );
     }
-    println!("{}", if pass { "accuracy: PASS" } else { "accuracy: FAIL" });
+    println!(
+        "{}",
+        if pass {
+            "accuracy: PASS"
+        } else {
+            "accuracy: FAIL"
+        }
+    );
     if !pass {
         std::process::exit(1);
     }
@@ -197,8 +438,10 @@ fn render(rows: &[Row]) -> String {
             outcome,
             gb(r.predicted),
             gb(r.actual),
-            r.error().map_or("-".into(), |e| format!("{:+.2}%", e * 100.0)),
-            r.true_headroom().map_or("-".into(), |h| format!("{:.1}%", h * 100.0)),
+            r.error()
+                .map_or("-".into(), |e| format!("{:+.2}%", e * 100.0)),
+            r.true_headroom()
+                .map_or("-".into(), |h| format!("{:.1}%", h * 100.0)),
             warning,
             lead,
         );
@@ -210,17 +453,12 @@ fn render(rows: &[Row]) -> String {
 /// against a fresh agent with GPUs of `scale` × the scenario's capacity.
 fn run_group(group: &[Scenario], scale: f64, speed: f64) -> anyhow::Result<Vec<Row>> {
     let exe = std::env::current_exe()?;
-    let lib = fake_nvml::find_cdylib().context("libfake_nvml.so not found next to the binary; run cargo build")?;
-    let dir = std::env::temp_dir().join(format!(
-        "stepwatch-bench-{}-{}",
-        std::process::id(),
-        group[0].name
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
-    let _cleanup = RemoveDir(dir.clone());
     let colocated = group.len() > 1;
-    let gpu_count = if colocated { 1 } else { group[0].ranks.count.max(1) };
+    let gpu_count = if colocated {
+        1
+    } else {
+        group[0].ranks.count.max(1)
+    };
     let capacity = (group[0].gpu.capacity_bytes as f64 * scale) as u64;
     let specs: Vec<GpuSpec> = (0..gpu_count)
         .map(|i| GpuSpec {
@@ -228,30 +466,9 @@ fn run_group(group: &[Scenario], scale: f64, speed: f64) -> anyhow::Result<Vec<R
             ..GpuSpec::h100_80gb(i)
         })
         .collect();
-    let _fake = FakeNvml::create(&dir, &specs)?;
-    let http: SocketAddr = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-        l.local_addr()?
-    };
-    let socket = dir.join("agent.sock");
-    let mut agent = Killed(
-        Command::new(&exe)
-            .arg("agent")
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--http-listen")
-            .arg(http.to_string())
-            .arg("--nvml-lib")
-            .arg(&lib)
-            .args(["--process-interval", "200ms", "--node-name", "bench"])
-            .env(fake_nvml::STATE_DIR_ENV, &dir)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("agent.log"))?)
-            .spawn()?,
-    );
-    wait_ready(http, &dir.join("agent.log"))?;
-
-    let endpoint = format!("unix://{}", socket.display());
+    let (agent, dir) = start_agent(&group[0].name, &specs)?;
+    let http = agent.http;
+    let endpoint = agent.endpoint.clone();
     let mut sims: Vec<(String, u32, Child)> = Vec::new();
     for (i, scenario) in group.iter().enumerate() {
         if i > 0 {
@@ -269,7 +486,10 @@ fn run_group(group: &[Scenario], scale: f64, speed: f64) -> anyhow::Result<Vec<R
     for (name, rank, mut child) in sims {
         let status = child.wait()?;
         let oom = status.code() == Some(crate::sim::OOM_EXIT_CODE);
-        anyhow::ensure!(oom || status.success(), "sim {name} rank {rank} failed: {status}");
+        anyhow::ensure!(
+            oom || status.success(),
+            "sim {name} rank {rank} failed: {status}"
+        );
         died.push((name, rank, oom));
     }
     // Let the agent attribute the last samples.
@@ -277,7 +497,10 @@ fn run_group(group: &[Scenario], scale: f64, speed: f64) -> anyhow::Result<Vec<R
 
     let mut rows = Vec::new();
     for (name, rank, oom) in died {
-        let scenario = group.iter().find(|s| s.name == name).expect("scenario of the group");
+        let scenario = group
+            .iter()
+            .find(|s| s.name == name)
+            .expect("scenario of the group");
         let (code, body) = http_get::get(http, &format!("/api/v1/jobs/{name}/ranks/{rank}"))?;
         anyhow::ensure!(code == 200, "no report for {name} rank {rank}: {body}");
         let report: Value = serde_json::from_str(&body)?;
@@ -318,15 +541,29 @@ fn run_group(group: &[Scenario], scale: f64, speed: f64) -> anyhow::Result<Vec<R
             warning,
         });
     }
-    let _ = agent.0.kill();
-    let _ = agent.0.wait();
+    drop(agent);
     Ok(rows)
 }
 
-fn spawn_sim(exe: &Path, scenario: &str, rank: u32, gpu: u32, speed: f64, endpoint: &str, dir: &Path) -> anyhow::Result<Child> {
+fn spawn_sim(
+    exe: &Path,
+    scenario: &str,
+    rank: u32,
+    gpu: u32,
+    speed: f64,
+    endpoint: &str,
+    dir: &Path,
+) -> anyhow::Result<Child> {
     Ok(Command::new(exe)
         .args(["sim", "--scenario", scenario])
-        .args(["--rank", &rank.to_string(), "--gpu", &gpu.to_string(), "--speed", &speed.to_string()])
+        .args([
+            "--rank",
+            &rank.to_string(),
+            "--gpu",
+            &gpu.to_string(),
+            "--speed",
+            &speed.to_string(),
+        ])
         .arg("--endpoint")
         .arg(endpoint)
         .arg("--fake-nvml-dir")
@@ -344,7 +581,10 @@ fn wait_ready(addr: SocketAddr, log: &Path) -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    anyhow::bail!("agent not ready: {}", std::fs::read_to_string(log).unwrap_or_default())
+    anyhow::bail!(
+        "agent not ready: {}",
+        std::fs::read_to_string(log).unwrap_or_default()
+    )
 }
 
 struct Killed(Child);
