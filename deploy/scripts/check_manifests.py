@@ -24,7 +24,7 @@ import kubernetes_validate
 KUBE_VERSIONS = ("1.25.0", "1.37.0")
 HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
 AGENT_ARGS_PREFIX = ["agent", "--http-listen", "0.0.0.0:9400", "--socket", "/run/stepwatch/stepwatch.sock",
-                     "--node-name", "$(NODE_NAME)"]
+                     "--socket-mode", "0666", "--node-name", "$(NODE_NAME)"]
 
 
 class Checker:
