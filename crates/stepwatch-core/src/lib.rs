@@ -16,12 +16,12 @@ pub mod profile;
 pub mod timeline;
 pub mod tracker;
 
+pub use advisory::{Advisory, AdvisoryKind};
 pub use analysis::{
     activation_plateau, analyze_rank, steady_state, ActivationPlateau, AnalysisConfig,
     FirstStepAnomaly, RankAnalysis, SteadyState,
 };
 pub use divergence::{divergence, Divergence, Outlier, PeakSource, RankFigures, Spread};
-pub use advisory::{Advisory, AdvisoryKind};
 pub use error::{HelloError, MarkerError};
 pub use identity::{ModelFacts, OptimizerKind, Precision, RankInfo, RankKey};
 pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};

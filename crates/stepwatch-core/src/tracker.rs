@@ -11,9 +11,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::Serialize;
 
+use crate::advisory::{self, Advisory};
 use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
 use crate::divergence::{divergence, Divergence, RankFigures};
-use crate::advisory::{self, Advisory};
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{RankInfo, RankKey};
 use crate::marker::Marker;
@@ -180,7 +180,9 @@ impl Tracker {
         let Some(state) = self.ranks.get(key) else {
             return Vec::new();
         };
-        let (Some(first), Some(current)) = (state.timeline.steps().next(), state.timeline.current()) else {
+        let (Some(first), Some(current)) =
+            (state.timeline.steps().next(), state.timeline.current())
+        else {
             return Vec::new();
         };
         if first.step != current.step {
@@ -194,7 +196,13 @@ impl Tracker {
             return Vec::new();
         };
         let state = self.ranks.get_mut(key).expect("checked above");
-        let due = advisory::due(&prediction, analysis.capacity_bytes, step, now_ns, &state.advisories);
+        let due = advisory::due(
+            &prediction,
+            analysis.capacity_bytes,
+            step,
+            now_ns,
+            &state.advisories,
+        );
         state.advisories.extend(due.iter().cloned());
         due
     }
@@ -289,8 +297,14 @@ impl Tracker {
         state.timeline.check_batch(markers)?;
         state.last_activity_ns = now_ns;
         // Freeze the prediction at the first marker of the second step.
-        let split = if state.prediction_before_step2.is_none() && state.timeline.steps().len() <= 1 {
-            let first = state.timeline.steps().next().map(|s| s.step).or(markers.first().map(|m| m.step));
+        let split = if state.prediction_before_step2.is_none() && state.timeline.steps().len() <= 1
+        {
+            let first = state
+                .timeline
+                .steps()
+                .next()
+                .map(|s| s.step)
+                .or(markers.first().map(|m| m.step));
             markers.iter().position(|m| Some(m.step) > first)
         } else {
             None

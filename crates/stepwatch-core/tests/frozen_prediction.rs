@@ -70,7 +70,10 @@ fn run(batches: &[&[Marker]]) -> (Option<Prediction>, Option<Prediction>) {
             after_step1 = tracker.rank_analysis(&key).and_then(|a| a.prediction);
         }
     }
-    (after_step1, tracker.rank(&key).unwrap().prediction_before_step2.clone())
+    (
+        after_step1,
+        tracker.rank(&key).unwrap().prediction_before_step2.clone(),
+    )
 }
 
 #[test]

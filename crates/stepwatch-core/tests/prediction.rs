@@ -12,6 +12,11 @@
 //! | step_end        | 600 | 2200      | 6000       | 7500     |                          |
 //!
 //! NVML = reserved + 500 (CUDA context 200 + another process 300).
+//!
+//! Lazily created state adds the layout allowance to reserved: 1/16 of the
+//! state that can have landed in the cache backward freed. Here the state is
+//! 800 and the cache when the optimizer began was 7500 − 1400 = 6100, so the
+//! allowance is 800 / 16 = 50.
 
 use stepwatch_core::*;
 
@@ -134,18 +139,21 @@ fn adam_lazy_state_measured_across_the_optimizer_phase() {
         (i.basis_peak_bytes, i.binding),
         (6800 * M, BindingTerm::FirstMicroBatch)
     );
-    // reserved/allocated = 7500 / 6000 = 1.25 → 8500 reserved.
+    // reserved/allocated = 7500 / 6000 = 1.25 → 8500, + allowance 50.
     assert_eq!(i.reserved_ratio, Some(1.25));
-    assert_eq!(i.predicted_reserved_bytes, Some(8500 * M));
+    assert_eq!(i.cache_at_optimizer_begin_bytes, Some(6100 * M));
+    assert_eq!(i.state_from_cache_bytes, 800 * M);
+    assert_eq!(i.layout_allowance_bytes, 50 * M);
+    assert_eq!(i.predicted_reserved_bytes, Some(8550 * M));
     // overhead = min(1700−1200, 3500−1200, 7000−6250, 8000−7500, 8000−7500) = 500.
     assert_eq!(i.overhead_bytes, Some(500 * M));
     assert_eq!(i.step1_nvml_peak_bytes, Some(8000 * M));
-    // device = max(8500 + 500, 8000) = 9000; own share 9000 − 300.
-    assert_eq!(p.predicted_peak_bytes, 9000 * M);
-    assert_eq!(p.predicted_rank_peak_bytes, 8700 * M);
+    // device = max(8550 + 500, 8000) = 9050; own share 9050 − 300.
+    assert_eq!(p.predicted_peak_bytes, 9050 * M);
+    assert_eq!(p.predicted_rank_peak_bytes, 8750 * M);
     assert_eq!(i.other_process_bytes, 300 * M);
-    // headroom = 10000 − 8700 − 300.
-    assert_eq!(p.headroom_bytes, Some(1000 * M as i64));
+    // headroom = 10000 − 8750 − 300.
+    assert_eq!(p.headroom_bytes, Some(950 * M as i64));
     assert!(!p.oom_risk && !p.low_headroom && !p.provisional);
     assert!(
         p.explanation.contains("predicted device peak"),
@@ -159,15 +167,15 @@ fn adam_lazy_state_measured_across_the_optimizer_phase() {
         &BASE_SAMPLES,
         9_400,
     );
-    assert_eq!(tight.headroom_bytes, Some(400 * M as i64));
-    assert!(tight.low_headroom && !tight.oom_risk, "400 < 5% of 9400");
+    assert_eq!(tight.headroom_bytes, Some(350 * M as i64));
+    assert!(tight.low_headroom && !tight.oom_risk, "350 < 5% of 9400");
     let over = run(
         ModelFacts::default(),
         &base_markers(true),
         &BASE_SAMPLES,
         8_800,
     );
-    assert_eq!(over.headroom_bytes, Some(-(200 * M as i64)));
+    assert_eq!(over.headroom_bytes, Some(-(250 * M as i64)));
     assert!(over.oom_risk && over.low_headroom);
 }
 
@@ -187,15 +195,19 @@ fn adam_state_from_model_facts_while_backward_runs() {
         (800 * M, StateSource::ModelFacts)
     );
     assert_eq!(i.basis_peak_bytes, 5800 * M);
-    // 6250 / 5000 = 1.25 → 7250; overhead min(500, 2300, 7000−6250 live) = 500.
-    assert_eq!(i.predicted_reserved_bytes, Some(7250 * M));
+    // 6250 / 5000 = 1.25 → 7250, + allowance 800 / 16 = 50 (the cache at
+    // optimizer begin is not known yet: the whole state counts);
+    // overhead min(500, 2300, 7000−6250 live) = 500.
+    assert_eq!(i.cache_at_optimizer_begin_bytes, None);
+    assert_eq!(i.layout_allowance_bytes, 50 * M);
+    assert_eq!(i.predicted_reserved_bytes, Some(7300 * M));
     assert_eq!(i.overhead_bytes, Some(500 * M));
     assert_eq!(
         i.step1_nvml_peak_bytes,
         Some(7000 * M),
         "the live sample counts"
     );
-    assert_eq!(p.predicted_peak_bytes, 7750 * M);
+    assert_eq!(p.predicted_peak_bytes, 7800 * M);
 
     // Without facts the state is unknown until the optimizer phase ends.
     let p = run(ModelFacts::default(), markers, &BASE_SAMPLES[..3], 10_000);
@@ -287,13 +299,13 @@ fn sharded_state_from_facts_and_inferred_from_the_jump() {
     );
     assert_eq!(early.inputs.facts_state_bytes, Some(800 * M));
     assert_eq!(early.inputs.sharding_factor, 4);
-    assert_eq!(early.predicted_peak_bytes, 7750 * M);
+    assert_eq!(early.predicted_peak_bytes, 7800 * M);
 
     // Unsharded facts, but the measured jump is a quarter of the facts state.
     let p = run(adam(400 * M), &base_markers(true), &BASE_SAMPLES, 10_000);
     assert_eq!(p.inputs.state_source, StateSource::MeasuredJump);
     assert_eq!(p.inputs.inferred_sharding_factor, Some(4));
-    assert_eq!(p.predicted_peak_bytes, 9000 * M);
+    assert_eq!(p.predicted_peak_bytes, 9050 * M);
 }
 
 #[test]
@@ -308,9 +320,9 @@ fn persistent_grads_are_added_unless_set_to_none() {
         (p.inputs.grad_bytes, p.inputs.grads_source),
         (400 * M, GradsSource::Measured)
     );
-    // max(6000 + 800 + 400, …) = 7200 → × 1.25 = 9000 → + 500.
+    // max(6000 + 800 + 400, …) = 7200 → × 1.25 = 9000 → + 50 → + 500.
     assert_eq!(p.inputs.basis_peak_bytes, 7200 * M);
-    assert_eq!(p.predicted_peak_bytes, 9500 * M);
+    assert_eq!(p.predicted_peak_bytes, 9550 * M);
 
     let none = ModelFacts {
         grads_set_to_none: Some(true),
@@ -321,7 +333,7 @@ fn persistent_grads_are_added_unless_set_to_none() {
         (p.inputs.grad_bytes, p.inputs.grads_source),
         (0, GradsSource::NotPersistent)
     );
-    assert_eq!(p.predicted_peak_bytes, 9000 * M);
+    assert_eq!(p.predicted_peak_bytes, 9050 * M);
 }
 
 /// Two micro-batches; the second forward/backward runs with the gradients of
@@ -354,12 +366,13 @@ fn accumulation_adds_grads_only_to_the_first_micro_batch() {
     assert_eq!(i.first_micro_batch_peak_bytes, 6000 * M);
     // Forward 1: max(1400, 5400), high-water mark unmoved; backward 1: 6400.
     assert_eq!(i.later_micro_batches_peak_bytes, Some(6400 * M));
-    // max(6000 + 800, 6400 + 800) = 7200 → × 8000/6400 = 9000 → + 500.
+    // max(6000 + 800, 6400 + 800) = 7200 → × 8000/6400 = 9000 → + 50
+    // (cache at optimizer begin 8000 − 1400 ≥ state) → + 500.
     assert_eq!(
         (i.basis_peak_bytes, i.binding),
         (7200 * M, BindingTerm::LaterMicroBatches)
     );
-    assert_eq!(p.predicted_peak_bytes, 9500 * M);
+    assert_eq!(p.predicted_peak_bytes, 9550 * M);
     assert_eq!(
         t_profile(&accumulation_markers()).micro_batches,
         2,
@@ -374,7 +387,7 @@ fn accumulation_adds_grads_only_to_the_first_micro_batch() {
     // First: 6000 + 800 + 400 = 7200; later micro-batches already hold their
     // grads: 6400 + 800 = 7200, not 6400 + 800 + 400.
     assert_eq!(p.inputs.basis_peak_bytes, 7200 * M);
-    assert_eq!(p.predicted_peak_bytes, 9500 * M);
+    assert_eq!(p.predicted_peak_bytes, 9550 * M);
 }
 
 fn t_profile(markers: &[Marker]) -> StepProfile {
@@ -660,4 +673,59 @@ fn samples_are_credited_when_one_batch_closes_a_step_and_opens_the_next() {
     assert_eq!(first.nvml_peak_bytes(), Some(8000 * M));
     let credited: u64 = first.phases.iter().map(|p| p.nvml.samples).sum();
     assert_eq!(credited, 5);
+}
+
+#[test]
+fn layout_allowance_covers_only_lazily_created_state_from_the_cache() {
+    // A small cache when the optimizer began: 1700 − 1400 = 300 of the
+    // 800 of state can have landed in it; the rest got segments of its own.
+    let mut ms = base_markers(true);
+    ms[3].allocator = stats(Some((1400, 6000, 1700)));
+    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
+    let i = &p.inputs;
+    assert_eq!(i.cache_at_optimizer_begin_bytes, Some(300 * M));
+    assert_eq!(i.state_from_cache_bytes, 300 * M);
+    // round(300 / 16) M, in bytes.
+    assert_eq!(i.layout_allowance_bytes, 300 * M / 16);
+    assert!(
+        p.explanation.contains("layout allowance"),
+        "{}",
+        p.explanation
+    );
+
+    // Pre-created or absent state strands nothing.
+    let p = run(adam(100 * M), &no_jump_markers(), &BASE_SAMPLES, 10_000);
+    assert_eq!(p.inputs.state_source, StateSource::DetectedPrecreated);
+    assert_eq!(
+        (
+            p.inputs.state_from_cache_bytes,
+            p.inputs.layout_allowance_bytes
+        ),
+        (0, 0)
+    );
+
+    // The fraction is a tunable: 0 gives the plain ratio rule.
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.set_analysis_config(AnalysisConfig {
+        predict: PredictConfig {
+            layout_allowance_fraction: 0.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    t.gpu_samples(GPU, &samples(&BASE_SAMPLES, 10_000));
+    t.markers(&key, &base_markers(true), 0).unwrap();
+    let p = t.rank_analysis(&key).unwrap().prediction.unwrap();
+    assert_eq!(p.inputs.layout_allowance_bytes, 0);
+    assert_eq!(p.predicted_peak_bytes, 9000 * M);
+
+    // NVML only: no cache figure, no allowance.
+    let p = run(
+        ModelFacts::default(),
+        &base_markers(false),
+        &BASE_SAMPLES,
+        10_000,
+    );
+    assert_eq!(p.inputs.basis, PredictionBasis::NvmlOnly);
+    assert_eq!(p.inputs.layout_allowance_bytes, 0);
 }

@@ -11,6 +11,7 @@
 //!
 //! See `README.md` for the memory model and its sources.
 
+pub mod accuracy;
 pub mod allocator;
 pub mod rank;
 pub mod realtime;
