@@ -430,9 +430,14 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         if let Some(steady) = &a.steady {
             if let Some(p) = steady.nvml_peak_bytes {
                 steady_peak.add(&labels, p as f64);
-                let frozen = tracker.rank(key).and_then(|r| r.prediction_before_step2.as_ref());
+                let frozen = tracker
+                    .rank(key)
+                    .and_then(|r| r.prediction_before_step2.as_ref());
                 if let (Some(frozen), true) = (frozen, p > 0) {
-                    error.add(&labels, (frozen.predicted_peak_bytes as f64 - p as f64) / p as f64);
+                    error.add(
+                        &labels,
+                        (frozen.predicted_peak_bytes as f64 - p as f64) / p as f64,
+                    );
                 }
             }
             for ph in &steady.phases {

@@ -167,11 +167,16 @@ async fn receive_markers(
                 }
             }
         }
+        // During step 1, bring the freshest samples in first: the step-2
+        // prediction and its advisory are decided on this batch.
+        if state.in_first_step(key) {
+            state.attribute_samples();
+        }
         let applied = state.tracker().markers(key, &markers, monotonic_ns());
         match applied {
-            Ok(()) => {
+            Ok(advisories) => {
                 state.ingest.markers_received.inc_by(n);
-                for advisory in state.advise(key) {
+                for advisory in advisories {
                     tracing::warn!(job = %key.job, rank = key.rank, step = advisory.step, "{}", advisory.message);
                     state
                         .ingest

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
-use stepwatch_core::{Advisory, RankKey, Tracker};
+use stepwatch_core::{RankKey, Tracker};
 use stepwatch_gpu::SamplerHandle;
 use stepwatch_proto::clock::monotonic_ns;
 
@@ -146,20 +146,11 @@ impl AgentState {
         }
     }
 
-    /// Advisories due for a rank during its first step, with the freshest
-    /// samples attributed first so the prediction sees them.
-    pub fn advise(&self, key: &RankKey) -> Vec<Advisory> {
-        let in_first_step = {
-            let tracker = self.tracker();
-            tracker.rank(key).is_some_and(|r| {
-                let mut steps = r.timeline.steps();
-                steps.len() == 1 && steps.next().is_some()
-            })
-        };
-        if !in_first_step {
-            return Vec::new();
-        }
-        self.attribute_samples();
-        self.tracker().advise(key, monotonic_ns())
+    /// Whether the rank has not gone past its first step (when step-2
+    /// predictions and advisories are made).
+    pub fn in_first_step(&self, key: &RankKey) -> bool {
+        self.tracker()
+            .rank(key)
+            .is_some_and(|r| r.timeline.steps().len() <= 1)
     }
 }

@@ -283,20 +283,24 @@ impl Tracker {
         }
     }
 
-    /// Applies a batch of markers for an open rank, all or nothing, and
-    /// credits GPU samples to the phases the batch closed.
+    /// Applies a batch of markers for an open rank, all or nothing, credits
+    /// GPU samples to the phases it closed, and returns the advisories that
+    /// became due. While the rank is in its first step, advisories are
+    /// checked after the batch, and also just before the first marker of the
+    /// second step when the same batch holds it (a client may send step 1's
+    /// end and step 2's begin together): that is the last moment a step-2
+    /// warning can be given, and the moment the prediction is frozen.
     pub fn markers(
         &mut self,
         key: &RankKey,
         markers: &[Marker],
         now_ns: u64,
-    ) -> Result<(), MarkerError> {
+    ) -> Result<Vec<Advisory>, MarkerError> {
         let Some(state) = self.ranks.get_mut(key) else {
-            return Ok(());
+            return Ok(Vec::new());
         };
         state.timeline.check_batch(markers)?;
         state.last_activity_ns = now_ns;
-        // Freeze the prediction at the first marker of the second step.
         let split = if state.prediction_before_step2.is_none() && state.timeline.steps().len() <= 1
         {
             let first = state
@@ -309,18 +313,18 @@ impl Tracker {
         } else {
             None
         };
-        match split {
-            Some(at) => {
-                self.apply_and_credit(key, &markers[..at]);
-                let prediction = self.rank_analysis(key).and_then(|a| a.prediction);
-                if let Some(state) = self.ranks.get_mut(key) {
-                    state.prediction_before_step2 = prediction;
-                }
-                self.apply_and_credit(key, &markers[at..]);
-            }
-            None => self.apply_and_credit(key, markers),
+        let Some(at) = split else {
+            self.apply_and_credit(key, markers);
+            return Ok(self.advise(key, now_ns));
+        };
+        self.apply_and_credit(key, &markers[..at]);
+        let advisories = self.advise(key, now_ns);
+        let prediction = self.rank_analysis(key).and_then(|a| a.prediction);
+        if let Some(state) = self.ranks.get_mut(key) {
+            state.prediction_before_step2 = prediction;
         }
-        Ok(())
+        self.apply_and_credit(key, &markers[at..]);
+        Ok(advisories)
     }
 
     /// Applies an already checked batch and credits samples to the phases it closed.

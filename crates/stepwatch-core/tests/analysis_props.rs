@@ -101,7 +101,9 @@ fn analyse(facts: &ModelFacts, events: &[Event]) -> RankAnalysis {
     tracker.set_gpu_processes(GPU, &[(1, 10), (2, 1_000)]);
     for e in events {
         match e {
-            Event::Markers(ms) => tracker.markers(&key, ms, 0).unwrap(),
+            Event::Markers(ms) => {
+                tracker.markers(&key, ms, 0).unwrap();
+            }
             Event::Samples(ss) => tracker.gpu_samples(GPU, ss),
         }
     }

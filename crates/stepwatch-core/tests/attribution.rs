@@ -136,7 +136,9 @@ proptest! {
         }
         for e in &shuffled {
             match e {
-                Event::Markers(r, ms) => tracker.markers(&RankKey { job: "job".into(), rank: *r }, ms, 0).unwrap(),
+                Event::Markers(r, ms) => {
+                    tracker.markers(&RankKey { job: "job".into(), rank: *r }, ms, 0).unwrap();
+                }
                 Event::Samples(gpu, ss) => tracker.gpu_samples(gpu, ss),
             }
         }

@@ -99,3 +99,32 @@ fn a_rejected_batch_freezes_nothing() {
     assert!(state.prediction_before_step2.is_none());
     assert_eq!(state.timeline.steps().len(), 0);
 }
+
+#[test]
+fn a_batch_holding_step_2s_begin_still_gets_the_step_2_warning() {
+    let mut tracker = Tracker::new(TrackerConfig::default());
+    let key = tracker.open(info(), 0).unwrap();
+    // A GPU too small for step 2 (7.5 GB, 7 GB in use during step 1).
+    let small: Vec<GpuSample> = samples()
+        .into_iter()
+        .map(|s| GpuSample {
+            total_bytes: 7_500_000_000,
+            ..s
+        })
+        .collect();
+    tracker.gpu_samples("GPU-a", &small);
+    let all = markers();
+    // Step 1 up to its optimizer end, then step end + all of step 2 in one batch.
+    assert!(
+        tracker.markers(&key, &all[..4], 0).unwrap().is_empty(),
+        "no state yet, no warning"
+    );
+    let due = tracker.markers(&key, &all[4..], 1).unwrap();
+    assert_eq!(due.len(), 1, "{due:?}");
+    assert_eq!(due[0].kind, AdvisoryKind::Step2OomPredicted);
+    assert_eq!(due[0].step, 1);
+    assert!(due[0].predicted_headroom_bytes < 0);
+    let state = tracker.rank(&key).unwrap();
+    assert_eq!(state.advisories, due);
+    assert!(state.prediction_before_step2.as_ref().unwrap().oom_risk);
+}

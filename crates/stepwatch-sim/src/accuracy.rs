@@ -381,12 +381,14 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
         let (_, _, last_i) = order[k];
         if !batch.is_empty() {
             let key = &keys[batch_owner];
-            if batch_owner == 0 && batch[0].kind == MarkerKind::StepBegin && batch[0].step == 2 {
+            let opens_step2 =
+                batch_owner == 0 && batch[0].kind == MarkerKind::StepBegin && batch[0].step == 2;
+            if opens_step2 {
                 out.prediction = tracker.rank_analysis(key).and_then(|a| a.prediction);
-                out.step2_begin_ns = Some(t);
             }
-            tracker.markers(key, &batch, t).expect("valid markers");
-            let due = tracker.advise(key, t);
+            // The tracker checks advisories after each batch, and before the
+            // first marker of step 2 is applied.
+            let due = tracker.markers(key, &batch, t).expect("valid markers");
             if batch_owner == 0 {
                 for a in due {
                     if out.first_warning.is_none() {
@@ -399,6 +401,9 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
                         }
                     }
                 }
+            }
+            if opens_step2 {
+                out.step2_begin_ns = Some(t);
             }
             batch.clear();
         }
