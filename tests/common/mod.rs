@@ -339,9 +339,8 @@ pub struct Prometheus {
 }
 
 impl Prometheus {
-    /// Writes `config` (prometheus.yml text) to a temp dir and starts the
-    /// server on it; returns once /-/ready answers 200.
-    pub fn start(tag: &str, config: &str) -> Self {
+    /// Panics with what to install when `prometheus` is not on PATH.
+    pub fn require() {
         if Command::new("prometheus")
             .arg("--version")
             .stdout(Stdio::null())
@@ -354,6 +353,12 @@ impl Prometheus {
                  Install Debian's package `prometheus` (scripts/test installs it)."
             );
         }
+    }
+
+    /// Writes `config` (prometheus.yml text) to a temp dir and starts the
+    /// server on it; returns once /-/ready answers 200.
+    pub fn start(tag: &str, config: &str) -> Self {
+        Self::require();
         let dir = TempDir::new(tag);
         let config_path = dir.0.join("prometheus.yml");
         std::fs::write(&config_path, config).unwrap();
