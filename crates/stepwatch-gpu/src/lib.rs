@@ -16,4 +16,5 @@ mod sampler;
 pub use ring::TimedRing;
 pub use sampler::{
     GpuSnapshot, NvmlCall, ProcessUsage, Sample, SamplerConfig, SamplerHandle, SamplerSnapshot,
+    LAG_BUCKETS_SECONDS,
 };

@@ -1,10 +1,11 @@
 //! The NVML sampler thread and its shared, bounded state.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
@@ -130,6 +131,14 @@ pub struct SamplerSnapshot {
     pub gpus: Vec<GpuSnapshot>,
     /// Worst tick lateness over the trailing window, seconds.
     pub lag_max_seconds: f64,
+    /// Tick lateness since start, as a cumulative histogram:
+    /// `(upper bound in seconds, ticks at most that late)`, bounds ascending
+    /// ([`LAG_BUCKETS_SECONDS`]). The `+Inf` bucket is `lag_count`.
+    pub lag_histogram: Vec<(f64, u64)>,
+    /// Sum of all tick lateness since start, seconds (histogram `_sum`).
+    pub lag_sum_seconds: f64,
+    /// Ticks observed by the histogram (histogram `_count`).
+    pub lag_count: u64,
     pub ticks_total: u64,
     /// Ticks that started more than one period late.
     pub late_ticks_total: u64,
@@ -139,10 +148,93 @@ pub struct SamplerSnapshot {
     pub errors: Vec<(NvmlCall, u64)>,
 }
 
+/// Finite upper bounds of the tick-lateness histogram, seconds.
+pub const LAG_BUCKETS_SECONDS: [f64; 15] = [
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 1.0,
+];
+
+/// The same bounds in ns, which is what the sampler measures.
+const LAG_BUCKETS_NS: [u64; 15] = [
+    10_000,
+    25_000,
+    50_000,
+    100_000,
+    250_000,
+    500_000,
+    1_000_000,
+    2_500_000,
+    5_000_000,
+    10_000_000,
+    25_000_000,
+    50_000_000,
+    100_000_000,
+    250_000_000,
+    1_000_000_000,
+];
+
+/// Fixed-bucket histogram of tick lateness: O(1) memory, no allocation.
+#[derive(Debug, Clone, Default)]
+struct LagHistogram {
+    /// Non-cumulative counts; the last slot is above every finite bound.
+    counts: [u64; LAG_BUCKETS_NS.len() + 1],
+    sum_ns: u64,
+    count: u64,
+}
+
+impl LagHistogram {
+    fn observe(&mut self, lateness_ns: u64) {
+        // Bucket `le` bounds are inclusive, as in Prometheus.
+        let i = LAG_BUCKETS_NS.partition_point(|&b| b < lateness_ns);
+        self.counts[i] += 1;
+        self.sum_ns = self.sum_ns.saturating_add(lateness_ns);
+        self.count += 1;
+    }
+
+    fn cumulative(&self) -> Vec<(f64, u64)> {
+        let mut total = 0;
+        LAG_BUCKETS_SECONDS
+            .iter()
+            .zip(&self.counts)
+            .map(|(&bound, &n)| {
+                total += n;
+                (bound, total)
+            })
+            .collect()
+    }
+}
+
+impl SamplerSnapshot {
+    /// Estimated `q`-quantile (0..=1) of tick lateness since start, seconds,
+    /// interpolated linearly within a histogram bucket as Prometheus'
+    /// `histogram_quantile` does. None before the first tick; `q` past the
+    /// last finite bound gives that bound.
+    pub fn lag_quantile_seconds(&self, q: f64) -> Option<f64> {
+        if self.lag_count == 0 {
+            return None;
+        }
+        let rank = q.clamp(0.0, 1.0) * self.lag_count as f64;
+        let mut lower = (0.0, 0u64);
+        for &(bound, cumulative) in &self.lag_histogram {
+            if cumulative as f64 >= rank {
+                let in_bucket = (cumulative - lower.1) as f64;
+                if in_bucket == 0.0 {
+                    return Some(bound);
+                }
+                let frac = (rank - lower.1 as f64) / in_bucket;
+                return Some(lower.0 + (bound - lower.0) * frac);
+            }
+            lower = (bound, cumulative);
+        }
+        Some(lower.0)
+    }
+}
+
 struct GpuEntry {
     snapshot: GpuSnapshot,
     ring: TimedRing<u64>,
-    pending: Vec<Sample>,
+    /// Bounded by `pending_capacity`; the oldest is dropped when full.
+    pending: VecDeque<Sample>,
 }
 
 struct State {
@@ -150,6 +242,7 @@ struct State {
     status: String,
     gpus: Vec<GpuEntry>,
     lag_ring: TimedRing<u64>,
+    lag_hist: LagHistogram,
     ticks_total: u64,
     late_ticks_total: u64,
     init_attempts_total: u64,
@@ -205,6 +298,7 @@ impl SamplerHandle {
                 status: "NVML not initialised yet".into(),
                 gpus: Vec::new(),
                 lag_ring: TimedRing::new(lag_capacity),
+                lag_hist: LagHistogram::default(),
                 ticks_total: 0,
                 late_ticks_total: 0,
                 init_attempts_total: 0,
@@ -246,6 +340,9 @@ impl SamplerHandle {
                 })
                 .collect(),
             lag_max_seconds: state.lag_ring.max_since(since).unwrap_or(0) as f64 / 1e9,
+            lag_histogram: state.lag_hist.cumulative(),
+            lag_sum_seconds: state.lag_hist.sum_ns as f64 / 1e9,
+            lag_count: state.lag_hist.count,
             ticks_total: state.ticks_total,
             late_ticks_total: state.late_ticks_total,
             init_attempts_total: state.init_attempts_total,
@@ -259,12 +356,19 @@ impl SamplerHandle {
 
     /// Takes the samples taken since the last drain, per GPU UUID.
     pub fn drain_samples(&self) -> Vec<(String, Vec<Sample>)> {
+        let capacity = self.config.pending_capacity;
         let mut state = self.shared.lock();
         state
             .gpus
             .iter_mut()
             .filter(|g| !g.pending.is_empty())
-            .map(|g| (g.snapshot.uuid.clone(), std::mem::take(&mut g.pending)))
+            .map(|g| {
+                // Give the sampler a buffer as large as this drain took, so
+                // it does not grow (allocate) on its own thread between drains.
+                let room = pending_room(g.pending.len(), capacity);
+                let taken = std::mem::replace(&mut g.pending, VecDeque::with_capacity(room));
+                (g.snapshot.uuid.clone(), Vec::from(taken))
+            })
             .collect()
     }
 
@@ -398,7 +502,7 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
                 utilization_percent: None,
             },
             ring: TimedRing::new(ring_capacity),
-            pending: Vec::new(),
+            pending: VecDeque::with_capacity(pending_room(0, config.pending_capacity)),
         });
         devices.push(device);
     }
@@ -418,106 +522,212 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
     };
     tracing::info!(?gpus, "NVML initialised; sampling");
 
-    let interval = config.memory_interval;
-    let mut origin = Instant::now();
-    let mut tick: u32 = 0;
+    let interval_ns = duration_ns(config.memory_interval).max(1);
+    let process_ns = duration_ns(config.process_interval);
+    let pending_capacity = config.pending_capacity;
+    let mut origin = monotonic_ns();
+    let mut tick: u64 = 0;
     let mut next_slow = origin;
-    let mut readings: Vec<Result<Sample, NvmlError>> = Vec::with_capacity(devices.len());
+    // Per device: while NVML reports it lost, when to try it again. A lost
+    // GPU is read once per process interval, not at the memory rate, so it
+    // costs (and counts as an error) once a second rather than 100 times.
+    let mut lost_retry_at: Vec<Option<u64>> = vec![None; devices.len()];
+    // Reused every tick: None = a lost GPU not read this tick.
+    let mut readings: Vec<Option<Result<Sample, NvmlError>>> = Vec::with_capacity(devices.len());
+    let mut slow: Vec<Option<SlowReading>> = Vec::with_capacity(devices.len());
     loop {
-        let deadline = origin + interval * tick;
-        let now = Instant::now();
-        if deadline > now && shared.sleep(deadline - now) {
+        let deadline = origin.saturating_add(interval_ns.saturating_mul(tick));
+        if sleep_until(shared, deadline, interval_ns) {
             return None;
         }
-        if shared.stop.load(Ordering::Relaxed) {
-            return None;
-        }
-        let started = Instant::now();
-        let lateness = started.saturating_duration_since(deadline);
+        // The first device's timestamp doubles as the tick's start.
+        let started = monotonic_ns();
+        let lateness = started.saturating_sub(deadline);
         let slow_due = started >= next_slow;
 
         readings.clear();
-        for device in &devices {
-            let at = monotonic_ns();
-            readings.push(device.memory_info().map(|m| Sample {
+        let mut attempted = 0usize;
+        for (device, retry_at) in devices.iter().zip(&lost_retry_at) {
+            if retry_at.is_some_and(|at| started < at) {
+                readings.push(None);
+                continue;
+            }
+            let at = if attempted == 0 {
+                started
+            } else {
+                monotonic_ns()
+            };
+            attempted += 1;
+            readings.push(Some(device.memory_info().map(|m| Sample {
                 monotonic_ns: at,
                 used_bytes: m.used,
                 free_bytes: m.free,
                 total_bytes: m.total,
-            }));
+            })));
         }
-        let slow: Vec<Option<(Vec<ProcessUsage>, Option<(u32, u32)>)>> = if slow_due {
-            next_slow = started + config.process_interval;
-            devices.iter().map(|d| read_slow(shared, d)).collect()
-        } else {
-            Vec::new()
-        };
+        slow.clear();
+        if slow_due {
+            next_slow = started.saturating_add(process_ns);
+            slow.extend(devices.iter().map(|d| read_slow(shared, d)));
+        }
 
         let mut gone = None;
-        let mut failures = 0;
+        let mut failures = 0usize;
         {
             let mut state = shared.lock();
-            let now_ns = monotonic_ns();
+            let state = &mut *state;
             state.ticks_total += 1;
-            state.lag_ring.push(now_ns, lateness.as_nanos() as u64);
-            if lateness > interval {
+            state.lag_ring.push(started, lateness);
+            state.lag_hist.observe(lateness);
+            if lateness > interval_ns {
                 state.late_ticks_total += 1;
             }
-            let pending_capacity = config.pending_capacity;
             let mut dropped = 0;
             for (i, (entry, reading)) in state.gpus.iter_mut().zip(readings.drain(..)).enumerate() {
                 match reading {
-                    Ok(sample) => {
+                    // A lost GPU not due for a retry: it stays down.
+                    None => {}
+                    Some(Ok(sample)) => {
+                        lost_retry_at[i] = None;
                         entry.snapshot.up = true;
                         entry.snapshot.samples_total += 1;
                         entry.snapshot.last = Some(sample);
                         entry.snapshot.total_bytes = sample.total_bytes;
                         entry.ring.push(sample.monotonic_ns, sample.used_bytes);
                         if entry.pending.len() >= pending_capacity {
-                            entry.pending.remove(0);
+                            entry.pending.pop_front();
                             dropped += 1;
                         }
-                        entry.pending.push(sample);
+                        if pending_capacity > 0 {
+                            entry.pending.push_back(sample);
+                        }
                     }
-                    Err(e) => {
+                    Some(Err(e)) => {
                         failures += 1;
                         shared.count_error(NvmlCall::MemoryInfo);
-                        if matches!(e, NvmlError::GpuLost) && entry.snapshot.up {
-                            tracing::error!(gpu = entry.snapshot.index, uuid = %entry.snapshot.uuid, "GPU lost; other GPUs keep being sampled");
-                        }
                         if matches!(e, NvmlError::GpuLost) {
+                            if entry.snapshot.up {
+                                tracing::error!(gpu = entry.snapshot.index, uuid = %entry.snapshot.uuid, "GPU lost; other GPUs keep being sampled");
+                            }
                             entry.snapshot.up = false;
+                            lost_retry_at[i] = Some(started.saturating_add(process_ns));
+                        } else {
+                            lost_retry_at[i] = None;
                         }
                         if nvml_gone(&e) {
                             gone = Some(format!("NVML stopped answering: {e}"));
                         }
                     }
                 }
-                if let Some(Some((procs, util))) = slow.get(i) {
-                    entry.snapshot.processes = procs.clone();
-                    entry.snapshot.utilization_percent = *util;
+                if let Some((procs, util)) = slow.get_mut(i).and_then(Option::take) {
+                    entry.snapshot.processes = procs;
+                    entry.snapshot.utilization_percent = util;
                 }
             }
             state.pending_dropped_total += dropped;
         }
-        if let Some(why) = gone.filter(|_| failures == devices.len()) {
+        // NVML is gone when every read made this tick failed that way (GPUs
+        // skipped as lost were failing already).
+        if let Some(why) = gone.filter(|_| failures == attempted) {
             return Some(why);
         }
 
         tick += 1;
         // Fallen far behind (a stalled driver call): start a new schedule
         // rather than firing a burst of catch-up reads.
-        if lateness > interval * 4 || tick == u32::MAX {
-            origin = Instant::now();
+        if lateness > interval_ns.saturating_mul(4) {
+            origin = monotonic_ns();
             tick = 0;
         }
     }
 }
 
-fn read_slow(
-    shared: &Shared,
-    device: &Device<'_>,
-) -> Option<(Vec<ProcessUsage>, Option<(u32, u32)>)> {
+/// A process list and utilisation reading; None when the list failed.
+type SlowReading = (Vec<ProcessUsage>, Option<(u32, u32)>);
+
+fn duration_ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// Room for the next batch of pending samples, given the last drain's size.
+fn pending_room(last_drain: usize, capacity: usize) -> usize {
+    last_drain.max(16).min(capacity)
+}
+
+/// Longest single tick sleep; a stop request waits at most this long even
+/// when the memory interval is longer.
+const STOP_POLL_NS: u64 = 100_000_000;
+
+/// Sleeps until CLOCK_MONOTONIC reaches `deadline_ns` (at once if it has
+/// passed), returning true when stop was requested. With an interval of at
+/// most [`STOP_POLL_NS`] this is one `clock_nanosleep(TIMER_ABSTIME)` call:
+/// no lock, no clock read, no drift.
+fn sleep_until(shared: &Shared, deadline_ns: u64, interval_ns: u64) -> bool {
+    if interval_ns <= STOP_POLL_NS {
+        sleep_until_abs(deadline_ns);
+    } else {
+        loop {
+            if shared.stop.load(Ordering::Relaxed) {
+                return true;
+            }
+            let now = monotonic_ns();
+            if now >= deadline_ns {
+                break;
+            }
+            sleep_until_abs(deadline_ns.min(now.saturating_add(STOP_POLL_NS)));
+        }
+    }
+    shared.stop.load(Ordering::Relaxed)
+}
+
+#[cfg(all(target_os = "linux", target_pointer_width = "64"))]
+fn sleep_until_abs(deadline_ns: u64) {
+    use std::os::raw::{c_int, c_long};
+
+    // glibc and musl on 64-bit Linux: time_t and long are both 64-bit.
+    #[repr(C)]
+    struct Timespec {
+        tv_sec: c_long,
+        tv_nsec: c_long,
+    }
+    extern "C" {
+        fn clock_nanosleep(
+            clock: c_int,
+            flags: c_int,
+            request: *const Timespec,
+            remain: *mut Timespec,
+        ) -> c_int;
+    }
+    const CLOCK_MONOTONIC: c_int = 1;
+    const TIMER_ABSTIME: c_int = 1;
+    const EINTR: c_int = 4;
+
+    let request = Timespec {
+        tv_sec: (deadline_ns / 1_000_000_000).min(c_long::MAX as u64) as c_long,
+        tv_nsec: (deadline_ns % 1_000_000_000) as c_long,
+    };
+    // SAFETY: `request` is a valid timespec; with TIMER_ABSTIME `remain` is
+    // unused and may be null. An absolute deadline makes EINTR retries exact.
+    while unsafe {
+        clock_nanosleep(
+            CLOCK_MONOTONIC,
+            TIMER_ABSTIME,
+            &request,
+            std::ptr::null_mut(),
+        )
+    } == EINTR
+    {}
+}
+
+#[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+fn sleep_until_abs(deadline_ns: u64) {
+    let now = monotonic_ns();
+    if deadline_ns > now {
+        std::thread::sleep(Duration::from_nanos(deadline_ns - now));
+    }
+}
+
+fn read_slow(shared: &Shared, device: &Device<'_>) -> Option<SlowReading> {
     let procs = match device.running_compute_processes() {
         Ok(list) => list
             .into_iter()
@@ -542,4 +752,117 @@ fn read_slow(
         }
     };
     Some((procs, util))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot_with(hist: &LagHistogram) -> SamplerSnapshot {
+        SamplerSnapshot {
+            nvml_up: true,
+            status: String::new(),
+            gpus: Vec::new(),
+            lag_max_seconds: 0.0,
+            lag_histogram: hist.cumulative(),
+            lag_sum_seconds: hist.sum_ns as f64 / 1e9,
+            lag_count: hist.count,
+            ticks_total: hist.count,
+            late_ticks_total: 0,
+            init_attempts_total: 0,
+            pending_dropped_total: 0,
+            errors: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn bucket_bounds_agree_in_both_units() {
+        for (s, ns) in LAG_BUCKETS_SECONDS.iter().zip(LAG_BUCKETS_NS) {
+            assert_eq!((s * 1e9).round() as u64, ns);
+        }
+        assert!(LAG_BUCKETS_NS.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn histogram_buckets_are_inclusive_cumulative_and_count_overflow() {
+        let mut h = LagHistogram::default();
+        h.observe(0);
+        h.observe(10_000); // exactly on the first bound: in it
+        h.observe(10_001);
+        h.observe(1_000_000);
+        h.observe(5_000_000_000); // above every finite bound
+        let c = h.cumulative();
+        assert_eq!(c.len(), LAG_BUCKETS_SECONDS.len());
+        assert_eq!(c[0], (0.00001, 2));
+        assert_eq!(c[1], (0.000025, 3));
+        assert_eq!(c[6], (0.001, 4));
+        assert_eq!(c.last().unwrap(), &(1.0, 4));
+        assert_eq!(h.count, 5);
+        assert_eq!(h.sum_ns, 5_001_020_001);
+        assert!(c.windows(2).all(|w| w[0].1 <= w[1].1));
+    }
+
+    #[test]
+    fn quantiles_interpolate_within_buckets() {
+        let mut h = LagHistogram::default();
+        assert_eq!(snapshot_with(&h).lag_quantile_seconds(0.5), None);
+        // 100 ticks, 99 of them in (50 us, 100 us], one in (1 ms, 2.5 ms].
+        for _ in 0..99 {
+            h.observe(80_000);
+        }
+        h.observe(2_000_000);
+        let snap = snapshot_with(&h);
+        let p50 = snap.lag_quantile_seconds(0.5).unwrap();
+        assert!(
+            (p50 - (0.00005 + 0.00005 * 50.0 / 99.0)).abs() < 1e-12,
+            "{p50}"
+        );
+        let p99 = snap.lag_quantile_seconds(0.99).unwrap();
+        assert!((p99 - 0.0001).abs() < 1e-12, "{p99}");
+        let max = snap.lag_quantile_seconds(1.0).unwrap();
+        assert!((max - 0.0025).abs() < 1e-12, "{max}");
+        // Past the last finite bound: the bound.
+        h.observe(10_000_000_000);
+        assert_eq!(snapshot_with(&h).lag_quantile_seconds(1.0), Some(1.0));
+    }
+
+    #[test]
+    fn pending_room_follows_the_last_drain_within_bounds() {
+        assert_eq!(pending_room(0, 4096), 16);
+        assert_eq!(pending_room(100, 4096), 100);
+        assert_eq!(pending_room(10_000, 4096), 4096);
+        assert_eq!(pending_room(5, 0), 0);
+    }
+
+    #[test]
+    fn sleep_until_waits_for_an_absolute_deadline() {
+        let shared = Shared {
+            state: Mutex::new(State {
+                nvml_up: false,
+                status: String::new(),
+                gpus: Vec::new(),
+                lag_ring: TimedRing::new(1),
+                lag_hist: LagHistogram::default(),
+                ticks_total: 0,
+                late_ticks_total: 0,
+                init_attempts_total: 0,
+                pending_dropped_total: 0,
+            }),
+            errors: Default::default(),
+            stop: AtomicBool::new(false),
+            wake: (Mutex::new(()), Condvar::new()),
+        };
+        let start = monotonic_ns();
+        assert!(!sleep_until(&shared, start + 20_000_000, 10_000_000));
+        assert!(monotonic_ns() >= start + 20_000_000);
+        // A deadline in the past returns at once.
+        let t = monotonic_ns();
+        assert!(!sleep_until(&shared, start, 10_000_000));
+        assert!(monotonic_ns() - t < 5_000_000);
+        // Long intervals sleep in slices and notice stop.
+        shared.stop.store(true, Ordering::Relaxed);
+        let t = monotonic_ns();
+        assert!(sleep_until(&shared, t + 10_000_000_000, 10_000_000_000));
+        assert!(monotonic_ns() - t < 1_000_000_000);
+    }
 }

@@ -1,0 +1,240 @@
+//! The sampler thread against fake-nvml (the real nvml-wrapper path).
+//!
+//! The fake reads `STEPWATCH_FAKE_NVML_DIR` on its first init and its
+//! globals are shared by the whole process, so each test holds `LOCK` and
+//! stops its sampler (shutting NVML down) before it returns.
+
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use fake_nvml::{FakeNvml, GpuSpec, STATE_DIR_ENV};
+use stepwatch_gpu::{NvmlCall, SamplerConfig, SamplerHandle, SamplerSnapshot};
+use stepwatch_proto::clock::monotonic_ns;
+
+static LOCK: Mutex<()> = Mutex::new(());
+
+struct World {
+    fake: FakeNvml,
+    dir: PathBuf,
+    _guard: MutexGuard<'static, ()>,
+}
+
+impl World {
+    fn new(tag: &str, gpus: u32) -> World {
+        let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = std::env::temp_dir().join(format!(
+            "stepwatch-gpu-it-{tag}-{}-{}",
+            std::process::id(),
+            monotonic_ns()
+        ));
+        let specs: Vec<_> = (0..gpus).map(GpuSpec::h100_80gb).collect();
+        let fake = FakeNvml::create(&dir, &specs).unwrap();
+        std::env::set_var(STATE_DIR_ENV, &dir);
+        World {
+            fake,
+            dir,
+            _guard: guard,
+        }
+    }
+
+    fn config(&self) -> SamplerConfig {
+        SamplerConfig {
+            lib_path: Some(fake_nvml::find_cdylib().expect("libfake_nvml.so near the test")),
+            memory_interval: Duration::from_millis(5),
+            process_interval: Duration::from_millis(200),
+            retry_min: Duration::from_millis(50),
+            retry_max: Duration::from_millis(200),
+            ..SamplerConfig::default()
+        }
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn wait_for(
+    sampler: &SamplerHandle,
+    what: &str,
+    timeout: Duration,
+    f: impl Fn(&SamplerSnapshot) -> bool,
+) -> SamplerSnapshot {
+    let start = Instant::now();
+    loop {
+        let snap = sampler.snapshot(monotonic_ns());
+        if f(&snap) {
+            return snap;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out waiting for {what}: {snap:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn errors(snap: &SamplerSnapshot, call: NvmlCall) -> u64 {
+    snap.errors.iter().find(|(c, _)| *c == call).unwrap().1
+}
+
+#[test]
+fn samples_every_gpu_each_tick_with_monotonic_timestamps_and_a_lag_histogram() {
+    let world = World::new("rate", 2);
+    world.fake.set_base_used(1, 3 << 30);
+    let sampler = SamplerHandle::start(world.config());
+    let snap = wait_for(&sampler, "20 ticks", Duration::from_secs(10), |s| {
+        s.ticks_total >= 20
+    });
+    assert!(snap.nvml_up);
+    assert_eq!(snap.gpus.len(), 2);
+    assert_eq!(snap.gpus[1].last.unwrap().used_bytes, 3 << 30);
+    assert!(snap.gpus[1].used_max_bytes.unwrap() >= 3 << 30);
+
+    let drained = sampler.drain_samples();
+    assert_eq!(drained.len(), 2);
+    for (uuid, samples) in &drained {
+        assert!(uuid.starts_with("GPU-"));
+        assert!(samples.len() >= 20, "{}", samples.len());
+        assert!(samples
+            .windows(2)
+            .all(|w| w[0].monotonic_ns < w[1].monotonic_ns));
+        assert!(samples.last().unwrap().monotonic_ns <= monotonic_ns());
+    }
+    // Drained means gone; new ones keep coming.
+    std::thread::sleep(Duration::from_millis(30));
+    assert!(sampler.drain_samples().iter().all(|(_, s)| s.len() < 20));
+
+    let snap = sampler.snapshot(monotonic_ns());
+    assert_eq!(
+        snap.lag_histogram.len(),
+        stepwatch_gpu::LAG_BUCKETS_SECONDS.len()
+    );
+    assert!(snap.lag_count >= 20);
+    assert!(snap.lag_histogram.last().unwrap().1 <= snap.lag_count);
+    assert!(snap.lag_histogram.windows(2).all(|w| w[0].1 <= w[1].1));
+    assert!(snap.lag_sum_seconds >= 0.0);
+    let p50 = snap.lag_quantile_seconds(0.5).unwrap();
+    assert!((0.0..=1.0).contains(&p50));
+    sampler.stop();
+}
+
+#[test]
+fn pending_samples_are_bounded_and_drops_counted() {
+    let world = World::new("pending", 1);
+    let sampler = SamplerHandle::start(SamplerConfig {
+        pending_capacity: 4,
+        ..world.config()
+    });
+    let snap = wait_for(&sampler, "drops", Duration::from_secs(10), |s| {
+        s.pending_dropped_total >= 3
+    });
+    assert!(snap.gpus[0].samples_total >= 7);
+    let drained = sampler.drain_samples();
+    assert_eq!(drained[0].1.len(), 4);
+    // The newest are kept, in order.
+    let last = sampler.snapshot(monotonic_ns()).gpus[0].last.unwrap();
+    assert!(drained[0]
+        .1
+        .windows(2)
+        .all(|w| w[0].monotonic_ns < w[1].monotonic_ns));
+    assert!(drained[0].1[3].monotonic_ns <= last.monotonic_ns);
+    sampler.stop();
+}
+
+#[test]
+fn a_lost_gpu_is_retried_once_per_process_interval_while_others_keep_sampling() {
+    let world = World::new("lost", 2);
+    let sampler = SamplerHandle::start(world.config());
+    wait_for(&sampler, "sampling", Duration::from_secs(10), |s| {
+        s.nvml_up && s.gpus.iter().all(|g| g.samples_total > 0)
+    });
+    world.fake.set_gpu_lost(1, true);
+    let snap = wait_for(&sampler, "gpu 1 down", Duration::from_secs(5), |s| {
+        !s.gpus[1].up
+    });
+    let (errs0, ticks0, good0) = (
+        errors(&snap, NvmlCall::MemoryInfo),
+        snap.ticks_total,
+        snap.gpus[0].samples_total,
+    );
+    std::thread::sleep(Duration::from_millis(1000));
+    let snap = sampler.snapshot(monotonic_ns());
+    assert!(snap.nvml_up);
+    assert!(snap.gpus[0].up && !snap.gpus[1].up);
+    let ticks = snap.ticks_total - ticks0;
+    assert!(ticks >= 50, "{ticks} ticks");
+    assert!(snap.gpus[0].samples_total - good0 >= 50);
+    // About 5 retries in 1 s at a 200 ms process interval, not one a tick.
+    let errs = errors(&snap, NvmlCall::MemoryInfo) - errs0;
+    assert!(
+        (2..=10).contains(&errs),
+        "{errs} memory errors in {ticks} ticks"
+    );
+
+    world.fake.set_gpu_lost(1, false);
+    wait_for(&sampler, "gpu 1 back", Duration::from_secs(5), |s| {
+        s.gpus[1].up
+    });
+    sampler.stop();
+}
+
+#[test]
+fn nvml_gone_is_detected_and_reinitialised() {
+    let world = World::new("gone", 2);
+    let sampler = SamplerHandle::start(world.config());
+    wait_for(&sampler, "up", Duration::from_secs(10), |s| s.nvml_up);
+    // One GPU lost first: its skipped reads must not hide NVML going away.
+    world.fake.set_gpu_lost(1, true);
+    wait_for(&sampler, "gpu 1 down", Duration::from_secs(5), |s| {
+        !s.gpus[1].up
+    });
+    world.fake.set_unavailable(true);
+    let snap = wait_for(&sampler, "down", Duration::from_secs(5), |s| !s.nvml_up);
+    assert!(snap.status.contains("NVML"), "{}", snap.status);
+    world.fake.set_unavailable(false);
+    world.fake.set_gpu_lost(1, false);
+    let snap = wait_for(&sampler, "up again", Duration::from_secs(10), |s| {
+        s.nvml_up && s.gpus.iter().all(|g| g.up && g.samples_total > 0)
+    });
+    assert!(snap.init_attempts_total >= 2);
+    sampler.stop();
+}
+
+#[test]
+fn stop_returns_promptly_while_sampling_and_during_backoff() {
+    let world = World::new("stop", 1);
+    let sampler = SamplerHandle::start(SamplerConfig {
+        memory_interval: Duration::from_secs(5),
+        ..world.config()
+    });
+    wait_for(&sampler, "first tick", Duration::from_secs(10), |s| {
+        s.ticks_total >= 1
+    });
+    let t = Instant::now();
+    sampler.stop();
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+
+    world.fake.set_unavailable(true);
+    let sampler = SamplerHandle::start(SamplerConfig {
+        retry_min: Duration::from_secs(30),
+        retry_max: Duration::from_secs(30),
+        ..world.config()
+    });
+    wait_for(&sampler, "init failed", Duration::from_secs(10), |s| {
+        s.init_attempts_total >= 1 && !s.nvml_up && s.status.contains("initialised:")
+    });
+    let t = Instant::now();
+    sampler.stop();
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t.elapsed()
+    );
+}
