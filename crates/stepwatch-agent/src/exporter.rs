@@ -5,7 +5,9 @@
 //! lost GPUs disappear without bookkeeping, and no NVML call happens here.
 //! Every series carries the `node` label.
 
-use prometheus::proto::{Counter, Gauge, LabelPair, Metric, MetricFamily, MetricType};
+use prometheus::proto::{
+    Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType,
+};
 use prometheus::{Encoder, TextEncoder};
 use stepwatch_core::{PhaseKind, StepOutcome};
 use stepwatch_proto::clock::monotonic_ns;
@@ -53,6 +55,30 @@ impl<'a> Family<'a> {
             g.set_value(value);
             metric.set_gauge(g);
         }
+        self.family.mut_metric().push(metric);
+    }
+
+    /// One histogram series from cumulative (upper bound, count) buckets.
+    fn add_histogram(&mut self, buckets: &[(f64, u64)], count: u64, sum: f64) {
+        let mut pair = LabelPair::default();
+        pair.set_name("node".to_owned());
+        pair.set_value(self.node.to_owned());
+        let mut metric = Metric::from_label(vec![pair]);
+        let mut h = Histogram::default();
+        h.set_bucket(
+            buckets
+                .iter()
+                .map(|&(upper, cumulative)| {
+                    let mut b = Bucket::default();
+                    b.set_upper_bound(upper);
+                    b.set_cumulative_count(cumulative);
+                    b
+                })
+                .collect(),
+        );
+        h.set_sample_count(count);
+        h.set_sample_sum(sum);
+        metric.set_histogram(h);
         self.family.mut_metric().push(metric);
     }
 
@@ -165,6 +191,14 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
         "Worst lateness of a sampler tick over the trailing window.",
     );
     f.add(&[], snap.lag_max_seconds);
+    f.done(out);
+    let mut f = Family::new(
+        node,
+        "stepwatch_sampler_tick_lateness_seconds",
+        "How late each sampler tick started, since the agent started (jitter).",
+        MetricType::HISTOGRAM,
+    );
+    f.add_histogram(&snap.lag_histogram, snap.lag_count, snap.lag_sum_seconds);
     f.done(out);
     let mut f = Family::counter(node, "stepwatch_sampler_ticks_total", "Sampler ticks run.");
     f.add(&[], snap.ticks_total as f64);
