@@ -60,7 +60,7 @@ def bench_markers(n: int, endpoint: str, label: str) -> None:
     print(f"  {label:<28} Client.mark: {raw:7.0f} ns   tracker+mark: {hooked:7.0f} ns per marker")
 
 
-def bench_training(runs: int, steps: int, dead: str) -> None:
+def bench_training(runs: int, steps: int, dead: str, hidden: int = 128, batch: int = 32) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -68,10 +68,10 @@ def bench_training(runs: int, steps: int, dead: str) -> None:
     def run(with_client: bool) -> float:
         torch.manual_seed(0)
         model = torch.nn.Sequential(
-            torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)
+            torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1)
         )
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x, y = torch.randn(32, 64), torch.randn(32, 1)
+        x, y = torch.randn(batch, 64), torch.randn(batch, 1)
         h = None
         if with_client:
             os.environ["STEPWATCH_ENDPOINT"] = dead
@@ -96,7 +96,7 @@ def bench_training(runs: int, steps: int, dead: str) -> None:
         watched.append(run(True))
     b, w = statistics.median(base), statistics.median(watched)
     print(
-        f"  training {steps} steps (MLP 64-128-1, batch 32, AdamW, 1 torch thread), "
+        f"  training {steps} steps (MLP 64-{hidden}-1, batch {batch}, AdamW, 1 torch thread), "
         f"median of {runs}:"
     )
     print(f"    no client:            {b * 1e3:8.1f} ms  ({b / steps * 1e6:.0f} us/step)")
@@ -109,6 +109,10 @@ def main() -> None:
     ap.add_argument("--markers", type=int, default=200_000)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument(
+        "--hidden", type=int, default=128, help="MLP width: larger makes a more realistic step"
+    )
+    ap.add_argument("--batch", type=int, default=32)
     args = ap.parse_args()
     print(
         f"python {platform.python_version()}, {platform.machine()}, "
@@ -130,7 +134,7 @@ def main() -> None:
         except ImportError:
             print("torch not installed: training benchmark skipped")
             return
-        bench_training(args.runs, args.steps, dead)
+        bench_training(args.runs, args.steps, dead, args.hidden, args.batch)
 
 
 if __name__ == "__main__":

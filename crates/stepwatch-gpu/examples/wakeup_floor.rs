@@ -16,7 +16,10 @@ fn thread_cpu_ns() -> u64 {
 }
 
 fn main() {
-    let args: Vec<f64> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let args: Vec<f64> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
     let hz = args.first().copied().unwrap_or(100.0);
     let seconds = args.get(1).copied().unwrap_or(30.0);
     let period = Duration::from_secs_f64(1.0 / hz);
