@@ -145,13 +145,6 @@ fn start_agent(tag: &str, specs: &[GpuSpec]) -> anyhow::Result<(BenchAgent, Path
     ))
 }
 
-fn metric(body: &str, name: &str) -> f64 {
-    body.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
-        .sum()
-}
-
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -218,7 +211,8 @@ fn ingest(args: IngestArgs) -> anyhow::Result<()> {
     }
     loop {
         let (_, body) = http_get::get(agent.http, "/metrics")?;
-        if metric(&body, "stepwatch_markers_received_total") as u64 >= total {
+        let received = http_get::metric_value(&body, "stepwatch_markers_received_total", &[]);
+        if received.unwrap_or(0.0) as u64 >= total {
             break;
         }
         anyhow::ensure!(

@@ -269,19 +269,7 @@ fn wait_ready(addr: SocketAddr, log: &Path, children: &mut Children) -> anyhow::
 
 /// One line per GPU and per job, read from the exposition like Prometheus would.
 fn print_status(elapsed: Duration, metrics: &str, jobs: &[DemoJob]) {
-    let value = |name: &str, labels: &[(&str, &str)]| -> Option<f64> {
-        metrics.lines().find_map(|line| {
-            let rest = line.strip_prefix(name)?;
-            if !rest.starts_with('{') {
-                return None;
-            }
-            let (lbl, val) = rest.rsplit_once(' ')?;
-            labels
-                .iter()
-                .all(|(k, v)| lbl.contains(&format!("{k}=\"{v}\"")))
-                .then(|| val.parse().ok())?
-        })
-    };
+    let value = |name: &str, labels: &[(&str, &str)]| http_get::metric_value(metrics, name, labels);
     let gb = |b: f64| b / 1e9;
     let mut line = format!("t={:>4}s ", elapsed.as_secs());
     for gpu in ["0", "1"] {

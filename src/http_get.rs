@@ -23,3 +23,16 @@ pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
         .unwrap_or_default();
     Ok((status, body))
 }
+
+/// Value of the first series of metric `name` in a text exposition whose
+/// labels include all of `labels` (every agent series has a `node` label).
+pub fn metric_value(exposition: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    exposition.lines().find_map(|line| {
+        let rest = line.strip_prefix(name)?;
+        let (series_labels, value) = rest.strip_prefix('{')?.rsplit_once(' ')?;
+        labels
+            .iter()
+            .all(|(k, v)| series_labels.contains(&format!("{k}=\"{v}\"")))
+            .then(|| value.parse().ok())?
+    })
+}
