@@ -21,9 +21,21 @@ pub struct AgentConfig {
     pub socket_mode: u32,
 
     /// Also accept marker ingest over TCP at this address (off unless given).
-    /// It has no authentication: bind it to a private interface.
+    /// Use TLS (--grpc-tls-cert/--grpc-tls-key) unless the interface is private.
     #[arg(long, env = "STEPWATCH_GRPC_LISTEN")]
     pub grpc_listen: Option<SocketAddr>,
+
+    /// PEM certificate (chain) for TLS on the TCP ingest.
+    #[arg(long, env = "STEPWATCH_GRPC_TLS_CERT", requires = "grpc_tls_key")]
+    pub grpc_tls_cert: Option<PathBuf>,
+
+    /// PEM private key for TLS on the TCP ingest.
+    #[arg(long, env = "STEPWATCH_GRPC_TLS_KEY", requires = "grpc_tls_cert")]
+    pub grpc_tls_key: Option<PathBuf>,
+
+    /// PEM CA bundle: when given, TCP clients must present a certificate it signed (mutual TLS).
+    #[arg(long, env = "STEPWATCH_GRPC_TLS_CLIENT_CA", requires = "grpc_tls_cert")]
+    pub grpc_tls_client_ca: Option<PathBuf>,
 
     /// Address of the HTTP server: /metrics, /healthz, /readyz, /api/v1.
     #[arg(long, env = "STEPWATCH_HTTP_LISTEN", default_value = "0.0.0.0:9400")]

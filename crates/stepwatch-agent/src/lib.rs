@@ -101,12 +101,23 @@ pub async fn run_until(
     );
     let tcp_task = match config.grpc_listen {
         Some(addr) => {
+            let mut server = tonic::transport::Server::builder();
+            match tls_config(&config)? {
+                Some(tls) => {
+                    server = server.tls_config(tls).context("invalid TLS configuration")?;
+                    tracing::info!(%addr, mutual = config.grpc_tls_client_ca.is_some(), "TCP ingest enabled with TLS");
+                }
+                None => tracing::warn!(
+                    %addr,
+                    "TCP ingest enabled WITHOUT TLS or authentication; keep it on a private interface \
+                     or pass --grpc-tls-cert and --grpc-tls-key"
+                ),
+            }
             let tcp = TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("cannot listen for gRPC on {addr}"))?;
-            tracing::info!(%addr, "TCP ingest enabled (no authentication; keep it on a private interface)");
             Some(tokio::spawn(
-                tonic::transport::Server::builder()
+                server
                     .add_service(ingest())
                     .serve_with_incoming_shutdown(
                         TcpListenerStream::new(tcp),
@@ -177,6 +188,20 @@ pub async fn run_until(
     let _ = std::fs::remove_file(&config.socket);
     tracing::info!("stopped");
     Ok(())
+}
+
+/// The TCP ingest's TLS settings, read from the PEM files the flags name.
+fn tls_config(config: &AgentConfig) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let (Some(cert), Some(key)) = (&config.grpc_tls_cert, &config.grpc_tls_key) else {
+        return Ok(None);
+    };
+    let read = |p: &Path| std::fs::read(p).with_context(|| format!("cannot read {}", p.display()));
+    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
+    if let Some(ca) = &config.grpc_tls_client_ca {
+        tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(Some(tls))
 }
 
 /// Binds the marker socket: creates its directory, replaces a stale socket

@@ -39,6 +39,8 @@ pub struct ClientOptions {
     pub reconnect_min: Duration,
     pub reconnect_max: Duration,
     pub on_advisory: Option<AdvisoryCallback>,
+    /// PEM CA bundle to verify an `https://` endpoint (the agent's TCP ingest with TLS).
+    pub tls_ca_pem: Option<Vec<u8>>,
 }
 
 impl ClientOptions {
@@ -50,6 +52,7 @@ impl ClientOptions {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(5),
             on_advisory: None,
+            tls_ca_pem: None,
         }
     }
 }
@@ -266,7 +269,16 @@ async fn session(
     pending: &mut Vec<Marker>,
     shared: &Shared,
 ) -> Session {
-    let channel = match tonic::transport::Endpoint::from_shared(endpoint.to_string()) {
+    let endpoint_config = tonic::transport::Endpoint::from_shared(endpoint.to_string()).and_then(|e| {
+        match &options.tls_ca_pem {
+            Some(pem) => e.tls_config(
+                tonic::transport::ClientTlsConfig::new()
+                    .ca_certificate(tonic::transport::Certificate::from_pem(pem)),
+            ),
+            None => Ok(e),
+        }
+    });
+    let channel = match endpoint_config {
         Ok(e) => match e.connect_timeout(Duration::from_secs(2)).connect().await {
             Ok(c) => c,
             Err(e) => return Session::Failed(e.to_string()),

@@ -1,0 +1,223 @@
+//! The optional TCP ingest with TLS: a client that trusts the agent's CA
+//! streams markers; a plaintext client is refused; with --grpc-tls-client-ca
+//! a client without a certificate is refused too.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use stepwatch_client::{Client, ClientOptions};
+use stepwatch_proto::v1::{Hello, Identity, MarkerKind};
+
+/// A CA and a server certificate for 127.0.0.1 signed by it, via the openssl CLI.
+fn make_certs(dir: &Path) {
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("openssl is installed");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=stepwatch test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    std::fs::write(
+        dir.join("san.ext"),
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "san.ext",
+    ]);
+}
+
+fn hello(job: &str) -> Hello {
+    Hello {
+        identity: Some(Identity {
+            job_id: job.into(),
+            rank: 0,
+            world_size: 1,
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn one_step(client: &Client) {
+    for kind in [
+        MarkerKind::StepBegin,
+        MarkerKind::ForwardBegin,
+        MarkerKind::BackwardBegin,
+        MarkerKind::OptimizerBegin,
+        MarkerKind::OptimizerEnd,
+        MarkerKind::StepEnd,
+    ] {
+        client.mark_now(kind, 1, 0);
+    }
+}
+
+#[test]
+fn tcp_ingest_with_tls_accepts_trusting_clients_only() {
+    let certs = TempDir::new("tls");
+    make_certs(&certs.0);
+    let grpc = free_port();
+    let cert = certs.0.join("server.pem");
+    let key = certs.0.join("server.key");
+    let agent = Agent::start_with(
+        "tls",
+        1,
+        &[
+            "--grpc-listen",
+            &grpc.to_string(),
+            "--grpc-tls-cert",
+            cert.to_str().unwrap(),
+            "--grpc-tls-key",
+            key.to_str().unwrap(),
+        ],
+        |_| {},
+    );
+    assert!(
+        agent.log().contains("TCP ingest enabled with TLS"),
+        "{}",
+        agent.log()
+    );
+
+    // Trusting the CA: markers arrive.
+    let mut options = ClientOptions::new(
+        format!("https://127.0.0.1:{}", grpc.port()),
+        hello("tls-ok"),
+    );
+    options.tls_ca_pem = Some(std::fs::read(certs.0.join("ca.pem")).unwrap());
+    let client = Client::start(options);
+    one_step(&client);
+    agent.wait_metrics("the TLS client's step", Duration::from_secs(15), |m| {
+        m.get("stepwatch_rank_steps_completed_total", &[("job", "tls-ok")]) == Some(1.0)
+    });
+    client.close(Duration::from_secs(2));
+
+    // Plaintext to the TLS port: nothing gets in.
+    let mut options =
+        ClientOptions::new(format!("http://127.0.0.1:{}", grpc.port()), hello("plain"));
+    options.reconnect_max = Duration::from_millis(200);
+    let plain = Client::start(options);
+    one_step(&plain);
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!plain.connected());
+    let m = Metrics(agent.metrics());
+    assert_eq!(
+        m.get("stepwatch_rank_steps_completed_total", &[("job", "plain")]),
+        None
+    );
+}
+
+#[test]
+fn mutual_tls_refuses_a_client_without_a_certificate() {
+    let certs = TempDir::new("mtls");
+    make_certs(&certs.0);
+    let grpc = free_port();
+    let (cert, key, ca) = (
+        certs.0.join("server.pem"),
+        certs.0.join("server.key"),
+        certs.0.join("ca.pem"),
+    );
+    let agent = Agent::start_with(
+        "mtls",
+        1,
+        &[
+            "--grpc-listen",
+            &grpc.to_string(),
+            "--grpc-tls-cert",
+            cert.to_str().unwrap(),
+            "--grpc-tls-key",
+            key.to_str().unwrap(),
+            "--grpc-tls-client-ca",
+            ca.to_str().unwrap(),
+        ],
+        |_| {},
+    );
+    let mut options = ClientOptions::new(
+        format!("https://127.0.0.1:{}", grpc.port()),
+        hello("anonymous"),
+    );
+    options.tls_ca_pem = Some(std::fs::read(&ca).unwrap());
+    options.reconnect_max = Duration::from_millis(200);
+    let client = Client::start(options);
+    one_step(&client);
+    std::thread::sleep(Duration::from_secs(2));
+    let m = Metrics(agent.metrics());
+    assert_eq!(
+        m.get(
+            "stepwatch_rank_steps_completed_total",
+            &[("job", "anonymous")]
+        ),
+        None
+    );
+    assert!(!client.connected());
+}
+
+#[test]
+fn a_tls_key_without_a_certificate_is_a_clear_error() {
+    let out = Command::new(BIN)
+        .args([
+            "agent",
+            "--grpc-tls-key",
+            "/tmp/k.pem",
+            "--socket",
+            "/tmp/never.sock",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--grpc-tls-cert"), "{err}");
+}
