@@ -166,6 +166,33 @@ impl CachingAllocator {
         self.segments.len()
     }
 
+    /// `inactive_split_bytes` and `inactive_split` of `torch.cuda.memory_stats()`
+    /// for `pool` (None: `.all`): the bytes and count of free blocks that are
+    /// part of a split segment (a block with a neighbour, PyTorch's
+    /// `Block::is_split()`), which `empty_cache()` cannot release.
+    pub fn inactive_split(&self, pool: Option<Pool>) -> (u64, u64) {
+        let mut bytes = 0;
+        let mut blocks = 0;
+        for seg in self.segments.values() {
+            if pool.is_some_and(|p| p != seg.pool) || seg.blocks.len() < 2 {
+                continue;
+            }
+            for b in seg.blocks.iter().filter(|b| !b.used) {
+                bytes += b.size;
+                blocks += 1;
+            }
+        }
+        (bytes, blocks)
+    }
+
+    /// `segment.{pool}.current`: segments reserved in `pool` (None: all).
+    pub fn segments_in(&self, pool: Option<Pool>) -> u64 {
+        self.segments
+            .values()
+            .filter(|s| pool.is_none_or(|p| p == s.pool))
+            .count() as u64
+    }
+
     /// Starts a new phase peak at the current usage.
     pub fn reset_phase_peak(&mut self) {
         self.peaks.phase = self.usage;
@@ -507,6 +534,27 @@ mod tests {
         a.release_free_segments();
         a.check_invariants();
         assert_eq!(a.reserved(), 0);
+    }
+
+    #[test]
+    fn inactive_split_counts_free_blocks_of_split_segments() {
+        let mut a = CachingAllocator::new();
+        let x = a.malloc(64 * MIB, u64::MAX).unwrap();
+        a.free(x);
+        // A whole free segment is releasable: not inactive_split.
+        assert_eq!(a.inactive_split(None), (0, 0));
+        let y = a.malloc(16 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.inactive_split(None), (48 * MIB, 1));
+        assert_eq!(a.inactive_split(Some(Pool::Large)), (48 * MIB, 1));
+        assert_eq!(a.inactive_split(Some(Pool::Small)), (0, 0));
+        let z = a.malloc(1000, u64::MAX).unwrap();
+        assert_eq!(a.inactive_split(Some(Pool::Small)), (2 * MIB - 1024, 1));
+        assert_eq!(a.segments_in(None), 2);
+        assert_eq!(a.segments_in(Some(Pool::Small)), 1);
+        a.free(y);
+        a.free(z);
+        // Freed blocks merge back into whole segments.
+        assert_eq!(a.inactive_split(None), (0, 0));
     }
 
     #[test]

@@ -422,6 +422,11 @@ impl RankSim {
         }
     }
 
+    /// The rank's caching allocator, as of the last event returned.
+    pub fn allocator(&self) -> &CachingAllocator {
+        &self.alloc
+    }
+
     /// Bytes NVML shows for this process beyond the allocator's reserved memory.
     pub fn overhead_bytes(&self) -> u64 {
         self.scenario.gpu.cuda_context_bytes + self.scenario.gpu.workspace_bytes
