@@ -104,7 +104,9 @@ pub async fn run_until(
             let mut server = tonic::transport::Server::builder();
             match tls_config(&config)? {
                 Some(tls) => {
-                    server = server.tls_config(tls).context("invalid TLS configuration")?;
+                    server = server
+                        .tls_config(tls)
+                        .context("invalid TLS configuration")?;
                     tracing::info!(%addr, mutual = config.grpc_tls_client_ca.is_some(), "TCP ingest enabled with TLS");
                 }
                 None => tracing::warn!(
@@ -117,12 +119,10 @@ pub async fn run_until(
                 .await
                 .with_context(|| format!("cannot listen for gRPC on {addr}"))?;
             Some(tokio::spawn(
-                server
-                    .add_service(ingest())
-                    .serve_with_incoming_shutdown(
-                        TcpListenerStream::new(tcp),
-                        stopped(stop_rx.clone()),
-                    ),
+                server.add_service(ingest()).serve_with_incoming_shutdown(
+                    TcpListenerStream::new(tcp),
+                    stopped(stop_rx.clone()),
+                ),
             ))
         }
         None => None,

@@ -269,15 +269,16 @@ async fn session(
     pending: &mut Vec<Marker>,
     shared: &Shared,
 ) -> Session {
-    let endpoint_config = tonic::transport::Endpoint::from_shared(endpoint.to_string()).and_then(|e| {
-        match &options.tls_ca_pem {
+    let endpoint_config =
+        tonic::transport::Endpoint::from_shared(endpoint.to_string()).and_then(|e| match &options
+            .tls_ca_pem
+        {
             Some(pem) => e.tls_config(
                 tonic::transport::ClientTlsConfig::new()
                     .ca_certificate(tonic::transport::Certificate::from_pem(pem)),
             ),
             None => Ok(e),
-        }
-    });
+        });
     let channel = match endpoint_config {
         Ok(e) => match e.connect_timeout(Duration::from_secs(2)).connect().await {
             Ok(c) => c,
