@@ -7,6 +7,8 @@
 //! or restarts, and hands advisories back. When the queue is full, markers
 //! are dropped and counted; training goes on.
 
+#![warn(missing_docs)]
+
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -36,14 +38,19 @@ pub struct ClientOptions {
     pub hello: Hello,
     /// Markers buffered while the agent is slow or away; beyond this they are dropped.
     pub queue_capacity: usize,
+    /// First wait before reconnecting; doubles on each failure.
     pub reconnect_min: Duration,
+    /// Longest wait between reconnects, so a restarted agent is found quickly.
     pub reconnect_max: Duration,
+    /// Called on the client thread for each advisory, so training code can react
+    /// (log, shrink the batch) without polling; keep it quick.
     pub on_advisory: Option<AdvisoryCallback>,
     /// PEM CA bundle to verify an `https://` endpoint (the agent's TCP ingest with TLS).
     pub tls_ca_pem: Option<Vec<u8>>,
 }
 
 impl ClientOptions {
+    /// Options with defaults (64 Ki markers, 100 ms to 5 s backoff, no TLS).
     pub fn new(endpoint: impl Into<String>, hello: Hello) -> Self {
         Self {
             endpoint: endpoint.into(),
@@ -70,6 +77,7 @@ pub struct ClientStats {
     pub reconnects: u64,
     /// Streams the agent ended with an error status (bad input, limits).
     pub rejected_streams: u64,
+    /// Advisories received from the agent.
     pub advisories: u64,
 }
 
@@ -146,6 +154,7 @@ impl Client {
         })
     }
 
+    /// A snapshot of the counters; cheap, so it can be logged every step.
     pub fn stats(&self) -> ClientStats {
         let s = &self.shared;
         ClientStats {

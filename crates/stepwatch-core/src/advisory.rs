@@ -22,13 +22,17 @@ pub enum AdvisoryKind {
 /// One advisory, as issued.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Advisory {
+    /// Decides the wording and whether it is already issued (one per kind).
     pub kind: AdvisoryKind,
     /// The step during which it was issued.
     pub step: u64,
     /// When it was issued (the caller's clock, CLOCK_MONOTONIC in the agent).
     pub issued_monotonic_ns: u64,
+    /// Predicted steady-state peak as NVML will see it, bytes.
     pub predicted_peak_bytes: u64,
+    /// GPU capacity the peak was compared with, bytes.
     pub capacity_bytes: u64,
+    /// Capacity minus predicted peak, bytes; negative means step 2 will not fit.
     pub predicted_headroom_bytes: i64,
     /// A sentence a person understands.
     pub message: String,

@@ -54,6 +54,7 @@ pub struct AnalysisConfig {
     pub plateau_tolerance: f64,
     /// Divergence outlier threshold, relative to the median.
     pub divergence_threshold: f64,
+    /// Tunables of the step-2 prediction made from step 1.
     pub predict: PredictConfig,
 }
 
@@ -74,9 +75,14 @@ impl Default for AnalysisConfig {
 /// How long memory stayed near its forward peak in step 1.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct ActivationPlateau {
+    /// Highest NVML sample of the forward phase the plateau starts in, bytes.
     pub forward_peak_bytes: u64,
+    /// CLOCK_MONOTONIC ns of the first sample at plateau height.
     pub start_ns: u64,
+    /// CLOCK_MONOTONIC ns of the first sample below it, or the end of the
+    /// following backward when memory never dropped (see `cleared`).
     pub end_ns: u64,
+    /// `end_ns − start_ns`: how long activations held the peak, in ns.
     pub duration_ns: u64,
     /// Whether samples showed memory falling below the plateau before the
     /// backward phase ended.
@@ -86,10 +92,15 @@ pub struct ActivationPlateau {
 /// Step 1 against the steady state.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct FirstStepAnomaly {
+    /// Step number of the first step, normally 1.
     pub first_step: u64,
     /// steady peak / first-step peak.
     pub nvml_peak_ratio: Option<f64>,
+    /// Steady allocated peak / first-step allocated peak; tells allocator growth
+    /// apart from NVML-only effects (context, caching).
     pub allocated_peak_ratio: Option<f64>,
+    /// Steady reserved peak / first-step reserved peak; shows cache fragmentation
+    /// that only appears after step 1.
     pub reserved_peak_ratio: Option<f64>,
     /// Allocated at optimizer end − at optimizer begin, summed over the
     /// step's closed optimizer phases.
@@ -98,30 +109,41 @@ pub struct FirstStepAnomaly {
     pub optimizer_nvml_jump_bytes: Option<i64>,
     /// NVML optimizer-phase peak − backward peak.
     pub optimizer_nvml_peak_over_backward_bytes: Option<i64>,
+    /// How long memory sat near the forward peak in step 1; None once the
+    /// samples have left the tracker's window.
     pub activation_plateau: Option<ActivationPlateau>,
 }
 
 /// Whether step peaks have settled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct SteadyState {
+    /// Whether the step peaks have settled; until then the steady profile may
+    /// still move.
     pub reached: bool,
     /// First step of the first agreeing run.
     pub since_step: Option<u64>,
+    /// Which peak figure was compared (NVML or allocated); None without steps.
     pub source: Option<PeakSource>,
 }
 
 /// Everything the first-step analysis says about one rank.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RankAnalysis {
+    /// Profile of the first step, the one the prediction is made from.
     pub first_step: Option<StepProfile>,
+    /// Median profile of the steps after the first; None until enough completed.
     pub steady: Option<SteadyProfile>,
+    /// How step 1 differed from the steady state; needs both profiles.
     pub anomaly: Option<FirstStepAnomaly>,
     /// steady / first-step peak: NVML when both have it, else allocated.
     pub anomaly_ratio: Option<f64>,
+    /// Whether later steps have settled, so the steady figures can be trusted.
     pub steady_state: SteadyState,
     /// From step 1, complete or running.
     pub prediction: Option<Prediction>,
+    /// GPU capacity from its latest sample, bytes; 0 when unknown.
     pub capacity_bytes: u64,
+    /// Bytes other processes hold on the rank's GPU; subtracted from headroom.
     pub other_process_bytes: u64,
 }
 

@@ -28,16 +28,22 @@ pub enum PeakSource {
 /// Step-1 figures of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct RankFigures {
+    /// Global rank the figures belong to.
     pub rank: u32,
+    /// Highest NVML sample of step 1, bytes.
     pub nvml_peak_bytes: Option<u64>,
+    /// Highest allocated bytes of step 1; stands in when NVML peaks are missing.
     pub allocated_peak_bytes: Option<u64>,
+    /// Duration of step 1, ns.
     pub duration_ns: Option<u64>,
 }
 
 /// A rank that deviates from the median by more than the threshold.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Outlier {
+    /// The deviating rank.
     pub rank: u32,
+    /// Its figure, in the figure's unit (bytes or ns).
     pub value: u64,
     /// (value − median) / median, signed.
     pub deviation: f64,
@@ -48,13 +54,17 @@ pub struct Outlier {
 pub struct Spread {
     /// Ranks that had the figure.
     pub ranks: usize,
+    /// Lowest value across the ranks.
     pub min: u64,
+    /// Highest value across the ranks.
     pub max: u64,
+    /// Median value; the reference outliers are measured against.
     pub median: f64,
     /// (max − min) / median.
     pub spread: f64,
     /// Lowest rank holding the minimum / maximum.
     pub min_rank: u32,
+    /// Lowest rank holding the maximum: where to look first.
     pub max_rank: u32,
     /// Ordered by rank.
     pub outliers: Vec<Outlier>,
@@ -63,12 +73,17 @@ pub struct Spread {
 /// Divergence of one job's step-1 figures across its ranks on this node.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Divergence {
+    /// Job the ranks belong to.
     pub job: String,
     /// Ranks considered, ascending.
     pub ranks: Vec<u32>,
+    /// Outlier threshold used, relative to the median (0.10 = 10%).
     pub threshold: f64,
+    /// Which peak figure `peak` compares; None without a peak spread.
     pub peak_source: Option<PeakSource>,
+    /// Spread of step-1 peak bytes; None when no rank has a peak.
     pub peak: Option<Spread>,
+    /// Spread of step-1 durations (ns); None when no rank finished step 1.
     pub duration: Option<Spread>,
 }
 

@@ -9,20 +9,40 @@ use crate::marker::MarkerKind;
 /// A hello that breaks the contract.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum HelloError {
+    /// A required identifier (named here) is empty; the rank could not be keyed.
     #[error("{0} must not be empty")]
     Empty(&'static str),
+    /// An identifier is too long to be a sane Prometheus label value.
     #[error("{field} is {len} bytes; at most 128 are allowed")]
-    TooLong { field: &'static str, len: usize },
+    TooLong {
+        /// The offending hello field.
+        field: &'static str,
+        /// Its length, in bytes.
+        len: usize,
+    },
+    /// An identifier has a character that labels and JSON should not carry.
     #[error("{field} contains {bad:?}; allowed are ASCII letters, digits and ._:/@+-")]
-    Charset { field: &'static str, bad: char },
+    Charset {
+        /// The offending hello field.
+        field: &'static str,
+        /// The first disallowed character.
+        bad: char,
+    },
+    /// `world_size` is 0 or absurdly large; it bounds the ranks checked next.
     #[error("world_size {0} is outside 1..=65536")]
     WorldSize(u32),
+    /// A rank that cannot exist in a job of this size.
     #[error("{field} {value} is not below world_size {world_size}")]
     RankOutOfRange {
+        /// `rank` or `local_rank`.
         field: &'static str,
+        /// The value reported.
         value: u32,
+        /// The job's reported world size.
         world_size: u32,
     },
+    /// Model facts that contradict themselves; they would mislead the
+    /// predictor, so the hello is refused rather than trusted.
     #[error("model facts: {0}")]
     Model(&'static str),
 }
@@ -40,23 +60,53 @@ impl HelloError {
 /// A marker that breaks the contract for its rank.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum MarkerError {
+    /// The client sent the protobuf default kind, which means nothing.
     #[error("marker kind is unspecified")]
     UnspecifiedKind,
+    /// Step 0 was sent; steps count from 1, so step-1 logic would misfire.
     #[error("step must be at least 1, got 0")]
     StepZero,
+    /// A step number at or below one already seen for this rank.
     #[error("step {got} does not follow step {last}; steps must increase per rank")]
-    StepRegressed { last: u64, got: u64 },
+    StepRegressed {
+        /// The latest step seen so far.
+        last: u64,
+        /// The step number received.
+        got: u64,
+    },
+    /// A marker kind that cannot come after the previous one in a step.
     #[error("{kind} cannot follow {after} within a step")]
     OutOfOrder {
+        /// The marker received.
         kind: &'static str,
+        /// The marker it followed.
         after: &'static str,
     },
+    /// A phase marker with no open step to attach it to.
     #[error("{kind} for step {step} arrived before its step_begin")]
-    NoOpenStep { kind: &'static str, step: u64 },
+    NoOpenStep {
+        /// The marker received.
+        kind: &'static str,
+        /// The step it named.
+        step: u64,
+    },
+    /// A marker older than the previous one; phases would get negative
+    /// durations and wrong GPU samples.
     #[error("monotonic clock went backwards: {got} ns after {last} ns")]
-    ClockRegressed { last: u64, got: u64 },
+    ClockRegressed {
+        /// The previous marker's monotonic time, ns.
+        last: u64,
+        /// This marker's monotonic time, ns.
+        got: u64,
+    },
+    /// A step kept opening phases past the bound that keeps memory finite.
     #[error("step {step} has more than {limit} phases")]
-    TooManyPhases { step: u64, limit: usize },
+    TooManyPhases {
+        /// The step that overflowed.
+        step: u64,
+        /// The per-step phase limit.
+        limit: usize,
+    },
 }
 
 impl MarkerError {

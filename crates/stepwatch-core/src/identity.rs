@@ -13,7 +13,9 @@ pub const MAX_WORLD_SIZE: u32 = 65_536;
 /// Key of one rank of one job; the unit the agent tracks.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct RankKey {
+    /// Job id shared by all ranks of one run.
     pub job: String,
+    /// Global rank within the job.
     pub rank: u32,
 }
 
@@ -21,13 +23,17 @@ pub struct RankKey {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OptimizerKind {
+    /// Not reported; state size then comes from `state_bytes_per_parameter` or
+    /// the step-1 measurement.
     #[default]
     Unknown,
     /// Adam / AdamW: two fp32 tensors per parameter.
     Adam,
+    /// SGD with momentum: one state tensor per parameter.
     SgdMomentum,
     /// Plain SGD keeps no state.
     Sgd,
+    /// Anything else; `state_bytes_per_parameter` says how much it keeps.
     Other,
 }
 
@@ -35,45 +41,73 @@ pub enum OptimizerKind {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Precision {
+    /// Not reported; the predictor assumes 4-byte gradients.
     #[default]
     Unknown,
+    /// Full fp32 training.
     Fp32,
+    /// bf16 compute with fp32 master weights.
     MixedBf16,
+    /// fp16 compute with fp32 master weights.
     MixedFp16,
+    /// Pure bf16, no fp32 master copy; halves gradient size estimates.
     Bf16,
 }
 
 /// Optional facts about the model and optimizer; every field may be absent.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct ModelFacts {
+    /// Trainable parameters held by this rank; sizes state and gradients when
+    /// they cannot be measured.
     pub parameter_count: Option<u64>,
+    /// Bytes those parameters occupy on the GPU; sizes persistent gradients.
     pub parameter_bytes: Option<u64>,
+    /// Optimizer family; gives the default state bytes per parameter.
     pub optimizer: OptimizerKind,
+    /// Optimizer state bytes per parameter (Adam fp32: 8); overrides the
+    /// family's default.
     pub state_bytes_per_parameter: Option<u32>,
+    /// Training precision; picks the dtype size for gradient estimates.
     pub precision: Precision,
+    /// ZeRO / FSDP factor optimizer state is sharded over (1 = none); divides
+    /// the state estimate.
     pub sharding_factor: Option<u32>,
+    /// Micro-batches per optimizer step; must be at least 1 when given.
     pub grad_accumulation_steps: Option<u32>,
+    /// True when optimizer state exists before step 1, so step 2 adds none.
     pub state_precreated: Option<bool>,
+    /// False when gradients persist between steps and must be added to step 2's
+    /// forward peak; unknown is read as PyTorch's default (set to None).
     pub grads_set_to_none: Option<bool>,
 }
 
 /// Everything a rank says about itself in its hello.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct RankInfo {
+    /// Job id shared by all ranks of one run; half of the [`RankKey`].
     pub job: String,
+    /// Global rank, below `world_size`.
     pub rank: u32,
+    /// Rank within this node, below `world_size`.
     pub local_rank: u32,
+    /// Number of ranks in the job, 1..=65536.
     pub world_size: u32,
+    /// Host name as the client sees it; a label on exported metrics.
     pub node_name: String,
+    /// Kubernetes pod, when known (may be empty).
     pub pod: String,
+    /// Kubernetes namespace, when known (may be empty).
     pub namespace: String,
     /// GPU the rank runs on; empty for CPU-only runs.
     pub gpu_uuid: String,
     /// PID in the agent's namespace when peer credentials gave it, else the
     /// PID the client reported.
     pub pid: u32,
+    /// Training framework, e.g. "pytorch"; for display and diagnostics.
     pub framework: String,
+    /// Its version string, e.g. "2.5.1".
     pub framework_version: String,
+    /// Optional facts that sharpen the step-2 prediction.
     pub model: ModelFacts,
 }
 

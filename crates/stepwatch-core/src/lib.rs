@@ -5,6 +5,8 @@
 //! an argument), no I/O, no threads, so every result can be reproduced in a
 //! test from the same inputs.
 
+#![warn(missing_docs)]
+
 pub mod advisory;
 pub mod analysis;
 pub mod divergence;

@@ -7,11 +7,17 @@ use serde::Serialize;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MarkerKind {
+    /// A step starts; opens the prologue.
     StepBegin,
+    /// A forward pass (one per micro-batch) starts.
     ForwardBegin,
+    /// A backward pass starts; gradients appear from here on.
     BackwardBegin,
+    /// `optimizer.step()` starts; lazily created state appears in this phase.
     OptimizerBegin,
+    /// `optimizer.step()` has returned; opens the epilogue.
     OptimizerEnd,
+    /// The step finished normally; closes it.
     StepEnd,
     /// The step died with a CUDA out-of-memory error; ends the step.
     Oom,
@@ -52,8 +58,11 @@ impl MarkerKind {
 pub enum PhaseKind {
     /// Step begin to the first forward: data loading, zero_grad.
     Prologue,
+    /// Forward pass of one micro-batch: activations build up.
     Forward,
+    /// Backward pass of one micro-batch: activations are freed, gradients made.
     Backward,
+    /// `optimizer.step()`: where step 1 creates optimizer state.
     Optimizer,
     /// Optimizer end to step end: logging, LR schedulers.
     Epilogue,
@@ -84,18 +93,29 @@ impl PhaseKind {
 /// Figures from `torch.cuda.memory_stats()` carried by a marker.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct AllocatorStats {
+    /// `allocated_bytes.all.current`: bytes live in tensors now.
     pub allocated_bytes: u64,
+    /// `allocated_bytes.all.peak` since the last peak reset; lets a phase's
+    /// peak be recovered from its boundaries.
     pub allocated_peak_bytes: u64,
+    /// `reserved_bytes.all.current`: bytes the caching allocator holds from
+    /// CUDA, which is what NVML sees.
     pub reserved_bytes: u64,
+    /// `reserved_bytes.all.peak` since the last peak reset.
     pub reserved_peak_bytes: u64,
+    /// `active_bytes.all.current`: allocated plus blocks awaiting stream sync.
     pub active_bytes: u64,
+    /// `active_bytes.all.peak` since the last peak reset.
     pub active_peak_bytes: u64,
+    /// `num_alloc_retries`: allocations that needed a cache flush and retry;
+    /// a rise is an early sign of memory pressure.
     pub num_alloc_retries: u64,
 }
 
 /// One phase event of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Marker {
+    /// Which event this is; decides the phase it opens or closes.
     pub kind: MarkerKind,
     /// Optimizer step number; the first step is 1.
     pub step: u64,
@@ -105,5 +125,7 @@ pub struct Marker {
     pub wall_ns: u64,
     /// Micro-batch index within the step (gradient accumulation).
     pub micro_batch: u32,
+    /// Allocator figures at this moment; None without CUDA. Needed for the
+    /// allocator-basis prediction.
     pub allocator: Option<AllocatorStats>,
 }

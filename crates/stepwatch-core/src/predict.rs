@@ -129,7 +129,9 @@ pub const DEFAULT_LAYOUT_ALLOWANCE_FRACTION: f64 = 0.0625;
 /// credited yet (see [`crate::Tracker::samples_since`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct LiveStep {
+    /// Stats of the uncredited samples, as if credited to the open phase.
     pub nvml: SampleStats,
+    /// Their earliest and latest samples, for boundary levels.
     pub nvml_edges: SampleEdges,
 }
 
@@ -193,46 +195,71 @@ pub enum GradsSource {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BindingTerm {
+    /// First micro-batch peak + state + grads: step 2's first forward on top of
+    /// the new state.
     FirstMicroBatch,
+    /// Later micro-batches' peak + state (gradient accumulation).
     LaterMicroBatches,
+    /// Step 1's optimizer-phase peak.
     OptimizerPhase,
+    /// Step 1's own peak: step 2 was predicted to need no more.
     Step1Peak,
 }
 
 /// Every figure the prediction used, so a user can see why.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PredictionInputs {
+    /// Whether figures are allocator bytes or NVML device bytes; every
+    /// "basis units" field below is in this unit.
     pub basis: PredictionBasis,
     /// The step the prediction was made from.
     pub step: u64,
+    /// How that step stood (running, completed, OOM); running means provisional.
     pub step_outcome: StepOutcome,
     /// The phase still open when the prediction was made.
     pub open_phase: Option<PhaseKind>,
+    /// Whether step 1's optimizer phase has closed, i.e. the state jump was
+    /// measured rather than estimated.
     pub optimizer_phase_closed: bool,
     /// Peaks of step 1 in basis units (allocated or device bytes).
     pub first_micro_batch_peak_bytes: u64,
+    /// Peak of the forward/backward phases after the first backward, basis
+    /// units; None without gradient accumulation.
     pub later_micro_batches_peak_bytes: Option<u64>,
+    /// Peak of step 1's optimizer phase(s), basis units.
     pub optimizer_phase_peak_bytes: Option<u64>,
+    /// Peak over all of step 1's phases, basis units; the floor of the prediction.
     pub step1_peak_bytes: u64,
     /// Optimizer state added to the forward/backward peaks.
     pub state_bytes: u64,
+    /// Where `state_bytes` came from; says how much to trust it.
     pub state_source: StateSource,
     /// Jump across the optimizer phase(s), basis units; None until closed.
     pub measured_jump_bytes: Option<i64>,
     /// State computed from model facts, when they allow it.
     pub facts_state_bytes: Option<u64>,
+    /// Bytes per parameter used for the facts estimate: reported or the
+    /// optimizer's default.
     pub state_bytes_per_parameter: Option<u32>,
+    /// Sharding factor used (1 when not reported).
     pub sharding_factor: u32,
     /// round(unsharded facts state / measured jump) when that is 2 or more.
     pub inferred_sharding_factor: Option<u32>,
+    /// Whether gradients were taken to survive into step 2
+    /// (`grads_set_to_none == Some(false)`).
     pub grads_persistent: bool,
+    /// Persistent gradient bytes added to the first micro-batch term; 0 when not
+    /// persistent.
     pub grad_bytes: u64,
+    /// Where `grad_bytes` came from.
     pub grads_source: GradsSource,
+    /// Which term of the max set the prediction: the phase to shrink to fit.
     pub binding: BindingTerm,
     /// The max above, in basis units.
     pub basis_peak_bytes: u64,
     /// Allocator basis only.
     pub reserved_ratio: Option<f64>,
+    /// Allocator reserved peak of step 1, bytes; a floor for the reserved figure.
     pub step1_reserved_peak_bytes: Option<u64>,
     /// Reserved − allocated when step 1's optimizer phase began (the cache
     /// backward freed); None before that phase or without allocator figures.
@@ -245,11 +272,15 @@ pub struct PredictionInputs {
     pub layout_allowance_fraction: f64,
     /// layout_allowance_fraction × state_from_cache, added to reserved.
     pub layout_allowance_bytes: u64,
+    /// Predicted reserved (caching pool) bytes at the peak; allocator basis only.
     pub predicted_reserved_bytes: Option<u64>,
     /// NVML minus reserved (includes other processes); None when unmeasured.
     pub overhead_bytes: Option<u64>,
+    /// Highest NVML sample of step 1, bytes; a floor for the device prediction.
     pub step1_nvml_peak_bytes: Option<u64>,
+    /// GPU capacity, bytes (0 when unknown: no headroom then).
     pub capacity_bytes: u64,
+    /// Bytes other processes hold on the GPU, subtracted once from headroom.
     pub other_process_bytes: u64,
 }
 
@@ -263,10 +294,14 @@ pub struct Prediction {
     pub predicted_rank_peak_bytes: u64,
     /// capacity − predicted_rank_peak − other; None when capacity is unknown (0).
     pub headroom_bytes: Option<i64>,
+    /// Headroom is negative: step 2 will likely OOM. Triggers the advisory.
     pub oom_risk: bool,
+    /// Headroom is below `low_headroom_fraction` of capacity (also set with
+    /// `oom_risk`).
     pub low_headroom: bool,
     /// Step 1 was still running: later phases may refine the figure.
     pub provisional: bool,
+    /// The figures behind the prediction, so a user can check it.
     pub inputs: PredictionInputs,
     /// The formula with its figures, for humans.
     pub explanation: String,

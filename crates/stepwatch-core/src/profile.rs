@@ -48,6 +48,7 @@ pub fn phase_allocator_peaks(phase: &PhaseRecord) -> Option<(u64, u64)> {
 /// One phase kind within one step, all its instances (micro-batches) together.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PhaseProfile {
+    /// Which phase kind this folds.
     pub phase: PhaseKind,
     /// Instances of this kind in the step (micro-batches for forward/backward).
     pub count: u32,
@@ -63,17 +64,24 @@ pub struct PhaseProfile {
     pub nvml_mean_bytes: Option<u64>,
     /// Highest allocator figures, see [`phase_allocator_peaks`].
     pub allocated_peak_bytes: Option<u64>,
+    /// Highest reserved (caching pool) bytes, by the same rule.
     pub reserved_peak_bytes: Option<u64>,
 }
 
 /// One step, phase kind by phase kind.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepProfile {
+    /// Step number.
     pub step: u64,
+    /// How the step ended; an OOM or abandoned step is not a fair steady sample.
     pub outcome: StepOutcome,
+    /// Step duration in ns; None while running.
     pub duration_ns: Option<u64>,
+    /// Highest NVML sample over all phases, bytes.
     pub nvml_peak_bytes: Option<u64>,
+    /// Highest allocated bytes over all phases.
     pub allocated_peak_bytes: Option<u64>,
+    /// Highest reserved bytes over all phases.
     pub reserved_peak_bytes: Option<u64>,
     /// Micro-batches seen (forward phases).
     pub micro_batches: u32,
@@ -170,11 +178,17 @@ fn median_of<T>(items: &[T], f: impl Fn(&T) -> Option<u64>) -> Option<u64> {
 /// had the phase.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SteadyPhaseProfile {
+    /// Which phase kind.
     pub phase: PhaseKind,
+    /// Median summed duration of the phase per step, ns.
     pub duration_ns: Option<u64>,
+    /// Median of the phase's NVML peak, bytes.
     pub nvml_peak_bytes: Option<u64>,
+    /// Median of the phase's NVML mean, bytes.
     pub nvml_mean_bytes: Option<u64>,
+    /// Median of the phase's allocated peak, bytes.
     pub allocated_peak_bytes: Option<u64>,
+    /// Median of the phase's reserved peak, bytes.
     pub reserved_peak_bytes: Option<u64>,
 }
 
@@ -184,10 +198,15 @@ pub struct SteadyPhaseProfile {
 pub struct SteadyProfile {
     /// Step numbers the medians were taken over.
     pub steps: Vec<u64>,
+    /// Median step duration, ns.
     pub duration_ns: Option<u64>,
+    /// Median step NVML peak, bytes; what step 1 is compared against.
     pub nvml_peak_bytes: Option<u64>,
+    /// Median step allocated peak, bytes.
     pub allocated_peak_bytes: Option<u64>,
+    /// Median step reserved peak, bytes.
     pub reserved_peak_bytes: Option<u64>,
+    /// Per phase kind, in step order.
     pub phases: Vec<SteadyPhaseProfile>,
 }
 

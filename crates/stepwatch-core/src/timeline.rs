@@ -15,8 +15,11 @@ pub const MAX_PHASES_PER_STEP: usize = 4096;
 /// timestamps fall inside it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct SampleStats {
+    /// Number of samples; 0 means the phase was too short to be seen.
     pub samples: u64,
+    /// Highest device-used bytes seen.
     pub peak_bytes: u64,
+    /// Sum of device-used bytes, for the mean; u128 so it cannot overflow.
     pub sum_bytes: u128,
 }
 
@@ -72,12 +75,18 @@ impl SampleEdges {
 /// One phase of one step.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PhaseRecord {
+    /// Which phase this is.
     pub phase: PhaseKind,
+    /// Micro-batch index from the opening marker (gradient accumulation).
     pub micro_batch: u32,
+    /// CLOCK_MONOTONIC ns of the opening marker; samples are attributed by it.
     pub start_monotonic_ns: u64,
     /// None while the phase is open.
     pub end_monotonic_ns: Option<u64>,
+    /// Allocator figures of the opening marker; the phase's allocator peak is
+    /// reconstructed from these and the closing ones.
     pub allocator_at_start: Option<AllocatorStats>,
+    /// Allocator figures of the closing marker; None while open.
     pub allocator_at_end: Option<AllocatorStats>,
     /// NVML samples attributed to this phase.
     pub nvml: SampleStats,
@@ -114,7 +123,9 @@ impl PhaseRecord {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StepOutcome {
+    /// The step has begun and not ended yet.
     Running,
+    /// The step-end marker arrived; only such steps feed the steady profile.
     Completed,
     /// The OOM marker ended it.
     Oom,
@@ -125,12 +136,19 @@ pub enum StepOutcome {
 /// One optimizer step of one rank.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StepRecord {
+    /// Optimizer step number, from 1.
     pub step: u64,
+    /// CLOCK_MONOTONIC ns of the first marker of the step.
     pub begin_monotonic_ns: u64,
+    /// Wall-clock ns of that marker, for display.
     pub begin_wall_ns: u64,
+    /// CLOCK_MONOTONIC ns of the step end or OOM; None while running.
     pub end_monotonic_ns: Option<u64>,
+    /// Wall-clock ns of that marker.
     pub end_wall_ns: Option<u64>,
+    /// How the step ended, or that it is still running.
     pub outcome: StepOutcome,
+    /// Phases in marker order; bounded by [`MAX_PHASES_PER_STEP`].
     pub phases: Vec<PhaseRecord>,
 }
 

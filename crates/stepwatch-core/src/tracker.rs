@@ -63,8 +63,10 @@ impl Default for TrackerConfig {
 /// Refusal of a hello.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OpenError {
+    /// The hello broke the contract.
     #[error(transparent)]
     Invalid(#[from] HelloError),
+    /// [`TrackerConfig::max_ranks`] ranks are tracked already; keeps memory bounded.
     #[error("the agent already tracks {0} ranks, its limit")]
     TooManyRanks(usize),
 }
@@ -72,7 +74,9 @@ pub enum OpenError {
 /// A tracked rank: what it said about itself and what it did.
 #[derive(Debug, Clone, Serialize)]
 pub struct RankState {
+    /// What the rank said about itself in its hello.
     pub info: RankInfo,
+    /// Its bounded step history.
     pub timeline: RankTimeline,
     /// Streams currently open for this rank (normally 0 or 1).
     pub connected_streams: u32,
@@ -97,6 +101,7 @@ pub struct Tracker {
 }
 
 impl Tracker {
+    /// An empty tracker bounded by `config`, with default analysis tunables.
     pub fn new(config: TrackerConfig) -> Self {
         Self {
             config,
@@ -113,6 +118,7 @@ impl Tracker {
         self.analysis = config;
     }
 
+    /// The analysis tunables in use, for display.
     pub fn analysis_config(&self) -> &AnalysisConfig {
         &self.analysis
     }
@@ -395,6 +401,7 @@ impl Tracker {
         before - self.ranks.len()
     }
 
+    /// A tracked rank, or None when unknown or evicted.
     pub fn rank(&self, key: &RankKey) -> Option<&RankState> {
         self.ranks.get(key)
     }
@@ -404,6 +411,7 @@ impl Tracker {
         self.ranks.iter()
     }
 
+    /// Number of tracked ranks; exported as a gauge.
     pub fn rank_count(&self) -> usize {
         self.ranks.len()
     }

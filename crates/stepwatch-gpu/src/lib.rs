@@ -10,6 +10,8 @@
 //! snapshots for `/metrics` and a drain of fresh samples for attribution.
 //! Nothing outside this crate calls NVML.
 
+#![warn(missing_docs)]
+
 mod ring;
 mod sampler;
 

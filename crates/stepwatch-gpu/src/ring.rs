@@ -14,6 +14,8 @@ pub struct TimedRing<T> {
 }
 
 impl<T: Copy + Ord> TimedRing<T> {
+    /// An empty ring holding at most `capacity` values (at least 1), so memory
+    /// stays bounded whatever the sample rate.
     pub fn new(capacity: usize) -> Self {
         let capacity = capacity.max(1);
         Self {
@@ -40,10 +42,12 @@ impl<T: Copy + Ord> TimedRing<T> {
             .max()
     }
 
+    /// Values held now.
     pub fn len(&self) -> usize {
         self.items.len()
     }
 
+    /// Whether nothing has been pushed yet.
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
     }

@@ -27,6 +27,7 @@ pub struct SamplerConfig {
     pub max_window: Duration,
     /// First and longest wait between attempts to (re)initialise NVML.
     pub retry_min: Duration,
+    /// Cap of the doubling backoff, so a missing driver is not hammered.
     pub retry_max: Duration,
     /// Samples per GPU held for the step tracker between drains; older ones
     /// are dropped (and counted) if the tracker stalls.
@@ -50,17 +51,26 @@ impl Default for SamplerConfig {
 /// NVML call classes, for per-call error counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NvmlCall {
+    /// `nvmlInit`: loading the library and starting NVML.
     Init,
+    /// Counting the devices.
     DeviceCount,
+    /// Getting a device handle by index.
     DeviceHandle,
+    /// Reading a device's product name.
     Name,
+    /// Reading a device's UUID, the key ranks name their GPU by.
     Uuid,
+    /// The fast device-memory read; errors here cost samples.
     MemoryInfo,
+    /// The slow compute-process list (takes the driver's global lock).
     Processes,
+    /// Reading utilisation rates.
     Utilization,
 }
 
 impl NvmlCall {
+    /// Every call class, so exporters can emit a zero counter for each.
     pub const ALL: [NvmlCall; 8] = [
         NvmlCall::Init,
         NvmlCall::DeviceCount,
@@ -91,32 +101,48 @@ impl NvmlCall {
 /// driver-reserved memory).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sample {
+    /// CLOCK_MONOTONIC ns of the read; the clock markers use, so samples can be
+    /// attributed to phases.
     pub monotonic_ns: u64,
+    /// Device memory in use, bytes; the figure peaks and predictions use.
     pub used_bytes: u64,
+    /// Device memory free, bytes.
     pub free_bytes: u64,
+    /// Device capacity, bytes; the limit headroom is measured against.
     pub total_bytes: u64,
 }
 
 /// A compute process on a GPU, from the slow process list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProcessUsage {
+    /// PID as NVML reports it (the host PID namespace); matched against ranks'
+    /// PIDs to tell other processes' memory apart.
     pub pid: u32,
+    /// Device memory the process holds, bytes; 0 when NVML cannot tell.
     pub used_bytes: u64,
 }
 
 /// What `/metrics` and the API need about one GPU.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GpuSnapshot {
+    /// NVML device index on this node.
     pub index: u32,
+    /// NVML UUID ("GPU-…"); ranks report it in their hello to be matched here.
     pub uuid: String,
+    /// Product name, e.g. "NVIDIA H100 80GB HBM3"; for labels and display.
     pub name: String,
+    /// Device capacity, bytes.
     pub total_bytes: u64,
+    /// The latest memory reading; None before the first one succeeds.
     pub last: Option<Sample>,
     /// Maximum `used` over the trailing window.
     pub used_max_bytes: Option<u64>,
+    /// Memory readings taken since the GPU was found; a counter that shows
+    /// whether sampling is alive.
     pub samples_total: u64,
     /// False while NVML reports the GPU lost.
     pub up: bool,
+    /// Compute processes from the latest process-list read.
     pub processes: Vec<ProcessUsage>,
     /// (gpu %, memory %) from the last utilisation read.
     pub utilization_percent: Option<(u32, u32)>,
@@ -125,9 +151,11 @@ pub struct GpuSnapshot {
 /// The sampler's state at one moment.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplerSnapshot {
+    /// Whether NVML is initialised; false means no GPU figures at all.
     pub nvml_up: bool,
     /// Why NVML is not up, in words for logs and `/readyz`.
     pub status: String,
+    /// One entry per GPU found, in NVML index order.
     pub gpus: Vec<GpuSnapshot>,
     /// Worst tick lateness over the trailing window, seconds.
     pub lag_max_seconds: f64,
@@ -139,12 +167,15 @@ pub struct SamplerSnapshot {
     pub lag_sum_seconds: f64,
     /// Ticks observed by the histogram (histogram `_count`).
     pub lag_count: u64,
+    /// Sampler ticks since start.
     pub ticks_total: u64,
     /// Ticks that started more than one period late.
     pub late_ticks_total: u64,
+    /// Attempts to initialise NVML; rising means the driver keeps failing.
     pub init_attempts_total: u64,
     /// Samples dropped because the tracker did not drain them in time.
     pub pending_dropped_total: u64,
+    /// Errors per NVML call class, for `stepwatch_nvml_errors_total{call}`.
     pub errors: Vec<(NvmlCall, u64)>,
 }
 

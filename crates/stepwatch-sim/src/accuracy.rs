@@ -66,14 +66,18 @@ pub enum ActualSource {
 /// One evaluated rank.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AccuracyRow {
+    /// Scenario name, for locating a bad row.
     pub scenario: String,
+    /// Rank within the scenario.
     pub rank: u32,
+    /// GPU capacity of the real run, bytes.
     pub capacity_bytes: u64,
     /// The prediction just before step 2 began (None: step 2 never began,
     /// or the tracker could not predict).
     pub predicted_peak_bytes: Option<u64>,
     /// Median of the per-step device peaks over steps 2..k.
     pub actual_peak_bytes: Option<u64>,
+    /// Whether the actual peak comes from the real run or a raised-capacity rerun.
     pub actual_source: ActualSource,
     /// Steps the actual peak is the median of.
     pub actual_steps: usize,
@@ -81,7 +85,9 @@ pub struct AccuracyRow {
     pub error_pct: Option<f64>,
     /// 100 × (capacity − actual) / capacity.
     pub true_headroom_pct: Option<f64>,
+    /// Outcome the scenario file expects for this rank.
     pub expected: OutcomeKind,
+    /// Step it is expected to run out of memory in, when it does.
     pub expected_oom_step: Option<u64>,
     /// How the real run ended.
     pub outcome: SimOutcome,
@@ -95,8 +101,11 @@ pub struct AccuracyRow {
     pub oom_warned_before_step2: bool,
     /// Warned although the true headroom is at least 5%.
     pub false_alarm: bool,
+    /// Term of the prediction's max that bound it; shows which phase drove errors.
     pub binding: Option<BindingTerm>,
+    /// Where the prediction's optimizer-state figure came from.
     pub state_source: Option<StateSource>,
+    /// The prediction's own explanation, for reading a bad row.
     pub explanation: Option<String>,
 }
 
@@ -110,10 +119,13 @@ impl AccuracyRow {
 /// Aggregate figures over rows.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AccuracySummary {
+    /// Rows evaluated.
     pub rows: usize,
     /// Rows with both a prediction and an actual peak.
     pub compared: usize,
+    /// Median of |error_pct| over the compared rows: the headline accuracy.
     pub median_abs_error_pct: f64,
+    /// Worst |error_pct| over the compared rows.
     pub max_abs_error_pct: f64,
     /// `scenario/rank` of the largest error.
     pub max_error_at: Option<String>,

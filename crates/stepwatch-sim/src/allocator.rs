@@ -56,11 +56,14 @@ pub fn segment_size(bytes: u64) -> u64 {
 /// The pool a request is served from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Pool {
+    /// Requests up to 1 MiB, carved from 2 MiB segments.
     Small,
+    /// Larger requests, from their own larger segments.
     Large,
 }
 
 impl Pool {
+    /// The pool PyTorch would serve a request of `bytes` from.
     pub fn of(bytes: u64) -> Pool {
         if round_size(bytes) <= SMALL_SIZE {
             Pool::Small
@@ -78,8 +81,11 @@ pub struct AllocId(u64);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("CUDA out of memory: tried to allocate {requested} bytes with {reserved} reserved of a {limit}-byte limit")]
 pub struct OutOfMemory {
+    /// Bytes asked for.
     pub requested: u64,
+    /// Bytes already reserved from the driver when it failed.
     pub reserved: u64,
+    /// Most the allocator could reserve (what the device had left for it), bytes.
     pub limit: u64,
 }
 
@@ -101,7 +107,10 @@ struct Segment {
 /// Allocator figures, as `torch.cuda.memory_stats()` reports them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Usage {
+    /// Bytes in live blocks (`allocated_bytes.all.current`).
     pub allocated: u64,
+    /// Bytes in segments from the driver (`reserved_bytes.all.current`); what
+    /// NVML sees of the allocator.
     pub reserved: u64,
 }
 
@@ -109,8 +118,11 @@ pub struct Usage {
 /// (per phase, per step), and `total` is never reset.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Peaks {
+    /// Peak since the last phase reset; becomes a marker's peak figures.
     pub phase: Usage,
+    /// Peak since the last step reset; feeds per-step stats.
     pub step: Usage,
+    /// Peak since the process started.
     pub total: Usage,
 }
 
@@ -129,6 +141,7 @@ pub struct CachingAllocator {
 }
 
 impl CachingAllocator {
+    /// An empty allocator: nothing reserved, nothing allocated.
     pub fn new() -> Self {
         Self::default()
     }
@@ -143,10 +156,12 @@ impl CachingAllocator {
         self.usage.reserved
     }
 
+    /// Current allocated and reserved bytes.
     pub fn usage(&self) -> Usage {
         self.usage
     }
 
+    /// The peak registers, as markers and step stats read them.
     pub fn peaks(&self) -> Peaks {
         self.peaks
     }

@@ -11,6 +11,8 @@
 //!
 //! See `README.md` for the memory model and its sources.
 
+#![warn(missing_docs)]
+
 pub mod accuracy;
 pub mod allocator;
 pub mod rank;

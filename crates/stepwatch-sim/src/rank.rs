@@ -16,10 +16,13 @@ pub enum SimEvent {
     Marker(Marker),
     /// The rank's memory after one modelled event (a layer's forward, …).
     Memory {
+        /// Simulated CLOCK_MONOTONIC ns of the event.
         at_ns: u64,
         /// What NVML shows for this process: reserved + CUDA context + workspaces.
         nvml_used_bytes: u64,
+        /// Allocator allocated bytes after the event.
         allocated: u64,
+        /// Allocator reserved bytes after the event.
         reserved: u64,
     },
 }
@@ -33,6 +36,7 @@ impl SimEvent {
         }
     }
 
+    /// The marker, if this event is one; what a client would send.
     pub fn as_marker(&self) -> Option<&Marker> {
         match self {
             SimEvent::Marker(m) => Some(m),
@@ -55,14 +59,20 @@ pub enum PeakMode {
 /// How a rank's run ended, or that it has not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SimOutcome {
+    /// Still has steps to run.
     Running,
+    /// Ran every step of the scenario.
     Completed {
+        /// Steps completed.
         steps: u64,
     },
     /// Died like a CUDA OOM. `phase` is None during initialisation.
     Oom {
+        /// The step that ran out; 1 when it died during initialisation.
         step: u64,
+        /// The phase it ran out in; None during initialisation.
         phase: Option<PhaseKind>,
+        /// Size of the request that failed, bytes.
         requested_bytes: u64,
     },
 }
@@ -70,19 +80,26 @@ pub enum SimOutcome {
 /// Peaks of one step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StepStats {
+    /// Step number, from 1.
     pub step: u64,
+    /// Highest allocated bytes during the step.
     pub allocated_peak: u64,
+    /// Highest reserved bytes during the step.
     pub reserved_peak: u64,
     /// Highest NVML-visible use of this process during the step.
     pub nvml_peak: u64,
+    /// False when the step died of OOM; its peaks are then partial.
     pub completed: bool,
 }
 
 /// What a rank did, for tests and the accuracy benchmark.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RankReport {
+    /// Rank within the scenario.
     pub rank: u32,
+    /// How the run ended; compared with the scenario's expectation.
     pub outcome: SimOutcome,
+    /// Peaks of every step run, in order.
     pub steps: Vec<StepStats>,
     /// Allocator usage when step 1 began (weights, master weights, and
     /// pre-created state).
@@ -91,6 +108,7 @@ pub struct RankReport {
     pub peak_nvml_bytes: u64,
     /// Highest use of the whole GPU: this process plus other processes.
     pub peak_gpu_used_bytes: u64,
+    /// GPU capacity from the scenario, bytes.
     pub capacity_bytes: u64,
     /// Times the allocator released its cache to retry a failed `cudaMalloc`.
     pub num_alloc_retries: u64,
@@ -102,6 +120,7 @@ impl RankReport {
         1.0 - self.peak_gpu_used_bytes as f64 / self.capacity_bytes as f64
     }
 
+    /// The stats of step `step`, if it ran.
     pub fn step(&self, step: u64) -> Option<&StepStats> {
         self.steps.iter().find(|s| s.step == step)
     }
@@ -354,6 +373,7 @@ impl RankSim {
         self
     }
 
+    /// Chooses how marker peaks are measured, to exercise both client setups.
     pub fn set_peak_mode(&mut self, mode: PeakMode) {
         self.peak_mode = mode;
     }
@@ -364,10 +384,12 @@ impl RankSim {
         self.other_bytes = bytes;
     }
 
+    /// The scenario this rank belongs to.
     pub fn scenario(&self) -> &Scenario {
         &self.scenario
     }
 
+    /// The rank this simulator plays.
     pub fn rank(&self) -> u32 {
         self.rank
     }

@@ -12,20 +12,40 @@ use serde::{Deserialize, Serialize};
 /// A scenario file that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
+    /// The file could not be read.
     #[error("reading {path}: {source}")]
     Io {
+        /// The scenario file.
         path: String,
+        /// The I/O error.
         source: std::io::Error,
     },
+    /// The file is not valid scenario JSON (including unknown fields).
     #[error("parsing scenario {path}: {source}")]
     Parse {
+        /// The scenario file.
         path: String,
+        /// The JSON error, with line and column.
         source: serde_json::Error,
     },
+    /// The scenario parsed but contradicts itself; caught before it runs.
     #[error("scenario {name:?}: {reason}")]
-    Invalid { name: String, reason: String },
+    Invalid {
+        /// The scenario's name.
+        name: String,
+        /// What is wrong, in words.
+        reason: String,
+    },
+    /// A rank was asked for that the scenario does not have.
     #[error("scenario {name:?} has {count} ranks; rank {rank} does not exist")]
-    NoSuchRank { name: String, rank: u32, count: u32 },
+    NoSuchRank {
+        /// The scenario's name.
+        name: String,
+        /// The rank asked for.
+        rank: u32,
+        /// Ranks the scenario has.
+        count: u32,
+    },
 }
 
 /// Numeric precision of the simulated job.
@@ -60,13 +80,18 @@ pub struct ModelShape {
     /// `layers·(12·hidden² + 2·hidden) + vocab·hidden`.
     #[serde(default)]
     pub parameter_count: Option<u64>,
+    /// Transformer layers.
     pub layers: u32,
+    /// Hidden size; with `layers` it sets parameter and activation sizes.
     pub hidden: u64,
+    /// Attention heads; sizes the attention-score activations.
     pub heads: u64,
     /// Vocabulary size; 0 for no embedding and no logits.
     #[serde(default)]
     pub vocab: u64,
+    /// Sequence length, tokens.
     pub seq_len: u64,
+    /// Sequences per micro-batch.
     pub micro_batch: u64,
     /// Flash attention: drops the `5·a·s²·b` attention-score term.
     #[serde(default)]
@@ -77,7 +102,9 @@ pub struct ModelShape {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Training {
+    /// Precision; sets the bytes of weights, grads, state and activations.
     pub precision: SimPrecision,
+    /// Optimizer; sets how much state step 1 creates.
     pub optimizer: SimOptimizer,
     /// State created before step 1 (torchtitan) instead of lazily inside
     /// the first `optimizer.step()`.
@@ -87,6 +114,7 @@ pub struct Training {
     /// start of each step; false zeroes them in place and keeps them.
     #[serde(default = "yes")]
     pub grads_set_to_none: bool,
+    /// Micro-batches per optimizer step (default 1).
     #[serde(default = "one")]
     pub grad_accumulation_steps: u32,
     /// ZeRO-1 style: optimizer state and master weights are split over this
@@ -105,6 +133,7 @@ pub struct Training {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Ranks {
+    /// Number of ranks (default 1).
     #[serde(default = "one")]
     pub count: u32,
     /// Factor on a rank's activation and temporary memory (default 1.0),
@@ -146,16 +175,22 @@ pub struct Gpu {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Timing {
+    /// Before step 1: loading weights (and pre-creating state).
     #[serde(default = "init_ms")]
     pub init_ms: f64,
+    /// Step begin to the first forward.
     #[serde(default = "prologue_ms")]
     pub prologue_ms: f64,
+    /// One forward pass.
     #[serde(default = "forward_ms")]
     pub forward_ms: f64,
+    /// One backward pass.
     #[serde(default = "backward_ms")]
     pub backward_ms: f64,
+    /// `optimizer.step()`.
     #[serde(default = "optimizer_ms")]
     pub optimizer_ms: f64,
+    /// Optimizer end to step end.
     #[serde(default = "epilogue_ms")]
     pub epilogue_ms: f64,
 }
@@ -177,7 +212,9 @@ impl Default for Timing {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OutcomeKind {
+    /// Completes every step.
     Fits,
+    /// Runs out of GPU memory.
     Oom,
 }
 
@@ -185,6 +222,7 @@ pub enum OutcomeKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Expectation {
+    /// Whether the rank completes or runs out of memory.
     pub outcome: OutcomeKind,
     /// The step that runs out of memory; required when `outcome` is `oom`.
     #[serde(default)]
@@ -194,6 +232,7 @@ pub struct Expectation {
     /// other processes).
     #[serde(default)]
     pub headroom_min: Option<f64>,
+    /// Upper bound on that headroom.
     #[serde(default)]
     pub headroom_max: Option<f64>,
 }
@@ -202,11 +241,15 @@ pub struct Expectation {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Expected {
+    /// Default outcome of every rank.
     pub outcome: OutcomeKind,
+    /// Default OOM step; required when `outcome` is `oom`.
     #[serde(default)]
     pub oom_step: Option<u64>,
+    /// Default lower bound on headroom (see [`Expectation::headroom_min`]).
     #[serde(default)]
     pub headroom_min: Option<f64>,
+    /// Default upper bound on headroom.
     #[serde(default)]
     pub headroom_max: Option<f64>,
     /// Exceptions, keyed by rank.
@@ -232,13 +275,19 @@ impl Expected {
 pub struct Scenario {
     /// Identifier; also used as the job id (`[A-Za-z0-9._-]`).
     pub name: String,
+    /// What the scenario shows, for humans.
     #[serde(default)]
     pub description: String,
+    /// Model and micro-batch shape; sets weights and activations.
     pub model: ModelShape,
+    /// How the job trains.
     pub training: Training,
+    /// Rank count and per-rank skews (default: one rank).
     #[serde(default)]
     pub ranks: Ranks,
+    /// The GPU each rank runs on.
     pub gpu: Gpu,
+    /// Phase durations (defaults apply).
     #[serde(default)]
     pub timing: Timing,
     /// Name of another scenario whose rank 0 shares this scenario's rank-0
@@ -249,6 +298,7 @@ pub struct Scenario {
     /// Delay before this job starts, relative to the caller's start time.
     #[serde(default)]
     pub start_offset_ms: f64,
+    /// The outcome the model must produce; tests check it.
     pub expected: Expected,
 }
 
