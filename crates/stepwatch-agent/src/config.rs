@@ -83,6 +83,20 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_MAX_MARKER_RATE", default_value_t = 200_000.0)]
     pub max_marker_rate: f64,
 
+    /// Journal file: ranks' step history is written here periodically and at
+    /// shutdown, and restored at start, so an agent restart loses no history.
+    /// Off unless given.
+    #[arg(long, env = "STEPWATCH_JOURNAL")]
+    pub journal: Option<PathBuf>,
+
+    /// How often the journal is written.
+    #[arg(long, env = "STEPWATCH_JOURNAL_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    pub journal_interval: Duration,
+
+    /// Steps per rank kept in the journal besides step 1 (bounds its size).
+    #[arg(long, env = "STEPWATCH_JOURNAL_STEPS", default_value_t = 100)]
+    pub journal_steps: usize,
+
     /// Log format.
     #[arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

@@ -67,6 +67,14 @@ pub async fn run_until(
         ..TrackerConfig::default()
     });
     let state = state::AgentState::new(tracker, sampler.clone(), node.clone())?;
+    if let Some(path) = &config.journal {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| {
+                format!("cannot create the journal directory {}", dir.display())
+            })?;
+        }
+        state.restore_journal(path);
+    }
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
@@ -140,6 +148,9 @@ pub async fn run_until(
     let housekeeping = tokio::spawn({
         let state = state.clone();
         let retention = config.retention;
+        let journal = config.journal.clone();
+        let journal_steps = config.journal_steps;
+        let journal_interval = config.journal_interval;
         let mut stop = stop_rx.clone();
         async move {
             // Samples wait in the sampler's bounded buffer between drains;
@@ -147,10 +158,17 @@ pub async fn run_until(
             let mut attribute = tokio::time::interval(Duration::from_millis(100));
             let mut processes = tokio::time::interval(Duration::from_secs(1));
             let mut evict = tokio::time::interval(Duration::from_secs(10));
+            let mut journal_tick = tokio::time::interval(journal_interval);
+            journal_tick.tick().await;
             loop {
                 tokio::select! {
                     _ = attribute.tick() => state.attribute_samples(),
                     _ = processes.tick() => state.update_processes(),
+                    _ = journal_tick.tick(), if journal.is_some() => {
+                        let state = state.clone();
+                        let path = journal.clone().expect("checked by the guard");
+                        let _ = tokio::task::spawn_blocking(move || state.write_journal(&path, journal_steps)).await;
+                    }
                     _ = evict.tick() => {
                         let n = state.tracker().evict_idle(monotonic_ns(), retention.as_nanos() as u64);
                         if n > 0 {
@@ -182,6 +200,10 @@ pub async fn run_until(
         .is_err()
     {
         tracing::warn!("open streams did not close within 3 s; exiting anyway");
+    }
+    if let Some(path) = &config.journal {
+        state.write_journal(path, config.journal_steps);
+        tracing::info!(path = %path.display(), "journal written");
     }
     let sampler_stop = tokio::task::spawn_blocking(move || sampler.stop());
     let _ = tokio::time::timeout(Duration::from_secs(3), sampler_stop).await;

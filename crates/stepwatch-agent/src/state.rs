@@ -4,7 +4,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
-use stepwatch_core::{RankKey, Tracker};
+use std::path::Path;
+
+use stepwatch_core::{Journal, RankKey, Tracker};
 use stepwatch_gpu::SamplerHandle;
 use stepwatch_proto::clock::monotonic_ns;
 
@@ -16,6 +18,8 @@ pub struct IngestMetrics {
     pub streams_opened: IntCounter,
     pub ranks_evicted: IntCounter,
     pub advisories_sent: IntCounterVec,
+    pub journal_writes: IntCounterVec,
+    pub journal_restored: IntCounter,
 }
 
 impl IngestMetrics {
@@ -44,6 +48,17 @@ impl IngestMetrics {
                 "stepwatch_ranks_evicted_total",
                 "Ranks dropped after the retention window with no open stream.",
             )?,
+            journal_writes: IntCounterVec::new(
+                Opts::new(
+                    "stepwatch_journal_writes_total",
+                    "Journal writes, by result (ok or error); errors are logged with the reason.",
+                ),
+                &["result"],
+            )?,
+            journal_restored: IntCounter::new(
+                "stepwatch_journal_restored_ranks_total",
+                "Ranks restored from the journal at start.",
+            )?,
             advisories_sent: IntCounterVec::new(
                 Opts::new(
                     "stepwatch_advisories_sent_total",
@@ -53,6 +68,8 @@ impl IngestMetrics {
             )?,
         };
         registry.register(Box::new(m.advisories_sent.clone()))?;
+        registry.register(Box::new(m.journal_writes.clone()))?;
+        registry.register(Box::new(m.journal_restored.clone()))?;
         registry.register(Box::new(m.markers_received.clone()))?;
         registry.register(Box::new(m.markers_rejected.clone()))?;
         registry.register(Box::new(m.streams_active.clone()))?;
@@ -143,6 +160,54 @@ impl AgentState {
                 .map(|p| (p.pid, p.used_bytes))
                 .collect();
             tracker.set_gpu_processes(&gpu.uuid, &procs);
+        }
+    }
+
+    /// Restores ranks from the journal file, if there is one. A journal that
+    /// cannot be read is moved aside (`.corrupt`) and logged; the agent
+    /// starts empty rather than not at all.
+    pub fn restore_journal(&self, path: &Path) {
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot read the journal; starting without it");
+                return;
+            }
+        };
+        match serde_json::from_str::<Journal>(&text) {
+            Ok(journal) => {
+                let n = self.tracker().restore(journal, monotonic_ns());
+                self.ingest.journal_restored.inc_by(n as u64);
+                tracing::info!(path = %path.display(), ranks = n, "restored step history from the journal");
+            }
+            Err(e) => {
+                let aside = path.with_extension("corrupt");
+                let _ = std::fs::rename(path, &aside);
+                tracing::warn!(path = %path.display(), moved_to = %aside.display(), error = %e, "the journal is unreadable; starting without it");
+            }
+        }
+    }
+
+    /// Writes the journal atomically: a temporary file, fsync, rename.
+    pub fn write_journal(&self, path: &Path, keep_steps: usize) {
+        let journal = self.tracker().journal(keep_steps);
+        let result = (|| -> std::io::Result<()> {
+            let tmp = path.with_extension("tmp");
+            let mut file = std::fs::File::create(&tmp)?;
+            serde_json::to_writer(std::io::BufWriter::new(&mut file), &journal)?;
+            file.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        match result {
+            Ok(()) => self.ingest.journal_writes.with_label_values(&["ok"]).inc(),
+            Err(e) => {
+                self.ingest
+                    .journal_writes
+                    .with_label_values(&["error"])
+                    .inc();
+                tracing::warn!(path = %path.display(), error = %e, "cannot write the journal");
+            }
         }
     }
 

@@ -5,12 +5,12 @@
 //! when an advisory is due is part of the model (pure and testable); sending
 //! it is the ingest adapter's job.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::predict::Prediction;
 
 /// What an advisory is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AdvisoryKind {
     /// The predicted steady-state peak does not fit on the GPU.
@@ -20,7 +20,7 @@ pub enum AdvisoryKind {
 }
 
 /// One advisory, as issued.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Advisory {
     /// Decides the wording and whether it is already issued (one per kind).
     pub kind: AdvisoryKind,

@@ -1,6 +1,6 @@
 //! Who a rank is, and the optional model facts it reports.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::HelloError;
 
@@ -11,7 +11,7 @@ pub const MAX_IDENTIFIER_BYTES: usize = 128;
 pub const MAX_WORLD_SIZE: u32 = 65_536;
 
 /// Key of one rank of one job; the unit the agent tracks.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RankKey {
     /// Job id shared by all ranks of one run.
     pub job: String,
@@ -20,7 +20,7 @@ pub struct RankKey {
 }
 
 /// The optimizer family, which decides how much state step 1 creates.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OptimizerKind {
     /// Not reported; state size then comes from `state_bytes_per_parameter` or
@@ -38,7 +38,7 @@ pub enum OptimizerKind {
 }
 
 /// Numeric precision of training.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Precision {
     /// Not reported; the predictor assumes 4-byte gradients.
@@ -55,7 +55,7 @@ pub enum Precision {
 }
 
 /// Optional facts about the model and optimizer; every field may be absent.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelFacts {
     /// Trainable parameters held by this rank; sizes state and gradients when
     /// they cannot be measured.
@@ -82,7 +82,7 @@ pub struct ModelFacts {
 }
 
 /// Everything a rank says about itself in its hello.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankInfo {
     /// Job id shared by all ranks of one run; half of the [`RankKey`].
     pub job: String,

@@ -35,4 +35,4 @@ pub use profile::{
     phase_allocator_peaks, PhaseProfile, SteadyPhaseProfile, SteadyProfile, StepProfile,
 };
 pub use timeline::{PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord};
-pub use tracker::{GpuSample, OpenError, RankState, Tracker, TrackerConfig};
+pub use tracker::{GpuSample, Journal, OpenError, RankState, Tracker, TrackerConfig};

@@ -1,10 +1,10 @@
 //! Markers (phase events from a training rank) and the phases they bound.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The event a marker records. The order of the variants is the order in
 /// which they occur within one step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum MarkerKind {
     /// A step starts; opens the prologue.
@@ -53,7 +53,7 @@ impl MarkerKind {
 
 /// A phase is the interval between two consecutive markers of one step,
 /// named after the marker that opens it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PhaseKind {
     /// Step begin to the first forward: data loading, zero_grad.
@@ -91,7 +91,7 @@ impl PhaseKind {
 }
 
 /// Figures from `torch.cuda.memory_stats()` carried by a marker.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AllocatorStats {
     /// `allocated_bytes.all.current`: bytes live in tensors now.
     pub allocated_bytes: u64,
@@ -113,7 +113,7 @@ pub struct AllocatorStats {
 }
 
 /// One phase event of one rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Marker {
     /// Which event this is; decides the phase it opens or closes.
     pub kind: MarkerKind,

@@ -86,7 +86,7 @@
 use std::borrow::Cow;
 use std::fmt::Write as _;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::identity::{ModelFacts, OptimizerKind, Precision};
 use crate::marker::PhaseKind;
@@ -95,7 +95,7 @@ use crate::timeline::{PhaseRecord, SampleEdges, SampleStats, StepOutcome, StepRe
 use crate::tracker::GpuSample;
 
 /// Tunables of the prediction.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PredictConfig {
     /// `low_headroom` below this fraction of capacity.
     pub low_headroom_fraction: f64,
@@ -127,7 +127,7 @@ pub const DEFAULT_LAYOUT_ALLOWANCE_FRACTION: f64 = 0.0625;
 
 /// NVML samples of the phase that is still open, which the tracker has not
 /// credited yet (see [`crate::Tracker::samples_since`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LiveStep {
     /// Stats of the uncredited samples, as if credited to the open phase.
     pub nvml: SampleStats,
@@ -148,7 +148,7 @@ impl LiveStep {
 }
 
 /// Which figures the prediction was computed from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PredictionBasis {
     /// Allocator figures from the markers, scaled to device bytes.
@@ -158,7 +158,7 @@ pub enum PredictionBasis {
 }
 
 /// Where the optimizer-state figure came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StateSource {
     /// The jump across step 1's optimizer phase.
@@ -178,7 +178,7 @@ pub enum StateSource {
 }
 
 /// Where the persistent-gradient figure came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum GradsSource {
     /// Gradients are set to None between steps (or unknown: PyTorch's default).
@@ -192,7 +192,7 @@ pub enum GradsSource {
 }
 
 /// The term of the max that set the prediction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BindingTerm {
     /// First micro-batch peak + state + grads: step 2's first forward on top of
@@ -207,7 +207,7 @@ pub enum BindingTerm {
 }
 
 /// Every figure the prediction used, so a user can see why.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PredictionInputs {
     /// Whether figures are allocator bytes or NVML device bytes; every
     /// "basis units" field below is in this unit.
@@ -285,7 +285,7 @@ pub struct PredictionInputs {
 }
 
 /// The predicted steady-state peak and headroom.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
     /// Device used bytes NVML will show at the steady-state peak, other
     /// processes included.

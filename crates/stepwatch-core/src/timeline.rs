@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::error::{kind_name, MarkerError};
 use crate::marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
@@ -13,7 +13,7 @@ pub const MAX_PHASES_PER_STEP: usize = 4096;
 
 /// Memory seen by NVML during one phase, from the GPU samples whose
 /// timestamps fall inside it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SampleStats {
     /// Number of samples; 0 means the phase was too short to be seen.
     pub samples: u64,
@@ -41,7 +41,7 @@ impl SampleStats {
 /// by bytes so the result never depends on arrival order). They give the
 /// memory level at the phase's boundaries, which the per-phase peak and mean
 /// cannot.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SampleEdges {
     /// `(monotonic_ns, used_bytes)` of the earliest sample.
     pub first: Option<(u64, u64)>,
@@ -73,7 +73,7 @@ impl SampleEdges {
 }
 
 /// One phase of one step.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PhaseRecord {
     /// Which phase this is.
     pub phase: PhaseKind,
@@ -120,7 +120,7 @@ impl PhaseRecord {
 }
 
 /// How a step ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum StepOutcome {
     /// The step has begun and not ended yet.
@@ -134,7 +134,7 @@ pub enum StepOutcome {
 }
 
 /// One optimizer step of one rank.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
     /// Optimizer step number, from 1.
     pub step: u64,
@@ -213,7 +213,7 @@ fn may_follow(prev: MarkerKind, next: MarkerKind) -> bool {
 
 /// A rank's bounded step history. Step 1 (the first step seen) is always
 /// kept, because the first-step analysis compares everything against it.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RankTimeline {
     steps: VecDeque<StepRecord>,
     #[serde(skip)]
@@ -224,6 +224,24 @@ pub struct RankTimeline {
 }
 
 impl RankTimeline {
+    /// A copy holding step 1 and the latest `keep_last` steps (what the
+    /// journal stores, to bound its size), with counters unchanged.
+    pub fn trimmed(&self, keep_last: usize) -> Self {
+        let mut copy = self.clone();
+        while copy.steps.len() > keep_last + 1 {
+            copy.steps.remove(1);
+        }
+        copy
+    }
+
+    /// Re-applies the retention bound after a restore (it is not journaled).
+    pub(crate) fn set_max_retained_steps(&mut self, max_retained_steps: usize) {
+        self.max_retained_steps = max_retained_steps.max(2);
+        while self.steps.len() > self.max_retained_steps {
+            self.steps.remove(1);
+        }
+    }
+
     /// An empty timeline that keeps at most `max_retained_steps` steps.
     pub fn new(max_retained_steps: usize) -> Self {
         Self {

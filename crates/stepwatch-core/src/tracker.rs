@@ -9,7 +9,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::advisory::{self, Advisory};
 use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
@@ -25,7 +25,7 @@ use crate::timeline::{PhaseRecord, RankTimeline, StepOutcome};
 pub const MAX_PROCESSES_PER_GPU: usize = 1024;
 
 /// One reading of one GPU's device memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuSample {
     /// CLOCK_MONOTONIC ns when the reading was taken.
     pub monotonic_ns: u64,
@@ -72,7 +72,7 @@ pub enum OpenError {
 }
 
 /// A tracked rank: what it said about itself and what it did.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RankState {
     /// What the rank said about itself in its hello.
     pub info: RankInfo,
@@ -87,6 +87,22 @@ pub struct RankState {
     /// The prediction as it stood just before the second step began: what
     /// the step-2 warning was based on, kept to measure how good it was.
     pub prediction_before_step2: Option<Prediction>,
+}
+
+/// What survives an agent restart: every rank's identity, timeline (step 1
+/// and the latest steps), advisories and frozen prediction. GPU samples are
+/// not kept; the phases they were credited to keep their statistics.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Journal {
+    /// Format version; a journal of another version is not restored.
+    pub version: u32,
+    /// The ranks, as they stood when the journal was written.
+    pub ranks: Vec<RankState>,
+}
+
+impl Journal {
+    /// The format this build writes and reads.
+    pub const VERSION: u32 = 1;
 }
 
 /// All ranks and GPUs on this node.
@@ -279,6 +295,48 @@ impl Tracker {
             },
         );
         Ok(key)
+    }
+
+    /// A journal of every rank, with at most `keep_last` steps after step 1
+    /// per rank.
+    pub fn journal(&self, keep_last: usize) -> Journal {
+        Journal {
+            version: Journal::VERSION,
+            ranks: self
+                .ranks
+                .values()
+                .map(|r| RankState {
+                    timeline: r.timeline.trimmed(keep_last),
+                    ..r.clone()
+                })
+                .collect(),
+        }
+    }
+
+    /// Restores ranks from a journal written by an earlier agent. Restored
+    /// ranks count as disconnected since `now_ns`, so they are evicted after
+    /// the retention window unless their process reconnects (its hello
+    /// resumes the timeline). Ranks already tracked, or beyond the rank
+    /// limit, are skipped. Returns how many were restored.
+    pub fn restore(&mut self, journal: Journal, now_ns: u64) -> usize {
+        if journal.version != Journal::VERSION {
+            return 0;
+        }
+        let mut restored = 0;
+        for mut state in journal.ranks {
+            let key = state.info.key();
+            if self.ranks.contains_key(&key) || self.ranks.len() >= self.config.max_ranks {
+                continue;
+            }
+            state.connected_streams = 0;
+            state.last_activity_ns = now_ns;
+            state
+                .timeline
+                .set_max_retained_steps(self.config.max_retained_steps);
+            self.ranks.insert(key, state);
+            restored += 1;
+        }
+        restored
     }
 
     /// Marks one stream of the rank closed.
