@@ -20,6 +20,8 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+// Parsed once at start-up; boxing the large variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     /// Run the per-node agent (one per GPU node, e.g. as a DaemonSet).
     Agent(stepwatch_agent::AgentConfig),
