@@ -79,6 +79,43 @@ fn make_certs(dir: &Path) {
         "-extfile",
         "san.ext",
     ]);
+    // A client certificate for mutual TLS.
+    run(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        "client.key",
+        "-out",
+        "client.csr",
+        "-subj",
+        "/CN=trainer",
+    ]);
+    std::fs::write(
+        dir.join("client.ext"),
+        "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "client.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "client.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "client.ext",
+    ]);
 }
 
 fn hello(job: &str) -> Hello {
@@ -161,7 +198,7 @@ fn tcp_ingest_with_tls_accepts_trusting_clients_only() {
 }
 
 #[test]
-fn mutual_tls_refuses_a_client_without_a_certificate() {
+fn mutual_tls_admits_only_clients_with_a_signed_certificate() {
     let certs = TempDir::new("mtls");
     make_certs(&certs.0);
     let grpc = free_port();
@@ -203,6 +240,22 @@ fn mutual_tls_refuses_a_client_without_a_certificate() {
         None
     );
     assert!(!client.connected());
+
+    // A client with a certificate the CA signed gets in.
+    let mut options = ClientOptions::new(
+        format!("https://127.0.0.1:{}", grpc.port()),
+        hello("signed"),
+    );
+    options.tls_ca_pem = Some(std::fs::read(&ca).unwrap());
+    options.tls_identity_pem = Some((
+        std::fs::read(certs.0.join("client.pem")).unwrap(),
+        std::fs::read(certs.0.join("client.key")).unwrap(),
+    ));
+    let signed = Client::start(options);
+    one_step(&signed);
+    agent.wait_metrics("the signed client's step", Duration::from_secs(15), |m| {
+        m.get("stepwatch_rank_steps_completed_total", &[("job", "signed")]) == Some(1.0)
+    });
 }
 
 #[test]

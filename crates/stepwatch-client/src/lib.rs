@@ -47,6 +47,9 @@ pub struct ClientOptions {
     pub on_advisory: Option<AdvisoryCallback>,
     /// PEM CA bundle to verify an `https://` endpoint (the agent's TCP ingest with TLS).
     pub tls_ca_pem: Option<Vec<u8>>,
+    /// PEM certificate and key this client presents when the agent requires
+    /// mutual TLS (`--grpc-tls-client-ca`).
+    pub tls_identity_pem: Option<(Vec<u8>, Vec<u8>)>,
 }
 
 impl ClientOptions {
@@ -60,6 +63,7 @@ impl ClientOptions {
             reconnect_max: Duration::from_secs(5),
             on_advisory: None,
             tls_ca_pem: None,
+            tls_identity_pem: None,
         }
     }
 }
@@ -279,14 +283,18 @@ async fn session(
     shared: &Shared,
 ) -> Session {
     let endpoint_config =
-        tonic::transport::Endpoint::from_shared(endpoint.to_string()).and_then(|e| match &options
-            .tls_ca_pem
-        {
-            Some(pem) => e.tls_config(
-                tonic::transport::ClientTlsConfig::new()
-                    .ca_certificate(tonic::transport::Certificate::from_pem(pem)),
-            ),
-            None => Ok(e),
+        tonic::transport::Endpoint::from_shared(endpoint.to_string()).and_then(|e| {
+            if options.tls_ca_pem.is_none() && options.tls_identity_pem.is_none() {
+                return Ok(e);
+            }
+            let mut tls = tonic::transport::ClientTlsConfig::new();
+            if let Some(pem) = &options.tls_ca_pem {
+                tls = tls.ca_certificate(tonic::transport::Certificate::from_pem(pem));
+            }
+            if let Some((cert, key)) = &options.tls_identity_pem {
+                tls = tls.identity(tonic::transport::Identity::from_pem(cert, key));
+            }
+            e.tls_config(tls)
         });
     let channel = match endpoint_config {
         Ok(e) => match e.connect_timeout(Duration::from_secs(2)).connect().await {
