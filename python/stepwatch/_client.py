@@ -20,6 +20,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+from ._tls import TlsMaterial
+
 log = logging.getLogger("stepwatch")
 
 # Marker kinds, as in stepwatch.v1.MarkerKind.
@@ -132,8 +134,20 @@ class Client:
         backoff_max: Optional[float] = None,
         flush_interval: Optional[float] = None,
         rank_for_logs: Optional[int] = None,
+        tls: Optional[TlsMaterial] = None,
     ) -> None:
         self.target = target
+        # None: plaintext. Otherwise the PEM files, read once by the caller; when
+        # they could not be read (tls.error) the client never connects, as if no
+        # agent answered.
+        self.tls = tls
+        if tls is not None and tls.error is not None:
+            log.error(
+                "stepwatch: TLS for %s is unusable: %s; markers will not reach the agent "
+                "(training goes on)",
+                target,
+                tls.error,
+            )
         self.hello_factory = hello_factory
         self.maxlen = queue_size or _env_int("STEPWATCH_QUEUE_SIZE", 16384)
         self.on_advisory = on_advisory
@@ -229,6 +243,7 @@ class Client:
         s["queued"] = len(self._q)
         s["connected"] = self._connected
         s["endpoint"] = self.target
+        s["tls"] = self.tls is not None
         return s
 
     def last_prediction(self) -> Optional[Prediction]:
@@ -295,6 +310,29 @@ class Client:
 
         from ._proto.stepwatch.v1 import ingest_pb2_grpc
 
+        credentials = None
+        tls = self.tls
+        if tls is not None:
+            if tls.error is not None:
+                # Logged when the client was made; behave as with an absent agent.
+                self.counters["connect_failures"] += 1
+                self._agent_absent = True
+                if self.strict:
+                    self._strict_error = StepwatchError(f"TLS is unusable: {tls.error}")
+                return
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=tls.root_certificates,
+                private_key=tls.private_key,
+                certificate_chain=tls.certificate_chain,
+            )
+        over = " over TLS" if tls is not None else ""
+        # Shown in the "no agent" warning: a failed handshake looks the same.
+        absent_hint = (
+            " (or the TLS handshake failed: check the agent's TLS port, the CA and, "
+            "for mutual TLS, the client certificate)"
+            if tls is not None
+            else ""
+        )
         backoff = self.backoff_initial
         first = True
         while not self._closed.is_set():
@@ -309,7 +347,10 @@ class Client:
                 # :authority; the agent's HTTP/2 stack (hyper) resets such
                 # streams with PROTOCOL_ERROR.
                 options.append(("grpc.default_authority", "localhost"))
-            channel = grpc.insecure_channel(self.target, options=options)
+            if credentials is not None:
+                channel = grpc.secure_channel(self.target, credentials, options=options)
+            else:
+                channel = grpc.insecure_channel(self.target, options=options)
             self._channel = channel
             healthy = False
             try:
@@ -320,14 +361,16 @@ class Client:
                     self._agent_absent = True
                     self._warn(
                         "absent",
-                        "stepwatch: no agent at %s; training goes on, markers are kept "
-                        "(up to %d) and then dropped; retrying",
+                        "stepwatch: no agent at %s%s%s; training goes on, markers are "
+                        "kept (up to %d) and then dropped; retrying",
                         self.target,
+                        over,
+                        absent_hint,
                         self.maxlen,
                     )
                     continue
                 if self._agent_absent:
-                    log.info("stepwatch: connected to the agent at %s", self.target)
+                    log.info("stepwatch: connected to the agent at %s%s", self.target, over)
                 self._agent_absent = False
                 if self._closed.is_set():
                     break

@@ -136,10 +136,11 @@ def resolve_identity(
 
 
 def endpoint_target(endpoint: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> str:
-    """Turn STEPWATCH_ENDPOINT (``unix:///path`` or ``host:port``) into a gRPC target."""
+    """Turn STEPWATCH_ENDPOINT (``unix:///path``, ``host:port``, ``https://host:port``)
+    into a gRPC target (whether to use TLS is decided by ``_tls.resolve_tls``)."""
     env = os.environ if env is None else env
     ep = (endpoint or env.get("STEPWATCH_ENDPOINT") or DEFAULT_ENDPOINT).strip()
-    for prefix in ("tcp://", "http://", "grpc://"):
+    for prefix in ("tcp://", "http://", "https://", "grpc://"):
         if ep.startswith(prefix):
             return ep[len(prefix) :]
     if ep.startswith("/"):

@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 from . import _torch
 from ._client import Client, Prediction, StepwatchError
 from ._identity import Identity, endpoint_target, resolve_identity
+from ._tls import load_tls, resolve_tls
 from ._tracker import StepTracker
 
 log = logging.getLogger("stepwatch")
@@ -30,6 +31,8 @@ class _Runtime:
         self.identity_overrides: Dict[str, Any] = {}
         self.identity: Optional[Identity] = None
         self.endpoint: Optional[str] = None
+        # tls_ca= / tls_cert= / tls_key= given to watch() or configure().
+        self.tls_paths: Dict[str, str] = {}
         self.on_advisory: Optional[Callable[[Prediction], None]] = None
         self.strict = False
         self.queue_size: Optional[int] = None
@@ -62,6 +65,9 @@ class _Runtime:
         framework: Optional[str] = None,
         framework_version: Optional[str] = None,
         allocator_stats: Optional[bool] = None,
+        tls_ca: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
     ) -> Client:
         with self.lock:
             overrides = dict(
@@ -87,25 +93,35 @@ class _Runtime:
                 self.framework_version = framework_version
             if allocator_stats is not None:
                 self.allocator_stats = allocator_stats
+            paths = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+            self.tls_paths.update({k: str(v) for k, v in paths.items() if v is not None})
             target = endpoint_target(endpoint or self.endpoint)
+            tls_settings = resolve_tls(endpoint or self.endpoint, **self.tls_paths)
             if endpoint is not None:
                 self.endpoint = endpoint
             c = self.client
-            if c is not None and c.target != target:
+            if c is not None and (
+                c.target != target
+                or (c.tls.settings if c.tls is not None else None) != tls_settings
+            ):
                 c.close(timeout=0.2)
                 c = None
             if c is None:
+                # The certificate files are read here, once per client.
                 c = Client(
                     target,
                     self.hello,
                     queue_size=self.queue_size,
                     on_advisory=self._advisory,
                     strict=self.strict,
+                    tls=load_tls(tls_settings) if tls_settings is not None else None,
                 )
                 self.client = c
             else:
                 c.strict = self.strict
             c.rank_for_logs = self.get_identity().rank
+            if self.strict and c.tls is not None and c.tls.error is not None:
+                raise StepwatchError(f"TLS for {target} is unusable: {c.tls.error}")
             return c
 
     def get_client(self) -> Client:
@@ -317,6 +333,9 @@ def watch(
     framework: str = "pytorch",
     framework_version: Optional[str] = None,
     connect_timeout: Optional[float] = None,
+    tls_ca: Optional[str] = None,
+    tls_cert: Optional[str] = None,
+    tls_key: Optional[str] = None,
 ) -> WatchHandle:
     """Hook a PyTorch model (and its optimizer) so every training step is reported.
 
@@ -334,6 +353,14 @@ def watch(
     With ``strict=True`` the agent must answer within ``connect_timeout``
     seconds (else :class:`StepwatchError`), and marking errors and agent
     rejections are raised into training instead of being counted.
+
+    TLS (TCP endpoints): ``endpoint="https://host:port"``, or a ``host:port``
+    endpoint with a CA. ``tls_ca`` is the PEM CA bundle that signed the agent's
+    certificate (default ``$STEPWATCH_TLS_CA``; without one, the system roots);
+    ``tls_cert``/``tls_key`` are this client's PEM certificate chain and key
+    for mutual TLS (default ``$STEPWATCH_TLS_CERT``/``$STEPWATCH_TLS_KEY``).
+    The files are read once, here; one that cannot be read is logged and the
+    client then behaves as with an unreachable agent (``strict=True``: raised).
     """
     torch = _torch.require_torch()
     with RT.lock:
@@ -361,6 +388,9 @@ def watch(
             framework=framework,
             framework_version=framework_version or torch.__version__,
             allocator_stats=allocator_stats,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
         )
     handle = WatchHandle()
     handle._handles += _torch.install_module_hooks(RT, model)
@@ -464,6 +494,7 @@ def stats() -> Dict[str, Any]:
             "queued": 0,
             "connected": False,
             "endpoint": endpoint_target(RT.endpoint),
+            "tls": resolve_tls(RT.endpoint, **RT.tls_paths) is not None,
         }
     return c.stats()
 
@@ -497,6 +528,7 @@ def reset() -> None:
         RT.identity_overrides = {}
         RT.identity = None
         RT.endpoint = None
+        RT.tls_paths = {}
         RT.on_advisory = None
         RT.strict = False
         RT.queue_size = None

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import Sequence
 
 import pytest
 
@@ -57,8 +58,11 @@ def _free_port() -> int:
 
 
 class _Agent:
-    def __init__(self, binary: Path, sock_dir: str, tmp_path: Path) -> None:
+    def __init__(
+        self, binary: Path, sock_dir: str, tmp_path: Path, extra_args: Sequence[str] = ()
+    ) -> None:
         self.binary = binary
+        self.extra_args = list(extra_args)
         self.socket = os.path.join(sock_dir, "stepwatch.sock")
         self.port = _free_port()
         self.log = tmp_path / "agent.log"
@@ -74,6 +78,7 @@ class _Agent:
             f"127.0.0.1:{self.port}",
             "--nvml-lib",
             "/nonexistent",
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
         deadline = time.monotonic() + 20
