@@ -326,10 +326,6 @@ pub fn promtool_check_metrics(text: &str) {
     );
 }
 
-pub fn exists(p: &Path) -> bool {
-    p.exists()
-}
-
 /// A real Prometheus server (Debian package `prometheus`) on a temp TSDB,
 /// listening on 127.0.0.1; killed on drop.
 pub struct Prometheus {

@@ -1,6 +1,6 @@
 //! State shared by the agent's servers and tasks.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
@@ -94,7 +94,6 @@ pub struct AgentState {
     pub ingest: IngestMetrics,
     pub node: String,
     pub ingest_listening: AtomicBool,
-    pub samples_attributed: AtomicU64,
 }
 
 impl AgentState {
@@ -113,7 +112,6 @@ impl AgentState {
             ingest,
             node,
             ingest_listening: AtomicBool::new(false),
-            samples_attributed: AtomicU64::new(0),
         }))
     }
 
@@ -143,8 +141,6 @@ impl AgentState {
                 })
                 .collect();
             tracker.gpu_samples(&uuid, &converted);
-            self.samples_attributed
-                .fetch_add(converted.len() as u64, Ordering::Relaxed);
         }
     }
 
