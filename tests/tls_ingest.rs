@@ -12,110 +12,20 @@ use common::*;
 use stepwatch_client::{Client, ClientOptions};
 use stepwatch_proto::v1::{Hello, Identity, MarkerKind};
 
-/// A CA and a server certificate for 127.0.0.1 signed by it, via the openssl CLI.
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, made by
+/// tests/make-test-certs.sh (shared with the Python TLS tests).
 fn make_certs(dir: &Path) {
-    let run = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .expect("openssl is installed");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    };
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=stepwatch test CA",
-    ]);
-    run(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-        "-subj",
-        "/CN=localhost",
-    ]);
-    std::fs::write(
-        dir.join("san.ext"),
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n",
-    )
-    .unwrap();
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "server.pem",
-        "-days",
-        "1",
-        "-extfile",
-        "san.ext",
-    ]);
-    // A client certificate for mutual TLS.
-    run(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        "client.key",
-        "-out",
-        "client.csr",
-        "-subj",
-        "/CN=trainer",
-    ]);
-    std::fs::write(
-        dir.join("client.ext"),
-        "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
-    )
-    .unwrap();
-    run(&[
-        "x509",
-        "-req",
-        "-in",
-        "client.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "client.pem",
-        "-days",
-        "1",
-        "-extfile",
-        "client.ext",
-    ]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/make-test-certs.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .arg(dir)
+        .output()
+        .expect("run make-test-certs.sh");
+    assert!(
+        out.status.success(),
+        "make-test-certs.sh (needs the openssl CLI): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn hello(job: &str) -> Hello {

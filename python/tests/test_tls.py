@@ -78,79 +78,17 @@ def test_unix_endpoint_ignores_tls_variables(agent, monkeypatch):
 # ------------------------------------------------------- against the real agent
 
 
-def _openssl(cwd: Path, *args: str) -> None:
-    out = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True)
-    assert out.returncode == 0, f"openssl {args}: {out.stderr.decode(errors='replace')}"
-
-
-def _ec_csr(cwd: Path, name: str, cn: str) -> None:
-    _openssl(
-        cwd,
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.csr",
-        "-subj",
-        f"/CN={cn}",
-    )
-
-
-def _sign(cwd: Path, name: str, ext: str) -> None:
-    (cwd / f"{name}.ext").write_text(ext)
-    _openssl(
-        cwd,
-        "x509",
-        "-req",
-        "-in",
-        f"{name}.csr",
-        "-CA",
-        "ca.pem",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        f"{name}.pem",
-        "-days",
-        "1",
-        "-extfile",
-        f"{name}.ext",
-    )
+# Shared with the Rust TLS tests (tests/tls_ingest.rs).
+_MAKE_CERTS = Path(__file__).resolve().parents[2] / "tests" / "make-test-certs.sh"
 
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
     """ca.pem/ca.key, server.pem/.key (127.0.0.1, localhost), client.pem/.key."""
     if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is needed to make test certificates")
+        pytest.fail("the openssl CLI makes the test certificates (scripts/test installs it)")
     d = tmp_path_factory.mktemp("certs")
-    _openssl(
-        d,
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=stepwatch test CA",
-    )
-    _ec_csr(d, "server", "localhost")
-    _sign(d, "server", "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n")
-    _ec_csr(d, "client", "stepwatch-test-client")
-    _sign(d, "client", "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n")
+    subprocess.run(["bash", str(_MAKE_CERTS), str(d)], check=True, capture_output=True)
     return d
 
 
