@@ -418,7 +418,7 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         "1 for a rank whose first-step peak deviates from the job's median on this node beyond the threshold.",
     );
     let mut last_job: Option<&str> = None;
-    for (key, _) in tracker.ranks() {
+    for (key, rank) in tracker.ranks() {
         let rank_label = key.rank.to_string();
         let labels = [("job", key.job.as_str()), ("rank", rank_label.as_str())];
         if last_job != Some(key.job.as_str()) {
@@ -464,10 +464,7 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         if let Some(steady) = &a.steady {
             if let Some(p) = steady.nvml_peak_bytes {
                 steady_peak.add(&labels, p as f64);
-                let frozen = tracker
-                    .rank(key)
-                    .and_then(|r| r.prediction_before_step2.as_ref());
-                if let (Some(frozen), true) = (frozen, p > 0) {
+                if let (Some(frozen), true) = (&rank.prediction_before_step2, p > 0) {
                     error.add(
                         &labels,
                         (frozen.predicted_peak_bytes as f64 - p as f64) / p as f64,

@@ -167,12 +167,7 @@ async fn receive_markers(
                 }
             }
         }
-        // During step 1, bring the freshest samples in first: the step-2
-        // prediction and its advisory are decided on this batch.
-        if state.in_first_step(key) {
-            state.attribute_samples();
-        }
-        let applied = state.tracker().markers(key, &markers, monotonic_ns());
+        let applied = state.apply_markers(key, &markers);
         match applied {
             Ok(advisories) => {
                 state.ingest.markers_received.inc_by(n);

@@ -120,28 +120,32 @@ impl AgentState {
         self.tracker.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Moves fresh GPU samples from the sampler into the tracker. Samples
-    /// of GPUs no rank runs on are dropped: no phase can ever claim them.
+    /// Moves fresh GPU samples from the sampler into the tracker.
     pub fn attribute_samples(&self) {
         let drained = self.sampler.drain_samples();
-        if drained.is_empty() {
-            return;
+        if !drained.is_empty() {
+            feed_samples(&mut self.tracker(), drained);
         }
+    }
+
+    /// Applies a rank's marker batch under one tracker lock and returns the
+    /// advisories it made due. During step 1 the freshest samples go in
+    /// first, because the step-2 prediction is decided on this batch.
+    pub fn apply_markers(
+        &self,
+        key: &RankKey,
+        markers: &[stepwatch_core::Marker],
+    ) -> Result<Vec<stepwatch_core::Advisory>, stepwatch_core::MarkerError> {
         let mut tracker = self.tracker();
-        for (uuid, samples) in drained {
-            if !tracker.ranks().any(|(_, r)| r.info.gpu_uuid == uuid) {
-                continue;
-            }
-            let converted: Vec<stepwatch_core::GpuSample> = samples
-                .iter()
-                .map(|s| stepwatch_core::GpuSample {
-                    monotonic_ns: s.monotonic_ns,
-                    used_bytes: s.used_bytes,
-                    total_bytes: s.total_bytes,
-                })
-                .collect();
-            tracker.gpu_samples(&uuid, &converted);
+        let in_first_step = tracker
+            .rank(key)
+            .is_some_and(|r| r.timeline.steps().len() <= 1);
+        if in_first_step {
+            // Lock order is always tracker, then sampler (drain_samples
+            // takes the sampler lock alone elsewhere).
+            feed_samples(&mut tracker, self.sampler.drain_samples());
         }
+        tracker.markers(key, markers, monotonic_ns())
     }
 
     /// Feeds the sampler's latest process lists to the tracker, for the
@@ -206,12 +210,22 @@ impl AgentState {
             }
         }
     }
+}
 
-    /// Whether the rank has not gone past its first step (when step-2
-    /// predictions and advisories are made).
-    pub fn in_first_step(&self, key: &RankKey) -> bool {
-        self.tracker()
-            .rank(key)
-            .is_some_and(|r| r.timeline.steps().len() <= 1)
+/// Samples of GPUs no rank runs on are dropped: no phase can ever claim them.
+fn feed_samples(tracker: &mut Tracker, drained: Vec<(String, Vec<stepwatch_gpu::Sample>)>) {
+    for (uuid, samples) in drained {
+        if !tracker.ranks().any(|(_, r)| r.info.gpu_uuid == uuid) {
+            continue;
+        }
+        let converted: Vec<stepwatch_core::GpuSample> = samples
+            .iter()
+            .map(|s| stepwatch_core::GpuSample {
+                monotonic_ns: s.monotonic_ns,
+                used_bytes: s.used_bytes,
+                total_bytes: s.total_bytes,
+            })
+            .collect();
+        tracker.gpu_samples(&uuid, &converted);
     }
 }
