@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Series per node: 8 fake GPUs and one 8-rank job (the zero-sharded-8
+# scenario, 12 steps), then counts the series on /metrics.
+#
+#   bench/series-budget.sh            # BIN=path skips the build
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${BIN:-}" ]; then
+  cargo build --locked -p stepwatch >/dev/null 2>&1 || cargo build --locked -p stepwatch
+  BIN=target/debug/stepwatch
+fi
+DIR="$(mktemp -d)"
+trap 'kill "$PID" 2>/dev/null || true; rm -rf "$DIR"' EXIT
+"$BIN" fake-gpu --dir "$DIR" init --gpus 8 >/dev/null
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+STEPWATCH_FAKE_NVML_DIR="$DIR" "$BIN" agent --socket "$DIR/s.sock" --http-listen "127.0.0.1:$PORT" \
+  --nvml-lib "$("$BIN" fake-gpu --dir "$DIR" lib-path)" 2>"$DIR/agent.log" &
+PID=$!
+for _ in $(seq 100); do curl -sf "127.0.0.1:$PORT/readyz" >/dev/null && break; sleep 0.1; done
+for r in 0 1 2 3 4 5 6 7; do
+  "$BIN" sim --scenario zero-sharded-8 --rank "$r" --steps 12 --speed 4 \
+    --endpoint "unix://$DIR/s.sock" --fake-nvml-dir "$DIR" >/dev/null 2>&1 &
+done
+wait $(jobs -p | grep -v "^$PID$") 2>/dev/null || true
+sleep 1
+curl -s "127.0.0.1:$PORT/metrics" > "$DIR/metrics.txt"
+echo "series on one node (8 GPUs, one 8-rank job): $(grep -vc '^#' "$DIR/metrics.txt")"
+m="$DIR/metrics.txt"
+per_rank=$(grep -v '^#' "$m" | grep -c 'rank="' || true)
+per_gpu=$(grep -v '^#' "$m" | grep -v 'rank="' | grep -c 'gpu="' || true)
+per_job=$(grep -v '^#' "$m" | grep -v 'rank="' | grep -v 'gpu="' | grep -c 'job="' || true)
+echo "  with a rank label: $per_rank ($((per_rank / 8)) per rank); with a gpu label: $per_gpu ($((per_gpu / 8)) per GPU); per job: $per_job; the rest: $(( $(grep -vc '^#' "$m") - per_rank - per_gpu - per_job ))"
+echo "largest families:"
+grep -v '^#' "$DIR/metrics.txt" | sed 's/[{ ].*//' | sort | uniq -c | sort -rn | head -5
