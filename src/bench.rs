@@ -55,6 +55,10 @@ pub struct AccuracyArgs {
     pub max_median_error: f64,
     #[arg(long, default_value_t = 5.0)]
     pub max_error: f64,
+    /// Simulated clients send no step-1 allocator trace: measures the
+    /// prediction from markers alone.
+    #[arg(long)]
+    pub no_allocator_trace: bool,
 }
 
 /// One rank of one scenario, measured.
@@ -320,14 +324,14 @@ fn accuracy(args: AccuracyArgs) -> anyhow::Result<()> {
     for group in &groups {
         let names: Vec<&str> = group.iter().map(|s| s.name.as_str()).collect();
         eprintln!("bench: running {} at capacity ...", names.join(" + "));
-        let real = run_group(group, 1.0, args.speed)?;
+        let real = run_group(group, 1.0, args.speed, !args.no_allocator_trace)?;
         let needs_unbounded = real.iter().any(|r| r.died_in_step.is_some());
         let unbounded = if needs_unbounded {
             eprintln!(
                 "bench: running {} on 2x capacity to measure the steady peak OOM cut short",
                 names.join(" + ")
             );
-            Some(run_group(group, 2.0, args.speed)?)
+            Some(run_group(group, 2.0, args.speed, !args.no_allocator_trace)?)
         } else {
             None
         };
@@ -465,7 +469,12 @@ fn render(rows: &[Row]) -> String {
 
 /// Runs the scenarios of one group (one, or co-located ones sharing GPU 0)
 /// against a fresh agent with GPUs of `scale` × the scenario's capacity.
-fn run_group(group: &[Scenario], scale: f64, speed: f64) -> anyhow::Result<Vec<Row>> {
+fn run_group(
+    group: &[Scenario],
+    scale: f64,
+    speed: f64,
+    allocator_trace: bool,
+) -> anyhow::Result<Vec<Row>> {
     let exe = std::env::current_exe()?;
     let colocated = group.len() > 1;
     let gpu_count = if colocated {
@@ -492,7 +501,14 @@ fn run_group(group: &[Scenario], scale: f64, speed: f64) -> anyhow::Result<Vec<R
         }
         for rank in 0..scenario.ranks.count.max(1) {
             let gpu = if colocated { 0 } else { rank };
-            let child = spawn_sim(&exe, &scenario.name, rank, gpu, speed, &endpoint, &dir)?;
+            let spec = SimSpec {
+                scenario: &scenario.name,
+                rank,
+                gpu,
+                speed,
+                allocator_trace,
+            };
+            let child = spawn_sim(&exe, &spec, &endpoint, &dir)?;
             sims.push((scenario.name.clone(), rank, child));
         }
     }
@@ -559,29 +575,35 @@ fn run_group(group: &[Scenario], scale: f64, speed: f64) -> anyhow::Result<Vec<R
     Ok(rows)
 }
 
-fn spawn_sim(
-    exe: &Path,
-    scenario: &str,
+/// One `stepwatch sim` rank process.
+struct SimSpec<'a> {
+    scenario: &'a str,
     rank: u32,
     gpu: u32,
     speed: f64,
-    endpoint: &str,
-    dir: &Path,
-) -> anyhow::Result<Child> {
-    Ok(Command::new(exe)
-        .args(["sim", "--scenario", scenario])
+    allocator_trace: bool,
+}
+
+fn spawn_sim(exe: &Path, spec: &SimSpec, endpoint: &str, dir: &Path) -> anyhow::Result<Child> {
+    let mut command = Command::new(exe);
+    command
+        .args(["sim", "--scenario", spec.scenario])
         .args([
             "--rank",
-            &rank.to_string(),
+            &spec.rank.to_string(),
             "--gpu",
-            &gpu.to_string(),
+            &spec.gpu.to_string(),
             "--speed",
-            &speed.to_string(),
+            &spec.speed.to_string(),
         ])
         .arg("--endpoint")
         .arg(endpoint)
         .arg("--fake-nvml-dir")
-        .arg(dir)
+        .arg(dir);
+    if !spec.allocator_trace {
+        command.arg("--no-allocator-trace");
+    }
+    Ok(command
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?)

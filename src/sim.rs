@@ -7,7 +7,11 @@ use std::time::Duration;
 use anyhow::Context;
 use fake_nvml::{FakeNvml, GpuSpec};
 use stepwatch_client::{Client, ClientOptions, DEFAULT_ENDPOINT};
-use stepwatch_core::{Marker, MarkerKind, OptimizerKind, Precision};
+use stepwatch_core::allocator::{Pool, SegmentLayout};
+use stepwatch_core::{
+    AllocatorAction, AllocatorEvent, AllocatorTrace, Marker, MarkerKind, OptimizerKind, PhaseKind,
+    Precision,
+};
 use stepwatch_proto::v1 as pb;
 use stepwatch_sim::{RankSim, Scenario, Sink};
 
@@ -45,6 +49,10 @@ pub struct SimArgs {
     /// Index of the fake GPU this rank runs on (default: the rank, modulo the GPU count).
     #[arg(long)]
     pub gpu: Option<u32>,
+    /// Do not send step 1's allocator trace (as a client that cannot record
+    /// the allocator's history): the agent predicts from markers alone.
+    #[arg(long)]
+    pub no_allocator_trace: bool,
 }
 
 /// Writes the rank's memory into the fake NVML state under this PID, sends
@@ -72,6 +80,20 @@ impl Sink for LiveRank<'_> {
             self.oom_step = Some(m.step);
         }
         self.client.mark(proto_marker(&m));
+    }
+
+    fn allocator_trace(&mut self, trace: &AllocatorTrace) {
+        let chunks = stepwatch_proto::chunk_allocator_trace(
+            trace.step,
+            trace.segments.iter().map(proto_segment).collect(),
+            trace.events.iter().map(proto_event).collect(),
+        );
+        tracing::debug!(
+            events = trace.events.len(),
+            chunks = chunks.len(),
+            "sending step 1's allocator trace"
+        );
+        self.client.send_allocator_trace(chunks);
     }
 
     fn other_process_bytes(&mut self) -> Option<u64> {
@@ -132,6 +154,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         scenario.training.steps = steps;
     }
     let mut rank = RankSim::new(&scenario, args.rank)?;
+    rank.set_allocator_trace(!args.no_allocator_trace);
     let pid = std::process::id();
     let job = args.job.clone().unwrap_or_else(|| scenario.name.clone());
     let hello = pb::Hello {
@@ -180,8 +203,8 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn proto_marker(m: &Marker) -> pb::Marker {
-    let kind = match m.kind {
+fn proto_marker_kind(kind: MarkerKind) -> pb::MarkerKind {
+    match kind {
         MarkerKind::StepBegin => pb::MarkerKind::StepBegin,
         MarkerKind::ForwardBegin => pb::MarkerKind::ForwardBegin,
         MarkerKind::BackwardBegin => pb::MarkerKind::BackwardBegin,
@@ -189,9 +212,12 @@ fn proto_marker(m: &Marker) -> pb::Marker {
         MarkerKind::OptimizerEnd => pb::MarkerKind::OptimizerEnd,
         MarkerKind::StepEnd => pb::MarkerKind::StepEnd,
         MarkerKind::Oom => pb::MarkerKind::Oom,
-    };
+    }
+}
+
+fn proto_marker(m: &Marker) -> pb::Marker {
     pb::Marker {
-        kind: kind as i32,
+        kind: proto_marker_kind(m.kind) as i32,
         step: m.step,
         monotonic_ns: m.monotonic_ns,
         wall_ns: m.wall_ns,
@@ -205,6 +231,40 @@ fn proto_marker(m: &Marker) -> pb::Marker {
             active_peak_bytes: a.active_peak_bytes,
             num_alloc_retries: a.num_alloc_retries,
         }),
+    }
+}
+
+fn proto_segment(s: &SegmentLayout) -> pb::AllocatorSegment {
+    pb::AllocatorSegment {
+        address: s.address,
+        small_pool: s.pool == Pool::Small,
+        blocks: s
+            .blocks
+            .iter()
+            .map(|b| pb::AllocatorBlock {
+                size: b.size,
+                allocated: b.allocated,
+            })
+            .collect(),
+    }
+}
+
+fn proto_event(e: &AllocatorEvent) -> pb::AllocatorEvent {
+    let opened_by = match e.phase {
+        PhaseKind::Prologue => MarkerKind::StepBegin,
+        PhaseKind::Forward => MarkerKind::ForwardBegin,
+        PhaseKind::Backward => MarkerKind::BackwardBegin,
+        PhaseKind::Optimizer => MarkerKind::OptimizerBegin,
+        PhaseKind::Epilogue => MarkerKind::OptimizerEnd,
+    };
+    pb::AllocatorEvent {
+        action: match e.action {
+            AllocatorAction::Alloc => pb::AllocatorAction::Alloc,
+            AllocatorAction::Free => pb::AllocatorAction::Free,
+        } as i32,
+        address: e.address,
+        size: e.size,
+        phase: proto_marker_kind(opened_by) as i32,
     }
 }
 

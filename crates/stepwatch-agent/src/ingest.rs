@@ -8,9 +8,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
+use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
+use stepwatch_core::replay::{MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_core::{
-    Advisory, AdvisoryKind, AllocatorStats, Marker, MarkerKind, ModelFacts, OpenError,
-    OptimizerKind, Precision, RankInfo, RankKey,
+    replay_step2, Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats,
+    AllocatorTrace, Marker, MarkerKind, ModelFacts, OpenError, OptimizerKind, Precision, RankInfo,
+    RankKey,
 };
 use stepwatch_proto::clock::monotonic_ns;
 use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
@@ -112,7 +115,8 @@ async fn serve_stream(
         }
     };
     tracing::info!(job = %key.job, rank = key.rank, pid = info.pid, gpu = %info.gpu_uuid, "rank connected");
-    let result = receive_markers(state, &key, &mut inbound, max_rate, tx).await;
+    let grads_persistent = info.model.grads_set_to_none == Some(false);
+    let result = receive_markers(state, &key, grads_persistent, &mut inbound, max_rate, tx).await;
     state.tracker().close(&key, monotonic_ns());
     tracing::info!(job = %key.job, rank = key.rank, "rank disconnected");
     result
@@ -121,15 +125,29 @@ async fn serve_stream(
 async fn receive_markers(
     state: &AgentState,
     key: &RankKey,
+    grads_persistent: bool,
     inbound: &mut Streaming<pb::ClientMessage>,
     max_rate: f64,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
     let mut bucket = TokenBucket::new(max_rate);
     let mut markers = Vec::new();
+    let mut trace = TraceAssembly::default();
     while let Some(message) = inbound.message().await? {
         let batch = match message.kind {
             Some(Kind::Markers(batch)) => batch,
+            Some(Kind::AllocatorTrace(chunk)) => {
+                if let Some(complete) = trace
+                    .add(chunk)
+                    .inspect_err(|(reason, _)| {
+                        state.ingest.reject(reason, 1);
+                    })
+                    .map_err(|(_, status)| status)?
+                {
+                    replay_trace(state, key, grads_persistent, complete, tx).await?;
+                }
+                continue;
+            }
             Some(Kind::Hello(_)) => {
                 state.ingest.reject("duplicate_hello", 1);
                 return Err(Status::failed_precondition(
@@ -171,16 +189,7 @@ async fn receive_markers(
         match applied {
             Ok(advisories) => {
                 state.ingest.markers_received.inc_by(n);
-                for advisory in advisories {
-                    tracing::warn!(job = %key.job, rank = key.rank, step = advisory.step, "{}", advisory.message);
-                    state
-                        .ingest
-                        .advisories_sent
-                        .with_label_values(&[advisory_kind(advisory.kind).as_str_name()])
-                        .inc();
-                    // Never wait on a slow client; the metric carries the news too.
-                    let _ = tx.try_send(Ok(agent_message(&advisory)));
-                }
+                send_advisories(state, key, advisories, tx);
             }
             Err(e) => {
                 state.ingest.reject(e.reason(), n);
@@ -189,6 +198,175 @@ async fn receive_markers(
                     key.job, key.rank
                 )));
             }
+        }
+    }
+    Ok(())
+}
+
+fn send_advisories(
+    state: &AgentState,
+    key: &RankKey,
+    advisories: Vec<Advisory>,
+    tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
+) {
+    for advisory in advisories {
+        tracing::warn!(job = %key.job, rank = key.rank, step = advisory.step, "{}", advisory.message);
+        state
+            .ingest
+            .advisories_sent
+            .with_label_values(&[advisory_kind(advisory.kind).as_str_name()])
+            .inc();
+        // Never wait on a slow client; the metric carries the news too.
+        let _ = tx.try_send(Ok(agent_message(&advisory)));
+    }
+}
+
+/// A refusal: the `stepwatch_markers_rejected_total` reason and the status.
+type Refusal = (&'static str, Status);
+
+/// Chunks of one stream's allocator trace, gathered until the last.
+#[derive(Default)]
+struct TraceAssembly {
+    trace: AllocatorTrace,
+    blocks: usize,
+    complete: bool,
+}
+
+impl TraceAssembly {
+    /// Adds a chunk; returns the trace once its last chunk is in.
+    fn add(&mut self, chunk: pb::AllocatorTraceChunk) -> Result<Option<AllocatorTrace>, Refusal> {
+        if self.complete {
+            return Err((
+                "duplicate_allocator_trace",
+                Status::failed_precondition("an allocator trace may be sent once per stream"),
+            ));
+        }
+        if chunk.step != 1 {
+            return Err((
+                "allocator_trace_not_step_one",
+                Status::invalid_argument(format!(
+                    "an allocator trace must come from step 1, not step {}",
+                    chunk.step
+                )),
+            ));
+        }
+        self.trace.step = 1;
+        self.blocks += chunk.segments.iter().map(|s| s.blocks.len()).sum::<usize>();
+        if self.blocks > MAX_TRACE_BLOCKS
+            || self.trace.events.len() + chunk.events.len() > MAX_TRACE_EVENTS
+        {
+            return Err((
+                "allocator_trace_too_large",
+                Status::resource_exhausted(format!(
+                    "an allocator trace may hold at most {MAX_TRACE_EVENTS} events and \
+                     {MAX_TRACE_BLOCKS} blocks"
+                )),
+            ));
+        }
+        for s in chunk.segments {
+            self.trace.segments.push(SegmentLayout {
+                address: s.address,
+                pool: if s.small_pool {
+                    Pool::Small
+                } else {
+                    Pool::Large
+                },
+                blocks: s
+                    .blocks
+                    .into_iter()
+                    .map(|b| BlockLayout {
+                        size: b.size,
+                        allocated: b.allocated,
+                    })
+                    .collect(),
+            });
+        }
+        for (i, e) in chunk.events.into_iter().enumerate() {
+            let action = match pb::AllocatorAction::try_from(e.action) {
+                Ok(pb::AllocatorAction::Alloc) => AllocatorAction::Alloc,
+                Ok(pb::AllocatorAction::Free) => AllocatorAction::Free,
+                _ => {
+                    return Err((
+                        "allocator_trace_bad_event",
+                        Status::invalid_argument(format!(
+                            "allocator trace event {} has an unspecified or unknown action",
+                            self.trace.events.len() + i
+                        )),
+                    ))
+                }
+            };
+            let phase = pb::MarkerKind::try_from(e.phase)
+                .ok()
+                .and_then(|k| marker_kind(k)?.opens())
+                .ok_or_else(|| {
+                    (
+                        "allocator_trace_bad_event",
+                        Status::invalid_argument(format!(
+                            "allocator trace event {} names no phase (STEP_BEGIN, FORWARD_BEGIN, \
+                             BACKWARD_BEGIN, OPTIMIZER_BEGIN or OPTIMIZER_END)",
+                            self.trace.events.len() + i
+                        )),
+                    )
+                })?;
+            self.trace.events.push(AllocatorEvent {
+                action,
+                address: e.address,
+                size: e.size,
+                phase,
+            });
+        }
+        if !chunk.last {
+            return Ok(None);
+        }
+        self.complete = true;
+        Ok(Some(std::mem::take(&mut self.trace)))
+    }
+}
+
+/// Replays a complete trace off the async threads and hands the result to
+/// the tracker. A trace that arrives after step 2 began is counted, not refused.
+async fn replay_trace(
+    state: &AgentState,
+    key: &RankKey,
+    grads_persistent: bool,
+    trace: AllocatorTrace,
+    tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
+) -> Result<(), Status> {
+    let events = trace.events.len();
+    let replayed = tokio::task::spawn_blocking(move || replay_step2(&trace, grads_persistent))
+        .await
+        .map_err(|e| Status::internal(format!("allocator trace replay failed: {e}")))?;
+    let replay = replayed.map_err(|e| {
+        state.ingest.reject("allocator_trace_invalid", 1);
+        Status::invalid_argument(format!(
+            "allocator trace for job {} rank {}: {e}",
+            key.job, key.rank
+        ))
+    })?;
+    match state.apply_allocator_replay(key, replay) {
+        Some(advisories) => {
+            state
+                .ingest
+                .allocator_traces
+                .with_label_values(&["replayed"])
+                .inc();
+            tracing::info!(
+                job = %key.job,
+                rank = key.rank,
+                events,
+                new_segment_bytes = replay.new_segment_bytes,
+                reserved_peak_bytes = replay.reserved_peak_bytes,
+                "step 2 replayed from the step-1 allocator trace"
+            );
+            send_advisories(state, key, advisories, tx);
+        }
+        None => {
+            state
+                .ingest
+                .allocator_traces
+                .with_label_values(&["late"])
+                .inc();
+            tracing::info!(job = %key.job, rank = key.rank, "allocator trace arrived after step 2 began; ignored");
         }
     }
     Ok(())
@@ -290,8 +468,8 @@ fn rank_info(hello: pb::Hello, peer_pid: Option<u32>) -> RankInfo {
     }
 }
 
-fn marker(m: pb::Marker) -> Option<Marker> {
-    let kind = match pb::MarkerKind::try_from(m.kind).ok()? {
+fn marker_kind(kind: pb::MarkerKind) -> Option<MarkerKind> {
+    Some(match kind {
         pb::MarkerKind::Unspecified => return None,
         pb::MarkerKind::StepBegin => MarkerKind::StepBegin,
         pb::MarkerKind::ForwardBegin => MarkerKind::ForwardBegin,
@@ -300,7 +478,11 @@ fn marker(m: pb::Marker) -> Option<Marker> {
         pb::MarkerKind::OptimizerEnd => MarkerKind::OptimizerEnd,
         pb::MarkerKind::StepEnd => MarkerKind::StepEnd,
         pb::MarkerKind::Oom => MarkerKind::Oom,
-    };
+    })
+}
+
+fn marker(m: pb::Marker) -> Option<Marker> {
+    let kind = marker_kind(pb::MarkerKind::try_from(m.kind).ok()?)?;
     Some(Marker {
         kind,
         step: m.step,

@@ -20,6 +20,7 @@ pub struct IngestMetrics {
     pub advisories_sent: IntCounterVec,
     pub journal_writes: IntCounterVec,
     pub journal_restored: IntCounter,
+    pub allocator_traces: IntCounterVec,
 }
 
 impl IngestMetrics {
@@ -59,6 +60,13 @@ impl IngestMetrics {
                 "stepwatch_journal_restored_ranks_total",
                 "Ranks restored from the journal at start.",
             )?,
+            allocator_traces: IntCounterVec::new(
+                Opts::new(
+                    "stepwatch_allocator_traces_total",
+                    "Step-1 allocator traces received, by result: replayed (the step-2 prediction uses it), late (step 2 had begun; ignored). Refused traces count in stepwatch_markers_rejected_total.",
+                ),
+                &["result"],
+            )?,
             advisories_sent: IntCounterVec::new(
                 Opts::new(
                     "stepwatch_advisories_sent_total",
@@ -68,6 +76,7 @@ impl IngestMetrics {
             )?,
         };
         registry.register(Box::new(m.advisories_sent.clone()))?;
+        registry.register(Box::new(m.allocator_traces.clone()))?;
         registry.register(Box::new(m.journal_writes.clone()))?;
         registry.register(Box::new(m.journal_restored.clone()))?;
         registry.register(Box::new(m.markers_received.clone()))?;
@@ -146,6 +155,18 @@ impl AgentState {
             feed_samples(&mut tracker, self.sampler.drain_samples());
         }
         tracker.markers(key, markers, monotonic_ns())
+    }
+
+    /// Hands a rank's step-2 replay to the tracker and returns the
+    /// advisories it made due; None when step 2 had already begun.
+    pub fn apply_allocator_replay(
+        &self,
+        key: &RankKey,
+        replay: stepwatch_core::Step2Replay,
+    ) -> Option<Vec<stepwatch_core::Advisory>> {
+        let mut tracker = self.tracker();
+        feed_samples(&mut tracker, self.sampler.drain_samples());
+        tracker.allocator_replay(key, replay, monotonic_ns())
     }
 
     /// Feeds the sampler's latest process lists to the tracker, for the

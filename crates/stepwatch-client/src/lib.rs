@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 pub use stepwatch_proto::clock::{monotonic_ns, wall_ns};
 use stepwatch_proto::v1::{
-    agent_message, client_message, ingest_client::IngestClient, Advisory, ClientMessage, Hello,
-    Marker, MarkerBatch, MarkerKind,
+    agent_message, client_message, ingest_client::IngestClient, Advisory, AllocatorTraceChunk,
+    ClientMessage, Hello, Marker, MarkerBatch, MarkerKind,
 };
 use stepwatch_proto::MAX_MARKERS_PER_BATCH;
 use tokio::sync::mpsc;
@@ -83,6 +83,18 @@ pub struct ClientStats {
     pub rejected_streams: u64,
     /// Advisories received from the agent.
     pub advisories: u64,
+    /// Allocator traces handed to the stream in full.
+    pub traces_sent: u64,
+    /// Allocator traces dropped: queue full, or the stream ended mid-trace
+    /// (a trace is never resent on a new stream).
+    pub traces_dropped: u64,
+}
+
+/// What the queue carries: a marker, or a whole allocator trace, which goes
+/// out on one stream, in order with the markers around it.
+enum Outgoing {
+    Marker(Marker),
+    Trace(Vec<AllocatorTraceChunk>),
 }
 
 #[derive(Default)]
@@ -93,13 +105,17 @@ struct Shared {
     reconnects: AtomicU64,
     rejected_streams: AtomicU64,
     advisories: AtomicU64,
+    traces_sent: AtomicU64,
+    traces_dropped: AtomicU64,
+    /// Traces queued and not yet sent or dropped, for `flush`.
+    traces_in_queue: AtomicU64,
     connected: AtomicBool,
     last_advisory: Mutex<Option<Advisory>>,
 }
 
 /// A connection to the agent for one rank.
 pub struct Client {
-    queue: Option<mpsc::Sender<Marker>>,
+    queue: Option<mpsc::Sender<Outgoing>>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
@@ -134,7 +150,7 @@ impl Client {
         let Some(queue) = &self.queue else {
             return false;
         };
-        match queue.try_send(marker) {
+        match queue.try_send(Outgoing::Marker(marker)) {
             Ok(()) => {
                 self.shared.enqueued.fetch_add(1, Ordering::Relaxed);
                 true
@@ -144,6 +160,24 @@ impl Client {
                 false
             }
         }
+    }
+
+    /// Queues step 1's allocator trace, as made by
+    /// [`stepwatch_proto::chunk_allocator_trace`], to go out after the
+    /// markers queued before it; call it after step 1's optimizer-end marker.
+    /// Never blocks; returns false when it was dropped (queue full). A trace
+    /// is sent whole on one stream or not at all.
+    pub fn send_allocator_trace(&self, chunks: Vec<AllocatorTraceChunk>) -> bool {
+        let queued = self
+            .queue
+            .as_ref()
+            .is_some_and(|q| q.try_send(Outgoing::Trace(chunks)).is_ok());
+        if queued {
+            self.shared.traces_in_queue.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.shared.traces_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        queued
     }
 
     /// Queues a marker of `kind` for `step`, stamped now.
@@ -168,6 +202,8 @@ impl Client {
             reconnects: s.reconnects.load(Ordering::Relaxed),
             rejected_streams: s.rejected_streams.load(Ordering::Relaxed),
             advisories: s.advisories.load(Ordering::Relaxed),
+            traces_sent: s.traces_sent.load(Ordering::Relaxed),
+            traces_dropped: s.traces_dropped.load(Ordering::Relaxed),
         }
     }
 
@@ -185,13 +221,13 @@ impl Client {
             .clone()
     }
 
-    /// Waits up to `timeout` for every queued marker to be handed to the
-    /// stream; returns whether it got there.
+    /// Waits up to `timeout` for every queued marker (and trace) to be
+    /// handed to the stream; returns whether it got there.
     pub fn flush(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
             let s = self.stats();
-            if s.sent >= s.enqueued {
+            if s.sent >= s.enqueued && self.shared.traces_in_queue.load(Ordering::Relaxed) == 0 {
                 return true;
             }
             if Instant::now() >= deadline {
@@ -228,11 +264,11 @@ pub fn normalize_endpoint(endpoint: &str) -> String {
     }
 }
 
-async fn sender(options: ClientOptions, mut queue: mpsc::Receiver<Marker>, shared: Arc<Shared>) {
+async fn sender(options: ClientOptions, mut queue: mpsc::Receiver<Outgoing>, shared: Arc<Shared>) {
     let endpoint = normalize_endpoint(&options.endpoint);
     let mut backoff = options.reconnect_min;
     let mut attempts = 0u64;
-    let mut pending: Vec<Marker> = Vec::new();
+    let mut pending = Pending::default();
     loop {
         attempts += 1;
         if attempts > 1 {
@@ -248,24 +284,61 @@ async fn sender(options: ClientOptions, mut queue: mpsc::Receiver<Marker>, share
             }
         }
         // Wait out the backoff, but leave at once if the user closed the client
-        // and nothing is left to send.
+        // and nothing is left to send. A trace stops the intake until it is
+        // sent, so that it keeps its place among the markers.
         let sleep = tokio::time::sleep(backoff);
         tokio::pin!(sleep);
         loop {
             tokio::select! {
                 _ = &mut sleep => break,
-                m = queue.recv(), if pending.len() < MAX_MARKERS_PER_BATCH => match m {
-                    Some(m) => pending.push(m),
+                m = queue.recv(), if pending.accepts() => match m {
+                    Some(item) => pending.push(item),
                     // Closed while the agent is away: close() already waited
                     // its flush timeout, so what is left is dropped, counted.
                     None => {
-                        shared.dropped.fetch_add(pending.len() as u64, Ordering::Relaxed);
+                        shared.dropped.fetch_add(pending.markers.len() as u64, Ordering::Relaxed);
+                        if pending.trace.take().is_some() {
+                            shared.trace_done(false);
+                        }
                         return;
                     }
                 },
             }
         }
         backoff = (backoff * 2).min(options.reconnect_max);
+    }
+}
+
+/// Taken off the queue, not yet handed to a stream.
+#[derive(Default)]
+struct Pending {
+    markers: Vec<Marker>,
+    /// Goes out after `markers`.
+    trace: Option<Vec<AllocatorTraceChunk>>,
+}
+
+impl Pending {
+    /// Whether to take more from the queue: not past a trace, nor a full batch.
+    fn accepts(&self) -> bool {
+        self.trace.is_none() && self.markers.len() < MAX_MARKERS_PER_BATCH
+    }
+
+    fn push(&mut self, item: Outgoing) {
+        match item {
+            Outgoing::Marker(m) => self.markers.push(m),
+            Outgoing::Trace(t) => self.trace = Some(t),
+        }
+    }
+}
+
+impl Shared {
+    fn trace_done(&self, sent: bool) {
+        self.traces_in_queue.fetch_sub(1, Ordering::Relaxed);
+        if sent {
+            self.traces_sent.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.traces_dropped.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -278,8 +351,8 @@ enum Session {
 async fn session(
     endpoint: &str,
     options: &ClientOptions,
-    queue: &mut mpsc::Receiver<Marker>,
-    pending: &mut Vec<Marker>,
+    queue: &mut mpsc::Receiver<Outgoing>,
+    pending: &mut Pending,
     shared: &Shared,
 ) -> Session {
     let endpoint_config =
@@ -316,11 +389,11 @@ async fn session(
     shared.connected.store(true, Ordering::Relaxed);
     let mut out = Some(out);
     loop {
-        if let (Some(sink), false) = (&out, pending.is_empty()) {
-            let n = pending.len() as u64;
+        if let (Some(sink), false) = (&out, pending.markers.is_empty()) {
+            let n = pending.markers.len() as u64;
             let batch = ClientMessage {
                 kind: Some(client_message::Kind::Markers(MarkerBatch {
-                    markers: std::mem::take(pending),
+                    markers: std::mem::take(&mut pending.markers),
                 })),
             };
             if sink.send(batch).await.is_err() {
@@ -328,13 +401,28 @@ async fn session(
             }
             shared.sent.fetch_add(n, Ordering::Relaxed);
         }
+        if let Some(sink) = &out {
+            if let Some(chunks) = pending.trace.take() {
+                for chunk in chunks {
+                    let message = ClientMessage {
+                        kind: Some(client_message::Kind::AllocatorTrace(chunk)),
+                    };
+                    if sink.send(message).await.is_err() {
+                        // Never resent: a new stream would get it without its start.
+                        shared.trace_done(false);
+                        return Session::Ended;
+                    }
+                }
+                shared.trace_done(true);
+            }
+        }
         tokio::select! {
             m = queue.recv(), if out.is_some() => match m {
-                Some(m) => {
-                    pending.push(m);
-                    while pending.len() < MAX_MARKERS_PER_BATCH {
+                Some(item) => {
+                    pending.push(item);
+                    while pending.accepts() {
                         match queue.try_recv() {
-                            Ok(m) => pending.push(m),
+                            Ok(item) => pending.push(item),
                             Err(_) => break,
                         }
                     }

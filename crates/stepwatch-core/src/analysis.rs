@@ -36,6 +36,7 @@ use crate::predict::{
     jump_across, predict_with, LiveStep, PredictConfig, Prediction, PredictionBasis,
 };
 use crate::profile::{phase_allocator_peaks, SteadyProfile, StepProfile};
+use crate::replay::Step2Replay;
 use crate::timeline::{RankTimeline, StepOutcome, StepRecord};
 use crate::tracker::GpuSample;
 
@@ -147,18 +148,27 @@ pub struct RankAnalysis {
     pub other_process_bytes: u64,
 }
 
-/// Analyses one rank. `live` holds the samples of step 1's open phase when
-/// step 1 is still running; `samples` are the GPU's samples from step 1 on
+/// What the prediction can use of step 1 beyond the rank's timeline.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepOneExtras<'a> {
+    /// Samples of step 1's open phase while step 1 is still running.
+    pub live: Option<&'a LiveStep>,
+    /// Step 2 replayed from the allocator trace the client sent.
+    pub replay: Option<&'a Step2Replay>,
+}
+
+/// Analyses one rank. `samples` are the GPU's samples from step 1 on
 /// (time-ordered), for the activation plateau.
 pub fn analyze_rank<'a>(
     timeline: &RankTimeline,
     facts: &ModelFacts,
     capacity_bytes: u64,
     other_process_bytes: u64,
-    live: Option<&LiveStep>,
+    extras: StepOneExtras<'_>,
     samples: impl IntoIterator<Item = &'a GpuSample>,
     config: &AnalysisConfig,
 ) -> RankAnalysis {
+    let StepOneExtras { live, replay } = extras;
     let first = timeline.steps().next();
     let later: Vec<&StepRecord> = timeline
         .steps()
@@ -226,6 +236,7 @@ pub fn analyze_rank<'a>(
             capacity_bytes,
             other_process_bytes,
             live,
+            replay,
             &config.predict,
         )
     });

@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 pub mod advisory;
+pub mod allocator;
 pub mod analysis;
 pub mod divergence;
 pub mod error;
@@ -15,13 +16,14 @@ pub mod identity;
 pub mod marker;
 pub mod predict;
 pub mod profile;
+pub mod replay;
 pub mod timeline;
 pub mod tracker;
 
 pub use advisory::{Advisory, AdvisoryKind};
 pub use analysis::{
     activation_plateau, analyze_rank, steady_state, ActivationPlateau, AnalysisConfig,
-    FirstStepAnomaly, RankAnalysis, SteadyState,
+    FirstStepAnomaly, RankAnalysis, SteadyState, StepOneExtras,
 };
 pub use divergence::{divergence, Divergence, Outlier, PeakSource, RankFigures, Spread};
 pub use error::{HelloError, MarkerError};
@@ -33,6 +35,9 @@ pub use predict::{
 };
 pub use profile::{
     phase_allocator_peaks, PhaseProfile, SteadyPhaseProfile, SteadyProfile, StepProfile,
+};
+pub use replay::{
+    replay_step2, AllocatorAction, AllocatorEvent, AllocatorTrace, Step2Replay, TraceError,
 };
 pub use timeline::{PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord};
 pub use tracker::{GpuSample, Journal, OpenError, RankState, Tracker, TrackerConfig};

@@ -91,6 +91,7 @@ use serde::{Deserialize, Serialize};
 use crate::identity::{ModelFacts, OptimizerKind, Precision};
 use crate::marker::PhaseKind;
 use crate::profile::{max_opt, phase_allocator_peaks};
+use crate::replay::Step2Replay;
 use crate::timeline::{PhaseRecord, SampleEdges, SampleStats, StepOutcome, StepRecord};
 use crate::tracker::GpuSample;
 
@@ -155,6 +156,10 @@ pub enum PredictionBasis {
     Allocator,
     /// Device-used NVML samples alone.
     NvmlOnly,
+    /// Allocator figures, with the reserved peak from replaying step 1's
+    /// allocator trace (see [`crate::replay`]) instead of the ratio and the
+    /// layout allowance.
+    AllocatorReplay,
 }
 
 /// Where the optimizer-state figure came from.
@@ -274,6 +279,9 @@ pub struct PredictionInputs {
     pub layout_allowance_bytes: u64,
     /// Predicted reserved (caching pool) bytes at the peak; allocator basis only.
     pub predicted_reserved_bytes: Option<u64>,
+    /// The replay of step 2 from step 1's allocator trace, when the client
+    /// sent one; it sets the reserved figure.
+    pub allocator_replay: Option<Step2Replay>,
     /// NVML minus reserved (includes other processes); None when unmeasured.
     pub overhead_bytes: Option<u64>,
     /// Highest NVML sample of step 1, bytes; a floor for the device prediction.
@@ -321,6 +329,7 @@ pub fn predict(
         capacity_bytes,
         other_process_bytes,
         live,
+        None,
         &PredictConfig::default(),
     )
 }
@@ -336,7 +345,8 @@ pub fn default_state_bytes_per_parameter(kind: OptimizerKind) -> Option<u32> {
 }
 
 /// Predicts the steady-state peak from step 1 (complete or running; `live`
-/// holds the samples of its open phase). None when step 1 has no
+/// holds the samples of its open phase; `replay` is step 2 replayed from the
+/// client's allocator trace, when it sent one). None when step 1 has no
 /// forward/backward phase with a figure yet.
 pub fn predict_with(
     step1: &StepRecord,
@@ -344,6 +354,7 @@ pub fn predict_with(
     capacity_bytes: u64,
     other_process_bytes: u64,
     live: Option<&LiveStep>,
+    replay: Option<&Step2Replay>,
     config: &PredictConfig,
 ) -> Option<Prediction> {
     let step = with_live(step1, live);
@@ -370,7 +381,7 @@ pub fn predict_with(
         return None;
     };
     let figure = |p: &PhaseRecord| match basis {
-        PredictionBasis::Allocator => alloc(p),
+        PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => alloc(p),
         PredictionBasis::NvmlOnly => nvml(p),
     };
     let max_where = |keep: &dyn Fn(usize, &PhaseRecord) -> bool| {
@@ -424,7 +435,7 @@ pub fn predict_with(
             _ if jump_u >= config.zero_jump_bytes => (jump_u, StateSource::MeasuredJump),
             PredictionBasis::NvmlOnly if stateful == Some(false) => (0, StateSource::Stateless),
             PredictionBasis::NvmlOnly => (jump_u, StateSource::MeasuredJump),
-            PredictionBasis::Allocator => match stateful {
+            PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => match stateful {
                 Some(true) => (0, StateSource::DetectedPrecreated),
                 Some(false) => (0, StateSource::Stateless),
                 None => (0, StateSource::NoJump),
@@ -505,7 +516,7 @@ pub fn predict_with(
     let mut predicted_reserved = None;
     let mut overhead = None;
     let cache_at_opt = match basis {
-        PredictionBasis::Allocator => opt_idx
+        PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => opt_idx
             .first()
             .and_then(|&i| phases[i].allocator_at_start)
             .map(|a| a.reserved_bytes.saturating_sub(a.allocated_bytes)),
@@ -515,11 +526,15 @@ pub fn predict_with(
         state_source,
         StateSource::MeasuredJump | StateSource::ModelFacts
     );
-    let state_from_cache = if basis == PredictionBasis::Allocator && lazily_created {
-        cache_at_opt.map_or(state, |c| state.min(c))
-    } else {
-        0
-    };
+    // A replay needs allocator figures to sit on (the overhead is NVML minus
+    // reserved at phase starts).
+    let replay = replay.filter(|_| basis == PredictionBasis::Allocator);
+    let state_from_cache =
+        if basis == PredictionBasis::Allocator && lazily_created && replay.is_none() {
+            cache_at_opt.map_or(state, |c| state.min(c))
+        } else {
+            0
+        };
     let allowance = (state_from_cache as f64 * config.layout_allowance_fraction.max(0.0)).round();
     let allowance = if allowance.is_finite() {
         allowance.min(u64::MAX as f64) as u64
@@ -528,7 +543,7 @@ pub fn predict_with(
     };
     let (device, rank_peak) = match basis {
         PredictionBasis::NvmlOnly => (basis_peak, basis_peak.saturating_sub(other_process_bytes)),
-        PredictionBasis::Allocator => {
+        PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => {
             let res_peak = phases
                 .iter()
                 .filter_map(|p| phase_allocator_peaks(p).map(|(_, r)| r))
@@ -537,9 +552,11 @@ pub fn predict_with(
                 Some(r) if step1_peak > 0 => (r as f64 / step1_peak as f64).max(1.0),
                 _ => 1.0,
             };
-            let reserved = ((basis_peak as f64 * ratio).ceil() as u64)
-                .saturating_add(allowance)
-                .max(res_peak.unwrap_or(0));
+            let reserved = match replay {
+                Some(r) => r.reserved_peak_bytes,
+                None => ((basis_peak as f64 * ratio).ceil() as u64).saturating_add(allowance),
+            }
+            .max(res_peak.unwrap_or(0));
             let oh = phases
                 .iter()
                 .filter_map(|p| {
@@ -574,7 +591,11 @@ pub fn predict_with(
         headroom.is_some_and(|h| (h as f64) < config.low_headroom_fraction * capacity_bytes as f64);
 
     let inputs = PredictionInputs {
-        basis,
+        basis: if replay.is_some() {
+            PredictionBasis::AllocatorReplay
+        } else {
+            basis
+        },
         step: step.step,
         step_outcome: step.outcome,
         open_phase: phases
@@ -603,12 +624,13 @@ pub fn predict_with(
         cache_at_optimizer_begin_bytes: cache_at_opt,
         state_from_cache_bytes: state_from_cache,
         layout_allowance_fraction: config.layout_allowance_fraction,
-        layout_allowance_bytes: if basis == PredictionBasis::Allocator {
+        layout_allowance_bytes: if basis == PredictionBasis::Allocator && replay.is_none() {
             allowance
         } else {
             0
         },
         predicted_reserved_bytes: predicted_reserved,
+        allocator_replay: replay.copied(),
         overhead_bytes: overhead,
         step1_nvml_peak_bytes: step1_nvml_peak,
         capacity_bytes,
@@ -647,7 +669,7 @@ fn with_live<'a>(step: &'a StepRecord, live: Option<&LiveStep>) -> Cow<'a, StepR
 pub(crate) fn jump_across(phases: &[PhaseRecord], i: usize, basis: PredictionBasis) -> Option<i64> {
     let p = &phases[i];
     let (before, after) = match basis {
-        PredictionBasis::Allocator => (
+        PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => (
             p.allocator_at_start?.allocated_bytes,
             p.allocator_at_end?.allocated_bytes,
         ),
@@ -674,7 +696,7 @@ fn sat_i64(v: i128) -> i64 {
 
 fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
     let unit = match i.basis {
-        PredictionBasis::Allocator => "allocated",
+        PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => "allocated",
         PredictionBasis::NvmlOnly => "device",
     };
     let mut s = format!(
@@ -693,12 +715,29 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
         i.step1_peak_bytes, i.basis_peak_bytes, i.binding
     );
     if let (Some(ratio), Some(res)) = (i.reserved_ratio, i.predicted_reserved_bytes) {
-        let _ = write!(
-            s,
-            "; reserved = max(× {ratio:.4} + layout allowance {} ({} of state from cache {}), \
-             step-1 reserved peak) = {res}",
-            i.layout_allowance_bytes, i.layout_allowance_fraction, i.state_from_cache_bytes
-        );
+        match &i.allocator_replay {
+            Some(r) => {
+                let _ =
+                    write!(
+                    s,
+                    "; reserved = step 2 replayed from step 1's allocator trace: {} at step 1's \
+                     end + {} in new segments (state {} kept, grads {} {}) = {res}",
+                    r.reserved_at_step1_end_bytes,
+                    r.new_segment_bytes,
+                    r.state_bytes,
+                    r.grad_bytes,
+                    if r.grads_persistent { "kept" } else { "freed and made again" },
+                );
+            }
+            None => {
+                let _ = write!(
+                    s,
+                    "; reserved = max(× {ratio:.4} + layout allowance {} ({} of state from \
+                     cache {}), step-1 reserved peak) = {res}",
+                    i.layout_allowance_bytes, i.layout_allowance_fraction, i.state_from_cache_bytes
+                );
+            }
+        }
         match i.overhead_bytes {
             Some(oh) => {
                 let _ = write!(

@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::advisory::{self, Advisory};
+use crate::analysis::StepOneExtras;
 use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
@@ -19,6 +20,7 @@ use crate::identity::{RankInfo, RankKey};
 use crate::marker::Marker;
 use crate::predict::{LiveStep, Prediction};
 use crate::profile::StepProfile;
+use crate::replay::Step2Replay;
 use crate::timeline::{PhaseRecord, RankTimeline, StepOutcome};
 
 /// Most processes remembered per GPU (see [`Tracker::set_gpu_processes`]).
@@ -87,6 +89,9 @@ pub struct RankState {
     /// The prediction as it stood just before the second step began: what
     /// the step-2 warning was based on, kept to measure how good it was.
     pub prediction_before_step2: Option<Prediction>,
+    /// Step 2 replayed from the allocator trace the client sent during step 1.
+    #[serde(default)]
+    pub allocator_replay: Option<Step2Replay>,
 }
 
 /// What survives an agent restart: every rank's identity, timeline (step 1
@@ -189,7 +194,10 @@ impl Tracker {
             &state.info.model,
             self.latest_sample(gpu).map_or(0, |s| s.total_bytes),
             self.other_process_bytes(key),
-            live.as_ref(),
+            StepOneExtras {
+                live: live.as_ref(),
+                replay: state.allocator_replay.as_ref(),
+            },
             samples,
             &self.analysis,
         ))
@@ -274,6 +282,7 @@ impl Tracker {
                 state.timeline = RankTimeline::new(retained);
                 state.advisories.clear();
                 state.prediction_before_step2 = None;
+                state.allocator_replay = None;
             }
             state.info = info;
             state.connected_streams += 1;
@@ -292,6 +301,7 @@ impl Tracker {
                 last_activity_ns: now_ns,
                 advisories: Vec::new(),
                 prediction_before_step2: None,
+                allocator_replay: None,
             },
         );
         Ok(key)
@@ -389,6 +399,29 @@ impl Tracker {
         }
         self.apply_and_credit(key, &markers[at..]);
         Ok(advisories)
+    }
+
+    /// Takes step 2's replay from the rank's step-1 allocator trace (see
+    /// [`crate::replay`]; the caller runs the replay, outside any lock) and
+    /// returns the advisories that became due with it. None, and nothing
+    /// changes, when the rank is unknown or is no longer in its first step:
+    /// a replay only counts before step 2 begins.
+    pub fn allocator_replay(
+        &mut self,
+        key: &RankKey,
+        replay: Step2Replay,
+        now_ns: u64,
+    ) -> Option<Vec<Advisory>> {
+        let state = self.ranks.get_mut(key)?;
+        let in_step1 = state.prediction_before_step2.is_none()
+            && state.timeline.steps().len() == 1
+            && state.timeline.current().is_some_and(|s| s.step == 1);
+        if !in_step1 {
+            return None;
+        }
+        state.allocator_replay = Some(replay);
+        state.last_activity_ns = now_ns;
+        Some(self.advise(key, now_ns))
     }
 
     /// Applies an already checked batch and credits samples to the phases it closed.

@@ -17,6 +17,50 @@ pub const MAX_MARKERS_PER_BATCH: usize = 1024;
 /// Upper bound on one encoded message, client or agent side.
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 
+/// Splits an allocator trace into `AllocatorTraceChunk`s whose encoded
+/// `ClientMessage` stays within [`MAX_MESSAGE_BYTES`]: segments first, then
+/// events, in order, with `last` set on the final chunk (there is always at
+/// least one). A single segment too large for one message (over ~4000
+/// blocks) still goes alone in its chunk; the agent then rejects the trace.
+pub fn chunk_allocator_trace(
+    step: u64,
+    segments: Vec<v1::AllocatorSegment>,
+    events: Vec<v1::AllocatorEvent>,
+) -> Vec<v1::AllocatorTraceChunk> {
+    use prost::Message;
+    // Room for the oneof tag, the chunk's length prefix, step and last.
+    const BUDGET: usize = MAX_MESSAGE_BYTES - 64;
+    let framed = |len: usize| 1 + prost::length_delimiter_len(len) + len;
+    let new_chunk = || v1::AllocatorTraceChunk {
+        step,
+        ..Default::default()
+    };
+    let mut chunks = Vec::new();
+    let mut chunk = new_chunk();
+    let mut size = 0;
+    for s in segments {
+        let n = framed(s.encoded_len());
+        if size + n > BUDGET && size > 0 {
+            chunks.push(std::mem::replace(&mut chunk, new_chunk()));
+            size = 0;
+        }
+        size += n;
+        chunk.segments.push(s);
+    }
+    for e in events {
+        let n = framed(e.encoded_len());
+        if size + n > BUDGET && size > 0 {
+            chunks.push(std::mem::replace(&mut chunk, new_chunk()));
+            size = 0;
+        }
+        size += n;
+        chunk.events.push(e);
+    }
+    chunk.last = true;
+    chunks.push(chunk);
+    chunks
+}
+
 /// The two clocks every marker carries, read the way the contract defines them.
 pub mod clock {
     /// CLOCK_MONOTONIC in ns. The agent's GPU samples and the client's markers

@@ -1,8 +1,8 @@
 //! Does a `torch.cuda.memory_stats()` figure at step 1's optimizer boundaries
 //! explain step 2's extra reservation (allocator fragmentation)?
 //!
-//! For every rank the accuracy benchmark evaluates, prints what the
-//! prediction lacked before its layout allowance (`shortfall` = actual −
+//! For every rank the accuracy benchmark evaluates, prints what the markers-only
+//! prediction (no allocator trace) lacked before its layout allowance (`shortfall` = actual −
 //! predicted + allowance, device bytes) next to the candidates, computed in
 //! the allocator model exactly as PyTorch defines them: `inactive_split_bytes`
 //! / `inactive_split` (free blocks of split segments; large pool ≈ all here,
@@ -15,7 +15,7 @@
 //! ```
 
 use stepwatch_core::MarkerKind;
-use stepwatch_sim::accuracy::{evaluate, ranks_to_evaluate};
+use stepwatch_sim::accuracy::{evaluate_with, ranks_to_evaluate};
 use stepwatch_sim::{builtin_scenarios, RankSim, SimEvent};
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -58,7 +58,7 @@ fn main() {
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for s in &all {
         for rank in ranks_to_evaluate(s) {
-            let row = evaluate(s, rank, &all).expect("built-in scenario simulates");
+            let row = evaluate_with(s, rank, &all, false).expect("built-in scenario simulates");
             let expl = row.explanation.clone().unwrap_or_default();
             let allowance = figure_after(&expl, "layout allowance ");
             let from_cache = figure_after(&expl, "state from cache ");

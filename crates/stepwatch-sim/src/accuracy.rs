@@ -22,14 +22,20 @@
 //! raised ×2 (so that it runs to the end) when the rank did not. True
 //! headroom is `(capacity − actual peak) / capacity` at the real capacity.
 //!
+//! * step 1's allocator trace, replayed ([`stepwatch_core::replay_step2`])
+//!   and handed to [`Tracker::allocator_replay`] when the rank sends one
+//!   (the default; [`evaluate_with`] can leave it out, as for a client that
+//!   cannot record the allocator's history).
+//!
 //! Nothing of the simulator's internals reaches the tracker: only markers
-//! (with allocator figures), device samples, process lists and model facts.
+//! (with allocator figures), device samples, process lists, model facts and
+//! the allocator trace a client would record.
 
 use std::fmt::Write as _;
 
 use stepwatch_core::{
-    AdvisoryKind, BindingTerm, Marker, MarkerKind, Prediction, RankInfo, RankKey, StateSource,
-    Tracker, TrackerConfig,
+    replay_step2, Advisory, AdvisoryKind, BindingTerm, Marker, MarkerKind, Prediction, RankInfo,
+    RankKey, StateSource, Tracker, TrackerConfig,
 };
 
 use crate::rank::{RankSim, SimEvent, SimOutcome};
@@ -138,11 +144,18 @@ pub struct AccuracySummary {
 /// Evaluates every built-in scenario. Panics if a built-in scenario is
 /// invalid (the scenario tests catch that first).
 pub fn evaluate_all() -> Vec<AccuracyRow> {
+    evaluate_all_with(true)
+}
+
+/// [`evaluate_all`], with or without the step-1 allocator trace.
+pub fn evaluate_all_with(allocator_trace: bool) -> Vec<AccuracyRow> {
     let all = builtin_scenarios().expect("built-in scenarios parse");
     let mut rows = Vec::new();
     for s in &all {
         for rank in ranks_to_evaluate(s) {
-            rows.push(evaluate(s, rank, &all).expect("built-in scenario simulates"));
+            rows.push(
+                evaluate_with(s, rank, &all, allocator_trace).expect("built-in scenario simulates"),
+            );
         }
     }
     rows
@@ -176,6 +189,7 @@ fn gpu_sims(
     rank: u32,
     all: &[Scenario],
     capacity_factor: u64,
+    allocator_trace: bool,
 ) -> Result<Vec<RankSim>, ScenarioError> {
     let raise = |sc: &Scenario| {
         let mut sc = sc.clone();
@@ -183,6 +197,7 @@ fn gpu_sims(
         sc
     };
     let mut sims = vec![RankSim::new(&raise(s), rank)?];
+    sims[0].set_allocator_trace(allocator_trace);
     if let Some(other) = s.colocated_with.as_deref().filter(|_| rank == 0) {
         let o = all
             .iter()
@@ -191,7 +206,9 @@ fn gpu_sims(
                 name: s.name.clone(),
                 reason: format!("colocated_with names unknown scenario {other:?}"),
             })?;
-        sims.push(RankSim::new(&raise(o), 0)?);
+        let mut other = RankSim::new(&raise(o), 0)?;
+        other.set_allocator_trace(allocator_trace);
+        sims.push(other);
     }
     Ok(sims)
 }
@@ -218,11 +235,11 @@ fn device_timeline(events: &[Vec<SimEvent>], base: u64) -> Vec<(u64, u64)> {
     let mut latest = vec![0u64; events.len()];
     let mut out = Vec::with_capacity(all.len());
     for (t, p, i) in all {
-        match events[p][i] {
+        match &events[p][i] {
             SimEvent::Memory {
                 nvml_used_bytes, ..
-            } => latest[p] = nvml_used_bytes,
-            SimEvent::Marker(_) => {}
+            } => latest[p] = *nvml_used_bytes,
+            SimEvent::Marker(_) | SimEvent::AllocatorTrace { .. } => {}
         }
         if i + 1 == events[p].len() {
             latest[p] = 0;
@@ -368,13 +385,24 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
         }
         // One batch: consecutive markers of this process at this time, a
         // StepBegin starting a new batch.
-        match events[p][i] {
+        let mut due: Vec<Advisory> = Vec::new();
+        match &events[p][i] {
             SimEvent::Memory {
                 nvml_used_bytes, ..
-            } => latest[p] = nvml_used_bytes,
+            } => latest[p] = *nvml_used_bytes,
+            SimEvent::AllocatorTrace { trace, .. } => {
+                // The agent replays a trace as it arrives (before the next marker).
+                let grads_persistent = sims[p].model_facts().grads_set_to_none == Some(false);
+                let replayed = replay_step2(trace, grads_persistent).expect("valid trace");
+                if let Some(advisories) = tracker.allocator_replay(&keys[p], replayed, t) {
+                    if p == 0 {
+                        due = advisories;
+                    }
+                }
+            }
             SimEvent::Marker(m) => {
                 batch.clear();
-                batch.push(m);
+                batch.push(*m);
                 batch_owner = p;
                 while k + 1 < order.len() {
                     let (t2, p2, i2) = order[k + 1];
@@ -391,33 +419,36 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
             }
         }
         let (_, _, last_i) = order[k];
+        let mut step2_opened = false;
         if !batch.is_empty() {
             let key = &keys[batch_owner];
             let opens_step2 =
                 batch_owner == 0 && batch[0].kind == MarkerKind::StepBegin && batch[0].step == 2;
+            step2_opened = opens_step2;
             if opens_step2 {
                 out.prediction = tracker.rank_analysis(key).and_then(|a| a.prediction);
             }
             // The tracker checks advisories after each batch, and before the
             // first marker of step 2 is applied.
-            let due = tracker.markers(key, &batch, t).expect("valid markers");
+            let from_batch = tracker.markers(key, &batch, t).expect("valid markers");
             if batch_owner == 0 {
-                for a in due {
-                    if out.first_warning.is_none() {
-                        out.first_warning = Some((a.kind, t));
-                    }
-                    if a.kind == AdvisoryKind::Step2OomPredicted {
-                        out.first_oom_warning_ns.get_or_insert(t);
-                        if out.step2_begin_ns.is_none() {
-                            out.oom_warned_before_step2 = true;
-                        }
-                    }
-                }
-            }
-            if opens_step2 {
-                out.step2_begin_ns = Some(t);
+                due.extend(from_batch);
             }
             batch.clear();
+        }
+        for a in due {
+            if out.first_warning.is_none() {
+                out.first_warning = Some((a.kind, t));
+            }
+            if a.kind == AdvisoryKind::Step2OomPredicted {
+                out.first_oom_warning_ns.get_or_insert(t);
+                if out.step2_begin_ns.is_none() {
+                    out.oom_warned_before_step2 = true;
+                }
+            }
+        }
+        if step2_opened {
+            out.step2_begin_ns = Some(t);
         }
         if last_i + 1 == events[p].len() {
             ended[p] = true;
@@ -429,12 +460,24 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
     out
 }
 
-/// Evaluates one rank of one scenario; `all` resolves `colocated_with`.
+/// Evaluates one rank of one scenario, with the allocator trace the client
+/// sends by default; `all` resolves `colocated_with`.
 pub fn evaluate(s: &Scenario, rank: u32, all: &[Scenario]) -> Result<AccuracyRow, ScenarioError> {
+    evaluate_with(s, rank, all, true)
+}
+
+/// [`evaluate`], with or without the step-1 allocator trace (without: the
+/// prediction from markers alone, as for a client that cannot record it).
+pub fn evaluate_with(
+    s: &Scenario,
+    rank: u32,
+    all: &[Scenario],
+    allocator_trace: bool,
+) -> Result<AccuracyRow, ScenarioError> {
     let capacity = s.gpu.capacity_bytes;
     let base = s.gpu.other_process_bytes;
 
-    let mut real = gpu_sims(s, rank, all, 1)?;
+    let mut real = gpu_sims(s, rank, all, 1, allocator_trace)?;
     let real_events = run_sims(&mut real);
     let outcome = real[0].report().outcome;
     let seen = replay(s, &real, &real_events);
@@ -447,7 +490,7 @@ pub fn evaluate(s: &Scenario, rank: u32, all: &[Scenario]) -> Result<AccuracyRow
             steady_device_peak(&real_events[0], &timeline),
         )
     } else {
-        let mut raised = gpu_sims(s, rank, all, RAISED_CAPACITY_FACTOR)?;
+        let mut raised = gpu_sims(s, rank, all, RAISED_CAPACITY_FACTOR, allocator_trace)?;
         let raised_events = run_sims(&mut raised);
         let timeline = device_timeline(&raised_events, base);
         (

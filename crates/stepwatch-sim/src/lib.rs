@@ -14,7 +14,8 @@
 #![warn(missing_docs)]
 
 pub mod accuracy;
-pub mod allocator;
+/// The caching-allocator model, shared with the predictor's replay.
+pub use stepwatch_core::allocator;
 pub mod rank;
 pub mod realtime;
 pub mod scenario;

@@ -3,14 +3,15 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use stepwatch_core::{
-    AllocatorStats, Marker, MarkerKind, ModelFacts, OptimizerKind, PhaseKind, Precision,
+    AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace, Marker, MarkerKind,
+    ModelFacts, OptimizerKind, PhaseKind, Precision,
 };
 
 use crate::allocator::{AllocId, CachingAllocator, OutOfMemory, Usage};
 use crate::scenario::{Scenario, ScenarioError, SimOptimizer, SimPrecision};
 
 /// One thing a simulated rank does, at a simulated time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SimEvent {
     /// A phase marker, as the client would send it, with allocator figures.
     Marker(Marker),
@@ -25,6 +26,16 @@ pub enum SimEvent {
         /// Allocator reserved bytes after the event.
         reserved: u64,
     },
+    /// Step 1's allocator history, right after step 1's optimizer-end
+    /// marker, as the Python client records and sends it (see
+    /// `stepwatch_core::replay`). Only when [`RankSim::set_allocator_trace`]
+    /// left it on.
+    AllocatorTrace {
+        /// Simulated CLOCK_MONOTONIC ns (that of the marker).
+        at_ns: u64,
+        /// The trace.
+        trace: Box<AllocatorTrace>,
+    },
 }
 
 impl SimEvent {
@@ -32,7 +43,7 @@ impl SimEvent {
     pub fn at_ns(&self) -> u64 {
         match self {
             SimEvent::Marker(m) => m.monotonic_ns,
-            SimEvent::Memory { at_ns, .. } => *at_ns,
+            SimEvent::Memory { at_ns, .. } | SimEvent::AllocatorTrace { at_ns, .. } => *at_ns,
         }
     }
 
@@ -40,7 +51,7 @@ impl SimEvent {
     pub fn as_marker(&self) -> Option<&Marker> {
         match self {
             SimEvent::Marker(m) => Some(m),
-            SimEvent::Memory { .. } => None,
+            SimEvent::Memory { .. } | SimEvent::AllocatorTrace { .. } => None,
         }
     }
 }
@@ -302,6 +313,10 @@ pub struct RankSim {
     last_nvml: u64,
     report: RankReport,
     step_nvml_peak: u64,
+    /// Whether to record and emit step 1's allocator trace.
+    trace_enabled: bool,
+    /// Step 1's allocator events so far.
+    trace_events: Vec<AllocatorEvent>,
 }
 
 impl RankSim {
@@ -348,6 +363,8 @@ impl RankSim {
                 num_alloc_retries: 0,
             },
             step_nvml_peak: 0,
+            trace_enabled: true,
+            trace_events: Vec::new(),
         };
         sim.set_start(0, 0);
         sim.queue_init();
@@ -444,6 +461,13 @@ impl RankSim {
         }
     }
 
+    /// Whether the rank records step 1's allocator history and emits it as a
+    /// [`SimEvent::AllocatorTrace`] (on by default, as in the Python client);
+    /// off, it is a client without tracing. Set before the first event.
+    pub fn set_allocator_trace(&mut self, enabled: bool) {
+        self.trace_enabled = enabled;
+    }
+
     /// The rank's caching allocator, as of the last event returned.
     pub fn allocator(&self) -> &CachingAllocator {
         &self.alloc
@@ -504,6 +528,17 @@ impl RankSim {
                 }
                 self.phase = kind.opens();
                 self.emit_marker(kind, micro_batch);
+                if kind == MarkerKind::OptimizerEnd && self.step == 1 && self.trace_enabled {
+                    let trace = AllocatorTrace {
+                        step: 1,
+                        segments: self.alloc.layout(),
+                        events: std::mem::take(&mut self.trace_events),
+                    };
+                    self.out.push_back(SimEvent::AllocatorTrace {
+                        at_ns: self.now_ns,
+                        trace: Box::new(trace),
+                    });
+                }
                 if kind == MarkerKind::StepEnd {
                     self.close_step(true);
                 }
@@ -517,10 +552,12 @@ impl RankSim {
                                 continue;
                             }
                             if let Some(old) = self.live.remove(&key) {
+                                self.trace(AllocatorAction::Free, old, 0);
                                 self.alloc.free(old);
                             }
                             match self.alloc.malloc(bytes, self.limit()) {
                                 Ok(id) => {
+                                    self.trace(AllocatorAction::Alloc, id, bytes);
                                     self.live.insert(key, id);
                                 }
                                 Err(oom) => return self.die(oom),
@@ -528,6 +565,7 @@ impl RankSim {
                         }
                         Action::Free(key) => {
                             if let Some(id) = self.live.remove(&key) {
+                                self.trace(AllocatorAction::Free, id, 0);
                                 self.alloc.free(id);
                             }
                         }
@@ -536,6 +574,27 @@ impl RankSim {
                 self.emit_memory();
             }
         }
+    }
+
+    /// Records an allocator event of step 1 (`requested` 0: the block's size).
+    fn trace(&mut self, action: AllocatorAction, id: AllocId, requested: u64) {
+        if !self.trace_enabled || self.step != 1 {
+            return;
+        }
+        let (Some(phase), Some(address)) = (self.phase, self.alloc.address_of(id)) else {
+            return;
+        };
+        let size = if requested > 0 {
+            requested
+        } else {
+            self.alloc.block_size(id).unwrap_or(0)
+        };
+        self.trace_events.push(AllocatorEvent {
+            action,
+            address,
+            size,
+            phase,
+        });
     }
 
     fn die(&mut self, oom: OutOfMemory) {

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use stepwatch_core::Marker;
+use stepwatch_core::{AllocatorTrace, Marker};
 
 use crate::rank::{RankSim, SimEvent};
 
@@ -14,6 +14,11 @@ pub trait Sink {
     fn memory(&mut self, nvml_used_bytes: u64);
     /// A marker, stamped with the real clocks.
     fn marker(&mut self, marker: Marker);
+    /// Step 1's allocator trace, right after step 1's optimizer-end marker.
+    /// Ignored by default, as by a client that cannot record it.
+    fn allocator_trace(&mut self, trace: &AllocatorTrace) {
+        let _ = trace;
+    }
     /// Memory other processes hold on this GPU now, read before each event
     /// so that co-located jobs see each other live; None keeps the
     /// scenario's figure.
@@ -60,6 +65,7 @@ pub fn run_realtime(rank: &mut RankSim, sink: &mut dyn Sink, clock: &dyn Fn() ->
                 m.wall_ns = wall_now_ns();
                 sink.marker(m);
             }
+            SimEvent::AllocatorTrace { trace, .. } => sink.allocator_trace(&trace),
         }
     }
 }

@@ -3,15 +3,27 @@
 //! advisory) before its step 2 begins, no warning where the true headroom is
 //! at least 5%. See `stepwatch_sim::accuracy` for how rows are measured and
 //! `cargo run -p stepwatch-sim --example accuracy` for the table.
+//!
+//! Two clients: the default one sends step 1's allocator trace, which the
+//! predictor replays through the same allocator model the simulator runs on
+//! (so its error here measures the wiring and what the trace leaves out, not
+//! the model's fidelity to PyTorch); the markers-only one (a client that
+//! cannot record the trace) must still warn in time and raise no false
+//! alarms, with the median target.
 
 use std::sync::OnceLock;
 
-use stepwatch_sim::accuracy::{evaluate_all, render_table, summarize, AccuracyRow};
+use stepwatch_sim::accuracy::{evaluate_all_with, render_table, summarize, AccuracyRow};
 use stepwatch_sim::OutcomeKind;
 
 fn rows() -> &'static [AccuracyRow] {
     static ROWS: OnceLock<Vec<AccuracyRow>> = OnceLock::new();
-    ROWS.get_or_init(evaluate_all)
+    ROWS.get_or_init(|| evaluate_all_with(true))
+}
+
+fn markers_only_rows() -> &'static [AccuracyRow] {
+    static ROWS: OnceLock<Vec<AccuracyRow>> = OnceLock::new();
+    ROWS.get_or_init(|| evaluate_all_with(false))
 }
 
 #[test]
@@ -47,21 +59,19 @@ fn every_scenario_is_evaluated_and_predicted_before_step_2() {
 
 #[test]
 fn median_error_is_at_most_two_percent() {
-    let s = summarize(rows());
-    assert!(
-        s.median_abs_error_pct <= 2.0,
-        "median |error| {:.2}%\n{}",
-        s.median_abs_error_pct,
-        render_table(rows())
-    );
+    for rows in [rows(), markers_only_rows()] {
+        let s = summarize(rows);
+        assert!(
+            s.median_abs_error_pct <= 2.0,
+            "median |error| {:.2}%\n{}",
+            s.median_abs_error_pct,
+            render_table(rows)
+        );
+    }
 }
 
 #[test]
-#[ignore = "not met: fragmentation after lazy state creation depends on tensor sizes that \
-            phase-boundary allocator figures do not show (zero-sharded-8 −9%, demo-small −7%, \
-            colocated-b −5.3%), nor do memory_stats()'s inactive_split/segment figures \
-            (example fragmentation_probe); run with --ignored to see the table"]
-fn max_error_is_at_most_five_percent() {
+fn max_error_is_at_most_five_percent_with_the_allocator_trace() {
     let s = summarize(rows());
     assert!(
         s.max_abs_error_pct <= 5.0,
@@ -70,38 +80,68 @@ fn max_error_is_at_most_five_percent() {
         s.max_error_at,
         render_table(rows())
     );
-}
-
-#[test]
-fn every_oom_rank_is_warned_before_its_step_2() {
-    let rows = rows();
-    let ooms: Vec<&AccuracyRow> = rows
-        .iter()
-        .filter(|r| r.expected == OutcomeKind::Oom)
-        .collect();
-    assert!(ooms.len() >= 6);
-    for r in ooms {
+    // The trace is what meets it: every rank's frozen prediction used it.
+    for r in rows() {
+        let explanation = r.explanation.as_deref().unwrap_or_default();
         assert!(
-            r.oom_warned_before_step2 && r.oom_lead_ms.is_some_and(|l| l >= 0.0),
-            "{}/{} not warned before step 2\n{}",
+            explanation.contains("replayed from step 1's allocator trace"),
+            "{}/{}: {explanation}",
             r.scenario,
-            r.rank,
-            render_table(rows)
+            r.rank
         );
     }
 }
 
 #[test]
-fn no_warning_where_true_headroom_is_at_least_five_percent() {
-    let s = summarize(rows());
+#[ignore = "not met from markers alone: fragmentation after lazy state creation depends on \
+            tensor sizes that phase-boundary allocator figures do not show (zero-sharded-8 −9%, \
+            demo-small −7%, colocated-b −5.3%), nor do memory_stats()'s inactive_split/segment \
+            figures (example fragmentation_probe); the allocator trace closes it. Run with \
+            --ignored to see the table"]
+fn max_error_is_at_most_five_percent_from_markers_alone() {
+    let s = summarize(markers_only_rows());
     assert!(
-        s.false_alarms.is_empty(),
-        "false alarms {:?}\n{}",
-        s.false_alarms,
-        render_table(rows())
+        s.max_abs_error_pct <= 5.0,
+        "max |error| {:.2}% at {:?}\n{}",
+        s.max_abs_error_pct,
+        s.max_error_at,
+        render_table(markers_only_rows())
     );
-    // And the suite has such rows to check.
-    assert!(rows().iter().any(|r| r
-        .true_headroom_pct
-        .is_some_and(|h| (5.0..10.0).contains(&h))));
+}
+
+#[test]
+fn every_oom_rank_is_warned_before_its_step_2() {
+    for rows in [rows(), markers_only_rows()] {
+        let ooms: Vec<&AccuracyRow> = rows
+            .iter()
+            .filter(|r| r.expected == OutcomeKind::Oom)
+            .collect();
+        assert!(ooms.len() >= 6);
+        for r in ooms {
+            assert!(
+                r.oom_warned_before_step2 && r.oom_lead_ms.is_some_and(|l| l >= 0.0),
+                "{}/{} not warned before step 2\n{}",
+                r.scenario,
+                r.rank,
+                render_table(rows)
+            );
+        }
+    }
+}
+
+#[test]
+fn no_warning_where_true_headroom_is_at_least_five_percent() {
+    for rows in [rows(), markers_only_rows()] {
+        let s = summarize(rows);
+        assert!(
+            s.false_alarms.is_empty(),
+            "false alarms {:?}\n{}",
+            s.false_alarms,
+            render_table(rows)
+        );
+        // And the suite has such rows to check.
+        assert!(rows.iter().any(|r| r
+            .true_headroom_pct
+            .is_some_and(|h| (5.0..10.0).contains(&h))));
+    }
 }

@@ -2,7 +2,7 @@
 /// A message from the training process to the agent.
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct ClientMessage {
-    #[prost(oneof = "client_message::Kind", tags = "1, 2")]
+    #[prost(oneof = "client_message::Kind", tags = "1, 2, 3")]
     pub kind: ::core::option::Option<client_message::Kind>,
 }
 /// Nested message and enum types in `ClientMessage`.
@@ -15,6 +15,9 @@ pub mod client_message {
         /// One or more phase markers, in the order they happened.
         #[prost(message, tag = "2")]
         Markers(super::MarkerBatch),
+        /// Part of step 1's caching-allocator history (optional; see AllocatorTrace).
+        #[prost(message, tag = "3")]
+        AllocatorTrace(super::AllocatorTraceChunk),
     }
 }
 /// Who is talking: sent once at the start of every stream.
@@ -99,6 +102,73 @@ pub struct ModelFacts {
     /// True when gradients are freed (set to None) after each step.
     #[prost(bool, optional, tag = "9")]
     pub grads_set_to_none: ::core::option::Option<bool>,
+}
+/// Step 1's history in the CUDA caching allocator, optional. A client that
+/// can record it (PyTorch: torch.cuda.memory._record_memory_history during
+/// step 1, then torch.cuda.memory._snapshot() after step 1's optimizer phase)
+/// sends it once, after its OPTIMIZER_END marker of step 1 and before step 2's
+/// STEP_BEGIN. The agent replays the step's allocations against the segment
+/// layout at the end of step 1, through a model of the caching allocator, to
+/// predict step 2's reserved memory with fragmentation included: state created
+/// in step 1's optimizer phase splits cached blocks, so step 2's activations
+/// may need new segments although allocated memory fits.
+///
+/// A trace is sent as one or more chunks (each message stays under the
+/// per-message size limit): segments and events are concatenated in order,
+/// and the chunk with `last` set completes it.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct AllocatorTraceChunk {
+    /// The step the events come from; 1.
+    #[prost(uint64, tag = "1")]
+    pub step: u64,
+    /// Segments reserved when the trace ends (after step 1's optimizer phase).
+    #[prost(message, repeated, tag = "2")]
+    pub segments: ::prost::alloc::vec::Vec<AllocatorSegment>,
+    /// The step's allocations and frees, oldest first.
+    #[prost(message, repeated, tag = "3")]
+    pub events: ::prost::alloc::vec::Vec<AllocatorEvent>,
+    /// Set on the final chunk.
+    #[prost(bool, tag = "4")]
+    pub last: bool,
+}
+/// One segment obtained from cudaMalloc.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct AllocatorSegment {
+    /// Device address of the segment's first byte.
+    #[prost(uint64, tag = "1")]
+    pub address: u64,
+    /// Segment of the small pool (requests of 1 MiB or less).
+    #[prost(bool, tag = "2")]
+    pub small_pool: bool,
+    /// Blocks in address order, tiling the segment; their sizes sum to its size.
+    #[prost(message, repeated, tag = "3")]
+    pub blocks: ::prost::alloc::vec::Vec<AllocatorBlock>,
+}
+/// One block of a segment.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct AllocatorBlock {
+    /// Bytes.
+    #[prost(uint64, tag = "1")]
+    pub size: u64,
+    /// Holds a live tensor (false: free, cached for reuse).
+    #[prost(bool, tag = "2")]
+    pub allocated: bool,
+}
+/// One allocation or free of the traced step.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct AllocatorEvent {
+    #[prost(enumeration = "AllocatorAction", tag = "1")]
+    pub action: i32,
+    /// Device address of the block.
+    #[prost(uint64, tag = "2")]
+    pub address: u64,
+    /// Bytes of the block.
+    #[prost(uint64, tag = "3")]
+    pub size: u64,
+    /// The marker that opened the phase it happened in: STEP_BEGIN (prologue),
+    /// FORWARD_BEGIN, BACKWARD_BEGIN, OPTIMIZER_BEGIN or OPTIMIZER_END (epilogue).
+    #[prost(enumeration = "MarkerKind", tag = "4")]
+    pub phase: i32,
 }
 /// A batch of markers from one rank, oldest first.
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -315,6 +385,38 @@ impl MarkerKind {
         }
     }
 }
+/// What an allocator event did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum AllocatorAction {
+    Unspecified = 0,
+    /// A block was handed out.
+    Alloc = 1,
+    /// A block was given back to the cache.
+    Free = 2,
+}
+impl AllocatorAction {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "ALLOCATOR_ACTION_UNSPECIFIED",
+            Self::Alloc => "ALLOCATOR_ACTION_ALLOC",
+            Self::Free => "ALLOCATOR_ACTION_FREE",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "ALLOCATOR_ACTION_UNSPECIFIED" => Some(Self::Unspecified),
+            "ALLOCATOR_ACTION_ALLOC" => Some(Self::Alloc),
+            "ALLOCATOR_ACTION_FREE" => Some(Self::Free),
+            _ => None,
+        }
+    }
+}
 /// What an advisory is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
 #[repr(i32)]
@@ -475,7 +577,8 @@ pub mod ingest_client {
             self.inner = self.inner.max_encoding_message_size(limit);
             self
         }
-        /// One stream per rank. Client sends Hello first, then MarkerBatch messages.
+        /// One stream per rank. Client sends Hello first, then MarkerBatch messages
+        /// (and, optionally, once, an allocator trace of step 1).
         pub async fn stream(
             &mut self,
             request: impl tonic::IntoStreamingRequest<Message = super::ClientMessage>,
@@ -521,7 +624,8 @@ pub mod ingest_server {
             >
             + std::marker::Send
             + 'static;
-        /// One stream per rank. Client sends Hello first, then MarkerBatch messages.
+        /// One stream per rank. Client sends Hello first, then MarkerBatch messages
+        /// (and, optionally, once, an allocator trace of step 1).
         async fn stream(
             &self,
             request: tonic::Request<tonic::Streaming<super::ClientMessage>>,

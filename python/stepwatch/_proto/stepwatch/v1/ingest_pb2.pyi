@@ -34,6 +34,12 @@ class MarkerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_END: _ClassVar[MarkerKind]
     OOM: _ClassVar[MarkerKind]
 
+class AllocatorAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ALLOCATOR_ACTION_UNSPECIFIED: _ClassVar[AllocatorAction]
+    ALLOCATOR_ACTION_ALLOC: _ClassVar[AllocatorAction]
+    ALLOCATOR_ACTION_FREE: _ClassVar[AllocatorAction]
+
 class AdvisoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ADVISORY_KIND_UNSPECIFIED: _ClassVar[AdvisoryKind]
@@ -65,6 +71,9 @@ OPTIMIZER_BEGIN: MarkerKind
 OPTIMIZER_END: MarkerKind
 STEP_END: MarkerKind
 OOM: MarkerKind
+ALLOCATOR_ACTION_UNSPECIFIED: AllocatorAction
+ALLOCATOR_ACTION_ALLOC: AllocatorAction
+ALLOCATOR_ACTION_FREE: AllocatorAction
 ADVISORY_KIND_UNSPECIFIED: AdvisoryKind
 ADVISORY_KIND_STEP2_OOM_PREDICTED: AdvisoryKind
 ADVISORY_KIND_LOW_HEADROOM: AdvisoryKind
@@ -75,12 +84,14 @@ SEVERITY_WARNING: Severity
 SEVERITY_CRITICAL: Severity
 
 class ClientMessage(_message.Message):
-    __slots__ = ("hello", "markers")
+    __slots__ = ("hello", "markers", "allocator_trace")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     MARKERS_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATOR_TRACE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     markers: MarkerBatch
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., markers: _Optional[_Union[MarkerBatch, _Mapping]] = ...) -> None: ...
+    allocator_trace: AllocatorTraceChunk
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., markers: _Optional[_Union[MarkerBatch, _Mapping]] = ..., allocator_trace: _Optional[_Union[AllocatorTraceChunk, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("identity", "gpu_uuid", "pid", "framework", "framework_version", "model", "client_version")
@@ -139,6 +150,48 @@ class ModelFacts(_message.Message):
     state_precreated: bool
     grads_set_to_none: bool
     def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ...) -> None: ...
+
+class AllocatorTraceChunk(_message.Message):
+    __slots__ = ("step", "segments", "events", "last")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    segments: _containers.RepeatedCompositeFieldContainer[AllocatorSegment]
+    events: _containers.RepeatedCompositeFieldContainer[AllocatorEvent]
+    last: bool
+    def __init__(self, step: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[AllocatorSegment, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[AllocatorEvent, _Mapping]]] = ..., last: bool = ...) -> None: ...
+
+class AllocatorSegment(_message.Message):
+    __slots__ = ("address", "small_pool", "blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SMALL_POOL_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: int
+    small_pool: bool
+    blocks: _containers.RepeatedCompositeFieldContainer[AllocatorBlock]
+    def __init__(self, address: _Optional[int] = ..., small_pool: bool = ..., blocks: _Optional[_Iterable[_Union[AllocatorBlock, _Mapping]]] = ...) -> None: ...
+
+class AllocatorBlock(_message.Message):
+    __slots__ = ("size", "allocated")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    allocated: bool
+    def __init__(self, size: _Optional[int] = ..., allocated: bool = ...) -> None: ...
+
+class AllocatorEvent(_message.Message):
+    __slots__ = ("action", "address", "size", "phase")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    action: AllocatorAction
+    address: int
+    size: int
+    phase: MarkerKind
+    def __init__(self, action: _Optional[_Union[AllocatorAction, str]] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., phase: _Optional[_Union[MarkerKind, str]] = ...) -> None: ...
 
 class MarkerBatch(_message.Message):
     __slots__ = ("markers",)

@@ -47,7 +47,8 @@ class IngestServicer(object):
     """
 
     def Stream(self, request_iterator, context):
-        """One stream per rank. Client sends Hello first, then MarkerBatch messages.
+        """One stream per rank. Client sends Hello first, then MarkerBatch messages
+        (and, optionally, once, an allocator trace of step 1).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -15,8 +15,17 @@
 //!   released (`num_alloc_retries` grows) and the request is tried once more.
 //!
 //! There are no streams, so active bytes equal allocated bytes.
+//!
+//! Segments have device addresses (made up, from 1 TiB up, for segments the
+//! model creates), and best fit breaks ties by address as PyTorch's block
+//! comparator does, so a layout taken from a real process
+//! ([`CachingAllocator::from_layout`]) is reused in PyTorch's order. The
+//! simulator runs its jobs on this model, and the predictor replays step 1's
+//! allocator trace through it (`crate::replay`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use serde::{Deserialize, Serialize};
 
 /// Every request is rounded up to a multiple of this.
 pub const MIN_BLOCK_SIZE: u64 = 512;
@@ -54,7 +63,8 @@ pub fn segment_size(bytes: u64) -> u64 {
 }
 
 /// The pool a request is served from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Pool {
     /// Requests up to 1 MiB, carved from 2 MiB segments.
     Small,
@@ -126,11 +136,69 @@ pub struct Peaks {
     pub total: Usage,
 }
 
+/// One block of a [`SegmentLayout`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockLayout {
+    /// Bytes.
+    pub size: u64,
+    /// Holds a live allocation (false: free, cached).
+    pub allocated: bool,
+}
+
+/// One segment as `torch.cuda.memory_snapshot()` shows it: its address, pool
+/// and blocks in address order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SegmentLayout {
+    /// Device address of the segment's first byte.
+    pub address: u64,
+    /// The pool it serves.
+    pub pool: Pool,
+    /// Blocks in address order, tiling the segment.
+    pub blocks: Vec<BlockLayout>,
+}
+
+impl SegmentLayout {
+    /// The segment's size: the sum of its blocks.
+    pub fn size(&self) -> u64 {
+        self.blocks.iter().map(|b| b.size).sum()
+    }
+}
+
+/// A layout [`CachingAllocator::from_layout`] cannot take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    /// A segment without blocks, or a block of 0 bytes.
+    #[error("segment at {address:#x} has no blocks or a block of 0 bytes")]
+    EmptyBlock {
+        /// The segment's address.
+        address: u64,
+    },
+    /// Two segments share addresses.
+    #[error("segments at {first:#x} and {second:#x} overlap")]
+    Overlap {
+        /// The lower segment.
+        first: u64,
+        /// The segment that starts inside it.
+        second: u64,
+    },
+    /// A segment runs past the end of the address space.
+    #[error("segment at {address:#x} runs past the end of the address space")]
+    AddressOverflow {
+        /// The segment's address.
+        address: u64,
+    },
+}
+
+/// Where the model puts the segments it creates itself.
+const MODEL_ADDRESS_BASE: u64 = 1 << 40;
+
 /// The caching allocator of one process.
 #[derive(Debug, Clone, Default)]
 pub struct CachingAllocator {
+    /// By address.
     segments: BTreeMap<u64, Segment>,
-    next_segment: u64,
+    /// Address of the next segment the model creates (0: not yet chosen).
+    next_address: u64,
     live: HashMap<AllocId, (u64, u64)>,
     /// Free blocks as (pool, size, segment, offset), for best-fit lookup.
     free_blocks: BTreeSet<(Pool, u64, u64, u64)>,
@@ -174,6 +242,119 @@ impl CachingAllocator {
     /// Number of live allocations.
     pub fn live_allocations(&self) -> usize {
         self.live.len()
+    }
+
+    /// Device address of a live allocation.
+    pub fn address_of(&self, id: AllocId) -> Option<u64> {
+        self.live.get(&id).map(|&(seg, offset)| seg + offset)
+    }
+
+    /// Bytes of a live allocation's block (rounded, unsplit rest included).
+    pub fn block_size(&self, id: AllocId) -> Option<u64> {
+        let &(seg, offset) = self.live.get(&id)?;
+        let seg = self.segments.get(&seg)?;
+        seg.blocks
+            .iter()
+            .find(|b| b.offset == offset)
+            .map(|b| b.size)
+    }
+
+    /// Segments as `torch.cuda.memory_snapshot()` would list them, by address.
+    pub fn layout(&self) -> Vec<SegmentLayout> {
+        self.segments
+            .iter()
+            .map(|(&address, seg)| SegmentLayout {
+                address,
+                pool: seg.pool,
+                blocks: seg
+                    .blocks
+                    .iter()
+                    .map(|b| BlockLayout {
+                        size: b.size,
+                        allocated: b.used,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// An allocator in the state `segments` describe (a snapshot of a real
+    /// process, or [`CachingAllocator::layout`]), with each allocated block as
+    /// a live allocation; returns them with their addresses. Adjacent free
+    /// blocks are merged, as the real allocator keeps them. New segments go
+    /// above the highest address.
+    pub fn from_layout(
+        segments: &[SegmentLayout],
+    ) -> Result<(Self, Vec<(u64, AllocId)>), LayoutError> {
+        let mut a = CachingAllocator::new();
+        let mut live = Vec::new();
+        let mut sorted: Vec<&SegmentLayout> = segments.iter().collect();
+        sorted.sort_by_key(|s| s.address);
+        let mut prev_end: Option<(u64, u64)> = None;
+        for s in sorted {
+            if s.blocks.is_empty() || s.blocks.iter().any(|b| b.size == 0) {
+                return Err(LayoutError::EmptyBlock { address: s.address });
+            }
+            let size = s
+                .blocks
+                .iter()
+                .try_fold(0u64, |acc, b| acc.checked_add(b.size))
+                .filter(|&n| s.address.checked_add(n).is_some())
+                .ok_or(LayoutError::AddressOverflow { address: s.address })?;
+            if let Some((first, end)) = prev_end {
+                if s.address < end {
+                    return Err(LayoutError::Overlap {
+                        first,
+                        second: s.address,
+                    });
+                }
+            }
+            prev_end = Some((s.address, s.address + size));
+            let mut blocks: Vec<Block> = Vec::with_capacity(s.blocks.len());
+            let mut offset = 0;
+            for b in &s.blocks {
+                match blocks.last_mut() {
+                    Some(last) if !last.used && !b.allocated => last.size += b.size,
+                    _ => blocks.push(Block {
+                        offset,
+                        size: b.size,
+                        used: b.allocated,
+                    }),
+                }
+                offset += b.size;
+            }
+            for b in &blocks {
+                if b.used {
+                    a.usage.allocated += b.size;
+                    let id = AllocId(a.next_id);
+                    a.next_id += 1;
+                    a.live.insert(id, (s.address, b.offset));
+                    live.push((s.address + b.offset, id));
+                } else {
+                    a.free_blocks.insert((s.pool, b.size, s.address, b.offset));
+                }
+            }
+            a.usage.reserved += size;
+            a.segments.insert(
+                s.address,
+                Segment {
+                    pool: s.pool,
+                    size,
+                    blocks,
+                },
+            );
+        }
+        a.next_address = prev_end
+            .map_or(MODEL_ADDRESS_BASE, |(_, end)| {
+                end.div_ceil(ROUND_LARGE) * ROUND_LARGE
+            })
+            .max(MODEL_ADDRESS_BASE);
+        a.peaks = Peaks {
+            phase: a.usage,
+            step: a.usage,
+            total: a.usage,
+        };
+        Ok((a, live))
     }
 
     /// Number of segments currently reserved.
@@ -239,8 +420,11 @@ impl CachingAllocator {
                         });
                     }
                 }
-                let id = self.next_segment;
-                self.next_segment += 1;
+                if self.next_address == 0 {
+                    self.next_address = MODEL_ADDRESS_BASE;
+                }
+                let id = self.next_address;
+                self.next_address = self.next_address.saturating_add(seg_size);
                 self.segments.insert(
                     id,
                     Segment {
@@ -321,8 +505,8 @@ impl CachingAllocator {
         self.usage.reserved -= freed;
     }
 
-    /// The smallest free block of `pool` that holds `size` (ties: oldest
-    /// segment, lowest offset).
+    /// The smallest free block of `pool` that holds `size` (ties: lowest
+    /// address).
     fn best_fit(&self, pool: Pool, size: u64) -> Option<(u64, u64)> {
         self.free_blocks
             .range((pool, size, 0, 0)..)

@@ -1,0 +1,273 @@
+//! Step 2 replayed from a step-1 allocator trace: the fragmentation case it
+//! exists for, gradients freed or kept, the tracker's use of it, and bad
+//! traces refused.
+
+use stepwatch_core::allocator::{BlockLayout, CachingAllocator, Pool, SegmentLayout};
+use stepwatch_core::replay::MAX_TRACE_EVENTS;
+use stepwatch_core::*;
+
+const MIB: u64 = 1 << 20;
+
+/// Records a step on a [`CachingAllocator`] the way a client's trace would.
+struct Recorder {
+    alloc: CachingAllocator,
+    events: Vec<AllocatorEvent>,
+    phase: PhaseKind,
+}
+
+impl Recorder {
+    fn new() -> Self {
+        Self {
+            alloc: CachingAllocator::new(),
+            events: Vec::new(),
+            phase: PhaseKind::Prologue,
+        }
+    }
+
+    fn malloc(&mut self, bytes: u64) -> allocator::AllocId {
+        let id = self.alloc.malloc(bytes, u64::MAX).unwrap();
+        self.events.push(AllocatorEvent {
+            action: AllocatorAction::Alloc,
+            address: self.alloc.address_of(id).unwrap(),
+            size: bytes,
+            phase: self.phase,
+        });
+        id
+    }
+
+    fn free(&mut self, id: allocator::AllocId) {
+        self.events.push(AllocatorEvent {
+            action: AllocatorAction::Free,
+            address: self.alloc.address_of(id).unwrap(),
+            size: self.alloc.block_size(id).unwrap(),
+            phase: self.phase,
+        });
+        self.alloc.free(id);
+    }
+
+    fn trace(&self) -> AllocatorTrace {
+        AllocatorTrace {
+            step: 1,
+            segments: self.alloc.layout(),
+            events: self.events.clone(),
+        }
+    }
+}
+
+/// Weights, then step 1: two 40 MiB activations, backward frees them and
+/// makes `grad` bytes of gradients, the optimizer makes `state` bytes.
+fn step_one(grad: u64, state: u64) -> (Recorder, u64) {
+    let mut r = Recorder::new();
+    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    r.phase = PhaseKind::Forward;
+    let a = r.malloc(40 * MIB);
+    let b = r.malloc(40 * MIB);
+    r.phase = PhaseKind::Backward;
+    r.free(b);
+    r.free(a);
+    if grad > 0 {
+        r.malloc(grad);
+    }
+    r.phase = PhaseKind::Optimizer;
+    if state > 0 {
+        r.malloc(state);
+    }
+    let reserved_peak = r.alloc.peaks().total.reserved;
+    (r, reserved_peak)
+}
+
+#[test]
+fn state_carved_from_cached_activations_forces_new_segments_in_step_2() {
+    // 30 MiB of state lands in one of the two free 40 MiB activation blocks.
+    let (r, step1_reserved) = step_one(0, 30 * MIB);
+    assert_eq!(step1_reserved, 144 * MIB, "weights + two 40 MiB segments");
+    let replay = replay_step2(&r.trace(), false).unwrap();
+    assert_eq!(replay.reserved_at_step1_end_bytes, 144 * MIB);
+    assert_eq!(replay.state_bytes, 30 * MIB);
+    // Step 2's second activation no longer fits the split block: a new segment.
+    assert_eq!(replay.new_segment_bytes, 40 * MIB);
+    assert_eq!(replay.reserved_peak_bytes, 184 * MIB);
+    assert_eq!(replay.allocated_peak_bytes, (64 + 30 + 80) * MIB);
+
+    // The same step without state needs nothing new.
+    let (r, _) = step_one(0, 0);
+    let replay = replay_step2(&r.trace(), false).unwrap();
+    assert_eq!(replay.new_segment_bytes, 0);
+    assert_eq!(replay.state_bytes, 0);
+}
+
+#[test]
+fn gradients_set_to_none_are_freed_first_and_kept_gradients_stay() {
+    // 30 MiB of gradients take part of an activation block in backward.
+    let (r, _) = step_one(30 * MIB, 0);
+    let freed = replay_step2(&r.trace(), false).unwrap();
+    assert_eq!(freed.grad_bytes, 30 * MIB);
+    assert!(!freed.grads_persistent);
+    assert_eq!(
+        freed.new_segment_bytes, 0,
+        "freed at zero_grad, the block is whole again for the activations"
+    );
+    let kept = replay_step2(&r.trace(), true).unwrap();
+    assert!(kept.grads_persistent);
+    assert_eq!(
+        kept.new_segment_bytes,
+        40 * MIB,
+        "kept gradients split an activation block"
+    );
+}
+
+#[test]
+fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
+    const GB: u64 = 1_000_000_000;
+    let mut tracker = Tracker::new(TrackerConfig::default());
+    let key = tracker
+        .open(
+            RankInfo {
+                job: "j".into(),
+                rank: 0,
+                world_size: 1,
+                gpu_uuid: "GPU-a".into(),
+                pid: 7,
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
+    let stats = |allocated: u64, reserved: u64| AllocatorStats {
+        allocated_bytes: allocated,
+        allocated_peak_bytes: allocated,
+        reserved_bytes: reserved,
+        reserved_peak_bytes: reserved,
+        ..Default::default()
+    };
+    let marker = |kind, step, t, a| Marker {
+        kind,
+        step,
+        monotonic_ns: t,
+        wall_ns: t,
+        micro_batch: 0,
+        allocator: Some(a),
+    };
+    tracker.gpu_samples(
+        "GPU-a",
+        &[GpuSample {
+            monotonic_ns: 1,
+            used_bytes: GB,
+            total_bytes: 80 * GB,
+        }],
+    );
+    let step1 = [
+        marker(MarkerKind::StepBegin, 1, 10, stats(2 * GB, 2 * GB)),
+        marker(MarkerKind::ForwardBegin, 1, 20, stats(2 * GB, 2 * GB)),
+        marker(MarkerKind::BackwardBegin, 1, 30, stats(6 * GB, 6 * GB)),
+        marker(MarkerKind::OptimizerBegin, 1, 40, stats(3 * GB, 6 * GB)),
+        marker(MarkerKind::OptimizerEnd, 1, 50, stats(4 * GB, 6 * GB)),
+    ];
+    tracker.markers(&key, &step1, 50).unwrap();
+    let before = tracker.rank_analysis(&key).unwrap().prediction.unwrap();
+    assert_eq!(before.inputs.basis, PredictionBasis::Allocator);
+
+    let replay = Step2Replay {
+        reserved_at_step1_end_bytes: 6 * GB,
+        reserved_peak_bytes: 9 * GB,
+        allocated_peak_bytes: 7 * GB,
+        new_segment_bytes: 3 * GB,
+        state_bytes: GB,
+        grad_bytes: 0,
+        grads_persistent: false,
+        events_replayed: 10,
+    };
+    assert!(tracker.allocator_replay(&key, replay, 55).is_some());
+    let p = tracker.rank_analysis(&key).unwrap().prediction.unwrap();
+    assert_eq!(p.inputs.basis, PredictionBasis::AllocatorReplay);
+    assert_eq!(p.inputs.allocator_replay, Some(replay));
+    assert_eq!(p.inputs.predicted_reserved_bytes, Some(9 * GB));
+    assert_eq!(p.inputs.layout_allowance_bytes, 0);
+    assert!(p.explanation.contains("replayed"), "{}", p.explanation);
+
+    // Step 2 begins: the frozen prediction is the replay's; later replays are ignored.
+    let step2 = [
+        marker(MarkerKind::StepEnd, 1, 60, stats(3 * GB, 6 * GB)),
+        marker(MarkerKind::StepBegin, 2, 70, stats(3 * GB, 6 * GB)),
+    ];
+    tracker.markers(&key, &step2, 70).unwrap();
+    let frozen = tracker.rank(&key).unwrap().prediction_before_step2.clone();
+    assert_eq!(
+        frozen.map(|p| p.inputs.basis),
+        Some(PredictionBasis::AllocatorReplay)
+    );
+    assert!(tracker.allocator_replay(&key, replay, 75).is_none());
+}
+
+#[test]
+fn bad_traces_are_refused_with_a_reason() {
+    let (r, _) = step_one(0, 30 * MIB);
+    let good = r.trace();
+
+    let mut t = good.clone();
+    t.step = 2;
+    assert_eq!(replay_step2(&t, false), Err(TraceError::NotStepOne(2)));
+
+    let mut t = good.clone();
+    t.events = vec![good.events[0]; MAX_TRACE_EVENTS + 1];
+    assert_eq!(replay_step2(&t, false), Err(TraceError::TooManyEvents));
+
+    // The same address allocated twice without a free.
+    let mut t = good.clone();
+    t.events.insert(1, good.events[0]);
+    assert!(matches!(
+        replay_step2(&t, false),
+        Err(TraceError::DoubleAlloc { index: 1, .. })
+    ));
+
+    // The state's allocation has no allocated block in the layout.
+    let mut t = good.clone();
+    for s in &mut t.segments {
+        for b in &mut s.blocks {
+            b.allocated = false;
+        }
+    }
+    assert!(matches!(
+        replay_step2(&t, false),
+        Err(TraceError::LayoutMismatch { .. })
+    ));
+
+    // Overlapping segments.
+    let mut t = good.clone();
+    let first = t.segments[0].clone();
+    t.segments.push(SegmentLayout {
+        address: first.address + MIB,
+        ..first
+    });
+    assert!(matches!(
+        replay_step2(&t, false),
+        Err(TraceError::Layout(allocator::LayoutError::Overlap { .. }))
+    ));
+
+    let mut t = good;
+    t.segments.push(SegmentLayout {
+        address: 1,
+        pool: Pool::Small,
+        blocks: vec![BlockLayout {
+            size: 0,
+            allocated: false,
+        }],
+    });
+    assert!(matches!(
+        replay_step2(&t, false),
+        Err(TraceError::Layout(allocator::LayoutError::EmptyBlock {
+            address: 1
+        }))
+    ));
+}
+
+#[test]
+fn a_layout_round_trips_through_from_layout() {
+    let (r, _) = step_one(10 * MIB, 30 * MIB);
+    let layout = r.alloc.layout();
+    let (copy, live) = CachingAllocator::from_layout(&layout).unwrap();
+    assert_eq!(copy.layout(), layout);
+    assert_eq!(copy.usage(), r.alloc.usage());
+    assert_eq!(live.len(), r.alloc.live_allocations());
+    copy.check_invariants();
+}
