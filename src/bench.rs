@@ -69,6 +69,8 @@ struct Row {
     expected_oom: bool,
     died_in_step: Option<u64>,
     predicted: Option<u64>,
+    /// What the prediction was computed from (allocator_replay, allocator, nvml_only).
+    basis: Option<String>,
     actual: Option<u64>,
     capacity: u64,
     /// Warning kind and its lead over step 2's begin (ms; None: step 2 never began).
@@ -436,8 +438,8 @@ fn median(values: &[f64]) -> f64 {
 fn render(rows: &[Row]) -> String {
     let gb = |b: Option<u64>| b.map_or("-".to_string(), |b| format!("{:.2}", b as f64 / 1e9));
     let mut out = String::from(
-        "| scenario | rank | outcome | predicted peak GB (before step 2) | actual steady peak GB | error | true headroom | warning | lead before step 2 |\n\
-         | --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |\n",
+        "| scenario | rank | outcome | predicted peak GB (before step 2) | basis | actual steady peak GB | error | true headroom | warning | lead before step 2 |\n\
+         | --- | ---: | --- | ---: | --- | ---: | ---: | ---: | --- | ---: |\n",
     );
     for r in rows {
         let outcome = match r.died_in_step {
@@ -450,11 +452,12 @@ fn render(rows: &[Row]) -> String {
             None => ("none".into(), "-".into()),
         };
         out += &format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             r.scenario,
             r.rank,
             outcome,
             gb(r.predicted),
+            r.basis.as_deref().unwrap_or("-"),
             gb(r.actual),
             r.error()
                 .map_or("-".into(), |e| format!("{:+.2}%", e * 100.0)),
@@ -566,6 +569,9 @@ fn run_group(
             expected_oom,
             died_in_step,
             predicted: report["prediction_before_step2"]["predicted_peak_bytes"].as_u64(),
+            basis: report["prediction_before_step2"]["inputs"]["basis"]
+                .as_str()
+                .map(str::to_owned),
             actual: report["analysis"]["steady"]["nvml_peak_bytes"].as_u64(),
             capacity: scenario.gpu.capacity_bytes,
             warning,

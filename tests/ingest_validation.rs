@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use common::*;
 use stepwatch_proto::v1::{
-    client_message::Kind, ingest_client::IngestClient, ClientMessage, Hello, Identity, Marker,
+    client_message::Kind, ingest_client::IngestClient, AllocatorAction, AllocatorBlock,
+    AllocatorEvent, AllocatorSegment, AllocatorTraceChunk, ClientMessage, Hello, Identity, Marker,
     MarkerBatch, MarkerKind,
 };
 use tonic::Code;
@@ -224,4 +225,181 @@ fn a_marker_flood_on_one_stream_is_refused_with_resource_exhausted() {
         accepted <= 102.0,
         "no more than the burst got in: {accepted}"
     );
+}
+
+/// One 64 MiB segment whose first 16 MiB block holds the state allocated in
+/// step 1's optimizer phase, as a client would send it.
+fn trace_chunk(step: u64, last: bool) -> AllocatorTraceChunk {
+    const MIB: u64 = 1 << 20;
+    AllocatorTraceChunk {
+        step,
+        segments: vec![AllocatorSegment {
+            address: 1 << 32,
+            small_pool: false,
+            blocks: vec![
+                AllocatorBlock {
+                    size: 16 * MIB,
+                    allocated: true,
+                },
+                AllocatorBlock {
+                    size: 48 * MIB,
+                    allocated: false,
+                },
+            ],
+        }],
+        events: vec![AllocatorEvent {
+            action: AllocatorAction::Alloc as i32,
+            address: 1 << 32,
+            size: 16 * MIB,
+            phase: MarkerKind::OptimizerBegin as i32,
+        }],
+        last,
+    }
+}
+
+fn trace(chunk: AllocatorTraceChunk) -> ClientMessage {
+    ClientMessage {
+        kind: Some(Kind::AllocatorTrace(chunk)),
+    }
+}
+
+#[test]
+fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
+    let agent = Agent::start("trace-validation", 1);
+    let ep = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Step 1 up to its optimizer end, with allocator figures to predict from.
+    let step1_to_optimizer_end = |t0| {
+        let mut s = step(1, t0);
+        s.pop();
+        for (i, m) in s.iter_mut().enumerate() {
+            let allocated = [1u64, 1, 3, 2, 2][i] << 30;
+            m.allocator = Some(stepwatch_proto::v1::AllocatorStats {
+                allocated_bytes: allocated,
+                allocated_peak_bytes: allocated,
+                reserved_bytes: 3 << 30,
+                reserved_peak_bytes: 3 << 30,
+                ..Default::default()
+            });
+        }
+        s
+    };
+    rt.block_on(async {
+        expect(
+            exchange(&ep, vec![hello("t", 0, 1), trace(trace_chunk(2, true))]).await,
+            Code::InvalidArgument,
+            "must come from step 1",
+        );
+        let mut no_phase = trace_chunk(1, true);
+        no_phase.events[0].phase = MarkerKind::StepEnd as i32;
+        expect(
+            exchange(&ep, vec![hello("t", 0, 1), trace(no_phase)]).await,
+            Code::InvalidArgument,
+            "names no phase",
+        );
+        let mut no_action = trace_chunk(1, true);
+        no_action.events[0].action = 0;
+        expect(
+            exchange(&ep, vec![hello("t", 0, 1), trace(no_action)]).await,
+            Code::InvalidArgument,
+            "unspecified or unknown action",
+        );
+        // The event says 16 MiB stayed allocated where the layout has a free block.
+        let mut mismatch = trace_chunk(1, true);
+        mismatch.segments[0].blocks[0].allocated = false;
+        expect(
+            exchange(&ep, vec![hello("t", 0, 1), trace(mismatch)]).await,
+            Code::InvalidArgument,
+            "layout has no allocated block",
+        );
+        // 70 chunks of 4000 events: over the 262144-event bound.
+        let mut big = vec![hello("t", 0, 1)];
+        for _ in 0..70 {
+            let mut chunk = trace_chunk(1, false);
+            chunk.segments.clear();
+            chunk.events = vec![chunk_event(); 4000];
+            big.push(trace(chunk));
+        }
+        expect(
+            exchange(&ep, big).await,
+            Code::ResourceExhausted,
+            "at most 262144 events",
+        );
+
+        // A good trace during step 1, split over two chunks, is replayed once.
+        let mut first = trace_chunk(1, false);
+        let events = std::mem::take(&mut first.events);
+        let mut second = trace_chunk(1, true);
+        second.segments.clear();
+        second.events = events;
+        let mut messages = vec![hello("t", 0, 1), batch(step1_to_optimizer_end(1_000))];
+        messages.extend([trace(first), trace(second.clone())]);
+        expect(
+            exchange(&ep, {
+                let mut m = messages.clone();
+                m.push(trace(second.clone()));
+                m
+            })
+            .await,
+            Code::FailedPrecondition,
+            "once per stream",
+        );
+    });
+    let m = Metrics(agent.metrics());
+    let rejected = |reason| {
+        m.get("stepwatch_markers_rejected_total", &[("reason", reason)])
+            .unwrap_or(0.0)
+    };
+    assert_eq!(rejected("allocator_trace_not_step_one"), 1.0);
+    assert_eq!(rejected("allocator_trace_bad_event"), 2.0);
+    assert_eq!(rejected("allocator_trace_invalid"), 1.0);
+    assert_eq!(rejected("allocator_trace_too_large"), 1.0);
+    assert_eq!(rejected("duplicate_allocator_trace"), 1.0);
+    assert_eq!(
+        m.get(
+            "stepwatch_allocator_traces_total",
+            &[("result", "replayed")]
+        ),
+        Some(1.0),
+        "the trace before the duplicate was replayed"
+    );
+    let (code, body) = agent.get("/api/v1/jobs/t/ranks/0");
+    assert_eq!(code, 200, "{body}");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let inputs = &report["analysis"]["prediction"]["inputs"];
+    assert_eq!(inputs["basis"], "allocator_replay", "{report:#}");
+    assert_eq!(
+        inputs["allocator_replay"]["state_bytes"],
+        16 << 20,
+        "{report:#}"
+    );
+
+    // Once step 2 has begun a trace is counted as late and changes nothing.
+    rt.block_on(async {
+        exchange(
+            &ep,
+            vec![
+                hello("t", 0, 1),
+                batch(vec![marker(MarkerKind::StepEnd, 1, 9_000)]),
+                batch(step(2, 10_000)),
+                trace(trace_chunk(1, true)),
+                batch(step(3, 20_000)),
+            ],
+        )
+        .await
+        .expect("a late trace does not end the stream");
+    });
+    agent.wait_metrics("late trace counted", Duration::from_secs(5), |m| {
+        m.get("stepwatch_allocator_traces_total", &[("result", "late")]) == Some(1.0)
+            && m.get("stepwatch_rank_last_step", &[("job", "t"), ("rank", "0")]) == Some(3.0)
+    });
+}
+
+fn chunk_event() -> AllocatorEvent {
+    AllocatorEvent {
+        action: AllocatorAction::Free as i32,
+        address: 1,
+        size: 512,
+        phase: MarkerKind::ForwardBegin as i32,
+    }
 }
