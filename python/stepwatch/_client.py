@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from ._tls import TlsMaterial
 
@@ -175,7 +175,8 @@ class Client:
     # ----------------------------------------------------------------- state
     def _reset_state(self) -> None:
         """Fresh queue, counters and thread state (also used in a forked child)."""
-        self._q: Deque[MarkerTuple] = collections.deque(maxlen=self.maxlen)
+        # MarkerTuples, and at most one _alloctrace.AllocatorTrace (step 1's).
+        self._q: Deque[Any] = collections.deque(maxlen=self.maxlen)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -197,6 +198,8 @@ class Client:
             "rejections": 0,  # streams the agent refused (bad input / rate limit)
             "advisories": 0,  # advisories received
             "hook_errors": 0,  # internal errors swallowed in hooks
+            "allocator_traces_sent": 0,  # step-1 allocator traces written whole to a stream
+            "allocator_traces_refused": 0,  # traces not sent: incomplete, too large, failed
         }
         self._warned: Dict[str, float] = {}
 
@@ -204,6 +207,18 @@ class Client:
         # The parent's thread and channel do not exist in the child; its queued
         # markers belong to the parent. Start over, lazily.
         self._reset_state()
+
+    def send_allocator_trace(self, trace: Any) -> None:
+        """Queue step 1's allocator trace (an ``_alloctrace.AllocatorTrace``) after the
+        markers queued so far. Never blocks; it is one unit of the queue: the sender
+        writes all its chunks on one stream, and a trace that does not make it (no
+        agent, queue overflow, stream lost midway) is dropped, never resent."""
+        q = self._q
+        if len(q) >= self.maxlen:
+            self.counters["dropped"] += 1
+        q.append(trace)
+        if self._thread is None:
+            self._start()
 
     # --------------------------------------------------------- training side
     def mark(
@@ -499,6 +514,13 @@ class Client:
         q = self._q
         interval = self.flush_interval
         while not stream.closed:
+            trace = stream.trace
+            if trace is not None:
+                stream.trace = None
+                self._in_flight = 1
+                yield from self._trace_messages(pb, trace)
+                self._in_flight = 0
+                continue
             if q:
                 items: List[MarkerTuple] = []
                 size = 0
@@ -507,12 +529,18 @@ class Client:
                         t = q.popleft()
                     except IndexError:
                         break
+                    if type(t) is not tuple:
+                        # An allocator trace: goes out after this batch, on its own.
+                        stream.trace = t
+                        break
                     items.append(t)
                     size += 40 if t[5] is None else 120  # generous upper bounds
                     if size >= MAX_BATCH_BYTES:
                         break
                 n = len(items)
-                self._in_flight = n
+                if n == 0:
+                    continue
+                self._in_flight = n + (stream.trace is not None)
                 msg = pb.ClientMessage(
                     markers=pb.MarkerBatch(markers=[_to_pb(pb, t) for t in items])
                 )
@@ -521,21 +549,41 @@ class Client:
                 self.counters["batches"] += 1
                 yield msg
                 # grpc asks for the next message once this one went out.
-                self._in_flight = 0
+                self._in_flight = 1 if stream.trace is not None else 0
                 continue
             if self._closed.is_set():
                 return  # half-close: the agent sees the end of our stream
             self._wake.wait(interval)
             self._wake.clear()
 
+    def _trace_messages(self, pb: Any, trace: Any) -> Iterator[Any]:
+        """The trace's chunks, in order, on this stream. If the stream ends midway
+        the rest is dropped: a new stream must not get chunks without their start."""
+        it = iter(trace.messages(pb))
+        while True:
+            try:
+                msg = next(it)
+            except StopIteration:
+                return
+            except Exception as e:  # a bug in encoding: drop the trace, keep the stream
+                self.counters["allocator_traces_refused"] += 1
+                log.warning("stepwatch: could not encode step 1's allocator trace: %r", e)
+                return
+            if msg.allocator_trace.last:
+                self.counters["allocator_traces_sent"] += 1
+                log.debug("stepwatch: step 1's allocator trace sent (%d events)", trace.num_events)
+            yield msg
+
 
 class _StreamState:
-    __slots__ = ("closed", "hello_sent", "batches")
+    __slots__ = ("closed", "hello_sent", "batches", "trace")
 
     def __init__(self) -> None:
         self.closed = False
         self.hello_sent = False
         self.batches = 0
+        # An allocator trace taken off the queue, to write after the current batch.
+        self.trace: Any = None
 
 
 def _to_pb(pb: Any, t: MarkerTuple) -> Any:

@@ -11,6 +11,7 @@ import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import _torch
+from ._alloctrace import Recorder
 from ._client import Client, Prediction, StepwatchError
 from ._identity import Identity, endpoint_target, resolve_identity
 from ._tls import load_tls, resolve_tls
@@ -41,6 +42,9 @@ class _Runtime:
         self.facts: Dict[str, Any] = {}
         self.gpu_uuid = ""
         self.allocator_stats = True
+        # Step 1's allocator trace: None = STEPWATCH_ALLOCATOR_TRACE (default on).
+        self.allocator_trace: Optional[bool] = None
+        self.recorder = Recorder()
         # CUDA device whose allocator figures go with each marker; None = none.
         self.cuda_device: Optional[int] = None
         self.cuda_checked = False
@@ -65,6 +69,7 @@ class _Runtime:
         framework: Optional[str] = None,
         framework_version: Optional[str] = None,
         allocator_stats: Optional[bool] = None,
+        allocator_trace: Optional[bool] = None,
         tls_ca: Optional[str] = None,
         tls_cert: Optional[str] = None,
         tls_key: Optional[str] = None,
@@ -93,6 +98,8 @@ class _Runtime:
                 self.framework_version = framework_version
             if allocator_stats is not None:
                 self.allocator_stats = allocator_stats
+            if allocator_trace is not None:
+                self.allocator_trace = allocator_trace
             paths = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
             self.tls_paths.update({k: str(v) for k, v in paths.items() if v is not None})
             target = endpoint_target(endpoint or self.endpoint)
@@ -174,20 +181,36 @@ class _Runtime:
         return h
 
     # -------------------------------------------------------------- markers
+    def allocator_trace_enabled(self) -> bool:
+        """watch(allocator_trace=) / configure(), else $STEPWATCH_ALLOCATOR_TRACE (default on);
+        needs the allocator figures (allocator_stats)."""
+        if not self.allocator_stats:
+            return False
+        if self.allocator_trace is not None:
+            return self.allocator_trace
+        return _env_flag("STEPWATCH_ALLOCATOR_TRACE", True)
+
     def _emit(self, kind: int, step: int, micro: int) -> None:
         alloc = None
+        dev = None
         if self.allocator_stats:
             if not self.cuda_checked and kind == 1:  # STEP_BEGIN: look for CUDA once
                 self.cuda_checked = True
                 if self.cuda_device is None:
                     self.cuda_device = _torch.active_cuda_device()
             dev = self.cuda_device
-            if dev is not None:
-                alloc = _torch.allocator_figures(dev)
         c = self.client
         if c is None:
             c = self.get_client()
+        rec = self.recorder
+        finish = False
+        if not rec.done:  # step 1 only: its allocator trace (see _alloctrace)
+            finish = rec.on_marker(c, kind, step, dev, self.allocator_trace_enabled())
+        if dev is not None:
+            alloc = _torch.allocator_figures(dev)
         c.mark(kind, step, micro, alloc)
+        if finish:
+            rec.finish(c)
 
     def guarded(self, fn: Callable[[], None]) -> None:
         """Run a marking action from a hook: never raise into training unless strict."""
@@ -253,6 +276,13 @@ class _Runtime:
                 c.close(timeout=_exit_flush_timeout())
             except Exception:
                 pass
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None or not v.strip():
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off")
 
 
 def _float_env(name: str, default: float) -> float:
@@ -329,6 +359,7 @@ def watch(
     grads_set_to_none: Optional[bool] = None,
     queue_size: Optional[int] = None,
     allocator_stats: bool = True,
+    allocator_trace: Optional[bool] = None,
     oom_excepthook: bool = True,
     framework: str = "pytorch",
     framework_version: Optional[str] = None,
@@ -361,6 +392,11 @@ def watch(
     for mutual TLS (default ``$STEPWATCH_TLS_CERT``/``$STEPWATCH_TLS_KEY``).
     The files are read once, here; one that cannot be read is logged and the
     client then behaves as with an unreachable agent (``strict=True``: raised).
+
+    ``allocator_trace`` (default ``$STEPWATCH_ALLOCATOR_TRACE``, on): on CUDA,
+    record the caching allocator's history during step 1 (no stacks) and send
+    it once, after step 1's optimizer phase, so the agent can predict step 2's
+    fragmentation. ``False`` (or ``STEPWATCH_ALLOCATOR_TRACE=0``) turns it off.
     """
     torch = _torch.require_torch()
     with RT.lock:
@@ -388,6 +424,7 @@ def watch(
             framework=framework,
             framework_version=framework_version or torch.__version__,
             allocator_stats=allocator_stats,
+            allocator_trace=allocator_trace,
             tls_ca=tls_ca,
             tls_cert=tls_cert,
             tls_key=tls_key,
@@ -491,6 +528,8 @@ def stats() -> Dict[str, Any]:
             "rejections": 0,
             "advisories": 0,
             "hook_errors": 0,
+            "allocator_traces_sent": 0,
+            "allocator_traces_refused": 0,
             "queued": 0,
             "connected": False,
             "endpoint": endpoint_target(RT.endpoint),
@@ -537,5 +576,7 @@ def reset() -> None:
         RT.facts = {}
         RT.gpu_uuid = ""
         RT.allocator_stats = True
+        RT.allocator_trace = None
+        RT.recorder = Recorder()
         RT.cuda_device = None
         RT.cuda_checked = False

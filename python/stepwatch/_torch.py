@@ -148,6 +148,116 @@ def allocator_figures(device: int) -> Optional[Tuple[int, ...]]:
         return None
 
 
+# ------------------------------------------------------ allocator history
+# Used by _alloctrace (step 1's allocator trace). These raise on failure; the
+# caller turns any exception into "feature off, one warning".
+
+
+def cuda_available() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def memory_history_supported() -> bool:
+    """Whether this torch has ``_record_memory_history`` (string API) and ``_snapshot``."""
+    import torch
+
+    mem = getattr(torch.cuda, "memory", None)
+    return callable(getattr(mem, "_record_memory_history", None)) and callable(
+        getattr(mem, "_snapshot", None)
+    )
+
+
+def memory_history_enabled() -> bool:
+    """True when something (the user's own debugging) already records allocator history."""
+    import torch
+
+    fn = getattr(torch._C, "_cuda_isHistoryEnabled", None)
+    if fn is None:
+        return False
+    try:
+        return bool(fn())
+    except Exception:
+        return False
+
+
+def _history_kwargs(fn: Any) -> Tuple[bool, bool]:
+    """(takes clear_history, takes skip_actions): both are newer than the string API."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False, False
+    return "clear_history" in params, "skip_actions" in params
+
+
+def start_memory_history(max_entries: int) -> None:
+    """Record the allocator's alloc/free history: no stack capture, bounded ring buffer.
+
+    ``enabled="all"`` keeps the event history (``"state"`` would keep only the
+    live blocks); ``context=None`` records no tracebacks at all, and
+    ``stacks="python"`` keeps torch from warming up its C++ unwinder (it does
+    so for ``"all"`` even without context). The history starts empty, so the
+    trace begins here: with ``clear_history`` where torch has it; older
+    versions clear it on every enable, or on every disable (and the caller
+    checks that nothing else records). Where torch has ``skip_actions``,
+    ``free_requested`` entries are left out: the trace uses
+    ``free_completed``, and they would take a third of the ring buffer.
+    """
+    import torch
+
+    fn = torch.cuda.memory._record_memory_history
+    clear, skip = _history_kwargs(fn)
+    kwargs: Dict[str, Any] = dict(
+        enabled="all", context=None, stacks="python", max_entries=int(max_entries)
+    )
+    if clear:
+        kwargs["clear_history"] = True
+    if skip:
+        kwargs["skip_actions"] = ["free_requested"]
+    fn(**kwargs)
+
+
+def stop_memory_history() -> None:
+    import torch
+
+    fn = torch.cuda.memory._record_memory_history
+    clear, _ = _history_kwargs(fn)
+    kwargs: Dict[str, Any] = dict(enabled=None, context=None, stacks="python")
+    if clear:
+        kwargs["clear_history"] = True  # frees the ring buffer
+    fn(**kwargs)
+
+
+def memory_snapshot() -> Any:
+    import torch
+
+    return torch.cuda.memory._snapshot()
+
+
+def allocator_event_counters(device: int) -> Tuple[int, int]:
+    """(blocks handed out, blocks returned to the cache) since the process began.
+
+    In c10's CUDACachingAllocator, ``alloc_found_block`` records the trace's
+    ``alloc`` entry and increases the ``active`` stat by one; ``free_block``
+    records ``free_completed`` and decreases it by one. The stat's cumulative
+    ``allocated``/``freed`` counters therefore count exactly those two kinds
+    of trace entries. (``allocation.all.freed`` counts ``free_requested``
+    instead: a block used on another stream is returned to the cache only
+    later, when its events complete.)
+    """
+    import torch
+
+    s = torch.cuda.memory_stats(device)
+    return int(s["active.all.allocated"]), int(s["active.all.freed"])
+
+
 # --------------------------------------------------------- model facts
 def _optimizers(optimizer: Any) -> List[Any]:
     if optimizer is None:

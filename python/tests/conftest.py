@@ -25,6 +25,10 @@ class RecordedStream:
         self.hello: Optional[pb.Hello] = None
         self.messages: List[pb.ClientMessage] = []
         self.markers: List[pb.Marker] = []
+        # Allocator-trace chunks, as received.
+        self.traces: List[pb.AllocatorTraceChunk] = []
+        # The stream's content in order: ("marker", kind, step) / ("trace", last).
+        self.order: List[tuple] = []
         self.sizes: List[int] = []
         self.ended = False  # the client half-closed
         self.outbox: queue.Queue[Optional[pb.AgentMessage]] = queue.Queue()
@@ -63,12 +67,21 @@ class FakeAgent(pb_grpc.IngestServicer):
         def reader() -> None:
             try:
                 for msg in request_iterator:
-                    if msg.WhichOneof("kind") != "markers":
+                    kind = msg.WhichOneof("kind")
+                    if kind == "allocator_trace":
+                        with self.lock:
+                            rec.sizes.append(msg.ByteSize())
+                            rec.traces.append(msg.allocator_trace)
+                            rec.order.append(("trace", msg.allocator_trace.last))
+                            self.changed.notify_all()
+                        continue
+                    if kind != "markers":
                         continue
                     with self.lock:
                         rec.messages.append(msg)
                         rec.sizes.append(msg.ByteSize())
                         rec.markers.extend(msg.markers.markers)
+                        rec.order.extend(("marker", m.kind, m.step) for m in msg.markers.markers)
                         self.changed.notify_all()
                     cb = self.on_marker
                     if cb is not None:

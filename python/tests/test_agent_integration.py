@@ -201,3 +201,46 @@ def test_training_completes_with_no_agent_at_all(sock_dir, monkeypatch):
     _train(5, 2)
     assert time.monotonic() - t0 < 30
     assert stepwatch.stats()["sent"] == 0
+
+
+def test_allocator_trace_gives_a_replayed_prediction(real_agent, monkeypatch):
+    """Step 1's allocator trace, recorded by watch() (torch.cuda's history functions
+    replaced by a fake caching allocator: CPU torch cannot record one), reaches the
+    agent between step 1's OPTIMIZER_END and step 2's STEP_BEGIN, and the prediction
+    frozen before step 2 comes from replaying it."""
+    from fake_cuda import FakeCuda, FakeWorkload
+
+    fake = FakeCuda().install(monkeypatch, torch)
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    work = FakeWorkload(fake, model, opt)
+    handle = stepwatch.watch(model, opt, job_id=job, grads_set_to_none=True)
+    work.install_optimizer_hooks()
+    try:
+        for _ in range(3):
+            x, y = torch.randn(8, 16), torch.randn(8, 1)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            work.zero_grad()
+    finally:
+        handle.remove()
+        work.remove()
+    assert stepwatch.flush(5), stepwatch.stats()
+    report = real_agent.rank_report(job, 0, 3)
+    st = stepwatch.stats()
+    assert st["allocator_traces_sent"] == 1 and st["allocator_traces_refused"] == 0, st
+    assert st["rejections"] == 0 and st["reconnects"] == 0, (
+        st,
+        real_agent.log.read_text()[-4000:],
+    )
+    assert fake.snapshots == 1
+    pred = report.get("prediction_before_step2")
+    assert pred, report
+    assert pred["inputs"]["basis"] == "allocator_replay", (
+        pred,
+        real_agent.log.read_text()[-4000:],
+    )
+    assert "replayed from the step-1 allocator trace" in real_agent.log.read_text()

@@ -1,0 +1,458 @@
+"""Step 1's CUDA caching-allocator history, sent once to the agent (AllocatorTraceChunk).
+
+During step 1 the caching allocator records its alloc/free history (no stack
+capture). After step 1's OPTIMIZER_END marker one ``torch.cuda.memory._snapshot()``
+gives the segment layout at that moment and the history; :func:`trace_from_snapshot`
+turns them into an :class:`AllocatorTrace` (segments, and the step's allocations
+and frees tagged with the phase they happened in), which the client sends as one
+unit of its queue, right after that marker. The agent replays the events through
+its model of the caching allocator to predict step 2's reserved memory.
+
+Phase tagging. Each step-1 marker reads the allocator's cumulative counters
+``active.all.allocated`` and ``active.all.freed`` (see
+:func:`stepwatch._torch.allocator_event_counters`): they count exactly the
+trace's ``alloc`` and ``free_completed`` entries, so the k-th allocation of the
+trace happened after a marker iff ``k > allocated(marker) - allocated(start)``
+(same for frees). This places every marker exactly between two events,
+whichever thread allocated (backward runs on autograd's device thread); the
+entries' ``time_us`` come from an approximate TSC clock converted to wall time
+and would need a tolerance around each marker. The counters also let the
+client check the trace is whole: it must hold at least the events counted by
+step 1's OPTIMIZER_END and at most those counted when the snapshot returned.
+
+Nothing here imports torch; the recorder calls it through ``_torch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from array import array
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from . import _torch
+from ._client import (
+    BACKWARD_BEGIN,
+    FORWARD_BEGIN,
+    MAX_BATCH_BYTES,
+    OOM,
+    OPTIMIZER_BEGIN,
+    OPTIMIZER_END,
+    STEP_BEGIN,
+)
+
+log = logging.getLogger("stepwatch")
+
+# The agent's limits (proto/stepwatch/v1/ingest.proto).
+MAX_TRACE_EVENTS = 262_144
+MAX_TRACE_BLOCKS = 262_144
+# Ring buffer of the allocator's history: bounds host memory (a c10 TraceEntry
+# is of the order of 100 bytes; the snapshot's dict per entry a few hundred).
+HISTORY_MAX_ENTRIES = 262_144
+# Encoded ClientMessage bound per chunk; the agent refuses messages over 64 KiB.
+CHUNK_BYTES = MAX_BATCH_BYTES
+
+# stepwatch.v1.AllocatorAction
+ACTION_ALLOC = 1
+ACTION_FREE = 2
+
+PHASE_KINDS = (STEP_BEGIN, FORWARD_BEGIN, BACKWARD_BEGIN, OPTIMIZER_BEGIN, OPTIMIZER_END)
+
+# (marker kind, active.all.allocated, active.all.freed) at a step-1 marker
+Mark = Tuple[int, int, int]
+
+
+class TraceRefused(Exception):
+    """The trace cannot be sent as it is (incomplete, too large); the reason says why."""
+
+
+def _vlen(v: int) -> int:
+    """Bytes of ``v`` as a protobuf varint (v >= 0)."""
+    return (max(v.bit_length(), 1) + 6) // 7
+
+
+def _field(n: int) -> int:
+    """Bytes of a length-delimited field whose payload is ``n`` bytes (1-byte tag)."""
+    return 1 + _vlen(n) + n
+
+
+def _block_bytes(size: int, allocated: bool) -> int:
+    return _field((1 + _vlen(size) if size else 0) + (2 if allocated else 0))
+
+
+def _segment_bytes(address: int, small: bool, blocks: Sequence[Tuple[int, bool]]) -> int:
+    n = (1 + _vlen(address) if address else 0) + (2 if small else 0)
+    for size, allocated in blocks:
+        n += _block_bytes(size, allocated)
+    return _field(n)
+
+
+def _event_bytes(action: int, address: int, size: int, phase: int) -> int:
+    return _field(
+        (2 if action else 0)
+        + (1 + _vlen(address) if address else 0)
+        + (1 + _vlen(size) if size else 0)
+        + (2 if phase else 0)
+    )
+
+
+# A chunk's fields besides segments/events: step (varint field) and last
+# (bool), plus the ClientMessage's own tag and length (a 64 KiB payload needs
+# a 3-byte length).
+_CHUNK_OVERHEAD = (1 + 10) + 2 + (1 + 3)
+
+
+class AllocatorTrace:
+    """Step 1's trace in compact form; :meth:`messages` encodes it in chunks."""
+
+    __slots__ = ("step", "segments", "ev_action", "ev_address", "ev_size", "ev_phase")
+
+    def __init__(self, step: int = 1) -> None:
+        self.step = step
+        # (address, small pool, [(size, allocated), ...] in address order)
+        self.segments: List[Tuple[int, bool, List[Tuple[int, bool]]]] = []
+        self.ev_action = array("B")
+        self.ev_address = array("Q")
+        self.ev_size = array("Q")
+        self.ev_phase = array("B")
+
+    @property
+    def num_events(self) -> int:
+        return len(self.ev_action)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(s[2]) for s in self.segments)
+
+    def add_event(self, action: int, address: int, size: int, phase: int) -> None:
+        self.ev_action.append(action)
+        self.ev_address.append(address)
+        self.ev_size.append(size)
+        self.ev_phase.append(phase)
+
+    def events(self) -> Iterator[Tuple[int, int, int, int]]:
+        return zip(self.ev_action, self.ev_address, self.ev_size, self.ev_phase)
+
+    def check(self, budget: int = CHUNK_BYTES) -> None:
+        """Refuse what the agent would refuse, or what cannot be chunked."""
+        if self.num_events > MAX_TRACE_EVENTS:
+            raise TraceRefused(
+                f"step 1 made {self.num_events} allocations and frees; the agent takes at "
+                f"most {MAX_TRACE_EVENTS}"
+            )
+        if self.num_blocks > MAX_TRACE_BLOCKS:
+            raise TraceRefused(
+                f"the allocator holds {self.num_blocks} blocks; the agent takes at most "
+                f"{MAX_TRACE_BLOCKS}"
+            )
+        room = budget - _CHUNK_OVERHEAD
+        for address, small, blocks in self.segments:
+            if _segment_bytes(address, small, blocks) > room:
+                raise TraceRefused(
+                    f"the segment at {address:#x} has {len(blocks)} blocks, more than one "
+                    f"message of {budget} bytes can describe"
+                )
+
+    def messages(self, pb: Any, budget: int = CHUNK_BYTES) -> Iterator[Any]:
+        """ClientMessages (``allocator_trace``), each encoding to at most ``budget`` bytes.
+
+        Segments, then events, in order; ``last`` is set on the final chunk only.
+        A segment is never split (its blocks must tile it), see :meth:`check`.
+        """
+        room = budget - _CHUNK_OVERHEAD
+        msg = pb.ClientMessage()
+        chunk = msg.allocator_trace
+        chunk.step = self.step
+        used = 0
+        for address, small, blocks in self.segments:
+            n = _segment_bytes(address, small, blocks)
+            if used and used + n > room:
+                yield msg
+                msg = pb.ClientMessage()
+                chunk = msg.allocator_trace
+                chunk.step = self.step
+                used = 0
+            seg = chunk.segments.add(address=address, small_pool=small)
+            add_block = seg.blocks.add
+            for size, allocated in blocks:
+                add_block(size=size, allocated=allocated)
+            used += n
+        for action, address, size, phase in self.events():
+            n = _event_bytes(action, address, size, phase)
+            if used and used + n > room:
+                yield msg
+                msg = pb.ClientMessage()
+                chunk = msg.allocator_trace
+                chunk.step = self.step
+                used = 0
+            chunk.events.add(action=action, address=address, size=size, phase=phase)
+            used += n
+        chunk.last = True
+        yield msg
+
+
+def trace_from_snapshot(
+    snapshot: Any,
+    device: int,
+    marks: Sequence[Mark],
+    *,
+    end_counters: Optional[Tuple[int, int]] = None,
+    max_entries: Optional[int] = HISTORY_MAX_ENTRIES,
+    step: int = 1,
+) -> AllocatorTrace:
+    """Build step 1's trace from a ``torch.cuda.memory._snapshot()`` dict.
+
+    ``marks`` are the step's markers in order, each with the allocator's
+    counters read at it; the first is STEP_BEGIN, read just after recording
+    began (the history then starts empty, so its first entries are the first
+    events after that point). ``end_counters`` are the counters read right
+    after the snapshot. Raises :class:`TraceRefused` when the history is
+    incomplete or too large.
+
+    Snapshot fields used (torch/cuda/memory.py, ``_snapshot`` docstring):
+    ``Snapshot.segments`` / ``Snapshot.device_traces``; ``Segment.device``,
+    ``.address``, ``.segment_type`` ("small"/"large"), ``.blocks``;
+    ``Block.size``, ``.state`` ("inactive" is free; "active_allocated" and
+    "active_pending_free" / "active_awaiting_free" hold memory);
+    ``TraceEntry.action``, ``.addr``, ``.size`` (the requested bytes).
+    """
+    if not marks or marks[0][0] != STEP_BEGIN:
+        raise ValueError("the first mark must be STEP_BEGIN")
+    traces = snapshot.get("device_traces") or []
+    entries = traces[device] if 0 <= device < len(traces) else []
+    if max_entries and len(entries) >= max_entries:
+        raise TraceRefused(
+            f"the allocator's history filled its ring buffer ({len(entries)} entries): "
+            "the start of step 1 was overwritten"
+        )
+    # Counters relative to the start; they never go back unless someone calls
+    # torch.cuda.reset_accumulated_memory_stats() during the step.
+    a0, f0 = marks[0][1], marks[0][2]
+    rel: List[Mark] = []
+    pa = pf = 0
+    for kind, a, f in marks:
+        ra, rf = a - a0, f - f0
+        if ra < pa or rf < pf:
+            raise TraceRefused(
+                "the allocator's counters went back during step 1 "
+                "(torch.cuda.reset_accumulated_memory_stats?)"
+            )
+        rel.append((kind, ra, rf))
+        pa, pf = ra, rf
+
+    trace = AllocatorTrace(step)
+    add = trace.add_event
+    last = len(rel) - 1
+    ia = jf = 0  # the marks the next allocation / free follows
+    na = nf = 0  # allocations / frees seen so far
+    for e in entries:
+        action = e.get("action")
+        if action == "alloc":
+            while ia < last and rel[ia + 1][1] <= na:
+                ia += 1
+            na += 1
+            add(ACTION_ALLOC, int(e["addr"]), int(e["size"]), rel[ia][0])
+        elif action == "free_completed":
+            while jf < last and rel[jf + 1][2] <= nf:
+                jf += 1
+            nf += 1
+            add(ACTION_FREE, int(e["addr"]), int(e["size"]), rel[jf][0])
+        elif action == "oom":
+            raise TraceRefused("the allocator ran out of memory during step 1")
+    need_a, need_f = rel[-1][1], rel[-1][2]
+    if na < need_a or nf < need_f:
+        raise TraceRefused(
+            f"the history holds {na} allocations and {nf} frees, but the allocator counted "
+            f"{need_a} and {need_f} by the end of step 1's optimizer phase"
+        )
+    if end_counters is not None:
+        ea, ef = end_counters[0] - a0, end_counters[1] - f0
+        if na > ea or nf > ef:
+            raise TraceRefused(
+                f"the history holds {na} allocations and {nf} frees, more than the "
+                f"{ea} and {ef} the allocator counted since recording began"
+            )
+
+    segments = []
+    for seg in snapshot.get("segments") or []:
+        if seg.get("device", device) != device:
+            continue
+        blocks = seg.get("blocks") or []
+        if not blocks:
+            continue
+        if "address" in blocks[0]:
+            blocks = sorted(blocks, key=lambda b: b["address"])
+        segments.append(
+            (
+                int(seg["address"]),
+                seg.get("segment_type") == "small",
+                [(int(b["size"]), b.get("state") != "inactive") for b in blocks],
+            )
+        )
+    segments.sort(key=lambda s: s[0])
+    trace.segments = segments
+    trace.check()
+    return trace
+
+
+# ------------------------------------------------------------------ allocator settings
+# The agent's allocator model is PyTorch's caching allocator with its default
+# settings. These change how blocks are split, rounded, released or mapped, so a
+# replay under them would predict the wrong thing; the trace is not sent then.
+_UNMODELLED_SETTINGS = {
+    "expandable_segments": lambda v: v.strip().lower() == "true",
+    "max_split_size_mb": lambda v: True,
+    "roundup_power2_divisions": lambda v: True,
+    "garbage_collection_threshold": lambda v: True,
+    "backend": lambda v: v.strip() != "native",
+}
+
+
+def unmodelled_allocator_settings(env: Optional[Dict[str, str]] = None) -> List[str]:
+    """Settings in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` that the
+    agent's allocator model does not follow, as ``key:value`` strings."""
+    env = os.environ if env is None else env
+    found = []
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        for item in env.get(var, "").split(","):
+            key, _, value = item.partition(":")
+            key = key.strip()
+            if key in _UNMODELLED_SETTINGS and _UNMODELLED_SETTINGS[key](value):
+                found.append(f"{key}:{value.strip()}")
+    return found
+
+
+# ------------------------------------------------------------------ recorder
+_IDLE, _RECORDING, _DONE = 0, 1, 2
+
+
+class Recorder:
+    """Records step 1's allocator history once per process; see the module docstring.
+
+    :meth:`on_marker` runs in ``_Runtime._emit`` before a marker is queued;
+    when it returns True (step 1's OPTIMIZER_END), :meth:`finish` runs after it.
+    Any failure turns the feature off for the process with one warning.
+    """
+
+    def __init__(self, max_entries: int = HISTORY_MAX_ENTRIES) -> None:
+        self.state = _IDLE
+        self.max_entries = max_entries
+        self.device = 0
+        self.marks: List[Mark] = []
+
+    @property
+    def done(self) -> bool:
+        return self.state == _DONE
+
+    def on_marker(
+        self, client: Any, kind: int, step: int, device: Optional[int], enabled: bool
+    ) -> bool:
+        """Start at step 1's STEP_BEGIN, note the counters at each step-1 marker.
+
+        Returns True at step 1's OPTIMIZER_END: call :meth:`finish` once the
+        marker is queued.
+        """
+        state = self.state
+        if state == _DONE:
+            return False
+        if state == _IDLE:
+            if kind != STEP_BEGIN:
+                return False
+            if step != 1 or not enabled or device is None or not _torch.cuda_available():
+                self.state = _DONE
+                return False
+            self._start(client, device)
+            return False
+        # Recording: a step-1 phase marker, else step 1 ended or died first.
+        if step != 1 or kind == STEP_BEGIN or kind not in PHASE_KINDS:
+            why = "died" if kind == OOM else "ended without an optimizer phase"
+            log.debug("stepwatch: step 1 %s; no allocator trace", why)
+            self._stop_quietly()
+            return False
+        try:
+            self.marks.append((kind, *_torch.allocator_event_counters(self.device)))
+        except Exception as e:
+            self._fail(client, "could not read the allocator's counters", e)
+            return False
+        return kind == OPTIMIZER_END
+
+    def _start(self, client: Any, device: int) -> None:
+        self.state = _DONE
+        try:
+            if not _torch.memory_history_supported():
+                log.warning(
+                    "stepwatch: this PyTorch has no torch.cuda.memory._record_memory_history/"
+                    "_snapshot; step 1's allocator trace is off (the agent predicts without it)"
+                )
+                return
+            unmodelled = unmodelled_allocator_settings()
+            if unmodelled:
+                log.info(
+                    "stepwatch: the CUDA allocator runs with %s, which the agent's allocator "
+                    "model does not follow; no allocator trace is sent (the agent predicts "
+                    "step 2 from the markers)",
+                    ", ".join(unmodelled),
+                )
+                return
+            if _torch.memory_history_enabled():
+                log.info(
+                    "stepwatch: CUDA memory history is already being recorded (by the training "
+                    "script?); stepwatch leaves it alone and sends no allocator trace"
+                )
+                return
+            _torch.start_memory_history(self.max_entries)
+            self.state = _RECORDING
+            self.device = device
+            self.marks = [(STEP_BEGIN, *_torch.allocator_event_counters(device))]
+        except Exception as e:
+            self._fail(client, "could not start recording the allocator's history", e)
+
+    def finish(self, client: Any) -> None:
+        """After step 1's OPTIMIZER_END: snapshot, stop recording, queue the trace."""
+        if self.state != _RECORDING:
+            return
+        marks, self.marks = self.marks, []
+        try:
+            snapshot = _torch.memory_snapshot()
+            end = _torch.allocator_event_counters(self.device)
+        except Exception as e:
+            self._fail(client, "could not take the allocator snapshot", e)
+            return
+        self._stop_quietly()
+        try:
+            trace = trace_from_snapshot(
+                snapshot, self.device, marks, end_counters=end, max_entries=self.max_entries
+            )
+        except TraceRefused as e:
+            client.counters["allocator_traces_refused"] += 1
+            log.warning(
+                "stepwatch: step 1's allocator trace is not sent: %s; the agent predicts "
+                "step 2 without it (training goes on)",
+                e,
+            )
+            return
+        except Exception as e:
+            self._fail(client, "could not read the allocator snapshot", e)
+            return
+        if trace.num_events == 0:
+            log.debug("stepwatch: step 1 made no CUDA allocations; no allocator trace")
+            return
+        client.send_allocator_trace(trace)
+
+    def _stop_quietly(self) -> None:
+        was_recording = self.state == _RECORDING
+        self.state = _DONE
+        self.marks = []
+        if not was_recording:
+            return
+        try:
+            _torch.stop_memory_history()
+        except Exception as e:
+            log.debug("stepwatch: could not stop recording the allocator's history: %r", e)
+
+    def _fail(self, client: Any, what: str, e: BaseException) -> None:
+        self._stop_quietly()
+        client.counters["allocator_traces_refused"] += 1
+        log.warning(
+            "stepwatch: %s (%r); step 1's allocator trace is off (training goes on)", what, e
+        )
