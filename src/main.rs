@@ -3,6 +3,7 @@
 mod bench;
 mod demo;
 mod http_get;
+mod replay_record;
 mod sim;
 
 use clap::{Parser, Subcommand};
@@ -34,6 +35,9 @@ enum Command {
     FakeGpu(sim::FakeGpuArgs),
     /// Benchmarks that need the whole system (e.g. `bench accuracy`).
     Bench(bench::BenchArgs),
+    /// Replay an agent's `--record` file through the step model: each rank's
+    /// prediction made before step 2 against the steady-state peak after it.
+    ReplayRecord(replay_record::ReplayRecordArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -54,5 +58,6 @@ fn main() -> anyhow::Result<()> {
         }
         Command::FakeGpu(args) => sim::fake_gpu(args),
         Command::Bench(args) => bench::run(args),
+        Command::ReplayRecord(args) => replay_record::run(args),
     }
 }

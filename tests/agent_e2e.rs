@@ -122,7 +122,11 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
         .sum();
     assert!(sampled >= 3, "a step at 100 Hz has samples, got {sampled}");
     let prediction = &report["analysis"]["prediction"];
-    assert_eq!(prediction["inputs"]["basis"], "allocator", "{prediction}");
+    // The simulated ranks send step 1's allocator trace, as the Python client does.
+    assert_eq!(
+        prediction["inputs"]["basis"], "allocator_replay",
+        "{prediction}"
+    );
     assert_eq!(
         prediction["inputs"]["state_source"], "measured_jump",
         "{prediction}"

@@ -97,6 +97,20 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_JOURNAL_STEPS", default_value_t = 100)]
     pub journal_steps: usize,
 
+    /// Record every input of the step model (hellos, marker batches,
+    /// allocator traces, GPU samples, process lists) to this file as JSON
+    /// lines, for `stepwatch replay-record` and the predictor's fixtures.
+    /// Off unless given; the file is truncated at start. A record covers what
+    /// this agent saw since it started (ranks restored from the journal are
+    /// not in it).
+    #[arg(long, env = "STEPWATCH_RECORD")]
+    pub record: Option<PathBuf>,
+
+    /// Size bound of the record, bytes (about 80 bytes per GPU sample: 8 GPUs
+    /// at 100 Hz write about 230 MB an hour); recording stops there.
+    #[arg(long, env = "STEPWATCH_RECORD_MAX_BYTES", default_value_t = 1 << 30)]
+    pub record_max_bytes: u64,
+
     /// Log format.
     #[arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

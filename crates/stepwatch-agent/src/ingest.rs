@@ -15,7 +15,6 @@ use stepwatch_core::{
     AllocatorTrace, Marker, MarkerKind, ModelFacts, OpenError, OptimizerKind, Precision, RankInfo,
     RankKey,
 };
-use stepwatch_proto::clock::monotonic_ns;
 use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
 use stepwatch_proto::MAX_MARKERS_PER_BATCH;
 use tokio::sync::{mpsc, Semaphore};
@@ -103,7 +102,7 @@ async fn serve_stream(
         None => return Ok(()),
     };
     let info = rank_info(hello, peer_pid);
-    let key = match state.tracker().open(info.clone(), monotonic_ns()) {
+    let key = match state.open_rank(info.clone()) {
         Ok(key) => key,
         Err(OpenError::Invalid(e)) => {
             state.ingest.reject(e.reason(), 1);
@@ -117,7 +116,7 @@ async fn serve_stream(
     tracing::info!(job = %key.job, rank = key.rank, pid = info.pid, gpu = %info.gpu_uuid, "rank connected");
     let grads_persistent = info.model.grads_set_to_none == Some(false);
     let result = receive_markers(state, &key, grads_persistent, &mut inbound, max_rate, tx).await;
-    state.tracker().close(&key, monotonic_ns());
+    state.close_rank(&key);
     tracing::info!(job = %key.job, rank = key.rank, "rank disconnected");
     result
 }
@@ -333,9 +332,12 @@ async fn replay_trace(
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
     let events = trace.events.len();
-    let replayed = tokio::task::spawn_blocking(move || replay_step2(&trace, grads_persistent))
-        .await
-        .map_err(|e| Status::internal(format!("allocator trace replay failed: {e}")))?;
+    let (trace, replayed) = tokio::task::spawn_blocking(move || {
+        let replayed = replay_step2(&trace, grads_persistent);
+        (trace, replayed)
+    })
+    .await
+    .map_err(|e| Status::internal(format!("allocator trace replay failed: {e}")))?;
     let replay = replayed.map_err(|e| {
         state.ingest.reject("allocator_trace_invalid", 1);
         Status::invalid_argument(format!(
@@ -343,7 +345,7 @@ async fn replay_trace(
             key.job, key.rank
         ))
     })?;
-    match state.apply_allocator_replay(key, replay) {
+    match state.apply_allocator_replay(key, trace, grads_persistent, replay) {
         Some(advisories) => {
             state
                 .ingest

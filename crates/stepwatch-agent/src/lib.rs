@@ -9,6 +9,7 @@ pub mod config;
 mod exporter;
 mod http;
 mod ingest;
+mod record;
 mod state;
 
 use std::future::Future;
@@ -20,7 +21,6 @@ use std::time::Duration;
 use anyhow::Context;
 use stepwatch_core::{Tracker, TrackerConfig};
 use stepwatch_gpu::{SamplerConfig, SamplerHandle};
-use stepwatch_proto::clock::monotonic_ns;
 use stepwatch_proto::v1::ingest_server::IngestServer;
 use stepwatch_proto::MAX_MESSAGE_BYTES;
 use tokio::net::{TcpListener, UnixListener};
@@ -67,6 +67,10 @@ pub async fn run_until(
         ..TrackerConfig::default()
     });
     let state = state::AgentState::new(tracker, sampler.clone(), node.clone())?;
+    if let Some(path) = &config.record {
+        state.start_record(path, config.record_max_bytes)?;
+        tracing::info!(path = %path.display(), max_bytes = config.record_max_bytes, "recording every tracker input");
+    }
     if let Some(path) = &config.journal {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).with_context(|| {
@@ -163,14 +167,17 @@ pub async fn run_until(
             loop {
                 tokio::select! {
                     _ = attribute.tick() => state.attribute_samples(),
-                    _ = processes.tick() => state.update_processes(),
+                    _ = processes.tick() => {
+                        state.update_processes();
+                        state.flush_record();
+                    }
                     _ = journal_tick.tick(), if journal.is_some() => {
                         let state = state.clone();
                         let path = journal.clone().expect("checked by the guard");
                         let _ = tokio::task::spawn_blocking(move || state.write_journal(&path, journal_steps)).await;
                     }
                     _ = evict.tick() => {
-                        let n = state.tracker().evict_idle(monotonic_ns(), retention.as_nanos() as u64);
+                        let n = state.evict_idle(retention.as_nanos() as u64);
                         if n > 0 {
                             state.ingest.ranks_evicted.inc_by(n as u64);
                             tracing::info!(ranks = n, "evicted finished ranks after the retention window");
@@ -205,6 +212,7 @@ pub async fn run_until(
         state.write_journal(path, config.journal_steps);
         tracing::info!(path = %path.display(), "journal written");
     }
+    state.flush_record();
     let sampler_stop = tokio::task::spawn_blocking(move || sampler.stop());
     let _ = tokio::time::timeout(Duration::from_secs(3), sampler_stop).await;
     let _ = std::fs::remove_file(&config.socket);

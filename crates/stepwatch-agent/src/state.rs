@@ -1,12 +1,16 @@
 //! State shared by the agent's servers and tasks.
 
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use std::path::Path;
 
-use stepwatch_core::{Journal, RankKey, Tracker};
+use stepwatch_core::{
+    AllocatorTrace, Journal, OpenError, RankInfo, RankKey, RecordEntry, Step2Replay, Tracker,
+};
+
+use crate::record::Recorder;
 use stepwatch_gpu::SamplerHandle;
 use stepwatch_proto::clock::monotonic_ns;
 
@@ -21,6 +25,7 @@ pub struct IngestMetrics {
     pub journal_writes: IntCounterVec,
     pub journal_restored: IntCounter,
     pub allocator_traces: IntCounterVec,
+    pub record_entries: IntCounterVec,
 }
 
 impl IngestMetrics {
@@ -67,6 +72,13 @@ impl IngestMetrics {
                 ),
                 &["result"],
             )?,
+            record_entries: IntCounterVec::new(
+                Opts::new(
+                    "stepwatch_record_entries_total",
+                    "Entries of the --record file, by result: written, or dropped (after the size bound or a write error; logged).",
+                ),
+                &["result"],
+            )?,
             advisories_sent: IntCounterVec::new(
                 Opts::new(
                     "stepwatch_advisories_sent_total",
@@ -77,6 +89,7 @@ impl IngestMetrics {
         };
         registry.register(Box::new(m.advisories_sent.clone()))?;
         registry.register(Box::new(m.allocator_traces.clone()))?;
+        registry.register(Box::new(m.record_entries.clone()))?;
         registry.register(Box::new(m.journal_writes.clone()))?;
         registry.register(Box::new(m.journal_restored.clone()))?;
         registry.register(Box::new(m.markers_received.clone()))?;
@@ -103,6 +116,8 @@ pub struct AgentState {
     pub ingest: IngestMetrics,
     pub node: String,
     pub ingest_listening: AtomicBool,
+    /// `--record`, once started.
+    recorder: OnceLock<Recorder>,
 }
 
 impl AgentState {
@@ -121,7 +136,75 @@ impl AgentState {
             ingest,
             node,
             ingest_listening: AtomicBool::new(false),
+            recorder: OnceLock::new(),
         }))
+    }
+
+    /// Starts `--record` into `path`.
+    pub fn start_record(&self, path: &Path, max_bytes: u64) -> anyhow::Result<()> {
+        use anyhow::Context;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| {
+                format!("cannot create the record's directory {}", dir.display())
+            })?;
+        }
+        let recorder = Recorder::create(path, max_bytes, self.ingest.record_entries.clone())
+            .with_context(|| format!("cannot create the record file {}", path.display()))?;
+        let _ = self.recorder.set(recorder);
+        Ok(())
+    }
+
+    /// Pushes buffered record entries to the file.
+    pub fn flush_record(&self) {
+        if let Some(r) = self.recorder.get() {
+            r.flush();
+        }
+    }
+
+    fn record(&self, entry: impl FnOnce() -> RecordEntry, flush: bool) {
+        if let Some(r) = self.recorder.get() {
+            r.write(&entry(), flush);
+        }
+    }
+
+    /// Registers a stream's hello with the tracker.
+    pub fn open_rank(&self, info: RankInfo) -> Result<RankKey, OpenError> {
+        let mut tracker = self.tracker();
+        let at_ns = monotonic_ns();
+        let key = tracker.open(info.clone(), at_ns)?;
+        self.record(|| RecordEntry::Open { at_ns, info }, true);
+        Ok(key)
+    }
+
+    /// Evicts ranks idle for `retention_ns`; returns how many.
+    pub fn evict_idle(&self, retention_ns: u64) -> usize {
+        let mut tracker = self.tracker();
+        let at_ns = monotonic_ns();
+        let n = tracker.evict_idle(at_ns, retention_ns);
+        if n > 0 {
+            self.record(
+                || RecordEntry::Evict {
+                    at_ns,
+                    retention_ns,
+                },
+                true,
+            );
+        }
+        n
+    }
+
+    /// Marks one of the rank's streams closed.
+    pub fn close_rank(&self, key: &RankKey) {
+        let mut tracker = self.tracker();
+        let at_ns = monotonic_ns();
+        tracker.close(key, at_ns);
+        self.record(
+            || RecordEntry::Close {
+                at_ns,
+                key: key.clone(),
+            },
+            true,
+        );
     }
 
     /// The tracker. Critical sections are short (one batch, one scrape).
@@ -133,7 +216,7 @@ impl AgentState {
     pub fn attribute_samples(&self) {
         let drained = self.sampler.drain_samples();
         if !drained.is_empty() {
-            feed_samples(&mut self.tracker(), drained);
+            self.feed_samples(&mut self.tracker(), drained);
         }
     }
 
@@ -152,21 +235,45 @@ impl AgentState {
         if in_first_step {
             // Lock order is always tracker, then sampler (drain_samples
             // takes the sampler lock alone elsewhere).
-            feed_samples(&mut tracker, self.sampler.drain_samples());
+            self.feed_samples(&mut tracker, self.sampler.drain_samples());
         }
-        tracker.markers(key, markers, monotonic_ns())
+        let at_ns = monotonic_ns();
+        let due = tracker.markers(key, markers, at_ns)?;
+        self.record(
+            || RecordEntry::Markers {
+                at_ns,
+                key: key.clone(),
+                markers: markers.to_vec(),
+            },
+            true,
+        );
+        Ok(due)
     }
 
-    /// Hands a rank's step-2 replay to the tracker and returns the
-    /// advisories it made due; None when step 2 had already begun.
+    /// Hands a rank's step-2 replay (of `trace`, recorded with it) to the
+    /// tracker and returns the advisories it made due; None when step 2 had
+    /// already begun.
     pub fn apply_allocator_replay(
         &self,
         key: &RankKey,
-        replay: stepwatch_core::Step2Replay,
+        trace: AllocatorTrace,
+        grads_persistent: bool,
+        replay: Step2Replay,
     ) -> Option<Vec<stepwatch_core::Advisory>> {
         let mut tracker = self.tracker();
-        feed_samples(&mut tracker, self.sampler.drain_samples());
-        tracker.allocator_replay(key, replay, monotonic_ns())
+        self.feed_samples(&mut tracker, self.sampler.drain_samples());
+        let at_ns = monotonic_ns();
+        let due = tracker.allocator_replay(key, replay, at_ns);
+        self.record(
+            || RecordEntry::AllocatorTrace {
+                at_ns,
+                key: key.clone(),
+                grads_persistent,
+                trace,
+            },
+            true,
+        );
+        due
     }
 
     /// Feeds the sampler's latest process lists to the tracker, for the
@@ -181,6 +288,13 @@ impl AgentState {
                 .map(|p| (p.pid, p.used_bytes))
                 .collect();
             tracker.set_gpu_processes(&gpu.uuid, &procs);
+            self.record(
+                || RecordEntry::GpuProcesses {
+                    gpu: gpu.uuid.clone(),
+                    processes: procs,
+                },
+                false,
+            );
         }
     }
 
@@ -233,20 +347,33 @@ impl AgentState {
     }
 }
 
-/// Samples of GPUs no rank runs on are dropped: no phase can ever claim them.
-fn feed_samples(tracker: &mut Tracker, drained: Vec<(String, Vec<stepwatch_gpu::Sample>)>) {
-    for (uuid, samples) in drained {
-        if !tracker.ranks().any(|(_, r)| r.info.gpu_uuid == uuid) {
-            continue;
+impl AgentState {
+    /// Samples of GPUs no rank runs on are dropped: no phase can ever claim them.
+    fn feed_samples(
+        &self,
+        tracker: &mut Tracker,
+        drained: Vec<(String, Vec<stepwatch_gpu::Sample>)>,
+    ) {
+        for (uuid, samples) in drained {
+            if !tracker.ranks().any(|(_, r)| r.info.gpu_uuid == uuid) {
+                continue;
+            }
+            let converted: Vec<stepwatch_core::GpuSample> = samples
+                .iter()
+                .map(|s| stepwatch_core::GpuSample {
+                    monotonic_ns: s.monotonic_ns,
+                    used_bytes: s.used_bytes,
+                    total_bytes: s.total_bytes,
+                })
+                .collect();
+            tracker.gpu_samples(&uuid, &converted);
+            self.record(
+                || RecordEntry::GpuSamples {
+                    gpu: uuid,
+                    samples: converted,
+                },
+                false,
+            );
         }
-        let converted: Vec<stepwatch_core::GpuSample> = samples
-            .iter()
-            .map(|s| stepwatch_core::GpuSample {
-                monotonic_ns: s.monotonic_ns,
-                used_bytes: s.used_bytes,
-                total_bytes: s.total_bytes,
-            })
-            .collect();
-        tracker.gpu_samples(&uuid, &converted);
     }
 }

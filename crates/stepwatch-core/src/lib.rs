@@ -16,6 +16,7 @@ pub mod identity;
 pub mod marker;
 pub mod predict;
 pub mod profile;
+pub mod record;
 pub mod replay;
 pub mod timeline;
 pub mod tracker;
@@ -36,6 +37,7 @@ pub use predict::{
 pub use profile::{
     phase_allocator_peaks, PhaseProfile, SteadyPhaseProfile, SteadyProfile, StepProfile,
 };
+pub use record::{PredictionCheck, RecordEntry, RecordError, Replayer};
 pub use replay::{
     replay_step2, AllocatorAction, AllocatorEvent, AllocatorTrace, Step2Replay, TraceError,
 };

@@ -1,0 +1,114 @@
+//! What replaying step 1's allocator trace costs the agent, once per rank.
+//!
+//! Builds a transformer-like step 1 on the allocator model (per layer and
+//! micro-batch 8 activations and a temporary in forward; gradients, a
+//! temporary and the frees in backward; Adam's two states per parameter
+//! tensor in the optimizer phase), records it as a client would, and times
+//! `replay_step2` on it. Prints events, blocks and the median of 9 runs.
+//!
+//! ```text
+//! cargo run --release -p stepwatch-core --example replay_cost [-- LAYERS MICRO_BATCHES]
+//! ```
+
+use std::time::Instant;
+
+use stepwatch_core::allocator::CachingAllocator;
+use stepwatch_core::{replay_step2, AllocatorAction, AllocatorEvent, AllocatorTrace, PhaseKind};
+
+const MIB: u64 = 1 << 20;
+
+fn main() {
+    let args: Vec<u64> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let layers = args.first().copied().unwrap_or(96);
+    let micro_batches = args.get(1).copied().unwrap_or(8);
+
+    let mut a = CachingAllocator::new();
+    let mut events = Vec::new();
+    let mut record = |a: &CachingAllocator, action, id, size, phase| {
+        events.push(AllocatorEvent {
+            action,
+            address: a.address_of(id).unwrap(),
+            size,
+            phase,
+        });
+    };
+    // Weights: 6 tensors per layer.
+    let params: Vec<u64> = (0..layers * 6).map(|i| (4 + i % 5) * 3 * MIB).collect();
+    for &p in &params {
+        a.malloc(p, u64::MAX).unwrap();
+    }
+    let acts = [
+        24 * MIB,
+        24 * MIB,
+        72 * MIB,
+        96 * MIB,
+        96 * MIB,
+        96 * MIB,
+        3 * MIB,
+        1000,
+    ];
+    let mut grads_exist = false;
+    for _ in 0..micro_batches {
+        let mut live = Vec::new();
+        for _ in 0..layers {
+            for &s in &acts {
+                let id = a.malloc(s, u64::MAX).unwrap();
+                record(&a, AllocatorAction::Alloc, id, s, PhaseKind::Forward);
+                live.push((id, s));
+            }
+            let t = a.malloc(96 * MIB, u64::MAX).unwrap();
+            record(&a, AllocatorAction::Alloc, t, 96 * MIB, PhaseKind::Forward);
+            record(&a, AllocatorAction::Free, t, 96 * MIB, PhaseKind::Forward);
+            a.free(t);
+        }
+        for layer in (0..layers as usize).rev() {
+            for &p in &params[layer * 6..layer * 6 + 6] {
+                let g = a.malloc(p, u64::MAX).unwrap();
+                record(&a, AllocatorAction::Alloc, g, p, PhaseKind::Backward);
+                if grads_exist {
+                    record(&a, AllocatorAction::Free, g, p, PhaseKind::Backward);
+                    a.free(g);
+                }
+            }
+            for (id, s) in live.drain(layer * acts.len()..) {
+                record(&a, AllocatorAction::Free, id, s, PhaseKind::Backward);
+                a.free(id);
+            }
+        }
+        grads_exist = true;
+    }
+    for &p in &params {
+        for _ in 0..2 {
+            let s = a.malloc(p * 2, u64::MAX).unwrap();
+            record(&a, AllocatorAction::Alloc, s, p * 2, PhaseKind::Optimizer);
+        }
+    }
+    let trace = AllocatorTrace {
+        step: 1,
+        segments: a.layout(),
+        events,
+    };
+    let blocks: usize = trace.segments.iter().map(|s| s.blocks.len()).sum();
+    let mut times = Vec::new();
+    let mut result = None;
+    for _ in 0..9 {
+        let t = Instant::now();
+        result = Some(replay_step2(&trace, false).expect("a valid trace"));
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let r = result.unwrap();
+    println!(
+        "{layers} layers × {micro_batches} micro-batches: {} events, {} segments, {blocks} blocks; \
+         replay median {:.1} ms (min {:.1}, max {:.1}); step 2 adds {:.2} GB of segments",
+        trace.events.len(),
+        trace.segments.len(),
+        times[4],
+        times[0],
+        times[8],
+        r.new_segment_bytes as f64 / 1e9
+    );
+}

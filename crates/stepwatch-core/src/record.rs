@@ -1,0 +1,215 @@
+//! A record of everything a [`Tracker`] was fed, to replay it elsewhere.
+//!
+//! The step model is deterministic, so the hellos, marker batches, allocator
+//! traces, GPU samples and process lists an agent applied, in the order it
+//! applied them and with the times it passed, rebuild the same timelines,
+//! analyses and predictions. The agent writes one [`RecordEntry`] per JSON
+//! line (`stepwatch agent --record`); [`Replayer`] applies them to a fresh
+//! tracker (`stepwatch replay-record`). Records from real GPUs are the test
+//! fixtures of the predictor (`tests/fixtures/`).
+
+use serde::{Deserialize, Serialize};
+
+use crate::advisory::{Advisory, AdvisoryKind};
+use crate::error::MarkerError;
+use crate::identity::{RankInfo, RankKey};
+use crate::marker::Marker;
+use crate::predict::PredictionBasis;
+use crate::replay::{replay_step2, AllocatorTrace, TraceError};
+use crate::tracker::{GpuSample, OpenError, Tracker, TrackerConfig};
+
+/// One input to the tracker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordEntry {
+    /// A stream's hello ([`Tracker::open`]).
+    Open {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank, as validated.
+        info: RankInfo,
+    },
+    /// A marker batch the tracker accepted ([`Tracker::markers`]).
+    Markers {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank.
+        key: RankKey,
+        /// The batch.
+        markers: Vec<Marker>,
+    },
+    /// A step-1 allocator trace, replayed and handed to the tracker
+    /// ([`Tracker::allocator_replay`]).
+    AllocatorTrace {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank.
+        key: RankKey,
+        /// Whether gradients persist into step 2 (from the hello's facts).
+        grads_persistent: bool,
+        /// The trace as received.
+        trace: AllocatorTrace,
+    },
+    /// GPU samples ([`Tracker::gpu_samples`]).
+    GpuSamples {
+        /// GPU UUID.
+        gpu: String,
+        /// The samples.
+        samples: Vec<GpuSample>,
+    },
+    /// A GPU's process list ([`Tracker::set_gpu_processes`]).
+    GpuProcesses {
+        /// GPU UUID.
+        gpu: String,
+        /// (pid, used bytes) of each process.
+        processes: Vec<(u32, u64)>,
+    },
+    /// Ranks idle for the retention window were evicted ([`Tracker::evict_idle`]).
+    Evict {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The retention window, ns.
+        retention_ns: u64,
+    },
+    /// A stream closed ([`Tracker::close`]).
+    Close {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank.
+        key: RankKey,
+    },
+}
+
+/// Why an entry of a record could not be applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    /// A hello the tracker refused.
+    #[error("hello refused: {0}")]
+    Open(#[from] OpenError),
+    /// A marker batch the tracker refused.
+    #[error("markers refused: {0}")]
+    Markers(#[from] MarkerError),
+    /// A trace that does not replay.
+    #[error("allocator trace refused: {0}")]
+    Trace(#[from] TraceError),
+}
+
+/// Applies a record's entries, in order, to a tracker of its own.
+#[derive(Debug, Default)]
+pub struct Replayer {
+    tracker: Tracker,
+    advisories: Vec<(RankKey, Advisory)>,
+}
+
+impl Replayer {
+    /// A replayer whose tracker has `config` (use the recording agent's
+    /// bounds, or the defaults).
+    pub fn new(config: TrackerConfig) -> Self {
+        Self {
+            tracker: Tracker::new(config),
+            advisories: Vec::new(),
+        }
+    }
+
+    /// Applies one entry, as the agent did.
+    pub fn apply(&mut self, entry: RecordEntry) -> Result<(), RecordError> {
+        match entry {
+            RecordEntry::Open { at_ns, info } => {
+                self.tracker.open(info, at_ns)?;
+            }
+            RecordEntry::Markers {
+                at_ns,
+                key,
+                markers,
+            } => {
+                let due = self.tracker.markers(&key, &markers, at_ns)?;
+                self.advisories
+                    .extend(due.into_iter().map(|a| (key.clone(), a)));
+            }
+            RecordEntry::AllocatorTrace {
+                at_ns,
+                key,
+                grads_persistent,
+                trace,
+            } => {
+                let replay = replay_step2(&trace, grads_persistent)?;
+                if let Some(due) = self.tracker.allocator_replay(&key, replay, at_ns) {
+                    self.advisories
+                        .extend(due.into_iter().map(|a| (key.clone(), a)));
+                }
+            }
+            RecordEntry::GpuSamples { gpu, samples } => self.tracker.gpu_samples(&gpu, &samples),
+            RecordEntry::GpuProcesses { gpu, processes } => {
+                self.tracker.set_gpu_processes(&gpu, &processes)
+            }
+            RecordEntry::Evict {
+                at_ns,
+                retention_ns,
+            } => {
+                self.tracker.evict_idle(at_ns, retention_ns);
+            }
+            RecordEntry::Close { at_ns, key } => self.tracker.close(&key, at_ns),
+        }
+        Ok(())
+    }
+
+    /// The tracker as the entries so far left it.
+    pub fn tracker(&self) -> &Tracker {
+        &self.tracker
+    }
+
+    /// Advisories that became due, in order, with their rank.
+    pub fn advisories(&self) -> &[(RankKey, Advisory)] {
+        &self.advisories
+    }
+
+    /// For every rank, the prediction frozen when its step 2 began against
+    /// the steady-state peak measured after it.
+    pub fn prediction_checks(&self) -> Vec<PredictionCheck> {
+        self.tracker
+            .ranks()
+            .map(|(key, state)| {
+                let analysis = self.tracker.rank_analysis(key);
+                let steady = analysis.as_ref().and_then(|a| a.steady.as_ref());
+                let steady_peak = steady.and_then(|s| s.nvml_peak_bytes);
+                let frozen = state.prediction_before_step2.as_ref();
+                let predicted = frozen.map(|p| p.predicted_peak_bytes);
+                PredictionCheck {
+                    key: key.clone(),
+                    basis: frozen.map(|p| p.inputs.basis),
+                    predicted_peak_bytes: predicted,
+                    steady_peak_bytes: steady_peak,
+                    steady_steps: steady.map_or(0, |s| s.steps.len()),
+                    capacity_bytes: analysis.as_ref().map_or(0, |a| a.capacity_bytes),
+                    error_ratio: predicted
+                        .zip(steady_peak)
+                        .filter(|(_, a)| *a > 0)
+                        .map(|(p, a)| (p as f64 - a as f64) / a as f64),
+                    advisories: state.advisories.iter().map(|a| a.kind).collect(),
+                }
+            })
+            .collect()
+    }
+}
+
+/// A rank's frozen prediction against what followed (see
+/// [`Replayer::prediction_checks`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PredictionCheck {
+    /// The rank.
+    pub key: RankKey,
+    /// What the frozen prediction was computed from; None without one.
+    pub basis: Option<PredictionBasis>,
+    /// The device peak predicted before step 2 began.
+    pub predicted_peak_bytes: Option<u64>,
+    /// Median NVML peak over steps 2..k, once steady state is measured.
+    pub steady_peak_bytes: Option<u64>,
+    /// Steps that median is over.
+    pub steady_steps: usize,
+    /// GPU capacity from the latest sample (0 when unknown).
+    pub capacity_bytes: u64,
+    /// (predicted − steady) / steady.
+    pub error_ratio: Option<f64>,
+    /// Advisories issued to the rank, in order.
+    pub advisories: Vec<AdvisoryKind>,
+}

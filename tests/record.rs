@@ -1,0 +1,107 @@
+//! `stepwatch agent --record` writes every input of the step model, and
+//! `stepwatch replay-record` rebuilds from it exactly what the agent
+//! reported: the same frozen prediction, the same steady-state peak. This is
+//! what makes a record from a real GPU a fixture of the predictor.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+#[test]
+fn a_record_replays_to_the_agents_own_prediction_and_steady_peak() {
+    let records = TempDir::new("record-out");
+    let path = records.0.join("run.jsonl");
+    let mut agent = Agent::start_with("record", 2, &["--record", path.to_str().unwrap()], |_| {});
+    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    // Two ranks of a 4-rank job that fits, 4 steps each, with allocator traces.
+    let ranks: Vec<_> = (0..2)
+        .map(|r| agent.sim("rank0-skew", "rec", r + 1, r, 4, 2.0))
+        .collect();
+    for (r, child) in ranks.into_iter().enumerate() {
+        wait_ok(child, &format!("sim rank {r}"));
+    }
+    agent.wait_metrics("4 steps on both ranks", Duration::from_secs(10), |m| {
+        (1..=2).all(|r| {
+            m.get(
+                "stepwatch_rank_steps_completed_total",
+                &[("job", "rec"), ("rank", &r.to_string())],
+            ) == Some(4.0)
+        })
+    });
+    // Let the last samples reach the tracker, then read what the agent says.
+    std::thread::sleep(Duration::from_millis(300));
+    let reports: Vec<serde_json::Value> = (1..=2)
+        .map(|r| {
+            let (code, body) = agent.get(&format!("/api/v1/jobs/rec/ranks/{r}"));
+            assert_eq!(code, 200, "{body}");
+            serde_json::from_str(&body).unwrap()
+        })
+        .collect();
+    let m = Metrics(agent.metrics());
+    assert!(m
+        .get("stepwatch_record_entries_total", &[("result", "written")])
+        .is_some_and(|n| n > 20.0));
+    assert_eq!(
+        m.get("stepwatch_record_entries_total", &[("result", "dropped")]),
+        None
+    );
+    assert!(agent.terminate().success());
+
+    let out = Command::new(BIN)
+        .args(["replay-record", "--json"])
+        .arg(&path)
+        .output()
+        .expect("run replay-record");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let checks: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(checks.len(), 2, "{stdout}");
+    for (check, report) in checks.iter().zip(&reports) {
+        let frozen = &report["prediction_before_step2"];
+        assert_eq!(check["basis"], "allocator_replay", "{check}");
+        assert_eq!(
+            check["predicted_peak_bytes"], frozen["predicted_peak_bytes"],
+            "{check}\n{frozen}"
+        );
+        assert_eq!(
+            check["steady_peak_bytes"], report["analysis"]["steady"]["nvml_peak_bytes"],
+            "{check}\n{report}"
+        );
+        assert!(
+            check["error_ratio"].as_f64().unwrap().abs() < 0.05,
+            "{check}"
+        );
+    }
+
+    // The table form names the file's ranks; a broken line names its number.
+    let table = Command::new(BIN)
+        .arg("replay-record")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("| rec | 1 | allocator_replay |"), "{table}");
+    let broken = records.0.join("broken.jsonl");
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    text.push_str("{\"not\": \"an entry\"}\n");
+    let lines = text.lines().count();
+    std::fs::write(&broken, text).unwrap();
+    let out = Command::new(BIN)
+        .arg("replay-record")
+        .arg(&broken)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("broken.jsonl:{lines}: not a record entry")),
+        "{stderr}"
+    );
+}
