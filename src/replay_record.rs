@@ -2,11 +2,12 @@
 //! step model and prints, per rank, the prediction frozen before step 2
 //! against the steady-state peak measured after it.
 
+use std::collections::HashMap;
 use std::io::BufRead;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use stepwatch_core::{RecordEntry, Replayer, TrackerConfig};
+use stepwatch_core::{RankKey, RecordEntry, Replayer, TrackerConfig};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct ReplayRecordArgs {
@@ -15,10 +16,20 @@ pub struct ReplayRecordArgs {
     /// Print the checks as JSON (one object per rank) instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also print how each rank's prediction changed during step 1: after
+    /// every marker batch or allocator trace that changed it, the record
+    /// line, the open phase, the basis, the predicted peak, the headroom and
+    /// the prediction's explanation.
+    #[arg(long)]
+    pub timeline: bool,
 }
 
-/// Reads and applies a record; errors name the line.
-pub fn replay_file(path: &std::path::Path) -> anyhow::Result<Replayer> {
+/// Reads and applies a record; errors name the line. `after_rank_entry` is
+/// called with the line number and rank after each marker batch or trace.
+pub fn replay_file(
+    path: &std::path::Path,
+    mut after_rank_entry: impl FnMut(usize, &RankKey, &Replayer),
+) -> anyhow::Result<Replayer> {
     let file = std::fs::File::open(path)
         .with_context(|| format!("cannot open the record {}", path.display()))?;
     let mut replayer = Replayer::new(TrackerConfig::default());
@@ -29,15 +40,81 @@ pub fn replay_file(path: &std::path::Path) -> anyhow::Result<Replayer> {
         }
         let entry: RecordEntry = serde_json::from_str(&line)
             .with_context(|| format!("{}:{}: not a record entry", path.display(), i + 1))?;
+        let key = match &entry {
+            RecordEntry::Markers { key, .. } | RecordEntry::AllocatorTrace { key, .. } => {
+                Some(key.clone())
+            }
+            _ => None,
+        };
         replayer
             .apply(entry)
             .with_context(|| format!("{}:{}", path.display(), i + 1))?;
+        if let Some(key) = key {
+            after_rank_entry(i + 1, &key, &replayer);
+        }
     }
     Ok(replayer)
 }
 
+/// Prints a rank's prediction when it differs from the last one printed.
+fn print_change(
+    line: usize,
+    key: &RankKey,
+    replayer: &Replayer,
+    last: &mut HashMap<RankKey, (u64, bool)>,
+) {
+    let tracker = replayer.tracker();
+    let in_step1 = tracker
+        .rank(key)
+        .is_some_and(|r| r.prediction_before_step2.is_none());
+    let Some(p) = tracker
+        .rank_analysis(key)
+        .and_then(|a| a.prediction)
+        .filter(|_| in_step1)
+    else {
+        return;
+    };
+    let now = (p.predicted_peak_bytes, p.provisional);
+    if last.get(key) == Some(&now) {
+        return;
+    }
+    last.insert(key.clone(), now);
+    println!(
+        "line {line}: {} rank {}: open phase {}, basis {}, predicted peak {:.3} GB, headroom {}{}",
+        key.job,
+        key.rank,
+        p.inputs
+            .open_phase
+            .map_or("none".to_string(), |ph| snake(&ph)),
+        snake(&p.inputs.basis),
+        p.predicted_peak_bytes as f64 / 1e9,
+        p.headroom_bytes.map_or("unknown".to_string(), |h| format!(
+            "{:.3} GB",
+            h as f64 / 1e9
+        )),
+        if p.provisional { " (provisional)" } else { "" },
+    );
+    println!("    {}", p.explanation);
+}
+
+/// The serde (snake_case) name of an enum value.
+fn snake(value: &impl serde::Serialize) -> String {
+    serde_json::to_value(value)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_else(|| "?".into())
+}
+
 pub fn run(args: ReplayRecordArgs) -> anyhow::Result<()> {
-    let replayer = replay_file(&args.file)?;
+    let mut last = HashMap::new();
+    let replayer = replay_file(&args.file, |line, key, replayer| {
+        if args.timeline {
+            print_change(line, key, replayer, &mut last);
+        }
+    })?;
+    if args.timeline {
+        println!();
+    }
     let checks = replayer.prediction_checks();
     if args.json {
         println!("{}", serde_json::to_string_pretty(&checks)?);
@@ -53,10 +130,7 @@ pub fn run(args: ReplayRecordArgs) -> anyhow::Result<()> {
             "| {} | {} | {} | {} | {} ({}) | {} | {:.1} | {} |",
             c.key.job,
             c.key.rank,
-            c.basis
-                .and_then(|b| serde_json::to_value(b).ok())
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_else(|| "-".into()),
+            c.basis.map_or("-".to_string(), |b| snake(&b)),
             gb(c.predicted_peak_bytes),
             gb(c.steady_peak_bytes),
             c.steady_steps,
@@ -68,8 +142,7 @@ pub fn run(args: ReplayRecordArgs) -> anyhow::Result<()> {
             } else {
                 c.advisories
                     .iter()
-                    .filter_map(|a| serde_json::to_value(a).ok())
-                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .map(snake)
                     .collect::<Vec<_>>()
                     .join(", ")
             },

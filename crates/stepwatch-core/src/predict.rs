@@ -42,7 +42,8 @@
 //! cached    = min(state, reserved − allocated when the optimizer phase began)
 //! allowance = round(layout_allowance_fraction × cached)
 //! reserved  = max(ceil(basis_peak × ratio) + allowance, step1 reserved peak)
-//! overhead  = min over step-1 phases of (first NVML sample − reserved at phase start)
+//! overhead  = NVML − reserved next to step 1's markers: the best lower
+//!             bound, capped by the best upper one (see `overhead_estimate`)
 //! device    = max(reserved + overhead, step1 NVML peak)
 //! ```
 //!
@@ -557,13 +558,7 @@ pub fn predict_with(
                 None => ((basis_peak as f64 * ratio).ceil() as u64).saturating_add(allowance),
             }
             .max(res_peak.unwrap_or(0));
-            let oh = phases
-                .iter()
-                .filter_map(|p| {
-                    let first = p.nvml_edges.first_bytes()?;
-                    Some(first.saturating_sub(p.allocator_at_start?.reserved_bytes))
-                })
-                .min();
+            let oh = overhead_estimate(&step);
             reserved_ratio = Some(ratio);
             step1_reserved_peak = res_peak;
             predicted_reserved = Some(reserved);
@@ -646,6 +641,51 @@ pub fn predict_with(
         explanation: explain(&inputs, device, headroom),
         inputs,
     })
+}
+
+/// NVML's device figure minus the allocator's reserved bytes (CUDA context,
+/// workspaces, other processes), from samples next to step 1's markers.
+///
+/// At a marker the reserved bytes are known exactly; NVML is sampled only
+/// between markers, and reserved memory only grows within a step. So a
+/// sample minus the reserved bytes at the end of its phase is a lower bound,
+/// and a sample minus the reserved bytes at the start of its phase an upper
+/// bound; in a phase that reserves nothing the two meet. The estimate is the
+/// best lower bound, capped by the best upper one. The last sample before
+/// the step began gives a tight lower bound, as the allocator is usually
+/// idle then; upper bounds from phases that reserve fast are loose by
+/// however much was reserved before their first sample (gigabytes in a
+/// forward pass sampled at 100 Hz), which made early provisional predictions
+/// too high when they were used alone. Without a lower bound, the best upper.
+fn overhead_estimate(step: &StepRecord) -> Option<u64> {
+    let phases = &step.phases;
+    let before_begin = step.nvml_before_begin.map(|(_, used)| used).zip(
+        phases
+            .first()
+            .and_then(|p| p.allocator_at_start)
+            .map(|a| a.reserved_bytes),
+    );
+    let lower = before_begin
+        .into_iter()
+        .chain(phases.iter().filter_map(|p| {
+            Some((
+                p.nvml_edges.last_bytes()?,
+                p.allocator_at_end?.reserved_bytes,
+            ))
+        }))
+        .map(|(nvml, reserved)| nvml.saturating_sub(reserved))
+        .max();
+    let upper = phases
+        .iter()
+        .filter_map(|p| {
+            let first = p.nvml_edges.first_bytes()?;
+            Some(first.saturating_sub(p.allocator_at_start?.reserved_bytes))
+        })
+        .min();
+    match (lower, upper) {
+        (Some(l), Some(u)) => Some(l.min(u)),
+        (l, u) => l.or(u),
+    }
 }
 
 /// The step with the live samples credited to its open phase.

@@ -150,9 +150,31 @@ pub struct StepRecord {
     pub outcome: StepOutcome,
     /// Phases in marker order; bounded by [`MAX_PHASES_PER_STEP`].
     pub phases: Vec<PhaseRecord>,
+    /// The GPU's last NVML sample before the step began, at most
+    /// [`BEFORE_BEGIN_WINDOW_NS`] before, as (monotonic ns, used bytes); kept
+    /// for a rank's first step, whose prediction uses it. Against the reserved
+    /// bytes at the step's first marker it bounds what NVML shows beyond the
+    /// allocator (see `predict`).
+    #[serde(default)]
+    pub nvml_before_begin: Option<(u64, u64)>,
 }
 
+/// How far before a step's begin a sample may be to count as its
+/// [`StepRecord::nvml_before_begin`].
+pub const BEFORE_BEGIN_WINDOW_NS: u64 = 100_000_000;
+
 impl StepRecord {
+    /// Takes a sample as [`StepRecord::nvml_before_begin`] if it is the
+    /// latest so far in the window before the begin (any arrival order gives
+    /// the same result).
+    pub fn offer_before_begin(&mut self, monotonic_ns: u64, used_bytes: u64) {
+        let in_window = monotonic_ns < self.begin_monotonic_ns
+            && self.begin_monotonic_ns - monotonic_ns <= BEFORE_BEGIN_WINDOW_NS;
+        if in_window && self.nvml_before_begin.is_none_or(|(t, _)| monotonic_ns > t) {
+            self.nvml_before_begin = Some((monotonic_ns, used_bytes));
+        }
+    }
+
     /// Duration in ns once the step has ended.
     pub fn duration_ns(&self) -> Option<u64> {
         self.end_monotonic_ns
@@ -341,6 +363,7 @@ impl RankTimeline {
                 end_wall_ns: None,
                 outcome: StepOutcome::Running,
                 phases: Vec::new(),
+                nvml_before_begin: None,
             });
             // Keep the first step; drop the oldest after it.
             if self.steps.len() > self.max_retained_steps {

@@ -465,6 +465,9 @@ impl Tracker {
                 if let Some(phase) = closed_phase_at(&mut state.timeline, s.monotonic_ns) {
                     phase.add_sample(s.monotonic_ns, s.used_bytes);
                 }
+                if let Some(first) = state.timeline.steps_mut().next() {
+                    first.offer_before_begin(s.monotonic_ns, s.used_bytes);
+                }
             }
         }
     }
@@ -517,6 +520,12 @@ impl Tracker {
 fn credit_newly_closed(timeline: &mut RankTimeline, window: &VecDeque<GpuSample>) {
     for step in timeline.steps_mut().rev() {
         let settled = step.phases.iter().any(|p| p.credited);
+        if !settled {
+            let before = window.partition_point(|s| s.monotonic_ns < step.begin_monotonic_ns);
+            if let Some(s) = before.checked_sub(1).map(|i| window[i]) {
+                step.offer_before_begin(s.monotonic_ns, s.used_bytes);
+            }
+        }
         for phase in step
             .phases
             .iter_mut()

@@ -465,6 +465,7 @@ fn no_figures_no_prediction() {
             end_wall_ns: None,
             outcome: StepOutcome::Running,
             phases: vec![],
+            nvml_before_begin: None,
         },
         &ModelFacts::default(),
         0,
@@ -728,4 +729,21 @@ fn layout_allowance_covers_only_lazily_created_state_from_the_cache() {
     );
     assert_eq!(p.inputs.basis, PredictionBasis::NvmlOnly);
     assert_eq!(p.inputs.layout_allowance_bytes, 0);
+}
+
+#[test]
+fn overhead_comes_from_the_tightest_bounds_not_a_late_first_sample() {
+    // The base scenario, but step 1 starts right after a sample (idle
+    // allocator: 1700 = 1200 reserved + 500) and forward reserves fast: its
+    // only sample, late in the phase, sees 6700 while reserved was 1200 at
+    // its start and 6250 at its end.
+    let markers = &base_markers(true)[..3];
+    let points = [(90, 1700), (290, 6700)];
+    let p = run(adam(100 * M), markers, &points, 10_000);
+    // Bounds: lower max(1700 − 1200, 6700 − 6250) = 500; upper 6700 − 1200.
+    assert_eq!(p.inputs.overhead_bytes, Some(500 * M), "{}", p.explanation);
+
+    // Without the sample before the step, the forward's own lower bound.
+    let p = run(adam(100 * M), markers, &points[1..], 10_000);
+    assert_eq!(p.inputs.overhead_bytes, Some(450 * M), "{}", p.explanation);
 }

@@ -1,0 +1,91 @@
+//! The predictor on recorded runs (`tests/fixtures/*.jsonl`, written by
+//! `stepwatch agent --record`): each record is replayed through the step
+//! model and checked against what its row below expects.
+
+use std::path::Path;
+
+use stepwatch_core::{
+    AdvisoryKind, PredictionBasis, PredictionCheck, RecordEntry, Replayer, TrackerConfig,
+};
+
+/// What a recorded rank must show.
+struct Expect {
+    job: &'static str,
+    basis: PredictionBasis,
+    /// Advisories the rank must have received during step 1, in order.
+    advisories: &'static [AdvisoryKind],
+    /// Largest |error| of the frozen prediction against the steady peak;
+    /// None when the rank never reached steady state (it died in step 2).
+    max_abs_error: Option<f64>,
+}
+
+const FIXTURES: &[(&str, &[Expect])] = &[(
+    "sim-doomed-and-fits.jsonl",
+    &[
+        Expect {
+            job: "doomed",
+            basis: PredictionBasis::AllocatorReplay,
+            advisories: &[AdvisoryKind::Step2OomPredicted],
+            max_abs_error: None,
+        },
+        Expect {
+            job: "fits",
+            basis: PredictionBasis::AllocatorReplay,
+            advisories: &[],
+            max_abs_error: Some(0.05),
+        },
+    ],
+)];
+
+fn replay(file: &str) -> Vec<PredictionCheck> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(file);
+    let text = std::fs::read_to_string(&path).expect("fixture readable");
+    let mut replayer = Replayer::new(TrackerConfig::default());
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.is_empty()) {
+        let entry: RecordEntry =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{file}:{}: {e}", i + 1));
+        replayer
+            .apply(entry)
+            .unwrap_or_else(|e| panic!("{file}:{}: {e}", i + 1));
+    }
+    replayer.prediction_checks()
+}
+
+#[test]
+fn every_fixture_meets_its_expectations() {
+    for (file, expectations) in FIXTURES {
+        let checks = replay(file);
+        assert_eq!(checks.len(), expectations.len(), "{file}: {checks:#?}");
+        for want in *expectations {
+            let got = checks
+                .iter()
+                .find(|c| c.key.job == want.job)
+                .unwrap_or_else(|| panic!("{file}: no rank of job {}", want.job));
+            assert_eq!(got.basis, Some(want.basis), "{file}: {got:#?}");
+            assert_eq!(got.advisories, want.advisories, "{file}: {got:#?}");
+            match want.max_abs_error {
+                Some(max) => {
+                    let error = got.error_ratio.expect("a steady peak to compare with");
+                    assert!(error.abs() <= max, "{file}: {got:#?}");
+                }
+                None => assert_eq!(got.steady_peak_bytes, None, "{file}: {got:#?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn every_fixture_file_has_expectations() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        if name.ends_with(".jsonl") {
+            assert!(
+                FIXTURES.iter().any(|(f, _)| *f == name),
+                "tests/fixtures/{name} has no row in FIXTURES"
+            );
+        }
+    }
+}
