@@ -285,33 +285,34 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
         s
     };
     rt.block_on(async {
-        expect(
-            exchange(&ep, vec![hello("t", 0, 1), trace(trace_chunk(2, true))]).await,
-            Code::InvalidArgument,
-            "must come from step 1",
-        );
-        let mut no_phase = trace_chunk(1, true);
+        // Unusable traces are counted and logged; the stream goes on, so the
+        // markers behind them still count. Each goes on a stream of its own
+        // (a second trace on one stream is refused), with a marker after it.
+        let mut no_phase = trace_chunk(1, false);
         no_phase.events[0].phase = MarkerKind::StepEnd as i32;
-        expect(
-            exchange(&ep, vec![hello("t", 0, 1), trace(no_phase)]).await,
-            Code::InvalidArgument,
-            "names no phase",
-        );
+        let mut rest = trace_chunk(1, true);
+        rest.segments.clear();
         let mut no_action = trace_chunk(1, true);
         no_action.events[0].action = 0;
-        expect(
-            exchange(&ep, vec![hello("t", 0, 1), trace(no_action)]).await,
-            Code::InvalidArgument,
-            "unspecified or unknown action",
-        );
         // The event says 16 MiB stayed allocated where the layout has a free block.
         let mut mismatch = trace_chunk(1, true);
         mismatch.segments[0].blocks[0].allocated = false;
-        expect(
-            exchange(&ep, vec![hello("t", 0, 1), trace(mismatch)]).await,
-            Code::InvalidArgument,
-            "layout has no allocated block",
-        );
+        let unusable = [
+            vec![trace(trace_chunk(2, true))],
+            // Refused in its first chunk; the second is skipped.
+            vec![trace(no_phase), trace(rest)],
+            vec![trace(no_action)],
+            vec![trace(mismatch)],
+        ];
+        for (i, traces) in unusable.into_iter().enumerate() {
+            let job = format!("u{i}");
+            let mut messages = vec![hello(&job, 0, 1), batch(step1_to_optimizer_end(1_000))];
+            messages.extend(traces);
+            messages.push(batch(vec![marker(MarkerKind::StepEnd, 1, 9_000)]));
+            exchange(&ep, messages)
+                .await
+                .unwrap_or_else(|e| panic!("unusable trace {i} ended the stream: {e:?}"));
+        }
         // 70 chunks of 4000 events: over the 262144-event bound.
         let mut big = vec![hello("t", 0, 1)];
         for _ in 0..70 {
@@ -355,6 +356,28 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
     assert_eq!(rejected("allocator_trace_invalid"), 1.0);
     assert_eq!(rejected("allocator_trace_too_large"), 1.0);
     assert_eq!(rejected("duplicate_allocator_trace"), 1.0);
+    assert_eq!(
+        m.get(
+            "stepwatch_allocator_traces_total",
+            &[("result", "rejected")]
+        ),
+        Some(4.0)
+    );
+    for i in 0..4 {
+        let rank = [("job", format!("u{i}")), ("rank", "0".to_string())];
+        let rank: Vec<(&str, &str)> = rank.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        assert_eq!(
+            m.get("stepwatch_rank_steps_completed_total", &rank),
+            Some(1.0),
+            "the marker after unusable trace {i} counted"
+        );
+        let (_, body) = agent.get(&format!("/api/v1/jobs/u{i}/ranks/0"));
+        let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            report["analysis"]["prediction"]["inputs"]["basis"], "allocator",
+            "unusable trace {i}: the prediction keeps to the markers"
+        );
+    }
     assert_eq!(
         m.get(
             "stepwatch_allocator_traces_total",

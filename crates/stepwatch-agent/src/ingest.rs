@@ -136,14 +136,18 @@ async fn receive_markers(
         let batch = match message.kind {
             Some(Kind::Markers(batch)) => batch,
             Some(Kind::AllocatorTrace(chunk)) => {
-                if let Some(complete) = trace
-                    .add(chunk)
-                    .inspect_err(|(reason, _)| {
+                match trace.add(chunk) {
+                    Ok(Some(complete)) => {
+                        replay_trace(state, key, grads_persistent, complete, tx).await?;
+                    }
+                    Ok(None) => {}
+                    Err(Refusal::Unusable(reason, why)) => {
+                        reject_trace(state, key, reason, &why);
+                    }
+                    Err(Refusal::Fatal(reason, status)) => {
                         state.ingest.reject(reason, 1);
-                    })
-                    .map_err(|(_, status)| status)?
-                {
-                    replay_trace(state, key, grads_persistent, complete, tx).await?;
+                        return Err(status);
+                    }
                 }
                 continue;
             }
@@ -220,14 +224,23 @@ fn send_advisories(
     }
 }
 
-/// A refusal: the `stepwatch_markers_rejected_total` reason and the status.
-type Refusal = (&'static str, Status);
+/// A trace chunk refused, with its `stepwatch_markers_rejected_total` reason.
+enum Refusal {
+    /// Beyond the bounds, or a second trace: the stream ends with the status.
+    Fatal(&'static str, Status),
+    /// Content the replay cannot use. The trace is optional, so the stream
+    /// goes on (ending it would lose the markers sent behind the trace) and
+    /// the prediction keeps to the markers; counted and logged.
+    Unusable(&'static str, String),
+}
 
 /// Chunks of one stream's allocator trace, gathered until the last.
 #[derive(Default)]
 struct TraceAssembly {
     trace: AllocatorTrace,
     blocks: usize,
+    /// The rest of an unusable trace is skipped up to its last chunk.
+    skipping: bool,
     complete: bool,
 }
 
@@ -235,26 +248,16 @@ impl TraceAssembly {
     /// Adds a chunk; returns the trace once its last chunk is in.
     fn add(&mut self, chunk: pb::AllocatorTraceChunk) -> Result<Option<AllocatorTrace>, Refusal> {
         if self.complete {
-            return Err((
+            return Err(Refusal::Fatal(
                 "duplicate_allocator_trace",
                 Status::failed_precondition("an allocator trace may be sent once per stream"),
             ));
         }
-        if chunk.step != 1 {
-            return Err((
-                "allocator_trace_not_step_one",
-                Status::invalid_argument(format!(
-                    "an allocator trace must come from step 1, not step {}",
-                    chunk.step
-                )),
-            ));
-        }
-        self.trace.step = 1;
         self.blocks += chunk.segments.iter().map(|s| s.blocks.len()).sum::<usize>();
         if self.blocks > MAX_TRACE_BLOCKS
             || self.trace.events.len() + chunk.events.len() > MAX_TRACE_EVENTS
         {
-            return Err((
+            return Err(Refusal::Fatal(
                 "allocator_trace_too_large",
                 Status::resource_exhausted(format!(
                     "an allocator trace may hold at most {MAX_TRACE_EVENTS} events and \
@@ -262,6 +265,39 @@ impl TraceAssembly {
                 )),
             ));
         }
+        let last = chunk.last;
+        let result = if self.skipping {
+            Ok(())
+        } else {
+            self.append(chunk)
+        };
+        if let Err((reason, why)) = result {
+            self.trace = AllocatorTrace::default();
+            self.skipping = !last;
+            self.complete = last;
+            return Err(Refusal::Unusable(reason, why));
+        }
+        if !last {
+            return Ok(None);
+        }
+        self.complete = true;
+        if std::mem::take(&mut self.skipping) {
+            return Ok(None);
+        }
+        Ok(Some(std::mem::take(&mut self.trace)))
+    }
+
+    fn append(&mut self, chunk: pb::AllocatorTraceChunk) -> Result<(), (&'static str, String)> {
+        if chunk.step != 1 {
+            return Err((
+                "allocator_trace_not_step_one",
+                format!(
+                    "an allocator trace must come from step 1, not step {}",
+                    chunk.step
+                ),
+            ));
+        }
+        self.trace.step = 1;
         for s in chunk.segments {
             self.trace.segments.push(SegmentLayout {
                 address: s.address,
@@ -280,17 +316,17 @@ impl TraceAssembly {
                     .collect(),
             });
         }
-        for (i, e) in chunk.events.into_iter().enumerate() {
+        for e in chunk.events {
+            let index = self.trace.events.len();
             let action = match pb::AllocatorAction::try_from(e.action) {
                 Ok(pb::AllocatorAction::Alloc) => AllocatorAction::Alloc,
                 Ok(pb::AllocatorAction::Free) => AllocatorAction::Free,
                 _ => {
                     return Err((
                         "allocator_trace_bad_event",
-                        Status::invalid_argument(format!(
-                            "allocator trace event {} has an unspecified or unknown action",
-                            self.trace.events.len() + i
-                        )),
+                        format!(
+                            "allocator trace event {index} has an unspecified or unknown action"
+                        ),
                     ))
                 }
             };
@@ -300,11 +336,10 @@ impl TraceAssembly {
                 .ok_or_else(|| {
                     (
                         "allocator_trace_bad_event",
-                        Status::invalid_argument(format!(
-                            "allocator trace event {} names no phase (STEP_BEGIN, FORWARD_BEGIN, \
-                             BACKWARD_BEGIN, OPTIMIZER_BEGIN or OPTIMIZER_END)",
-                            self.trace.events.len() + i
-                        )),
+                        format!(
+                            "allocator trace event {index} names no phase (STEP_BEGIN, \
+                             FORWARD_BEGIN, BACKWARD_BEGIN, OPTIMIZER_BEGIN or OPTIMIZER_END)"
+                        ),
                     )
                 })?;
             self.trace.events.push(AllocatorEvent {
@@ -314,12 +349,24 @@ impl TraceAssembly {
                 phase,
             });
         }
-        if !chunk.last {
-            return Ok(None);
-        }
-        self.complete = true;
-        Ok(Some(std::mem::take(&mut self.trace)))
+        Ok(())
     }
+}
+
+/// Counts and logs a trace the prediction cannot use; the stream goes on.
+fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &str) {
+    state.ingest.reject(reason, 1);
+    state
+        .ingest
+        .allocator_traces
+        .with_label_values(&["rejected"])
+        .inc();
+    tracing::warn!(
+        job = %key.job,
+        rank = key.rank,
+        reason,
+        "allocator trace not used ({why}); the step-2 prediction keeps to the markers"
+    );
 }
 
 /// Replays a complete trace off the async threads and hands the result to
@@ -338,13 +385,13 @@ async fn replay_trace(
     })
     .await
     .map_err(|e| Status::internal(format!("allocator trace replay failed: {e}")))?;
-    let replay = replayed.map_err(|e| {
-        state.ingest.reject("allocator_trace_invalid", 1);
-        Status::invalid_argument(format!(
-            "allocator trace for job {} rank {}: {e}",
-            key.job, key.rank
-        ))
-    })?;
+    let replay = match replayed {
+        Ok(replay) => replay,
+        Err(e) => {
+            reject_trace(state, key, "allocator_trace_invalid", &e.to_string());
+            return Ok(());
+        }
+    };
     match state.apply_allocator_replay(key, trace, grads_persistent, replay) {
         Some(advisories) => {
             state

@@ -68,7 +68,7 @@ impl IngestMetrics {
             allocator_traces: IntCounterVec::new(
                 Opts::new(
                     "stepwatch_allocator_traces_total",
-                    "Step-1 allocator traces received, by result: replayed (the step-2 prediction uses it), late (step 2 had begun; ignored). Refused traces count in stepwatch_markers_rejected_total.",
+                    "Step-1 allocator traces received, by result: replayed (the step-2 prediction uses it), late (step 2 had begun; ignored), rejected (unusable: logged, reason in stepwatch_markers_rejected_total; the stream goes on).",
                 ),
                 &["result"],
             )?,
