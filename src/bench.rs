@@ -59,6 +59,10 @@ pub struct AccuracyArgs {
     /// prediction from markers alone.
     #[arg(long)]
     pub no_allocator_trace: bool,
+    /// Keep each agent's `--record` here (`<first scenario>-x<scale>.jsonl`),
+    /// to replay a surprising row with `stepwatch replay-record --timeline`.
+    #[arg(long)]
+    pub record_dir: Option<PathBuf>,
 }
 
 /// One rank of one scenario, measured.
@@ -114,7 +118,11 @@ struct BenchAgent {
     _dir: RemoveDir,
 }
 
-fn start_agent(tag: &str, specs: &[GpuSpec]) -> anyhow::Result<(BenchAgent, PathBuf)> {
+fn start_agent(
+    tag: &str,
+    specs: &[GpuSpec],
+    record: Option<&Path>,
+) -> anyhow::Result<(BenchAgent, PathBuf)> {
     let exe = std::env::current_exe()?;
     let lib = fake_nvml::find_cdylib()
         .context("libfake_nvml.so not found next to the binary; run cargo build")?;
@@ -134,6 +142,11 @@ fn start_agent(tag: &str, specs: &[GpuSpec]) -> anyhow::Result<(BenchAgent, Path
             .arg("--nvml-lib")
             .arg(&lib)
             .args(["--process-interval", "200ms", "--node-name", "bench"])
+            .args(record.map(|r| {
+                let mut a = std::ffi::OsString::from("--record=");
+                a.push(r);
+                a
+            }))
             .env(fake_nvml::STATE_DIR_ENV, &dir)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.join("agent.log"))?)
@@ -163,7 +176,7 @@ fn ingest(args: IngestArgs) -> anyhow::Result<()> {
     use stepwatch_proto::v1::{Hello, Identity, MarkerKind};
 
     let specs: Vec<GpuSpec> = (0..8).map(GpuSpec::h100_80gb).collect();
-    let (agent, _dir) = start_agent("ingest", &specs)?;
+    let (agent, _dir) = start_agent("ingest", &specs, None)?;
     let kinds = [
         MarkerKind::StepBegin,
         MarkerKind::ForwardBegin,
@@ -326,14 +339,31 @@ fn accuracy(args: AccuracyArgs) -> anyhow::Result<()> {
     for group in &groups {
         let names: Vec<&str> = group.iter().map(|s| s.name.as_str()).collect();
         eprintln!("bench: running {} at capacity ...", names.join(" + "));
-        let real = run_group(group, 1.0, args.speed, !args.no_allocator_trace)?;
+        let record = |scale: f64| {
+            args.record_dir
+                .as_ref()
+                .map(|d| d.join(format!("{}-x{scale}.jsonl", group[0].name)))
+        };
+        let real = run_group(
+            group,
+            1.0,
+            args.speed,
+            !args.no_allocator_trace,
+            record(1.0),
+        )?;
         let needs_unbounded = real.iter().any(|r| r.died_in_step.is_some());
         let unbounded = if needs_unbounded {
             eprintln!(
                 "bench: running {} on 2x capacity to measure the steady peak OOM cut short",
                 names.join(" + ")
             );
-            Some(run_group(group, 2.0, args.speed, !args.no_allocator_trace)?)
+            Some(run_group(
+                group,
+                2.0,
+                args.speed,
+                !args.no_allocator_trace,
+                record(2.0),
+            )?)
         } else {
             None
         };
@@ -477,6 +507,7 @@ fn run_group(
     scale: f64,
     speed: f64,
     allocator_trace: bool,
+    record: Option<PathBuf>,
 ) -> anyhow::Result<Vec<Row>> {
     let exe = std::env::current_exe()?;
     let colocated = group.len() > 1;
@@ -492,7 +523,7 @@ fn run_group(
             ..GpuSpec::h100_80gb(i)
         })
         .collect();
-    let (agent, dir) = start_agent(&group[0].name, &specs)?;
+    let (agent, dir) = start_agent(&group[0].name, &specs, record.as_deref())?;
     let http = agent.http;
     let endpoint = agent.endpoint.clone();
     let mut sims: Vec<(String, u32, Child)> = Vec::new();

@@ -19,23 +19,34 @@ struct Expect {
     max_abs_error: Option<f64>,
 }
 
-const FIXTURES: &[(&str, &[Expect])] = &[(
-    "sim-doomed-and-fits.jsonl",
-    &[
-        Expect {
-            job: "doomed",
-            basis: PredictionBasis::AllocatorReplay,
-            advisories: &[AdvisoryKind::Step2OomPredicted],
-            max_abs_error: None,
-        },
-        Expect {
-            job: "fits",
+const FIXTURES: &[(&str, &[Expect])] = &[
+    (
+        "sim-doomed-and-fits.jsonl",
+        &[
+            Expect {
+                job: "doomed",
+                basis: PredictionBasis::AllocatorReplay,
+                advisories: &[AdvisoryKind::Step2OomPredicted],
+                max_abs_error: None,
+            },
+            Expect {
+                job: "fits",
+                basis: PredictionBasis::AllocatorReplay,
+                advisories: &[],
+                max_abs_error: Some(0.05),
+            },
+        ],
+    ),
+    (
+        "sim-zero-sharded-retry-lagging.jsonl",
+        &[Expect {
+            job: "zero-sharded-retry",
             basis: PredictionBasis::AllocatorReplay,
             advisories: &[],
             max_abs_error: Some(0.05),
-        },
-    ],
-)];
+        }],
+    ),
+];
 
 fn replay(file: &str) -> Vec<PredictionCheck> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -11,7 +11,7 @@ use std::time::Instant;
 use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::replay::{MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_core::{
-    replay_step2, Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats,
+    replay_step2_within, Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats,
     AllocatorTrace, Marker, MarkerKind, ModelFacts, OpenError, OptimizerKind, Precision, RankInfo,
     RankKey,
 };
@@ -379,8 +379,9 @@ async fn replay_trace(
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
     let events = trace.events.len();
+    let reserved_limit = state.tracker().reserved_limit(key);
     let (trace, replayed) = tokio::task::spawn_blocking(move || {
-        let replayed = replay_step2(&trace, grads_persistent);
+        let replayed = replay_step2_within(&trace, grads_persistent, reserved_limit);
         (trace, replayed)
     })
     .await

@@ -269,6 +269,7 @@ impl AgentState {
                 at_ns,
                 key: key.clone(),
                 grads_persistent,
+                reserved_limit: replay.reserved_limit_bytes,
                 trace,
             },
             true,

@@ -44,7 +44,7 @@
 //! reserved  = max(ceil(basis_peak × ratio) + allowance, step1 reserved peak)
 //! overhead  = NVML − reserved next to step 1's markers: the best lower
 //!             bound, capped by the best upper one (see `overhead_estimate`)
-//! device    = max(reserved + overhead, step1 NVML peak)
+//! device    = max(reserved + overhead, NVML peak of step 1's closed phases)
 //! ```
 //!
 //! `allowance` is the *layout allowance* for lazily created state (state
@@ -511,7 +511,15 @@ pub fn predict_with(
     );
 
     // To device bytes.
-    let step1_nvml_peak = phases.iter().map(nvml).fold(None, max_opt);
+    // On the allocator basis the floor is the NVML peak of step 1's closed
+    // phases: samples credited to the open phase are those taken since its
+    // marker, and when the client's markers lag (a busy host, a slow replay)
+    // they may already be of step 2.
+    let floor_phases = match basis {
+        PredictionBasis::NvmlOnly => phases,
+        _ => &step1.phases,
+    };
+    let step1_nvml_peak = floor_phases.iter().map(nvml).fold(None, max_opt);
     let mut reserved_ratio = None;
     let mut step1_reserved_peak = None;
     let mut predicted_reserved = None;
@@ -554,7 +562,7 @@ pub fn predict_with(
                 _ => 1.0,
             };
             let reserved = match replay {
-                Some(r) => r.reserved_peak_bytes,
+                Some(r) => r.expected_reserved_peak_bytes(),
                 None => ((basis_peak as f64 * ratio).ceil() as u64).saturating_add(allowance),
             }
             .max(res_peak.unwrap_or(0));

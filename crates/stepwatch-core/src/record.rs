@@ -15,7 +15,7 @@ use crate::error::MarkerError;
 use crate::identity::{RankInfo, RankKey};
 use crate::marker::Marker;
 use crate::predict::PredictionBasis;
-use crate::replay::{replay_step2, AllocatorTrace, TraceError};
+use crate::replay::{replay_step2_within, AllocatorTrace, TraceError};
 use crate::tracker::{GpuSample, OpenError, Tracker, TrackerConfig};
 
 /// One input to the tracker.
@@ -47,6 +47,9 @@ pub enum RecordEntry {
         key: RankKey,
         /// Whether gradients persist into step 2 (from the hello's facts).
         grads_persistent: bool,
+        /// The reserved-bytes limit the agent replayed it within, if any.
+        #[serde(default)]
+        reserved_limit: Option<u64>,
         /// The trace as received.
         trace: AllocatorTrace,
     },
@@ -130,9 +133,10 @@ impl Replayer {
                 at_ns,
                 key,
                 grads_persistent,
+                reserved_limit,
                 trace,
             } => {
-                let replay = replay_step2(&trace, grads_persistent)?;
+                let replay = replay_step2_within(&trace, grads_persistent, reserved_limit)?;
                 if let Some(due) = self.tracker.allocator_replay(&key, replay, at_ns) {
                     self.advisories
                         .extend(due.into_iter().map(|a| (key.clone(), a)));

@@ -25,8 +25,12 @@ use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::{round_size, AllocId, CachingAllocator, LayoutError, SegmentLayout};
+use crate::allocator::{round_size, AllocId, CachingAllocator, LayoutError, SegmentLayout, Usage};
 use crate::marker::PhaseKind;
+
+/// Steps replayed after step 1 (steps 2..=1 + this): enough for the cache to
+/// settle when step 2 had to release it.
+pub const REPLAYED_STEPS: usize = 3;
 
 /// Most events a trace may hold; bounds the agent's memory and replay time.
 pub const MAX_TRACE_EVENTS: usize = 262_144;
@@ -146,14 +150,67 @@ pub struct Step2Replay {
     /// Whether gradients were kept into step 2 (else freed first, as
     /// `zero_grad(set_to_none=True)` does, and made again in backward).
     pub grads_persistent: bool,
-    /// Events replayed.
+    /// Events replayed (in step 2).
     pub events_replayed: u64,
+    /// Highest reserved bytes of the last replayed step (step
+    /// 1 + [`REPLAYED_STEPS`]): the steady state, where a step leaves the
+    /// cache as it found it. Usually step 2's figure; lower when step 2 only
+    /// fitted by releasing the cache, which rearranges it.
+    #[serde(default)]
+    pub steady_reserved_peak_bytes: u64,
+    /// The most the allocator may reserve on the GPU (capacity − what NVML
+    /// shows beyond the allocator, other processes included), when it was
+    /// known as the trace arrived.
+    #[serde(default)]
+    pub reserved_limit_bytes: Option<u64>,
+    /// Step 2 replayed again within that limit; None without one.
+    #[serde(default)]
+    pub within_limit: Option<LimitedReplay>,
 }
 
-/// Replays step 2 from step 1's trace; see the module documentation.
+/// Step 2 replayed within the GPU's limit. When `cudaMalloc` fails, PyTorch
+/// releases the cached segments that are wholly free and tries once more
+/// (`num_alloc_retries`); a step whose unlimited replay needs more than the
+/// GPU has may still fit that way, at a lower reserved peak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LimitedReplay {
+    /// Whether every allocation of every replayed step succeeded.
+    pub fits: bool,
+    /// Highest reserved bytes of step 2 (up to the failure when it does not fit).
+    pub reserved_peak_bytes: u64,
+    /// Highest reserved bytes of the last replayed step, when all fit.
+    #[serde(default)]
+    pub steady_reserved_peak_bytes: u64,
+    /// Cache releases the replayed steps needed.
+    pub alloc_retries: u64,
+}
+
+impl Step2Replay {
+    /// The steady-state reserved peak: within the limit when the steps fit
+    /// there, else what they would need without one.
+    pub fn expected_reserved_peak_bytes(&self) -> u64 {
+        match self.within_limit {
+            Some(w) if w.fits => w.steady_reserved_peak_bytes,
+            _ => self.steady_reserved_peak_bytes,
+        }
+    }
+}
+
+/// Replays step 2 from step 1's trace, with no limit on reserved memory; see
+/// the module documentation.
 pub fn replay_step2(
     trace: &AllocatorTrace,
     grads_persistent: bool,
+) -> Result<Step2Replay, TraceError> {
+    replay_step2_within(trace, grads_persistent, None)
+}
+
+/// [`replay_step2`], and again within `reserved_limit` when given
+/// ([`Step2Replay::within_limit`]).
+pub fn replay_step2_within(
+    trace: &AllocatorTrace,
+    grads_persistent: bool,
+    reserved_limit: Option<u64>,
 ) -> Result<Step2Replay, TraceError> {
     trace.check_bounds()?;
     let (mut alloc, live) = CachingAllocator::from_layout(&trace.segments)?;
@@ -238,35 +295,117 @@ pub fn replay_step2(
     }
     alloc.reset_step_peak();
 
-    let mut replayed: HashMap<usize, AllocId> = HashMap::new();
-    let mut events_replayed = 0;
-    for (index, e) in trace.events.iter().enumerate() {
-        match e.action {
-            AllocatorAction::Alloc if !keep.contains(&index) => {
-                let id = alloc
-                    .malloc(e.size, u64::MAX)
-                    .expect("an unlimited allocator never runs out");
-                replayed.insert(index, id);
-                events_replayed += 1;
-            }
-            AllocatorAction::Alloc => {}
-            AllocatorAction::Free => {
-                if let Some(id) = frees.get(&index).and_then(|a| replayed.remove(a)) {
-                    alloc.free(id);
-                    events_replayed += 1;
-                }
-            }
+    let plan = Plan {
+        trace,
+        keep: &keep,
+        frees: &frees,
+    };
+    let unlimited = plan.run_steps(alloc.clone(), u64::MAX);
+    let within_limit = reserved_limit.map(|limit| {
+        let runs = plan.run_steps(alloc, limit);
+        let fits = runs.iter().all(|r| !r.out_of_memory);
+        LimitedReplay {
+            fits,
+            reserved_peak_bytes: runs[0].peak.reserved,
+            steady_reserved_peak_bytes: if fits {
+                runs.last().map_or(0, |r| r.peak.reserved)
+            } else {
+                0
+            },
+            alloc_retries: runs.iter().map(|r| r.alloc_retries).sum(),
         }
-    }
-    let peak = alloc.peaks().step;
+    });
+    let step2 = &unlimited[0];
     Ok(Step2Replay {
         reserved_at_step1_end_bytes: reserved_at_end,
-        reserved_peak_bytes: peak.reserved,
-        allocated_peak_bytes: peak.allocated,
-        new_segment_bytes: peak.reserved.saturating_sub(reserved_at_end),
+        reserved_peak_bytes: step2.peak.reserved,
+        allocated_peak_bytes: step2.peak.allocated,
+        new_segment_bytes: step2.peak.reserved.saturating_sub(reserved_at_end),
         state_bytes,
         grad_bytes,
         grads_persistent,
-        events_replayed,
+        events_replayed: step2.events_replayed,
+        steady_reserved_peak_bytes: unlimited.last().map_or(0, |r| r.peak.reserved),
+        reserved_limit_bytes: reserved_limit,
+        within_limit,
     })
+}
+
+/// What to replay: the events, those whose allocation step 2 does not make
+/// again, and which allocation each free undoes.
+struct Plan<'a> {
+    trace: &'a AllocatorTrace,
+    keep: &'a HashSet<usize>,
+    frees: &'a HashMap<usize, usize>,
+}
+
+struct Run {
+    peak: Usage,
+    events_replayed: u64,
+    alloc_retries: u64,
+    out_of_memory: bool,
+}
+
+impl Plan<'_> {
+    /// Replays steps 2..=1 + [`REPLAYED_STEPS`] on `alloc`, which may reserve
+    /// up to `limit`, stopping at the first that runs out. Each step after the
+    /// first starts by freeing what the one before made and kept (gradients
+    /// set to None, tensors replaced every step such as the loss).
+    fn run_steps(&self, mut alloc: CachingAllocator, limit: u64) -> Vec<Run> {
+        let mut runs = Vec::with_capacity(REPLAYED_STEPS);
+        let mut carried: Vec<AllocId> = Vec::new();
+        for _ in 0..REPLAYED_STEPS {
+            for id in carried.drain(..) {
+                alloc.free(id);
+            }
+            alloc.reset_step_peak();
+            let (run, left) = self.run(&mut alloc, limit);
+            carried = left;
+            let out_of_memory = run.out_of_memory;
+            runs.push(run);
+            if out_of_memory {
+                break;
+            }
+        }
+        runs
+    }
+
+    /// Replays the events once; returns the step's figures and the replayed
+    /// allocations it left alive.
+    fn run(&self, alloc: &mut CachingAllocator, limit: u64) -> (Run, Vec<AllocId>) {
+        let retries_before = alloc.num_alloc_retries();
+        let mut replayed: HashMap<usize, AllocId> = HashMap::new();
+        let mut events_replayed = 0;
+        let mut out_of_memory = false;
+        for (index, e) in self.trace.events.iter().enumerate() {
+            match e.action {
+                AllocatorAction::Alloc if !self.keep.contains(&index) => {
+                    match alloc.malloc(e.size, limit) {
+                        Ok(id) => {
+                            replayed.insert(index, id);
+                            events_replayed += 1;
+                        }
+                        Err(_) => {
+                            out_of_memory = true;
+                            break;
+                        }
+                    }
+                }
+                AllocatorAction::Alloc => {}
+                AllocatorAction::Free => {
+                    if let Some(id) = self.frees.get(&index).and_then(|a| replayed.remove(a)) {
+                        alloc.free(id);
+                        events_replayed += 1;
+                    }
+                }
+            }
+        }
+        let run = Run {
+            peak: alloc.peaks().step,
+            events_replayed,
+            alloc_retries: alloc.num_alloc_retries() - retries_before,
+            out_of_memory,
+        };
+        (run, replayed.into_values().collect())
+    }
 }

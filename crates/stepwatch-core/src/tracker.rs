@@ -401,6 +401,16 @@ impl Tracker {
         Ok(advisories)
     }
 
+    /// The most the rank's allocator may reserve on its GPU, for replaying
+    /// its allocator trace within it: capacity minus what NVML shows beyond
+    /// the allocator (CUDA context, workspaces, other processes), as the
+    /// rank's current prediction measured it. None while either is unknown.
+    pub fn reserved_limit(&self, key: &RankKey) -> Option<u64> {
+        let p = self.rank_analysis(key)?.prediction?;
+        let overhead = p.inputs.overhead_bytes?;
+        (p.inputs.capacity_bytes > 0).then(|| p.inputs.capacity_bytes.saturating_sub(overhead))
+    }
+
     /// Takes step 2's replay from the rank's step-1 allocator trace (see
     /// [`crate::replay`]; the caller runs the replay, outside any lock) and
     /// returns the advisories that became due with it. None, and nothing

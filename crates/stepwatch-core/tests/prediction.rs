@@ -202,19 +202,17 @@ fn adam_state_from_model_facts_while_backward_runs() {
     assert_eq!(i.layout_allowance_bytes, 50 * M);
     assert_eq!(i.predicted_reserved_bytes, Some(7300 * M));
     assert_eq!(i.overhead_bytes, Some(500 * M));
-    assert_eq!(
-        i.step1_nvml_peak_bytes,
-        Some(7000 * M),
-        "the live sample counts"
-    );
+    // The floor is the NVML peak of closed phases: the open backward's live
+    // sample (7000) is left out, since with lagging markers it may be of step 2.
+    assert_eq!(i.step1_nvml_peak_bytes, Some(3500 * M));
     assert_eq!(p.predicted_peak_bytes, 7800 * M);
 
     // Without facts the state is unknown until the optimizer phase ends.
     let p = run(ModelFacts::default(), markers, &BASE_SAMPLES[..3], 10_000);
     assert_eq!(p.inputs.state_source, StateSource::Unknown);
-    // max(6250 + 500, the live step-1 NVML peak 7000).
+    // max(6250 + 500, the closed phases' NVML peak 3500).
     assert_eq!(p.inputs.predicted_reserved_bytes, Some(6250 * M));
-    assert_eq!(p.predicted_peak_bytes, 7000 * M);
+    assert_eq!(p.predicted_peak_bytes, 6750 * M);
 }
 
 fn no_jump_markers() -> Vec<Marker> {
@@ -262,8 +260,8 @@ fn pre_created_state_declared_or_detected() {
         (p.inputs.state_bytes, p.inputs.state_source),
         (0, StateSource::DeclaredPrecreated)
     );
-    // max(6250 + 500, the live step-1 NVML peak 7000).
-    assert_eq!(p.predicted_peak_bytes, 7000 * M);
+    // max(6250 + 500, the closed phases' NVML peak 3500).
+    assert_eq!(p.predicted_peak_bytes, 6750 * M);
 
     // Detected: Adam, but nothing appeared across the optimizer phase.
     let p = run(adam(100 * M), &no_jump_markers(), &BASE_SAMPLES, 10_000);

@@ -97,6 +97,52 @@ fn state_carved_from_cached_activations_forces_new_segments_in_step_2() {
 }
 
 #[test]
+fn within_the_gpus_limit_releasing_the_cache_can_make_step_2_fit() {
+    // Forward also makes a 20 MiB temporary in a segment of its own, free by
+    // the end of step 1. State (30 MiB) splits activation A's block.
+    let mut r = Recorder::new();
+    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    r.phase = PhaseKind::Forward;
+    let a = r.malloc(40 * MIB);
+    let t = r.malloc(20 * MIB);
+    r.free(t);
+    let b = r.malloc(40 * MIB);
+    r.phase = PhaseKind::Backward;
+    r.free(b);
+    r.free(a);
+    r.phase = PhaseKind::Optimizer;
+    r.malloc(30 * MIB);
+    let trace = r.trace();
+
+    // Unlimited, step 2 adds a 40 MiB segment: 164 + 40.
+    let free = replay_step2(&trace, false).unwrap();
+    assert_eq!(free.reserved_peak_bytes, 204 * MIB);
+    assert_eq!(free.within_limit, None);
+
+    // Within 190 MiB, PyTorch releases the wholly free 20 MiB segment and
+    // retries: step 2 fits, peaking at 184 MiB.
+    let tight = replay_step2_within(&trace, false, Some(190 * MIB)).unwrap();
+    assert_eq!(tight.reserved_peak_bytes, 204 * MIB, "what it would need");
+    assert_eq!(
+        tight.within_limit,
+        Some(LimitedReplay {
+            fits: true,
+            reserved_peak_bytes: 184 * MIB,
+            steady_reserved_peak_bytes: 184 * MIB,
+            alloc_retries: 1,
+        })
+    );
+    assert_eq!(tight.expected_reserved_peak_bytes(), 184 * MIB);
+
+    // Within 180 MiB not even that is enough.
+    let short = replay_step2_within(&trace, false, Some(180 * MIB)).unwrap();
+    assert!(short
+        .within_limit
+        .is_some_and(|w| !w.fits && w.alloc_retries == 1));
+    assert_eq!(short.expected_reserved_peak_bytes(), 204 * MIB);
+}
+
+#[test]
 fn gradients_set_to_none_are_freed_first_and_kept_gradients_stay() {
     // 30 MiB of gradients take part of an activation block in backward.
     let (r, _) = step_one(30 * MIB, 0);
@@ -176,6 +222,9 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
         grad_bytes: 0,
         grads_persistent: false,
         events_replayed: 10,
+        steady_reserved_peak_bytes: 9 * GB,
+        reserved_limit_bytes: None,
+        within_limit: None,
     };
     assert!(tracker.allocator_replay(&key, replay, 55).is_some());
     let p = tracker.rank_analysis(&key).unwrap().prediction.unwrap();

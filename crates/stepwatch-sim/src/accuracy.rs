@@ -34,8 +34,8 @@
 use std::fmt::Write as _;
 
 use stepwatch_core::{
-    replay_step2, Advisory, AdvisoryKind, BindingTerm, Marker, MarkerKind, Prediction, RankInfo,
-    RankKey, StateSource, Tracker, TrackerConfig,
+    replay_step2_within, Advisory, AdvisoryKind, BindingTerm, Marker, MarkerKind, Prediction,
+    RankInfo, RankKey, StateSource, Tracker, TrackerConfig,
 };
 
 use crate::rank::{RankSim, SimEvent, SimOutcome};
@@ -393,7 +393,9 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
             SimEvent::AllocatorTrace { trace, .. } => {
                 // The agent replays a trace as it arrives (before the next marker).
                 let grads_persistent = sims[p].model_facts().grads_set_to_none == Some(false);
-                let replayed = replay_step2(trace, grads_persistent).expect("valid trace");
+                let limit = tracker.reserved_limit(&keys[p]);
+                let replayed =
+                    replay_step2_within(trace, grads_persistent, limit).expect("valid trace");
                 if let Some(advisories) = tracker.allocator_replay(&keys[p], replayed, t) {
                     if p == 0 {
                         due = advisories;

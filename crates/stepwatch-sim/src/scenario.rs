@@ -539,6 +539,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     builtin!("sgd-no-state.json"),
     builtin!("thin-margin.json"),
     builtin!("zero-sharded-8.json"),
+    builtin!("zero-sharded-retry.json"),
 ];
 
 /// Every built-in scenario, parsed.

@@ -230,15 +230,19 @@ fn reserved_never_shrinks_and_covers_allocated() {
             assert_eq!(nvml, res + overhead, "{ctx}");
         }
         // Only an OOM retry releases cached segments, and a rank that
-        // completes never needed one.
+        // completes needed one only where the scenario is about that.
         let shrinks = mem.windows(2).filter(|w| w[1].2 < w[0].2).count() as u64;
         assert!(
             shrinks <= report.num_alloc_retries,
             "{ctx}: reserved shrank"
         );
-        if let SimOutcome::Completed { .. } = report.outcome {
+        let completed = matches!(report.outcome, SimOutcome::Completed { .. });
+        if completed && s.name != "zero-sharded-retry" {
             assert_eq!(report.num_alloc_retries, 0, "{ctx}");
             assert_eq!(shrinks, 0, "{ctx}");
+        }
+        if s.name == "zero-sharded-retry" {
+            assert!(completed && report.num_alloc_retries > 0, "{ctx}");
         }
         let checked = match report.outcome {
             SimOutcome::Oom { .. } => &mem[..mem.len() - 1],
