@@ -320,11 +320,13 @@ def node_gpu_memory():
     L.add(timeseries("NVML errors per second by call",
                      targets((f"sum by (node, call) (rate(stepwatch_nvml_errors_total{{{sel}}}[$__rate_interval]))",
                               "{{node}} {{call}}")), "ops"), 8, 7)
-    L.add(timeseries("Markers received / rejected per second",
+    L.add(timeseries("Markers received / rejected, allocator traces, per second",
                      targets((f"sum by (node) (rate(stepwatch_markers_received_total{{{sel}}}[$__rate_interval]))",
                               "{{node}} received"),
                              (f"sum by (node, reason) (rate(stepwatch_markers_rejected_total{{{sel}}}[$__rate_interval]))",
-                              "{{node}} rejected ({{reason}})")), "ops"), 12, 7)
+                              "{{node}} rejected ({{reason}})"),
+                             (f"sum by (node, result) (rate(stepwatch_allocator_traces_total{{{sel}}}[$__rate_interval]))",
+                              "{{node}} allocator traces ({{result}})")), "ops"), 12, 7)
     L.add(table("Agent versions",
                 targets((f"stepwatch_build_info{{{sel}}}", ""), instant=True, table=True),
                 transformations=[organize(exclude=("Time", "Value", "__name__", "instance", "job"))]), 12, 7)
