@@ -121,7 +121,31 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
         .map(|p| p["nvml_samples"].as_u64().unwrap())
         .sum();
     assert!(sampled >= 3, "a step at 100 Hz has samples, got {sampled}");
-    let prediction = &report["analysis"]["prediction"];
+    // The step-1 and steady-state profiles a user compares (the first-step
+    // anomaly), per phase, from NVML and the allocator.
+    let analysis = &report["analysis"];
+    let first = &analysis["first_step"];
+    let steady = &analysis["steady"];
+    assert_eq!(first["step"], 1, "{analysis}");
+    assert_eq!(steady["steps"], serde_json::json!([2, 3]), "{analysis}");
+    let peak = |p: &serde_json::Value, key: &str| p[key].as_u64().unwrap_or(0);
+    assert!(
+        peak(steady, "nvml_peak_bytes") > peak(first, "nvml_peak_bytes")
+            && peak(steady, "allocated_peak_bytes") > peak(first, "allocated_peak_bytes"),
+        "{analysis}"
+    );
+    for profile in [first, steady] {
+        let phases: Vec<&str> = profile["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["phase"].as_str().unwrap())
+            .collect();
+        for phase in ["forward", "backward", "optimizer"] {
+            assert!(phases.contains(&phase), "{phase} missing: {profile}");
+        }
+    }
+    let prediction = &analysis["prediction"];
     // The simulated ranks send step 1's allocator trace, as the Python client does.
     assert_eq!(
         prediction["inputs"]["basis"], "allocator_replay",
