@@ -299,9 +299,10 @@ fn ingest(args: IngestArgs) -> anyhow::Result<()> {
         latencies.len()
     );
     println!(
-        "/metrics ({series} series, {} ranks x {} retained steps, 8 GPUs): median {:.2} ms, p99 {:.2} ms",
-        args.ranks + 1,
-        args.steps.min(1000),
+        "/metrics ({series} series, {} ranks x {} retained steps + 1 probe rank x {}, 8 GPUs): median {:.2} ms, p99 {:.2} ms",
+        args.ranks,
+        args.steps.min(stepwatch_core::TrackerConfig::default().max_retained_steps as u64),
+        args.latency_samples,
         percentile(&scrapes, 0.5),
         percentile(&scrapes, 0.99)
     );

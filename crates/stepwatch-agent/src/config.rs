@@ -106,8 +106,8 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_RECORD")]
     pub record: Option<PathBuf>,
 
-    /// Size bound of the record, bytes (about 80 bytes per GPU sample: 8 GPUs
-    /// at 100 Hz write about 230 MB an hour); recording stops there.
+    /// Size bound of the record, bytes (about 84 bytes per GPU sample: 8 GPUs
+    /// at 100 Hz write about 240 MB an hour); recording stops there.
     #[arg(long, env = "STEPWATCH_RECORD_MAX_BYTES", default_value_t = 1 << 30)]
     pub record_max_bytes: u64,
 
