@@ -31,9 +31,14 @@ fn the_demo_predicts_the_doomed_job_before_it_dies() {
         .position(|l| l.starts_with(">> doomed-llm-1 died: CUDA out of memory in step 2"))
         .unwrap_or_else(|| panic!("the doomed job did not die in step 2:\n{text}"));
     assert!(warned < died, "warned after it died:\n{text}");
-    let headroom_negative =
-        lines[warned].contains("headroom  -") || lines[warned].contains("headroom -");
-    assert!(headroom_negative, "{}", lines[warned]);
+    // The figure itself, read from /metrics by the demo, is negative.
+    let headroom: f64 = lines[warned]
+        .split("headroom")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("no headroom figure: {}", lines[warned]));
+    assert!(headroom < 0.0, "{}", lines[warned]);
     // The healthy job is still running and was never warned.
     assert!(
         lines.iter().any(|l| l.contains("healthy-llm-1  step 2")),

@@ -90,13 +90,16 @@ fn every_fixture_meets_its_expectations() {
 #[test]
 fn every_fixture_file_has_expectations() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let mut files = 0;
     for entry in std::fs::read_dir(dir).unwrap() {
         let name = entry.unwrap().file_name().into_string().unwrap();
         if name.ends_with(".jsonl") {
+            files += 1;
             assert!(
                 FIXTURES.iter().any(|(f, _)| *f == name),
                 "tests/fixtures/{name} has no row in FIXTURES"
             );
         }
     }
+    assert_eq!(files, FIXTURES.len(), "a FIXTURES row without its file");
 }

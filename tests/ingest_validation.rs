@@ -221,9 +221,11 @@ fn a_marker_flood_on_one_stream_is_refused_with_resource_exhausted() {
             > 0.0
     );
     let accepted = m.get("stepwatch_markers_received_total", &[]).unwrap();
+    // The burst (100 markers) admits 16 batches of 6, 17 if the bucket
+    // refilled a little meanwhile; the rest was refused.
     assert!(
-        accepted <= 102.0,
-        "no more than the burst got in: {accepted}"
+        (96.0..=102.0).contains(&accepted),
+        "the burst and no more got in: {accepted}"
     );
 }
 

@@ -63,7 +63,8 @@ fn a_record_replays_to_the_agents_own_prediction_and_steady_peak() {
     );
     let checks: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
     assert_eq!(checks.len(), 2, "{stdout}");
-    for (check, report) in checks.iter().zip(&reports) {
+    for (check, (rank, report)) in checks.iter().zip((1..=2).zip(&reports)) {
+        assert_eq!(check["key"]["rank"], rank, "{check}");
         let frozen = &report["prediction_before_step2"];
         assert_eq!(check["basis"], "allocator_replay", "{check}");
         assert_eq!(
