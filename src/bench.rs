@@ -12,7 +12,7 @@ use fake_nvml::{FakeNvml, GpuSpec};
 use serde_json::Value;
 use stepwatch_sim::Scenario;
 
-use crate::http_get;
+use stepwatch::http_get;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use fake_nvml::{FakeNvml, GpuSpec};
 
-use crate::http_get;
+use stepwatch::http_get;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {

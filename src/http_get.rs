@@ -1,5 +1,6 @@
-//! A minimal HTTP/1.0 GET for the demo's live view (no client library needed
-//! for reading our own /metrics on loopback).
+//! A minimal HTTP/1.0 GET and a reader of the text exposition, for reading
+//! our own agent on loopback: the demo's live view, the benchmarks and the
+//! end-to-end tests (no client library needed).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -8,7 +9,7 @@ use std::time::Duration;
 /// Returns (status code, body).
 pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
     let mut response = String::new();
     stream.read_to_string(&mut response)?;
@@ -24,15 +25,79 @@ pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     Ok((status, body))
 }
 
-/// Value of the first series of metric `name` in a text exposition whose
-/// labels include all of `labels` (every agent series has a `node` label).
+/// One sample line of a text exposition.
+pub struct Sample<'a> {
+    /// Metric name.
+    pub name: &'a str,
+    /// (key, value) pairs, values as written (escapes kept).
+    pub labels: Vec<(&'a str, &'a str)>,
+    /// The value.
+    pub value: f64,
+}
+
+/// Parses one line of a text exposition; None for comments, blank lines and
+/// lines that do not parse.
+pub fn parse_sample(line: &str) -> Option<Sample<'_>> {
+    if line.starts_with('#') {
+        return None;
+    }
+    let (series, value) = line.trim_end().rsplit_once(' ')?;
+    let value = value.parse().ok()?;
+    let Some((name, rest)) = series.split_once('{') else {
+        return Some(Sample {
+            name: series,
+            labels: Vec::new(),
+            value,
+        });
+    };
+    let mut labels = Vec::new();
+    let mut rest = rest.strip_suffix('}')?;
+    while !rest.is_empty() {
+        let (key, after) = rest.split_once("=\"")?;
+        // The value ends at the first quote not escaped by a backslash.
+        let end = after
+            .char_indices()
+            .find(|&(i, c)| c == '"' && !after[..i].ends_with('\\'))?
+            .0;
+        labels.push((key.trim_start_matches(','), &after[..end]));
+        rest = &after[end + 1..];
+    }
+    Some(Sample {
+        name,
+        labels,
+        value,
+    })
+}
+
+/// Value of the first series of metric `name` whose labels include every
+/// pair of `labels` exactly (so `rank="1"` does not match `local_rank="1"`).
 pub fn metric_value(exposition: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
     exposition.lines().find_map(|line| {
-        let rest = line.strip_prefix(name)?;
-        let (series_labels, value) = rest.strip_prefix('{')?.rsplit_once(' ')?;
-        labels
-            .iter()
-            .all(|(k, v)| series_labels.contains(&format!("{k}=\"{v}\"")))
-            .then(|| value.parse().ok())?
+        let s = parse_sample(line)?;
+        (s.name == name && labels.iter().all(|l| s.labels.contains(l))).then_some(s.value)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT: &str = "# HELP x_total things\n\
+        # TYPE x_total counter\n\
+        x_total{node=\"n\",local_rank=\"1\",rank=\"0\"} 3\n\
+        x_total{node=\"n\",rank=\"1\",msg=\"a \\\"q\\\" b\"} 4\n\
+        up 1\n";
+
+    #[test]
+    fn labels_match_whole_pairs_only() {
+        assert_eq!(metric_value(TEXT, "x_total", &[("rank", "1")]), Some(4.0));
+        assert_eq!(metric_value(TEXT, "x_total", &[("rank", "0")]), Some(3.0));
+        assert_eq!(metric_value(TEXT, "x_total", &[("rank", "2")]), None);
+        assert_eq!(metric_value(TEXT, "x", &[]), None);
+        assert_eq!(metric_value(TEXT, "up", &[]), Some(1.0));
+        assert_eq!(
+            metric_value(TEXT, "x_total", &[("msg", "a \\\"q\\\" b")]),
+            Some(4.0)
+        );
+    }
 }

@@ -2,7 +2,6 @@
 
 mod bench;
 mod demo;
-mod http_get;
 mod replay_record;
 mod sim;
 

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -254,21 +254,7 @@ pub fn wait_ok(mut child: Child, what: &str) {
 }
 
 pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((status, body))
+    stepwatch::http_get::get(addr, path)
 }
 
 /// A parsed exposition, queried by name and label subset.
@@ -277,20 +263,7 @@ pub struct Metrics(pub String);
 impl Metrics {
     /// Value of the first series of `name` whose labels include all of `labels`.
     pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-        self.0
-            .lines()
-            .filter(|l| !l.starts_with('#'))
-            .find_map(|line| {
-                let (series, value) = line.rsplit_once(' ')?;
-                let (metric, lbls) = series.split_once('{').unwrap_or((series, ""));
-                if metric != name {
-                    return None;
-                }
-                labels
-                    .iter()
-                    .all(|(k, v)| lbls.contains(&format!("{k}=\"{v}\"")))
-                    .then(|| value.parse().ok())?
-            })
+        stepwatch::http_get::metric_value(&self.0, name, labels)
     }
 
     pub fn count(&self, name: &str) -> usize {
