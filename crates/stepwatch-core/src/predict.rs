@@ -550,8 +550,8 @@ pub fn predict_with(
     } else {
         0
     };
-    let (device, rank_peak) = match basis {
-        PredictionBasis::NvmlOnly => (basis_peak, basis_peak.saturating_sub(other_process_bytes)),
+    let device = match basis {
+        PredictionBasis::NvmlOnly => basis_peak,
         PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => {
             let res_peak = phases
                 .iter()
@@ -572,22 +572,19 @@ pub fn predict_with(
             predicted_reserved = Some(reserved);
             overhead = oh;
             match oh {
-                Some(oh) => {
-                    let device = reserved
-                        .saturating_add(oh)
-                        .max(step1_nvml_peak.unwrap_or(0));
-                    (device, device.saturating_sub(other_process_bytes))
-                }
-                None => {
-                    let rank = reserved.saturating_add(config.assumed_overhead_bytes);
-                    (rank.saturating_add(other_process_bytes), rank)
-                }
+                Some(oh) => reserved
+                    .saturating_add(oh)
+                    .max(step1_nvml_peak.unwrap_or(0)),
+                None => reserved
+                    .saturating_add(config.assumed_overhead_bytes)
+                    .saturating_add(other_process_bytes),
             }
         }
     };
-    let headroom = (capacity_bytes > 0).then(|| {
-        i128::from(capacity_bytes) - i128::from(rank_peak) - i128::from(other_process_bytes)
-    });
+    let rank_peak = device.saturating_sub(other_process_bytes);
+    // capacity − rank's share − other processes, i.e. capacity − device peak
+    // (also when the device figure is below what other processes hold).
+    let headroom = (capacity_bytes > 0).then(|| i128::from(capacity_bytes) - i128::from(device));
     let headroom = headroom.map(|h| h.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64);
     let oom_risk = headroom.is_some_and(|h| h < 0);
     let low_headroom =
@@ -768,14 +765,33 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
                 let _ =
                     write!(
                     s,
-                    "; reserved = step 2 replayed from step 1's allocator trace: {} at step 1's \
-                     end + {} in new segments (state {} kept, grads {} {}) = {res}",
+                    "; reserved = steps 2-4 replayed from step 1's allocator trace: {} at step \
+                     1's end, step 2 adds {} in new segments (state {} kept, grads {} {}), \
+                     steady state {}",
                     r.reserved_at_step1_end_bytes,
                     r.new_segment_bytes,
                     r.state_bytes,
                     r.grad_bytes,
                     if r.grads_persistent { "kept" } else { "freed and made again" },
+                    r.steady_reserved_peak_bytes,
                 );
+                if let (Some(limit), Some(w)) = (r.reserved_limit_bytes, r.within_limit) {
+                    if w.fits {
+                        let _ = write!(
+                            s,
+                            "; within the GPU's {limit} they fit after {} cache release(s), \
+                             steady state {}",
+                            w.alloc_retries, w.steady_reserved_peak_bytes
+                        );
+                    } else {
+                        let _ = write!(
+                            s,
+                            "; within the GPU's {limit} they do not fit even after releasing \
+                             the cache"
+                        );
+                    }
+                }
+                let _ = write!(s, "; at least the step-1 reserved peak: {res}");
             }
             None => {
                 let _ = write!(

@@ -300,9 +300,20 @@ pub fn replay_step2_within(
         keep: &keep,
         frees: &frees,
     };
-    let unlimited = plan.run_steps(alloc.clone(), u64::MAX);
-    let within_limit = reserved_limit.map(|limit| {
-        let runs = plan.run_steps(alloc, limit);
+    let limited = reserved_limit.map(|limit| plan.run_steps(alloc.clone(), limit));
+    // Within the limit with no cache release, every allocation took the path
+    // it takes without one: the same runs.
+    let unlimited = match &limited {
+        Some(runs)
+            if runs
+                .iter()
+                .all(|r| !r.out_of_memory && r.alloc_retries == 0) =>
+        {
+            runs.clone()
+        }
+        _ => plan.run_steps(alloc, u64::MAX),
+    };
+    let within_limit = limited.map(|runs| {
         let fits = runs.iter().all(|r| !r.out_of_memory);
         LimitedReplay {
             fits,
@@ -339,6 +350,7 @@ struct Plan<'a> {
     frees: &'a HashMap<usize, usize>,
 }
 
+#[derive(Clone)]
 struct Run {
     peak: Usage,
     events_replayed: u64,

@@ -165,12 +165,16 @@ pub const BEFORE_BEGIN_WINDOW_NS: u64 = 100_000_000;
 
 impl StepRecord {
     /// Takes a sample as [`StepRecord::nvml_before_begin`] if it is the
-    /// latest so far in the window before the begin (any arrival order gives
-    /// the same result).
+    /// latest so far in the window before the begin, the larger on a tie
+    /// (any arrival order gives the same result).
     pub fn offer_before_begin(&mut self, monotonic_ns: u64, used_bytes: u64) {
         let in_window = monotonic_ns < self.begin_monotonic_ns
             && self.begin_monotonic_ns - monotonic_ns <= BEFORE_BEGIN_WINDOW_NS;
-        if in_window && self.nvml_before_begin.is_none_or(|(t, _)| monotonic_ns > t) {
+        if in_window
+            && self
+                .nvml_before_begin
+                .is_none_or(|kept| (monotonic_ns, used_bytes) > kept)
+        {
             self.nvml_before_begin = Some((monotonic_ns, used_bytes));
         }
     }
@@ -249,11 +253,20 @@ impl RankTimeline {
     /// A copy holding step 1 and the latest `keep_last` steps (what the
     /// journal stores, to bound its size), with counters unchanged.
     pub fn trimmed(&self, keep_last: usize) -> Self {
-        let mut copy = self.clone();
-        while copy.steps.len() > keep_last + 1 {
-            copy.steps.remove(1);
+        let later = self.steps.len().saturating_sub(1);
+        Self {
+            steps: self
+                .steps
+                .iter()
+                .take(1)
+                .chain(self.steps.iter().skip(1 + later.saturating_sub(keep_last)))
+                .cloned()
+                .collect(),
+            max_retained_steps: self.max_retained_steps,
+            last_monotonic_ns: self.last_monotonic_ns,
+            steps_completed: self.steps_completed,
+            ooms: self.ooms,
         }
-        copy
     }
 
     /// Re-applies the retention bound after a restore (it is not journaled).

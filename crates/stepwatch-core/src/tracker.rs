@@ -316,8 +316,13 @@ impl Tracker {
                 .ranks
                 .values()
                 .map(|r| RankState {
+                    info: r.info.clone(),
                     timeline: r.timeline.trimmed(keep_last),
-                    ..r.clone()
+                    connected_streams: r.connected_streams,
+                    last_activity_ns: r.last_activity_ns,
+                    advisories: r.advisories.clone(),
+                    prediction_before_step2: r.prediction_before_step2.clone(),
+                    allocator_replay: r.allocator_replay,
                 })
                 .collect(),
         }
@@ -459,8 +464,11 @@ impl Tracker {
         }
         let window = self.samples.entry(gpu_uuid.to_owned()).or_default();
         for s in samples {
-            // Samples normally arrive in time order; keep the window sorted anyway.
-            let at = window.partition_point(|w| w.monotonic_ns <= s.monotonic_ns);
+            // Samples normally arrive in time order; keep the window sorted
+            // anyway, by time then bytes so that ties do not depend on order.
+            let at = window.partition_point(|w| {
+                (w.monotonic_ns, w.used_bytes) <= (s.monotonic_ns, s.used_bytes)
+            });
             window.insert(at, *s);
         }
         while window.len() > self.config.max_samples_per_gpu {
@@ -528,14 +536,16 @@ impl Tracker {
 /// such as a just-opened step whose only phase is still open: the same batch
 /// may have closed the step before it.)
 fn credit_newly_closed(timeline: &mut RankTimeline, window: &VecDeque<GpuSample>) {
+    // The first step's sample before it began (the prediction uses it; later
+    // steps' would be unused). Late samples are offered in `gpu_samples`.
+    if let Some(first) = timeline.steps_mut().next() {
+        let before = window.partition_point(|s| s.monotonic_ns < first.begin_monotonic_ns);
+        if let Some(s) = before.checked_sub(1).map(|i| window[i]) {
+            first.offer_before_begin(s.monotonic_ns, s.used_bytes);
+        }
+    }
     for step in timeline.steps_mut().rev() {
         let settled = step.phases.iter().any(|p| p.credited);
-        if !settled {
-            let before = window.partition_point(|s| s.monotonic_ns < step.begin_monotonic_ns);
-            if let Some(s) = before.checked_sub(1).map(|i| window[i]) {
-                step.offer_before_begin(s.monotonic_ns, s.used_bytes);
-            }
-        }
         for phase in step
             .phases
             .iter_mut()

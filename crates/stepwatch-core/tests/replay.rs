@@ -234,6 +234,35 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
     assert_eq!(p.inputs.layout_allowance_bytes, 0);
     assert!(p.explanation.contains("replayed"), "{}", p.explanation);
 
+    // Within the GPU's limit the steps fit only by releasing the cache, at a
+    // lower steady peak: that is the reserved figure, and the text says so.
+    let tight = Step2Replay {
+        reserved_limit_bytes: Some(10 * GB),
+        within_limit: Some(LimitedReplay {
+            fits: true,
+            reserved_peak_bytes: 9 * GB,
+            steady_reserved_peak_bytes: 8 * GB,
+            alloc_retries: 1,
+        }),
+        ..replay
+    };
+    assert!(tracker.allocator_replay(&key, tight, 56).is_some());
+    let p = tracker.rank_analysis(&key).unwrap().prediction.unwrap();
+    assert_eq!(p.inputs.predicted_reserved_bytes, Some(8 * GB));
+    let said = format!(
+        "within the GPU's {} they fit after 1 cache release(s), steady state {}",
+        10 * GB,
+        8 * GB
+    );
+    assert!(p.explanation.contains(&said), "{}", p.explanation);
+    assert!(
+        p.explanation
+            .contains(&format!("at least the step-1 reserved peak: {}", 8 * GB)),
+        "{}",
+        p.explanation
+    );
+    assert!(tracker.allocator_replay(&key, replay, 57).is_some());
+
     // Step 2 begins: the frozen prediction is the replay's; later replays are ignored.
     let step2 = [
         marker(MarkerKind::StepEnd, 1, 60, stats(3 * GB, 6 * GB)),
