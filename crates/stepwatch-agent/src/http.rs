@@ -110,30 +110,47 @@ async fn rank(
         )
             .into_response();
     };
-    let tracker = state.tracker();
     let key = RankKey { job, rank };
-    let Some(r) = tracker.rank(&key) else {
-        return not_found(format!(
-            "no rank {} of job {:?} on this node",
-            key.rank, key.job
-        ));
+    // Copy out under the tracker lock; serialize after it is released (the
+    // timeline of a long job is megabytes of JSON).
+    let body = {
+        let tracker = state.tracker();
+        let Some(r) = tracker.rank(&key) else {
+            return not_found(format!(
+                "no rank {} of job {:?} on this node",
+                key.rank, key.job
+            ));
+        };
+        let retained = r.timeline.steps().len();
+        let start = retained.saturating_sub(query.steps.unwrap_or(usize::MAX));
+        RankBody {
+            summary: rank_summary(&key, r),
+            node: state.node.clone(),
+            analysis: tracker.rank_analysis(&key),
+            advisories: r.advisories.clone(),
+            prediction_before_step2: r.prediction_before_step2.clone(),
+            steps: r
+                .timeline
+                .steps()
+                .enumerate()
+                .filter(|(i, _)| *i == 0 || *i >= start)
+                .map(|(_, s)| StepReport::from(s))
+                .collect(),
+        }
     };
-    let retained: Vec<&StepRecord> = r.timeline.steps().collect();
-    let keep = query.steps.unwrap_or(usize::MAX);
-    let start = retained.len().saturating_sub(keep);
-    let steps: Vec<StepReport> = retained
-        .iter()
-        .enumerate()
-        .filter(|(i, _)| *i == 0 || *i >= start)
-        .map(|(_, s)| StepReport::from(*s))
-        .collect();
-    let mut body = rank_summary(&key, r);
-    body["node"] = json!(state.node);
-    body["analysis"] = json!(tracker.rank_analysis(&key));
-    body["advisories"] = json!(r.advisories);
-    body["prediction_before_step2"] = json!(r.prediction_before_step2);
-    body["steps"] = json!(steps);
     Json(body).into_response()
+}
+
+/// `/api/v1/jobs/{job}/ranks/{rank}`: the rank's summary fields, then the rest.
+#[derive(Serialize)]
+struct RankBody {
+    #[serde(flatten)]
+    summary: Value,
+    node: String,
+    analysis: Option<stepwatch_core::RankAnalysis>,
+    advisories: Vec<stepwatch_core::Advisory>,
+    prediction_before_step2: Option<stepwatch_core::Prediction>,
+    steps: Vec<StepReport>,
 }
 
 fn rank_summary(key: &RankKey, r: &RankState) -> Value {

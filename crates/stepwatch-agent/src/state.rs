@@ -214,9 +214,13 @@ impl AgentState {
 
     /// Moves fresh GPU samples from the sampler into the tracker.
     pub fn attribute_samples(&self) {
+        // Lock order: tracker, then sampler (as in apply_markers). Draining
+        // first could leave drained samples waiting for the lock while a
+        // step-1 batch freezes the prediction without them.
+        let mut tracker = self.tracker();
         let drained = self.sampler.drain_samples();
         if !drained.is_empty() {
-            self.feed_samples(&mut self.tracker(), drained);
+            self.feed_samples(&mut tracker, drained);
         }
     }
 
@@ -245,7 +249,8 @@ impl AgentState {
                 key: key.clone(),
                 markers: markers.to_vec(),
             },
-            true,
+            // Ordered, not flushed: housekeeping flushes every second.
+            false,
         );
         Ok(due)
     }
