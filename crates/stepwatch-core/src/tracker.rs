@@ -207,23 +207,33 @@ impl Tracker {
     /// Only while the rank's first step is its latest step: the point is to
     /// warn before step 2 begins.
     pub fn advise(&mut self, key: &RankKey, now_ns: u64) -> Vec<Advisory> {
+        self.advise_with_prediction(key, now_ns).0
+    }
+
+    /// [`Tracker::advise`], also returning the prediction it judged (None
+    /// outside the first step): the one frozen when step 2 begins.
+    fn advise_with_prediction(
+        &mut self,
+        key: &RankKey,
+        now_ns: u64,
+    ) -> (Vec<Advisory>, Option<Prediction>) {
         let Some(state) = self.ranks.get(key) else {
-            return Vec::new();
+            return (Vec::new(), None);
         };
         let (Some(first), Some(current)) =
             (state.timeline.steps().next(), state.timeline.current())
         else {
-            return Vec::new();
+            return (Vec::new(), None);
         };
         if first.step != current.step {
-            return Vec::new();
+            return (Vec::new(), None);
         }
         let step = first.step;
         let Some(analysis) = self.rank_analysis(key) else {
-            return Vec::new();
+            return (Vec::new(), None);
         };
         let Some(prediction) = analysis.prediction else {
-            return Vec::new();
+            return (Vec::new(), None);
         };
         let state = self.ranks.get_mut(key).expect("checked above");
         let due = advisory::due(
@@ -234,7 +244,7 @@ impl Tracker {
             &state.advisories,
         );
         state.advisories.extend(due.iter().cloned());
-        due
+        (due, Some(prediction))
     }
 
     /// Divergence of step-1 figures across the ranks of `job` on this node.
@@ -397,8 +407,7 @@ impl Tracker {
             return Ok(self.advise(key, now_ns));
         };
         self.apply_and_credit(key, &markers[..at]);
-        let advisories = self.advise(key, now_ns);
-        let prediction = self.rank_analysis(key).and_then(|a| a.prediction);
+        let (advisories, prediction) = self.advise_with_prediction(key, now_ns);
         if let Some(state) = self.ranks.get_mut(key) {
             state.prediction_before_step2 = prediction;
         }

@@ -128,3 +128,22 @@ fn a_batch_holding_step_2s_begin_still_gets_the_step_2_warning() {
     assert_eq!(state.advisories, due);
     assert!(state.prediction_before_step2.as_ref().unwrap().oom_risk);
 }
+
+#[test]
+fn the_frozen_prediction_is_the_one_made_before_step_2s_first_marker() {
+    // Step 1 never sends its StepEnd: the first marker of step 2 abandons it.
+    // The frozen prediction is still step 1's running one, not a prediction
+    // made after step 2's marker was applied.
+    let all = markers();
+    let mut tracker = Tracker::new(TrackerConfig::default());
+    let key = tracker.open(info(), 0).unwrap();
+    tracker.gpu_samples("GPU-a", &samples());
+    tracker.markers(&key, &all[..5], 0).unwrap();
+    let before = tracker.rank_analysis(&key).and_then(|a| a.prediction);
+    tracker.markers(&key, &all[6..7], 0).unwrap();
+    let frozen = tracker.rank(&key).unwrap().prediction_before_step2.clone();
+    let frozen = frozen.expect("frozen at step 2's begin");
+    assert!(frozen.provisional, "{frozen:?}");
+    assert_eq!(frozen.inputs.step_outcome, StepOutcome::Running);
+    assert_eq!(Some(frozen), before);
+}
