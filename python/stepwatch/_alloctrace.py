@@ -8,7 +8,8 @@ and frees tagged with the phase they happened in), which the client sends as one
 unit of its queue, right after that marker. The agent replays the events through
 its model of the caching allocator to predict step 2's reserved memory.
 
-Phase tagging. Each step-1 marker reads the allocator's cumulative counters
+Phase tagging. Each step-1 marker's one read of the allocator's stats (the
+same read that gives its allocator figures) holds the cumulative counters
 ``active.all.allocated`` and ``active.all.freed`` (see
 :func:`stepwatch._torch.allocator_event_counters`): they count exactly the
 trace's ``alloc`` and ``free_completed`` entries, so the k-th allocation of the
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 from array import array
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import _torch
 from ._client import (
@@ -159,36 +160,53 @@ class AllocatorTrace:
         Segments, then events, in order; ``last`` is set on the final chunk only.
         A segment is never split (its blocks must tile it), see :meth:`check`.
         """
-        room = budget - _CHUNK_OVERHEAD
-        msg = pb.ClientMessage()
-        chunk = msg.allocator_trace
-        chunk.step = self.step
-        used = 0
+        out = _Chunks(pb, self.step, budget - _CHUNK_OVERHEAD)
         for address, small, blocks in self.segments:
-            n = _segment_bytes(address, small, blocks)
-            if used and used + n > room:
-                yield msg
-                msg = pb.ClientMessage()
-                chunk = msg.allocator_trace
-                chunk.step = self.step
-                used = 0
-            seg = chunk.segments.add(address=address, small_pool=small)
+            full = out.fit(_segment_bytes(address, small, blocks))
+            if full is not None:
+                yield full
+            seg = out.chunk.segments.add(address=address, small_pool=small)
             add_block = seg.blocks.add
             for size, allocated in blocks:
                 add_block(size=size, allocated=allocated)
-            used += n
         for action, address, size, phase in self.events():
-            n = _event_bytes(action, address, size, phase)
-            if used and used + n > room:
-                yield msg
-                msg = pb.ClientMessage()
-                chunk = msg.allocator_trace
-                chunk.step = self.step
-                used = 0
-            chunk.events.add(action=action, address=address, size=size, phase=phase)
-            used += n
-        chunk.last = True
-        yield msg
+            full = out.fit(_event_bytes(action, address, size, phase))
+            if full is not None:
+                yield full
+            out.chunk.events.add(action=action, address=address, size=size, phase=phase)
+        out.chunk.last = True
+        yield out.msg
+
+
+class _Chunks:
+    """The chunk being filled; :meth:`fit` starts the next one when an item would
+    not fit in ``room`` bytes (an item alone in a chunk always goes in)."""
+
+    __slots__ = ("pb", "step", "room", "used", "msg", "chunk")
+
+    def __init__(self, pb: Any, step: int, room: int) -> None:
+        self.pb = pb
+        self.step = step
+        self.room = room
+        self._new()
+
+    def _new(self) -> None:
+        self.msg = self.pb.ClientMessage()
+        self.chunk = self.msg.allocator_trace
+        self.chunk.step = self.step
+        self.used = 0
+
+    def fit(self, n: int) -> Any:
+        """Make room for an item of ``n`` bytes; returns the full message to send
+        first, or None."""
+        used = self.used
+        if used and used + n > self.room:
+            full = self.msg
+            self._new()
+            self.used = n
+            return full
+        self.used = used + n
+        return None
 
 
 def trace_from_snapshot(
@@ -329,8 +347,10 @@ _IDLE, _RECORDING, _DONE = 0, 1, 2
 class Recorder:
     """Records step 1's allocator history once per process; see the module docstring.
 
-    :meth:`on_marker` runs in ``_Runtime._emit`` before a marker is queued;
-    when it returns True (step 1's OPTIMIZER_END), :meth:`finish` runs after it.
+    In ``_Runtime._emit``, for each marker: :meth:`on_marker` (may start or stop
+    recording), then the marker's one read of the allocator's stats, then
+    :meth:`note` with that read while recording; when it returns True (step 1's
+    OPTIMIZER_END), :meth:`finish` runs once the marker is queued.
     Any failure turns the feature off for the process with one warning.
     """
 
@@ -345,12 +365,19 @@ class Recorder:
         return self.state == _DONE
 
     def on_marker(
-        self, client: Any, kind: int, step: int, device: Optional[int], enabled: bool
+        self,
+        client: Any,
+        kind: int,
+        step: int,
+        device: Optional[int],
+        enabled: Callable[[], bool],
     ) -> bool:
-        """Start at step 1's STEP_BEGIN, note the counters at each step-1 marker.
+        """Before a marker reads the allocator's stats: start recording at step 1's
+        STEP_BEGIN (``enabled()`` is asked then, once), stop when step 1 ends or
+        dies before its optimizer phase.
 
-        Returns True at step 1's OPTIMIZER_END: call :meth:`finish` once the
-        marker is queued.
+        Returns True when this marker belongs to the recording: pass the stats it
+        reads (after this call) to :meth:`note`.
         """
         state = self.state
         if state == _DONE:
@@ -358,19 +385,32 @@ class Recorder:
         if state == _IDLE:
             if kind != STEP_BEGIN:
                 return False
-            if step != 1 or not enabled or device is None or not _torch.cuda_available():
+            if step != 1 or device is None or not enabled() or not _torch.cuda_available():
                 self.state = _DONE
                 return False
             self._start(client, device)
-            return False
+            return self.state == _RECORDING
         # Recording: a step-1 phase marker, else step 1 ended or died first.
         if step != 1 or kind == STEP_BEGIN or kind not in PHASE_KINDS:
             why = "died" if kind == OOM else "ended without an optimizer phase"
             log.debug("stepwatch: step 1 %s; no allocator trace", why)
             self._stop_quietly()
             return False
+        return True
+
+    def note(self, client: Any, kind: int, stats: Optional[Dict[str, Any]]) -> bool:
+        """The marker's one read of the allocator's stats (:func:`_torch.allocator_stats`,
+        None when it failed): note its event counters.
+
+        Returns True at step 1's OPTIMIZER_END: call :meth:`finish` once the
+        marker is queued.
+        """
+        if self.state != _RECORDING:
+            return False
         try:
-            self.marks.append((kind, *_torch.allocator_event_counters(self.device)))
+            if stats is None:
+                raise RuntimeError("torch._C._cuda_memoryStats failed")
+            self.marks.append((kind, *_torch.allocator_event_counters(stats)))
         except Exception as e:
             self._fail(client, "could not read the allocator's counters", e)
             return False
@@ -403,7 +443,7 @@ class Recorder:
             _torch.start_memory_history(self.max_entries)
             self.state = _RECORDING
             self.device = device
-            self.marks = [(STEP_BEGIN, *_torch.allocator_event_counters(device))]
+            self.marks = []  # STEP_BEGIN's counters come next, through note()
         except Exception as e:
             self._fail(client, "could not start recording the allocator's history", e)
 
@@ -414,7 +454,10 @@ class Recorder:
         marks, self.marks = self.marks, []
         try:
             snapshot = _torch.memory_snapshot()
-            end = _torch.allocator_event_counters(self.device)
+            stats = _torch.allocator_stats(self.device)
+            if stats is None:
+                raise RuntimeError("torch._C._cuda_memoryStats failed")
+            end = _torch.allocator_event_counters(stats)
         except Exception as e:
             self._fail(client, "could not take the allocator snapshot", e)
             return

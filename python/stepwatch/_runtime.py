@@ -12,8 +12,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import _torch
 from ._alloctrace import Recorder
-from ._client import Client, Prediction, StepwatchError
-from ._identity import Identity, endpoint_target, resolve_identity
+from ._client import (
+    COUNTER_NAMES,
+    STEP_BEGIN,
+    Client,
+    Prediction,
+    StepwatchError,
+    _env_float,
+)
+from ._identity import Identity, endpoint_target, resolve_identity, sanitize_id
 from ._tls import load_tls, resolve_tls
 from ._tracker import StepTracker
 
@@ -131,6 +138,35 @@ class _Runtime:
                 raise StepwatchError(f"TLS for {target} is unusable: {c.tls.error}")
             return c
 
+    def attach(
+        self,
+        model: Any,
+        optimizer: Any = None,
+        *,
+        grad_accumulation_steps: Optional[int] = None,
+        precision: Optional[str] = None,
+        sharding_factor: Optional[int] = None,
+        grads_set_to_none: Optional[bool] = None,
+        **configure: Any,
+    ) -> Client:
+        """What watch() and the integrations share: the model's device and facts
+        (when ``model`` is not None), then :meth:`configure`; one lock held."""
+        with self.lock:
+            if model is not None:
+                self.gpu_uuid = _torch.gpu_uuid_for(model)
+                self.cuda_device = _torch.model_cuda_device(model)
+                self.cuda_checked = self.cuda_device is not None
+                self.facts = _torch.model_facts(
+                    model,
+                    optimizer,
+                    grad_accumulation_steps=grad_accumulation_steps,
+                    precision=precision,
+                    sharding_factor=sharding_factor,
+                    grads_set_to_none=grads_set_to_none,
+                )
+            self.tracker.grad_accumulation_steps = grad_accumulation_steps
+            return self.configure(**configure)
+
     def get_client(self) -> Client:
         c = self.client
         if c is None:
@@ -169,7 +205,7 @@ class _Runtime:
             gpu_uuid=self.gpu_uuid,
             pid=os.getpid(),
             framework=self.framework,
-            framework_version=_torch.sanitize_version(fw_version),
+            framework_version=sanitize_id(str(fw_version)),
             client_version=__version__,
         )
         facts = self.facts
@@ -191,10 +227,9 @@ class _Runtime:
         return _env_flag("STEPWATCH_ALLOCATOR_TRACE", True)
 
     def _emit(self, kind: int, step: int, micro: int) -> None:
-        alloc = None
         dev = None
         if self.allocator_stats:
-            if not self.cuda_checked and kind == 1:  # STEP_BEGIN: look for CUDA once
+            if not self.cuda_checked and kind == STEP_BEGIN:  # look for CUDA once
                 self.cuda_checked = True
                 if self.cuda_device is None:
                     self.cuda_device = _torch.active_cuda_device()
@@ -203,11 +238,17 @@ class _Runtime:
         if c is None:
             c = self.get_client()
         rec = self.recorder
+        # Step 1 only: its allocator trace (see _alloctrace). on_marker may start
+        # recording (at STEP_BEGIN), so the stats are read after it.
+        recording = not rec.done and rec.on_marker(c, kind, step, dev, self.allocator_trace_enabled)
+        alloc = None
         finish = False
-        if not rec.done:  # step 1 only: its allocator trace (see _alloctrace)
-            finish = rec.on_marker(c, kind, step, dev, self.allocator_trace_enabled())
         if dev is not None:
-            alloc = _torch.allocator_figures(dev)
+            stats = _torch.allocator_stats(dev)  # one read: figures and step 1's counters
+            if stats is not None:
+                alloc = _torch.allocator_figures(stats)
+            if recording:
+                finish = rec.note(c, kind, stats)
         c.mark(kind, step, micro, alloc)
         if finish:
             rec.finish(c)
@@ -285,19 +326,12 @@ def _env_flag(name: str, default: bool) -> bool:
     return v.strip().lower() not in ("0", "false", "no", "off")
 
 
-def _float_env(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 def _oom_flush_timeout() -> float:
-    return _float_env("STEPWATCH_OOM_FLUSH_S", 0.5)
+    return _env_float("STEPWATCH_OOM_FLUSH_S", 0.5)
 
 
 def _exit_flush_timeout() -> float:
-    return _float_env("STEPWATCH_EXIT_FLUSH_S", 1.0)
+    return _env_float("STEPWATCH_EXIT_FLUSH_S", 1.0)
 
 
 RT = _Runtime()
@@ -321,7 +355,6 @@ class WatchHandle:
     def __init__(self) -> None:
         self._handles: List[Any] = []
         self._excepthook = False
-        self.removed = False
 
     def remove(self) -> None:
         for h in self._handles:
@@ -333,7 +366,6 @@ class WatchHandle:
         if self._excepthook:
             RT.remove_excepthook()
             self._excepthook = False
-        self.removed = True
 
     def __enter__(self) -> WatchHandle:
         return self
@@ -398,37 +430,31 @@ def watch(
     it once, after step 1's optimizer phase, so the agent can predict step 2's
     fragmentation. ``False`` (or ``STEPWATCH_ALLOCATOR_TRACE=0``) turns it off.
     """
-    torch = _torch.require_torch()
-    with RT.lock:
-        RT.gpu_uuid = _torch.gpu_uuid_for(model)
-        RT.cuda_device = _torch.model_cuda_device(model)
-        RT.cuda_checked = RT.cuda_device is not None
-        RT.facts = _torch.model_facts(
-            model,
-            optimizer,
-            grad_accumulation_steps=grad_accumulation_steps,
-            precision=precision,
-            sharding_factor=sharding_factor,
-            grads_set_to_none=grads_set_to_none,
-        )
-        RT.tracker.grad_accumulation_steps = grad_accumulation_steps
-        client = RT.configure(
-            endpoint=endpoint,
-            job_id=job_id,
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            on_advisory=on_advisory,
-            strict=strict,
-            queue_size=queue_size,
-            framework=framework,
-            framework_version=framework_version or torch.__version__,
-            allocator_stats=allocator_stats,
-            allocator_trace=allocator_trace,
-            tls_ca=tls_ca,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-        )
+    _torch.require_torch()
+    client = RT.attach(
+        model,
+        optimizer,
+        grad_accumulation_steps=grad_accumulation_steps,
+        precision=precision,
+        sharding_factor=sharding_factor,
+        grads_set_to_none=grads_set_to_none,
+        endpoint=endpoint,
+        job_id=job_id,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        on_advisory=on_advisory,
+        strict=strict,
+        queue_size=queue_size,
+        framework=framework,
+        # "": hello() sends torch's version for framework "pytorch".
+        framework_version=framework_version or "",
+        allocator_stats=allocator_stats,
+        allocator_trace=allocator_trace,
+        tls_ca=tls_ca,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+    )
     handle = WatchHandle()
     handle._handles += _torch.install_module_hooks(RT, model)
     if optimizer is not None:
@@ -516,25 +542,12 @@ def stats() -> Dict[str, Any]:
     """Counters of this process's client: sent, dropped, reconnects, … (see README)."""
     c = RT.client
     if c is None:
-        return {
-            "enqueued": 0,
-            "sent": 0,
-            "dropped": 0,
-            "batches": 0,
-            "connects": 0,
-            "reconnects": 0,
-            "connect_failures": 0,
-            "stream_errors": 0,
-            "rejections": 0,
-            "advisories": 0,
-            "hook_errors": 0,
-            "allocator_traces_sent": 0,
-            "allocator_traces_refused": 0,
-            "queued": 0,
-            "connected": False,
-            "endpoint": endpoint_target(RT.endpoint),
-            "tls": resolve_tls(RT.endpoint, **RT.tls_paths) is not None,
-        }
+        s: Dict[str, Any] = dict.fromkeys(COUNTER_NAMES, 0)
+        s["queued"] = 0
+        s["connected"] = False
+        s["endpoint"] = endpoint_target(RT.endpoint)
+        s["tls"] = resolve_tls(RT.endpoint, **RT.tls_paths) is not None
+        return s
     return c.stats()
 
 

@@ -45,10 +45,6 @@ class TlsMaterial:
     private_key: Optional[bytes] = None
     error: Optional[str] = None
 
-    @property
-    def mutual(self) -> bool:
-        return self.certificate_chain is not None
-
 
 def _pick(
     arg: Optional[str], env: Mapping[str, str], name: str, kw: str

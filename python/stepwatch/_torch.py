@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import re
 import sys
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._runtime import _Runtime
@@ -27,8 +26,6 @@ PRECISIONS = {
     "bf16-true": 4,
 }
 
-_VERSION_BAD = re.compile(r"[^A-Za-z0-9._:/@+\-]")
-
 
 def require_torch() -> Any:
     try:
@@ -41,10 +38,6 @@ def require_torch() -> Any:
 def torch_version() -> str:
     torch = sys.modules.get("torch")
     return getattr(torch, "__version__", "") if torch is not None else ""
-
-
-def sanitize_version(v: str) -> str:
-    return _VERSION_BAD.sub("_", str(v))[:128]
 
 
 # ------------------------------------------------------------------ OOM
@@ -106,42 +99,43 @@ def gpu_uuid_for(model: Any) -> str:
     return uuid
 
 
-_memory_stats_fast: Any = None
+def allocator_stats(device: int) -> Optional[Dict[str, Any]]:
+    """One read of the caching allocator's statistics, as the nested dict
+    ``torch.cuda.memory_stats_as_nested_dict`` returns (``torch.cuda.memory_stats``
+    flattens the same dict); None when it cannot be read.
 
-
-def allocator_figures(device: int) -> Optional[Tuple[int, ...]]:
-    """(allocated, allocated peak, reserved, reserved peak, active, active peak, retries)."""
-    global _memory_stats_fast
+    Read straight from ``torch._C._cuda_memoryStats``: the public wrappers
+    resolve the device and flatten ~200 keys on every call. Each marker on
+    CUDA reads it once; its figures (:func:`allocator_figures`) and, during
+    step 1, its event counters (:func:`allocator_event_counters`) come from
+    that one read.
+    """
     torch = sys.modules.get("torch")
     if torch is None:
         return None
     try:
-        if _memory_stats_fast is None:
-            _memory_stats_fast = getattr(torch._C, "_cuda_memoryStats", False)
-        if _memory_stats_fast:
-            s = _memory_stats_fast(device)
-            a, r, act = (
-                s["allocated_bytes"]["all"],
-                s["reserved_bytes"]["all"],
-                s["active_bytes"]["all"],
-            )
-            return (
-                int(a["current"]),
-                int(a["peak"]),
-                int(r["current"]),
-                int(r["peak"]),
-                int(act["current"]),
-                int(act["peak"]),
-                int(s.get("num_alloc_retries", 0)),
-            )
-        s = torch.cuda.memory_stats(device)
+        return torch._C._cuda_memoryStats(device)
+    except Exception as e:
+        log.debug("stepwatch: could not read the allocator's stats: %r", e)
+        return None
+
+
+def allocator_figures(s: Dict[str, Any]) -> Optional[Tuple[int, ...]]:
+    """(allocated, allocated peak, reserved, reserved peak, active, active peak, retries)
+    from :func:`allocator_stats`; None when a figure is missing."""
+    try:
+        a, r, act = (
+            s["allocated_bytes"]["all"],
+            s["reserved_bytes"]["all"],
+            s["active_bytes"]["all"],
+        )
         return (
-            int(s.get("allocated_bytes.all.current", 0)),
-            int(s.get("allocated_bytes.all.peak", 0)),
-            int(s.get("reserved_bytes.all.current", 0)),
-            int(s.get("reserved_bytes.all.peak", 0)),
-            int(s.get("active_bytes.all.current", 0)),
-            int(s.get("active_bytes.all.peak", 0)),
+            int(a["current"]),
+            int(a["peak"]),
+            int(r["current"]),
+            int(r["peak"]),
+            int(act["current"]),
+            int(act["peak"]),
             int(s.get("num_alloc_retries", 0)),
         )
     except Exception:
@@ -241,7 +235,7 @@ def memory_snapshot() -> Any:
     return torch.cuda.memory._snapshot()
 
 
-def allocator_event_counters(device: int) -> Tuple[int, int]:
+def allocator_event_counters(s: Dict[str, Any]) -> Tuple[int, int]:
     """(blocks handed out, blocks returned to the cache) since the process began.
 
     In c10's CUDACachingAllocator, ``alloc_found_block`` records the trace's
@@ -251,11 +245,11 @@ def allocator_event_counters(device: int) -> Tuple[int, int]:
     of trace entries. (``allocation.all.freed`` counts ``free_requested``
     instead: a block used on another stream is returned to the cache only
     later, when its events complete.)
-    """
-    import torch
 
-    s = torch.cuda.memory_stats(device)
-    return int(s["active.all.allocated"]), int(s["active.all.freed"])
+    ``s`` is one :func:`allocator_stats` read (raises when it lacks them).
+    """
+    a = s["active"]["all"]
+    return int(a["allocated"]), int(a["freed"])
 
 
 # --------------------------------------------------------- model facts
@@ -356,12 +350,13 @@ def model_facts(
 
 
 # --------------------------------------------------------------- hooks
-def _tensors(obj: Any, depth: int = 0) -> Iterator[Any]:
-    """Tensors in a module output: a tensor, tuple/list, dict/ModelOutput (bounded)."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
+def _tensors(obj: Any, tensor_type: Any, seen: Set[int], depth: int = 0) -> Iterator[Any]:
+    """Tensors in a module output: a tensor, tuple/list, dict/ModelOutput (bounded),
+    each once (``seen`` holds the ids already yielded)."""
+    if isinstance(obj, tensor_type):
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            yield obj
     elif depth < 2:
         if isinstance(obj, dict):
             items = list(obj.values())
@@ -370,13 +365,15 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[Any]:
         else:
             return
         for item in items[:16]:
-            yield from _tensors(item, depth + 1)
+            yield from _tensors(item, tensor_type, seen, depth + 1)
 
 
 def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
     """FORWARD_BEGIN on the top module's forward pre hook; BACKWARD_BEGIN when the
     gradient reaches the model's output; OOM when a CUDA OOM escapes forward."""
     import torch
+
+    tensor_type = torch.Tensor
 
     def is_training(module: Any) -> bool:
         return bool(getattr(module, "training", True)) and torch.is_grad_enabled()
@@ -407,7 +404,7 @@ def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
             return None
 
         def register() -> None:
-            for t in _tensors(output):
+            for t in _tensors(output, tensor_type, set()):
                 if t.requires_grad:
                     t.register_hook(grad_hook)
 

@@ -7,12 +7,14 @@ Markers come from Lightning's hooks, not from the optimizer's pre-step hook:
 with automatic optimisation Lightning runs forward and backward *inside*
 ``optimizer.step(closure)``, so the optimizer phase starts at
 ``on_before_optimizer_step`` (after the closure) and ends with the optimizer's
-post-step hook. ``accumulate_grad_batches`` becomes micro-batches.
+post-step hook, which also closes the step (OPTIMIZER_END, STEP_END). For an
+optimizer without step hooks, ``on_train_batch_end`` sends both instead.
+``accumulate_grad_batches`` becomes micro-batches.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -23,8 +25,8 @@ except ImportError:  # pragma: no cover - depends on what is installed
         raise ImportError("stepwatch.lightning needs Lightning (pip install lightning)") from e
 
 from . import _torch
-from ._client import Prediction
-from ._runtime import RT
+from ._client import OPTIMIZER_BEGIN, OPTIMIZER_END, Prediction
+from ._runtime import RT, WatchHandle
 
 
 def _version() -> str:
@@ -57,7 +59,7 @@ class StepwatchCallback(Callback):
         self.precision = precision
         self.sharding_factor = sharding_factor
         self.strict = strict
-        self._handles: List[Any] = []
+        self._handle = WatchHandle()
 
     # ------------------------------------------------------------- set-up
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -65,18 +67,12 @@ class StepwatchCallback(Callback):
         gas = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         world = int(getattr(trainer, "world_size", 1) or 1)
         precision = self.precision or _precision_name(getattr(trainer, "precision", None))
-        RT.gpu_uuid = _torch.gpu_uuid_for(pl_module)
-        RT.cuda_device = _torch.model_cuda_device(pl_module)
-        RT.cuda_checked = RT.cuda_device is not None
-        RT.facts = _torch.model_facts(
+        RT.attach(
             pl_module,
             optimizers,
             grad_accumulation_steps=gas,
             precision=precision,
             sharding_factor=self.sharding_factor,
-        )
-        RT.tracker.grad_accumulation_steps = gas
-        RT.configure(
             endpoint=self.endpoint,
             job_id=self.job_id,
             rank=int(getattr(trainer, "global_rank", 0)) if world > 1 else None,
@@ -89,12 +85,10 @@ class StepwatchCallback(Callback):
         ).start()
         # OPTIMIZER_END from the optimizer itself (the update has finished).
         for opt in optimizers:
-            self._handles += _torch.install_optimizer_hooks(RT, opt, begin=False)
+            self._handle._handles += _torch.install_optimizer_hooks(RT, opt, begin=False)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._handle.remove()
         RT.guarded(RT.tracker.end_step)
 
     # ------------------------------------------------------------ markers
@@ -112,21 +106,23 @@ class StepwatchCallback(Callback):
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        tr = RT.tracker
-
-        def end() -> None:
-            from ._client import OPTIMIZER_BEGIN, OPTIMIZER_END
-
-            if tr.last == OPTIMIZER_BEGIN:  # no post-step hook fired
-                tr.optimizer_end(end_step=False)
-            if tr.last == OPTIMIZER_END:
-                tr.end_step()
-
-        RT.guarded(end)
+        # Normally the optimizer's post-step hook has already sent OPTIMIZER_END
+        # and STEP_END (tracker.optimizer_end), and this does nothing. It is the
+        # fallback for an optimizer without step hooks (torch < 2.0, a wrapper
+        # that hides them): close the optimizer phase and the step here.
+        RT.guarded(_end_of_batch)
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if _torch.is_oom(exception):
             RT.report_oom(exception)
+
+
+def _end_of_batch() -> None:
+    tr = RT.tracker
+    if tr.last == OPTIMIZER_BEGIN:  # no post-step hook fired
+        tr.optimizer_end(end_step=False)
+    if tr.last == OPTIMIZER_END:
+        tr.end_step()
 
 
 def _precision_name(p: Any) -> Optional[str]:

@@ -10,7 +10,7 @@ forward and backward from hooks on the model (as in ``stepwatch.watch``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
 try:
     from transformers import TrainerCallback
@@ -19,7 +19,7 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
 
 from . import _torch
 from ._client import Prediction
-from ._runtime import RT
+from ._runtime import RT, WatchHandle
 
 
 class StepwatchCallback(TrainerCallback):
@@ -41,7 +41,7 @@ class StepwatchCallback(TrainerCallback):
         self.precision = precision
         self.sharding_factor = sharding_factor
         self.strict = strict
-        self._handles: List[Any] = []
+        self._handle = WatchHandle()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         import transformers
@@ -56,19 +56,12 @@ class StepwatchCallback(TrainerCallback):
                 precision = "bf16-mixed"
             elif getattr(args, "fp16", False):
                 precision = "fp16-mixed"
-        if model is not None:
-            RT.gpu_uuid = _torch.gpu_uuid_for(model)
-            RT.cuda_device = _torch.model_cuda_device(model)
-            RT.cuda_checked = RT.cuda_device is not None
-            RT.facts = _torch.model_facts(
-                model,
-                optimizer,
-                grad_accumulation_steps=gas,
-                precision=precision,
-                sharding_factor=self.sharding_factor,
-            )
-        RT.tracker.grad_accumulation_steps = gas
-        RT.configure(
+        RT.attach(
+            model,
+            optimizer,
+            grad_accumulation_steps=gas,
+            precision=precision,
+            sharding_factor=self.sharding_factor,
             endpoint=self.endpoint,
             job_id=self.job_id,
             rank=int(getattr(args, "process_index", 0)) if world > 1 else None,
@@ -79,13 +72,11 @@ class StepwatchCallback(TrainerCallback):
             framework="transformers",
             framework_version=getattr(transformers, "__version__", ""),
         ).start()
-        if model is not None and not self._handles:
-            self._handles = _torch.install_module_hooks(RT, model)
+        if model is not None and not self._handle._handles:
+            self._handle._handles = _torch.install_module_hooks(RT, model)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._handle.remove()
         RT.guarded(RT.tracker.end_step)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -8,6 +8,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from typing import Any, Callable, List, Optional
 
 import grpc
@@ -18,6 +19,55 @@ from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
 from stepwatch._proto.stepwatch.v1 import ingest_pb2_grpc as pb_grpc
 
 KIND = {v: k for k, v in pb.MarkerKind.items()}
+REPO = Path(__file__).resolve().parents[2]
+
+# One optimizer step's markers, in order.
+STEP = [
+    "STEP_BEGIN",
+    "FORWARD_BEGIN",
+    "BACKWARD_BEGIN",
+    "OPTIMIZER_BEGIN",
+    "OPTIMIZER_END",
+    "STEP_END",
+]
+
+
+def expected(steps: int, micro: int = 1) -> List[tuple]:
+    """summary() of ``steps`` steps of ``micro`` forward/backward pairs each."""
+    out: List[tuple] = []
+    for s in range(1, steps + 1):
+        out.append(("STEP_BEGIN", s, 0))
+        for m in range(micro):
+            out += [("FORWARD_BEGIN", s, m), ("BACKWARD_BEGIN", s, m)]
+        out += [
+            ("OPTIMIZER_BEGIN", s, micro - 1),
+            ("OPTIMIZER_END", s, micro - 1),
+            ("STEP_END", s, micro - 1),
+        ]
+    return out
+
+
+def small_model() -> Any:
+    """MLP 8-16-1, seeded."""
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def agent_binary() -> Path:
+    """The real agent (``$STEPWATCH_BIN`` or ``target/debug/stepwatch``); skips the
+    test when STEPWATCH_SKIP_AGENT_TESTS=1, fails it when the binary is missing."""
+    if os.environ.get("STEPWATCH_SKIP_AGENT_TESTS") == "1":
+        pytest.skip("STEPWATCH_SKIP_AGENT_TESTS=1")
+    binary = Path(os.environ.get("STEPWATCH_BIN") or REPO / "target" / "debug" / "stepwatch")
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
+        pytest.fail(
+            f"stepwatch agent binary not found at {binary}: build it with "
+            "`cargo build -p stepwatch` (or set STEPWATCH_BIN), or set "
+            "STEPWATCH_SKIP_AGENT_TESTS=1 to skip the agent integration tests"
+        )
+    return binary
 
 
 class RecordedStream:

@@ -2,10 +2,11 @@
 
 It hands out addresses from 2 MiB small-pool and 20 MiB large-pool segments with
 best-fit splitting and merging, keeps the counters ``torch.cuda.memory_stats()``
-has, records the history ``torch.cuda.memory._record_memory_history()`` would,
-and returns ``torch.cuda.memory._snapshot()`` dicts in the format of the
-installed torch (the ``_snapshot`` docstring in torch/cuda/memory.py: Snapshot,
-Segment, Block, TraceEntry; block states as torch/csrc/cuda/Module.cpp writes
+has (as the nested dict of ``torch._C._cuda_memoryStats``), records the history
+``torch.cuda.memory._record_memory_history()`` would, and returns
+``torch.cuda.memory._snapshot()`` dicts in the format of the installed torch
+(the ``_snapshot`` docstring in torch/cuda/memory.py: Snapshot, Segment,
+Block, TraceEntry; block states as torch/csrc/cuda/Module.cpp writes
 them, "active_pending_free" where the docstring says "active_awaiting_free").
 """
 
@@ -40,6 +41,10 @@ class FakeCuda:
         self.reserved_peak = 0
         self.allocated_peak = 0
         self.active_peak = 0
+        # Freed blocks still awaiting their streams' events (active, not allocated),
+        # and allocation retries: set by tests so every figure differs.
+        self.pending_bytes = 0
+        self.retries = 0
         # (action, address, requested, label, recording at the time)
         self.log: List[tuple] = []
 
@@ -134,7 +139,7 @@ class FakeCuda:
         self.c["allocated"] += 1
         self.c["allocated_bytes"] += rounded
         self.allocated_peak = max(self.allocated_peak, self.c["allocated_bytes"])
-        self.active_peak = max(self.active_peak, self.c["allocated_bytes"])
+        self.active_peak = max(self.active_peak, self.c["allocated_bytes"] + self.pending_bytes)
         self._record("alloc", addr, size)
         self.log.append(("alloc", addr, size, label, self.recording))
         return addr
@@ -158,6 +163,15 @@ class FakeCuda:
             blocks[i - 1][1] += blocks.pop(i)[1]
         self.log.append(("free", addr, requested, label, self.recording))
 
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache(): release the segments that hold no block."""
+        for saddr in list(self.segments):
+            seg = self.segments[saddr]
+            if not any(b[2] for b in seg["blocks"]):
+                del self.segments[saddr]
+                self.c["reserved"] -= seg["size"]
+                self._record("segment_free", saddr, seg["size"])
+
     def oom(self, size: int) -> None:
         if self.recording:
             self.time_us += 3
@@ -172,23 +186,46 @@ class FakeCuda:
             )
 
     # ------------------------------------------------------------- torch API
-    def memory_stats(self, device: Any = None) -> collections.OrderedDict[str, int]:
+    def memory_stats_nested(self, device: Any = None) -> Dict[str, Any]:
+        """What ``torch._C._cuda_memoryStats(device)`` returns (the dict
+        ``torch.cuda.memory_stats_as_nested_dict`` passes on): each stat is
+        ``{"all"|"small_pool"|"large_pool": {"current", "peak", "allocated",
+        "freed"}}``; ``num_alloc_retries`` and the like are plain ints. Only the
+        "all" pools and the stats stepwatch or the tests read are filled in."""
         c = self.c
-        s = collections.OrderedDict()
-        for pool in ("all",):
-            s[f"active.{pool}.allocated"] = c["allocated"]
-            s[f"active.{pool}.freed"] = c["freed"]
-            s[f"active.{pool}.current"] = c["allocated"] - c["freed"]
-            s[f"allocation.{pool}.allocated"] = c["allocated"]
-            s[f"allocation.{pool}.freed"] = c["freed_requested"]
-            s[f"allocated_bytes.{pool}.current"] = c["allocated_bytes"]
-            s[f"allocated_bytes.{pool}.peak"] = self.allocated_peak
-            s[f"active_bytes.{pool}.current"] = c["allocated_bytes"]
-            s[f"active_bytes.{pool}.peak"] = self.active_peak
-            s[f"reserved_bytes.{pool}.current"] = c["reserved"]
-            s[f"reserved_bytes.{pool}.peak"] = self.reserved_peak
-        s["num_alloc_retries"] = 0
-        return s
+        active_bytes = c["allocated_bytes"] + self.pending_bytes
+        self.active_peak = max(self.active_peak, active_bytes)
+
+        def stat(current: int, peak: int, allocated: int = 0, freed: int = 0) -> Dict[str, Any]:
+            return {
+                "all": {"current": current, "peak": peak, "allocated": allocated, "freed": freed}
+            }
+
+        return {
+            "active": stat(c["allocated"] - c["freed"], 0, c["allocated"], c["freed"]),
+            "allocation": stat(
+                c["allocated"] - c["freed_requested"], 0, c["allocated"], c["freed_requested"]
+            ),
+            "allocated_bytes": stat(c["allocated_bytes"], self.allocated_peak),
+            "active_bytes": stat(active_bytes, self.active_peak),
+            "reserved_bytes": stat(c["reserved"], self.reserved_peak),
+            "num_alloc_retries": self.retries,
+            "num_ooms": 0,
+        }
+
+    def memory_stats(self, device: Any = None) -> collections.OrderedDict[str, int]:
+        """``torch.cuda.memory_stats``: the nested dict flattened with "."."""
+        flat = []
+
+        def walk(prefix: str, d: Dict[str, Any]) -> None:
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    walk(f"{prefix}{k}.", v)
+                else:
+                    flat.append((f"{prefix}{k}", v))
+
+        walk("", self.memory_stats_nested(device))
+        return collections.OrderedDict(sorted(flat))
 
     def snapshot(self, device: Any = None, augment_with_fx_traces: bool = False) -> Dict[str, Any]:
         self.snapshots += 1
@@ -235,14 +272,13 @@ class FakeCuda:
         # Not torch.cuda.is_available itself: torch's own code (the optimizer's
         # graph-capture check) would then try to initialise CUDA.
         monkeypatch.setattr(st, "cuda_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "memory_stats", self.memory_stats)
+        # What stepwatch reads at each marker (torch.cuda.memory_stats wraps it).
+        monkeypatch.setattr(torch._C, "_cuda_memoryStats", self.memory_stats_nested, raising=False)
         monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self.record_memory_history)
         monkeypatch.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
         monkeypatch.setattr(
             torch._C, "_cuda_isHistoryEnabled", self.is_history_enabled, raising=False
         )
-        # allocator_figures reads torch._C._cuda_memoryStats when it can; use memory_stats.
-        monkeypatch.setattr(st, "_memory_stats_fast", False)
         monkeypatch.setattr(st, "model_cuda_device", lambda model: 0)
         monkeypatch.setattr(st, "active_cuda_device", lambda: 0)
         monkeypatch.setattr(st, "gpu_uuid_for", lambda model: "")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 import pytest
+from conftest import agent_binary
 
 import stepwatch
 
@@ -28,21 +29,9 @@ REPO = Path(__file__).resolve().parents[2]
 PHASES = ["prologue", "forward", "backward", "optimizer", "epilogue"]
 
 
-def agent_binary() -> Path:
-    return Path(os.environ.get("STEPWATCH_BIN") or REPO / "target" / "debug" / "stepwatch")
-
-
 @pytest.fixture
 def real_agent(sock_dir, monkeypatch, tmp_path):
-    if os.environ.get("STEPWATCH_SKIP_AGENT_TESTS") == "1":
-        pytest.skip("STEPWATCH_SKIP_AGENT_TESTS=1")
     binary = agent_binary()
-    if not (binary.is_file() and os.access(binary, os.X_OK)):
-        pytest.fail(
-            f"stepwatch agent binary not found at {binary}: build it with "
-            "`cargo build -p stepwatch` (or set STEPWATCH_BIN), or set "
-            "STEPWATCH_SKIP_AGENT_TESTS=1 to skip the agent integration tests"
-        )
     agent = _Agent(binary, sock_dir, tmp_path)
     agent.start()
     monkeypatch.setenv("STEPWATCH_ENDPOINT", "unix://" + agent.socket)

@@ -9,7 +9,7 @@ import os
 from array import array
 
 import pytest
-from conftest import summary
+from conftest import small_model, summary
 from fake_cuda import FakeCuda, FakeWorkload
 
 import stepwatch
@@ -103,6 +103,10 @@ def test_snapshot_format_is_the_installed_torchs():
     assert '"active.{all,large_pool,small_pool}.{current,peak,allocated,freed}"' in stats_doc
     import inspect
 
+    # stepwatch reads the nested dict memory_stats flattens, from the function
+    # memory_stats_as_nested_dict calls (tests/fake_cuda.py stands in for it).
+    nested = inspect.getsource(torch.cuda.memory.memory_stats_as_nested_dict)
+    assert "torch._C._cuda_memoryStats(device)" in nested
     params = inspect.signature(torch.cuda.memory._record_memory_history).parameters
     for name in ("enabled", "context", "stacks", "max_entries"):
         assert name in params, name
@@ -418,11 +422,6 @@ def test_counters_going_back_are_refused():
 
 
 # ------------------------------------------------- the recorder in watch()
-def small_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-
-
 def run(monkeypatch, steps=3, accumulate=1, fake=None, **watch_opts):
     """Train a small CPU model under watch(); ``fake`` (else a new one) must be installed."""
     if fake is None:
@@ -673,6 +672,66 @@ def test_manual_marking_tags_the_prologue(agent, monkeypatch):
         (at.ACTION_FREE, BACKWARD_BEGIN),
         (at.ACTION_FREE, OPTIMIZER_BEGIN),
     ]
+
+
+@needs_torch
+def test_markers_carry_the_allocators_exact_figures(agent, monkeypatch):
+    """Each marker's AllocatorStats are the fake allocator's figures at that marker
+    (every figure distinct, so a wrong key in the nested stats fails here)."""
+    fake = FakeCuda().install(monkeypatch, torch)
+    fake.pending_bytes = 512  # active = allocated + 512
+    fake.retries = 3
+    stepwatch.configure()
+
+    def figures():
+        s = fake.memory_stats(0)  # the flattened form, as torch.cuda.memory_stats gives it
+        return (
+            s["allocated_bytes.all.current"],
+            s["allocated_bytes.all.peak"],
+            s["reserved_bytes.all.current"],
+            s["reserved_bytes.all.peak"],
+            s["active_bytes.all.current"],
+            s["active_bytes.all.peak"],
+            s["num_alloc_retries"],
+        )
+
+    want = []
+    big = fake.alloc(5_000_000, "before")
+    fake.alloc(4096, "before")
+    fake.free(big)
+    fake.empty_cache()  # peaks above currents from here on
+    want.append(figures())  # STEP_BEGIN
+    with stepwatch.step(1):
+        x = fake.alloc(3_000_000, "prologue")
+        want.append(figures())  # FORWARD_BEGIN
+        with stepwatch.phase("forward"):
+            y = fake.alloc(700_000, "forward")
+        want.append(figures())  # BACKWARD_BEGIN
+        with stepwatch.phase("backward"):
+            fake.free(y, "backward")
+        want.append(figures())  # OPTIMIZER_BEGIN
+        with stepwatch.phase("optimizer"):
+            fake.free(x, "optimizer")
+            fake.retries = 4
+            want.append(figures())  # OPTIMIZER_END
+        want.append(figures())  # STEP_END
+    ms = agent.wait_markers(6)
+    got = [
+        (
+            m.allocator.allocated_bytes,
+            m.allocator.allocated_peak_bytes,
+            m.allocator.reserved_bytes,
+            m.allocator.reserved_peak_bytes,
+            m.allocator.active_bytes,
+            m.allocator.active_peak_bytes,
+            m.allocator.num_alloc_retries,
+        )
+        for m in ms
+    ]
+    assert got == want
+    cur, peak, res, res_peak, act, act_peak, _ = want[0]
+    assert len({cur, peak, res, res_peak, act, act_peak}) == 6, want[0]
+    assert len(set(want)) >= 4
 
 
 @needs_torch

@@ -63,7 +63,7 @@ def test_hello_first_then_markers_in_order(agent):
 
 
 def test_batches_respect_agent_limits(agent):
-    c = RT.get_client() if False else stepwatch._runtime.RT.get_client()
+    c = RT.get_client()
     assert c.wait_connected(5)
     n = 5000
     for i in range(n):
@@ -180,17 +180,30 @@ def test_advisory_logged_callback_and_last_prediction(agent, caplog):
     assert stepwatch.stats()["advisories"] == 1
 
 
-def test_failing_callback_does_not_break_the_stream(agent):
+def test_failing_callback_does_not_break_the_stream(agent, caplog):
+    calls = []
+
     def boom(p):
+        calls.append(p)
         raise RuntimeError("user bug")
 
+    caplog.set_level(logging.ERROR, logger="stepwatch")
     stepwatch.configure(on_advisory=boom)
     mark_steps(1)
     agent.wait_markers(6)
     agent.advise(kind=2, severity=1, message="low headroom", step=1)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while stepwatch.stats()["advisories"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     mark_steps(1, start=2)
     agent.wait_markers(12)
+    assert len(calls) == 1 and calls[0].message == "low headroom"
+    st = stepwatch.stats()
+    assert st["advisories"] == 1
+    assert st["stream_errors"] == 0 and st["reconnects"] == 0 and st["connects"] == 1
+    assert len(agent.streams) == 1
+    raised = [r for r in caplog.records if "on_advisory callback raised" in r.getMessage()]
+    assert len(raised) == 1 and raised[0].exc_info[1].args == ("user bug",)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

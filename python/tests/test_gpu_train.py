@@ -6,27 +6,17 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import summary
+from conftest import REPO, STEP, agent_binary, summary
 
 from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
 
 pytest.importorskip("torch")
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "python" / "tools" / "gpu_train.py"
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--batch", "2"]
 TINY += ["--vocab", "64", "--device", "cpu", "--steps", "3", "--flush-timeout", "5"]
-STEP = [
-    "STEP_BEGIN",
-    "FORWARD_BEGIN",
-    "BACKWARD_BEGIN",
-    "OPTIMIZER_BEGIN",
-    "OPTIMIZER_END",
-    "STEP_END",
-]
 
 
 @pytest.mark.parametrize(
@@ -93,11 +83,7 @@ def test_gpu_train_rejects_bad_sizes():
 
 def test_gpu_capture_fake_mode(tmp_path):
     """bench/gpu-capture.sh --fake: the whole capture path on fake NVML and CPU training."""
-    if os.environ.get("STEPWATCH_SKIP_AGENT_TESTS") == "1":
-        pytest.skip("STEPWATCH_SKIP_AGENT_TESTS=1")
-    binary = Path(os.environ.get("STEPWATCH_BIN") or REPO / "target" / "debug" / "stepwatch")
-    if not binary.is_file():
-        pytest.fail(f"no agent at {binary}: cargo build -p stepwatch (or set STEPWATCH_BIN)")
+    binary = agent_binary()
     out = tmp_path / "out"
     env = dict(
         os.environ,
@@ -125,7 +111,7 @@ def test_gpu_capture_fake_mode(tmp_path):
     assert "## adamw" in summary_txt and "## sgd" in summary_txt
     assert "# ===== run sgd" in (out / "metrics.txt").read_text()
     assert "exit status 0" in log
-    if "agent --record: yes" in log:
-        for run in ("adamw", "sgd"):
-            lines = (out / f"{run}.jsonl").read_text().splitlines()
-            assert any('"markers"' in line for line in lines), run
+    assert "agent --record: yes; replay-record: yes" in log  # this checkout's agent has both
+    for run in ("adamw", "sgd"):
+        lines = (out / f"{run}.jsonl").read_text().splitlines()
+        assert any('"markers"' in line for line in lines), run

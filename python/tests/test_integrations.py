@@ -6,32 +6,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import summary
+from conftest import expected, summary
 
 import stepwatch
-
-STEP = [
-    "STEP_BEGIN",
-    "FORWARD_BEGIN",
-    "BACKWARD_BEGIN",
-    "OPTIMIZER_BEGIN",
-    "OPTIMIZER_END",
-    "STEP_END",
-]
-
-
-def expected(steps, micro=1):
-    out = []
-    for s in range(1, steps + 1):
-        out.append(("STEP_BEGIN", s, 0))
-        for m in range(micro):
-            out += [("FORWARD_BEGIN", s, m), ("BACKWARD_BEGIN", s, m)]
-        out += [
-            ("OPTIMIZER_BEGIN", s, micro - 1),
-            ("OPTIMIZER_END", s, micro - 1),
-            ("STEP_END", s, micro - 1),
-        ]
-    return out
 
 
 def test_base_package_needs_no_frameworks():
@@ -42,13 +19,37 @@ def test_base_package_needs_no_frameworks():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+@pytest.mark.parametrize("step_hooks", [True, False], ids=["step-hooks", "no-step-hooks"])
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_lightning_callback(agent, tmp_path, accumulate):
+def test_lightning_callback(agent, tmp_path, monkeypatch, accumulate, step_hooks):
+    """With the optimizer's step hooks, its post-step hook sends OPTIMIZER_END and
+    STEP_END; without them (an optimizer that has none), on_train_batch_end does."""
     pytest.importorskip("lightning")
     import lightning as L
     import torch
 
+    from stepwatch import _torch
     from stepwatch.lightning import StepwatchCallback
+
+    installed = []
+    real_install = _torch.install_optimizer_hooks
+
+    def install(rt, opt, **kw):
+        handles = real_install(rt, opt, **kw) if step_hooks else []
+        installed.extend(handles)
+        return handles
+
+    monkeypatch.setattr(_torch, "install_optimizer_hooks", install)
+    sources = []
+    real_end_step = stepwatch._runtime.RT.tracker.end_step
+
+    def end_step():
+        import traceback
+
+        sources.append(traceback.extract_stack(limit=2)[0].name)  # the caller
+        real_end_step()
+
+    monkeypatch.setattr(stepwatch._runtime.RT.tracker, "end_step", end_step)
 
     class Tiny(L.LightningModule):
         def __init__(self):
@@ -81,6 +82,9 @@ def test_lightning_callback(agent, tmp_path, accumulate):
     h = agent.streams[0].hello
     assert h.framework == "lightning" and h.model.optimizer == 1
     assert h.model.grad_accumulation_steps == accumulate
+    assert len(installed) == (1 if step_hooks else 0)
+    # who closed each step (the last call is on_train_end's, a no-op then)
+    assert sources[:steps] == ["optimizer_end" if step_hooks else "_end_of_batch"] * steps
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -129,4 +133,4 @@ def test_transformers_callback(agent, tmp_path, accumulate):
     assert summary(ms) == expected(steps, accumulate)
     h = agent.streams[0].hello
     assert h.framework == "transformers" and h.model.grad_accumulation_steps == accumulate
-    stepwatch.flush(1)
+    assert stepwatch.flush(1)

@@ -7,7 +7,6 @@ The agent binary is found as in ``test_agent_integration.py`` (same fail/skip ru
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import socket
 import subprocess
@@ -113,17 +112,10 @@ class _TlsAgent:
 
 
 def _start_tls_agent(sock_dir: str, tmp_path: Path, args: List[str]):
-    from test_agent_integration import _Agent, agent_binary
+    from conftest import agent_binary
+    from test_agent_integration import _Agent
 
-    if os.environ.get("STEPWATCH_SKIP_AGENT_TESTS") == "1":
-        pytest.skip("STEPWATCH_SKIP_AGENT_TESTS=1")
     binary = agent_binary()
-    if not (binary.is_file() and os.access(binary, os.X_OK)):
-        pytest.fail(
-            f"stepwatch agent binary not found at {binary}: build it with "
-            "`cargo build -p stepwatch` (or set STEPWATCH_BIN), or set "
-            "STEPWATCH_SKIP_AGENT_TESTS=1 to skip the agent integration tests"
-        )
     port = _free_port()
     agent = _Agent(binary, sock_dir, tmp_path, ["--grpc-listen", f"127.0.0.1:{port}", *args])
     agent.start()

@@ -1,10 +1,11 @@
-from stepwatch._client import KIND_NAMES
+from conftest import KIND
+
 from stepwatch._tracker import StepTracker
 
 
 def make(gas=None):
     out = []
-    t = StepTracker(lambda k, s, m: out.append((KIND_NAMES[k], s, m)))
+    t = StepTracker(lambda k, s, m: out.append((KIND[k], s, m)))
     t.grad_accumulation_steps = gas
     return t, out
 

@@ -3,25 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import summary
+from conftest import STEP, small_model, summary
 
 import stepwatch
 
 torch = pytest.importorskip("torch")
-
-STEP = [
-    "STEP_BEGIN",
-    "FORWARD_BEGIN",
-    "BACKWARD_BEGIN",
-    "OPTIMIZER_BEGIN",
-    "OPTIMIZER_END",
-    "STEP_END",
-]
-
-
-def small_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 
 
 def train(model, opt, steps, accumulate=1):
