@@ -43,14 +43,14 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
 }
 
 async fn readyz(State(state): State<Arc<AgentState>>) -> Response {
-    let nvml = state.sampler.snapshot(0);
+    let (nvml_up, nvml_status) = state.sampler.nvml_status();
     let ingest = state.ingest_listening.load(Ordering::Relaxed);
-    if nvml.nvml_up && ingest {
+    if nvml_up && ingest {
         return (StatusCode::OK, "ready\n").into_response();
     }
     let mut why = Vec::new();
-    if !nvml.nvml_up {
-        why.push(format!("nvml: {}", nvml.status));
+    if !nvml_up {
+        why.push(format!("nvml: {nvml_status}"));
     }
     if !ingest {
         why.push("ingest: not listening".to_string());

@@ -72,11 +72,7 @@ pub async fn run_until(
         tracing::info!(path = %path.display(), max_bytes = config.record_max_bytes, "recording every tracker input");
     }
     if let Some(path) = &config.journal {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).with_context(|| {
-                format!("cannot create the journal directory {}", dir.display())
-            })?;
-        }
+        create_parent_dir(path, "journal")?;
         state.restore_journal(path);
     }
 
@@ -234,13 +230,19 @@ fn tls_config(config: &AgentConfig) -> anyhow::Result<Option<tonic::transport::S
     Ok(Some(tls))
 }
 
+/// Creates the directory `path` goes in; `what` names the file in the error.
+pub(crate) fn create_parent_dir(path: &Path, what: &str) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create the {what} directory {}", dir.display()))?;
+    }
+    Ok(())
+}
+
 /// Binds the marker socket: creates its directory, replaces a stale socket
 /// file, and sets the file mode.
 fn bind_socket(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create the socket directory {}", dir.display()))?;
-    }
+    create_parent_dir(path, "socket")?;
     if path.exists() {
         // A live agent would still answer; a dead one leaves its file behind.
         if std::os::unix::net::UnixStream::connect(path).is_ok() {

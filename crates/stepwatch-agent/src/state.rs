@@ -143,11 +143,7 @@ impl AgentState {
     /// Starts `--record` into `path`.
     pub fn start_record(&self, path: &Path, max_bytes: u64) -> anyhow::Result<()> {
         use anyhow::Context;
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir).with_context(|| {
-                format!("cannot create the record's directory {}", dir.display())
-            })?;
-        }
+        crate::create_parent_dir(path, "record")?;
         let recorder = Recorder::create(path, max_bytes, self.ingest.record_entries.clone())
             .with_context(|| format!("cannot create the record file {}", path.display()))?;
         let _ = self.recorder.set(recorder);
@@ -233,10 +229,7 @@ impl AgentState {
         markers: &[stepwatch_core::Marker],
     ) -> Result<Vec<stepwatch_core::Advisory>, stepwatch_core::MarkerError> {
         let mut tracker = self.tracker();
-        let in_first_step = tracker
-            .rank(key)
-            .is_some_and(|r| r.timeline.steps().len() <= 1);
-        if in_first_step {
+        if tracker.rank(key).is_some_and(|r| r.in_first_step()) {
             // Lock order is always tracker, then sampler (drain_samples
             // takes the sampler lock alone elsewhere).
             self.feed_samples(&mut tracker, self.sampler.drain_samples());

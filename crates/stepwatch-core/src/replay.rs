@@ -243,19 +243,6 @@ pub fn replay_step2_within(
         }
     }
     let live: HashMap<u64, AllocId> = live.into_iter().collect();
-    let layout_sizes: HashMap<u64, u64> = trace
-        .segments
-        .iter()
-        .flat_map(|s| {
-            let mut at = s.address;
-            s.blocks.iter().map(move |b| {
-                let here = at;
-                at += b.size;
-                (here, if b.allocated { b.size } else { 0 })
-            })
-        })
-        .collect();
-
     // Alive at the end: state (optimizer phase), gradients (backward) or
     // other (made again in step 2 on top of the old, which stays).
     let mut keep: HashSet<usize> = HashSet::new();
@@ -266,7 +253,7 @@ pub fn replay_step2_within(
         let size = round_size(e.size);
         let Some(&id) = live
             .get(&address)
-            .filter(|_| layout_sizes.get(&address).is_some_and(|&b| b >= size))
+            .filter(|&&id| alloc.block_size(id).is_some_and(|b| b >= size))
         else {
             return Err(TraceError::LayoutMismatch {
                 index,

@@ -94,6 +94,15 @@ pub struct RankState {
     pub allocator_replay: Option<Step2Replay>,
 }
 
+impl RankState {
+    /// Whether the rank has not gone past its first step: its prediction is
+    /// not frozen yet and no later step has begun. What step-1 work keys on
+    /// (fresh samples before a batch, the freeze, the allocator replay).
+    pub fn in_first_step(&self) -> bool {
+        self.prediction_before_step2.is_none() && self.timeline.steps().len() <= 1
+    }
+}
+
 /// What survives an agent restart: every rank's identity, timeline (step 1
 /// and the latest steps), advisories and frozen prediction. GPU samples are
 /// not kept; the phases they were credited to keep their statistics.
@@ -390,8 +399,7 @@ impl Tracker {
         };
         state.timeline.check_batch(markers)?;
         state.last_activity_ns = now_ns;
-        let split = if state.prediction_before_step2.is_none() && state.timeline.steps().len() <= 1
-        {
+        let split = if state.in_first_step() {
             let first = state
                 .timeline
                 .steps()
@@ -437,9 +445,9 @@ impl Tracker {
         now_ns: u64,
     ) -> Option<Vec<Advisory>> {
         let state = self.ranks.get_mut(key)?;
-        let in_step1 = state.prediction_before_step2.is_none()
-            && state.timeline.steps().len() == 1
-            && state.timeline.current().is_some_and(|s| s.step == 1);
+        // The trace is of step 1, which must have begun.
+        let in_step1 =
+            state.in_first_step() && state.timeline.current().is_some_and(|s| s.step == 1);
         if !in_step1 {
             return None;
         }

@@ -403,9 +403,11 @@ impl SamplerHandle {
             .collect()
     }
 
-    /// Whether NVML answered the last attempt.
-    pub fn nvml_up(&self) -> bool {
-        self.shared.lock().nvml_up
+    /// Whether NVML answered the last attempt, and the status line that says
+    /// why not (what `/readyz` needs, without a whole snapshot).
+    pub fn nvml_status(&self) -> (bool, String) {
+        let state = self.shared.lock();
+        (state.nvml_up, state.status.clone())
     }
 
     /// Stops the thread and waits for it (NVML is shut down on its way out).
