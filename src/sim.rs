@@ -310,8 +310,12 @@ pub enum FakeGpuAction {
         #[arg(long, default_value_t = 2)]
         gpus: u32,
         /// Capacity of each GPU in GiB (default: 80 GB H100).
-        #[arg(long)]
+        #[arg(long, conflicts_with = "total_bytes")]
         total_gib: Option<f64>,
+        /// Capacity of each GPU in bytes, exactly (NVML's `total`; the driver
+        /// reserves 512 MiB of it, as `fake-gpu show` and NVML report).
+        #[arg(long)]
+        total_bytes: Option<u64>,
     },
     /// Make NVML unavailable (init fails, calls fail) or available again.
     Unavailable {
@@ -340,13 +344,20 @@ pub fn fake_gpu(args: FakeGpuArgs) -> anyhow::Result<()> {
         })
     };
     match args.action {
-        FakeGpuAction::Init { gpus, total_gib } => {
+        FakeGpuAction::Init {
+            gpus,
+            total_gib,
+            total_bytes,
+        } => {
             anyhow::ensure!((1..=16).contains(&gpus), "--gpus must be 1..=16");
             let specs: Vec<GpuSpec> = (0..gpus)
                 .map(|i| {
                     let mut spec = GpuSpec::h100_80gb(i);
                     if let Some(gib) = total_gib {
                         spec.total_bytes = (gib * GIB as f64) as u64;
+                    }
+                    if let Some(bytes) = total_bytes {
+                        spec.total_bytes = bytes;
                     }
                     spec
                 })

@@ -13,7 +13,7 @@
 
 #![allow(non_snake_case, clippy::missing_safety_doc)]
 
-use std::ffi::{c_char, c_uint, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::path::Path;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
@@ -387,6 +387,69 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
     }))
 }
 
+/// The PCI bus id of GPU `index`: bus `index + 1`, as fake-cuda's
+/// `cudaDeviceGetPCIBusId` reports it, so PyTorch can map CUDA devices to NVML.
+pub fn pci_bus_id(index: u32) -> String {
+    format!("00000000:{:02X}:00.0", index + 1)
+}
+
+/// `nvmlDeviceGetHandleByPciBusId_v2`: `NOT_FOUND` if no GPU has that bus id
+/// (compared case-insensitively; a 4-digit domain is accepted too).
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
+    bus_id: *const c_char,
+    dev: *mut NvmlDevice,
+) -> NvmlReturn {
+    ret(enter(Call::Handle).and_then(|st| {
+        if bus_id.is_null() || dev.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        let want = CStr::from_ptr(bus_id)
+            .to_string_lossy()
+            .to_ascii_uppercase();
+        // The domain may be written with 4 or 8 digits.
+        let want = want.trim_start_matches('0');
+        let g = st.gpus[..st.header.gpu_count as usize]
+            .iter()
+            .find(|g| pci_bus_id(g.index).trim_start_matches('0') == want)
+            .ok_or(NOT_FOUND)?;
+        *dev = handle_of(gpu_of(st, handle_of(g))?);
+        Ok(())
+    }))
+}
+
+/// `nvmlSystemGetCudaDriverVersion_v2`: CUDA 13.2, the runtime fake-cuda stands in for.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) -> NvmlReturn {
+    ret(enter(Call::DriverVersion).and_then(|_| {
+        if version.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        *version = 13020;
+        Ok(())
+    }))
+}
+
+/// `nvmlDeviceGetNvLinkRemoteDeviceType`: fake GPUs have no NVLink.
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetNvLinkRemoteDeviceType(
+    _dev: NvmlDevice,
+    _link: c_uint,
+    _kind: *mut c_void,
+) -> NvmlReturn {
+    NOT_SUPPORTED
+}
+
+/// `nvmlDeviceGetNvLinkRemotePciInfo_v2`: fake GPUs have no NVLink.
+#[no_mangle]
+pub extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(
+    _dev: NvmlDevice,
+    _link: c_uint,
+    _pci: *mut c_void,
+) -> NvmlReturn {
+    NOT_SUPPORTED
+}
+
 /// `nvmlDeviceGetIndex`.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetIndex(dev: NvmlDevice, index: *mut c_uint) -> NvmlReturn {
@@ -609,6 +672,66 @@ pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses(
     no_graphics(dev, count)
 }
 
+/// `nvmlDeviceGetGpuFabricInfoV`: succeeds and leaves the caller's struct as it was
+/// (zeroed by callers: fabric state "not supported"). PyTorch asks it when
+/// `expandable_segments` is on and warns in every OOM message when it fails.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfoV(
+    dev: NvmlDevice,
+    info: *mut c_void,
+) -> NvmlReturn {
+    ret(device(Call::Handle, dev).and_then(|_| {
+        if info.is_null() {
+            Err(INVALID_ARGUMENT)
+        } else {
+            Ok(())
+        }
+    }))
+}
+
+// ----------------------------------------------------------------- extensions
+//
+// Not NVML: the fake CUDA runtime (crates/fake-cuda) charges what a process
+// allocates on a fake GPU through these, so that one implementation of the
+// slot protocol (`Gpu::set_process_bytes`) serves the Rust API and C writers.
+// Their presence is how fake-cuda tells this library from a real NVML.
+
+/// Sets how many bytes `pid` uses on the GPU of `dev` (claiming a slot).
+/// `INVALID_ARGUMENT` for pid 0, `INSUFFICIENT_SIZE` when all slots are taken.
+#[no_mangle]
+pub extern "C" fn stepwatchFakeNvmlSetProcessMemory(
+    dev: NvmlDevice,
+    pid: c_uint,
+    bytes: u64,
+) -> NvmlReturn {
+    ret(gpu_of_unfaulted(dev).and_then(|g| {
+        if pid == 0 {
+            Err(INVALID_ARGUMENT)
+        } else if g.set_process_bytes(pid, bytes) {
+            Ok(())
+        } else {
+            Err(INSUFFICIENT_SIZE)
+        }
+    }))
+}
+
+/// Removes `pid` from the GPU of `dev`, as the driver does when a process exits.
+#[no_mangle]
+pub extern "C" fn stepwatchFakeNvmlReleaseProcess(dev: NvmlDevice, pid: c_uint) -> NvmlReturn {
+    ret(gpu_of_unfaulted(dev).map(|g| g.release_process(pid)))
+}
+
+/// The GPU of a handle, ignoring the fault switches: memory accounting is the
+/// device's, and goes on while NVML "fails" for its readers.
+fn gpu_of_unfaulted(dev: NvmlDevice) -> Result<&'static Gpu, NvmlReturn> {
+    let p = CURRENT.load(Ordering::Acquire);
+    if p.is_null() {
+        return Err(UNINITIALIZED);
+    }
+    // SAFETY: mappings are never unmapped (module docs).
+    gpu_of(unsafe { &*p }, dev)
+}
+
 #[cfg(test)]
 mod tests {
     //! The C protocol details nvml-wrapper does not reach (v1 structs, short buffers, bad
@@ -658,6 +781,51 @@ mod tests {
                 NOT_FOUND
             );
             assert_eq!(nvmlDeviceGetHandleByIndex_v2(2, &mut hu), INVALID_ARGUMENT);
+            // By PCI bus id, as fake-cuda's cudaDeviceGetPCIBusId names them.
+            let bus = std::ffi::CString::new(pci_bus_id(1)).unwrap();
+            assert_eq!(
+                nvmlDeviceGetHandleByPciBusId_v2(bus.as_ptr(), &mut hu),
+                SUCCESS
+            );
+            assert_eq!(hu, h1);
+            assert_eq!(
+                nvmlDeviceGetHandleByPciBusId_v2(c"0000:01:00.0".as_ptr(), &mut hu),
+                SUCCESS,
+                "a short domain and lower case are the same bus"
+            );
+            assert_eq!(hu, h0);
+            assert_eq!(
+                nvmlDeviceGetHandleByPciBusId_v2(c"00000000:09:00.0".as_ptr(), &mut hu),
+                NOT_FOUND
+            );
+            // The extensions fake-cuda charges through: the same slots as the Rust API.
+            assert_eq!(
+                stepwatchFakeNvmlSetProcessMemory(h1, 4242, 3 << 20),
+                SUCCESS
+            );
+            assert_eq!(f.processes(1), vec![(4242, 3 << 20)]);
+            assert_eq!(
+                stepwatchFakeNvmlSetProcessMemory(h1, 4242, 5 << 20),
+                SUCCESS
+            );
+            assert_eq!(f.device_used_bytes(1), 5 << 20);
+            assert_eq!(
+                stepwatchFakeNvmlSetProcessMemory(h1, 0, 1),
+                INVALID_ARGUMENT
+            );
+            assert_eq!(
+                stepwatchFakeNvmlSetProcessMemory(ptr::null_mut(), 1, 1),
+                INVALID_ARGUMENT
+            );
+            assert_eq!(stepwatchFakeNvmlReleaseProcess(h1, 4242), SUCCESS);
+            assert_eq!(f.processes(1), vec![]);
+            assert_eq!(f.device_used_bytes(1), 0);
+            let mut cuda_version = 0;
+            assert_eq!(
+                nvmlSystemGetCudaDriverVersion_v2(&mut cuda_version),
+                SUCCESS
+            );
+            assert_eq!(cuda_version, 13020);
             let mut idx = 9;
             assert_eq!(nvmlDeviceGetIndex(h1, &mut idx), SUCCESS);
             assert_eq!(idx, 1);

@@ -119,6 +119,43 @@ impl Gpu {
             .fetch_add(bytes.wrapping_sub(old), Ordering::AcqRel);
     }
 
+    /// Sets `pid`'s slot to `bytes`, claiming a free slot (compare-and-swap of its pid
+    /// from 0) when `pid` has none. `false` when every slot is taken. `pid` must not be 0.
+    pub fn set_process_bytes(&self, pid: u32, bytes: u64) -> bool {
+        if let Some(s) = self
+            .slots
+            .iter()
+            .find(|s| s.pid.load(Ordering::Acquire) == pid)
+        {
+            self.store_slot_bytes(s, bytes);
+            return true;
+        }
+        for s in &self.slots {
+            if s.pid
+                .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                self.store_slot_bytes(s, bytes);
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Frees `pid`'s slot (a no-op if it has none). Bytes are zeroed before the pid is
+    /// released, so a reader summing slots never counts a freed slot's bytes, and a writer
+    /// reclaiming the slot starts from zero.
+    pub fn release_process(&self, pid: u32) {
+        for s in &self.slots {
+            if s.pid.load(Ordering::Acquire) == pid {
+                self.store_slot_bytes(s, 0);
+                let _ = s
+                    .pid
+                    .compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// `(total, reserved, free, used_v2)`, with `free = total - reserved - used`, saturating.
     #[inline]
     pub fn memory(&self) -> (u64, u64, u64, u64) {

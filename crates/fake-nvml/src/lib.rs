@@ -420,23 +420,8 @@ impl FakeNvml {
                 "fake-nvml: pid 0 marks a free slot and cannot be used",
             ));
         }
-        let g = self.try_gpu(gpu)?;
-        if let Some(s) = g
-            .slots
-            .iter()
-            .find(|s| s.pid.load(Ordering::Acquire) == pid)
-        {
-            g.store_slot_bytes(s, bytes);
+        if self.try_gpu(gpu)?.set_process_bytes(pid, bytes) {
             return Ok(());
-        }
-        for s in &g.slots {
-            if s.pid
-                .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-            {
-                g.store_slot_bytes(s, bytes);
-                return Ok(());
-            }
         }
         Err(io::Error::new(
             io::ErrorKind::StorageFull,
@@ -447,23 +432,13 @@ impl FakeNvml {
         ))
     }
 
-    /// Frees `pid`'s slot on `gpu` (a no-op if it has none). Panics if `gpu` is out of range.
-    ///
-    /// Bytes are zeroed before the pid is released, so a reader summing slots never counts
-    /// a freed slot's bytes, and a writer reclaiming the slot starts from zero.
+    /// Frees `pid`'s slot on `gpu` (a no-op if it has none; see [`Gpu::release_process`]).
+    /// Panics if `gpu` is out of range.
     pub fn remove_process(&self, gpu: u32, pid: u32) {
         if pid == 0 {
             return;
         }
-        let g = self.gpu(gpu);
-        for s in &g.slots {
-            if s.pid.load(Ordering::Acquire) == pid {
-                g.store_slot_bytes(s, 0);
-                let _ = s
-                    .pid
-                    .compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Relaxed);
-            }
-        }
+        self.gpu(gpu).release_process(pid);
     }
 
     /// Frees the slots of every process that no longer exists, on every GPU; returns how
