@@ -251,6 +251,20 @@ static void ensure_context(int dev) {
   pthread_mutex_unlock(&lock);
 }
 
+/* For the fake libcuda.so.1 (not CUDA): whether `dev` has a primary context,
+ * creating it first when `create` is set. PyTorch asks the driver before it
+ * switches device (c10::cuda::MaybeSetDevice), so that it makes no context on
+ * a GPU the process does not use; answering "yes" everywhere would charge a
+ * context on GPU 0 to every rank. */
+EXPORT int stepwatchFakeCudaPrimaryContext(int dev, int create) {
+  if (!ready() || dev < 0 || dev >= device_count) return 0;
+  if (create) ensure_context(dev);
+  pthread_mutex_lock(&lock);
+  int active = devices[dev].context;
+  pthread_mutex_unlock(&lock);
+  return active;
+}
+
 static void release_all(void) __attribute__((destructor));
 static void release_all(void) {
   if (init_error != cudaSuccess || !nvml.release_process) return;
@@ -1070,7 +1084,7 @@ static CUresult drv_cuDeviceGet(CUdevice *d, int ordinal) {
 
 static CUresult drv_cuCtxGetCurrent(CUcontext *ctx) {
   static char context[64];
-  if (ctx) *ctx = (CUcontext)context;
+  if (ctx) *ctx = stepwatchFakeCudaPrimaryContext(current_device, 0) ? (CUcontext)context : NULL;
   return CUDA_SUCCESS;
 }
 

@@ -17,20 +17,25 @@ static char context[64];
 
 static void *new_handle(void) { return calloc(1, 64); }
 
+/* In fake libcudart.so.13. */
+extern int stepwatchFakeCudaPrimaryContext(int dev, int create);
+
+/* The current context: the primary context of the thread's device, if it exists. */
 EXPORT CUresult cuCtxGetCurrent(CUcontext *ctx) {
-  if (ctx) *ctx = (CUcontext)context;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (ctx) *ctx = stepwatchFakeCudaPrimaryContext(dev, 0) ? (CUcontext)context : NULL;
   return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
-  (void)dev;
   if (flags) *flags = 0;
-  if (active) *active = 1;
+  if (active) *active = stepwatchFakeCudaPrimaryContext(dev, 0);
   return CUDA_SUCCESS;
 }
 
 EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev) {
-  (void)dev;
+  if (!stepwatchFakeCudaPrimaryContext(dev, 1)) return CUDA_ERROR_INVALID_DEVICE;
   if (ctx) *ctx = (CUcontext)context;
   return CUDA_SUCCESS;
 }

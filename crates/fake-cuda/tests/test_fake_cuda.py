@@ -1,0 +1,253 @@
+"""fake-cuda with the installed PyTorch: what a training job relies on.
+
+Each test runs real PyTorch in a subprocess under `fake-cuda run` (the preload
+cannot be added to this process, whose torch is already loaded). Run with the
+test venv: `python -m pytest crates/fake-cuda/tests` (scripts/test does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+FAKE_CUDA = HERE.parent / "fake-cuda"
+REPO = HERE.parents[2]
+MIB = 1 << 20
+CONTEXT = 512 * MIB
+DRIVER_RESERVED = 512 * MIB  # fake-nvml's default driver-reserved memory
+
+pytest.importorskip("torch")
+
+# A job whose step 2 needs more than step 1: AdamW's state (8 B/param) is made in
+# step 1's optimizer step, and step 2's activations come on top of it.
+TRAIN = r"""
+import json, os, sys, torch
+width, layers, batch, steps = (int(a) for a in sys.argv[1:5])
+with torch.device("cuda"):
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+opt = torch.optim.AdamW(model.parameters(), foreach=True)
+out = {"params": sum(p.numel() for p in model.parameters()), "steps": []}
+for step in range(1, steps + 1):
+    model(torch.randn(batch, width, device="cuda")).square().mean().backward()
+    before = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    opt.step()
+    after = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    opt.zero_grad()
+    out["steps"].append({"optimizer_jump": after - before,
+                         "max_reserved": torch.cuda.max_memory_reserved()})
+    print(f"step {step} done", flush=True)
+props = torch.cuda.get_device_properties(0)
+out.update(uuid=str(props.uuid), total=props.total_memory, name=props.name,
+           mem_get_info=list(torch.cuda.mem_get_info()), reserved=torch.cuda.memory_reserved(),
+           retries=torch.cuda.memory_stats()["num_alloc_retries"], pid=os.getpid())
+print("RESULT " + json.dumps(out), flush=True)
+"""
+SIZES = ["1024", "8", "4096"]
+
+
+def fake_cuda(args: List[str], cmd: List[str], **kw: Any) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [
+            sys.executable,
+            str(FAKE_CUDA),
+            "run",
+            "--quiet",
+            "--python",
+            sys.executable,
+            *args,
+            "--",
+            *cmd,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=kw.pop("timeout", 300),
+        **kw,
+    )
+
+
+def result(proc: subprocess.CompletedProcess) -> Dict[str, Any]:
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout + proc.stderr
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def usage(log_dir: Path) -> Dict[int, List[tuple]]:
+    """pid -> [(ns, device, uuid, bytes)] from --usage-log."""
+    out: Dict[int, List[tuple]] = {}
+    for f in log_dir.glob("*.tsv"):
+        rows = [ln.split("\t") for ln in f.read_text().splitlines()]
+        out[int(f.stem)] = [(int(t), int(d), u, int(b)) for t, d, u, b in rows]
+    return out
+
+
+@pytest.fixture(scope="module")
+def calibration(tmp_path_factory) -> Dict[str, Any]:
+    """Three steps at 80 GiB: what the job needs, as PyTorch and NVML see it."""
+    log = tmp_path_factory.mktemp("usage")
+    proc = fake_cuda(["--usage-log", str(log)], [sys.executable, "-c", TRAIN, *SIZES, "3"])
+    assert proc.returncode == 0, proc.stderr
+    return {"result": result(proc), "usage": usage(log), "stderr": proc.stderr}
+
+
+def test_training_runs_with_pytorchs_allocator_and_nvml_sees_what_it_reserved(calibration):
+    r = calibration["result"]
+    steps = r["steps"]
+    # AdamW's state appears in step 1's optimizer step: exactly 8 bytes per parameter.
+    assert steps[0]["optimizer_jump"] == 8 * r["params"]
+    assert [s["optimizer_jump"] for s in steps[1:]] == [0, 0]
+    # Step 2 needs more than step 1: the anomaly stepwatch predicts.
+    assert steps[1]["max_reserved"] > steps[0]["max_reserved"]
+    # The device is fake-nvml's GPU 0, and its memory figures agree.
+    assert r["uuid"] == "00000000-0000-0000-0000-000000000000"
+    assert r["total"] == 80 << 30
+    assert r["name"] == "NVIDIA H100 80GB HBM3"
+    # What NVML shows for the process, at its last change: context + reserved.
+    (rows,) = calibration["usage"].values()
+    assert rows[0][3] == CONTEXT, "the context comes first"
+    assert {row[2] for row in rows} == {"GPU-00000000-0000-0000-0000-000000000000"}
+    assert rows[-1][3] == CONTEXT + r["reserved"]
+    free, total = r["mem_get_info"]
+    assert total == 80 << 30
+    assert free == total - DRIVER_RESERVED - CONTEXT - r["reserved"]
+    assert [t for t, *_ in rows] == sorted(t for t, *_ in rows)
+
+
+def test_step_two_runs_out_of_memory_as_on_a_gpu(calibration, tmp_path):
+    steps = calibration["result"]["steps"]
+    # Room for step 1 and a little more, not for step 2.
+    usable = CONTEXT + steps[0]["max_reserved"] + 8 * MIB
+    assert usable < CONTEXT + steps[1]["max_reserved"]
+    proc = fake_cuda(
+        ["--gpu-capacity", str(usable + DRIVER_RESERVED), "--usage-log", str(tmp_path)],
+        [sys.executable, "-c", TRAIN, *SIZES, "3"],
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "step 1 done" in proc.stdout and "step 2 done" not in proc.stdout
+    assert "torch.OutOfMemoryError: CUDA out of memory." in proc.stderr
+    # PyTorch's own message, with NVML's view of this process.
+    assert "this process has" in proc.stderr and "memory in use" in proc.stderr
+    (rows,) = usage(tmp_path).values()
+    assert max(b for *_, b in rows) <= usable
+
+
+def test_expandable_segments_are_charged_like_cudamalloc(tmp_path):
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    proc = fake_cuda(
+        ["--usage-log", str(tmp_path)], [sys.executable, "-c", TRAIN, *SIZES, "2"], env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    r = result(proc)
+    (rows,) = usage(tmp_path).values()
+    assert rows[-1][3] == CONTEXT + r["reserved"]
+    # Physical memory is mapped in 2 MiB pages (cuMemCreate), each charged.
+    assert len(rows) > 3
+    assert all(b % (2 * MIB) == 0 for *_, b in rows)
+
+
+def test_a_process_that_exits_leaves_no_memory_on_the_gpu(tmp_path):
+    state = tmp_path / "state"
+    binary = os.environ.get("STEPWATCH_BIN") or str(REPO / "target/debug/stepwatch")
+    subprocess.run([binary, "fake-gpu", "--dir", str(state), "init", "--gpus", "1"], check=True)
+    proc = fake_cuda(["--state-dir", str(state)], [sys.executable, "-c", TRAIN, *SIZES, "1"])
+    assert proc.returncode == 0, proc.stderr
+    show = subprocess.run(
+        [binary, "fake-gpu", "--dir", str(state), "show"], capture_output=True, text=True
+    )
+    assert "used 0 /" in show.stdout and "processes []" in show.stdout, show.stdout
+
+
+DDP = r"""
+import os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+local = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local)
+dist.init_process_group("nccl")
+model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).cuda()
+# Small collectives exchange real data: ranks agree on a value only one of them has.
+t = torch.tensor([dist.get_rank() + 1], device="cuda")
+dist.all_reduce(t)
+g = [torch.zeros(1, dtype=torch.long, device="cuda") for _ in range(dist.get_world_size())]
+dist.all_gather(g, torch.tensor([10 * (dist.get_rank() + 1)], device="cuda"))
+model = DDP(model, device_ids=[local])
+opt = torch.optim.AdamW(model.parameters())
+for step in range(2):
+    model(torch.randn(64, 512, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print(f"RANK {dist.get_rank()} sum={t.item()} gathered={[int(x.item()) for x in g]}", flush=True)
+dist.destroy_process_group()
+"""
+
+FSDP2 = r"""
+import os, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+with torch.device("cuda"):
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+for layer in model:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters())
+for step in range(2):
+    model(torch.randn(64, 512, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print(f"RANK {dist.get_rank()} done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def torchrun(n: int, script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    path = tmp_path / "job.py"
+    path.write_text(script)
+    return fake_cuda(
+        ["--gpus", str(n), "--usage-log", str(tmp_path / "usage")],
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={n}",
+            str(path),
+        ],
+        timeout=600,
+    )
+
+
+def test_ddp_over_two_ranks_with_nccl(tmp_path):
+    proc = torchrun(2, DDP, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"RANK {rank} sum=3 gathered=[10, 20]" in proc.stdout
+    # One GPU per rank, each charged by its own process only: no rank makes a
+    # context on another rank's GPU (PyTorch asks the driver before it switches).
+    devices = sorted({row[2] for row in rows} for rows in usage(tmp_path / "usage").values())
+    assert devices == [{f"GPU-00000000-0000-0000-0000-00000000000{i}"} for i in (0, 1)]
+
+
+def test_fsdp2_over_four_ranks(tmp_path):
+    proc = torchrun(4, FSDP2, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(4):  # the ranks' lines may interleave
+        assert f"RANK {rank} done" in proc.stdout
+
+
+def test_bad_sizes_and_missing_command_are_clear_errors():
+    proc = fake_cuda(["--gpu-capacity", "12XB"], ["true"])
+    assert proc.returncode == 2
+    assert "'12XB' is not a size" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, str(FAKE_CUDA), "run", "--python", sys.executable],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "nothing to run" in proc.stderr
