@@ -35,7 +35,8 @@ pub use predict::{
     PredictionBasis, PredictionInputs, StateSource,
 };
 pub use profile::{
-    phase_allocator_peaks, PhaseProfile, SteadyPhaseProfile, SteadyProfile, StepProfile,
+    phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds, PhaseProfile,
+    SteadyPhaseProfile, SteadyProfile, StepProfile,
 };
 pub use record::{PredictionCheck, RecordEntry, RecordError, Replayer};
 pub use replay::{

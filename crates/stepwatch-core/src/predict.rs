@@ -29,6 +29,16 @@
 //!   small jump proves nothing — the caching allocator may serve the state
 //!   from blocks freed by backward — so there the state is
 //!   `max(jump, model-facts state)`.
+//! * allocator figures are the lower bounds of [`crate::profile`]: with
+//!   since-start peak counters (what the Python client sends) a phase that
+//!   stayed under an earlier high-water mark is known only to lie between its
+//!   boundary figures and that mark. When the mark was set by step 1's
+//!   forward/backward phases that loses nothing: a later phase under it
+//!   (another micro-batch, the optimizer) peaked at most at a figure a term
+//!   at least as large already holds. A mark set before step 1 (a checkpoint
+//!   loaded onto the GPU) or by its prologue can hide a group's peak;
+//!   `basis_peak_at_most_bytes` is the max over the upper bounds, equal to
+//!   `basis_peak` when nothing is hidden.
 //! * `grads` — only when `grads_set_to_none == Some(false)` (gradients
 //!   persist into step 2's forward): allocated at the end of the first
 //!   backward − allocated at the start of the first forward, else
@@ -91,7 +101,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::identity::{ModelFacts, OptimizerKind, Precision};
 use crate::marker::PhaseKind;
-use crate::profile::{max_opt, phase_allocator_peaks};
+use crate::profile::{max_opt, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds};
 use crate::replay::Step2Replay;
 use crate::timeline::{PhaseRecord, SampleEdges, SampleStats, StepOutcome, StepRecord};
 use crate::tracker::GpuSample;
@@ -263,6 +273,16 @@ pub struct PredictionInputs {
     pub binding: BindingTerm,
     /// The max above, in basis units.
     pub basis_peak_bytes: u64,
+    /// Allocator basis: the most `basis_peak_bytes` can be, from the upper
+    /// bounds of step 1's allocator peaks; equal to it when the counters pin
+    /// it. Since-start peak counters (what `torch.cuda.memory_stats()`
+    /// reports) pin a phase's peak only when it raised the process's
+    /// high-water mark (see [`crate::profile`]); a higher mark set before
+    /// step 1 (a checkpoint loaded onto the GPU, say) can hide how high step
+    /// 1's phases went. None on the NVML basis, while a phase of step 1 is
+    /// still open, or when a counter was reset inside a phase.
+    #[serde(default)]
+    pub basis_peak_at_most_bytes: Option<u64>,
     /// Allocator basis only.
     pub reserved_ratio: Option<f64>,
     /// Allocator reserved peak of step 1, bytes; a floor for the reserved figure.
@@ -398,6 +418,17 @@ pub fn predict_with(
     let opt_peak = max_where(&|_, p| p.phase == PhaseKind::Optimizer);
     let step1_peak = max_where(&|_, _| true).unwrap_or(0);
     let first_peak = first_peak.unwrap_or(0);
+    // How high the same maxima can be, on the allocator basis: the figures
+    // above are lower bounds, which since-start peak counters pin only in
+    // the phases that raise the high-water mark (see `crate::profile`).
+    let bounds_where = |keep: &dyn Fn(usize, &PhaseRecord) -> bool| {
+        phases
+            .iter()
+            .enumerate()
+            .filter(|(i, p)| keep(*i, p))
+            .filter_map(|(_, p)| phase_allocator_peak_bounds(p).map(|(a, _)| a))
+            .reduce(PeakBounds::max)
+    };
 
     // Optimizer state.
     let opt_idx: Vec<usize> = (0..phases.len())
@@ -509,6 +540,28 @@ pub fn predict_with(
             }
         },
     );
+    // The same max over the terms' upper bounds. A group with no figure
+    // (first micro-batch, step 1) counts as unbounded, as above it counts 0.
+    let unbounded = PeakBounds {
+        at_least: 0,
+        at_most: None,
+    };
+    let first_bounds = bounds_where(&|i, p| is_fb(p) && first_group(i)).unwrap_or(unbounded);
+    let term_bounds = [
+        Some(first_bounds.plus(state.saturating_add(grads))),
+        bounds_where(&|i, p| is_fb(p) && !first_group(i)).map(|b| b.plus(state)),
+        bounds_where(&|_, p| p.phase == PhaseKind::Optimizer),
+        Some(bounds_where(&|_, _| true).unwrap_or(unbounded)),
+    ];
+    // NVML samples bound nothing: what happened between them is unseen.
+    let basis_peak_at_most = term_bounds
+        .iter()
+        .flatten()
+        .map(|b| b.at_most)
+        .collect::<Option<Vec<u64>>>()
+        .and_then(|m| m.into_iter().max())
+        .filter(|_| basis == PredictionBasis::Allocator)
+        .map(|m| m.max(basis_peak));
 
     // To device bytes.
     // On the allocator basis the floor is the NVML peak of step 1's closed
@@ -619,6 +672,7 @@ pub fn predict_with(
         grads_source,
         binding,
         basis_peak_bytes: basis_peak,
+        basis_peak_at_most_bytes: basis_peak_at_most,
         reserved_ratio,
         step1_reserved_peak_bytes: step1_reserved_peak,
         cache_at_optimizer_begin_bytes: cache_at_opt,
@@ -759,6 +813,16 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
         ", step-1 peak {}) = {} ({:?})",
         i.step1_peak_bytes, i.basis_peak_bytes, i.binding
     );
+    if let Some(most) = i
+        .basis_peak_at_most_bytes
+        .filter(|&m| m > i.basis_peak_bytes)
+    {
+        let _ = write!(
+            s,
+            ", at most {most}: step 1 stayed under an earlier high-water mark of the \
+             allocator's peak counters, which bound its phases' peaks but do not give them"
+        );
+    }
     if let (Some(ratio), Some(res)) = (i.reserved_ratio, i.predicted_reserved_bytes) {
         match &i.allocator_replay {
             Some(r) => {

@@ -3,46 +3,129 @@
 //!
 //! # Allocator peak of a phase
 //!
-//! Markers carry `torch.cuda.memory_stats()` only at phase boundaries, so the
-//! allocator peak of one phase instance is reconstructed from the figures at
-//! its start and end:
+//! Markers carry `torch.cuda.memory_stats()` only at phase boundaries. Its
+//! peak counters (`allocated_bytes.all.peak`, …) are high-water marks *since
+//! the process started* unless something calls
+//! `torch.cuda.reset_peak_memory_stats()`, which the Python client never
+//! does. So the peak of one phase instance is reconstructed from the figures
+//! at its start and end, as bounds ([`PeakBounds`]):
 //!
 //! * it is at least `max(allocated at start, allocated at end)`;
-//! * when `allocated_peak_bytes` at the end differs from its value at the
-//!   start, the high-water mark moved inside the phase (it rose, or a
-//!   `reset_peak_memory_stats()` inside the phase restarted it), so the end's
-//!   `allocated_peak_bytes` was reached inside this phase and counts too.
+//! * when `allocated_peak_bytes` at the end is above its value at the start,
+//!   the high-water mark rose inside the phase, so the end's
+//!   `allocated_peak_bytes` *is* the phase's peak (exact);
+//! * when the counter did not move, the phase stayed under an earlier
+//!   high-water mark: its peak is at least the boundary figures and at most
+//!   that mark. Since-start counters pin a phase's peak only in the phase that
+//!   raises the mark: in step 1 that is the phase that sets each new maximum,
+//!   and in a steady state usually step 2 alone (steps 3.. repeat it exactly
+//!   and so never move the counter);
+//! * when the counter went down, it was reset inside the phase (or at the
+//!   marker, by a client that resets it at every marker): the end's figure
+//!   counts towards the lower bound, and nothing bounds the peak from above.
+//!   (A reset inside a phase followed by a rise above the old mark reads as
+//!   a rise: the counters cannot tell them apart.)
 //!
-//! When the counter did not move, the phase stayed below an earlier high-water
-//! mark and the figure is the lower bound `max(start, end)`. A phase that is
-//! still open has only its start figure. Reserved memory follows the same rule
-//! with `reserved_bytes` / `reserved_peak_bytes`.
+//! A phase that is still open has only its start figure, and no upper bound.
+//! Reserved memory follows the same rule with `reserved_bytes` /
+//! `reserved_peak_bytes`. The lower bounds are what [`phase_allocator_peaks`]
+//! gives and what the profiles and the prediction use as the figure; the
+//! upper bounds say how far a figure may be off (`*_at_most_bytes`), and fill
+//! in the steady profile (see [`SteadyProfile`]).
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::marker::{AllocatorStats, PhaseKind};
 use crate::timeline::{PhaseRecord, StepOutcome, StepRecord};
 
-/// Allocated and reserved peaks of one phase instance, by the rule in the
-/// module documentation. `None` without allocator figures.
-pub fn phase_allocator_peaks(phase: &PhaseRecord) -> Option<(u64, u64)> {
+/// What allocator counters at phase boundaries say about a peak: it was at
+/// least `at_least` and at most `at_most` (None: nothing bounds it from
+/// above). Exact when the two are equal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeakBounds {
+    /// Lower bound, bytes.
+    pub at_least: u64,
+    /// Upper bound, bytes; None when unbounded (an open phase, a counter
+    /// reset inside the phase, a figure missing at one boundary).
+    pub at_most: Option<u64>,
+}
+
+impl PeakBounds {
+    /// A figure known exactly.
+    pub fn exact(bytes: u64) -> Self {
+        Self {
+            at_least: bytes,
+            at_most: Some(bytes),
+        }
+    }
+
+    /// Whether the bounds pin the figure.
+    pub fn is_exact(&self) -> bool {
+        self.at_most == Some(self.at_least)
+    }
+
+    /// Bounds of the larger of two figures.
+    pub fn max(self, other: Self) -> Self {
+        Self {
+            at_least: self.at_least.max(other.at_least),
+            at_most: self.at_most.zip(other.at_most).map(|(a, b)| a.max(b)),
+        }
+    }
+
+    /// Bounds of the figure plus `bytes` (saturating).
+    pub fn plus(self, bytes: u64) -> Self {
+        Self {
+            at_least: self.at_least.saturating_add(bytes),
+            at_most: self.at_most.map(|m| m.saturating_add(bytes)),
+        }
+    }
+
+    /// Bounds from a figure and its upper bound, as the profiles hold them.
+    fn from_parts(at_least: Option<u64>, at_most: Option<u64>) -> Option<Self> {
+        at_least.map(|at_least| Self { at_least, at_most })
+    }
+}
+
+fn max_bounds(a: Option<PeakBounds>, b: Option<PeakBounds>) -> Option<PeakBounds> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+/// Bounds of the allocated and reserved peaks of one phase instance, by the
+/// rule in the module documentation. `None` without allocator figures.
+pub fn phase_allocator_peak_bounds(phase: &PhaseRecord) -> Option<(PeakBounds, PeakBounds)> {
     let start = phase.allocator_at_start;
     let end = phase.allocator_at_end;
-    let pick = |f: fn(&AllocatorStats) -> u64, peak: fn(&AllocatorStats) -> u64| {
-        let mut v: Option<u64> = None;
-        for s in [start, end].iter().flatten() {
-            v = Some(v.unwrap_or(0).max(f(s)));
-        }
-        if let (Some(s), Some(e)) = (start, end) {
-            if peak(&e) != peak(&s) {
-                v = Some(v.unwrap_or(0).max(peak(&e)));
+    let bounds = |current: fn(&AllocatorStats) -> u64, peak: fn(&AllocatorStats) -> u64| {
+        match (start, end) {
+            (Some(s), Some(e)) => {
+                let boundary = current(&s).max(current(&e));
+                let (p0, p1) = (peak(&s), peak(&e));
+                let at_least = if p1 != p0 { boundary.max(p1) } else { boundary };
+                // Counters below the current figure (a malformed client) are
+                // read as the current figure.
+                let at_most = (p1 >= p0).then_some(p1.max(at_least));
+                Some(PeakBounds { at_least, at_most })
             }
+            (Some(x), None) | (None, Some(x)) => Some(PeakBounds {
+                at_least: current(&x),
+                at_most: None,
+            }),
+            (None, None) => None,
         }
-        v
     };
-    let allocated = pick(|s| s.allocated_bytes, |s| s.allocated_peak_bytes)?;
-    let reserved = pick(|s| s.reserved_bytes, |s| s.reserved_peak_bytes)?;
+    let allocated = bounds(|s| s.allocated_bytes, |s| s.allocated_peak_bytes)?;
+    let reserved = bounds(|s| s.reserved_bytes, |s| s.reserved_peak_bytes)?;
     Some((allocated, reserved))
+}
+
+/// Allocated and reserved peaks of one phase instance: the lower bounds of
+/// [`phase_allocator_peak_bounds`]. `None` without allocator figures.
+pub fn phase_allocator_peaks(phase: &PhaseRecord) -> Option<(u64, u64)> {
+    phase_allocator_peak_bounds(phase).map(|(a, r)| (a.at_least, r.at_least))
 }
 
 /// One phase kind within one step, all its instances (micro-batches) together.
@@ -62,10 +145,28 @@ pub struct PhaseProfile {
     pub nvml_peak_bytes: Option<u64>,
     /// Mean over all their samples (sample-weighted across instances).
     pub nvml_mean_bytes: Option<u64>,
-    /// Highest allocator figures, see [`phase_allocator_peaks`].
+    /// Highest allocated bytes, a lower bound (see [`phase_allocator_peaks`]).
     pub allocated_peak_bytes: Option<u64>,
+    /// The most the allocated peak can have been; equal to
+    /// `allocated_peak_bytes` when the counters pin it, None when nothing
+    /// bounds it (see [`PeakBounds`]).
+    pub allocated_peak_at_most_bytes: Option<u64>,
     /// Highest reserved (caching pool) bytes, by the same rule.
     pub reserved_peak_bytes: Option<u64>,
+    /// The most the reserved peak can have been, by the same rule.
+    pub reserved_peak_at_most_bytes: Option<u64>,
+}
+
+impl PhaseProfile {
+    /// Bounds of the allocated peak; None without allocator figures.
+    pub fn allocated_bounds(&self) -> Option<PeakBounds> {
+        PeakBounds::from_parts(self.allocated_peak_bytes, self.allocated_peak_at_most_bytes)
+    }
+
+    /// Bounds of the reserved peak; None without allocator figures.
+    pub fn reserved_bounds(&self) -> Option<PeakBounds> {
+        PeakBounds::from_parts(self.reserved_peak_bytes, self.reserved_peak_at_most_bytes)
+    }
 }
 
 /// One step, phase kind by phase kind.
@@ -79,10 +180,14 @@ pub struct StepProfile {
     pub duration_ns: Option<u64>,
     /// Highest NVML sample over all phases, bytes.
     pub nvml_peak_bytes: Option<u64>,
-    /// Highest allocated bytes over all phases.
+    /// Highest allocated bytes over all phases, a lower bound.
     pub allocated_peak_bytes: Option<u64>,
-    /// Highest reserved bytes over all phases.
+    /// The most the step's allocated peak can have been (see [`PeakBounds`]).
+    pub allocated_peak_at_most_bytes: Option<u64>,
+    /// Highest reserved bytes over all phases, a lower bound.
     pub reserved_peak_bytes: Option<u64>,
+    /// The most the step's reserved peak can have been.
+    pub reserved_peak_at_most_bytes: Option<u64>,
     /// Micro-batches seen (forward phases).
     pub micro_batches: u32,
     /// The phase kinds present, in step order.
@@ -103,8 +208,11 @@ impl StepProfile {
                 nvml_peak_bytes: None,
                 nvml_mean_bytes: None,
                 allocated_peak_bytes: None,
+                allocated_peak_at_most_bytes: None,
                 reserved_peak_bytes: None,
+                reserved_peak_at_most_bytes: None,
             };
+            let (mut allocated, mut reserved) = (None, None);
             let mut sum: u128 = 0;
             for p in step.phases.iter().filter(|p| p.phase == kind) {
                 prof.count += 1;
@@ -117,27 +225,38 @@ impl StepProfile {
                     sum += p.nvml.sum_bytes;
                     prof.nvml_peak_bytes = max_opt(prof.nvml_peak_bytes, Some(p.nvml.peak_bytes));
                 }
-                if let Some((a, r)) = phase_allocator_peaks(p) {
-                    prof.allocated_peak_bytes = max_opt(prof.allocated_peak_bytes, Some(a));
-                    prof.reserved_peak_bytes = max_opt(prof.reserved_peak_bytes, Some(r));
+                if let Some((a, r)) = phase_allocator_peak_bounds(p) {
+                    allocated = max_bounds(allocated, Some(a));
+                    reserved = max_bounds(reserved, Some(r));
                 }
             }
             if prof.count == 0 {
                 continue;
             }
+            prof.allocated_peak_bytes = allocated.map(|b| b.at_least);
+            prof.allocated_peak_at_most_bytes = allocated.and_then(|b| b.at_most);
+            prof.reserved_peak_bytes = reserved.map(|b| b.at_least);
+            prof.reserved_peak_at_most_bytes = reserved.and_then(|b| b.at_most);
             if prof.nvml_samples > 0 {
                 prof.nvml_mean_bytes = Some((sum / u128::from(prof.nvml_samples)) as u64);
             }
             phases.push(prof);
         }
         let fold = |f: fn(&PhaseProfile) -> Option<u64>| phases.iter().map(f).fold(None, max_opt);
+        let fold_bounds = |f: fn(&PhaseProfile) -> Option<PeakBounds>| {
+            phases.iter().map(f).fold(None, max_bounds)
+        };
+        let allocated = fold_bounds(PhaseProfile::allocated_bounds);
+        let reserved = fold_bounds(PhaseProfile::reserved_bounds);
         StepProfile {
             step: step.step,
             outcome: step.outcome,
             duration_ns: step.duration_ns(),
             nvml_peak_bytes: fold(|p| p.nvml_peak_bytes),
-            allocated_peak_bytes: fold(|p| p.allocated_peak_bytes),
-            reserved_peak_bytes: fold(|p| p.reserved_peak_bytes),
+            allocated_peak_bytes: allocated.map(|b| b.at_least),
+            allocated_peak_at_most_bytes: allocated.and_then(|b| b.at_most),
+            reserved_peak_bytes: reserved.map(|b| b.at_least),
+            reserved_peak_at_most_bytes: reserved.and_then(|b| b.at_most),
             micro_batches: phases
                 .iter()
                 .find(|p| p.phase == PhaseKind::Forward)
@@ -149,6 +268,16 @@ impl StepProfile {
     /// The profile of one phase kind, if the step had it.
     pub fn phase(&self, kind: PhaseKind) -> Option<&PhaseProfile> {
         self.phases.iter().find(|p| p.phase == kind)
+    }
+
+    /// Bounds of the step's allocated peak; None without allocator figures.
+    pub fn allocated_bounds(&self) -> Option<PeakBounds> {
+        PeakBounds::from_parts(self.allocated_peak_bytes, self.allocated_peak_at_most_bytes)
+    }
+
+    /// Bounds of the step's reserved peak; None without allocator figures.
+    pub fn reserved_bounds(&self) -> Option<PeakBounds> {
+        PeakBounds::from_parts(self.reserved_peak_bytes, self.reserved_peak_at_most_bytes)
     }
 }
 
@@ -174,6 +303,39 @@ fn median_of<T>(items: &[T], f: impl Fn(&T) -> Option<u64>) -> Option<u64> {
     median_u64(&mut v)
 }
 
+/// The steady figure of one allocator peak over the steps that have it, and
+/// the most it can be: `(figure, at most)`.
+///
+/// Steady steps repeat one another, and since-start counters pin a figure
+/// only in the step that raised the high-water mark (usually step 2; see the
+/// module documentation). So a step whose counters only bound the figure is
+/// taken at the median of the steps whose counters pin it, as far as its own
+/// bounds allow; without a pinned step, at its lower bound. The figure is
+/// the median of these, and lies between the medians of the lower and upper
+/// bounds; `at most` is the median of the upper bounds (None when a step has
+/// none). With counters that pin every step (a client that resets them at
+/// each marker) this is the plain median.
+fn steady_peak(bounds: &[PeakBounds]) -> (Option<u64>, Option<u64>) {
+    let mut pinned: Vec<u64> = bounds
+        .iter()
+        .filter(|b| b.is_exact())
+        .map(|b| b.at_least)
+        .collect();
+    let reference = median_u64(&mut pinned);
+    let mut figures: Vec<u64> = bounds
+        .iter()
+        .map(|b| match (reference, b.at_most) {
+            (Some(r), Some(most)) => r.min(most).max(b.at_least),
+            _ => b.at_least,
+        })
+        .collect();
+    let mut most: Option<Vec<u64>> = bounds.iter().map(|b| b.at_most).collect();
+    (
+        median_u64(&mut figures),
+        most.as_mut().and_then(|m| median_u64(m)),
+    )
+}
+
 /// One phase kind in the steady state: medians over the steady steps that
 /// had the phase.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -186,14 +348,27 @@ pub struct SteadyPhaseProfile {
     pub nvml_peak_bytes: Option<u64>,
     /// Median of the phase's NVML mean, bytes.
     pub nvml_mean_bytes: Option<u64>,
-    /// Median of the phase's allocated peak, bytes.
+    /// Median of the phase's allocated peak, bytes, with steps whose counters
+    /// only bound it filled in from those that pin it (see [`SteadyProfile`]).
     pub allocated_peak_bytes: Option<u64>,
-    /// Median of the phase's reserved peak, bytes.
+    /// The most that median can be (median of the upper bounds).
+    pub allocated_peak_at_most_bytes: Option<u64>,
+    /// Median of the phase's reserved peak, bytes, by the same rule.
     pub reserved_peak_bytes: Option<u64>,
+    /// The most that median can be.
+    pub reserved_peak_at_most_bytes: Option<u64>,
 }
 
 /// The steady-state profile: the median of each figure over the completed
 /// steps after the first (steps 2..k).
+///
+/// Allocator peaks: since-start counters pin a steady step's peak only when
+/// it raised the process's high-water mark, which in a steady state
+/// usually only step 2 does; the later steps' counters bound their peaks
+/// between their boundary figures and that mark. Each such step is taken at
+/// the median of the steps that pin the figure, within its own bounds
+/// (steady steps repeat one another), or at its lower bound when no step
+/// pins it; `*_at_most_bytes` says how much higher the median can be.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct SteadyProfile {
     /// Step numbers the medians were taken over.
@@ -202,10 +377,14 @@ pub struct SteadyProfile {
     pub duration_ns: Option<u64>,
     /// Median step NVML peak, bytes; what step 1 is compared against.
     pub nvml_peak_bytes: Option<u64>,
-    /// Median step allocated peak, bytes.
+    /// Median step allocated peak, bytes (see above).
     pub allocated_peak_bytes: Option<u64>,
-    /// Median step reserved peak, bytes.
+    /// The most that median can be.
+    pub allocated_peak_at_most_bytes: Option<u64>,
+    /// Median step reserved peak, bytes (see above).
     pub reserved_peak_bytes: Option<u64>,
+    /// The most that median can be.
+    pub reserved_peak_at_most_bytes: Option<u64>,
     /// Per phase kind, in step order.
     pub phases: Vec<SteadyPhaseProfile>,
 }
@@ -217,27 +396,43 @@ impl SteadyProfile {
         if profiles.is_empty() || profiles.len() < min_steps {
             return None;
         }
+        fn peak<T>(
+            items: &[T],
+            f: impl Fn(&T) -> Option<PeakBounds>,
+        ) -> (Option<u64>, Option<u64>) {
+            steady_peak(&items.iter().filter_map(f).collect::<Vec<_>>())
+        }
         let phases = PhaseKind::ALL
             .iter()
             .filter_map(|&kind| {
                 let ps: Vec<&PhaseProfile> =
                     profiles.iter().filter_map(|s| s.phase(kind)).collect();
-                (!ps.is_empty()).then(|| SteadyPhaseProfile {
-                    phase: kind,
-                    duration_ns: median_of(&ps, |p| (!p.open).then_some(p.duration_ns)),
-                    nvml_peak_bytes: median_of(&ps, |p| p.nvml_peak_bytes),
-                    nvml_mean_bytes: median_of(&ps, |p| p.nvml_mean_bytes),
-                    allocated_peak_bytes: median_of(&ps, |p| p.allocated_peak_bytes),
-                    reserved_peak_bytes: median_of(&ps, |p| p.reserved_peak_bytes),
+                (!ps.is_empty()).then(|| {
+                    let allocated = peak(&ps, |p| p.allocated_bounds());
+                    let reserved = peak(&ps, |p| p.reserved_bounds());
+                    SteadyPhaseProfile {
+                        phase: kind,
+                        duration_ns: median_of(&ps, |p| (!p.open).then_some(p.duration_ns)),
+                        nvml_peak_bytes: median_of(&ps, |p| p.nvml_peak_bytes),
+                        nvml_mean_bytes: median_of(&ps, |p| p.nvml_mean_bytes),
+                        allocated_peak_bytes: allocated.0,
+                        allocated_peak_at_most_bytes: allocated.1,
+                        reserved_peak_bytes: reserved.0,
+                        reserved_peak_at_most_bytes: reserved.1,
+                    }
                 })
             })
             .collect();
+        let allocated = peak(profiles, StepProfile::allocated_bounds);
+        let reserved = peak(profiles, StepProfile::reserved_bounds);
         Some(SteadyProfile {
             steps: profiles.iter().map(|p| p.step).collect(),
             duration_ns: median_of(profiles, |p| p.duration_ns),
             nvml_peak_bytes: median_of(profiles, |p| p.nvml_peak_bytes),
-            allocated_peak_bytes: median_of(profiles, |p| p.allocated_peak_bytes),
-            reserved_peak_bytes: median_of(profiles, |p| p.reserved_peak_bytes),
+            allocated_peak_bytes: allocated.0,
+            allocated_peak_at_most_bytes: allocated.1,
+            reserved_peak_bytes: reserved.0,
+            reserved_peak_at_most_bytes: reserved.1,
             phases,
         })
     }
@@ -284,29 +479,76 @@ mod tests {
         }
     }
 
+    fn allocated(p: &PhaseRecord) -> Option<PeakBounds> {
+        phase_allocator_peak_bounds(p).map(|(a, _)| a)
+    }
+
+    fn bounds(at_least: u64, at_most: Option<u64>) -> PeakBounds {
+        PeakBounds { at_least, at_most }
+    }
+
     #[test]
     fn a_rising_high_water_mark_is_this_phases_peak() {
         let p = phase(Some(stats(100, 150)), Some(stats(120, 400)));
         assert_eq!(phase_allocator_peaks(&p), Some((400, 800)));
+        assert_eq!(allocated(&p), Some(PeakBounds::exact(400)));
     }
 
     #[test]
-    fn an_unmoved_high_water_mark_leaves_the_boundary_figures() {
+    fn an_unmoved_high_water_mark_bounds_the_peak() {
         let p = phase(Some(stats(100, 900)), Some(stats(120, 900)));
         assert_eq!(phase_allocator_peaks(&p), Some((120, 240)));
+        assert_eq!(allocated(&p), Some(bounds(120, Some(900))));
+        // At the mark at a boundary, the bounds meet.
+        let p = phase(Some(stats(900, 900)), Some(stats(120, 900)));
+        assert_eq!(allocated(&p), Some(PeakBounds::exact(900)));
     }
 
     #[test]
-    fn a_reset_inside_the_phase_counts_as_moved() {
+    fn a_reset_inside_the_phase_counts_but_leaves_no_upper_bound() {
         let p = phase(Some(stats(100, 900)), Some(stats(120, 300)));
         assert_eq!(phase_allocator_peaks(&p), Some((300, 600)));
+        assert_eq!(allocated(&p), Some(bounds(300, None)));
     }
 
     #[test]
     fn an_open_phase_has_its_start_figures() {
         let p = phase(Some(stats(100, 900)), None);
         assert_eq!(phase_allocator_peaks(&p), Some((100, 200)));
+        assert_eq!(allocated(&p), Some(bounds(100, None)));
         assert_eq!(phase_allocator_peaks(&phase(None, None)), None);
+    }
+
+    #[test]
+    fn bounds_combine_as_their_max_and_sum() {
+        let a = bounds(10, Some(50));
+        assert_eq!(a.max(bounds(30, Some(40))), bounds(30, Some(50)));
+        assert_eq!(a.max(bounds(5, None)), bounds(10, None));
+        assert_eq!(a.plus(7), bounds(17, Some(57)));
+        assert!(!a.is_exact() && PeakBounds::exact(3).is_exact());
+    }
+
+    #[test]
+    fn steady_steps_bounded_by_the_mark_take_the_steps_that_pin_it() {
+        // Step 2 raised the mark to 500 (pinned); steps 3-5 repeat it under
+        // the mark, their boundary figures 400.
+        let steps = [
+            PeakBounds::exact(500),
+            bounds(400, Some(500)),
+            bounds(400, Some(500)),
+            bounds(400, Some(500)),
+        ];
+        assert_eq!(steady_peak(&steps), (Some(500), Some(500)));
+        // Within each step's own bounds: a step that cannot reach 500.
+        let steps = [PeakBounds::exact(500), bounds(400, Some(450))];
+        assert_eq!(steady_peak(&steps), (Some(475), Some(475)));
+        // No step pins it: the lower bounds, and how far above they may be.
+        let steps = [bounds(400, Some(900)), bounds(410, Some(900))];
+        assert_eq!(steady_peak(&steps), (Some(405), Some(900)));
+        // Unbounded steps keep their lower bound; the median has no upper one.
+        let steps = [PeakBounds::exact(500), bounds(300, None), bounds(300, None)];
+        assert_eq!(steady_peak(&steps), (Some(300), None));
+        assert_eq!(steady_peak(&[]), (None, None));
     }
 
     #[test]

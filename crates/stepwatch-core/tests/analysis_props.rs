@@ -1,6 +1,10 @@
 //! Property tests: the step-1 prediction (and the whole rank analysis) does
-//! not depend on the arrival order of samples versus markers; divergence does
-//! not depend on rank order and is 0 when all ranks are equal.
+//! not depend on the arrival order of samples versus markers; the allocator
+//! peaks it reads are bounded soundly whether the client leaves the peak
+//! counters running since process start (the Python client) or resets them at
+//! every marker, and give the same prediction whenever step 1's forward and
+//! backward raise the high-water mark; divergence does not depend on rank
+//! order and is 0 when all ranks are equal.
 
 use std::collections::VecDeque;
 
@@ -72,6 +76,139 @@ fn markers(steps: u64, micro: u32, gaps: &[u64], levels: &[u64], with_alloc: boo
         push(StepEnd, step, 0);
     }
     out
+}
+
+/// A rank's allocator history: `levels[k]` is the allocated bytes at marker
+/// `k`, `peaks[k]` the true peak between markers `k` and `k + 1` (a phase, or
+/// the gap between one step's end and the next one's begin), and `before`
+/// the process's high-water mark when the first marker is taken.
+struct History {
+    kinds: Vec<(MarkerKind, u64, u32)>,
+    levels: Vec<u64>,
+    peaks: Vec<u64>,
+    before: u64,
+}
+
+/// Marker kinds of `steps` steps with `micro` forward/backward pairs; levels
+/// and in-phase excursions drawn from `levels` and `extras`. With `repeat`,
+/// steps 3.. do exactly what step 2 did, and steps 2.. end at the level they
+/// began (a steady state); without, consecutive peaks differ, so counters
+/// reset at every marker pin each phase's peak.
+fn history(
+    steps: u64,
+    micro: u32,
+    levels: &[u64],
+    extras: &[u64],
+    before_extra: u64,
+    repeat: bool,
+) -> History {
+    use MarkerKind::*;
+    let mut kinds = Vec::new();
+    for step in 1..=steps {
+        kinds.push((StepBegin, step, 0));
+        for mb in 0..micro {
+            kinds.push((ForwardBegin, step, mb));
+            kinds.push((BackwardBegin, step, mb));
+        }
+        kinds.push((OptimizerBegin, step, 0));
+        kinds.push((OptimizerEnd, step, 0));
+        kinds.push((StepEnd, step, 0));
+    }
+    let per_step = kinds.len() / steps as usize;
+    // Index into the drawn figures: steps 3.. reuse step 2's with `repeat`.
+    let draw = |k: usize| {
+        if repeat && k >= 2 * per_step {
+            per_step + k % per_step
+        } else {
+            k
+        }
+    };
+    let mut lv: Vec<u64> = Vec::new();
+    for (k, &(kind, step, _)) in kinds.iter().enumerate() {
+        let level = match (kind, lv.last()) {
+            // The gap between steps allocates nothing.
+            (StepBegin, Some(&prev)) => prev,
+            (StepEnd, _) if repeat && step >= 2 => lv[per_step - 1],
+            _ => levels[draw(k) % levels.len()],
+        };
+        lv.push(level);
+    }
+    let mut peaks: Vec<u64> = Vec::new();
+    let before = lv[0] + before_extra;
+    for k in 0..lv.len() - 1 {
+        let gap = kinds[k + 1].0 == StepBegin;
+        let extra = if gap {
+            0
+        } else {
+            extras[draw(k) % extras.len()]
+        };
+        let mut peak = lv[k].max(lv[k + 1]) + extra;
+        if !repeat && peak == peaks.last().copied().unwrap_or(before) {
+            peak += 1;
+        }
+        peaks.push(peak);
+    }
+    History {
+        kinds,
+        levels: lv,
+        peaks,
+        before,
+    }
+}
+
+impl History {
+    /// The markers a client sends, with the peak counters running since
+    /// process start or reset at every marker.
+    fn markers(&self, since_start: bool) -> Vec<Marker> {
+        let mut high = self.before;
+        let mut reserved = self.before;
+        (0..self.kinds.len())
+            .map(|k| {
+                let (kind, step, mb) = self.kinds[k];
+                let peak = match k.checked_sub(1).map(|j| self.peaks[j]) {
+                    None => self.before,
+                    Some(p) if since_start => {
+                        high = high.max(p);
+                        high
+                    }
+                    Some(p) => p,
+                };
+                // The cache never shrinks: reserved counters read the same
+                // either way.
+                reserved = reserved.max(peak + peak / 8);
+                Marker {
+                    kind,
+                    step,
+                    monotonic_ns: 1_000 + 100 * k as u64,
+                    wall_ns: 1_000 + 100 * k as u64,
+                    micro_batch: mb,
+                    allocator: Some(AllocatorStats {
+                        allocated_bytes: self.levels[k],
+                        allocated_peak_bytes: peak,
+                        reserved_bytes: reserved,
+                        reserved_peak_bytes: reserved,
+                        ..Default::default()
+                    }),
+                }
+            })
+            .collect()
+    }
+
+    /// True peak of each step (its phases, not the gap before it).
+    fn step_peaks(&self) -> Vec<u64> {
+        let mut out: Vec<u64> = Vec::new();
+        for k in 0..self.peaks.len() {
+            let (kind, step, _) = self.kinds[k];
+            if kind == MarkerKind::StepEnd {
+                continue;
+            }
+            if out.len() < step as usize {
+                out.push(0);
+            }
+            out[step as usize - 1] = out[step as usize - 1].max(self.peaks[k]);
+        }
+        out
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -182,6 +319,94 @@ proptest! {
                 prop_assert_eq!(h, 80_000_000 - p.predicted_peak_bytes as i64);
                 prop_assert_eq!(p.oom_risk, h < 0);
             }
+        }
+    }
+
+    #[test]
+    fn since_start_peak_counters_bound_the_peaks_and_give_the_same_prediction(
+        micro in 1u32..4,
+        levels in prop::collection::vec(1_000u64..50_000_000, 2..16),
+        extras in prop::collection::vec(0u64..20_000_000, 1..16),
+        before_extra in prop_oneof![Just(0u64), 0u64..60_000_000],
+        capacity in 10_000_000u64..120_000_000,
+        facts in facts_strategy(),
+    ) {
+        let h = history(1, micro, &levels, &extras, before_extra, false);
+        let sample = GpuSample { monotonic_ns: 900, used_bytes: h.before, total_bytes: capacity };
+        let run = |since_start: bool| {
+            analyse(&facts, &[
+                Event::Samples(vec![sample]),
+                Event::Markers(h.markers(since_start)),
+            ])
+        };
+        let (since, reset) = (run(true), run(false));
+        // Each phase's true peak lies within the since-start bounds.
+        let first = since.first_step.as_ref().unwrap();
+        for kind in PhaseKind::ALL {
+            let truth = (0..h.peaks.len())
+                .filter(|&k| h.kinds[k].0.opens() == Some(kind))
+                .map(|k| h.peaks[k])
+                .max();
+            let Some(truth) = truth else { continue };
+            let b = first.phase(kind).unwrap().allocated_bounds().unwrap();
+            prop_assert!(b.at_least <= truth, "{:?}: {:?} vs {}", kind, b, truth);
+            prop_assert!(b.at_most.is_none_or(|m| truth <= m), "{:?}: {:?} vs {}", kind, b, truth);
+        }
+        // Counters reset at every marker pin every peak: the prediction from
+        // them is the true one, and since-start counters bound it.
+        let (p, q) = (reset.prediction.unwrap(), since.prediction.unwrap());
+        prop_assert!(q.inputs.basis_peak_bytes <= p.inputs.basis_peak_bytes);
+        let most = q.inputs.basis_peak_at_most_bytes.unwrap();
+        prop_assert!(p.inputs.basis_peak_bytes <= most);
+        // When step 1's first forward/backward peaks above every mark set
+        // before it (before the step, or by its prologue), nothing is hidden.
+        let first_group = h.peaks[1].max(h.peaks[2]);
+        let tight = most == q.inputs.basis_peak_bytes;
+        if first_group > h.before.max(h.peaks[0]) {
+            prop_assert!(tight, "{}", q.explanation);
+        }
+        if tight {
+            prop_assert_eq!(q.inputs.basis_peak_bytes, p.inputs.basis_peak_bytes);
+            prop_assert_eq!(q.predicted_peak_bytes, p.predicted_peak_bytes);
+            prop_assert_eq!(q.headroom_bytes, p.headroom_bytes);
+            prop_assert_eq!((q.oom_risk, q.low_headroom), (p.oom_risk, p.low_headroom));
+        } else {
+            prop_assert!(q.explanation.contains(&format!("at most {most}")), "{}", q.explanation);
+        }
+    }
+
+    #[test]
+    fn since_start_peak_counters_give_the_steady_peak_of_repeated_steps(
+        steps in 3u64..7,
+        micro in 1u32..3,
+        levels in prop::collection::vec(1_000u64..50_000_000, 2..16),
+        extras in prop::collection::vec(0u64..20_000_000, 1..16),
+        before_extra in prop_oneof![Just(0u64), 0u64..60_000_000],
+    ) {
+        let h = history(steps, micro, &levels, &extras, before_extra, true);
+        let since = analyse(&ModelFacts::default(), &[Event::Markers(h.markers(true))]);
+        let s = since.steady.unwrap();
+        let peaks = h.step_peaks();
+        // Steps 2.. repeat, so the true steady peak is step 2's. Since-start
+        // counters bound it, and give it when step 2 raised the process's
+        // high-water mark (the optimizer state of step 1 on top of step 1's
+        // activations, say).
+        prop_assert!(peaks[1..].iter().all(|&p| p == peaks[1]));
+        let most = s.allocated_peak_at_most_bytes.unwrap();
+        let figure = s.allocated_peak_bytes.unwrap();
+        prop_assert!(peaks[1] <= most && figure <= most);
+        if peaks[1] > h.before.max(peaks[0]) {
+            prop_assert_eq!((figure, most), (peaks[1], peaks[1]));
+        }
+        // Per phase kind, the true peak is within the bounds too.
+        for sp in &s.phases {
+            let truth = (0..h.peaks.len())
+                .filter(|&k| h.kinds[k].1 == 2 && h.kinds[k].0.opens() == Some(sp.phase))
+                .map(|k| h.peaks[k])
+                .max()
+                .unwrap();
+            prop_assert!(truth <= sp.allocated_peak_at_most_bytes.unwrap());
+            prop_assert!(sp.allocated_peak_bytes.unwrap() <= sp.allocated_peak_at_most_bytes.unwrap());
         }
     }
 

@@ -139,6 +139,11 @@ fn adam_lazy_state_measured_across_the_optimizer_phase() {
         (i.basis_peak_bytes, i.binding),
         (6800 * M, BindingTerm::FirstMicroBatch)
     );
+    // The peak counters run since process start: the optimizer phase stayed
+    // under backward's 6000, so its own peak is only known to lie in
+    // 2200..=6000, which cannot raise the max. Nothing is hidden.
+    assert_eq!(i.basis_peak_at_most_bytes, Some(6800 * M));
+    assert!(!p.explanation.contains("at most"), "{}", p.explanation);
     // reserved/allocated = 7500 / 6000 = 1.25 → 8500, + allowance 50.
     assert_eq!(i.reserved_ratio, Some(1.25));
     assert_eq!(i.cache_at_optimizer_begin_bytes, Some(6100 * M));
@@ -213,6 +218,48 @@ fn adam_state_from_model_facts_while_backward_runs() {
     // max(6250 + 500, the closed phases' NVML peak 3500).
     assert_eq!(p.inputs.predicted_reserved_bytes, Some(6250 * M));
     assert_eq!(p.predicted_peak_bytes, 6750 * M);
+}
+
+/// A checkpoint loaded onto the GPU before step 1 left the since-start peak
+/// counter at 9000: step 1's forward and backward never raise it, so their
+/// peaks are known only to lie between their boundary figures and 9000.
+#[test]
+fn a_high_water_mark_from_before_step_one_bounds_what_it_hides() {
+    use MarkerKind::*;
+    let markers = vec![
+        marker(StepBegin, 1, 100, 0, Some((1000, 9000, 1200))),
+        marker(ForwardBegin, 1, 200, 0, Some((1000, 9000, 1200))),
+        marker(BackwardBegin, 1, 300, 0, Some((5000, 9000, 6250))),
+        marker(OptimizerBegin, 1, 400, 0, Some((1400, 9000, 7500))),
+        marker(OptimizerEnd, 1, 500, 0, Some((2200, 9000, 7500))),
+        marker(StepEnd, 1, 600, 0, Some((2200, 9000, 7500))),
+    ];
+    let p = run(ModelFacts::default(), &markers, &BASE_SAMPLES, 10_000);
+    let i = &p.inputs;
+    // The boundary figures: forward and backward at least 5000, + state 800.
+    assert_eq!(i.first_micro_batch_peak_bytes, 5000 * M);
+    assert_eq!(i.state_bytes, 800 * M);
+    assert_eq!(i.basis_peak_bytes, 5800 * M);
+    // At most the old mark, + state.
+    assert_eq!(i.basis_peak_at_most_bytes, Some(9800 * M));
+    assert!(
+        p.explanation.contains(&format!("at most {}", 9800 * M)),
+        "{}",
+        p.explanation
+    );
+    // Same figures with the counters reset at every marker: each phase's
+    // own peak is pinned, 6000 in backward, and nothing is hidden.
+    let reset = vec![
+        marker(StepBegin, 1, 100, 0, Some((1000, 9000, 1200))),
+        marker(ForwardBegin, 1, 200, 0, Some((1000, 1000, 1200))),
+        marker(BackwardBegin, 1, 300, 0, Some((5000, 5000, 6250))),
+        marker(OptimizerBegin, 1, 400, 0, Some((1400, 6000, 7500))),
+        marker(OptimizerEnd, 1, 500, 0, Some((2200, 2200, 7500))),
+        marker(StepEnd, 1, 600, 0, Some((2200, 2200, 7500))),
+    ];
+    let r = run(ModelFacts::default(), &reset, &BASE_SAMPLES, 10_000);
+    assert_eq!(r.inputs.basis_peak_bytes, 6800 * M);
+    assert!(r.inputs.basis_peak_bytes <= i.basis_peak_at_most_bytes.unwrap());
 }
 
 fn no_jump_markers() -> Vec<Marker> {
