@@ -28,7 +28,9 @@
 //!   cannot record the allocator's history).
 //!
 //! Nothing of the simulator's internals reaches the tracker: only markers
-//! (with allocator figures), device samples, process lists, model facts and
+//! (with allocator figures, their peak counters running since the process
+//! started, as the Python client sends them; [`evaluate_as`] can reset them
+//! at every marker instead), device samples, process lists, model facts and
 //! the allocator trace a client would record.
 
 use std::fmt::Write as _;
@@ -38,7 +40,7 @@ use stepwatch_core::{
     RankInfo, RankKey, StateSource, Tracker, TrackerConfig,
 };
 
-use crate::rank::{RankSim, SimEvent, SimOutcome};
+use crate::rank::{PeakMode, RankSim, SimEvent, SimOutcome};
 use crate::scenario::{builtin_scenarios, OutcomeKind, Scenario, ScenarioError};
 use crate::simulate_shared;
 
@@ -149,12 +151,20 @@ pub fn evaluate_all() -> Vec<AccuracyRow> {
 
 /// [`evaluate_all`], with or without the step-1 allocator trace.
 pub fn evaluate_all_with(allocator_trace: bool) -> Vec<AccuracyRow> {
+    evaluate_all_as(allocator_trace, PeakMode::default())
+}
+
+/// [`evaluate_all_with`], with the markers' peak counters measured as
+/// `peak_mode` says (the default, [`PeakMode::SinceStart`], is what the
+/// Python client sends).
+pub fn evaluate_all_as(allocator_trace: bool, peak_mode: PeakMode) -> Vec<AccuracyRow> {
     let all = builtin_scenarios().expect("built-in scenarios parse");
     let mut rows = Vec::new();
     for s in &all {
         for rank in ranks_to_evaluate(s) {
             rows.push(
-                evaluate_with(s, rank, &all, allocator_trace).expect("built-in scenario simulates"),
+                evaluate_as(s, rank, &all, allocator_trace, peak_mode)
+                    .expect("built-in scenario simulates"),
             );
         }
     }
@@ -190,6 +200,7 @@ fn gpu_sims(
     all: &[Scenario],
     capacity_factor: u64,
     allocator_trace: bool,
+    peak_mode: PeakMode,
 ) -> Result<Vec<RankSim>, ScenarioError> {
     let raise = |sc: &Scenario| {
         let mut sc = sc.clone();
@@ -198,6 +209,7 @@ fn gpu_sims(
     };
     let mut sims = vec![RankSim::new(&raise(s), rank)?];
     sims[0].set_allocator_trace(allocator_trace);
+    sims[0].set_peak_mode(peak_mode);
     if let Some(other) = s.colocated_with.as_deref().filter(|_| rank == 0) {
         let o = all
             .iter()
@@ -208,6 +220,7 @@ fn gpu_sims(
             })?;
         let mut other = RankSim::new(&raise(o), 0)?;
         other.set_allocator_trace(allocator_trace);
+        other.set_peak_mode(peak_mode);
         sims.push(other);
     }
     Ok(sims)
@@ -476,10 +489,22 @@ pub fn evaluate_with(
     all: &[Scenario],
     allocator_trace: bool,
 ) -> Result<AccuracyRow, ScenarioError> {
+    evaluate_as(s, rank, all, allocator_trace, PeakMode::default())
+}
+
+/// [`evaluate_with`], with the markers' peak counters measured as
+/// `peak_mode` says.
+pub fn evaluate_as(
+    s: &Scenario,
+    rank: u32,
+    all: &[Scenario],
+    allocator_trace: bool,
+    peak_mode: PeakMode,
+) -> Result<AccuracyRow, ScenarioError> {
     let capacity = s.gpu.capacity_bytes;
     let base = s.gpu.other_process_bytes;
 
-    let mut real = gpu_sims(s, rank, all, 1, allocator_trace)?;
+    let mut real = gpu_sims(s, rank, all, 1, allocator_trace, peak_mode)?;
     let real_events = run_sims(&mut real);
     let outcome = real[0].report().outcome;
     let seen = replay(s, &real, &real_events);
@@ -492,7 +517,14 @@ pub fn evaluate_with(
             steady_device_peak(&real_events[0], &timeline),
         )
     } else {
-        let mut raised = gpu_sims(s, rank, all, RAISED_CAPACITY_FACTOR, allocator_trace)?;
+        let mut raised = gpu_sims(
+            s,
+            rank,
+            all,
+            RAISED_CAPACITY_FACTOR,
+            allocator_trace,
+            peak_mode,
+        )?;
         let raised_events = run_sims(&mut raised);
         let timeline = device_timeline(&raised_events, base);
         (

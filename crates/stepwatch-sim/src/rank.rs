@@ -60,10 +60,12 @@ impl SimEvent {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum PeakMode {
     /// Peaks are reset after every marker (`torch.cuda.reset_peak_memory_stats`),
-    /// so a marker's peaks are those of the phase it closes.
-    #[default]
+    /// so a marker's peaks are those of the phase it closes. No shipped
+    /// client sends these: kept to check that the step model reads both.
     PerPhase,
-    /// Peaks since the process started, as `memory_stats()` reports by default.
+    /// Peaks since the process started, as `memory_stats()` reports by
+    /// default and the Python client sends them (it never resets them).
+    #[default]
     SinceStart,
 }
 
@@ -390,7 +392,8 @@ impl RankSim {
         self
     }
 
-    /// Chooses how marker peaks are measured, to exercise both client setups.
+    /// Chooses how marker peaks are measured (default
+    /// [`PeakMode::SinceStart`], as the Python client sends them).
     pub fn set_peak_mode(&mut self, mode: PeakMode) {
         self.peak_mode = mode;
     }

@@ -10,12 +10,18 @@
 //! the model's fidelity to PyTorch); the markers-only one (a client that
 //! cannot record the trace) must still warn in time and raise no false
 //! alarms, with the median target.
+//!
+//! Both send allocator peak counters running since process start, as the
+//! Python client does (it never resets them); a client that reset them at
+//! every marker would get the same predictions.
 
 use std::sync::OnceLock;
 
 use stepwatch_core::AdvisoryKind;
-use stepwatch_sim::accuracy::{evaluate_all_with, render_table, summarize, AccuracyRow};
-use stepwatch_sim::OutcomeKind;
+use stepwatch_sim::accuracy::{
+    evaluate_all_as, evaluate_all_with, render_table, summarize, AccuracyRow,
+};
+use stepwatch_sim::{OutcomeKind, PeakMode};
 
 fn rows() -> &'static [AccuracyRow] {
     static ROWS: OnceLock<Vec<AccuracyRow>> = OnceLock::new();
@@ -164,4 +170,29 @@ fn no_rank_that_fits_is_told_it_will_run_out() {
         }
     }
     assert!(rows().iter().any(|r| r.scenario == "zero-sharded-retry"));
+}
+
+#[test]
+fn predictions_do_not_depend_on_whether_the_client_resets_peak_counters() {
+    // Since-start counters pin a phase's peak only where it raises the
+    // process's high-water mark; in every scenario step 1's forward and
+    // backward do, so nothing the prediction needs is hidden, and a client
+    // that reset the counters at every marker would be told the same.
+    for (trace, since_start) in [(true, rows()), (false, markers_only_rows())] {
+        let per_phase = evaluate_all_as(trace, PeakMode::PerPhase);
+        assert_eq!(per_phase.len(), since_start.len());
+        for (a, b) in since_start.iter().zip(&per_phase) {
+            let ctx = format!("{}/{} (trace: {trace})", a.scenario, a.rank);
+            assert_eq!(
+                (a.predicted_peak_bytes, a.warned, a.oom_warned_before_step2),
+                (b.predicted_peak_bytes, b.warned, b.oom_warned_before_step2),
+                "{ctx}\n{}\n{}",
+                render_table(since_start),
+                render_table(&per_phase)
+            );
+            assert_eq!(a.actual_peak_bytes, b.actual_peak_bytes, "{ctx}");
+            let explanation = a.explanation.as_deref().unwrap_or_default();
+            assert!(!explanation.contains(", at most"), "{ctx}: {explanation}");
+        }
+    }
 }

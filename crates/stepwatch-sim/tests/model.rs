@@ -372,10 +372,14 @@ fn timing_follows_the_scenario_and_start() {
 #[test]
 fn peak_modes() {
     let s = scenario("adam-fits");
-    let per_phase = simulate(&s, 0).unwrap();
+    let mut sim = RankSim::new(&s, 0).unwrap();
+    sim.set_peak_mode(PeakMode::PerPhase);
+    let per_phase = sim.run_to_end();
+    // Since-start counters, as the Python client sends them, by default.
+    let since_start = simulate(&s, 0).unwrap();
     let mut sim = RankSim::new(&s, 0).unwrap();
     sim.set_peak_mode(PeakMode::SinceStart);
-    let since_start = sim.run_to_end();
+    assert_eq!(sim.run_to_end(), since_start);
     // A per-phase peak at BackwardBegin is the forward's peak; since-start
     // peaks never decrease.
     let fwd_peak = marker(&per_phase, 2, BackwardBegin)
