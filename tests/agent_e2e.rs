@@ -409,3 +409,61 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
         Some(0.0)
     );
 }
+
+#[test]
+fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
+    use common::wire::*;
+    use stepwatch_proto::v1::AllocatorStats;
+
+    const MIB: u64 = 1 << 20;
+    // A process that holds a CUDA context and 1 GiB of allocator cache,
+    // before its client has said hello (clients connect in the background
+    // while training starts).
+    let agent = Agent::start("early-markers", 1);
+    agent.fake.set_process_memory(0, 4242, 1536 * MIB).unwrap();
+    let used = (1536 * MIB) as f64;
+    agent.wait_metrics(
+        "the sampler sees the process",
+        Duration::from_secs(20),
+        |m| m.get("stepwatch_gpu_memory_used_bytes", &[("gpu", "0")]) == Some(used),
+    );
+    // Step 1 begins now, so the samples just taken are the ones before it.
+    let t0 = stepwatch_proto::clock::monotonic_ns();
+    // The hello comes late: a quarter of a second of samples (and the agent's
+    // drains of them, every 100 ms) go by first.
+    let samples = |m: &Metrics| m.get("stepwatch_gpu_samples_total", &[("gpu", "0")]);
+    let before = samples(&Metrics(agent.metrics())).unwrap();
+    agent.wait_metrics("25 more samples", Duration::from_secs(20), |m| {
+        samples(m).is_some_and(|n| n >= before + 25.0)
+    });
+    let stats = AllocatorStats {
+        allocated_bytes: 900 * MIB,
+        allocated_peak_bytes: 900 * MIB,
+        reserved_bytes: 1024 * MIB,
+        reserved_peak_bytes: 1024 * MIB,
+        active_bytes: 900 * MIB,
+        active_peak_bytes: 900 * MIB,
+        num_alloc_retries: 0,
+    };
+    let markers: Vec<_> = step(1, t0)
+        .into_iter()
+        .chain(step(2, t0 + 10_000))
+        .map(|mut m| {
+            m.allocator = Some(stats);
+            m
+        })
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(exchange(
+        &agent.endpoint(),
+        vec![hello("early", 0, 1), batch(markers)],
+    ))
+    .expect("a well-formed stream");
+
+    let (_, body) = agent.get("/api/v1/jobs/early/ranks/0");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let inputs = &report["prediction_before_step2"]["inputs"];
+    // The sample before step 1 began bounds NVML's view beyond the allocator:
+    // the 512 MiB outside its 1 GiB of cache.
+    assert_eq!(inputs["overhead_bytes"], 512 * MIB, "{body}");
+}

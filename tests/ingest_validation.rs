@@ -5,76 +5,13 @@ mod common;
 
 use std::time::Duration;
 
+use common::wire::*;
 use common::*;
 use stepwatch_proto::v1::{
-    client_message::Kind, ingest_client::IngestClient, AllocatorAction, AllocatorBlock,
-    AllocatorEvent, AllocatorSegment, AllocatorTraceChunk, ClientMessage, Hello, Identity, Marker,
-    MarkerBatch, MarkerKind,
+    client_message::Kind, AllocatorAction, AllocatorBlock, AllocatorEvent, AllocatorSegment,
+    AllocatorTraceChunk, ClientMessage, Marker, MarkerKind,
 };
 use tonic::Code;
-
-fn hello(job: &str, rank: u32, world: u32) -> ClientMessage {
-    ClientMessage {
-        kind: Some(Kind::Hello(Hello {
-            identity: Some(Identity {
-                job_id: job.into(),
-                rank,
-                world_size: world,
-                ..Default::default()
-            }),
-            gpu_uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
-            pid: 1,
-            ..Default::default()
-        })),
-    }
-}
-
-fn marker(kind: MarkerKind, step: u64, t: u64) -> Marker {
-    Marker {
-        kind: kind as i32,
-        step,
-        monotonic_ns: t,
-        wall_ns: t,
-        ..Default::default()
-    }
-}
-
-fn batch(markers: Vec<Marker>) -> ClientMessage {
-    ClientMessage {
-        kind: Some(Kind::Markers(MarkerBatch { markers })),
-    }
-}
-
-fn step(n: u64, t0: u64) -> Vec<Marker> {
-    [
-        MarkerKind::StepBegin,
-        MarkerKind::ForwardBegin,
-        MarkerKind::BackwardBegin,
-        MarkerKind::OptimizerBegin,
-        MarkerKind::OptimizerEnd,
-        MarkerKind::StepEnd,
-    ]
-    .iter()
-    .enumerate()
-    .map(|(i, k)| marker(*k, n, t0 + i as u64 * 1000))
-    .collect()
-}
-
-/// Sends `messages` on one stream, then half-closes; returns how it ended.
-async fn exchange(endpoint: &str, messages: Vec<ClientMessage>) -> Result<(), tonic::Status> {
-    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
-        .unwrap()
-        .connect()
-        .await
-        .expect("connect to the agent");
-    let mut client = IngestClient::new(channel);
-    let mut inbound = client
-        .stream(tokio_stream::iter(messages))
-        .await?
-        .into_inner();
-    while inbound.message().await?.is_some() {}
-    Ok(())
-}
 
 fn expect(result: Result<(), tonic::Status>, code: Code, says: &str) {
     let status = result.expect_err("the agent should refuse this");

@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use fake_nvml::{FakeNvml, GpuSpec};
 
+pub mod wire;
+
 pub const BIN: &str = env!("CARGO_BIN_EXE_stepwatch");
 
 /// A temp dir removed on drop.

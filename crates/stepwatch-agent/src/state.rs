@@ -347,16 +347,17 @@ impl AgentState {
 }
 
 impl AgentState {
-    /// Samples of GPUs no rank runs on are dropped: no phase can ever claim them.
+    /// Every GPU's samples go to the tracker's bounded window, also while no
+    /// rank runs there: a client connects in the background while training
+    /// starts, so step 1's first markers (timestamped by the client) often
+    /// reach the agent after samples taken during them, and the sample just
+    /// before step 1 began is what bounds the overhead beyond the allocator.
     fn feed_samples(
         &self,
         tracker: &mut Tracker,
         drained: Vec<(String, Vec<stepwatch_gpu::Sample>)>,
     ) {
         for (uuid, samples) in drained {
-            if !tracker.ranks().any(|(_, r)| r.info.gpu_uuid == uuid) {
-                continue;
-            }
             let converted: Vec<stepwatch_core::GpuSample> = samples
                 .iter()
                 .map(|s| stepwatch_core::GpuSample {

@@ -1,0 +1,69 @@
+//! Raw wire messages for tests that speak the protocol directly (no client).
+
+use stepwatch_proto::v1::{
+    client_message::Kind, ingest_client::IngestClient, ClientMessage, Hello, Identity, Marker,
+    MarkerBatch, MarkerKind,
+};
+
+pub fn hello(job: &str, rank: u32, world: u32) -> ClientMessage {
+    ClientMessage {
+        kind: Some(Kind::Hello(Hello {
+            identity: Some(Identity {
+                job_id: job.into(),
+                rank,
+                world_size: world,
+                ..Default::default()
+            }),
+            gpu_uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
+            pid: 1,
+            ..Default::default()
+        })),
+    }
+}
+
+pub fn marker(kind: MarkerKind, step: u64, t: u64) -> Marker {
+    Marker {
+        kind: kind as i32,
+        step,
+        monotonic_ns: t,
+        wall_ns: t,
+        ..Default::default()
+    }
+}
+
+pub fn batch(markers: Vec<Marker>) -> ClientMessage {
+    ClientMessage {
+        kind: Some(Kind::Markers(MarkerBatch { markers })),
+    }
+}
+
+pub fn step(n: u64, t0: u64) -> Vec<Marker> {
+    [
+        MarkerKind::StepBegin,
+        MarkerKind::ForwardBegin,
+        MarkerKind::BackwardBegin,
+        MarkerKind::OptimizerBegin,
+        MarkerKind::OptimizerEnd,
+        MarkerKind::StepEnd,
+    ]
+    .iter()
+    .enumerate()
+    .map(|(i, k)| marker(*k, n, t0 + i as u64 * 1000))
+    .collect()
+}
+
+/// Sends `messages` on one stream, then half-closes; returns how it ended.
+pub async fn exchange(endpoint: &str, messages: Vec<ClientMessage>) -> Result<(), tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to the agent");
+    let mut client = IngestClient::new(channel);
+    let mut inbound = client
+        .stream(tokio_stream::iter(messages))
+        .await?
+        .into_inner();
+    while inbound.message().await?.is_some() {}
+    Ok(())
+}
