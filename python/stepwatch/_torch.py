@@ -261,16 +261,23 @@ def _optimizers(optimizer: Any) -> List[Any]:
     return [optimizer]
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside wrappers: Lightning's ``LightningOptimizer`` and
+    accelerate's ``AcceleratedOptimizer`` (the HF Trainer's, itself a
+    ``torch.optim.Optimizer``) keep it in ``.optimizer``."""
+    for _ in range(4):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
+            break
+        optimizer = inner
+    return optimizer
+
+
 def optimizer_kind(optimizer: Any) -> Tuple[int, Optional[int]]:
     """(OptimizerKind, state tensors per parameter or None when unknown)."""
+    opt = unwrap_optimizer(optimizer)
     import torch
 
-    opt = (
-        getattr(optimizer, "optimizer", None)
-        if not isinstance(optimizer, torch.optim.Optimizer)
-        else optimizer
-    )
-    opt = opt if opt is not None else optimizer  # LightningOptimizer / accelerate wrappers
     groups = getattr(opt, "param_groups", None) or [{}]
     g0 = groups[0]
     if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
@@ -286,7 +293,7 @@ def optimizer_kind(optimizer: Any) -> Tuple[int, Optional[int]]:
 
 
 def _state_exists(optimizer: Any) -> bool:
-    opt = getattr(optimizer, "optimizer", optimizer)
+    opt = unwrap_optimizer(optimizer)
     state = getattr(opt, "state", None)
     if not state:
         return False
@@ -315,7 +322,9 @@ def model_facts(
         for p in model.parameters():
             if not p.requires_grad:
                 continue
-            n = p.numel()
+            # What this rank holds: a sharded (DTensor, FSDP2) parameter's
+            # numel() is the whole parameter's.
+            n = p.to_local().numel() if hasattr(p, "to_local") else p.numel()
             count += n
             nbytes += n * p.element_size()
             if elem_size is None:

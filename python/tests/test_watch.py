@@ -146,6 +146,55 @@ def test_state_precreated_detected():
     assert model_facts(model, opt)["state_precreated"] is True
 
 
+def test_wrapped_optimizers_are_seen_through():
+    """accelerate's AcceleratedOptimizer (the HF Trainer's) is itself a
+    torch.optim.Optimizer that keeps the real one in ``.optimizer``."""
+    from stepwatch._torch import model_facts
+
+    class Wrapper(torch.optim.Optimizer):
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+
+    model = small_model()
+    inner = torch.optim.AdamW(model.parameters())
+    f = model_facts(model, Wrapper(Wrapper(inner)))
+    assert (f["optimizer"], f["state_bytes_per_parameter"]) == (1, 8)
+    train(model, inner, 1)
+    assert model_facts(model, Wrapper(inner))["state_precreated"] is True
+
+
+def test_sharded_parameters_count_what_this_rank_holds():
+    """An FSDP2 parameter is a DTensor whose numel() is the whole parameter's."""
+    from stepwatch._torch import model_facts
+
+    class Shard:
+        requires_grad = True
+        dtype = torch.float32
+
+        def __init__(self, whole, local):
+            self.whole, self.local = whole, local
+
+        def numel(self):
+            return self.whole
+
+        def element_size(self):
+            return 4
+
+        def to_local(self):
+            return torch.empty(self.local)
+
+    class Sharded:
+        def parameters(self):
+            return iter([Shard(1000, 250), Shard(40, 10)])
+
+    f = model_facts(Sharded())
+    assert (f["parameter_count"], f["parameter_bytes"]) == (260, 1040)
+
+
 def fake_oom():
     return torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
