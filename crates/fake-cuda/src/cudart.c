@@ -92,6 +92,10 @@ static pid_t usage_log_pid;
 static char usage_log_dir[4096];
 static int debug;
 static size_t write_limit = MIB;
+static unsigned long long kernel_ns; /* emulated time per kernel; 0: kernels take none */
+static unsigned long long busy_until[MAX_DEVICES]; /* when each device's queued work is done */
+
+static void wait_idle(void);
 
 static __thread int current_device;
 static __thread cudaError_t last_error = cudaSuccess;
@@ -126,6 +130,7 @@ static void load(void) {
   debug = getenv("STEPWATCH_FAKE_CUDA_DEBUG") != NULL;
   context_bytes = parse_size(getenv("STEPWATCH_FAKE_CUDA_CONTEXT_BYTES"), context_bytes);
   write_limit = parse_size(getenv("STEPWATCH_FAKE_CUDA_WRITE_LIMIT"), write_limit);
+  kernel_ns = parse_size(getenv("STEPWATCH_FAKE_CUDA_KERNEL_NS"), 0);
   const char *dir = getenv("STEPWATCH_FAKE_CUDA_USAGE_LOG");
   if (dir && *dir) snprintf(usage_log_dir, sizeof usage_log_dir, "%s", dir);
 
@@ -730,6 +735,7 @@ static void copy(void *dst, const void *src, size_t n) {
 
 EXPORT cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind) {
   (void)kind;
+  wait_idle(); /* a blocking copy waits for the work before it */
   copy(dst, src, n);
   return cudaSuccess;
 }
@@ -912,6 +918,84 @@ EXPORT cudaError_t cudaUserObjectCreate(cudaUserObject_t *obj, void *ptr, cudaHo
 }
 
 /* ---------------------------------------------------------------- kernels */
+/*
+ * Time, when STEPWATCH_FAKE_CUDA_KERNEL_NS is set: each device runs its
+ * kernels one after another, each taking that long; launches return at once
+ * unless 1024 are already queued (the host then waits, as with a full launch
+ * queue), and synchronisations wait for the queue to drain. So a training
+ * loop runs at the pace of its "GPU" and its phases last long enough for the
+ * agent's NVML sampler to see them.
+ */
+#define LAUNCH_QUEUE 1024
+
+static void sleep_until(unsigned long long t) {
+  struct timespec ts = {(time_t)(t / 1000000000ULL), (long)(t % 1000000000ULL)};
+  while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR) {
+  }
+}
+
+/* For the fake cuBLAS too (not CUDA): one kernel on the current device. */
+EXPORT void stepwatchFakeCudaKernel(void) {
+  if (!kernel_ns || !ready()) return;
+  int dev = current_device;
+  unsigned long long now = now_ns(), wait = 0;
+  pthread_mutex_lock(&lock);
+  unsigned long long start = busy_until[dev] > now ? busy_until[dev] : now;
+  busy_until[dev] = start + kernel_ns;
+  if (busy_until[dev] > now + LAUNCH_QUEUE * kernel_ns) wait = busy_until[dev] - LAUNCH_QUEUE * kernel_ns;
+  pthread_mutex_unlock(&lock);
+  if (wait) sleep_until(wait);
+}
+
+static void wait_idle(void) {
+  if (!kernel_ns || !ready()) return;
+  pthread_mutex_lock(&lock);
+  unsigned long long t = busy_until[current_device];
+  pthread_mutex_unlock(&lock);
+  if (t > now_ns()) sleep_until(t);
+}
+
+EXPORT cudaError_t cudaLaunchKernel(const void *fn, dim3 grid, dim3 block, void **args,
+                                    size_t smem, cudaStream_t stream) {
+  (void)fn; (void)grid; (void)block; (void)args; (void)smem; (void)stream;
+  stepwatchFakeCudaKernel();
+  return cudaSuccess;
+}
+
+EXPORT cudaError_t cudaLaunchCooperativeKernel(const void *fn, dim3 grid, dim3 block, void **args,
+                                               size_t smem, cudaStream_t stream) {
+  return cudaLaunchKernel(fn, grid, block, args, smem, stream);
+}
+
+EXPORT cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *fn,
+                                       void **args) {
+  (void)config; (void)fn; (void)args;
+  stepwatchFakeCudaKernel();
+  return cudaSuccess;
+}
+
+/* The CUDA 13 kernel-stub ABI (__cudaGetKernel, then this); arguments unused. */
+EXPORT cudaError_t __cudaLaunchKernel(void) {
+  stepwatchFakeCudaKernel();
+  return cudaSuccess;
+}
+
+EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  (void)s;
+  wait_idle();
+  return cudaSuccess;
+}
+
+EXPORT cudaError_t cudaDeviceSynchronize(void) {
+  wait_idle();
+  return cudaSuccess;
+}
+
+EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  (void)e;
+  wait_idle();
+  return cudaSuccess;
+}
 
 EXPORT cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes *a, const void *fn) {
   (void)fn;
