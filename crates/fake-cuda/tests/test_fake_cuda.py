@@ -251,3 +251,27 @@ def test_bad_sizes_and_missing_command_are_clear_errors():
     )
     assert proc.returncode == 2
     assert "nothing to run" in proc.stderr
+
+
+KERNELS = r"""
+import time, torch
+x = torch.ones(16, device="cuda")
+torch.cuda.synchronize()
+t0 = time.monotonic()
+for _ in range(40):
+    x = x * 2  # one kernel each
+launched = time.monotonic() - t0
+torch.cuda.synchronize()
+print(f"RESULT {{\"launched\": {launched}, \"synced\": {time.monotonic() - t0}}}", flush=True)
+"""
+
+
+def test_kernel_time_makes_synchronisation_wait_for_the_queued_kernels():
+    proc = fake_cuda(["--kernel-time", "5ms"], [sys.executable, "-c", KERNELS])
+    assert proc.returncode == 0, proc.stderr
+    r = result(proc)
+    # 40 kernels of 5 ms each: launching returns at once (the queue is deep),
+    # the synchronisation waits for all of them (a lower bound: sleeps only
+    # get longer on a busy machine).
+    assert r["synced"] >= 0.2
+    assert r["launched"] < r["synced"]
