@@ -11,15 +11,29 @@
 //! [`AllocatorTrace`]: the segment layout after step 1's optimizer phase and
 //! step 1's allocations and frees, each tagged with its phase. Step 2 does
 //! what step 1 did, minus creating the state, so [`replay_step2`] starts a
-//! [`CachingAllocator`] from that layout, frees the gradients if they are set
-//! to None between steps, and replays step 1's events, skipping the
-//! allocations that are still alive at the end of step 1's optimizer phase
-//! (the state, and the gradients when they persist). The reserved peak it
-//! reaches is step 2's.
+//! [`CachingAllocator`] from that layout and replays step 1's events. What is
+//! alive at the end of step 1's optimizer phase is, by the phase that made it:
+//!
+//! - optimizer: the state. Kept; step 2 does not make it again.
+//! - backward: the gradients. Set to None between steps (PyTorch's default),
+//!   they are freed before step 2 and made again in its backward. Kept
+//!   (`zero_grad(set_to_none=False)`), step 2's backward still makes each one
+//!   and `AccumulateGrad` adds it into the kept one and drops it.
+//! - forward (or another phase): the training loop's variables, such as the
+//!   logits and the loss. They live into step 2 until the statement that
+//!   makes their new value rebinds them (`logits = model(x)`), and are freed
+//!   then.
+//!
+//! Where those frees fall among the events is read off the trace (see
+//! `release_points`). Checked against real PyTorch on fake CUDA
+//! (`tests/fixtures/torch-fake-cuda/`), the single-GPU GPT jobs of
+//! `bench/torch-jobs` replay to PyTorch's step-2 peaks to the byte.
 //!
 //! The replay is exact when the model follows PyTorch's allocator and step 2
-//! repeats step 1; it does not see allocations that happen only from step 2
-//! on (for example a second gradient buffer when gradients persist).
+//! repeats step 1; it does not see what happens only from step 2 on, nor
+//! the allocations made between the end of step 1's optimizer phase and
+//! step 2's first marker (such as the next batch's inputs), and it must be
+//! told whether gradients are kept: the trace ends before `zero_grad`.
 
 use std::collections::{HashMap, HashSet};
 
@@ -147,8 +161,9 @@ pub struct Step2Replay {
     pub state_bytes: u64,
     /// Allocations made in step 1's backward and still alive (the gradients).
     pub grad_bytes: u64,
-    /// Whether gradients were kept into step 2 (else freed first, as
-    /// `zero_grad(set_to_none=True)` does, and made again in backward).
+    /// Whether gradients were kept into step 2 (step 2's backward makes each
+    /// again, adds it in and drops it), else freed first, as
+    /// `zero_grad(set_to_none=True)` does, and made again in backward.
     pub grads_persistent: bool,
     /// Events replayed (in step 2).
     pub events_replayed: u64,
@@ -244,11 +259,16 @@ pub fn replay_step2_within(
     }
     let live: HashMap<u64, AllocId> = live.into_iter().collect();
     // Alive at the end: state (optimizer phase), gradients (backward) or
-    // other (made again in step 2 on top of the old, which stays).
+    // replaced (the training loop's variables, such as the logits and the
+    // loss: step 2 makes them again and frees step 1's then).
     let mut keep: HashSet<usize> = HashSet::new();
     let (mut state_bytes, mut grad_bytes) = (0u64, 0u64);
     let mut free_first = Vec::new();
-    for (&address, &index) in &open {
+    let mut replaced: Vec<(usize, AllocId)> = Vec::new();
+    let mut accumulated: Vec<usize> = Vec::new();
+    let mut open: Vec<(u64, usize)> = open.into_iter().collect();
+    open.sort_unstable_by_key(|&(_, index)| index);
+    for &(address, index) in &open {
         let e = &trace.events[index];
         let size = round_size(e.size);
         let Some(&id) = live
@@ -269,12 +289,12 @@ pub fn replay_step2_within(
             PhaseKind::Backward => {
                 grad_bytes += size;
                 if grads_persistent {
-                    keep.insert(index);
+                    accumulated.push(index);
                 } else {
                     free_first.push(id);
                 }
             }
-            _ => {}
+            _ => replaced.push((index, id)),
         }
     }
     for id in free_first {
@@ -282,12 +302,11 @@ pub fn replay_step2_within(
     }
     alloc.reset_step_peak();
 
-    let plan = Plan {
-        trace,
-        keep: &keep,
-        frees: &frees,
-    };
-    let limited = reserved_limit.map(|limit| plan.run_steps(alloc.clone(), limit));
+    let replaced_events: Vec<usize> = replaced.iter().map(|&(index, _)| index).collect();
+    let plan = Plan::new(trace, keep, frees, &replaced_events, &accumulated);
+    let previous: HashMap<usize, AllocId> = replaced.into_iter().collect();
+    let limited =
+        reserved_limit.map(|limit| plan.run_steps(alloc.clone(), previous.clone(), limit));
     // Within the limit with no cache release, every allocation took the path
     // it takes without one: the same runs.
     let unlimited = match &limited {
@@ -298,7 +317,7 @@ pub fn replay_step2_within(
         {
             runs.clone()
         }
-        _ => plan.run_steps(alloc, u64::MAX),
+        _ => plan.run_steps(alloc, previous, u64::MAX),
     };
     let within_limit = limited.map(|runs| {
         let fits = runs.iter().all(|r| !r.out_of_memory);
@@ -329,12 +348,113 @@ pub fn replay_step2_within(
     })
 }
 
+/// When step 2 frees what it does not keep of step 1's allocations that
+/// are alive at the trace's end, besides the gradients set to None.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// The gradient this allocation event makes, which step 2 adds into the
+    /// kept one (`AccumulateGrad`) and drops.
+    Accumulated(usize),
+    /// The previous step's copy of what this allocation event makes (a
+    /// training loop's variable, rebound to the new one).
+    Replaced(usize),
+}
+
+/// For each allocation alive at the trace's end that the next step makes
+/// again (`replaced`: a training loop's variables, such as the logits and
+/// the loss), the allocation of the next step that makes its new value: the
+/// one at the same place (the same count of allocations into the phase) in
+/// the step's first run of that phase. With gradient accumulation the last
+/// micro-batch's logits live until the next step's first micro-batch makes
+/// its own. When that allocation is not of the same size, the allocation
+/// itself. Returns (replaced, its replacement) pairs.
+fn replacements(events: &[AllocatorEvent], replaced: &[usize]) -> Vec<(usize, usize)> {
+    // Per event: the allocations before it in its phase run (a maximal
+    // stretch of events of one phase).
+    let mut offsets: Vec<usize> = Vec::with_capacity(events.len());
+    let mut runs_seen: HashSet<PhaseKind> = HashSet::new();
+    let mut first_run: HashMap<PhaseKind, Vec<usize>> = HashMap::new();
+    let (mut in_first_run, mut allocs_in_run) = (false, 0);
+    for (index, e) in events.iter().enumerate() {
+        if index == 0 || events[index - 1].phase != e.phase {
+            in_first_run = runs_seen.insert(e.phase);
+            allocs_in_run = 0;
+        }
+        offsets.push(allocs_in_run);
+        if e.action == AllocatorAction::Alloc {
+            allocs_in_run += 1;
+            if in_first_run {
+                first_run.entry(e.phase).or_default().push(index);
+            }
+        }
+    }
+    replaced
+        .iter()
+        .map(|&index| {
+            let e = &events[index];
+            let by = first_run
+                .get(&e.phase)
+                .and_then(|allocs| allocs.get(offsets[index]))
+                .copied()
+                .filter(|&i| events[i].size == e.size)
+                .unwrap_or(index);
+            (index, by)
+        })
+        .collect()
+}
+
+/// Where the memory an allocation event stands for is let go of, for each of
+/// `anchors` (event indices, ascending), as (anchor, index of the event it
+/// is freed just before; the events' count for the end): just before the
+/// first allocation, not an anchor, that follows a free made since the
+/// latest anchor. Anchors with no such point between them are freed there
+/// together. That is where a node of the autograd graph, or a statement of
+/// the training loop, has ended: it has freed its temporaries or released
+/// what it saved, and the next one allocates.
+///
+/// - `AccumulateGrad`, which adds a gradient into a kept one and drops it,
+///   runs right after the node that made the gradient, once that node has
+///   released what it saved; a node's gradients come together, with its
+///   other allocations between them.
+/// - A variable of the training loop (`logits = model(x)`) is rebound once
+///   the statement that makes its new value is done, after the temporaries
+///   made after that value (a matmul's workspace) are freed.
+fn release_points(events: &[AllocatorEvent], anchors: &[usize]) -> Vec<(usize, usize)> {
+    let mut points = Vec::with_capacity(anchors.len());
+    let mut pending: Vec<usize> = Vec::new();
+    let mut freed_since = false;
+    let mut next = anchors.iter().copied().peekable();
+    for (index, e) in events.iter().enumerate() {
+        match e.action {
+            AllocatorAction::Alloc if next.peek() == Some(&index) => {
+                next.next();
+                pending.push(index);
+                freed_since = false;
+            }
+            AllocatorAction::Alloc => {
+                if freed_since {
+                    points.extend(pending.drain(..).map(|a| (a, index)));
+                }
+            }
+            AllocatorAction::Free => freed_since = !pending.is_empty(),
+        }
+    }
+    points.extend(pending.into_iter().map(|a| (a, events.len())));
+    points
+}
+
 /// What to replay: the events, those whose allocation step 2 does not make
-/// again, and which allocation each free undoes.
+/// again, which allocation each free undoes, and where step 2 frees what is
+/// neither freed in the trace nor kept.
 struct Plan<'a> {
     trace: &'a AllocatorTrace,
-    keep: &'a HashSet<usize>,
-    frees: &'a HashMap<usize, usize>,
+    keep: HashSet<usize>,
+    frees: HashMap<usize, usize>,
+    /// Event index → what is freed just before it (the events' count: at
+    /// the end).
+    releases: HashMap<usize, Vec<Release>>,
+    /// Allocations a step leaves alive for the next to replace.
+    replaced: HashSet<usize>,
 }
 
 #[derive(Clone)]
@@ -345,12 +465,56 @@ struct Run {
     out_of_memory: bool,
 }
 
-impl Plan<'_> {
+impl<'a> Plan<'a> {
+    /// `replaced`: allocations alive at the trace's end that step 2 makes
+    /// again; `accumulated`: gradients alive at the end that step 2 adds into
+    /// (both event indices, ascending).
+    fn new(
+        trace: &'a AllocatorTrace,
+        keep: HashSet<usize>,
+        frees: HashMap<usize, usize>,
+        replaced: &[usize],
+        accumulated: &[usize],
+    ) -> Self {
+        let events = &trace.events;
+        let mut releases: HashMap<usize, Vec<Release>> = HashMap::new();
+        for (grad, at) in release_points(events, accumulated) {
+            releases
+                .entry(at)
+                .or_default()
+                .push(Release::Accumulated(grad));
+        }
+        let pairs = replacements(events, replaced);
+        let mut by: Vec<usize> = pairs.iter().map(|&(_, by)| by).collect();
+        by.sort_unstable();
+        by.dedup();
+        let at: HashMap<usize, usize> = release_points(events, &by).into_iter().collect();
+        for (old, by) in pairs {
+            releases
+                .entry(at[&by])
+                .or_default()
+                .push(Release::Replaced(old));
+        }
+        Plan {
+            trace,
+            keep,
+            frees,
+            releases,
+            replaced: replaced.iter().copied().collect(),
+        }
+    }
+
     /// Replays steps 2..=1 + [`REPLAYED_STEPS`] on `alloc`, which may reserve
-    /// up to `limit`, stopping at the first that runs out. Each step after the
-    /// first starts by freeing what the one before made and kept (gradients
-    /// set to None, tensors replaced every step such as the loss).
-    fn run_steps(&self, mut alloc: CachingAllocator, limit: u64) -> Vec<Run> {
+    /// up to `limit`, stopping at the first that runs out. `previous` are the
+    /// allocations step 1 left alive that step 2 replaces, by event index.
+    /// Each step after the first starts by freeing the other allocations the
+    /// one before made and kept (gradients set to None).
+    fn run_steps(
+        &self,
+        mut alloc: CachingAllocator,
+        mut previous: HashMap<usize, AllocId>,
+        limit: u64,
+    ) -> Vec<Run> {
         let mut runs = Vec::with_capacity(REPLAYED_STEPS);
         let mut carried: Vec<AllocId> = Vec::new();
         for _ in 0..REPLAYED_STEPS {
@@ -358,8 +522,16 @@ impl Plan<'_> {
                 alloc.free(id);
             }
             alloc.reset_step_peak();
-            let (run, left) = self.run(&mut alloc, limit);
-            carried = left;
+            let (run, left) = self.run(&mut alloc, limit, &mut previous);
+            // What the step did not get to replace (it ran out) goes too.
+            carried.extend(previous.drain().map(|(_, id)| id));
+            for (index, id) in left {
+                if self.replaced.contains(&index) {
+                    previous.insert(index, id);
+                } else {
+                    carried.push(id);
+                }
+            }
             let out_of_memory = run.out_of_memory;
             runs.push(run);
             if out_of_memory {
@@ -369,14 +541,21 @@ impl Plan<'_> {
         runs
     }
 
-    /// Replays the events once; returns the step's figures and the replayed
-    /// allocations it left alive.
-    fn run(&self, alloc: &mut CachingAllocator, limit: u64) -> (Run, Vec<AllocId>) {
+    /// Replays the events once, freeing each of `previous` when the step
+    /// replaces it; returns the step's figures and the replayed allocations
+    /// it left alive, by event index.
+    fn run(
+        &self,
+        alloc: &mut CachingAllocator,
+        limit: u64,
+        previous: &mut HashMap<usize, AllocId>,
+    ) -> (Run, Vec<(usize, AllocId)>) {
         let retries_before = alloc.num_alloc_retries();
         let mut replayed: HashMap<usize, AllocId> = HashMap::new();
         let mut events_replayed = 0;
         let mut out_of_memory = false;
         for (index, e) in self.trace.events.iter().enumerate() {
+            self.release(alloc, index, &mut replayed, previous);
             match e.action {
                 AllocatorAction::Alloc if !self.keep.contains(&index) => {
                     match alloc.malloc(e.size, limit) {
@@ -399,12 +578,37 @@ impl Plan<'_> {
                 }
             }
         }
+        if !out_of_memory {
+            let end = self.trace.events.len();
+            self.release(alloc, end, &mut replayed, previous);
+        }
         let run = Run {
             peak: alloc.peaks().step,
             events_replayed,
             alloc_retries: alloc.num_alloc_retries() - retries_before,
             out_of_memory,
         };
-        (run, replayed.into_values().collect())
+        let mut left: Vec<(usize, AllocId)> = replayed.into_iter().collect();
+        left.sort_unstable();
+        (run, left)
+    }
+
+    /// Frees what is let go of just before event `index`.
+    fn release(
+        &self,
+        alloc: &mut CachingAllocator,
+        index: usize,
+        replayed: &mut HashMap<usize, AllocId>,
+        previous: &mut HashMap<usize, AllocId>,
+    ) {
+        for r in self.releases.get(&index).into_iter().flatten() {
+            let id = match *r {
+                Release::Accumulated(grad) => replayed.remove(&grad),
+                Release::Replaced(old) => previous.remove(&old),
+            };
+            if let Some(id) = id {
+                alloc.free(id);
+            }
+        }
     }
 }

@@ -163,6 +163,67 @@ fn gradients_set_to_none_are_freed_first_and_kept_gradients_stay() {
 }
 
 #[test]
+fn a_variable_alive_at_step_1s_end_is_freed_once_step_2_rebinds_it() {
+    // `logits = head(x)` makes the logits (L, 100 MiB) and a matmul workspace
+    // (W, 30 MiB, freed at once); the loss (B, 100 MiB) comes next. Step 1's
+    // logits stay alive past the trace; the state takes W's segment.
+    let mut r = Recorder::new();
+    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    r.phase = PhaseKind::Forward;
+    let a = r.malloc(40 * MIB);
+    let _logits = r.malloc(100 * MIB);
+    let w = r.malloc(30 * MIB);
+    r.free(w);
+    let b = r.malloc(100 * MIB);
+    r.phase = PhaseKind::Backward;
+    r.free(b);
+    r.free(a);
+    r.phase = PhaseKind::Optimizer;
+    r.malloc(30 * MIB);
+    assert_eq!(r.alloc.reserved(), 334 * MIB);
+
+    let replay = replay_step2(&r.trace(), false).unwrap();
+    // Step 2's logits take B's block; its workspace finds no free block, as
+    // step 1's logits are freed only once the statement is done (a new 30 MiB
+    // segment), and B then takes their block. Freed at once, they would have
+    // held the workspace (no new segment); kept, B would need 100 MiB more.
+    assert_eq!(replay.new_segment_bytes, 30 * MIB);
+    assert_eq!(replay.reserved_peak_bytes, 364 * MIB);
+    assert_eq!(replay.steady_reserved_peak_bytes, 364 * MIB);
+    // Weights, state, A, both logits and the workspace.
+    assert_eq!(
+        replay.allocated_peak_bytes,
+        (64 + 30 + 40 + 100 + 100 + 30) * MIB
+    );
+}
+
+#[test]
+fn kept_gradients_are_made_again_in_step_2_and_added_in() {
+    // Backward makes a 30 MiB gradient (its own segment) before it frees the
+    // activation.
+    let mut r = Recorder::new();
+    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    r.phase = PhaseKind::Forward;
+    let a = r.malloc(40 * MIB);
+    r.phase = PhaseKind::Backward;
+    r.malloc(30 * MIB);
+    r.free(a);
+    let trace = r.trace();
+
+    // Kept, the gradient stays, and step 2 makes a second one while the
+    // activation lives (`AccumulateGrad` adds it in, then drops it).
+    let kept = replay_step2(&trace, true).unwrap();
+    assert_eq!(kept.grad_bytes, 30 * MIB);
+    assert_eq!(kept.new_segment_bytes, 30 * MIB);
+    assert_eq!(kept.allocated_peak_bytes, (64 + 40 + 30 + 30) * MIB);
+    assert_eq!(kept.steady_reserved_peak_bytes, 164 * MIB);
+    // Set to None, it is made again in its own segment.
+    let freed = replay_step2(&trace, false).unwrap();
+    assert_eq!(freed.new_segment_bytes, 0);
+    assert_eq!(freed.allocated_peak_bytes, (64 + 40 + 30) * MIB);
+}
+
+#[test]
 fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
     const GB: u64 = 1_000_000_000;
     let mut tracker = Tracker::new(TrackerConfig::default());
