@@ -11,9 +11,9 @@ use std::time::Instant;
 use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::replay::{MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_core::{
-    replay_step2_within, Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats,
-    AllocatorTrace, Marker, MarkerKind, ModelFacts, OpenError, OptimizerKind, Precision, RankInfo,
-    RankKey,
+    replay_step2_with, Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats,
+    AllocatorTrace, Gradients, Marker, MarkerKind, ModelFacts, OpenError, OptimizerKind, Precision,
+    RankInfo, RankKey,
 };
 use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
 use stepwatch_proto::MAX_MARKERS_PER_BATCH;
@@ -114,8 +114,8 @@ async fn serve_stream(
         }
     };
     tracing::info!(job = %key.job, rank = key.rank, pid = info.pid, gpu = %info.gpu_uuid, "rank connected");
-    let grads_persistent = info.model.grads_set_to_none == Some(false);
-    let result = receive_markers(state, &key, grads_persistent, &mut inbound, max_rate, tx).await;
+    let gradients = Gradients::of(&info);
+    let result = receive_markers(state, &key, gradients, &mut inbound, max_rate, tx).await;
     state.close_rank(&key);
     tracing::info!(job = %key.job, rank = key.rank, "rank disconnected");
     result
@@ -124,7 +124,7 @@ async fn serve_stream(
 async fn receive_markers(
     state: &AgentState,
     key: &RankKey,
-    grads_persistent: bool,
+    gradients: Gradients,
     inbound: &mut Streaming<pb::ClientMessage>,
     max_rate: f64,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
@@ -138,7 +138,7 @@ async fn receive_markers(
             Some(Kind::AllocatorTrace(chunk)) => {
                 match trace.add(chunk) {
                     Ok(Some(complete)) => {
-                        replay_trace(state, key, grads_persistent, complete, tx).await?;
+                        replay_trace(state, key, gradients, complete, tx).await?;
                     }
                     Ok(None) => {}
                     Err(Refusal::Unusable(reason, why)) => {
@@ -374,14 +374,14 @@ fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &s
 async fn replay_trace(
     state: &AgentState,
     key: &RankKey,
-    grads_persistent: bool,
+    gradients: Gradients,
     trace: AllocatorTrace,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
     let events = trace.events.len();
     let reserved_limit = state.tracker().reserved_limit(key);
     let (trace, replayed) = tokio::task::spawn_blocking(move || {
-        let replayed = replay_step2_within(&trace, grads_persistent, reserved_limit);
+        let replayed = replay_step2_with(&trace, gradients, reserved_limit);
         (trace, replayed)
     })
     .await
@@ -393,7 +393,7 @@ async fn replay_trace(
             return Ok(());
         }
     };
-    match state.apply_allocator_replay(key, trace, grads_persistent, replay) {
+    match state.apply_allocator_replay(key, trace, gradients, replay) {
         Some(advisories) => {
             state
                 .ingest

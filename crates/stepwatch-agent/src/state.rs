@@ -7,7 +7,8 @@ use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use std::path::Path;
 
 use stepwatch_core::{
-    AllocatorTrace, Journal, OpenError, RankInfo, RankKey, RecordEntry, Step2Replay, Tracker,
+    AllocatorTrace, Gradients, Journal, OpenError, RankInfo, RankKey, RecordEntry, Step2Replay,
+    Tracker,
 };
 
 use crate::record::Recorder;
@@ -255,7 +256,7 @@ impl AgentState {
         &self,
         key: &RankKey,
         trace: AllocatorTrace,
-        grads_persistent: bool,
+        gradients: Gradients,
         replay: Step2Replay,
     ) -> Option<Vec<stepwatch_core::Advisory>> {
         let mut tracker = self.tracker();
@@ -266,7 +267,8 @@ impl AgentState {
             || RecordEntry::AllocatorTrace {
                 at_ns,
                 key: key.clone(),
-                grads_persistent,
+                grads_persistent: gradients == Gradients::Kept,
+                gradients: Some(gradients),
                 reserved_limit: replay.reserved_limit_bytes,
                 trace,
             },

@@ -103,7 +103,9 @@ pub struct RankInfo {
     /// PID in the agent's namespace when peer credentials gave it, else the
     /// PID the client reported.
     pub pid: u32,
-    /// Training framework, e.g. "pytorch"; for display and diagnostics.
+    /// Training framework, e.g. "pytorch"; for display and diagnostics, and
+    /// for when gradients are zeroed ([`crate::replay::Gradients::of`]:
+    /// "lightning").
     pub framework: String,
     /// Its version string, e.g. "2.5.1".
     pub framework_version: String,

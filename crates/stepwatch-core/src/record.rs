@@ -15,7 +15,7 @@ use crate::error::MarkerError;
 use crate::identity::{RankInfo, RankKey};
 use crate::marker::Marker;
 use crate::predict::PredictionBasis;
-use crate::replay::{replay_step2_within, AllocatorTrace, TraceError};
+use crate::replay::{replay_step2_with, AllocatorTrace, Gradients, TraceError};
 use crate::tracker::{GpuSample, OpenError, Tracker, TrackerConfig};
 
 /// One input to the tracker.
@@ -47,6 +47,10 @@ pub enum RecordEntry {
         key: RankKey,
         /// Whether gradients persist into step 2 (from the hello's facts).
         grads_persistent: bool,
+        /// What becomes of the gradients between steps (from the hello);
+        /// absent in older records: [`Gradients::from_persistent`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gradients: Option<Gradients>,
         /// The reserved-bytes limit the agent replayed it within, if any.
         #[serde(default)]
         reserved_limit: Option<u64>,
@@ -133,10 +137,13 @@ impl Replayer {
                 at_ns,
                 key,
                 grads_persistent,
+                gradients,
                 reserved_limit,
                 trace,
             } => {
-                let replay = replay_step2_within(&trace, grads_persistent, reserved_limit)?;
+                let gradients =
+                    gradients.unwrap_or_else(|| Gradients::from_persistent(grads_persistent));
+                let replay = replay_step2_with(&trace, gradients, reserved_limit)?;
                 if let Some(due) = self.tracker.allocator_replay(&key, replay, at_ns) {
                     self.advisories
                         .extend(due.into_iter().map(|a| (key.clone(), a)));

@@ -15,8 +15,9 @@
 //! alive at the end of step 1's optimizer phase is, by the phase that made it:
 //!
 //! - optimizer: the state. Kept; step 2 does not make it again.
-//! - backward: the gradients. Set to None between steps (PyTorch's default),
-//!   they are freed before step 2 and made again in its backward. Kept
+//! - backward: the gradients ([`Gradients`]). Set to None between steps
+//!   (PyTorch's default), they are freed before step 2, or just before its
+//!   backward under Lightning, and made again in backward. Kept
 //!   (`zero_grad(set_to_none=False)`), step 2's backward still makes each one
 //!   and `AccumulateGrad` adds it into the kept one and drops it.
 //! - forward (or another phase): the training loop's variables, such as the
@@ -26,20 +27,22 @@
 //!
 //! Where those frees fall among the events is read off the trace (see
 //! `release_points`). Checked against real PyTorch on fake CUDA
-//! (`tests/fixtures/torch-fake-cuda/`), the single-GPU GPT jobs of
-//! `bench/torch-jobs` replay to PyTorch's step-2 peaks to the byte.
+//! (`tests/fixtures/torch-fake-cuda/`), the GPT, CNN, DDP, Lightning and
+//! Hugging Face Trainer jobs of `bench/torch-jobs` replay to PyTorch's
+//! reserved peaks to the byte (kept gradients: when the client says so).
 //!
 //! The replay is exact when the model follows PyTorch's allocator and step 2
 //! repeats step 1; it does not see what happens only from step 2 on, nor
 //! the allocations made between the end of step 1's optimizer phase and
 //! step 2's first marker (such as the next batch's inputs), and it must be
-//! told whether gradients are kept: the trace ends before `zero_grad`.
+//! told what becomes of the gradients: the trace ends before `zero_grad`.
 
 use std::collections::{HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
 use crate::allocator::{round_size, AllocId, CachingAllocator, LayoutError, SegmentLayout, Usage};
+use crate::identity::RankInfo;
 use crate::marker::PhaseKind;
 
 /// Steps replayed after step 1 (steps 2..=1 + this): enough for the cache to
@@ -145,6 +148,53 @@ impl AllocatorTrace {
     }
 }
 
+/// What becomes of step 1's gradients (what its backward made and left
+/// alive) between steps. The trace ends at step 1's optimizer phase, before
+/// `zero_grad`, so this comes from what the client says
+/// ([`Gradients::of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Gradients {
+    /// Set to None before step 2's forward (`zero_grad()` at a step's end or
+    /// before its forward; PyTorch's default): freed, then made again in
+    /// backward.
+    #[default]
+    FreedBeforeStep,
+    /// Set to None between forward and backward: alive through step 2's
+    /// forward. Lightning's automatic optimization calls `zero_grad()` in its
+    /// closure after `training_step`, just before backward (as loops written
+    /// `loss = ...; opt.zero_grad(); loss.backward()` do).
+    FreedBeforeBackward,
+    /// Kept (`zero_grad(set_to_none=False)`): step 2's backward still makes
+    /// each gradient, and `AccumulateGrad` adds it into the kept one and
+    /// drops it.
+    Kept,
+}
+
+impl Gradients {
+    /// What a rank's hello says: kept when `grads_set_to_none` is false,
+    /// freed before backward under Lightning (framework "lightning"), else
+    /// freed before the step.
+    pub fn of(info: &RankInfo) -> Self {
+        if info.model.grads_set_to_none == Some(false) {
+            Gradients::Kept
+        } else if info.framework.eq_ignore_ascii_case("lightning") {
+            Gradients::FreedBeforeBackward
+        } else {
+            Gradients::FreedBeforeStep
+        }
+    }
+
+    /// Kept when `persistent`, else freed before the step.
+    pub fn from_persistent(persistent: bool) -> Self {
+        if persistent {
+            Gradients::Kept
+        } else {
+            Gradients::FreedBeforeStep
+        }
+    }
+}
+
 /// What the replay of step 2 found; part of a prediction's inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Step2Replay {
@@ -165,6 +215,10 @@ pub struct Step2Replay {
     /// again, adds it in and drops it), else freed first, as
     /// `zero_grad(set_to_none=True)` does, and made again in backward.
     pub grads_persistent: bool,
+    /// Whether gradients set to None were freed only before step 2's
+    /// backward ([`Gradients::FreedBeforeBackward`]).
+    #[serde(default)]
+    pub grads_freed_before_backward: bool,
     /// Events replayed (in step 2).
     pub events_replayed: u64,
     /// Highest reserved bytes of the last replayed step (step
@@ -227,6 +281,21 @@ pub fn replay_step2_within(
     grads_persistent: bool,
     reserved_limit: Option<u64>,
 ) -> Result<Step2Replay, TraceError> {
+    replay_step2_with(
+        trace,
+        Gradients::from_persistent(grads_persistent),
+        reserved_limit,
+    )
+}
+
+/// [`replay_step2_within`], with the gradients' fate between steps said in
+/// full.
+pub fn replay_step2_with(
+    trace: &AllocatorTrace,
+    gradients: Gradients,
+    reserved_limit: Option<u64>,
+) -> Result<Step2Replay, TraceError> {
+    let grads_persistent = gradients == Gradients::Kept;
     trace.check_bounds()?;
     let (mut alloc, live) = CachingAllocator::from_layout(&trace.segments)?;
     let reserved_at_end = alloc.reserved();
@@ -263,7 +332,7 @@ pub fn replay_step2_within(
     // loss: step 2 makes them again and frees step 1's then).
     let mut keep: HashSet<usize> = HashSet::new();
     let (mut state_bytes, mut grad_bytes) = (0u64, 0u64);
-    let mut free_first = Vec::new();
+    let mut grads = Vec::new();
     let mut replaced: Vec<(usize, AllocId)> = Vec::new();
     let mut accumulated: Vec<usize> = Vec::new();
     let mut open: Vec<(u64, usize)> = open.into_iter().collect();
@@ -291,22 +360,35 @@ pub fn replay_step2_within(
                 if grads_persistent {
                     accumulated.push(index);
                 } else {
-                    free_first.push(id);
+                    grads.push(id);
                 }
             }
             _ => replaced.push((index, id)),
         }
     }
-    for id in free_first {
-        alloc.free(id);
-    }
     alloc.reset_step_peak();
 
     let replaced_events: Vec<usize> = replaced.iter().map(|&(index, _)| index).collect();
-    let plan = Plan::new(trace, keep, frees, &replaced_events, &accumulated);
+    let grads_freed_at = match gradients {
+        // Before the step's first backward event (the first micro-batch's).
+        Gradients::FreedBeforeBackward => trace
+            .events
+            .iter()
+            .position(|e| e.phase == PhaseKind::Backward)
+            .unwrap_or(0),
+        _ => 0,
+    };
+    let plan = Plan::new(
+        trace,
+        keep,
+        frees,
+        &replaced_events,
+        &accumulated,
+        grads_freed_at,
+    );
     let previous: HashMap<usize, AllocId> = replaced.into_iter().collect();
-    let limited =
-        reserved_limit.map(|limit| plan.run_steps(alloc.clone(), previous.clone(), limit));
+    let limited = reserved_limit
+        .map(|limit| plan.run_steps(alloc.clone(), previous.clone(), grads.clone(), limit));
     // Within the limit with no cache release, every allocation took the path
     // it takes without one: the same runs.
     let unlimited = match &limited {
@@ -317,7 +399,7 @@ pub fn replay_step2_within(
         {
             runs.clone()
         }
-        _ => plan.run_steps(alloc, previous, u64::MAX),
+        _ => plan.run_steps(alloc, previous, grads, u64::MAX),
     };
     let within_limit = limited.map(|runs| {
         let fits = runs.iter().all(|r| !r.out_of_memory);
@@ -341,6 +423,7 @@ pub fn replay_step2_within(
         state_bytes,
         grad_bytes,
         grads_persistent,
+        grads_freed_before_backward: gradients == Gradients::FreedBeforeBackward,
         events_replayed: step2.events_replayed,
         steady_reserved_peak_bytes: unlimited.last().map_or(0, |r| r.peak.reserved),
         reserved_limit_bytes: reserved_limit,
@@ -455,6 +538,9 @@ struct Plan<'a> {
     releases: HashMap<usize, Vec<Release>>,
     /// Allocations a step leaves alive for the next to replace.
     replaced: HashSet<usize>,
+    /// Event index before which the previous step's gradients set to None
+    /// are freed (0: before the step).
+    grads_freed_at: usize,
 }
 
 #[derive(Clone)]
@@ -475,6 +561,7 @@ impl<'a> Plan<'a> {
         frees: HashMap<usize, usize>,
         replaced: &[usize],
         accumulated: &[usize],
+        grads_freed_at: usize,
     ) -> Self {
         let events = &trace.events;
         let mut releases: HashMap<usize, Vec<Release>> = HashMap::new();
@@ -501,35 +588,41 @@ impl<'a> Plan<'a> {
             frees,
             releases,
             replaced: replaced.iter().copied().collect(),
+            grads_freed_at,
         }
     }
 
     /// Replays steps 2..=1 + [`REPLAYED_STEPS`] on `alloc`, which may reserve
     /// up to `limit`, stopping at the first that runs out. `previous` are the
-    /// allocations step 1 left alive that step 2 replaces, by event index.
-    /// Each step after the first starts by freeing the other allocations the
-    /// one before made and kept (gradients set to None).
+    /// allocations step 1 left alive that step 2 replaces, by event index;
+    /// `grads` its gradients set to None. Each step frees the other
+    /// allocations the one before made and kept (its gradients) where
+    /// gradients are freed.
     fn run_steps(
         &self,
         mut alloc: CachingAllocator,
         mut previous: HashMap<usize, AllocId>,
+        mut grads: Vec<AllocId>,
         limit: u64,
     ) -> Vec<Run> {
         let mut runs = Vec::with_capacity(REPLAYED_STEPS);
-        let mut carried: Vec<AllocId> = Vec::new();
         for _ in 0..REPLAYED_STEPS {
-            for id in carried.drain(..) {
-                alloc.free(id);
+            if self.grads_freed_at == 0 {
+                for id in grads.drain(..) {
+                    alloc.free(id);
+                }
             }
             alloc.reset_step_peak();
-            let (run, left) = self.run(&mut alloc, limit, &mut previous);
-            // What the step did not get to replace (it ran out) goes too.
-            carried.extend(previous.drain().map(|(_, id)| id));
+            let (run, left) = self.run(&mut alloc, limit, &mut previous, &mut grads);
+            // What the step did not get to free (it ran out) goes first.
+            for id in grads.drain(..).chain(previous.drain().map(|(_, id)| id)) {
+                alloc.free(id);
+            }
             for (index, id) in left {
                 if self.replaced.contains(&index) {
                     previous.insert(index, id);
                 } else {
-                    carried.push(id);
+                    grads.push(id);
                 }
             }
             let out_of_memory = run.out_of_memory;
@@ -542,19 +635,25 @@ impl<'a> Plan<'a> {
     }
 
     /// Replays the events once, freeing each of `previous` when the step
-    /// replaces it; returns the step's figures and the replayed allocations
-    /// it left alive, by event index.
+    /// replaces it and `grads` where gradients are freed; returns the step's
+    /// figures and the replayed allocations it left alive, by event index.
     fn run(
         &self,
         alloc: &mut CachingAllocator,
         limit: u64,
         previous: &mut HashMap<usize, AllocId>,
+        grads: &mut Vec<AllocId>,
     ) -> (Run, Vec<(usize, AllocId)>) {
         let retries_before = alloc.num_alloc_retries();
         let mut replayed: HashMap<usize, AllocId> = HashMap::new();
         let mut events_replayed = 0;
         let mut out_of_memory = false;
         for (index, e) in self.trace.events.iter().enumerate() {
+            if index == self.grads_freed_at {
+                for id in grads.drain(..) {
+                    alloc.free(id);
+                }
+            }
             self.release(alloc, index, &mut replayed, previous);
             match e.action {
                 AllocatorAction::Alloc if !self.keep.contains(&index) => {

@@ -282,6 +282,7 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
         state_bytes: GB,
         grad_bytes: 0,
         grads_persistent: false,
+        grads_freed_before_backward: false,
         events_replayed: 10,
         steady_reserved_peak_bytes: 9 * GB,
         reserved_limit_bytes: None,
@@ -409,4 +410,24 @@ fn a_layout_round_trips_through_from_layout() {
     assert_eq!(copy.usage(), r.alloc.usage());
     assert_eq!(live.len(), r.alloc.live_allocations());
     copy.check_invariants();
+}
+
+#[test]
+fn the_hello_says_what_becomes_of_the_gradients() {
+    let mut info = RankInfo {
+        framework: "pytorch".into(),
+        ..Default::default()
+    };
+    assert_eq!(Gradients::of(&info), Gradients::FreedBeforeStep);
+    info.framework = "lightning".into();
+    assert_eq!(Gradients::of(&info), Gradients::FreedBeforeBackward);
+    info.model.grads_set_to_none = Some(false);
+    assert_eq!(Gradients::of(&info), Gradients::Kept);
+    info.framework = "pytorch".into();
+    assert_eq!(Gradients::of(&info), Gradients::Kept);
+    assert_eq!(Gradients::from_persistent(true), Gradients::Kept);
+    assert_eq!(
+        Gradients::from_persistent(false),
+        Gradients::FreedBeforeStep
+    );
 }
