@@ -518,9 +518,11 @@ fn run_group(
         group[0].ranks.count.max(1)
     };
     let capacity = (group[0].gpu.capacity_bytes as f64 * scale) as u64;
+    // The scenario's capacity is what its processes can use; NVML's total
+    // also holds what the driver reserves.
     let specs: Vec<GpuSpec> = (0..gpu_count)
         .map(|i| GpuSpec {
-            total_bytes: capacity,
+            total_bytes: capacity + fake_nvml::DEFAULT_RESERVED_BYTES,
             ..GpuSpec::h100_80gb(i)
         })
         .collect();

@@ -149,7 +149,8 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         fake.gpu_count()
     );
     // The simulated GPU is the one the agent sees.
-    scenario.gpu.capacity_bytes = fake.total_bytes(gpu);
+    // What a process can use, as on a real GPU: the driver keeps `reserved`.
+    scenario.gpu.capacity_bytes = fake.total_bytes(gpu) - fake.reserved_bytes(gpu);
     if let Some(steps) = args.steps {
         scenario.training.steps = steps;
     }

@@ -53,6 +53,13 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
     for r in ["1", "2"] {
         let rank = [("job", "train-a"), ("rank", r)];
         assert_eq!(m.get("stepwatch_rank_last_step", &rank), Some(3.0));
+        // A rank's capacity is what processes can use: NVML's total less
+        // the memory the driver reserves (memory info v2 `reserved`).
+        let total = m.get("stepwatch_gpu_memory_total_bytes", &[("uuid", GPU0)]);
+        assert_eq!(
+            m.get("stepwatch_rank_gpu_capacity_bytes", &rank),
+            total.map(|t| t - fake_nvml::DEFAULT_RESERVED_BYTES as f64)
+        );
         let step = m
             .get("stepwatch_rank_step_duration_seconds", &rank)
             .unwrap();
@@ -351,8 +358,13 @@ fn the_readme_metrics_table_matches_what_the_agent_exports() {
 /// for a job that fits.
 #[test]
 fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
-    let agent = Agent::start("advisory", 2);
     // thin-margin: step 1 fits an 80 GB GPU with <1% to spare; step 2 does not.
+    // So the driver here reserves nothing: all 80 GB are the processes'.
+    let agent = Agent::start_with("advisory", 2, &[], |f| {
+        f.set_reserved_bytes(0, 0);
+        f.set_reserved_bytes(1, 0);
+    });
+    agent.wait_for("/readyz", 200, Duration::from_secs(20));
     let doomed = agent.sim("thin-margin", "doomed", 0, 0, 4, 1.0);
     let healthy = agent.sim("precreated-state", "healthy", 0, 1, 4, 1.0);
     let doomed = doomed.wait_with_output().unwrap();

@@ -385,7 +385,7 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
     let mut capacity = Family::gauge(
         node,
         "stepwatch_rank_gpu_capacity_bytes",
-        "Capacity of the rank's GPU.",
+        "What processes can use on the rank's GPU: NVML total minus driver-reserved memory.",
     );
     let mut risk = Family::gauge(
         node,

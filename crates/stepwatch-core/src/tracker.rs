@@ -33,7 +33,9 @@ pub struct GpuSample {
     pub monotonic_ns: u64,
     /// Device memory in use (NVML memory info v2 `used`).
     pub used_bytes: u64,
-    /// Device capacity.
+    /// Device capacity processes can use: NVML's `total` minus the memory
+    /// the driver reserves (`reserved` of memory info v2), which no
+    /// allocation can get; headroom is measured against it.
     pub total_bytes: u64,
 }
 

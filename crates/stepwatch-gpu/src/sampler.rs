@@ -108,8 +108,19 @@ pub struct Sample {
     pub used_bytes: u64,
     /// Device memory free, bytes.
     pub free_bytes: u64,
-    /// Device capacity, bytes; the limit headroom is measured against.
+    /// Device capacity, bytes (NVML `total`).
     pub total_bytes: u64,
+    /// Memory the driver keeps for itself (NVML v2 `reserved`), bytes: part
+    /// of `total` that no process can allocate.
+    pub reserved_bytes: u64,
+}
+
+impl Sample {
+    /// What processes can use: `total` minus driver-reserved memory; the
+    /// limit headroom is measured against.
+    pub fn usable_bytes(&self) -> u64 {
+        self.total_bytes.saturating_sub(self.reserved_bytes)
+    }
 }
 
 /// A compute process on a GPU, from the slow process list.
@@ -596,6 +607,7 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
                 used_bytes: m.used,
                 free_bytes: m.free,
                 total_bytes: m.total,
+                reserved_bytes: m.reserved,
             })));
         }
         slow.clear();
