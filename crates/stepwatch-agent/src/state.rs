@@ -365,8 +365,7 @@ impl AgentState {
                 .map(|s| stepwatch_core::GpuSample {
                     monotonic_ns: s.monotonic_ns,
                     used_bytes: s.used_bytes,
-                    // The step model's capacity is what processes can use.
-                    total_bytes: s.usable_bytes(),
+                    capacity_bytes: s.usable_bytes(),
                 })
                 .collect();
             tracker.gpu_samples(&uuid, &converted);

@@ -35,8 +35,10 @@ pub struct GpuSample {
     pub used_bytes: u64,
     /// Device capacity processes can use: NVML's `total` minus the memory
     /// the driver reserves (`reserved` of memory info v2), which no
-    /// allocation can get; headroom is measured against it.
-    pub total_bytes: u64,
+    /// allocation can get; headroom is measured against it. Records written
+    /// before it was named so call it `total_bytes`.
+    #[serde(alias = "total_bytes")]
+    pub capacity_bytes: u64,
 }
 
 /// Bounds of the tracker. Every map and queue in it is bounded by these.
@@ -203,7 +205,7 @@ impl Tracker {
         Some(analyze_rank(
             &state.timeline,
             &state.info.model,
-            self.latest_sample(gpu).map_or(0, |s| s.total_bytes),
+            self.latest_sample(gpu).map_or(0, |s| s.capacity_bytes),
             self.other_process_bytes(key),
             StepOneExtras {
                 live: live.as_ref(),

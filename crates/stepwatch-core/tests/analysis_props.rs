@@ -281,7 +281,7 @@ proptest! {
         let mut next = xorshift(seed);
         let mut samples: Vec<GpuSample> = sample_points
             .iter()
-            .map(|&(t, used)| GpuSample { monotonic_ns: 900 + t, used_bytes: used, total_bytes: 80_000_000 })
+            .map(|&(t, used)| GpuSample { monotonic_ns: 900 + t, used_bytes: used, capacity_bytes: 80_000_000 })
             .collect();
         // Samples may arrive in any order, in any batches.
         for i in (1..samples.len()).rev() {
@@ -332,7 +332,7 @@ proptest! {
         facts in facts_strategy(),
     ) {
         let h = history(1, micro, &levels, &extras, before_extra, false);
-        let sample = GpuSample { monotonic_ns: 900, used_bytes: h.before, total_bytes: capacity };
+        let sample = GpuSample { monotonic_ns: 900, used_bytes: h.before, capacity_bytes: capacity };
         let run = |since_start: bool| {
             analyse(&facts, &[
                 Event::Samples(vec![sample]),

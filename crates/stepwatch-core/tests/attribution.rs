@@ -97,7 +97,7 @@ proptest! {
             .enumerate()
             .map(|(i, &t)| {
                 let gpu = gpus[i % 2].to_string();
-                (gpu, GpuSample { monotonic_ns: 1_000 + t, used_bytes: (t * 7919) % 1_000_003, total_bytes: 1 << 40 })
+                (gpu, GpuSample { monotonic_ns: 1_000 + t, used_bytes: (t * 7919) % 1_000_003, capacity_bytes: 1 << 40 })
             })
             .collect();
 

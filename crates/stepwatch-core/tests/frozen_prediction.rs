@@ -54,7 +54,7 @@ fn samples() -> Vec<GpuSample> {
         .map(|i| GpuSample {
             monotonic_ns: 1_000_000 + i * 1_000_000,
             used_bytes: 7_000_000_000,
-            total_bytes: 80_000_000_000,
+            capacity_bytes: 80_000_000_000,
         })
         .collect()
 }
@@ -108,7 +108,7 @@ fn a_batch_holding_step_2s_begin_still_gets_the_step_2_warning() {
     let small: Vec<GpuSample> = samples()
         .into_iter()
         .map(|s| GpuSample {
-            total_bytes: 7_500_000_000,
+            capacity_bytes: 7_500_000_000,
             ..s
         })
         .collect();

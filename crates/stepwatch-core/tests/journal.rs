@@ -58,7 +58,7 @@ fn tracker_with_history() -> Tracker {
         .map(|i| GpuSample {
             monotonic_ns: 1_000_000 * i,
             used_bytes: 7_500_000_000 + (i % 7) * 1_000_000,
-            total_bytes: 80_000_000_000,
+            capacity_bytes: 80_000_000_000,
         })
         .collect();
     tracker.gpu_samples("GPU-a", &samples);

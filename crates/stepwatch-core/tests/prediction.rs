@@ -67,7 +67,7 @@ fn samples(points: &[(u64, u64)], capacity: u64) -> Vec<GpuSample> {
         .map(|&(t, used)| GpuSample {
             monotonic_ns: t,
             used_bytes: used * M,
-            total_bytes: capacity * M,
+            capacity_bytes: capacity * M,
         })
         .collect()
 }

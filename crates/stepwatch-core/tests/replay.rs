@@ -260,7 +260,7 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
         &[GpuSample {
             monotonic_ns: 1,
             used_bytes: GB,
-            total_bytes: 80 * GB,
+            capacity_bytes: 80 * GB,
         }],
     );
     let step1 = [

@@ -375,7 +375,7 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
                 &[stepwatch_core::GpuSample {
                     monotonic_ns: next_sample,
                     used_bytes: used,
-                    total_bytes: capacity,
+                    capacity_bytes: capacity,
                 }],
             );
             next_sample += SAMPLE_PERIOD_NS;
