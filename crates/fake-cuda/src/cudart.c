@@ -8,7 +8,7 @@
  * small transfers keep their bytes (DDP's shape checks gather them). Pages
  * are only backed when written: kernels write nothing, and writes to the
  * device larger than STEPWATCH_FAKE_CUDA_WRITE_LIMIT (1 MiB) are dropped, so
- * host memory stays small. Reads of unwritten memory give zeros.
+ * host memory stays small. Reads of never-written memory give zeros.
  *
  * Every allocation is charged to the calling process's slot on its fake-nvml
  * GPU (the CUDA context plus device allocations rounded to the driver's 2 MiB
@@ -207,7 +207,11 @@ static void load(void) {
     init_error = cudaErrorInitializationError;
     return;
   }
-  va_base = va_next = ((uintptr_t)va + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
+  va_base = ((uintptr_t)va + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
+  /* The first page holds device globals (cudaGetSymbolAddress): its own, so
+   * that a copy to a symbol never lands in an allocation. */
+  mprotect((void *)va_base, PAGE, PROT_READ | PROT_WRITE);
+  va_next = va_base + PAGE;
   if (debug) say("%d fake GPU(s), context %llu bytes\n", device_count, context_bytes);
 }
 
@@ -772,7 +776,7 @@ EXPORT cudaError_t cudaGetSymbolAddress(void **dev_ptr, const void *symbol) {
   (void)symbol;
   if (!dev_ptr) return fail(cudaErrorInvalidValue);
   if (!ready()) return fail((cudaError_t)init_error);
-  *dev_ptr = (void *)va_base; /* device globals: never read, only passed to kernels */
+  *dev_ptr = (void *)va_base; /* the globals page (see load) */
   return cudaSuccess;
 }
 

@@ -89,14 +89,18 @@ static void open_mailboxes(struct ncclComm *c, const ncclUniqueId *id) {
   if (p != MAP_FAILED) c->slots = p;
 }
 
+/* Waits for every rank to reach `seq`: polls at 20 µs, backing off to 1 ms
+ * so that a rank waiting on a slow peer does not take a core from it. */
 static int wait_for(struct ncclComm *c, int field_written, unsigned long long seq) {
   unsigned long long deadline = now_ns() + EXCHANGE_TIMEOUT_NS;
+  long pause_ns = 20000;
   for (int r = 0; r < c->nranks; r++) {
     struct slot *s = &c->slots[r];
     while ((field_written ? atomic_load(&s->written) : atomic_load(&s->read)) < seq) {
       if (now_ns() > deadline) return 0;
-      struct timespec ts = {0, 20000};
+      struct timespec ts = {0, pause_ns};
       nanosleep(&ts, NULL);
+      if (pause_ns < 1000000) pause_ns *= 2;
     }
   }
   return 1;

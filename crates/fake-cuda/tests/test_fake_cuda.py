@@ -229,8 +229,10 @@ def test_ddp_over_two_ranks_with_nccl(tmp_path):
         assert f"RANK {rank} sum=3 gathered=[10, 20]" in proc.stdout
     # One GPU per rank, each charged by its own process only: no rank makes a
     # context on another rank's GPU (PyTorch asks the driver before it switches).
-    devices = sorted({row[2] for row in rows} for rows in usage(tmp_path / "usage").values())
-    assert devices == [{f"GPU-00000000-0000-0000-0000-00000000000{i}"} for i in (0, 1)]
+    devices = sorted(
+        tuple(sorted({row[2] for row in rows})) for rows in usage(tmp_path / "usage").values()
+    )
+    assert devices == [(f"GPU-00000000-0000-0000-0000-00000000000{i}",) for i in (0, 1)]
 
 
 def test_fsdp2_over_four_ranks(tmp_path):
