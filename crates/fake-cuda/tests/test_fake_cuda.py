@@ -253,6 +253,9 @@ def test_bad_sizes_and_missing_command_are_clear_errors():
     )
     assert proc.returncode == 2
     assert "nothing to run" in proc.stderr
+    proc = fake_cuda([], ["/nonexistent/python"])
+    assert proc.returncode == 2
+    assert "cannot run '/nonexistent/python'" in proc.stderr
 
 
 KERNELS = r"""
