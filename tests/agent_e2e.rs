@@ -247,6 +247,39 @@ fn a_lost_gpu_is_reported_while_the_others_keep_sampling() {
 }
 
 #[test]
+fn a_hung_nvml_read_is_reported_and_sigterm_still_ends_the_agent() {
+    let mut agent = Agent::start("nvml-hang", 1);
+    agent.wait_metrics("sampling", Duration::from_secs(10), |m| {
+        m.get("stepwatch_gpu_samples_total", &[("uuid", GPU0)])
+            .is_some_and(|n| n > 0.0)
+    });
+    // The read hangs: no error is returned, the figures just stop changing.
+    agent
+        .fake
+        .set_call_delay(fake_nvml::Call::MemoryInfo, Duration::from_secs(3600));
+    let m = agent.wait_metrics("gpu 0 stale", Duration::from_secs(20), |m| {
+        m.get("stepwatch_gpu_up", &[("uuid", GPU0)]) == Some(0.0)
+    });
+    assert!(
+        m.get("stepwatch_gpu_sample_age_seconds", &[("uuid", GPU0)])
+            .unwrap()
+            > 2.0
+    );
+    assert_eq!(m.get("stepwatch_nvml_up", &[]), Some(1.0));
+    wait_until("the log names the hang", Duration::from_secs(10), || {
+        agent.log().contains("an NVML call hangs")
+    });
+    // terminate() fails the test unless the agent exits within 10 s.
+    let status = agent.terminate();
+    assert!(
+        status.success(),
+        "exit status {status}; log:\n{}",
+        agent.log()
+    );
+    assert!(agent.log().contains("exiting without nvmlShutdown"));
+}
+
+#[test]
 fn sigterm_shuts_down_cleanly_and_removes_the_socket() {
     let mut agent = Agent::start("sigterm", 1);
     assert!(agent.socket.exists());

@@ -243,6 +243,15 @@ impl Drop for Agent {
     }
 }
 
+/// Polls `f` until it holds, failing the test after `timeout`.
+pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Waits for a child and asserts it succeeded.
 pub fn wait_ok(mut child: Child, what: &str) {
     let status = child.wait().unwrap();

@@ -122,7 +122,12 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
     let mut up = Family::gauge(
         node,
         "stepwatch_gpu_up",
-        "1 while NVML reads the GPU, 0 when it reports it lost.",
+        "1 while NVML reads the GPU, 0 when it reports it lost or its samples are stale (stepwatch_gpu_sample_age_seconds above the bound: an NVML call hangs).",
+    );
+    let mut age = Family::gauge(
+        node,
+        "stepwatch_gpu_sample_age_seconds",
+        "Seconds since the GPU's last good memory read; above max(2 s, 5 sampling periods) the figures are frozen and stepwatch_gpu_up is 0.",
     );
     let mut used = Family::gauge(
         node,
@@ -169,6 +174,7 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
         up.add(&labels, if g.up && snap.nvml_up { 1.0 } else { 0.0 });
         total.add(&labels, g.total_bytes as f64);
         samples.add(&labels, g.samples_total as f64);
+        age.add(&labels, g.sample_age_seconds);
         procs.add(&labels, g.processes.len() as f64);
         if let Some(last) = g.last {
             used.add(&labels, last.used_bytes as f64);
@@ -181,7 +187,9 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
             util.add(&labels, f64::from(busy) / 100.0);
         }
     }
-    for f in [info, up, used, used_max, total, free, samples, procs, util] {
+    for f in [
+        info, up, age, used, used_max, total, free, samples, procs, util,
+    ] {
         f.done(out);
     }
 

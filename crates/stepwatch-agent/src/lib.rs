@@ -21,6 +21,7 @@ use std::time::Duration;
 use anyhow::Context;
 use stepwatch_core::{Tracker, TrackerConfig};
 use stepwatch_gpu::{SamplerConfig, SamplerHandle};
+use stepwatch_proto::clock::monotonic_ns;
 use stepwatch_proto::v1::ingest_server::IngestServer;
 use stepwatch_proto::MAX_MESSAGE_BYTES;
 use tokio::net::{TcpListener, UnixListener};
@@ -59,6 +60,9 @@ pub async fn run_until(
         memory_interval: Duration::from_secs_f64(1.0 / config.sample_hz),
         process_interval: config.process_interval,
         max_window: config.max_window,
+        stale_after: SamplerConfig::stale_after_for(Duration::from_secs_f64(
+            1.0 / config.sample_hz,
+        )),
         ..SamplerConfig::default()
     });
     let tracker = Tracker::new(TrackerConfig {
@@ -159,6 +163,7 @@ pub async fn run_until(
             let mut processes = tokio::time::interval(Duration::from_secs(1));
             let mut evict = tokio::time::interval(Duration::from_secs(10));
             let mut journal_tick = tokio::time::interval(journal_interval);
+            let mut stale = StaleGpus::default();
             journal_tick.tick().await;
             loop {
                 tokio::select! {
@@ -166,6 +171,7 @@ pub async fn run_until(
                     _ = processes.tick() => {
                         state.update_processes();
                         state.flush_record();
+                        stale.log_changes(&state.sampler.snapshot(monotonic_ns()));
                     }
                     _ = journal_tick.tick(), if journal.is_some() => {
                         let state = state.clone();
@@ -209,11 +215,38 @@ pub async fn run_until(
         tracing::info!(path = %path.display(), "journal written");
     }
     state.flush_record();
-    let sampler_stop = tokio::task::spawn_blocking(move || sampler.stop());
-    let _ = tokio::time::timeout(Duration::from_secs(3), sampler_stop).await;
+    // A hung NVML call cannot be interrupted; exit without waiting for it
+    // (a blocking task still running would hold the runtime's shutdown).
+    let stopped = tokio::task::spawn_blocking(move || sampler.stop_within(Duration::from_secs(2)))
+        .await
+        .unwrap_or(false);
+    if !stopped {
+        tracing::warn!("the NVML sampler did not stop within 2 s (an NVML call hangs); exiting without nvmlShutdown");
+    }
     let _ = std::fs::remove_file(&config.socket);
     tracing::info!("stopped");
     Ok(())
+}
+
+/// GPUs whose samples are stale, so the log says so once per change.
+#[derive(Default)]
+struct StaleGpus(std::collections::BTreeSet<u32>);
+
+impl StaleGpus {
+    fn log_changes(&mut self, snap: &stepwatch_gpu::SamplerSnapshot) {
+        for g in &snap.gpus {
+            if g.stale && self.0.insert(g.index) {
+                tracing::error!(
+                    gpu = g.index,
+                    uuid = %g.uuid,
+                    age_s = format_args!("{:.1}", g.sample_age_seconds),
+                    "no GPU memory sample for this long: an NVML call hangs; reporting the GPU down (stepwatch_gpu_up 0) with its last figures frozen"
+                );
+            } else if !g.stale && self.0.remove(&g.index) {
+                tracing::info!(gpu = g.index, uuid = %g.uuid, "GPU memory samples flow again");
+            }
+        }
+    }
 }
 
 /// The TCP ingest's TLS settings, read from the PEM files the flags name.

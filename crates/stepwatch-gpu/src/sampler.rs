@@ -32,6 +32,19 @@ pub struct SamplerConfig {
     /// Samples per GPU held for the step tracker between drains; older ones
     /// are dropped (and counted) if the tracker stalls.
     pub pending_capacity: usize,
+    /// A GPU whose last good memory read is older than this is reported down
+    /// and stale: a hung NVML call freezes the figures without any error, so
+    /// only the age of the last sample shows it (default 2 s; see
+    /// [`SamplerConfig::stale_after_for`]).
+    pub stale_after: Duration,
+}
+
+impl SamplerConfig {
+    /// The staleness bound for a memory interval: five missed reads, and at
+    /// least 2 s so a busy machine's scheduling hiccups do not flap `gpu_up`.
+    pub fn stale_after_for(memory_interval: Duration) -> Duration {
+        (memory_interval * 5).max(Duration::from_secs(2))
+    }
 }
 
 impl Default for SamplerConfig {
@@ -44,6 +57,7 @@ impl Default for SamplerConfig {
             retry_min: Duration::from_secs(1),
             retry_max: Duration::from_secs(30),
             pending_capacity: 4096,
+            stale_after: SamplerConfig::stale_after_for(Duration::from_millis(10)),
         }
     }
 }
@@ -148,11 +162,17 @@ pub struct GpuSnapshot {
     pub last: Option<Sample>,
     /// Maximum `used` over the trailing window.
     pub used_max_bytes: Option<u64>,
-    /// Memory readings taken since the GPU was found; a counter that shows
-    /// whether sampling is alive.
+    /// Memory readings taken since the agent first found the GPU (kept
+    /// across NVML re-initialisations, so it is a true counter).
     pub samples_total: u64,
-    /// False while NVML reports the GPU lost.
+    /// False while NVML reports the GPU lost, or while its samples are stale.
     pub up: bool,
+    /// Seconds since the last good memory read (since the GPU was found, if
+    /// none yet), at the snapshot's time.
+    pub sample_age_seconds: f64,
+    /// The last good read is older than [`SamplerConfig::stale_after`]: an
+    /// NVML call hangs, and the figures above are frozen.
+    pub stale: bool,
     /// Compute processes from the latest process-list read.
     pub processes: Vec<ProcessUsage>,
     /// (gpu %, memory %) from the last utilisation read.
@@ -274,6 +294,8 @@ impl SamplerSnapshot {
 
 struct GpuEntry {
     snapshot: GpuSnapshot,
+    /// CLOCK_MONOTONIC ns of the last good read, or of the GPU's discovery.
+    fresh_ns: u64,
     ring: TimedRing<u64>,
     /// Bounded by `pending_capacity`; the oldest is dropped when full.
     pending: VecDeque<Sample>,
@@ -297,6 +319,8 @@ struct Shared {
     stop: AtomicBool,
     // Wakes the thread from backoff sleeps on stop.
     wake: (Mutex<()>, Condvar),
+    // Set when the thread has ended, so a stop can wait with a bound.
+    finished: (Mutex<bool>, Condvar),
 }
 
 impl Shared {
@@ -349,6 +373,7 @@ impl SamplerHandle {
             errors: Default::default(),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
+            finished: (Mutex::new(false), Condvar::new()),
         });
         let config = Arc::new(config);
         let thread = {
@@ -356,7 +381,10 @@ impl SamplerHandle {
             let config = config.clone();
             std::thread::Builder::new()
                 .name("stepwatch-sampler".into())
-                .spawn(move || run(&shared, &config))
+                .spawn(move || {
+                    let _finished = FinishedOnDrop(shared.clone());
+                    run(&shared, &config);
+                })
                 .expect("spawn sampler thread")
         };
         Self {
@@ -369,6 +397,7 @@ impl SamplerHandle {
     /// The current state, with `_max` figures over the window ending `now_ns`.
     pub fn snapshot(&self, now_ns: u64) -> SamplerSnapshot {
         let since = now_ns.saturating_sub(self.config.max_window.as_nanos() as u64);
+        let stale_ns = duration_ns(self.config.stale_after);
         let state = self.shared.lock();
         SamplerSnapshot {
             nvml_up: state.nvml_up,
@@ -376,9 +405,16 @@ impl SamplerHandle {
             gpus: state
                 .gpus
                 .iter()
-                .map(|g| GpuSnapshot {
-                    used_max_bytes: g.ring.max_since(since),
-                    ..g.snapshot.clone()
+                .map(|g| {
+                    let age_ns = now_ns.saturating_sub(g.fresh_ns);
+                    let stale = age_ns > stale_ns;
+                    GpuSnapshot {
+                        used_max_bytes: g.ring.max_since(since),
+                        up: g.snapshot.up && !stale,
+                        sample_age_seconds: age_ns as f64 / 1e9,
+                        stale,
+                        ..g.snapshot.clone()
+                    }
                 })
                 .collect(),
             lag_max_seconds: state.lag_ring.max_since(since).unwrap_or(0) as f64 / 1e9,
@@ -423,12 +459,42 @@ impl SamplerHandle {
 
     /// Stops the thread and waits for it (NVML is shut down on its way out).
     pub fn stop(&self) {
+        self.stop_within(Duration::MAX);
+    }
+
+    /// Stops the thread, waiting at most `limit` for it. Returns false when
+    /// it did not finish: an NVML call hangs, and nothing can interrupt it.
+    /// The thread is then left behind (detached) so that the caller can exit
+    /// on time; process exit ends it without `nvmlShutdown`.
+    pub fn stop_within(&self, limit: Duration) -> bool {
         self.shared.stop.store(true, Ordering::Relaxed);
         self.shared.wake.1.notify_all();
         let thread = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(t) = thread {
-            let _ = t.join();
+        let Some(thread) = thread else {
+            return true;
+        };
+        let (lock, cvar) = &self.shared.finished;
+        let guard = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let (guard, _) = cvar
+            .wait_timeout_while(guard, limit, |finished| !*finished)
+            .unwrap_or_else(|e| e.into_inner());
+        let finished = *guard;
+        drop(guard);
+        if finished {
+            let _ = thread.join();
         }
+        finished
+    }
+}
+
+/// Sets [`Shared::finished`] when the sampler thread ends, panics included.
+struct FinishedOnDrop(Arc<Shared>);
+
+impl Drop for FinishedOnDrop {
+    fn drop(&mut self) {
+        let (lock, cvar) = &self.0.finished;
+        *lock.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        cvar.notify_all();
     }
 }
 
@@ -513,6 +579,14 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
     let ring_capacity = (window_ticks as usize + 16).min(1 << 20);
     let mut devices: Vec<Device<'_>> = Vec::new();
     let mut entries = Vec::new();
+    // Counters survive a re-initialisation (NVML lost and back): a counter
+    // that dropped to 0 would read as a reset to rate() and hide the outage.
+    let counted: Vec<(String, u64)> = shared
+        .lock()
+        .gpus
+        .iter()
+        .map(|g| (g.snapshot.uuid.clone(), g.snapshot.samples_total))
+        .collect();
     for index in 0..count {
         let device = match nvml.device_by_index(index) {
             Ok(d) => d,
@@ -532,7 +606,12 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
             "unknown".into()
         });
         let total_bytes = device.memory_info().map(|m| m.total).unwrap_or(0);
+        let samples_total = counted
+            .iter()
+            .find(|(u, _)| *u == uuid)
+            .map_or(0, |&(_, n)| n);
         entries.push(GpuEntry {
+            fresh_ns: monotonic_ns(),
             snapshot: GpuSnapshot {
                 index,
                 uuid,
@@ -540,8 +619,10 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
                 total_bytes,
                 last: None,
                 used_max_bytes: None,
-                samples_total: 0,
+                samples_total,
                 up: true,
+                sample_age_seconds: 0.0,
+                stale: false,
                 processes: Vec::new(),
                 utilization_percent: None,
             },
@@ -634,6 +715,7 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
                     None => {}
                     Some(Ok(sample)) => {
                         lost_retry_at[i] = None;
+                        entry.fresh_ns = sample.monotonic_ns;
                         entry.snapshot.up = true;
                         entry.snapshot.samples_total += 1;
                         entry.snapshot.last = Some(sample);
@@ -896,6 +978,7 @@ mod tests {
             errors: Default::default(),
             stop: AtomicBool::new(false),
             wake: (Mutex::new(()), Condvar::new()),
+            finished: (Mutex::new(false), Condvar::new()),
         };
         let start = monotonic_ns();
         assert!(!sleep_until(&shared, start + 20_000_000, 10_000_000));

@@ -1,0 +1,65 @@
+//! A hung NVML call, against fake-nvml's call delay.
+//!
+//! Its own test binary: the hung read never returns, so this process's
+//! fake NVML is never shut down and must not be shared with other tests.
+
+use std::time::{Duration, Instant};
+
+use fake_nvml::{Call, FakeNvml, GpuSpec, STATE_DIR_ENV};
+use stepwatch_gpu::{SamplerConfig, SamplerHandle, SamplerSnapshot};
+use stepwatch_proto::clock::monotonic_ns;
+
+fn wait_for(
+    sampler: &SamplerHandle,
+    what: &str,
+    timeout: Duration,
+    f: impl Fn(&SamplerSnapshot) -> bool,
+) -> SamplerSnapshot {
+    let start = Instant::now();
+    loop {
+        let snap = sampler.snapshot(monotonic_ns());
+        if f(&snap) {
+            return snap;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out waiting for {what}: {snap:#?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_hung_memory_read_marks_the_gpu_stale_and_stop_does_not_wait_for_it() {
+    let dir = std::env::temp_dir().join(format!("stepwatch-gpu-hang-{}", std::process::id()));
+    let fake = FakeNvml::create(&dir, &[GpuSpec::h100_80gb(0)]).unwrap();
+    std::env::set_var(STATE_DIR_ENV, &dir);
+    let sampler = SamplerHandle::start(SamplerConfig {
+        lib_path: Some(fake_nvml::find_cdylib().expect("libfake_nvml.so near the test")),
+        memory_interval: Duration::from_millis(5),
+        process_interval: Duration::from_millis(200),
+        stale_after: Duration::from_millis(300),
+        ..SamplerConfig::default()
+    });
+    let snap = wait_for(&sampler, "sampling", Duration::from_secs(10), |s| {
+        s.gpus.first().is_some_and(|g| g.samples_total > 0)
+    });
+    assert!(snap.gpus[0].up && !snap.gpus[0].stale);
+
+    // The read hangs: no error, no new sample, the last figures stay.
+    fake.set_call_delay(Call::MemoryInfo, Duration::from_secs(3600));
+    let snap = wait_for(&sampler, "stale", Duration::from_secs(10), |s| {
+        s.gpus[0].stale
+    });
+    let gpu = &snap.gpus[0];
+    assert!(!gpu.up, "a stale GPU is reported down");
+    assert!(gpu.sample_age_seconds > 0.3, "{}", gpu.sample_age_seconds);
+    assert!(gpu.last.is_some(), "the frozen figures are still shown");
+    assert!(snap.nvml_up, "NVML itself never said it failed");
+
+    // Stop cannot interrupt the call; it gives up after its bound.
+    let t = Instant::now();
+    assert!(!sampler.stop_within(Duration::from_millis(200)));
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+}
