@@ -313,6 +313,27 @@ fn a_second_agent_on_the_same_socket_refuses_to_start() {
     assert_eq!(agent.get("/readyz").0, 200);
 }
 
+#[test]
+fn a_socket_path_that_is_a_regular_file_is_refused_and_kept() {
+    let dir = TempDir::new("socket-file");
+    let path = dir.0.join("not-a-socket");
+    std::fs::write(&path, "precious").unwrap();
+    let out = std::process::Command::new(BIN)
+        .arg("agent")
+        .arg("--socket")
+        .arg(&path)
+        .arg("--http-listen")
+        .arg(free_port().to_string())
+        .arg("--nvml-lib")
+        .arg("/nonexistent/libnvidia-ml.so.1")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is not a socket"), "{err}");
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "precious");
+}
+
 /// README.md's metrics table is the documentation users read: every metric
 /// family the agent exports has a row, and every row is a family it exports.
 /// The run makes every family appear: three ranks, one an outlier,

@@ -83,3 +83,34 @@ fn an_unreadable_journal_is_moved_aside_and_the_agent_starts() {
     );
     assert!(keep.0.join("journal.corrupt").exists());
 }
+
+#[test]
+fn a_journal_not_in_utf8_or_of_another_version_is_moved_aside_not_overwritten() {
+    let keep = TempDir::new("journal-aside");
+    let not_utf8 = keep.0.join("a.json");
+    let bytes = b"{\"version\": 1, \"ranks\": [\xff\xfe]}".to_vec();
+    std::fs::write(&not_utf8, &bytes).unwrap();
+    let other_version = keep.0.join("b.json");
+    std::fs::write(&other_version, r#"{"version": 7, "ranks": []}"#).unwrap();
+    for (tag, path, aside) in [
+        ("journal-utf8", &not_utf8, keep.0.join("a.corrupt")),
+        ("journal-version", &other_version, keep.0.join("b.v7")),
+    ] {
+        let original = std::fs::read(path).unwrap();
+        let mut agent = Agent::start_with(tag, 1, &["--journal", path.to_str().unwrap()], |_| {});
+        assert!(agent.terminate().success(), "{}", agent.log());
+        assert!(
+            agent.log().contains("the journal is unreadable"),
+            "{}",
+            agent.log()
+        );
+        assert_eq!(
+            std::fs::read(&aside).unwrap(),
+            original,
+            "{tag}: kept as it was"
+        );
+        // The agent's own journal replaced it at shutdown.
+        let written = std::fs::read_to_string(path).unwrap();
+        assert!(written.contains("\"version\":1"), "{written}");
+    }
+}

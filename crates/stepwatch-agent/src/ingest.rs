@@ -63,7 +63,7 @@ impl Ingest for IngestService {
             .get::<tonic::transport::server::UdsConnectInfo>()
             .and_then(|info| info.peer_cred)
             .and_then(|cred| cred.pid())
-            .and_then(|pid| u32::try_from(pid).ok());
+            .and_then(usable_peer_pid);
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let state = self.state.clone();
@@ -477,6 +477,28 @@ fn agent_message(a: &Advisory) -> pb::AgentMessage {
     }
 }
 
+/// The peer's PID from SO_PEERCRED, when it means something here. The kernel
+/// reports 0 for a peer outside the agent's PID namespace (an agent without
+/// `hostPID`); that must not override the PID the hello claims, and the
+/// operator is told once.
+fn usable_peer_pid(pid: i32) -> Option<u32> {
+    static TOLD: std::sync::Once = std::sync::Once::new();
+    match u32::try_from(pid) {
+        Ok(0) => {
+            TOLD.call_once(|| {
+                tracing::warn!(
+                    "a client's peer credentials carry PID 0: the agent runs outside the clients' PID \
+                     namespace, so it uses the PID each hello claims; run the agent with hostPID \
+                     (the chart does) to tell ranks' memory from other processes' reliably"
+                )
+            });
+            None
+        }
+        Ok(pid) => Some(pid),
+        Err(_) => None,
+    }
+}
+
 fn rank_info(hello: pb::Hello, peer_pid: Option<u32>) -> RankInfo {
     let id = hello.identity.unwrap_or_default();
     let model = hello.model.unwrap_or_default();
@@ -549,4 +571,23 @@ fn marker(m: pb::Marker) -> Option<Marker> {
             num_alloc_retries: a.num_alloc_retries,
         }),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peer_pid_of_zero_does_not_override_the_hello() {
+        // PID 0: the peer is outside our PID namespace.
+        assert_eq!(usable_peer_pid(0), None);
+        assert_eq!(usable_peer_pid(-1), None);
+        assert_eq!(usable_peer_pid(4242), Some(4242));
+        let hello = pb::Hello {
+            pid: 77,
+            ..Default::default()
+        };
+        assert_eq!(rank_info(hello.clone(), usable_peer_pid(0)).pid, 77);
+        assert_eq!(rank_info(hello, usable_peer_pid(4242)).pid, 4242);
+    }
 }

@@ -276,7 +276,15 @@ pub(crate) fn create_parent_dir(path: &Path, what: &str) -> anyhow::Result<()> {
 /// file, and sets the file mode.
 fn bind_socket(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
     create_parent_dir(path, "socket")?;
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        // Only a socket is ours to replace; anything else is someone's file.
+        if !meta.file_type().is_socket() {
+            anyhow::bail!(
+                "{} exists and is not a socket; refusing to replace it (pass another --socket or remove the file)",
+                path.display()
+            );
+        }
         // A live agent would still answer; a dead one leaves its file behind.
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
             anyhow::bail!(

@@ -300,28 +300,46 @@ impl AgentState {
     }
 
     /// Restores ranks from the journal file, if there is one. A journal that
-    /// cannot be read is moved aside (`.corrupt`) and logged; the agent
+    /// cannot be used (not JSON, not UTF-8, another format version) is moved
+    /// aside (`.corrupt`, or `.v<N>` for another version) and logged, so the
+    /// next write does not destroy what an operator may want back; the agent
     /// starts empty rather than not at all.
     pub fn restore_journal(&self, path: &Path) {
-        let text = match std::fs::read_to_string(path) {
-            Ok(text) => text,
+        let bytes = match std::fs::read(path) {
+            Ok(bytes) => bytes,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
             Err(e) => {
                 tracing::warn!(path = %path.display(), error = %e, "cannot read the journal; starting without it");
                 return;
             }
         };
-        match serde_json::from_str::<Journal>(&text) {
+        let move_aside = |extension: &str, why: &str| {
+            let aside = path.with_extension(extension);
+            match std::fs::rename(path, &aside) {
+                Ok(()) => {
+                    tracing::warn!(path = %path.display(), moved_to = %aside.display(), error = why, "the journal is unreadable; starting without it")
+                }
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = why, rename_error = %e, "the journal is unreadable and could not be moved aside; starting without it")
+                }
+            }
+        };
+        match serde_json::from_slice::<Journal>(&bytes) {
+            Ok(journal) if journal.version != Journal::VERSION => {
+                let why = format!(
+                    "format version {} (this agent reads version {})",
+                    journal.version,
+                    Journal::VERSION
+                );
+                move_aside(&format!("v{}", journal.version), &why);
+            }
             Ok(journal) => {
+                let listed = journal.ranks.len();
                 let n = self.tracker().restore(journal, monotonic_ns());
                 self.ingest.journal_restored.inc_by(n as u64);
-                tracing::info!(path = %path.display(), ranks = n, "restored step history from the journal");
+                tracing::info!(path = %path.display(), ranks = n, skipped = listed - n, "restored step history from the journal");
             }
-            Err(e) => {
-                let aside = path.with_extension("corrupt");
-                let _ = std::fs::rename(path, &aside);
-                tracing::warn!(path = %path.display(), moved_to = %aside.display(), error = %e, "the journal is unreadable; starting without it");
-            }
+            Err(e) => move_aside("corrupt", &e.to_string()),
         }
     }
 

@@ -354,8 +354,10 @@ impl Tracker {
     /// Restores ranks from a journal written by an earlier agent. Restored
     /// ranks count as disconnected since `now_ns`, so they are evicted after
     /// the retention window unless their process reconnects (its hello
-    /// resumes the timeline). Ranks already tracked, or beyond the rank
-    /// limit, are skipped. Returns how many were restored.
+    /// resumes the timeline). Ranks already tracked, beyond the rank limit,
+    /// or whose identity a hello could not have carried (the journal is a
+    /// file anyone with access may have edited) are skipped. Returns how
+    /// many were restored.
     pub fn restore(&mut self, journal: Journal, now_ns: u64) -> usize {
         if journal.version != Journal::VERSION {
             return 0;
@@ -363,7 +365,10 @@ impl Tracker {
         let mut restored = 0;
         for mut state in journal.ranks {
             let key = state.info.key();
-            if self.ranks.contains_key(&key) || self.ranks.len() >= self.config.max_ranks {
+            if state.info.validate().is_err()
+                || self.ranks.contains_key(&key)
+                || self.ranks.len() >= self.config.max_ranks
+            {
                 continue;
             }
             state.connected_streams = 0;

@@ -136,3 +136,15 @@ fn a_journal_of_another_version_or_a_known_rank_is_not_restored() {
         "rank 1 is live already"
     );
 }
+
+#[test]
+fn a_journal_rank_with_an_identity_no_hello_could_carry_is_skipped() {
+    let tracker = tracker_with_history();
+    let mut journal = tracker.journal(10);
+    let listed = journal.ranks.len();
+    assert!(listed >= 2, "{listed}");
+    journal.ranks[0].info.job = "bad job id with spaces".into();
+    journal.ranks[1].info.world_size = 0;
+    let mut after = Tracker::new(TrackerConfig::default());
+    assert_eq!(after.restore(journal, 0), listed - 2);
+}
