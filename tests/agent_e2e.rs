@@ -314,6 +314,30 @@ fn a_second_agent_on_the_same_socket_refuses_to_start() {
 }
 
 #[test]
+fn finished_jobs_give_their_slots_to_new_ones_when_the_rank_table_is_full() {
+    let agent = Agent::start_with("rank-room", 1, &["--max-ranks", "2"], |_| {});
+    // Two short jobs fill the table and finish.
+    for job in ["short-a", "short-b"] {
+        wait_ok(agent.sim("demo-small", job, 0, 0, 2, 50.0), job);
+    }
+    agent.wait_metrics("both finished", Duration::from_secs(10), |m| {
+        ["short-a", "short-b"]
+            .iter()
+            .all(|job| m.get("stepwatch_rank_connected", &[("job", job)]) == Some(0.0))
+    });
+    // A third job is let in (the default retention is an hour).
+    wait_ok(agent.sim("demo-small", "short-c", 0, 0, 2, 50.0), "short-c");
+    agent.wait_metrics("one rank evicted", Duration::from_secs(5), |m| {
+        m.get("stepwatch_ranks_evicted_total", &[]) == Some(1.0)
+    });
+    assert!(agent.get("/api/v1/jobs/short-a").0 == 404);
+    assert!(agent.get("/api/v1/jobs/short-c").0 == 200);
+    assert!(agent
+        .log()
+        .contains("evicted the rank that finished longest ago"));
+}
+
+#[test]
 fn a_socket_path_that_is_a_regular_file_is_refused_and_kept() {
     let dir = TempDir::new("socket-file");
     let path = dir.0.join("not-a-socket");

@@ -70,7 +70,9 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_MAX_STEPS", default_value_t = 1000)]
     pub max_steps: usize,
 
-    /// Ranks tracked at once; further hellos get RESOURCE_EXHAUSTED.
+    /// Ranks tracked at once. When full, the rank that finished longest ago
+    /// gives way; a hello gets RESOURCE_EXHAUSTED only when every rank is
+    /// connected.
     #[arg(long, env = "STEPWATCH_MAX_RANKS", default_value_t = 256)]
     pub max_ranks: usize,
 

@@ -53,7 +53,7 @@ impl IngestMetrics {
             )?,
             ranks_evicted: IntCounter::new(
                 "stepwatch_ranks_evicted_total",
-                "Ranks dropped after the retention window with no open stream.",
+                "Finished ranks dropped: after the retention window with no open stream, or to make room in a full rank table.",
             )?,
             journal_writes: IntCounterVec::new(
                 Opts::new(
@@ -168,8 +168,12 @@ impl AgentState {
     pub fn open_rank(&self, info: RankInfo) -> Result<RankKey, OpenError> {
         let mut tracker = self.tracker();
         let at_ns = monotonic_ns();
-        let key = tracker.open(info.clone(), at_ns)?;
+        let (key, evicted) = tracker.open_evicting(info.clone(), at_ns)?;
         self.record(|| RecordEntry::Open { at_ns, info }, true);
+        if let Some(gone) = evicted {
+            self.ingest.ranks_evicted.inc();
+            tracing::info!(job = %gone.job, rank = gone.rank, "rank table full: evicted the rank that finished longest ago to make room");
+        }
         Ok(key)
     }
 

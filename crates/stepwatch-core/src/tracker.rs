@@ -72,8 +72,9 @@ pub enum OpenError {
     /// The hello broke the contract.
     #[error(transparent)]
     Invalid(#[from] HelloError),
-    /// [`TrackerConfig::max_ranks`] ranks are tracked already; keeps memory bounded.
-    #[error("the agent already tracks {0} ranks, its limit")]
+    /// [`TrackerConfig::max_ranks`] ranks are tracked and every one is
+    /// connected (finished ranks give way); keeps memory bounded.
+    #[error("the agent already tracks {0} connected ranks, its limit (--max-ranks)")]
     TooManyRanks(usize),
 }
 
@@ -295,8 +296,22 @@ impl Tracker {
 
     /// Registers a stream's hello. A reconnect of the same process resumes
     /// its timeline; a new process under the same job and rank (a restarted
-    /// run) starts a fresh one.
+    /// run) starts a fresh one. See [`Tracker::open_evicting`] for a full
+    /// table.
     pub fn open(&mut self, info: RankInfo, now_ns: u64) -> Result<RankKey, OpenError> {
+        self.open_evicting(info, now_ns).map(|(key, _)| key)
+    }
+
+    /// [`Tracker::open`], also returning the rank evicted to make room. When
+    /// the table is full, the rank whose process left longest ago gives way
+    /// (finished ranks would otherwise hold their slots for the whole
+    /// retention window and lock new jobs out); only when every rank is
+    /// connected is the hello refused.
+    pub fn open_evicting(
+        &mut self,
+        info: RankInfo,
+        now_ns: u64,
+    ) -> Result<(RankKey, Option<RankKey>), OpenError> {
         info.validate()?;
         let key = info.key();
         let retained = self.config.max_retained_steps;
@@ -310,10 +325,21 @@ impl Tracker {
             state.info = info;
             state.connected_streams += 1;
             state.last_activity_ns = now_ns;
-            return Ok(key);
+            return Ok((key, None));
         }
+        let mut evicted = None;
         if self.ranks.len() >= self.config.max_ranks {
-            return Err(OpenError::TooManyRanks(self.config.max_ranks));
+            let longest_gone = self
+                .ranks
+                .iter()
+                .filter(|(_, r)| r.connected_streams == 0)
+                .min_by_key(|(_, r)| r.last_activity_ns)
+                .map(|(k, _)| k.clone());
+            let Some(gone) = longest_gone else {
+                return Err(OpenError::TooManyRanks(self.config.max_ranks));
+            };
+            self.ranks.remove(&gone);
+            evicted = Some(gone);
         }
         self.ranks.insert(
             key.clone(),
@@ -327,7 +353,7 @@ impl Tracker {
                 allocator_replay: None,
             },
         );
-        Ok(key)
+        Ok((key, evicted))
     }
 
     /// A journal of every rank, with at most `keep_last` steps after step 1

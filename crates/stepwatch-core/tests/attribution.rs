@@ -286,3 +286,29 @@ fn rank_limit_is_enforced() {
         Err(OpenError::TooManyRanks(1))
     );
 }
+
+#[test]
+fn a_full_table_evicts_the_rank_that_finished_longest_ago_and_refuses_only_when_all_are_live() {
+    let mut tracker = Tracker::new(TrackerConfig {
+        max_ranks: 3,
+        ..Default::default()
+    });
+    let a = tracker.open(info("a", 0, "GPU-a"), 0).unwrap();
+    let b = tracker.open(info("b", 0, "GPU-a"), 0).unwrap();
+    let c = tracker.open(info("c", 0, "GPU-a"), 0).unwrap();
+    // b finished first, then a; c is live.
+    tracker.close(&b, 100);
+    tracker.close(&a, 200);
+    let (d, evicted) = tracker.open_evicting(info("d", 0, "GPU-a"), 300).unwrap();
+    assert_eq!(evicted, Some(b.clone()));
+    assert!(tracker.rank(&b).is_none() && tracker.rank(&a).is_some());
+    let (_, evicted) = tracker.open_evicting(info("e", 0, "GPU-a"), 400).unwrap();
+    assert_eq!(evicted, Some(a));
+    // c, d, e are all connected: nothing gives way.
+    assert_eq!(
+        tracker.open(info("f", 0, "GPU-a"), 500),
+        Err(OpenError::TooManyRanks(3))
+    );
+    assert!(tracker.rank(&c).is_some() && tracker.rank(&d).is_some());
+    assert_eq!(tracker.rank_count(), 3);
+}
