@@ -314,6 +314,58 @@ fn a_second_agent_on_the_same_socket_refuses_to_start() {
 }
 
 #[test]
+fn streams_that_never_say_hello_are_ended_and_do_not_lock_ranks_out() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{ingest_client::IngestClient, ClientMessage};
+
+    let agent = Agent::start_with(
+        "no-hello",
+        1,
+        &["--max-streams", "2", "--hello-timeout", "2s"],
+        |_| {},
+    );
+    let endpoint = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
+            .unwrap()
+            .connect()
+            .await
+            .expect("connect to the agent");
+        // Eight streams on one connection that never send anything.
+        let mut silent = Vec::new();
+        for _ in 0..8 {
+            let (tx, rx) = tokio::sync::mpsc::channel::<ClientMessage>(1);
+            let response = IngestClient::new(channel.clone())
+                .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .expect("the stream opens");
+            silent.push((tx, response.into_inner()));
+        }
+        // A well-behaved rank is served while they hang around: slots are
+        // taken at the hello.
+        exchange(
+            &endpoint,
+            vec![hello("polite", 0, 1), batch(step(1, 1_000_000))],
+        )
+        .await
+        .expect("a rank with a hello is served");
+        for (_tx, mut inbound) in silent {
+            let ended = inbound.message().await.expect_err("ended by the agent");
+            assert_eq!(ended.code(), tonic::Code::DeadlineExceeded, "{ended:?}");
+            assert!(ended.message().contains("--hello-timeout"), "{ended:?}");
+        }
+    });
+    agent.wait_metrics("silent streams counted", Duration::from_secs(5), |m| {
+        m.get(
+            "stepwatch_markers_rejected_total",
+            &[("reason", "hello_timeout")],
+        ) == Some(8.0)
+    });
+    assert_eq!(agent.get("/api/v1/jobs/polite").0, 200);
+}
+
+#[test]
 fn finished_jobs_give_their_slots_to_new_ones_when_the_rank_table_is_full() {
     let agent = Agent::start_with("rank-room", 1, &["--max-ranks", "2"], |_| {});
     // Two short jobs fill the table and finish.

@@ -76,9 +76,25 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_MAX_RANKS", default_value_t = 256)]
     pub max_ranks: usize,
 
-    /// Concurrent ingest streams; further streams get RESOURCE_EXHAUSTED.
+    /// Concurrent ingest streams that said Hello; further hellos get
+    /// RESOURCE_EXHAUSTED.
     #[arg(long, env = "STEPWATCH_MAX_STREAMS", default_value_t = 512)]
     pub max_streams: usize,
+
+    /// Streams one connection may hold open at once (HTTP/2
+    /// max_concurrent_streams); a client process needs one per rank it runs.
+    #[arg(
+        long,
+        env = "STEPWATCH_MAX_STREAMS_PER_CONNECTION",
+        default_value_t = 64
+    )]
+    pub max_streams_per_connection: usize,
+
+    /// How long a new stream may take to send its Hello before it is ended
+    /// with DEADLINE_EXCEEDED (counted as `hello_timeout`). A stream takes
+    /// one of --max-streams only once its Hello arrives.
+    #[arg(long, env = "STEPWATCH_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    pub hello_timeout: Duration,
 
     /// Markers per second one stream may send (burst: one second's worth);
     /// beyond it the stream gets RESOURCE_EXHAUSTED.

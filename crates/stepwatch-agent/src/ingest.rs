@@ -6,7 +6,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::replay::{MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
@@ -28,15 +28,27 @@ use crate::state::AgentState;
 pub struct IngestService {
     state: Arc<AgentState>,
     streams: Arc<Semaphore>,
-    max_marker_rate: f64,
+    limits: IngestLimits,
+}
+
+/// Per-stream bounds of the ingest service (flags of the same names).
+#[derive(Debug, Clone, Copy)]
+pub struct IngestLimits {
+    /// Streams that said hello, at once (`--max-streams`).
+    pub max_streams: usize,
+    /// Markers per second per stream (`--max-marker-rate`).
+    pub max_marker_rate: f64,
+    /// How long a new stream may take to send its hello (`--hello-timeout`):
+    /// a stream that never says hello must not hold anything for long.
+    pub hello_timeout: Duration,
 }
 
 impl IngestService {
-    pub fn new(state: Arc<AgentState>, max_streams: usize, max_marker_rate: f64) -> Self {
+    pub fn new(state: Arc<AgentState>, limits: IngestLimits) -> Self {
         Self {
             state,
-            streams: Arc::new(Semaphore::new(max_streams)),
-            max_marker_rate,
+            streams: Arc::new(Semaphore::new(limits.max_streams)),
+            limits,
         }
     }
 }
@@ -51,12 +63,6 @@ impl Ingest for IngestService {
         &self,
         request: Request<Streaming<pb::ClientMessage>>,
     ) -> Result<Response<AgentStream>, Status> {
-        let Ok(permit) = self.streams.clone().try_acquire_owned() else {
-            self.state.ingest.reject("too_many_streams", 1);
-            return Err(Status::resource_exhausted(
-                "the agent has reached its limit of concurrent streams (--max-streams)",
-            ));
-        };
         // SO_PEERCRED: the sender's PID in our namespace, when on the Unix socket.
         let peer_pid = request
             .extensions()
@@ -67,16 +73,16 @@ impl Ingest for IngestService {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let state = self.state.clone();
-        let rate = self.max_marker_rate;
+        let streams = self.streams.clone();
+        let limits = self.limits;
         tokio::spawn(async move {
-            let _permit = permit;
             state.ingest.streams_opened.inc();
-            state.ingest.streams_active.inc();
-            if let Err(status) = serve_stream(&state, inbound, peer_pid, rate, &tx).await {
+            if let Err(status) =
+                serve_stream(&state, &streams, inbound, peer_pid, limits, &tx).await
+            {
                 tracing::debug!(code = ?status.code(), message = status.message(), "stream ended with an error");
                 let _ = tx.send(Err(status)).await;
             }
-            state.ingest.streams_active.dec();
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -84,12 +90,31 @@ impl Ingest for IngestService {
 
 async fn serve_stream(
     state: &AgentState,
+    streams: &Arc<Semaphore>,
     mut inbound: Streaming<pb::ClientMessage>,
     peer_pid: Option<u32>,
-    max_rate: f64,
+    limits: IngestLimits,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
-    let hello = match inbound.message().await? {
+    let Ok(first) = tokio::time::timeout(limits.hello_timeout, inbound.message()).await else {
+        state.ingest.reject("hello_timeout", 1);
+        return Err(Status::deadline_exceeded(format!(
+            "no Hello within {:?} of opening the stream (--hello-timeout)",
+            limits.hello_timeout
+        )));
+    };
+    // The stream's slot is taken at the hello: streams that never say one
+    // cannot lock well-behaved ranks out.
+    let Ok(_slot) = streams.clone().try_acquire_owned() else {
+        state.ingest.reject("too_many_streams", 1);
+        return Err(Status::resource_exhausted(
+            "the agent has reached its limit of concurrent streams (--max-streams)",
+        ));
+    };
+    state.ingest.streams_active.inc();
+    let _active = scopeguard_dec(&state.ingest.streams_active);
+    let max_rate = limits.max_marker_rate;
+    let hello = match first? {
         Some(pb::ClientMessage {
             kind: Some(Kind::Hello(hello)),
         }) => hello,
@@ -222,6 +247,17 @@ fn send_advisories(
         // Never wait on a slow client; the metric carries the news too.
         let _ = tx.try_send(Ok(agent_message(&advisory)));
     }
+}
+
+/// Decrements the gauge when dropped, however the stream ends.
+fn scopeguard_dec(gauge: &prometheus::IntGauge) -> impl Drop + '_ {
+    struct Dec<'a>(&'a prometheus::IntGauge);
+    impl Drop for Dec<'_> {
+        fn drop(&mut self) {
+            self.0.dec();
+        }
+    }
+    Dec(gauge)
 }
 
 /// A trace chunk refused, with its `stepwatch_markers_rejected_total` reason.

@@ -97,23 +97,30 @@ pub async fn run_until(
     });
 
     let uds = bind_socket(&config.socket, config.socket_mode)?;
+    // HTTP/2 streams per connection: one client process holds one per rank.
+    let per_connection = u32::try_from(config.max_streams_per_connection).ok();
     let ingest = || {
         IngestServer::new(ingest::IngestService::new(
             state.clone(),
-            config.max_streams,
-            config.max_marker_rate,
+            ingest::IngestLimits {
+                max_streams: config.max_streams,
+                max_marker_rate: config.max_marker_rate,
+                hello_timeout: config.hello_timeout,
+            },
         ))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
     };
     let uds_task = tokio::spawn(
         tonic::transport::Server::builder()
+            .max_concurrent_streams(per_connection)
             .add_service(ingest())
             .serve_with_incoming_shutdown(UnixListenerStream::new(uds), stopped(stop_rx.clone())),
     );
     let tcp_task = match config.grpc_listen {
         Some(addr) => {
-            let mut server = tonic::transport::Server::builder();
+            let mut server =
+                tonic::transport::Server::builder().max_concurrent_streams(per_connection);
             match tls_config(&config)? {
                 Some(tls) => {
                     server = server

@@ -45,7 +45,7 @@ impl IngestMetrics {
             )?,
             streams_active: IntGauge::new(
                 "stepwatch_ingest_streams_active",
-                "Marker streams currently open.",
+                "Marker streams currently open that have said hello.",
             )?,
             streams_opened: IntCounter::new(
                 "stepwatch_ingest_streams_opened_total",
