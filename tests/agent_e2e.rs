@@ -365,6 +365,74 @@ fn streams_that_never_say_hello_are_ended_and_do_not_lock_ranks_out() {
     assert_eq!(agent.get("/api/v1/jobs/polite").0, 200);
 }
 
+/// Refusals at the wire are counted like the others, so the
+/// MarkersRejected alert sees a client that sends garbage.
+#[test]
+fn undecodable_oversized_and_empty_floods_are_refused_and_counted() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{AgentMessage, Marker};
+
+    let agent = Agent::start_with("wire-refusals", 1, &["--max-marker-rate", "100"], |_| {});
+    let endpoint = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
+            .unwrap()
+            .connect()
+            .await
+            .expect("connect to the agent");
+        // A Marker where a ClientMessage belongs: field 1 with the wrong
+        // wire type, which no ClientMessage decoder accepts.
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.unwrap();
+        let codec = tonic_prost::ProstCodec::<Marker, AgentMessage>::default();
+        let garbage = Marker {
+            kind: 1,
+            step: 1,
+            ..Default::default()
+        };
+        let refused = match grpc
+            .streaming(
+                tonic::Request::new(tokio_stream::iter(vec![garbage])),
+                tonic::codegen::http::uri::PathAndQuery::from_static("/stepwatch.v1.Ingest/Stream"),
+                codec,
+            )
+            .await
+        {
+            Ok(response) => {
+                let mut inbound = response.into_inner();
+                inbound.message().await.expect_err("the agent refuses it")
+            }
+            Err(status) => status,
+        };
+        assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+
+        // A hello over the 64 KiB message limit.
+        let mut big = hello("big", 0, 1);
+        if let Some(stepwatch_proto::v1::client_message::Kind::Hello(h)) = &mut big.kind {
+            h.framework_version = "x".repeat(70_000);
+        }
+        let refused = exchange(&endpoint, vec![big]).await.expect_err("too large");
+        assert_eq!(refused.code(), tonic::Code::OutOfRange, "{refused:?}");
+
+        // A flood of empty batches, beyond 100 messages/s.
+        let mut flood = vec![hello("empty", 0, 1)];
+        flood.extend((0..500).map(|_| batch(Vec::new())));
+        let refused = exchange(&endpoint, flood).await.expect_err("rate limited");
+        assert_eq!(
+            refused.code(),
+            tonic::Code::ResourceExhausted,
+            "{refused:?}"
+        );
+    });
+    agent.wait_metrics("every refusal counted", Duration::from_secs(5), |m| {
+        let reason = |r| m.get("stepwatch_markers_rejected_total", &[("reason", r)]);
+        reason("decode_error") == Some(1.0)
+            && reason("message_too_large") == Some(1.0)
+            && reason("rate_limited") == Some(1.0)
+    });
+}
+
 #[test]
 fn finished_jobs_give_their_slots_to_new_ones_when_the_rank_table_is_full() {
     let agent = Agent::start_with("rank-room", 1, &["--max-ranks", "2"], |_| {});

@@ -77,9 +77,23 @@ impl Ingest for IngestService {
         let limits = self.limits;
         tokio::spawn(async move {
             state.ingest.streams_opened.inc();
-            if let Err(status) =
-                serve_stream(&state, &streams, inbound, peer_pid, limits, &tx).await
-            {
+            let served = tokio::spawn({
+                let (state, tx) = (state.clone(), tx.clone());
+                async move { serve_stream(&state, &streams, inbound, peer_pid, limits, &tx).await }
+            })
+            .await;
+            let result = match served {
+                Ok(result) => result,
+                // A bug must not pass unseen: counted, logged, and the client told.
+                Err(e) => {
+                    state.ingest.reject("internal_error", 1);
+                    tracing::error!(error = %e, "a stream's handler failed; the stream is ended");
+                    Err(Status::internal(
+                        "the agent failed to handle this stream; see its log",
+                    ))
+                }
+            };
+            if let Err(status) = result {
                 tracing::debug!(code = ?status.code(), message = status.message(), "stream ended with an error");
                 let _ = tx.send(Err(status)).await;
             }
@@ -96,7 +110,9 @@ async fn serve_stream(
     limits: IngestLimits,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
-    let Ok(first) = tokio::time::timeout(limits.hello_timeout, inbound.message()).await else {
+    let Ok(first) =
+        tokio::time::timeout(limits.hello_timeout, next_message(state, &mut inbound)).await
+    else {
         state.ingest.reject("hello_timeout", 1);
         return Err(Status::deadline_exceeded(format!(
             "no Hello within {:?} of opening the stream (--hello-timeout)",
@@ -157,10 +173,17 @@ async fn receive_markers(
     let mut bucket = TokenBucket::new(max_rate);
     let mut markers = Vec::new();
     let mut trace = TraceAssembly::default();
-    while let Some(message) = inbound.message().await? {
+    while let Some(message) = next_message(state, inbound).await? {
         let batch = match message.kind {
             Some(Kind::Markers(batch)) => batch,
             Some(Kind::AllocatorTrace(chunk)) => {
+                // A chunk costs like a marker, so a flood of them is bounded too.
+                if !bucket.take(1.0) {
+                    state.ingest.reject("rate_limited", 1);
+                    return Err(Status::resource_exhausted(format!(
+                        "more than {max_rate} messages/s on one stream (--max-marker-rate)"
+                    )));
+                }
                 match trace.add(chunk) {
                     Ok(Some(complete)) => {
                         replay_trace(state, key, gradients, complete, tx).await?;
@@ -195,7 +218,8 @@ async fn receive_markers(
                 batch.markers.len()
             )));
         }
-        if !bucket.take(n as f64) {
+        // An empty batch costs one, so a flood of them is bounded too.
+        if !bucket.take(n.max(1) as f64) {
             state.ingest.reject("rate_limited", n);
             return Err(Status::resource_exhausted(format!(
                 "more than {max_rate} markers/s on one stream (--max-marker-rate)"
@@ -246,6 +270,47 @@ fn send_advisories(
             .inc();
         // Never wait on a slow client; the metric carries the news too.
         let _ = tx.try_send(Ok(agent_message(&advisory)));
+    }
+}
+
+/// The next client message. Refusals at the wire (a message over the size
+/// limit, bytes that are not a ClientMessage) are counted like every other
+/// refusal, and a message that does not decode is the client's error
+/// (INVALID_ARGUMENT), not the agent's (tonic says INTERNAL).
+async fn next_message(
+    state: &AgentState,
+    inbound: &mut Streaming<pb::ClientMessage>,
+) -> Result<Option<pb::ClientMessage>, Status> {
+    inbound
+        .message()
+        .await
+        .map_err(|status| match wire_refusal(&status) {
+            Some(reason) => {
+                state.ingest.reject(reason, 1);
+                match reason {
+                    "decode_error" => Status::invalid_argument(status.message().to_string()),
+                    _ => status,
+                }
+            }
+            None => status,
+        })
+}
+
+/// The `stepwatch_markers_rejected_total` reason of a status tonic raised
+/// while reading a message; None for the client going away.
+fn wire_refusal(status: &Status) -> Option<&'static str> {
+    match status.code() {
+        tonic::Code::OutOfRange if status.message().contains("message length too large") => {
+            Some("message_too_large")
+        }
+        tonic::Code::Internal
+            if status
+                .message()
+                .starts_with("failed to decode Protobuf message") =>
+        {
+            Some("decode_error")
+        }
+        _ => None,
     }
 }
 
