@@ -433,6 +433,48 @@ fn undecodable_oversized_and_empty_floods_are_refused_and_counted() {
     });
 }
 
+/// A flood of connections once took the agent to its descriptor limit, and
+/// `/healthz` stopped answering (Kubernetes would restart the agent).
+#[test]
+fn an_ingest_connection_flood_hits_the_cap_not_the_descriptor_limit() {
+    let agent = Agent::start_with_nofile(
+        "conn-flood",
+        64,
+        &["--max-connections", "16", "--idle-timeout", "60s"],
+    );
+    // 100 ingest connections that send nothing, held open: far past 64
+    // descriptors, and well inside the idle timeout.
+    let flood: Vec<_> = (0..100)
+        .map(|_| std::os::unix::net::UnixStream::connect(&agent.socket).expect("connect"))
+        .collect();
+    agent.wait_for("/healthz", 200, Duration::from_secs(20));
+    assert_eq!(agent.get("/metrics").0, 200);
+    drop(flood);
+    // Ingest works again once the flood is gone.
+    wait_ok(
+        agent.sim("demo-small", "after-flood", 0, 0, 2, 50.0),
+        "rank",
+    );
+    assert_eq!(agent.get("/api/v1/jobs/after-flood").0, 200);
+}
+
+/// The HTTP cap cannot lock `/healthz` out for good: silent clients that
+/// take every slot are closed after the idle timeout.
+#[test]
+fn silent_http_clients_holding_every_slot_are_closed_after_the_idle_timeout() {
+    let agent = Agent::start_with(
+        "http-idle",
+        1,
+        &["--max-http-connections", "4", "--idle-timeout", "1s"],
+        |_| {},
+    );
+    let silent: Vec<_> = (0..4)
+        .map(|_| std::net::TcpStream::connect(agent.http).expect("connect"))
+        .collect();
+    agent.wait_for("/healthz", 200, Duration::from_secs(20));
+    drop(silent);
+}
+
 #[test]
 fn finished_jobs_give_their_slots_to_new_ones_when_the_rank_table_is_full() {
     let agent = Agent::start_with("rank-room", 1, &["--max-ranks", "2"], |_| {});

@@ -87,6 +87,33 @@ impl Agent {
         extra_args: &[&str],
         prepare: impl FnOnce(&FakeNvml),
     ) -> Self {
+        Self::spawn(tag, node_name, specs, socket, extra_args, prepare, None)
+    }
+
+    /// Like `start_with`, with the agent's open-file limit (soft and hard)
+    /// set to `nofile`, as a small container might have.
+    pub fn start_with_nofile(tag: &str, nofile: u64, extra_args: &[&str]) -> Self {
+        let specs = [GpuSpec::h100_80gb(0)];
+        Self::spawn(
+            tag,
+            "test-node",
+            &specs,
+            None,
+            extra_args,
+            |_| {},
+            Some(nofile),
+        )
+    }
+
+    fn spawn(
+        tag: &str,
+        node_name: &str,
+        specs: &[GpuSpec],
+        socket: Option<PathBuf>,
+        extra_args: &[&str],
+        prepare: impl FnOnce(&FakeNvml),
+        nofile: Option<u64>,
+    ) -> Self {
         let dir = TempDir::new(tag);
         let fake = FakeNvml::create(&dir.0, specs).unwrap();
         prepare(&fake);
@@ -95,7 +122,24 @@ impl Agent {
         let http = free_port();
         let socket = socket.unwrap_or_else(|| dir.0.join("agent.sock"));
         let log = std::fs::File::create(dir.0.join("agent.log")).unwrap();
-        let child = Command::new(BIN)
+        let mut command = Command::new(BIN);
+        if let Some(n) = nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs here.
+            unsafe {
+                command.pre_exec(move || {
+                    let limit = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = command
             .arg("agent")
             .arg("--socket")
             .arg(&socket)

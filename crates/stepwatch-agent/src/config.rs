@@ -81,6 +81,23 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_MAX_STREAMS", default_value_t = 512)]
     pub max_streams: usize,
 
+    /// Connections each ingest listener (the Unix socket, the TCP port)
+    /// holds at once; further ones wait until one closes. Keeps the agent
+    /// below its file-descriptor limit whatever clients do.
+    #[arg(long, env = "STEPWATCH_MAX_CONNECTIONS", default_value_t = 256)]
+    pub max_connections: usize,
+
+    /// Connections the HTTP listener (/metrics, /healthz, the API) holds at
+    /// once; further ones wait until one closes.
+    #[arg(long, env = "STEPWATCH_MAX_HTTP_CONNECTIONS", default_value_t = 64)]
+    pub max_http_connections: usize,
+
+    /// A connection (HTTP or ingest) that neither sends nor receives a byte
+    /// for this long is closed. Live ingest connections never idle this long:
+    /// the agent pings them every 30 s (HTTP/2 keepalive).
+    #[arg(long, env = "STEPWATCH_IDLE_TIMEOUT", default_value = "2m", value_parser = parse_duration)]
+    pub idle_timeout: Duration,
+
     /// Streams one connection may hold open at once (HTTP/2
     /// max_concurrent_streams); a client process needs one per rank it runs.
     #[arg(

@@ -9,6 +9,7 @@ pub mod config;
 mod exporter;
 mod http;
 mod ingest;
+mod listen;
 mod record;
 mod state;
 
@@ -26,7 +27,6 @@ use stepwatch_proto::v1::ingest_server::IngestServer;
 use stepwatch_proto::MAX_MESSAGE_BYTES;
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
-use tokio_stream::wrappers::{TcpListenerStream, UnixListenerStream};
 
 pub use config::{AgentConfig, LogFormat, DEFAULT_SOCKET};
 
@@ -85,11 +85,21 @@ pub async fn run_until(
         let _ = rx.changed().await;
     };
 
+    match listen::raise_fd_limit() {
+        Ok((old, new)) if new > old => {
+            tracing::info!(from = old, to = new, "raised the open-file limit")
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
+    }
+    let idle = Some(config.idle_timeout);
+
     // HTTP first, so /healthz answers while everything else starts.
     let http = TcpListener::bind(config.http_listen)
         .await
         .with_context(|| format!("cannot listen for HTTP on {}", config.http_listen))?;
     let http_addr = http.local_addr()?;
+    let http = listen::Limited::new(http, config.max_http_connections, idle);
     let http_task = tokio::spawn({
         let app = http::router(state.clone());
         let stop = stopped(stop_rx.clone());
@@ -99,6 +109,14 @@ pub async fn run_until(
     let uds = bind_socket(&config.socket, config.socket_mode)?;
     // HTTP/2 streams per connection: one client process holds one per rank.
     let per_connection = u32::try_from(config.max_streams_per_connection).ok();
+    // Keepalive pings find dead peers, and keep live quiet ones (a long
+    // step) inside the idle timeout.
+    let grpc_server = || {
+        tonic::transport::Server::builder()
+            .max_concurrent_streams(per_connection)
+            .http2_keepalive_interval(Some(Duration::from_secs(30)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+    };
     let ingest = || {
         IngestServer::new(ingest::IngestService::new(
             state.clone(),
@@ -112,15 +130,16 @@ pub async fn run_until(
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
     };
     let uds_task = tokio::spawn(
-        tonic::transport::Server::builder()
-            .max_concurrent_streams(per_connection)
+        grpc_server()
             .add_service(ingest())
-            .serve_with_incoming_shutdown(UnixListenerStream::new(uds), stopped(stop_rx.clone())),
+            .serve_with_incoming_shutdown(
+                listen::Limited::new(uds, config.max_connections, idle).into_incoming(),
+                stopped(stop_rx.clone()),
+            ),
     );
     let tcp_task = match config.grpc_listen {
         Some(addr) => {
-            let mut server =
-                tonic::transport::Server::builder().max_concurrent_streams(per_connection);
+            let mut server = grpc_server();
             match tls_config(&config)? {
                 Some(tls) => {
                     server = server
@@ -139,7 +158,7 @@ pub async fn run_until(
                 .with_context(|| format!("cannot listen for gRPC on {addr}"))?;
             Some(tokio::spawn(
                 server.add_service(ingest()).serve_with_incoming_shutdown(
-                    TcpListenerStream::new(tcp),
+                    listen::Limited::new(tcp, config.max_connections, idle).into_incoming(),
                     stopped(stop_rx.clone()),
                 ),
             ))
@@ -263,7 +282,10 @@ fn tls_config(config: &AgentConfig) -> anyhow::Result<Option<tonic::transport::S
         return Ok(None);
     };
     let read = |p: &Path| std::fs::read(p).with_context(|| format!("cannot read {}", p.display()));
-    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
+    // A handshake that never finishes must not hold a connection slot.
+    let mut tls = ServerTlsConfig::new()
+        .identity(Identity::from_pem(read(cert)?, read(key)?))
+        .timeout(Duration::from_secs(10));
     if let Some(ca) = &config.grpc_tls_client_ca {
         tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
     }
