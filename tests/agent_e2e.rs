@@ -170,6 +170,12 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
     assert_eq!(code, 200);
     assert!(body.contains("\"train-a\""), "{body}");
     assert_eq!(agent.get("/api/v1/jobs/nope").0, 404);
+    let (code, body) = agent.get("/api/v1/jobs/train-a/ranks/2?steps=5000");
+    assert_eq!(code, 400, "a report is bounded: {body}");
+    assert!(
+        body.contains("at most") || body.contains("more than 1000"),
+        "{body}"
+    );
 }
 
 #[test]

@@ -70,6 +70,14 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_MAX_STEPS", default_value_t = 1000)]
     pub max_steps: usize,
 
+    /// Memory budget of the ranks' retained step history, MiB. Past it, the
+    /// rank holding the most gives up its oldest steps (never step 1 or the
+    /// current step), counted in stepwatch_steps_trimmed_total; when nothing
+    /// is left to give, markers that add phases are refused (memory_budget).
+    /// The default fits the chart's 64 MiB memory limit.
+    #[arg(long, env = "STEPWATCH_MEMORY_BUDGET_MIB", default_value_t = 24)]
+    pub memory_budget_mib: u64,
+
     /// Ranks tracked at once. When full, the rank that finished longest ago
     /// gives way; a hello gets RESOURCE_EXHAUSTED only when every rank is
     /// connected.

@@ -254,6 +254,22 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
     tracked.add(&[], tracker.rank_count() as f64);
     tracked.done(out);
 
+    let mut f = Family::gauge(
+        node,
+        "stepwatch_retained_bytes",
+        "Bytes the ranks' retained step history holds (approximately); kept within --memory-budget-mib.",
+    );
+    f.add(&[], tracker.retained_bytes() as f64);
+    f.done(out);
+
+    let mut f = Family::counter(
+        node,
+        "stepwatch_steps_trimmed_total",
+        "Steps dropped before --max-steps to stay within --memory-budget-mib (the rank holding the most gives up its oldest).",
+    );
+    f.add(&[], tracker.steps_trimmed_total() as f64);
+    f.done(out);
+
     let mut info = Family::gauge(node, "stepwatch_rank_info", "Rank identity; always 1.");
     let mut connected = Family::gauge(
         node,

@@ -94,9 +94,16 @@ async fn job(State(state): State<Arc<AgentState>>, Path(job): Path<String>) -> R
 
 #[derive(Deserialize)]
 struct RankQuery {
-    /// Only the latest N steps (step 1 is always included).
+    /// Only the latest N steps (step 1 is always included); default
+    /// [`DEFAULT_REPORT_STEPS`], at most [`MAX_REPORT_STEPS`].
     steps: Option<usize>,
 }
+
+/// Steps a rank report holds unless `?steps=` says otherwise.
+const DEFAULT_REPORT_STEPS: usize = 100;
+/// Most steps one rank report may hold: the report is built in memory, and
+/// many concurrent large ones once took the agent past a gigabyte.
+const MAX_REPORT_STEPS: usize = 1000;
 
 async fn rank(
     State(state): State<Arc<AgentState>>,
@@ -110,6 +117,14 @@ async fn rank(
         )
             .into_response();
     };
+    let steps = query.steps.unwrap_or(DEFAULT_REPORT_STEPS);
+    if steps > MAX_REPORT_STEPS {
+        return (
+            StatusCode::BAD_REQUEST,
+            Json(json!({"error": format!("steps={steps} is more than {MAX_REPORT_STEPS}; ask for fewer")})),
+        )
+            .into_response();
+    }
     let key = RankKey { job, rank };
     // Copy out under the tracker lock; serialize after it is released (the
     // timeline of a long job is megabytes of JSON).
@@ -122,7 +137,7 @@ async fn rank(
             ));
         };
         let retained = r.timeline.steps().len();
-        let start = retained.saturating_sub(query.steps.unwrap_or(usize::MAX));
+        let start = retained.saturating_sub(steps);
         RankBody {
             summary: rank_summary(&key, r),
             node: state.node.clone(),

@@ -68,6 +68,7 @@ pub async fn run_until(
     let tracker = Tracker::new(TrackerConfig {
         max_ranks: config.max_ranks,
         max_retained_steps: config.max_steps,
+        memory_budget_bytes: config.memory_budget_mib.saturating_mul(1 << 20),
         ..TrackerConfig::default()
     });
     let state = state::AgentState::new(tracker, sampler.clone(), node.clone())?;

@@ -107,6 +107,13 @@ pub enum MarkerError {
         /// The per-step phase limit.
         limit: usize,
     },
+    /// The agent's memory budget is spent and no rank has a step left to
+    /// give up (each keeps step 1 and its current step).
+    #[error("the agent's memory budget ({budget_bytes} bytes, --memory-budget) is spent; markers that add phases are refused until ranks finish")]
+    MemoryBudget {
+        /// The budget, bytes.
+        budget_bytes: u64,
+    },
 }
 
 impl MarkerError {
@@ -119,6 +126,7 @@ impl MarkerError {
             MarkerError::OutOfOrder { .. } => "out_of_order",
             MarkerError::ClockRegressed { .. } => "clock_regressed",
             MarkerError::TooManyPhases { .. } => "too_many_phases",
+            MarkerError::MemoryBudget { .. } => "memory_budget",
         }
     }
 }

@@ -7,9 +7,11 @@ use serde::{Deserialize, Serialize};
 use crate::error::{kind_name, MarkerError};
 use crate::marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
 
-/// A step holds at most this many phases (a forward and a backward per
-/// micro-batch); more is refused rather than grown without bound.
-pub const MAX_PHASES_PER_STEP: usize = 4096;
+/// A step holds at most this many phases: a forward and a backward for each
+/// of 510 micro-batches, plus the prologue, optimizer and epilogue phases.
+/// Real steps have far fewer; more is refused rather than grown without
+/// bound (4096 let one client grow the agent by a megabyte a step).
+pub const MAX_PHASES_PER_STEP: usize = 1024;
 
 /// Memory seen by NVML during one phase, from the GPU samples whose
 /// timestamps fall inside it.
@@ -244,6 +246,10 @@ pub struct RankTimeline {
     steps: VecDeque<StepRecord>,
     #[serde(skip)]
     max_retained_steps: usize,
+    /// Phases in the retained steps, for [`RankTimeline::approx_bytes`];
+    /// recomputed after a restore.
+    #[serde(skip)]
+    phases_retained: usize,
     last_monotonic_ns: u64,
     steps_completed: u64,
     ooms: u64,
@@ -254,7 +260,7 @@ impl RankTimeline {
     /// journal stores, to bound its size), with counters unchanged.
     pub fn trimmed(&self, keep_last: usize) -> Self {
         let later = self.steps.len().saturating_sub(1);
-        Self {
+        let mut trimmed = Self {
             steps: self
                 .steps
                 .iter()
@@ -263,10 +269,13 @@ impl RankTimeline {
                 .cloned()
                 .collect(),
             max_retained_steps: self.max_retained_steps,
+            phases_retained: 0,
             last_monotonic_ns: self.last_monotonic_ns,
             steps_completed: self.steps_completed,
             ooms: self.ooms,
-        }
+        };
+        trimmed.count_phases();
+        trimmed
     }
 
     /// Re-applies the retention bound after a restore (it is not journaled).
@@ -275,6 +284,11 @@ impl RankTimeline {
         while self.steps.len() > self.max_retained_steps {
             self.steps.remove(1);
         }
+        self.count_phases();
+    }
+
+    fn count_phases(&mut self) {
+        self.phases_retained = self.steps.iter().map(|s| s.phases.len()).sum();
     }
 
     /// An empty timeline that keeps at most `max_retained_steps` steps.
@@ -282,9 +296,36 @@ impl RankTimeline {
         Self {
             steps: VecDeque::new(),
             max_retained_steps: max_retained_steps.max(2),
+            phases_retained: 0,
             last_monotonic_ns: 0,
             steps_completed: 0,
             ooms: 0,
+        }
+    }
+
+    /// What the retained steps hold in memory, approximately: their records
+    /// and phase records (closed steps' phase lists are shrunk to fit). The
+    /// figure the tracker's memory budget is enforced on.
+    pub fn approx_bytes(&self) -> u64 {
+        let bytes = self.steps.len() * std::mem::size_of::<StepRecord>()
+            + self.phases_retained * std::mem::size_of::<PhaseRecord>();
+        bytes as u64
+    }
+
+    /// Drops the oldest step after step 1, unless only step 1 and the
+    /// latest step are left (what the analysis cannot do without). Returns
+    /// whether a step was dropped.
+    pub fn trim_oldest(&mut self) -> bool {
+        if self.steps.len() <= 2 {
+            return false;
+        }
+        self.remove_step(1);
+        true
+    }
+
+    fn remove_step(&mut self, index: usize) {
+        if let Some(step) = self.steps.remove(index) {
+            self.phases_retained -= step.phases.len();
         }
     }
 
@@ -366,6 +407,7 @@ impl RankTimeline {
                 if prev.outcome == StepOutcome::Running {
                     close_open_phase(prev, m);
                     prev.outcome = StepOutcome::Abandoned;
+                    prev.phases.shrink_to_fit();
                 }
             }
             self.steps.push_back(StepRecord {
@@ -380,7 +422,7 @@ impl RankTimeline {
             });
             // Keep the first step; drop the oldest after it.
             if self.steps.len() > self.max_retained_steps {
-                self.steps.remove(1);
+                self.remove_step(1);
             }
         }
         let step = self.steps.back_mut().expect("a step is open");
@@ -389,6 +431,7 @@ impl RankTimeline {
             MarkerKind::StepEnd | MarkerKind::Oom => {
                 step.end_monotonic_ns = Some(m.monotonic_ns);
                 step.end_wall_ns = Some(m.wall_ns);
+                step.phases.shrink_to_fit();
                 if m.kind == MarkerKind::Oom {
                     step.outcome = StepOutcome::Oom;
                     self.ooms += 1;
@@ -399,6 +442,7 @@ impl RankTimeline {
             }
             kind => {
                 let phase = kind.opens().expect("non-terminal markers open a phase");
+                self.phases_retained += 1;
                 step.phases.push(PhaseRecord {
                     phase,
                     micro_batch: m.micro_batch,

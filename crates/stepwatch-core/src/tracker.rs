@@ -52,6 +52,13 @@ pub struct TrackerConfig {
     pub max_samples_per_gpu: usize,
     /// Most GPUs sampled.
     pub max_gpus: usize,
+    /// Bytes the ranks' retained steps may hold in all (see
+    /// [`RankTimeline::approx_bytes`]). Past it, the rank holding the most
+    /// gives up its oldest step (step 1 and the current step are always
+    /// kept); when no rank has a step to give, batches that add phases are
+    /// refused. Without it, retention is a product of limits (ranks × steps
+    /// × phases) far beyond any container's memory.
+    pub memory_budget_bytes: u64,
 }
 
 impl Default for TrackerConfig {
@@ -62,6 +69,7 @@ impl Default for TrackerConfig {
             // 60 s at 100 Hz.
             max_samples_per_gpu: 6000,
             max_gpus: 64,
+            memory_budget_bytes: u64::MAX,
         }
     }
 }
@@ -133,6 +141,10 @@ pub struct Tracker {
     /// Per GPU: (pid, used bytes) of the processes NVML lists on it.
     processes: HashMap<String, Vec<(u32, u64)>>,
     analysis: AnalysisConfig,
+    /// Sum of the ranks' [`RankTimeline::approx_bytes`].
+    retained_bytes: u64,
+    /// Steps dropped to stay within the memory budget.
+    steps_trimmed_total: u64,
 }
 
 impl Tracker {
@@ -144,6 +156,8 @@ impl Tracker {
             samples: HashMap::new(),
             processes: HashMap::new(),
             analysis: AnalysisConfig::default(),
+            retained_bytes: 0,
+            steps_trimmed_total: 0,
         }
     }
 
@@ -325,6 +339,7 @@ impl Tracker {
             state.info = info;
             state.connected_streams += 1;
             state.last_activity_ns = now_ns;
+            self.recount_retained();
             return Ok((key, None));
         }
         let mut evicted = None;
@@ -339,6 +354,7 @@ impl Tracker {
                 return Err(OpenError::TooManyRanks(self.config.max_ranks));
             };
             self.ranks.remove(&gone);
+            self.recount_retained();
             evicted = Some(gone);
         }
         self.ranks.insert(
@@ -405,6 +421,7 @@ impl Tracker {
             self.ranks.insert(key, state);
             restored += 1;
         }
+        self.recount_retained();
         restored
     }
 
@@ -429,10 +446,16 @@ impl Tracker {
         markers: &[Marker],
         now_ns: u64,
     ) -> Result<Vec<Advisory>, MarkerError> {
+        let budget = self.config.memory_budget_bytes;
         let Some(state) = self.ranks.get_mut(key) else {
             return Ok(Vec::new());
         };
         state.timeline.check_batch(markers)?;
+        if self.retained_bytes > budget && markers.iter().any(|m| m.kind.opens().is_some()) {
+            return Err(MarkerError::MemoryBudget {
+                budget_bytes: budget,
+            });
+        }
         state.last_activity_ns = now_ns;
         let split = if state.in_first_step() {
             let first = state
@@ -491,18 +514,60 @@ impl Tracker {
         Some(self.advise(key, now_ns))
     }
 
-    /// Applies an already checked batch and credits samples to the phases it closed.
+    /// Applies an already checked batch and credits samples to the phases it
+    /// closed; then keeps the ranks within the memory budget.
     fn apply_and_credit(&mut self, key: &RankKey, markers: &[Marker]) {
         let Some(state) = self.ranks.get_mut(key) else {
             return;
         };
+        let before = state.timeline.approx_bytes();
         state
             .timeline
             .apply_batch(markers)
             .expect("the batch was checked as a whole");
+        let after = state.timeline.approx_bytes();
         let empty = VecDeque::new();
         let window = self.samples.get(&state.info.gpu_uuid).unwrap_or(&empty);
         credit_newly_closed(&mut state.timeline, window);
+        self.retained_bytes = (self.retained_bytes + after).saturating_sub(before);
+        self.enforce_budget();
+    }
+
+    /// Drops the oldest steps of the ranks holding the most until the
+    /// retained steps fit the budget, or no rank has a step to give.
+    fn enforce_budget(&mut self) {
+        while self.retained_bytes > self.config.memory_budget_bytes {
+            let largest = self
+                .ranks
+                .values_mut()
+                .filter(|r| r.timeline.steps().len() > 2)
+                .max_by_key(|r| r.timeline.approx_bytes());
+            let Some(rank) = largest else {
+                return;
+            };
+            let before = rank.timeline.approx_bytes();
+            rank.timeline.trim_oldest();
+            let freed = before - rank.timeline.approx_bytes();
+            self.retained_bytes = self.retained_bytes.saturating_sub(freed);
+            self.steps_trimmed_total += 1;
+        }
+    }
+
+    /// Recounts [`Tracker::retained_bytes`] after ranks came or went.
+    fn recount_retained(&mut self) {
+        self.retained_bytes = self.ranks.values().map(|r| r.timeline.approx_bytes()).sum();
+        self.enforce_budget();
+    }
+
+    /// Bytes the ranks' retained steps hold (approximately); compare with
+    /// [`TrackerConfig::memory_budget_bytes`].
+    pub fn retained_bytes(&self) -> u64 {
+        self.retained_bytes
+    }
+
+    /// Steps dropped before their time to stay within the memory budget.
+    pub fn steps_trimmed_total(&self) -> u64 {
+        self.steps_trimmed_total
     }
 
     /// Adds GPU samples (any order, any batch size) and credits those that
@@ -562,7 +627,11 @@ impl Tracker {
         self.ranks.retain(|_, r| {
             r.connected_streams > 0 || now_ns.saturating_sub(r.last_activity_ns) < retention_ns
         });
-        before - self.ranks.len()
+        let evicted = before - self.ranks.len();
+        if evicted > 0 {
+            self.recount_retained();
+        }
+        evicted
     }
 
     /// A tracked rank, or None when unknown or evicted.
