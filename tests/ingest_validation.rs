@@ -76,6 +76,27 @@ fn malformed_and_out_of_range_input_is_refused_and_counted() {
             Code::InvalidArgument,
             "backward_begin cannot follow step_begin",
         );
+        // Numbers no client sends: a step near 2^64 (it once ended the
+        // real rank's stream), a size no GPU has.
+        let mut far_step = step(4, 40_000);
+        for m in &mut far_step {
+            m.step = u64::MAX;
+        }
+        expect(
+            exchange(&ep, vec![hello("j", 0, 1), batch(far_step)]).await,
+            Code::InvalidArgument,
+            "step = 18446744073709551615 is beyond what any client sends",
+        );
+        let mut huge_size = step(4, 40_000);
+        huge_size[1].allocator = Some(stepwatch_proto::v1::AllocatorStats {
+            allocated_bytes: u64::MAX - 7,
+            ..Default::default()
+        });
+        expect(
+            exchange(&ep, vec![hello("j", 0, 1), batch(huge_size)]).await,
+            Code::InvalidArgument,
+            "allocated_bytes",
+        );
         let huge: Vec<Marker> = (0..1025)
             .map(|i| marker(MarkerKind::ForwardBegin, 4, 50_000 + i))
             .collect();
@@ -103,6 +124,7 @@ fn malformed_and_out_of_range_input_is_refused_and_counted() {
     assert_eq!(rejected("unspecified_kind"), 6.0);
     assert_eq!(rejected("out_of_order"), 6.0);
     assert_eq!(rejected("batch_too_large"), 1025.0);
+    assert_eq!(rejected("implausible_value"), 12.0);
     // Rejected batches changed nothing.
     assert_eq!(m.get("stepwatch_markers_received_total", &[]), Some(18.0));
     assert_eq!(

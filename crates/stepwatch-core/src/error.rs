@@ -107,6 +107,18 @@ pub enum MarkerError {
         /// The per-step phase limit.
         limit: usize,
     },
+    /// A number no real client sends (a step, a clock reading or a size
+    /// past the plausibility limits in [`crate::marker`]); refused before
+    /// it can overflow anything downstream.
+    #[error("{field} = {value} is beyond what any client sends (at most {limit})")]
+    Implausible {
+        /// The marker field.
+        field: &'static str,
+        /// The value received.
+        value: u64,
+        /// The limit it broke.
+        limit: u64,
+    },
     /// The agent's memory budget is spent and no rank has a step left to
     /// give up (each keeps step 1 and its current step).
     #[error("the agent's memory budget ({budget_bytes} bytes, --memory-budget) is spent; markers that add phases are refused until ranks finish")]
@@ -127,6 +139,7 @@ impl MarkerError {
             MarkerError::ClockRegressed { .. } => "clock_regressed",
             MarkerError::TooManyPhases { .. } => "too_many_phases",
             MarkerError::MemoryBudget { .. } => "memory_budget",
+            MarkerError::Implausible { .. } => "implausible_value",
         }
     }
 }

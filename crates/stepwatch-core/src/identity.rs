@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::HelloError;
+use crate::marker::MAX_PLAUSIBLE_BYTES;
 
 /// Longest accepted identifier (job id, node name, pod, …), in bytes.
 pub const MAX_IDENTIFIER_BYTES: usize = 128;
@@ -150,6 +151,34 @@ impl RankInfo {
                 world_size: self.world_size,
             });
         }
+        let m = &self.model;
+        if m.parameter_count
+            .is_some_and(|n| n > MAX_PLAUSIBLE_BYTES / 2)
+        {
+            return Err(HelloError::Model(
+                "parameter_count is beyond any model (at most 2^49)",
+            ));
+        }
+        if m.parameter_bytes.is_some_and(|n| n > MAX_PLAUSIBLE_BYTES) {
+            return Err(HelloError::Model(
+                "parameter_bytes is beyond any GPU (at most 1 PiB)",
+            ));
+        }
+        if m.state_bytes_per_parameter.is_some_and(|n| n > 64) {
+            return Err(HelloError::Model(
+                "state_bytes_per_parameter is more than 64",
+            ));
+        }
+        if m.sharding_factor.is_some_and(|n| n > MAX_WORLD_SIZE) {
+            return Err(HelloError::Model(
+                "sharding_factor is more than the largest world size (65536)",
+            ));
+        }
+        if m.grad_accumulation_steps.is_some_and(|n| n > 1 << 20) {
+            return Err(HelloError::Model(
+                "grad_accumulation_steps is more than 2^20",
+            ));
+        }
         if self.model.sharding_factor == Some(0) {
             return Err(HelloError::Model("sharding_factor must be at least 1"));
         }
@@ -206,6 +235,28 @@ mod tests {
     #[test]
     fn accepts_a_plain_hello() {
         assert_eq!(info().validate(), Ok(()));
+    }
+
+    #[test]
+    fn rejects_model_facts_no_model_has() {
+        let refused = |f: fn(&mut ModelFacts)| {
+            let mut i = info();
+            f(&mut i.model);
+            matches!(i.validate(), Err(HelloError::Model(_)))
+        };
+        assert!(refused(|m| m.parameter_count = Some(u64::MAX)));
+        assert!(refused(|m| m.parameter_bytes = Some(u64::MAX / 2)));
+        assert!(refused(|m| m.state_bytes_per_parameter = Some(u32::MAX)));
+        assert!(refused(|m| m.sharding_factor = Some(70_000)));
+        assert!(refused(|m| m.grad_accumulation_steps = Some(u32::MAX)));
+        // The largest real ones pass.
+        let mut i = info();
+        i.model.parameter_count = Some(2_000_000_000_000);
+        i.model.parameter_bytes = Some(4_000_000_000_000);
+        i.model.state_bytes_per_parameter = Some(16);
+        i.model.sharding_factor = Some(65_536);
+        i.model.grad_accumulation_steps = Some(4096);
+        assert_eq!(i.validate(), Ok(()));
     }
 
     #[test]

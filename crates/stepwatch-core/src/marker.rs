@@ -112,6 +112,32 @@ pub struct AllocatorStats {
     pub num_alloc_retries: u64,
 }
 
+/// Largest byte figure a client may report: 1 PiB, beyond any GPU's (or
+/// node's) memory. Client numbers flow into sums and products; bounding
+/// them at the edge keeps every one of those far from overflow.
+pub const MAX_PLAUSIBLE_BYTES: u64 = 1 << 50;
+/// Largest step number: 2^48, a step a second for eight million years.
+pub const MAX_PLAUSIBLE_STEP: u64 = 1 << 48;
+/// Largest CLOCK_MONOTONIC reading, ns: 2^62, about 146 years of uptime.
+pub const MAX_PLAUSIBLE_MONOTONIC_NS: u64 = 1 << 62;
+
+impl AllocatorStats {
+    /// The first field above [`MAX_PLAUSIBLE_BYTES`], as (name, value).
+    pub fn implausible(&self) -> Option<(&'static str, u64)> {
+        [
+            ("allocated_bytes", self.allocated_bytes),
+            ("allocated_peak_bytes", self.allocated_peak_bytes),
+            ("reserved_bytes", self.reserved_bytes),
+            ("reserved_peak_bytes", self.reserved_peak_bytes),
+            ("active_bytes", self.active_bytes),
+            ("active_peak_bytes", self.active_peak_bytes),
+            ("num_alloc_retries", self.num_alloc_retries),
+        ]
+        .into_iter()
+        .find(|&(_, v)| v > MAX_PLAUSIBLE_BYTES)
+    }
+}
+
 /// One phase event of one rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Marker {

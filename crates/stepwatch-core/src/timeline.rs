@@ -5,7 +5,10 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{kind_name, MarkerError};
-use crate::marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
+use crate::marker::{
+    AllocatorStats, Marker, MarkerKind, PhaseKind, MAX_PLAUSIBLE_BYTES, MAX_PLAUSIBLE_MONOTONIC_NS,
+    MAX_PLAUSIBLE_STEP,
+};
 
 /// A step holds at most this many phases: a forward and a backward for each
 /// of 510 micro-batches, plus the prologue, optimizer and epilogue phases.
@@ -485,6 +488,24 @@ impl Cursor {
     fn check_and_advance(&mut self, m: &Marker) -> Result<(), MarkerError> {
         if m.step == 0 {
             return Err(MarkerError::StepZero);
+        }
+        let implausible = |field, value, limit| MarkerError::Implausible {
+            field,
+            value,
+            limit,
+        };
+        if m.step > MAX_PLAUSIBLE_STEP {
+            return Err(implausible("step", m.step, MAX_PLAUSIBLE_STEP));
+        }
+        if m.monotonic_ns > MAX_PLAUSIBLE_MONOTONIC_NS {
+            return Err(implausible(
+                "monotonic_ns",
+                m.monotonic_ns,
+                MAX_PLAUSIBLE_MONOTONIC_NS,
+            ));
+        }
+        if let Some((field, value)) = m.allocator.and_then(|a| a.implausible()) {
+            return Err(implausible(field, value, MAX_PLAUSIBLE_BYTES));
         }
         // A step that has ended cannot be reopened.
         if m.step < self.last_step || (m.step == self.last_step && self.open_kind.is_none()) {
