@@ -456,13 +456,14 @@ fn advisory_kind(kind: AdvisoryKind) -> pb::AdvisoryKind {
     match kind {
         AdvisoryKind::Step2OomPredicted => pb::AdvisoryKind::Step2OomPredicted,
         AdvisoryKind::LowHeadroom => pb::AdvisoryKind::LowHeadroom,
+        AdvisoryKind::RankDivergence => pb::AdvisoryKind::RankDivergence,
     }
 }
 
 fn agent_message(a: &Advisory) -> pb::AgentMessage {
     let severity = match a.kind {
         AdvisoryKind::Step2OomPredicted => pb::Severity::Critical,
-        AdvisoryKind::LowHeadroom => pb::Severity::Warning,
+        AdvisoryKind::LowHeadroom | AdvisoryKind::RankDivergence => pb::Severity::Warning,
     };
     pb::AgentMessage {
         kind: Some(pb::agent_message::Kind::Advisory(pb::Advisory {
@@ -514,6 +515,7 @@ fn rank_info(hello: pb::Hello, peer_pid: Option<u32>) -> RankInfo {
             grad_accumulation_steps: model.grad_accumulation_steps,
             state_precreated: model.state_precreated,
             grads_set_to_none: model.grads_set_to_none,
+            micro_batch_size: model.micro_batch_size,
         },
     }
 }

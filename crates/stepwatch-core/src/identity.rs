@@ -79,6 +79,11 @@ pub struct ModelFacts {
     /// False when gradients persist between steps and must be added to step 2's
     /// forward peak; unknown is read as PyTorch's default (set to None).
     pub grads_set_to_none: Option<bool>,
+    /// Samples per micro-batch (per forward pass on this rank); divides
+    /// step 1's activation memory into a per-sample figure, to say which
+    /// micro-batch would fit (see [`crate::fit`]).
+    #[serde(default)]
+    pub micro_batch_size: Option<u32>,
 }
 
 /// Everything a rank says about itself in its hello.
