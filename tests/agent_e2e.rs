@@ -479,3 +479,99 @@ fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
     // the 512 MiB outside its 1 GiB of cache.
     assert_eq!(inputs["overhead_bytes"], 512 * MIB, "{body}");
 }
+
+#[test]
+fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{agent_message, AdvisoryKind, AllocatorStats, Severity};
+
+    const MB: u64 = 1_000_000;
+    // Four ranks with the same 10 GB at step begin, 2 GB of gradients and
+    // 8 GB of optimizer state (step-1 peak 20 GB each); rank 3's forward
+    // makes 6.2 GB of activations against the others' 5 GB (+24%).
+    let step1 = |act: u64| -> Vec<_> {
+        let fb = 10_000 + act;
+        let figures = [
+            (10_000, 10_000),
+            (10_000, 10_000),
+            (fb, fb),
+            (12_000, fb),
+            (20_000, 20_000),
+            (20_000, 20_000),
+        ];
+        // Timestamps long before the agent started: no NVML sample falls in
+        // them, so the allocator figures are compared.
+        step(1, 1_000_000)
+            .into_iter()
+            .zip(figures)
+            .map(|(mut m, (allocated, peak))| {
+                m.allocator = Some(AllocatorStats {
+                    allocated_bytes: allocated * MB,
+                    allocated_peak_bytes: peak * MB,
+                    reserved_bytes: peak * MB,
+                    reserved_peak_bytes: peak * MB,
+                    ..Default::default()
+                });
+                m
+            })
+            .collect()
+    };
+    let agent = Agent::start("divergence", 1);
+    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for rank in 0..3 {
+        let got = rt
+            .block_on(exchange_collect(
+                &agent.endpoint(),
+                vec![hello("div", rank, 4), batch(step1(5_000))],
+            ))
+            .expect("a well-formed stream");
+        assert!(got.is_empty(), "rank {rank}: {got:?}");
+    }
+    let got = rt
+        .block_on(exchange_collect(
+            &agent.endpoint(),
+            vec![hello("div", 3, 4), batch(step1(6_200))],
+        ))
+        .expect("a well-formed stream");
+    let advisories: Vec<_> = got
+        .into_iter()
+        .filter_map(|m| match m.kind {
+            Some(agent_message::Kind::Advisory(a)) => Some(a),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(advisories.len(), 1, "{advisories:?}");
+    let a = &advisories[0];
+    assert_eq!(a.kind, AdvisoryKind::RankDivergence as i32);
+    assert_eq!(a.severity, Severity::Warning as i32);
+    assert!(
+        a.message
+            .contains("6.20 GB is 24.0% above the median 5.00 GB"),
+        "{}",
+        a.message
+    );
+
+    let (_, body) = agent.get("/api/v1/jobs/div");
+    let job: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let named = &job["divergence"]["named"];
+    assert_eq!(named.as_array().map(Vec::len), Some(1), "{body}");
+    assert_eq!(named[0]["rank"], 3);
+    assert_eq!(named[0]["figure"], "activation_peak");
+    assert_eq!(job["divergence"]["peak"]["spread"], 0.0, "{body}");
+    let m = Metrics(agent.metrics());
+    assert_eq!(
+        m.get(
+            "stepwatch_job_rank_outlier",
+            &[("job", "div"), ("rank", "3"), ("figure", "activation_peak")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        m.get(
+            "stepwatch_advisories_sent_total",
+            &[("kind", "ADVISORY_KIND_RANK_DIVERGENCE")]
+        ),
+        Some(1.0)
+    );
+}

@@ -213,7 +213,16 @@ fn send_advisories(
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) {
     for advisory in advisories {
-        tracing::warn!(job = %key.job, rank = key.rank, step = advisory.step, "{}", advisory.message);
+        // The message carries the figures in GB and, for a step-2 OOM, what
+        // would fit; the kind names the advisory for log queries.
+        tracing::warn!(
+            job = %key.job,
+            rank = key.rank,
+            step = advisory.step,
+            kind = advisory_kind(advisory.kind).as_str_name(),
+            "{}",
+            advisory.message
+        );
         state
             .ingest
             .advisories_sent

@@ -192,3 +192,86 @@ fn step_2_that_does_not_fit_names_the_micro_batch_and_the_sharding_that_would() 
         .message
         .contains("lower the micro-batch"));
 }
+
+/// Step 1 of a rank on its own GPU, in MB: 10 000 allocated at step begin,
+/// `act` of activations, 2 000 of gradients, 8 000 of optimizer state.
+fn step1_markers(act: u64, t0: u64) -> Vec<Marker> {
+    use MarkerKind::*;
+    const MB: u64 = 1_000_000;
+    let m = |kind, t: u64, allocated: u64, peak: u64| Marker {
+        kind,
+        step: 1,
+        monotonic_ns: t0 + t,
+        wall_ns: t0 + t,
+        micro_batch: 0,
+        allocator: Some(AllocatorStats {
+            allocated_bytes: allocated * MB,
+            allocated_peak_bytes: peak * MB,
+            reserved_bytes: peak * MB,
+            reserved_peak_bytes: peak * MB,
+            ..Default::default()
+        }),
+    };
+    let fb = 10_000 + act;
+    vec![
+        m(StepBegin, 100, 10_000, 10_000),
+        m(ForwardBegin, 200, 10_000, 10_000),
+        m(BackwardBegin, 300, fb, fb),
+        m(OptimizerBegin, 400, 12_000, fb),
+        m(OptimizerEnd, 500, 20_000, 20_000),
+        m(StepEnd, 600, 20_000, 20_000),
+    ]
+}
+
+#[test]
+fn the_rank_heavier_in_forward_is_advised_once_on_its_own_stream() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let keys: Vec<RankKey> = (0..4)
+        .map(|rank| {
+            t.open(
+                RankInfo {
+                    job: "job".into(),
+                    rank,
+                    world_size: 4,
+                    gpu_uuid: format!("GPU-{rank}"),
+                    pid: 100 + rank,
+                    ..Default::default()
+                },
+                0,
+            )
+            .unwrap()
+        })
+        .collect();
+    // Ranks 0-2 end step 1 first: nothing to compare with yet.
+    for (rank, key) in keys.iter().enumerate().take(3) {
+        let due = t
+            .markers(key, &step1_markers(5_000, 0), rank as u64)
+            .unwrap();
+        assert!(due.is_empty(), "{due:?}");
+    }
+    // Rank 3, 24% heavier in forward, ends step 1: it is named and told.
+    let due = t.markers(&keys[3], &step1_markers(6_200, 0), 10).unwrap();
+    assert_eq!(due.len(), 1, "{due:?}");
+    let a = &due[0];
+    assert_eq!(a.kind, AdvisoryKind::RankDivergence);
+    assert_eq!(
+        a.divergence.as_ref().map(|d| (d.rank, d.figure)),
+        Some((3, DivergenceFigure::ActivationPeak))
+    );
+    assert!(
+        a.message.starts_with(
+            "rank 3: its step-1 activation peak (forward/backward peak above the memory at \
+             step begin) of 6.20 GB is 24.0% above the median 5.00 GB of the job's 4 ranks"
+        ),
+        "{}",
+        a.message
+    );
+    // Its next step boundary does not repeat it; the other ranks get none.
+    let mut step2 = step1_markers(6_200, 1_000);
+    for m in &mut step2 {
+        m.step = 2;
+    }
+    assert!(t.markers(&keys[3], &step2[..1], 20).unwrap().is_empty());
+    assert!(t.markers(&keys[0], &step2[..1], 21).unwrap().is_empty());
+    assert_eq!(t.rank(&keys[3]).unwrap().advisories.len(), 1);
+}
