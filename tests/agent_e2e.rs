@@ -374,14 +374,31 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
         Some(3),
         "the doomed rank dies of a simulated OOM:\n{doomed_log}"
     );
-    assert!(
-        doomed_log.contains("advisories: 1"),
-        "its client got the advisory:\n{doomed_log}"
-    );
     wait_ok(healthy, "healthy sim");
 
     let (_, body) = agent.get("/api/v1/jobs/doomed/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    // The provisional prediction grows as step 1 goes on: an advisory goes
+    // out again each time it has worsened by 1% of capacity, so the last one
+    // the client got is within that of the prediction frozen at step 2.
+    let sent = report["advisories"].as_array().unwrap();
+    assert!(!sent.is_empty(), "{body}");
+    assert!(
+        doomed_log.contains(&format!("advisories: {}", sent.len())),
+        "its client got every advisory:\n{doomed_log}"
+    );
+    let capacity = sent[0]["capacity_bytes"].as_f64().unwrap();
+    let peaks: Vec<f64> = sent
+        .iter()
+        .map(|a| a["predicted_peak_bytes"].as_f64().unwrap())
+        .collect();
+    for w in peaks.windows(2) {
+        assert!(w[1] - w[0] >= 0.01 * capacity, "{peaks:?}");
+    }
+    let frozen = report["prediction_before_step2"]["predicted_peak_bytes"]
+        .as_f64()
+        .unwrap();
+    assert!(frozen - peaks[peaks.len() - 1] < 0.01 * capacity, "{body}");
     let advisory = &report["advisories"][0];
     assert_eq!(advisory["kind"], "step2_oom_predicted", "{body}");
     assert_eq!(advisory["step"], 1);
@@ -396,6 +413,31 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
     );
     assert!(advisory["predicted_headroom_bytes"].as_i64().unwrap() < 0);
 
+    // Every JSON path the README names is in the answers.
+    let (_, job_body) = agent.get("/api/v1/jobs/doomed");
+    let job: serde_json::Value = serde_json::from_str(&job_body).unwrap();
+    let paths = readme_json_paths();
+    assert!(paths.len() >= 10, "{paths:?}");
+    for (answer, path) in &paths {
+        let root = if answer == "job" { &job } else { &report };
+        assert!(
+            json_path_exists(root, path),
+            "README's {answer} path {path} is not in the answer:\n{}",
+            if answer == "job" { &job_body } else { &body }
+        );
+    }
+    // The thin-margin job's message is in GB and its explanation has no
+    // Rust enum names.
+    let message = advisory["message"].as_str().unwrap();
+    assert!(message.contains(" GB exceeds capacity "), "{message}");
+    let explanation = report["prediction_before_step2"]["explanation"]
+        .as_str()
+        .unwrap();
+    assert!(
+        !explanation.contains("MeasuredJump") && explanation.contains(" GB"),
+        "{explanation}"
+    );
+
     let (_, body) = agent.get("/api/v1/jobs/healthy/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(report["advisories"].as_array().unwrap().len(), 0, "{body}");
@@ -406,7 +448,7 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
             "stepwatch_advisories_sent_total",
             &[("kind", "ADVISORY_KIND_STEP2_OOM_PREDICTED")]
         ),
-        Some(1.0)
+        Some(peaks.len() as f64)
     );
     assert_eq!(
         m.get("stepwatch_rank_ooms_total", &[("job", "doomed")]),
@@ -574,4 +616,47 @@ fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
         ),
         Some(1.0)
     );
+}
+
+/// (answer, path) of each row of README's "JSON paths" table.
+fn readme_json_paths() -> Vec<(String, String)> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme
+        .split("### JSON paths")
+        .nth(1)
+        .expect("README has a JSON paths section");
+    let section = section.split("\n### ").next().unwrap();
+    section
+        .lines()
+        .filter_map(|line| {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            let (answer, path) = (cells.get(1)?, cells.get(2)?);
+            let path = path.strip_prefix('`')?.strip_suffix('`')?;
+            matches!(*answer, "rank" | "job").then(|| (answer.to_string(), path.to_string()))
+        })
+        .collect()
+}
+
+/// Whether `path` (dot-separated keys; `key[]` steps into a list's first
+/// element) names a key in `v`; the value may be null.
+fn json_path_exists(v: &serde_json::Value, path: &str) -> bool {
+    let mut cur = v;
+    for part in path.split('.') {
+        let (key, list) = match part.strip_suffix("[]") {
+            Some(k) => (k, true),
+            None => (part, false),
+        };
+        let Some(next) = cur.as_object().and_then(|o| o.get(key)) else {
+            return false;
+        };
+        cur = next;
+        if list {
+            match cur.as_array().and_then(|a| a.first()) {
+                Some(first) => cur = first,
+                None => return false,
+            }
+        }
+    }
+    true
 }

@@ -63,7 +63,7 @@ pub struct Advisory {
     /// A sentence a person understands.
     pub message: String,
     /// For a rank-divergence advisory: the figure the rank is named for.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub divergence: Option<NamedOutlier>,
 }
 

@@ -163,6 +163,9 @@ impl RankInfo {
                 "grad_accumulation_steps must be at least 1",
             ));
         }
+        if self.model.micro_batch_size == Some(0) {
+            return Err(HelloError::Model("micro_batch_size must be at least 1"));
+        }
         Ok(())
     }
 }
@@ -211,6 +214,18 @@ mod tests {
     #[test]
     fn accepts_a_plain_hello() {
         assert_eq!(info().validate(), Ok(()));
+    }
+
+    #[test]
+    fn rejects_a_zero_micro_batch_size() {
+        let mut i = info();
+        i.model.micro_batch_size = Some(0);
+        assert_eq!(
+            i.validate(),
+            Err(HelloError::Model("micro_batch_size must be at least 1"))
+        );
+        i.model.micro_batch_size = Some(1);
+        assert_eq!(i.validate(), Ok(()));
     }
 
     #[test]
