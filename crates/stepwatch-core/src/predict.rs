@@ -703,6 +703,8 @@ pub fn predict_with(
         optimizer_phase_peak_bytes: opt_peak,
         predicted_peak_bytes: device,
         capacity_bytes,
+        target_headroom_bytes: (config.low_headroom_fraction.max(0.0) * capacity_bytes as f64)
+            .ceil() as u64,
         state_bytes: state,
         sharding_factor: inferred_sharding_factor.unwrap_or(sharding),
         activation_bytes: {

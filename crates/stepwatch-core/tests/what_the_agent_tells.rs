@@ -151,14 +151,16 @@ fn step_2_that_does_not_fit_names_the_micro_batch_and_the_sharding_that_would() 
         micro_batch_size: Some(4),
         ..Default::default()
     };
-    // 7550 M: 1500 M over. Activations 6000 − 1000 = 5000 M over 4 samples:
-    // 1250 M each; ceil(1500 / 1250) = 2 fewer → 2. The 800 M of state
-    // cannot free 1500 M: no sharding is enough.
+    // 7550 M: 1500 M over; the remedies aim for 5% of capacity to spare,
+    // so 1500 + 377.5 = 1877.5 M to shed. Activations 6000 − 1000 = 5000 M
+    // over 4 samples: 1250 M each; ceil(1877.5 / 1250) = 2 fewer → 2. The
+    // 800 M of state cannot free that: no sharding is enough.
     let p = predict_base(facts.clone(), 7550);
     let f = p.what_would_fit.unwrap();
     assert_eq!(f.activation_bytes, Some(5000 * M));
     assert_eq!(f.activation_bytes_per_sample, Some(1250 * M));
     assert_eq!(f.over_capacity_bytes, Some(1500 * M));
+    assert_eq!(f.target_headroom_bytes, 7550 * M / 20);
     assert_eq!(f.fits_with_micro_batch_size, Some(2));
     assert_eq!(f.fits_with_sharding_factor, None);
     let a = due(&p, 7550 * M, 1, 0, &[]);
@@ -168,18 +170,19 @@ fn step_2_that_does_not_fit_names_the_micro_batch_and_the_sharding_that_would() 
         "{}",
         a[0].message
     );
-    // 8850 M: 200 M over → 1 fewer → 3; or the state over ceil(800 / 600) = 2.
+    // 8850 M: 200 M over, 200 + 442.5 = 642.5 M to shed → 1 fewer → 3; or
+    // the state over ceil(800 / (800 − 642.5)) = ceil(5.08) = 6 ranks.
     let p = predict_base(facts, 8850);
     let f = p.what_would_fit.unwrap();
     assert_eq!(
         (f.fits_with_micro_batch_size, f.fits_with_sharding_factor),
-        (Some(3), Some(2))
+        (Some(3), Some(6))
     );
     let a = due(&p, 8850 * M, 1, 0, &[]);
     assert!(
         a[0].message.ends_with(
             "; predicted to fit: a micro-batch of 3 instead of 4, or optimizer state sharded \
-             over 2 ranks (ZeRO-1 / FSDP)"
+             over 6 ranks (ZeRO-1 / FSDP)"
         ),
         "{}",
         a[0].message
