@@ -580,8 +580,15 @@ fn run_group(
                 .and_then(|s| s["step"].as_u64())
                 .unwrap_or(0)
         });
-        // The most severe advisory: an OOM prediction may follow a low-headroom one.
-        let advisories = report["advisories"].as_array().cloned().unwrap_or_default();
+        // The most severe advisory: an OOM prediction may follow a low-headroom
+        // one. Rank-divergence advisories say nothing about step 2 fitting.
+        let advisories: Vec<serde_json::Value> = report["advisories"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|a| a["kind"] != "rank_divergence")
+            .cloned()
+            .collect();
         let severe = advisories
             .iter()
             .find(|a| a["kind"] == "step2_oom_predicted")

@@ -292,6 +292,7 @@ fn proto_facts(f: &stepwatch_core::ModelFacts) -> pb::ModelFacts {
         grad_accumulation_steps: f.grad_accumulation_steps,
         state_precreated: f.state_precreated,
         grads_set_to_none: f.grads_set_to_none,
+        micro_batch_size: f.micro_batch_size,
     }
 }
 

@@ -620,14 +620,31 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
         Some(3),
         "the doomed rank dies of a simulated OOM:\n{doomed_log}"
     );
-    assert!(
-        doomed_log.contains("advisories: 1"),
-        "its client got the advisory:\n{doomed_log}"
-    );
     wait_ok(healthy, "healthy sim");
 
     let (_, body) = agent.get("/api/v1/jobs/doomed/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    // The provisional prediction grows as step 1 goes on: an advisory goes
+    // out again each time it has worsened by 1% of capacity, so the last one
+    // the client got is within that of the prediction frozen at step 2.
+    let sent = report["advisories"].as_array().unwrap();
+    assert!(!sent.is_empty(), "{body}");
+    assert!(
+        doomed_log.contains(&format!("advisories: {}", sent.len())),
+        "its client got every advisory:\n{doomed_log}"
+    );
+    let capacity = sent[0]["capacity_bytes"].as_f64().unwrap();
+    let peaks: Vec<f64> = sent
+        .iter()
+        .map(|a| a["predicted_peak_bytes"].as_f64().unwrap())
+        .collect();
+    for w in peaks.windows(2) {
+        assert!(w[1] - w[0] >= 0.01 * capacity, "{peaks:?}");
+    }
+    let frozen = report["prediction_before_step2"]["predicted_peak_bytes"]
+        .as_f64()
+        .unwrap();
+    assert!(frozen - peaks[peaks.len() - 1] < 0.01 * capacity, "{body}");
     let advisory = &report["advisories"][0];
     assert_eq!(advisory["kind"], "step2_oom_predicted", "{body}");
     assert_eq!(advisory["step"], 1);
@@ -642,6 +659,31 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
     );
     assert!(advisory["predicted_headroom_bytes"].as_i64().unwrap() < 0);
 
+    // Every JSON path the README names is in the answers.
+    let (_, job_body) = agent.get("/api/v1/jobs/doomed");
+    let job: serde_json::Value = serde_json::from_str(&job_body).unwrap();
+    let paths = readme_json_paths();
+    assert!(paths.len() >= 10, "{paths:?}");
+    for (answer, path) in &paths {
+        let root = if answer == "job" { &job } else { &report };
+        assert!(
+            json_path_exists(root, path),
+            "README's {answer} path {path} is not in the answer:\n{}",
+            if answer == "job" { &job_body } else { &body }
+        );
+    }
+    // The thin-margin job's message is in GB and its explanation has no
+    // Rust enum names.
+    let message = advisory["message"].as_str().unwrap();
+    assert!(message.contains(" GB exceeds capacity "), "{message}");
+    let explanation = report["prediction_before_step2"]["explanation"]
+        .as_str()
+        .unwrap();
+    assert!(
+        !explanation.contains("MeasuredJump") && explanation.contains(" GB"),
+        "{explanation}"
+    );
+
     let (_, body) = agent.get("/api/v1/jobs/healthy/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(report["advisories"].as_array().unwrap().len(), 0, "{body}");
@@ -652,7 +694,7 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
             "stepwatch_advisories_sent_total",
             &[("kind", "ADVISORY_KIND_STEP2_OOM_PREDICTED")]
         ),
-        Some(1.0)
+        Some(peaks.len() as f64)
     );
     assert_eq!(
         m.get("stepwatch_rank_ooms_total", &[("job", "doomed")]),
@@ -724,4 +766,143 @@ fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
     // The sample before step 1 began bounds NVML's view beyond the allocator:
     // the 512 MiB outside its 1 GiB of cache.
     assert_eq!(inputs["overhead_bytes"], 512 * MIB, "{body}");
+}
+
+#[test]
+fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{agent_message, AdvisoryKind, AllocatorStats, Severity};
+
+    const MB: u64 = 1_000_000;
+    // Four ranks with the same 10 GB at step begin, 2 GB of gradients and
+    // 8 GB of optimizer state (step-1 peak 20 GB each); rank 3's forward
+    // makes 6.2 GB of activations against the others' 5 GB (+24%).
+    let step1 = |act: u64| -> Vec<_> {
+        let fb = 10_000 + act;
+        let figures = [
+            (10_000, 10_000),
+            (10_000, 10_000),
+            (fb, fb),
+            (12_000, fb),
+            (20_000, 20_000),
+            (20_000, 20_000),
+        ];
+        // Timestamps long before the agent started: no NVML sample falls in
+        // them, so the allocator figures are compared.
+        step(1, 1_000_000)
+            .into_iter()
+            .zip(figures)
+            .map(|(mut m, (allocated, peak))| {
+                m.allocator = Some(AllocatorStats {
+                    allocated_bytes: allocated * MB,
+                    allocated_peak_bytes: peak * MB,
+                    reserved_bytes: peak * MB,
+                    reserved_peak_bytes: peak * MB,
+                    ..Default::default()
+                });
+                m
+            })
+            .collect()
+    };
+    let agent = Agent::start("divergence", 1);
+    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for rank in 0..3 {
+        let got = rt
+            .block_on(exchange_collect(
+                &agent.endpoint(),
+                vec![hello("div", rank, 4), batch(step1(5_000))],
+            ))
+            .expect("a well-formed stream");
+        assert!(got.is_empty(), "rank {rank}: {got:?}");
+    }
+    let got = rt
+        .block_on(exchange_collect(
+            &agent.endpoint(),
+            vec![hello("div", 3, 4), batch(step1(6_200))],
+        ))
+        .expect("a well-formed stream");
+    let advisories: Vec<_> = got
+        .into_iter()
+        .filter_map(|m| match m.kind {
+            Some(agent_message::Kind::Advisory(a)) => Some(a),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(advisories.len(), 1, "{advisories:?}");
+    let a = &advisories[0];
+    assert_eq!(a.kind, AdvisoryKind::RankDivergence as i32);
+    assert_eq!(a.severity, Severity::Warning as i32);
+    assert!(
+        a.message
+            .contains("6.20 GB is 24.0% above the median 5.00 GB"),
+        "{}",
+        a.message
+    );
+
+    let (_, body) = agent.get("/api/v1/jobs/div");
+    let job: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let named = &job["divergence"]["named"];
+    assert_eq!(named.as_array().map(Vec::len), Some(1), "{body}");
+    assert_eq!(named[0]["rank"], 3);
+    assert_eq!(named[0]["figure"], "activation_peak");
+    assert_eq!(job["divergence"]["peak"]["spread"], 0.0, "{body}");
+    let m = Metrics(agent.metrics());
+    assert_eq!(
+        m.get(
+            "stepwatch_job_rank_outlier",
+            &[("job", "div"), ("rank", "3"), ("figure", "activation_peak")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        m.get(
+            "stepwatch_advisories_sent_total",
+            &[("kind", "ADVISORY_KIND_RANK_DIVERGENCE")]
+        ),
+        Some(1.0)
+    );
+}
+
+/// (answer, path) of each row of README's "JSON paths" table.
+fn readme_json_paths() -> Vec<(String, String)> {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let section = readme
+        .split("### JSON paths")
+        .nth(1)
+        .expect("README has a JSON paths section");
+    let section = section.split("\n### ").next().unwrap();
+    section
+        .lines()
+        .filter_map(|line| {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            let (answer, path) = (cells.get(1)?, cells.get(2)?);
+            let path = path.strip_prefix('`')?.strip_suffix('`')?;
+            matches!(*answer, "rank" | "job").then(|| (answer.to_string(), path.to_string()))
+        })
+        .collect()
+}
+
+/// Whether `path` (dot-separated keys; `key[]` steps into a list's first
+/// element) names a key in `v`; the value may be null.
+fn json_path_exists(v: &serde_json::Value, path: &str) -> bool {
+    let mut cur = v;
+    for part in path.split('.') {
+        let (key, list) = match part.strip_suffix("[]") {
+            Some(k) => (k, true),
+            None => (part, false),
+        };
+        let Some(next) = cur.as_object().and_then(|o| o.get(key)) else {
+            return false;
+        };
+        cur = next;
+        if list {
+            match cur.as_array().and_then(|a| a.first()) {
+                Some(first) => cur = first,
+                None => return false,
+            }
+        }
+    }
+    true
 }

@@ -26,7 +26,12 @@ const FIXTURES: &[(&str, &[Expect])] = &[
             Expect {
                 job: "doomed",
                 basis: PredictionBasis::AllocatorReplay,
-                advisories: &[AdvisoryKind::Step2OomPredicted],
+                // The provisional prediction worsened by more than 1% of
+                // capacity after the first warning: a second one followed.
+                advisories: &[
+                    AdvisoryKind::Step2OomPredicted,
+                    AdvisoryKind::Step2OomPredicted,
+                ],
                 max_abs_error: None,
             },
             Expect {

@@ -493,7 +493,10 @@ class Client:
             capacity_bytes=a.capacity_bytes,
             predicted_headroom_bytes=a.predicted_headroom_bytes,
         )
-        self._last_prediction = p
+        # A rank-divergence advisory is about this rank's peers, not a
+        # prediction: last_prediction() keeps the step-2 one.
+        if a.kind != pb.ADVISORY_KIND_RANK_DIVERGENCE:
+            self._last_prediction = p
         self.counters["advisories"] += 1
         level = logging.INFO if a.severity == pb.SEVERITY_INFO else logging.WARNING
         log.log(level, "%s", advisory_text(p, self.rank_for_logs))

@@ -147,6 +147,7 @@ class _Runtime:
         precision: Optional[str] = None,
         sharding_factor: Optional[int] = None,
         grads_set_to_none: Optional[bool] = None,
+        micro_batch_size: Optional[int] = None,
         **configure: Any,
     ) -> Client:
         """What watch() and the integrations share: the model's device and facts
@@ -163,6 +164,7 @@ class _Runtime:
                     precision=precision,
                     sharding_factor=sharding_factor,
                     grads_set_to_none=grads_set_to_none,
+                    micro_batch_size=micro_batch_size,
                 )
             self.tracker.grad_accumulation_steps = grad_accumulation_steps
             return self.configure(**configure)
@@ -389,6 +391,7 @@ def watch(
     precision: Optional[str] = None,
     sharding_factor: Optional[int] = None,
     grads_set_to_none: Optional[bool] = None,
+    micro_batch_size: Optional[int] = None,
     queue_size: Optional[int] = None,
     allocator_stats: bool = True,
     allocator_trace: Optional[bool] = None,
@@ -425,6 +428,10 @@ def watch(
     The files are read once, here; one that cannot be read is logged and the
     client then behaves as with an unreachable agent (``strict=True``: raised).
 
+    ``micro_batch_size``: samples per forward on this rank. With it the agent
+    sizes step 1's activation memory per sample and, when step 2 will not fit,
+    names the largest micro-batch that would.
+
     ``allocator_trace`` (default ``$STEPWATCH_ALLOCATOR_TRACE``, on): on CUDA,
     record the caching allocator's history during step 1 (no stacks) and send
     it once, after step 1's optimizer phase, so the agent can predict step 2's
@@ -438,6 +445,7 @@ def watch(
         precision=precision,
         sharding_factor=sharding_factor,
         grads_set_to_none=grads_set_to_none,
+        micro_batch_size=micro_batch_size,
         endpoint=endpoint,
         job_id=job_id,
         rank=rank,

@@ -311,8 +311,12 @@ def model_facts(
     precision: Optional[str] = None,
     sharding_factor: Optional[int] = None,
     grads_set_to_none: Optional[bool] = None,
+    micro_batch_size: Optional[int] = None,
 ) -> Dict[str, Any]:
-    """ModelFacts fields (unknown ones left out) from a model and its optimizer."""
+    """ModelFacts fields (unknown ones left out) from a model and its optimizer.
+
+    ``micro_batch_size`` (samples per forward on this rank) lets the agent size
+    step 1's activations per sample and say which micro-batch would fit."""
     facts: Dict[str, Any] = {}
     count = 0
     nbytes = 0
@@ -355,7 +359,35 @@ def model_facts(
         facts["grad_accumulation_steps"] = int(grad_accumulation_steps)
     if grads_set_to_none is not None:
         facts["grads_set_to_none"] = bool(grads_set_to_none)
+    if micro_batch_size is not None:
+        if isinstance(micro_batch_size, bool) or int(micro_batch_size) < 1:
+            raise ValueError(f"micro_batch_size must be at least 1, not {micro_batch_size!r}")
+        facts["micro_batch_size"] = int(micro_batch_size)
     return facts
+
+
+def loader_batch_size(loader: Any) -> Optional[int]:
+    """The batch size of a training data loader, when it says: a torch
+    ``DataLoader``'s ``batch_size``, or the first loader's of a Lightning
+    ``CombinedLoader`` (``flattened``) or of a list/tuple/dict of loaders.
+    None when unknown (a ``batch_sampler``, an iterable without one)."""
+    try:
+        for _ in range(4):  # nesting bound
+            flattened = getattr(loader, "flattened", None)
+            if isinstance(flattened, (list, tuple)) and flattened:
+                loader = flattened[0]
+            elif isinstance(loader, dict) and loader:
+                loader = next(iter(loader.values()))
+            elif isinstance(loader, (list, tuple)) and loader:
+                loader = loader[0]
+            else:
+                break
+        size = getattr(loader, "batch_size", None)
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
+            return size
+    except Exception:
+        pass
+    return None
 
 
 # --------------------------------------------------------------- hooks

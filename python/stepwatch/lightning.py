@@ -50,6 +50,7 @@ class StepwatchCallback(Callback):
         on_advisory: Optional[Callable[[Prediction], None]] = None,
         precision: Optional[str] = None,
         sharding_factor: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
         strict: bool = False,
     ) -> None:
         super().__init__()
@@ -58,6 +59,8 @@ class StepwatchCallback(Callback):
         self.on_advisory = on_advisory
         self.precision = precision
         self.sharding_factor = sharding_factor
+        # None: taken from the trainer (its per-device batch size).
+        self.micro_batch_size = micro_batch_size
         self.strict = strict
         self._handle = WatchHandle()
 
@@ -67,12 +70,16 @@ class StepwatchCallback(Callback):
         gas = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
         world = int(getattr(trainer, "world_size", 1) or 1)
         precision = self.precision or _precision_name(getattr(trainer, "precision", None))
+        mbs = self.micro_batch_size or _torch.loader_batch_size(
+            getattr(trainer, "train_dataloader", None)
+        )
         RT.attach(
             pl_module,
             optimizers,
             grad_accumulation_steps=gas,
             precision=precision,
             sharding_factor=self.sharding_factor,
+            micro_batch_size=mbs,
             endpoint=self.endpoint,
             job_id=self.job_id,
             rank=int(getattr(trainer, "global_rank", 0)) if world > 1 else None,

@@ -33,6 +33,7 @@ class StepwatchCallback(TrainerCallback):
         on_advisory: Optional[Callable[[Prediction], None]] = None,
         precision: Optional[str] = None,
         sharding_factor: Optional[int] = None,
+        micro_batch_size: Optional[int] = None,
         strict: bool = False,
     ) -> None:
         self.job_id = job_id
@@ -40,6 +41,8 @@ class StepwatchCallback(TrainerCallback):
         self.on_advisory = on_advisory
         self.precision = precision
         self.sharding_factor = sharding_factor
+        # None: taken from the trainer (its per-device batch size).
+        self.micro_batch_size = micro_batch_size
         self.strict = strict
         self._handle = WatchHandle()
 
@@ -50,6 +53,7 @@ class StepwatchCallback(TrainerCallback):
         optimizer = kwargs.get("optimizer")
         gas = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
         world = int(getattr(args, "world_size", 1) or 1)
+        mbs = self.micro_batch_size or getattr(args, "per_device_train_batch_size", None)
         precision = self.precision
         if precision is None:
             if getattr(args, "bf16", False):
@@ -62,6 +66,7 @@ class StepwatchCallback(TrainerCallback):
             grad_accumulation_steps=gas,
             precision=precision,
             sharding_factor=self.sharding_factor,
+            micro_batch_size=mbs,
             endpoint=self.endpoint,
             job_id=self.job_id,
             rank=int(getattr(args, "process_index", 0)) if world > 1 else None,

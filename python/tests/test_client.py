@@ -180,6 +180,26 @@ def test_advisory_logged_callback_and_last_prediction(agent, caplog):
     assert stepwatch.stats()["advisories"] == 1
 
 
+def test_rank_divergence_is_logged_but_last_prediction_keeps_the_step2_one(agent, caplog):
+    got = []
+    stepwatch.configure(on_advisory=got.append, rank=3, world_size=4)
+    mark_steps(1)
+    agent.wait_markers(6)
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        agent.advise(kind=1, severity=3, step=1, message="step 2 will not fit")
+        agent.advise(kind=3, severity=2, step=1, message="rank 3: its activation peak is off")
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert [p.kind for p in got] == [
+        "ADVISORY_KIND_STEP2_OOM_PREDICTED",
+        "ADVISORY_KIND_RANK_DIVERGENCE",
+    ]
+    assert stepwatch.last_prediction() is got[0]
+    text = [r.getMessage() for r in caplog.records if r.name == "stepwatch"]
+    assert any("activation peak is off" in t for t in text)
+
+
 def test_failing_callback_does_not_break_the_stream(agent, caplog):
     calls = []
 

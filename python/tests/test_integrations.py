@@ -82,6 +82,7 @@ def test_lightning_callback(agent, tmp_path, monkeypatch, accumulate, step_hooks
     h = agent.streams[0].hello
     assert h.framework == "lightning" and h.model.optimizer == 1
     assert h.model.grad_accumulation_steps == accumulate
+    assert h.model.micro_batch_size == 4  # the DataLoader's batch_size
     assert len(installed) == (1 if step_hooks else 0)
     # who closed each step (the last call is on_train_end's, a no-op then)
     assert sources[:steps] == ["optimizer_end" if step_hooks else "_end_of_batch"] * steps
@@ -133,4 +134,5 @@ def test_transformers_callback(agent, tmp_path, accumulate):
     assert summary(ms) == expected(steps, accumulate)
     h = agent.streams[0].hello
     assert h.framework == "transformers" and h.model.grad_accumulation_steps == accumulate
+    assert h.model.micro_batch_size == 4  # per_device_train_batch_size
     assert stepwatch.flush(1)

@@ -116,6 +116,37 @@ def test_hello_model_facts(agent):
     assert m.optimizer == 1 and m.state_bytes_per_parameter == 8  # ADAM, 2 x fp32
     assert m.precision == 2 and m.sharding_factor == 2
     assert m.HasField("state_precreated") and not m.state_precreated
+    assert not m.HasField("micro_batch_size")
+
+
+def test_hello_micro_batch_size(agent):
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters())
+    stepwatch.watch(model, opt, job_id="mbs", micro_batch_size=8)
+    train(model, opt, 1)
+    agent.wait_markers(6)
+    assert agent.streams[0].hello.model.micro_batch_size == 8
+
+
+@pytest.mark.parametrize("bad", [0, -2, True])
+def test_micro_batch_size_below_one_is_refused(bad):
+    from stepwatch._torch import model_facts
+
+    with pytest.raises(ValueError, match="micro_batch_size must be at least 1"):
+        model_facts(small_model(), micro_batch_size=bad)
+
+
+def test_loader_batch_size():
+    from stepwatch._torch import loader_batch_size
+
+    ds = torch.utils.data.TensorDataset(torch.randn(8, 2))
+    loader = torch.utils.data.DataLoader(ds, batch_size=3)
+    assert loader_batch_size(loader) == 3
+    assert loader_batch_size([loader]) == 3
+    assert loader_batch_size({"a": loader}) == 3
+    sampler = torch.utils.data.BatchSampler(range(8), batch_size=2, drop_last=False)
+    assert loader_batch_size(torch.utils.data.DataLoader(ds, batch_sampler=sampler)) is None
+    assert loader_batch_size(None) is None
 
 
 @pytest.mark.parametrize(

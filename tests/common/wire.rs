@@ -67,3 +67,25 @@ pub async fn exchange(endpoint: &str, messages: Vec<ClientMessage>) -> Result<()
     while inbound.message().await?.is_some() {}
     Ok(())
 }
+
+/// [`exchange`], returning what the agent sent back on the stream.
+pub async fn exchange_collect(
+    endpoint: &str,
+    messages: Vec<ClientMessage>,
+) -> Result<Vec<stepwatch_proto::v1::AgentMessage>, tonic::Status> {
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+        .unwrap()
+        .connect()
+        .await
+        .expect("connect to the agent");
+    let mut client = IngestClient::new(channel);
+    let mut inbound = client
+        .stream(tokio_stream::iter(messages))
+        .await?
+        .into_inner();
+    let mut received = Vec::new();
+    while let Some(m) = inbound.message().await? {
+        received.push(m);
+    }
+    Ok(received)
+}

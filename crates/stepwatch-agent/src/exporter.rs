@@ -436,10 +436,25 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         "stepwatch_job_first_step_duration_divergence_ratio",
         "(max - min) / median of the first-step durations of the job's ranks on this node.",
     );
+    let mut act_div = Family::gauge(
+        node,
+        "stepwatch_job_activation_peak_divergence_ratio",
+        "(max - min) / median of the step-1 activation peaks (forward/backward peak above the memory at step begin) of the job's ranks on this node.",
+    );
+    let mut steady_div = Family::gauge(
+        node,
+        "stepwatch_job_steady_peak_divergence_ratio",
+        "(max - min) / median of the steady-state peaks of the job's ranks on this node.",
+    );
     let mut outlier = Family::gauge(
         node,
         "stepwatch_job_rank_outlier",
-        "1 for a rank whose first-step peak deviates from the job's median on this node beyond the threshold.",
+        "1 for a rank named as an outlier of a memory figure (figure: step1_peak, activation_peak, steady_peak): off the job's median on this node beyond the threshold, with at least 3 ranks that all have the figure.",
+    );
+    let mut rank_activation = Family::gauge(
+        node,
+        "stepwatch_rank_first_step_activation_peak_bytes",
+        "Step-1 forward/backward peak above the memory at step begin (allocated bytes, else NVML): what differs between ranks when the optimizer state is the same.",
     );
     let mut last_job: Option<&str> = None;
     for (key, rank) in tracker.ranks() {
@@ -451,9 +466,22 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
                 let job = [("job", key.job.as_str())];
                 if let Some(peak) = &div.peak {
                     peak_div.add(&job, peak.spread);
-                    for o in &peak.outliers {
-                        outlier.add(&[("job", &key.job), ("rank", &o.rank.to_string())], 1.0);
-                    }
+                }
+                if let Some(a) = &div.activation {
+                    act_div.add(&job, a.spread);
+                }
+                if let Some(st) = &div.steady {
+                    steady_div.add(&job, st.spread);
+                }
+                for n in &div.named {
+                    outlier.add(
+                        &[
+                            ("job", &key.job),
+                            ("rank", &n.rank.to_string()),
+                            ("figure", n.figure.as_str()),
+                        ],
+                        1.0,
+                    );
                 }
                 if let Some(d) = &div.duration {
                     dur_div.add(&job, d.spread);
@@ -469,6 +497,12 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         steady_reached.add(&labels, if a.steady_state.reached { 1.0 } else { 0.0 });
         if let Some(ratio) = a.anomaly_ratio {
             anomaly.add(&labels, ratio);
+        }
+        if let Some(step1) = rank.timeline.steps().next() {
+            let act = stepwatch_core::activation_peak_bytes(step1);
+            if let Some(b) = act.allocated_bytes.or(act.nvml_bytes) {
+                rank_activation.add(&labels, b as f64);
+            }
         }
         if let Some(first) = &a.first_step {
             if let Some(p) = first.nvml_peak_bytes {
@@ -529,7 +563,10 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         error,
         peak_div,
         dur_div,
+        act_div,
+        steady_div,
         outlier,
+        rank_activation,
     ] {
         f.done(out);
     }

@@ -262,7 +262,16 @@ fn send_advisories(
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) {
     for advisory in advisories {
-        tracing::warn!(job = %key.job, rank = key.rank, step = advisory.step, "{}", advisory.message);
+        // The message carries the figures in GB and, for a step-2 OOM, what
+        // would fit; the kind names the advisory for log queries.
+        tracing::warn!(
+            job = %key.job,
+            rank = key.rank,
+            step = advisory.step,
+            kind = advisory_kind(advisory.kind).as_str_name(),
+            "{}",
+            advisory.message
+        );
         state
             .ingest
             .advisories_sent
@@ -557,13 +566,14 @@ fn advisory_kind(kind: AdvisoryKind) -> pb::AdvisoryKind {
     match kind {
         AdvisoryKind::Step2OomPredicted => pb::AdvisoryKind::Step2OomPredicted,
         AdvisoryKind::LowHeadroom => pb::AdvisoryKind::LowHeadroom,
+        AdvisoryKind::RankDivergence => pb::AdvisoryKind::RankDivergence,
     }
 }
 
 fn agent_message(a: &Advisory) -> pb::AgentMessage {
     let severity = match a.kind {
         AdvisoryKind::Step2OomPredicted => pb::Severity::Critical,
-        AdvisoryKind::LowHeadroom => pb::Severity::Warning,
+        AdvisoryKind::LowHeadroom | AdvisoryKind::RankDivergence => pb::Severity::Warning,
     };
     pb::AgentMessage {
         kind: Some(pb::agent_message::Kind::Advisory(pb::Advisory {
@@ -637,6 +647,7 @@ fn rank_info(hello: pb::Hello, peer_pid: Option<u32>) -> RankInfo {
             grad_accumulation_steps: model.grad_accumulation_steps,
             state_precreated: model.state_precreated,
             grads_set_to_none: model.grads_set_to_none,
+            micro_batch_size: model.micro_batch_size,
         },
     }
 }

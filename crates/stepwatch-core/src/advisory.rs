@@ -4,10 +4,34 @@
 //! peak exceeds capacity; step 2 will likely run out of memory". Deciding
 //! when an advisory is due is part of the model (pure and testable); sending
 //! it is the ingest adapter's job.
+//!
+//! Rules:
+//! * step-2 OOM predicted / low headroom: once per kind while the rank is in
+//!   its first step, and again whenever the predicted peak has grown by at
+//!   least [`WORSENED_FRACTION`] of capacity (1%) since the last advisory of
+//!   that kind, so the message a person reads follows the prediction;
+//! * rank divergence: once per figure ([`DivergenceFigure`]) per rank
+//!   timeline, to the outlier rank itself, when it is named (see
+//!   [`crate::divergence`]).
+//!
+//! Sizes are written in decimal GB (10^9 bytes), with two decimals, as in
+//! the proto's example.
 
 use serde::{Deserialize, Serialize};
 
+use crate::divergence::{Divergence, DivergenceFigure, NamedOutlier, PeakSource};
 use crate::predict::Prediction;
+
+/// An advisory is sent again when the predicted peak grew by this fraction
+/// of capacity since the last one of its kind: small refinements of a
+/// provisional prediction do not repeat it, a real change does.
+pub const WORSENED_FRACTION: f64 = 0.01;
+
+/// Bytes as decimal GB with two decimals, e.g. "81.20 GB": the unit of every
+/// message a person reads.
+pub fn gb(bytes: f64) -> String {
+    format!("{:.2} GB", bytes / 1e9)
+}
 
 /// What an advisory is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -17,6 +41,8 @@ pub enum AdvisoryKind {
     Step2OomPredicted,
     /// It fits, with less than the low-headroom fraction to spare.
     LowHeadroom,
+    /// The rank's memory figure is far from its peers' on this node.
+    RankDivergence,
 }
 
 /// One advisory, as issued.
@@ -36,11 +62,16 @@ pub struct Advisory {
     pub predicted_headroom_bytes: i64,
     /// A sentence a person understands.
     pub message: String,
+    /// For a rank-divergence advisory: the figure the rank is named for.
+    #[serde(default)]
+    pub divergence: Option<NamedOutlier>,
 }
 
 /// The advisories `prediction` calls for that are not in `issued` yet.
-/// Each kind is issued once per rank timeline, and only while the rank is
-/// still in its first step: after that, the steps speak for themselves.
+/// The caller calls this only while the rank is in its first step: after
+/// that, the steps speak for themselves. Each kind is issued once, and again
+/// when the predicted peak has grown by [`WORSENED_FRACTION`] of capacity
+/// since the last advisory of that kind.
 pub fn due(
     prediction: &Prediction,
     capacity_bytes: u64,
@@ -58,27 +89,36 @@ pub fn due(
     } else {
         return Vec::new();
     };
-    if issued.iter().any(|a| a.kind == kind) {
-        return Vec::new();
+    let margin = WORSENED_FRACTION * capacity_bytes as f64;
+    if let Some(last) = issued.iter().rev().find(|a| a.kind == kind) {
+        let grew = prediction.predicted_peak_bytes as f64 - last.predicted_peak_bytes as f64;
+        if grew < margin {
+            return Vec::new();
+        }
     }
-    let gb = |b: f64| b / 1e9;
+    let peak = prediction.predicted_peak_bytes as f64;
+    let capacity = capacity_bytes as f64;
     let message = match kind {
-        AdvisoryKind::Step2OomPredicted => format!(
-            "predicted steady-state peak {:.2} GB exceeds capacity {:.2} GB by {:.2} GB; \
-             step 2 will likely run out of GPU memory (lower the micro-batch, enable activation \
-             recomputation, or shard optimizer state)",
-            gb(prediction.predicted_peak_bytes as f64),
-            gb(capacity_bytes as f64),
-            gb(-headroom as f64),
-        ),
+        AdvisoryKind::Step2OomPredicted => {
+            let mut m = format!(
+                "predicted steady-state peak {} exceeds capacity {} by {}; step 2 will likely \
+                 run out of GPU memory",
+                gb(peak),
+                gb(capacity),
+                gb(-headroom as f64),
+            );
+            m.push_str(&what_would_fit_words(prediction));
+            m
+        }
         AdvisoryKind::LowHeadroom => format!(
-            "predicted steady-state peak {:.2} GB leaves only {:.2} GB ({:.1}%) of {:.2} GB free; \
-             step 2 may run out of memory if anything else allocates",
-            gb(prediction.predicted_peak_bytes as f64),
+            "predicted steady-state peak {} leaves only {} ({:.1}%) of {} free; step 2 may run \
+             out of memory if anything else allocates",
+            gb(peak),
             gb(headroom as f64),
             100.0 * headroom as f64 / capacity_bytes.max(1) as f64,
-            gb(capacity_bytes as f64),
+            gb(capacity),
         ),
+        AdvisoryKind::RankDivergence => unreachable!("not a prediction advisory"),
     };
     vec![Advisory {
         kind,
@@ -88,5 +128,92 @@ pub fn due(
         capacity_bytes,
         predicted_headroom_bytes: headroom,
         message,
+        divergence: None,
     }]
+}
+
+/// The advice part of a step-2 OOM message: what would fit, when the
+/// prediction knows it, else the generic remedies.
+fn what_would_fit_words(prediction: &Prediction) -> String {
+    let fit = prediction.what_would_fit.as_ref();
+    let mut options = Vec::new();
+    if let Some(f) = fit {
+        if let (Some(m), Some(current)) = (f.fits_with_micro_batch_size, f.micro_batch_size) {
+            options.push(format!("a micro-batch of {m} instead of {current}"));
+        }
+        if let Some(s) = f.fits_with_sharding_factor {
+            options.push(format!(
+                "optimizer state sharded over {s} ranks (ZeRO-1 / FSDP)"
+            ));
+        }
+    }
+    if options.is_empty() {
+        let mut m = String::from(
+            " (lower the micro-batch, enable activation recomputation, or shard optimizer state)",
+        );
+        if let Some(f) = fit {
+            if f.micro_batch_size.is_some() && f.fits_with_micro_batch_size.is_none() {
+                m.push_str("; even a micro-batch of 1 is predicted not to fit");
+            }
+        }
+        return m;
+    }
+    format!("; predicted to fit: {}", options.join(", or "))
+}
+
+/// The rank-divergence advisories due to `rank` from its job's divergence:
+/// one per figure the rank is named for and has not been advised of yet.
+/// Severity is a warning: ranks differ for real reasons too.
+pub fn divergence_due(
+    divergence: &Divergence,
+    rank: u32,
+    step: u64,
+    now_ns: u64,
+    issued: &[Advisory],
+) -> Vec<Advisory> {
+    divergence
+        .named
+        .iter()
+        .filter(|n| n.rank == rank)
+        .filter(|n| {
+            !issued.iter().any(|a| {
+                a.kind == AdvisoryKind::RankDivergence
+                    && a.divergence.as_ref().map(|d| d.figure) == Some(n.figure)
+            })
+        })
+        .map(|n| Advisory {
+            kind: AdvisoryKind::RankDivergence,
+            step,
+            issued_monotonic_ns: now_ns,
+            predicted_peak_bytes: 0,
+            capacity_bytes: 0,
+            predicted_headroom_bytes: 0,
+            message: divergence_message(n),
+            divergence: Some(n.clone()),
+        })
+        .collect()
+}
+
+fn divergence_message(n: &NamedOutlier) -> String {
+    let source = match n.source {
+        PeakSource::Nvml => "device memory (NVML)",
+        PeakSource::Allocated => "allocated memory",
+    };
+    let hint = match n.figure {
+        DivergenceFigure::ActivationPeak => {
+            "; a different micro-batch, sequence length or model shard on this rank?"
+        }
+        _ => "; a pipeline stage, uneven shard or another process on this GPU?",
+    };
+    format!(
+        "rank {}: its {} of {} is {:.1}% {} the median {} of the job's {} ranks on this node, \
+         in {source}{hint}",
+        n.rank,
+        n.figure.describe(),
+        gb(n.value_bytes as f64),
+        100.0 * n.deviation.abs(),
+        if n.deviation >= 0.0 { "above" } else { "below" },
+        gb(n.median_bytes),
+        n.ranks,
+    )
 }

@@ -170,17 +170,8 @@ pub fn analyze_rank<'a>(
 ) -> RankAnalysis {
     let StepOneExtras { live, replay } = extras;
     let first = timeline.steps().next();
-    let later: Vec<&StepRecord> = timeline
-        .steps()
-        .skip(1)
-        .filter(|s| s.outcome == StepOutcome::Completed)
-        .collect();
-    let window: Vec<StepProfile> = later
-        .iter()
-        .take(config.steady_window.max(1))
-        .map(|s| StepProfile::of(s))
-        .collect();
-    let steady = SteadyProfile::of(&window, config.min_steady_steps.max(1));
+    let later = later_completed(timeline);
+    let steady = steady_profile(timeline, config);
     let first_profile = first.map(StepProfile::of);
     let ratio = |s: Option<u64>, f: Option<u64>| match (s, f) {
         (Some(s), Some(f)) if f > 0 => Some(s as f64 / f as f64),
@@ -250,6 +241,27 @@ pub fn analyze_rank<'a>(
         capacity_bytes,
         other_process_bytes,
     }
+}
+
+/// Completed steps after the first, in order.
+fn later_completed(timeline: &RankTimeline) -> Vec<&StepRecord> {
+    timeline
+        .steps()
+        .skip(1)
+        .filter(|s| s.outcome == StepOutcome::Completed)
+        .collect()
+}
+
+/// The steady profile of a rank (see the module documentation); None until
+/// enough steps after the first have completed. Shared by the analysis and
+/// the cross-rank divergence, so both mean the same steady peak.
+pub fn steady_profile(timeline: &RankTimeline, config: &AnalysisConfig) -> Option<SteadyProfile> {
+    let window: Vec<StepProfile> = later_completed(timeline)
+        .iter()
+        .take(config.steady_window.max(1))
+        .map(|s| StepProfile::of(s))
+        .collect();
+    SteadyProfile::of(&window, config.min_steady_steps.max(1))
 }
 
 /// Steady-state detection over completed steps after the first, in order.

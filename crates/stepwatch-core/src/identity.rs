@@ -80,6 +80,11 @@ pub struct ModelFacts {
     /// False when gradients persist between steps and must be added to step 2's
     /// forward peak; unknown is read as PyTorch's default (set to None).
     pub grads_set_to_none: Option<bool>,
+    /// Samples per micro-batch (per forward pass on this rank); divides
+    /// step 1's activation memory into a per-sample figure, to say which
+    /// micro-batch would fit (see [`crate::fit`]).
+    #[serde(default)]
+    pub micro_batch_size: Option<u32>,
 }
 
 /// Everything a rank says about itself in its hello.
@@ -174,6 +179,9 @@ impl RankInfo {
                 "sharding_factor is more than the largest world size (65536)",
             ));
         }
+        if m.micro_batch_size.is_some_and(|n| n > 1 << 24) {
+            return Err(HelloError::Model("micro_batch_size is more than 2^24"));
+        }
         if m.grad_accumulation_steps.is_some_and(|n| n > 1 << 20) {
             return Err(HelloError::Model(
                 "grad_accumulation_steps is more than 2^20",
@@ -186,6 +194,9 @@ impl RankInfo {
             return Err(HelloError::Model(
                 "grad_accumulation_steps must be at least 1",
             ));
+        }
+        if self.model.micro_batch_size == Some(0) {
+            return Err(HelloError::Model("micro_batch_size must be at least 1"));
         }
         Ok(())
     }
@@ -249,6 +260,7 @@ mod tests {
         assert!(refused(|m| m.state_bytes_per_parameter = Some(u32::MAX)));
         assert!(refused(|m| m.sharding_factor = Some(70_000)));
         assert!(refused(|m| m.grad_accumulation_steps = Some(u32::MAX)));
+        assert!(refused(|m| m.micro_batch_size = Some(u32::MAX)));
         // The largest real ones pass.
         let mut i = info();
         i.model.parameter_count = Some(2_000_000_000_000);
@@ -256,6 +268,18 @@ mod tests {
         i.model.state_bytes_per_parameter = Some(16);
         i.model.sharding_factor = Some(65_536);
         i.model.grad_accumulation_steps = Some(4096);
+        assert_eq!(i.validate(), Ok(()));
+    }
+
+    #[test]
+    fn rejects_a_zero_micro_batch_size() {
+        let mut i = info();
+        i.model.micro_batch_size = Some(0);
+        assert_eq!(
+            i.validate(),
+            Err(HelloError::Model("micro_batch_size must be at least 1"))
+        );
+        i.model.micro_batch_size = Some(1);
         assert_eq!(i.validate(), Ok(()));
     }
 

@@ -12,6 +12,7 @@ pub mod allocator;
 pub mod analysis;
 pub mod divergence;
 pub mod error;
+pub mod fit;
 pub mod identity;
 pub mod marker;
 pub mod predict;
@@ -26,7 +27,10 @@ pub use analysis::{
     activation_plateau, analyze_rank, steady_state, ActivationPlateau, AnalysisConfig,
     FirstStepAnomaly, RankAnalysis, SteadyState, StepOneExtras,
 };
-pub use divergence::{divergence, Divergence, Outlier, PeakSource, RankFigures, Spread};
+pub use divergence::{
+    activation_peak_bytes, divergence, ActivationPeak, Divergence, DivergenceFigure, NamedOutlier,
+    Outlier, PeakSource, RankFigures, Spread,
+};
 pub use error::{HelloError, MarkerError};
 pub use identity::{ModelFacts, OptimizerKind, Precision, RankInfo, RankKey};
 pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};

@@ -99,6 +99,9 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use crate::advisory::gb;
+use crate::divergence::activation_peak_bytes;
+use crate::fit::{what_would_fit, FitInputs, WhatWouldFit};
 use crate::identity::{ModelFacts, OptimizerKind, Precision};
 use crate::marker::PhaseKind;
 use crate::profile::{max_opt, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds};
@@ -334,6 +337,10 @@ pub struct Prediction {
     pub inputs: PredictionInputs,
     /// The formula with its figures, for humans.
     pub explanation: String,
+    /// Step 1's activation memory, and when step 2 will not fit, the
+    /// micro-batch or optimizer-state sharding that would (see [`crate::fit`]).
+    #[serde(default)]
+    pub what_would_fit: Option<WhatWouldFit>,
 }
 
 /// [`predict_with`] under the default [`PredictConfig`].
@@ -690,7 +697,27 @@ pub fn predict_with(
         capacity_bytes,
         other_process_bytes,
     };
+    let what_would_fit = what_would_fit(&FitInputs {
+        binding,
+        basis_peak_bytes: basis_peak,
+        optimizer_phase_peak_bytes: opt_peak,
+        predicted_peak_bytes: device,
+        capacity_bytes,
+        target_headroom_bytes: (config.low_headroom_fraction.max(0.0) * capacity_bytes as f64)
+            .ceil() as u64,
+        state_bytes: state,
+        sharding_factor: inferred_sharding_factor.unwrap_or(sharding),
+        activation_bytes: {
+            let a = activation_peak_bytes(&step);
+            match basis {
+                PredictionBasis::NvmlOnly => a.nvml_bytes,
+                _ => a.allocated_bytes,
+            }
+        },
+        micro_batch_size: facts.micro_batch_size,
+    });
     Some(Prediction {
+        what_would_fit: Some(what_would_fit),
         predicted_peak_bytes: device,
         predicted_rank_peak_bytes: rank_peak,
         headroom_bytes: headroom,
@@ -793,25 +820,72 @@ fn sat_i64(v: i128) -> i64 {
     v.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64
 }
 
+/// Where the state figure came from, in words.
+fn state_words(source: StateSource) -> &'static str {
+    match source {
+        StateSource::MeasuredJump => "the jump measured across step 1's optimizer phase",
+        StateSource::ModelFacts => {
+            "parameters × state bytes per parameter ÷ sharding factor, from the model facts"
+        }
+        StateSource::DeclaredPrecreated => "none added: the client declared it made before step 1",
+        StateSource::DetectedPrecreated => {
+            "none added: no jump across step 1's optimizer phase, so it existed before step 1"
+        }
+        StateSource::Stateless => "none: the optimizer keeps no state",
+        StateSource::NoJump => "none: no jump across step 1's optimizer phase",
+        StateSource::Unknown => "unknown until step 1's optimizer phase ends",
+    }
+}
+
+/// Where the gradient figure came from, in words.
+fn grads_words(source: GradsSource) -> &'static str {
+    match source {
+        GradsSource::NotPersistent => "none kept: gradients are set to None between steps",
+        GradsSource::Measured => "kept between steps, measured across step 1's first backward",
+        GradsSource::ModelFacts => "kept between steps, sized from the model facts",
+        GradsSource::Unknown => "kept between steps, size unknown",
+    }
+}
+
+/// Which term set the prediction, in words.
+fn binding_words(term: BindingTerm) -> &'static str {
+    match term {
+        BindingTerm::FirstMicroBatch => "set by step 2's first micro-batch on top of the state",
+        BindingTerm::LaterMicroBatches => {
+            "set by the later micro-batches (gradient accumulation) on top of the state"
+        }
+        BindingTerm::OptimizerPhase => "set by step 1's optimizer phase",
+        BindingTerm::Step1Peak => "set by step 1's own peak",
+    }
+}
+
+/// The formula with its figures, in decimal GB (see [`crate::advisory::gb`]).
 fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
+    let g = |b: u64| gb(b as f64);
     let unit = match i.basis {
         PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => "allocated",
         PredictionBasis::NvmlOnly => "device",
     };
     let mut s = format!(
-        "{unit} peak = max(first micro-batch {} + state {} ({:?}) + grads {} ({:?})",
-        i.first_micro_batch_peak_bytes, i.state_bytes, i.state_source, i.grad_bytes, i.grads_source
+        "{unit} peak = max(first micro-batch {} + optimizer state {} ({}) + gradients {} ({})",
+        g(i.first_micro_batch_peak_bytes),
+        g(i.state_bytes),
+        state_words(i.state_source),
+        g(i.grad_bytes),
+        grads_words(i.grads_source),
     );
     if let Some(l) = i.later_micro_batches_peak_bytes {
-        let _ = write!(s, ", later micro-batches {l} + state");
+        let _ = write!(s, ", later micro-batches {} + state", g(l));
     }
     if let Some(o) = i.optimizer_phase_peak_bytes {
-        let _ = write!(s, ", optimizer phase {o}");
+        let _ = write!(s, ", optimizer phase {}", g(o));
     }
     let _ = write!(
         s,
-        ", step-1 peak {}) = {} ({:?})",
-        i.step1_peak_bytes, i.basis_peak_bytes, i.binding
+        ", step-1 peak {}) = {}, {}",
+        g(i.step1_peak_bytes),
+        g(i.basis_peak_bytes),
+        binding_words(i.binding)
     );
     if let Some(most) = i
         .basis_peak_at_most_bytes
@@ -819,50 +893,60 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
     {
         let _ = write!(
             s,
-            ", at most {most}: step 1 stayed under an earlier high-water mark of the \
-             allocator's peak counters, which bound its phases' peaks but do not give them"
+            ", at most {}: step 1 stayed under an earlier high-water mark of the \
+             allocator's peak counters, which bound its phases' peaks but do not give them",
+            g(most)
         );
     }
     if let (Some(ratio), Some(res)) = (i.reserved_ratio, i.predicted_reserved_bytes) {
         match &i.allocator_replay {
             Some(r) => {
-                let _ =
-                    write!(
+                let _ = write!(
                     s,
                     "; reserved = steps 2-4 replayed from step 1's allocator trace: {} at step \
-                     1's end, step 2 adds {} in new segments (state {} kept, grads {} {}), \
+                     1's end, step 2 adds {} in new segments (state {} kept, gradients {} {}), \
                      steady state {}",
-                    r.reserved_at_step1_end_bytes,
-                    r.new_segment_bytes,
-                    r.state_bytes,
-                    r.grad_bytes,
-                    if r.grads_persistent { "kept" } else { "freed and made again" },
-                    r.steady_reserved_peak_bytes,
+                    g(r.reserved_at_step1_end_bytes),
+                    g(r.new_segment_bytes),
+                    g(r.state_bytes),
+                    g(r.grad_bytes),
+                    if r.grads_persistent {
+                        "kept"
+                    } else {
+                        "freed and made again"
+                    },
+                    g(r.steady_reserved_peak_bytes),
                 );
                 if let (Some(limit), Some(w)) = (r.reserved_limit_bytes, r.within_limit) {
                     if w.fits {
                         let _ = write!(
                             s,
-                            "; within the GPU's {limit} they fit after {} cache release(s), \
+                            "; within the GPU's {} they fit after {} cache release(s), \
                              steady state {}",
-                            w.alloc_retries, w.steady_reserved_peak_bytes
+                            g(limit),
+                            w.alloc_retries,
+                            g(w.steady_reserved_peak_bytes)
                         );
                     } else {
                         let _ = write!(
                             s,
-                            "; within the GPU's {limit} they do not fit even after releasing \
-                             the cache"
+                            "; within the GPU's {} they do not fit even after releasing the cache",
+                            g(limit)
                         );
                     }
                 }
-                let _ = write!(s, "; at least the step-1 reserved peak: {res}");
+                let _ = write!(s, "; at least the step-1 reserved peak: {}", g(res));
             }
             None => {
                 let _ = write!(
                     s,
-                    "; reserved = max(× {ratio:.4} + layout allowance {} ({} of state from \
-                     cache {}), step-1 reserved peak) = {res}",
-                    i.layout_allowance_bytes, i.layout_allowance_fraction, i.state_from_cache_bytes
+                    "; reserved = max(× {ratio:.4} (step 1's reserved / allocated) + layout \
+                     allowance {} ({:.1}% of the state made from cached blocks, {}), step-1 \
+                     reserved peak) = {}",
+                    g(i.layout_allowance_bytes),
+                    100.0 * i.layout_allowance_fraction,
+                    g(i.state_from_cache_bytes),
+                    g(res)
                 );
             }
         }
@@ -870,24 +954,28 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
             Some(oh) => {
                 let _ = write!(
                     s,
-                    "; + overhead {oh} (NVML − reserved), at least the step-1 NVML peak"
+                    "; + overhead {} (NVML − reserved: CUDA context, workspaces, other \
+                     processes), at least the step-1 NVML peak",
+                    g(oh)
                 );
             }
             None => {
                 let _ = write!(
                     s,
                     "; + assumed overhead + other processes {}",
-                    i.other_process_bytes
+                    g(i.other_process_bytes)
                 );
             }
         }
     }
-    let _ = write!(s, "; predicted device peak {device}");
+    let _ = write!(s, "; predicted device peak {}", g(device));
     if let Some(h) = headroom {
+        let sign = if h < 0 { "−" } else { "" };
         let _ = write!(
             s,
-            "; headroom = capacity {} − predicted peak = {h}",
-            i.capacity_bytes
+            "; headroom = capacity {} − predicted peak = {sign}{}",
+            g(i.capacity_bytes),
+            g(h.unsigned_abs())
         );
     }
     s

@@ -13,13 +13,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::advisory::{self, Advisory};
 use crate::analysis::StepOneExtras;
-use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
+use crate::analysis::{analyze_rank, steady_profile, AnalysisConfig, RankAnalysis};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{RankInfo, RankKey};
-use crate::marker::Marker;
+use crate::marker::{Marker, MarkerKind};
 use crate::predict::{LiveStep, Prediction};
-use crate::profile::StepProfile;
 use crate::replay::Step2Replay;
 use crate::timeline::{PhaseRecord, RankTimeline, StepOutcome};
 
@@ -97,7 +96,9 @@ pub struct RankState {
     pub connected_streams: u32,
     /// Caller-supplied time of the last hello, marker or disconnect; drives eviction.
     pub last_activity_ns: u64,
-    /// Advisories issued to this rank (at most one of each kind per timeline).
+    /// Advisories issued to this rank: per kind once, and again when the
+    /// prediction worsened (see [`crate::advisory`]); rank divergence once
+    /// per figure.
     pub advisories: Vec<Advisory>,
     /// The prediction as it stood just before the second step began: what
     /// the step-2 warning was based on, kept to measure how good it was.
@@ -275,9 +276,9 @@ impl Tracker {
         (due, Some(prediction))
     }
 
-    /// Divergence of step-1 figures across the ranks of `job` on this node.
-    /// A rank's peaks count once its first step has ended (completed or OOM),
-    /// its duration once it has completed. None when the job has no rank here.
+    /// Divergence of the ranks of `job` on this node (see
+    /// [`RankFigures::of`] for when a rank's figures count). None when the
+    /// job has no rank here.
     pub fn job_divergence(&self, job: &str) -> Option<Divergence> {
         let lo = RankKey {
             job: job.to_owned(),
@@ -291,18 +292,11 @@ impl Tracker {
             .ranks
             .range(lo..=hi)
             .map(|(key, state)| {
-                let first = state.timeline.steps().next();
-                let ended = first
-                    .filter(|s| s.outcome != StepOutcome::Running)
-                    .map(StepProfile::of);
-                RankFigures {
-                    rank: key.rank,
-                    nvml_peak_bytes: ended.as_ref().and_then(|p| p.nvml_peak_bytes),
-                    allocated_peak_bytes: ended.as_ref().and_then(|p| p.allocated_peak_bytes),
-                    duration_ns: first
-                        .filter(|s| s.outcome == StepOutcome::Completed)
-                        .and_then(|s| s.duration_ns()),
-                }
+                RankFigures::of(
+                    key.rank,
+                    state.timeline.steps().next(),
+                    steady_profile(&state.timeline, &self.analysis).as_ref(),
+                )
             })
             .collect();
         divergence(job, &figures, self.analysis.divergence_threshold)
@@ -468,17 +462,52 @@ impl Tracker {
         } else {
             None
         };
+        let boundary = markers.iter().any(|m| {
+            matches!(
+                m.kind,
+                MarkerKind::StepBegin | MarkerKind::StepEnd | MarkerKind::Oom
+            )
+        });
         let Some(at) = split else {
             self.apply_and_credit(key, markers);
-            return Ok(self.advise(key, now_ns));
+            let mut advisories = self.advise(key, now_ns);
+            if boundary {
+                advisories.extend(self.advise_divergence(key, now_ns));
+            }
+            return Ok(advisories);
         };
         self.apply_and_credit(key, &markers[..at]);
-        let (advisories, prediction) = self.advise_with_prediction(key, now_ns);
+        let (mut advisories, prediction) = self.advise_with_prediction(key, now_ns);
         if let Some(state) = self.ranks.get_mut(key) {
             state.prediction_before_step2 = prediction;
         }
         self.apply_and_credit(key, &markers[at..]);
+        advisories.extend(self.advise_divergence(key, now_ns));
         Ok(advisories)
+    }
+
+    /// Rank-divergence advisories that have become due for `key`, recorded
+    /// as issued: once per figure the rank is named for in its job's
+    /// divergence. Checked on the rank's batches that hold a step boundary
+    /// (step begin, step end, OOM), so the cost is one divergence per step
+    /// and the outlier hears of it at its next boundary after its peers
+    /// have the figure too.
+    fn advise_divergence(&mut self, key: &RankKey, now_ns: u64) -> Vec<Advisory> {
+        let Some(step) = self
+            .ranks
+            .get(key)
+            .and_then(|s| s.timeline.current())
+            .map(|s| s.step)
+        else {
+            return Vec::new();
+        };
+        let Some(div) = self.job_divergence(&key.job) else {
+            return Vec::new();
+        };
+        let state = self.ranks.get_mut(key).expect("checked above");
+        let due = advisory::divergence_due(&div, key.rank, step, now_ns, &state.advisories);
+        state.advisories.extend(due.iter().cloned());
+        due
     }
 
     /// The most the rank's allocator may reserve on its GPU, for replaying

@@ -371,7 +371,7 @@ proptest! {
             prop_assert_eq!(q.headroom_bytes, p.headroom_bytes);
             prop_assert_eq!((q.oom_risk, q.low_headroom), (p.oom_risk, p.low_headroom));
         } else {
-            prop_assert!(q.explanation.contains(&format!("at most {most}")), "{}", q.explanation);
+            prop_assert!(q.explanation.contains(&format!("at most {}", stepwatch_core::advisory::gb(most as f64))), "{}", q.explanation);
         }
     }
 
@@ -427,6 +427,7 @@ proptest! {
                 nvml_peak_bytes: nvml,
                 allocated_peak_bytes: alloc,
                 duration_ns: dur,
+                ..Default::default()
             })
             .collect();
         let mut shuffled = figures.clone();
@@ -470,6 +471,7 @@ proptest! {
                 nvml_peak_bytes: Some(peak),
                 allocated_peak_bytes: None,
                 duration_ns: Some(dur),
+                ..Default::default()
             })
             .collect();
         let d = divergence("job", &figures, threshold).unwrap();

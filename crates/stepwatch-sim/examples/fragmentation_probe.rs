@@ -26,16 +26,6 @@ struct Boundary {
     segments: u64,
 }
 
-/// The figure after `label` in a prediction's explanation.
-fn figure_after(explanation: &str, label: &str) -> i128 {
-    explanation
-        .split(label)
-        .nth(1)
-        .and_then(|t| t.split([' ', ')']).next())
-        .and_then(|t| t.parse().ok())
-        .unwrap_or(0)
-}
-
 fn gb(b: i128) -> f64 {
     b as f64 / 1e9
 }
@@ -59,9 +49,8 @@ fn main() {
     for s in &all {
         for rank in ranks_to_evaluate(s) {
             let row = evaluate_with(s, rank, &all, false).expect("built-in scenario simulates");
-            let expl = row.explanation.clone().unwrap_or_default();
-            let allowance = figure_after(&expl, "layout allowance ");
-            let from_cache = figure_after(&expl, "state from cache ");
+            let allowance = i128::from(row.layout_allowance_bytes.unwrap_or(0));
+            let from_cache = i128::from(row.state_from_cache_bytes.unwrap_or(0));
             let (Some(pred), Some(actual)) = (row.predicted_peak_bytes, row.actual_peak_bytes)
             else {
                 continue;

@@ -113,6 +113,10 @@ pub struct AccuracyRow {
     pub binding: Option<BindingTerm>,
     /// Where the prediction's optimizer-state figure came from.
     pub state_source: Option<StateSource>,
+    /// The prediction's layout allowance, bytes (see `stepwatch_core::predict`).
+    pub layout_allowance_bytes: Option<u64>,
+    /// The lazily created state that can have landed in cached blocks, bytes.
+    pub state_from_cache_bytes: Option<u64>,
     /// The prediction's own explanation, for reading a bad row.
     pub explanation: Option<String>,
 }
@@ -451,7 +455,12 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
             }
             batch.clear();
         }
-        for a in due {
+        // Only the memory warnings are judged here; a rank-divergence
+        // advisory says nothing about step 2 fitting.
+        for a in due
+            .into_iter()
+            .filter(|a| a.kind != AdvisoryKind::RankDivergence)
+        {
             if out.first_warning.is_none() {
                 out.first_warning = Some((a.kind, t));
             }
@@ -572,6 +581,14 @@ pub fn evaluate_as(
         false_alarm,
         binding: seen.prediction.as_ref().map(|p| p.inputs.binding),
         state_source: seen.prediction.as_ref().map(|p| p.inputs.state_source),
+        layout_allowance_bytes: seen
+            .prediction
+            .as_ref()
+            .map(|p| p.inputs.layout_allowance_bytes),
+        state_from_cache_bytes: seen
+            .prediction
+            .as_ref()
+            .map(|p| p.inputs.state_from_cache_bytes),
         explanation: seen.prediction.map(|p| p.explanation),
     })
 }
@@ -622,6 +639,7 @@ pub fn render_table(rows: &[AccuracyRow]) -> String {
         let warned = match (r.warned, r.lead_ms) {
             (Some(AdvisoryKind::Step2OomPredicted), l) => format!("oom_risk ({})", ms(l)),
             (Some(AdvisoryKind::LowHeadroom), l) => format!("low_headroom ({})", ms(l)),
+            (Some(AdvisoryKind::RankDivergence), l) => format!("rank_divergence ({})", ms(l)),
             (None, _) => "—".into(),
         };
         let actual = match r.actual_source {

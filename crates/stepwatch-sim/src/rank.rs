@@ -461,6 +461,7 @@ impl RankSim {
             grad_accumulation_steps: Some(t.grad_accumulation_steps),
             state_precreated: Some(t.state_precreated),
             grads_set_to_none: Some(t.grads_set_to_none),
+            micro_batch_size: u32::try_from(self.scenario.model.micro_batch).ok(),
         }
     }
 

@@ -102,6 +102,11 @@ pub struct ModelFacts {
     /// True when gradients are freed (set to None) after each step.
     #[prost(bool, optional, tag = "9")]
     pub grads_set_to_none: ::core::option::Option<bool>,
+    /// Samples per micro-batch on this rank (one forward pass). With it the
+    /// agent sizes step 1's activation memory per sample and, when step 2 will
+    /// not fit, says which micro-batch would.
+    #[prost(uint32, optional, tag = "10")]
+    pub micro_batch_size: ::core::option::Option<u32>,
 }
 /// Step 1's history in the CUDA caching allocator, optional. A client that
 /// can record it (PyTorch: torch.cuda.memory._record_memory_history during

@@ -130,7 +130,7 @@ class Identity(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_name: _Optional[str] = ..., pod: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class ModelFacts(_message.Message):
-    __slots__ = ("parameter_count", "parameter_bytes", "optimizer", "state_bytes_per_parameter", "precision", "sharding_factor", "grad_accumulation_steps", "state_precreated", "grads_set_to_none")
+    __slots__ = ("parameter_count", "parameter_bytes", "optimizer", "state_bytes_per_parameter", "precision", "sharding_factor", "grad_accumulation_steps", "state_precreated", "grads_set_to_none", "micro_batch_size")
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class ModelFacts(_message.Message):
     GRAD_ACCUMULATION_STEPS_FIELD_NUMBER: _ClassVar[int]
     STATE_PRECREATED_FIELD_NUMBER: _ClassVar[int]
     GRADS_SET_TO_NONE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     parameter_count: int
     parameter_bytes: int
     optimizer: OptimizerKind
@@ -149,7 +150,8 @@ class ModelFacts(_message.Message):
     grad_accumulation_steps: int
     state_precreated: bool
     grads_set_to_none: bool
-    def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ...) -> None: ...
+    micro_batch_size: int
+    def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ..., micro_batch_size: _Optional[int] = ...) -> None: ...
 
 class AllocatorTraceChunk(_message.Message):
     __slots__ = ("step", "segments", "events", "last")

@@ -1,0 +1,280 @@
+//! What the agent tells people: the explanation's words and units, the
+//! advisory that follows a worsening prediction, and what would fit.
+//!
+//! The scenario is the base one of `prediction.rs` (unit M = 1 MiB): step 1
+//! begins with 1000 allocated, its first forward/backward peaks at 6000,
+//! the optimizer makes 800 of state, and the predicted device peak is 9050
+//! (allocated 6800 × 1.25 + 50 layout allowance + 500 overhead).
+
+use stepwatch_core::advisory::{due, gb, WORSENED_FRACTION};
+use stepwatch_core::*;
+
+const M: u64 = 1 << 20;
+const GPU: &str = "GPU-0";
+
+fn marker(kind: MarkerKind, t: u64, (allocated, peak, reserved): (u64, u64, u64)) -> Marker {
+    Marker {
+        kind,
+        step: 1,
+        monotonic_ns: t,
+        wall_ns: t,
+        micro_batch: 0,
+        allocator: Some(AllocatorStats {
+            allocated_bytes: allocated * M,
+            allocated_peak_bytes: peak * M,
+            reserved_bytes: reserved * M,
+            reserved_peak_bytes: reserved * M,
+            ..Default::default()
+        }),
+    }
+}
+
+/// The prediction of the base scenario on a GPU of `capacity` M.
+fn predict_base(facts: ModelFacts, capacity: u64) -> Prediction {
+    use MarkerKind::*;
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = t
+        .open(
+            RankInfo {
+                job: "job".into(),
+                world_size: 1,
+                gpu_uuid: GPU.into(),
+                pid: 1,
+                model: facts,
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
+    let samples: Vec<GpuSample> = [
+        (150, 1700),
+        (250, 3500),
+        (350, 7000),
+        (450, 8000),
+        (550, 8000),
+    ]
+    .iter()
+    .map(|&(t, used)| GpuSample {
+        monotonic_ns: t,
+        used_bytes: used * M,
+        capacity_bytes: capacity * M,
+    })
+    .collect();
+    t.gpu_samples(GPU, &samples);
+    t.markers(
+        &key,
+        &[
+            marker(StepBegin, 100, (1000, 1000, 1200)),
+            marker(ForwardBegin, 200, (1000, 1000, 1200)),
+            marker(BackwardBegin, 300, (5000, 5000, 6250)),
+            marker(OptimizerBegin, 400, (1400, 6000, 7500)),
+            marker(OptimizerEnd, 500, (2200, 6000, 7500)),
+            marker(StepEnd, 600, (2200, 6000, 7500)),
+        ],
+        0,
+    )
+    .unwrap();
+    t.rank_analysis(&key).unwrap().prediction.unwrap()
+}
+
+#[test]
+fn the_explanation_is_in_gb_and_words_not_bytes_and_enum_names() {
+    let p = predict_base(ModelFacts::default(), 10_000);
+    assert_eq!(p.predicted_peak_bytes, 9050 * M);
+    let e = &p.explanation;
+    // 800 MiB = 0.84 GB of state; 9050 MiB = 9.49 GB; headroom 950 MiB = 1.00 GB.
+    assert!(
+        e.contains("optimizer state 0.84 GB (the jump measured across step 1's optimizer phase)"),
+        "{e}"
+    );
+    assert!(e.contains("predicted device peak 9.49 GB"), "{e}");
+    assert!(e.contains("= 1.00 GB"), "{e}");
+    for name in [
+        "MeasuredJump",
+        "NotPersistent",
+        "FirstMicroBatch",
+        "Step1Peak",
+        "ModelFacts",
+    ] {
+        assert!(!e.contains(name), "{name} in {e}");
+    }
+    // No raw byte counts: no run of 5 or more digits.
+    let longest_digits = e
+        .split(|c: char| !c.is_ascii_digit())
+        .map(str::len)
+        .max()
+        .unwrap_or(0);
+    assert!(longest_digits < 5, "{e}");
+}
+
+#[test]
+fn the_advisory_is_sent_again_when_the_prediction_worsens_by_1_percent_of_capacity() {
+    // 8000 M of capacity: 1050 M over.
+    let capacity = 8000 * M;
+    let p = predict_base(ModelFacts::default(), 8000);
+    assert!(p.oom_risk);
+    let first = due(&p, capacity, 1, 10, &[]);
+    assert_eq!(first.len(), 1);
+    assert!(
+        first[0]
+            .message
+            .starts_with("predicted steady-state peak 9.49 GB exceeds capacity 8.39 GB by 1.10 GB"),
+        "{}",
+        first[0].message
+    );
+    // The margin: 1% of 8000 M = 80 M.
+    assert_eq!(WORSENED_FRACTION * capacity as f64, 80.0 * M as f64);
+    let mut worse = p.clone();
+    worse.predicted_peak_bytes += 79 * M;
+    assert!(due(&worse, capacity, 1, 20, &first).is_empty());
+    worse.predicted_peak_bytes += M;
+    let again = due(&worse, capacity, 1, 30, &first);
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].predicted_peak_bytes, 9130 * M);
+    assert!(
+        again[0].message.contains(&gb((9130 * M) as f64)),
+        "{}",
+        again[0].message
+    );
+    // Measured from the latest advisory of the kind, not the first.
+    let issued = [first, again].concat();
+    let mut same = worse.clone();
+    same.predicted_peak_bytes += 40 * M;
+    assert!(due(&same, capacity, 1, 40, &issued).is_empty());
+    // A better prediction sends nothing.
+    assert!(due(&p, capacity, 1, 50, &issued).is_empty());
+}
+
+#[test]
+fn step_2_that_does_not_fit_names_the_micro_batch_and_the_sharding_that_would() {
+    let facts = ModelFacts {
+        micro_batch_size: Some(4),
+        ..Default::default()
+    };
+    // 7550 M: 1500 M over; the remedies aim for 5% of capacity to spare,
+    // so 1500 + 377.5 = 1877.5 M to shed. Activations 6000 − 1000 = 5000 M
+    // over 4 samples: 1250 M each; ceil(1877.5 / 1250) = 2 fewer → 2. The
+    // 800 M of state cannot free that: no sharding is enough.
+    let p = predict_base(facts.clone(), 7550);
+    let f = p.what_would_fit.unwrap();
+    assert_eq!(f.activation_bytes, Some(5000 * M));
+    assert_eq!(f.activation_bytes_per_sample, Some(1250 * M));
+    assert_eq!(f.over_capacity_bytes, Some(1500 * M));
+    assert_eq!(f.target_headroom_bytes, 7550 * M / 20);
+    assert_eq!(f.fits_with_micro_batch_size, Some(2));
+    assert_eq!(f.fits_with_sharding_factor, None);
+    let a = due(&p, 7550 * M, 1, 0, &[]);
+    assert!(
+        a[0].message
+            .ends_with("; predicted to fit: a micro-batch of 2 instead of 4"),
+        "{}",
+        a[0].message
+    );
+    // 8850 M: 200 M over, 200 + 442.5 = 642.5 M to shed → 1 fewer → 3; or
+    // the state over ceil(800 / (800 − 642.5)) = ceil(5.08) = 6 ranks.
+    let p = predict_base(facts, 8850);
+    let f = p.what_would_fit.unwrap();
+    assert_eq!(
+        (f.fits_with_micro_batch_size, f.fits_with_sharding_factor),
+        (Some(3), Some(6))
+    );
+    let a = due(&p, 8850 * M, 1, 0, &[]);
+    assert!(
+        a[0].message.ends_with(
+            "; predicted to fit: a micro-batch of 3 instead of 4, or optimizer state sharded \
+             over 6 ranks (ZeRO-1 / FSDP)"
+        ),
+        "{}",
+        a[0].message
+    );
+    // Without the micro-batch size: the per-sample figure is unknown.
+    let p = predict_base(ModelFacts::default(), 7550);
+    let f = p.what_would_fit.unwrap();
+    assert_eq!(f.activation_bytes_per_sample, None);
+    assert!(due(&p, 7550 * M, 1, 0, &[])[0]
+        .message
+        .contains("lower the micro-batch"));
+}
+
+/// Step 1 of a rank on its own GPU, in MB: 10 000 allocated at step begin,
+/// `act` of activations, 2 000 of gradients, 8 000 of optimizer state.
+fn step1_markers(act: u64, t0: u64) -> Vec<Marker> {
+    use MarkerKind::*;
+    const MB: u64 = 1_000_000;
+    let m = |kind, t: u64, allocated: u64, peak: u64| Marker {
+        kind,
+        step: 1,
+        monotonic_ns: t0 + t,
+        wall_ns: t0 + t,
+        micro_batch: 0,
+        allocator: Some(AllocatorStats {
+            allocated_bytes: allocated * MB,
+            allocated_peak_bytes: peak * MB,
+            reserved_bytes: peak * MB,
+            reserved_peak_bytes: peak * MB,
+            ..Default::default()
+        }),
+    };
+    let fb = 10_000 + act;
+    vec![
+        m(StepBegin, 100, 10_000, 10_000),
+        m(ForwardBegin, 200, 10_000, 10_000),
+        m(BackwardBegin, 300, fb, fb),
+        m(OptimizerBegin, 400, 12_000, fb),
+        m(OptimizerEnd, 500, 20_000, 20_000),
+        m(StepEnd, 600, 20_000, 20_000),
+    ]
+}
+
+#[test]
+fn the_rank_heavier_in_forward_is_advised_once_on_its_own_stream() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let keys: Vec<RankKey> = (0..4)
+        .map(|rank| {
+            t.open(
+                RankInfo {
+                    job: "job".into(),
+                    rank,
+                    world_size: 4,
+                    gpu_uuid: format!("GPU-{rank}"),
+                    pid: 100 + rank,
+                    ..Default::default()
+                },
+                0,
+            )
+            .unwrap()
+        })
+        .collect();
+    // Ranks 0-2 end step 1 first: nothing to compare with yet.
+    for (rank, key) in keys.iter().enumerate().take(3) {
+        let due = t
+            .markers(key, &step1_markers(5_000, 0), rank as u64)
+            .unwrap();
+        assert!(due.is_empty(), "{due:?}");
+    }
+    // Rank 3, 24% heavier in forward, ends step 1: it is named and told.
+    let due = t.markers(&keys[3], &step1_markers(6_200, 0), 10).unwrap();
+    assert_eq!(due.len(), 1, "{due:?}");
+    let a = &due[0];
+    assert_eq!(a.kind, AdvisoryKind::RankDivergence);
+    assert_eq!(
+        a.divergence.as_ref().map(|d| (d.rank, d.figure)),
+        Some((3, DivergenceFigure::ActivationPeak))
+    );
+    assert!(
+        a.message.starts_with(
+            "rank 3: its step-1 activation peak (forward/backward peak above the memory at \
+             step begin) of 6.20 GB is 24.0% above the median 5.00 GB of the job's 4 ranks"
+        ),
+        "{}",
+        a.message
+    );
+    // Its next step boundary does not repeat it; the other ranks get none.
+    let mut step2 = step1_markers(6_200, 1_000);
+    for m in &mut step2 {
+        m.step = 2;
+    }
+    assert!(t.markers(&keys[3], &step2[..1], 20).unwrap().is_empty());
+    assert!(t.markers(&keys[0], &step2[..1], 21).unwrap().is_empty());
+    assert_eq!(t.rank(&keys[3]).unwrap().advisories.len(), 1);
+}
