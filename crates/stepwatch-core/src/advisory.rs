@@ -105,7 +105,7 @@ pub fn due(
                  run out of GPU memory",
                 gb(peak),
                 gb(capacity),
-                gb(-headroom as f64),
+                gb(-(headroom as f64)),
             );
             m.push_str(&what_would_fit_words(prediction));
             m
