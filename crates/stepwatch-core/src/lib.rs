@@ -28,11 +28,13 @@ pub use analysis::{
 };
 pub use divergence::{divergence, Divergence, Outlier, PeakSource, RankFigures, Spread};
 pub use error::{HelloError, MarkerError};
-pub use identity::{ModelFacts, OptimizerKind, Precision, RankInfo, RankKey};
+pub use identity::{
+    ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo, RankKey,
+};
 pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
 pub use predict::{
-    predict, predict_with, BindingTerm, GradsSource, LiveStep, PredictConfig, Prediction,
-    PredictionBasis, PredictionInputs, StateSource,
+    predict, predict_with, BasisLimit, BindingTerm, GradsSource, LiveStep, PredictConfig,
+    Prediction, PredictionBasis, PredictionInputs, StateSource, WarningRevision,
 };
 pub use profile::{
     phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds, PhaseProfile,

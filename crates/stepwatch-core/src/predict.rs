@@ -99,7 +99,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::identity::{ModelFacts, OptimizerKind, Precision};
+use crate::identity::{ModelFacts, OptimizerImplementation, OptimizerKind, Precision};
 use crate::marker::PhaseKind;
 use crate::profile::{max_opt, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds};
 use crate::replay::Step2Replay;
@@ -173,6 +173,17 @@ pub enum PredictionBasis {
     AllocatorReplay,
 }
 
+impl PredictionBasis {
+    /// The name in JSON, also the metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PredictionBasis::Allocator => "allocator",
+            PredictionBasis::NvmlOnly => "nvml_only",
+            PredictionBasis::AllocatorReplay => "allocator_replay",
+        }
+    }
+}
+
 /// Where the optimizer-state figure came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -191,6 +202,57 @@ pub enum StateSource {
     NoJump,
     /// The optimizer phase has not closed and there are no facts: 0 for now.
     Unknown,
+    /// NVML basis: the level barely moved across the optimizer phase, and no
+    /// facts size the state. Device memory cannot tell state served from the
+    /// allocator's cache from no state at all, so the jump (≤ the no-jump
+    /// threshold) is taken, and the prediction says it may lack the state.
+    UnseenOnNvml,
+}
+
+/// Something the prediction's basis cannot see, so a user knows how far to
+/// trust it (exported as `stepwatch_rank_prediction_basis_limited`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BasisLimit {
+    /// NVML only: device memory shows what the caching allocator reserves,
+    /// not what it hands out, so state or temporaries served from cached
+    /// blocks (backward frees gigabytes before the optimizer runs) do not
+    /// move it. The state is then taken from model facts where they exist.
+    NvmlOnlyCannotSeeCacheReuse,
+    /// The optimizer may keep state, but neither a measured jump nor model
+    /// facts size it: the prediction may lack it entirely.
+    OptimizerStateUnsized,
+}
+
+impl BasisLimit {
+    /// Every limit, so that a metric can say 0 for the ones that do not apply.
+    pub const ALL: [BasisLimit; 2] = [
+        BasisLimit::NvmlOnlyCannotSeeCacheReuse,
+        BasisLimit::OptimizerStateUnsized,
+    ];
+
+    /// The name in JSON, also the metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BasisLimit::NvmlOnlyCannotSeeCacheReuse => "nvml_only_cannot_see_cache_reuse",
+            BasisLimit::OptimizerStateUnsized => "optimizer_state_unsized",
+        }
+    }
+}
+
+/// What became of a step-2 OOM warning the rank was already given, when a
+/// later prediction of step 1 says step 2 fits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WarningRevision {
+    /// The revision rests on estimates only (the state or the optimizer's
+    /// temporaries from model facts, before step 1's optimizer phase was
+    /// measured): the warning stands and `oom_risk` stays set.
+    UpheldUntilMeasured,
+    /// The revision rests on a measurement (step 1's optimizer phase closed
+    /// with its jump measured, or the allocator replay): the warning is
+    /// withdrawn.
+    WithdrawnOnMeasurement,
 }
 
 /// Where the persistent-gradient figure came from.
@@ -311,6 +373,21 @@ pub struct PredictionInputs {
     pub capacity_bytes: u64,
     /// Bytes other processes hold on the GPU, subtracted once from headroom.
     pub other_process_bytes: u64,
+    /// The optimizer's temporaries at its peak, from model facts (foreach
+    /// Adam: one parameter-sized list, state / 2; fused, for-loop and SGD:
+    /// 0), in the estimate of the optimizer phase.
+    #[serde(default)]
+    pub optimizer_temporaries_bytes: u64,
+    /// Allocator basis, until step 1's optimizer phase has closed: allocated
+    /// when it begins (estimated before that as allocated at the first
+    /// forward + the gradients) + state created in it + its temporaries.
+    /// Step 2's optimizer phase reaches the same figure (state kept,
+    /// temporaries made again). A term of the max.
+    #[serde(default)]
+    pub optimizer_phase_estimate_bytes: Option<u64>,
+    /// What the basis cannot see; empty when nothing is known to be missing.
+    #[serde(default)]
+    pub basis_limits: Vec<BasisLimit>,
 }
 
 /// The predicted steady-state peak and headroom.
@@ -334,6 +411,57 @@ pub struct Prediction {
     pub inputs: PredictionInputs,
     /// The formula with its figures, for humans.
     pub explanation: String,
+    /// Set when the rank was already warned of a step-2 OOM and this
+    /// prediction alone would say step 2 fits (see [`Prediction::revise_after_warning`]).
+    #[serde(default)]
+    pub warning_revision: Option<WarningRevision>,
+}
+
+impl Prediction {
+    /// Whether the figures rest on a measurement of step 1's optimizer
+    /// phase (its jump, or the allocator replay) rather than on model facts.
+    pub fn rests_on_measurement(&self) -> bool {
+        let i = &self.inputs;
+        i.basis == PredictionBasis::AllocatorReplay
+            || (i.optimizer_phase_closed
+                && !matches!(
+                    i.state_source,
+                    StateSource::ModelFacts | StateSource::Unknown | StateSource::UnseenOnNvml
+                ))
+    }
+
+    /// Applies the rule for revising a warning already given
+    /// (`warned_step2_oom`: a `Step2OomPredicted` advisory was issued): a
+    /// revision that says step 2 fits withdraws the warning only when it
+    /// rests on a measurement; one that rests on estimates keeps `oom_risk`
+    /// set. Estimates move as step 1's markers arrive (the cache figure at
+    /// the optimizer's begin, say) while what they leave out does not, so an
+    /// estimate that no longer warns is no evidence that the first was
+    /// wrong. Either way the explanation says so.
+    pub fn revise_after_warning(&mut self, warned_step2_oom: bool) {
+        if !warned_step2_oom || self.oom_risk {
+            return;
+        }
+        let h = self.headroom_bytes.unwrap_or(0);
+        if self.rests_on_measurement() {
+            self.warning_revision = Some(WarningRevision::WithdrawnOnMeasurement);
+            let _ = write!(
+                self.explanation,
+                "; withdraws the step-2 OOM warning given earlier: headroom {h} rests on step 1's \
+                 measured optimizer phase"
+            );
+        } else {
+            self.warning_revision = Some(WarningRevision::UpheldUntilMeasured);
+            self.oom_risk = true;
+            self.low_headroom = true;
+            let _ = write!(
+                self.explanation,
+                "; the step-2 OOM warning given earlier stands: this revision (headroom {h}) \
+                 rests on estimates, and only a measurement of step 1's optimizer phase may \
+                 withdraw it"
+            );
+        }
+    }
 }
 
 /// [`predict_with`] under the default [`PredictConfig`].
@@ -454,7 +582,20 @@ pub fn predict_with(
         .parameter_count
         .zip(bpp)
         .map(|(n, b)| u128::from(n) * u128::from(b));
+    // Without a parameter count, the family's state tensors per parameter
+    // times the parameters' bytes (Adam: exp_avg and exp_avg_sq, each in
+    // the parameter's dtype), when no explicit bytes per parameter say more.
+    let unsharded = unsharded.or_else(|| {
+        let tensors = match facts.optimizer {
+            _ if facts.state_bytes_per_parameter.is_some() => None,
+            OptimizerKind::Adam => Some(2),
+            OptimizerKind::SgdMomentum => Some(1),
+            _ => None,
+        }?;
+        facts.parameter_bytes.map(|b| u128::from(b) * tensors)
+    });
     let facts_state = unsharded.map(|u| sat_u64(u.div_ceil(u128::from(sharding))));
+    let optimizer_temporaries = optimizer_temporaries(facts, facts_state);
     let stateful = bpp.map(|b| b > 0);
     let (state, state_source) = if facts.state_precreated == Some(true) {
         (0, StateSource::DeclaredPrecreated)
@@ -466,7 +607,7 @@ pub fn predict_with(
             }
             _ if jump_u >= config.zero_jump_bytes => (jump_u, StateSource::MeasuredJump),
             PredictionBasis::NvmlOnly if stateful == Some(false) => (0, StateSource::Stateless),
-            PredictionBasis::NvmlOnly => (jump_u, StateSource::MeasuredJump),
+            PredictionBasis::NvmlOnly => (jump_u, StateSource::UnseenOnNvml),
             PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => match stateful {
                 Some(true) => (0, StateSource::DetectedPrecreated),
                 Some(false) => (0, StateSource::Stateless),
@@ -517,6 +658,36 @@ pub fn predict_with(
         (0, GradsSource::Unknown)
     };
 
+    // Step 1's optimizer phase, estimated until it has been measured (on
+    // the allocator basis: NVML cannot see what the cache serves).
+    let new_state = if state_source == StateSource::ModelFacts {
+        state
+    } else {
+        0
+    };
+    let optimizer_estimate = (basis == PredictionBasis::Allocator
+        && !optimizer_phase_closed
+        && new_state.saturating_add(optimizer_temporaries) > 0)
+        .then(|| {
+            let at_begin = match opt_idx.first() {
+                Some(&i) => phases[i].allocator_at_start?.allocated_bytes,
+                None => {
+                    let first_fwd = phases.iter().find(|p| p.phase == PhaseKind::Forward)?;
+                    first_fwd
+                        .allocator_at_start?
+                        .allocated_bytes
+                        .saturating_add(measured_grads.or(facts_grads)?)
+                }
+            };
+            Some(
+                at_begin
+                    .saturating_add(new_state)
+                    .saturating_add(optimizer_temporaries),
+            )
+        })
+        .flatten();
+    let opt_term = max_opt(opt_peak, optimizer_estimate);
+
     // The max.
     let terms = [
         (
@@ -527,7 +698,7 @@ pub fn predict_with(
             later_peak.map(|p| p.saturating_add(state)),
             BindingTerm::LaterMicroBatches,
         ),
-        (opt_peak, BindingTerm::OptimizerPhase),
+        (opt_term, BindingTerm::OptimizerPhase),
         (Some(step1_peak), BindingTerm::Step1Peak),
     ];
     let (basis_peak, binding) = terms.iter().filter_map(|(v, t)| v.map(|v| (v, *t))).fold(
@@ -551,6 +722,10 @@ pub fn predict_with(
         Some(first_bounds.plus(state.saturating_add(grads))),
         bounds_where(&|i, p| is_fb(p) && !first_group(i)).map(|b| b.plus(state)),
         bounds_where(&|_, p| p.phase == PhaseKind::Optimizer),
+        optimizer_estimate.map(|e| PeakBounds {
+            at_least: e,
+            at_most: Some(e),
+        }),
         Some(bounds_where(&|_, _| true).unwrap_or(unbounded)),
     ];
     // NVML samples bound nothing: what happened between them is unseen.
@@ -689,6 +864,9 @@ pub fn predict_with(
         step1_nvml_peak_bytes: step1_nvml_peak,
         capacity_bytes,
         other_process_bytes,
+        optimizer_temporaries_bytes: optimizer_temporaries,
+        optimizer_phase_estimate_bytes: optimizer_estimate,
+        basis_limits: basis_limits(basis, state_source),
     };
     Some(Prediction {
         predicted_peak_bytes: device,
@@ -699,7 +877,42 @@ pub fn predict_with(
         provisional: step.outcome == StepOutcome::Running,
         explanation: explain(&inputs, device, headroom),
         inputs,
+        warning_revision: None,
     })
+}
+
+/// The optimizer's temporaries at its peak, beyond its state: what PyTorch
+/// 2.15 allocates, measured on fake CUDA (AdamW over 8 linear layers: the
+/// peak above the phase's begin was 3.0 × parameter bytes in step 1 and 1.0
+/// × in step 2 for foreach and the default, 2.0 and 0 for fused). Foreach
+/// Adam's `_foreach_sqrt(exp_avg_sq)` is one parameter-sized list (half of
+/// Adam's state, a third with amsgrad, taken as half); fused Adam keeps
+/// none; the for-loop one parameter's worth at a time (unknown here, 0);
+/// SGD with momentum updates in place (weight decay or Nesterov would add a
+/// list, not reported: 0).
+fn optimizer_temporaries(facts: &ModelFacts, facts_state: Option<u64>) -> u64 {
+    match (facts.optimizer, facts.optimizer_implementation) {
+        (
+            OptimizerKind::Adam,
+            OptimizerImplementation::Foreach | OptimizerImplementation::Unknown,
+        ) => facts_state.map_or(0, |s| s.div_ceil(2)),
+        _ => 0,
+    }
+}
+
+/// What the prediction's basis cannot see (see [`BasisLimit`]).
+fn basis_limits(basis: PredictionBasis, state_source: StateSource) -> Vec<BasisLimit> {
+    let mut limits = Vec::new();
+    if basis == PredictionBasis::NvmlOnly {
+        limits.push(BasisLimit::NvmlOnlyCannotSeeCacheReuse);
+    }
+    if matches!(
+        state_source,
+        StateSource::UnseenOnNvml | StateSource::Unknown
+    ) {
+        limits.push(BasisLimit::OptimizerStateUnsized);
+    }
+    limits
 }
 
 /// NVML's device figure minus the allocator's reserved bytes (CUDA context,

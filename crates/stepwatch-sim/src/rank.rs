@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use stepwatch_core::{
     AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace, Marker, MarkerKind,
-    ModelFacts, OptimizerKind, PhaseKind, Precision,
+    ModelFacts, OptimizerImplementation, OptimizerKind, PhaseKind, Precision,
 };
 
 use crate::allocator::{AllocId, CachingAllocator, OutOfMemory, Usage};
@@ -461,6 +461,11 @@ impl RankSim {
             grad_accumulation_steps: Some(t.grad_accumulation_steps),
             state_precreated: Some(t.state_precreated),
             grads_set_to_none: Some(t.grads_set_to_none),
+            optimizer_implementation: if t.foreach {
+                OptimizerImplementation::Foreach
+            } else {
+                OptimizerImplementation::ForLoop
+            },
         }
     }
 
