@@ -14,9 +14,18 @@
 //! ```text
 //! basis_peak = max( first_group_peak + state + grads,
 //!                   later_peak       + state,
-//!                   optimizer_phase_peak,
+//!                   max(optimizer_phase_peak, optimizer_estimate),
 //!                   step1_peak )                       // any phase of step 1
 //! ```
+//!
+//! * `optimizer_estimate` — allocator basis, only until step 1's optimizer
+//!   phase has closed (then its measured peak holds the same): allocated at
+//!   the phase's begin (before it begins: at the first forward + the
+//!   gradients, measured or `parameter_bytes`) + the state it will create
+//!   (model facts) + its temporaries (`optimizer_temporaries`: foreach
+//!   Adam, PyTorch's default on CUDA, holds one parameter-sized list, half
+//!   its state). Step 2's optimizer phase reaches the same figure: the state
+//!   exists at its begin and the temporaries are made again.
 //!
 //! * `state` — optimizer state, see [`StateSource`]: 0 when declared
 //!   pre-created; else, once the step-1 optimizer phase has closed, the jump
@@ -28,7 +37,11 @@
 //!   state was pre-created (allocator basis). On the NVML basis a zero or
 //!   small jump proves nothing — the caching allocator may serve the state
 //!   from blocks freed by backward — so there the state is
-//!   `max(jump, model-facts state)`.
+//!   `max(jump, model-facts state)`, and with no facts to size it the source
+//!   is [`StateSource::UnseenOnNvml`], not a measurement
+//!   ([`PredictionInputs::basis_limits`] says what the basis cannot see).
+//!   Without a parameter count, the facts state is the optimizer kind's
+//!   state tensors (Adam 2, SGD with momentum 1) × `parameter_bytes`.
 //! * allocator figures are the lower bounds of [`crate::profile`]: with
 //!   since-start peak counters (what the Python client sends) a phase that
 //!   stayed under an earlier high-water mark is known only to lie between its
@@ -93,6 +106,13 @@
 //!
 //! so other processes are subtracted exactly once (this assumes they used
 //! about the same memory during step 1 as now).
+//!
+//! # Revising a warning
+//!
+//! A rank already warned of a step-2 OOM keeps `oom_risk` when a later
+//! revision says it fits on estimates alone; only one resting on a
+//! measurement of step 1's optimizer phase withdraws it
+//! ([`Prediction::revise_after_warning`]).
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
