@@ -18,6 +18,9 @@
 //!                   step1_peak )                       // any phase of step 1
 //! ```
 //!
+//! * Gradients freed only just before backward ([`Gradients::FreedBeforeBackward`]:
+//!   Lightning's closure) live through step 2's forward: one more term,
+//!   `first forward's peak + state + gradients` (measured as for `grads`).
 //! * `optimizer_estimate` — allocator basis, only until step 1's optimizer
 //!   phase has closed (then its measured peak holds the same): allocated at
 //!   the phase's begin (before it begins: at the first forward + the
@@ -122,7 +125,7 @@ use serde::{Deserialize, Serialize};
 use crate::identity::{ModelFacts, OptimizerImplementation, OptimizerKind, Precision};
 use crate::marker::PhaseKind;
 use crate::profile::{max_opt, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds};
-use crate::replay::Step2Replay;
+use crate::replay::{Gradients, Step2Replay};
 use crate::timeline::{PhaseRecord, SampleEdges, SampleStats, StepOutcome, StepRecord};
 use crate::tracker::GpuSample;
 
@@ -302,6 +305,10 @@ pub enum BindingTerm {
     OptimizerPhase,
     /// Step 1's own peak: step 2 was predicted to need no more.
     Step1Peak,
+    /// The first forward's peak + state + step 1's gradients, which live
+    /// through step 2's forward when they are freed just before backward
+    /// (Lightning's closure).
+    FirstForwardBesideGradients,
 }
 
 /// Every figure the prediction used, so a user can see why.
@@ -408,6 +415,14 @@ pub struct PredictionInputs {
     /// What the basis cannot see; empty when nothing is known to be missing.
     #[serde(default)]
     pub basis_limits: Vec<BasisLimit>,
+    /// What becomes of step 1's gradients between steps (from the hello).
+    #[serde(default)]
+    pub gradients: Gradients,
+    /// Gradients alive through step 2's forward when they are freed just
+    /// before backward (measured as for `grad_bytes`, else model facts),
+    /// added to the first forward's peak; 0 otherwise.
+    #[serde(default)]
+    pub forward_grad_bytes: u64,
 }
 
 /// The predicted steady-state peak and headroom.
@@ -499,6 +514,7 @@ pub fn predict(
         other_process_bytes,
         live,
         None,
+        Gradients::from_persistent(facts.grads_set_to_none == Some(false)),
         &PredictConfig::default(),
     )
 }
@@ -515,8 +531,10 @@ pub fn default_state_bytes_per_parameter(kind: OptimizerKind) -> Option<u32> {
 
 /// Predicts the steady-state peak from step 1 (complete or running; `live`
 /// holds the samples of its open phase; `replay` is step 2 replayed from the
-/// client's allocator trace, when it sent one). None when step 1 has no
+/// client's allocator trace, when it sent one; `gradients` what becomes of
+/// step 1's gradients, [`Gradients::of`] the rank). None when step 1 has no
 /// forward/backward phase with a figure yet.
+#[allow(clippy::too_many_arguments)]
 pub fn predict_with(
     step1: &StepRecord,
     facts: &ModelFacts,
@@ -524,6 +542,7 @@ pub fn predict_with(
     other_process_bytes: u64,
     live: Option<&LiveStep>,
     replay: Option<&Step2Replay>,
+    gradients: Gradients,
     config: &PredictConfig,
 ) -> Option<Prediction> {
     let step = with_live(step1, live);
@@ -708,6 +727,19 @@ pub fn predict_with(
         .flatten();
     let opt_term = max_opt(opt_peak, optimizer_estimate);
 
+    // Gradients freed only just before backward live through step 2's
+    // forward, on top of its activations and the state.
+    let forward_grads = if gradients == Gradients::FreedBeforeBackward && !grads_persistent {
+        measured_grads.or(facts_grads).unwrap_or(0)
+    } else {
+        0
+    };
+    let is_first_fwd = |i: usize, p: &PhaseRecord| p.phase == PhaseKind::Forward && first_group(i);
+    let forward_term = (forward_grads > 0)
+        .then(|| max_where(&|i, p| is_first_fwd(i, p)))
+        .flatten()
+        .map(|f| f.saturating_add(state).saturating_add(forward_grads));
+
     // The max.
     let terms = [
         (
@@ -720,6 +752,7 @@ pub fn predict_with(
         ),
         (opt_term, BindingTerm::OptimizerPhase),
         (Some(step1_peak), BindingTerm::Step1Peak),
+        (forward_term, BindingTerm::FirstForwardBesideGradients),
     ];
     let (basis_peak, binding) = terms.iter().filter_map(|(v, t)| v.map(|v| (v, *t))).fold(
         (0, BindingTerm::FirstMicroBatch),
@@ -747,6 +780,10 @@ pub fn predict_with(
             at_most: Some(e),
         }),
         Some(bounds_where(&|_, _| true).unwrap_or(unbounded)),
+        forward_term.and_then(|_| {
+            bounds_where(&|i, p| is_first_fwd(i, p))
+                .map(|b| b.plus(state.saturating_add(forward_grads)))
+        }),
     ];
     // NVML samples bound nothing: what happened between them is unseen.
     let basis_peak_at_most = term_bounds
@@ -887,6 +924,8 @@ pub fn predict_with(
         optimizer_temporaries_bytes: optimizer_temporaries,
         optimizer_phase_estimate_bytes: optimizer_estimate,
         basis_limits: basis_limits(basis, state_source),
+        gradients,
+        forward_grad_bytes: forward_grads,
     };
     Some(Prediction {
         predicted_peak_bytes: device,

@@ -20,7 +20,7 @@ use crate::identity::{RankInfo, RankKey};
 use crate::marker::Marker;
 use crate::predict::{LiveStep, Prediction};
 use crate::profile::StepProfile;
-use crate::replay::Step2Replay;
+use crate::replay::{Gradients, Step2Replay};
 use crate::timeline::{PhaseRecord, RankTimeline, StepOutcome};
 
 /// Most processes remembered per GPU (see [`Tracker::set_gpu_processes`]).
@@ -212,6 +212,7 @@ impl Tracker {
             StepOneExtras {
                 live: live.as_ref(),
                 replay: state.allocator_replay.as_ref(),
+                gradients: Gradients::of(&state.info),
             },
             samples,
             &self.analysis,

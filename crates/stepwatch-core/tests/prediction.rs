@@ -1100,3 +1100,63 @@ fn metric_labels_are_the_json_names() {
         );
     }
 }
+
+/// Lightning's closure sets the gradients to None after `training_step`,
+/// just before backward: step 2's forward runs beside step 1's gradients
+/// and the state. (On PyTorch 2.15, fake CUDA, `lightning-gpt` markers
+/// only: step 2's allocated peak 3776 MB came in its forward; step 1's
+/// forward peak 2279.6 + state 1005.0 + gradients 499.8 = 3784.4, where
+/// the first micro-batch term gave 3491.7.)
+#[test]
+fn gradients_freed_before_backward_are_alive_in_step_2s_forward() {
+    // The base scenario, but the forward peaks at 5800 (the since-start
+    // peak at backward's begin) and backward at 6000.
+    let mut markers = base_markers(true);
+    markers[2] = marker(
+        MarkerKind::BackwardBegin,
+        1,
+        300,
+        0,
+        Some((5000, 5800, 6250)),
+    );
+    let run_as = |framework: &str| {
+        let mut t = Tracker::new(TrackerConfig::default());
+        let key = t
+            .open(
+                RankInfo {
+                    job: "job".into(),
+                    world_size: 1,
+                    gpu_uuid: GPU.into(),
+                    pid: PID,
+                    framework: framework.into(),
+                    ..Default::default()
+                },
+                0,
+            )
+            .unwrap();
+        t.gpu_samples(GPU, &samples(&BASE_SAMPLES, 10_000));
+        t.markers(&key, &markers, 0).unwrap();
+        t.rank_analysis(&key).unwrap().prediction.unwrap()
+    };
+
+    // PyTorch's default: max(first micro-batch 6000 + 800, ...) = 6800;
+    // × 7500 / 6000 = 8500, + allowance 50 + overhead 500.
+    let p = run_as("pytorch");
+    assert_eq!(p.inputs.gradients, Gradients::FreedBeforeStep);
+    assert_eq!(p.inputs.forward_grad_bytes, 0);
+    assert_eq!(p.inputs.basis_peak_bytes, 6800 * M);
+    assert_eq!(p.predicted_peak_bytes, 9050 * M);
+
+    // Lightning: the forward's 5800 + state 800 + gradients 400 (allocated
+    // after the first backward 1400 − before the first forward 1000) = 7000.
+    let p = run_as("lightning");
+    let i = &p.inputs;
+    assert_eq!(i.gradients, Gradients::FreedBeforeBackward);
+    assert_eq!(i.forward_grad_bytes, 400 * M);
+    assert_eq!(
+        (i.basis_peak_bytes, i.binding),
+        (7000 * M, BindingTerm::FirstForwardBesideGradients)
+    );
+    // 7000 × 1.25 = 8750, + 50 + 500.
+    assert_eq!(p.predicted_peak_bytes, 9300 * M, "{}", p.explanation);
+}
