@@ -405,7 +405,7 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
     let mut limited = Family::gauge(
         node,
         "stepwatch_rank_prediction_basis_limited",
-        "1 for each thing the prediction's basis cannot see, 0 for the others (limit: nvml_only_cannot_see_cache_reuse, optimizer_state_unsized).",
+        "1 for each thing the prediction's basis cannot see, 0 for the others (limit: nvml_only_cannot_see_cache_reuse, optimizer_state_unsized, allocator_figures_cannot_see_layout).",
     );
     let mut upheld = Family::gauge(
         node,

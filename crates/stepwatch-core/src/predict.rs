@@ -245,13 +245,22 @@ pub enum BasisLimit {
     /// The optimizer may keep state, but neither a measured jump nor model
     /// facts size it: the prediction may lack it entirely.
     OptimizerStateUnsized,
+    /// Allocator figures without a trace, and state created lazily from the
+    /// cache: which cached blocks the state splits is not in phase-boundary
+    /// figures. PyTorch places each state tensor in the smallest free block
+    /// that holds it; when that is a block an activation used in step 1 (the
+    /// logits, say), step 2 reserves a new segment of that block's size
+    /// (seen in the traces of `tests/fixtures/torch-fake-cuda`). The layout
+    /// allowance is a guess at that.
+    AllocatorFiguresCannotSeeLayout,
 }
 
 impl BasisLimit {
     /// Every limit, so that a metric can say 0 for the ones that do not apply.
-    pub const ALL: [BasisLimit; 2] = [
+    pub const ALL: [BasisLimit; 3] = [
         BasisLimit::NvmlOnlyCannotSeeCacheReuse,
         BasisLimit::OptimizerStateUnsized,
+        BasisLimit::AllocatorFiguresCannotSeeLayout,
     ];
 
     /// The name in JSON, also the metric label.
@@ -259,6 +268,7 @@ impl BasisLimit {
         match self {
             BasisLimit::NvmlOnlyCannotSeeCacheReuse => "nvml_only_cannot_see_cache_reuse",
             BasisLimit::OptimizerStateUnsized => "optimizer_state_unsized",
+            BasisLimit::AllocatorFiguresCannotSeeLayout => "allocator_figures_cannot_see_layout",
         }
     }
 }
@@ -923,7 +933,11 @@ pub fn predict_with(
         other_process_bytes,
         optimizer_temporaries_bytes: optimizer_temporaries,
         optimizer_phase_estimate_bytes: optimizer_estimate,
-        basis_limits: basis_limits(basis, state_source),
+        basis_limits: basis_limits(
+            basis,
+            state_source,
+            replay.is_none() && state_from_cache > 0,
+        ),
         gradients,
         forward_grad_bytes: forward_grads,
     };
@@ -959,8 +973,13 @@ fn optimizer_temporaries(facts: &ModelFacts, facts_state: Option<u64>) -> u64 {
     }
 }
 
-/// What the prediction's basis cannot see (see [`BasisLimit`]).
-fn basis_limits(basis: PredictionBasis, state_source: StateSource) -> Vec<BasisLimit> {
+/// What the prediction's basis cannot see (see [`BasisLimit`]);
+/// `layout_guessed`: the layout allowance was added.
+fn basis_limits(
+    basis: PredictionBasis,
+    state_source: StateSource,
+    layout_guessed: bool,
+) -> Vec<BasisLimit> {
     let mut limits = Vec::new();
     if basis == PredictionBasis::NvmlOnly {
         limits.push(BasisLimit::NvmlOnlyCannotSeeCacheReuse);
@@ -970,6 +989,9 @@ fn basis_limits(basis: PredictionBasis, state_source: StateSource) -> Vec<BasisL
         StateSource::UnseenOnNvml | StateSource::Unknown
     ) {
         limits.push(BasisLimit::OptimizerStateUnsized);
+    }
+    if layout_guessed {
+        limits.push(BasisLimit::AllocatorFiguresCannotSeeLayout);
     }
     limits
 }

@@ -1071,14 +1071,27 @@ fn nvml_only_says_it_cannot_see_cache_reuse_and_sizes_state_from_the_optimizer_k
         vec![BasisLimit::NvmlOnlyCannotSeeCacheReuse]
     );
 
-    // The allocator basis sees what the cache hands out: no limit.
+    // The allocator basis sees what the cache hands out, but not which
+    // cached blocks the lazily made state split (the layout allowance
+    // guesses at it).
     let p = run(
         ModelFacts::default(),
         &base_markers(true),
         &BASE_SAMPLES,
         10_000,
     );
-    assert!(p.inputs.basis_limits.is_empty());
+    assert_eq!(
+        p.inputs.basis_limits,
+        vec![BasisLimit::AllocatorFiguresCannotSeeLayout]
+    );
+    // No state made in step 1: nothing to guess.
+    let p = run(
+        ModelFacts::default(),
+        &no_jump_markers(),
+        &BASE_SAMPLES,
+        10_000,
+    );
+    assert!(p.inputs.basis_limits.is_empty(), "{:?}", p.inputs);
 }
 
 #[test]
