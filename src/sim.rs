@@ -9,8 +9,8 @@ use fake_nvml::{FakeNvml, GpuSpec};
 use stepwatch_client::{Client, ClientOptions, DEFAULT_ENDPOINT};
 use stepwatch_core::allocator::{Pool, SegmentLayout};
 use stepwatch_core::{
-    AllocatorAction, AllocatorEvent, AllocatorTrace, Marker, MarkerKind, OptimizerKind, PhaseKind,
-    Precision,
+    AllocatorAction, AllocatorEvent, AllocatorTrace, Marker, MarkerKind, OptimizerImplementation,
+    OptimizerKind, PhaseKind, Precision,
 };
 use stepwatch_proto::v1 as pb;
 use stepwatch_sim::{RankSim, Scenario, Sink};
@@ -293,6 +293,12 @@ fn proto_facts(f: &stepwatch_core::ModelFacts) -> pb::ModelFacts {
         state_precreated: f.state_precreated,
         grads_set_to_none: f.grads_set_to_none,
         micro_batch_size: f.micro_batch_size,
+        optimizer_implementation: match f.optimizer_implementation {
+            OptimizerImplementation::Unknown => pb::OptimizerImplementation::Unspecified,
+            OptimizerImplementation::Foreach => pb::OptimizerImplementation::Foreach,
+            OptimizerImplementation::Fused => pb::OptimizerImplementation::Fused,
+            OptimizerImplementation::ForLoop => pb::OptimizerImplementation::ForLoop,
+        } as i32,
     }
 }
 

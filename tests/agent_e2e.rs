@@ -94,6 +94,22 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
             error * 100.0
         );
         assert_eq!(m.get("stepwatch_rank_oom_risk", &rank), Some(0.0));
+        // Allocator figures see what the cache hands out.
+        assert_eq!(
+            m.get(
+                "stepwatch_rank_prediction_basis_limited",
+                &[
+                    rank[0],
+                    rank[1],
+                    ("limit", "nvml_only_cannot_see_cache_reuse")
+                ]
+            ),
+            Some(0.0)
+        );
+        assert_eq!(
+            m.get("stepwatch_rank_prediction_warning_upheld", &rank),
+            Some(0.0)
+        );
         assert!(
             m.get("stepwatch_rank_predicted_headroom_bytes", &rank)
                 .unwrap()

@@ -55,6 +55,11 @@ fn markers_survive_an_absent_then_restarted_agent() {
     let stats = client.stats();
     assert_eq!(stats.dropped, 60);
     assert!(!client.connected());
+    // It keeps trying (a second attempt counts as a reconnect); start the
+    // agent only then, or a slow client thread meets it on its first try.
+    wait_until("a retry", Duration::from_secs(10), || {
+        client.stats().reconnects >= 1
+    });
 
     // The agent appears: the buffered steps arrive.
     let mut agent = Agent::start_full("client-late", 1, Some(socket.clone()), &[], |_| {});
@@ -65,7 +70,6 @@ fn markers_survive_an_absent_then_restarted_agent() {
         ) == Some(10.0)
     });
     assert!(client.flush(Duration::from_secs(5)));
-    assert!(client.stats().reconnects >= 1);
 
     // The agent restarts; the client reconnects and goes on.
     assert!(agent.terminate().success());

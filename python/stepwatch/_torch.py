@@ -13,6 +13,7 @@ log = logging.getLogger("stepwatch")
 
 # stepwatch.v1 enum values
 OPT_ADAM, OPT_SGD_MOMENTUM, OPT_SGD, OPT_OTHER = 1, 2, 3, 4
+IMPL_FOREACH, IMPL_FUSED, IMPL_FOR_LOOP = 1, 2, 3
 PRECISIONS = {
     "fp32": 1,
     "32": 1,
@@ -292,6 +293,34 @@ def optimizer_kind(optimizer: Any) -> Tuple[int, Optional[int]]:
     return OPT_OTHER, None
 
 
+def optimizer_implementation(optimizer: Any) -> Optional[int]:
+    """How a torch.optim optimizer's step runs (OptimizerImplementation), which
+    sizes its temporaries: foreach Adam holds a parameter-sized list at its
+    peak, fused Adam none. None when unknown (not a torch.optim optimizer)."""
+    opt = unwrap_optimizer(optimizer)
+    import torch
+
+    if not isinstance(opt, torch.optim.Optimizer):
+        return None
+    groups = getattr(opt, "param_groups", None) or [{}]
+    g0 = groups[0]
+    if g0.get("fused"):
+        return IMPL_FUSED
+    if g0.get("differentiable"):
+        return IMPL_FOR_LOOP
+    foreach = g0.get("foreach")
+    if foreach is None:
+        # Unset: the optimizer decides at its first step, as this does.
+        try:
+            from torch.optim.optimizer import _default_to_fused_or_foreach
+
+            params = [p for g in groups for p in g.get("params", [])]
+            _, foreach = _default_to_fused_or_foreach(params, False, use_fused=False)
+        except Exception:
+            return None
+    return IMPL_FOREACH if foreach else IMPL_FOR_LOOP
+
+
 def _state_exists(optimizer: Any) -> bool:
     opt = unwrap_optimizer(optimizer)
     state = getattr(opt, "state", None)
@@ -346,6 +375,9 @@ def model_facts(
         if tensors is not None:
             facts["state_bytes_per_parameter"] = tensors * (elem_size or 4)
         facts["state_precreated"] = any(_state_exists(o) for o in opts)
+        impl = optimizer_implementation(opts[0])
+        if impl is not None:
+            facts["optimizer_implementation"] = impl
     if precision:
         key = str(precision).lower()
         if key not in PRECISIONS:

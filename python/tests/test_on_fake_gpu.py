@@ -63,6 +63,8 @@ def test_watch_on_cuda_sends_device_identity_allocator_figures_and_the_step1_tra
     assert stream.hello.gpu_uuid == "GPU-00000000-0000-0000-0000-000000000000"
     assert stream.hello.identity.job_id == "fake-gpu-client"
     assert stream.hello.model.optimizer == pb.OPTIMIZER_KIND_ADAM
+    # AdamW() on CUDA parameters runs foreach, PyTorch's default there.
+    assert stream.hello.model.optimizer_implementation == pb.OPTIMIZER_IMPLEMENTATION_FOREACH
     params = int(proc.stdout.split("params ")[1])
     assert stream.hello.model.parameter_count == params
 

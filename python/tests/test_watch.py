@@ -168,6 +168,26 @@ def test_optimizer_kinds(make, kind, state_bytes, precreated):
     assert f["state_precreated"] is precreated
 
 
+@pytest.mark.parametrize(
+    "make,implementation",
+    [
+        (lambda p: torch.optim.AdamW(p, foreach=True), 1),
+        (lambda p: torch.optim.AdamW(p, fused=True), 2),
+        (lambda p: torch.optim.AdamW(p, foreach=False), 3),
+        # Unset on CPU parameters: torch picks the for-loop (foreach needs CUDA).
+        (lambda p: torch.optim.AdamW(p), 3),
+        (lambda p: torch.optim.SGD(p, lr=0.1, foreach=True), 1),
+    ],
+)
+def test_optimizer_implementation(make, implementation):
+    from stepwatch._torch import model_facts
+
+    model = small_model()
+    assert (
+        model_facts(model, make(model.parameters()))["optimizer_implementation"] == implementation
+    )
+
+
 def test_state_precreated_detected():
     from stepwatch._torch import model_facts
 

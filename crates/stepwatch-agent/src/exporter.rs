@@ -9,7 +9,7 @@ use prometheus::proto::{
     Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType,
 };
 use prometheus::{Encoder, TextEncoder};
-use stepwatch_core::{PhaseKind, StepOutcome};
+use stepwatch_core::{BasisLimit, PhaseKind, StepOutcome, WarningRevision};
 use stepwatch_proto::clock::monotonic_ns;
 
 use crate::state::AgentState;
@@ -414,12 +414,27 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
     let mut risk = Family::gauge(
         node,
         "stepwatch_rank_oom_risk",
-        "1 when the predicted headroom is negative: step 2 will likely run out of memory.",
+        "1 when the predicted headroom is negative (step 2 will likely run out of memory), or a step-2 OOM warning stands until a measurement withdraws it.",
     );
     let mut provisional = Family::gauge(
         node,
         "stepwatch_rank_prediction_provisional",
         "1 while step 1 is still running and the prediction may still be refined.",
+    );
+    let mut basis = Family::gauge(
+        node,
+        "stepwatch_rank_prediction_basis",
+        "1 for what the prediction was computed from (basis: allocator_replay, allocator or nvml_only, least to most blind).",
+    );
+    let mut limited = Family::gauge(
+        node,
+        "stepwatch_rank_prediction_basis_limited",
+        "1 for each thing the prediction's basis cannot see, 0 for the others (limit: nvml_only_cannot_see_cache_reuse, optimizer_state_unsized, allocator_figures_cannot_see_layout).",
+    );
+    let mut upheld = Family::gauge(
+        node,
+        "stepwatch_rank_prediction_warning_upheld",
+        "1 while a step-2 OOM warning stands although the latest estimate fits: only a measurement of step 1's optimizer phase withdraws it.",
     );
     let mut error = Family::gauge(
         node,
@@ -547,6 +562,24 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
             }
             risk.add(&labels, if p.oom_risk { 1.0 } else { 0.0 });
             provisional.add(&labels, if p.provisional { 1.0 } else { 0.0 });
+            let b = p.inputs.basis.as_str();
+            basis.add(
+                &[("job", &key.job), ("rank", &rank_label), ("basis", b)],
+                1.0,
+            );
+            for l in BasisLimit::ALL {
+                let on = p.inputs.basis_limits.contains(&l);
+                limited.add(
+                    &[
+                        ("job", &key.job),
+                        ("rank", &rank_label),
+                        ("limit", l.as_str()),
+                    ],
+                    if on { 1.0 } else { 0.0 },
+                );
+            }
+            let kept = p.warning_revision == Some(WarningRevision::UpheldUntilMeasured);
+            upheld.add(&labels, if kept { 1.0 } else { 0.0 });
         }
     }
     for f in [
@@ -560,6 +593,9 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         capacity,
         risk,
         provisional,
+        basis,
+        limited,
+        upheld,
         error,
         peak_div,
         dur_div,

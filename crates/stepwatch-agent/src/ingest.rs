@@ -12,8 +12,8 @@ use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::replay::{MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_core::{
     replay_step2_with, Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats,
-    AllocatorTrace, Gradients, Marker, MarkerKind, ModelFacts, OpenError, OptimizerKind, Precision,
-    RankInfo, RankKey,
+    AllocatorTrace, Gradients, Marker, MarkerKind, ModelFacts, OpenError, OptimizerImplementation,
+    OptimizerKind, Precision, RankInfo, RankKey,
 };
 use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
 use stepwatch_proto::MAX_MARKERS_PER_BATCH;
@@ -648,6 +648,14 @@ fn rank_info(hello: pb::Hello, peer_pid: Option<u32>) -> RankInfo {
             state_precreated: model.state_precreated,
             grads_set_to_none: model.grads_set_to_none,
             micro_batch_size: model.micro_batch_size,
+            optimizer_implementation: match pb::OptimizerImplementation::try_from(
+                model.optimizer_implementation,
+            ) {
+                Ok(pb::OptimizerImplementation::Foreach) => OptimizerImplementation::Foreach,
+                Ok(pb::OptimizerImplementation::Fused) => OptimizerImplementation::Fused,
+                Ok(pb::OptimizerImplementation::ForLoop) => OptimizerImplementation::ForLoop,
+                _ => OptimizerImplementation::Unknown,
+            },
         },
     }
 }

@@ -36,7 +36,7 @@ use crate::predict::{
     jump_across, predict_with, LiveStep, PredictConfig, Prediction, PredictionBasis,
 };
 use crate::profile::{phase_allocator_peaks, SteadyProfile, StepProfile};
-use crate::replay::Step2Replay;
+use crate::replay::{Gradients, Step2Replay};
 use crate::timeline::{RankTimeline, StepOutcome, StepRecord};
 use crate::tracker::GpuSample;
 
@@ -155,6 +155,8 @@ pub struct StepOneExtras<'a> {
     pub live: Option<&'a LiveStep>,
     /// Step 2 replayed from the allocator trace the client sent.
     pub replay: Option<&'a Step2Replay>,
+    /// What becomes of step 1's gradients between steps ([`Gradients::of`]).
+    pub gradients: Gradients,
 }
 
 /// Analyses one rank. `samples` are the GPU's samples from step 1 on
@@ -168,7 +170,11 @@ pub fn analyze_rank<'a>(
     samples: impl IntoIterator<Item = &'a GpuSample>,
     config: &AnalysisConfig,
 ) -> RankAnalysis {
-    let StepOneExtras { live, replay } = extras;
+    let StepOneExtras {
+        live,
+        replay,
+        gradients,
+    } = extras;
     let first = timeline.steps().next();
     let later = later_completed(timeline);
     let steady = steady_profile(timeline, config);
@@ -228,6 +234,7 @@ pub fn analyze_rank<'a>(
             other_process_bytes,
             live,
             replay,
+            gradients,
             &config.predict,
         )
     });

@@ -32,11 +32,13 @@ pub use divergence::{
     Outlier, PeakSource, RankFigures, Spread,
 };
 pub use error::{HelloError, MarkerError};
-pub use identity::{ModelFacts, OptimizerKind, Precision, RankInfo, RankKey};
+pub use identity::{
+    ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo, RankKey,
+};
 pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
 pub use predict::{
-    predict, predict_with, BindingTerm, GradsSource, LiveStep, PredictConfig, Prediction,
-    PredictionBasis, PredictionInputs, StateSource,
+    predict, predict_with, BasisLimit, BindingTerm, GradsSource, LiveStep, PredictConfig,
+    Prediction, PredictionBasis, PredictionInputs, StateSource, WarningRevision,
 };
 pub use profile::{
     phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds, PhaseProfile,

@@ -14,9 +14,21 @@
 //! ```text
 //! basis_peak = max( first_group_peak + state + grads,
 //!                   later_peak       + state,
-//!                   optimizer_phase_peak,
+//!                   max(optimizer_phase_peak, optimizer_estimate),
 //!                   step1_peak )                       // any phase of step 1
 //! ```
+//!
+//! * Gradients freed only just before backward ([`Gradients::FreedBeforeBackward`]:
+//!   Lightning's closure) live through step 2's forward: one more term,
+//!   `first forward's peak + state + gradients` (measured as for `grads`).
+//! * `optimizer_estimate` — allocator basis, only until step 1's optimizer
+//!   phase has closed (then its measured peak holds the same): allocated at
+//!   the phase's begin (before it begins: at the first forward + the
+//!   gradients, measured or `parameter_bytes`) + the state it will create
+//!   (model facts) + its temporaries (`optimizer_temporaries`: foreach
+//!   Adam, PyTorch's default on CUDA, holds one parameter-sized list, half
+//!   its state). Step 2's optimizer phase reaches the same figure: the state
+//!   exists at its begin and the temporaries are made again.
 //!
 //! * `state` — optimizer state, see [`StateSource`]: 0 when declared
 //!   pre-created; else, once the step-1 optimizer phase has closed, the jump
@@ -28,7 +40,11 @@
 //!   state was pre-created (allocator basis). On the NVML basis a zero or
 //!   small jump proves nothing — the caching allocator may serve the state
 //!   from blocks freed by backward — so there the state is
-//!   `max(jump, model-facts state)`.
+//!   `max(jump, model-facts state)`, and with no facts to size it the source
+//!   is [`StateSource::UnseenOnNvml`], not a measurement
+//!   ([`PredictionInputs::basis_limits`] says what the basis cannot see).
+//!   Without a parameter count, the facts state is the optimizer kind's
+//!   state tensors (Adam 2, SGD with momentum 1) × `parameter_bytes`.
 //! * allocator figures are the lower bounds of [`crate::profile`]: with
 //!   since-start peak counters (what the Python client sends) a phase that
 //!   stayed under an earlier high-water mark is known only to lie between its
@@ -93,6 +109,13 @@
 //!
 //! so other processes are subtracted exactly once (this assumes they used
 //! about the same memory during step 1 as now).
+//!
+//! # Revising a warning
+//!
+//! A rank already warned of a step-2 OOM keeps `oom_risk` when a later
+//! revision says it fits on estimates alone; only one resting on a
+//! measurement of step 1's optimizer phase withdraws it
+//! ([`Prediction::revise_after_warning`]).
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
@@ -102,10 +125,10 @@ use serde::{Deserialize, Serialize};
 use crate::advisory::gb;
 use crate::divergence::activation_peak_bytes;
 use crate::fit::{what_would_fit, FitInputs, WhatWouldFit};
-use crate::identity::{ModelFacts, OptimizerKind, Precision};
+use crate::identity::{ModelFacts, OptimizerImplementation, OptimizerKind, Precision};
 use crate::marker::PhaseKind;
 use crate::profile::{max_opt, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds};
-use crate::replay::Step2Replay;
+use crate::replay::{Gradients, Step2Replay};
 use crate::timeline::{PhaseRecord, SampleEdges, SampleStats, StepOutcome, StepRecord};
 use crate::tracker::GpuSample;
 
@@ -176,6 +199,17 @@ pub enum PredictionBasis {
     AllocatorReplay,
 }
 
+impl PredictionBasis {
+    /// The name in JSON, also the metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PredictionBasis::Allocator => "allocator",
+            PredictionBasis::NvmlOnly => "nvml_only",
+            PredictionBasis::AllocatorReplay => "allocator_replay",
+        }
+    }
+}
+
 /// Where the optimizer-state figure came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -194,6 +228,67 @@ pub enum StateSource {
     NoJump,
     /// The optimizer phase has not closed and there are no facts: 0 for now.
     Unknown,
+    /// NVML basis: the level barely moved across the optimizer phase, and no
+    /// facts size the state. Device memory cannot tell state served from the
+    /// allocator's cache from no state at all, so the jump (≤ the no-jump
+    /// threshold) is taken, and the prediction says it may lack the state.
+    UnseenOnNvml,
+}
+
+/// Something the prediction's basis cannot see, so a user knows how far to
+/// trust it (exported as `stepwatch_rank_prediction_basis_limited`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BasisLimit {
+    /// NVML only: device memory shows what the caching allocator reserves,
+    /// not what it hands out, so state or temporaries served from cached
+    /// blocks (backward frees gigabytes before the optimizer runs) do not
+    /// move it. The state is then taken from model facts where they exist.
+    NvmlOnlyCannotSeeCacheReuse,
+    /// The optimizer may keep state, but neither a measured jump nor model
+    /// facts size it: the prediction may lack it entirely.
+    OptimizerStateUnsized,
+    /// Allocator figures without a trace, and state created lazily from the
+    /// cache: which cached blocks the state splits is not in phase-boundary
+    /// figures. PyTorch places each state tensor in the smallest free block
+    /// that holds it; when that is a block an activation used in step 1 (the
+    /// logits, say), step 2 reserves a new segment of that block's size
+    /// (seen in the traces of `tests/fixtures/torch-fake-cuda`). The layout
+    /// allowance is a guess at that.
+    AllocatorFiguresCannotSeeLayout,
+}
+
+impl BasisLimit {
+    /// Every limit, so that a metric can say 0 for the ones that do not apply.
+    pub const ALL: [BasisLimit; 3] = [
+        BasisLimit::NvmlOnlyCannotSeeCacheReuse,
+        BasisLimit::OptimizerStateUnsized,
+        BasisLimit::AllocatorFiguresCannotSeeLayout,
+    ];
+
+    /// The name in JSON, also the metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BasisLimit::NvmlOnlyCannotSeeCacheReuse => "nvml_only_cannot_see_cache_reuse",
+            BasisLimit::OptimizerStateUnsized => "optimizer_state_unsized",
+            BasisLimit::AllocatorFiguresCannotSeeLayout => "allocator_figures_cannot_see_layout",
+        }
+    }
+}
+
+/// What became of a step-2 OOM warning the rank was already given, when a
+/// later prediction of step 1 says step 2 fits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WarningRevision {
+    /// The revision rests on estimates only (the state or the optimizer's
+    /// temporaries from model facts, before step 1's optimizer phase was
+    /// measured): the warning stands and `oom_risk` stays set.
+    UpheldUntilMeasured,
+    /// The revision rests on a measurement (step 1's optimizer phase closed
+    /// with its jump measured, or the allocator replay): the warning is
+    /// withdrawn.
+    WithdrawnOnMeasurement,
 }
 
 /// Where the persistent-gradient figure came from.
@@ -223,6 +318,10 @@ pub enum BindingTerm {
     OptimizerPhase,
     /// Step 1's own peak: step 2 was predicted to need no more.
     Step1Peak,
+    /// The first forward's peak + state + step 1's gradients, which live
+    /// through step 2's forward when they are freed just before backward
+    /// (Lightning's closure).
+    FirstForwardBesideGradients,
 }
 
 /// Every figure the prediction used, so a user can see why.
@@ -314,6 +413,29 @@ pub struct PredictionInputs {
     pub capacity_bytes: u64,
     /// Bytes other processes hold on the GPU, subtracted once from headroom.
     pub other_process_bytes: u64,
+    /// The optimizer's temporaries at its peak, from model facts (foreach
+    /// Adam: one parameter-sized list, state / 2; fused, for-loop and SGD:
+    /// 0), in the estimate of the optimizer phase.
+    #[serde(default)]
+    pub optimizer_temporaries_bytes: u64,
+    /// Allocator basis, until step 1's optimizer phase has closed: allocated
+    /// when it begins (estimated before that as allocated at the first
+    /// forward + the gradients) + state created in it + its temporaries.
+    /// Step 2's optimizer phase reaches the same figure (state kept,
+    /// temporaries made again). A term of the max.
+    #[serde(default)]
+    pub optimizer_phase_estimate_bytes: Option<u64>,
+    /// What the basis cannot see; empty when nothing is known to be missing.
+    #[serde(default)]
+    pub basis_limits: Vec<BasisLimit>,
+    /// What becomes of step 1's gradients between steps (from the hello).
+    #[serde(default)]
+    pub gradients: Gradients,
+    /// Gradients alive through step 2's forward when they are freed just
+    /// before backward (measured as for `grad_bytes`, else model facts),
+    /// added to the first forward's peak; 0 otherwise.
+    #[serde(default)]
+    pub forward_grad_bytes: u64,
 }
 
 /// The predicted steady-state peak and headroom.
@@ -341,6 +463,59 @@ pub struct Prediction {
     /// micro-batch or optimizer-state sharding that would (see [`crate::fit`]).
     #[serde(default)]
     pub what_would_fit: Option<WhatWouldFit>,
+    /// Set when the rank was already warned of a step-2 OOM and this
+    /// prediction alone would say step 2 fits (see [`Prediction::revise_after_warning`]).
+    #[serde(default)]
+    pub warning_revision: Option<WarningRevision>,
+}
+
+impl Prediction {
+    /// Whether the figures rest on a measurement of step 1's optimizer
+    /// phase (its jump, or the allocator replay) rather than on model facts.
+    pub fn rests_on_measurement(&self) -> bool {
+        let i = &self.inputs;
+        i.basis == PredictionBasis::AllocatorReplay
+            || (i.optimizer_phase_closed
+                && !matches!(
+                    i.state_source,
+                    StateSource::ModelFacts | StateSource::Unknown | StateSource::UnseenOnNvml
+                ))
+    }
+
+    /// Applies the rule for revising a warning already given
+    /// (`warned_step2_oom`: a `Step2OomPredicted` advisory was issued): a
+    /// revision that says step 2 fits withdraws the warning only when it
+    /// rests on a measurement; one that rests on estimates keeps `oom_risk`
+    /// set. Estimates move as step 1's markers arrive (the cache figure at
+    /// the optimizer's begin, say) while what they leave out does not, so an
+    /// estimate that no longer warns is no evidence that the first was
+    /// wrong. Either way the explanation says so.
+    pub fn revise_after_warning(&mut self, warned_step2_oom: bool) {
+        if !warned_step2_oom || self.oom_risk {
+            return;
+        }
+        let h = self.headroom_bytes.unwrap_or(0);
+        if self.rests_on_measurement() {
+            self.warning_revision = Some(WarningRevision::WithdrawnOnMeasurement);
+            let _ = write!(
+                self.explanation,
+                "; withdraws the step-2 OOM warning given earlier: headroom {} rests on step 1's \
+                 measured optimizer phase",
+                gb(h as f64)
+            );
+        } else {
+            self.warning_revision = Some(WarningRevision::UpheldUntilMeasured);
+            self.oom_risk = true;
+            self.low_headroom = true;
+            let _ = write!(
+                self.explanation,
+                "; the step-2 OOM warning given earlier stands: this revision (headroom {}) \
+                 rests on estimates, and only a measurement of step 1's optimizer phase may \
+                 withdraw it",
+                gb(h as f64)
+            );
+        }
+    }
 }
 
 /// [`predict_with`] under the default [`PredictConfig`].
@@ -358,6 +533,7 @@ pub fn predict(
         other_process_bytes,
         live,
         None,
+        Gradients::from_persistent(facts.grads_set_to_none == Some(false)),
         &PredictConfig::default(),
     )
 }
@@ -374,8 +550,10 @@ pub fn default_state_bytes_per_parameter(kind: OptimizerKind) -> Option<u32> {
 
 /// Predicts the steady-state peak from step 1 (complete or running; `live`
 /// holds the samples of its open phase; `replay` is step 2 replayed from the
-/// client's allocator trace, when it sent one). None when step 1 has no
+/// client's allocator trace, when it sent one; `gradients` what becomes of
+/// step 1's gradients, [`Gradients::of`] the rank). None when step 1 has no
 /// forward/backward phase with a figure yet.
+#[allow(clippy::too_many_arguments)]
 pub fn predict_with(
     step1: &StepRecord,
     facts: &ModelFacts,
@@ -383,6 +561,7 @@ pub fn predict_with(
     other_process_bytes: u64,
     live: Option<&LiveStep>,
     replay: Option<&Step2Replay>,
+    gradients: Gradients,
     config: &PredictConfig,
 ) -> Option<Prediction> {
     let step = with_live(step1, live);
@@ -461,7 +640,20 @@ pub fn predict_with(
         .parameter_count
         .zip(bpp)
         .map(|(n, b)| u128::from(n) * u128::from(b));
+    // Without a parameter count, the family's state tensors per parameter
+    // times the parameters' bytes (Adam: exp_avg and exp_avg_sq, each in
+    // the parameter's dtype), when no explicit bytes per parameter say more.
+    let unsharded = unsharded.or_else(|| {
+        let tensors = match facts.optimizer {
+            _ if facts.state_bytes_per_parameter.is_some() => None,
+            OptimizerKind::Adam => Some(2),
+            OptimizerKind::SgdMomentum => Some(1),
+            _ => None,
+        }?;
+        facts.parameter_bytes.map(|b| u128::from(b) * tensors)
+    });
     let facts_state = unsharded.map(|u| sat_u64(u.div_ceil(u128::from(sharding))));
+    let optimizer_temporaries = optimizer_temporaries(facts, facts_state);
     let stateful = bpp.map(|b| b > 0);
     let (state, state_source) = if facts.state_precreated == Some(true) {
         (0, StateSource::DeclaredPrecreated)
@@ -473,7 +665,7 @@ pub fn predict_with(
             }
             _ if jump_u >= config.zero_jump_bytes => (jump_u, StateSource::MeasuredJump),
             PredictionBasis::NvmlOnly if stateful == Some(false) => (0, StateSource::Stateless),
-            PredictionBasis::NvmlOnly => (jump_u, StateSource::MeasuredJump),
+            PredictionBasis::NvmlOnly => (jump_u, StateSource::UnseenOnNvml),
             PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => match stateful {
                 Some(true) => (0, StateSource::DetectedPrecreated),
                 Some(false) => (0, StateSource::Stateless),
@@ -524,6 +716,49 @@ pub fn predict_with(
         (0, GradsSource::Unknown)
     };
 
+    // Step 1's optimizer phase, estimated until it has been measured (on
+    // the allocator basis: NVML cannot see what the cache serves).
+    let new_state = if state_source == StateSource::ModelFacts {
+        state
+    } else {
+        0
+    };
+    let optimizer_estimate = (basis == PredictionBasis::Allocator
+        && !optimizer_phase_closed
+        && new_state.saturating_add(optimizer_temporaries) > 0)
+        .then(|| {
+            let at_begin = match opt_idx.first() {
+                Some(&i) => phases[i].allocator_at_start?.allocated_bytes,
+                None => {
+                    let first_fwd = phases.iter().find(|p| p.phase == PhaseKind::Forward)?;
+                    first_fwd
+                        .allocator_at_start?
+                        .allocated_bytes
+                        .saturating_add(measured_grads.or(facts_grads)?)
+                }
+            };
+            Some(
+                at_begin
+                    .saturating_add(new_state)
+                    .saturating_add(optimizer_temporaries),
+            )
+        })
+        .flatten();
+    let opt_term = max_opt(opt_peak, optimizer_estimate);
+
+    // Gradients freed only just before backward live through step 2's
+    // forward, on top of its activations and the state.
+    let forward_grads = if gradients == Gradients::FreedBeforeBackward && !grads_persistent {
+        measured_grads.or(facts_grads).unwrap_or(0)
+    } else {
+        0
+    };
+    let is_first_fwd = |i: usize, p: &PhaseRecord| p.phase == PhaseKind::Forward && first_group(i);
+    let forward_term = (forward_grads > 0)
+        .then(|| max_where(&|i, p| is_first_fwd(i, p)))
+        .flatten()
+        .map(|f| f.saturating_add(state).saturating_add(forward_grads));
+
     // The max.
     let terms = [
         (
@@ -534,8 +769,9 @@ pub fn predict_with(
             later_peak.map(|p| p.saturating_add(state)),
             BindingTerm::LaterMicroBatches,
         ),
-        (opt_peak, BindingTerm::OptimizerPhase),
+        (opt_term, BindingTerm::OptimizerPhase),
         (Some(step1_peak), BindingTerm::Step1Peak),
+        (forward_term, BindingTerm::FirstForwardBesideGradients),
     ];
     let (basis_peak, binding) = terms.iter().filter_map(|(v, t)| v.map(|v| (v, *t))).fold(
         (0, BindingTerm::FirstMicroBatch),
@@ -558,7 +794,15 @@ pub fn predict_with(
         Some(first_bounds.plus(state.saturating_add(grads))),
         bounds_where(&|i, p| is_fb(p) && !first_group(i)).map(|b| b.plus(state)),
         bounds_where(&|_, p| p.phase == PhaseKind::Optimizer),
+        optimizer_estimate.map(|e| PeakBounds {
+            at_least: e,
+            at_most: Some(e),
+        }),
         Some(bounds_where(&|_, _| true).unwrap_or(unbounded)),
+        forward_term.and_then(|_| {
+            bounds_where(&|i, p| is_first_fwd(i, p))
+                .map(|b| b.plus(state.saturating_add(forward_grads)))
+        }),
     ];
     // NVML samples bound nothing: what happened between them is unseen.
     let basis_peak_at_most = term_bounds
@@ -696,6 +940,15 @@ pub fn predict_with(
         step1_nvml_peak_bytes: step1_nvml_peak,
         capacity_bytes,
         other_process_bytes,
+        optimizer_temporaries_bytes: optimizer_temporaries,
+        optimizer_phase_estimate_bytes: optimizer_estimate,
+        basis_limits: basis_limits(
+            basis,
+            state_source,
+            replay.is_none() && state_from_cache > 0,
+        ),
+        gradients,
+        forward_grad_bytes: forward_grads,
     };
     let what_would_fit = what_would_fit(&FitInputs {
         binding,
@@ -726,7 +979,50 @@ pub fn predict_with(
         provisional: step.outcome == StepOutcome::Running,
         explanation: explain(&inputs, device, headroom),
         inputs,
+        warning_revision: None,
     })
+}
+
+/// The optimizer's temporaries at its peak, beyond its state: what PyTorch
+/// 2.15 allocates, measured on fake CUDA (AdamW over 8 linear layers: the
+/// peak above the phase's begin was 3.0 × parameter bytes in step 1 and 1.0
+/// × in step 2 for foreach and the default, 2.0 and 0 for fused). Foreach
+/// Adam's `_foreach_sqrt(exp_avg_sq)` is one parameter-sized list (half of
+/// Adam's state, a third with amsgrad, taken as half); fused Adam keeps
+/// none; the for-loop one parameter's worth at a time (unknown here, 0);
+/// SGD with momentum updates in place (weight decay or Nesterov would add a
+/// list, not reported: 0).
+fn optimizer_temporaries(facts: &ModelFacts, facts_state: Option<u64>) -> u64 {
+    match (facts.optimizer, facts.optimizer_implementation) {
+        (
+            OptimizerKind::Adam,
+            OptimizerImplementation::Foreach | OptimizerImplementation::Unknown,
+        ) => facts_state.map_or(0, |s| s.div_ceil(2)),
+        _ => 0,
+    }
+}
+
+/// What the prediction's basis cannot see (see [`BasisLimit`]);
+/// `layout_guessed`: the layout allowance was added.
+fn basis_limits(
+    basis: PredictionBasis,
+    state_source: StateSource,
+    layout_guessed: bool,
+) -> Vec<BasisLimit> {
+    let mut limits = Vec::new();
+    if basis == PredictionBasis::NvmlOnly {
+        limits.push(BasisLimit::NvmlOnlyCannotSeeCacheReuse);
+    }
+    if matches!(
+        state_source,
+        StateSource::UnseenOnNvml | StateSource::Unknown
+    ) {
+        limits.push(BasisLimit::OptimizerStateUnsized);
+    }
+    if layout_guessed {
+        limits.push(BasisLimit::AllocatorFiguresCannotSeeLayout);
+    }
+    limits
 }
 
 /// NVML's device figure minus the allocator's reserved bytes (CUDA context,
@@ -834,6 +1130,10 @@ fn state_words(source: StateSource) -> &'static str {
         StateSource::Stateless => "none: the optimizer keeps no state",
         StateSource::NoJump => "none: no jump across step 1's optimizer phase",
         StateSource::Unknown => "unknown until step 1's optimizer phase ends",
+        StateSource::UnseenOnNvml => {
+            "not seen: device memory barely moved across step 1's optimizer phase, and it cannot \
+             tell state served from the allocator's cache from no state"
+        }
     }
 }
 
@@ -856,6 +1156,10 @@ fn binding_words(term: BindingTerm) -> &'static str {
         }
         BindingTerm::OptimizerPhase => "set by step 1's optimizer phase",
         BindingTerm::Step1Peak => "set by step 1's own peak",
+        BindingTerm::FirstForwardBesideGradients => {
+            "set by step 2's first forward beside step 1's gradients, which the framework frees \
+             only before backward"
+        }
     }
 }
 

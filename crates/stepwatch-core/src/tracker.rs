@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-use crate::advisory::{self, Advisory};
+use crate::advisory::{self, Advisory, AdvisoryKind};
 use crate::analysis::StepOneExtras;
 use crate::analysis::{analyze_rank, steady_profile, AnalysisConfig, RankAnalysis};
 use crate::divergence::{divergence, Divergence, RankFigures};
@@ -19,7 +19,7 @@ use crate::error::{HelloError, MarkerError};
 use crate::identity::{RankInfo, RankKey};
 use crate::marker::{Marker, MarkerKind};
 use crate::predict::{LiveStep, Prediction};
-use crate::replay::Step2Replay;
+use crate::replay::{Gradients, Step2Replay};
 use crate::timeline::{PhaseRecord, RankTimeline, StepOutcome};
 
 /// Most processes remembered per GPU (see [`Tracker::set_gpu_processes`]).
@@ -202,8 +202,10 @@ impl Tracker {
     /// anomaly, steady state and the prediction from step 1 (running or
     /// complete; a running step's open phase is read from the sample
     /// window). Capacity comes from the GPU's latest sample (0 when none),
-    /// other processes from [`Tracker::other_process_bytes`]. None for an
-    /// unknown rank.
+    /// other processes from [`Tracker::other_process_bytes`]. A step-2 OOM
+    /// warning already given stands until a revision resting on a
+    /// measurement withdraws it ([`Prediction::revise_after_warning`]). None
+    /// for an unknown rank.
     pub fn rank_analysis(&self, key: &RankKey) -> Option<RankAnalysis> {
         let state = self.ranks.get(key)?;
         let gpu = state.info.gpu_uuid.as_str();
@@ -218,7 +220,7 @@ impl Tracker {
             self.samples_since(gpu, s.begin_monotonic_ns)
                 .take_while(move |x| x.monotonic_ns < end)
         });
-        Some(analyze_rank(
+        let mut analysis = analyze_rank(
             &state.timeline,
             &state.info.model,
             self.latest_sample(gpu).map_or(0, |s| s.capacity_bytes),
@@ -226,10 +228,20 @@ impl Tracker {
             StepOneExtras {
                 live: live.as_ref(),
                 replay: state.allocator_replay.as_ref(),
+                gradients: Gradients::of(&state.info),
             },
             samples,
             &self.analysis,
-        ))
+        );
+        // A step-2 OOM warning already given is withdrawn only on a measurement.
+        let warned = state
+            .advisories
+            .iter()
+            .any(|a| a.kind == AdvisoryKind::Step2OomPredicted);
+        if let Some(p) = analysis.prediction.as_mut() {
+            p.revise_after_warning(warned);
+        }
+        Some(analysis)
     }
 
     /// Advisories that have become due for `key`, recorded as issued.

@@ -792,3 +792,384 @@ fn overhead_comes_from_the_tightest_bounds_not_a_late_first_sample() {
     let p = run(adam(100 * M), markers, &points[1..], 10_000);
     assert_eq!(p.inputs.overhead_bytes, Some(450 * M), "{}", p.explanation);
 }
+
+/// A model whose parameters outweigh its activations (units M), step 1 up
+/// to its optimizer's begin; reserved = the allocated peak (ratio 1), NVML
+/// = reserved + 500:
+///
+/// | marker          | t   | allocated | alloc peak | reserved | NVML sample |
+/// |-----------------|-----|-----------|------------|----------|-------------|
+/// | step_begin      | 100 | 4000      | 4000       | 4000     | 150: 4500   |
+/// | forward_begin   | 200 | 4000      | 4000       | 4000     | 250: 5500   |
+/// | backward_begin  | 300 | 5000      | 5000       | 5000     | 350: 10100  |
+/// | optimizer_begin | 400 | 8000      | 9600       | 9600     |             |
+///
+/// Adam over 1000 Mi fp32 parameters (4000 M): state 8000 M, made in the
+/// optimizer phase; foreach Adam's `_foreach_sqrt(exp_avg_sq)` holds one
+/// more parameter-sized list, 4000 M (on PyTorch 2.15, fake CUDA, the
+/// step-1 optimizer peak was 3.0 × parameter bytes above its begin).
+fn big_model_markers() -> Vec<Marker> {
+    use MarkerKind::*;
+    vec![
+        marker(StepBegin, 1, 100, 0, Some((4000, 4000, 4000))),
+        marker(ForwardBegin, 1, 200, 0, Some((4000, 4000, 4000))),
+        marker(BackwardBegin, 1, 300, 0, Some((5000, 5000, 5000))),
+        marker(OptimizerBegin, 1, 400, 0, Some((8000, 9600, 9600))),
+    ]
+}
+
+const BIG_MODEL_SAMPLES: [(u64, u64); 3] = [(150, 4500), (250, 5500), (350, 10100)];
+
+fn big_adam(implementation: OptimizerImplementation) -> ModelFacts {
+    ModelFacts {
+        parameter_count: Some(1000 * M),
+        parameter_bytes: Some(4000 * M),
+        optimizer: OptimizerKind::Adam,
+        optimizer_implementation: implementation,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
+    let p = run(
+        big_adam(OptimizerImplementation::Foreach),
+        &big_model_markers(),
+        &BIG_MODEL_SAMPLES,
+        20_000,
+    );
+    let i = &p.inputs;
+    assert_eq!(i.open_phase, Some(PhaseKind::Optimizer));
+    assert_eq!(
+        (i.state_bytes, i.state_source),
+        (8000 * M, StateSource::ModelFacts)
+    );
+    assert_eq!(i.optimizer_temporaries_bytes, 4000 * M);
+    // Allocated at the optimizer's begin 8000 + state 8000 + temporaries 4000.
+    assert_eq!(i.optimizer_phase_estimate_bytes, Some(20_000 * M));
+    // max(first micro-batch 9600 + 8000, optimizer 20000) = 20000.
+    assert_eq!(
+        (i.basis_peak_bytes, i.binding),
+        (20_000 * M, BindingTerm::OptimizerPhase)
+    );
+    // Ratio 1; the cache when the optimizer began, 9600 − 8000 = 1600, caps
+    // the state from cache: allowance 1600 / 16 = 100; overhead 500.
+    assert_eq!(i.layout_allowance_bytes, 100 * M);
+    assert_eq!(i.overhead_bytes, Some(500 * M));
+    assert_eq!(p.predicted_peak_bytes, 20_600 * M, "{}", p.explanation);
+    assert_eq!(p.headroom_bytes, Some(-600 * M as i64));
+    assert!(p.oom_risk);
+
+    // Unreported implementation: PyTorch's default on CUDA, foreach.
+    let p = run(
+        big_adam(OptimizerImplementation::Unknown),
+        &big_model_markers(),
+        &BIG_MODEL_SAMPLES,
+        20_000,
+    );
+    assert_eq!(p.predicted_peak_bytes, 20_600 * M);
+
+    // Fused Adam holds no temporaries: 8000 + 8000 = 16000 < 17600, the
+    // first micro-batch binds: 17600 + 100 + 500 = 18200, it fits.
+    let p = run(
+        big_adam(OptimizerImplementation::Fused),
+        &big_model_markers(),
+        &BIG_MODEL_SAMPLES,
+        20_000,
+    );
+    assert_eq!(p.inputs.optimizer_temporaries_bytes, 0);
+    assert_eq!(p.inputs.optimizer_phase_estimate_bytes, Some(16_000 * M));
+    assert_eq!(p.inputs.binding, BindingTerm::FirstMicroBatch);
+    assert_eq!(p.predicted_peak_bytes, 18_200 * M);
+    assert!(!p.oom_risk);
+
+    // Before the optimizer begins, its begin is estimated as allocated at
+    // the first forward + the gradients (parameter bytes): 4000 + 4000 +
+    // 8000 + 4000 = 20000 again.
+    let p = run(
+        big_adam(OptimizerImplementation::Foreach),
+        &big_model_markers()[..3],
+        &BIG_MODEL_SAMPLES[..2],
+        20_000,
+    );
+    assert_eq!(p.inputs.optimizer_phase_estimate_bytes, Some(20_000 * M));
+    assert_eq!(p.inputs.binding, BindingTerm::OptimizerPhase);
+
+    // Once the phase has been measured, the measurement replaces the
+    // estimate: its peak already holds step 1's temporaries.
+    let mut markers = big_model_markers();
+    markers.push(marker(
+        MarkerKind::OptimizerEnd,
+        1,
+        500,
+        0,
+        Some((16_000, 20_000, 20_000)),
+    ));
+    let mut points = BIG_MODEL_SAMPLES.to_vec();
+    points.push((450, 20_500));
+    let p = run(
+        big_adam(OptimizerImplementation::Foreach),
+        &markers,
+        &points,
+        20_000,
+    );
+    assert_eq!(p.inputs.optimizer_phase_estimate_bytes, None);
+    assert_eq!(p.inputs.optimizer_phase_peak_bytes, Some(20_000 * M));
+    assert_eq!(p.inputs.state_source, StateSource::MeasuredJump);
+}
+
+/// The base scenario, but backward reuses forward's cache: reserved stays at
+/// 6250 while allocated peaks at 6000, so the reserved ratio falls from
+/// 6250 / 5000 = 1.25 (known at backward's begin) to 6250 / 6000 once
+/// backward has closed. Fused Adam (no temporaries), 100 Mi parameters:
+/// state 800 M from facts.
+fn cache_reuse_markers() -> Vec<Marker> {
+    use MarkerKind::*;
+    vec![
+        marker(StepBegin, 1, 100, 0, Some((1000, 1000, 1200))),
+        marker(ForwardBegin, 1, 200, 0, Some((1000, 1000, 1200))),
+        marker(BackwardBegin, 1, 300, 0, Some((5000, 5000, 6250))),
+        marker(OptimizerBegin, 1, 400, 0, Some((1400, 6000, 6250))),
+        marker(OptimizerEnd, 1, 500, 0, Some((2200, 6000, 6250))),
+    ]
+}
+
+#[test]
+fn a_step2_oom_warning_is_withdrawn_only_on_a_measurement() {
+    let facts = ModelFacts {
+        optimizer_implementation: OptimizerImplementation::Fused,
+        ..adam(100 * M)
+    };
+    let (mut t, key) = tracker(facts);
+    let markers = cache_reuse_markers();
+    let points = [
+        (150, 1700),
+        (250, 3500),
+        (350, 6750),
+        (450, 6750),
+        (550, 6750),
+    ];
+    let feed = |t: &mut Tracker, m: std::ops::Range<usize>, s: std::ops::Range<usize>| {
+        t.gpu_samples(GPU, &samples(&points[s], 7_700));
+        let advisories = t.markers(&key, &markers[m], 0).unwrap();
+        (
+            advisories,
+            t.rank_analysis(&key).unwrap().prediction.unwrap(),
+        )
+    };
+
+    // Backward's begin: (5000 + 800) × 1.25 = 7250, + allowance 800 / 16
+    // = 50, + overhead 500 = 7800 > 7700: warned.
+    let (advisories, p) = feed(&mut t, 0..3, 0..2);
+    assert_eq!(p.predicted_peak_bytes, 7800 * M, "{}", p.explanation);
+    assert_eq!(advisories.len(), 1);
+    assert_eq!(advisories[0].kind, AdvisoryKind::Step2OomPredicted);
+    assert_eq!(p.warning_revision, None);
+
+    // The optimizer's begin: (6000 + 800) × 6250 / 6000 ≈ 7083.3, + 50 +
+    // 500 ≈ 7633.3 < 7700. The state is still the facts' estimate, so the
+    // warning stands.
+    let (advisories, p) = feed(&mut t, 3..4, 2..4);
+    assert!(advisories.is_empty());
+    assert!(p.headroom_bytes.unwrap() > 0, "{}", p.explanation);
+    assert!(!p.rests_on_measurement());
+    assert!(p.oom_risk, "{}", p.explanation);
+    assert_eq!(
+        p.warning_revision,
+        Some(WarningRevision::UpheldUntilMeasured)
+    );
+    assert!(p.explanation.contains("warning given earlier stands"));
+
+    // The optimizer's end: the state is the measured jump, 800; the same
+    // figure now withdraws the warning, and says so.
+    let (_, p) = feed(&mut t, 4..5, 4..5);
+    assert_eq!(p.inputs.state_source, StateSource::MeasuredJump);
+    assert!(p.rests_on_measurement());
+    assert!(!p.oom_risk, "{}", p.explanation);
+    assert_eq!(
+        p.warning_revision,
+        Some(WarningRevision::WithdrawnOnMeasurement)
+    );
+    assert!(p.explanation.contains("withdraws the step-2 OOM warning"));
+
+    // Never warned: no revision to speak of.
+    let (mut t2, key2) = tracker(adam(100 * M));
+    t2.gpu_samples(GPU, &samples(&points, 20_000));
+    t2.markers(&key2, &markers, 0).unwrap();
+    let p = t2.rank_analysis(&key2).unwrap().prediction.unwrap();
+    assert_eq!(p.warning_revision, None);
+}
+
+/// NVML only, and the level does not move across the optimizer phase: the
+/// caching allocator served the state from blocks backward freed.
+const NVML_FLAT_SAMPLES: [(u64, u64); 8] = [
+    (150, 2000),
+    (250, 5000),
+    (350, 7100),
+    (390, 7000),
+    (450, 7000),
+    (490, 7000),
+    (550, 7000),
+    (590, 7000),
+];
+
+#[test]
+fn nvml_only_says_it_cannot_see_cache_reuse_and_sizes_state_from_the_optimizer_kind() {
+    // No facts: no jump proves nothing; state 0, but not as a measurement.
+    let p = run(
+        ModelFacts::default(),
+        &base_markers(false),
+        &NVML_FLAT_SAMPLES,
+        8_000,
+    );
+    let i = &p.inputs;
+    assert_eq!(i.basis, PredictionBasis::NvmlOnly);
+    assert_eq!(i.measured_jump_bytes, Some(0));
+    assert_eq!(
+        (i.state_bytes, i.state_source),
+        (0, StateSource::UnseenOnNvml)
+    );
+    assert_eq!(
+        i.basis_limits,
+        vec![
+            BasisLimit::NvmlOnlyCannotSeeCacheReuse,
+            BasisLimit::OptimizerStateUnsized
+        ]
+    );
+    // max(7100 + 0, 7000, 7100).
+    assert_eq!(p.predicted_peak_bytes, 7100 * M);
+
+    // The hello says Adam over 500 M of parameters (no count): two state
+    // tensors of the parameters' size, 1000 M; max(7100 + 1000, ...) = 8100.
+    let facts = ModelFacts {
+        parameter_bytes: Some(500 * M),
+        optimizer: OptimizerKind::Adam,
+        ..Default::default()
+    };
+    let p = run(facts, &base_markers(false), &NVML_FLAT_SAMPLES, 8_000);
+    let i = &p.inputs;
+    assert_eq!(
+        (i.state_bytes, i.state_source),
+        (1000 * M, StateSource::ModelFacts)
+    );
+    assert_eq!(
+        i.basis_limits,
+        vec![BasisLimit::NvmlOnlyCannotSeeCacheReuse]
+    );
+    assert_eq!(p.predicted_peak_bytes, 8100 * M);
+    assert!(p.oom_risk);
+
+    // Plain SGD keeps no state: nothing unsized.
+    let sgd = ModelFacts {
+        optimizer: OptimizerKind::Sgd,
+        ..Default::default()
+    };
+    let p = run(sgd, &base_markers(false), &NVML_FLAT_SAMPLES, 8_000);
+    assert_eq!(p.inputs.state_source, StateSource::Stateless);
+    assert_eq!(
+        p.inputs.basis_limits,
+        vec![BasisLimit::NvmlOnlyCannotSeeCacheReuse]
+    );
+
+    // The allocator basis sees what the cache hands out, but not which
+    // cached blocks the lazily made state split (the layout allowance
+    // guesses at it).
+    let p = run(
+        ModelFacts::default(),
+        &base_markers(true),
+        &BASE_SAMPLES,
+        10_000,
+    );
+    assert_eq!(
+        p.inputs.basis_limits,
+        vec![BasisLimit::AllocatorFiguresCannotSeeLayout]
+    );
+    // No state made in step 1: nothing to guess.
+    let p = run(
+        ModelFacts::default(),
+        &no_jump_markers(),
+        &BASE_SAMPLES,
+        10_000,
+    );
+    assert!(p.inputs.basis_limits.is_empty(), "{:?}", p.inputs);
+}
+
+#[test]
+fn metric_labels_are_the_json_names() {
+    for l in BasisLimit::ALL {
+        assert_eq!(
+            serde_json::to_value(l).unwrap(),
+            serde_json::Value::from(l.as_str())
+        );
+    }
+    for b in [
+        PredictionBasis::Allocator,
+        PredictionBasis::NvmlOnly,
+        PredictionBasis::AllocatorReplay,
+    ] {
+        assert_eq!(
+            serde_json::to_value(b).unwrap(),
+            serde_json::Value::from(b.as_str())
+        );
+    }
+}
+
+/// Lightning's closure sets the gradients to None after `training_step`,
+/// just before backward: step 2's forward runs beside step 1's gradients
+/// and the state. (On PyTorch 2.15, fake CUDA, `lightning-gpt` markers
+/// only: step 2's allocated peak 3776 MB came in its forward; step 1's
+/// forward peak 2279.6 + state 1005.0 + gradients 499.8 = 3784.4, where
+/// the first micro-batch term gave 3491.7.)
+#[test]
+fn gradients_freed_before_backward_are_alive_in_step_2s_forward() {
+    // The base scenario, but the forward peaks at 5800 (the since-start
+    // peak at backward's begin) and backward at 6000.
+    let mut markers = base_markers(true);
+    markers[2] = marker(
+        MarkerKind::BackwardBegin,
+        1,
+        300,
+        0,
+        Some((5000, 5800, 6250)),
+    );
+    let run_as = |framework: &str| {
+        let mut t = Tracker::new(TrackerConfig::default());
+        let key = t
+            .open(
+                RankInfo {
+                    job: "job".into(),
+                    world_size: 1,
+                    gpu_uuid: GPU.into(),
+                    pid: PID,
+                    framework: framework.into(),
+                    ..Default::default()
+                },
+                0,
+            )
+            .unwrap();
+        t.gpu_samples(GPU, &samples(&BASE_SAMPLES, 10_000));
+        t.markers(&key, &markers, 0).unwrap();
+        t.rank_analysis(&key).unwrap().prediction.unwrap()
+    };
+
+    // PyTorch's default: max(first micro-batch 6000 + 800, ...) = 6800;
+    // × 7500 / 6000 = 8500, + allowance 50 + overhead 500.
+    let p = run_as("pytorch");
+    assert_eq!(p.inputs.gradients, Gradients::FreedBeforeStep);
+    assert_eq!(p.inputs.forward_grad_bytes, 0);
+    assert_eq!(p.inputs.basis_peak_bytes, 6800 * M);
+    assert_eq!(p.predicted_peak_bytes, 9050 * M);
+
+    // Lightning: the forward's 5800 + state 800 + gradients 400 (allocated
+    // after the first backward 1400 − before the first forward 1000) = 7000.
+    let p = run_as("lightning");
+    let i = &p.inputs;
+    assert_eq!(i.gradients, Gradients::FreedBeforeBackward);
+    assert_eq!(i.forward_grad_bytes, 400 * M);
+    assert_eq!(
+        (i.basis_peak_bytes, i.binding),
+        (7000 * M, BindingTerm::FirstForwardBesideGradients)
+    );
+    // 7000 × 1.25 = 8750, + 50 + 500.
+    assert_eq!(p.predicted_peak_bytes, 9300 * M, "{}", p.explanation);
+}

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use stepwatch_core::{
     AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace, Marker, MarkerKind,
-    ModelFacts, OptimizerKind, PhaseKind, Precision,
+    ModelFacts, OptimizerImplementation, OptimizerKind, PhaseKind, Precision,
 };
 
 use crate::allocator::{AllocId, CachingAllocator, OutOfMemory, Usage};
@@ -462,6 +462,11 @@ impl RankSim {
             state_precreated: Some(t.state_precreated),
             grads_set_to_none: Some(t.grads_set_to_none),
             micro_batch_size: u32::try_from(self.scenario.model.micro_batch).ok(),
+            optimizer_implementation: if t.foreach {
+                OptimizerImplementation::Foreach
+            } else {
+                OptimizerImplementation::ForLoop
+            },
         }
     }
 

@@ -107,6 +107,12 @@ pub struct ModelFacts {
     /// not fit, says which micro-batch would.
     #[prost(uint32, optional, tag = "10")]
     pub micro_batch_size: ::core::option::Option<u32>,
+    /// How the optimizer's step runs, which decides its temporaries: PyTorch's
+    /// foreach Adam holds one parameter-sized intermediate at its peak (the
+    /// square root of exp_avg_sq), fused Adam none. Unspecified is read as
+    /// PyTorch's default on CUDA (foreach).
+    #[prost(enumeration = "OptimizerImplementation", tag = "11")]
+    pub optimizer_implementation: i32,
 }
 /// Step 1's history in the CUDA caching allocator, optional. A client that
 /// can record it (PyTorch: torch.cuda.memory._record_memory_history during
@@ -340,6 +346,45 @@ impl Precision {
             "PRECISION_MIXED_BF16" => Some(Self::MixedBf16),
             "PRECISION_MIXED_FP16" => Some(Self::MixedFp16),
             "PRECISION_BF16" => Some(Self::Bf16),
+            _ => None,
+        }
+    }
+}
+/// How an optimizer's step is computed (PyTorch: the param group's `fused`
+/// and `foreach` flags).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, ::prost::Enumeration)]
+#[repr(i32)]
+pub enum OptimizerImplementation {
+    Unspecified = 0,
+    /// One multi-tensor kernel per operation over all parameters (foreach=True,
+    /// PyTorch's default on CUDA): intermediates are parameter-sized.
+    Foreach = 1,
+    /// One fused kernel (fused=True): no intermediates.
+    Fused = 2,
+    /// A loop over parameters (foreach=False): intermediates the size of one
+    /// parameter at a time.
+    ForLoop = 3,
+}
+impl OptimizerImplementation {
+    /// String value of the enum field names used in the ProtoBuf definition.
+    ///
+    /// The values are not transformed in any way and thus are considered stable
+    /// (if the ProtoBuf definition does not change) and safe for programmatic use.
+    pub fn as_str_name(&self) -> &'static str {
+        match self {
+            Self::Unspecified => "OPTIMIZER_IMPLEMENTATION_UNSPECIFIED",
+            Self::Foreach => "OPTIMIZER_IMPLEMENTATION_FOREACH",
+            Self::Fused => "OPTIMIZER_IMPLEMENTATION_FUSED",
+            Self::ForLoop => "OPTIMIZER_IMPLEMENTATION_FOR_LOOP",
+        }
+    }
+    /// Creates an enum from field names used in the ProtoBuf definition.
+    pub fn from_str_name(value: &str) -> ::core::option::Option<Self> {
+        match value {
+            "OPTIMIZER_IMPLEMENTATION_UNSPECIFIED" => Some(Self::Unspecified),
+            "OPTIMIZER_IMPLEMENTATION_FOREACH" => Some(Self::Foreach),
+            "OPTIMIZER_IMPLEMENTATION_FUSED" => Some(Self::Fused),
+            "OPTIMIZER_IMPLEMENTATION_FOR_LOOP" => Some(Self::ForLoop),
             _ => None,
         }
     }

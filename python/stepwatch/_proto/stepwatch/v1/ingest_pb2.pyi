@@ -23,6 +23,13 @@ class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PRECISION_MIXED_FP16: _ClassVar[Precision]
     PRECISION_BF16: _ClassVar[Precision]
 
+class OptimizerImplementation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OPTIMIZER_IMPLEMENTATION_UNSPECIFIED: _ClassVar[OptimizerImplementation]
+    OPTIMIZER_IMPLEMENTATION_FOREACH: _ClassVar[OptimizerImplementation]
+    OPTIMIZER_IMPLEMENTATION_FUSED: _ClassVar[OptimizerImplementation]
+    OPTIMIZER_IMPLEMENTATION_FOR_LOOP: _ClassVar[OptimizerImplementation]
+
 class MarkerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MARKER_KIND_UNSPECIFIED: _ClassVar[MarkerKind]
@@ -63,6 +70,10 @@ PRECISION_FP32: Precision
 PRECISION_MIXED_BF16: Precision
 PRECISION_MIXED_FP16: Precision
 PRECISION_BF16: Precision
+OPTIMIZER_IMPLEMENTATION_UNSPECIFIED: OptimizerImplementation
+OPTIMIZER_IMPLEMENTATION_FOREACH: OptimizerImplementation
+OPTIMIZER_IMPLEMENTATION_FUSED: OptimizerImplementation
+OPTIMIZER_IMPLEMENTATION_FOR_LOOP: OptimizerImplementation
 MARKER_KIND_UNSPECIFIED: MarkerKind
 STEP_BEGIN: MarkerKind
 FORWARD_BEGIN: MarkerKind
@@ -130,7 +141,7 @@ class Identity(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_name: _Optional[str] = ..., pod: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class ModelFacts(_message.Message):
-    __slots__ = ("parameter_count", "parameter_bytes", "optimizer", "state_bytes_per_parameter", "precision", "sharding_factor", "grad_accumulation_steps", "state_precreated", "grads_set_to_none", "micro_batch_size")
+    __slots__ = ("parameter_count", "parameter_bytes", "optimizer", "state_bytes_per_parameter", "precision", "sharding_factor", "grad_accumulation_steps", "state_precreated", "grads_set_to_none", "micro_batch_size", "optimizer_implementation")
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +152,7 @@ class ModelFacts(_message.Message):
     STATE_PRECREATED_FIELD_NUMBER: _ClassVar[int]
     GRADS_SET_TO_NONE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
     parameter_count: int
     parameter_bytes: int
     optimizer: OptimizerKind
@@ -151,7 +163,8 @@ class ModelFacts(_message.Message):
     state_precreated: bool
     grads_set_to_none: bool
     micro_batch_size: int
-    def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ..., micro_batch_size: _Optional[int] = ...) -> None: ...
+    optimizer_implementation: OptimizerImplementation
+    def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ..., micro_batch_size: _Optional[int] = ..., optimizer_implementation: _Optional[_Union[OptimizerImplementation, str]] = ...) -> None: ...
 
 class AllocatorTraceChunk(_message.Message):
     __slots__ = ("step", "segments", "events", "last")
