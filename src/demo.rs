@@ -127,6 +127,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let fake = FakeNvml::create(&dir, &gpus)?;
     let socket = dir.join("stepwatch.sock");
     let log_path = dir.join("agent.log");
+    let ready_path = dir.join("agent-ready.json");
 
     let mut children = Children(Vec::new());
     let agent = Command::new(&exe)
@@ -143,6 +144,8 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         ])
         .arg("--http-listen")
         .arg(args.http_listen.to_string())
+        .arg("--ready-file")
+        .arg(&ready_path)
         .arg("--nvml-lib")
         .arg(&lib)
         .env(fake_nvml::STATE_DIR_ENV, &dir)
@@ -151,7 +154,8 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         .spawn()
         .context("cannot start the agent")?;
     children.0.push(("agent".into(), agent));
-    wait_ready(args.http_listen, &log_path, &mut children)?;
+    // The bound address comes from the agent, so `--http-listen` may say port 0.
+    let http = wait_ready(&ready_path, &log_path, &mut children)?;
 
     let endpoint = format!("unix://{}", socket.display());
     let mut jobs = [
@@ -180,7 +184,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         job.start(&exe, &endpoint, &dir)?;
     }
 
-    let base = format!("http://{}", args.http_listen);
+    let base = format!("http://{http}");
     println!("stepwatch demo: the agent on 2 simulated GPUs (fake NVML), with two simulated PyTorch jobs:");
     println!("  healthy-llm  GPT-2 small with AdamW on a 24 GB GPU: fits");
     println!("  doomed-llm   GPT 1.3B with AdamW on a 48 GB GPU: step 1 fits, step 2 will not (the optimizer");
@@ -229,7 +233,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         }
         if Instant::now() >= next_print {
             next_print += Duration::from_secs(args.every.max(1));
-            match http_get::get(args.http_listen, "/metrics") {
+            match http_get::get(http, "/metrics") {
                 Ok((200, body)) => print_status(started.elapsed(), &body, &jobs),
                 Ok((code, _)) => println!("/metrics answered {code}"),
                 Err(e) => println!("/metrics unreachable: {e}"),
@@ -247,11 +251,23 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn wait_ready(addr: SocketAddr, log: &Path, children: &mut Children) -> anyhow::Result<()> {
+/// Waits until the agent has written its ready file and answers `/readyz`;
+/// returns its HTTP address.
+fn wait_ready(ready: &Path, log: &Path, children: &mut Children) -> anyhow::Result<SocketAddr> {
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
-        if let Ok((200, _)) = http_get::get(addr, "/readyz") {
-            return Ok(());
+        let addr = std::fs::read_to_string(ready)
+            .ok()
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .and_then(|v| {
+                v["http"]
+                    .as_str()
+                    .and_then(|a| a.parse::<SocketAddr>().ok())
+            });
+        if let Some(addr) = addr {
+            if let Ok((200, _)) = http_get::get(addr, "/readyz") {
+                return Ok(addr);
+            }
         }
         if let Some((_, agent)) = children.0.first_mut() {
             if let Ok(Some(status)) = agent.try_wait() {
@@ -261,7 +277,7 @@ fn wait_ready(addr: SocketAddr, log: &Path, children: &mut Children) -> anyhow::
         }
         if Instant::now() > deadline {
             let text = std::fs::read_to_string(log).unwrap_or_default();
-            anyhow::bail!("the agent was not ready within 15 s on {addr}:\n{text}");
+            anyhow::bail!("the agent was not ready within 15 s:\n{text}");
         }
         std::thread::sleep(Duration::from_millis(100));
     }

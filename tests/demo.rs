@@ -4,23 +4,63 @@
 
 mod common;
 
-use std::process::Command;
+use std::io::BufRead;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 #[test]
 fn the_demo_predicts_the_doomed_job_before_it_dies() {
-    let addr = common::free_port();
-    let out = Command::new(common::BIN)
-        .args(["demo", "--seconds", "14", "--every", "1"])
-        .arg("--http-listen")
-        .arg(addr.to_string())
-        .output()
+    // Port 0: the demo learns the agent's port from its ready file.
+    let mut demo = Command::new(common::BIN)
+        .args(["demo", "--every", "1", "--http-listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .expect("run stepwatch demo");
-    let text = String::from_utf8_lossy(&out.stdout);
+    // Read until the story has been told (however slow the machine), then stop it.
+    let stdout = demo.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let start = Instant::now();
+    let told = |seen: &[String]| {
+        seen.iter().any(|l| l.starts_with(">> doomed-llm-1 died"))
+            && seen.iter().any(|l| l.contains("healthy-llm-1  step 2"))
+    };
+    while !told(&seen) {
+        assert!(
+            start.elapsed() < Duration::from_secs(180),
+            "the demo did not tell its story within 180 s:\n{}",
+            seen.join("\n")
+        );
+        match rx.recv_timeout(Duration::from_secs(1)) {
+            Ok(line) => seen.push(line),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(e) => panic!("the demo's output ended ({e}):\n{}", seen.join("\n")),
+        }
+    }
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(demo.id() as i32, libc::SIGTERM) };
+    let out = demo.wait_with_output().expect("the demo stops");
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(5)) {
+        seen.push(line);
+    }
+    let text = seen.join("\n");
     assert!(
         out.status.success(),
         "{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    assert!(text.contains("demo stopped"), "{text}");
     let lines: Vec<&str> = text.lines().collect();
     let warned = lines
         .iter()

@@ -57,7 +57,6 @@ fn one_step(client: &Client) {
 fn tcp_ingest_with_tls_accepts_trusting_clients_only() {
     let certs = TempDir::new("tls");
     make_certs(&certs.0);
-    let grpc = free_port();
     let cert = certs.0.join("server.pem");
     let key = certs.0.join("server.key");
     let agent = Agent::start_with(
@@ -65,7 +64,7 @@ fn tcp_ingest_with_tls_accepts_trusting_clients_only() {
         1,
         &[
             "--grpc-listen",
-            &grpc.to_string(),
+            "127.0.0.1:0",
             "--grpc-tls-cert",
             cert.to_str().unwrap(),
             "--grpc-tls-key",
@@ -73,6 +72,7 @@ fn tcp_ingest_with_tls_accepts_trusting_clients_only() {
         ],
         |_| {},
     );
+    let grpc = agent.grpc.expect("the agent reports its gRPC address");
     assert!(
         agent.log().contains("TCP ingest enabled with TLS"),
         "{}",
@@ -98,8 +98,14 @@ fn tcp_ingest_with_tls_accepts_trusting_clients_only() {
     options.reconnect_max = Duration::from_millis(200);
     let plain = Client::start(options);
     one_step(&plain);
-    std::thread::sleep(Duration::from_secs(2));
+    // It tried, and tried again: a refusal, not a client that never called.
+    wait_until(
+        "the plaintext client's retries",
+        Duration::from_secs(20),
+        || plain.stats().reconnects >= 2,
+    );
     assert!(!plain.connected());
+    assert_eq!(plain.stats().sent, 0);
     let m = Metrics(agent.metrics());
     assert_eq!(
         m.get("stepwatch_rank_steps_completed_total", &[("job", "plain")]),
@@ -111,7 +117,6 @@ fn tcp_ingest_with_tls_accepts_trusting_clients_only() {
 fn mutual_tls_admits_only_clients_with_a_signed_certificate() {
     let certs = TempDir::new("mtls");
     make_certs(&certs.0);
-    let grpc = free_port();
     let (cert, key, ca) = (
         certs.0.join("server.pem"),
         certs.0.join("server.key"),
@@ -122,7 +127,7 @@ fn mutual_tls_admits_only_clients_with_a_signed_certificate() {
         1,
         &[
             "--grpc-listen",
-            &grpc.to_string(),
+            "127.0.0.1:0",
             "--grpc-tls-cert",
             cert.to_str().unwrap(),
             "--grpc-tls-key",
@@ -132,6 +137,7 @@ fn mutual_tls_admits_only_clients_with_a_signed_certificate() {
         ],
         |_| {},
     );
+    let grpc = agent.grpc.expect("the agent reports its gRPC address");
     let mut options = ClientOptions::new(
         format!("https://127.0.0.1:{}", grpc.port()),
         hello("anonymous"),
@@ -140,7 +146,12 @@ fn mutual_tls_admits_only_clients_with_a_signed_certificate() {
     options.reconnect_max = Duration::from_millis(200);
     let client = Client::start(options);
     one_step(&client);
-    std::thread::sleep(Duration::from_secs(2));
+    wait_until(
+        "the anonymous client's retries",
+        Duration::from_secs(20),
+        || client.stats().reconnects >= 2,
+    );
+    assert_eq!(client.stats().sent, 0);
     let m = Metrics(agent.metrics());
     assert_eq!(
         m.get(

@@ -46,11 +46,40 @@ pub fn free_port() -> SocketAddr {
         .unwrap()
 }
 
+/// Waits for an agent's `--ready-file`; fails the test, with the log, if
+/// the agent exits first or takes more than 30 s.
+pub fn wait_ready_file(
+    path: &std::path::Path,
+    child: &mut Child,
+    log: &std::path::Path,
+) -> serde_json::Value {
+    let start = Instant::now();
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            return serde_json::from_str(&text).expect("the ready file is JSON");
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!(
+                "the agent exited ({status}) before it was ready; log:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the agent wrote no ready file within 30 s; log:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// An agent process on its own fake NVML state.
 pub struct Agent {
     pub dir: TempDir,
     pub fake: FakeNvml,
     pub http: SocketAddr,
+    /// The TCP ingest address, when the agent was started with `--grpc-listen`.
+    pub grpc: Option<SocketAddr>,
     pub socket: PathBuf,
     pub child: Option<Child>,
 }
@@ -119,7 +148,7 @@ impl Agent {
         prepare(&fake);
         let lib = fake_nvml::find_cdylib()
             .expect("libfake_nvml.so is built as a dependency of stepwatch");
-        let http = free_port();
+        let ready_file = dir.0.join("ready.json");
         let socket = socket.unwrap_or_else(|| dir.0.join("agent.sock"));
         let log = std::fs::File::create(dir.0.join("agent.log")).unwrap();
         let mut command = Command::new(BIN);
@@ -143,8 +172,10 @@ impl Agent {
             .arg("agent")
             .arg("--socket")
             .arg(&socket)
-            .arg("--http-listen")
-            .arg(http.to_string())
+            // Port 0 and the ready file: no race for a free port.
+            .args(["--http-listen", "127.0.0.1:0"])
+            .arg("--ready-file")
+            .arg(&ready_file)
             .arg("--nvml-lib")
             .arg(&lib)
             .args(["--node-name", node_name, "--process-interval", "200ms"])
@@ -155,10 +186,18 @@ impl Agent {
             .stderr(log)
             .spawn()
             .expect("start the agent");
+        let mut child = child;
+        let ready = wait_ready_file(&ready_file, &mut child, &dir.0.join("agent.log"));
+        let http = ready["http"]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .expect("the ready file names the HTTP address");
+        let grpc = ready["grpc"].as_str().and_then(|a| a.parse().ok());
         let agent = Self {
             dir,
             fake,
             http,
+            grpc,
             socket,
             child: Some(child),
         };
@@ -386,39 +425,53 @@ impl Prometheus {
         let dir = TempDir::new(tag);
         let config_path = dir.0.join("prometheus.yml");
         std::fs::write(&config_path, config).unwrap();
-        let addr = free_port();
-        let log = std::fs::File::create(dir.0.join("prometheus.log")).unwrap();
-        let child = Command::new("prometheus")
-            .arg(format!("--config.file={}", config_path.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.0.join("data").display()
-            ))
-            .arg(format!("--web.listen-address={addr}"))
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start prometheus");
-        let mut prom = Self {
-            dir,
-            addr,
-            child: Some(child),
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok((200, _)) = http_get(addr, "/-/ready") {
-                return prom;
+        // Prometheus cannot report a port it chose, so a free one is picked
+        // here; if another process takes it first, try another.
+        let mut dir = Some(dir);
+        for _attempt in 0..5 {
+            let addr = free_port();
+            let d = dir.take().expect("kept between attempts");
+            let log = std::fs::File::create(d.0.join("prometheus.log")).unwrap();
+            let child = Command::new("prometheus")
+                .arg(format!("--config.file={}", config_path.display()))
+                .arg(format!(
+                    "--storage.tsdb.path={}",
+                    d.0.join("data").display()
+                ))
+                .arg(format!("--web.listen-address={addr}"))
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("start prometheus");
+            let mut prom = Self {
+                dir: d,
+                addr,
+                child: Some(child),
+            };
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Ok((200, _)) = http_get(addr, "/-/ready") {
+                    return prom;
+                }
+                if let Some(status) = prom.child.as_mut().unwrap().try_wait().unwrap() {
+                    let log = prom.log();
+                    assert!(
+                        log.contains("address already in use"),
+                        "prometheus exited ({status}); log:\n{log}"
+                    );
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "prometheus not ready within 30 s; log:\n{}",
+                    prom.log()
+                );
+                std::thread::sleep(Duration::from_millis(100));
             }
-            if let Some(status) = prom.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("prometheus exited ({status}); log:\n{}", prom.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "prometheus not ready within 30 s; log:\n{}",
-                prom.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
+            prom.child = None;
+            dir = Some(std::mem::replace(&mut prom.dir, TempDir(PathBuf::new())));
         }
+        panic!("prometheus found no free port in 5 attempts");
     }
 
     pub fn log(&self) -> String {

@@ -154,6 +154,13 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_RECORD_MAX_BYTES", default_value_t = 1 << 30)]
     pub record_max_bytes: u64,
 
+    /// Once every listener is bound, write a JSON object with their
+    /// addresses here (`{"http": "127.0.0.1:9464", "grpc": null, "socket": …}`),
+    /// so a supervisor or a test can start the agent on port 0 and learn the
+    /// port without racing for a free one. Written atomically.
+    #[arg(long, env = "STEPWATCH_READY_FILE")]
+    pub ready_file: Option<PathBuf>,
+
     /// Log format.
     #[arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

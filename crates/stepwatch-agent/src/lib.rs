@@ -138,6 +138,7 @@ pub async fn run_until(
                 stopped(stop_rx.clone()),
             ),
     );
+    let mut grpc_addr = None;
     let tcp_task = match config.grpc_listen {
         Some(addr) => {
             let mut server = grpc_server();
@@ -157,6 +158,7 @@ pub async fn run_until(
             let tcp = TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("cannot listen for gRPC on {addr}"))?;
+            grpc_addr = Some(tcp.local_addr()?);
             Some(tokio::spawn(
                 server.add_service(ingest()).serve_with_incoming_shutdown(
                     listen::Limited::new(tcp, config.max_connections, idle).into_incoming(),
@@ -167,6 +169,15 @@ pub async fn run_until(
         None => None,
     };
     state.ingest_listening.store(true, Ordering::Relaxed);
+    if let Some(path) = &config.ready_file {
+        let ready = serde_json::json!({
+            "http": http_addr.to_string(),
+            "grpc": grpc_addr.map(|a| a.to_string()),
+            "socket": config.socket,
+        });
+        write_atomically(path, ready.to_string().as_bytes())
+            .with_context(|| format!("cannot write the ready file {}", path.display()))?;
+    }
     tracing::info!(
         node = %node,
         http = %http_addr,
@@ -291,6 +302,15 @@ fn tls_config(config: &AgentConfig) -> anyhow::Result<Option<tonic::transport::S
         tls = tls.client_ca_root(Certificate::from_pem(read(ca)?));
     }
     Ok(Some(tls))
+}
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so a
+/// reader never sees half of it.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
 }
 
 /// Creates the directory `path` goes in; `what` names the file in the error.
