@@ -185,14 +185,17 @@ fn trace_chunk(step: u64, last: bool) -> AllocatorTraceChunk {
                     allocated: false,
                 },
             ],
+            ..Default::default()
         }],
         events: vec![AllocatorEvent {
             action: AllocatorAction::Alloc as i32,
             address: 1 << 32,
             size: 16 * MIB,
             phase: MarkerKind::OptimizerBegin as i32,
+            ..Default::default()
         }],
         last,
+        settings: None,
     }
 }
 
@@ -363,5 +366,6 @@ fn chunk_event() -> AllocatorEvent {
         address: 1,
         size: 512,
         phase: MarkerKind::ForwardBegin as i32,
+        ..Default::default()
     }
 }

@@ -38,6 +38,7 @@ fn main() {
             address: a.address_of(id).unwrap(),
             size,
             phase,
+            stream: 0,
         });
     };
     // Weights: 6 tensors per layer.
@@ -95,6 +96,7 @@ fn main() {
         step: 1,
         segments: a.layout(),
         events,
+        settings: None,
     };
     let blocks: usize = trace.segments.iter().map(|s| s.blocks.len()).sum();
     let need = replay_step2(&trace, false)
