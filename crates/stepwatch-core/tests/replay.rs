@@ -464,28 +464,30 @@ fn with_weights() -> Recorder {
 #[test]
 fn a_side_stream_does_not_reuse_the_default_streams_blocks() {
     // Step 1: forward frees a 40 MiB activation; backward's side stream
-    // (an NCCL bucket) cannot take its block and gets its own segment; the
-    // optimizer's 40 MiB of state takes the activation's block. Step 2's
-    // activation then finds no free block on the default stream (the side
-    // stream's does not count): a new 40 MiB segment. A replay blind to
-    // streams reuses the side stream's block and predicts no growth.
+    // (an NCCL bucket) cannot take its block and gets a 48 MiB segment of its
+    // own; the optimizer's 40 MiB of state takes the activation's block.
+    // Step 2's activation then finds no free block on the default stream (the
+    // side stream's does not count): a new 40 MiB segment, which the side
+    // stream's 48 MiB cannot use in turn. Blind to streams, a replay reuses
+    // the side stream's block and predicts no growth; blind to the events'
+    // streams, it puts the 48 MiB on the default stream and grows twice.
     let mut r = with_weights();
     r.phase = PhaseKind::Forward;
     let a = r.malloc(40 * MIB);
     r.free(a);
     r.phase = PhaseKind::Backward;
     r.stream = 5;
-    let x = r.malloc(40 * MIB);
+    let x = r.malloc(48 * MIB);
     r.free(x);
     r.stream = 0;
     r.phase = PhaseKind::Optimizer;
     r.malloc(40 * MIB);
     let t = r.trace();
-    assert_eq!(r.alloc.reserved(), 144 * MIB);
+    assert_eq!(r.alloc.reserved(), 152 * MIB);
     let replay = replay_step2(&t, false).unwrap();
-    assert_eq!(replay.reserved_at_step1_end_bytes, 144 * MIB);
-    assert_eq!(replay.reserved_peak_bytes, 184 * MIB);
-    assert_eq!(replay.steady_reserved_peak_bytes, 184 * MIB);
+    assert_eq!(replay.reserved_at_step1_end_bytes, 152 * MIB);
+    assert_eq!(replay.reserved_peak_bytes, 192 * MIB);
+    assert_eq!(replay.steady_reserved_peak_bytes, 192 * MIB);
 }
 
 #[test]
@@ -512,18 +514,19 @@ fn empty_cache_in_step_one_is_replayed_where_it_happened() {
 
 #[test]
 fn a_private_pool_serves_no_replayed_allocation() {
-    // A CUDA graph's private pool: a 20 MiB segment (pool id 7) holding its
-    // 4 MiB static output, 16 MiB free. Step 1's 8 MiB temporary had a
+    // A CUDA graph's private pool: a 40 MiB segment (pool id 7) holding its
+    // 12 MiB static output, 28 MiB free. Step 1's 8 MiB temporary had a
     // 20 MiB segment of its own, released by empty_cache(). In step 2 it
-    // cannot use the private pool's 16 MiB: a new 20 MiB segment (84 + 20).
+    // cannot use the private pool's 28 MiB: a new 20 MiB segment (104 + 20).
+    // The static output is not made again in the ordinary pool.
     let w = 1u64 << 36;
-    let p = w - 20 * MIB;
+    let p = w - 40 * MIB;
     let s = p - 20 * MIB;
     let block = |size, allocated| BlockLayout { size, allocated };
     let mut private = SegmentLayout::new(
         p,
         Pool::Large,
-        vec![block(4 * MIB, true), block(16 * MIB, false)],
+        vec![block(12 * MIB, true), block(28 * MIB, false)],
     );
     private.pool_id = 7;
     let event = |action, address, size| AllocatorEvent {
@@ -540,7 +543,7 @@ fn a_private_pool_serves_no_replayed_allocation() {
             private,
         ],
         events: vec![
-            event(AllocatorAction::Alloc, p, 4 * MIB),
+            event(AllocatorAction::Alloc, p, 12 * MIB),
             event(AllocatorAction::Alloc, s, 8 * MIB),
             event(AllocatorAction::Free, s, 8 * MIB),
             event(AllocatorAction::SegmentFree, s, 20 * MIB),
@@ -548,8 +551,8 @@ fn a_private_pool_serves_no_replayed_allocation() {
         settings: None,
     };
     let replay = replay_step2(&t, false).unwrap();
-    assert_eq!(replay.reserved_at_step1_end_bytes, 84 * MIB);
-    assert_eq!(replay.reserved_peak_bytes, 104 * MIB);
+    assert_eq!(replay.reserved_at_step1_end_bytes, 104 * MIB);
+    assert_eq!(replay.reserved_peak_bytes, 124 * MIB);
 }
 
 #[test]
