@@ -239,12 +239,19 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
         // The event says 16 MiB stayed allocated where the layout has a free block.
         let mut mismatch = trace_chunk(1, true);
         mismatch.segments[0].blocks[0].allocated = false;
+        // Made under a setting the model does not follow (from the snapshot).
+        let mut unmodelled = trace_chunk(1, true);
+        unmodelled.settings = Some(stepwatch_proto::v1::AllocatorSettings {
+            garbage_collection_threshold: 0.6,
+            ..Default::default()
+        });
         let unusable = [
             vec![trace(trace_chunk(2, true))],
             // Refused in its first chunk; the second is skipped.
             vec![trace(no_phase), trace(rest)],
             vec![trace(no_action)],
             vec![trace(mismatch)],
+            vec![trace(unmodelled)],
         ];
         for (i, traces) in unusable.into_iter().enumerate() {
             let job = format!("u{i}");
@@ -296,6 +303,7 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
     assert_eq!(rejected("allocator_trace_not_step_one"), 1.0);
     assert_eq!(rejected("allocator_trace_bad_event"), 2.0);
     assert_eq!(rejected("allocator_trace_invalid"), 1.0);
+    assert_eq!(rejected("allocator_trace_unmodelled_setting"), 1.0);
     assert_eq!(rejected("allocator_trace_too_large"), 1.0);
     assert_eq!(rejected("duplicate_allocator_trace"), 1.0);
     assert_eq!(
@@ -303,9 +311,9 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
             "stepwatch_allocator_traces_total",
             &[("result", "rejected")]
         ),
-        Some(4.0)
+        Some(5.0)
     );
-    for i in 0..4 {
+    for i in 0..5 {
         let rank = [("job", format!("u{i}")), ("rank", "0".to_string())];
         let rank: Vec<(&str, &str)> = rank.iter().map(|(k, v)| (*k, v.as_str())).collect();
         assert_eq!(
