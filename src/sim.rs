@@ -267,6 +267,8 @@ fn proto_event(e: &AllocatorEvent) -> pb::AllocatorEvent {
             AllocatorAction::Free => pb::AllocatorAction::Free,
             AllocatorAction::SegmentAlloc => pb::AllocatorAction::SegmentAlloc,
             AllocatorAction::SegmentFree => pb::AllocatorAction::SegmentFree,
+            AllocatorAction::SegmentMap => pb::AllocatorAction::SegmentMap,
+            AllocatorAction::SegmentUnmap => pb::AllocatorAction::SegmentUnmap,
         } as i32,
         address: e.address,
         size: e.size,

@@ -335,6 +335,8 @@ impl TraceAssembly {
                 Ok(pb::AllocatorAction::Free) => AllocatorAction::Free,
                 Ok(pb::AllocatorAction::SegmentAlloc) => AllocatorAction::SegmentAlloc,
                 Ok(pb::AllocatorAction::SegmentFree) => AllocatorAction::SegmentFree,
+                Ok(pb::AllocatorAction::SegmentMap) => AllocatorAction::SegmentMap,
+                Ok(pb::AllocatorAction::SegmentUnmap) => AllocatorAction::SegmentUnmap,
                 _ => {
                     return Err((
                         "allocator_trace_bad_event",

@@ -71,6 +71,12 @@ pub struct AllocatorSettings {
     /// steps between two powers of two; 0 or 1: only to 512 B.
     #[serde(default)]
     pub roundup_power2_divisions: [u32; ROUNDUP_INTERVALS],
+    /// `expandable_segments:True`: one segment per stream and pool that grows
+    /// by mapping pages (2 MiB in the small pool, 20 MiB in the large one)
+    /// instead of new `cudaMalloc`s, blocks split down to 512 B, and
+    /// `empty_cache()` unmaps the whole pages of free blocks.
+    #[serde(default)]
+    pub expandable_segments: bool,
 }
 
 impl AllocatorSettings {
@@ -189,12 +195,40 @@ struct Block {
     offset: u64,
     size: u64,
     used: bool,
+    /// Backed by memory; false only for the unmapped address space of an
+    /// expandable segment (never used, never in the free set).
+    mapped: bool,
 }
+
+impl Block {
+    fn new(offset: u64, size: u64, used: bool) -> Self {
+        Block {
+            offset,
+            size,
+            used,
+            mapped: true,
+        }
+    }
+
+    /// Free and backed: may serve a request, and merges with its like.
+    fn is_free(&self) -> bool {
+        !self.used && self.mapped
+    }
+}
+
+/// Address space an expandable segment may still map after its last block;
+/// PyTorch reserves 1.125 × the GPU's memory, which no replay outgrows.
+const EXPANDABLE_TAIL: u64 = 1 << 50;
 
 #[derive(Debug, Clone)]
 struct Segment {
     pool: Pool,
+    /// Bytes of address space its blocks tile.
     size: u64,
+    /// Bytes mapped (reserved): `size`, except in an expandable segment.
+    reserved: u64,
+    /// An expandable segment: its blocks end with unmapped address space.
+    expandable: bool,
     /// The stream whose requests it serves.
     stream: u64,
     /// Private pool id; 0: the default pool.
@@ -208,6 +242,13 @@ struct Segment {
 type FreeKey = (u64, u64, Pool, u64, u64, u64);
 
 impl Segment {
+    /// Index of the block at `offset` (blocks are sorted by offset).
+    fn index_of(&self, offset: u64) -> usize {
+        self.blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .expect("a block at this offset")
+    }
+
     fn free_key(&self, address: u64, b: &Block) -> FreeKey {
         (
             self.pool_id,
@@ -411,30 +452,46 @@ impl CachingAllocator {
     pub fn block_size(&self, id: AllocId) -> Option<u64> {
         let &(seg, offset) = self.live.get(&id)?;
         let seg = self.segments.get(&seg)?;
-        seg.blocks
-            .iter()
-            .find(|b| b.offset == offset)
-            .map(|b| b.size)
+        let i = seg
+            .blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .ok()?;
+        Some(seg.blocks[i].size)
     }
 
     /// Segments as `torch.cuda.memory_snapshot()` would list them, by address.
     pub fn layout(&self) -> Vec<SegmentLayout> {
         self.segments
             .iter()
-            .map(|(&address, seg)| SegmentLayout {
-                address,
-                pool: seg.pool,
-                blocks: seg
-                    .blocks
-                    .iter()
-                    .map(|b| BlockLayout {
-                        size: b.size,
-                        allocated: b.used,
-                    })
-                    .collect(),
-                stream: seg.stream,
-                pool_id: seg.pool_id,
-                expandable: false,
+            .flat_map(|(&address, seg)| {
+                // An expandable segment shows as its runs of mapped blocks, as
+                // PyTorch's snapshot lists it.
+                let mut runs: Vec<SegmentLayout> = Vec::new();
+                let mut in_run = false;
+                for b in &seg.blocks {
+                    if !b.mapped {
+                        in_run = false;
+                        continue;
+                    }
+                    if !in_run {
+                        runs.push(SegmentLayout {
+                            address: address + b.offset,
+                            pool: seg.pool,
+                            blocks: Vec::new(),
+                            stream: seg.stream,
+                            pool_id: seg.pool_id,
+                            expandable: seg.expandable,
+                        });
+                        in_run = true;
+                    }
+                    if let Some(run) = runs.last_mut() {
+                        run.blocks.push(BlockLayout {
+                            size: b.size,
+                            allocated: b.used,
+                        });
+                    }
+                }
+                runs
             })
             .collect()
     }
@@ -485,17 +542,15 @@ impl CachingAllocator {
             for b in &s.blocks {
                 match blocks.last_mut() {
                     Some(last) if !last.used && !b.allocated => last.size += b.size,
-                    _ => blocks.push(Block {
-                        offset,
-                        size: b.size,
-                        used: b.allocated,
-                    }),
+                    _ => blocks.push(Block::new(offset, b.size, b.allocated)),
                 }
                 offset += b.size;
             }
             let seg = Segment {
                 pool: s.pool,
                 size,
+                reserved: size,
+                expandable: s.expandable,
                 stream: s.stream,
                 pool_id: s.pool_id,
                 blocks,
@@ -514,6 +569,7 @@ impl CachingAllocator {
             a.usage.reserved += size;
             a.segments.insert(s.address, seg);
         }
+        a.join_expandable_runs();
         a.lowest_address = a.segments.keys().next().copied().unwrap_or(0);
         a.peaks = Peaks {
             phase: a.usage,
@@ -521,6 +577,71 @@ impl CachingAllocator {
             total: a.usage,
         };
         Ok((a, live))
+    }
+
+    /// Makes the mapped runs of each expandable segment (one per stream, pool
+    /// id and pool; a snapshot lists each run apart) one segment again: the
+    /// runs in address order with unmapped space between them and after the
+    /// last.
+    fn join_expandable_runs(&mut self) {
+        let mut groups: BTreeMap<(u64, u64, Pool), Vec<u64>> = BTreeMap::new();
+        for (&address, seg) in &self.segments {
+            if seg.expandable {
+                groups
+                    .entry((seg.stream, seg.pool_id, seg.pool))
+                    .or_default()
+                    .push(address);
+            }
+        }
+        let mut rebase: HashMap<u64, u64> = HashMap::new();
+        for runs in groups.into_values() {
+            let base = runs[0];
+            let mut joined: Option<Segment> = None;
+            for address in runs {
+                let Some(run) = self.segments.remove(&address) else {
+                    continue;
+                };
+                for b in run.blocks.iter().filter(|b| b.is_free()) {
+                    self.free_blocks.remove(&run.free_key(address, b));
+                }
+                rebase.insert(address, base);
+                let seg = joined.get_or_insert_with(|| Segment {
+                    blocks: Vec::new(),
+                    size: 0,
+                    reserved: 0,
+                    ..run.clone()
+                });
+                let start = address - base;
+                if start > seg.size {
+                    seg.blocks.push(Block {
+                        mapped: false,
+                        ..Block::new(seg.size, start - seg.size, false)
+                    });
+                }
+                for b in &run.blocks {
+                    seg.blocks
+                        .push(Block::new(start + b.offset, b.size, b.used));
+                }
+                seg.size = start + run.size;
+                seg.reserved += run.reserved;
+            }
+            if let Some(mut seg) = joined {
+                seg.blocks.push(Block {
+                    mapped: false,
+                    ..Block::new(seg.size, EXPANDABLE_TAIL, false)
+                });
+                seg.size = seg.size.saturating_add(EXPANDABLE_TAIL);
+                for b in seg.blocks.iter().filter(|b| b.is_free()) {
+                    self.free_blocks.insert(seg.free_key(base, b));
+                }
+                self.segments.insert(base, seg);
+            }
+        }
+        for at in self.live.values_mut() {
+            if let Some(&base) = rebase.get(&at.0) {
+                *at = (base, at.0 - base + at.1);
+            }
+        }
     }
 
     /// Marks `[address, address + size)` as free address space that a new
@@ -662,6 +783,9 @@ impl CachingAllocator {
     ) -> Result<AllocId, OutOfMemory> {
         let size = self.settings.round_size(bytes);
         let pool = Pool::of_rounded(size);
+        if self.settings.expandable_segments {
+            return self.malloc_expandable(size, stream, pool, reserved_limit);
+        }
         let (seg_id, offset) = match self.best_fit(stream, pool, size) {
             Some(found) => found,
             None => {
@@ -686,13 +810,11 @@ impl CachingAllocator {
                 let seg = Segment {
                     pool,
                     size: seg_size,
+                    reserved: seg_size,
+                    expandable: false,
                     stream,
                     pool_id: 0,
-                    blocks: vec![Block {
-                        offset: 0,
-                        size: seg_size,
-                        used: false,
-                    }],
+                    blocks: vec![Block::new(0, seg_size, false)],
                 };
                 self.free_blocks.insert(seg.free_key(id, &seg.blocks[0]));
                 self.segments.insert(id, seg);
@@ -700,13 +822,197 @@ impl CachingAllocator {
                 (id, 0)
             }
         };
+        Ok(self.hand_out(seg_id, offset, size))
+    }
+
+    /// Takes the free block at (`seg_id`, `offset`) for a request of `size`
+    /// and makes it a live allocation.
+    fn hand_out(&mut self, seg_id: u64, offset: u64, size: u64) -> AllocId {
         let used = self.take(seg_id, offset, size);
         self.usage.allocated += used;
         self.bump_peaks();
         let id = AllocId(self.next_id);
         self.next_id += 1;
         self.live.insert(id, (seg_id, offset));
-        Ok(id)
+        id
+    }
+
+    /// [`CachingAllocator::malloc_on`] under `expandable_segments:True`
+    /// (PyTorch's `get_free_block`, then `try_allocate_expandable_block`).
+    fn malloc_expandable(
+        &mut self,
+        size: u64,
+        stream: u64,
+        pool: Pool,
+        reserved_limit: u64,
+    ) -> Result<AllocId, OutOfMemory> {
+        if let Some((seg_id, offset)) = self.best_fit_expandable(stream, pool, size) {
+            return Ok(self.hand_out(seg_id, offset, size));
+        }
+        let found = match self.map_for(stream, pool, size, reserved_limit) {
+            Some(found) => found,
+            None => {
+                self.num_alloc_retries += 1;
+                self.release_free_segments();
+                self.map_for(stream, pool, size, reserved_limit)
+                    .ok_or(OutOfMemory {
+                        requested: size,
+                        reserved: self.usage.reserved,
+                        limit: reserved_limit,
+                    })?
+            }
+        };
+        Ok(self.hand_out(found.0, found.1, size))
+    }
+
+    /// Best fit under expandable segments: a free block followed by unmapped
+    /// space counts as the size it could grow to, so the smallest block that
+    /// fits as it is wins over one that would have to grow.
+    fn best_fit_expandable(&self, stream: u64, pool: Pool, size: u64) -> Option<(u64, u64)> {
+        let hi = (0, stream, pool, u64::MAX, u64::MAX, u64::MAX);
+        let mut found: Option<(u64, u64, u64)> = None;
+        for &(_, _, _, block, id, off) in self.free_blocks.range((0, stream, pool, size, 0, 0)..=hi)
+        {
+            let reach = self.segments.get(&id).map_or(block, |seg| {
+                let i = seg.index_of(off);
+                match seg.blocks.get(i + 1) {
+                    Some(next) if !next.mapped => block.saturating_add(next.size),
+                    _ => block,
+                }
+            });
+            match found {
+                Some((best, _, _)) if reach >= best => break,
+                _ => found = Some((reach, id, off)),
+            }
+        }
+        let (_, id, off) = found?;
+        let block = self.segments[&id].blocks[self.segments[&id].index_of(off)].size;
+        let max_split = self.settings.max_split();
+        if (size < max_split && block >= max_split)
+            || (size >= max_split && block >= size.saturating_add(LARGE_BUFFER))
+        {
+            return None;
+        }
+        Some((id, off))
+    }
+
+    /// Maps pages of `stream`'s expandable segment of `pool` (made when it has
+    /// none) so that a free block of at least `size` bytes starts where
+    /// PyTorch's `find_expandable_block` looks first: at the lowest unmapped
+    /// space, with the free block before it. None when the pages would take
+    /// reserved memory past `reserved_limit`.
+    fn map_for(
+        &mut self,
+        stream: u64,
+        pool: Pool,
+        size: u64,
+        reserved_limit: u64,
+    ) -> Option<(u64, u64)> {
+        let page = match pool {
+            Pool::Small => SMALL_BUFFER,
+            Pool::Large => LARGE_BUFFER,
+        };
+        let existing = self
+            .segments
+            .iter()
+            .find(|(_, s)| s.expandable && s.stream == stream && s.pool == pool && s.pool_id == 0)
+            .map(|(&a, _)| a);
+        let seg_id = match existing {
+            Some(a) => a,
+            None => {
+                let a = self.place_segment(page);
+                let seg = Segment {
+                    pool,
+                    size: EXPANDABLE_TAIL,
+                    reserved: 0,
+                    expandable: true,
+                    stream,
+                    pool_id: 0,
+                    blocks: vec![Block {
+                        mapped: false,
+                        ..Block::new(0, EXPANDABLE_TAIL, false)
+                    }],
+                };
+                self.segments.insert(a, seg);
+                a
+            }
+        };
+        let seg = self.segments.get(&seg_id)?;
+        let blocks = &seg.blocks;
+        // The first unmapped space (lowest address) with room, counting the
+        // free block before it and what follows it up to a used block.
+        let start = (0..blocks.len())
+            .filter(|&u| !blocks[u].mapped)
+            .find_map(|u| {
+                let c = if u > 0 && blocks[u - 1].is_free() {
+                    u - 1
+                } else {
+                    u
+                };
+                let room = blocks[c..]
+                    .iter()
+                    .take_while(|b| !b.used)
+                    .fold(0u64, |n, b| n.saturating_add(b.size));
+                (room >= size).then_some(c)
+            })?;
+        // Which pages to map: each unmapped stretch up to what is still
+        // missing, rounded up to whole pages.
+        let (mut have, mut to_map) = (0u64, 0u64);
+        let (mut last, mut partial) = (start, None);
+        for (i, b) in blocks.iter().enumerate().skip(start) {
+            last = i;
+            if b.mapped {
+                have = have.saturating_add(b.size);
+            } else {
+                let m = size
+                    .saturating_sub(have)
+                    .div_ceil(page)
+                    .saturating_mul(page)
+                    .min(b.size);
+                have = have.saturating_add(m);
+                to_map = to_map.saturating_add(m);
+                if m < b.size {
+                    partial = Some(m);
+                    break;
+                }
+            }
+            if have >= size {
+                break;
+            }
+        }
+        if self.usage.reserved.saturating_add(to_map) > reserved_limit {
+            return None;
+        }
+        // A wholly mapped stretch merges with the free block after it.
+        let mut through = last;
+        if partial.is_none() && !blocks[last].mapped {
+            if let Some(next) = blocks.get(last + 1).filter(|n| n.is_free()) {
+                have = have.saturating_add(next.size);
+                through = last + 1;
+            }
+        }
+        let offset = blocks[start].offset;
+        let rest = partial.map(|m| {
+            let b = blocks[last];
+            Block {
+                mapped: false,
+                ..Block::new(b.offset + m, b.size - m, false)
+            }
+        });
+        let seg = self.segments.get_mut(&seg_id)?;
+        let gone: Vec<Block> = seg.blocks.drain(start..=through).collect();
+        for b in gone.iter().filter(|b| b.is_free()) {
+            self.free_blocks.remove(&seg.free_key(seg_id, b));
+        }
+        let block = Block::new(offset, have, false);
+        seg.blocks.insert(start, block);
+        if let Some(rest) = rest {
+            seg.blocks.insert(start + 1, rest);
+        }
+        self.free_blocks.insert(seg.free_key(seg_id, &block));
+        seg.reserved += to_map;
+        self.usage.reserved += to_map;
+        Some((seg_id, offset))
     }
 
     /// Frees a live allocation; the memory stays reserved for reuse.
@@ -719,22 +1025,19 @@ impl CachingAllocator {
             .segments
             .get_mut(&seg_id)
             .expect("live block's segment");
-        let i = seg
-            .blocks
-            .iter()
-            .position(|b| b.offset == offset)
-            .expect("live block");
+        let i = seg.index_of(offset);
         debug_assert!(seg.blocks[i].used);
         seg.blocks[i].used = false;
         self.usage.allocated -= seg.blocks[i].size;
-        // Merge with the next, then the previous free neighbour.
+        // Merge with the next, then the previous free neighbour (unmapped
+        // space does not merge with mapped blocks).
         let mut i = i;
-        if i + 1 < seg.blocks.len() && !seg.blocks[i + 1].used {
+        if i + 1 < seg.blocks.len() && seg.blocks[i + 1].is_free() {
             let next = seg.blocks.remove(i + 1);
             self.free_blocks.remove(&seg.free_key(seg_id, &next));
             seg.blocks[i].size += next.size;
         }
-        if i > 0 && !seg.blocks[i - 1].used {
+        if i > 0 && seg.blocks[i - 1].is_free() {
             let prev = seg.blocks[i - 1];
             self.free_blocks.remove(&seg.free_key(seg_id, &prev));
             seg.blocks[i - 1].size += seg.blocks[i].size;
@@ -748,10 +1051,19 @@ impl CachingAllocator {
     /// `torch.cuda.empty_cache()`: returns fully free segments to the
     /// driver; their address ranges become holes a new segment may take.
     pub fn release_free_segments(&mut self) {
+        let expandable: Vec<u64> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| s.expandable)
+            .map(|(&a, _)| a)
+            .collect();
+        for id in expandable {
+            self.unmap_free_pages(id);
+        }
         let mut released = Vec::new();
         let free_blocks = &mut self.free_blocks;
         self.segments.retain(|&id, s| {
-            let free = s.blocks.len() == 1 && !s.blocks[0].used;
+            let free = !s.expandable && s.blocks.len() == 1 && !s.blocks[0].used;
             if free {
                 released.push((id, s.size));
                 free_blocks.remove(&s.free_key(id, &s.blocks[0]));
@@ -761,6 +1073,63 @@ impl CachingAllocator {
         for (id, size) in released {
             self.usage.reserved -= size;
             self.insert_hole(id, size);
+        }
+    }
+
+    /// `empty_cache()` on an expandable segment (PyTorch's `unmap_block`):
+    /// the whole pages inside each free block are unmapped; the partial pages
+    /// at its ends stay mapped as free blocks. A segment left with nothing
+    /// mapped is released.
+    fn unmap_free_pages(&mut self, id: u64) {
+        let Some(seg) = self.segments.get_mut(&id) else {
+            return;
+        };
+        let page = match seg.pool {
+            Pool::Small => SMALL_BUFFER,
+            Pool::Large => LARGE_BUFFER,
+        };
+        let mut blocks: Vec<Block> = Vec::with_capacity(seg.blocks.len());
+        let mut unmapped = 0u64;
+        for b in std::mem::take(&mut seg.blocks) {
+            let first_page = b.offset.div_ceil(page).saturating_mul(page);
+            let end = b.offset.saturating_add(b.size);
+            let last_page = end / page * page;
+            if !b.is_free() || first_page >= last_page {
+                blocks.push(b);
+                continue;
+            }
+            self.free_blocks.remove(&seg.free_key(id, &b));
+            if first_page > b.offset {
+                let before = Block::new(b.offset, first_page - b.offset, false);
+                self.free_blocks.insert(seg.free_key(id, &before));
+                blocks.push(before);
+            }
+            unmapped += last_page - first_page;
+            blocks.push(Block {
+                mapped: false,
+                ..Block::new(first_page, last_page - first_page, false)
+            });
+            if end > last_page {
+                let after = Block::new(last_page, end - last_page, false);
+                self.free_blocks.insert(seg.free_key(id, &after));
+                blocks.push(after);
+            }
+        }
+        // Unmapped neighbours are one stretch.
+        let mut joined: Vec<Block> = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            match joined.last_mut() {
+                Some(last) if !last.mapped && !b.mapped => {
+                    last.size = last.size.saturating_add(b.size)
+                }
+                _ => joined.push(b),
+            }
+        }
+        seg.blocks = joined;
+        seg.reserved -= unmapped;
+        self.usage.reserved -= unmapped;
+        if seg.reserved == 0 && seg.blocks.iter().all(|b| !b.mapped) {
+            self.segments.remove(&id);
         }
     }
 
@@ -838,26 +1207,21 @@ impl CachingAllocator {
     /// PyTorch would; returns the bytes the allocation accounts for.
     fn take(&mut self, seg_id: u64, offset: u64, size: u64) -> u64 {
         let max_split = self.settings.max_split();
+        let expandable = self.settings.expandable_segments;
         let seg = self.segments.get_mut(&seg_id).expect("segment");
-        let i = seg
-            .blocks
-            .iter()
-            .position(|b| b.offset == offset)
-            .expect("block");
+        let i = seg.index_of(offset);
         self.free_blocks
             .remove(&seg.free_key(seg_id, &seg.blocks[i]));
         let remaining = seg.blocks[i].size - size;
+        // Under expandable segments every pool splits down to 512 B.
         let split = match seg.pool {
+            _ if expandable => remaining >= MIN_BLOCK_SIZE,
             Pool::Small => remaining >= MIN_BLOCK_SIZE,
             Pool::Large => size < max_split && remaining > SMALL_SIZE,
         };
         if split {
             seg.blocks[i].size = size;
-            let rest = Block {
-                offset: offset + size,
-                size: remaining,
-                used: false,
-            };
+            let rest = Block::new(offset + size, remaining, false);
             seg.blocks.insert(i + 1, rest);
             self.free_blocks.insert(seg.free_key(seg_id, &rest));
         }
@@ -871,25 +1235,42 @@ impl CachingAllocator {
         let mut free = BTreeSet::new();
         let (mut reserved, mut allocated) = (0, 0);
         for (&id, seg) in &self.segments {
-            reserved += seg.size;
-            let mut end = 0;
+            let mut end = 0u64;
+            let mut mapped = 0;
             for (k, b) in seg.blocks.iter().enumerate() {
                 assert_eq!(b.offset, end, "blocks tile the segment");
-                end += b.size;
+                end = end.saturating_add(b.size);
+                assert!(
+                    b.mapped || (seg.expandable && !b.used),
+                    "only expandable space is unmapped"
+                );
+                if b.mapped {
+                    mapped += b.size;
+                }
                 if b.used {
                     allocated += b.size;
-                } else {
-                    assert!(k == 0 || seg.blocks[k - 1].used, "free neighbours merged");
+                } else if b.mapped {
+                    assert!(
+                        k == 0 || !seg.blocks[k - 1].is_free(),
+                        "free neighbours merged"
+                    );
                     free.insert(seg.free_key(id, b));
+                } else {
+                    assert!(
+                        k == 0 || seg.blocks[k - 1].mapped,
+                        "unmapped neighbours merged"
+                    );
                 }
             }
             assert_eq!(end, seg.size);
+            assert_eq!(mapped, seg.reserved);
+            reserved += seg.reserved;
         }
         assert_eq!(free, self.free_blocks);
         assert_eq!(reserved, self.usage.reserved);
         assert_eq!(allocated, self.usage.allocated);
         let mut prev_end = 0;
-        for (&a, s) in self.segments.iter() {
+        for (&a, s) in self.segments.iter().filter(|(_, s)| !s.expandable) {
             assert!(a >= prev_end, "segments do not overlap");
             prev_end = a + s.size;
         }
@@ -1210,5 +1591,104 @@ mod tests {
         assert_eq!(a.reserved(), 130 * MIB);
         assert_eq!(a.num_alloc_retries(), 0);
         a.check_invariants();
+    }
+    #[test]
+    fn expandable_segments_grow_by_pages_and_unmap_them_like_pytorch() {
+        // PyTorch 2.15 on fake CUDA, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+        // (memory_reserved() after each step; see the test's steps).
+        let s = AllocatorSettings {
+            expandable_segments: true,
+            ..AllocatorSettings::default()
+        };
+        let mut a = CachingAllocator::with_settings(s);
+        // 3 MiB maps one 20 MiB page of the large pool's segment.
+        let x = a.malloc(3 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 20 * MIB);
+        // 100 B maps one 2 MiB page of the small pool's.
+        let _y = a.malloc(100, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 22 * MIB);
+        // 25 MiB starts in the free 17 MiB after x and maps one more page.
+        let c = a.malloc(25 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 42 * MIB);
+        assert_eq!(a.address_of(c), a.address_of(x).map(|p| p + 3 * MIB));
+        // Another stream has a segment of its own.
+        let _d = a.malloc_on(5 * MIB, 7, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 62 * MIB);
+        // x's 3 MiB serves 2 MiB + 512 B, split down to 512 B.
+        let xa = a.address_of(x);
+        a.free(x);
+        let e = a.malloc(2 * MIB + 512, u64::MAX).unwrap();
+        assert_eq!(a.address_of(e), xa);
+        assert_eq!(a.allocated(), 32 * MIB + 1024);
+        // empty_cache() unmaps the whole free pages: c's second page.
+        a.free(c);
+        a.release_free_segments();
+        assert_eq!(a.reserved(), 42 * MIB);
+        a.check_invariants();
+        let large: Vec<SegmentLayout> = a
+            .layout()
+            .into_iter()
+            .filter(|s| s.pool == Pool::Large && s.stream == 0)
+            .collect();
+        assert_eq!(large.len(), 1);
+        assert!(large[0].expandable);
+        assert_eq!(
+            large[0].blocks,
+            vec![
+                BlockLayout {
+                    size: 2 * MIB + 512,
+                    allocated: true
+                },
+                BlockLayout {
+                    size: 18 * MIB - 512,
+                    allocated: false
+                },
+            ]
+        );
+        // The layout round-trips, and the unmapped page maps again.
+        let (mut b, _) = CachingAllocator::from_layout_with(&a.layout(), s).unwrap();
+        b.check_invariants();
+        assert_eq!(b.reserved(), 42 * MIB);
+        let _f = b.malloc(30 * MIB, u64::MAX).unwrap();
+        assert_eq!(b.reserved(), 62 * MIB);
+        b.check_invariants();
+    }
+
+    #[test]
+    fn expandable_bookkeeping_holds_over_a_random_workload() {
+        let s = AllocatorSettings {
+            expandable_segments: true,
+            ..AllocatorSettings::default()
+        };
+        let mut a = CachingAllocator::with_settings(s);
+        let mut live = Vec::new();
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for round in 0..3000 {
+            let r = next();
+            if r % 3 == 0 && !live.is_empty() {
+                let i = (next() % live.len() as u64) as usize;
+                a.free(live.swap_remove(i));
+            } else {
+                let bytes = 1 + next() % (1u64 << (next() % 26));
+                live.push(a.malloc_on(bytes, next() % 2, u64::MAX).unwrap());
+            }
+            if round % 500 == 499 {
+                a.release_free_segments();
+            }
+            a.check_invariants();
+            assert!(a.reserved() >= a.allocated());
+        }
+        for id in live.drain(..) {
+            a.free(id);
+        }
+        a.release_free_segments();
+        a.check_invariants();
+        assert_eq!((a.allocated(), a.reserved()), (0, 0));
     }
 }

@@ -75,6 +75,22 @@ pub enum AllocatorAction {
     /// or a release to retry a failed `cudaMalloc`. The replay releases its
     /// free unsplit segments there, once per run of such events.
     SegmentFree,
+    /// Pages were mapped into an expandable segment; like
+    /// [`AllocatorAction::SegmentAlloc`], only says where.
+    SegmentMap,
+    /// Pages of an expandable segment were unmapped (`empty_cache()`); the
+    /// replay releases there, as for [`AllocatorAction::SegmentFree`].
+    SegmentUnmap,
+}
+
+impl AllocatorAction {
+    /// Memory given back to the driver: where step 1 released its cache.
+    fn releases(self) -> bool {
+        matches!(
+            self,
+            AllocatorAction::SegmentFree | AllocatorAction::SegmentUnmap
+        )
+    }
 }
 
 /// One allocation or free of the traced step.
@@ -142,9 +158,6 @@ impl TraceSettings {
     /// The settings for the model, or why the replay would not be faithful.
     pub fn model(&self) -> Result<AllocatorSettings, TraceError> {
         let refuse = |why: String| Err(TraceError::UnmodelledSetting(why));
-        if self.expandable_segments {
-            return refuse("expandable_segments:True".into());
-        }
         if self.garbage_collection_threshold != 0.0 {
             return refuse(format!(
                 "garbage_collection_threshold:{}",
@@ -176,6 +189,7 @@ impl TraceSettings {
         Ok(AllocatorSettings {
             max_split_size: (self.max_split_size_bytes != 0).then_some(self.max_split_size_bytes),
             roundup_power2_divisions: divisions,
+            expandable_segments: self.expandable_segments,
         })
     }
 }
@@ -276,14 +290,19 @@ impl AllocatorTrace {
     /// The model's settings for this trace, or why it cannot be replayed
     /// faithfully (an unmodelled setting, expandable segments).
     pub fn model_settings(&self) -> Result<AllocatorSettings, TraceError> {
-        if self.segments.iter().any(|s| s.expandable) {
-            return Err(TraceError::UnmodelledSetting(
-                "expandable_segments:True".into(),
-            ));
+        let expandable = self.segments.iter().any(|s| s.expandable);
+        match &self.settings {
+            None => Ok(AllocatorSettings {
+                expandable_segments: expandable,
+                ..AllocatorSettings::default()
+            }),
+            // Expandable segments made before the setting was turned off:
+            // PyTorch then serves only from the others, which is not modelled.
+            Some(s) if expandable && !s.expandable_segments => Err(TraceError::UnmodelledSetting(
+                "expandable_segments turned off while in use".into(),
+            )),
+            Some(s) => s.model(),
         }
-        self.settings
-            .as_ref()
-            .map_or(Ok(AllocatorSettings::default()), TraceSettings::model)
     }
 }
 
@@ -486,7 +505,10 @@ pub fn replay_step2_with(
                     frees.insert(index, a);
                 }
             }
-            AllocatorAction::SegmentAlloc | AllocatorAction::SegmentFree => {}
+            AllocatorAction::SegmentAlloc
+            | AllocatorAction::SegmentFree
+            | AllocatorAction::SegmentMap
+            | AllocatorAction::SegmentUnmap => {}
         }
     }
     let live: HashMap<u64, AllocId> = live.into_iter().collect();
@@ -684,7 +706,10 @@ fn release_points(events: &[AllocatorEvent], anchors: &[usize]) -> Vec<(usize, u
                 }
             }
             AllocatorAction::Free => freed_since = !pending.is_empty(),
-            AllocatorAction::SegmentAlloc | AllocatorAction::SegmentFree => {}
+            AllocatorAction::SegmentAlloc
+            | AllocatorAction::SegmentFree
+            | AllocatorAction::SegmentMap
+            | AllocatorAction::SegmentUnmap => {}
         }
     }
     points.extend(pending.into_iter().map(|a| (a, events.len())));
@@ -833,10 +858,11 @@ impl<'a> Plan<'a> {
                         }
                     }
                 }
-                AllocatorAction::Alloc | AllocatorAction::SegmentAlloc => {}
-                AllocatorAction::SegmentFree => {
-                    let first = index == 0
-                        || self.trace.events[index - 1].action != AllocatorAction::SegmentFree;
+                AllocatorAction::Alloc
+                | AllocatorAction::SegmentAlloc
+                | AllocatorAction::SegmentMap => {}
+                AllocatorAction::SegmentFree | AllocatorAction::SegmentUnmap => {
+                    let first = index == 0 || !self.trace.events[index - 1].action.releases();
                     if first {
                         alloc.release_free_segments();
                     }

@@ -137,9 +137,9 @@ pub struct AllocatorTraceChunk {
     pub settings: ::core::option::Option<AllocatorSettings>,
 }
 /// The caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF as the allocator
-/// parsed it). The agent models max_split_size and roundup_power2_divisions and
-/// refuses a trace made under any other non-default setting (the prediction
-/// then keeps to the markers).
+/// parsed it). The agent models max_split_size, roundup_power2_divisions and
+/// expandable_segments and refuses a trace made under any other non-default
+/// setting (the prediction then keeps to the markers).
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct AllocatorSettings {
     /// max_split_size_mb, in bytes; 0: unlimited (the default).
@@ -442,6 +442,12 @@ pub enum AllocatorAction {
     /// A segment was given back to the driver (empty_cache, or a release to
     /// retry a failed cudaMalloc); size: the segment's.
     SegmentFree = 4,
+    /// Pages were mapped into an expandable segment (expandable_segments:True);
+    /// size: the bytes mapped.
+    SegmentMap = 5,
+    /// Pages of an expandable segment were unmapped (empty_cache); size: the
+    /// bytes unmapped.
+    SegmentUnmap = 6,
 }
 impl AllocatorAction {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -455,6 +461,8 @@ impl AllocatorAction {
             Self::Free => "ALLOCATOR_ACTION_FREE",
             Self::SegmentAlloc => "ALLOCATOR_ACTION_SEGMENT_ALLOC",
             Self::SegmentFree => "ALLOCATOR_ACTION_SEGMENT_FREE",
+            Self::SegmentMap => "ALLOCATOR_ACTION_SEGMENT_MAP",
+            Self::SegmentUnmap => "ALLOCATOR_ACTION_SEGMENT_UNMAP",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -465,6 +473,8 @@ impl AllocatorAction {
             "ALLOCATOR_ACTION_FREE" => Some(Self::Free),
             "ALLOCATOR_ACTION_SEGMENT_ALLOC" => Some(Self::SegmentAlloc),
             "ALLOCATOR_ACTION_SEGMENT_FREE" => Some(Self::SegmentFree),
+            "ALLOCATOR_ACTION_SEGMENT_MAP" => Some(Self::SegmentMap),
+            "ALLOCATOR_ACTION_SEGMENT_UNMAP" => Some(Self::SegmentUnmap),
             _ => None,
         }
     }

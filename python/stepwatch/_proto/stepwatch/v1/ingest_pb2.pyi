@@ -41,6 +41,8 @@ class AllocatorAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALLOCATOR_ACTION_FREE: _ClassVar[AllocatorAction]
     ALLOCATOR_ACTION_SEGMENT_ALLOC: _ClassVar[AllocatorAction]
     ALLOCATOR_ACTION_SEGMENT_FREE: _ClassVar[AllocatorAction]
+    ALLOCATOR_ACTION_SEGMENT_MAP: _ClassVar[AllocatorAction]
+    ALLOCATOR_ACTION_SEGMENT_UNMAP: _ClassVar[AllocatorAction]
 
 class AdvisoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -78,6 +80,8 @@ ALLOCATOR_ACTION_ALLOC: AllocatorAction
 ALLOCATOR_ACTION_FREE: AllocatorAction
 ALLOCATOR_ACTION_SEGMENT_ALLOC: AllocatorAction
 ALLOCATOR_ACTION_SEGMENT_FREE: AllocatorAction
+ALLOCATOR_ACTION_SEGMENT_MAP: AllocatorAction
+ALLOCATOR_ACTION_SEGMENT_UNMAP: AllocatorAction
 ADVISORY_KIND_UNSPECIFIED: AdvisoryKind
 ADVISORY_KIND_STEP2_OOM_PREDICTED: AdvisoryKind
 ADVISORY_KIND_LOW_HEADROOM: AdvisoryKind
