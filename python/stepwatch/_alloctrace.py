@@ -58,7 +58,14 @@ ACTION_ALLOC = 1
 ACTION_FREE = 2
 ACTION_SEGMENT_ALLOC = 3
 ACTION_SEGMENT_FREE = 4
-_SEGMENT_ACTIONS = {"segment_alloc": ACTION_SEGMENT_ALLOC, "segment_free": ACTION_SEGMENT_FREE}
+ACTION_SEGMENT_MAP = 5
+ACTION_SEGMENT_UNMAP = 6
+_SEGMENT_ACTIONS = {
+    "segment_alloc": ACTION_SEGMENT_ALLOC,
+    "segment_free": ACTION_SEGMENT_FREE,
+    "segment_map": ACTION_SEGMENT_MAP,
+    "segment_unmap": ACTION_SEGMENT_UNMAP,
+}
 # roundup_power2_divisions intervals: [1 MiB, 2 MiB) ... [32 GiB, ...)
 ROUNDUP_INTERVALS = 16
 
@@ -354,7 +361,7 @@ def trace_from_snapshot(
             phase = rel[jf][0]
             add(ACTION_FREE, int(e["addr"]), int(e["size"]), phase, _stream(e.get("stream")))
         elif action in _SEGMENT_ACTIONS:
-            if action == "segment_alloc":
+            if action in ("segment_alloc", "segment_map"):
                 while ia < last and rel[ia + 1][1] <= na:
                     ia += 1
                 phase = rel[ia][0]
@@ -459,13 +466,12 @@ def settings_from_snapshot(snapshot: Any) -> Optional[Dict[str, Any]]:
 
 # ------------------------------------------------------------------ allocator settings
 # The agent's allocator model follows PyTorch's caching allocator with
-# max_split_size_mb and roundup_power2_divisions (read from the snapshot's
-# allocator_settings and sent with the trace). These change how blocks are
-# released or mapped in ways it does not model, so the history is not even
+# max_split_size_mb, roundup_power2_divisions and expandable_segments (read from
+# the snapshot's allocator_settings and sent with the trace). These change how
+# blocks are released in ways it does not model, so the history is not even
 # recorded under them; the agent also refuses a trace whose settings (from the
 # snapshot, whatever set them) show one.
 _UNMODELLED_SETTINGS = {
-    "expandable_segments": lambda v: v.strip().lower() == "true",
     "garbage_collection_threshold": lambda v: True,
     "backend": lambda v: v.strip() != "native",
 }

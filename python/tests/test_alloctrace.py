@@ -632,13 +632,14 @@ def test_unmodelled_allocator_settings_are_named():
         )
         == []
     )
-    # max_split_size_mb and roundup_power2_divisions are modelled (sent with the trace)
+    # max_split_size_mb, roundup_power2_divisions and expandable segments are
+    # modelled (sent with the trace)
     assert at.unmodelled_allocator_settings(
         {
             "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, max_split_size_mb:128,"
             "roundup_power2_divisions:4,garbage_collection_threshold:0.6"
         }
-    ) == ["expandable_segments:True", "garbage_collection_threshold:0.6"]
+    ) == ["garbage_collection_threshold:0.6"]
     assert at.unmodelled_allocator_settings({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}) == [
         "backend:cudaMallocAsync"
     ]
@@ -646,14 +647,14 @@ def test_unmodelled_allocator_settings_are_named():
 
 @needs_torch
 def test_unmodelled_allocator_settings_send_no_trace(agent, monkeypatch, caplog):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
     caplog.set_level(logging.INFO, logger="stepwatch")
     fake = run(monkeypatch, steps=2)
     agent.wait_markers(12)
     assert stepwatch.flush(5)
     assert fake.history_calls == [] and fake.snapshots == 0
     assert stepwatch.stats()["allocator_traces_sent"] == 0
-    assert any("expandable_segments:True" in r.getMessage() for r in caplog.records)
+    assert any("garbage_collection_threshold:0.6" in r.getMessage() for r in caplog.records)
 
 
 @needs_torch
