@@ -388,6 +388,12 @@ pub struct CachingAllocator {
     live: HashMap<AllocId, (u64, u64)>,
     /// Free blocks in best-fit order.
     free_blocks: BTreeSet<FreeKey>,
+    /// Segments `empty_cache()` would release (default pool, not
+    /// expandable, one free block), so that a release costs what it
+    /// releases, not a pass over every segment.
+    releasable: BTreeSet<u64>,
+    /// The expandable segment of each (stream, pool) in the default pool.
+    expandable: BTreeMap<(u64, Pool), u64>,
     next_id: u64,
     usage: Usage,
     peaks: Peaks,
@@ -570,6 +576,10 @@ impl CachingAllocator {
             a.segments.insert(s.address, seg);
         }
         a.join_expandable_runs();
+        let ids: Vec<u64> = a.segments.keys().copied().collect();
+        for id in ids {
+            a.note_segment(id);
+        }
         a.lowest_address = a.segments.keys().next().copied().unwrap_or(0);
         a.peaks = Peaks {
             phase: a.usage,
@@ -577,6 +587,25 @@ impl CachingAllocator {
             total: a.usage,
         };
         Ok((a, live))
+    }
+
+    /// Files segment `id` (after any change to its blocks) where
+    /// `empty_cache()` and expandable growth look it up.
+    fn note_segment(&mut self, id: u64) {
+        match self.segments.get(&id) {
+            Some(s) if s.expandable => {
+                self.releasable.remove(&id);
+                if s.pool_id == 0 {
+                    self.expandable.insert((s.stream, s.pool), id);
+                }
+            }
+            Some(s) if s.pool_id == 0 && s.blocks.len() == 1 && s.blocks[0].is_free() => {
+                self.releasable.insert(id);
+            }
+            _ => {
+                self.releasable.remove(&id);
+            }
+        }
     }
 
     /// Makes the mapped runs of each expandable segment (one per stream, pool
@@ -912,11 +941,7 @@ impl CachingAllocator {
             Pool::Small => SMALL_BUFFER,
             Pool::Large => LARGE_BUFFER,
         };
-        let existing = self
-            .segments
-            .iter()
-            .find(|(_, s)| s.expandable && s.stream == stream && s.pool == pool && s.pool_id == 0)
-            .map(|(&a, _)| a);
+        let existing = self.expandable.get(&(stream, pool)).copied();
         let seg_id = match existing {
             Some(a) => a,
             None => {
@@ -934,6 +959,7 @@ impl CachingAllocator {
                     }],
                 };
                 self.segments.insert(a, seg);
+                self.note_segment(a);
                 a
             }
         };
@@ -1046,33 +1072,22 @@ impl CachingAllocator {
         }
         self.free_blocks
             .insert(seg.free_key(seg_id, &seg.blocks[i]));
+        self.note_segment(seg_id);
     }
 
     /// `torch.cuda.empty_cache()`: returns fully free segments to the
     /// driver; their address ranges become holes a new segment may take.
     pub fn release_free_segments(&mut self) {
-        let expandable: Vec<u64> = self
-            .segments
-            .iter()
-            .filter(|(_, s)| s.expandable)
-            .map(|(&a, _)| a)
-            .collect();
+        let expandable: Vec<u64> = self.expandable.values().copied().collect();
         for id in expandable {
             self.unmap_free_pages(id);
         }
-        let mut released = Vec::new();
-        let free_blocks = &mut self.free_blocks;
-        self.segments.retain(|&id, s| {
-            let free = !s.expandable && s.blocks.len() == 1 && !s.blocks[0].used;
-            if free {
-                released.push((id, s.size));
-                free_blocks.remove(&s.free_key(id, &s.blocks[0]));
+        for id in std::mem::take(&mut self.releasable) {
+            if let Some(s) = self.segments.remove(&id) {
+                self.free_blocks.remove(&s.free_key(id, &s.blocks[0]));
+                self.usage.reserved -= s.size;
+                self.insert_hole(id, s.size);
             }
-            !free
-        });
-        for (id, size) in released {
-            self.usage.reserved -= size;
-            self.insert_hole(id, size);
         }
     }
 
@@ -1129,7 +1144,11 @@ impl CachingAllocator {
         seg.reserved -= unmapped;
         self.usage.reserved -= unmapped;
         if seg.reserved == 0 && seg.blocks.iter().all(|b| !b.mapped) {
+            let key = (seg.stream, seg.pool);
             self.segments.remove(&id);
+            if self.expandable.get(&key) == Some(&id) {
+                self.expandable.remove(&key);
+            }
         }
     }
 
@@ -1177,6 +1196,7 @@ impl CachingAllocator {
         }
         if let Some(s) = self.segments.remove(&id) {
             self.free_blocks.remove(&key);
+            self.releasable.remove(&id);
             self.usage.reserved -= s.size;
             self.insert_hole(id, s.size);
         }
@@ -1226,7 +1246,9 @@ impl CachingAllocator {
             self.free_blocks.insert(seg.free_key(seg_id, &rest));
         }
         seg.blocks[i].used = true;
-        seg.blocks[i].size
+        let size = seg.blocks[i].size;
+        self.note_segment(seg_id);
+        size
     }
 
     /// Checks the internal bookkeeping (tests).
@@ -1267,6 +1289,15 @@ impl CachingAllocator {
             reserved += seg.reserved;
         }
         assert_eq!(free, self.free_blocks);
+        let releasable: BTreeSet<u64> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| {
+                !s.expandable && s.pool_id == 0 && s.blocks.len() == 1 && s.blocks[0].is_free()
+            })
+            .map(|(&a, _)| a)
+            .collect();
+        assert_eq!(releasable, self.releasable);
         assert_eq!(reserved, self.usage.reserved);
         assert_eq!(allocated, self.usage.allocated);
         let mut prev_end = 0;
