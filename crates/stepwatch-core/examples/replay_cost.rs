@@ -59,16 +59,36 @@ fn segments_trace(n: u64) -> AllocatorTrace {
     for _ in 0..n {
         let t = a.malloc(20 * MIB, u64::MAX).unwrap();
         let at = a.address_of(t).unwrap();
-        events.push(event(AllocatorAction::Alloc, at, 20 * MIB, PhaseKind::Forward));
-        events.push(event(AllocatorAction::Free, at, 20 * MIB, PhaseKind::Forward));
+        events.push(event(
+            AllocatorAction::Alloc,
+            at,
+            20 * MIB,
+            PhaseKind::Forward,
+        ));
+        events.push(event(
+            AllocatorAction::Free,
+            at,
+            20 * MIB,
+            PhaseKind::Forward,
+        ));
         a.free(t);
         a.release_free_segments();
-        events.push(event(AllocatorAction::SegmentFree, at, 20 * MIB, PhaseKind::Forward));
+        events.push(event(
+            AllocatorAction::SegmentFree,
+            at,
+            20 * MIB,
+            PhaseKind::Forward,
+        ));
     }
     for _ in 0..n {
         let s = a.malloc(12 * MIB, u64::MAX).unwrap();
         let at = a.address_of(s).unwrap();
-        events.push(event(AllocatorAction::Alloc, at, 12 * MIB, PhaseKind::Optimizer));
+        events.push(event(
+            AllocatorAction::Alloc,
+            at,
+            12 * MIB,
+            PhaseKind::Optimizer,
+        ));
     }
     AllocatorTrace {
         step: 1,
@@ -80,7 +100,6 @@ fn segments_trace(n: u64) -> AllocatorTrace {
 
 /// A transformer-like step 1 (see the module documentation).
 fn transformer_trace(layers: u64, micro_batches: u64) -> AllocatorTrace {
-
     let mut a = CachingAllocator::new();
     let mut events = Vec::new();
     let mut record = |a: &CachingAllocator, action, id, size, phase| {

@@ -121,3 +121,17 @@ fn expandable_segments_grow_in_pages_as_pytorch_maps_them() {
     let r = check("gpt-expandable-small.json");
     assert_eq!(r.steady_reserved_peak_bytes, 1_923_088_384);
 }
+
+#[test]
+fn a_side_streams_cached_blocks_serve_only_that_stream() {
+    // The gradients gathered into a 64 MiB buffer on a side stream, freed
+    // there: step 2's activations on the default stream cannot use it and
+    // take new segments. Blind to streams (every event and segment on stream
+    // 0), the same trace says 507,510,784 reserved bytes in step 2 (-11.7%)
+    // and in the steady state (-20.9%).
+    let f = fixture("side-stream-small.json");
+    assert!(f.trace.events.iter().any(|e| e.stream != 0));
+    let r = check("side-stream-small.json");
+    assert_eq!(r.reserved_peak_bytes, 574_619_648);
+    assert_eq!(r.steady_reserved_peak_bytes, 641_728_512);
+}
