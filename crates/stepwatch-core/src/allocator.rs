@@ -689,6 +689,11 @@ impl CachingAllocator {
         {
             return;
         }
+        // The hole was handed out once: "below the lowest address so far"
+        // starts below it too.
+        if self.lowest_address == 0 || address < self.lowest_address {
+            self.lowest_address = address;
+        }
         self.insert_hole(address, size);
     }
 
@@ -713,6 +718,22 @@ impl CachingAllocator {
     /// hole that holds it, else just below the lowest address used so far,
     /// else (no room below) above the highest segment.
     fn place_segment(&mut self, size: u64) -> u64 {
+        let at = self.place_segment_unchecked(size);
+        // Never on top of a segment, whatever the holes said.
+        let end = at.saturating_add(size);
+        let clash = self
+            .segments
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&a, s)| !s.expandable && a.saturating_add(s.size) > at);
+        if clash {
+            self.above_all()
+        } else {
+            at
+        }
+    }
+
+    fn place_segment_unchecked(&mut self, size: u64) -> u64 {
         let hole = self
             .holes
             .iter()
@@ -745,9 +766,10 @@ impl CachingAllocator {
     fn above_all(&self) -> u64 {
         self.segments
             .iter()
-            .next_back()
-            .map_or(MODEL_ADDRESS_BASE, |(&a, s)| {
-                a.saturating_add(s.size).div_ceil(ROUND_LARGE) * ROUND_LARGE
+            .map(|(&a, s)| a.saturating_add(s.size))
+            .max()
+            .map_or(MODEL_ADDRESS_BASE, |end| {
+                end.div_ceil(ROUND_LARGE).saturating_mul(ROUND_LARGE)
             })
     }
 
@@ -1721,5 +1743,19 @@ mod tests {
         a.release_free_segments();
         a.check_invariants();
         assert_eq!((a.allocated(), a.reserved()), (0, 0));
+    }
+
+    #[test]
+    fn a_hole_below_the_layout_is_not_overlapped_by_segments_placed_below() {
+        // Step 1 released a 20 MiB segment 40 MiB below the layout's lowest.
+        let x = 1u64 << 36;
+        let (mut a, _) = CachingAllocator::from_layout(&[whole(x, 20 * MIB, true)]).unwrap();
+        a.add_address_hole(x - 40 * MIB, 20 * MIB);
+        // 30 MiB does not fit the hole: below it, not across it.
+        let p = a.malloc(30 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(p), Some(x - 70 * MIB));
+        let q = a.malloc(20 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(q), Some(x - 40 * MIB));
+        a.check_invariants();
     }
 }
