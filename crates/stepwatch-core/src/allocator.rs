@@ -723,9 +723,14 @@ impl CachingAllocator {
         let end = at.saturating_add(size);
         let clash = self
             .segments
-            .range(..end)
-            .next_back()
-            .is_some_and(|(&a, s)| !s.expandable && a.saturating_add(s.size) > at);
+            .range(at..end.max(at.saturating_add(1)))
+            .next()
+            .is_some()
+            || self
+                .segments
+                .range(..at)
+                .next_back()
+                .is_some_and(|(&a, s)| !s.expandable && a.saturating_add(s.size) > at);
         if clash {
             self.above_all()
         } else {

@@ -604,3 +604,114 @@ fn the_traced_settings_are_followed_or_the_trace_refused() {
         Err(TraceError::UnmodelledSetting(_))
     ));
 }
+
+#[test]
+fn hostile_traces_are_replayed_or_refused_never_a_panic() {
+    // Random layouts and events (streams, pools, expandable runs, segment
+    // events, odd sizes and addresses, settings): the replay answers Ok or
+    // Err for each, within its bounds.
+    let mut x: u64 = 0xD1B5_4A32_D192_ED03;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let actions = [
+        AllocatorAction::Alloc,
+        AllocatorAction::Free,
+        AllocatorAction::SegmentAlloc,
+        AllocatorAction::SegmentFree,
+        AllocatorAction::SegmentMap,
+        AllocatorAction::SegmentUnmap,
+    ];
+    let phases = [
+        PhaseKind::Prologue,
+        PhaseKind::Forward,
+        PhaseKind::Backward,
+        PhaseKind::Optimizer,
+        PhaseKind::Epilogue,
+    ];
+    let (mut replayed, mut refused) = (0, 0);
+    for _ in 0..4000 {
+        let base = (1u64 << 36) + (next() % 64) * (2 * MIB);
+        let mut address = base;
+        let mut segments = Vec::new();
+        let mut allocated = Vec::new();
+        for _ in 0..next() % 6 {
+            let blocks: Vec<BlockLayout> = (0..1 + next() % 4)
+                .map(|_| BlockLayout {
+                    size: 512 * (1 + next() % 40_000),
+                    allocated: next() % 2 == 0,
+                })
+                .collect();
+            let mut offset = address;
+            for b in &blocks {
+                if b.allocated {
+                    allocated.push((offset, b.size));
+                }
+                offset += b.size;
+            }
+            let mut s = SegmentLayout::new(
+                address,
+                if next() % 3 == 0 {
+                    Pool::Small
+                } else {
+                    Pool::Large
+                },
+                blocks,
+            );
+            s.stream = next() % 2;
+            s.pool_id = u64::from(next() % 5 == 0);
+            s.expandable = next() % 4 == 0;
+            address = offset + (next() % 3) * (2 * MIB);
+            segments.push(s);
+        }
+        let mut events = Vec::new();
+        for _ in 0..next() % 60 {
+            let pick = next();
+            let (address, size) = match allocated.get((pick % 8) as usize) {
+                Some(&(a, s)) if pick % 3 == 0 => (a, s),
+                _ => (
+                    base - 64 * MIB + (next() % 512) * 512 * 1024,
+                    1 + next() % (64 * MIB),
+                ),
+            };
+            events.push(AllocatorEvent {
+                action: actions[(next() % 6) as usize],
+                address,
+                size,
+                phase: phases[(next() % 5) as usize],
+                stream: next() % 2,
+            });
+        }
+        let settings = (next() % 2 == 0).then(|| TraceSettings {
+            max_split_size_bytes: (next() % 3) * 32 * MIB,
+            roundup_power2_divisions: if next() % 2 == 0 {
+                vec![(next() % 8) as u32; allocator::ROUNDUP_INTERVALS]
+            } else {
+                Vec::new()
+            },
+            expandable_segments: next() % 2 == 0,
+            ..TraceSettings::default()
+        });
+        let t = AllocatorTrace {
+            step: 1,
+            segments,
+            events,
+            settings,
+        };
+        for gradients in [Gradients::FreedBeforeStep, Gradients::Kept] {
+            let limit = Some(next() % (1 << 32));
+            match replay_step2_with(&t, gradients, limit) {
+                Ok(_) => replayed += 1,
+                Err(_) => refused += 1,
+            }
+        }
+    }
+    // Both paths are exercised.
+    assert!(
+        replayed > 500 && refused > 500,
+        "{replayed} replayed, {refused} refused"
+    );
+}
