@@ -307,10 +307,14 @@ def trace_from_snapshot(
 
     Snapshot fields used (torch/cuda/memory.py, ``_snapshot`` docstring):
     ``Snapshot.segments`` / ``Snapshot.device_traces``; ``Segment.device``,
-    ``.address``, ``.segment_type`` ("small"/"large"), ``.blocks``;
+    ``.address``, ``.segment_type`` ("small"/"large"), ``.blocks``, ``.stream``,
+    ``.segment_pool_id`` (a pair; (0, 0) is the default pool), ``.is_expandable``;
     ``Block.size``, ``.state`` ("inactive" is free; "active_allocated" and
     "active_pending_free" / "active_awaiting_free" hold memory);
-    ``TraceEntry.action``, ``.addr``, ``.size`` (the requested bytes).
+    ``TraceEntry.action`` ("alloc", "free_completed", "segment_alloc",
+    "segment_free", "segment_map", "segment_unmap", "oom"), ``.addr``, ``.size``
+    (the requested bytes), ``.stream``; ``Snapshot.allocator_settings``
+    (:func:`settings_from_snapshot`).
     """
     if not marks or marks[0][0] != STEP_BEGIN:
         raise ValueError("the first mark must be STEP_BEGIN")
