@@ -247,6 +247,9 @@ fn proto_segment(s: &SegmentLayout) -> pb::AllocatorSegment {
                 allocated: b.allocated,
             })
             .collect(),
+        stream: s.stream,
+        pool_id: s.pool_id,
+        expandable: s.expandable,
     }
 }
 
@@ -262,10 +265,15 @@ fn proto_event(e: &AllocatorEvent) -> pb::AllocatorEvent {
         action: match e.action {
             AllocatorAction::Alloc => pb::AllocatorAction::Alloc,
             AllocatorAction::Free => pb::AllocatorAction::Free,
+            AllocatorAction::SegmentAlloc => pb::AllocatorAction::SegmentAlloc,
+            AllocatorAction::SegmentFree => pb::AllocatorAction::SegmentFree,
+            AllocatorAction::SegmentMap => pb::AllocatorAction::SegmentMap,
+            AllocatorAction::SegmentUnmap => pb::AllocatorAction::SegmentUnmap,
         } as i32,
         address: e.address,
         size: e.size,
         phase: proto_marker_kind(opened_by) as i32,
+        stream: e.stream,
     }
 }
 

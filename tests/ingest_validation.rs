@@ -207,14 +207,17 @@ fn trace_chunk(step: u64, last: bool) -> AllocatorTraceChunk {
                     allocated: false,
                 },
             ],
+            ..Default::default()
         }],
         events: vec![AllocatorEvent {
             action: AllocatorAction::Alloc as i32,
             address: 1 << 32,
             size: 16 * MIB,
             phase: MarkerKind::OptimizerBegin as i32,
+            ..Default::default()
         }],
         last,
+        settings: None,
     }
 }
 
@@ -258,12 +261,19 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
         // The event says 16 MiB stayed allocated where the layout has a free block.
         let mut mismatch = trace_chunk(1, true);
         mismatch.segments[0].blocks[0].allocated = false;
+        // Made under a setting the model does not follow (from the snapshot).
+        let mut unmodelled = trace_chunk(1, true);
+        unmodelled.settings = Some(stepwatch_proto::v1::AllocatorSettings {
+            garbage_collection_threshold: 0.6,
+            ..Default::default()
+        });
         let unusable = [
             vec![trace(trace_chunk(2, true))],
             // Refused in its first chunk; the second is skipped.
             vec![trace(no_phase), trace(rest)],
             vec![trace(no_action)],
             vec![trace(mismatch)],
+            vec![trace(unmodelled)],
         ];
         for (i, traces) in unusable.into_iter().enumerate() {
             let job = format!("u{i}");
@@ -315,6 +325,7 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
     assert_eq!(rejected("allocator_trace_not_step_one"), 1.0);
     assert_eq!(rejected("allocator_trace_bad_event"), 2.0);
     assert_eq!(rejected("allocator_trace_invalid"), 1.0);
+    assert_eq!(rejected("allocator_trace_unmodelled_setting"), 1.0);
     assert_eq!(rejected("allocator_trace_too_large"), 1.0);
     assert_eq!(rejected("duplicate_allocator_trace"), 1.0);
     assert_eq!(
@@ -322,9 +333,9 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
             "stepwatch_allocator_traces_total",
             &[("result", "rejected")]
         ),
-        Some(4.0)
+        Some(5.0)
     );
-    for i in 0..4 {
+    for i in 0..5 {
         let rank = [("job", format!("u{i}")), ("rank", "0".to_string())];
         let rank: Vec<(&str, &str)> = rank.iter().map(|(k, v)| (*k, v.as_str())).collect();
         assert_eq!(
@@ -385,5 +396,6 @@ fn chunk_event() -> AllocatorEvent {
         address: 1,
         size: 512,
         phase: MarkerKind::ForwardBegin as i32,
+        ..Default::default()
     }
 }

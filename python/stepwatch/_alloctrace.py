@@ -56,6 +56,18 @@ CHUNK_BYTES = MAX_BATCH_BYTES
 # stepwatch.v1.AllocatorAction
 ACTION_ALLOC = 1
 ACTION_FREE = 2
+ACTION_SEGMENT_ALLOC = 3
+ACTION_SEGMENT_FREE = 4
+ACTION_SEGMENT_MAP = 5
+ACTION_SEGMENT_UNMAP = 6
+_SEGMENT_ACTIONS = {
+    "segment_alloc": ACTION_SEGMENT_ALLOC,
+    "segment_free": ACTION_SEGMENT_FREE,
+    "segment_map": ACTION_SEGMENT_MAP,
+    "segment_unmap": ACTION_SEGMENT_UNMAP,
+}
+# roundup_power2_divisions intervals: [1 MiB, 2 MiB) ... [32 GiB, ...)
+ROUNDUP_INTERVALS = 16
 
 PHASE_KINDS = (STEP_BEGIN, FORWARD_BEGIN, BACKWARD_BEGIN, OPTIMIZER_BEGIN, OPTIMIZER_END)
 
@@ -81,19 +93,28 @@ def _block_bytes(size: int, allocated: bool) -> int:
     return _field((1 + _vlen(size) if size else 0) + (2 if allocated else 0))
 
 
-def _segment_bytes(address: int, small: bool, blocks: Sequence[Tuple[int, bool]]) -> int:
+def _segment_bytes(
+    address: int,
+    small: bool,
+    blocks: Sequence[Tuple[int, bool]],
+    home: Tuple[int, int, bool] = (0, 0, False),
+) -> int:
+    stream, pool_id, expandable = home
     n = (1 + _vlen(address) if address else 0) + (2 if small else 0)
+    n += (1 + _vlen(stream) if stream else 0) + (1 + _vlen(pool_id) if pool_id else 0)
+    n += 2 if expandable else 0
     for size, allocated in blocks:
         n += _block_bytes(size, allocated)
     return _field(n)
 
 
-def _event_bytes(action: int, address: int, size: int, phase: int) -> int:
+def _event_bytes(action: int, address: int, size: int, phase: int, stream: int = 0) -> int:
     return _field(
         (2 if action else 0)
         + (1 + _vlen(address) if address else 0)
         + (1 + _vlen(size) if size else 0)
         + (2 if phase else 0)
+        + (1 + _vlen(stream) if stream else 0)
     )
 
 
@@ -106,16 +127,31 @@ _CHUNK_OVERHEAD = (1 + 10) + 2 + (1 + 3)
 class AllocatorTrace:
     """Step 1's trace in compact form; :meth:`messages` encodes it in chunks."""
 
-    __slots__ = ("step", "segments", "ev_action", "ev_address", "ev_size", "ev_phase")
+    __slots__ = (
+        "step",
+        "segments",
+        "segment_homes",
+        "settings",
+        "ev_action",
+        "ev_address",
+        "ev_size",
+        "ev_phase",
+        "ev_stream",
+    )
 
     def __init__(self, step: int = 1) -> None:
         self.step = step
         # (address, small pool, [(size, allocated), ...] in address order)
         self.segments: List[Tuple[int, bool, List[Tuple[int, bool]]]] = []
+        # per segment: (stream, private pool id (0: default pool), expandable)
+        self.segment_homes: List[Tuple[int, int, bool]] = []
+        # AllocatorSettings fields from the snapshot's allocator_settings, or None
+        self.settings: Optional[Dict[str, Any]] = None
         self.ev_action = array("B")
         self.ev_address = array("Q")
         self.ev_size = array("Q")
         self.ev_phase = array("B")
+        self.ev_stream = array("Q")
 
     @property
     def num_events(self) -> int:
@@ -125,30 +161,37 @@ class AllocatorTrace:
     def num_blocks(self) -> int:
         return sum(len(s[2]) for s in self.segments)
 
-    def add_event(self, action: int, address: int, size: int, phase: int) -> None:
+    def add_event(self, action: int, address: int, size: int, phase: int, stream: int = 0) -> None:
         self.ev_action.append(action)
         self.ev_address.append(address)
         self.ev_size.append(size)
         self.ev_phase.append(phase)
+        self.ev_stream.append(stream)
 
     def events(self) -> Iterator[Tuple[int, int, int, int]]:
         return zip(self.ev_action, self.ev_address, self.ev_size, self.ev_phase)
+
+    def homes(self) -> List[Tuple[int, int, bool]]:
+        """Each segment's (stream, pool id, expandable); the default one when not set."""
+        if len(self.segment_homes) == len(self.segments):
+            return self.segment_homes
+        return [(0, 0, False)] * len(self.segments)
 
     def check(self, budget: int = CHUNK_BYTES) -> None:
         """Refuse what the agent would refuse, or what cannot be chunked."""
         if self.num_events > MAX_TRACE_EVENTS:
             raise TraceRefused(
-                f"step 1 made {self.num_events} allocations and frees; the agent takes at "
-                f"most {MAX_TRACE_EVENTS}"
+                f"step 1 made {self.num_events} allocator events (allocations, frees, "
+                f"segments); the agent takes at most {MAX_TRACE_EVENTS}"
             )
         if self.num_blocks > MAX_TRACE_BLOCKS:
             raise TraceRefused(
                 f"the allocator holds {self.num_blocks} blocks; the agent takes at most "
                 f"{MAX_TRACE_BLOCKS}"
             )
-        room = budget - _CHUNK_OVERHEAD
-        for address, small, blocks in self.segments:
-            if _segment_bytes(address, small, blocks) > room:
+        room = budget - _CHUNK_OVERHEAD - self._settings_bytes()
+        for (address, small, blocks), home in zip(self.segments, self.homes()):
+            if _segment_bytes(address, small, blocks, home) > room:
                 raise TraceRefused(
                     f"the segment at {address:#x} has {len(blocks)} blocks, more than one "
                     f"message of {budget} bytes can describe"
@@ -161,21 +204,56 @@ class AllocatorTrace:
         A segment is never split (its blocks must tile it), see :meth:`check`.
         """
         out = _Chunks(pb, self.step, budget - _CHUNK_OVERHEAD)
-        for address, small, blocks in self.segments:
-            full = out.fit(_segment_bytes(address, small, blocks))
+        if self.settings is not None:
+            # In the first chunk, ahead of everything.
+            out.used = self._settings_bytes()
+            out.chunk.settings.SetInParent()
+            for key, value in self.settings.items():
+                if key == "roundup_power2_divisions":
+                    out.chunk.settings.roundup_power2_divisions.extend(value)
+                else:
+                    setattr(out.chunk.settings, key, value)
+        for (address, small, blocks), home in zip(self.segments, self.homes()):
+            stream, pool_id, expandable = home
+            full = out.fit(_segment_bytes(address, small, blocks, home))
             if full is not None:
                 yield full
-            seg = out.chunk.segments.add(address=address, small_pool=small)
+            seg = out.chunk.segments.add(
+                address=address,
+                small_pool=small,
+                stream=stream,
+                pool_id=pool_id,
+                expandable=expandable,
+            )
             add_block = seg.blocks.add
             for size, allocated in blocks:
                 add_block(size=size, allocated=allocated)
-        for action, address, size, phase in self.events():
-            full = out.fit(_event_bytes(action, address, size, phase))
+        for action, address, size, phase, stream in zip(
+            self.ev_action, self.ev_address, self.ev_size, self.ev_phase, self.ev_stream
+        ):
+            full = out.fit(_event_bytes(action, address, size, phase, stream))
             if full is not None:
                 yield full
-            out.chunk.events.add(action=action, address=address, size=size, phase=phase)
+            out.chunk.events.add(
+                action=action, address=address, size=size, phase=phase, stream=stream
+            )
         out.chunk.last = True
         yield out.msg
+
+    def _settings_bytes(self) -> int:
+        """Bytes of the settings field (an upper bound), 0 without settings."""
+        if self.settings is None:
+            return 0
+        s = self.settings
+        n = 1 + 10  # max_split_size_bytes
+        divisions = s.get("roundup_power2_divisions") or []
+        if divisions:
+            packed = sum(_vlen(d) for d in divisions)
+            n += 1 + _vlen(packed) + packed
+        n += 1 + 8 + 2  # garbage_collection_threshold, expandable_segments
+        conf = len(s.get("alloc_conf", "").encode())
+        n += 1 + _vlen(conf) + conf
+        return _field(n)
 
 
 class _Chunks:
@@ -229,10 +307,14 @@ def trace_from_snapshot(
 
     Snapshot fields used (torch/cuda/memory.py, ``_snapshot`` docstring):
     ``Snapshot.segments`` / ``Snapshot.device_traces``; ``Segment.device``,
-    ``.address``, ``.segment_type`` ("small"/"large"), ``.blocks``;
+    ``.address``, ``.segment_type`` ("small"/"large"), ``.blocks``, ``.stream``,
+    ``.segment_pool_id`` (a pair; (0, 0) is the default pool), ``.is_expandable``;
     ``Block.size``, ``.state`` ("inactive" is free; "active_allocated" and
     "active_pending_free" / "active_awaiting_free" hold memory);
-    ``TraceEntry.action``, ``.addr``, ``.size`` (the requested bytes).
+    ``TraceEntry.action`` ("alloc", "free_completed", "segment_alloc",
+    "segment_free", "segment_map", "segment_unmap", "oom"), ``.addr``, ``.size``
+    (the requested bytes), ``.stream``; ``Snapshot.allocator_settings``
+    (:func:`settings_from_snapshot`).
     """
     if not marks or marks[0][0] != STEP_BEGIN:
         raise ValueError("the first mark must be STEP_BEGIN")
@@ -263,18 +345,37 @@ def trace_from_snapshot(
     last = len(rel) - 1
     ia = jf = 0  # the marks the next allocation / free follows
     na = nf = 0  # allocations / frees seen so far
+    # Segment events are not counted: a segment_alloc takes the phase of the
+    # allocation it is made for (the next), a segment_free that of the latest event
+    # (empty_cache() between events; a release before an allocation rarely changes
+    # phase). So neither starts a phase run of its own.
+    phase = rel[0][0]
     for e in entries:
         action = e.get("action")
         if action == "alloc":
             while ia < last and rel[ia + 1][1] <= na:
                 ia += 1
             na += 1
-            add(ACTION_ALLOC, int(e["addr"]), int(e["size"]), rel[ia][0])
+            phase = rel[ia][0]
+            add(ACTION_ALLOC, int(e["addr"]), int(e["size"]), phase, _stream(e.get("stream")))
         elif action == "free_completed":
             while jf < last and rel[jf + 1][2] <= nf:
                 jf += 1
             nf += 1
-            add(ACTION_FREE, int(e["addr"]), int(e["size"]), rel[jf][0])
+            phase = rel[jf][0]
+            add(ACTION_FREE, int(e["addr"]), int(e["size"]), phase, _stream(e.get("stream")))
+        elif action in _SEGMENT_ACTIONS:
+            if action in ("segment_alloc", "segment_map"):
+                while ia < last and rel[ia + 1][1] <= na:
+                    ia += 1
+                phase = rel[ia][0]
+            add(
+                _SEGMENT_ACTIONS[action],
+                int(e["addr"]),
+                int(e["size"]),
+                phase,
+                _stream(e.get("stream")),
+            )
         elif action == "oom":
             raise TraceRefused("the allocator ran out of memory during step 1")
     need_a, need_f = rel[-1][1], rel[-1][2]
@@ -305,22 +406,76 @@ def trace_from_snapshot(
                 int(seg["address"]),
                 seg.get("segment_type") == "small",
                 [(int(b["size"]), b.get("state") != "inactive") for b in blocks],
+                (
+                    _stream(seg.get("stream")),
+                    _pool_id(seg.get("segment_pool_id")),
+                    bool(seg.get("is_expandable", False)),
+                ),
             )
         )
     segments.sort(key=lambda s: s[0])
-    trace.segments = segments
+    trace.segments = [s[:3] for s in segments]
+    trace.segment_homes = [s[3] for s in segments]
+    trace.settings = settings_from_snapshot(snapshot)
     trace.check()
     return trace
 
 
+_U64 = (1 << 64) - 1
+
+
+def _stream(value: Any) -> int:
+    """A snapshot's stream (a cudaStream_t as an int; 0: the default stream)."""
+    try:
+        return int(value or 0) & _U64
+    except (TypeError, ValueError):
+        return 0
+
+
+def _pool_id(value: Any) -> int:
+    """A snapshot's ``segment_pool_id`` (a pair; (0, 0): the default pool) as one
+    number, 0 for the default pool. Both halves go in, so distinct pools stay apart."""
+    if not value:
+        return 0
+    try:
+        first, second = (int(v) for v in value)
+    except (TypeError, ValueError):
+        return 0
+    return ((first & 0xFFFFFFFF) << 32 | (second & 0xFFFFFFFF)) & _U64
+
+
+def settings_from_snapshot(snapshot: Any) -> Optional[Dict[str, Any]]:
+    """The AllocatorSettings fields from a snapshot's ``allocator_settings`` (torch
+    2.5 and later), or None when it has none (the agent then assumes PyTorch's
+    defaults). What the allocator really runs with, whatever set it (the
+    environment, ``torch.cuda.memory._set_allocator_settings``)."""
+    raw = snapshot.get("allocator_settings") if isinstance(snapshot, dict) else None
+    if not raw:
+        return None
+    out: Dict[str, Any] = {}
+    max_split = int(raw.get("max_split_size", -1) or -1)
+    out["max_split_size_bytes"] = max_split if max_split > 0 else 0
+    divisions = raw.get("roundup_power2_divisions") or {}
+    if isinstance(divisions, dict):
+        ordered = [int(v) for _, v in sorted(divisions.items(), key=lambda kv: int(kv[0]))]
+    else:
+        ordered = [int(v) for v in divisions]
+    if any(ordered):
+        out["roundup_power2_divisions"] = [max(0, min(d, 1 << 20)) for d in ordered]
+    out["garbage_collection_threshold"] = float(raw.get("garbage_collection_threshold", 0.0))
+    out["expandable_segments"] = bool(raw.get("expandable_segments", False))
+    out["alloc_conf"] = str(raw.get("PYTORCH_CUDA_ALLOC_CONF", "") or "")[:1024]
+    return out
+
+
 # ------------------------------------------------------------------ allocator settings
-# The agent's allocator model is PyTorch's caching allocator with its default
-# settings. These change how blocks are split, rounded, released or mapped, so a
-# replay under them would predict the wrong thing; the trace is not sent then.
+# The agent's allocator model follows PyTorch's caching allocator with
+# max_split_size_mb, roundup_power2_divisions and expandable_segments (read from
+# the snapshot's allocator_settings and sent with the trace). These change how
+# blocks are released in ways it does not model, so the history is not even
+# recorded under them; the agent also refuses a trace whose settings (from the
+# snapshot, whatever set them) show one.
 _UNMODELLED_SETTINGS = {
-    "expandable_segments": lambda v: v.strip().lower() == "true",
-    "max_split_size_mb": lambda v: True,
-    "roundup_power2_divisions": lambda v: True,
     "garbage_collection_threshold": lambda v: True,
     "backend": lambda v: v.strip() != "native",
 }

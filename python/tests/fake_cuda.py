@@ -105,6 +105,7 @@ class FakeCuda:
         self.c["reserved"] += size
         self.reserved_peak = max(self.reserved_peak, self.c["reserved"])
         self._record("segment_alloc", addr, size)
+        self.log.append(("segment_alloc", addr, size, None, self.recording))
         return addr
 
     def alloc(self, size: int, label: str = "") -> int:
@@ -171,6 +172,7 @@ class FakeCuda:
                 del self.segments[saddr]
                 self.c["reserved"] -= seg["size"]
                 self._record("segment_free", saddr, seg["size"])
+                self.log.append(("segment_free", saddr, seg["size"], None, self.recording))
 
     def oom(self, size: int) -> None:
         if self.recording:

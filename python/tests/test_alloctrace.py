@@ -54,14 +54,27 @@ def start(fake):
     return [(STEP_BEGIN, *counters(fake))]
 
 
-def expected_events(fake):
+def expected_events(fake, phase_of=lambda label: label):
     """(action, address, size, phase) of what the fake did while recording; the
-    label of each allocation/free is the phase the test did it in."""
-    return [
-        (at.ACTION_ALLOC if a == "alloc" else at.ACTION_FREE, addr, size, label)
-        for a, addr, size, label, recording in fake.log
-        if recording
-    ]
+    segment events (uncounted by the allocator's counters) take the phase of the
+    allocation after them (segment_alloc) or of the event before them
+    (segment_free). ``phase_of`` maps the tests' labels to phases."""
+    actions = {
+        "alloc": at.ACTION_ALLOC,
+        "free": at.ACTION_FREE,
+        "segment_alloc": at.ACTION_SEGMENT_ALLOC,
+        "segment_free": at.ACTION_SEGMENT_FREE,
+    }
+    log = [entry for entry in fake.log if entry[4]]
+    out = []
+    phase = STEP_BEGIN
+    for i, (a, addr, size, label, _) in enumerate(log):
+        if a == "segment_alloc":
+            label = next(e[3] for e in log[i:] if e[0] == "alloc")
+        if label is not None:
+            phase = phase_of(label)
+        out.append((actions[a], addr, size, phase))
+    return out
 
 
 def decode(chunks):
@@ -189,10 +202,104 @@ def test_other_devices_are_left_out():
     snap["device_traces"].append([{"action": "alloc", "addr": 1, "size": 8, "stream": 0}])
     trace = at.trace_from_snapshot(snap, 0, marks)
     assert [s[0] for s in trace.segments] == [s["address"] for s in snap["segments"][:-1]]
-    assert list(trace.events()) == [(at.ACTION_ALLOC, x, 1000, STEP_BEGIN)]
+    seg = snap["segments"][0]["address"]
+    assert list(trace.events()) == [
+        (at.ACTION_SEGMENT_ALLOC, seg, 2 << 20, STEP_BEGIN),
+        (at.ACTION_ALLOC, x, 1000, STEP_BEGIN),
+    ]
     # a device without history: nothing to tag, and the markers' counts are missing
     with pytest.raises(at.TraceRefused, match="counted"):
         at.trace_from_snapshot(snap, 3, marks)
+
+
+# allocator_settings as torch 2.15's _snapshot() gives them (read on fake CUDA with
+# PYTORCH_CUDA_ALLOC_CONF=roundup_power2_divisions:4,max_split_size_mb:64)
+TORCH_SETTINGS = {
+    "PYTORCH_CUDA_ALLOC_CONF": "roundup_power2_divisions:4,max_split_size_mb:64",
+    "max_split_size": 64 << 20,
+    "garbage_collection_threshold": 0.0,
+    "expandable_segments": False,
+    "pinned_num_register_threads": 1,
+    "release_lock_on_cudamalloc": False,
+    "pinned_use_cuda_host_register": False,
+    "graph_capture_record_stream_reuse": False,
+    "max_round_threshold": -1,
+    "max_cached_size": -1,
+    "roundup_power2_divisions": {str(1 << i): 4 for i in reversed(range(16))},
+}
+
+
+def test_settings_from_snapshot():
+    assert at.settings_from_snapshot({}) is None
+    assert at.settings_from_snapshot({"allocator_settings": TORCH_SETTINGS}) == {
+        "max_split_size_bytes": 64 << 20,
+        "roundup_power2_divisions": [4] * at.ROUNDUP_INTERVALS,
+        "garbage_collection_threshold": 0.0,
+        "expandable_segments": False,
+        "alloc_conf": "roundup_power2_divisions:4,max_split_size_mb:64",
+    }
+    # defaults: -1 is unlimited, no divisions
+    default = dict(
+        TORCH_SETTINGS,
+        PYTORCH_CUDA_ALLOC_CONF="",
+        max_split_size=-1,
+        roundup_power2_divisions={str(1 << i): 0 for i in range(16)},
+    )
+    got = at.settings_from_snapshot({"allocator_settings": default})
+    assert got["max_split_size_bytes"] == 0 and "roundup_power2_divisions" not in got
+    # intervals ordered by size, not by the dict's order
+    mixed = dict(TORCH_SETTINGS, roundup_power2_divisions={"2": 8, "1": 2, "4": 0})
+    assert at.settings_from_snapshot({"allocator_settings": mixed})["roundup_power2_divisions"] == [
+        2,
+        8,
+        0,
+    ]
+
+
+def test_streams_pools_expandable_and_settings_go_on_the_wire():
+    fake = FakeCuda()
+    marks = start(fake)
+    x = fake.alloc(3 << 20, FORWARD_BEGIN)
+    fake.free(x, FORWARD_BEGIN)
+    fake.empty_cache()
+    y = fake.alloc(1000, FORWARD_BEGIN)
+    marks.append((OPTIMIZER_END, *counters(fake)))
+    snap = fake.snapshot()
+    side = 94169048541728  # a cudaStream_t, as the snapshot gives it
+    for e in snap["device_traces"][0]:
+        e["stream"] = side
+    seg = snap["segments"][0]
+    seg.update(stream=side, segment_pool_id=(1, 3), is_expandable=True)
+    snap["allocator_settings"] = TORCH_SETTINGS
+    trace = at.trace_from_snapshot(snap, 0, marks, end_counters=counters(fake))
+    assert [e[0] for e in trace.events()] == [
+        at.ACTION_SEGMENT_ALLOC,
+        at.ACTION_ALLOC,
+        at.ACTION_FREE,
+        at.ACTION_SEGMENT_FREE,
+        at.ACTION_SEGMENT_ALLOC,
+        at.ACTION_ALLOC,
+    ]
+    assert list(trace.ev_stream) == [side] * 6
+    assert trace.segment_homes == [(side, (1 << 32) | 3, True)]
+    for budget in (LIMIT, 200):
+        msgs = chunks_of(trace, budget=budget)
+        assert all(m.ByteSize() <= budget for m in msgs)
+        first = msgs[0].allocator_trace
+        assert first.HasField("settings")
+        assert not any(m.allocator_trace.HasField("settings") for m in msgs[1:])
+        assert first.settings.max_split_size_bytes == 64 << 20
+        assert list(first.settings.roundup_power2_divisions) == [4] * 16
+        assert first.settings.alloc_conf == TORCH_SETTINGS["PYTORCH_CUDA_ALLOC_CONF"]
+        segs = [s for m in msgs for s in m.allocator_trace.segments]
+        assert [(s.address, s.stream, s.pool_id, s.expandable) for s in segs] == [
+            (seg["address"], side, (1 << 32) | 3, True)
+        ]
+        evs = [e for m in msgs for e in m.allocator_trace.events]
+        assert [(e.action, e.address, e.stream) for e in evs] == [
+            (a, addr, side) for a, addr, _, _ in trace.events()
+        ]
+    assert y in fake.live
 
 
 def test_phase_tagging_from_counters():
@@ -349,7 +456,7 @@ def test_limits_through_trace_from_snapshot():
     for _ in range(at.MAX_TRACE_EVENTS // 2 + 1):
         fake.free(fake.alloc(512, STEP_BEGIN), STEP_BEGIN)
     marks.append((OPTIMIZER_END, *counters(fake)))
-    with pytest.raises(at.TraceRefused, match="262146 allocations and frees"):
+    with pytest.raises(at.TraceRefused, match="262147 allocator events"):
         at.trace_from_snapshot(fake.snapshot(), 0, marks, max_entries=None)
 
 
@@ -474,11 +581,7 @@ def test_trace_sent_once_after_step1_optimizer_end(agent, monkeypatch, accumulat
 
     # what the fake allocator did during step 1, tagged with the phase it did it in
     segs, evs = decode(s.traces)
-    want = [
-        (at.ACTION_ALLOC if a == "alloc" else at.ACTION_FREE, addr, size, PHASE_OF_LABEL[label])
-        for a, addr, size, label, recording in fake.log
-        if recording
-    ]
+    want = expected_events(fake, PHASE_OF_LABEL.__getitem__)
     assert evs == want
     assert {e[3] for e in evs} == {FORWARD_BEGIN, BACKWARD_BEGIN, OPTIMIZER_BEGIN}
     assert segs and all(sum(b.size for b in seg.blocks) > 0 for seg in segs)
@@ -529,9 +632,14 @@ def test_unmodelled_allocator_settings_are_named():
         )
         == []
     )
+    # max_split_size_mb, roundup_power2_divisions and expandable segments are
+    # modelled (sent with the trace)
     assert at.unmodelled_allocator_settings(
-        {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, max_split_size_mb:128"}
-    ) == ["expandable_segments:True", "max_split_size_mb:128"]
+        {
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True, max_split_size_mb:128,"
+            "roundup_power2_divisions:4,garbage_collection_threshold:0.6"
+        }
+    ) == ["garbage_collection_threshold:0.6"]
     assert at.unmodelled_allocator_settings({"PYTORCH_ALLOC_CONF": "backend:cudaMallocAsync"}) == [
         "backend:cudaMallocAsync"
     ]
@@ -539,14 +647,14 @@ def test_unmodelled_allocator_settings_are_named():
 
 @needs_torch
 def test_unmodelled_allocator_settings_send_no_trace(agent, monkeypatch, caplog):
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
     caplog.set_level(logging.INFO, logger="stepwatch")
     fake = run(monkeypatch, steps=2)
     agent.wait_markers(12)
     assert stepwatch.flush(5)
     assert fake.history_calls == [] and fake.snapshots == 0
     assert stepwatch.stats()["allocator_traces_sent"] == 0
-    assert any("expandable_segments:True" in r.getMessage() for r in caplog.records)
+    assert any("garbage_collection_threshold:0.6" in r.getMessage() for r in caplog.records)
 
 
 @needs_torch
@@ -667,6 +775,7 @@ def test_manual_marking_tags_the_prologue(agent, monkeypatch):
     assert stepwatch.flush(5)
     _, evs = decode(agent.streams[0].traces)
     assert [(e[0], e[3]) for e in evs] == [
+        (at.ACTION_SEGMENT_ALLOC, STEP_BEGIN),
         (at.ACTION_ALLOC, STEP_BEGIN),
         (at.ACTION_ALLOC, FORWARD_BEGIN),
         (at.ACTION_FREE, BACKWARD_BEGIN),

@@ -84,7 +84,10 @@ static int init_error = cudaSuccess;
 static struct device devices[MAX_DEVICES];
 static int device_count;
 static unsigned long long context_bytes = 512 * MIB;
-static uintptr_t va_base, va_next;
+static uintptr_t va_base, va_low; /* va_low: lowest address handed out so far */
+/* Address ranges given back (cudaFree, cuMemAddressFree), sorted by start, merged. */
+static struct hole { uintptr_t start; size_t size; } *holes;
+static size_t nholes, cap_holes;
 static struct range *ranges; /* sorted by start */
 static size_t nranges, cap_ranges;
 static int usage_log_fd = -1;
@@ -211,7 +214,8 @@ static void load(void) {
   /* The first page holds device globals (cudaGetSymbolAddress): its own, so
    * that a copy to a symbol never lands in an allocation. */
   mprotect((void *)va_base, PAGE, PROT_READ | PROT_WRITE);
-  va_next = va_base + PAGE;
+  /* Device addresses are handed out from the top down (see take_va). */
+  va_low = va_base + VA_SIZE - PAGE;
   if (debug) say("%d fake GPU(s), context %llu bytes\n", device_count, context_bytes);
 }
 
@@ -326,14 +330,62 @@ static void drop_range(struct range *r) {
   nranges--;
 }
 
-/* Takes address space for `size` bytes (no charge). Lock held. */
+/*
+ * Takes address space for `size` bytes (no charge). Lock held.
+ *
+ * As CUDA's driver was seen to place allocations (README.md, "Where
+ * allocations land"): from the top down, each new range just below the lowest
+ * one handed out so far, unless a range given back leaves a hole that fits:
+ * then at the top of the highest such hole. PyTorch's best fit breaks ties by
+ * address, so this order decides which of two equal cached blocks it reuses.
+ */
 static uintptr_t take_va(size_t size) {
   size_t rounded = (size + PAGE - 1) & ~(size_t)(PAGE - 1);
   if (rounded == 0) rounded = PAGE;
-  if (va_next + rounded > va_base + VA_SIZE - PAGE) return 0;
-  uintptr_t p = va_next;
-  va_next += rounded;
-  return p;
+  for (size_t i = nholes; i-- > 0;) {
+    if (holes[i].size < rounded) continue;
+    holes[i].size -= rounded;
+    uintptr_t p = holes[i].start + holes[i].size;
+    if (holes[i].size == 0) {
+      memmove(&holes[i], &holes[i + 1], (nholes - i - 1) * sizeof *holes);
+      nholes--;
+    }
+    return p;
+  }
+  if (va_low - va_base < rounded + PAGE) return 0; /* the first page holds device globals */
+  va_low -= rounded;
+  return va_low;
+}
+
+/* Gives address space taken by take_va back, merging it with neighbouring holes. Lock held. */
+static void give_va(uintptr_t p, size_t size) {
+  size_t rounded = (size + PAGE - 1) & ~(size_t)(PAGE - 1);
+  if (rounded == 0) rounded = PAGE;
+  size_t i = 0;
+  while (i < nholes && holes[i].start < p) i++;
+  int joins_prev = i > 0 && holes[i - 1].start + holes[i - 1].size == p;
+  int joins_next = i < nholes && p + rounded == holes[i].start;
+  if (joins_prev && joins_next) {
+    holes[i - 1].size += rounded + holes[i].size;
+    memmove(&holes[i], &holes[i + 1], (nholes - i - 1) * sizeof *holes);
+    nholes--;
+  } else if (joins_prev) {
+    holes[i - 1].size += rounded;
+  } else if (joins_next) {
+    holes[i].start = p;
+    holes[i].size += rounded;
+  } else {
+    if (nholes == cap_holes) {
+      size_t cap = cap_holes ? cap_holes * 2 : 256;
+      struct hole *n = realloc(holes, cap * sizeof *n);
+      if (!n) return; /* the range is lost, not reused: harmless */
+      holes = n;
+      cap_holes = cap;
+    }
+    memmove(&holes[i + 1], &holes[i], (nholes - i) * sizeof *holes);
+    holes[i] = (struct hole){p, rounded};
+    nholes++;
+  }
 }
 
 static size_t page_round(size_t n) { return (n + PAGE - 1) & ~(size_t)(PAGE - 1); }
@@ -401,6 +453,7 @@ static cudaError_t device_free_ptr(void *ptr) {
     int dev = r->device;
     size_t charged = r->charged;
     unmap_pages(r->start, r->size);
+    give_va(r->start, r->size);
     drop_range(r);
     if (charged) uncharge(dev, charged);
   }
@@ -1150,7 +1203,10 @@ static CUresult drv_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
   (void)size;
   pthread_mutex_lock(&lock);
   struct range *r = range_of((void *)(uintptr_t)ptr);
-  if (r && !r->host && !r->charged) drop_range(r);
+  if (r && !r->host && !r->charged) {
+    give_va(r->start, r->size);
+    drop_range(r);
+  }
   pthread_mutex_unlock(&lock);
   return CUDA_SUCCESS;
 }

@@ -151,6 +151,33 @@ def test_expandable_segments_are_charged_like_cudamalloc(tmp_path):
     assert all(b % (2 * MIB) == 0 for *_, b in rows)
 
 
+PLACEMENT = r"""
+import json, torch
+MIB = 1 << 20
+def seg(n):
+    return torch.empty(n * MIB, dtype=torch.uint8, device="cuda")
+a, b, c = seg(12), seg(12), seg(30)
+pa, pb, pc = a.data_ptr(), b.data_ptr(), c.data_ptr()
+del b
+torch.cuda.empty_cache()  # b's segment goes back: a 12 MiB hole below a
+d, e = seg(10), seg(40)
+print("RESULT " + json.dumps({
+    "b": (pa - pb) // MIB, "c": (pb - pc) // MIB,
+    "d": (pa - d.data_ptr()) // MIB, "e": (pc - e.data_ptr()) // MIB,
+}))
+"""
+
+
+def test_new_segments_land_below_or_at_the_top_of_the_highest_hole():
+    """Each cudaMalloc lands just below the lowest range so far, or at the top of the
+    highest hole a cudaFree left that fits (README: where allocations land)."""
+    proc = fake_cuda([], [sys.executable, "-c", PLACEMENT])
+    assert proc.returncode == 0, proc.stderr
+    # b just below a, c just below b; d (10 MiB) in b's 12 MiB hole, at its top;
+    # e (40 MiB) fits no hole: just below c
+    assert result(proc) == {"b": 12, "c": 30, "d": 10, "e": 40}
+
+
 def test_a_process_that_exits_leaves_no_memory_on_the_gpu(tmp_path):
     state = tmp_path / "state"
     binary = os.environ.get("STEPWATCH_BIN") or str(REPO / "target/debug/stepwatch")

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
-use stepwatch_core::replay::{MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
+use stepwatch_core::replay::{TraceError, TraceSettings, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_core::{
     replay_step2_with, Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats,
     AllocatorTrace, Gradients, Marker, MarkerKind, ModelFacts, OpenError, OptimizerImplementation,
@@ -408,6 +408,15 @@ impl TraceAssembly {
             ));
         }
         self.trace.step = 1;
+        if let (None, Some(s)) = (&self.trace.settings, chunk.settings) {
+            self.trace.settings = Some(TraceSettings {
+                max_split_size_bytes: s.max_split_size_bytes,
+                roundup_power2_divisions: s.roundup_power2_divisions,
+                garbage_collection_threshold: s.garbage_collection_threshold,
+                expandable_segments: s.expandable_segments,
+                alloc_conf: s.alloc_conf,
+            });
+        }
         for s in chunk.segments {
             self.trace.segments.push(SegmentLayout {
                 address: s.address,
@@ -424,6 +433,9 @@ impl TraceAssembly {
                         allocated: b.allocated,
                     })
                     .collect(),
+                stream: s.stream,
+                pool_id: s.pool_id,
+                expandable: s.expandable,
             });
         }
         for e in chunk.events {
@@ -431,6 +443,10 @@ impl TraceAssembly {
             let action = match pb::AllocatorAction::try_from(e.action) {
                 Ok(pb::AllocatorAction::Alloc) => AllocatorAction::Alloc,
                 Ok(pb::AllocatorAction::Free) => AllocatorAction::Free,
+                Ok(pb::AllocatorAction::SegmentAlloc) => AllocatorAction::SegmentAlloc,
+                Ok(pb::AllocatorAction::SegmentFree) => AllocatorAction::SegmentFree,
+                Ok(pb::AllocatorAction::SegmentMap) => AllocatorAction::SegmentMap,
+                Ok(pb::AllocatorAction::SegmentUnmap) => AllocatorAction::SegmentUnmap,
                 _ => {
                     return Err((
                         "allocator_trace_bad_event",
@@ -457,6 +473,7 @@ impl TraceAssembly {
                 address: e.address,
                 size: e.size,
                 phase,
+                stream: e.stream,
             });
         }
         Ok(())
@@ -499,7 +516,12 @@ async fn replay_trace(
     let replay = match replayed {
         Ok(replay) => replay,
         Err(e) => {
-            reject_trace(state, key, "allocator_trace_invalid", &e.to_string());
+            // A setting the model does not follow is no fault of the client's.
+            let reason = match e {
+                TraceError::UnmodelledSetting(_) => "allocator_trace_unmodelled_setting",
+                _ => "allocator_trace_invalid",
+            };
+            reject_trace(state, key, reason, &e.to_string());
             return Ok(());
         }
     };

@@ -11,7 +11,14 @@
 //!
 //! ```text
 //! cargo run --release -p stepwatch-core --example replay_cost [-- LAYERS MICRO_BATCHES]
+//! cargo run --release -p stepwatch-core --example replay_cost -- --segments N
 //! ```
+//!
+//! `--segments N`: a step 1 whose forward makes N temporaries of 20 MiB,
+//! each freed and its segment released (`empty_cache()`), and whose
+//! optimizer keeps N states of 12 MiB (N segments in use). Step 2 releases
+//! the cache N times with N segments in use: the release path's cost
+//! against the number of segments.
 
 use std::time::Instant;
 
@@ -23,13 +30,76 @@ use stepwatch_core::{
 const MIB: u64 = 1 << 20;
 
 fn main() {
-    let args: Vec<u64> = std::env::args()
-        .skip(1)
-        .filter_map(|a| a.parse().ok())
-        .collect();
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    if raw.first().map(String::as_str) == Some("--segments") {
+        let n = raw.get(1).and_then(|a| a.parse().ok()).unwrap_or(8192);
+        report(&format!("{n} segments"), &segments_trace(n));
+        return;
+    }
+    let args: Vec<u64> = raw.iter().filter_map(|a| a.parse().ok()).collect();
     let layers = args.first().copied().unwrap_or(96);
     let micro_batches = args.get(1).copied().unwrap_or(8);
+    report(
+        &format!("{layers} layers × {micro_batches} micro-batches"),
+        &transformer_trace(layers, micro_batches),
+    );
+}
 
+/// N released temporaries, then N states (see the module documentation).
+fn segments_trace(n: u64) -> AllocatorTrace {
+    let mut a = CachingAllocator::new();
+    let mut events = Vec::new();
+    let event = |action, address, size, phase| AllocatorEvent {
+        action,
+        address,
+        size,
+        phase,
+        stream: 0,
+    };
+    for _ in 0..n {
+        let t = a.malloc(20 * MIB, u64::MAX).unwrap();
+        let at = a.address_of(t).unwrap();
+        events.push(event(
+            AllocatorAction::Alloc,
+            at,
+            20 * MIB,
+            PhaseKind::Forward,
+        ));
+        events.push(event(
+            AllocatorAction::Free,
+            at,
+            20 * MIB,
+            PhaseKind::Forward,
+        ));
+        a.free(t);
+        a.release_free_segments();
+        events.push(event(
+            AllocatorAction::SegmentFree,
+            at,
+            20 * MIB,
+            PhaseKind::Forward,
+        ));
+    }
+    for _ in 0..n {
+        let s = a.malloc(12 * MIB, u64::MAX).unwrap();
+        let at = a.address_of(s).unwrap();
+        events.push(event(
+            AllocatorAction::Alloc,
+            at,
+            12 * MIB,
+            PhaseKind::Optimizer,
+        ));
+    }
+    AllocatorTrace {
+        step: 1,
+        segments: a.layout(),
+        events,
+        settings: None,
+    }
+}
+
+/// A transformer-like step 1 (see the module documentation).
+fn transformer_trace(layers: u64, micro_batches: u64) -> AllocatorTrace {
     let mut a = CachingAllocator::new();
     let mut events = Vec::new();
     let mut record = |a: &CachingAllocator, action, id, size, phase| {
@@ -38,6 +108,7 @@ fn main() {
             address: a.address_of(id).unwrap(),
             size,
             phase,
+            stream: 0,
         });
     };
     // Weights: 6 tensors per layer.
@@ -91,13 +162,18 @@ fn main() {
             record(&a, AllocatorAction::Alloc, s, p * 2, PhaseKind::Optimizer);
         }
     }
-    let trace = AllocatorTrace {
+    AllocatorTrace {
         step: 1,
         segments: a.layout(),
         events,
-    };
+        settings: None,
+    }
+}
+
+/// Times the replay of `trace` as the agent runs it and prints the figures.
+fn report(label: &str, trace: &AllocatorTrace) {
     let blocks: usize = trace.segments.iter().map(|s| s.blocks.len()).sum();
-    let need = replay_step2(&trace, false)
+    let need = replay_step2(trace, false)
         .expect("a valid trace")
         .steady_reserved_peak_bytes;
     let limit = Some(need / 20 * 19);
@@ -105,19 +181,20 @@ fn main() {
     let mut result = None;
     for _ in 0..9 {
         let t = Instant::now();
-        result = Some(replay_step2_within(&trace, false, limit).expect("a valid trace"));
+        result = Some(replay_step2_within(trace, false, limit).expect("a valid trace"));
         times.push(t.elapsed().as_secs_f64() * 1e3);
     }
     times.sort_by(f64::total_cmp);
     let r = result.unwrap();
     println!(
-        "{layers} layers × {micro_batches} micro-batches: {} events, {} segments, {blocks} blocks; \
-         replay median {:.1} ms (min {:.1}, max {:.1}); step 2 adds {:.2} GB of segments",
+        "{label}: {} events, {} segments, {blocks} blocks; replay median {:.1} ms (min {:.1}, \
+         max {:.1}); step 2 adds {:.2} GB of segments; {} cache releases within the limit",
         trace.events.len(),
         trace.segments.len(),
         times[4],
         times[0],
         times[8],
-        r.new_segment_bytes as f64 / 1e9
+        r.new_segment_bytes as f64 / 1e9,
+        r.within_limit.map_or(0, |w| w.alloc_retries)
     );
 }

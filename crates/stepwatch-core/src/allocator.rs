@@ -14,14 +14,25 @@
 //!   retry: when a new segment would not fit, fully free segments are
 //!   released (`num_alloc_retries` grows) and the request is tried once more.
 //!
-//! There are no streams, so active bytes equal allocated bytes.
+//! Free blocks are kept per stream and per pool id, as PyTorch keeps them:
+//! a block serves only requests of the stream its segment was made for, and
+//! the segments of a private pool (CUDA graphs, `torch.cuda.MemPool`) serve
+//! none of the ordinary requests. A block used on a second stream
+//! (`record_stream`) is not modelled, so active bytes equal allocated bytes.
 //!
-//! Segments have device addresses (made up, from 1 TiB up, for segments the
-//! model creates), and best fit breaks ties by address as PyTorch's block
-//! comparator does, so a layout taken from a real process
-//! ([`CachingAllocator::from_layout`]) is reused in PyTorch's order. The
-//! simulator runs its jobs on this model, and the predictor replays step 1's
-//! allocator trace through it (`crate::replay`).
+//! The settings PyTorch reads from `PYTORCH_CUDA_ALLOC_CONF` that change these
+//! rules and that the model follows are in [`AllocatorSettings`]
+//! (`max_split_size_mb`, `roundup_power2_divisions`).
+//!
+//! Segments have device addresses, and best fit breaks ties by address as
+//! PyTorch's block comparator does, so a layout taken from a real process
+//! ([`CachingAllocator::from_layout`]) is reused in PyTorch's order. Where a
+//! new segment lands therefore matters; the model places it as CUDA's
+//! allocator was seen to (see [`CachingAllocator::malloc_on`]): in the
+//! highest hole that a released segment left and that fits, else just below
+//! the lowest address used so far. The simulator runs its jobs on this
+//! model, and the predictor replays step 1's allocator trace through it
+//! (`crate::replay`).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -40,19 +51,94 @@ pub const MIN_LARGE_ALLOC: u64 = 10 << 20;
 /// Granularity of dedicated large segments.
 pub const ROUND_LARGE: u64 = 2 << 20;
 
-/// The size a request of `bytes` occupies: rounded up to 512 B (at least 512).
-pub fn round_size(bytes: u64) -> u64 {
-    if bytes < MIN_BLOCK_SIZE {
-        MIN_BLOCK_SIZE
-    } else {
+/// Power-of-two intervals `roundup_power2_divisions` sets divisions for:
+/// [1 MiB, 2 MiB) (and below), [2 MiB, 4 MiB), …, [32 GiB, ∞).
+pub const ROUNDUP_INTERVALS: usize = 16;
+
+/// The allocator settings (`PYTORCH_CUDA_ALLOC_CONF`) the model follows;
+/// the default is PyTorch's. Others are refused before a replay
+/// (`crate::replay::TraceSettings`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocatorSettings {
+    /// `max_split_size_mb`, in bytes: blocks at least this large are never
+    /// split, serve only requests at least this large that leave under
+    /// 20 MiB unused, and are the first released when `cudaMalloc` fails.
+    /// None: unlimited (PyTorch's default).
+    #[serde(default)]
+    pub max_split_size: Option<u64>,
+    /// `roundup_power2_divisions`: requests in interval `i`
+    /// ([`ROUNDUP_INTERVALS`]) are rounded up to the next of that many equal
+    /// steps between two powers of two; 0 or 1: only to 512 B.
+    #[serde(default)]
+    pub roundup_power2_divisions: [u32; ROUNDUP_INTERVALS],
+    /// `expandable_segments:True`: one segment per stream and pool that grows
+    /// by mapping pages (2 MiB in the small pool, 20 MiB in the large one)
+    /// instead of new `cudaMalloc`s, blocks split down to 512 B, and
+    /// `empty_cache()` unmaps the whole pages of free blocks.
+    #[serde(default)]
+    pub expandable_segments: bool,
+}
+
+impl AllocatorSettings {
+    /// The divisions for a request of `bytes` (PyTorch's
+    /// `roundup_power2_divisions(size)`).
+    fn divisions(&self, bytes: u64) -> u64 {
+        let log = 63 - u64::from(bytes.max(1).leading_zeros());
+        let index = log.saturating_sub(20).min(ROUNDUP_INTERVALS as u64 - 1) as usize;
+        u64::from(self.roundup_power2_divisions[index])
+    }
+
+    /// The size a request of `bytes` occupies under these settings
+    /// (PyTorch's `round_size`).
+    pub fn round_size(&self, bytes: u64) -> u64 {
+        if bytes < MIN_BLOCK_SIZE {
+            return MIN_BLOCK_SIZE;
+        }
+        let divisions = self.divisions(bytes);
+        if divisions > 1 && bytes > MIN_BLOCK_SIZE.saturating_mul(divisions) {
+            return roundup_power2_next_division(bytes, divisions);
+        }
         bytes.div_ceil(MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
     }
+
+    fn max_split(&self) -> u64 {
+        self.max_split_size.unwrap_or(u64::MAX)
+    }
+}
+
+/// PyTorch's `roundup_power2_next_division`: `size` rounded up to the next of
+/// `divisions` equal steps between the powers of two around it.
+fn roundup_power2_next_division(size: u64, divisions: u64) -> u64 {
+    if size.is_power_of_two() {
+        return size;
+    }
+    let floor = 1u64 << (63 - size.leading_zeros());
+    let step = floor >> (63 - divisions.leading_zeros());
+    if step == 0 {
+        return floor.saturating_mul(2);
+    }
+    let rounded_down = size & !(step - 1);
+    if rounded_down == size {
+        size
+    } else {
+        rounded_down.saturating_add(step)
+    }
+}
+
+/// The size a request of `bytes` occupies: rounded up to 512 B (at least 512).
+pub fn round_size(bytes: u64) -> u64 {
+    AllocatorSettings::default().round_size(bytes)
 }
 
 /// Size of the segment `cudaMalloc`ed when no cached block fits a request of
 /// `bytes` (rounded or not).
 pub fn segment_size(bytes: u64) -> u64 {
-    let rounded = round_size(bytes);
+    segment_size_of_rounded(round_size(bytes))
+}
+
+/// [`segment_size`] of a size already rounded (PyTorch's
+/// `get_allocation_size`).
+fn segment_size_of_rounded(rounded: u64) -> u64 {
     if rounded <= SMALL_SIZE {
         SMALL_BUFFER
     } else if rounded < MIN_LARGE_ALLOC {
@@ -75,7 +161,12 @@ pub enum Pool {
 impl Pool {
     /// The pool PyTorch would serve a request of `bytes` from.
     pub fn of(bytes: u64) -> Pool {
-        if round_size(bytes) <= SMALL_SIZE {
+        Pool::of_rounded(round_size(bytes))
+    }
+
+    /// The pool of a request whose size is already rounded.
+    fn of_rounded(rounded: u64) -> Pool {
+        if rounded <= SMALL_SIZE {
             Pool::Small
         } else {
             Pool::Large
@@ -104,14 +195,70 @@ struct Block {
     offset: u64,
     size: u64,
     used: bool,
+    /// Backed by memory; false only for the unmapped address space of an
+    /// expandable segment (never used, never in the free set).
+    mapped: bool,
 }
+
+impl Block {
+    fn new(offset: u64, size: u64, used: bool) -> Self {
+        Block {
+            offset,
+            size,
+            used,
+            mapped: true,
+        }
+    }
+
+    /// Free and backed: may serve a request, and merges with its like.
+    fn is_free(&self) -> bool {
+        !self.used && self.mapped
+    }
+}
+
+/// Address space an expandable segment may still map after its last block;
+/// PyTorch reserves 1.125 × the GPU's memory, which no replay outgrows.
+const EXPANDABLE_TAIL: u64 = 1 << 50;
 
 #[derive(Debug, Clone)]
 struct Segment {
     pool: Pool,
+    /// Bytes of address space its blocks tile.
     size: u64,
+    /// Bytes mapped (reserved): `size`, except in an expandable segment.
+    reserved: u64,
+    /// An expandable segment: its blocks end with unmapped address space.
+    expandable: bool,
+    /// The stream whose requests it serves.
+    stream: u64,
+    /// Private pool id; 0: the default pool.
+    pool_id: u64,
     /// Sorted by offset, covering the segment without gaps.
     blocks: Vec<Block>,
+}
+
+/// A free block's place in the best-fit order: PyTorch keeps one ordered set
+/// per pool (private pools apart) and orders it by stream, size, address.
+type FreeKey = (u64, u64, Pool, u64, u64, u64);
+
+impl Segment {
+    /// Index of the block at `offset` (blocks are sorted by offset).
+    fn index_of(&self, offset: u64) -> usize {
+        self.blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .expect("a block at this offset")
+    }
+
+    fn free_key(&self, address: u64, b: &Block) -> FreeKey {
+        (
+            self.pool_id,
+            self.stream,
+            self.pool,
+            b.size,
+            address,
+            b.offset,
+        )
+    }
 }
 
 /// Allocator figures, as `torch.cuda.memory_stats()` reports them.
@@ -145,6 +292,14 @@ pub struct BlockLayout {
     pub allocated: bool,
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
 /// One segment as `torch.cuda.memory_snapshot()` shows it: its address, pool
 /// and blocks in address order.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,9 +310,35 @@ pub struct SegmentLayout {
     pub pool: Pool,
     /// Blocks in address order, tiling the segment.
     pub blocks: Vec<BlockLayout>,
+    /// The stream whose requests it serves (the snapshot's `stream`; 0: the
+    /// default stream). Its free blocks serve no other stream.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub stream: u64,
+    /// The private pool it belongs to (CUDA graphs, `torch.cuda.MemPool`;
+    /// the snapshot's `segment_pool_id`, made one number); 0: the default
+    /// pool. A private pool's blocks serve no ordinary request.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pool_id: u64,
+    /// Part of an expandable segment (`expandable_segments:True`), which the
+    /// model does not follow: such a layout is refused before a replay.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub expandable: bool,
 }
 
 impl SegmentLayout {
+    /// A default-stream, default-pool segment: what clients that send no
+    /// streams or pools describe.
+    pub fn new(address: u64, pool: Pool, blocks: Vec<BlockLayout>) -> Self {
+        SegmentLayout {
+            address,
+            pool,
+            blocks,
+            stream: 0,
+            pool_id: 0,
+            expandable: false,
+        }
+    }
+
     /// The segment's size: the sum of its blocks.
     pub fn size(&self) -> u64 {
         self.blocks.iter().map(|b| b.size).sum()
@@ -189,19 +370,30 @@ pub enum LayoutError {
     },
 }
 
-/// Where the model puts the segments it creates itself.
-const MODEL_ADDRESS_BASE: u64 = 1 << 40;
+/// Where the model puts its first segment when it starts empty: new segments
+/// go down from here.
+const MODEL_ADDRESS_BASE: u64 = 1 << 44;
 
 /// The caching allocator of one process.
 #[derive(Debug, Clone, Default)]
 pub struct CachingAllocator {
+    settings: AllocatorSettings,
     /// By address.
     segments: BTreeMap<u64, Segment>,
-    /// Address of the next segment the model creates (0: not yet chosen).
-    next_address: u64,
+    /// Lowest address handed out so far; a new segment that fits no hole goes
+    /// just below it (0: not yet chosen).
+    lowest_address: u64,
+    /// Address ranges released segments left, by address (merged).
+    holes: BTreeMap<u64, u64>,
     live: HashMap<AllocId, (u64, u64)>,
-    /// Free blocks as (pool, size, segment, offset), for best-fit lookup.
-    free_blocks: BTreeSet<(Pool, u64, u64, u64)>,
+    /// Free blocks in best-fit order.
+    free_blocks: BTreeSet<FreeKey>,
+    /// Segments `empty_cache()` would release (default pool, not
+    /// expandable, one free block), so that a release costs what it
+    /// releases, not a pass over every segment.
+    releasable: BTreeSet<u64>,
+    /// The expandable segment of each (stream, pool) in the default pool.
+    expandable: BTreeMap<(u64, Pool), u64>,
     next_id: u64,
     usage: Usage,
     peaks: Peaks,
@@ -212,6 +404,19 @@ impl CachingAllocator {
     /// An empty allocator: nothing reserved, nothing allocated.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty allocator with `settings` in force.
+    pub fn with_settings(settings: AllocatorSettings) -> Self {
+        CachingAllocator {
+            settings,
+            ..Self::default()
+        }
+    }
+
+    /// The settings in force.
+    pub fn settings(&self) -> AllocatorSettings {
+        self.settings
     }
 
     /// Bytes in live blocks (after rounding and unsplit remainders).
@@ -253,40 +458,68 @@ impl CachingAllocator {
     pub fn block_size(&self, id: AllocId) -> Option<u64> {
         let &(seg, offset) = self.live.get(&id)?;
         let seg = self.segments.get(&seg)?;
-        seg.blocks
-            .iter()
-            .find(|b| b.offset == offset)
-            .map(|b| b.size)
+        let i = seg
+            .blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .ok()?;
+        Some(seg.blocks[i].size)
     }
 
     /// Segments as `torch.cuda.memory_snapshot()` would list them, by address.
     pub fn layout(&self) -> Vec<SegmentLayout> {
         self.segments
             .iter()
-            .map(|(&address, seg)| SegmentLayout {
-                address,
-                pool: seg.pool,
-                blocks: seg
-                    .blocks
-                    .iter()
-                    .map(|b| BlockLayout {
-                        size: b.size,
-                        allocated: b.used,
-                    })
-                    .collect(),
+            .flat_map(|(&address, seg)| {
+                // An expandable segment shows as its runs of mapped blocks, as
+                // PyTorch's snapshot lists it.
+                let mut runs: Vec<SegmentLayout> = Vec::new();
+                let mut in_run = false;
+                for b in &seg.blocks {
+                    if !b.mapped {
+                        in_run = false;
+                        continue;
+                    }
+                    if !in_run {
+                        runs.push(SegmentLayout {
+                            address: address + b.offset,
+                            pool: seg.pool,
+                            blocks: Vec::new(),
+                            stream: seg.stream,
+                            pool_id: seg.pool_id,
+                            expandable: seg.expandable,
+                        });
+                        in_run = true;
+                    }
+                    if let Some(run) = runs.last_mut() {
+                        run.blocks.push(BlockLayout {
+                            size: b.size,
+                            allocated: b.used,
+                        });
+                    }
+                }
+                runs
             })
             .collect()
     }
 
     /// An allocator in the state `segments` describe (a snapshot of a real
-    /// process, or [`CachingAllocator::layout`]), with each allocated block as
-    /// a live allocation; returns them with their addresses. Adjacent free
-    /// blocks are merged, as the real allocator keeps them. New segments go
-    /// above the highest address.
+    /// process, or [`CachingAllocator::layout`]), with PyTorch's default
+    /// settings; see [`CachingAllocator::from_layout_with`].
     pub fn from_layout(
         segments: &[SegmentLayout],
     ) -> Result<(Self, Vec<(u64, AllocId)>), LayoutError> {
-        let mut a = CachingAllocator::new();
+        Self::from_layout_with(segments, AllocatorSettings::default())
+    }
+
+    /// An allocator with `settings` in force in the state `segments`
+    /// describe, with each allocated block as a live allocation; returns them
+    /// with their addresses. Adjacent free blocks are merged, as the real
+    /// allocator keeps them. New segments go below the lowest one.
+    pub fn from_layout_with(
+        segments: &[SegmentLayout],
+        settings: AllocatorSettings,
+    ) -> Result<(Self, Vec<(u64, AllocId)>), LayoutError> {
+        let mut a = CachingAllocator::with_settings(settings);
         let mut live = Vec::new();
         let mut sorted: Vec<&SegmentLayout> = segments.iter().collect();
         sorted.sort_by_key(|s| s.address);
@@ -315,15 +548,20 @@ impl CachingAllocator {
             for b in &s.blocks {
                 match blocks.last_mut() {
                     Some(last) if !last.used && !b.allocated => last.size += b.size,
-                    _ => blocks.push(Block {
-                        offset,
-                        size: b.size,
-                        used: b.allocated,
-                    }),
+                    _ => blocks.push(Block::new(offset, b.size, b.allocated)),
                 }
                 offset += b.size;
             }
-            for b in &blocks {
+            let seg = Segment {
+                pool: s.pool,
+                size,
+                reserved: size,
+                expandable: s.expandable,
+                stream: s.stream,
+                pool_id: s.pool_id,
+                blocks,
+            };
+            for b in &seg.blocks {
                 if b.used {
                     a.usage.allocated += b.size;
                     let id = AllocId(a.next_id);
@@ -331,30 +569,213 @@ impl CachingAllocator {
                     a.live.insert(id, (s.address, b.offset));
                     live.push((s.address + b.offset, id));
                 } else {
-                    a.free_blocks.insert((s.pool, b.size, s.address, b.offset));
+                    a.free_blocks.insert(seg.free_key(s.address, b));
                 }
             }
             a.usage.reserved += size;
-            a.segments.insert(
-                s.address,
-                Segment {
-                    pool: s.pool,
-                    size,
-                    blocks,
-                },
-            );
+            a.segments.insert(s.address, seg);
         }
-        a.next_address = prev_end
-            .map_or(MODEL_ADDRESS_BASE, |(_, end)| {
-                end.div_ceil(ROUND_LARGE) * ROUND_LARGE
-            })
-            .max(MODEL_ADDRESS_BASE);
+        a.join_expandable_runs();
+        let ids: Vec<u64> = a.segments.keys().copied().collect();
+        for id in ids {
+            a.note_segment(id);
+        }
+        a.lowest_address = a.segments.keys().next().copied().unwrap_or(0);
         a.peaks = Peaks {
             phase: a.usage,
             step: a.usage,
             total: a.usage,
         };
         Ok((a, live))
+    }
+
+    /// Files segment `id` (after any change to its blocks) where
+    /// `empty_cache()` and expandable growth look it up.
+    fn note_segment(&mut self, id: u64) {
+        match self.segments.get(&id) {
+            Some(s) if s.expandable => {
+                self.releasable.remove(&id);
+                if s.pool_id == 0 {
+                    self.expandable.insert((s.stream, s.pool), id);
+                }
+            }
+            Some(s) if s.pool_id == 0 && s.blocks.len() == 1 && s.blocks[0].is_free() => {
+                self.releasable.insert(id);
+            }
+            _ => {
+                self.releasable.remove(&id);
+            }
+        }
+    }
+
+    /// Makes the mapped runs of each expandable segment (one per stream, pool
+    /// id and pool; a snapshot lists each run apart) one segment again: the
+    /// runs in address order with unmapped space between them and after the
+    /// last.
+    fn join_expandable_runs(&mut self) {
+        let mut groups: BTreeMap<(u64, u64, Pool), Vec<u64>> = BTreeMap::new();
+        for (&address, seg) in &self.segments {
+            if seg.expandable {
+                groups
+                    .entry((seg.stream, seg.pool_id, seg.pool))
+                    .or_default()
+                    .push(address);
+            }
+        }
+        let mut rebase: HashMap<u64, u64> = HashMap::new();
+        for runs in groups.into_values() {
+            let base = runs[0];
+            let mut joined: Option<Segment> = None;
+            for address in runs {
+                let Some(run) = self.segments.remove(&address) else {
+                    continue;
+                };
+                for b in run.blocks.iter().filter(|b| b.is_free()) {
+                    self.free_blocks.remove(&run.free_key(address, b));
+                }
+                rebase.insert(address, base);
+                let seg = joined.get_or_insert_with(|| Segment {
+                    blocks: Vec::new(),
+                    size: 0,
+                    reserved: 0,
+                    ..run.clone()
+                });
+                let start = address - base;
+                if start > seg.size {
+                    seg.blocks.push(Block {
+                        mapped: false,
+                        ..Block::new(seg.size, start - seg.size, false)
+                    });
+                }
+                for b in &run.blocks {
+                    seg.blocks
+                        .push(Block::new(start + b.offset, b.size, b.used));
+                }
+                seg.size = start + run.size;
+                seg.reserved += run.reserved;
+            }
+            if let Some(mut seg) = joined {
+                seg.blocks.push(Block {
+                    mapped: false,
+                    ..Block::new(seg.size, EXPANDABLE_TAIL, false)
+                });
+                seg.size = seg.size.saturating_add(EXPANDABLE_TAIL);
+                for b in seg.blocks.iter().filter(|b| b.is_free()) {
+                    self.free_blocks.insert(seg.free_key(base, b));
+                }
+                self.segments.insert(base, seg);
+            }
+        }
+        for at in self.live.values_mut() {
+            if let Some(&base) = rebase.get(&at.0) {
+                *at = (base, at.0 - base + at.1);
+            }
+        }
+    }
+
+    /// Marks `[address, address + size)` as free address space that a new
+    /// segment may take (a segment the traced process released), unless a
+    /// segment overlaps it.
+    pub fn add_address_hole(&mut self, address: u64, size: u64) {
+        let Some(end) = address.checked_add(size) else {
+            return;
+        };
+        if size == 0
+            || self
+                .segments
+                .range(..end)
+                .next_back()
+                .is_some_and(|(&a, s)| a.saturating_add(s.size) > address)
+        {
+            return;
+        }
+        // The hole was handed out once: "below the lowest address so far"
+        // starts below it too.
+        if self.lowest_address == 0 || address < self.lowest_address {
+            self.lowest_address = address;
+        }
+        self.insert_hole(address, size);
+    }
+
+    fn insert_hole(&mut self, mut address: u64, mut size: u64) {
+        if let Some((&a, &s)) = self.holes.range(..=address).next_back() {
+            if a.saturating_add(s) >= address {
+                let end = address.saturating_add(size).max(a.saturating_add(s));
+                self.holes.remove(&a);
+                address = a;
+                size = end - a;
+            }
+        }
+        let end = address.saturating_add(size);
+        while let Some((&a, &s)) = self.holes.range(address..=end).next() {
+            self.holes.remove(&a);
+            size = a.saturating_add(s).max(end) - address;
+        }
+        self.holes.insert(address, size);
+    }
+
+    /// Where a new segment of `size` bytes lands: at the top of the highest
+    /// hole that holds it, else just below the lowest address used so far,
+    /// else (no room below) above the highest segment.
+    fn place_segment(&mut self, size: u64) -> u64 {
+        let at = self.place_segment_unchecked(size);
+        // Never on top of a segment, whatever the holes said.
+        let end = at.saturating_add(size);
+        let clash = self
+            .segments
+            .range(at..end.max(at.saturating_add(1)))
+            .next()
+            .is_some()
+            || self
+                .segments
+                .range(..at)
+                .next_back()
+                .is_some_and(|(&a, s)| !s.expandable && a.saturating_add(s.size) > at);
+        if clash {
+            self.above_all()
+        } else {
+            at
+        }
+    }
+
+    fn place_segment_unchecked(&mut self, size: u64) -> u64 {
+        let hole = self
+            .holes
+            .iter()
+            .rev()
+            .find(|&(_, &s)| s >= size)
+            .map(|(&a, &s)| (a, s));
+        if let Some((a, s)) = hole {
+            self.holes.remove(&a);
+            if s > size {
+                self.holes.insert(a, s - size);
+            }
+            return a + (s - size);
+        }
+        if self.lowest_address == 0 {
+            self.lowest_address = MODEL_ADDRESS_BASE;
+        }
+        match self.lowest_address.checked_sub(size) {
+            Some(a) if a > 0 => {
+                let a = a / ROUND_LARGE * ROUND_LARGE;
+                if a > 0 {
+                    self.lowest_address = a;
+                    return a;
+                }
+                self.above_all()
+            }
+            _ => self.above_all(),
+        }
+    }
+
+    fn above_all(&self) -> u64 {
+        self.segments
+            .iter()
+            .map(|(&a, s)| a.saturating_add(s.size))
+            .max()
+            .map_or(MODEL_ADDRESS_BASE, |end| {
+                end.div_ceil(ROUND_LARGE).saturating_mul(ROUND_LARGE)
+            })
     }
 
     /// Number of segments currently reserved.
@@ -399,20 +820,41 @@ impl CachingAllocator {
         self.peaks.step = self.usage;
     }
 
-    /// Allocates `bytes`, growing reserved memory only while it stays within
-    /// `reserved_limit` (what the device has left for this process).
+    /// Allocates `bytes` on the default stream; see
+    /// [`CachingAllocator::malloc_on`].
     pub fn malloc(&mut self, bytes: u64, reserved_limit: u64) -> Result<AllocId, OutOfMemory> {
-        let size = round_size(bytes);
-        let pool = Pool::of(size);
-        let (seg_id, offset) = match self.best_fit(pool, size) {
+        self.malloc_on(bytes, 0, reserved_limit)
+    }
+
+    /// Allocates `bytes` on `stream`, growing reserved memory only while it
+    /// stays within `reserved_limit` (what the device has left for this
+    /// process). When the new segment would not fit, PyTorch first releases
+    /// free oversize blocks (with `max_split_size_mb`), then every free
+    /// unsplit segment (`num_alloc_retries`), and tries again.
+    pub fn malloc_on(
+        &mut self,
+        bytes: u64,
+        stream: u64,
+        reserved_limit: u64,
+    ) -> Result<AllocId, OutOfMemory> {
+        let size = self.settings.round_size(bytes);
+        let pool = Pool::of_rounded(size);
+        if self.settings.expandable_segments {
+            return self.malloc_expandable(size, stream, pool, reserved_limit);
+        }
+        let (seg_id, offset) = match self.best_fit(stream, pool, size) {
             Some(found) => found,
             None => {
-                let seg_size = segment_size(size);
-                if self.usage.reserved + seg_size > reserved_limit {
-                    // The first cudaMalloc failed: free the cache and retry once.
+                let seg_size = segment_size_of_rounded(size);
+                let fits = |a: &Self| a.usage.reserved.saturating_add(seg_size) <= reserved_limit;
+                if !fits(self) {
+                    self.release_oversize_blocks(stream, pool, size);
+                }
+                if !fits(self) {
+                    // cudaMalloc failed: free the cache and retry once.
                     self.num_alloc_retries += 1;
                     self.release_free_segments();
-                    if self.usage.reserved + seg_size > reserved_limit {
+                    if !fits(self) {
                         return Err(OutOfMemory {
                             requested: size,
                             reserved: self.usage.reserved,
@@ -420,35 +862,210 @@ impl CachingAllocator {
                         });
                     }
                 }
-                if self.next_address == 0 {
-                    self.next_address = MODEL_ADDRESS_BASE;
-                }
-                let id = self.next_address;
-                self.next_address = self.next_address.saturating_add(seg_size);
-                self.segments.insert(
-                    id,
-                    Segment {
-                        pool,
-                        size: seg_size,
-                        blocks: vec![Block {
-                            offset: 0,
-                            size: seg_size,
-                            used: false,
-                        }],
-                    },
-                );
+                let id = self.place_segment(seg_size);
+                let seg = Segment {
+                    pool,
+                    size: seg_size,
+                    reserved: seg_size,
+                    expandable: false,
+                    stream,
+                    pool_id: 0,
+                    blocks: vec![Block::new(0, seg_size, false)],
+                };
+                self.free_blocks.insert(seg.free_key(id, &seg.blocks[0]));
+                self.segments.insert(id, seg);
                 self.usage.reserved += seg_size;
-                self.free_blocks.insert((pool, seg_size, id, 0));
                 (id, 0)
             }
         };
-        let used = self.take(seg_id, offset, size, pool);
+        Ok(self.hand_out(seg_id, offset, size))
+    }
+
+    /// Takes the free block at (`seg_id`, `offset`) for a request of `size`
+    /// and makes it a live allocation.
+    fn hand_out(&mut self, seg_id: u64, offset: u64, size: u64) -> AllocId {
+        let used = self.take(seg_id, offset, size);
         self.usage.allocated += used;
         self.bump_peaks();
         let id = AllocId(self.next_id);
         self.next_id += 1;
         self.live.insert(id, (seg_id, offset));
-        Ok(id)
+        id
+    }
+
+    /// [`CachingAllocator::malloc_on`] under `expandable_segments:True`
+    /// (PyTorch's `get_free_block`, then `try_allocate_expandable_block`).
+    fn malloc_expandable(
+        &mut self,
+        size: u64,
+        stream: u64,
+        pool: Pool,
+        reserved_limit: u64,
+    ) -> Result<AllocId, OutOfMemory> {
+        if let Some((seg_id, offset)) = self.best_fit_expandable(stream, pool, size) {
+            return Ok(self.hand_out(seg_id, offset, size));
+        }
+        let found = match self.map_for(stream, pool, size, reserved_limit) {
+            Some(found) => found,
+            None => {
+                self.num_alloc_retries += 1;
+                self.release_free_segments();
+                self.map_for(stream, pool, size, reserved_limit)
+                    .ok_or(OutOfMemory {
+                        requested: size,
+                        reserved: self.usage.reserved,
+                        limit: reserved_limit,
+                    })?
+            }
+        };
+        Ok(self.hand_out(found.0, found.1, size))
+    }
+
+    /// Best fit under expandable segments: a free block followed by unmapped
+    /// space counts as the size it could grow to, so the smallest block that
+    /// fits as it is wins over one that would have to grow.
+    fn best_fit_expandable(&self, stream: u64, pool: Pool, size: u64) -> Option<(u64, u64)> {
+        let hi = (0, stream, pool, u64::MAX, u64::MAX, u64::MAX);
+        let mut found: Option<(u64, u64, u64)> = None;
+        for &(_, _, _, block, id, off) in self.free_blocks.range((0, stream, pool, size, 0, 0)..=hi)
+        {
+            let reach = self.segments.get(&id).map_or(block, |seg| {
+                let i = seg.index_of(off);
+                match seg.blocks.get(i + 1) {
+                    Some(next) if !next.mapped => block.saturating_add(next.size),
+                    _ => block,
+                }
+            });
+            match found {
+                Some((best, _, _)) if reach >= best => break,
+                _ => found = Some((reach, id, off)),
+            }
+        }
+        let (_, id, off) = found?;
+        let block = self.segments[&id].blocks[self.segments[&id].index_of(off)].size;
+        let max_split = self.settings.max_split();
+        if (size < max_split && block >= max_split)
+            || (size >= max_split && block >= size.saturating_add(LARGE_BUFFER))
+        {
+            return None;
+        }
+        Some((id, off))
+    }
+
+    /// Maps pages of `stream`'s expandable segment of `pool` (made when it has
+    /// none) so that a free block of at least `size` bytes starts where
+    /// PyTorch's `find_expandable_block` looks first: at the lowest unmapped
+    /// space, with the free block before it. None when the pages would take
+    /// reserved memory past `reserved_limit`.
+    fn map_for(
+        &mut self,
+        stream: u64,
+        pool: Pool,
+        size: u64,
+        reserved_limit: u64,
+    ) -> Option<(u64, u64)> {
+        let page = match pool {
+            Pool::Small => SMALL_BUFFER,
+            Pool::Large => LARGE_BUFFER,
+        };
+        let existing = self.expandable.get(&(stream, pool)).copied();
+        let seg_id = match existing {
+            Some(a) => a,
+            None => {
+                let a = self.place_segment(page);
+                let seg = Segment {
+                    pool,
+                    size: EXPANDABLE_TAIL,
+                    reserved: 0,
+                    expandable: true,
+                    stream,
+                    pool_id: 0,
+                    blocks: vec![Block {
+                        mapped: false,
+                        ..Block::new(0, EXPANDABLE_TAIL, false)
+                    }],
+                };
+                self.segments.insert(a, seg);
+                self.note_segment(a);
+                a
+            }
+        };
+        let seg = self.segments.get(&seg_id)?;
+        let blocks = &seg.blocks;
+        // The first unmapped space (lowest address) with room, counting the
+        // free block before it and what follows it up to a used block.
+        let start = (0..blocks.len())
+            .filter(|&u| !blocks[u].mapped)
+            .find_map(|u| {
+                let c = if u > 0 && blocks[u - 1].is_free() {
+                    u - 1
+                } else {
+                    u
+                };
+                let room = blocks[c..]
+                    .iter()
+                    .take_while(|b| !b.used)
+                    .fold(0u64, |n, b| n.saturating_add(b.size));
+                (room >= size).then_some(c)
+            })?;
+        // Which pages to map: each unmapped stretch up to what is still
+        // missing, rounded up to whole pages.
+        let (mut have, mut to_map) = (0u64, 0u64);
+        let (mut last, mut partial) = (start, None);
+        for (i, b) in blocks.iter().enumerate().skip(start) {
+            last = i;
+            if b.mapped {
+                have = have.saturating_add(b.size);
+            } else {
+                let m = size
+                    .saturating_sub(have)
+                    .div_ceil(page)
+                    .saturating_mul(page)
+                    .min(b.size);
+                have = have.saturating_add(m);
+                to_map = to_map.saturating_add(m);
+                if m < b.size {
+                    partial = Some(m);
+                    break;
+                }
+            }
+            if have >= size {
+                break;
+            }
+        }
+        if self.usage.reserved.saturating_add(to_map) > reserved_limit {
+            return None;
+        }
+        // A wholly mapped stretch merges with the free block after it.
+        let mut through = last;
+        if partial.is_none() && !blocks[last].mapped {
+            if let Some(next) = blocks.get(last + 1).filter(|n| n.is_free()) {
+                have = have.saturating_add(next.size);
+                through = last + 1;
+            }
+        }
+        let offset = blocks[start].offset;
+        let rest = partial.map(|m| {
+            let b = blocks[last];
+            Block {
+                mapped: false,
+                ..Block::new(b.offset + m, b.size - m, false)
+            }
+        });
+        let seg = self.segments.get_mut(&seg_id)?;
+        let gone: Vec<Block> = seg.blocks.drain(start..=through).collect();
+        for b in gone.iter().filter(|b| b.is_free()) {
+            self.free_blocks.remove(&seg.free_key(seg_id, b));
+        }
+        let block = Block::new(offset, have, false);
+        seg.blocks.insert(start, block);
+        if let Some(rest) = rest {
+            seg.blocks.insert(start + 1, rest);
+        }
+        self.free_blocks.insert(seg.free_key(seg_id, &block));
+        seg.reserved += to_map;
+        self.usage.reserved += to_map;
+        Some((seg_id, offset))
     }
 
     /// Frees a live allocation; the memory stays reserved for reuse.
@@ -461,91 +1078,204 @@ impl CachingAllocator {
             .segments
             .get_mut(&seg_id)
             .expect("live block's segment");
-        let i = seg
-            .blocks
-            .iter()
-            .position(|b| b.offset == offset)
-            .expect("live block");
+        let i = seg.index_of(offset);
         debug_assert!(seg.blocks[i].used);
         seg.blocks[i].used = false;
         self.usage.allocated -= seg.blocks[i].size;
-        let pool = seg.pool;
-        // Merge with the next, then the previous free neighbour.
+        // Merge with the next, then the previous free neighbour (unmapped
+        // space does not merge with mapped blocks).
         let mut i = i;
-        if i + 1 < seg.blocks.len() && !seg.blocks[i + 1].used {
+        if i + 1 < seg.blocks.len() && seg.blocks[i + 1].is_free() {
             let next = seg.blocks.remove(i + 1);
-            self.free_blocks
-                .remove(&(pool, next.size, seg_id, next.offset));
+            self.free_blocks.remove(&seg.free_key(seg_id, &next));
             seg.blocks[i].size += next.size;
         }
-        if i > 0 && !seg.blocks[i - 1].used {
+        if i > 0 && seg.blocks[i - 1].is_free() {
             let prev = seg.blocks[i - 1];
-            self.free_blocks
-                .remove(&(pool, prev.size, seg_id, prev.offset));
+            self.free_blocks.remove(&seg.free_key(seg_id, &prev));
             seg.blocks[i - 1].size += seg.blocks[i].size;
             seg.blocks.remove(i);
             i -= 1;
         }
-        let b = seg.blocks[i];
-        self.free_blocks.insert((pool, b.size, seg_id, b.offset));
-    }
-
-    /// `torch.cuda.empty_cache()`: returns fully free segments to the driver.
-    pub fn release_free_segments(&mut self) {
-        let mut freed = 0;
-        let free_blocks = &mut self.free_blocks;
-        self.segments.retain(|&id, s| {
-            let free = s.blocks.len() == 1 && !s.blocks[0].used;
-            if free {
-                freed += s.size;
-                free_blocks.remove(&(s.pool, s.size, id, 0));
-            }
-            !free
-        });
-        self.usage.reserved -= freed;
-    }
-
-    /// The smallest free block of `pool` that holds `size` (ties: lowest
-    /// address).
-    fn best_fit(&self, pool: Pool, size: u64) -> Option<(u64, u64)> {
         self.free_blocks
-            .range((pool, size, 0, 0)..)
+            .insert(seg.free_key(seg_id, &seg.blocks[i]));
+        self.note_segment(seg_id);
+    }
+
+    /// `torch.cuda.empty_cache()`: returns fully free segments to the
+    /// driver; their address ranges become holes a new segment may take.
+    pub fn release_free_segments(&mut self) {
+        let expandable: Vec<u64> = self.expandable.values().copied().collect();
+        for id in expandable {
+            self.unmap_free_pages(id);
+        }
+        for id in std::mem::take(&mut self.releasable) {
+            if let Some(s) = self.segments.remove(&id) {
+                self.free_blocks.remove(&s.free_key(id, &s.blocks[0]));
+                self.usage.reserved -= s.size;
+                self.insert_hole(id, s.size);
+            }
+        }
+    }
+
+    /// `empty_cache()` on an expandable segment (PyTorch's `unmap_block`):
+    /// the whole pages inside each free block are unmapped; the partial pages
+    /// at its ends stay mapped as free blocks. A segment left with nothing
+    /// mapped is released.
+    fn unmap_free_pages(&mut self, id: u64) {
+        let Some(seg) = self.segments.get_mut(&id) else {
+            return;
+        };
+        let page = match seg.pool {
+            Pool::Small => SMALL_BUFFER,
+            Pool::Large => LARGE_BUFFER,
+        };
+        let mut blocks: Vec<Block> = Vec::with_capacity(seg.blocks.len());
+        let mut unmapped = 0u64;
+        for b in std::mem::take(&mut seg.blocks) {
+            let first_page = b.offset.div_ceil(page).saturating_mul(page);
+            let end = b.offset.saturating_add(b.size);
+            let last_page = end / page * page;
+            if !b.is_free() || first_page >= last_page {
+                blocks.push(b);
+                continue;
+            }
+            self.free_blocks.remove(&seg.free_key(id, &b));
+            if first_page > b.offset {
+                let before = Block::new(b.offset, first_page - b.offset, false);
+                self.free_blocks.insert(seg.free_key(id, &before));
+                blocks.push(before);
+            }
+            unmapped += last_page - first_page;
+            blocks.push(Block {
+                mapped: false,
+                ..Block::new(first_page, last_page - first_page, false)
+            });
+            if end > last_page {
+                let after = Block::new(last_page, end - last_page, false);
+                self.free_blocks.insert(seg.free_key(id, &after));
+                blocks.push(after);
+            }
+        }
+        // Unmapped neighbours are one stretch.
+        let mut joined: Vec<Block> = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            match joined.last_mut() {
+                Some(last) if !last.mapped && !b.mapped => {
+                    last.size = last.size.saturating_add(b.size)
+                }
+                _ => joined.push(b),
+            }
+        }
+        seg.blocks = joined;
+        seg.reserved -= unmapped;
+        self.usage.reserved -= unmapped;
+        if seg.reserved == 0 && seg.blocks.iter().all(|b| !b.mapped) {
+            let key = (seg.stream, seg.pool);
+            self.segments.remove(&id);
+            if self.expandable.get(&key) == Some(&id) {
+                self.expandable.remove(&key);
+            }
+        }
+    }
+
+    /// PyTorch's `release_available_cached_blocks`: with `max_split_size_mb`,
+    /// before giving up on a new segment, release free oversize blocks of
+    /// the request's stream and pool: the smallest one at least as large as
+    /// the request (and as `max_split_size`), else the largest ones until
+    /// they add up to that.
+    fn release_oversize_blocks(&mut self, stream: u64, pool: Pool, size: u64) {
+        let Some(max_split) = self.settings.max_split_size else {
+            return;
+        };
+        let want = size.max(max_split);
+        let lo = (0, stream, pool, want, 0, 0);
+        let hi = (0, stream, pool, u64::MAX, u64::MAX, u64::MAX);
+        if let Some(&key) = self.free_blocks.range(lo..=hi).next() {
+            self.release_block(key);
+            return;
+        }
+        let lo = (0, stream, pool, max_split, 0, 0);
+        let mut chosen = Vec::new();
+        let mut total = 0u64;
+        for &key in self.free_blocks.range(lo..=hi).rev() {
+            if total >= want {
+                break;
+            }
+            total = total.saturating_add(key.3);
+            chosen.push(key);
+        }
+        // PyTorch releases them as it goes, even when they fall short.
+        for key in chosen {
+            self.release_block(key);
+        }
+    }
+
+    /// Releases the free, unsplit segment whose block `key` names.
+    fn release_block(&mut self, key: FreeKey) {
+        let (id, offset) = (key.4, key.5);
+        let whole = self
+            .segments
+            .get(&id)
+            .is_some_and(|s| offset == 0 && s.blocks.len() == 1 && !s.blocks[0].used);
+        if !whole {
+            return;
+        }
+        if let Some(s) = self.segments.remove(&id) {
+            self.free_blocks.remove(&key);
+            self.releasable.remove(&id);
+            self.usage.reserved -= s.size;
+            self.insert_hole(id, s.size);
+        }
+    }
+
+    /// The smallest free block of `stream`'s `pool` (default pool id) that
+    /// holds `size` (ties: lowest address), as PyTorch's `get_free_block`
+    /// takes it, `max_split_size` rules included.
+    fn best_fit(&self, stream: u64, pool: Pool, size: u64) -> Option<(u64, u64)> {
+        let &(_, _, _, block, id, off) = self
+            .free_blocks
+            .range((0, stream, pool, size, 0, 0)..)
             .next()
-            .filter(|b| b.0 == pool)
-            .map(|&(_, _, id, off)| (id, off))
+            .filter(|b| b.0 == 0 && b.1 == stream && b.2 == pool)?;
+        let max_split = self.settings.max_split();
+        // No oversize block for a request that would split it; an oversize
+        // request takes one only when it wastes under 20 MiB.
+        if size < max_split && block >= max_split {
+            return None;
+        }
+        if size >= max_split && block >= size.saturating_add(LARGE_BUFFER) {
+            return None;
+        }
+        Some((id, off))
     }
 
     /// Marks the free block at `offset` used, splitting off the remainder when
     /// PyTorch would; returns the bytes the allocation accounts for.
-    fn take(&mut self, seg_id: u64, offset: u64, size: u64, pool: Pool) -> u64 {
+    fn take(&mut self, seg_id: u64, offset: u64, size: u64) -> u64 {
+        let max_split = self.settings.max_split();
+        let expandable = self.settings.expandable_segments;
         let seg = self.segments.get_mut(&seg_id).expect("segment");
-        let i = seg
-            .blocks
-            .iter()
-            .position(|b| b.offset == offset)
-            .expect("block");
+        let i = seg.index_of(offset);
         self.free_blocks
-            .remove(&(pool, seg.blocks[i].size, seg_id, offset));
+            .remove(&seg.free_key(seg_id, &seg.blocks[i]));
         let remaining = seg.blocks[i].size - size;
-        let split = match pool {
+        // Under expandable segments every pool splits down to 512 B.
+        let split = match seg.pool {
+            _ if expandable => remaining >= MIN_BLOCK_SIZE,
             Pool::Small => remaining >= MIN_BLOCK_SIZE,
-            Pool::Large => remaining > SMALL_SIZE,
+            Pool::Large => size < max_split && remaining > SMALL_SIZE,
         };
         if split {
             seg.blocks[i].size = size;
-            seg.blocks.insert(
-                i + 1,
-                Block {
-                    offset: offset + size,
-                    size: remaining,
-                    used: false,
-                },
-            );
-            self.free_blocks
-                .insert((pool, remaining, seg_id, offset + size));
+            let rest = Block::new(offset + size, remaining, false);
+            seg.blocks.insert(i + 1, rest);
+            self.free_blocks.insert(seg.free_key(seg_id, &rest));
         }
         seg.blocks[i].used = true;
-        seg.blocks[i].size
+        let size = seg.blocks[i].size;
+        self.note_segment(seg_id);
+        size
     }
 
     /// Checks the internal bookkeeping (tests).
@@ -554,23 +1284,54 @@ impl CachingAllocator {
         let mut free = BTreeSet::new();
         let (mut reserved, mut allocated) = (0, 0);
         for (&id, seg) in &self.segments {
-            reserved += seg.size;
-            let mut end = 0;
+            let mut end = 0u64;
+            let mut mapped = 0;
             for (k, b) in seg.blocks.iter().enumerate() {
                 assert_eq!(b.offset, end, "blocks tile the segment");
-                end += b.size;
+                end = end.saturating_add(b.size);
+                assert!(
+                    b.mapped || (seg.expandable && !b.used),
+                    "only expandable space is unmapped"
+                );
+                if b.mapped {
+                    mapped += b.size;
+                }
                 if b.used {
                     allocated += b.size;
+                } else if b.mapped {
+                    assert!(
+                        k == 0 || !seg.blocks[k - 1].is_free(),
+                        "free neighbours merged"
+                    );
+                    free.insert(seg.free_key(id, b));
                 } else {
-                    assert!(k == 0 || seg.blocks[k - 1].used, "free neighbours merged");
-                    free.insert((seg.pool, b.size, id, b.offset));
+                    assert!(
+                        k == 0 || seg.blocks[k - 1].mapped,
+                        "unmapped neighbours merged"
+                    );
                 }
             }
             assert_eq!(end, seg.size);
+            assert_eq!(mapped, seg.reserved);
+            reserved += seg.reserved;
         }
         assert_eq!(free, self.free_blocks);
+        let releasable: BTreeSet<u64> = self
+            .segments
+            .iter()
+            .filter(|(_, s)| {
+                !s.expandable && s.pool_id == 0 && s.blocks.len() == 1 && s.blocks[0].is_free()
+            })
+            .map(|(&a, _)| a)
+            .collect();
+        assert_eq!(releasable, self.releasable);
         assert_eq!(reserved, self.usage.reserved);
         assert_eq!(allocated, self.usage.allocated);
+        let mut prev_end = 0;
+        for (&a, s) in self.segments.iter().filter(|(_, s)| !s.expandable) {
+            assert!(a >= prev_end, "segments do not overlap");
+            prev_end = a + s.size;
+        }
     }
 
     fn bump_peaks(&mut self) {
@@ -766,5 +1527,240 @@ mod tests {
         assert_eq!(a.peaks().phase.allocated, 0);
         assert_eq!(a.peaks().phase.reserved, 30 * MIB);
         assert_eq!(a.peaks().total.allocated, 30 * MIB);
+    }
+    fn whole(address: u64, size: u64, allocated: bool) -> SegmentLayout {
+        SegmentLayout::new(address, Pool::Large, vec![BlockLayout { size, allocated }])
+    }
+
+    #[test]
+    fn new_segments_land_below_and_in_the_highest_hole_that_fits() {
+        let x = 1u64 << 36;
+        let (mut a, _) = CachingAllocator::from_layout(&[whole(x, 20 * MIB, true)]).unwrap();
+        let p = a.malloc(30 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(p), Some(x - 30 * MIB));
+        let q = a.malloc(12 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(q), Some(x - 42 * MIB));
+        a.free(p);
+        a.release_free_segments();
+        // 40 MiB does not fit the 30 MiB hole: below the lowest.
+        let r = a.malloc(40 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(r), Some(x - 82 * MIB));
+        // 20 MiB does, at the hole's top; then 10 MiB fills the rest.
+        let s = a.malloc(20 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(s), Some(x - 20 * MIB));
+        let t = a.malloc(10 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(t), Some(x - 30 * MIB));
+        assert!(a.holes.is_empty());
+        a.check_invariants();
+    }
+
+    #[test]
+    fn placement_below_decides_which_equal_block_best_fit_reuses() {
+        // Two free 40 MiB blocks: the one at the lower address is reused. The
+        // new segment lies below the layout's, so it is the one.
+        let x = 1u64 << 36;
+        let (mut a, live) = CachingAllocator::from_layout(&[whole(x, 40 * MIB, true)]).unwrap();
+        let b = a.malloc(40 * MIB, u64::MAX).unwrap();
+        a.free(live[0].1);
+        a.free(b);
+        let c = a.malloc(24 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(c), Some(x - 40 * MIB));
+    }
+
+    #[test]
+    fn free_blocks_serve_only_their_own_stream() {
+        let mut a = CachingAllocator::new();
+        let x = a.malloc_on(4 * MIB, 0, u64::MAX).unwrap();
+        a.free(x);
+        let y = a.malloc_on(4 * MIB, 7, u64::MAX).unwrap();
+        assert_eq!(
+            a.reserved(),
+            40 * MIB,
+            "stream 7 cannot use stream 0's block"
+        );
+        a.free(y);
+        let _z = a.malloc_on(8 * MIB, 0, u64::MAX).unwrap();
+        let _w = a.malloc_on(8 * MIB, 7, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 40 * MIB, "each reuses its own");
+        a.check_invariants();
+    }
+
+    #[test]
+    fn private_pool_segments_serve_no_ordinary_request() {
+        let mut seg = whole(1 << 36, 20 * MIB, false);
+        seg.pool_id = 5;
+        let (mut a, _) = CachingAllocator::from_layout(&[seg]).unwrap();
+        let _x = a.malloc(4 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 40 * MIB);
+        a.check_invariants();
+    }
+
+    #[test]
+    fn roundup_power2_divisions_round_like_pytorch() {
+        // Figures PyTorch 2.15 gave on fake CUDA with roundup_power2_divisions:4
+        // (memory_allocated() around one torch.empty of uint8).
+        let s = AllocatorSettings {
+            roundup_power2_divisions: [4; ROUNDUP_INTERVALS],
+            ..AllocatorSettings::default()
+        };
+        assert_eq!(s.round_size(1500), 1536);
+        assert_eq!(s.round_size(2048), 2048);
+        assert_eq!(s.round_size(3000), 3072);
+        assert_eq!(s.round_size(1_100_000), 1_310_720);
+        assert_eq!(s.round_size(5 * MIB + 1), 6 * MIB);
+        // 30 MiB: a quarter of [16, 32) MiB is 4 MiB, so 32 MiB.
+        assert_eq!(s.round_size(30 * MIB), 32 * MIB);
+        let mut a = CachingAllocator::with_settings(s);
+        let _x = a.malloc(30 * MIB, u64::MAX).unwrap();
+        assert_eq!((a.allocated(), a.reserved()), (32 * MIB, 32 * MIB));
+    }
+
+    #[test]
+    fn max_split_size_keeps_oversize_blocks_whole_and_releases_them_first() {
+        let s = AllocatorSettings {
+            max_split_size: Some(64 * MIB),
+            ..AllocatorSettings::default()
+        };
+        let mut a = CachingAllocator::with_settings(s);
+        let x = a.malloc(100 * MIB, u64::MAX).unwrap();
+        a.free(x);
+        // Under max_split_size: not from the oversize block.
+        let y = a.malloc(30 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 130 * MIB);
+        // Oversize, wasting 20 MiB or more: not from it either.
+        let z = a.malloc(70 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 200 * MIB);
+        a.free(z);
+        // Oversize, wasting under 20 MiB: the 70 MiB block, whole.
+        let w = a.malloc(66 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.block_size(w), Some(70 * MIB));
+        a.free(w);
+        a.free(y);
+        a.check_invariants();
+
+        // cudaMalloc would fail: the oversize 70 MiB block (the smallest at
+        // least max_split_size) goes first, without a full cache release.
+        let mut a = CachingAllocator::with_settings(s);
+        let x = a.malloc(100 * MIB, u64::MAX).unwrap();
+        let y = a.malloc(70 * MIB, u64::MAX).unwrap();
+        a.free(x);
+        a.free(y);
+        let _v = a.malloc(30 * MIB, 180 * MIB).unwrap();
+        assert_eq!(a.reserved(), 130 * MIB);
+        assert_eq!(a.num_alloc_retries(), 0);
+        a.check_invariants();
+    }
+    #[test]
+    fn expandable_segments_grow_by_pages_and_unmap_them_like_pytorch() {
+        // PyTorch 2.15 on fake CUDA, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+        // (memory_reserved() after each step; see the test's steps).
+        let s = AllocatorSettings {
+            expandable_segments: true,
+            ..AllocatorSettings::default()
+        };
+        let mut a = CachingAllocator::with_settings(s);
+        // 3 MiB maps one 20 MiB page of the large pool's segment.
+        let x = a.malloc(3 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 20 * MIB);
+        // 100 B maps one 2 MiB page of the small pool's.
+        let _y = a.malloc(100, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 22 * MIB);
+        // 25 MiB starts in the free 17 MiB after x and maps one more page.
+        let c = a.malloc(25 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 42 * MIB);
+        assert_eq!(a.address_of(c), a.address_of(x).map(|p| p + 3 * MIB));
+        // Another stream has a segment of its own.
+        let _d = a.malloc_on(5 * MIB, 7, u64::MAX).unwrap();
+        assert_eq!(a.reserved(), 62 * MIB);
+        // x's 3 MiB serves 2 MiB + 512 B, split down to 512 B.
+        let xa = a.address_of(x);
+        a.free(x);
+        let e = a.malloc(2 * MIB + 512, u64::MAX).unwrap();
+        assert_eq!(a.address_of(e), xa);
+        assert_eq!(a.allocated(), 32 * MIB + 1024);
+        // empty_cache() unmaps the whole free pages: c's second page.
+        a.free(c);
+        a.release_free_segments();
+        assert_eq!(a.reserved(), 42 * MIB);
+        a.check_invariants();
+        let large: Vec<SegmentLayout> = a
+            .layout()
+            .into_iter()
+            .filter(|s| s.pool == Pool::Large && s.stream == 0)
+            .collect();
+        assert_eq!(large.len(), 1);
+        assert!(large[0].expandable);
+        assert_eq!(
+            large[0].blocks,
+            vec![
+                BlockLayout {
+                    size: 2 * MIB + 512,
+                    allocated: true
+                },
+                BlockLayout {
+                    size: 18 * MIB - 512,
+                    allocated: false
+                },
+            ]
+        );
+        // The layout round-trips, and the unmapped page maps again.
+        let (mut b, _) = CachingAllocator::from_layout_with(&a.layout(), s).unwrap();
+        b.check_invariants();
+        assert_eq!(b.reserved(), 42 * MIB);
+        let _f = b.malloc(30 * MIB, u64::MAX).unwrap();
+        assert_eq!(b.reserved(), 62 * MIB);
+        b.check_invariants();
+    }
+
+    #[test]
+    fn expandable_bookkeeping_holds_over_a_random_workload() {
+        let s = AllocatorSettings {
+            expandable_segments: true,
+            ..AllocatorSettings::default()
+        };
+        let mut a = CachingAllocator::with_settings(s);
+        let mut live = Vec::new();
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for round in 0..3000 {
+            let r = next();
+            if r % 3 == 0 && !live.is_empty() {
+                let i = (next() % live.len() as u64) as usize;
+                a.free(live.swap_remove(i));
+            } else {
+                let bytes = 1 + next() % (1u64 << (next() % 26));
+                live.push(a.malloc_on(bytes, next() % 2, u64::MAX).unwrap());
+            }
+            if round % 500 == 499 {
+                a.release_free_segments();
+            }
+            a.check_invariants();
+            assert!(a.reserved() >= a.allocated());
+        }
+        for id in live.drain(..) {
+            a.free(id);
+        }
+        a.release_free_segments();
+        a.check_invariants();
+        assert_eq!((a.allocated(), a.reserved()), (0, 0));
+    }
+
+    #[test]
+    fn a_hole_below_the_layout_is_not_overlapped_by_segments_placed_below() {
+        // Step 1 released a 20 MiB segment 40 MiB below the layout's lowest.
+        let x = 1u64 << 36;
+        let (mut a, _) = CachingAllocator::from_layout(&[whole(x, 20 * MIB, true)]).unwrap();
+        a.add_address_hole(x - 40 * MIB, 20 * MIB);
+        // 30 MiB does not fit the hole: below it, not across it.
+        let p = a.malloc(30 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(p), Some(x - 70 * MIB));
+        let q = a.malloc(20 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(q), Some(x - 40 * MIB));
+        a.check_invariants();
     }
 }

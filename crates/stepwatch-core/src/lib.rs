@@ -47,7 +47,7 @@ pub use profile::{
 pub use record::{PredictionCheck, RecordEntry, RecordError, Replayer};
 pub use replay::{
     replay_step2, replay_step2_with, replay_step2_within, AllocatorAction, AllocatorEvent,
-    AllocatorTrace, Gradients, LimitedReplay, Step2Replay, TraceError,
+    AllocatorTrace, Gradients, LimitedReplay, Step2Replay, TraceError, TraceSettings,
 };
 pub use timeline::{PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord};
 pub use tracker::{GpuSample, Journal, OpenError, RankState, Tracker, TrackerConfig};

@@ -37,11 +37,14 @@
 //! step 2's first marker (such as the next batch's inputs), and it must be
 //! told what becomes of the gradients: the trace ends before `zero_grad`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::{round_size, AllocId, CachingAllocator, LayoutError, SegmentLayout, Usage};
+use crate::allocator::{
+    AllocId, AllocatorSettings, CachingAllocator, LayoutError, SegmentLayout, Usage,
+    ROUNDUP_INTERVALS,
+};
 use crate::identity::RankInfo;
 use crate::marker::PhaseKind;
 
@@ -53,6 +56,9 @@ pub const REPLAYED_STEPS: usize = 3;
 pub const MAX_TRACE_EVENTS: usize = 262_144;
 /// Most blocks, over all segments, a trace may hold.
 pub const MAX_TRACE_BLOCKS: usize = 262_144;
+/// Largest event a trace may hold (1 PiB): far above any GPU, and low enough
+/// that sums of sizes cannot overflow.
+pub const MAX_EVENT_BYTES: u64 = 1 << 50;
 
 /// What an allocator event did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,6 +68,29 @@ pub enum AllocatorAction {
     Alloc,
     /// A block went back to the cache.
     Free,
+    /// A segment was obtained from the driver (`cudaMalloc`). The replay
+    /// decides its own segments; the event only says where one was.
+    SegmentAlloc,
+    /// A segment was given back to the driver: `torch.cuda.empty_cache()`,
+    /// or a release to retry a failed `cudaMalloc`. The replay releases its
+    /// free unsplit segments there, once per run of such events.
+    SegmentFree,
+    /// Pages were mapped into an expandable segment; like
+    /// [`AllocatorAction::SegmentAlloc`], only says where.
+    SegmentMap,
+    /// Pages of an expandable segment were unmapped (`empty_cache()`); the
+    /// replay releases there, as for [`AllocatorAction::SegmentFree`].
+    SegmentUnmap,
+}
+
+impl AllocatorAction {
+    /// Memory given back to the driver: where step 1 released its cache.
+    fn releases(self) -> bool {
+        matches!(
+            self,
+            AllocatorAction::SegmentFree | AllocatorAction::SegmentUnmap
+        )
+    }
 }
 
 /// One allocation or free of the traced step.
@@ -75,10 +104,98 @@ pub struct AllocatorEvent {
     pub size: u64,
     /// The phase it happened in.
     pub phase: PhaseKind,
+    /// The stream it was made on (the snapshot's `stream`; 0: the default
+    /// stream, and what clients that send no streams mean).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub stream: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// The allocator settings the traced process ran with (the snapshot's
+/// `allocator_settings`), as a client sends them. The replay follows
+/// `max_split_size` and `roundup_power2_divisions` and refuses a trace made
+/// under a setting it does not model ([`TraceSettings::model`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TraceSettings {
+    /// `max_split_size_mb` in bytes; 0: unlimited (the default).
+    #[serde(default)]
+    pub max_split_size_bytes: u64,
+    /// `roundup_power2_divisions`, one per power-of-two interval from 1 MiB
+    /// up ([`ROUNDUP_INTERVALS`]); empty: none.
+    #[serde(default)]
+    pub roundup_power2_divisions: Vec<u32>,
+    /// `garbage_collection_threshold`; 0: off (the default).
+    #[serde(default)]
+    pub garbage_collection_threshold: f64,
+    /// `expandable_segments`.
+    #[serde(default)]
+    pub expandable_segments: bool,
+    /// The `PYTORCH_CUDA_ALLOC_CONF` string the allocator parsed, for the
+    /// settings no field above carries.
+    #[serde(default)]
+    pub alloc_conf: String,
+}
+
+/// Keys of `PYTORCH_CUDA_ALLOC_CONF` that leave the device allocator's
+/// decisions as the model makes them, or that a field of [`TraceSettings`]
+/// carries (and is checked there).
+const MODELLED_CONF_KEYS: &[&str] = &[
+    "max_split_size_mb",
+    "roundup_power2_divisions",
+    "garbage_collection_threshold",
+    "expandable_segments",
+    "release_lock_on_cudamalloc",
+    "pinned_use_cuda_host_register",
+    "pinned_num_register_threads",
+    "pinned_use_background_threads",
+    "pinned_reserve_segment_size_mb",
+];
+
+impl TraceSettings {
+    /// The settings for the model, or why the replay would not be faithful.
+    pub fn model(&self) -> Result<AllocatorSettings, TraceError> {
+        let refuse = |why: String| Err(TraceError::UnmodelledSetting(why));
+        if self.garbage_collection_threshold != 0.0 {
+            return refuse(format!(
+                "garbage_collection_threshold:{}",
+                self.garbage_collection_threshold
+            ));
+        }
+        for item in self.alloc_conf.split(',') {
+            let (key, value) = item.split_once(':').unwrap_or((item, ""));
+            let key = key.trim();
+            let value = value.trim();
+            let harmless = key.is_empty()
+                || MODELLED_CONF_KEYS.contains(&key)
+                || (key == "backend" && value == "native");
+            if !harmless {
+                return refuse(format!("{key}:{value}"));
+            }
+        }
+        let mut divisions = [0u32; ROUNDUP_INTERVALS];
+        match self.roundup_power2_divisions.len() {
+            0 => {}
+            ROUNDUP_INTERVALS => divisions.copy_from_slice(&self.roundup_power2_divisions),
+            n => {
+                return refuse(format!(
+                    "roundup_power2_divisions with {n} intervals (PyTorch has \
+                     {ROUNDUP_INTERVALS})"
+                ))
+            }
+        }
+        Ok(AllocatorSettings {
+            max_split_size: (self.max_split_size_bytes != 0).then_some(self.max_split_size_bytes),
+            roundup_power2_divisions: divisions,
+            expandable_segments: self.expandable_segments,
+        })
+    }
 }
 
 /// Step 1's allocator history, as a client sends it.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct AllocatorTrace {
     /// The step the events come from.
     pub step: u64,
@@ -86,6 +203,10 @@ pub struct AllocatorTrace {
     pub segments: Vec<SegmentLayout>,
     /// The step's allocations and frees, oldest first.
     pub events: Vec<AllocatorEvent>,
+    /// The allocator settings in force; None: the client did not say (older
+    /// clients), PyTorch's defaults are assumed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<TraceSettings>,
 }
 
 /// A trace that cannot be replayed.
@@ -117,6 +238,17 @@ pub enum TraceError {
         /// The address.
         address: u64,
     },
+    /// An event larger than [`MAX_EVENT_BYTES`].
+    #[error("allocator trace event {index} has {size} bytes, more than {MAX_EVENT_BYTES}")]
+    TooLarge {
+        /// Position in the trace.
+        index: usize,
+        /// Its size.
+        size: u64,
+    },
+    /// The traced allocator ran with a setting the model does not follow.
+    #[error("the allocator ran with {0}, which the replay does not model")]
+    UnmodelledSetting(String),
     /// The trace leaves an allocation alive that the layout does not hold.
     #[error(
         "allocator trace event {index} leaves {address:#x} allocated, but the layout has no \
@@ -144,7 +276,33 @@ impl AllocatorTrace {
         if self.segments.iter().map(|s| s.blocks.len()).sum::<usize>() > MAX_TRACE_BLOCKS {
             return Err(TraceError::TooManyBlocks);
         }
+        for (index, e) in self.events.iter().enumerate() {
+            if e.size > MAX_EVENT_BYTES {
+                return Err(TraceError::TooLarge {
+                    index,
+                    size: e.size,
+                });
+            }
+        }
         Ok(())
+    }
+
+    /// The model's settings for this trace, or why it cannot be replayed
+    /// faithfully (an unmodelled setting, expandable segments).
+    pub fn model_settings(&self) -> Result<AllocatorSettings, TraceError> {
+        let expandable = self.segments.iter().any(|s| s.expandable);
+        match &self.settings {
+            None => Ok(AllocatorSettings {
+                expandable_segments: expandable,
+                ..AllocatorSettings::default()
+            }),
+            // Expandable segments made before the setting was turned off:
+            // PyTorch then serves only from the others, which is not modelled.
+            Some(s) if expandable && !s.expandable_segments => Err(TraceError::UnmodelledSetting(
+                "expandable_segments turned off while in use".into(),
+            )),
+            Some(s) => s.model(),
+        }
     }
 }
 
@@ -297,8 +455,30 @@ pub fn replay_step2_with(
 ) -> Result<Step2Replay, TraceError> {
     let grads_persistent = gradients == Gradients::Kept;
     trace.check_bounds()?;
-    let (mut alloc, live) = CachingAllocator::from_layout(&trace.segments)?;
+    let settings = trace.model_settings()?;
+    let (mut alloc, live) = CachingAllocator::from_layout_with(&trace.segments, settings)?;
     let reserved_at_end = alloc.reserved();
+    // Segments step 1 released are address space CUDA may hand out again.
+    for e in &trace.events {
+        if e.action == AllocatorAction::SegmentFree {
+            alloc.add_address_hole(e.address, e.size);
+        }
+    }
+    // Allocations in a private pool (a CUDA graph's, a MemPool's) are not
+    // replayed: they neither take from nor give to the ordinary pools.
+    let private: BTreeMap<u64, u64> = trace
+        .segments
+        .iter()
+        .filter(|s| s.pool_id != 0)
+        .map(|s| (s.address, s.address.saturating_add(s.size())))
+        .collect();
+    let in_private = |address: u64| {
+        private
+            .range(..=address)
+            .next_back()
+            .is_some_and(|(_, &end)| address < end)
+    };
+    let mut private_events = Vec::new();
 
     // Pair allocations with their frees; what stays open is alive at the end.
     let mut open: HashMap<u64, usize> = HashMap::new();
@@ -309,6 +489,7 @@ pub fn replay_step2_with(
             return Err(TraceError::ZeroSize { index });
         }
         match e.action {
+            AllocatorAction::Alloc if in_private(e.address) => private_events.push(index),
             AllocatorAction::Alloc => {
                 if open.insert(e.address, index).is_some() {
                     return Err(TraceError::DoubleAlloc {
@@ -324,6 +505,10 @@ pub fn replay_step2_with(
                     frees.insert(index, a);
                 }
             }
+            AllocatorAction::SegmentAlloc
+            | AllocatorAction::SegmentFree
+            | AllocatorAction::SegmentMap
+            | AllocatorAction::SegmentUnmap => {}
         }
     }
     let live: HashMap<u64, AllocId> = live.into_iter().collect();
@@ -339,7 +524,7 @@ pub fn replay_step2_with(
     open.sort_unstable_by_key(|&(_, index)| index);
     for &(address, index) in &open {
         let e = &trace.events[index];
-        let size = round_size(e.size);
+        let size = settings.round_size(e.size);
         let Some(&id) = live
             .get(&address)
             .filter(|&&id| alloc.block_size(id).is_some_and(|b| b >= size))
@@ -366,6 +551,7 @@ pub fn replay_step2_with(
             _ => replaced.push((index, id)),
         }
     }
+    keep.extend(private_events);
     alloc.reset_step_peak();
 
     let replaced_events: Vec<usize> = replaced.iter().map(|&(index, _)| index).collect();
@@ -520,6 +706,10 @@ fn release_points(events: &[AllocatorEvent], anchors: &[usize]) -> Vec<(usize, u
                 }
             }
             AllocatorAction::Free => freed_since = !pending.is_empty(),
+            AllocatorAction::SegmentAlloc
+            | AllocatorAction::SegmentFree
+            | AllocatorAction::SegmentMap
+            | AllocatorAction::SegmentUnmap => {}
         }
     }
     points.extend(pending.into_iter().map(|a| (a, events.len())));
@@ -657,7 +847,7 @@ impl<'a> Plan<'a> {
             self.release(alloc, index, &mut replayed, previous);
             match e.action {
                 AllocatorAction::Alloc if !self.keep.contains(&index) => {
-                    match alloc.malloc(e.size, limit) {
+                    match alloc.malloc_on(e.size, e.stream, limit) {
                         Ok(id) => {
                             replayed.insert(index, id);
                             events_replayed += 1;
@@ -668,7 +858,15 @@ impl<'a> Plan<'a> {
                         }
                     }
                 }
-                AllocatorAction::Alloc => {}
+                AllocatorAction::Alloc
+                | AllocatorAction::SegmentAlloc
+                | AllocatorAction::SegmentMap => {}
+                AllocatorAction::SegmentFree | AllocatorAction::SegmentUnmap => {
+                    let first = index == 0 || !self.trace.events[index - 1].action.releases();
+                    if first {
+                        alloc.release_free_segments();
+                    }
+                }
                 AllocatorAction::Free => {
                     if let Some(id) = self.frees.get(&index).and_then(|a| replayed.remove(a)) {
                         alloc.free(id);

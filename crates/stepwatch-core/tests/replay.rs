@@ -13,6 +13,8 @@ struct Recorder {
     alloc: CachingAllocator,
     events: Vec<AllocatorEvent>,
     phase: PhaseKind,
+    /// The stream the next allocations are made on.
+    stream: u64,
 }
 
 impl Recorder {
@@ -21,16 +23,18 @@ impl Recorder {
             alloc: CachingAllocator::new(),
             events: Vec::new(),
             phase: PhaseKind::Prologue,
+            stream: 0,
         }
     }
 
     fn malloc(&mut self, bytes: u64) -> allocator::AllocId {
-        let id = self.alloc.malloc(bytes, u64::MAX).unwrap();
+        let id = self.alloc.malloc_on(bytes, self.stream, u64::MAX).unwrap();
         self.events.push(AllocatorEvent {
             action: AllocatorAction::Alloc,
             address: self.alloc.address_of(id).unwrap(),
             size: bytes,
             phase: self.phase,
+            stream: self.stream,
         });
         id
     }
@@ -41,8 +45,25 @@ impl Recorder {
             address: self.alloc.address_of(id).unwrap(),
             size: self.alloc.block_size(id).unwrap(),
             phase: self.phase,
+            stream: self.stream,
         });
         self.alloc.free(id);
+    }
+
+    /// `torch.cuda.empty_cache()`: a segment_free event per released segment.
+    fn empty_cache(&mut self) {
+        let before = self.alloc.layout();
+        self.alloc.release_free_segments();
+        let after: Vec<u64> = self.alloc.layout().iter().map(|s| s.address).collect();
+        for s in before.iter().filter(|s| !after.contains(&s.address)) {
+            self.events.push(AllocatorEvent {
+                action: AllocatorAction::SegmentFree,
+                address: s.address,
+                size: s.size(),
+                phase: self.phase,
+                stream: s.stream,
+            });
+        }
     }
 
     fn trace(&self) -> AllocatorTrace {
@@ -50,6 +71,7 @@ impl Recorder {
             step: 1,
             segments: self.alloc.layout(),
             events: self.events.clone(),
+            settings: None,
         }
     }
 }
@@ -381,14 +403,14 @@ fn bad_traces_are_refused_with_a_reason() {
     ));
 
     let mut t = good;
-    t.segments.push(SegmentLayout {
-        address: 1,
-        pool: Pool::Small,
-        blocks: vec![BlockLayout {
+    t.segments.push(SegmentLayout::new(
+        1,
+        Pool::Small,
+        vec![BlockLayout {
             size: 0,
             allocated: false,
         }],
-    });
+    ));
     assert!(matches!(
         replay_step2(&t, false),
         Err(TraceError::Layout(allocator::LayoutError::EmptyBlock {
@@ -425,5 +447,267 @@ fn the_hello_says_what_becomes_of_the_gradients() {
     assert_eq!(
         Gradients::from_persistent(false),
         Gradients::FreedBeforeStep
+    );
+}
+
+/// 64 MiB of weights, allocated before the trace begins.
+fn with_weights() -> Recorder {
+    let mut r = Recorder::new();
+    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    r
+}
+
+#[test]
+fn a_side_stream_does_not_reuse_the_default_streams_blocks() {
+    // Step 1: forward frees a 40 MiB activation; backward's side stream
+    // (an NCCL bucket) cannot take its block and gets a 48 MiB segment of its
+    // own; the optimizer's 40 MiB of state takes the activation's block.
+    // Step 2's activation then finds no free block on the default stream (the
+    // side stream's does not count): a new 40 MiB segment, which the side
+    // stream's 48 MiB cannot use in turn. Blind to streams, a replay reuses
+    // the side stream's block and predicts no growth; blind to the events'
+    // streams, it puts the 48 MiB on the default stream and grows twice.
+    let mut r = with_weights();
+    r.phase = PhaseKind::Forward;
+    let a = r.malloc(40 * MIB);
+    r.free(a);
+    r.phase = PhaseKind::Backward;
+    r.stream = 5;
+    let x = r.malloc(48 * MIB);
+    r.free(x);
+    r.stream = 0;
+    r.phase = PhaseKind::Optimizer;
+    r.malloc(40 * MIB);
+    let t = r.trace();
+    assert_eq!(r.alloc.reserved(), 152 * MIB);
+    let replay = replay_step2(&t, false).unwrap();
+    assert_eq!(replay.reserved_at_step1_end_bytes, 152 * MIB);
+    assert_eq!(replay.reserved_peak_bytes, 192 * MIB);
+    assert_eq!(replay.steady_reserved_peak_bytes, 192 * MIB);
+}
+
+#[test]
+fn empty_cache_in_step_one_is_replayed_where_it_happened() {
+    // Step 1's forward: an 80 MiB temporary, empty_cache(), a 100 MiB one;
+    // the optimizer's 100 MiB of state takes the latter's segment. In step 2
+    // the 80 MiB segment is released again before the 100 MiB request, so
+    // reserved peaks at 64 + 100 + 100 MiB (264), not 64 + 100 + 80 + 100.
+    let mut r = with_weights();
+    r.phase = PhaseKind::Forward;
+    let a = r.malloc(80 * MIB);
+    r.free(a);
+    r.empty_cache();
+    let c = r.malloc(100 * MIB);
+    r.free(c);
+    r.phase = PhaseKind::Optimizer;
+    r.malloc(100 * MIB);
+    let t = r.trace();
+    assert_eq!(r.alloc.reserved(), 164 * MIB);
+    let replay = replay_step2(&t, false).unwrap();
+    assert_eq!(replay.reserved_peak_bytes, 264 * MIB);
+    assert_eq!(replay.steady_reserved_peak_bytes, 264 * MIB);
+}
+
+#[test]
+fn a_private_pool_serves_no_replayed_allocation() {
+    // A CUDA graph's private pool: a 40 MiB segment (pool id 7) holding its
+    // 12 MiB static output, 28 MiB free. Step 1's 8 MiB temporary had a
+    // 20 MiB segment of its own, released by empty_cache(). In step 2 it
+    // cannot use the private pool's 28 MiB: a new 20 MiB segment (104 + 20).
+    // The static output is not made again in the ordinary pool.
+    let w = 1u64 << 36;
+    let p = w - 40 * MIB;
+    let s = p - 20 * MIB;
+    let block = |size, allocated| BlockLayout { size, allocated };
+    let mut private = SegmentLayout::new(
+        p,
+        Pool::Large,
+        vec![block(12 * MIB, true), block(28 * MIB, false)],
+    );
+    private.pool_id = 7;
+    let event = |action, address, size| AllocatorEvent {
+        action,
+        address,
+        size,
+        phase: PhaseKind::Forward,
+        stream: 0,
+    };
+    let t = AllocatorTrace {
+        step: 1,
+        segments: vec![
+            SegmentLayout::new(w, Pool::Large, vec![block(64 * MIB, true)]),
+            private,
+        ],
+        events: vec![
+            event(AllocatorAction::Alloc, p, 12 * MIB),
+            event(AllocatorAction::Alloc, s, 8 * MIB),
+            event(AllocatorAction::Free, s, 8 * MIB),
+            event(AllocatorAction::SegmentFree, s, 20 * MIB),
+        ],
+        settings: None,
+    };
+    let replay = replay_step2(&t, false).unwrap();
+    assert_eq!(replay.reserved_at_step1_end_bytes, 104 * MIB);
+    assert_eq!(replay.reserved_peak_bytes, 124 * MIB);
+}
+
+#[test]
+fn the_traced_settings_are_followed_or_the_trace_refused() {
+    // Recorded under roundup_power2_divisions:4: a 30 MiB request takes a
+    // 32 MiB block, and the replay must round it so too.
+    let settings = TraceSettings {
+        roundup_power2_divisions: vec![4; allocator::ROUNDUP_INTERVALS],
+        alloc_conf: "roundup_power2_divisions:4".into(),
+        ..TraceSettings::default()
+    };
+    let mut r = Recorder::new();
+    r.alloc = CachingAllocator::with_settings(settings.model().unwrap());
+    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    r.phase = PhaseKind::Forward;
+    let a = r.malloc(30 * MIB);
+    r.free(a);
+    let mut t = r.trace();
+    t.settings = Some(settings.clone());
+    let replay = replay_step2(&t, false).unwrap();
+    assert_eq!(replay.allocated_peak_bytes, 96 * MIB);
+
+    for bad in [
+        TraceSettings {
+            garbage_collection_threshold: 0.6,
+            ..settings.clone()
+        },
+        TraceSettings {
+            alloc_conf: "max_non_split_rounding_mb:40".into(),
+            ..settings.clone()
+        },
+        TraceSettings {
+            roundup_power2_divisions: vec![4; 3],
+            ..settings.clone()
+        },
+    ] {
+        t.settings = Some(bad);
+        assert!(matches!(
+            replay_step2(&t, false),
+            Err(TraceError::UnmodelledSetting(_))
+        ));
+    }
+    // Expandable segments in the layout with the setting off: PyTorch then
+    // serves only from the other segments, which the model does not follow.
+    t.settings = Some(settings);
+    t.segments[0].expandable = true;
+    assert!(matches!(
+        replay_step2(&t, false),
+        Err(TraceError::UnmodelledSetting(_))
+    ));
+}
+
+#[test]
+fn hostile_traces_are_replayed_or_refused_never_a_panic() {
+    // Random layouts and events (streams, pools, expandable runs, segment
+    // events, odd sizes and addresses, settings): the replay answers Ok or
+    // Err for each, within its bounds.
+    let mut x: u64 = 0xD1B5_4A32_D192_ED03;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let actions = [
+        AllocatorAction::Alloc,
+        AllocatorAction::Free,
+        AllocatorAction::SegmentAlloc,
+        AllocatorAction::SegmentFree,
+        AllocatorAction::SegmentMap,
+        AllocatorAction::SegmentUnmap,
+    ];
+    let phases = [
+        PhaseKind::Prologue,
+        PhaseKind::Forward,
+        PhaseKind::Backward,
+        PhaseKind::Optimizer,
+        PhaseKind::Epilogue,
+    ];
+    let (mut replayed, mut refused) = (0, 0);
+    for _ in 0..4000 {
+        let base = (1u64 << 36) + (next() % 64) * (2 * MIB);
+        let mut address = base;
+        let mut segments = Vec::new();
+        let mut allocated = Vec::new();
+        for _ in 0..next() % 6 {
+            let blocks: Vec<BlockLayout> = (0..1 + next() % 4)
+                .map(|_| BlockLayout {
+                    size: 512 * (1 + next() % 40_000),
+                    allocated: next() % 2 == 0,
+                })
+                .collect();
+            let mut offset = address;
+            for b in &blocks {
+                if b.allocated {
+                    allocated.push((offset, b.size));
+                }
+                offset += b.size;
+            }
+            let mut s = SegmentLayout::new(
+                address,
+                if next() % 3 == 0 {
+                    Pool::Small
+                } else {
+                    Pool::Large
+                },
+                blocks,
+            );
+            s.stream = next() % 2;
+            s.pool_id = u64::from(next() % 5 == 0);
+            s.expandable = next() % 4 == 0;
+            address = offset + (next() % 3) * (2 * MIB);
+            segments.push(s);
+        }
+        let mut events = Vec::new();
+        for _ in 0..next() % 60 {
+            let pick = next();
+            let (address, size) = match allocated.get((pick % 8) as usize) {
+                Some(&(a, s)) if pick % 3 == 0 => (a, s),
+                _ => (
+                    base - 64 * MIB + (next() % 512) * 512 * 1024,
+                    1 + next() % (64 * MIB),
+                ),
+            };
+            events.push(AllocatorEvent {
+                action: actions[(next() % 6) as usize],
+                address,
+                size,
+                phase: phases[(next() % 5) as usize],
+                stream: next() % 2,
+            });
+        }
+        let settings = (next() % 2 == 0).then(|| TraceSettings {
+            max_split_size_bytes: (next() % 3) * 32 * MIB,
+            roundup_power2_divisions: if next() % 2 == 0 {
+                vec![(next() % 8) as u32; allocator::ROUNDUP_INTERVALS]
+            } else {
+                Vec::new()
+            },
+            expandable_segments: next() % 2 == 0,
+            ..TraceSettings::default()
+        });
+        let t = AllocatorTrace {
+            step: 1,
+            segments,
+            events,
+            settings,
+        };
+        for gradients in [Gradients::FreedBeforeStep, Gradients::Kept] {
+            let limit = Some(next() % (1 << 32));
+            match replay_step2_with(&t, gradients, limit) {
+                Ok(_) => replayed += 1,
+                Err(_) => refused += 1,
+            }
+        }
+    }
+    // Both paths are exercised.
+    assert!(
+        replayed > 500 && refused > 500,
+        "{replayed} replayed, {refused} refused"
     );
 }

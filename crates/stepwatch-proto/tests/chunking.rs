@@ -19,6 +19,7 @@ fn chunks_fit_the_message_limit_and_keep_the_order() {
                     allocated: j == 1,
                 })
                 .collect(),
+            ..Default::default()
         })
         .collect();
     let events: Vec<AllocatorEvent> = (0..50_000u64)
@@ -27,6 +28,7 @@ fn chunks_fit_the_message_limit_and_keep_the_order() {
             address: u64::MAX - i,
             size: i * 4096 + 1,
             phase: 2 + (i % 4) as i32,
+            ..Default::default()
         })
         .collect();
     let chunks = chunk_allocator_trace(1, segments.clone(), events.clone());

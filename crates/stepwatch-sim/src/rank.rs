@@ -11,7 +11,7 @@ use crate::allocator::{AllocId, CachingAllocator, OutOfMemory, Usage};
 use crate::scenario::{Scenario, ScenarioError, SimOptimizer, SimPrecision};
 
 /// One thing a simulated rank does, at a simulated time.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum SimEvent {
     /// A phase marker, as the client would send it, with allocator figures.
     Marker(Marker),
@@ -542,6 +542,7 @@ impl RankSim {
                         step: 1,
                         segments: self.alloc.layout(),
                         events: std::mem::take(&mut self.trace_events),
+                        settings: None,
                     };
                     self.out.push_back(SimEvent::AllocatorTrace {
                         at_ns: self.now_ns,
@@ -603,6 +604,7 @@ impl RankSim {
             address,
             size,
             phase,
+            stream: 0,
         });
     }
 

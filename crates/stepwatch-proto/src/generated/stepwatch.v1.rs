@@ -141,6 +141,35 @@ pub struct AllocatorTraceChunk {
     /// Set on the final chunk.
     #[prost(bool, tag = "4")]
     pub last: bool,
+    /// The allocator settings in force (the snapshot's allocator_settings). Send
+    /// them in the first chunk; the agent keeps the first it gets. Absent (older
+    /// clients): PyTorch's defaults are assumed.
+    #[prost(message, optional, tag = "5")]
+    pub settings: ::core::option::Option<AllocatorSettings>,
+}
+/// The caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF as the allocator
+/// parsed it). The agent models max_split_size, roundup_power2_divisions and
+/// expandable_segments and refuses a trace made under any other non-default
+/// setting (the prediction then keeps to the markers).
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct AllocatorSettings {
+    /// max_split_size_mb, in bytes; 0: unlimited (the default).
+    #[prost(uint64, tag = "1")]
+    pub max_split_size_bytes: u64,
+    /// roundup_power2_divisions: one per power-of-two interval, from [1 MiB,
+    /// 2 MiB) (and below) to [32 GiB, ...): 16 values; empty: none.
+    #[prost(uint32, repeated, tag = "2")]
+    pub roundup_power2_divisions: ::prost::alloc::vec::Vec<u32>,
+    /// garbage_collection_threshold; 0: off (the default).
+    #[prost(double, tag = "3")]
+    pub garbage_collection_threshold: f64,
+    /// expandable_segments:True.
+    #[prost(bool, tag = "4")]
+    pub expandable_segments: bool,
+    /// The PYTORCH_CUDA_ALLOC_CONF string the allocator parsed, for the settings
+    /// no field above carries.
+    #[prost(string, tag = "5")]
+    pub alloc_conf: ::prost::alloc::string::String,
 }
 /// One segment obtained from cudaMalloc.
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -154,6 +183,17 @@ pub struct AllocatorSegment {
     /// Blocks in address order, tiling the segment; their sizes sum to its size.
     #[prost(message, repeated, tag = "3")]
     pub blocks: ::prost::alloc::vec::Vec<AllocatorBlock>,
+    /// The stream whose requests it serves (the snapshot's stream); 0: the
+    /// default stream. Its free blocks serve no other stream.
+    #[prost(uint64, tag = "4")]
+    pub stream: u64,
+    /// The private pool it belongs to (CUDA graphs, torch.cuda.MemPool); 0: the
+    /// default pool. Non-zero: its blocks serve no ordinary allocation.
+    #[prost(uint64, tag = "5")]
+    pub pool_id: u64,
+    /// Part of an expandable segment (expandable_segments:True).
+    #[prost(bool, tag = "6")]
+    pub expandable: bool,
 }
 /// One block of a segment.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
@@ -180,6 +220,9 @@ pub struct AllocatorEvent {
     /// FORWARD_BEGIN, BACKWARD_BEGIN, OPTIMIZER_BEGIN or OPTIMIZER_END (epilogue).
     #[prost(enumeration = "MarkerKind", tag = "4")]
     pub phase: i32,
+    /// The stream it was made on (the snapshot's stream); 0: the default stream.
+    #[prost(uint64, tag = "5")]
+    pub stream: u64,
 }
 /// A batch of markers from one rank, oldest first.
 #[derive(Clone, PartialEq, ::prost::Message)]
@@ -444,6 +487,17 @@ pub enum AllocatorAction {
     Alloc = 1,
     /// A block was given back to the cache.
     Free = 2,
+    /// A segment was obtained from the driver (cudaMalloc); size: the segment's.
+    SegmentAlloc = 3,
+    /// A segment was given back to the driver (empty_cache, or a release to
+    /// retry a failed cudaMalloc); size: the segment's.
+    SegmentFree = 4,
+    /// Pages were mapped into an expandable segment (expandable_segments:True);
+    /// size: the bytes mapped.
+    SegmentMap = 5,
+    /// Pages of an expandable segment were unmapped (empty_cache); size: the
+    /// bytes unmapped.
+    SegmentUnmap = 6,
 }
 impl AllocatorAction {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -455,6 +509,10 @@ impl AllocatorAction {
             Self::Unspecified => "ALLOCATOR_ACTION_UNSPECIFIED",
             Self::Alloc => "ALLOCATOR_ACTION_ALLOC",
             Self::Free => "ALLOCATOR_ACTION_FREE",
+            Self::SegmentAlloc => "ALLOCATOR_ACTION_SEGMENT_ALLOC",
+            Self::SegmentFree => "ALLOCATOR_ACTION_SEGMENT_FREE",
+            Self::SegmentMap => "ALLOCATOR_ACTION_SEGMENT_MAP",
+            Self::SegmentUnmap => "ALLOCATOR_ACTION_SEGMENT_UNMAP",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -463,6 +521,10 @@ impl AllocatorAction {
             "ALLOCATOR_ACTION_UNSPECIFIED" => Some(Self::Unspecified),
             "ALLOCATOR_ACTION_ALLOC" => Some(Self::Alloc),
             "ALLOCATOR_ACTION_FREE" => Some(Self::Free),
+            "ALLOCATOR_ACTION_SEGMENT_ALLOC" => Some(Self::SegmentAlloc),
+            "ALLOCATOR_ACTION_SEGMENT_FREE" => Some(Self::SegmentFree),
+            "ALLOCATOR_ACTION_SEGMENT_MAP" => Some(Self::SegmentMap),
+            "ALLOCATOR_ACTION_SEGMENT_UNMAP" => Some(Self::SegmentUnmap),
             _ => None,
         }
     }

@@ -46,6 +46,10 @@ class AllocatorAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ALLOCATOR_ACTION_UNSPECIFIED: _ClassVar[AllocatorAction]
     ALLOCATOR_ACTION_ALLOC: _ClassVar[AllocatorAction]
     ALLOCATOR_ACTION_FREE: _ClassVar[AllocatorAction]
+    ALLOCATOR_ACTION_SEGMENT_ALLOC: _ClassVar[AllocatorAction]
+    ALLOCATOR_ACTION_SEGMENT_FREE: _ClassVar[AllocatorAction]
+    ALLOCATOR_ACTION_SEGMENT_MAP: _ClassVar[AllocatorAction]
+    ALLOCATOR_ACTION_SEGMENT_UNMAP: _ClassVar[AllocatorAction]
 
 class AdvisoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -85,6 +89,10 @@ OOM: MarkerKind
 ALLOCATOR_ACTION_UNSPECIFIED: AllocatorAction
 ALLOCATOR_ACTION_ALLOC: AllocatorAction
 ALLOCATOR_ACTION_FREE: AllocatorAction
+ALLOCATOR_ACTION_SEGMENT_ALLOC: AllocatorAction
+ALLOCATOR_ACTION_SEGMENT_FREE: AllocatorAction
+ALLOCATOR_ACTION_SEGMENT_MAP: AllocatorAction
+ALLOCATOR_ACTION_SEGMENT_UNMAP: AllocatorAction
 ADVISORY_KIND_UNSPECIFIED: AdvisoryKind
 ADVISORY_KIND_STEP2_OOM_PREDICTED: AdvisoryKind
 ADVISORY_KIND_LOW_HEADROOM: AdvisoryKind
@@ -167,26 +175,48 @@ class ModelFacts(_message.Message):
     def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ..., micro_batch_size: _Optional[int] = ..., optimizer_implementation: _Optional[_Union[OptimizerImplementation, str]] = ...) -> None: ...
 
 class AllocatorTraceChunk(_message.Message):
-    __slots__ = ("step", "segments", "events", "last")
+    __slots__ = ("step", "segments", "events", "last", "settings")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     step: int
     segments: _containers.RepeatedCompositeFieldContainer[AllocatorSegment]
     events: _containers.RepeatedCompositeFieldContainer[AllocatorEvent]
     last: bool
-    def __init__(self, step: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[AllocatorSegment, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[AllocatorEvent, _Mapping]]] = ..., last: bool = ...) -> None: ...
+    settings: AllocatorSettings
+    def __init__(self, step: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[AllocatorSegment, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[AllocatorEvent, _Mapping]]] = ..., last: bool = ..., settings: _Optional[_Union[AllocatorSettings, _Mapping]] = ...) -> None: ...
+
+class AllocatorSettings(_message.Message):
+    __slots__ = ("max_split_size_bytes", "roundup_power2_divisions", "garbage_collection_threshold", "expandable_segments", "alloc_conf")
+    MAX_SPLIT_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROUNDUP_POWER2_DIVISIONS_FIELD_NUMBER: _ClassVar[int]
+    GARBAGE_COLLECTION_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    EXPANDABLE_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    ALLOC_CONF_FIELD_NUMBER: _ClassVar[int]
+    max_split_size_bytes: int
+    roundup_power2_divisions: _containers.RepeatedScalarFieldContainer[int]
+    garbage_collection_threshold: float
+    expandable_segments: bool
+    alloc_conf: str
+    def __init__(self, max_split_size_bytes: _Optional[int] = ..., roundup_power2_divisions: _Optional[_Iterable[int]] = ..., garbage_collection_threshold: _Optional[float] = ..., expandable_segments: bool = ..., alloc_conf: _Optional[str] = ...) -> None: ...
 
 class AllocatorSegment(_message.Message):
-    __slots__ = ("address", "small_pool", "blocks")
+    __slots__ = ("address", "small_pool", "blocks", "stream", "pool_id", "expandable")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SMALL_POOL_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPANDABLE_FIELD_NUMBER: _ClassVar[int]
     address: int
     small_pool: bool
     blocks: _containers.RepeatedCompositeFieldContainer[AllocatorBlock]
-    def __init__(self, address: _Optional[int] = ..., small_pool: bool = ..., blocks: _Optional[_Iterable[_Union[AllocatorBlock, _Mapping]]] = ...) -> None: ...
+    stream: int
+    pool_id: int
+    expandable: bool
+    def __init__(self, address: _Optional[int] = ..., small_pool: bool = ..., blocks: _Optional[_Iterable[_Union[AllocatorBlock, _Mapping]]] = ..., stream: _Optional[int] = ..., pool_id: _Optional[int] = ..., expandable: bool = ...) -> None: ...
 
 class AllocatorBlock(_message.Message):
     __slots__ = ("size", "allocated")
@@ -197,16 +227,18 @@ class AllocatorBlock(_message.Message):
     def __init__(self, size: _Optional[int] = ..., allocated: bool = ...) -> None: ...
 
 class AllocatorEvent(_message.Message):
-    __slots__ = ("action", "address", "size", "phase")
+    __slots__ = ("action", "address", "size", "phase", "stream")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
     action: AllocatorAction
     address: int
     size: int
     phase: MarkerKind
-    def __init__(self, action: _Optional[_Union[AllocatorAction, str]] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., phase: _Optional[_Union[MarkerKind, str]] = ...) -> None: ...
+    stream: int
+    def __init__(self, action: _Optional[_Union[AllocatorAction, str]] = ..., address: _Optional[int] = ..., size: _Optional[int] = ..., phase: _Optional[_Union[MarkerKind, str]] = ..., stream: _Optional[int] = ...) -> None: ...
 
 class MarkerBatch(_message.Message):
     __slots__ = ("markers",)
