@@ -507,12 +507,22 @@ async fn replay_trace(
 ) -> Result<(), Status> {
     let events = trace.events.len();
     let reserved_limit = state.tracker().reserved_limit(key);
-    let (trace, replayed) = tokio::task::spawn_blocking(move || {
+    let joined = tokio::task::spawn_blocking(move || {
         let replayed = replay_step2_with(&trace, gradients, reserved_limit);
         (trace, replayed)
     })
-    .await
-    .map_err(|e| Status::internal(format!("allocator trace replay failed: {e}")))?;
+    .await;
+    // A failure inside the replay is the agent's bug, not the client's: it
+    // is counted and logged, and the rank keeps its stream and its markers
+    // prediction.
+    let (trace, replayed) = match joined {
+        Ok(done) => done,
+        Err(e) => {
+            tracing::error!(job = %key.job, rank = key.rank, error = %e, "the allocator trace replay failed");
+            reject_trace(state, key, "allocator_trace_replay_failed", &e.to_string());
+            return Ok(());
+        }
+    };
     let replay = match replayed {
         Ok(replay) => replay,
         Err(e) => {
