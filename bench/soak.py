@@ -26,10 +26,9 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import grpc
-
 from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
 from stepwatch._proto.stepwatch.v1 import ingest_pb2_grpc as pb_grpc
 
@@ -38,7 +37,9 @@ GPU0 = "GPU-00000000-0000-0000-0000-000000000000"
 
 def hello(job: str, pid: int) -> pb.ClientMessage:
     ident = pb.Identity(job_id=job, rank=0, world_size=1, node_name="soak")
-    return pb.ClientMessage(hello=pb.Hello(identity=ident, gpu_uuid=GPU0, pid=pid, framework="soak"))
+    return pb.ClientMessage(
+        hello=pb.Hello(identity=ident, gpu_uuid=GPU0, pid=pid, framework="soak")
+    )
 
 
 def step_markers(step: int, micro_batches: int, t: List[int]) -> List[pb.Marker]:
@@ -49,7 +50,9 @@ def step_markers(step: int, micro_batches: int, t: List[int]) -> List[pb.Marker]
     out = []
     for i, k in enumerate(kinds):
         t[0] = max(t[0] + 1000, time.monotonic_ns())
-        out.append(pb.Marker(kind=k, step=step, monotonic_ns=t[0], wall_ns=t[0], micro_batch=i // 2))
+        out.append(
+            pb.Marker(kind=k, step=step, monotonic_ns=t[0], wall_ns=t[0], micro_batch=i // 2)
+        )
     return out
 
 
@@ -63,7 +66,12 @@ class Stop:
 
 
 def channel(socket_path: str) -> grpc.Channel:
-    return grpc.insecure_channel(f"unix://{socket_path}")
+    # grpc-core sends the socket path as :authority, which hyper refuses
+    # (PROTOCOL_ERROR); the client library sets the same option.
+    # Each channel its own connection, as separate processes would have
+    # (grpc-core otherwise shares one per target across channels).
+    options = [("grpc.default_authority", "localhost"), ("grpc.use_local_subchannel_pool", 1)]
+    return grpc.insecure_channel(f"unix://{socket_path}", options=options)
 
 
 def memory_load(sock: str, stop: Stop, rank: int, counts: Dict[str, int]) -> None:
@@ -88,12 +96,27 @@ def memory_load(sock: str, stop: Stop, rank: int, counts: Dict[str, int]) -> Non
                 for _ in stub.Stream(messages()):
                     pass
         except grpc.RpcError as e:
-            counts[f"memory_ended_{e.code().name}"] = counts.get(f"memory_ended_{e.code().name}", 0) + 1
+            counts[f"memory_ended_{e.code().name}"] = (
+                counts.get(f"memory_ended_{e.code().name}", 0) + 1
+            )
             time.sleep(0.05)
 
 
 def silent_streams(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None:
-    """Streams that never send a message, reopened when the agent ends them."""
+    """Streams that never send a message, reopened when the agent ends them;
+    32 to a connection, below the agent's per-connection cap."""
+    threads = []
+    for first in range(0, n, 32):
+        th = threading.Thread(
+            target=_silent_connection, args=(sock, stop, counts, min(32, n - first)), daemon=True
+        )
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+
+
+def _silent_connection(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None:
     with channel(sock) as ch:
         stub = pb_grpc.IngestStub(ch)
         gate = threading.Event()
@@ -128,7 +151,10 @@ def short_jobs(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
         while not stop.done():
             n += 1
             t = [0]
-            msgs = [hello(f"soak-short-{n}", 200_000 + n), pb.ClientMessage(markers=pb.MarkerBatch(markers=step_markers(1, 1, t)))]
+            msgs = [
+                hello(f"soak-short-{n}", 200_000 + n),
+                pb.ClientMessage(markers=pb.MarkerBatch(markers=step_markers(1, 1, t))),
+            ]
             try:
                 for _ in stub.Stream(iter(msgs), timeout=10):
                     pass
@@ -183,18 +209,27 @@ def traces(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
         n += 1
         finish = n % 2 == 0
         segments = [
-            pb.AllocatorSegment(address=(1 << 40) + i * seg_size, blocks=[pb.AllocatorBlock(size=seg_size, allocated=i % 2 == 0)])
+            pb.AllocatorSegment(
+                address=(1 << 40) + i * seg_size,
+                blocks=[pb.AllocatorBlock(size=seg_size, allocated=i % 2 == 0)],
+            )
             for i in range(4000)
         ]
         t = [0]
         first = step_markers(1, 1, t)
 
-        def messages() -> Iterator[pb.ClientMessage]:
+        def messages(
+            n: int = n, first: List[pb.Marker] = first, segments=segments, finish: bool = finish
+        ) -> Iterator[pb.ClientMessage]:
             yield hello(f"soak-trace-{n}", 300_000 + n)
             yield pb.ClientMessage(markers=pb.MarkerBatch(markers=first[:-1]))
             for i in range(0, len(segments), 1000):
                 last = finish and i + 1000 >= len(segments)
-                yield pb.ClientMessage(allocator_trace=pb.AllocatorTraceChunk(step=1, segments=segments[i : i + 1000], last=last))
+                yield pb.ClientMessage(
+                    allocator_trace=pb.AllocatorTraceChunk(
+                        step=1, segments=segments[i : i + 1000], last=last
+                    )
+                )
             if not finish:
                 # Hold the unfinished trace open for a while.
                 end = time.monotonic() + 20
@@ -223,7 +258,9 @@ def polite_rank(sock: str, stop: Stop, progress: List[float]) -> None:
                     t = [0]
                     step = 1
                     while not stop.done():
-                        yield pb.ClientMessage(markers=pb.MarkerBatch(markers=step_markers(step, 1, t)))
+                        yield pb.ClientMessage(
+                            markers=pb.MarkerBatch(markers=step_markers(step, 1, t))
+                        )
                         step += 1
                         time.sleep(0.1)
 
@@ -249,7 +286,9 @@ def metric_lines(text: str, name: str) -> Dict[str, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--bin", required=True, help="the stepwatch binary")
     ap.add_argument("--seconds", type=float, default=600, help="how long to soak (default 600)")
     ap.add_argument("--memory-ranks", type=int, default=8)
@@ -260,13 +299,33 @@ def main() -> int:
     args = ap.parse_args()
 
     d = args.dir
-    subprocess.run([args.bin, "fake-gpu", "--dir", str(d), "init", "--gpus", "1"], check=True, stdout=subprocess.DEVNULL)
-    lib = subprocess.run([args.bin, "fake-gpu", "--dir", str(d), "lib-path"], check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run(
+        [args.bin, "fake-gpu", "--dir", str(d), "init", "--gpus", "1"],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    lib = subprocess.run(
+        [args.bin, "fake-gpu", "--dir", str(d), "lib-path"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     sock = str(d / "agent.sock")
     ready = d / "ready.json"
     env = dict(os.environ, STEPWATCH_FAKE_NVML_DIR=str(d), RUST_LOG="warn")
     agent = subprocess.Popen(
-        [args.bin, "agent", "--socket", sock, "--http-listen", "127.0.0.1:0", "--ready-file", str(ready), "--nvml-lib", lib],
+        [
+            args.bin,
+            "agent",
+            "--socket",
+            sock,
+            "--http-listen",
+            "127.0.0.1:0",
+            "--ready-file",
+            str(ready),
+            "--nvml-lib",
+            lib,
+        ],
         env=env,
         stderr=open(d / "agent.log", "w"),
     )
@@ -278,16 +337,25 @@ def main() -> int:
                 return 2
             time.sleep(0.05)
         port = int(json.loads(ready.read_text())["http"].rsplit(":", 1)[1])
-        print(f"soak: agent pid {agent.pid}, http port {port}, {args.seconds:.0f} s", file=sys.stderr)
+        print(
+            f"soak: agent pid {agent.pid}, http port {port}, {args.seconds:.0f} s", file=sys.stderr
+        )
 
         stop = Stop(args.seconds)
         counts: Dict[str, int] = {}
         polite_errors: List[float] = []
-        loads = [threading.Thread(target=memory_load, args=(sock, stop, r, counts), daemon=True) for r in range(args.memory_ranks)]
+        loads = [
+            threading.Thread(target=memory_load, args=(sock, stop, r, counts), daemon=True)
+            for r in range(args.memory_ranks)
+        ]
         loads += [
-            threading.Thread(target=silent_streams, args=(sock, stop, counts, args.silent_streams), daemon=True),
+            threading.Thread(
+                target=silent_streams, args=(sock, stop, counts, args.silent_streams), daemon=True
+            ),
             threading.Thread(target=short_jobs, args=(sock, stop, counts), daemon=True),
-            threading.Thread(target=connection_flood, args=(sock, stop, counts, args.flood), daemon=True),
+            threading.Thread(
+                target=connection_flood, args=(sock, stop, counts, args.flood), daemon=True
+            ),
             threading.Thread(target=traces, args=(sock, stop, counts), daemon=True),
             threading.Thread(target=polite_rank, args=(sock, stop, polite_errors), daemon=True),
         ]
@@ -317,8 +385,12 @@ def main() -> int:
                 polite_steps.append((time.monotonic(), None))
             if time.monotonic() - last_report > 30:
                 last_report = time.monotonic()
-                print(f"soak: {int(time.monotonic() - (stop.deadline - args.seconds))} s, RSS {rss_peak_kib // 1024} MiB peak, "
-                      f"healthz p50 {sorted(healthz_ms)[len(healthz_ms) // 2]:.1f} ms", file=sys.stderr)
+                elapsed = int(time.monotonic() - (stop.deadline - args.seconds))
+                p50 = sorted(healthz_ms)[len(healthz_ms) // 2] if healthz_ms else float("nan")
+                print(
+                    f"soak: {elapsed} s, RSS {rss_peak_kib // 1024} MiB peak, healthz p50 {p50:.1f} ms",
+                    file=sys.stderr,
+                )
             time.sleep(0.25)
         stop.event.set()
         metrics = http(port, "/metrics").decode()
@@ -336,13 +408,31 @@ def main() -> int:
                 last_change, last_value = at, value
             longest_stall = max(longest_stall, at - last_change)
         healthz_ms.sort()
-        pick = lambda q: healthz_ms[min(len(healthz_ms) - 1, int(q * len(healthz_ms)))] if healthz_ms else None  # noqa: E731
+
+        def pick(q: float) -> Optional[float]:
+            if not healthz_ms:
+                return None
+            return healthz_ms[min(len(healthz_ms) - 1, int(q * len(healthz_ms)))]
+
         summary = {
             "seconds": args.seconds,
             "agent_peak_rss_mib": round(hwm_kib / 1024, 1),
-            "healthz_ms": {"p50": pick(0.5), "p99": pick(0.99), "max": healthz_ms[-1] if healthz_ms else None, "failures": healthz_failures},
-            "polite_rank": {"steps_completed": last_value, "longest_stall_s": round(longest_stall, 2), "stream_errors": len(polite_errors)},
-            "refused": {k: v for k, v in metric_lines(metrics, "stepwatch_markers_rejected_total").items() if v > 0},
+            "healthz_ms": {
+                "p50": pick(0.5),
+                "p99": pick(0.99),
+                "max": healthz_ms[-1] if healthz_ms else None,
+                "failures": healthz_failures,
+            },
+            "polite_rank": {
+                "steps_completed": last_value,
+                "longest_stall_s": round(longest_stall, 2),
+                "stream_errors": len(polite_errors),
+            },
+            "refused": {
+                k: v
+                for k, v in metric_lines(metrics, "stepwatch_markers_rejected_total").items()
+                if v > 0
+            },
             "retained_bytes": metric_lines(metrics, "stepwatch_retained_bytes"),
             "steps_trimmed": metric_lines(metrics, "stepwatch_steps_trimmed_total"),
             "ranks_evicted": metric_lines(metrics, "stepwatch_ranks_evicted_total"),
