@@ -388,7 +388,8 @@ def main() -> int:
                 elapsed = int(time.monotonic() - (stop.deadline - args.seconds))
                 p50 = sorted(healthz_ms)[len(healthz_ms) // 2] if healthz_ms else float("nan")
                 print(
-                    f"soak: {elapsed} s, RSS {rss_peak_kib // 1024} MiB peak, healthz p50 {p50:.1f} ms",
+                    f"soak: {elapsed} s, RSS {rss_peak_kib // 1024} MiB peak, "
+                    f"healthz p50 {p50:.1f} ms",
                     file=sys.stderr,
                 )
             time.sleep(0.25)
