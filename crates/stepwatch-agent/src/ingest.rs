@@ -743,3 +743,7 @@ mod tests {
         assert_eq!(rank_info(hello, usable_peer_pid(4242)).pid, 4242);
     }
 }
+
+#[cfg(test)]
+#[path = "ingest_fuzz.rs"]
+mod fuzz;
