@@ -4,8 +4,9 @@
 //! is that nothing panics and the tracker's bounds hold; every refusal is a
 //! value, not a crash.
 //!
-//! `scripts/test` runs a short pass (500 streams, about 4,000 inputs); `bench/fuzz.sh` runs more than ten million inputs
-//! (`STEPWATCH_FUZZ_CASES` streams of 1–15 inputs each).
+//! `scripts/test` runs a short pass (500 streams, about 4,000 inputs);
+//! `bench/fuzz.sh` runs more than ten million inputs (`STEPWATCH_FUZZ_CASES`
+//! streams of 1–15 inputs each).
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
