@@ -399,3 +399,78 @@ fn chunk_event() -> AllocatorEvent {
         ..Default::default()
     }
 }
+
+/// Unfinished traces are bounded in bytes across streams and in time; a
+/// trace past either is dropped and counted, and the stream goes on.
+#[test]
+fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
+    let agent = Agent::start_with(
+        "trace-budget",
+        1,
+        &[
+            "--max-partial-trace-mib",
+            "1",
+            "--partial-trace-timeout",
+            "1s",
+        ],
+        |_| {},
+    );
+    let ep = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut step1 = step(1, 1_000);
+    step1.pop();
+    // 5,000 events a chunk (within 64 KiB on the wire), never finished:
+    // the budget of 1 MiB runs out after a few chunks.
+    let big_chunk = || {
+        let mut c = trace_chunk(1, false);
+        c.events = vec![chunk_event(); 5_000];
+        trace(c)
+    };
+    let mut messages = vec![hello("hoarder", 0, 1), batch(step1.clone())];
+    messages.extend((0..12).map(|_| big_chunk()));
+    // The stream goes on: step 1 ends normally after the dropped trace.
+    messages.push(batch(vec![marker(MarkerKind::StepEnd, 1, 9_000)]));
+    rt.block_on(exchange(&ep, messages))
+        .expect("a trace over the budget is dropped, not the stream");
+    agent.wait_metrics("the budget refusal", Duration::from_secs(5), |m| {
+        m.get(
+            "stepwatch_markers_rejected_total",
+            &[("reason", "allocator_trace_over_budget")],
+        ) == Some(1.0)
+            && m.get(
+                "stepwatch_rank_steps_completed_total",
+                &[("job", "hoarder")],
+            ) == Some(1.0)
+    });
+
+    // A trace begun and never finished is dropped after the timeout, on the
+    // stream's next message.
+    rt.block_on(async {
+        let (tx, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
+        let channel = tonic::transport::Endpoint::from_shared(ep.clone())
+            .unwrap()
+            .connect()
+            .await
+            .expect("connect");
+        let mut client = stepwatch_proto::v1::ingest_client::IngestClient::new(channel);
+        let _response = client
+            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("the stream opens");
+        tx.send(hello("slow-trace", 0, 1)).await.unwrap();
+        tx.send(batch(step1.clone())).await.unwrap();
+        tx.send(trace(trace_chunk(1, false))).await.unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            // Empty batches: the stream is alive, the trace is not moving.
+            tx.send(batch(Vec::new())).await.unwrap();
+            let m = Metrics(agent.metrics());
+            let reason = [("reason", "allocator_trace_timeout")];
+            if m.get("stepwatch_markers_rejected_total", &reason) == Some(1.0) {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "no timeout counted");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}

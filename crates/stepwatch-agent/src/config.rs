@@ -121,6 +121,18 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
     pub hello_timeout: Duration,
 
+    /// Bytes that allocator traces still being sent may hold, all streams
+    /// together, MiB; a trace that would go past it is dropped (counted as
+    /// allocator_trace_over_budget) and that rank's prediction keeps to its
+    /// markers.
+    #[arg(long, env = "STEPWATCH_MAX_PARTIAL_TRACE_MIB", default_value_t = 64)]
+    pub max_partial_trace_mib: u64,
+
+    /// How long an allocator trace may take from its first chunk to its
+    /// last; past it the partial trace is dropped (allocator_trace_timeout).
+    #[arg(long, env = "STEPWATCH_PARTIAL_TRACE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    pub partial_trace_timeout: Duration,
+
     /// Markers per second one stream may send (burst: one second's worth);
     /// beyond it the stream gets RESOURCE_EXHAUSTED.
     #[arg(long, env = "STEPWATCH_MAX_MARKER_RATE", default_value_t = 200_000.0)]

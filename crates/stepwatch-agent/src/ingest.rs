@@ -29,6 +29,81 @@ pub struct IngestService {
     state: Arc<AgentState>,
     streams: Arc<Semaphore>,
     limits: IngestLimits,
+    traces: Arc<TraceBudget>,
+}
+
+/// What allocator traces may hold across all streams: unfinished traces
+/// cost memory until their last chunk (a trace never finished once held
+/// 36 MB per stream for the stream's life), and each replay a core.
+pub struct TraceBudget {
+    /// Encoded bytes of traces still being assembled, all streams together.
+    partial_bytes: std::sync::atomic::AtomicU64,
+    /// Most bytes of unfinished traces (`--max-partial-trace-mib`).
+    max_partial_bytes: u64,
+    /// How long a trace may take from its first chunk to its last
+    /// (`--partial-trace-timeout`).
+    timeout: Duration,
+    /// Replays running at once (one per core is all they can use).
+    replays: Semaphore,
+}
+
+impl TraceBudget {
+    pub fn new(max_partial_bytes: u64, timeout: Duration, concurrent_replays: usize) -> Self {
+        Self {
+            partial_bytes: std::sync::atomic::AtomicU64::new(0),
+            max_partial_bytes,
+            timeout,
+            replays: Semaphore::new(concurrent_replays.max(1)),
+        }
+    }
+}
+
+/// What a chunk holds once gathered into the core trace, bytes.
+fn held_bytes(chunk: &pb::AllocatorTraceChunk) -> u64 {
+    let blocks: usize = chunk.segments.iter().map(|s| s.blocks.len()).sum();
+    let bytes = chunk.events.len() * std::mem::size_of::<AllocatorEvent>()
+        + chunk.segments.len() * std::mem::size_of::<SegmentLayout>()
+        + blocks * std::mem::size_of::<BlockLayout>();
+    bytes as u64
+}
+
+/// One stream's share of [`TraceBudget::partial_bytes`], given back when
+/// the trace completes, is dropped, or the stream ends.
+struct HeldTraceBytes<'a> {
+    budget: &'a TraceBudget,
+    held: u64,
+}
+
+impl HeldTraceBytes<'_> {
+    /// Takes `bytes` more; false (nothing taken) past the budget.
+    fn take(&mut self, bytes: u64) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let max = self.budget.max_partial_bytes;
+        let taken = self
+            .budget
+            .partial_bytes
+            .fetch_update(Relaxed, Relaxed, |now| {
+                now.checked_add(bytes).filter(|&n| n <= max)
+            })
+            .is_ok();
+        if taken {
+            self.held += bytes;
+        }
+        taken
+    }
+
+    fn release(&mut self) {
+        self.budget.partial_bytes.fetch_sub(
+            std::mem::take(&mut self.held),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+}
+
+impl Drop for HeldTraceBytes<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// Per-stream bounds of the ingest service (flags of the same names).
@@ -44,11 +119,12 @@ pub struct IngestLimits {
 }
 
 impl IngestService {
-    pub fn new(state: Arc<AgentState>, limits: IngestLimits) -> Self {
+    pub fn new(state: Arc<AgentState>, limits: IngestLimits, traces: Arc<TraceBudget>) -> Self {
         Self {
             state,
             streams: Arc::new(Semaphore::new(limits.max_streams)),
             limits,
+            traces,
         }
     }
 }
@@ -75,11 +151,14 @@ impl Ingest for IngestService {
         let state = self.state.clone();
         let streams = self.streams.clone();
         let limits = self.limits;
+        let traces = self.traces.clone();
         tokio::spawn(async move {
             state.ingest.streams_opened.inc();
             let served = tokio::spawn({
                 let (state, tx) = (state.clone(), tx.clone());
-                async move { serve_stream(&state, &streams, inbound, peer_pid, limits, &tx).await }
+                async move {
+                    serve_stream(&state, &streams, &traces, inbound, peer_pid, limits, &tx).await
+                }
             })
             .await;
             let result = match served {
@@ -105,6 +184,7 @@ impl Ingest for IngestService {
 async fn serve_stream(
     state: &AgentState,
     streams: &Arc<Semaphore>,
+    traces: &TraceBudget,
     mut inbound: Streaming<pb::ClientMessage>,
     peer_pid: Option<u32>,
     limits: IngestLimits,
@@ -156,7 +236,7 @@ async fn serve_stream(
     };
     tracing::info!(job = %key.job, rank = key.rank, pid = info.pid, gpu = %info.gpu_uuid, "rank connected");
     let gradients = Gradients::of(&info);
-    let result = receive_markers(state, &key, gradients, &mut inbound, max_rate, tx).await;
+    let result = receive_markers(state, traces, &key, gradients, &mut inbound, max_rate, tx).await;
     state.close_rank(&key);
     tracing::info!(job = %key.job, rank = key.rank, "rank disconnected");
     result
@@ -164,6 +244,7 @@ async fn serve_stream(
 
 async fn receive_markers(
     state: &AgentState,
+    traces: &TraceBudget,
     key: &RankKey,
     gradients: Gradients,
     inbound: &mut Streaming<pb::ClientMessage>,
@@ -173,7 +254,22 @@ async fn receive_markers(
     let mut bucket = TokenBucket::new(max_rate);
     let mut markers = Vec::new();
     let mut trace = TraceAssembly::default();
+    let mut held = HeldTraceBytes {
+        budget: traces,
+        held: 0,
+    };
     while let Some(message) = next_message(state, inbound).await? {
+        // A trace begun too long ago gives its memory back; the prediction
+        // keeps to the markers.
+        if trace.started.is_some_and(|t| t.elapsed() > traces.timeout) {
+            trace.abandon();
+            held.release();
+            let why = format!(
+                "the allocator trace was not finished within {:?} of its first chunk (--partial-trace-timeout)",
+                traces.timeout
+            );
+            reject_trace(state, key, "allocator_trace_timeout", &why);
+        }
         let batch = match message.kind {
             Some(Kind::Markers(batch)) => batch,
             Some(Kind::AllocatorTrace(chunk)) => {
@@ -184,12 +280,26 @@ async fn receive_markers(
                         "more than {max_rate} messages/s on one stream (--max-marker-rate)"
                     )));
                 }
+                if !trace.skipping && !trace.complete && !held.take(held_bytes(&chunk)) {
+                    let last = chunk.last;
+                    trace.abandon();
+                    trace.complete = last;
+                    held.release();
+                    let why = format!(
+                        "unfinished allocator traces of all streams would hold more than {} bytes (--max-partial-trace-mib)",
+                        traces.max_partial_bytes
+                    );
+                    reject_trace(state, key, "allocator_trace_over_budget", &why);
+                    continue;
+                }
                 match trace.add(chunk) {
                     Ok(Some(complete)) => {
-                        replay_trace(state, key, gradients, complete, tx).await?;
+                        held.release();
+                        replay_trace(state, traces, key, gradients, complete, tx).await?;
                     }
                     Ok(None) => {}
                     Err(Refusal::Unusable(reason, why)) => {
+                        held.release();
                         reject_trace(state, key, reason, &why);
                     }
                     Err(Refusal::Fatal(reason, status)) => {
@@ -348,6 +458,8 @@ enum Refusal {
 #[derive(Default)]
 struct TraceAssembly {
     trace: AllocatorTrace,
+    /// When its first chunk arrived; None once it is done or dropped.
+    started: Option<Instant>,
     blocks: usize,
     /// The rest of an unusable trace is skipped up to its last chunk.
     skipping: bool,
@@ -355,6 +467,14 @@ struct TraceAssembly {
 }
 
 impl TraceAssembly {
+    /// Drops what was gathered; the rest of the trace is skipped up to its
+    /// last chunk.
+    fn abandon(&mut self) {
+        self.trace = AllocatorTrace::default();
+        self.started = None;
+        self.skipping = true;
+    }
+
     /// Adds a chunk; returns the trace once its last chunk is in.
     fn add(&mut self, chunk: pb::AllocatorTraceChunk) -> Result<Option<AllocatorTrace>, Refusal> {
         if self.complete {
@@ -383,13 +503,18 @@ impl TraceAssembly {
         };
         if let Err((reason, why)) = result {
             self.trace = AllocatorTrace::default();
+            self.started = None;
             self.skipping = !last;
             self.complete = last;
             return Err(Refusal::Unusable(reason, why));
         }
         if !last {
+            if !self.skipping {
+                self.started.get_or_insert_with(Instant::now);
+            }
             return Ok(None);
         }
+        self.started = None;
         self.complete = true;
         if std::mem::take(&mut self.skipping) {
             return Ok(None);
@@ -500,6 +625,7 @@ fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &s
 /// the tracker. A trace that arrives after step 2 began is counted, not refused.
 async fn replay_trace(
     state: &AgentState,
+    traces: &TraceBudget,
     key: &RankKey,
     gradients: Gradients,
     trace: AllocatorTrace,
@@ -507,6 +633,7 @@ async fn replay_trace(
 ) -> Result<(), Status> {
     let events = trace.events.len();
     let reserved_limit = state.tracker().reserved_limit(key);
+    let _replay_slot = traces.replays.acquire().await;
     let joined = tokio::task::spawn_blocking(move || {
         let replayed = replay_step2_with(&trace, gradients, reserved_limit);
         (trace, replayed)

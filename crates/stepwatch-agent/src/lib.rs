@@ -17,6 +17,7 @@ use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -118,6 +119,12 @@ pub async fn run_until(
             .http2_keepalive_interval(Some(Duration::from_secs(30)))
             .http2_keepalive_timeout(Some(Duration::from_secs(20)))
     };
+    // One budget for traces across both ingest listeners.
+    let traces = Arc::new(ingest::TraceBudget::new(
+        config.max_partial_trace_mib.saturating_mul(1 << 20),
+        config.partial_trace_timeout,
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    ));
     let ingest = || {
         IngestServer::new(ingest::IngestService::new(
             state.clone(),
@@ -126,6 +133,7 @@ pub async fn run_until(
                 max_marker_rate: config.max_marker_rate,
                 hello_timeout: config.hello_timeout,
             },
+            traces.clone(),
         ))
         .max_decoding_message_size(MAX_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
