@@ -263,6 +263,28 @@ impl WorkloadResolver {
             ),
             &["field"],
         )?;
+        // Every label value exported from the start, at 0: a rate() over a
+        // series that appears only at its first increment misses that one.
+        for reason in [
+            "proc_unreadable",
+            "pod_logs_missing",
+            "pod_resources_error",
+            "pod_not_listed",
+        ] {
+            failures.with_label_values(&[reason]);
+        }
+        for result in [
+            "kubelet",
+            "off",
+            "no_peer_pid",
+            "not_in_pod",
+            "lookup_failed",
+        ] {
+            attestations.with_label_values(&[result]);
+        }
+        for field in ["namespace", "pod"] {
+            mismatches.with_label_values(&[field]);
+        }
         registry.register(Box::new(failures.clone()))?;
         registry.register(Box::new(attestations.clone()))?;
         registry.register(Box::new(mismatches.clone()))?;
