@@ -9,7 +9,7 @@ mod common;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -159,6 +159,19 @@ impl Node {
         std::fs::write(dir.join("cgroup"), text).unwrap();
     }
 
+    /// [`Node::place`], and the mounts of container `container`, with the
+    /// termination-log bind mount the kubelet makes for each container.
+    fn place_in(&self, pid: u32, uid: &str, layout: &str, container: &str) {
+        self.place(pid, uid, layout);
+        let mountinfo = format!(
+            "1201 1200 0:512 / / rw,relatime - overlay overlay rw\n\
+             1210 1200 259:1 /var/lib/kubelet/pods/{uid}/etc-hosts /etc/hosts rw,relatime - ext4 /dev/nvme0n1p1 rw\n\
+             1211 1200 259:1 /var/lib/kubelet/pods/{uid}/containers/{container}/6a1b2c3d /dev/termination-log rw,relatime - ext4 /dev/nvme0n1p1 rw\n"
+        );
+        let dir = self.root.0.join("proc").join(pid.to_string());
+        std::fs::write(dir.join("mountinfo"), mountinfo).unwrap();
+    }
+
     fn api(&self, path: &str) -> (u16, Value) {
         let (code, body) = self.agent.get(path);
         (code, serde_json::from_str(&body).unwrap_or(Value::Null))
@@ -196,7 +209,8 @@ impl Claim {
 struct Client {
     child: Child,
     stdin: ChildStdin,
-    out: BufReader<ChildStdout>,
+    /// The child's stdout lines, read on a thread so that waiting is bounded.
+    out: std::sync::mpsc::Receiver<String>,
 }
 
 impl Client {
@@ -225,7 +239,15 @@ impl Client {
             .spawn()
             .unwrap();
         let stdin = child.stdin.take().unwrap();
-        let out = BufReader::new(child.stdout.take().unwrap());
+        let (tx, out) = std::sync::mpsc::channel();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
         Client { child, stdin, out }
     }
 
@@ -246,16 +268,20 @@ impl Client {
         result
     }
 
+    /// How the stream ended; "still open" when it has not within [`WAIT`].
     fn result(&mut self) -> String {
-        let mut line = String::new();
+        let deadline = std::time::Instant::now() + WAIT;
         loop {
-            line.clear();
-            if self.out.read_line(&mut line).unwrap() == 0 {
-                return "no result".into();
-            }
-            // libtest may have written "test client_process ... " before it.
-            if let Some(r) = line.trim().split("RESULT ").nth(1) {
-                return r.to_owned();
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.out.recv_timeout(left) {
+                // libtest may have written "test client_process ... " before it.
+                Ok(line) => {
+                    if let Some(r) = line.trim().split("RESULT ").nth(1) {
+                        return r.to_owned();
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => return "still open".into(),
+                Err(_) => return "no result".into(),
             }
         }
     }
@@ -483,6 +509,37 @@ fn a_spoofed_gpu_uuid_is_refused() {
     );
     assert_eq!(m.count("stepwatch_rank_info"), 0, "{}", m.0);
     let _ = client.finish();
+}
+
+#[test]
+fn a_gpu_of_a_sibling_container_is_refused_once_the_container_is_known() {
+    let node = Node::start("podattr-sibling");
+    node.add_pod(
+        "team-a",
+        "trainer-0",
+        UID_A,
+        &[("trainer", &[gpu(0)]), ("helper", &[gpu(1)])],
+    );
+    let mut client = Client::spawn(&node.agent, &Claim::new("j", 0, gpu(1)));
+    node.place_in(client.pid(), UID_A, "v2-systemd-containerd", "trainer");
+    client.go();
+    assert_eq!(client.result(), "PermissionDenied");
+    let _ = client.finish();
+    // Its own GPU is fine, and the container is named from its mounts.
+    let mut client = Client::spawn(&node.agent, &Claim::new("j", 0, gpu(0)));
+    node.place_in(client.pid(), UID_A, "v2-systemd-containerd", "trainer");
+    client.go();
+    let m = node.agent.wait_metrics("the trainer's rank", WAIT, |m| {
+        connected(m, "team-a", "j", "0")
+    });
+    assert_eq!(
+        m.get(
+            "stepwatch_rank_info",
+            &[("container", "trainer"), ("gpu_uuid", gpu(0).as_str())]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(client.finish(), "Ok");
 }
 
 #[test]

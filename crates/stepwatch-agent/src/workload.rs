@@ -129,6 +129,21 @@ pub fn pod_of_log_dir<'a>(
     })
 }
 
+/// The container a process runs in, from `/proc/<pid>/mountinfo`: the
+/// kubelet bind-mounts each container's termination-log file from
+/// `…/pods/<uid>/containers/<name>/…`, and the mount's root (field 4) is
+/// the kernel's record of that source, which the container cannot rewrite.
+/// None when no such mount is there (e.g. `terminationMessagePath` unset).
+pub fn container_of_mountinfo(text: &str, uid: &str) -> Option<String> {
+    let marker = format!("/pods/{uid}/containers/");
+    text.lines().find_map(|line| {
+        let root = line.split_whitespace().nth(3)?;
+        let rest = &root[root.find(&marker)? + marker.len()..];
+        let name = rest.split('/').next()?;
+        (!name.is_empty()).then(|| name.to_owned())
+    })
+}
+
 /// The GPUs one container holds, from the pod-resources answer: NVIDIA
 /// device-plugin devices (`nvidia.com/gpu`, `nvidia.com/mig-…`) whose IDs
 /// are UUIDs. None when they cannot be compared with a UUID: index IDs
@@ -164,17 +179,32 @@ pub struct Workload {
     pub pod_uid: String,
     /// The runtime's container ID from the cgroup, when it had one.
     pub container_id: Option<String>,
+    /// The process's container, from its mounts ([`container_of_mountinfo`]).
+    pub container: Option<String>,
     /// The pod's containers as `List` gave them, with the GPUs each holds
     /// (None: not comparable, see [`container_gpus`]).
     pub containers: Vec<(String, Option<Vec<String>>)>,
 }
 
 impl Workload {
-    /// Whether the pod may run on `gpu_uuid`: Some(false) only when every
-    /// container's GPUs are known, some are held, and none is this one.
+    /// Whether the process may run on `gpu_uuid`: the GPUs of its
+    /// container when that is known and listed, else of the whole pod.
+    /// Some(false) only when those GPUs are known, some are held, and none
+    /// is this one (a container given no GPU by the device plugin may still
+    /// see some by other means, so it is not refused).
     pub fn holds_gpu(&self, gpu_uuid: &str) -> Option<bool> {
         let mut held = HashSet::new();
-        for (_, gpus) in &self.containers {
+        let own = self
+            .containers
+            .iter()
+            .filter(|(name, _)| self.container.as_deref() == Some(name.as_str()))
+            .collect::<Vec<_>>();
+        let scope = if own.is_empty() {
+            self.containers.iter().collect()
+        } else {
+            own
+        };
+        for (_, gpus) in scope {
             held.extend(gpus.as_ref()?.iter().map(String::as_str));
         }
         if held.is_empty() {
@@ -183,9 +213,13 @@ impl Workload {
         Some(held.contains(gpu_uuid))
     }
 
-    /// The container the rank runs in: the one holding its GPU, else the
-    /// pod's only container; "" when that cannot be told.
+    /// The container the rank runs in: from its mounts, else the one
+    /// holding its GPU, else the pod's only container; "" when that cannot
+    /// be told.
     pub fn container_for(&self, gpu_uuid: &str) -> &str {
+        if let Some(name) = &self.container {
+            return name;
+        }
         let holding: Vec<&str> = self
             .containers
             .iter()
@@ -335,7 +369,7 @@ impl WorkloadResolver {
         let local = tokio::task::spawn_blocking(move || local_lookup(&proc_root, &logs, pid))
             .await
             .unwrap_or(Err(LookupFailure::Proc("lookup task failed".into())));
-        let (cgroup, namespace, pod) = match local {
+        let (cgroup, container, namespace, pod) = match local {
             Ok(Some(found)) => found,
             Ok(None) => return Attestation::Unattested("not_in_pod"),
             Err(e) => return self.failed(e.reason(), &e.to_string()),
@@ -358,6 +392,7 @@ impl WorkloadResolver {
             pod,
             pod_uid: cgroup.pod_uid,
             container_id: cgroup.container_id,
+            container,
             containers: entry
                 .containers
                 .iter()
@@ -438,12 +473,17 @@ impl std::fmt::Display for LookupFailure {
     }
 }
 
-/// cgroup → pod UID → (namespace, pod); Ok(None) for a process in no pod.
+/// What the node's files say of a process: its cgroup identity, container
+/// name (when its mounts tell), namespace and pod.
+type LocalView = (CgroupIdentity, Option<String>, String, String);
+
+/// cgroup → pod UID → (namespace, pod), and the container from the
+/// process's mounts; Ok(None) for a process in no pod.
 fn local_lookup(
     proc_root: &Path,
     pod_logs: &Path,
     pid: u32,
-) -> Result<Option<(CgroupIdentity, String, String)>, LookupFailure> {
+) -> Result<Option<LocalView>, LookupFailure> {
     let path = proc_root.join(pid.to_string()).join("cgroup");
     let text = std::fs::read_to_string(&path)
         .map_err(|e| LookupFailure::Proc(format!("{}: {e}", path.display())))?;
@@ -463,7 +503,10 @@ fn local_lookup(
                 pod_logs.display()
             ))
         })?;
-    Ok(Some((cgroup, namespace, pod)))
+    let container = std::fs::read_to_string(proc_root.join(pid.to_string()).join("mountinfo"))
+        .ok()
+        .and_then(|text| container_of_mountinfo(&text, &cgroup.pod_uid));
+    Ok(Some((cgroup, container, namespace, pod)))
 }
 
 #[cfg(test)]
@@ -615,6 +658,27 @@ mod tests {
     }
 
     #[test]
+    fn the_container_comes_from_the_termination_log_mount() {
+        let text = format!(
+            "1201 1200 0:512 / / rw,relatime - overlay overlay rw\n\
+             1210 1200 259:1 /var/lib/kubelet/pods/{UID}/etc-hosts /etc/hosts rw,relatime - ext4 /dev/nvme0n1p1 rw\n\
+             1211 1200 259:1 /var/lib/kubelet/pods/{UID}/containers/trainer/6a1b2c3d /dev/termination-log rw,relatime - ext4 /dev/nvme0n1p1 rw\n"
+        );
+        assert_eq!(container_of_mountinfo(&text, UID), Some("trainer".into()));
+        // /var/lib/kubelet on its own filesystem: the root is relative to it.
+        let text = format!(
+            "1211 1200 259:3 /pods/{UID}/containers/helper/0b1c /dev/termination-log rw - xfs /dev/sdb rw\n"
+        );
+        assert_eq!(container_of_mountinfo(&text, UID), Some("helper".into()));
+        // Another pod's path, or none at all.
+        assert_eq!(container_of_mountinfo(&text, "other-uid"), None);
+        assert_eq!(
+            container_of_mountinfo("1 0 0:1 / / rw - overlay overlay rw\n", UID),
+            None
+        );
+    }
+
+    #[test]
     fn gpus_of_a_container() {
         assert_eq!(
             container_gpus(&[devices("nvidia.com/gpu", &["GPU-a", "GPU-b::2"])]),
@@ -640,6 +704,7 @@ mod tests {
             pod: "p".into(),
             pod_uid: UID.into(),
             container_id: None,
+            container: None,
             containers: containers
                 .into_iter()
                 .map(|(n, g)| {
@@ -662,5 +727,15 @@ mod tests {
         assert_eq!(w(vec![("c", Some(vec![]))]).holds_gpu("GPU-a"), None);
         assert_eq!(w(vec![("c", None)]).holds_gpu("GPU-a"), None);
         assert_eq!(w(vec![("c", None)]).container_for("GPU-a"), "c");
+        // With its container known, a sibling's GPU is not the process's.
+        let mut known = w(vec![
+            ("trainer", Some(vec!["GPU-a"])),
+            ("helper", Some(vec!["GPU-b"])),
+        ]);
+        assert_eq!(known.holds_gpu("GPU-b"), Some(true));
+        known.container = Some("trainer".into());
+        assert_eq!(known.holds_gpu("GPU-b"), Some(false));
+        assert_eq!(known.holds_gpu("GPU-a"), Some(true));
+        assert_eq!(known.container_for("GPU-b"), "trainer");
     }
 }
