@@ -43,6 +43,32 @@ def _int(env: Mapping[str, str], *names: str) -> Optional[int]:
     return None
 
 
+def _start_ticks(pid: int, proc_root: str) -> Optional[int]:
+    """A process's start time (clock ticks since boot, /proc/<pid>/stat field 22):
+    with the pid, it names one process of this boot, even once the pid is reused."""
+    try:
+        with open(f"{proc_root}/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses; fields
+    # after it start past the last ")".
+    fields = stat[stat.rfind(")") + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _launcher_run_id(hostname: str, ppid: int, proc_root: str) -> str:
+    """An id all local ranks of one torchrun share, and no other run does: the
+    launcher (the ranks' parent) by host, pid and start time. The host is the
+    pod name in Kubernetes, so pods with the same MASTER_ADDR:MASTER_PORT
+    (127.0.0.1:29500 in each) stay apart, and a new run has a new launcher."""
+    ticks = _start_ticks(ppid, proc_root)
+    return f"{hostname}-{ppid}" + (f"-{ticks}" if ticks is not None else "")
+
+
 def resolve_identity(
     env: Optional[Mapping[str, str]] = None,
     *,
@@ -55,6 +81,8 @@ def resolve_identity(
     namespace: Optional[str] = None,
     hostname: Optional[str] = None,
     pid: Optional[int] = None,
+    ppid: Optional[int] = None,
+    proc_root: str = "/proc",
 ) -> Identity:
     """Work out the rank's identity.
 
@@ -62,6 +90,13 @@ def resolve_identity(
     torch elastic (RANK, LOCAL_RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID), then Slurm
     (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_JOB_ID), then a single-rank
     default whose job id is "<host>-<pid>".
+
+    torchrun without a rendezvous id (TORCHELASTIC_RUN_ID "none") gives no id
+    unique to the run. When every rank runs on this node (WORLD_SIZE at most
+    LOCAL_WORLD_SIZE) the job id names the launcher: "torchrun-<host>-<launcher
+    pid>-<its start time>", so two unrelated runs on one node never share one.
+    A run across nodes keeps "torchrun-<MASTER_ADDR>-<MASTER_PORT>", which all
+    its nodes share (set STEPWATCH_JOB_ID or --rdzv-id to choose it).
     """
     env = os.environ if env is None else env
     hostname = hostname or socket.gethostname() or "localhost"
@@ -100,8 +135,14 @@ def resolve_identity(
         job = env["SLURM_JOB_ID"]
         if env.get("SLURM_STEP_ID"):
             job = f"{job}.{env['SLURM_STEP_ID']}"
+    local_world = _int(env, "LOCAL_WORLD_SIZE")
+    if not job and source == "torchrun" and local_world is not None and ws <= local_world:
+        # Single-node torchrun without a rendezvous id: the master address
+        # (127.0.0.1:29500 in every pod) is shared by strangers; the launcher is not.
+        parent = os.getppid() if ppid is None else ppid
+        job = f"torchrun-{_launcher_run_id(hostname, parent, proc_root)}"
     if not job and env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        # torchrun without a rendezvous id: ranks share the master address.
+        # torchrun across nodes without a rendezvous id: ranks share the master address.
         job = f"torchrun-{env['MASTER_ADDR']}-{env['MASTER_PORT']}"
     if not job and env.get("JOB_NAME"):
         job = env["JOB_NAME"]

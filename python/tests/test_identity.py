@@ -82,3 +82,62 @@ def test_endpoint_forms():
     assert endpoint_target(env={"STEPWATCH_ENDPOINT": "127.0.0.1:7070"}) == "127.0.0.1:7070"
     assert endpoint_target(env={"STEPWATCH_ENDPOINT": "/tmp/s.sock"}) == "unix:///tmp/s.sock"
     assert endpoint_target("tcp://h:1", env={}) == "h:1"
+
+
+def _proc(tmp_path, pid, ticks, comm="python3 (worker)"):
+    d = tmp_path / str(pid)
+    d.mkdir()
+    # Fields after the command: state, ppid, ... field 22 (starttime) is the 20th.
+    rest = ["S", "1"] + [str(i) for i in range(5, 22)] + [str(ticks), "0", "0"]
+    (d / "stat").write_text(f"{pid} ({comm}) " + " ".join(rest) + "\n")
+
+
+def _single_node_torchrun(port="29500"):
+    return {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "none",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }
+
+
+def test_two_single_node_torchrun_runs_without_rendezvous_id_do_not_share_a_job():
+    # The old fallback gave both "torchrun-127.0.0.1-29500", and the agent merged them.
+    env = _single_node_torchrun()
+    a = resolve_identity(env, hostname="pod-a", pid=100, ppid=7, proc_root="/nonexistent")
+    b = resolve_identity(env, hostname="pod-b", pid=100, ppid=7, proc_root="/nonexistent")
+    assert a.job_id != b.job_id
+    assert a.job_id == "torchrun-pod-a-7"
+
+
+def test_a_new_launcher_is_a_new_run_even_with_a_reused_pid(tmp_path):
+    env = _single_node_torchrun()
+    _proc(tmp_path, 7, ticks=1000)
+    first = resolve_identity(env, hostname="h", pid=100, ppid=7, proc_root=str(tmp_path))
+    assert first.job_id == "torchrun-h-7-1000"
+    # Every local rank of the run (same launcher) shares it.
+    env1 = dict(env, RANK="1", LOCAL_RANK="1")
+    rank1 = resolve_identity(env1, hostname="h", pid=101, ppid=7, proc_root=str(tmp_path))
+    assert rank1.job_id == first.job_id
+    # The launcher pid reused by a later run: another start time.
+    (tmp_path / "7" / "stat").unlink()
+    (tmp_path / "7").rmdir()
+    _proc(tmp_path, 7, ticks=5000)
+    again = resolve_identity(env, hostname="h", pid=100, ppid=7, proc_root=str(tmp_path))
+    assert again.job_id == "torchrun-h-7-5000"
+
+
+def test_a_multi_node_torchrun_without_rendezvous_id_keeps_the_shared_master_address():
+    env = dict(_single_node_torchrun(), WORLD_SIZE="16", LOCAL_WORLD_SIZE="8")
+    i = resolve_identity(env, hostname="h", pid=1, ppid=7, proc_root="/nonexistent")
+    assert i.job_id == "torchrun-127.0.0.1-29500"
+
+
+def test_the_start_time_is_read_past_a_command_with_spaces_and_parentheses(tmp_path):
+    _proc(tmp_path, 9, ticks=4242, comm="a) (b c")
+    env = _single_node_torchrun()
+    i = resolve_identity(env, hostname="h", pid=1, ppid=9, proc_root=str(tmp_path))
+    assert i.job_id == "torchrun-h-9-4242"

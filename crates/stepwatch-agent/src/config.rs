@@ -173,6 +173,30 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_READY_FILE")]
     pub ready_file: Option<PathBuf>,
 
+    /// The host's /proc, where a client's cgroup is read from its peer PID
+    /// (the agent runs with hostPID); like node_exporter's --path.procfs.
+    #[arg(long, env = "STEPWATCH_PROC_ROOT", default_value = "/proc")]
+    pub proc_root: PathBuf,
+
+    /// The kubelet's pod-resources API (v1 PodResourcesLister), which says
+    /// which pod holds which GPU. Without it (outside Kubernetes) clients'
+    /// pods and namespaces are taken as they claim them, logged once.
+    #[arg(
+        long,
+        env = "STEPWATCH_POD_RESOURCES_SOCKET",
+        default_value = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    )]
+    pub pod_resources_socket: PathBuf,
+
+    /// The kubelet's pod log directories (`<namespace>_<pod>_<uid>`): the
+    /// node's map from a pod UID (in a client's cgroup) to its name.
+    #[arg(long, env = "STEPWATCH_POD_LOGS_DIR", default_value = "/var/log/pods")]
+    pub pod_logs_dir: PathBuf,
+
+    /// Deadline of one call to the pod-resources API.
+    #[arg(long, env = "STEPWATCH_POD_RESOURCES_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    pub pod_resources_timeout: Duration,
+
     /// Log format.
     #[arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

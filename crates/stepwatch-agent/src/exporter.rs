@@ -9,7 +9,7 @@ use prometheus::proto::{
     Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType,
 };
 use prometheus::{Encoder, TextEncoder};
-use stepwatch_core::{BasisLimit, PhaseKind, StepOutcome, WarningRevision};
+use stepwatch_core::{BasisLimit, PhaseKind, RankKey, StepOutcome, WarningRevision};
 use stepwatch_proto::clock::monotonic_ns;
 
 use crate::state::AgentState;
@@ -37,9 +37,15 @@ impl<'a> Family<'a> {
         Self::new(node, name, help, MetricType::COUNTER)
     }
 
+    /// One series. A label with an empty value is left out, which is what
+    /// Prometheus makes of it anyway: ranks outside Kubernetes have no
+    /// `namespace`, and their series read as before.
     fn add(&mut self, labels: &[(&str, &str)], value: f64) {
         let mut pairs = Vec::with_capacity(labels.len() + 1);
-        for (name, value) in std::iter::once(&("node", self.node)).chain(labels) {
+        for (name, value) in std::iter::once(&("node", self.node))
+            .chain(labels)
+            .filter(|(_, v)| !v.is_empty())
+        {
             let mut pair = LabelPair::default();
             pair.set_name((*name).to_owned());
             pair.set_value((*value).to_owned());
@@ -313,12 +319,16 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
     );
     for (key, rank) in tracker.ranks() {
         let rank_label = key.rank.to_string();
-        let labels = [("job", key.job.as_str()), ("rank", rank_label.as_str())];
+        let labels = rank_labels(key, &rank_label);
         let i = &rank.info;
         info.add(
             &[
+                ("namespace", &key.namespace),
                 ("job", &key.job),
                 ("rank", &rank_label),
+                ("pod", &i.pod),
+                ("container", &i.container),
+                ("attested", if i.attested { "true" } else { "false" }),
                 ("local_rank", &i.local_rank.to_string()),
                 ("world_size", &i.world_size.to_string()),
                 ("gpu_uuid", &i.gpu_uuid),
@@ -340,7 +350,7 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
             for kind in PhaseKind::ALL {
                 if let Some(ns) = last.phase_duration_ns(kind) {
                     phase.add(
-                        &[labels[0], labels[1], ("phase", kind.as_str())],
+                        &[labels[0], labels[1], labels[2], ("phase", kind.as_str())],
                         ns_to_s(ns),
                     );
                 }
@@ -471,14 +481,15 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         "stepwatch_rank_first_step_activation_peak_bytes",
         "Step-1 forward/backward peak above the memory at step begin (allocated bytes, else NVML): what differs between ranks when the optimizer state is the same.",
     );
-    let mut last_job: Option<&str> = None;
+    let mut last_job: Option<(&str, &str)> = None;
     for (key, rank) in tracker.ranks() {
         let rank_label = key.rank.to_string();
-        let labels = [("job", key.job.as_str()), ("rank", rank_label.as_str())];
-        if last_job != Some(key.job.as_str()) {
-            last_job = Some(key.job.as_str());
-            if let Some(div) = tracker.job_divergence(&key.job) {
-                let job = [("job", key.job.as_str())];
+        let labels = rank_labels(key, &rank_label);
+        let this_job = (key.namespace.as_str(), key.job.as_str());
+        if last_job != Some(this_job) {
+            last_job = Some(this_job);
+            if let Some(div) = tracker.job_divergence(&key.namespace, &key.job) {
+                let job = [labels[0], labels[1]];
                 if let Some(peak) = &div.peak {
                     peak_div.add(&job, peak.spread);
                 }
@@ -491,7 +502,8 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
                 for n in &div.named {
                     outlier.add(
                         &[
-                            ("job", &key.job),
+                            job[0],
+                            job[1],
                             ("rank", &n.rank.to_string()),
                             ("figure", n.figure.as_str()),
                         ],
@@ -608,9 +620,18 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
     }
 }
 
+/// The labels that name a rank: namespace (left out when empty), job, rank.
+fn rank_labels<'a>(key: &'a RankKey, rank: &'a str) -> [(&'static str, &'a str); 3] {
+    [
+        ("namespace", key.namespace.as_str()),
+        ("job", key.job.as_str()),
+        ("rank", rank),
+    ]
+}
+
 fn add_phase_peaks(
     family: &mut Family<'_>,
-    rank: &[(&str, &str); 2],
+    rank: &[(&str, &str); 3],
     phase: PhaseKind,
     step_class: &str,
     nvml: Option<u64>,
@@ -622,6 +643,7 @@ fn add_phase_peaks(
                 &[
                     rank[0],
                     rank[1],
+                    rank[2],
                     ("phase", phase.as_str()),
                     ("source", source),
                     ("step_class", step_class),

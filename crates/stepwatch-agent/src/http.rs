@@ -64,36 +64,56 @@ async fn readyz(State(state): State<Arc<AgentState>>) -> Response {
 
 async fn jobs(State(state): State<Arc<AgentState>>) -> Json<Value> {
     let tracker = state.tracker();
-    let mut jobs: Vec<(String, Vec<u32>)> = Vec::new();
+    let mut jobs: Vec<(String, String, Vec<u32>)> = Vec::new();
     for (key, _) in tracker.ranks() {
         match jobs.last_mut() {
-            Some((job, ranks)) if *job == key.job => ranks.push(key.rank),
-            _ => jobs.push((key.job.clone(), vec![key.rank])),
+            Some((ns, job, ranks)) if *job == key.job && *ns == key.namespace => {
+                ranks.push(key.rank)
+            }
+            _ => jobs.push((key.namespace.clone(), key.job.clone(), vec![key.rank])),
         }
     }
     Json(json!({
         "node": state.node,
-        "jobs": jobs.into_iter().map(|(job, ranks)| json!({"job": job, "ranks": ranks})).collect::<Vec<_>>(),
+        "jobs": jobs
+            .into_iter()
+            .map(|(namespace, job, ranks)| json!({"namespace": namespace, "job": job, "ranks": ranks}))
+            .collect::<Vec<_>>(),
     }))
 }
 
-async fn job(State(state): State<Arc<AgentState>>, Path(job): Path<String>) -> Response {
+/// `?namespace=`: jobs are told apart by namespace as well as id; without
+/// it, the job outside any namespace (ranks not in Kubernetes).
+#[derive(Deserialize)]
+struct JobQuery {
+    #[serde(default)]
+    namespace: String,
+}
+
+async fn job(
+    State(state): State<Arc<AgentState>>,
+    Path(job): Path<String>,
+    Query(query): Query<JobQuery>,
+) -> Response {
     let tracker = state.tracker();
+    let ns = query.namespace;
     let ranks: Vec<Value> = tracker
-        .ranks()
-        .filter(|(k, _)| k.job == job)
+        .job_ranks(&ns, &job)
         .map(|(k, r)| rank_summary(k, r))
         .collect();
     if ranks.is_empty() {
-        return not_found(format!("no job {job:?} on this node"));
+        return not_found(format!("no job {job:?} in namespace {ns:?} on this node"));
     }
-    let divergence = tracker.job_divergence(&job);
-    Json(json!({"node": state.node, "job": job, "ranks": ranks, "divergence": divergence}))
+    let divergence = tracker.job_divergence(&ns, &job);
+    Json(json!({"node": state.node, "namespace": ns, "job": job, "ranks": ranks, "divergence": divergence}))
         .into_response()
 }
 
 #[derive(Deserialize)]
 struct RankQuery {
+    /// The job's namespace; see [`JobQuery`].
+    #[serde(default)]
+    namespace: String,
     /// Only the latest N steps (step 1 is always included); default
     /// [`DEFAULT_REPORT_STEPS`], at most [`MAX_REPORT_STEPS`].
     steps: Option<usize>,
@@ -125,15 +145,19 @@ async fn rank(
         )
             .into_response();
     }
-    let key = RankKey { job, rank };
+    let key = RankKey {
+        namespace: query.namespace,
+        job,
+        rank,
+    };
     // Copy out under the tracker lock; serialize after it is released (the
     // timeline of a long job is megabytes of JSON).
     let body = {
         let tracker = state.tracker();
         let Some(r) = tracker.rank(&key) else {
             return not_found(format!(
-                "no rank {} of job {:?} on this node",
-                key.rank, key.job
+                "no rank {} of job {:?} in namespace {:?} on this node",
+                key.rank, key.job, key.namespace
             ));
         };
         let retained = r.timeline.steps().len();
@@ -170,6 +194,7 @@ struct RankBody {
 
 fn rank_summary(key: &RankKey, r: &RankState) -> Value {
     json!({
+        "namespace": key.namespace,
         "job": key.job,
         "rank": key.rank,
         "info": r.info,

@@ -23,10 +23,12 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::state::AgentState;
+use crate::workload::{Attestation, WorkloadResolver};
 
 /// The `Ingest` service.
 pub struct IngestService {
     state: Arc<AgentState>,
+    workload: Arc<WorkloadResolver>,
     streams: Arc<Semaphore>,
     limits: IngestLimits,
     traces: Arc<TraceBudget>,
@@ -119,9 +121,15 @@ pub struct IngestLimits {
 }
 
 impl IngestService {
-    pub fn new(state: Arc<AgentState>, limits: IngestLimits, traces: Arc<TraceBudget>) -> Self {
+    pub fn new(
+        state: Arc<AgentState>,
+        workload: Arc<WorkloadResolver>,
+        limits: IngestLimits,
+        traces: Arc<TraceBudget>,
+    ) -> Self {
         Self {
             state,
+            workload,
             streams: Arc::new(Semaphore::new(limits.max_streams)),
             limits,
             traces,
@@ -149,6 +157,7 @@ impl Ingest for IngestService {
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let state = self.state.clone();
+        let workload = self.workload.clone();
         let streams = self.streams.clone();
         let limits = self.limits;
         let traces = self.traces.clone();
@@ -157,7 +166,11 @@ impl Ingest for IngestService {
             let served = tokio::spawn({
                 let (state, tx) = (state.clone(), tx.clone());
                 async move {
-                    serve_stream(&state, &streams, &traces, inbound, peer_pid, limits, &tx).await
+                    let peer = Peer {
+                        pid: peer_pid,
+                        workload: &workload,
+                    };
+                    serve_stream(&state, &streams, &traces, inbound, peer, limits, &tx).await
                 }
             })
             .await;
@@ -181,12 +194,19 @@ impl Ingest for IngestService {
     }
 }
 
+/// Who is on the other end of a stream, as far as the agent can tell.
+struct Peer<'a> {
+    /// SO_PEERCRED's PID, on the Unix socket.
+    pid: Option<u32>,
+    workload: &'a WorkloadResolver,
+}
+
 async fn serve_stream(
     state: &AgentState,
     streams: &Arc<Semaphore>,
     traces: &TraceBudget,
     mut inbound: Streaming<pb::ClientMessage>,
-    peer_pid: Option<u32>,
+    peer: Peer<'_>,
     limits: IngestLimits,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
@@ -222,19 +242,24 @@ async fn serve_stream(
         }
         None => return Ok(()),
     };
-    let info = rank_info(hello, peer_pid);
+    let mut info = rank_info(hello, peer.pid);
+    let attestation = peer.workload.attest(peer.pid).await;
+    apply_attestation(state, peer.workload, &mut info, attestation)?;
     let key = match state.open_rank(info.clone()) {
         Ok(key) => key,
-        Err(OpenError::Invalid(e)) => {
+        Err(e) => {
             state.ingest.reject(e.reason(), 1);
-            return Err(Status::invalid_argument(format!("invalid hello: {e}")));
-        }
-        Err(e @ OpenError::TooManyRanks(_)) => {
-            state.ingest.reject("too_many_ranks", 1);
-            return Err(Status::resource_exhausted(e.to_string()));
+            return Err(match e {
+                OpenError::Invalid(e) => Status::invalid_argument(format!("invalid hello: {e}")),
+                OpenError::TooManyRanks(_) => Status::resource_exhausted(e.to_string()),
+                OpenError::RankHeld { .. } => {
+                    tracing::warn!(namespace = %info.namespace, job = %info.job, rank = info.rank, pid = info.pid, pod = %info.pod, "refused a hello for a rank another process holds: {e}");
+                    Status::already_exists(e.to_string())
+                }
+            });
         }
     };
-    tracing::info!(job = %key.job, rank = key.rank, pid = info.pid, gpu = %info.gpu_uuid, "rank connected");
+    tracing::info!(namespace = %key.namespace, job = %key.job, rank = key.rank, pid = info.pid, pod = %info.pod, attested = info.attested, gpu = %info.gpu_uuid, "rank connected");
     let gradients = Gradients::of(&info);
     let result = receive_markers(state, traces, &key, gradients, &mut inbound, max_rate, tx).await;
     state.close_rank(&key);
@@ -747,6 +772,43 @@ fn agent_message(a: &Advisory) -> pb::AgentMessage {
     }
 }
 
+/// Puts the kubelet's view of the peer into the hello: its pod and
+/// namespace replace the claimed ones (a difference is logged and counted),
+/// and a GPU the pod does not hold is refused (PERMISSION_DENIED).
+fn apply_attestation(
+    state: &AgentState,
+    workload: &WorkloadResolver,
+    info: &mut RankInfo,
+    attestation: Attestation,
+) -> Result<(), Status> {
+    let Attestation::Pod(w) = attestation else {
+        info.attested = false;
+        return Ok(());
+    };
+    if !info.gpu_uuid.is_empty() && w.holds_gpu(&info.gpu_uuid) == Some(false) {
+        state.ingest.reject("gpu_not_allocated", 1);
+        tracing::warn!(namespace = %w.namespace, pod = %w.pod, pid = info.pid, gpu = %info.gpu_uuid, "refused a hello naming a GPU its pod does not hold");
+        return Err(Status::permission_denied(format!(
+            "GPU {} is not allocated to pod {}/{} (the kubelet's pod-resources API says so)",
+            info.gpu_uuid, w.namespace, w.pod
+        )));
+    }
+    for (field, claimed, actual) in [
+        ("namespace", &info.namespace, &w.namespace),
+        ("pod", &info.pod, &w.pod),
+    ] {
+        if !claimed.is_empty() && claimed != actual {
+            workload.count_mismatch(field);
+            tracing::warn!(field, claimed = %claimed, kubelet = %actual, pid = info.pid, "a hello's {field} differs from the kubelet's; the kubelet's is used");
+        }
+    }
+    info.container = w.container_for(&info.gpu_uuid).to_owned();
+    info.namespace = w.namespace;
+    info.pod = w.pod;
+    info.attested = true;
+    Ok(())
+}
+
 /// The peer's PID from SO_PEERCRED, when it means something here. The kernel
 /// reports 0 for a peer outside the agent's PID namespace (an agent without
 /// `hostPID`); that must not override the PID the hello claims, and the
@@ -780,6 +842,8 @@ fn rank_info(hello: pb::Hello, peer_pid: Option<u32>) -> RankInfo {
         node_name: id.node_name,
         pod: id.pod,
         namespace: id.namespace,
+        container: String::new(),
+        attested: false,
         gpu_uuid: hello.gpu_uuid,
         pid: peer_pid.unwrap_or(hello.pid),
         framework: hello.framework,

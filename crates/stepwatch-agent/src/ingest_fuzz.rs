@@ -331,7 +331,7 @@ fn run(inputs: Vec<Input>) {
     let keys: Vec<RankKey> = tracker.ranks().map(|(k, _)| k.clone()).collect();
     for k in &keys {
         let _ = tracker.rank_analysis(k);
-        let _ = tracker.job_divergence(&k.job);
+        let _ = tracker.job_divergence(&k.namespace, &k.job);
     }
     let journal = tracker.journal(4);
     let text = serde_json::to_string(&journal).expect("a journal serialises");

@@ -12,6 +12,7 @@ mod ingest;
 mod listen;
 mod record;
 mod state;
+mod workload;
 
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
@@ -125,9 +126,21 @@ pub async fn run_until(
         config.partial_trace_timeout,
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     ));
+
+    let workload = std::sync::Arc::new(workload::WorkloadResolver::new(
+        workload::WorkloadConfig {
+            proc_root: config.proc_root.clone(),
+            pod_resources_socket: config.pod_resources_socket.clone(),
+            pod_logs_dir: config.pod_logs_dir.clone(),
+            timeout: config.pod_resources_timeout,
+            cache_ttl: Duration::from_secs(5),
+        },
+        &state.registry,
+    )?);
     let ingest = || {
         IngestServer::new(ingest::IngestService::new(
             state.clone(),
+            workload.clone(),
             ingest::IngestLimits {
                 max_streams: config.max_streams,
                 max_marker_rate: config.max_marker_rate,

@@ -168,13 +168,17 @@ impl AgentState {
     pub fn open_rank(&self, info: RankInfo) -> Result<RankKey, OpenError> {
         let mut tracker = self.tracker();
         let at_ns = monotonic_ns();
-        let (key, evicted) = tracker.open_evicting(info.clone(), at_ns)?;
+        let opened = tracker.open_evicting(info.clone(), at_ns)?;
         self.record(|| RecordEntry::Open { at_ns, info }, true);
-        if let Some(gone) = evicted {
+        if let Some(gone) = opened.evicted {
             self.ingest.ranks_evicted.inc();
-            tracing::info!(job = %gone.job, rank = gone.rank, "rank table full: evicted the rank that finished longest ago to make room");
+            tracing::info!(namespace = %gone.namespace, job = %gone.job, rank = gone.rank, "rank table full: evicted the rank that finished longest ago to make room");
         }
-        Ok(key)
+        if !opened.superseded.is_empty() {
+            let key = &opened.key;
+            tracing::info!(namespace = %key.namespace, job = %key.job, dropped = opened.superseded.len(), "a new run of the job started: the earlier run's finished ranks are dropped");
+        }
+        Ok(opened.key)
     }
 
     /// Evicts ranks idle for `retention_ns`; returns how many.

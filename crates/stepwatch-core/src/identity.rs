@@ -14,6 +14,12 @@ pub const MAX_WORLD_SIZE: u32 = 65_536;
 /// Key of one rank of one job; the unit the agent tracks.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RankKey {
+    /// Kubernetes namespace of the rank's pod ("" outside Kubernetes): two
+    /// tenants may pick the same job id, and must never share a rank. First,
+    /// so a job's ranks sort together within their namespace. Absent in
+    /// records written before it existed, hence the default.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub namespace: String,
     /// Job id shared by all ranks of one run.
     pub job: String,
     /// Global rank within the job.
@@ -124,8 +130,19 @@ pub struct RankInfo {
     pub node_name: String,
     /// Kubernetes pod, when known (may be empty).
     pub pod: String,
-    /// Kubernetes namespace, when known (may be empty).
+    /// Kubernetes namespace, when known (may be empty); part of the
+    /// [`RankKey`]. From the kubelet when `attested`, else as the client said.
     pub namespace: String,
+    /// Container of the pod the rank runs in, from the kubelet (empty when
+    /// not attested or not known).
+    #[serde(default)]
+    pub container: String,
+    /// True when `pod`, `namespace` and `container` were read from the
+    /// kubelet for the process on the other end of the socket (peer
+    /// credentials → cgroup → pod), false when they are the client's claim.
+    /// An unattested hello never takes over an attested rank.
+    #[serde(default)]
+    pub attested: bool,
     /// GPU the rank runs on; empty for CPU-only runs.
     pub gpu_uuid: String,
     /// PID in the agent's namespace when peer credentials gave it, else the
@@ -141,13 +158,34 @@ pub struct RankInfo {
     pub model: ModelFacts,
 }
 
+impl RankKey {
+    /// The key of `rank` of `job` in `namespace` ("" outside Kubernetes).
+    pub fn new(namespace: &str, job: &str, rank: u32) -> Self {
+        Self {
+            namespace: namespace.to_owned(),
+            job: job.to_owned(),
+            rank,
+        }
+    }
+}
+
 impl RankInfo {
     /// The key this rank is tracked under.
     pub fn key(&self) -> RankKey {
         RankKey {
+            namespace: self.namespace.clone(),
             job: self.job.clone(),
             rank: self.rank,
         }
+    }
+
+    /// Whether `other` comes from the same process as `self`: the same PID
+    /// and the same pod. An unknown PID (0) or pod ("") on either side
+    /// cannot tell them apart, and counts as the same.
+    pub fn same_claimant(&self, other: &RankInfo) -> bool {
+        let differ = |a: &str, b: &str| !a.is_empty() && !b.is_empty() && a != b;
+        let pid_differs = self.pid != 0 && other.pid != 0 && self.pid != other.pid;
+        !(pid_differs || differ(&self.pod, &other.pod))
     }
 
     /// Checks the hello against the contract in `proto/stepwatch/v1`.
@@ -158,6 +196,7 @@ impl RankInfo {
         check_identifier("node_name", &self.node_name, true)?;
         check_identifier("pod", &self.pod, true)?;
         check_identifier("namespace", &self.namespace, true)?;
+        check_identifier("container", &self.container, true)?;
         check_identifier("framework", &self.framework, true)?;
         check_identifier("framework_version", &self.framework_version, true)?;
         check_identifier("gpu_uuid", &self.gpu_uuid, true)?;

@@ -50,4 +50,4 @@ pub use replay::{
     AllocatorTrace, Gradients, LimitedReplay, Step2Replay, TraceError, TraceSettings,
 };
 pub use timeline::{PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord};
-pub use tracker::{GpuSample, Journal, OpenError, RankState, Tracker, TrackerConfig};
+pub use tracker::{GpuSample, Journal, OpenError, Opened, RankState, Tracker, TrackerConfig};

@@ -83,6 +83,45 @@ pub enum OpenError {
     /// connected (finished ranks give way); keeps memory bounded.
     #[error("the agent already tracks {0} connected ranks, its limit (--max-ranks)")]
     TooManyRanks(usize),
+    /// Another process holds the rank: a hello from a different process or
+    /// pod for a rank with an open stream, or one whose pod the kubelet did
+    /// not vouch for, for a rank whose pod it did. Refused so that no process
+    /// can take over, or reset, another's rank; the holder is untouched.
+    #[error(
+        "rank {rank} of job {job:?} is held by another process ({why}); \
+         a restarted run can take it once the old process's stream has closed"
+    )]
+    RankHeld {
+        /// The job id of the hello.
+        job: String,
+        /// The rank it claimed.
+        rank: u32,
+        /// Which rule refused it, for the log and the client.
+        why: &'static str,
+    },
+}
+
+impl OpenError {
+    /// The `stepwatch_markers_rejected_total` reason of this refusal.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            OpenError::Invalid(e) => e.reason(),
+            OpenError::TooManyRanks(_) => "too_many_ranks",
+            OpenError::RankHeld { .. } => "rank_held",
+        }
+    }
+}
+
+/// What [`Tracker::open_evicting`] did besides opening the rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Opened {
+    /// The key the rank is tracked under.
+    pub key: RankKey,
+    /// A finished rank dropped because the table was full.
+    pub evicted: Option<RankKey>,
+    /// Ranks of an earlier run of the same job that this hello replaced
+    /// (see [`Tracker::open_evicting`]).
+    pub superseded: Vec<RankKey>,
 }
 
 /// A tracked rank: what it said about itself and what it did.
@@ -288,21 +327,12 @@ impl Tracker {
         (due, Some(prediction))
     }
 
-    /// Divergence of the ranks of `job` on this node (see
+    /// Divergence of the ranks of `job` in `namespace` on this node (see
     /// [`RankFigures::of`] for when a rank's figures count). None when the
-    /// job has no rank here.
-    pub fn job_divergence(&self, job: &str) -> Option<Divergence> {
-        let lo = RankKey {
-            job: job.to_owned(),
-            rank: 0,
-        };
-        let hi = RankKey {
-            job: job.to_owned(),
-            rank: u32::MAX,
-        };
+    /// job has no rank here. Jobs are told apart by namespace as well as id.
+    pub fn job_divergence(&self, namespace: &str, job: &str) -> Option<Divergence> {
         let figures: Vec<RankFigures> = self
-            .ranks
-            .range(lo..=hi)
+            .job_ranks(namespace, job)
             .map(|(key, state)| {
                 RankFigures::of(
                     key.rank,
@@ -314,29 +344,83 @@ impl Tracker {
         divergence(job, &figures, self.analysis.divergence_threshold)
     }
 
-    /// Registers a stream's hello. A reconnect of the same process resumes
-    /// its timeline; a new process under the same job and rank (a restarted
-    /// run) starts a fresh one. See [`Tracker::open_evicting`] for a full
-    /// table.
-    pub fn open(&mut self, info: RankInfo, now_ns: u64) -> Result<RankKey, OpenError> {
-        self.open_evicting(info, now_ns).map(|(key, _)| key)
+    /// The ranks of `job` in `namespace`, in rank order.
+    pub fn job_ranks<'a>(
+        &'a self,
+        namespace: &str,
+        job: &str,
+    ) -> impl Iterator<Item = (&'a RankKey, &'a RankState)> + 'a {
+        let lo = RankKey::new(namespace, job, 0);
+        let hi = RankKey::new(namespace, job, u32::MAX);
+        self.ranks.range(lo..=hi)
     }
 
-    /// [`Tracker::open`], also returning the rank evicted to make room. When
-    /// the table is full, the rank whose process left longest ago gives way
-    /// (finished ranks would otherwise hold their slots for the whole
-    /// retention window and lock new jobs out); only when every rank is
-    /// connected is the hello refused.
-    pub fn open_evicting(
-        &mut self,
-        info: RankInfo,
-        now_ns: u64,
-    ) -> Result<(RankKey, Option<RankKey>), OpenError> {
+    /// Registers a stream's hello. See [`Tracker::open_evicting`].
+    pub fn open(&mut self, info: RankInfo, now_ns: u64) -> Result<RankKey, OpenError> {
+        self.open_evicting(info, now_ns).map(|opened| opened.key)
+    }
+
+    /// Registers a stream's hello:
+    ///
+    /// | the rank is …                       | the hello is from …          | then                    |
+    /// |-------------------------------------|------------------------------|-------------------------|
+    /// | tracked, any                        | the same process             | resume its timeline     |
+    /// | connected                           | another process or pod       | refused, `RankHeld`     |
+    /// | attested by the kubelet             | an unattested claimant       | refused, `RankHeld`     |
+    /// | tracked, disconnected               | another process              | a new run (below)       |
+    /// | unknown                             | anyone                       | a new rank              |
+    ///
+    /// A new run: when a new process opens a tracked rank of a job none of
+    /// whose ranks is connected, the job was resubmitted under the same id,
+    /// and the earlier run's ranks are dropped (listed in
+    /// [`Opened::superseded`]); otherwise a job resubmitted with another
+    /// world size would count both runs' ranks until they aged out. (A rank
+    /// never seen before is no such sign: ranks of one run may start late.)
+    ///
+    /// When the table is full, the rank whose process left longest ago
+    /// gives way (finished ranks would otherwise hold their slots for the
+    /// whole retention window and lock new jobs out); only when every rank
+    /// is connected is the hello refused.
+    pub fn open_evicting(&mut self, info: RankInfo, now_ns: u64) -> Result<Opened, OpenError> {
         info.validate()?;
         let key = info.key();
         let retained = self.config.max_retained_steps;
+        let held = |why| OpenError::RankHeld {
+            job: key.job.clone(),
+            rank: key.rank,
+            why,
+        };
+        let (known, resumes) = match self.ranks.get(&key) {
+            Some(state) => {
+                let same = state.info.same_claimant(&info);
+                if state.connected_streams > 0 && !same {
+                    return Err(held("its stream is open, from another process or pod"));
+                }
+                if state.info.attested && !info.attested {
+                    return Err(held(
+                        "the kubelet vouched for its pod, and not for this hello's",
+                    ));
+                }
+                (true, same)
+            }
+            None => (false, false),
+        };
+        let mut superseded = Vec::new();
+        let job_idle = self
+            .job_ranks(&key.namespace, &key.job)
+            .all(|(_, r)| r.connected_streams == 0);
+        if known && !resumes && job_idle {
+            superseded = self
+                .job_ranks(&key.namespace, &key.job)
+                .map(|(k, _)| k.clone())
+                .filter(|k| *k != key)
+                .collect();
+            for gone in &superseded {
+                self.ranks.remove(gone);
+            }
+        }
         if let Some(state) = self.ranks.get_mut(&key) {
-            if state.info.pid != 0 && info.pid != 0 && state.info.pid != info.pid {
+            if !resumes {
                 state.timeline = RankTimeline::new(retained);
                 state.advisories.clear();
                 state.prediction_before_step2 = None;
@@ -346,7 +430,14 @@ impl Tracker {
             state.connected_streams += 1;
             state.last_activity_ns = now_ns;
             self.recount_retained();
-            return Ok((key, None));
+            return Ok(Opened {
+                key,
+                evicted: None,
+                superseded,
+            });
+        }
+        if !superseded.is_empty() {
+            self.recount_retained();
         }
         let mut evicted = None;
         if self.ranks.len() >= self.config.max_ranks {
@@ -375,7 +466,11 @@ impl Tracker {
                 allocator_replay: None,
             },
         );
-        Ok((key, evicted))
+        Ok(Opened {
+            key,
+            evicted,
+            superseded,
+        })
     }
 
     /// A journal of every rank, with at most `keep_last` steps after step 1
@@ -513,7 +608,7 @@ impl Tracker {
         else {
             return Vec::new();
         };
-        let Some(div) = self.job_divergence(&key.job) else {
+        let Some(div) = self.job_divergence(&key.namespace, &key.job) else {
             return Vec::new();
         };
         let state = self.ranks.get_mut(key).expect("checked above");

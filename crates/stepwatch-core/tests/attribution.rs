@@ -137,7 +137,7 @@ proptest! {
         for e in &shuffled {
             match e {
                 Event::Markers(r, ms) => {
-                    tracker.markers(&RankKey { job: "job".into(), rank: *r }, ms, 0).unwrap();
+                    tracker.markers(&RankKey::new("", "job", *r), ms, 0).unwrap();
                 }
                 Event::Samples(gpu, ss) => tracker.gpu_samples(gpu, ss),
             }
@@ -168,7 +168,7 @@ proptest! {
             ordered.open(info("job", r as u32, gpu), 0).unwrap();
         }
         for (r, ms) in rank_markers.iter().enumerate() {
-            ordered.markers(&RankKey { job: "job".into(), rank: r as u32 }, ms, 0).unwrap();
+            ordered.markers(&RankKey::new("", "job", r as u32), ms, 0).unwrap();
         }
         for (gpu, s) in &samples {
             ordered.gpu_samples(gpu, &[*s]);
@@ -299,11 +299,12 @@ fn a_full_table_evicts_the_rank_that_finished_longest_ago_and_refuses_only_when_
     // b finished first, then a; c is live.
     tracker.close(&b, 100);
     tracker.close(&a, 200);
-    let (d, evicted) = tracker.open_evicting(info("d", 0, "GPU-a"), 300).unwrap();
-    assert_eq!(evicted, Some(b.clone()));
+    let opened = tracker.open_evicting(info("d", 0, "GPU-a"), 300).unwrap();
+    let d = opened.key;
+    assert_eq!(opened.evicted, Some(b.clone()));
     assert!(tracker.rank(&b).is_none() && tracker.rank(&a).is_some());
-    let (_, evicted) = tracker.open_evicting(info("e", 0, "GPU-a"), 400).unwrap();
-    assert_eq!(evicted, Some(a));
+    let opened = tracker.open_evicting(info("e", 0, "GPU-a"), 400).unwrap();
+    assert_eq!(opened.evicted, Some(a));
     // c, d, e are all connected: nothing gives way.
     assert_eq!(
         tracker.open(info("f", 0, "GPU-a"), 500),

@@ -79,10 +79,7 @@ fn a_restored_journal_gives_back_timelines_and_analysis() {
     let mut after = Tracker::new(TrackerConfig::default());
     assert_eq!(after.restore(journal, 5), 2);
     for rank in 0..2 {
-        let key = RankKey {
-            job: "j".into(),
-            rank,
-        };
+        let key = RankKey::new("", "j", rank);
         let (b, a) = (before.rank(&key).unwrap(), after.rank(&key).unwrap());
         assert_eq!(a.info, b.info);
         assert_eq!(a.timeline.steps_completed(), 12);

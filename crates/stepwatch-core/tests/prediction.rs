@@ -693,7 +693,7 @@ fn job_divergence_names_the_outlier_rank() {
         0,
     )
     .unwrap();
-    let d = t.job_divergence("job").unwrap();
+    let d = t.job_divergence("", "job").unwrap();
     assert_eq!(d.ranks, [0, 1, 2]);
     let p = d.peak.unwrap();
     // (9100 − 7000) / 7000 = 0.3; rank 2 is 30% above the median.
@@ -703,7 +703,7 @@ fn job_divergence_names_the_outlier_rank() {
     // durations 500, 660, 500: (660 − 500) / 500 = 0.32.
     assert!((dur.spread - 0.32).abs() < 1e-12);
     assert_eq!(dur.outliers.iter().map(|o| o.rank).collect::<Vec<_>>(), [1]);
-    assert!(t.job_divergence("nobody").is_none());
+    assert!(t.job_divergence("", "nobody").is_none());
 }
 
 #[test]

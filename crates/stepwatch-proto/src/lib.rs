@@ -11,6 +11,18 @@ pub mod v1 {
     include!("generated/stepwatch.v1.rs");
 }
 
+/// The kubelet's pod-resources API, v1 (`proto/kubelet/podresources/v1`,
+/// vendored from Kubernetes): which pod and container hold which device.
+/// The agent is a client of it, to tell whose GPUs a connecting process may
+/// claim; the tests serve it from a fake kubelet.
+pub mod podresources {
+    /// Package `v1` of `k8s.io/kubelet/pkg/apis/podresources`.
+    pub mod v1 {
+        #![allow(clippy::all, missing_docs)]
+        include!("generated/v1.rs");
+    }
+}
+
 /// Upper bound on markers in one `MarkerBatch`; larger batches are rejected.
 pub const MAX_MARKERS_PER_BATCH: usize = 1024;
 

@@ -9,12 +9,23 @@ use std::path::PathBuf;
 
 #[test]
 fn generated_code_is_up_to_date() {
+    regenerate("stepwatch/v1/ingest.proto", "stepwatch.v1.rs");
+}
+
+/// The kubelet's pod-resources API (vendored, see the file's header): the
+/// client is the agent's, the server the fake kubelet of the tests.
+#[test]
+fn generated_pod_resources_code_is_up_to_date() {
+    regenerate("kubelet/podresources/v1/api.proto", "v1.rs");
+}
+
+fn regenerate(proto: &str, generated: &str) {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let proto_dir = root.join("../../proto");
     let out_dir = root.join("src/generated");
-    let fds = protox::compile(["stepwatch/v1/ingest.proto"], [&proto_dir]).expect("proto compiles");
+    let fds = protox::compile([proto], [&proto_dir]).expect("proto compiles");
 
-    let before = std::fs::read_to_string(out_dir.join("stepwatch.v1.rs")).unwrap_or_default();
+    let before = std::fs::read_to_string(out_dir.join(generated)).unwrap_or_default();
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
@@ -22,10 +33,10 @@ fn generated_code_is_up_to_date() {
         .out_dir(&out_dir)
         .compile_fds(fds)
         .expect("code generation");
-    let after = std::fs::read_to_string(out_dir.join("stepwatch.v1.rs")).unwrap();
+    let after = std::fs::read_to_string(out_dir.join(generated)).unwrap();
 
     assert!(
         before == after,
-        "src/generated/stepwatch.v1.rs was stale and has been regenerated; commit the change"
+        "src/generated/{generated} was stale and has been regenerated; commit the change"
     );
 }

@@ -329,10 +329,7 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
     let mut tracker = Tracker::new(TrackerConfig::default());
     let keys: Vec<RankKey> = sims
         .iter()
-        .map(|sim| RankKey {
-            job: sim.scenario().name.clone(),
-            rank: sim.rank(),
-        })
+        .map(|sim| RankKey::new("", &sim.scenario().name, sim.rank()))
         .collect();
     let mut order: Vec<(u64, usize, usize)> = Vec::new();
     for (p, ev) in events.iter().enumerate() {

@@ -1,0 +1,210 @@
+//! Shared nodes: a rank belongs to one process of one tenant. Another
+//! process can neither take over nor reset a live rank, two namespaces
+//! never share one, and a job resubmitted under the same id is a new run.
+
+use proptest::prelude::*;
+use stepwatch_core::*;
+
+fn info(namespace: &str, job: &str, rank: u32, pid: u32) -> RankInfo {
+    RankInfo {
+        namespace: namespace.into(),
+        job: job.into(),
+        rank,
+        world_size: 4,
+        local_rank: rank,
+        gpu_uuid: format!("GPU-{rank}"),
+        pid,
+        ..Default::default()
+    }
+}
+
+/// Two complete steps, 10 ms apart per marker, from `t0`.
+fn two_steps(t0: u64) -> Vec<Marker> {
+    let mut out = Vec::new();
+    let mut t = t0;
+    for step in 1..=2 {
+        for kind in [
+            MarkerKind::StepBegin,
+            MarkerKind::ForwardBegin,
+            MarkerKind::BackwardBegin,
+            MarkerKind::OptimizerBegin,
+            MarkerKind::OptimizerEnd,
+            MarkerKind::StepEnd,
+        ] {
+            t += 10_000_000;
+            out.push(Marker {
+                kind,
+                step,
+                monotonic_ns: t,
+                wall_ns: t,
+                micro_batch: 0,
+                allocator: None,
+            });
+        }
+    }
+    out
+}
+
+#[test]
+fn two_namespaces_with_the_same_job_id_have_separate_ranks() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let a = t.open(info("team-a", "train", 0, 10), 0).unwrap();
+    let b = t.open(info("team-b", "train", 0, 20), 0).unwrap();
+    assert_ne!(a, b);
+    assert_eq!(t.rank_count(), 2);
+    t.markers(&a, &two_steps(0), 1).unwrap();
+    assert_eq!(t.rank(&a).unwrap().timeline.steps_completed(), 2);
+    assert_eq!(t.rank(&b).unwrap().timeline.steps_completed(), 0);
+    assert_eq!(t.job_ranks("team-a", "train").count(), 1);
+    assert_eq!(t.job_ranks("team-b", "train").count(), 1);
+    assert_eq!(t.job_ranks("", "train").count(), 0);
+}
+
+#[test]
+fn another_process_cannot_take_or_reset_a_live_rank() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = t.open(info("ns", "j", 0, 10), 0).unwrap();
+    t.markers(&key, &two_steps(0), 1).unwrap();
+    let refused = t.open(info("ns", "j", 0, 11), 2);
+    assert!(
+        matches!(refused, Err(OpenError::RankHeld { ref job, rank: 0, .. }) if job == "j"),
+        "{refused:?}"
+    );
+    assert_eq!(refused.unwrap_err().reason(), "rank_held");
+    let r = t.rank(&key).unwrap();
+    assert_eq!((r.info.pid, r.connected_streams), (10, 1));
+    assert_eq!(r.timeline.steps_completed(), 2);
+    // Another pod with the same PID number (another PID namespace) neither.
+    let mut other_pod = info("ns", "j", 0, 10);
+    other_pod.pod = "intruder".into();
+    let mut own = info("ns", "j", 0, 10);
+    own.pod = "trainer-0".into();
+    let mut t = Tracker::new(TrackerConfig::default());
+    t.open(own.clone(), 0).unwrap();
+    assert!(matches!(
+        t.open(other_pod, 1),
+        Err(OpenError::RankHeld { .. })
+    ));
+    // The same process may open a second stream (a reconnect racing the close).
+    assert!(t.open(own, 2).is_ok());
+    assert_eq!(t.rank(&key).unwrap().connected_streams, 2);
+}
+
+#[test]
+fn a_restart_after_the_old_stream_closed_starts_afresh_and_a_reconnect_resumes() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = t.open(info("ns", "j", 0, 10), 0).unwrap();
+    t.markers(&key, &two_steps(0), 1).unwrap();
+    t.close(&key, 2);
+    // The same process again: resumes.
+    t.open(info("ns", "j", 0, 10), 3).unwrap();
+    assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 2);
+    t.close(&key, 4);
+    // A new process: a fresh timeline.
+    t.open(info("ns", "j", 0, 12), 5).unwrap();
+    let r = t.rank(&key).unwrap();
+    assert_eq!((r.info.pid, r.timeline.steps_completed()), (12, 0));
+}
+
+#[test]
+fn an_attested_rank_is_not_taken_by_an_unattested_hello() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let mut attested = info("ns", "j", 0, 10);
+    attested.attested = true;
+    let key = t.open(attested, 0).unwrap();
+    t.close(&key, 1);
+    let claim = info("ns", "j", 0, 10);
+    assert!(matches!(t.open(claim, 2), Err(OpenError::RankHeld { .. })));
+    assert!(t.rank(&key).unwrap().info.attested);
+}
+
+#[test]
+fn a_resubmitted_job_replaces_the_old_runs_ranks_instead_of_adding_to_them() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    // Run 1: four ranks, all finished.
+    for rank in 0..4 {
+        let key = t.open(info("ns", "j", rank, 100 + rank), 0).unwrap();
+        t.markers(&key, &two_steps(0), 1).unwrap();
+        t.close(&key, 2);
+    }
+    // Another tenant's job of the same id is not touched.
+    t.open(info("other", "j", 0, 7), 0).unwrap();
+    // Run 2 of the same id, two ranks: rank 0 comes back as a new process.
+    let opened = t.open_evicting(info("ns", "j", 0, 200), 3).unwrap();
+    assert_eq!(
+        opened.superseded,
+        (1..4)
+            .map(|r| RankKey::new("ns", "j", r))
+            .collect::<Vec<_>>()
+    );
+    t.open(info("ns", "j", 1, 201), 3).unwrap();
+    let ranks: Vec<_> = t
+        .job_ranks("ns", "j")
+        .map(|(k, r)| (k.rank, r.info.pid))
+        .collect();
+    assert_eq!(ranks, vec![(0, 200), (1, 201)]);
+    assert_eq!(t.job_ranks("other", "j").count(), 1);
+    assert_eq!(t.rank_count(), 3);
+}
+
+#[test]
+fn ranks_of_one_run_that_start_late_do_not_drop_their_finished_peers() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let r0 = t.open(info("ns", "j", 0, 100), 0).unwrap();
+    t.close(&r0, 1);
+    // Rank 1 was never seen: no sign of a new run.
+    let opened = t.open_evicting(info("ns", "j", 1, 101), 2).unwrap();
+    assert!(opened.superseded.is_empty());
+    assert_eq!(t.job_ranks("ns", "j").count(), 2);
+    // A live peer also means the same run.
+    let r1 = opened.key;
+    assert!(t.rank(&r1).is_some());
+}
+
+#[test]
+fn journals_and_records_without_a_namespace_still_read() {
+    let key: RankKey = serde_json::from_str(r#"{"job":"j","rank":3}"#).unwrap();
+    assert_eq!(key, RankKey::new("", "j", 3));
+    // And the key of a rank outside Kubernetes is written as before.
+    assert_eq!(
+        serde_json::to_string(&key).unwrap(),
+        r#"{"job":"j","rank":3}"#
+    );
+}
+
+proptest! {
+    /// Whatever the order of hellos and closes from a few processes, a rank
+    /// with an open stream keeps the process that opened it, and a refused
+    /// hello changes nothing.
+    #[test]
+    fn a_connected_rank_keeps_its_process(ops in proptest::collection::vec((0u32..3, any::<bool>()), 1..40)) {
+        let mut t = Tracker::new(TrackerConfig::default());
+        let key = RankKey::new("ns", "j", 0);
+        // Streams each pid holds open.
+        let mut open = [0u32; 3];
+        for (i, (p, close)) in ops.into_iter().enumerate() {
+            let pid = 10 + p;
+            if close {
+                if open[p as usize] > 0 {
+                    open[p as usize] -= 1;
+                    t.close(&key, i as u64);
+                }
+                continue;
+            }
+            let before = t.rank(&key).map(|r| (r.info.pid, r.connected_streams));
+            match t.open(info("ns", "j", 0, pid), i as u64) {
+                Ok(_) => {
+                    prop_assert!(before.is_none_or(|(holder, streams)| streams == 0 || holder == pid));
+                    open[p as usize] += 1;
+                }
+                Err(e) => {
+                    let held = matches!(e, OpenError::RankHeld { .. });
+                    prop_assert!(held);
+                    let (holder, streams) = before.unwrap();
+                    prop_assert!(streams > 0 && holder != pid);
+                    prop_assert_eq!(t.rank(&key).map(|r| (r.info.pid, r.connected_streams)), before);
+                }
+            }
+        }
+    }
+}
