@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -271,6 +272,11 @@ def polite_rank(sock: str, stop: Stop, progress: List[float]) -> None:
             time.sleep(0.2)
 
 
+def _polite_process(sock: str, seconds: float) -> None:
+    errors: List[float] = []
+    polite_rank(sock, Stop(seconds), errors)
+
+
 def http(port: int, path: str, timeout: float = 10.0) -> bytes:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
         return r.read()
@@ -343,7 +349,6 @@ def main() -> int:
 
         stop = Stop(args.seconds)
         counts: Dict[str, int] = {}
-        polite_errors: List[float] = []
         loads = [
             threading.Thread(target=memory_load, args=(sock, stop, r, counts), daemon=True)
             for r in range(args.memory_ranks)
@@ -357,8 +362,12 @@ def main() -> int:
                 target=connection_flood, args=(sock, stop, counts, args.flood), daemon=True
             ),
             threading.Thread(target=traces, args=(sock, stop, counts), daemon=True),
-            threading.Thread(target=polite_rank, args=(sock, stop, polite_errors), daemon=True),
         ]
+        # The polite rank is its own process, as a training job would be.
+        polite = multiprocessing.get_context("spawn").Process(
+            target=_polite_process, args=(sock, args.seconds), daemon=True
+        )
+        polite.start()
         for th in loads:
             th.start()
 
@@ -427,7 +436,6 @@ def main() -> int:
             "polite_rank": {
                 "steps_completed": last_value,
                 "longest_stall_s": round(longest_stall, 2),
-                "stream_errors": len(polite_errors),
             },
             "refused": {
                 k: v

@@ -28,6 +28,12 @@ pub struct Limited<L> {
     idle_timeout: Option<Duration>,
 }
 
+/// How long a new connection may stay silent before its first byte: a
+/// client sends its request (or HTTP/2 preface) at once, and connections
+/// that never do must not hold a slot for the whole idle timeout (a flood
+/// of them once locked ranks out for minutes).
+pub const FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl<L> Limited<L> {
     /// Wraps `inner`; `idle_timeout` closes a connection that neither reads
     /// nor writes for that long (None: never).
@@ -75,24 +81,36 @@ pub struct LimitedIo<T> {
     inner: T,
     _permit: OwnedSemaphorePermit,
     idle: Option<(Duration, Pin<Box<Sleep>>)>,
+    /// Whether the peer has sent a byte; until then the deadline is
+    /// [`FIRST_BYTE_TIMEOUT`] and only its bytes move it.
+    heard: bool,
 }
 
 impl<T> LimitedIo<T> {
     fn new(inner: T, permit: OwnedSemaphorePermit, idle_timeout: Option<Duration>) -> Self {
+        let first = idle_timeout.map(|d| d.min(FIRST_BYTE_TIMEOUT));
         Self {
             inner,
             _permit: permit,
-            idle: idle_timeout.map(|d| (d, Box::pin(tokio::time::sleep(d)))),
+            idle: idle_timeout
+                .zip(first)
+                .map(|(d, f)| (d, Box::pin(tokio::time::sleep(f)))),
+            heard: false,
         }
     }
 
-    /// Restarts the idle clock after progress; fails once it ran out while
-    /// the connection waited.
-    fn check_idle(&mut self, cx: &mut Context<'_>, progressed: bool) -> io::Result<()> {
+    /// Restarts the idle clock after progress (before the peer's first
+    /// byte, only its bytes count); fails once it ran out while the
+    /// connection waited.
+    fn check_idle(&mut self, cx: &mut Context<'_>, progressed: bool, read: bool) -> io::Result<()> {
+        if progressed && read {
+            self.heard = true;
+        }
+        let heard = self.heard;
         let Some((timeout, sleep)) = &mut self.idle else {
             return Ok(());
         };
-        if progressed {
+        if progressed && heard {
             sleep.as_mut().reset(Instant::now() + *timeout);
             return Ok(());
         }
@@ -112,8 +130,10 @@ impl<T: AsyncRead + Unpin> AsyncRead for LimitedIo<T> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
         let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
-        self.check_idle(cx, poll.is_ready())?;
+        let got_bytes = matches!(poll, Poll::Ready(Ok(()))) && buf.filled().len() > before;
+        self.check_idle(cx, poll.is_ready(), got_bytes)?;
         poll
     }
 }
@@ -125,7 +145,7 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for LimitedIo<T> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let poll = Pin::new(&mut self.inner).poll_write(cx, buf);
-        self.check_idle(cx, poll.is_ready())?;
+        self.check_idle(cx, poll.is_ready(), false)?;
         poll
     }
 
