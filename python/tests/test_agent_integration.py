@@ -147,7 +147,7 @@ def test_agent_reports_steps_and_phases(real_agent, accumulate):
     assert stepwatch.flush(5), stepwatch.stats()
     report = real_agent.rank_report(job, 0, 5)
     jobs = real_agent.get("/api/v1/jobs")
-    assert {"job": job, "ranks": [0]} in jobs["jobs"]
+    assert {"job": job, "namespace": "", "ranks": [0]} in jobs["jobs"]
     assert report["job"] == job and report["rank"] == 0
     assert report["steps_completed"] == 5
     steps = report["steps"]
