@@ -67,7 +67,10 @@
 //! ratio     = max(1, step1 reserved peak / step1 allocated peak)
 //! cached    = min(state, reserved − allocated when the optimizer phase began)
 //! allowance = round(layout_allowance_fraction × cached)
-//! reserved  = max(ceil(basis_peak × ratio) + allowance, step1 reserved peak)
+//! reserved  = max(ceil((basis_peak − fresh) × ratio) + fresh + allowance,
+//!                 step1 reserved peak)
+//! fresh     = state + temporaries of the optimizer-phase estimate when that
+//!             estimate binds (before the phase is measured), else 0
 //! overhead  = NVML − reserved next to step 1's markers: the best lower
 //!             bound, capped by the best upper one (see `overhead_estimate`)
 //! device    = max(reserved + overhead, NVML peak of step 1's closed phases)
@@ -744,6 +747,8 @@ pub fn predict_with(
             )
         })
         .flatten();
+    // What the estimate adds that step 1 has not allocated yet.
+    let optimizer_new_bytes = new_state.saturating_add(optimizer_temporaries);
     let opt_term = max_opt(opt_peak, optimizer_estimate);
 
     // Gradients freed only just before backward live through step 2's
@@ -865,9 +870,23 @@ pub fn predict_with(
                 Some(r) if step1_peak > 0 => (r as f64 / step1_peak as f64).max(1.0),
                 _ => 1.0,
             };
+            // When the estimate of step 1's optimizer phase binds, its new
+            // tensors (state, temporaries) are taken at their own size: the
+            // ratio measures the cache around what step 1 has allocated so
+            // far, and early in step 1 that cache is mostly what was kept
+            // from initialisation (FSDP: the unsharded model), which the new
+            // tensors will reuse, not multiply.
+            let fresh = match optimizer_estimate {
+                Some(e) if e == basis_peak && binding == BindingTerm::OptimizerPhase => {
+                    optimizer_new_bytes.min(basis_peak)
+                }
+                _ => 0,
+            };
             let reserved = match replay {
                 Some(r) => r.expected_reserved_peak_bytes(),
-                None => ((basis_peak as f64 * ratio).ceil() as u64).saturating_add(allowance),
+                None => (((basis_peak - fresh) as f64 * ratio).ceil() as u64)
+                    .saturating_add(fresh)
+                    .saturating_add(allowance),
             }
             .max(res_peak.unwrap_or(0));
             let oh = overhead_estimate(&step);

@@ -1173,3 +1173,40 @@ fn gradients_freed_before_backward_are_alive_in_step_2s_forward() {
     // 7000 × 1.25 = 8750, + 50 + 500.
     assert_eq!(p.predicted_peak_bytes, 9300 * M, "{}", p.explanation);
 }
+
+/// Early in step 1 the reserved/allocated ratio is mostly cache kept from
+/// initialisation (FSDP: the unsharded model, freed after sharding). The
+/// optimizer estimate's new tensors reuse that cache; multiplying them by
+/// the ratio once warned a job with 8% to spare (fsdp2-4 on real PyTorch).
+#[test]
+fn the_optimizer_estimate_takes_its_new_tensors_at_their_own_size() {
+    use MarkerKind::*;
+    // Allocated 1000, reserved 3000: a ratio of 3 at step 1's first forward.
+    let markers = vec![
+        marker(StepBegin, 1, 100, 0, Some((1000, 1000, 3000))),
+        marker(ForwardBegin, 1, 200, 0, Some((1000, 1000, 3000))),
+    ];
+    let facts = ModelFacts {
+        parameter_count: Some(250 * M),
+        parameter_bytes: Some(1000 * M),
+        optimizer: OptimizerKind::Adam,
+        optimizer_implementation: OptimizerImplementation::Foreach,
+        ..Default::default()
+    };
+    let p = run(facts, &markers, &[(150, 3500)], 20_000);
+    let i = &p.inputs;
+    // State 250 M × 8 = 2000, temporaries half of it = 1000; the estimate:
+    // allocated at the first forward 1000 + gradients 1000 + 2000 + 1000.
+    assert_eq!(i.optimizer_phase_estimate_bytes, Some(5000 * M));
+    assert_eq!(i.binding, BindingTerm::OptimizerPhase);
+    assert_eq!(i.reserved_ratio, Some(3.0));
+    // What step 1 had allocated (1000 + gradients 1000) at the ratio, the new
+    // state and temporaries (3000) as they are, + allowance 2000 / 16 = 125:
+    // 6000 + 3000 + 125, not 5000 × 3 + 125.
+    assert_eq!(
+        i.predicted_reserved_bytes,
+        Some(9125 * M),
+        "{}",
+        p.explanation
+    );
+}
