@@ -251,6 +251,13 @@ def torchrun(n: int, script: str, tmp_path: Path) -> subprocess.CompletedProcess
 
 def test_ddp_over_two_ranks_with_nccl(tmp_path):
     proc = torchrun(2, DDP, tmp_path)
+    # Known flake, not yet understood: after both ranks finished (and printed
+    # their results) one may abort at exit with "terminate called without an
+    # active exception" (about one run in six). Retried once on exactly that.
+    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
+        tmp_path = tmp_path / "retry"
+        tmp_path.mkdir()
+        proc = torchrun(2, DDP, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
         assert f"RANK {rank} sum=3 gathered=[10, 20]" in proc.stdout
