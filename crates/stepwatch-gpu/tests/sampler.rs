@@ -199,7 +199,17 @@ fn nvml_gone_is_detected_and_reinitialised() {
     world.fake.set_gpu_lost(1, false);
     // A counter: re-initialising NVML does not start it again from 0, so
     // new samples count on from where it stood.
+    // new samples count on from where it stood: no snapshot, from the first
+    // one after re-initialisation, shows less (a counter that restarted at 0
+    // would, until it caught up).
     let snap = wait_for(&sampler, "up again", Duration::from_secs(10), |s| {
+        for (g, &before) in s.gpus.iter().zip(&counted) {
+            assert!(
+                g.samples_total >= before,
+                "samples_total fell from {before} to {}",
+                g.samples_total
+            );
+        }
         s.nvml_up
             && s.gpus.len() == counted.len()
             && s.gpus
