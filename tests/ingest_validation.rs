@@ -474,3 +474,131 @@ fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
         }
     });
 }
+
+#[test]
+fn facts_sent_after_the_hello_replay_step_1_again_and_bad_ones_are_refused() {
+    const MIB: u64 = 1 << 20;
+    let agent = Agent::start("model-update", 1);
+    let ep = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // Step 1 to its optimizer end, then its trace: backward made an 8 MiB
+    // gradient, the optimizer 16 MiB of state.
+    let mut step1 = step(1, 1_000);
+    step1.pop();
+    for (i, m) in step1.iter_mut().enumerate() {
+        let allocated = [1u64, 1, 3, 2, 2][i] << 30;
+        m.allocator = Some(stepwatch_proto::v1::AllocatorStats {
+            allocated_bytes: allocated,
+            allocated_peak_bytes: allocated,
+            reserved_bytes: 3 << 30,
+            reserved_peak_bytes: 3 << 30,
+            ..Default::default()
+        });
+    }
+    let base = 1u64 << 32;
+    let chunk = AllocatorTraceChunk {
+        step: 1,
+        segments: vec![AllocatorSegment {
+            address: base,
+            blocks: vec![
+                AllocatorBlock {
+                    size: 16 * MIB,
+                    allocated: true,
+                },
+                AllocatorBlock {
+                    size: 8 * MIB,
+                    allocated: true,
+                },
+                AllocatorBlock {
+                    size: 40 * MIB,
+                    allocated: false,
+                },
+            ],
+            ..Default::default()
+        }],
+        events: vec![
+            AllocatorEvent {
+                action: AllocatorAction::Alloc as i32,
+                address: base + 16 * MIB,
+                size: 8 * MIB,
+                phase: MarkerKind::BackwardBegin as i32,
+                ..Default::default()
+            },
+            AllocatorEvent {
+                action: AllocatorAction::Alloc as i32,
+                address: base,
+                size: 16 * MIB,
+                phase: MarkerKind::OptimizerBegin as i32,
+                ..Default::default()
+            },
+        ],
+        last: true,
+        settings: None,
+    };
+    let update = |facts| ClientMessage {
+        kind: Some(Kind::ModelUpdate(facts)),
+    };
+    let replay = |job: &str| {
+        let (code, body) = agent.get(&format!("/api/v1/jobs/{job}/ranks/0"));
+        assert_eq!(code, 200, "{body}");
+        let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+        report["analysis"]["prediction"]["inputs"]["allocator_replay"].clone()
+    };
+    rt.block_on(async {
+        exchange(
+            &ep,
+            vec![
+                hello("kept", 0, 1),
+                batch(step1.clone()),
+                trace(chunk.clone()),
+                // What `zero_grad(set_to_none=False)` tells the client.
+                update(stepwatch_proto::v1::ModelFacts {
+                    grads_set_to_none: Some(false),
+                    ..Default::default()
+                }),
+            ],
+        )
+        .await
+        .expect("a facts update is accepted");
+    });
+    agent.wait_metrics("both replays counted", Duration::from_secs(10), |m| {
+        m.get(
+            "stepwatch_allocator_traces_total",
+            &[("result", "replayed")],
+        ) == Some(2.0)
+    });
+    let r = replay("kept");
+    assert_eq!(r["grads_persistent"], true, "{r:#}");
+    assert_eq!(r["state_bytes"], 16 * MIB, "{r:#}");
+
+    // Out of bounds: refused, counted, and the facts stay as they were.
+    rt.block_on(async {
+        expect(
+            exchange(
+                &ep,
+                vec![
+                    hello("bad", 0, 1),
+                    batch(step1.clone()),
+                    trace(chunk.clone()),
+                    update(stepwatch_proto::v1::ModelFacts {
+                        grads_set_to_none: Some(false),
+                        sharding_factor: Some(0),
+                        ..Default::default()
+                    }),
+                ],
+            )
+            .await,
+            Code::InvalidArgument,
+            "sharding_factor must be at least 1",
+        );
+    });
+    let m = Metrics(agent.metrics());
+    assert_eq!(
+        m.get(
+            "stepwatch_markers_rejected_total",
+            &[("reason", "invalid_model_update")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(replay("bad")["grads_persistent"], false);
+}

@@ -48,6 +48,7 @@ COUNTER_NAMES = (
     "hook_errors",  # internal errors swallowed in hooks
     "allocator_traces_sent",  # step-1 allocator traces written whole to a stream
     "allocator_traces_refused",  # traces not sent: incomplete, too large, failed
+    "model_updates_sent",  # facts learnt after the hello (zero_grad) sent to the agent
 )
 
 MAX_MARKERS_PER_BATCH = 1024  # the agent's limit
@@ -207,6 +208,11 @@ class Client:
         writes all its chunks on one stream, and a trace that does not make it (no
         agent, queue overflow, stream lost midway) is dropped, never resent."""
         self._enqueue(trace)
+
+    def send_model_update(self, facts: Dict[str, Any]) -> None:
+        """Queue facts learnt after the hello (ModelFacts fields by name) after
+        the markers queued so far; the agent merges them into the hello's."""
+        self._enqueue(ModelUpdate(facts))
 
     # --------------------------------------------------------- training side
     def _enqueue(self, item: Any) -> None:
@@ -520,7 +526,11 @@ class Client:
             if trace is not None:
                 stream.trace = None
                 self._in_flight = 1
-                yield from self._trace_messages(pb, trace)
+                if isinstance(trace, ModelUpdate):
+                    yield trace.message(pb)
+                    self.counters["model_updates_sent"] += 1
+                else:
+                    yield from self._trace_messages(pb, trace)
                 self._in_flight = 0
                 continue
             if q:
@@ -532,7 +542,8 @@ class Client:
                     except IndexError:
                         break
                     if type(t) is not tuple:
-                        # An allocator trace: goes out after this batch, on its own.
+                        # An allocator trace or a facts update: goes out after
+                        # this batch, on its own.
                         stream.trace = t
                         break
                     items.append(t)
@@ -575,6 +586,23 @@ class Client:
                 self.counters["allocator_traces_sent"] += 1
                 log.debug("stepwatch: step 1's allocator trace sent (%d events)", trace.num_events)
             yield msg
+
+
+class ModelUpdate:
+    """ModelFacts learnt after the hello, queued in order with the markers."""
+
+    __slots__ = ("facts",)
+
+    def __init__(self, facts: Dict[str, Any]) -> None:
+        self.facts = dict(facts)
+
+    def message(self, pb: Any) -> Any:
+        msg = pb.ClientMessage()
+        m = msg.model_update
+        m.SetInParent()
+        for key, value in self.facts.items():
+            setattr(m, key, value)
+        return msg
 
 
 class _StreamState:

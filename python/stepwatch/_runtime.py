@@ -270,6 +270,23 @@ class _Runtime:
                 raise
             log.debug("stepwatch: marking failed: %r", e)
 
+    def note_grads_set_to_none(self, set_to_none: bool) -> None:
+        """What a ``zero_grad`` call says of the gradients. When it differs from
+        what the agent assumes (the hello's fact, else PyTorch's default: set to
+        None), the facts change and the agent is told at once, in order with the
+        markers, so step 2's prediction counts kept gradients."""
+        facts = self.facts if self.facts is not None else {}
+        said = facts.get("grads_set_to_none")
+        if set_to_none == (True if said is None else said):
+            return
+        with self.lock:
+            facts["grads_set_to_none"] = set_to_none
+            self.facts = facts  # a reconnect's hello carries it too
+        c = self.client
+        if c is None:
+            c = self.get_client()
+        c.send_model_update({"grads_set_to_none": set_to_none})
+
     def report_oom(self, exc: BaseException) -> None:
         """Send the OOM marker for ``exc`` once, and give it a short chance to go out."""
         if getattr(exc, "_stepwatch_oom_reported", False):
@@ -467,6 +484,7 @@ def watch(
     handle._handles += _torch.install_module_hooks(RT, model)
     if optimizer is not None:
         handle._handles += _torch.install_optimizer_hooks(RT, optimizer)
+    handle._handles += _torch.install_zero_grad_watch(RT, model, optimizer)
     if oom_excepthook:
         RT.install_excepthook()
         handle._excepthook = True

@@ -520,3 +520,42 @@ def install_optimizer_hooks(rt: _Runtime, optimizer: Any, *, begin: bool = True)
             handles.append(opt.register_step_pre_hook(pre))
         handles.append(opt.register_step_post_hook(post))
     return handles
+
+
+class _ZeroGradWatch:
+    """Wraps ``obj.zero_grad`` on the instance; ``remove()`` puts it back."""
+
+    def __init__(self, rt: _Runtime, obj: Any) -> None:
+        self.obj = obj
+        original = obj.zero_grad
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+            rt.guarded(lambda: rt.note_grads_set_to_none(bool(set_to_none)))
+            return original(*args, **kwargs)
+
+        self.wrapper = zero_grad
+        obj.zero_grad = zero_grad
+
+    def remove(self) -> None:
+        if self.obj.__dict__.get("zero_grad") is self.wrapper:
+            del self.obj.zero_grad
+
+
+def install_zero_grad_watch(rt: _Runtime, model: Any, optimizer: Any) -> List[Any]:
+    """Learn from ``zero_grad(set_to_none=...)`` whether gradients outlive a step.
+
+    The answer comes only when the training loop calls it (often right after
+    step 1's optimizer phase, after the hello), and decides step 2's peak: kept
+    gradients are alive through step 2's forward and backward. The model's and
+    each optimizer's ``zero_grad`` are wrapped on the instance."""
+    handles: List[Any] = []
+    objs = [model] + [getattr(o, "optimizer", o) for o in _optimizers(optimizer)]
+    for obj in objs:
+        if obj is None or not callable(getattr(obj, "zero_grad", None)):
+            continue
+        try:
+            handles.append(_ZeroGradWatch(rt, obj))
+        except Exception as e:  # e.g. a class with __slots__
+            log.debug("stepwatch: cannot watch %s.zero_grad: %r", type(obj).__name__, e)
+    return handles

@@ -233,3 +233,33 @@ def test_allocator_trace_gives_a_replayed_prediction(real_agent, monkeypatch):
         real_agent.log.read_text()[-4000:],
     )
     assert "replayed from the step-1 allocator trace" in real_agent.log.read_text()
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_zero_grad_tells_the_agent_when_gradients_are_kept(real_agent, set_to_none):
+    """``zero_grad(set_to_none=False)`` after step 1's optimizer (after the hello,
+    before step 2) reaches the agent before step 2's first marker, so step 2's
+    prediction counts the kept gradients; PyTorch's default sends nothing."""
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    handle = stepwatch.watch(model, opt, job_id=job)
+    try:
+        for _ in range(3):
+            x, y = torch.randn(8, 16), torch.randn(8, 1)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        # Kept gradients really are kept (the wrapper called through).
+        assert all((p.grad is None) == set_to_none for p in model.parameters())
+    finally:
+        handle.remove()
+    assert "zero_grad" not in opt.__dict__ and "zero_grad" not in model.__dict__
+    assert stepwatch.flush(5), stepwatch.stats()
+    report = real_agent.rank_report(job, 0, 3)
+    st = stepwatch.stats()
+    assert st["rejections"] == 0, (st, real_agent.log.read_text()[-4000:])
+    assert st["model_updates_sent"] == (0 if set_to_none else 1), st
+    facts = report["info"]["model"]
+    assert facts["grads_set_to_none"] == (None if set_to_none else False), report["info"]

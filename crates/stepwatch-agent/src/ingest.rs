@@ -271,12 +271,15 @@ async fn receive_markers(
     state: &AgentState,
     traces: &TraceBudget,
     key: &RankKey,
-    gradients: Gradients,
+    mut gradients: Gradients,
     inbound: &mut Streaming<pb::ClientMessage>,
     max_rate: f64,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
     let mut bucket = TokenBucket::new(max_rate);
+    // Step 1's trace, kept until step 2 begins: facts that arrive after it
+    // (gradients kept) change how it replays.
+    let mut step1_trace: Option<AllocatorTrace> = None;
     let mut markers = Vec::new();
     let mut trace = TraceAssembly::default();
     let mut held = HeldTraceBytes {
@@ -320,6 +323,7 @@ async fn receive_markers(
                 match trace.add(chunk) {
                     Ok(Some(complete)) => {
                         held.release();
+                        step1_trace = Some(complete.clone());
                         replay_trace(state, traces, key, gradients, complete, tx).await?;
                     }
                     Ok(None) => {}
@@ -330,6 +334,37 @@ async fn receive_markers(
                     Err(Refusal::Fatal(reason, status)) => {
                         state.ingest.reject(reason, 1);
                         return Err(status);
+                    }
+                }
+                continue;
+            }
+            Some(Kind::ModelUpdate(update)) => {
+                if !bucket.take(1.0) {
+                    state.ingest.reject("rate_limited", 1);
+                    return Err(Status::resource_exhausted(format!(
+                        "more than {max_rate} messages/s on one stream (--max-marker-rate)"
+                    )));
+                }
+                let update = model_facts(update);
+                let (due, now) = match state.update_model_facts(key, &update) {
+                    Ok(applied) => applied,
+                    Err(e) => {
+                        state.ingest.reject("invalid_model_update", 1);
+                        return Err(Status::invalid_argument(format!(
+                            "model facts update refused for job {} rank {}: {e}",
+                            key.job, key.rank
+                        )));
+                    }
+                };
+                tracing::info!(job = %key.job, rank = key.rank, update = ?update, "model facts updated after the hello");
+                match due {
+                    Some(advisories) => send_advisories(state, key, advisories, tx),
+                    None => step1_trace = None,
+                }
+                if now != gradients {
+                    gradients = now;
+                    if let Some(t) = step1_trace.clone() {
+                        replay_trace(state, traces, key, gradients, t, tx).await?;
                     }
                 }
                 continue;
@@ -371,6 +406,9 @@ async fn receive_markers(
                     ));
                 }
             }
+        }
+        if markers.iter().any(|m| m.step > 1) {
+            step1_trace = None;
         }
         let applied = state.apply_markers(key, &markers);
         match applied {
@@ -848,37 +886,42 @@ fn rank_info(hello: pb::Hello, peer_pid: Option<u32>) -> RankInfo {
         pid: peer_pid.unwrap_or(hello.pid),
         framework: hello.framework,
         framework_version: hello.framework_version,
-        model: ModelFacts {
-            parameter_count: model.parameter_count,
-            parameter_bytes: model.parameter_bytes,
-            optimizer: match pb::OptimizerKind::try_from(model.optimizer) {
-                Ok(pb::OptimizerKind::Adam) => OptimizerKind::Adam,
-                Ok(pb::OptimizerKind::SgdMomentum) => OptimizerKind::SgdMomentum,
-                Ok(pb::OptimizerKind::Sgd) => OptimizerKind::Sgd,
-                Ok(pb::OptimizerKind::Other) => OptimizerKind::Other,
-                _ => OptimizerKind::Unknown,
-            },
-            state_bytes_per_parameter: model.state_bytes_per_parameter,
-            precision: match pb::Precision::try_from(model.precision) {
-                Ok(pb::Precision::Fp32) => Precision::Fp32,
-                Ok(pb::Precision::MixedBf16) => Precision::MixedBf16,
-                Ok(pb::Precision::MixedFp16) => Precision::MixedFp16,
-                Ok(pb::Precision::Bf16) => Precision::Bf16,
-                _ => Precision::Unknown,
-            },
-            sharding_factor: model.sharding_factor,
-            grad_accumulation_steps: model.grad_accumulation_steps,
-            state_precreated: model.state_precreated,
-            grads_set_to_none: model.grads_set_to_none,
-            micro_batch_size: model.micro_batch_size,
-            optimizer_implementation: match pb::OptimizerImplementation::try_from(
-                model.optimizer_implementation,
-            ) {
-                Ok(pb::OptimizerImplementation::Foreach) => OptimizerImplementation::Foreach,
-                Ok(pb::OptimizerImplementation::Fused) => OptimizerImplementation::Fused,
-                Ok(pb::OptimizerImplementation::ForLoop) => OptimizerImplementation::ForLoop,
-                _ => OptimizerImplementation::Unknown,
-            },
+        model: model_facts(model),
+    }
+}
+
+/// The wire's model facts in the step model's terms (a Hello's, or an update's).
+fn model_facts(model: pb::ModelFacts) -> ModelFacts {
+    ModelFacts {
+        parameter_count: model.parameter_count,
+        parameter_bytes: model.parameter_bytes,
+        optimizer: match pb::OptimizerKind::try_from(model.optimizer) {
+            Ok(pb::OptimizerKind::Adam) => OptimizerKind::Adam,
+            Ok(pb::OptimizerKind::SgdMomentum) => OptimizerKind::SgdMomentum,
+            Ok(pb::OptimizerKind::Sgd) => OptimizerKind::Sgd,
+            Ok(pb::OptimizerKind::Other) => OptimizerKind::Other,
+            _ => OptimizerKind::Unknown,
+        },
+        state_bytes_per_parameter: model.state_bytes_per_parameter,
+        precision: match pb::Precision::try_from(model.precision) {
+            Ok(pb::Precision::Fp32) => Precision::Fp32,
+            Ok(pb::Precision::MixedBf16) => Precision::MixedBf16,
+            Ok(pb::Precision::MixedFp16) => Precision::MixedFp16,
+            Ok(pb::Precision::Bf16) => Precision::Bf16,
+            _ => Precision::Unknown,
+        },
+        sharding_factor: model.sharding_factor,
+        grad_accumulation_steps: model.grad_accumulation_steps,
+        state_precreated: model.state_precreated,
+        grads_set_to_none: model.grads_set_to_none,
+        micro_batch_size: model.micro_batch_size,
+        optimizer_implementation: match pb::OptimizerImplementation::try_from(
+            model.optimizer_implementation,
+        ) {
+            Ok(pb::OptimizerImplementation::Foreach) => OptimizerImplementation::Foreach,
+            Ok(pb::OptimizerImplementation::Fused) => OptimizerImplementation::Fused,
+            Ok(pb::OptimizerImplementation::ForLoop) => OptimizerImplementation::ForLoop,
+            _ => OptimizerImplementation::Unknown,
         },
     }
 }

@@ -48,6 +48,32 @@ fn identifier() -> impl Strategy<Value = String> {
     ]
 }
 
+fn facts() -> impl Strategy<Value = pb::ModelFacts> {
+    (
+        proptest::option::of(edgy_u64()),
+        proptest::option::of(edgy_u64()),
+        0i32..7,
+        proptest::option::of(edgy_u32()),
+        0i32..7,
+        proptest::option::of(edgy_u32()),
+        proptest::option::of(edgy_u32()),
+        proptest::option::of(edgy_u32()),
+        proptest::option::of(any::<bool>()),
+    )
+        .prop_map(|m| pb::ModelFacts {
+            parameter_count: m.0,
+            parameter_bytes: m.1,
+            optimizer: m.2,
+            state_bytes_per_parameter: m.3,
+            precision: m.4,
+            sharding_factor: m.5,
+            grad_accumulation_steps: m.6,
+            micro_batch_size: m.7,
+            grads_set_to_none: m.8,
+            ..Default::default()
+        })
+}
+
 fn hello() -> impl Strategy<Value = pb::ClientMessage> {
     (
         (
@@ -58,19 +84,10 @@ fn hello() -> impl Strategy<Value = pb::ClientMessage> {
             identifier(),
         ),
         (any::<u32>(), identifier()),
-        (
-            proptest::option::of(edgy_u64()),
-            proptest::option::of(edgy_u64()),
-            0i32..7,
-            proptest::option::of(edgy_u32()),
-            0i32..7,
-            proptest::option::of(edgy_u32()),
-            proptest::option::of(edgy_u32()),
-            proptest::option::of(edgy_u32()),
-        ),
+        facts(),
     )
         .prop_map(
-            |((job, rank, local_rank, world, node), (pid, framework), m)| pb::ClientMessage {
+            |((job, rank, local_rank, world, node), (pid, framework), model)| pb::ClientMessage {
                 kind: Some(Kind::Hello(pb::Hello {
                     identity: Some(pb::Identity {
                         job_id: job,
@@ -83,17 +100,7 @@ fn hello() -> impl Strategy<Value = pb::ClientMessage> {
                     gpu_uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
                     pid,
                     framework,
-                    model: Some(pb::ModelFacts {
-                        parameter_count: m.0,
-                        parameter_bytes: m.1,
-                        optimizer: m.2,
-                        state_bytes_per_parameter: m.3,
-                        precision: m.4,
-                        sharding_factor: m.5,
-                        grad_accumulation_steps: m.6,
-                        micro_batch_size: m.7,
-                        ..Default::default()
-                    }),
+                    model: Some(model),
                     ..Default::default()
                 })),
             },
@@ -245,6 +252,9 @@ fn input() -> impl Strategy<Value = Input> {
         2 => hello().prop_map(|m| Input::Message(Box::new(m))),
         4 => markers().prop_map(|m| Input::Message(Box::new(m))),
         2 => trace_chunk().prop_map(|m| Input::Message(Box::new(m))),
+        1 => facts().prop_map(|m| Input::Message(Box::new(pb::ClientMessage {
+            kind: Some(Kind::ModelUpdate(m)),
+        }))),
         1 => prop::collection::vec(any::<u8>(), 0..200).prop_map(Input::Bytes),
         // A valid message with bytes flipped.
         1 => (markers(), prop::collection::vec((any::<usize>(), any::<u8>()), 1..6)).prop_map(|(m, flips)| {
@@ -322,6 +332,15 @@ fn run(inputs: Vec<Input>) {
                     if let Ok(replay) = replay_step2_with(&complete, gradients, limit) {
                         let _ = tracker.allocator_replay(key, replay, now);
                     }
+                }
+            }
+            Some(Kind::ModelUpdate(update)) => {
+                let Some(key) = &key else { continue };
+                if tracker
+                    .update_model_facts(key, &model_facts(update), now)
+                    .is_ok()
+                {
+                    gradients = tracker.rank(key).map(|r| Gradients::of(&r.info));
                 }
             }
             None => {}

@@ -7,8 +7,8 @@ use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use std::path::Path;
 
 use stepwatch_core::{
-    AllocatorTrace, Gradients, Journal, OpenError, RankInfo, RankKey, RecordEntry, Step2Replay,
-    Tracker,
+    AllocatorTrace, Gradients, HelloError, Journal, ModelFacts, OpenError, RankInfo, RankKey,
+    RecordEntry, Step2Replay, Tracker,
 };
 
 use crate::record::Recorder;
@@ -255,6 +255,32 @@ impl AgentState {
             false,
         );
         Ok(due)
+    }
+
+    /// Merges facts a rank sent after its hello (recorded) and returns the
+    /// advisories that became due (None once step 2 began) and what becomes
+    /// of the rank's gradients under the merged facts, which decides how its
+    /// allocator trace replays.
+    pub fn update_model_facts(
+        &self,
+        key: &RankKey,
+        update: &ModelFacts,
+    ) -> Result<(Option<Vec<stepwatch_core::Advisory>>, Gradients), HelloError> {
+        let mut tracker = self.tracker();
+        let at_ns = monotonic_ns();
+        let due = tracker.update_model_facts(key, update, at_ns)?;
+        let gradients = tracker
+            .rank(key)
+            .map_or_else(Gradients::default, |r| Gradients::of(&r.info));
+        self.record(
+            || RecordEntry::ModelFacts {
+                at_ns,
+                key: key.clone(),
+                update: update.clone(),
+            },
+            true,
+        );
+        Ok((due, gradients))
     }
 
     /// Hands a rank's step-2 replay (of `trace`, recorded with it) to the

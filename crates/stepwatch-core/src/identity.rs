@@ -115,6 +115,43 @@ pub struct ModelFacts {
     pub optimizer_implementation: OptimizerImplementation,
 }
 
+impl ModelFacts {
+    /// Takes the facts `update` states over these: its set fields (`Some`,
+    /// or an enum other than unknown) replace, its absent ones keep what
+    /// was said before. Clients learn some facts only after their hello,
+    /// e.g. that `zero_grad(set_to_none=False)` keeps the gradients.
+    pub fn merge(&mut self, update: &ModelFacts) {
+        fn take<T: Copy>(mine: &mut Option<T>, theirs: Option<T>) {
+            if theirs.is_some() {
+                *mine = theirs;
+            }
+        }
+        take(&mut self.parameter_count, update.parameter_count);
+        take(&mut self.parameter_bytes, update.parameter_bytes);
+        take(
+            &mut self.state_bytes_per_parameter,
+            update.state_bytes_per_parameter,
+        );
+        take(&mut self.sharding_factor, update.sharding_factor);
+        take(
+            &mut self.grad_accumulation_steps,
+            update.grad_accumulation_steps,
+        );
+        take(&mut self.state_precreated, update.state_precreated);
+        take(&mut self.grads_set_to_none, update.grads_set_to_none);
+        take(&mut self.micro_batch_size, update.micro_batch_size);
+        if update.optimizer != OptimizerKind::Unknown {
+            self.optimizer = update.optimizer;
+        }
+        if update.precision != Precision::Unknown {
+            self.precision = update.precision;
+        }
+        if update.optimizer_implementation != OptimizerImplementation::Unknown {
+            self.optimizer_implementation = update.optimizer_implementation;
+        }
+    }
+}
+
 /// Everything a rank says about itself in its hello.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankInfo {
@@ -302,6 +339,33 @@ mod tests {
             world_size: 2,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_facts_update_replaces_only_what_it_states() {
+        let mut facts = ModelFacts {
+            parameter_count: Some(10),
+            optimizer: OptimizerKind::Adam,
+            grads_set_to_none: None,
+            precision: Precision::Bf16,
+            ..ModelFacts::default()
+        };
+        facts.merge(&ModelFacts {
+            grads_set_to_none: Some(false),
+            ..ModelFacts::default()
+        });
+        assert_eq!(facts.grads_set_to_none, Some(false));
+        assert_eq!(facts.parameter_count, Some(10));
+        assert_eq!(facts.optimizer, OptimizerKind::Adam);
+        assert_eq!(facts.precision, Precision::Bf16);
+        facts.merge(&ModelFacts {
+            parameter_count: Some(20),
+            optimizer: OptimizerKind::SgdMomentum,
+            ..ModelFacts::default()
+        });
+        assert_eq!(facts.parameter_count, Some(20));
+        assert_eq!(facts.optimizer, OptimizerKind::SgdMomentum);
+        assert_eq!(facts.grads_set_to_none, Some(false));
     }
 
     #[test]

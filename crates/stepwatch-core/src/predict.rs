@@ -712,7 +712,13 @@ pub fn predict_with(
     let (grads, grads_source) = if !grads_persistent {
         (0, GradsSource::NotPersistent)
     } else if let Some(g) = measured_grads {
-        (g, GradsSource::Measured)
+        // What backward left allocated also holds the loop's variables still
+        // alive then (the logits, the loss); gradients are never larger than
+        // the parameters (same dtype), so the facts bound the measurement.
+        match facts_grads {
+            Some(f) if f < g => (f, GradsSource::ModelFacts),
+            _ => (g, GradsSource::Measured),
+        }
     } else if let Some(g) = facts_grads {
         (g, GradsSource::ModelFacts)
     } else {

@@ -11,8 +11,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::advisory::{Advisory, AdvisoryKind};
-use crate::error::MarkerError;
-use crate::identity::{RankInfo, RankKey};
+use crate::error::{HelloError, MarkerError};
+use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::marker::Marker;
 use crate::predict::PredictionBasis;
 use crate::replay::{replay_step2_with, AllocatorTrace, Gradients, TraceError};
@@ -57,6 +57,15 @@ pub enum RecordEntry {
         /// The trace as received.
         trace: AllocatorTrace,
     },
+    /// Facts a rank sent after its hello ([`Tracker::update_model_facts`]).
+    ModelFacts {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank.
+        key: RankKey,
+        /// The update as received (its set fields replace the hello's).
+        update: ModelFacts,
+    },
     /// GPU samples ([`Tracker::gpu_samples`]).
     GpuSamples {
         /// GPU UUID.
@@ -96,6 +105,9 @@ pub enum RecordError {
     /// A marker batch the tracker refused.
     #[error("markers refused: {0}")]
     Markers(#[from] MarkerError),
+    /// A facts update the tracker refused.
+    #[error("model facts refused: {0}")]
+    ModelFacts(#[from] HelloError),
     /// A trace that does not replay.
     #[error("allocator trace refused: {0}")]
     Trace(#[from] TraceError),
@@ -145,6 +157,12 @@ impl Replayer {
                     gradients.unwrap_or_else(|| Gradients::from_persistent(grads_persistent));
                 let replay = replay_step2_with(&trace, gradients, reserved_limit)?;
                 if let Some(due) = self.tracker.allocator_replay(&key, replay, at_ns) {
+                    self.advisories
+                        .extend(due.into_iter().map(|a| (key.clone(), a)));
+                }
+            }
+            RecordEntry::ModelFacts { at_ns, key, update } => {
+                if let Some(due) = self.tracker.update_model_facts(&key, &update, at_ns)? {
                     self.advisories
                         .extend(due.into_iter().map(|a| (key.clone(), a)));
                 }

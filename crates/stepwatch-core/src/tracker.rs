@@ -16,7 +16,7 @@ use crate::analysis::StepOneExtras;
 use crate::analysis::{analyze_rank, steady_profile, AnalysisConfig, RankAnalysis};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
-use crate::identity::{RankInfo, RankKey};
+use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::marker::{Marker, MarkerKind};
 use crate::predict::{LiveStep, Prediction};
 use crate::replay::{Gradients, Step2Replay};
@@ -648,6 +648,31 @@ impl Tracker {
         state.allocator_replay = Some(replay);
         state.last_activity_ns = now_ns;
         Some(self.advise(key, now_ns))
+    }
+
+    /// Takes facts a rank learnt after its hello (see [`ModelFacts::merge`])
+    /// and returns the advisories that became due with them. The merged
+    /// facts are checked as a hello's are; refused, nothing changes. After
+    /// step 2 began they are kept for what follows but the prediction made
+    /// before it stands: `Ok(None)`, as for a late allocator replay.
+    pub fn update_model_facts(
+        &mut self,
+        key: &RankKey,
+        update: &ModelFacts,
+        now_ns: u64,
+    ) -> Result<Option<Vec<Advisory>>, HelloError> {
+        let Some(state) = self.ranks.get_mut(key) else {
+            return Ok(None);
+        };
+        let mut info = state.info.clone();
+        info.model.merge(update);
+        info.validate()?;
+        state.info = info;
+        state.last_activity_ns = now_ns;
+        if !state.in_first_step() {
+            return Ok(None);
+        }
+        Ok(Some(self.advise(key, now_ns)))
     }
 
     /// Applies an already checked batch and credits samples to the phases it

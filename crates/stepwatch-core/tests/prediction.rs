@@ -1210,3 +1210,96 @@ fn the_optimizer_estimate_takes_its_new_tensors_at_their_own_size() {
         p.explanation
     );
 }
+
+#[test]
+fn facts_learnt_after_the_hello_revise_the_prediction_until_step_2() {
+    // The hello said nothing of the gradients; step 1 ran as in the base
+    // scenario (9050 predicted: fits a 9300 GPU). Then the client saw
+    // `zero_grad(set_to_none=False)`: the gradients persist, 400 more →
+    // 9550 (as in `persistent_grads_are_added_unless_set_to_none`), which
+    // does not fit.
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.gpu_samples(GPU, &samples(&BASE_SAMPLES, 9300));
+    let first = t.markers(&key, &base_markers(true), 0).unwrap();
+    assert!(
+        !first
+            .iter()
+            .any(|a| a.kind == AdvisoryKind::Step2OomPredicted),
+        "9050 fits 9300: {first:?}"
+    );
+    let before = t.rank_analysis(&key).unwrap().prediction.unwrap();
+    assert_eq!(before.predicted_peak_bytes, 9050 * M);
+
+    // A bad update is refused whole and changes nothing.
+    let bad = ModelFacts {
+        grads_set_to_none: Some(false),
+        sharding_factor: Some(0),
+        ..Default::default()
+    };
+    assert!(t.update_model_facts(&key, &bad, 650).is_err());
+    assert_eq!(t.rank(&key).unwrap().info.model.grads_set_to_none, None);
+
+    let keep = ModelFacts {
+        grads_set_to_none: Some(false),
+        ..Default::default()
+    };
+    let due = t.update_model_facts(&key, &keep, 650).unwrap().unwrap();
+    assert_eq!(
+        due.iter().map(|a| a.kind).collect::<Vec<_>>(),
+        [AdvisoryKind::Step2OomPredicted]
+    );
+    assert_eq!(due[0].predicted_peak_bytes, 9550 * M);
+    let after = t.rank_analysis(&key).unwrap().prediction.unwrap();
+    assert_eq!(
+        (after.inputs.grad_bytes, after.inputs.grads_source),
+        (400 * M, GradsSource::Measured)
+    );
+
+    // Once step 2 began the prediction made before it stands.
+    t.markers(&key, &[marker(MarkerKind::StepBegin, 2, 700, 0, None)], 700)
+        .unwrap();
+    let freed = ModelFacts {
+        grads_set_to_none: Some(true),
+        ..Default::default()
+    };
+    assert_eq!(t.update_model_facts(&key, &freed, 800), Ok(None));
+    let frozen = t
+        .rank(&key)
+        .unwrap()
+        .prediction_before_step2
+        .clone()
+        .unwrap();
+    assert_eq!(frozen.predicted_peak_bytes, 9550 * M);
+}
+
+#[test]
+fn kept_gradients_are_no_larger_than_the_parameters() {
+    // Backward left 400 more allocated than before the first forward, but
+    // the parameters are 300: the other 100 are the loop's variables (the
+    // logits), which step 2 rebinds. max(6000 + 800 + 300, …) = 7100 →
+    // × 1.25 = 8875 → + 50 → + 500.
+    let keep = ModelFacts {
+        grads_set_to_none: Some(false),
+        parameter_bytes: Some(300 * M),
+        ..Default::default()
+    };
+    let p = run(keep, &base_markers(true), &BASE_SAMPLES, 10_000);
+    assert_eq!(
+        (p.inputs.grad_bytes, p.inputs.grads_source),
+        (300 * M, GradsSource::ModelFacts)
+    );
+    assert_eq!(p.inputs.basis_peak_bytes, 7100 * M);
+    assert_eq!(p.predicted_peak_bytes, 9425 * M);
+
+    // Parameters larger than the measurement leave it alone.
+    let keep = ModelFacts {
+        grads_set_to_none: Some(false),
+        parameter_bytes: Some(500 * M),
+        ..Default::default()
+    };
+    let p = run(keep, &base_markers(true), &BASE_SAMPLES, 10_000);
+    assert_eq!(
+        (p.inputs.grad_bytes, p.inputs.grads_source),
+        (400 * M, GradsSource::Measured)
+    );
+}

@@ -2,7 +2,7 @@
 /// A message from the training process to the agent.
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct ClientMessage {
-    #[prost(oneof = "client_message::Kind", tags = "1, 2, 3")]
+    #[prost(oneof = "client_message::Kind", tags = "1, 2, 3, 4")]
     pub kind: ::core::option::Option<client_message::Kind>,
 }
 /// Nested message and enum types in `ClientMessage`.
@@ -18,6 +18,15 @@ pub mod client_message {
         /// Part of step 1's caching-allocator history (optional; see AllocatorTrace).
         #[prost(message, tag = "3")]
         AllocatorTrace(super::AllocatorTraceChunk),
+        /// Facts the client learnt after its Hello: the fields set here replace
+        /// the Hello's, the others stay. E.g. a client that sees
+        /// `zero_grad(set_to_none=False)` at the end of step 1 sends
+        /// `grads_set_to_none: false`, and the step-2 prediction (and its replay
+        /// of the allocator trace) counts the gradients kept. Checked like the
+        /// Hello's facts (INVALID_ARGUMENT when out of bounds); after step 2 began
+        /// it no longer changes the prediction made before it.
+        #[prost(message, tag = "4")]
+        ModelUpdate(super::ModelFacts),
     }
 }
 /// Who is talking: sent once at the start of every stream.

@@ -103,14 +103,16 @@ SEVERITY_WARNING: Severity
 SEVERITY_CRITICAL: Severity
 
 class ClientMessage(_message.Message):
-    __slots__ = ("hello", "markers", "allocator_trace")
+    __slots__ = ("hello", "markers", "allocator_trace", "model_update")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     MARKERS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATOR_TRACE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_UPDATE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     markers: MarkerBatch
     allocator_trace: AllocatorTraceChunk
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., markers: _Optional[_Union[MarkerBatch, _Mapping]] = ..., allocator_trace: _Optional[_Union[AllocatorTraceChunk, _Mapping]] = ...) -> None: ...
+    model_update: ModelFacts
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., markers: _Optional[_Union[MarkerBatch, _Mapping]] = ..., allocator_trace: _Optional[_Union[AllocatorTraceChunk, _Mapping]] = ..., model_update: _Optional[_Union[ModelFacts, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("identity", "gpu_uuid", "pid", "framework", "framework_version", "model", "client_version")
