@@ -340,7 +340,7 @@ class RankRecord:
     pid: Optional[int] = None
     gpu_uuid: str = ""
     local_rank: int = 0
-    # (at_ns, "markers" | "allocator_trace", markers)
+    # (at_ns, "markers" | "allocator_trace" | "model_facts", markers)
     entries: List[Tuple[int, str, List[Dict[str, Any]]]] = field(default_factory=list)
 
     def markers(self) -> Iterable[Dict[str, Any]]:
@@ -372,7 +372,8 @@ class RankRecord:
 
     def applied_before(self, at_ns: int, step: int) -> Optional[str]:
         """What the agent had applied when it judged the entry at `at_ns`: its last
-        marker of step <= `step` (and whether that entry was an allocator trace)."""
+        marker of step <= `step` (and whether that entry was an allocator trace or
+        a model-facts update)."""
         last: Optional[Dict[str, Any]] = None
         for at, kind, ms in self.entries:
             if at > at_ns:
@@ -382,7 +383,11 @@ class RankRecord:
                     last = m
             if at == at_ns:
                 name = fmt_marker(last) if last else "hello"
-                return f"allocator trace (after {name})" if kind == "allocator_trace" else name
+                if kind == "allocator_trace":
+                    return f"allocator trace (after {name})"
+                if kind == "model_facts":
+                    return f"model facts update (after {name})"
+                return name
         return None
 
 
@@ -414,7 +419,7 @@ def read_record(path: Path, job_id: str) -> Dict[int, RankRecord]:
                     r.pid = info.get("pid")
                     r.gpu_uuid = info.get("gpu_uuid") or ""
                     r.local_rank = int(info.get("local_rank") or 0)
-            elif kind in ("markers", "allocator_trace"):
+            elif kind in ("markers", "allocator_trace", "model_facts"):
                 key = v["key"]
                 if key["job"] != job_id:
                     continue
