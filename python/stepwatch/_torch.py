@@ -483,7 +483,13 @@ def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
 
         rt.guarded(register)
 
-    handles = [model.register_forward_pre_hook(pre_hook)]
+    # First among the pre hooks: the step begins before FSDP's (registered
+    # earlier, itself prepended) all-gathers the root's parameters, so step
+    # 1's allocator trace holds what step 2 allocates there too.
+    try:
+        handles = [model.register_forward_pre_hook(pre_hook, prepend=True)]
+    except TypeError:  # torch < 2.0: no prepend
+        handles = [model.register_forward_pre_hook(pre_hook)]
     try:
         handles.append(model.register_forward_hook(post_hook, always_call=True))
     except TypeError:  # torch < 2.0: no always_call; forward OOM is then not seen here

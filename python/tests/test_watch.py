@@ -339,3 +339,20 @@ def test_training_result_unchanged_by_watch(sock_dir, monkeypatch):
 
     a, b = run(False), run(True)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_step_begins_before_pre_hooks_registered_earlier(agent):
+    """FSDP2 all-gathers the root's parameters in a forward pre hook registered
+    (prepended) before watch(); the step must already have begun then, so that step
+    1's allocator trace holds those allocations as step 2 will make them."""
+    from stepwatch._runtime import RT
+
+    model = small_model()
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append(RT.tracker.step), prepend=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepwatch.watch(model, opt)
+    train(model, opt, 2)
+    assert seen == [1, 2], seen
+    ms = agent.wait_markers(12)
+    assert summary(ms) == [(k, s, 0) for s in (1, 2) for k in STEP]
