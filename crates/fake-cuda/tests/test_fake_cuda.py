@@ -178,6 +178,36 @@ def test_new_segments_land_below_or_at_the_top_of_the_highest_hole():
     assert result(proc) == {"b": 12, "c": 30, "d": 10, "e": 40}
 
 
+TIE = r"""
+import json, torch
+MIB = 1 << 20
+def seg(n):
+    return torch.empty(n * MIB, dtype=torch.uint8, device="cuda")
+t = [seg(394) for _ in range(3)]  # three segments, each below the one before
+ptr = [x.data_ptr() for x in t]
+t[0] = None
+torch.cuda.empty_cache()  # t0's segment goes back; a new one takes its place
+newest = seg(394)
+top = newest.data_ptr()
+t[2] = t[1] = newest = None  # freed youngest first
+x = seg(12)
+print("RESULT " + json.dumps({
+    "oldest": x.data_ptr() == ptr[1], "highest": x.data_ptr() == top,
+    "lowest": x.data_ptr() == ptr[2],
+}))
+"""
+
+
+def test_best_fit_among_equal_free_blocks_takes_the_oldest_segments():
+    """PyTorch 2.15 orders free blocks by size, then the age of their segment
+    (`BlockComparatorSizeCounterAddress`), then address: of three free 394 MiB
+    segments a 12 MiB request takes the oldest, not the lowest or the highest. The
+    allocator model follows it (stepwatch-core `allocator.rs`)."""
+    proc = fake_cuda([], [sys.executable, "-c", TIE])
+    assert proc.returncode == 0, proc.stderr
+    assert result(proc) == {"oldest": True, "highest": False, "lowest": False}
+
+
 def test_a_process_that_exits_leaves_no_memory_on_the_gpu(tmp_path):
     state = tmp_path / "state"
     binary = os.environ.get("STEPWATCH_BIN") or str(REPO / "target/debug/stepwatch")

@@ -233,13 +233,21 @@ struct Segment {
     stream: u64,
     /// Private pool id; 0: the default pool.
     pool_id: u64,
+    /// When it was made, counted from 0: among free blocks of one size the
+    /// oldest segment's serves first.
+    created: u64,
     /// Sorted by offset, covering the segment without gaps.
     blocks: Vec<Block>,
 }
 
 /// A free block's place in the best-fit order: PyTorch keeps one ordered set
-/// per pool (private pools apart) and orders it by stream, size, address.
-type FreeKey = (u64, u64, Pool, u64, u64, u64);
+/// per pool (private pools apart) and orders it by stream, size, then (2.15's
+/// `BlockComparatorSizeCounterAddress`) the age of the block's segment, then
+/// address. Checked on fake CUDA: of three free 394 MiB segments a 12 MiB
+/// request takes the oldest, whatever their addresses or the order they were
+/// freed in (`tests/replay_torch.rs`). Fields: pool id, stream, pool, size,
+/// segment age, segment address, offset.
+type FreeKey = (u64, u64, Pool, u64, u64, u64, u64);
 
 impl Segment {
     /// Index of the block at `offset` (blocks are sorted by offset).
@@ -255,6 +263,7 @@ impl Segment {
             self.stream,
             self.pool,
             b.size,
+            self.created,
             address,
             b.offset,
         )
@@ -395,6 +404,8 @@ pub struct CachingAllocator {
     /// The expandable segment of each (stream, pool) in the default pool.
     expandable: BTreeMap<(u64, Pool), u64>,
     next_id: u64,
+    /// Segments made so far ([`Segment::created`] of the next one).
+    segments_made: u64,
     usage: Usage,
     peaks: Peaks,
     num_alloc_retries: u64,
@@ -519,12 +530,35 @@ impl CachingAllocator {
         segments: &[SegmentLayout],
         settings: AllocatorSettings,
     ) -> Result<(Self, Vec<(u64, AllocId)>), LayoutError> {
+        Self::from_layout_aged(segments, settings, &[])
+    }
+
+    /// [`CachingAllocator::from_layout_with`], knowing which segments were
+    /// made last: `made_last` lists addresses of the layout's segments in the
+    /// order they were made (a trace's `segment_alloc` events), after all
+    /// the others. A snapshot does not say how old the others are; CUDA
+    /// hands out new segments below the old ones, so the higher, the older.
+    pub fn from_layout_aged(
+        segments: &[SegmentLayout],
+        settings: AllocatorSettings,
+        made_last: &[u64],
+    ) -> Result<(Self, Vec<(u64, AllocId)>), LayoutError> {
         let mut a = CachingAllocator::with_settings(settings);
         let mut live = Vec::new();
         let mut sorted: Vec<&SegmentLayout> = segments.iter().collect();
         sorted.sort_by_key(|s| s.address);
+        let count = sorted.len() as u64;
+        let mut last_made: HashMap<u64, u64> = HashMap::new();
+        for (i, &address) in made_last.iter().enumerate() {
+            last_made.insert(address, i as u64);
+        }
+        let age = |rank_by_address: usize, address: u64| match last_made.get(&address) {
+            Some(&i) => count + i,
+            None => count - 1 - rank_by_address as u64,
+        };
+        a.segments_made = count + made_last.len() as u64;
         let mut prev_end: Option<(u64, u64)> = None;
-        for s in sorted {
+        for (rank_by_address, s) in sorted.into_iter().enumerate() {
             if s.blocks.is_empty() || s.blocks.iter().any(|b| b.size == 0) {
                 return Err(LayoutError::EmptyBlock { address: s.address });
             }
@@ -559,6 +593,7 @@ impl CachingAllocator {
                 expandable: s.expandable,
                 stream: s.stream,
                 pool_id: s.pool_id,
+                created: age(rank_by_address, s.address),
                 blocks,
             };
             for b in &seg.blocks {
@@ -587,6 +622,12 @@ impl CachingAllocator {
             total: a.usage,
         };
         Ok((a, live))
+    }
+
+    /// The age the next new segment gets.
+    fn next_segment_age(&mut self) -> u64 {
+        self.segments_made += 1;
+        self.segments_made - 1
     }
 
     /// Files segment `id` (after any change to its blocks) where
@@ -870,6 +911,7 @@ impl CachingAllocator {
                     expandable: false,
                     stream,
                     pool_id: 0,
+                    created: self.next_segment_age(),
                     blocks: vec![Block::new(0, seg_size, false)],
                 };
                 self.free_blocks.insert(seg.free_key(id, &seg.blocks[0]));
@@ -925,9 +967,11 @@ impl CachingAllocator {
     /// space counts as the size it could grow to, so the smallest block that
     /// fits as it is wins over one that would have to grow.
     fn best_fit_expandable(&self, stream: u64, pool: Pool, size: u64) -> Option<(u64, u64)> {
-        let hi = (0, stream, pool, u64::MAX, u64::MAX, u64::MAX);
+        let hi = (0, stream, pool, u64::MAX, u64::MAX, u64::MAX, u64::MAX);
         let mut found: Option<(u64, u64, u64)> = None;
-        for &(_, _, _, block, id, off) in self.free_blocks.range((0, stream, pool, size, 0, 0)..=hi)
+        for &(_, _, _, block, _, id, off) in self
+            .free_blocks
+            .range((0, stream, pool, size, 0, 0, 0)..=hi)
         {
             let reach = self.segments.get(&id).map_or(block, |seg| {
                 let i = seg.index_of(off);
@@ -980,6 +1024,7 @@ impl CachingAllocator {
                     expandable: true,
                     stream,
                     pool_id: 0,
+                    created: self.next_segment_age(),
                     blocks: vec![Block {
                         mapped: false,
                         ..Block::new(0, EXPANDABLE_TAIL, false)
@@ -1189,13 +1234,13 @@ impl CachingAllocator {
             return;
         };
         let want = size.max(max_split);
-        let lo = (0, stream, pool, want, 0, 0);
-        let hi = (0, stream, pool, u64::MAX, u64::MAX, u64::MAX);
+        let lo = (0, stream, pool, want, 0, 0, 0);
+        let hi = (0, stream, pool, u64::MAX, u64::MAX, u64::MAX, u64::MAX);
         if let Some(&key) = self.free_blocks.range(lo..=hi).next() {
             self.release_block(key);
             return;
         }
-        let lo = (0, stream, pool, max_split, 0, 0);
+        let lo = (0, stream, pool, max_split, 0, 0, 0);
         let mut chosen = Vec::new();
         let mut total = 0u64;
         for &key in self.free_blocks.range(lo..=hi).rev() {
@@ -1213,7 +1258,7 @@ impl CachingAllocator {
 
     /// Releases the free, unsplit segment whose block `key` names.
     fn release_block(&mut self, key: FreeKey) {
-        let (id, offset) = (key.4, key.5);
+        let (id, offset) = (key.5, key.6);
         let whole = self
             .segments
             .get(&id)
@@ -1230,12 +1275,12 @@ impl CachingAllocator {
     }
 
     /// The smallest free block of `stream`'s `pool` (default pool id) that
-    /// holds `size` (ties: lowest address), as PyTorch's `get_free_block`
+    /// holds `size` (ties: the oldest segment, then the lowest address), as PyTorch's `get_free_block`
     /// takes it, `max_split_size` rules included.
     fn best_fit(&self, stream: u64, pool: Pool, size: u64) -> Option<(u64, u64)> {
-        let &(_, _, _, block, id, off) = self
+        let &(_, _, _, block, _, id, off) = self
             .free_blocks
-            .range((0, stream, pool, size, 0, 0)..)
+            .range((0, stream, pool, size, 0, 0, 0)..)
             .next()
             .filter(|b| b.0 == 0 && b.1 == stream && b.2 == pool)?;
         let max_split = self.settings.max_split();
@@ -1555,16 +1600,32 @@ mod tests {
     }
 
     #[test]
-    fn placement_below_decides_which_equal_block_best_fit_reuses() {
-        // Two free 40 MiB blocks: the one at the lower address is reused. The
-        // new segment lies below the layout's, so it is the one.
+    fn of_equal_free_blocks_the_oldest_segments_serves_first() {
+        // Two free 40 MiB blocks: the layout's segment (older) is reused, not
+        // the new one below it, as PyTorch 2.15 does on fake CUDA.
         let x = 1u64 << 36;
         let (mut a, live) = CachingAllocator::from_layout(&[whole(x, 40 * MIB, true)]).unwrap();
         let b = a.malloc(40 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(b), Some(x - 40 * MIB));
         a.free(live[0].1);
         a.free(b);
         let c = a.malloc(24 * MIB, u64::MAX).unwrap();
-        assert_eq!(a.address_of(c), Some(x - 40 * MIB));
+        assert_eq!(a.address_of(c), Some(x));
+        a.check_invariants();
+
+        // A snapshot does not say how old its segments are: the higher, the
+        // older, unless the trace says which were made last.
+        let y = x + 100 * MIB;
+        let layout = [whole(x, 40 * MIB, false), whole(y, 40 * MIB, false)];
+        let (mut a, _) = CachingAllocator::from_layout(&layout).unwrap();
+        let c = a.malloc(24 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(c), Some(y));
+        let (mut a, _) =
+            CachingAllocator::from_layout_aged(&layout, AllocatorSettings::default(), &[y])
+                .unwrap();
+        let c = a.malloc(24 * MIB, u64::MAX).unwrap();
+        assert_eq!(a.address_of(c), Some(x), "y was made last");
+        a.check_invariants();
     }
 
     #[test]

@@ -456,7 +456,16 @@ pub fn replay_step2_with(
     let grads_persistent = gradients == Gradients::Kept;
     trace.check_bounds()?;
     let settings = trace.model_settings()?;
-    let (mut alloc, live) = CachingAllocator::from_layout_with(&trace.segments, settings)?;
+    // Segments step 1 made are the newest, in the order it made them (best
+    // fit prefers the oldest among equal blocks).
+    let made_in_step1: Vec<u64> = trace
+        .events
+        .iter()
+        .filter(|e| e.action == AllocatorAction::SegmentAlloc)
+        .map(|e| e.address)
+        .collect();
+    let (mut alloc, live) =
+        CachingAllocator::from_layout_aged(&trace.segments, settings, &made_in_step1)?;
     let reserved_at_end = alloc.reserved();
     // Segments step 1 released are address space CUDA may hand out again.
     for e in &trace.events {
