@@ -281,6 +281,12 @@ async fn serve_stream(
         None => peer.workload.attest(peer.pid).await,
     };
     apply_attestation(state, peer.workload, &mut info, attestation)?;
+    // A hello that arrives after its pod's volume went opens no rank.
+    if peer.volume.as_ref().is_some_and(|v| *v.gone.borrow()) {
+        return Err(Status::unavailable(
+            "this pod's stepwatch volume was unpublished",
+        ));
+    }
     let key = match state.open_rank(info.clone()) {
         Ok(key) => key,
         Err(e) => {
