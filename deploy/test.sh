@@ -196,6 +196,44 @@ check_kustomize_base() {
     --forbid ServiceMonitor --forbid PrometheusRule
 }
 
+# The CSI way in (csi.enabled): the CSIDriver object, the registrar sidecar, the kubelet mounts,
+# the refusals without root or a registrar image, and the example pod that uses the volume.
+check_csi() {
+  render "$WORK/csi.yaml" --set-json \
+    '{"csi":{"enabled":true,"registrar":{"image":{"repository":"registry.example/csi-node-driver-registrar"}}},"securityContext":{"runAsRoot":true}}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/csi.yaml" --allow-root --require DaemonSet --require CSIDriver
+  "$PY" - "$WORK/csi.yaml" <<'EOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+drv = next(d for d in docs if d["kind"] == "CSIDriver")
+assert drv["metadata"]["name"] == "csi.stepwatch.dev", drv["metadata"]
+spec = drv["spec"]
+assert spec["attachRequired"] is False and spec["podInfoOnMount"] is True, spec
+assert spec["volumeLifecycleModes"] == ["Ephemeral"], spec
+pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+ctrs = {c["name"]: c for c in pod["containers"]}
+args = ctrs["agent"]["args"]
+sock = "/var/lib/kubelet/plugins/csi.stepwatch.dev/csi.sock"
+assert args[args.index("--csi-socket") + 1] == sock, args
+mounts = {m["mountPath"]: m for m in ctrs["agent"]["volumeMounts"]}
+# Target paths are host paths: the same path inside, and no Bidirectional (privileged) propagation.
+assert mounts["/var/lib/kubelet/pods"].get("mountPropagation") == "HostToContainer", mounts
+reg = ctrs["node-driver-registrar"]
+assert f"--kubelet-registration-path={sock}" in reg["args"], reg["args"]
+assert {m["mountPath"] for m in reg["volumeMounts"]} == {"/csi", "/registration"}, reg
+print("  CSIDriver, registrar and kubelet mounts as expected")
+EOF
+  local refused
+  for refused in '{"csi":{"enabled":true,"registrar":{"image":{"repository":"r/x"}}}}' \
+                 '{"csi":{"enabled":true},"securityContext":{"runAsRoot":true}}'; do
+    if render "$WORK/csi-refused.yaml" --set-json "$refused" 2>"$WORK/csi-refused.err"; then
+      echo "  rendered although refused: $refused"; return 1
+    fi
+    sed 's/^/  /' "$WORK/csi-refused.err"
+  done
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$DEPLOY/examples/training-pod-csi.yaml" --require Pod
+}
+
 check_dockerfile() {
   "$HADOLINT" "$DEPLOY/Dockerfile"
   echo "hadolint: no findings"
@@ -257,6 +295,7 @@ step "helm render variants (root, no operator objects, custom selector) and refu
 step "kustomize build deploy/kubernetes + validate" check_kustomize_full
 step "kustomize build deploy/kubernetes/base + validate" check_kustomize_base
 step "kustomize build equals the Helm render" "$PY" "$SCRIPTS/check_manifests.py" compare "$WORK/helm.yaml" "$WORK/kustomize.yaml"
+step "helm render with csi.enabled (CSIDriver, registrar, mounts, refusals) + example pod" check_csi
 step "Dockerfile (hadolint, multi-stage, entrypoint stepwatch, cmd agent)" check_dockerfile
 step "dashboards up to date with dashboards/generate.py" python3 "$ROOT/dashboards/generate.py" --check
 step "dashboards: JSON, schemaVersion, variables, datasource, targets" "$PY" "$SCRIPTS/check_dashboards.py" "$ROOT/dashboards"

@@ -197,6 +197,23 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_POD_RESOURCES_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
     pub pod_resources_timeout: Duration,
 
+    /// Serve the CSI Identity and Node services on this Unix socket (off
+    /// unless given), so pods that may not mount hostPath (Pod Security
+    /// baseline/restricted) get their own ingest socket through a CSI
+    /// ephemeral inline volume, bound to the pod the kubelet names. Published
+    /// volumes are recorded in `volumes.jsonl` beside it and reopened at start.
+    #[arg(long, env = "STEPWATCH_CSI_SOCKET")]
+    pub csi_socket: Option<PathBuf>,
+
+    /// The CSI driver's name: the CSIDriver object's and the pods' `csi.driver`.
+    #[arg(long, env = "STEPWATCH_CSI_DRIVER_NAME", default_value = "csi.stepwatch.dev", value_parser = parse_driver_name)]
+    pub csi_driver_name: String,
+
+    /// CSI volumes published at once (one per pod using it); more are
+    /// refused with RESOURCE_EXHAUSTED, counted, and retried by the kubelet.
+    #[arg(long, env = "STEPWATCH_CSI_MAX_VOLUMES", default_value_t = 128)]
+    pub csi_max_volumes: usize,
+
     /// Log format.
     #[arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -213,6 +230,24 @@ fn parse_mode(s: &str) -> Result<u32, String> {
         .ok()
         .filter(|m| *m <= 0o777)
         .ok_or_else(|| format!("{s:?} is not an octal file mode like 0660"))
+}
+
+/// A CSI driver name: at most 63 characters, alphanumerics at both ends,
+/// dashes, dots and alphanumerics between (the CSI spec's GetPluginInfo).
+fn parse_driver_name(s: &str) -> Result<String, String> {
+    let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    let ok = s.len() <= 63
+        && ends(s.chars().next())
+        && ends(s.chars().last())
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} is not a CSI driver name (63 characters at most, like csi.example.com)"
+        ))
+    }
 }
 
 fn parse_hz(s: &str) -> Result<f64, String> {
@@ -260,5 +295,12 @@ mod tests {
         assert_eq!(parse_mode("0660"), Ok(0o660));
         assert!(parse_mode("999").is_err());
         assert!(parse_hz("0").is_err());
+        assert_eq!(
+            parse_driver_name("csi.stepwatch.dev").as_deref(),
+            Ok("csi.stepwatch.dev")
+        );
+        assert!(parse_driver_name("-csi.example").is_err());
+        assert!(parse_driver_name("csi_example").is_err());
+        assert!(parse_driver_name(&"a".repeat(64)).is_err());
     }
 }

@@ -23,15 +23,29 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::state::AgentState;
-use crate::workload::{Attestation, WorkloadResolver};
+use crate::workload::{Attestation, VolumePod, WorkloadResolver};
 
 /// The `Ingest` service.
+#[derive(Clone)]
 pub struct IngestService {
     state: Arc<AgentState>,
     workload: Arc<WorkloadResolver>,
     streams: Arc<Semaphore>,
     limits: IngestLimits,
     traces: Arc<TraceBudget>,
+    /// The pod whose CSI volume this service listens in (None: the shared
+    /// socket or TCP, where the peer is looked up by PID).
+    volume: Option<VolumeBinding>,
+}
+
+/// Ties a listener to the pod a CSI volume was published for: every stream
+/// on it is that pod's, and ends when the volume is unpublished.
+#[derive(Clone)]
+pub struct VolumeBinding {
+    /// The pod, as the kubelet named it.
+    pub pod: Arc<VolumePod>,
+    /// Turns true when the volume is unpublished.
+    pub gone: tokio::sync::watch::Receiver<bool>,
 }
 
 /// What allocator traces may hold across all streams: unfinished traces
@@ -133,6 +147,16 @@ impl IngestService {
             streams: Arc::new(Semaphore::new(limits.max_streams)),
             limits,
             traces,
+            volume: None,
+        }
+    }
+
+    /// The same service (sharing its stream budget) for the socket in one
+    /// pod's CSI volume: the pod is taken from `volume`, not from the peer.
+    pub fn bound_to(&self, volume: VolumeBinding) -> Self {
+        Self {
+            volume: Some(volume),
+            ..self.clone()
         }
     }
 }
@@ -154,6 +178,11 @@ impl Ingest for IngestService {
             .and_then(|info| info.peer_cred)
             .and_then(|cred| cred.pid())
             .and_then(usable_peer_pid);
+        if self.volume.as_ref().is_some_and(|v| *v.gone.borrow()) {
+            return Err(Status::unavailable(
+                "this pod's stepwatch volume has been unpublished",
+            ));
+        }
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let state = self.state.clone();
@@ -161,6 +190,7 @@ impl Ingest for IngestService {
         let streams = self.streams.clone();
         let limits = self.limits;
         let traces = self.traces.clone();
+        let volume = self.volume.clone();
         tokio::spawn(async move {
             state.ingest.streams_opened.inc();
             let served = tokio::spawn({
@@ -169,6 +199,7 @@ impl Ingest for IngestService {
                     let peer = Peer {
                         pid: peer_pid,
                         workload: &workload,
+                        volume,
                     };
                     serve_stream(&state, &streams, &traces, inbound, peer, limits, &tx).await
                 }
@@ -199,6 +230,8 @@ struct Peer<'a> {
     /// SO_PEERCRED's PID, on the Unix socket.
     pid: Option<u32>,
     workload: &'a WorkloadResolver,
+    /// The pod's CSI volume the stream came in through, if any.
+    volume: Option<VolumeBinding>,
 }
 
 async fn serve_stream(
@@ -243,8 +276,17 @@ async fn serve_stream(
         None => return Ok(()),
     };
     let mut info = rank_info(hello, peer.pid);
-    let attestation = peer.workload.attest(peer.pid).await;
+    let attestation = match &peer.volume {
+        Some(v) => peer.workload.attest_volume(&v.pod, peer.pid).await,
+        None => peer.workload.attest(peer.pid).await,
+    };
     apply_attestation(state, peer.workload, &mut info, attestation)?;
+    // A hello that arrives after its pod's volume went opens no rank.
+    if peer.volume.as_ref().is_some_and(|v| *v.gone.borrow()) {
+        return Err(Status::unavailable(
+            "this pod's stepwatch volume was unpublished",
+        ));
+    }
     let key = match state.open_rank(info.clone()) {
         Ok(key) => key,
         Err(e) => {
@@ -261,10 +303,29 @@ async fn serve_stream(
     };
     tracing::info!(namespace = %key.namespace, job = %key.job, rank = key.rank, pid = info.pid, pod = %info.pod, attested = info.attested, gpu = %info.gpu_uuid, "rank connected");
     let gradients = Gradients::of(&info);
-    let result = receive_markers(state, traces, &key, gradients, &mut inbound, max_rate, tx).await;
+    let receive = receive_markers(state, traces, &key, gradients, &mut inbound, max_rate, tx);
+    let result = match peer.volume {
+        // The pod's volume going away ends its streams; the rank closes as
+        // for any other end of stream.
+        Some(VolumeBinding { mut gone, .. }) => tokio::select! {
+            result = receive => result,
+            _ = volume_unpublished(&mut gone) => Err(Status::unavailable(
+                "this pod's stepwatch volume was unpublished",
+            )),
+        },
+        None => receive.await,
+    };
     state.close_rank(&key);
     tracing::info!(job = %key.job, rank = key.rank, "rank disconnected");
     result
+}
+
+/// Resolves once the volume is unpublished; never when its sender is just
+/// dropped (the agent stopping, not the pod's volume going).
+async fn volume_unpublished(gone: &mut tokio::sync::watch::Receiver<bool>) {
+    if gone.wait_for(|g| *g).await.is_err() {
+        std::future::pending::<()>().await;
+    }
 }
 
 async fn receive_markers(

@@ -6,6 +6,7 @@
 //! and the JSON API, and a task that moves GPU samples into the step model.
 
 pub mod config;
+mod csi;
 mod exporter;
 mod http;
 mod ingest;
@@ -25,6 +26,7 @@ use anyhow::Context;
 use stepwatch_core::{Tracker, TrackerConfig};
 use stepwatch_gpu::{SamplerConfig, SamplerHandle};
 use stepwatch_proto::clock::monotonic_ns;
+use stepwatch_proto::csi::v1::{identity_server::IdentityServer, node_server::NodeServer};
 use stepwatch_proto::v1::ingest_server::IngestServer;
 use stepwatch_proto::MAX_MESSAGE_BYTES;
 use tokio::net::{TcpListener, UnixListener};
@@ -112,14 +114,7 @@ pub async fn run_until(
     let uds = bind_socket(&config.socket, config.socket_mode)?;
     // HTTP/2 streams per connection: one client process holds one per rank.
     let per_connection = u32::try_from(config.max_streams_per_connection).ok();
-    // Keepalive pings find dead peers, and keep live quiet ones (a long
-    // step) inside the idle timeout.
-    let grpc_server = || {
-        tonic::transport::Server::builder()
-            .max_concurrent_streams(per_connection)
-            .http2_keepalive_interval(Some(Duration::from_secs(30)))
-            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-    };
+    let grpc_server = || grpc_server(per_connection);
     // One budget for traces across both ingest listeners.
     let traces = Arc::new(ingest::TraceBudget::new(
         config.max_partial_trace_mib.saturating_mul(1 << 20),
@@ -137,8 +132,8 @@ pub async fn run_until(
         },
         &state.registry,
     )?);
-    let ingest = || {
-        IngestServer::new(ingest::IngestService::new(
+    let ingest_service = || {
+        ingest::IngestService::new(
             state.clone(),
             workload.clone(),
             ingest::IngestLimits {
@@ -147,13 +142,46 @@ pub async fn run_until(
                 hello_timeout: config.hello_timeout,
             },
             traces.clone(),
-        ))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+        )
+    };
+    let ingest = || ingest_server(ingest_service());
+    // The shared socket's service; the CSI volumes' listeners share its
+    // stream budget.
+    let uds_service = ingest_service();
+    let csi_task = match &config.csi_socket {
+        Some(path) => {
+            let plugin = csi::CsiPlugin::new(
+                csi::CsiConfig {
+                    driver_name: config.csi_driver_name.clone(),
+                    node_id: node.clone(),
+                    max_volumes: config.csi_max_volumes,
+                    state_file: path.with_file_name("volumes.jsonl"),
+                    idle_timeout: idle,
+                    streams_per_connection: per_connection,
+                },
+                uds_service.clone(),
+                stop_rx.clone(),
+                &state.registry,
+            )?;
+            plugin.restore();
+            // Only the kubelet (root) and the registrar call it.
+            let listener = bind_socket(path, 0o660)?;
+            tracing::info!(socket = %path.display(), driver = %config.csi_driver_name, max_volumes = config.csi_max_volumes, "CSI node plugin on: pods get their own ingest socket through an ephemeral inline volume");
+            Some(tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(IdentityServer::new(plugin.clone()))
+                    .add_service(NodeServer::new(plugin))
+                    .serve_with_incoming_shutdown(
+                        listen::Limited::new(listener, 16, idle).into_incoming(),
+                        stopped(stop_rx.clone()),
+                    ),
+            ))
+        }
+        None => None,
     };
     let uds_task = tokio::spawn(
         grpc_server()
-            .add_service(ingest())
+            .add_service(ingest_server(uds_service))
             .serve_with_incoming_shutdown(
                 listen::Limited::new(uds, config.max_connections, idle).into_incoming(),
                 stopped(stop_rx.clone()),
@@ -195,6 +223,7 @@ pub async fn run_until(
             "http": http_addr.to_string(),
             "grpc": grpc_addr.map(|a| a.to_string()),
             "socket": config.socket,
+            "csi_socket": config.csi_socket,
         });
         write_atomically(path, ready.to_string().as_bytes())
             .with_context(|| format!("cannot write the ready file {}", path.display()))?;
@@ -260,6 +289,9 @@ pub async fn run_until(
         if let Some(t) = tcp_task {
             let _ = t.await;
         }
+        if let Some(t) = csi_task {
+            let _ = t.await;
+        }
         let _ = http_task.await;
         let _ = housekeeping.await;
     };
@@ -283,6 +315,11 @@ pub async fn run_until(
         tracing::warn!("the NVML sampler did not stop within 2 s (an NVML call hangs); exiting without nvmlShutdown");
     }
     let _ = std::fs::remove_file(&config.socket);
+    // The volumes' sockets stay: their pods still mount them, and the next
+    // agent reopens them from the state file.
+    if let Some(path) = &config.csi_socket {
+        let _ = std::fs::remove_file(path);
+    }
     tracing::info!("stopped");
     Ok(())
 }
@@ -325,9 +362,25 @@ fn tls_config(config: &AgentConfig) -> anyhow::Result<Option<tonic::transport::S
     Ok(Some(tls))
 }
 
+/// The gRPC server settings of every ingest listener. Keepalive pings find
+/// dead peers, and keep live quiet ones (a long step) inside the idle timeout.
+pub(crate) fn grpc_server(streams_per_connection: Option<u32>) -> tonic::transport::Server {
+    tonic::transport::Server::builder()
+        .max_concurrent_streams(streams_per_connection)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+}
+
+/// The ingest service with the contract's message size limits.
+pub(crate) fn ingest_server(service: ingest::IngestService) -> IngestServer<ingest::IngestService> {
+    IngestServer::new(service)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES)
+}
+
 /// Writes `bytes` to `path` through a temporary file and a rename, so a
 /// reader never sees half of it.
-fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     std::fs::write(&tmp, bytes)?;
@@ -345,7 +398,7 @@ pub(crate) fn create_parent_dir(path: &Path, what: &str) -> anyhow::Result<()> {
 
 /// Binds the marker socket: creates its directory, replaces a stale socket
 /// file, and sets the file mode.
-fn bind_socket(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
+pub(crate) fn bind_socket(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
     create_parent_dir(path, "socket")?;
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         use std::os::unix::fs::FileTypeExt;

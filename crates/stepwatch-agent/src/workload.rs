@@ -234,6 +234,23 @@ impl Workload {
     }
 }
 
+/// The pod a CSI ephemeral volume was published for, as the kubelet named
+/// it in NodePublishVolume (the CSIDriver's `podInfoOnMount`). Connections on
+/// that volume's socket are this pod's by construction: only its containers
+/// mount the volume, so no PID lookup is needed, and it works when the
+/// agent cannot see the client's PID namespace.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VolumePod {
+    /// `csi.storage.k8s.io/pod.namespace`.
+    pub namespace: String,
+    /// `csi.storage.k8s.io/pod.name`.
+    pub pod: String,
+    /// `csi.storage.k8s.io/pod.uid`.
+    pub pod_uid: String,
+    /// `csi.storage.k8s.io/serviceAccount.name` (logged, not used as a label).
+    pub service_account: String,
+}
+
 /// What the agent could learn of a peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Attestation {
@@ -286,7 +303,7 @@ impl WorkloadResolver {
         let attestations = IntCounterVec::new(
             Opts::new(
                 "stepwatch_workload_attestations_total",
-                "Hellos by how their pod and namespace were found: kubelet (attested), or why not (off, no_peer_pid, not_in_pod, lookup_failed).",
+                "Hellos by how their pod and namespace were found: kubelet (attested through the peer's PID), csi_volume (the pod's own CSI volume socket), or why not (off, no_peer_pid, not_in_pod, lookup_failed).",
             ),
             &["result"],
         )?;
@@ -309,6 +326,7 @@ impl WorkloadResolver {
         }
         for result in [
             "kubelet",
+            "csi_volume",
             "off",
             "no_peer_pid",
             "not_in_pod",
@@ -353,6 +371,69 @@ impl WorkloadResolver {
         };
         self.attestations.with_label_values(&[label]).inc();
         result
+    }
+
+    /// The pod a CSI volume socket belongs to: its identity is the one the
+    /// kubelet gave at NodePublishVolume; the pod-resources API adds the GPUs
+    /// its containers hold where it answers (else the GPU goes unchecked,
+    /// the failure counted), and the peer's mounts its container where the
+    /// peer PID is visible.
+    pub async fn attest_volume(&self, volume: &VolumePod, pid: Option<u32>) -> Attestation {
+        let containers = if self.enabled {
+            match self.list(&volume.namespace, &volume.pod).await {
+                Ok(list) => match list
+                    .iter()
+                    .find(|p| p.namespace == volume.namespace && p.name == volume.pod)
+                {
+                    Some(entry) => entry
+                        .containers
+                        .iter()
+                        .map(|c| (c.name.clone(), container_gpus(&c.devices)))
+                        .collect(),
+                    None => {
+                        let why = format!(
+                            "the kubelet's List has no pod {}/{}",
+                            volume.namespace, volume.pod
+                        );
+                        self.failed("pod_not_listed", &why);
+                        Vec::new()
+                    }
+                },
+                Err(why) => {
+                    self.failed("pod_resources_error", &why);
+                    Vec::new()
+                }
+            }
+        } else {
+            Vec::new()
+        };
+        let container = match pid {
+            Some(pid) => {
+                let path = self
+                    .config
+                    .proc_root
+                    .join(pid.to_string())
+                    .join("mountinfo");
+                let uid = volume.pod_uid.clone();
+                tokio::task::spawn_blocking(move || {
+                    let text = std::fs::read_to_string(path).ok()?;
+                    container_of_mountinfo(&text, &uid)
+                })
+                .await
+                .ok()
+                .flatten()
+            }
+            None => None,
+        };
+        self.attestations.with_label_values(&["csi_volume"]).inc();
+        Attestation::Pod(Workload {
+            namespace: volume.namespace.clone(),
+            pod: volume.pod.clone(),
+            pod_uid: volume.pod_uid.clone(),
+            container_id: None,
+            container,
+            containers,
+        })
     }
 
     async fn attest_inner(&self, pid: Option<u32>) -> Attestation {

@@ -23,6 +23,18 @@ pub mod podresources {
     }
 }
 
+/// The Container Storage Interface, v1 (`proto/csi/v1/csi.proto`, vendored
+/// from the CSI spec). With `--csi-socket` the agent serves its Identity and
+/// Node services, so a pod that may not mount hostPath gets its own ingest
+/// socket as an ephemeral inline volume; the tests play the kubelet.
+pub mod csi {
+    /// Package `csi.v1`.
+    pub mod v1 {
+        #![allow(clippy::all, missing_docs)]
+        include!("generated/csi.v1.rs");
+    }
+}
+
 /// Upper bound on markers in one `MarkerBatch`; larger batches are rejected.
 pub const MAX_MARKERS_PER_BATCH: usize = 1024;
 

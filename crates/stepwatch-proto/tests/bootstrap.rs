@@ -19,6 +19,13 @@ fn generated_pod_resources_code_is_up_to_date() {
     regenerate("kubelet/podresources/v1/api.proto", "v1.rs");
 }
 
+/// The CSI spec (vendored, see the file's header): the agent serves its
+/// Identity and Node services with `--csi-socket`; the tests are the kubelet.
+#[test]
+fn generated_csi_code_is_up_to_date() {
+    regenerate("csi/v1/csi.proto", "csi.v1.rs");
+}
+
 fn regenerate(proto: &str, generated: &str) {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let proto_dir = root.join("../../proto");

@@ -52,3 +52,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "stepwatch.socketPath" -}}
 {{- printf "%s/%s" (.Values.socket.hostPath | trimSuffix "/") .Values.socket.name }}
 {{- end }}
+
+{{/* The CSI plugin's host directory, also its path in the agent container. */}}
+{{- define "stepwatch.csiPluginDir" -}}
+{{- printf "%s/plugins/%s" (.Values.csi.kubeletDir | trimSuffix "/") .Values.csi.driverName }}
+{{- end }}
