@@ -34,6 +34,8 @@ fn gpu(index: u32) -> String {
 #[derive(Clone, Default)]
 struct FakeKubelet {
     pods: Arc<Mutex<Vec<PodResources>>>,
+    /// While set, `List` fails (UNAVAILABLE), as a restarting kubelet does.
+    down: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[tonic::async_trait]
@@ -42,6 +44,9 @@ impl PodResourcesLister for FakeKubelet {
         &self,
         _: Request<ListPodResourcesRequest>,
     ) -> Result<Response<ListPodResourcesResponse>, Status> {
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Status::unavailable("kubelet restarting"));
+        }
         Ok(Response::new(ListPodResourcesResponse {
             pod_resources: self.pods.lock().unwrap().clone(),
         }))
@@ -763,5 +768,24 @@ fn gpu_series_name_the_pod_and_container_holding_the_gpu() {
     assert_eq!(
         m.get("stepwatch_workload_gpu_holders_refresh_errors_total", &[]),
         Some(0.0)
+    );
+    // The kubelet stops answering: counted, and the last answer keeps
+    // labelling the GPU (for a minute) instead of churning its series.
+    node.kubelet
+        .down
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let m = node
+        .agent
+        .wait_metrics("failed refreshes counted", WAIT, |m| {
+            m.get("stepwatch_workload_gpu_holders_refresh_errors_total", &[])
+                .is_some_and(|n| n >= 2.0)
+        });
+    assert!(holds_gpu0(&m, "trainer-1"), "{}", m.0);
+    assert!(
+        node.agent
+            .log()
+            .contains("cannot ask the kubelet which pod holds which GPU"),
+        "{}",
+        node.agent.log()
     );
 }
