@@ -28,7 +28,8 @@ echo "series on one node (8 GPUs, one 8-rank job): $(grep -vc '^#' "$DIR/metrics
 m="$DIR/metrics.txt"
 per_rank=$(grep -v '^#' "$m" | grep -c 'rank="' || true)
 per_gpu=$(grep -v '^#' "$m" | grep -v 'rank="' | grep -c 'gpu="' || true)
-per_job=$(grep -v '^#' "$m" | grep -v 'rank="' | grep -v 'gpu="' | grep -c 'job="' || true)
+per_job=$(grep -v '^#' "$m" | grep -v 'rank="' | grep -v 'gpu="' | grep -c 'training_job="' || true)
 echo "  with a rank label: $per_rank ($((per_rank / 8)) per rank); with a gpu label: $per_gpu ($((per_gpu / 8)) per GPU); per job: $per_job; the rest: $(( $(grep -vc '^#' "$m") - per_rank - per_gpu - per_job ))"
+echo "  exposition: $(wc -c < "$m") bytes"
 echo "largest families:"
 grep -v '^#' "$DIR/metrics.txt" | sed 's/[{ ].*//' | sort | uniq -c | sort -rn | head -5

@@ -18,6 +18,8 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 DS = {"type": "prometheus", "uid": "${datasource}"}
 C = 'cluster=~"$cluster"'
+# The selected training jobs: a job is named by its namespace and its training_job label.
+J = C + ', namespace=~"$namespace", training_job=~"$training_job"'
 AGENT_ALERTS = ("Step2OOMPredicted|LowPredictedHeadroom|FirstStepDivergence|GPUOOMObserved|JobStalled|"
                 "StepwatchAgentDown|NVMLDown|SamplerLagging|MarkersRejected")
 
@@ -57,17 +59,24 @@ def v_node():
     return v_query("node", "Node", f"label_values(stepwatch_build_info{{{C}}}, node)")
 
 
+def v_namespace():
+    # A job is (namespace, training_job): two tenants may name their jobs alike. Ranks outside
+    # Kubernetes have no namespace; All (.*) also matches an absent label.
+    return v_query("namespace", "Namespace", f"label_values(stepwatch_rank_info{{{C}}}, namespace)")
+
+
 def v_job(multi=False):
-    return v_query("job", "Training job", f"label_values(stepwatch_rank_info{{{C}}}, job)",
+    return v_query("training_job", "Training job",
+                   f'label_values(stepwatch_rank_info{{{C}, namespace=~"$namespace"}}, training_job)',
                    multi=multi, include_all=multi)
 
 
 def v_rank():
-    return v_query("rank", "Rank", f'label_values(stepwatch_rank_info{{{C}, job=~"$job", node=~"$node"}}, rank)')
+    return v_query("rank", "Rank", f'label_values(stepwatch_rank_info{{{J}, node=~"$node"}}, rank)')
 
 
 def v_node_of_job():
-    return v_query("node", "Node", f'label_values(stepwatch_rank_info{{{C}, job=~"$job"}}, node)')
+    return v_query("node", "Node", f'label_values(stepwatch_rank_info{{{J}}}, node)')
 
 
 def v_agent_job():
@@ -286,7 +295,7 @@ def node_gpu_memory():
     L.add(timeseries(
         "GPU memory high-water / capacity",
         targets((f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{gsel}}}[$__interval]) "
-                 f"/ on (node, gpu, uuid) group_left () stepwatch_gpu_memory_total_bytes{{{gsel}}}",
+                 f"/ on (node, gpu, gpu_uuid) group_left () stepwatch_gpu_memory_total_bytes{{{gsel}}}",
                  "{{node}} GPU {{gpu}}")),
         "percentunit", interval="15s", max_points=5000, mn=0,
         thresholds={"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "orange", "value": 0.9},
@@ -297,11 +306,11 @@ def node_gpu_memory():
     L.add(table(
         "GPUs now",
         targets(
-            (f"stepwatch_gpu_memory_total_bytes{{{gsel}}} * on (node, gpu, uuid) group_left (name) "
+            (f"stepwatch_gpu_memory_total_bytes{{{gsel}}} * on (node, gpu, gpu_uuid) group_left (name) "
              f"stepwatch_gpu_info{{{gsel}}}", ""),
-            (f"stepwatch_gpu_memory_used_max_bytes{{{gsel}}} * on (node, gpu, uuid) group_left (name) "
+            (f"stepwatch_gpu_memory_used_max_bytes{{{gsel}}} * on (node, gpu, gpu_uuid) group_left (name) "
              f"stepwatch_gpu_info{{{gsel}}}", ""),
-            (f"stepwatch_gpu_memory_used_bytes{{{gsel}}} * on (node, gpu, uuid) group_left (name) "
+            (f"stepwatch_gpu_memory_used_bytes{{{gsel}}} * on (node, gpu, gpu_uuid) group_left (name) "
              f"stepwatch_gpu_info{{{gsel}}}", ""),
             instant=True, table=True),
         transformations=[{"id": "merge", "options": {}},
@@ -340,8 +349,8 @@ def node_gpu_memory():
 
 
 def step_anatomy():
-    sel = f'{C}, job=~"$job", node=~"$node", rank=~"$rank"'
-    jsel = f'{C}, job=~"$job"'
+    sel = f'{J}, node=~"$node", rank=~"$rank"'
+    jsel = J
     L = Layout()
     L.row("Job")
     L.add(stat("Ranks", f"count(stepwatch_rank_info{{{sel}}})", "none"), 3, 4)
@@ -401,8 +410,8 @@ def step_anatomy():
     L.add(timeseries(
         "GPU memory high-water of the job's GPUs",
         targets((f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{C}}}[$__interval]) "
-                 f"* on (node, uuid) group_left (job) max by (node, uuid, job) "
-                 f'(label_replace(stepwatch_rank_info{{{sel}}}, "uuid", "$1", "gpu_uuid", "(.+)"))',
+                 f"* on (node, gpu_uuid) group_left (training_job) "
+                 f"max by (node, gpu_uuid, training_job) (stepwatch_rank_info{{{sel}}})",
                  "{{node}} GPU {{gpu}}")),
         "bytes", interval="15s", mn=0), 14, 8)
     L.add(table("Ranks",
@@ -413,12 +422,12 @@ def step_anatomy():
         "stepwatch-step-anatomy", "stepwatch / step anatomy",
         "One training job: phase durations and phase peaks per step class (first step vs steady state), "
         "step peaks, predictions and headroom per rank.",
-        [v_datasource(), v_cluster(), v_job(), v_node_of_job(), v_rank()], L, time_from="now-3h")
+        [v_datasource(), v_cluster(), v_namespace(), v_job(), v_node_of_job(), v_rank()], L, time_from="now-3h")
 
 
 def first_step_anomaly():
-    jsel = f'{C}, job=~"$job"'
-    sel = f'{C}, job=~"$job", node=~"$node", rank=~"$rank"'
+    jsel = J
+    sel = f'{J}, node=~"$node", rank=~"$rank"'
     L = Layout()
     L.row("Across all ranks of the job (recording rules, every node)")
     L.add(stat("Step-1 peak divergence", f"max(stepwatch_job:first_step_peak_divergence_ratio{{{jsel}}})",
@@ -472,17 +481,17 @@ def first_step_anomaly():
                 transformations=[organize(exclude=("Time", "Value", "__name__", "instance"))]), 12, 8)
     L.add(timeseries("Step-time spread across ranks (max / median of median step times)",
                      targets((f"stepwatch_job:step_duration_median_seconds:max{{{jsel}}} "
-                              f"/ stepwatch_job:step_duration_median_seconds:median{{{jsel}}}", "{{job}}")),
+                              f"/ stepwatch_job:step_duration_median_seconds:median{{{jsel}}}", "{{namespace}} {{training_job}}")),
                      "percentunit", "Above 100%: the slowest rank is slower than the typical one (a straggler)."),
           24, 7)
     return dashboard(
         "stepwatch-first-step-anomaly", "stepwatch / first-step anomaly",
         "Step-1 memory peaks across the ranks of a job: spread, outlier ranks, first step vs steady state.",
-        [v_datasource(), v_cluster(), v_job(), v_node_of_job(), v_rank()], L, time_from="now-6h")
+        [v_datasource(), v_cluster(), v_namespace(), v_job(), v_node_of_job(), v_rank()], L, time_from="now-6h")
 
 
 def cluster_oom_risk():
-    jsel = f'{C}, job=~"$job"'
+    jsel = J
     L = Layout()
     L.row("Now")
     L.add(stat("Jobs predicted to OOM", f"count(stepwatch_job:predicted_headroom_bytes:min{{{jsel}}} < 0) or vector(0)",
@@ -521,7 +530,7 @@ def cluster_oom_risk():
                 transformations=[organize(exclude=("Time", "Value", "__name__"))],
                 sort_by=("alertstate", False)), 24, 8)
     L.add(bargauge("Worst predicted headroom per job (share of GPU capacity)",
-                   targets((f"sort(stepwatch_job:predicted_headroom_ratio:min{{{jsel}}})", "{{job}}"), instant=True),
+                   targets((f"sort(stepwatch_job:predicted_headroom_ratio:min{{{jsel}}})", "{{namespace}} {{training_job}}"), instant=True),
                    "percentunit", thresholds=HEADROOM_RATIO, mn=-0.25, mx=1), 12, 9)
     L.add(table("Ranks predicted to OOM",
                 targets((f"stepwatch_rank_predicted_headroom_bytes{{{jsel}}} < 0", ""), instant=True, table=True),
@@ -529,15 +538,15 @@ def cluster_oom_risk():
                                                    rename={"Value": "predicted headroom"})],
                 sort_by=("predicted headroom", False)), 12, 9)
     L.add(timeseries("Worst predicted headroom per job",
-                     targets((f"stepwatch_job:predicted_headroom_bytes:min{{{jsel}}}", "{{job}}")), "bytes",
+                     targets((f"stepwatch_job:predicted_headroom_bytes:min{{{jsel}}}", "{{namespace}} {{training_job}}")), "bytes",
                      thresholds=RED_BELOW_ZERO), 12, 8)
     L.add(timeseries("Observed OOMs per job",
-                     targets((f"sum by (job) (increase(stepwatch_rank_ooms_total{{{jsel}}}[$__rate_interval]))",
-                              "{{job}}")), "none", bars=True), 12, 8)
+                     targets((f"sum by (namespace, training_job) (increase(stepwatch_rank_ooms_total{{{jsel}}}[$__rate_interval]))",
+                              "{{namespace}} {{training_job}}")), "none", bars=True), 12, 8)
     return dashboard(
         "stepwatch-cluster-oom-risk", "stepwatch / cluster OOM risk",
         "Every job in the cluster ranked by predicted GPU memory headroom, with stepwatch alerts and observed OOMs.",
-        [v_datasource(), v_cluster(), v_job(multi=True), v_agent_job()], L, time_from="now-6h")
+        [v_datasource(), v_cluster(), v_namespace(), v_job(multi=True), v_agent_job()], L, time_from="now-6h")
 
 
 DASHBOARDS = {

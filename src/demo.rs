@@ -304,7 +304,7 @@ fn print_status(elapsed: Duration, metrics: &str, jobs: &[DemoJob]) {
     println!("{line}");
     for job in jobs {
         let id = job.job_id();
-        let rank = [("job", id.as_str()), ("rank", "0")];
+        let rank = [("training_job", id.as_str()), ("rank", "0")];
         let Some(step) = value("stepwatch_rank_last_step", &rank) else {
             println!("  {id:14} starting");
             continue;

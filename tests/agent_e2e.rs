@@ -27,7 +27,7 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
             (0..2).all(|r| {
                 m.get(
                     "stepwatch_rank_steps_completed_total",
-                    &[("job", "train-a"), ("rank", &(r + 1).to_string())],
+                    &[("training_job", "train-a"), ("rank", &(r + 1).to_string())],
                 ) == Some(3.0)
             })
         },
@@ -36,7 +36,7 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
     // Per-GPU memory: capacity, a current reading, and a window max that
     // caught the simulated peak although the ranks have finished.
     for gpu in [GPU0, GPU1] {
-        let labels = [("uuid", gpu), ("node", "test-node")];
+        let labels = [("gpu_uuid", gpu), ("node", "test-node")];
         let total = m.get("stepwatch_gpu_memory_total_bytes", &labels).unwrap();
         assert!(total > 80e9, "H100-like capacity, got {total}");
         assert!(m.get("stepwatch_gpu_memory_used_bytes", &labels).is_some());
@@ -51,11 +51,11 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
 
     // Per-rank step and phase series, and the step-model figures.
     for r in ["1", "2"] {
-        let rank = [("job", "train-a"), ("rank", r)];
+        let rank = [("training_job", "train-a"), ("rank", r)];
         assert_eq!(m.get("stepwatch_rank_last_step", &rank), Some(3.0));
         // A rank's capacity is what processes can use: NVML's total less
         // the memory the driver reserves (memory info v2 `reserved`).
-        let total = m.get("stepwatch_gpu_memory_total_bytes", &[("uuid", GPU0)]);
+        let total = m.get("stepwatch_gpu_memory_total_bytes", &[("gpu_uuid", GPU0)]);
         assert_eq!(
             m.get("stepwatch_rank_gpu_capacity_bytes", &rank),
             total.map(|t| t - fake_nvml::DEFAULT_RESERVED_BYTES as f64)
@@ -245,9 +245,9 @@ fn a_lost_gpu_is_reported_while_the_others_keep_sampling() {
     let agent = Agent::start("gpu-lost", 2);
     agent.fake.set_gpu_lost(1, true);
     let m = agent.wait_metrics("gpu 1 down", Duration::from_secs(10), |m| {
-        m.get("stepwatch_gpu_up", &[("uuid", GPU1)]) == Some(0.0)
+        m.get("stepwatch_gpu_up", &[("gpu_uuid", GPU1)]) == Some(0.0)
     });
-    assert_eq!(m.get("stepwatch_gpu_up", &[("uuid", GPU0)]), Some(1.0));
+    assert_eq!(m.get("stepwatch_gpu_up", &[("gpu_uuid", GPU0)]), Some(1.0));
     assert_eq!(m.get("stepwatch_nvml_up", &[]), Some(1.0));
     assert!(
         m.get("stepwatch_nvml_errors_total", &[("call", "memory_info")])
@@ -255,16 +255,16 @@ fn a_lost_gpu_is_reported_while_the_others_keep_sampling() {
             > 0.0
     );
     let before = m
-        .get("stepwatch_gpu_samples_total", &[("uuid", GPU0)])
+        .get("stepwatch_gpu_samples_total", &[("gpu_uuid", GPU0)])
         .unwrap();
     agent.wait_metrics("gpu 0 still sampled", Duration::from_secs(5), |m| {
-        m.get("stepwatch_gpu_samples_total", &[("uuid", GPU0)])
+        m.get("stepwatch_gpu_samples_total", &[("gpu_uuid", GPU0)])
             .unwrap()
             > before + 5.0
     });
     agent.fake.set_gpu_lost(1, false);
     agent.wait_metrics("gpu 1 back", Duration::from_secs(10), |m| {
-        m.get("stepwatch_gpu_up", &[("uuid", GPU1)]) == Some(1.0)
+        m.get("stepwatch_gpu_up", &[("gpu_uuid", GPU1)]) == Some(1.0)
     });
 }
 
@@ -272,7 +272,7 @@ fn a_lost_gpu_is_reported_while_the_others_keep_sampling() {
 fn a_hung_nvml_read_is_reported_and_sigterm_still_ends_the_agent() {
     let mut agent = Agent::start("nvml-hang", 1);
     agent.wait_metrics("sampling", Duration::from_secs(10), |m| {
-        m.get("stepwatch_gpu_samples_total", &[("uuid", GPU0)])
+        m.get("stepwatch_gpu_samples_total", &[("gpu_uuid", GPU0)])
             .is_some_and(|n| n > 0.0)
     });
     // The read hangs: no error is returned, the figures just stop changing.
@@ -280,10 +280,10 @@ fn a_hung_nvml_read_is_reported_and_sigterm_still_ends_the_agent() {
         .fake
         .set_call_delay(fake_nvml::Call::MemoryInfo, Duration::from_secs(3600));
     let m = agent.wait_metrics("gpu 0 stale", Duration::from_secs(20), |m| {
-        m.get("stepwatch_gpu_up", &[("uuid", GPU0)]) == Some(0.0)
+        m.get("stepwatch_gpu_up", &[("gpu_uuid", GPU0)]) == Some(0.0)
     });
     assert!(
-        m.get("stepwatch_gpu_sample_age_seconds", &[("uuid", GPU0)])
+        m.get("stepwatch_gpu_sample_age_seconds", &[("gpu_uuid", GPU0)])
             .unwrap()
             > 2.0
     );
@@ -509,7 +509,7 @@ fn finished_jobs_give_their_slots_to_new_ones_when_the_rank_table_is_full() {
     agent.wait_metrics("both finished", Duration::from_secs(10), |m| {
         ["short-a", "short-b"]
             .iter()
-            .all(|job| m.get("stepwatch_rank_connected", &[("job", job)]) == Some(0.0))
+            .all(|job| m.get("stepwatch_rank_connected", &[("training_job", job)]) == Some(0.0))
     });
     // A third job is let in (the default retention is an hour).
     wait_ok(agent.sim("demo-small", "short-c", 0, 0, 2, 50.0), "short-c");
@@ -714,15 +714,15 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
         Some(peaks.len() as f64)
     );
     assert_eq!(
-        m.get("stepwatch_rank_ooms_total", &[("job", "doomed")]),
+        m.get("stepwatch_rank_ooms_total", &[("training_job", "doomed")]),
         Some(1.0)
     );
     assert_eq!(
-        m.get("stepwatch_rank_oom_risk", &[("job", "doomed")]),
+        m.get("stepwatch_rank_oom_risk", &[("training_job", "doomed")]),
         Some(1.0)
     );
     assert_eq!(
-        m.get("stepwatch_rank_oom_risk", &[("job", "healthy")]),
+        m.get("stepwatch_rank_oom_risk", &[("training_job", "healthy")]),
         Some(0.0)
     );
 }
@@ -868,7 +868,11 @@ fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
     assert_eq!(
         m.get(
             "stepwatch_job_rank_outlier",
-            &[("job", "div"), ("rank", "3"), ("figure", "activation_peak")]
+            &[
+                ("training_job", "div"),
+                ("rank", "3"),
+                ("figure", "activation_peak")
+            ]
         ),
         Some(1.0)
     );

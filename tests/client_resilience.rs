@@ -66,7 +66,7 @@ fn markers_survive_an_absent_then_restarted_agent() {
     agent.wait_metrics("buffered steps delivered", Duration::from_secs(15), |m| {
         m.get(
             "stepwatch_rank_steps_completed_total",
-            &[("job", "resilient")],
+            &[("training_job", "resilient")],
         ) == Some(10.0)
     });
     assert!(client.flush(Duration::from_secs(5)));
@@ -84,7 +84,7 @@ fn markers_survive_an_absent_then_restarted_agent() {
     agent.wait_metrics("steps after the restart", Duration::from_secs(15), |m| {
         m.get(
             "stepwatch_rank_steps_completed_total",
-            &[("job", "resilient")],
+            &[("training_job", "resilient")],
         ) == Some(4.0)
     });
     let stats = client.close(Duration::from_secs(5));

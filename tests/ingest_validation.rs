@@ -130,12 +130,15 @@ fn malformed_and_out_of_range_input_is_refused_and_counted() {
     assert_eq!(
         m.get(
             "stepwatch_rank_steps_completed_total",
-            &[("job", "j"), ("rank", "0")]
+            &[("training_job", "j"), ("rank", "0")]
         ),
         Some(3.0)
     );
     assert_eq!(
-        m.get("stepwatch_rank_last_step", &[("job", "j"), ("rank", "0")]),
+        m.get(
+            "stepwatch_rank_last_step",
+            &[("training_job", "j"), ("rank", "0")]
+        ),
         Some(3.0)
     );
 
@@ -148,7 +151,7 @@ fn malformed_and_out_of_range_input_is_refused_and_counted() {
     agent.wait_metrics("step 4 counted", Duration::from_secs(5), |m| {
         m.get(
             "stepwatch_rank_steps_completed_total",
-            &[("job", "j"), ("rank", "0")],
+            &[("training_job", "j"), ("rank", "0")],
         ) == Some(4.0)
     });
     assert_eq!(agent.get("/readyz").0, 200);
@@ -336,7 +339,7 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
         Some(5.0)
     );
     for i in 0..5 {
-        let rank = [("job", format!("u{i}")), ("rank", "0".to_string())];
+        let rank = [("training_job", format!("u{i}")), ("rank", "0".to_string())];
         let rank: Vec<(&str, &str)> = rank.iter().map(|(k, v)| (*k, v.as_str())).collect();
         assert_eq!(
             m.get("stepwatch_rank_steps_completed_total", &rank),
@@ -386,7 +389,10 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
     });
     agent.wait_metrics("late trace counted", Duration::from_secs(5), |m| {
         m.get("stepwatch_allocator_traces_total", &[("result", "late")]) == Some(1.0)
-            && m.get("stepwatch_rank_last_step", &[("job", "t"), ("rank", "0")]) == Some(3.0)
+            && m.get(
+                "stepwatch_rank_last_step",
+                &[("training_job", "t"), ("rank", "0")],
+            ) == Some(3.0)
     });
 }
 
@@ -439,7 +445,7 @@ fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
         ) == Some(1.0)
             && m.get(
                 "stepwatch_rank_steps_completed_total",
-                &[("job", "hoarder")],
+                &[("training_job", "hoarder")],
             ) == Some(1.0)
     });
 

@@ -20,7 +20,10 @@ fn step_history_survives_an_agent_restart() {
     let mut first = Agent::start_with("journal-1", 1, &args, |_| {});
     wait_ok(first.sim("rank0-skew", "kept", 1, 0, 3, 4.0), "sim");
     first.wait_metrics("3 steps", Duration::from_secs(10), |m| {
-        m.get("stepwatch_rank_steps_completed_total", &[("job", "kept")]) == Some(3.0)
+        m.get(
+            "stepwatch_rank_steps_completed_total",
+            &[("training_job", "kept")],
+        ) == Some(3.0)
     });
     let (_, before) = first.get("/api/v1/jobs/kept/ranks/1");
     assert!(first.terminate().success());
@@ -41,15 +44,21 @@ fn step_history_survives_an_agent_restart() {
         Some(1.0)
     );
     assert_eq!(
-        m.get("stepwatch_rank_steps_completed_total", &[("job", "kept")]),
+        m.get(
+            "stepwatch_rank_steps_completed_total",
+            &[("training_job", "kept")]
+        ),
         Some(3.0)
     );
     assert_eq!(
-        m.get("stepwatch_rank_connected", &[("job", "kept")]),
+        m.get("stepwatch_rank_connected", &[("training_job", "kept")]),
         Some(0.0)
     );
     assert!(m
-        .get("stepwatch_rank_first_step_peak_bytes", &[("job", "kept")])
+        .get(
+            "stepwatch_rank_first_step_peak_bytes",
+            &[("training_job", "kept")]
+        )
         .is_some());
     let (code, after) = second.get("/api/v1/jobs/kept/ranks/1");
     assert_eq!(code, 200, "{after}");

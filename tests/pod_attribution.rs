@@ -34,6 +34,8 @@ fn gpu(index: u32) -> String {
 #[derive(Clone, Default)]
 struct FakeKubelet {
     pods: Arc<Mutex<Vec<PodResources>>>,
+    /// While set, `List` fails (UNAVAILABLE), as a restarting kubelet does.
+    down: Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[tonic::async_trait]
@@ -42,6 +44,9 @@ impl PodResourcesLister for FakeKubelet {
         &self,
         _: Request<ListPodResourcesRequest>,
     ) -> Result<Response<ListPodResourcesResponse>, Status> {
+        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Status::unavailable("kubelet restarting"));
+        }
         Ok(Response::new(ListPodResourcesResponse {
             pod_resources: self.pods.lock().unwrap().clone(),
         }))
@@ -103,6 +108,9 @@ impl Node {
             socket.display().to_string(),
             "--pod-logs-dir".to_string(),
             pods.display().to_string(),
+            // GPU holders are asked for every 200 ms, so tests wait little.
+            "--pod-resources-refresh".to_string(),
+            "200ms".to_string(),
         ];
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let agent = Agent::start_with(tag, 2, &args, |_| {});
@@ -372,7 +380,7 @@ fn client_process() {
 }
 
 fn connected(m: &Metrics, namespace: &str, job: &str, rank: &str) -> bool {
-    let mut labels = vec![("job", job), ("rank", rank)];
+    let mut labels = vec![("training_job", job), ("rank", rank)];
     if !namespace.is_empty() {
         labels.push(("namespace", namespace));
     }
@@ -413,13 +421,30 @@ fn the_kubelets_pod_and_namespace_label_the_rank_for_every_runtime_and_cgroup_la
                 "stepwatch_rank_info",
                 &[
                     ("namespace", "team-a"),
-                    ("job", claim.job),
+                    ("training_job", claim.job),
                     ("pod", "trainer-0"),
                     ("container", "trainer"),
                     ("attested", "true"),
                 ],
             ),
             Some(1.0),
+            "{layout}:\n{}",
+            m.0
+        );
+        // Every rank series names the tenant's pod and container, so
+        // alerts route and read without a join on stepwatch_rank_info.
+        assert_eq!(
+            m.get(
+                "stepwatch_rank_steps_completed_total",
+                &[
+                    ("namespace", "team-a"),
+                    ("training_job", claim.job),
+                    ("rank", "0"),
+                    ("pod", "trainer-0"),
+                    ("container", "trainer"),
+                ],
+            ),
+            Some(2.0),
             "{layout}:\n{}",
             m.0
         );
@@ -554,7 +579,11 @@ fn a_second_process_claiming_a_live_rank_is_refused_and_the_first_keeps_its_hist
     node.agent.wait_metrics("rank 0's two steps", WAIT, |m| {
         m.get(
             "stepwatch_rank_steps_completed_total",
-            &[("namespace", "team-a"), ("job", "j"), ("rank", "0")],
+            &[
+                ("namespace", "team-a"),
+                ("training_job", "j"),
+                ("rank", "0"),
+            ],
         ) == Some(2.0)
     });
     // Another process in the same pod, then one from another pod.
@@ -649,7 +678,7 @@ fn a_resubmitted_job_does_not_double_its_ranks() {
         node.agent.wait_metrics("run 1's rank", WAIT, |m| {
             m.get(
                 "stepwatch_rank_steps_completed_total",
-                &[("job", "nightly"), ("rank", &rank.to_string())],
+                &[("training_job", "nightly"), ("rank", &rank.to_string())],
             ) == Some(2.0)
         });
         assert_eq!(r.finish(), "Ok");
@@ -670,4 +699,93 @@ fn a_resubmitted_job_does_not_double_its_ranks() {
     assert_eq!(ranks.len(), 1, "{job}");
     assert_eq!(ranks[0]["info"]["pod"], "run-2");
     assert_eq!(r.finish(), "Ok");
+}
+
+/// The labels of `name`'s series for the GPU with `uuid` (None: no such series).
+fn gpu_series_labels(m: &Metrics, name: &str, uuid: &str) -> Option<String> {
+    let needle = format!("gpu_uuid=\"{uuid}\"");
+    m.0.lines()
+        .find(|l| l.starts_with(&format!("{name}{{")) && l.contains(&needle))
+        .map(|l| l[..l.rfind('}').unwrap() + 1].to_owned())
+}
+
+#[test]
+fn gpu_series_name_the_pod_and_container_holding_the_gpu() {
+    let node = Node::start("podattr-holders");
+    node.add_pod(
+        "team-a",
+        "trainer-0",
+        UID_A,
+        &[("trainer", &[gpu(0)]), ("sidecar", &[])],
+    );
+    let holds_gpu0 = |m: &Metrics, pod: &str| {
+        m.get(
+            "stepwatch_gpu_memory_used_bytes",
+            &[
+                ("gpu", "0"),
+                ("gpu_uuid", gpu(0).as_str()),
+                ("namespace", "team-a"),
+                ("pod", pod),
+                ("container", "trainer"),
+            ],
+        )
+        .is_some()
+    };
+    // No hello is needed: the agent asks the kubelet on its own.
+    let m = node.agent.wait_metrics("GPU 0's holder labels", WAIT, |m| {
+        holds_gpu0(m, "trainer-0")
+    });
+    for family in [
+        "stepwatch_gpu_info",
+        "stepwatch_gpu_up",
+        "stepwatch_gpu_memory_total_bytes",
+        "stepwatch_gpu_samples_total",
+    ] {
+        let labels = gpu_series_labels(&m, family, &gpu(0)).unwrap_or_default();
+        assert!(
+            labels.contains(r#"namespace="team-a""#)
+                && labels.contains(r#"pod="trainer-0""#)
+                && labels.contains(r#"container="trainer""#),
+            "{family}: {labels}"
+        );
+        // GPU 1 is held by no pod: no pod labels, not empty ones.
+        let idle = gpu_series_labels(&m, family, &gpu(1)).expect("GPU 1's series");
+        assert!(
+            !idle.contains("namespace=") && !idle.contains("pod=") && !idle.contains("container="),
+            "{family}: {idle}"
+        );
+    }
+    // The pod leaves and another takes the GPU: the labels follow.
+    {
+        let mut pods = node.kubelet.pods.lock().unwrap();
+        pods.clear();
+    }
+    node.add_pod("team-a", "trainer-1", UID_B, &[("trainer", &[gpu(0)])]);
+    let m = node
+        .agent
+        .wait_metrics("GPU 0's new holder", WAIT, |m| holds_gpu0(m, "trainer-1"));
+    assert!(!holds_gpu0(&m, "trainer-0"), "{}", m.0);
+    assert_eq!(
+        m.get("stepwatch_workload_gpu_holders_refresh_errors_total", &[]),
+        Some(0.0)
+    );
+    // The kubelet stops answering: counted, and the last answer keeps
+    // labelling the GPU (for a minute) instead of churning its series.
+    node.kubelet
+        .down
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let m = node
+        .agent
+        .wait_metrics("failed refreshes counted", WAIT, |m| {
+            m.get("stepwatch_workload_gpu_holders_refresh_errors_total", &[])
+                .is_some_and(|n| n >= 2.0)
+        });
+    assert!(holds_gpu0(&m, "trainer-1"), "{}", m.0);
+    assert!(
+        node.agent
+            .log()
+            .contains("cannot ask the kubelet which pod holds which GPU"),
+        "{}",
+        node.agent.log()
+    );
 }

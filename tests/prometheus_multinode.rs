@@ -107,6 +107,44 @@ impl World {
     }
 }
 
+/// The `metric_relabel_configs` of the Kubernetes scrape job in
+/// deploy/prometheus/prometheus-example.yml, as its YAML lines (indented
+/// for a scrape job's keys). deploy/test.sh checks that the chart's
+/// ServiceMonitor carries the same rules.
+fn shipped_metric_relabel_configs() -> String {
+    let example =
+        std::fs::read_to_string(repo().join("deploy/prometheus/prometheus-example.yml")).unwrap();
+    let mut lines = example
+        .lines()
+        .skip_while(|l| l.trim_end() != "    metric_relabel_configs:");
+    let mut block = vec![lines
+        .next()
+        .expect("the example has metric_relabel_configs")];
+    block.extend(lines.take_while(|l| l.starts_with("      ") || l.trim().is_empty()));
+    let block = block.join("\n");
+    assert!(block.contains("exported_namespace"), "{block}");
+    block + "\n"
+}
+
+/// A scrape config like the one the Prometheus Operator makes of the
+/// chart's ServiceMonitor: each agent a target with its pod's labels
+/// (namespace `stepwatch`, pod `stepwatch-<node>`, container `agent`),
+/// `honor_labels: false`, and the shipped metric relabelling.
+fn kubernetes_scrape_config(rules: &std::path::Path, targets: &[(String, &str)]) -> String {
+    let mut config = format!(
+        "global:\n  scrape_interval: 500ms\n  scrape_timeout: 400ms\n  evaluation_interval: 500ms\n\
+         rule_files:\n  - {}\n\
+         scrape_configs:\n  - job_name: stepwatch\n    honor_labels: false\n    static_configs:\n",
+        rules.display()
+    );
+    for (addr, node) in targets {
+        config += &format!(
+            "      - targets: [\"{addr}\"]\n        labels: {{namespace: stepwatch, pod: stepwatch-{node}, container: agent}}\n"
+        );
+    }
+    config + &shipped_metric_relabel_configs()
+}
+
 fn label<'a>(series: &'a Value, name: &str) -> &'a str {
     series["metric"][name].as_str().unwrap_or("")
 }
@@ -194,8 +232,8 @@ fn firing(prom: &Prometheus, name: &str) -> Vec<(BTreeMap<String, String>, f64)>
 fn substitute(expr: &str) -> String {
     let value = |name: &str| -> Option<&str> {
         Some(match name {
-            "job" => JOB,
-            "cluster" | "node" | "rank" | "gpu" => ".*",
+            "training_job" => JOB,
+            "cluster" | "namespace" | "node" | "rank" | "gpu" => ".*",
             "agent_job" => ".*stepwatch.*",
             "__rate_interval" => "1m",
             "__interval" => "15s",
@@ -312,20 +350,16 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         agent.wait_for("/readyz", 200, Duration::from_secs(20));
     }
 
-    // A real Prometheus with the shipped rules, scraping the three agents.
+    // A real Prometheus with the shipped rules, scraping the three agents
+    // as the chart's ServiceMonitor does (target labels of the agent pods,
+    // honor_labels: false, the shipped metric relabelling).
     let rules = repo().join("deploy/prometheus/stepwatch-rules.yml");
-    let targets: Vec<String> = world
+    let targets: Vec<(String, &str)> = world
         .agents
         .iter()
-        .map(|(_, a)| format!("\"{}\"", a.http))
+        .map(|(node, a)| (a.http.to_string(), *node))
         .collect();
-    let config = format!(
-        "global:\n  scrape_interval: 500ms\n  scrape_timeout: 400ms\n  evaluation_interval: 500ms\n\
-         rule_files:\n  - {}\n\
-         scrape_configs:\n  - job_name: stepwatch\n    honor_labels: true\n    static_configs:\n      - targets: [{}]\n",
-        rules.display(),
-        targets.join(", ")
-    );
+    let config = kubernetes_scrape_config(&rules, &targets);
     world.prom = Some(Prometheus::start("prom-multinode", &config));
     let prom = world.prom();
     poll(
@@ -366,7 +400,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         Duration::from_secs(30),
         || {
             for (labels, active_at) in firing(prom, ALERT) {
-                if labels.get("job").map(String::as_str) != Some(JOB) {
+                if labels.get("training_job").map(String::as_str) != Some(JOB) {
                     continue;
                 }
                 if labels["rank"] == "0" {
@@ -436,7 +470,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         || {
             // timestamp() of a bare selector is the sample's (the
             // evaluation's) time; of any other expression, the query's.
-            let count = format!(r#"stepwatch_job:ranks_reporting:count{{job="{JOB}"}}"#);
+            let count = format!(r#"stepwatch_job:ranks_reporting:count{{training_job="{JOB}"}}"#);
             let v = prom.vector(&format!("timestamp({count}) and ({count} == 4)"));
             // One scrape interval (and some) after step 1's end.
             let at = sample(v.first()?);
@@ -446,7 +480,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
     eprintln!("recording rules evaluated after {:?}", t0.elapsed());
     let peaks: BTreeMap<String, f64> = prom
         .vector(&format!(
-            r#"stepwatch_rank_first_step_peak_bytes{{job="{JOB}"}}"#
+            r#"stepwatch_rank_first_step_peak_bytes{{training_job="{JOB}"}}"#
         ))
         .iter()
         .map(|s| (label(s, "rank").to_owned(), sample(s)))
@@ -455,7 +489,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
     assert_eq!(peaks.len(), 4, "{peaks:?}");
     let max = peaks.values().cloned().fold(f64::MIN, f64::max);
     let min = peaks.values().cloned().fold(f64::MAX, f64::min);
-    let job_sel = format!(r#"{{job="{JOB}"}}"#);
+    let job_sel = format!(r#"{{training_job="{JOB}"}}"#);
     let recorded = |name: &str| -> f64 {
         let v = prom.vector(&format!("{name}{job_sel}"));
         assert_eq!(v.len(), 1, "{name}: {v:?}");
@@ -630,7 +664,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         "{ALERT} fired for {others_firing:?}"
     );
     let history = prom.vector(&format!(
-        r#"count_over_time(ALERTS{{alertname="{ALERT}", job="{JOB}"}}[10m])"#
+        r#"count_over_time(ALERTS{{alertname="{ALERT}", training_job="{JOB}"}}[10m])"#
     ));
     let ranks: BTreeSet<&str> = history.iter().map(|s| label(s, "rank")).collect();
     assert_eq!(
@@ -640,16 +674,109 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
     );
     let now_firing: Vec<String> = firing(prom, ALERT)
         .into_iter()
-        .map(|(l, _)| format!("{}/{}", l["job"], l["rank"]))
+        .map(|(l, _)| format!("{}/{}", l["training_job"], l["rank"]))
         .collect();
     assert_eq!(now_firing, [format!("{JOB}/0")]);
     // The observed OOM is reported too.
-    let oom = prom.vector(&format!(r#"stepwatch_rank_ooms_total{{job="{JOB}"}} > 0"#));
+    let oom = prom.vector(&format!(
+        r#"stepwatch_rank_ooms_total{{training_job="{JOB}"}} > 0"#
+    ));
     assert_eq!(oom.len(), 1, "{oom:?}");
     assert_eq!(label(&oom[0], "rank"), "0");
 
     eprintln!(
         "{queries} dashboard queries, {loaded} rules checked; test took {:?}",
         t0.elapsed()
+    );
+}
+
+/// Scraped like any exporter (`honor_labels: false`, the agent pod's target
+/// labels), a tenant's rank series keep the tenant's namespace, pod and
+/// container, and the training job its own label; the agent's own series
+/// keep the target's; no `exported_*` label is left.
+#[test]
+fn a_kubernetes_scrape_keeps_the_tenants_labels_and_the_agents_own() {
+    Prometheus::require();
+    let agent = Agent::start_node(
+        "prom-relabel",
+        "node-a",
+        &[GpuSpec::h100_80gb(0)],
+        None,
+        &[],
+        |_| {},
+    );
+    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    // Outside Kubernetes here (no kubelet), the agent takes the client's claim.
+    let mut hello = wire::hello("tenant-job", 0, 1);
+    if let Some(stepwatch_proto::v1::client_message::Kind::Hello(h)) = &mut hello.kind {
+        let id = h.identity.as_mut().unwrap();
+        id.namespace = "team-a".into();
+        id.pod = "trainer-0".into();
+    }
+    // A rank outside any namespace: it keeps the target's labels.
+    let bare = wire::hello("bare-job", 0, 1);
+    let endpoint = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for h in [hello, bare] {
+        let t0 = stepwatch_proto::clock::monotonic_ns();
+        rt.block_on(wire::exchange(
+            &endpoint,
+            vec![h, wire::batch(wire::step(1, t0))],
+        ))
+        .unwrap();
+    }
+    let rules = repo().join("deploy/prometheus/stepwatch-rules.yml");
+    let config = kubernetes_scrape_config(&rules, &[(agent.http.to_string(), "node-a")]);
+    let prom = Prometheus::start("prom-relabel", &config);
+    let series = |expr: &str| -> Vec<BTreeMap<String, String>> {
+        prom.vector(expr)
+            .iter()
+            .map(|s| {
+                s["metric"]
+                    .as_object()
+                    .unwrap()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_owned()))
+                    .collect()
+            })
+            .collect()
+    };
+    let tenant = poll("the tenant's rank scraped", Duration::from_secs(20), || {
+        let v = series(r#"stepwatch_rank_steps_completed_total{training_job="tenant-job"}"#);
+        (!v.is_empty()).then_some(v)
+    });
+    assert_eq!(tenant.len(), 1, "{tenant:?}");
+    let t = &tenant[0];
+    assert_eq!(t["namespace"], "team-a", "{t:?}");
+    assert_eq!(t["pod"], "trainer-0", "{t:?}");
+    // The client claimed no container: none, rather than the agent's.
+    assert_eq!(t.get("container"), None, "{t:?}");
+    assert_eq!(t["job"], "stepwatch", "{t:?}");
+    assert_eq!(t["node"], "node-a", "{t:?}");
+    // The tenant's alerts route by namespace.
+    let by_ns = series(r#"stepwatch_rank_info{namespace="team-a"}"#);
+    assert_eq!(by_ns.len(), 1, "{by_ns:?}");
+    assert_eq!(by_ns[0]["training_job"], "tenant-job");
+    // The agent's own series, and a rank that names no namespace, keep the
+    // agent pod's target labels.
+    for expr in [
+        "stepwatch_nvml_up",
+        r#"stepwatch_gpu_up{gpu="0"}"#,
+        r#"stepwatch_rank_info{training_job="bare-job"}"#,
+    ] {
+        let v = series(expr);
+        assert_eq!(v.len(), 1, "{expr}: {v:?}");
+        let own = &v[0];
+        assert_eq!(own["namespace"], "stepwatch", "{expr}: {own:?}");
+        assert_eq!(own["pod"], "stepwatch-node-a", "{expr}: {own:?}");
+        assert_eq!(own["container"], "agent", "{expr}: {own:?}");
+        assert_eq!(own["job"], "stepwatch", "{expr}: {own:?}");
+    }
+    let renamed = prom.vector(r#"count({__name__=~"stepwatch_.+"}) by (exported_namespace, exported_pod, exported_container, exported_node, exported_job)"#);
+    assert_eq!(renamed.len(), 1, "{renamed:?}");
+    assert_eq!(
+        renamed[0]["metric"].as_object().map(|m| m.len()),
+        Some(0),
+        "{renamed:?}"
     );
 }

@@ -27,7 +27,7 @@ fn a_record_replays_to_the_agents_own_prediction_and_steady_peak() {
         (1..=2).all(|r| {
             m.get(
                 "stepwatch_rank_steps_completed_total",
-                &[("job", "rec"), ("rank", &r.to_string())],
+                &[("training_job", "rec"), ("rank", &r.to_string())],
             ) == Some(4.0)
         })
     });

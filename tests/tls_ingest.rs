@@ -88,7 +88,10 @@ fn tcp_ingest_with_tls_accepts_trusting_clients_only() {
     let client = Client::start(options);
     one_step(&client);
     agent.wait_metrics("the TLS client's step", Duration::from_secs(15), |m| {
-        m.get("stepwatch_rank_steps_completed_total", &[("job", "tls-ok")]) == Some(1.0)
+        m.get(
+            "stepwatch_rank_steps_completed_total",
+            &[("training_job", "tls-ok")],
+        ) == Some(1.0)
     });
     client.close(Duration::from_secs(2));
 
@@ -108,7 +111,10 @@ fn tcp_ingest_with_tls_accepts_trusting_clients_only() {
     assert_eq!(plain.stats().sent, 0);
     let m = Metrics(agent.metrics());
     assert_eq!(
-        m.get("stepwatch_rank_steps_completed_total", &[("job", "plain")]),
+        m.get(
+            "stepwatch_rank_steps_completed_total",
+            &[("training_job", "plain")]
+        ),
         None
     );
 }
@@ -156,7 +162,7 @@ fn mutual_tls_admits_only_clients_with_a_signed_certificate() {
     assert_eq!(
         m.get(
             "stepwatch_rank_steps_completed_total",
-            &[("job", "anonymous")]
+            &[("training_job", "anonymous")]
         ),
         None
     );
@@ -175,7 +181,10 @@ fn mutual_tls_admits_only_clients_with_a_signed_certificate() {
     let signed = Client::start(options);
     one_step(&signed);
     agent.wait_metrics("the signed client's step", Duration::from_secs(15), |m| {
-        m.get("stepwatch_rank_steps_completed_total", &[("job", "signed")]) == Some(1.0)
+        m.get(
+            "stepwatch_rank_steps_completed_total",
+            &[("training_job", "signed")],
+        ) == Some(1.0)
     });
 }
 

@@ -4,7 +4,7 @@
   check_manifests.py validate FILE... [--allow-root] [--promtool PATH]
       * every core object against the Kubernetes OpenAPI schemas (kubernetes-validate,
         strict: unknown fields are errors), for the oldest and the newest supported version;
-      * ServiceMonitor/PrometheusRule (CRDs, no schema shipped): structure, honorLabels, and
+      * ServiceMonitor/PrometheusRule (CRDs, no schema shipped): structure, honorLabels: false and the pod-label metricRelabelings, and
         the PrometheusRule's groups through `promtool check rules`;
       * the DaemonSet against stepwatch's deployment contract (security context, hostPID,
         socket hostPath, probes, args, env, resources).
@@ -64,6 +64,20 @@ def validate_core(c, obj):
             c.expect(False, name_of(obj), e.message)
 
 
+def pod_label_rules():
+    """The metric_relabel_configs of the example's Kubernetes scrape job, in the Operator's
+    camelCase: what every ServiceMonitor endpoint must begin its metricRelabelings with, so
+    that a tenant's exported_namespace/pod/container move back into namespace/pod/container.
+    tests/prometheus_multinode.rs runs the same rules on a real Prometheus."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "prometheus",
+                        "prometheus-example.yml")
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    rules = cfg["scrape_configs"][0]["metric_relabel_configs"]
+    camel = lambda k: k.split("_")[0] + "".join(w.title() for w in k.split("_")[1:])
+    return [{camel(k): v for k, v in r.items()} for r in rules]
+
+
 def check_service_monitor(c, obj, services):
     where = name_of(obj)
     c.expect(obj["apiVersion"] == "monitoring.coreos.com/v1", where, "apiVersion must be monitoring.coreos.com/v1")
@@ -76,7 +90,11 @@ def check_service_monitor(c, obj, services):
     c.expect(matched, where, f"selector {selector} matches no Service")
     port_names = {p.get("name") for s in matched for p in s["spec"].get("ports", [])}
     for ep in endpoints:
-        c.expect(ep.get("honorLabels") is True, where, "endpoints must set honorLabels: true (job label)")
+        c.expect(ep.get("honorLabels") is False, where, "endpoints must set honorLabels: false (the target's job and instance win)")
+        rules = pod_label_rules()
+        c.expect((ep.get("metricRelabelings") or [])[:len(rules)] == rules, where,
+                 "metricRelabelings must begin with the pod-label rules of deploy/prometheus/prometheus-example.yml "
+                 f"(exported_namespace/pod/container back to namespace/pod/container): {rules}")
         c.expect(ep.get("port") in port_names, where, f"endpoint port {ep.get('port')!r} not a port of the Service")
         c.expect(ep.get("path", "/metrics") == "/metrics", where, "path must be /metrics")
         allowed = {"port", "path", "scheme", "interval", "scrapeTimeout", "honorLabels", "relabelings",

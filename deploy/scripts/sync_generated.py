@@ -148,8 +148,17 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="verify only")
     args = p.parse_args()
-    want = expected_files()
     stale = []
+    if not args.check:
+        # The chart's PrometheusRule is rendered from the rules copy: refresh the copy first, so
+        # that one run brings deploy/kubernetes up to date too.
+        with open(RULES_SRC) as f:
+            rules = f.read()
+        if not os.path.exists(RULES_COPY) or open(RULES_COPY).read() != rules:
+            with open(RULES_COPY, "w") as f:
+                f.write(rules)
+            stale.append(os.path.relpath(RULES_COPY, DEPLOY))
+    want = expected_files()
     for rel, content in sorted(want.items()):
         path = os.path.join(DEPLOY, rel)
         have = open(path).read() if os.path.exists(path) else None

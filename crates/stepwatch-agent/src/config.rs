@@ -214,6 +214,12 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_CSI_MAX_VOLUMES", default_value_t = 128)]
     pub csi_max_volumes: usize,
 
+    /// How often the kubelet is asked which pod holds which GPU, for the
+    /// `namespace`, `pod` and `container` labels of GPU series; one `List`
+    /// call each time (a hello's lookup also refreshes it).
+    #[arg(long, env = "STEPWATCH_POD_RESOURCES_REFRESH", default_value = "15s", value_parser = parse_duration)]
+    pub pod_resources_refresh: Duration,
+
     /// Log format.
     #[arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,

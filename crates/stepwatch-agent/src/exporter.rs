@@ -4,12 +4,19 @@
 //! rank series are built per scrape from snapshots, so evicted ranks and
 //! lost GPUs disappear without bookkeeping, and no NVML call happens here.
 //! Every series carries the `node` label.
+//!
+//! Label names are chosen so that a scrape with `honor_labels: false` (the
+//! chart's ServiceMonitor) overwrites nothing of ours but the pod labels it
+//! is told to move back: the training job is `training_job`, never `job`
+//! (Prometheus's scrape job); a GPU is `gpu` (index) and `gpu_uuid` on
+//! every series that names one; `namespace`, `pod` and `container` name the
+//! tenant's workload, on rank series and on the series of a GPU a pod holds.
 
 use prometheus::proto::{
     Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType,
 };
 use prometheus::{Encoder, TextEncoder};
-use stepwatch_core::{BasisLimit, PhaseKind, RankKey, StepOutcome, WarningRevision};
+use stepwatch_core::{BasisLimit, PhaseKind, RankInfo, RankKey, StepOutcome, WarningRevision};
 use stepwatch_proto::clock::monotonic_ns;
 
 use crate::state::AgentState;
@@ -172,11 +179,22 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
     );
     for g in &snap.gpus {
         let index = g.index.to_string();
-        let labels = [("gpu", index.as_str()), ("uuid", g.uuid.as_str())];
-        info.add(
-            &[("gpu", &index), ("uuid", &g.uuid), ("name", &g.name)],
-            1.0,
-        );
+        // The pod holding the GPU, from the kubelet (dcgm-exporter's
+        // labels); changes only when that pod does.
+        let holder = state.gpu_holders.holder(&g.uuid, g.index);
+        let (namespace, pod, container) = holder
+            .as_ref()
+            .map_or(("", "", ""), |h| (&*h.namespace, &*h.pod, &*h.container));
+        let labels = [
+            ("gpu", index.as_str()),
+            ("gpu_uuid", g.uuid.as_str()),
+            ("namespace", namespace),
+            ("pod", pod),
+            ("container", container),
+        ];
+        let mut with_name = labels.to_vec();
+        with_name.push(("name", &g.name));
+        info.add(&with_name, 1.0);
         up.add(&labels, if g.up && snap.nvml_up { 1.0 } else { 0.0 });
         total.add(&labels, g.total_bytes as f64);
         samples.add(&labels, g.samples_total as f64);
@@ -319,15 +337,15 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
     );
     for (key, rank) in tracker.ranks() {
         let rank_label = key.rank.to_string();
-        let labels = rank_labels(key, &rank_label);
+        let labels = rank_labels(key, &rank_label, &rank.info);
         let i = &rank.info;
         info.add(
             &[
-                ("namespace", &key.namespace),
-                ("job", &key.job),
-                ("rank", &rank_label),
-                ("pod", &i.pod),
-                ("container", &i.container),
+                labels[0],
+                labels[1],
+                labels[2],
+                labels[3],
+                labels[4],
                 ("attested", if i.attested { "true" } else { "false" }),
                 ("local_rank", &i.local_rank.to_string()),
                 ("world_size", &i.world_size.to_string()),
@@ -349,10 +367,7 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
             }
             for kind in PhaseKind::ALL {
                 if let Some(ns) = last.phase_duration_ns(kind) {
-                    phase.add(
-                        &[labels[0], labels[1], labels[2], ("phase", kind.as_str())],
-                        ns_to_s(ns),
-                    );
+                    phase.add(&with(&labels, ("phase", kind.as_str())), ns_to_s(ns));
                 }
             }
         }
@@ -484,7 +499,7 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
     let mut last_job: Option<(&str, &str)> = None;
     for (key, rank) in tracker.ranks() {
         let rank_label = key.rank.to_string();
-        let labels = rank_labels(key, &rank_label);
+        let labels = rank_labels(key, &rank_label, &rank.info);
         let this_job = (key.namespace.as_str(), key.job.as_str());
         if last_job != Some(this_job) {
             last_job = Some(this_job);
@@ -575,18 +590,11 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
             risk.add(&labels, if p.oom_risk { 1.0 } else { 0.0 });
             provisional.add(&labels, if p.provisional { 1.0 } else { 0.0 });
             let b = p.inputs.basis.as_str();
-            basis.add(
-                &[("job", &key.job), ("rank", &rank_label), ("basis", b)],
-                1.0,
-            );
+            basis.add(&with(&labels, ("basis", b)), 1.0);
             for l in BasisLimit::ALL {
                 let on = p.inputs.basis_limits.contains(&l);
                 limited.add(
-                    &[
-                        ("job", &key.job),
-                        ("rank", &rank_label),
-                        ("limit", l.as_str()),
-                    ],
+                    &with(&labels, ("limit", l.as_str())),
                     if on { 1.0 } else { 0.0 },
                 );
             }
@@ -620,18 +628,31 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
     }
 }
 
-/// The labels that name a rank: namespace (left out when empty), job, rank.
-fn rank_labels<'a>(key: &'a RankKey, rank: &'a str) -> [(&'static str, &'a str); 3] {
+/// The labels of a rank's series: `namespace`, `training_job`, `rank` name
+/// it (ranks are keyed by all three), and `pod`, `container` say where it
+/// runs (from the kubelet when attested). Empty ones are left out.
+type RankLabels<'a> = [(&'static str, &'a str); 5];
+
+fn rank_labels<'a>(key: &'a RankKey, rank: &'a str, info: &'a RankInfo) -> RankLabels<'a> {
     [
         ("namespace", key.namespace.as_str()),
-        ("job", key.job.as_str()),
+        ("training_job", key.job.as_str()),
         ("rank", rank),
+        ("pod", info.pod.as_str()),
+        ("container", info.container.as_str()),
     ]
+}
+
+/// A rank's labels and one more.
+fn with<'a>(rank: &RankLabels<'a>, extra: (&'static str, &'a str)) -> Vec<(&'static str, &'a str)> {
+    let mut labels = rank.to_vec();
+    labels.push(extra);
+    labels
 }
 
 fn add_phase_peaks(
     family: &mut Family<'_>,
-    rank: &[(&str, &str); 3],
+    rank: &RankLabels<'_>,
     phase: PhaseKind,
     step_class: &str,
     nvml: Option<u64>,
@@ -644,6 +665,8 @@ fn add_phase_peaks(
                     rank[0],
                     rank[1],
                     rank[2],
+                    rank[3],
+                    rank[4],
                     ("phase", phase.as_str()),
                     ("source", source),
                     ("step_class", step_class),

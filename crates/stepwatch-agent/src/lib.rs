@@ -75,7 +75,8 @@ pub async fn run_until(
         memory_budget_bytes: config.memory_budget_mib.saturating_mul(1 << 20),
         ..TrackerConfig::default()
     });
-    let state = state::AgentState::new(tracker, sampler.clone(), node.clone())?;
+    let gpu_holders = workload::GpuHolders::new(config.pod_resources_refresh);
+    let state = state::AgentState::new(tracker, sampler.clone(), node.clone(), gpu_holders)?;
     if let Some(path) = &config.record {
         state.start_record(path, config.record_max_bytes)?;
         tracing::info!(path = %path.display(), max_bytes = config.record_max_bytes, "recording every tracker input");
@@ -129,9 +130,28 @@ pub async fn run_until(
             pod_logs_dir: config.pod_logs_dir.clone(),
             timeout: config.pod_resources_timeout,
             cache_ttl: Duration::from_secs(5),
+            holders_refresh: config.pod_resources_refresh,
         },
         &state.registry,
+        state.gpu_holders.clone(),
     )?);
+    // Which pod holds which GPU, for the GPU series' pod labels: one List
+    // call per --pod-resources-refresh, bounded by its timeout.
+    let holders_task = workload.enabled().then(|| {
+        let workload = workload.clone();
+        let mut stop = stop_rx.clone();
+        let period = config.pod_resources_refresh;
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => workload.refresh_holders().await,
+                    _ = stop.changed() => break,
+                }
+            }
+        })
+    });
     let ingest_service = || {
         ingest::IngestService::new(
             state.clone(),
@@ -294,6 +314,9 @@ pub async fn run_until(
         }
         let _ = http_task.await;
         let _ = housekeeping.await;
+        if let Some(t) = holders_task {
+            let _ = t.await;
+        }
     };
     if tokio::time::timeout(Duration::from_secs(3), drain)
         .await

@@ -119,6 +119,8 @@ pub struct AgentState {
     pub ingest_listening: AtomicBool,
     /// `--record`, once started.
     recorder: OnceLock<Recorder>,
+    /// Which pod holds which GPU (the kubelet's view), for GPU series.
+    pub gpu_holders: crate::workload::GpuHolders,
 }
 
 impl AgentState {
@@ -126,6 +128,7 @@ impl AgentState {
         tracker: Tracker,
         sampler: SamplerHandle,
         node: String,
+        gpu_holders: crate::workload::GpuHolders,
     ) -> anyhow::Result<Arc<Self>> {
         let labels = [("node".to_string(), node.clone())].into_iter().collect();
         let registry = Registry::new_custom(None, Some(labels))?;
@@ -138,6 +141,7 @@ impl AgentState {
             node,
             ingest_listening: AtomicBool::new(false),
             recorder: OnceLock::new(),
+            gpu_holders,
         }))
     }
 

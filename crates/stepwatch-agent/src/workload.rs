@@ -13,12 +13,12 @@
 //! Outside Kubernetes (no pod-resources socket) attestation is off and
 //! hellos are taken as they come, as before; logged once at start.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use prometheus::{IntCounterVec, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 use stepwatch_proto::podresources::v1::{
     pod_resources_lister_client::PodResourcesListerClient, ListPodResourcesRequest, PodResources,
 };
@@ -168,6 +168,104 @@ fn container_gpus(
     Some(gpus)
 }
 
+/// The container holding a GPU, as the kubelet's pod-resources `List`
+/// says: the `namespace`, `pod` and `container` labels of that GPU's
+/// series (dcgm-exporter's pod attribution).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuHolder {
+    /// The pod's namespace.
+    pub namespace: String,
+    /// The pod's name.
+    pub pod: String,
+    /// The container the device plugin gave the GPU to.
+    pub container: String,
+}
+
+/// Device ID → the one container holding it, from a `List` answer. The
+/// key is what the NVIDIA device plugin reports: the GPU's UUID, or its
+/// index under `DEVICE_ID_STRATEGY=index`; time-slicing replicas
+/// (`GPU-…::3`) count as their GPU. A GPU that several containers share
+/// (time-slicing) has no single holder and is left out: its series carry
+/// no pod rather than one of its pods.
+pub fn gpu_holders(pods: &[PodResources]) -> HashMap<String, GpuHolder> {
+    let mut seen: HashMap<String, Option<GpuHolder>> = HashMap::new();
+    for pod in pods {
+        for c in &pod.containers {
+            for d in c
+                .devices
+                .iter()
+                .filter(|d| d.resource_name.starts_with("nvidia.com/"))
+            {
+                for id in &d.device_ids {
+                    let id = id.split("::").next().unwrap_or(id);
+                    let holder = GpuHolder {
+                        namespace: pod.namespace.clone(),
+                        pod: pod.name.clone(),
+                        container: c.name.clone(),
+                    };
+                    seen.entry(id.to_owned())
+                        .and_modify(|h| {
+                            if h.as_ref() != Some(&holder) {
+                                *h = None;
+                            }
+                        })
+                        .or_insert(Some(holder));
+                }
+            }
+        }
+    }
+    seen.into_iter()
+        .filter_map(|(id, h)| Some((id, h?)))
+        .collect()
+}
+
+/// Who holds each GPU, shared between the resolver (which refreshes it)
+/// and the exporter (which labels GPU series with it). Empty outside
+/// Kubernetes. An answer older than its `max_age` is not used, so that a
+/// kubelet gone silent leaves GPU series without pod labels rather than
+/// naming pods that may have left.
+#[derive(Clone)]
+pub struct GpuHolders {
+    max_age: Duration,
+    latest: Arc<RwLock<Option<(Instant, HolderMap)>>>,
+}
+
+/// Device ID → holder, as [`gpu_holders`] makes it.
+type HolderMap = Arc<HashMap<String, GpuHolder>>;
+
+impl GpuHolders {
+    /// Holders that answers refreshed every `refresh` keep up to date: an
+    /// answer counts for four refreshes, and at least a minute.
+    pub fn new(refresh: Duration) -> Self {
+        Self {
+            max_age: (refresh * 4).max(Duration::from_secs(60)),
+            latest: Arc::default(),
+        }
+    }
+
+    /// How long an answer labels GPU series without a newer one.
+    pub fn max_age(&self) -> Duration {
+        self.max_age
+    }
+
+    fn set(&self, map: HashMap<String, GpuHolder>) {
+        *self.latest.write().expect("not poisoned") = Some((Instant::now(), Arc::new(map)));
+    }
+
+    /// The holder of the GPU with `uuid` and NVML `index`, when the latest
+    /// answer is fresh and names one.
+    pub fn holder(&self, uuid: &str, index: u32) -> Option<GpuHolder> {
+        let guard = self.latest.read().expect("not poisoned");
+        let (at, map) = guard.as_ref()?;
+        if at.elapsed() >= self.max_age {
+            return None;
+        }
+        map.get(uuid)
+            .or_else(|| map.get(&index.to_string()))
+            .cloned()
+    }
+}
+
 /// A process's pod as the kubelet knows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Workload {
@@ -275,6 +373,8 @@ pub struct WorkloadConfig {
     pub timeout: Duration,
     /// How long a `List` answer is used before it is asked again.
     pub cache_ttl: Duration,
+    /// `--pod-resources-refresh`: how often GPU holders are asked for.
+    pub holders_refresh: Duration,
 }
 
 /// Resolves peers to pods; one per agent, shared by the ingest listeners.
@@ -288,11 +388,18 @@ pub struct WorkloadResolver {
     failures: IntCounterVec,
     attestations: IntCounterVec,
     mismatches: IntCounterVec,
+    holders: GpuHolders,
+    holder_errors: IntCounter,
 }
 
 impl WorkloadResolver {
     /// A resolver; attestation is on when the pod-resources socket exists.
-    pub fn new(config: WorkloadConfig, registry: &Registry) -> prometheus::Result<Self> {
+    /// Every fresh `List` answer updates `holders`.
+    pub fn new(
+        config: WorkloadConfig,
+        registry: &Registry,
+        holders: GpuHolders,
+    ) -> prometheus::Result<Self> {
         let failures = IntCounterVec::new(
             Opts::new(
                 "stepwatch_workload_lookup_failures_total",
@@ -340,6 +447,11 @@ impl WorkloadResolver {
         registry.register(Box::new(failures.clone()))?;
         registry.register(Box::new(attestations.clone()))?;
         registry.register(Box::new(mismatches.clone()))?;
+        let holder_errors = IntCounter::new(
+            "stepwatch_workload_gpu_holders_refresh_errors_total",
+            "Failed refreshes of which pod holds which GPU (the pod-resources List; logged once); after a minute without an answer, GPU series lose their pod labels.",
+        )?;
+        registry.register(Box::new(holder_errors.clone()))?;
         let enabled = config.pod_resources_socket.exists();
         if enabled {
             tracing::info!(socket = %config.pod_resources_socket.display(), proc_root = %config.proc_root.display(), "pod attribution on: clients' pods and namespaces come from the kubelet");
@@ -354,7 +466,45 @@ impl WorkloadResolver {
             failures,
             attestations,
             mismatches,
+            holders,
+            holder_errors,
         })
+    }
+
+    /// Whether attestation (and GPU holder labels) are on.
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Asks the kubelet who holds which GPU, unless an answer younger than
+    /// `--pod-resources-refresh` is at hand (a hello may just have asked).
+    /// A failure is counted and logged once; the last answer stays until
+    /// it is stale. Call every `--pod-resources-refresh`.
+    pub async fn refresh_holders(&self) {
+        if !self.enabled {
+            return;
+        }
+        let mut cache = self.cache.lock().await;
+        if cache
+            .as_ref()
+            .is_some_and(|(at, _)| at.elapsed() < self.config.holders_refresh)
+        {
+            return;
+        }
+        match self.fetch(&mut cache).await {
+            Ok(_) => {}
+            Err(why) => {
+                self.holder_errors.inc();
+                if self
+                    .told
+                    .lock()
+                    .expect("not poisoned")
+                    .insert("holders_refresh")
+                {
+                    tracing::warn!("cannot ask the kubelet which pod holds which GPU ({why}); GPU series keep their last pod labels for {:?}, then lose them (logged once, counted in stepwatch_workload_gpu_holders_refresh_errors_total)", self.holders.max_age());
+                }
+            }
+        }
     }
 
     /// Counts a claimed identity field that differs from the kubelet's.
@@ -502,11 +652,21 @@ impl WorkloadResolver {
                 return Ok(list.clone());
             }
         }
+        self.fetch(&mut cache).await
+    }
+
+    /// One `List` call under the cache lock; a fresh answer replaces the
+    /// cache and the GPU holders.
+    async fn fetch(
+        &self,
+        cache: &mut Option<(Instant, Arc<Vec<PodResources>>)>,
+    ) -> Result<Arc<Vec<PodResources>>, String> {
         let fresh = Arc::new(
             tokio::time::timeout(self.config.timeout, self.call_list())
                 .await
                 .map_err(|_| format!("List took over {:?}", self.config.timeout))??,
         );
+        self.holders.set(gpu_holders(&fresh));
         *cache = Some((Instant::now(), fresh.clone()));
         Ok(fresh)
     }
@@ -818,5 +978,94 @@ mod tests {
         assert_eq!(known.holds_gpu("GPU-b"), Some(false));
         assert_eq!(known.holds_gpu("GPU-a"), Some(true));
         assert_eq!(known.container_for("GPU-b"), "trainer");
+    }
+
+    fn pod(namespace: &str, name: &str, containers: &[(&str, &[&str])]) -> PodResources {
+        PodResources {
+            name: name.into(),
+            namespace: namespace.into(),
+            containers: containers
+                .iter()
+                .map(
+                    |(c, ids)| stepwatch_proto::podresources::v1::ContainerResources {
+                        name: (*c).into(),
+                        devices: vec![devices("nvidia.com/gpu", ids)],
+                        ..Default::default()
+                    },
+                )
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn each_gpu_has_the_one_container_holding_it() {
+        let holder = |ns: &str, p: &str, c: &str| GpuHolder {
+            namespace: ns.into(),
+            pod: p.into(),
+            container: c.into(),
+        };
+        let map = gpu_holders(&[
+            pod(
+                "team-a",
+                "trainer-0",
+                &[("trainer", &["GPU-a", "GPU-b"]), ("sidecar", &[])],
+            ),
+            // Index IDs (DEVICE_ID_STRATEGY=index) are kept as they are.
+            pod("team-b", "eval", &[("eval", &["3"])]),
+            // Time-slicing: two pods share GPU-c, so it has no one holder;
+            // GPU-d's two replicas are both one container's.
+            pod(
+                "team-c",
+                "x",
+                &[("x", &["GPU-c::0", "GPU-d::0", "GPU-d::1"])],
+            ),
+            pod("team-d", "y", &[("y", &["GPU-c::1"])]),
+        ]);
+        assert_eq!(
+            map.get("GPU-a"),
+            Some(&holder("team-a", "trainer-0", "trainer"))
+        );
+        assert_eq!(
+            map.get("GPU-b"),
+            Some(&holder("team-a", "trainer-0", "trainer"))
+        );
+        assert_eq!(map.get("3"), Some(&holder("team-b", "eval", "eval")));
+        assert_eq!(map.get("GPU-c"), None);
+        assert_eq!(map.get("GPU-d"), Some(&holder("team-c", "x", "x")));
+        assert_eq!(map.len(), 4);
+        // Other resources are not GPUs.
+        let nic = PodResources {
+            containers: vec![stepwatch_proto::podresources::v1::ContainerResources {
+                name: "c".into(),
+                devices: vec![devices("example.com/nic", &["eth1"])],
+                ..Default::default()
+            }],
+            ..pod("n", "p", &[])
+        };
+        assert!(gpu_holders(&[nic]).is_empty());
+    }
+
+    #[test]
+    fn gpu_holders_are_found_by_uuid_or_index_while_fresh() {
+        let holders = GpuHolders::new(Duration::from_secs(1));
+        assert_eq!(holders.max_age(), Duration::from_secs(60));
+        assert_eq!(holders.holder("GPU-a", 0), None);
+        holders.set(gpu_holders(&[pod("ns", "p", &[("c", &["GPU-a", "1"])])]));
+        assert_eq!(holders.holder("GPU-a", 0).map(|h| h.pod), Some("p".into()));
+        assert_eq!(
+            holders.holder("GPU-z", 1).map(|h| h.container),
+            Some("c".into())
+        );
+        assert_eq!(holders.holder("GPU-z", 2), None);
+        // An answer past its age labels nothing.
+        let stale = GpuHolders {
+            max_age: Duration::ZERO,
+            ..holders.clone()
+        };
+        assert_eq!(stale.holder("GPU-a", 0), None);
+        assert_eq!(
+            GpuHolders::new(Duration::from_secs(30)).max_age(),
+            Duration::from_secs(120)
+        );
     }
 }
