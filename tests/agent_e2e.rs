@@ -553,6 +553,8 @@ fn the_readme_metrics_table_matches_what_the_agent_exports() {
     let files = TempDir::new("readme-files");
     let journal = files.0.join("journal.json");
     let record = files.0.join("record.jsonl");
+    // The CSI service's families exist only when it is served.
+    let csi = files.0.join("csi.sock");
     // rank0-skew's L40S: rank 0 (+15% memory) dies of a step-2 OOM.
     let specs: Vec<_> = (0..3)
         .map(|i| fake_nvml::GpuSpec {
@@ -572,6 +574,8 @@ fn the_readme_metrics_table_matches_what_the_agent_exports() {
             "1s",
             "--record",
             record.to_str().unwrap(),
+            "--csi-socket",
+            csi.to_str().unwrap(),
         ],
         |_| {},
     );
