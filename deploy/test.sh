@@ -233,6 +233,32 @@ EOF
   "$PY" "$SCRIPTS/check_manifests.py" validate "$DEPLOY/examples/training-pod-csi.yaml" --require Pod
 }
 
+check_pod_attribution() {
+  render "$WORK/attest.yaml" --set-json '{"podAttribution":{"enabled":true},"securityContext":{"runAsRoot":true}}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/attest.yaml" --allow-root --require DaemonSet
+  "$PY" - "$WORK/attest.yaml" "$WORK/root.yaml" <<'PYEOF'
+import sys, yaml
+def agent(path):
+    docs = [d for d in yaml.safe_load_all(open(path)) if d]
+    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    c = next(c for c in pod["containers"] if c["name"] == "agent")
+    return c["args"], {m["mountPath"]: m for m in c["volumeMounts"]}
+args, mounts = agent(sys.argv[1])
+sock = "/var/lib/kubelet/pod-resources/kubelet.sock"
+assert args[args.index("--pod-resources-socket") + 1] == sock, args
+assert mounts["/var/lib/kubelet/pod-resources"]["readOnly"] is True, mounts
+assert mounts["/var/log/pods"]["readOnly"] is True, mounts
+assert "--csi-socket" not in args, args
+args, mounts = agent(sys.argv[2])
+assert "--pod-resources-socket" not in args and "/var/log/pods" not in mounts, args  # root, not asked
+print("  pod-resources and pod logs mounted read-only with podAttribution.enabled; absent without it (even as root)")
+PYEOF
+  if render "$WORK/attest-refused.yaml" --set-json '{"podAttribution":{"enabled":true}}' 2>"$WORK/attest-refused.err"; then
+    echo "  rendered podAttribution without root"; return 1
+  fi
+  sed 's/^/  /' "$WORK/attest-refused.err"
+}
+
 check_dockerfile() {
   "$HADOLINT" "$DEPLOY/Dockerfile"
   echo "hadolint: no findings"
@@ -295,6 +321,7 @@ step "kustomize build deploy/kubernetes + validate" check_kustomize_full
 step "kustomize build deploy/kubernetes/base + validate" check_kustomize_base
 step "kustomize build equals the Helm render" "$PY" "$SCRIPTS/check_manifests.py" compare "$WORK/helm.yaml" "$WORK/kustomize.yaml"
 step "helm render with csi.enabled (CSIDriver, registrar, mounts, refusals) + example pod" check_csi
+step "helm render with podAttribution.enabled (kubelet mounts read-only, refused without root)" check_pod_attribution
 step "Dockerfile (hadolint, multi-stage, entrypoint stepwatch, cmd agent)" check_dockerfile
 step "dashboards up to date with dashboards/generate.py" python3 "$ROOT/dashboards/generate.py" --check
 step "dashboards: JSON, schemaVersion, variables, datasource, targets" "$PY" "$SCRIPTS/check_dashboards.py" "$ROOT/dashboards"
