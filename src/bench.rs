@@ -50,6 +50,12 @@ pub struct ScrapeArgs {
     /// every step of every rank (about 2 MiB per 1,000 steps of a rank).
     #[arg(long, default_value_t = 1024)]
     pub memory_budget_mib: u64,
+    /// Pause between `/metrics` scrapes, ms (0: back to back).
+    #[arg(long, default_value_t = 1000)]
+    pub metrics_every_ms: u64,
+    /// Pause between rank reports, ms (0: back to back).
+    #[arg(long, default_value_t = 100)]
+    pub api_every_ms: u64,
     /// Run this agent binary instead of this one (to measure another build).
     #[arg(long)]
     pub agent_bin: Option<PathBuf>,
@@ -402,6 +408,9 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
         args.memory_budget_mib.to_string(),
         "--max-ranks".to_string(),
         (args.ranks + 1).to_string(),
+        // One connection per rank here (a process per rank in real jobs).
+        "--max-connections".to_string(),
+        (args.ranks + 16).to_string(),
     ];
     let (agent, _dir) =
         start_agent_with("scrape", &specs, None, args.agent_bin.as_deref(), &extra)?;
@@ -439,25 +448,60 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
         args.ranks, args.steps
     );
     let stop = Arc::new(AtomicBool::new(false));
+    let filled = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let started = Instant::now();
-    let load: Vec<_> = (0..args.ranks)
-        .map(|rank| {
-            let client = client_for(rank);
-            let (steps, period, stop) = (
+    // Connect every rank first, 16 at a time: 256 connecting at once to a
+    // busy agent made some clients time out and retry for minutes.
+    // The probe rank (marker to report) connects last, with the others.
+    let mut clients = Vec::new();
+    for rank in 0..=args.ranks {
+        clients.push(client_for(rank));
+        if clients.len() % 16 == 0 || rank == args.ranks {
+            let want = clients.len() as f64;
+            let deadline = Instant::now() + Duration::from_secs(120);
+            loop {
+                let (_, body) = http_get::get(agent.http, "/metrics")?;
+                let open = http_get::metric_value(&body, "stepwatch_ingest_streams_active", &[]);
+                if open.unwrap_or(0.0) >= want {
+                    break;
+                }
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "only {open:?} of {want} ranks connected in 120 s"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+    eprintln!(
+        "bench: {} ranks connected in {:.1} s",
+        args.ranks,
+        started.elapsed().as_secs_f64()
+    );
+    let probe = clients.pop().expect("the probe rank");
+    let load: Vec<_> = clients
+        .into_iter()
+        .map(|client| {
+            let (steps, period, stop, filled) = (
                 args.steps,
                 Duration::from_millis(args.step_ms),
                 stop.clone(),
+                filled.clone(),
             );
             std::thread::spawn(move || {
                 let mut step = 0;
                 while step < steps {
                     step += 1;
                     for kind in kinds {
+                        // 256 threads spinning on full queues would starve
+                        // the agent of the 2 cores; wait a little instead.
                         while !client.mark_now(kind, step, 0) {
-                            std::thread::yield_now();
+                            std::thread::sleep(Duration::from_micros(200));
                         }
                     }
                 }
+                client.flush(Duration::from_secs(600));
+                filled.fetch_add(1, Ordering::Relaxed);
                 let mut next = Instant::now();
                 while !stop.load(Ordering::Relaxed) {
                     next += period;
@@ -478,7 +522,9 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
                 as u64,
         )
     };
-    while received(&agent)? < fill {
+    // Every rank has sent its fill (so the markers counted are the fill's
+    // at least), and the agent has taken it.
+    while filled.load(Ordering::Relaxed) < args.ranks || received(&agent)? < fill {
         anyhow::ensure!(
             started.elapsed() < Duration::from_secs(600),
             "the agent did not take the fill in 600 s"
@@ -495,6 +541,8 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
     let http = agent.http;
     let markers_before = received(&agent)?;
     let measure_start = Instant::now();
+    let metrics_every = Duration::from_millis(args.metrics_every_ms);
+    let api_every = Duration::from_millis(args.api_every_ms);
     let metrics = std::thread::spawn(move || {
         let mut l = Latencies::default();
         let mut series = 0;
@@ -506,6 +554,7 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
             }) {
                 series = body.lines().filter(|l| !l.starts_with('#')).count();
             }
+            std::thread::sleep(metrics_every);
         }
         (l, series)
     });
@@ -525,6 +574,7 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
                 bytes = n;
             }
             rank = (rank + 1) % ranks;
+            std::thread::sleep(api_every);
         }
         (l, bytes)
     });
@@ -541,7 +591,6 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
         l
     });
     // Marker to report: one more rank's step end until its report shows it.
-    let probe = client_for(args.ranks);
     let mut marker_to_report = Latencies::default();
     let mut step = 0;
     while Instant::now() < until {
@@ -572,13 +621,9 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
     let health = health.join().expect("healthz thread");
     let measured_s = measure_start.elapsed().as_secs_f64();
     let markers_during = received(&agent)?.saturating_sub(markers_before);
-    stop.store(true, Ordering::Relaxed);
-    let mut dropped = 0;
-    for t in load {
-        dropped += t.join().expect("load thread").dropped;
-    }
-    probe.close(Duration::from_secs(5));
     let (_, body) = http_get::get(http, "/metrics")?;
+    let dropped =
+        http_get::metric_value(&body, "stepwatch_markers_rejected_total", &[]).unwrap_or(0.0);
     let retained = http_get::metric_value(&body, "stepwatch_retained_bytes", &[]).unwrap_or(0.0);
     let trimmed =
         http_get::metric_value(&body, "stepwatch_steps_trimmed_total", &[]).unwrap_or(0.0);
@@ -590,10 +635,12 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
         .and_then(|kb| kb.parse::<f64>().ok())
         .map_or(0.0, |kb| kb / 1024.0);
     println!(
-        "{} ranks x {} steps filled in {fill_s:.1} s; then {measured_s:.1} s with every rank stepping every {} ms ({:.0} markers/s taken, {dropped} dropped by clients)",
+        "{} ranks x {} steps filled in {fill_s:.1} s; then {measured_s:.1} s with every rank stepping every {} ms, /metrics every {} ms, a rank report every {} ms ({:.0} markers/s taken, {dropped} refused)",
         args.ranks,
         args.steps,
         args.step_ms,
+        args.metrics_every_ms,
+        args.api_every_ms,
         markers_during as f64 / measured_s
     );
     println!("{} ({series} series)", metrics.line("/metrics"));
@@ -610,6 +657,10 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
         "retained {:.0} MiB, {trimmed} steps trimmed for the budget; agent peak RSS {hwm:.0} MiB",
         retained / (1 << 20) as f64
     );
+    // Closing drains what the clients still queue; not part of the figures.
+    stop.store(true, Ordering::Relaxed);
+    drop(probe);
+    drop(load);
     Ok(())
 }
 

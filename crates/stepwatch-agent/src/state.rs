@@ -76,7 +76,7 @@ impl IngestMetrics {
             record_entries: IntCounterVec::new(
                 Opts::new(
                     "stepwatch_record_entries_total",
-                    "Entries of the --record file, by result: written, or dropped (after the size bound or a write error; logged).",
+                    "Entries of the --record file, by result: written, or dropped (after the size bound, a write error, or the writer falling 4096 entries behind; logged).",
                 ),
                 &["result"],
             )?,
