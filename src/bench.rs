@@ -27,6 +27,38 @@ pub enum BenchKind {
     /// Marker ingest throughput over the Unix socket, marker-to-report
     /// latency, /metrics latency and agent RSS with 8 GPUs and 8 ranks.
     Ingest(IngestArgs),
+    /// `/metrics`, the rank API, `/healthz` and marker-to-report latency
+    /// with 256 ranks x 1,000 retained steps while every rank keeps stepping.
+    Scrape(ScrapeArgs),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct ScrapeArgs {
+    /// Ranks (one stream each), filled with --steps steps before measuring.
+    #[arg(long, default_value_t = 256)]
+    pub ranks: u32,
+    /// Steps each rank holds when measuring starts (1,000: the retention).
+    #[arg(long, default_value_t = 1000)]
+    pub steps: u64,
+    /// How long to measure while ingest runs.
+    #[arg(long, default_value_t = 30)]
+    pub seconds: u64,
+    /// Each rank's step period while measuring, ms.
+    #[arg(long, default_value_t = 100)]
+    pub step_ms: u64,
+    /// The agent's --memory-budget-mib: large enough by default to keep
+    /// every step of every rank (about 2 MiB per 1,000 steps of a rank).
+    #[arg(long, default_value_t = 1024)]
+    pub memory_budget_mib: u64,
+    /// Pause between `/metrics` scrapes, ms (0: back to back).
+    #[arg(long, default_value_t = 1000)]
+    pub metrics_every_ms: u64,
+    /// Pause between rank reports, ms (0: back to back).
+    #[arg(long, default_value_t = 100)]
+    pub api_every_ms: u64,
+    /// Run this agent binary instead of this one (to measure another build).
+    #[arg(long)]
+    pub agent_bin: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -107,6 +139,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.kind {
         BenchKind::Accuracy(args) => accuracy(args),
         BenchKind::Ingest(args) => ingest(args),
+        BenchKind::Scrape(args) => scrape(args),
     }
 }
 
@@ -123,7 +156,21 @@ fn start_agent(
     specs: &[GpuSpec],
     record: Option<&Path>,
 ) -> anyhow::Result<(BenchAgent, PathBuf)> {
-    let exe = std::env::current_exe()?;
+    start_agent_with(tag, specs, record, None, &[])
+}
+
+/// [`start_agent`] with another agent binary (to compare builds) and more flags.
+fn start_agent_with(
+    tag: &str,
+    specs: &[GpuSpec],
+    record: Option<&Path>,
+    agent_bin: Option<&Path>,
+    extra: &[String],
+) -> anyhow::Result<(BenchAgent, PathBuf)> {
+    let exe = match agent_bin {
+        Some(bin) => bin.to_path_buf(),
+        None => std::env::current_exe()?,
+    };
     let lib = fake_nvml::find_cdylib()
         .context("libfake_nvml.so not found next to the binary; run cargo build")?;
     let dir = std::env::temp_dir().join(format!("stepwatch-bench-{}-{tag}", std::process::id()));
@@ -142,6 +189,7 @@ fn start_agent(
             .arg("--nvml-lib")
             .arg(&lib)
             .args(["--process-interval", "200ms", "--node-name", "bench"])
+            .args(extra)
             .args(record.map(|r| {
                 let mut a = std::ffi::OsString::from("--record=");
                 a.push(r);
@@ -311,6 +359,308 @@ fn ingest(args: IngestArgs) -> anyhow::Result<()> {
         rss("VmRSS:"),
         rss("VmHWM:")
     );
+    Ok(())
+}
+
+/// Latencies of one kind of request, ms, and how many failed.
+#[derive(Default)]
+struct Latencies {
+    ms: Vec<f64>,
+    failed: u64,
+}
+
+impl Latencies {
+    fn time<T>(&mut self, f: impl FnOnce() -> anyhow::Result<T>) -> Option<T> {
+        let t0 = Instant::now();
+        let out = f();
+        self.ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        match out {
+            Ok(v) => Some(v),
+            Err(_) => {
+                self.failed += 1;
+                None
+            }
+        }
+    }
+
+    fn line(mut self, what: &str) -> String {
+        self.ms.sort_by(|a, b| a.total_cmp(b));
+        format!(
+            "{what}: median {:.2} ms, p99 {:.2} ms, max {:.2} ms over {} requests ({} failed)",
+            percentile(&self.ms, 0.5),
+            percentile(&self.ms, 0.99),
+            self.ms.last().copied().unwrap_or(0.0),
+            self.ms.len(),
+            self.failed
+        )
+    }
+}
+
+fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use stepwatch_client::{Client, ClientOptions};
+    use stepwatch_proto::v1::{Hello, Identity, MarkerKind};
+
+    let specs: Vec<GpuSpec> = (0..8).map(GpuSpec::h100_80gb).collect();
+    let extra = [
+        "--memory-budget-mib".to_string(),
+        args.memory_budget_mib.to_string(),
+        "--max-ranks".to_string(),
+        (args.ranks + 1).to_string(),
+        // One connection per rank here (a process per rank in real jobs).
+        "--max-connections".to_string(),
+        (args.ranks + 16).to_string(),
+    ];
+    let (agent, _dir) =
+        start_agent_with("scrape", &specs, None, args.agent_bin.as_deref(), &extra)?;
+    let kinds = [
+        MarkerKind::StepBegin,
+        MarkerKind::ForwardBegin,
+        MarkerKind::BackwardBegin,
+        MarkerKind::OptimizerBegin,
+        MarkerKind::OptimizerEnd,
+        MarkerKind::StepEnd,
+    ];
+    let endpoint = agent.endpoint.clone();
+    let world = args.ranks + 1;
+    let client_for = move |rank: u32| {
+        let hello = Hello {
+            identity: Some(Identity {
+                job_id: "bench".into(),
+                rank,
+                local_rank: rank,
+                world_size: world,
+                ..Default::default()
+            }),
+            gpu_uuid: GpuSpec::h100_80gb(rank % 8).uuid,
+            pid: std::process::id(),
+            ..Default::default()
+        };
+        Client::start(ClientOptions::new(&endpoint, hello))
+    };
+
+    // Fill every rank with its steps as fast as the agent takes them, then
+    // go on at one step per --step-ms until told to stop.
+    let fill = u64::from(args.ranks) * args.steps * kinds.len() as u64;
+    eprintln!(
+        "bench: filling {} ranks x {} steps = {fill} markers",
+        args.ranks, args.steps
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let filled = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let started = Instant::now();
+    // Connect every rank first, 16 at a time: 256 connecting at once to a
+    // busy agent made some clients time out and retry for minutes.
+    // The probe rank (marker to report) connects last, with the others.
+    let mut clients = Vec::new();
+    for rank in 0..=args.ranks {
+        clients.push(client_for(rank));
+        if clients.len() % 16 == 0 || rank == args.ranks {
+            let want = clients.len() as f64;
+            let deadline = Instant::now() + Duration::from_secs(120);
+            loop {
+                let (_, body) = http_get::get(agent.http, "/metrics")?;
+                let open = http_get::metric_value(&body, "stepwatch_ingest_streams_active", &[]);
+                if open.unwrap_or(0.0) >= want {
+                    break;
+                }
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "only {open:?} of {want} ranks connected in 120 s"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+    eprintln!(
+        "bench: {} ranks connected in {:.1} s",
+        args.ranks,
+        started.elapsed().as_secs_f64()
+    );
+    let probe = clients.pop().expect("the probe rank");
+    let load: Vec<_> = clients
+        .into_iter()
+        .map(|client| {
+            let (steps, period, stop, filled) = (
+                args.steps,
+                Duration::from_millis(args.step_ms),
+                stop.clone(),
+                filled.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut step = 0;
+                while step < steps {
+                    step += 1;
+                    for kind in kinds {
+                        // 256 threads spinning on full queues would starve
+                        // the agent of the 2 cores; wait a little instead.
+                        while !client.mark_now(kind, step, 0) {
+                            std::thread::sleep(Duration::from_micros(200));
+                        }
+                    }
+                }
+                client.flush(Duration::from_secs(600));
+                filled.fetch_add(1, Ordering::Relaxed);
+                let mut next = Instant::now();
+                while !stop.load(Ordering::Relaxed) {
+                    next += period;
+                    std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                    step += 1;
+                    for kind in kinds {
+                        client.mark_now(kind, step, 0);
+                    }
+                }
+                client.close(Duration::from_secs(30))
+            })
+        })
+        .collect();
+    let received = |agent: &BenchAgent| -> anyhow::Result<u64> {
+        let (_, body) = http_get::get(agent.http, "/metrics")?;
+        Ok(
+            http_get::metric_value(&body, "stepwatch_markers_received_total", &[]).unwrap_or(0.0)
+                as u64,
+        )
+    };
+    // Every rank has sent its fill (so the markers counted are the fill's
+    // at least), and the agent has taken it.
+    while filled.load(Ordering::Relaxed) < args.ranks || received(&agent)? < fill {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(600),
+            "the agent did not take the fill in 600 s"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let fill_s = started.elapsed().as_secs_f64();
+    eprintln!(
+        "bench: filled in {fill_s:.1} s; measuring for {} s",
+        args.seconds
+    );
+
+    let until = Instant::now() + Duration::from_secs(args.seconds);
+    let http = agent.http;
+    let markers_before = received(&agent)?;
+    let measure_start = Instant::now();
+    let metrics_every = Duration::from_millis(args.metrics_every_ms);
+    let api_every = Duration::from_millis(args.api_every_ms);
+    let metrics = std::thread::spawn(move || {
+        let mut l = Latencies::default();
+        let mut series = 0;
+        while Instant::now() < until {
+            if let Some(body) = l.time(|| {
+                let (code, body) = http_get::get(http, "/metrics")?;
+                anyhow::ensure!(code == 200, "status {code}");
+                Ok(body)
+            }) {
+                series = body.lines().filter(|l| !l.starts_with('#')).count();
+            }
+            std::thread::sleep(metrics_every);
+        }
+        (l, series)
+    });
+    let ranks = args.ranks;
+    let steps = args.steps;
+    let api = std::thread::spawn(move || {
+        let mut l = Latencies::default();
+        let mut bytes = 0;
+        let mut rank = 0;
+        while Instant::now() < until {
+            let path = format!("/api/v1/jobs/bench/ranks/{rank}?steps={steps}");
+            if let Some(n) = l.time(|| {
+                let (code, body) = http_get::get(http, &path)?;
+                anyhow::ensure!(code == 200, "status {code}");
+                Ok(body.len())
+            }) {
+                bytes = n;
+            }
+            rank = (rank + 1) % ranks;
+            std::thread::sleep(api_every);
+        }
+        (l, bytes)
+    });
+    let health = std::thread::spawn(move || {
+        let mut l = Latencies::default();
+        while Instant::now() < until {
+            l.time(|| {
+                let (code, _) = http_get::get(http, "/healthz")?;
+                anyhow::ensure!(code == 200, "status {code}");
+                Ok(())
+            });
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        l
+    });
+    // Marker to report: one more rank's step end until its report shows it.
+    let mut marker_to_report = Latencies::default();
+    let mut step = 0;
+    while Instant::now() < until {
+        step += 1;
+        for kind in &kinds[..5] {
+            probe.mark_now(*kind, step, 0);
+        }
+        probe.flush(Duration::from_secs(5));
+        let path = format!("/api/v1/jobs/bench/ranks/{}?steps=1", args.ranks);
+        marker_to_report.time(|| {
+            probe.mark_now(MarkerKind::StepEnd, step, 0);
+            let t0 = Instant::now();
+            loop {
+                let (_, body) = http_get::get(http, &path)?;
+                let report: Value = serde_json::from_str(&body).unwrap_or(Value::Null);
+                if report["steps_completed"].as_u64() == Some(step) {
+                    return Ok(());
+                }
+                anyhow::ensure!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "step {step} never showed up"
+                );
+            }
+        });
+    }
+    let (metrics, series) = metrics.join().expect("metrics thread");
+    let (api, report_bytes) = api.join().expect("api thread");
+    let health = health.join().expect("healthz thread");
+    let measured_s = measure_start.elapsed().as_secs_f64();
+    let markers_during = received(&agent)?.saturating_sub(markers_before);
+    let (_, body) = http_get::get(http, "/metrics")?;
+    let dropped =
+        http_get::metric_value(&body, "stepwatch_markers_rejected_total", &[]).unwrap_or(0.0);
+    let retained = http_get::metric_value(&body, "stepwatch_retained_bytes", &[]).unwrap_or(0.0);
+    let trimmed =
+        http_get::metric_value(&body, "stepwatch_steps_trimmed_total", &[]).unwrap_or(0.0);
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.child.0.id()))?;
+    let hwm = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0);
+    println!(
+        "{} ranks x {} steps filled in {fill_s:.1} s; then {measured_s:.1} s with every rank stepping every {} ms, /metrics every {} ms, a rank report every {} ms ({:.0} markers/s taken, {dropped} refused)",
+        args.ranks,
+        args.steps,
+        args.step_ms,
+        args.metrics_every_ms,
+        args.api_every_ms,
+        markers_during as f64 / measured_s
+    );
+    println!("{} ({series} series)", metrics.line("/metrics"));
+    println!(
+        "{} ({report_bytes} bytes per report)",
+        api.line(&format!("/api/v1 rank report ?steps={}", args.steps))
+    );
+    println!("{}", health.line("/healthz (every 10 ms)"));
+    println!(
+        "{}",
+        marker_to_report.line("marker to report (probe rank: step end -> its report shows it)")
+    );
+    println!(
+        "retained {:.0} MiB, {trimmed} steps trimmed for the budget; agent peak RSS {hwm:.0} MiB",
+        retained / (1 << 20) as f64
+    );
+    // Closing drains what the clients still queue; not part of the figures.
+    stop.store(true, Ordering::Relaxed);
+    drop(probe);
+    drop(load);
     Ok(())
 }
 

@@ -16,7 +16,10 @@ use prometheus::proto::{
     Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType,
 };
 use prometheus::{Encoder, TextEncoder};
-use stepwatch_core::{BasisLimit, PhaseKind, RankInfo, RankKey, StepOutcome, WarningRevision};
+use stepwatch_core::{
+    BasisLimit, Divergence, PhaseKind, RankAnalysis, RankInfo, RankKey, StepOutcome, Tracker,
+    WarningRevision,
+};
 use stepwatch_proto::clock::monotonic_ns;
 
 use crate::state::AgentState;
@@ -104,10 +107,18 @@ impl<'a> Family<'a> {
 
 /// Renders the whole exposition.
 pub fn render(state: &AgentState) -> String {
+    render_with(state, &mut || {})
+}
+
+/// [`render`], calling `after_each_rank` after each rank's copy is taken
+/// (with the tracker lock released), so a test can show that ingest goes on
+/// in the middle of a scrape.
+fn render_with(state: &AgentState, after_each_rank: &mut dyn FnMut()) -> String {
     let node = state.node.as_str();
     let mut families = state.registry.gather();
     gpu_families(state, node, &mut families);
-    rank_families(state, node, &mut families);
+    let ranks = snapshot(state, after_each_rank);
+    rank_families(&ranks, node, &mut families);
     families.sort_by(|a, b| a.name().cmp(b.name()));
     let mut buf = Vec::with_capacity(16 * 1024);
     TextEncoder::new()
@@ -267,15 +278,124 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
     f.done(out);
 }
 
-fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
-    let tracker = state.tracker();
+/// What a scrape needs of the tracker, copied out a rank at a time.
+struct TrackerSnapshot {
+    rank_count: usize,
+    retained_bytes: u64,
+    steps_trimmed_total: u64,
+    ranks: Vec<RankSnapshot>,
+    /// Per job (in rank order): its divergence, if any.
+    divergence: Vec<(RankKey, Option<Divergence>)>,
+}
 
+/// What the scrape needs of one rank: small, owned figures.
+struct RankSnapshot {
+    key: RankKey,
+    info: RankInfo,
+    connected: bool,
+    steps_completed: u64,
+    ooms: u64,
+    last_step: Option<u64>,
+    last_completed: Option<LastCompleted>,
+    median_duration_ns: Option<u64>,
+    activation_peak_bytes: Option<u64>,
+    /// Predicted peak of the prediction frozen before step 2.
+    frozen_peak_bytes: Option<u64>,
+    analysis: Option<RankAnalysis>,
+}
+
+struct LastCompleted {
+    duration_ns: u64,
+    end_wall_ns: Option<u64>,
+    phases: Vec<(PhaseKind, u64)>,
+}
+
+/// Copies what the scrape renders out of the tracker: one short lock for
+/// the totals and the rank list, then one per job (divergence) and one per
+/// rank (its figures and analysis), so ingest waits at most for one rank's
+/// analysis, never for the whole scrape, and rendering happens unlocked.
+fn snapshot(state: &AgentState, after_each_rank: &mut dyn FnMut()) -> TrackerSnapshot {
+    let (rank_count, retained_bytes, steps_trimmed_total, keys) = state.read_tracker(|t| {
+        (
+            t.rank_count(),
+            t.retained_bytes(),
+            t.steps_trimmed_total(),
+            t.rank_keys(),
+        )
+    });
+    let mut ranks = Vec::with_capacity(keys.len());
+    let mut divergence = Vec::new();
+    for key in keys {
+        let new_job = divergence
+            .last()
+            .is_none_or(|(k, _): &(RankKey, _)| k.namespace != key.namespace || k.job != key.job);
+        if new_job {
+            let div = state.read_tracker(|t| t.job_divergence(&key.namespace, &key.job));
+            divergence.push((key.clone(), div));
+        }
+        if let Some(rank) = state.read_tracker(|t| rank_snapshot(t, key)) {
+            ranks.push(rank);
+        }
+        after_each_rank();
+    }
+    TrackerSnapshot {
+        rank_count,
+        retained_bytes,
+        steps_trimmed_total,
+        ranks,
+        divergence,
+    }
+}
+
+fn rank_snapshot(tracker: &Tracker, key: RankKey) -> Option<RankSnapshot> {
+    let rank = tracker.rank(&key)?;
+    let tl = &rank.timeline;
+    let last_completed = tl.last_completed().map(|last| LastCompleted {
+        duration_ns: last.duration_ns().unwrap_or(0),
+        end_wall_ns: last.end_wall_ns,
+        phases: PhaseKind::ALL
+            .into_iter()
+            .filter_map(|kind| last.phase_duration_ns(kind).map(|ns| (kind, ns)))
+            .collect(),
+    });
+    let mut durations: Vec<u64> = tl
+        .steps()
+        .filter(|s| s.outcome == StepOutcome::Completed)
+        .filter_map(|s| s.duration_ns())
+        .collect();
+    let median_duration_ns = (!durations.is_empty()).then(|| {
+        let mid = durations.len() / 2;
+        *durations.select_nth_unstable(mid).1
+    });
+    let activation_peak_bytes = tl.steps().next().and_then(|step1| {
+        let act = stepwatch_core::activation_peak_bytes(step1);
+        act.allocated_bytes.or(act.nvml_bytes)
+    });
+    Some(RankSnapshot {
+        info: rank.info.clone(),
+        connected: rank.connected_streams > 0,
+        steps_completed: tl.steps_completed(),
+        ooms: tl.ooms(),
+        last_step: tl.current().map(|s| s.step),
+        last_completed,
+        median_duration_ns,
+        activation_peak_bytes,
+        frozen_peak_bytes: rank
+            .prediction_before_step2
+            .as_ref()
+            .map(|p| p.predicted_peak_bytes),
+        analysis: tracker.rank_analysis(&key),
+        key,
+    })
+}
+
+fn rank_families(tracker: &TrackerSnapshot, node: &str, out: &mut Vec<MetricFamily>) {
     let mut tracked = Family::gauge(
         node,
         "stepwatch_ranks_tracked",
         "Ranks the agent currently tracks.",
     );
-    tracked.add(&[], tracker.rank_count() as f64);
+    tracked.add(&[], tracker.rank_count as f64);
     tracked.done(out);
 
     let mut f = Family::gauge(
@@ -283,7 +403,7 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
         "stepwatch_retained_bytes",
         "Bytes the ranks' retained step history holds (approximately); kept within --memory-budget-mib.",
     );
-    f.add(&[], tracker.retained_bytes() as f64);
+    f.add(&[], tracker.retained_bytes as f64);
     f.done(out);
 
     let mut f = Family::counter(
@@ -291,7 +411,7 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
         "stepwatch_steps_trimmed_total",
         "Steps dropped before --max-steps to stay within --memory-budget-mib (the rank holding the most gives up its oldest).",
     );
-    f.add(&[], tracker.steps_trimmed_total() as f64);
+    f.add(&[], tracker.steps_trimmed_total as f64);
     f.done(out);
 
     let mut info = Family::gauge(node, "stepwatch_rank_info", "Rank identity; always 1.");
@@ -335,7 +455,8 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
         "stepwatch_rank_ooms_total",
         "Steps that ended with an out-of-memory marker.",
     );
-    for (key, rank) in tracker.ranks() {
+    for rank in &tracker.ranks {
+        let key = &rank.key;
         let rank_label = key.rank.to_string();
         let labels = rank_labels(key, &rank_label, &rank.info);
         let i = &rank.info;
@@ -353,33 +474,23 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
             ],
             1.0,
         );
-        connected.add(&labels, if rank.connected_streams > 0 { 1.0 } else { 0.0 });
-        let tl = &rank.timeline;
-        steps.add(&labels, tl.steps_completed() as f64);
-        ooms.add(&labels, tl.ooms() as f64);
-        if let Some(current) = tl.current() {
-            last_step.add(&labels, current.step as f64);
+        connected.add(&labels, if rank.connected { 1.0 } else { 0.0 });
+        steps.add(&labels, rank.steps_completed as f64);
+        ooms.add(&labels, rank.ooms as f64);
+        if let Some(current) = rank.last_step {
+            last_step.add(&labels, current as f64);
         }
-        if let Some(last) = tl.last_completed() {
-            duration.add(&labels, ns_to_s(last.duration_ns().unwrap_or(0)));
+        if let Some(last) = &rank.last_completed {
+            duration.add(&labels, ns_to_s(last.duration_ns));
             if let Some(wall) = last.end_wall_ns {
                 last_end.add(&labels, ns_to_s(wall));
             }
-            for kind in PhaseKind::ALL {
-                if let Some(ns) = last.phase_duration_ns(kind) {
-                    phase.add(&with(&labels, ("phase", kind.as_str())), ns_to_s(ns));
-                }
+            for (kind, ns) in &last.phases {
+                phase.add(&with(&labels, ("phase", kind.as_str())), ns_to_s(*ns));
             }
         }
-        let mut durations: Vec<u64> = tl
-            .steps()
-            .filter(|s| s.outcome == StepOutcome::Completed)
-            .filter_map(|s| s.duration_ns())
-            .collect();
-        if !durations.is_empty() {
-            let mid = durations.len() / 2;
-            let (_, m, _) = durations.select_nth_unstable(mid);
-            median.add(&labels, ns_to_s(*m));
+        if let Some(m) = rank.median_duration_ns {
+            median.add(&labels, ns_to_s(m));
         }
     }
     for f in [
@@ -387,7 +498,7 @@ fn rank_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
     ] {
         f.done(out);
     }
-    analysis_families(&tracker, node, out);
+    analysis_families(tracker, node, out);
 }
 
 fn ns_to_s(ns: u64) -> f64 {
@@ -395,7 +506,7 @@ fn ns_to_s(ns: u64) -> f64 {
 }
 
 /// First-step, steady-state and prediction series, and per-job divergence.
-fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Vec<MetricFamily>) {
+fn analysis_families(tracker: &TrackerSnapshot, node: &str, out: &mut Vec<MetricFamily>) {
     let mut first_peak = Family::gauge(
         node,
         "stepwatch_rank_first_step_peak_bytes",
@@ -496,41 +607,43 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         "stepwatch_rank_first_step_activation_peak_bytes",
         "Step-1 forward/backward peak above the memory at step begin (allocated bytes, else NVML): what differs between ranks when the optimizer state is the same.",
     );
-    let mut last_job: Option<(&str, &str)> = None;
-    for (key, rank) in tracker.ranks() {
+    for (key, div) in &tracker.divergence {
+        let job = [
+            ("namespace", key.namespace.as_str()),
+            ("training_job", key.job.as_str()),
+        ];
+        let Some(div) = div else {
+            continue;
+        };
+        if let Some(peak) = &div.peak {
+            peak_div.add(&job, peak.spread);
+        }
+        if let Some(a) = &div.activation {
+            act_div.add(&job, a.spread);
+        }
+        if let Some(st) = &div.steady {
+            steady_div.add(&job, st.spread);
+        }
+        for n in &div.named {
+            outlier.add(
+                &[
+                    job[0],
+                    job[1],
+                    ("rank", &n.rank.to_string()),
+                    ("figure", n.figure.as_str()),
+                ],
+                1.0,
+            );
+        }
+        if let Some(d) = &div.duration {
+            dur_div.add(&job, d.spread);
+        }
+    }
+    for rank in &tracker.ranks {
+        let key = &rank.key;
         let rank_label = key.rank.to_string();
         let labels = rank_labels(key, &rank_label, &rank.info);
-        let this_job = (key.namespace.as_str(), key.job.as_str());
-        if last_job != Some(this_job) {
-            last_job = Some(this_job);
-            if let Some(div) = tracker.job_divergence(&key.namespace, &key.job) {
-                let job = [labels[0], labels[1]];
-                if let Some(peak) = &div.peak {
-                    peak_div.add(&job, peak.spread);
-                }
-                if let Some(a) = &div.activation {
-                    act_div.add(&job, a.spread);
-                }
-                if let Some(st) = &div.steady {
-                    steady_div.add(&job, st.spread);
-                }
-                for n in &div.named {
-                    outlier.add(
-                        &[
-                            job[0],
-                            job[1],
-                            ("rank", &n.rank.to_string()),
-                            ("figure", n.figure.as_str()),
-                        ],
-                        1.0,
-                    );
-                }
-                if let Some(d) = &div.duration {
-                    dur_div.add(&job, d.spread);
-                }
-            }
-        }
-        let Some(a) = tracker.rank_analysis(key) else {
+        let Some(a) = &rank.analysis else {
             continue;
         };
         if a.capacity_bytes > 0 {
@@ -540,11 +653,8 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         if let Some(ratio) = a.anomaly_ratio {
             anomaly.add(&labels, ratio);
         }
-        if let Some(step1) = rank.timeline.steps().next() {
-            let act = stepwatch_core::activation_peak_bytes(step1);
-            if let Some(b) = act.allocated_bytes.or(act.nvml_bytes) {
-                rank_activation.add(&labels, b as f64);
-            }
+        if let Some(b) = rank.activation_peak_bytes {
+            rank_activation.add(&labels, b as f64);
         }
         if let Some(first) = &a.first_step {
             if let Some(p) = first.nvml_peak_bytes {
@@ -564,11 +674,8 @@ fn analysis_families(tracker: &stepwatch_core::Tracker, node: &str, out: &mut Ve
         if let Some(steady) = &a.steady {
             if let Some(p) = steady.nvml_peak_bytes {
                 steady_peak.add(&labels, p as f64);
-                if let (Some(frozen), true) = (&rank.prediction_before_step2, p > 0) {
-                    error.add(
-                        &labels,
-                        (frozen.predicted_peak_bytes as f64 - p as f64) / p as f64,
-                    );
+                if let (Some(frozen), true) = (rank.frozen_peak_bytes, p > 0) {
+                    error.add(&labels, (frozen as f64 - p as f64) / p as f64);
                 }
             }
             for ph in &steady.phases {
@@ -674,5 +781,60 @@ fn add_phase_peaks(
                 v as f64,
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{test_marker, test_rank, test_state};
+    use std::sync::mpsc;
+    use std::time::Duration;
+    use stepwatch_core::MarkerKind;
+
+    /// Long enough for a loaded 2-core machine; it only bounds a failure.
+    const WAIT: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn ingest_goes_on_in_the_middle_of_a_scrape() {
+        // A scrape used to hold the tracker lock across every rank's
+        // analysis. Here, after the first rank is copied, a marker batch for
+        // another rank must be applied before the scrape goes on.
+        let state = test_state();
+        let keys: Vec<RankKey> = (0..3).map(|r| test_rank(&state, "j", r)).collect();
+        let mut ingested_mid_scrape = 0;
+        let body = render_with(&state, &mut || {
+            if ingested_mid_scrape > 0 {
+                return;
+            }
+            let (done_tx, done_rx) = mpsc::channel();
+            let (state, key) = (state.clone(), keys[2].clone());
+            std::thread::spawn(move || {
+                let batch = [
+                    test_marker(MarkerKind::StepEnd, 1, 2_000),
+                    test_marker(MarkerKind::StepBegin, 2, 3_000),
+                ];
+                let _ = done_tx.send(state.apply_markers(&key, &batch).is_ok());
+            });
+            assert_eq!(
+                done_rx.recv_timeout(WAIT),
+                Ok(true),
+                "the batch waited for the scrape"
+            );
+            ingested_mid_scrape += 1;
+        });
+        assert_eq!(ingested_mid_scrape, 1);
+        assert!(
+            body.contains("stepwatch_ranks_tracked{node=\"test-node\"} 3"),
+            "{body}"
+        );
+        // The rank copied after the batch shows it: step 2 has begun.
+        assert!(
+            body.contains("stepwatch_rank_last_step{node=\"test-node\",job=\"j\",rank=\"2\"} 2"),
+            "{body}"
+        );
+        assert!(
+            body.contains("stepwatch_rank_last_step{node=\"test-node\",job=\"j\",rank=\"1\"} 1")
+        );
     }
 }

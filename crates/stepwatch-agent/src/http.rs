@@ -11,10 +11,45 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use stepwatch_core::{RankKey, RankState, StepRecord};
+use stepwatch_core::{RankKey, RankState, StepRecord, Tracker};
 
 use crate::exporter;
+use crate::listen::Limited;
 use crate::state::AgentState;
+
+/// Serves HTTP on a thread and runtime of its own until `stop` completes.
+/// Ingest runs on the agent's two async workers and waits there for the
+/// tracker lock; were HTTP served by the same workers, `/healthz` could wait
+/// behind ingest that waits for the lock (the soak saw 30 s). Here the
+/// runtime's one thread never takes the tracker lock: handlers that read the
+/// tracker do it on the blocking pool ([`off_runtime`]). The returned
+/// receiver answers when the server has stopped.
+pub fn serve_on_own_thread(
+    listener: std::net::TcpListener,
+    state: Arc<AgentState>,
+    max_connections: usize,
+    idle_timeout: Option<std::time::Duration>,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<tokio::sync::oneshot::Receiver<std::io::Result<()>>> {
+    listener.set_nonblocking(true)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("stepwatch-http".into())
+        .spawn(move || {
+            let served = runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                let listener = Limited::new(listener, max_connections, idle_timeout);
+                axum::serve(listener, router(state))
+                    .with_graceful_shutdown(stop)
+                    .await
+            });
+            let _ = done_tx.send(served);
+        })?;
+    Ok(done_rx)
+}
 
 pub fn router(state: Arc<AgentState>) -> Router {
     Router::new()
@@ -28,10 +63,7 @@ pub fn router(state: Arc<AgentState>) -> Router {
 }
 
 async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
-    // Rendering takes the tracker lock briefly; keep it off the async workers.
-    let body = tokio::task::spawn_blocking(move || exporter::render(&state))
-        .await
-        .unwrap_or_default();
+    let body = off_runtime(state, exporter::render).await;
     (
         [(
             header::CONTENT_TYPE,
@@ -62,10 +94,22 @@ async fn readyz(State(state): State<Arc<AgentState>>) -> Response {
         .into_response()
 }
 
+/// Runs `f` (which reads the tracker) on the blocking pool: the tracker's
+/// lock is never waited for on the thread that answers `/healthz`.
+async fn off_runtime<R: Send + 'static>(
+    state: Arc<AgentState>,
+    f: impl FnOnce(&AgentState) -> R + Send + 'static,
+) -> R {
+    match tokio::task::spawn_blocking(move || f(&state)).await {
+        Ok(r) => r,
+        Err(e) => std::panic::resume_unwind(e.into_panic()),
+    }
+}
+
 async fn jobs(State(state): State<Arc<AgentState>>) -> Json<Value> {
-    let tracker = state.tracker();
+    let keys = off_runtime(state.clone(), |s| s.read_tracker(Tracker::rank_keys)).await;
     let mut jobs: Vec<(String, String, Vec<u32>)> = Vec::new();
-    for (key, _) in tracker.ranks() {
+    for key in &keys {
         match jobs.last_mut() {
             Some((ns, job, ranks)) if *job == key.job && *ns == key.namespace => {
                 ranks.push(key.rank)
@@ -95,16 +139,21 @@ async fn job(
     Path(job): Path<String>,
     Query(query): Query<JobQuery>,
 ) -> Response {
-    let tracker = state.tracker();
     let ns = query.namespace;
-    let ranks: Vec<Value> = tracker
-        .job_ranks(&ns, &job)
-        .map(|(k, r)| rank_summary(k, r))
-        .collect();
+    let (ranks, divergence, ns, job) = off_runtime(state.clone(), move |s| {
+        s.read_tracker(|tracker| {
+            let ranks: Vec<Value> = tracker
+                .job_ranks(&ns, &job)
+                .map(|(k, r)| rank_summary(k, r))
+                .collect();
+            let divergence = tracker.job_divergence(&ns, &job);
+            (ranks, divergence, ns, job)
+        })
+    })
+    .await;
     if ranks.is_empty() {
         return not_found(format!("no job {job:?} in namespace {ns:?} on this node"));
     }
-    let divergence = tracker.job_divergence(&ns, &job);
     Json(json!({"node": state.node, "namespace": ns, "job": job, "ranks": ranks, "divergence": divergence}))
         .into_response()
 }
@@ -150,34 +199,37 @@ async fn rank(
         job,
         rank,
     };
-    // Copy out under the tracker lock; serialize after it is released (the
-    // timeline of a long job is megabytes of JSON).
-    let body = {
-        let tracker = state.tracker();
-        let Some(r) = tracker.rank(&key) else {
-            return not_found(format!(
+    // Copy out one rank under the tracker lock; serialise after it is
+    // released (the timeline of a long job is megabytes of JSON).
+    off_runtime(state, move |state| {
+        let body = state.read_tracker(|tracker| {
+            let r = tracker.rank(&key)?;
+            let retained = r.timeline.steps().len();
+            let start = retained.saturating_sub(steps);
+            Some(RankBody {
+                summary: rank_summary(&key, r),
+                node: state.node.clone(),
+                analysis: tracker.rank_analysis(&key),
+                advisories: r.advisories.clone(),
+                prediction_before_step2: r.prediction_before_step2.clone(),
+                steps: r
+                    .timeline
+                    .steps()
+                    .enumerate()
+                    .filter(|(i, _)| *i == 0 || *i >= start)
+                    .map(|(_, s)| StepReport::from(s))
+                    .collect(),
+            })
+        });
+        match body {
+            Some(body) => Json(body).into_response(),
+            None => not_found(format!(
                 "no rank {} of job {:?} in namespace {:?} on this node",
                 key.rank, key.job, key.namespace
-            ));
-        };
-        let retained = r.timeline.steps().len();
-        let start = retained.saturating_sub(steps);
-        RankBody {
-            summary: rank_summary(&key, r),
-            node: state.node.clone(),
-            analysis: tracker.rank_analysis(&key),
-            advisories: r.advisories.clone(),
-            prediction_before_step2: r.prediction_before_step2.clone(),
-            steps: r
-                .timeline
-                .steps()
-                .enumerate()
-                .filter(|(i, _)| *i == 0 || *i >= start)
-                .map(|(_, s)| StepReport::from(s))
-                .collect(),
+            )),
         }
-    };
-    Json(body).into_response()
+    })
+    .await
 }
 
 /// `/api/v1/jobs/{job}/ranks/{rank}`: the rank's summary fields, then the rest.
@@ -261,5 +313,99 @@ impl From<&StepRecord> for StepReport {
                 })
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{test_marker, test_rank, test_state};
+    use std::io::{Read, Write};
+    use std::sync::mpsc;
+    use std::time::Duration;
+    use stepwatch_core::MarkerKind;
+
+    /// Long enough for a loaded 2-core machine; it only bounds a failure.
+    const WAIT: Duration = Duration::from_secs(60);
+
+    fn get(addr: std::net::SocketAddr, path: &str) -> String {
+        let mut conn = std::net::TcpStream::connect(addr).unwrap();
+        conn.set_read_timeout(Some(WAIT)).unwrap();
+        write!(
+            conn,
+            "GET {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut response = String::new();
+        let _ = conn.read_to_string(&mut response);
+        response
+    }
+
+    #[test]
+    fn healthz_answers_while_ingest_waits_for_the_tracker_lock() {
+        // The soak saw /healthz take 30 s: ingest on both async workers
+        // waited for the tracker lock, and HTTP shared those workers. Here
+        // the lock is held throughout and both workers are stuck in ingest.
+        let state = test_state();
+        let key = test_rank(&state, "j", 0);
+        // The agent's runtime: two workers. Made first so that, should the
+        // test fail, the lock is released before the runtime waits for them.
+        let workers = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (held_tx, held_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<()>();
+        let holder = {
+            let state = state.clone();
+            std::thread::spawn(move || {
+                state.read_tracker(|_| {
+                    held_tx.send(()).unwrap();
+                    let _ = release_rx.recv();
+                })
+            })
+        };
+        held_rx.recv_timeout(WAIT).unwrap();
+        let (entered_tx, entered_rx) = mpsc::channel();
+        let ingest: Vec<_> = (0..2u64)
+            .map(|i| {
+                let (state, key, entered) = (state.clone(), key.clone(), entered_tx.clone());
+                workers.spawn(async move {
+                    entered.send(()).unwrap();
+                    let batch = [test_marker(MarkerKind::ForwardBegin, 1, 2_000 + i)];
+                    state.apply_markers(&key, &batch).is_ok()
+                })
+            })
+            .collect();
+        // Each task blocks its worker once started, so two started tasks
+        // are on two workers: the runtime has none left.
+        for _ in 0..2 {
+            entered_rx.recv_timeout(WAIT).unwrap();
+        }
+
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let served = workers.block_on(async {
+            serve_on_own_thread(listener, state.clone(), 16, None, async {
+                let _ = stop_rx.await;
+            })
+        });
+        let served = served.unwrap();
+        let response = get(addr, "/healthz");
+        assert!(response.starts_with("HTTP/1.1 200"), "{response:?}");
+        assert!(response.ends_with("ok\n"), "{response:?}");
+
+        release_tx.send(()).unwrap();
+        holder.join().unwrap();
+        for task in ingest {
+            assert!(workers.block_on(task).unwrap());
+        }
+        // Served again now that the lock is free: a tracker read.
+        let jobs = get(addr, "/api/v1/jobs");
+        assert!(jobs.contains(r#""ranks":[0]"#), "{jobs:?}");
+        stop_tx.send(()).unwrap();
+        assert!(served.blocking_recv().unwrap().is_ok());
     }
 }

@@ -756,7 +756,7 @@ async fn replay_trace(
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
     let events = trace.events.len();
-    let reserved_limit = state.tracker().reserved_limit(key);
+    let reserved_limit = state.read_tracker(|t| t.reserved_limit(key));
     let _replay_slot = traces.replays.acquire().await;
     let joined = tokio::task::spawn_blocking(move || {
         let replayed = replay_step2_with(&trace, gradients, reserved_limit);

@@ -101,16 +101,16 @@ pub async fn run_until(
     let idle = Some(config.idle_timeout);
 
     // HTTP first, so /healthz answers while everything else starts.
-    let http = TcpListener::bind(config.http_listen)
-        .await
+    let http = std::net::TcpListener::bind(config.http_listen)
         .with_context(|| format!("cannot listen for HTTP on {}", config.http_listen))?;
     let http_addr = http.local_addr()?;
-    let http = listen::Limited::new(http, config.max_http_connections, idle);
-    let http_task = tokio::spawn({
-        let app = http::router(state.clone());
-        let stop = stopped(stop_rx.clone());
-        async move { axum::serve(http, app).with_graceful_shutdown(stop).await }
-    });
+    let http_task = http::serve_on_own_thread(
+        http,
+        state.clone(),
+        config.max_http_connections,
+        idle,
+        stopped(stop_rx.clone()),
+    )?;
 
     let uds = bind_socket(&config.socket, config.socket_mode)?;
     // HTTP/2 streams per connection: one client process holds one per rank.
@@ -328,7 +328,7 @@ pub async fn run_until(
         state.write_journal(path, config.journal_steps);
         tracing::info!(path = %path.display(), "journal written");
     }
-    state.flush_record();
+    state.flush_record_and_wait();
     // A hung NVML call cannot be interrupted; exit without waiting for it
     // (a blocking task still running would hold the runtime's shutdown).
     let stopped = tokio::task::spawn_blocking(move || sampler.stop_within(Duration::from_secs(2)))

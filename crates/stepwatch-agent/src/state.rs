@@ -76,7 +76,7 @@ impl IngestMetrics {
             record_entries: IntCounterVec::new(
                 Opts::new(
                     "stepwatch_record_entries_total",
-                    "Entries of the --record file, by result: written, or dropped (after the size bound or a write error; logged).",
+                    "Entries of the --record file, by result: written, or dropped (after the size bound, a write error, or the writer falling 4096 entries behind; logged).",
                 ),
                 &["result"],
             )?,
@@ -155,25 +155,66 @@ impl AgentState {
         Ok(())
     }
 
-    /// Pushes buffered record entries to the file.
+    /// Asks the record writer to push buffered entries to the file.
     pub fn flush_record(&self) {
         if let Some(r) = self.recorder.get() {
             r.flush();
         }
     }
 
-    fn record(&self, entry: impl FnOnce() -> RecordEntry, flush: bool) {
+    /// Waits (bounded) until every record entry queued so far is in the file.
+    pub fn flush_record_and_wait(&self) {
         if let Some(r) = self.recorder.get() {
-            r.write(&entry(), flush);
+            if !r.flush_and_wait() {
+                tracing::warn!("the record writer did not finish within its bound; the record may lack its last entries");
+            }
         }
+    }
+
+    /// Reads the tracker under its lock. The one way to see the tracker:
+    /// the guard never leaves this type, so no caller can hold it across
+    /// I/O, an await or another lock. Keep `f` short (copy out what you
+    /// need; analyse one rank, not every rank) and do not call back into
+    /// this state from it (the lock is not reentrant).
+    pub fn read_tracker<R>(&self, f: impl FnOnce(&Tracker) -> R) -> R {
+        f(&self.lock())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Tracker> {
+        self.tracker.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Changes the tracker under its lock: the only place that does. With
+    /// `drain` the sampler's fresh samples go in first; that is the only
+    /// time a second lock (the sampler's) is taken while the tracker's is
+    /// held, so the order is fixed here, not by convention. What `f` hands
+    /// to [`Inputs::record`] is queued for `--record` before the lock is
+    /// released (so the record keeps the tracker's order) and written by the
+    /// recorder's thread after.
+    fn update<R>(&self, drain: Drain<'_>, f: impl FnOnce(&mut Tracker, &mut Inputs<'_>) -> R) -> R {
+        let mut tracker = self.lock();
+        let mut inputs = Inputs {
+            recorder: self.recorder.get(),
+        };
+        let feed = match drain {
+            Drain::Never => false,
+            Drain::Always => true,
+            Drain::IfInFirstStep(key) => tracker.rank(key).is_some_and(|r| r.in_first_step()),
+        };
+        if feed {
+            feed_samples(&mut tracker, &mut inputs, self.sampler.drain_samples());
+        }
+        f(&mut tracker, &mut inputs)
     }
 
     /// Registers a stream's hello with the tracker.
     pub fn open_rank(&self, info: RankInfo) -> Result<RankKey, OpenError> {
-        let mut tracker = self.tracker();
-        let at_ns = monotonic_ns();
-        let opened = tracker.open_evicting(info.clone(), at_ns)?;
-        self.record(|| RecordEntry::Open { at_ns, info }, true);
+        let opened = self.update(Drain::Never, |tracker, inputs| {
+            let at_ns = monotonic_ns();
+            let opened = tracker.open_evicting(info.clone(), at_ns)?;
+            inputs.record(|| RecordEntry::Open { at_ns, info }, true);
+            Ok::<_, OpenError>(opened)
+        })?;
         if let Some(gone) = opened.evicted {
             self.ingest.ranks_evicted.inc();
             tracing::info!(namespace = %gone.namespace, job = %gone.job, rank = gone.rank, "rank table full: evicted the rank that finished longest ago to make room");
@@ -187,50 +228,42 @@ impl AgentState {
 
     /// Evicts ranks idle for `retention_ns`; returns how many.
     pub fn evict_idle(&self, retention_ns: u64) -> usize {
-        let mut tracker = self.tracker();
-        let at_ns = monotonic_ns();
-        let n = tracker.evict_idle(at_ns, retention_ns);
-        if n > 0 {
-            self.record(
-                || RecordEntry::Evict {
-                    at_ns,
-                    retention_ns,
-                },
-                true,
-            );
-        }
-        n
+        self.update(Drain::Never, |tracker, inputs| {
+            let at_ns = monotonic_ns();
+            let n = tracker.evict_idle(at_ns, retention_ns);
+            if n > 0 {
+                inputs.record(
+                    || RecordEntry::Evict {
+                        at_ns,
+                        retention_ns,
+                    },
+                    true,
+                );
+            }
+            n
+        })
     }
 
     /// Marks one of the rank's streams closed.
     pub fn close_rank(&self, key: &RankKey) {
-        let mut tracker = self.tracker();
-        let at_ns = monotonic_ns();
-        tracker.close(key, at_ns);
-        self.record(
-            || RecordEntry::Close {
-                at_ns,
-                key: key.clone(),
-            },
-            true,
-        );
+        self.update(Drain::Never, |tracker, inputs| {
+            let at_ns = monotonic_ns();
+            tracker.close(key, at_ns);
+            inputs.record(
+                || RecordEntry::Close {
+                    at_ns,
+                    key: key.clone(),
+                },
+                true,
+            );
+        })
     }
 
-    /// The tracker. Critical sections are short (one batch, one scrape).
-    pub fn tracker(&self) -> MutexGuard<'_, Tracker> {
-        self.tracker.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Moves fresh GPU samples from the sampler into the tracker.
+    /// Moves fresh GPU samples from the sampler into the tracker. Draining
+    /// under the tracker lock: drained first, samples could wait for the
+    /// lock while a step-1 batch freezes the prediction without them.
     pub fn attribute_samples(&self) {
-        // Lock order: tracker, then sampler (as in apply_markers). Draining
-        // first could leave drained samples waiting for the lock while a
-        // step-1 batch freezes the prediction without them.
-        let mut tracker = self.tracker();
-        let drained = self.sampler.drain_samples();
-        if !drained.is_empty() {
-            self.feed_samples(&mut tracker, drained);
-        }
+        self.update(Drain::Always, |_, _| {})
     }
 
     /// Applies a rank's marker batch under one tracker lock and returns the
@@ -241,24 +274,20 @@ impl AgentState {
         key: &RankKey,
         markers: &[stepwatch_core::Marker],
     ) -> Result<Vec<stepwatch_core::Advisory>, stepwatch_core::MarkerError> {
-        let mut tracker = self.tracker();
-        if tracker.rank(key).is_some_and(|r| r.in_first_step()) {
-            // Lock order is always tracker, then sampler (drain_samples
-            // takes the sampler lock alone elsewhere).
-            self.feed_samples(&mut tracker, self.sampler.drain_samples());
-        }
-        let at_ns = monotonic_ns();
-        let due = tracker.markers(key, markers, at_ns)?;
-        self.record(
-            || RecordEntry::Markers {
-                at_ns,
-                key: key.clone(),
-                markers: markers.to_vec(),
-            },
-            // Ordered, not flushed: housekeeping flushes every second.
-            false,
-        );
-        Ok(due)
+        self.update(Drain::IfInFirstStep(key), |tracker, inputs| {
+            let at_ns = monotonic_ns();
+            let due = tracker.markers(key, markers, at_ns)?;
+            inputs.record(
+                || RecordEntry::Markers {
+                    at_ns,
+                    key: key.clone(),
+                    markers: markers.to_vec(),
+                },
+                // Ordered, not flushed: housekeeping flushes every second.
+                false,
+            );
+            Ok(due)
+        })
     }
 
     /// Merges facts a rank sent after its hello (recorded) and returns the
@@ -270,21 +299,22 @@ impl AgentState {
         key: &RankKey,
         update: &ModelFacts,
     ) -> Result<(Option<Vec<stepwatch_core::Advisory>>, Gradients), HelloError> {
-        let mut tracker = self.tracker();
-        let at_ns = monotonic_ns();
-        let due = tracker.update_model_facts(key, update, at_ns)?;
-        let gradients = tracker
-            .rank(key)
-            .map_or_else(Gradients::default, |r| Gradients::of(&r.info));
-        self.record(
-            || RecordEntry::ModelFacts {
-                at_ns,
-                key: key.clone(),
-                update: update.clone(),
-            },
-            true,
-        );
-        Ok((due, gradients))
+        self.update(Drain::Never, |tracker, inputs| {
+            let at_ns = monotonic_ns();
+            let due = tracker.update_model_facts(key, update, at_ns)?;
+            let gradients = tracker
+                .rank(key)
+                .map_or_else(Gradients::default, |r| Gradients::of(&r.info));
+            inputs.record(
+                || RecordEntry::ModelFacts {
+                    at_ns,
+                    key: key.clone(),
+                    update: update.clone(),
+                },
+                true,
+            );
+            Ok((due, gradients))
+        })
     }
 
     /// Hands a rank's step-2 replay (of `trace`, recorded with it) to the
@@ -297,44 +327,46 @@ impl AgentState {
         gradients: Gradients,
         replay: Step2Replay,
     ) -> Option<Vec<stepwatch_core::Advisory>> {
-        let mut tracker = self.tracker();
-        self.feed_samples(&mut tracker, self.sampler.drain_samples());
-        let at_ns = monotonic_ns();
-        let due = tracker.allocator_replay(key, replay, at_ns);
-        self.record(
-            || RecordEntry::AllocatorTrace {
-                at_ns,
-                key: key.clone(),
-                grads_persistent: gradients == Gradients::Kept,
-                gradients: Some(gradients),
-                reserved_limit: replay.reserved_limit_bytes,
-                trace,
-            },
-            true,
-        );
-        due
+        self.update(Drain::Always, |tracker, inputs| {
+            let at_ns = monotonic_ns();
+            let due = tracker.allocator_replay(key, replay, at_ns);
+            // The trace is moved into the queue, not serialised here.
+            inputs.record(
+                || RecordEntry::AllocatorTrace {
+                    at_ns,
+                    key: key.clone(),
+                    grads_persistent: gradients == Gradients::Kept,
+                    gradients: Some(gradients),
+                    reserved_limit: replay.reserved_limit_bytes,
+                    trace,
+                },
+                true,
+            );
+            due
+        })
     }
 
     /// Feeds the sampler's latest process lists to the tracker, for the
     /// "other processes" term of headroom.
     pub fn update_processes(&self) {
         let snapshot = self.sampler.snapshot(monotonic_ns());
-        let mut tracker = self.tracker();
-        for gpu in &snapshot.gpus {
-            let procs: Vec<(u32, u64)> = gpu
-                .processes
-                .iter()
-                .map(|p| (p.pid, p.used_bytes))
-                .collect();
-            tracker.set_gpu_processes(&gpu.uuid, &procs);
-            self.record(
-                || RecordEntry::GpuProcesses {
-                    gpu: gpu.uuid.clone(),
-                    processes: procs,
-                },
-                false,
-            );
-        }
+        self.update(Drain::Never, |tracker, inputs| {
+            for gpu in &snapshot.gpus {
+                let procs: Vec<(u32, u64)> = gpu
+                    .processes
+                    .iter()
+                    .map(|p| (p.pid, p.used_bytes))
+                    .collect();
+                tracker.set_gpu_processes(&gpu.uuid, &procs);
+                inputs.record(
+                    || RecordEntry::GpuProcesses {
+                        gpu: gpu.uuid.clone(),
+                        processes: procs,
+                    },
+                    false,
+                );
+            }
+        })
     }
 
     /// Restores ranks from the journal file, if there is one. A journal that
@@ -373,7 +405,9 @@ impl AgentState {
             }
             Ok(journal) => {
                 let listed = journal.ranks.len();
-                let n = self.tracker().restore(journal, monotonic_ns());
+                let n = self.update(Drain::Never, |tracker, _| {
+                    tracker.restore(journal, monotonic_ns())
+                });
                 self.ingest.journal_restored.inc_by(n as u64);
                 tracing::info!(path = %path.display(), ranks = n, skipped = listed - n, "restored step history from the journal");
             }
@@ -383,7 +417,16 @@ impl AgentState {
 
     /// Writes the journal atomically: a temporary file, fsync, rename.
     pub fn write_journal(&self, path: &Path, keep_steps: usize) {
-        let journal = self.tracker().journal(keep_steps);
+        // A rank at a time under the lock, so ingest waits for one rank's
+        // copy at most; the file is written after the lock is released.
+        let keys = self.read_tracker(Tracker::rank_keys);
+        let journal = Journal {
+            version: Journal::VERSION,
+            ranks: keys
+                .iter()
+                .filter_map(|key| self.read_tracker(|t| t.journal_rank(key, keep_steps)))
+                .collect(),
+        };
         let result = (|| -> std::io::Result<()> {
             let tmp = path.with_extension("tmp");
             let mut file = std::fs::File::create(&tmp)?;
@@ -404,34 +447,106 @@ impl AgentState {
     }
 }
 
-impl AgentState {
-    /// Every GPU's samples go to the tracker's bounded window, also while no
-    /// rank runs there: a client connects in the background while training
-    /// starts, so step 1's first markers (timestamped by the client) often
-    /// reach the agent after samples taken during them, and the sample just
-    /// before step 1 began is what bounds the overhead beyond the allocator.
-    fn feed_samples(
-        &self,
-        tracker: &mut Tracker,
-        drained: Vec<(String, Vec<stepwatch_gpu::Sample>)>,
-    ) {
-        for (uuid, samples) in drained {
-            let converted: Vec<stepwatch_core::GpuSample> = samples
-                .iter()
-                .map(|s| stepwatch_core::GpuSample {
-                    monotonic_ns: s.monotonic_ns,
-                    used_bytes: s.used_bytes,
-                    capacity_bytes: s.usable_bytes(),
-                })
-                .collect();
-            tracker.gpu_samples(&uuid, &converted);
-            self.record(
-                || RecordEntry::GpuSamples {
-                    gpu: uuid,
-                    samples: converted,
-                },
-                false,
-            );
+/// Whether [`AgentState::update`] drains the sampler first.
+enum Drain<'a> {
+    Never,
+    Always,
+    /// Only while the rank is in its first step.
+    IfInFirstStep(&'a RankKey),
+}
+
+/// What an update may do besides changing the tracker: queue its input for
+/// `--record` (nothing when not recording; the entry is built only then).
+struct Inputs<'a> {
+    recorder: Option<&'a Recorder>,
+}
+
+impl Inputs<'_> {
+    fn record(&mut self, entry: impl FnOnce() -> RecordEntry, flush: bool) {
+        if let Some(r) = self.recorder {
+            r.write(entry(), flush);
         }
+    }
+}
+
+/// Every GPU's samples go to the tracker's bounded window, also while no
+/// rank runs there: a client connects in the background while training
+/// starts, so step 1's first markers (timestamped by the client) often
+/// reach the agent after samples taken during them, and the sample just
+/// before step 1 began is what bounds the overhead beyond the allocator.
+fn feed_samples(
+    tracker: &mut Tracker,
+    inputs: &mut Inputs<'_>,
+    drained: Vec<(String, Vec<stepwatch_gpu::Sample>)>,
+) {
+    for (uuid, samples) in drained {
+        let converted: Vec<stepwatch_core::GpuSample> = samples
+            .iter()
+            .map(|s| stepwatch_core::GpuSample {
+                monotonic_ns: s.monotonic_ns,
+                used_bytes: s.used_bytes,
+                capacity_bytes: s.usable_bytes(),
+            })
+            .collect();
+        tracker.gpu_samples(&uuid, &converted);
+        inputs.record(
+            || RecordEntry::GpuSamples {
+                gpu: uuid,
+                samples: converted,
+            },
+            false,
+        );
+    }
+}
+
+/// A state for unit tests: an empty tracker and a sampler without NVML.
+#[cfg(test)]
+pub(crate) fn test_state() -> Arc<AgentState> {
+    let sampler = SamplerHandle::start(stepwatch_gpu::SamplerConfig {
+        lib_path: Some("/nonexistent/libnvidia-ml.so.1".into()),
+        ..stepwatch_gpu::SamplerConfig::default()
+    });
+    AgentState::new(
+        Tracker::new(stepwatch_core::TrackerConfig::default()),
+        sampler,
+        "test-node".into(),
+    )
+    .unwrap()
+}
+
+/// Opens rank `rank` of job `job` and begins step 1 (test helper).
+#[cfg(test)]
+pub(crate) fn test_rank(state: &AgentState, job: &str, rank: u32) -> RankKey {
+    let key = state
+        .open_rank(RankInfo {
+            job: job.into(),
+            rank,
+            world_size: 64,
+            ..RankInfo::default()
+        })
+        .unwrap();
+    state
+        .apply_markers(
+            &key,
+            &[test_marker(stepwatch_core::MarkerKind::StepBegin, 1, 1_000)],
+        )
+        .unwrap();
+    key
+}
+
+/// A marker without allocator figures (test helper).
+#[cfg(test)]
+pub(crate) fn test_marker(
+    kind: stepwatch_core::MarkerKind,
+    step: u64,
+    monotonic_ns: u64,
+) -> stepwatch_core::Marker {
+    stepwatch_core::Marker {
+        kind,
+        step,
+        monotonic_ns,
+        wall_ns: monotonic_ns,
+        micro_batch: 0,
+        allocator: None,
     }
 }

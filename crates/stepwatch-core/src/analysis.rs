@@ -263,10 +263,15 @@ fn later_completed(timeline: &RankTimeline) -> Vec<&StepRecord> {
 /// enough steps after the first have completed. Shared by the analysis and
 /// the cross-rank divergence, so both mean the same steady peak.
 pub fn steady_profile(timeline: &RankTimeline, config: &AnalysisConfig) -> Option<SteadyProfile> {
-    let window: Vec<StepProfile> = later_completed(timeline)
-        .iter()
+    // Only the window is visited: ingest computes this for every rank of a
+    // job at each step boundary (divergence), and collecting all of a
+    // rank's retained steps first made that O(ranks x retained steps).
+    let window: Vec<StepProfile> = timeline
+        .steps()
+        .skip(1)
+        .filter(|s| s.outcome == StepOutcome::Completed)
         .take(config.steady_window.max(1))
-        .map(|s| StepProfile::of(s))
+        .map(StepProfile::of)
         .collect();
     SteadyProfile::of(&window, config.min_steady_steps.max(1))
 }

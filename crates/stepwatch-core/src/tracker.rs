@@ -480,18 +480,31 @@ impl Tracker {
             version: Journal::VERSION,
             ranks: self
                 .ranks
-                .values()
-                .map(|r| RankState {
-                    info: r.info.clone(),
-                    timeline: r.timeline.trimmed(keep_last),
-                    connected_streams: r.connected_streams,
-                    last_activity_ns: r.last_activity_ns,
-                    advisories: r.advisories.clone(),
-                    prediction_before_step2: r.prediction_before_step2.clone(),
-                    allocator_replay: r.allocator_replay,
-                })
+                .keys()
+                .filter_map(|key| self.journal_rank(key, keep_last))
                 .collect(),
         }
+    }
+
+    /// One rank as [`Tracker::journal`] keeps it; None for an unknown rank.
+    /// Lets a caller that shares the tracker build the journal a rank at a
+    /// time instead of holding it for every rank.
+    pub fn journal_rank(&self, key: &RankKey, keep_last: usize) -> Option<RankState> {
+        let r = self.ranks.get(key)?;
+        Some(RankState {
+            info: r.info.clone(),
+            timeline: r.timeline.trimmed(keep_last),
+            connected_streams: r.connected_streams,
+            last_activity_ns: r.last_activity_ns,
+            advisories: r.advisories.clone(),
+            prediction_before_step2: r.prediction_before_step2.clone(),
+            allocator_replay: r.allocator_replay,
+        })
+    }
+
+    /// The keys of every tracked rank, in order (namespace, job, rank).
+    pub fn rank_keys(&self) -> Vec<RankKey> {
+        self.ranks.keys().cloned().collect()
     }
 
     /// Restores ranks from a journal written by an earlier agent. Restored
