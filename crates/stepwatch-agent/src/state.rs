@@ -510,6 +510,7 @@ pub(crate) fn test_state() -> Arc<AgentState> {
         Tracker::new(stepwatch_core::TrackerConfig::default()),
         sampler,
         "test-node".into(),
+        crate::workload::GpuHolders::new(std::time::Duration::from_secs(15)),
     )
     .unwrap()
 }
