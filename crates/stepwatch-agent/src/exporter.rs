@@ -830,11 +830,13 @@ mod tests {
         );
         // The rank copied after the batch shows it: step 2 has begun.
         assert!(
-            body.contains("stepwatch_rank_last_step{node=\"test-node\",job=\"j\",rank=\"2\"} 2"),
+            body.contains(
+                "stepwatch_rank_last_step{node=\"test-node\",training_job=\"j\",rank=\"2\"} 2"
+            ),
             "{body}"
         );
-        assert!(
-            body.contains("stepwatch_rank_last_step{node=\"test-node\",job=\"j\",rank=\"1\"} 1")
-        );
+        assert!(body.contains(
+            "stepwatch_rank_last_step{node=\"test-node\",training_job=\"j\",rank=\"1\"} 1"
+        ));
     }
 }

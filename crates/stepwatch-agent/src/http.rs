@@ -347,7 +347,9 @@ mod tests {
         // waited for the tracker lock, and HTTP shared those workers. Here
         // the lock is held throughout and both workers are stuck in ingest.
         let state = test_state();
-        let key = test_rank(&state, "j", 0);
+        // One rank per ingest task: which task gets the lock first is up to
+        // the runtime, and one rank's markers must not go back in time.
+        let keys = [test_rank(&state, "j", 0), test_rank(&state, "j", 1)];
         // The agent's runtime: two workers. Made first so that, should the
         // test fail, the lock is released before the runtime waits for them.
         let workers = tokio::runtime::Builder::new_multi_thread()
@@ -370,10 +372,11 @@ mod tests {
         let (entered_tx, entered_rx) = mpsc::channel();
         let ingest: Vec<_> = (0..2u64)
             .map(|i| {
-                let (state, key, entered) = (state.clone(), key.clone(), entered_tx.clone());
+                let (state, key, entered) =
+                    (state.clone(), keys[i as usize].clone(), entered_tx.clone());
                 workers.spawn(async move {
                     entered.send(()).unwrap();
-                    let batch = [test_marker(MarkerKind::ForwardBegin, 1, 2_000 + i)];
+                    let batch = [test_marker(MarkerKind::ForwardBegin, 1, 2_000)];
                     state.apply_markers(&key, &batch).is_ok()
                 })
             })
@@ -404,7 +407,7 @@ mod tests {
         }
         // Served again now that the lock is free: a tracker read.
         let jobs = get(addr, "/api/v1/jobs");
-        assert!(jobs.contains(r#""ranks":[0]"#), "{jobs:?}");
+        assert!(jobs.contains(r#""ranks":[0,1]"#), "{jobs:?}");
         stop_tx.send(()).unwrap();
         assert!(served.blocking_recv().unwrap().is_ok());
     }
