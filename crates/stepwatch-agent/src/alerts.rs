@@ -25,6 +25,7 @@ use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 use stepwatch_core::{
     Advisory, AdvisoryKind, DivergenceFigure, Marker, MarkerKind, RankInfo, RankKey,
 };
+use stepwatch_proto::clock::monotonic_ns;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch, Notify};
 
@@ -91,6 +92,9 @@ enum Change {
         labels: Labels,
         annotations: Labels,
         holder: String,
+        /// When the advisory was made: the alert's `startsAt`, so that
+        /// Alertmanager's `updatedAt` minus it is the fast path's latency.
+        since: SystemTime,
     },
     /// The holder no longer holds it; resolved when no holder is left.
     Release { labels: Labels, holder: String },
@@ -306,10 +310,14 @@ impl RankAlerts {
             labels.insert("severity".into(), severity.into());
             let annotations = annotations(name, &labels, advisory);
             self.held.insert((name, labels.clone()));
+            let age = monotonic_ns().saturating_sub(advisory.issued_monotonic_ns);
             self.alerter.send(Change::Fire {
                 labels,
                 annotations,
                 holder: self.holder.clone(),
+                since: SystemTime::now()
+                    .checked_sub(Duration::from_nanos(age))
+                    .unwrap_or_else(SystemTime::now),
             });
         }
     }
@@ -402,10 +410,10 @@ async fn run_alerts(
                 let Some(change) = change else { break };
                 let now = SystemTime::now();
                 match change {
-                    Change::Fire { labels, annotations, holder } => {
+                    Change::Fire { labels, annotations, holder, since } => {
                         let a = active.entry(labels.clone()).or_insert_with(|| Active {
                             annotations: Labels::new(),
-                            starts_at: now,
+                            starts_at: since,
                             holders: BTreeSet::new(),
                         });
                         a.annotations = annotations;
@@ -799,6 +807,7 @@ mod tests {
             labels,
             annotations,
             holder,
+            ..
         } = rx.try_recv().unwrap()
         else {
             panic!("a firing alert first")
