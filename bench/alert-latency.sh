@@ -17,4 +17,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS="${1:-50}"
 STEPWATCH_ALERT_BENCH_RUNS="$RUNS" cargo test --locked --test alertmanager alert_latency_bench \
-  -- --ignored --nocapture --test-threads 1 2>&1 | grep -A3 '^alert latency'
+  -- --ignored --nocapture --test-threads 1 2>&1 | grep -A3 'alert latency over'
