@@ -268,8 +268,10 @@ impl Alerter {
 
     fn send(&self, change: Change) {
         let Some(inner) = &self.inner else { return };
-        // Never wait: ingest must not slow down for Alertmanager.
-        if inner.tx.try_send(change).is_err() {
+        // Never wait: ingest must not slow down for Alertmanager. A closed
+        // queue is the agent stopping: the streams it cuts do not resolve
+        // their alerts (the ranks may live on; the alerts lapse at endsAt).
+        if let Err(mpsc::error::TrySendError::Full(_)) = inner.tx.try_send(change) {
             inner
                 .metrics
                 .dropped
@@ -785,6 +787,139 @@ mod tests {
             micro_batch: 0,
             allocator: None,
         }
+    }
+
+    /// A fake Alertmanager: answers each POST with the next status of
+    /// `statuses` (then 200) and hands the JSON bodies over.
+    async fn fake_alertmanager(statuses: Vec<u16>) -> (String, mpsc::Receiver<Vec<Alert2>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (tx, rx) = mpsc::channel(64);
+        tokio::spawn(async move {
+            let mut statuses = statuses.into_iter();
+            loop {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                let mut request = Vec::new();
+                let mut buf = [0u8; 4096];
+                // Read the head, then Content-Length bytes of body.
+                let body = loop {
+                    let n = conn.read(&mut buf).await.unwrap();
+                    request.extend_from_slice(&buf[..n]);
+                    let text = String::from_utf8_lossy(&request).into_owned();
+                    if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                        assert!(head.starts_with("POST /api/v2/alerts HTTP/1.1"), "{head}");
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("Content-Length: "))
+                            .unwrap()
+                            .parse()
+                            .unwrap();
+                        if body.len() >= len {
+                            break body.to_owned();
+                        }
+                    }
+                };
+                let status = statuses.next().unwrap_or(200);
+                let answer = format!(
+                    "HTTP/1.1 {status} X\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                );
+                conn.write_all(answer.as_bytes()).await.unwrap();
+                drop(conn);
+                if status == 200 {
+                    tx.send(serde_json::from_str(&body).unwrap()).await.unwrap();
+                }
+            }
+        });
+        (url, rx)
+    }
+
+    /// The next POST's alerts, within 10 s.
+    async fn next(received: &mut mpsc::Receiver<Vec<Alert2>>) -> Vec<Alert2> {
+        tokio::time::timeout(Duration::from_secs(10), received.recv())
+            .await
+            .expect("a POST within 10 s")
+            .unwrap()
+    }
+
+    /// An alert as the fake Alertmanager received it.
+    #[derive(Debug, serde::Deserialize)]
+    struct Alert2 {
+        labels: Labels,
+        #[serde(rename = "startsAt")]
+        starts_at: String,
+        #[serde(rename = "endsAt")]
+        ends_at: String,
+    }
+
+    /// An alerter posting to `url`, and rank 0 of job llm's alerts.
+    fn alerter_for(url: &str, resend: Duration) -> (Alerter, RankAlerts, watch::Sender<bool>) {
+        let (stop_tx, stop) = watch::channel(false);
+        let config = AlertmanagerConfig {
+            urls: vec![url.to_owned()],
+            extra_labels: vec![],
+            resend_interval: resend,
+            node: "n1".into(),
+        };
+        let alerter = Alerter::start(config, &Registry::new(), stop).unwrap();
+        let key = RankKey {
+            namespace: String::new(),
+            job: "llm".into(),
+            rank: 0,
+        };
+        let alerts = alerter.rank(&key, &RankInfo::default());
+        (alerter, alerts, stop_tx)
+    }
+
+    /// Waits until `url`'s POSTs with `result` reach `n` (they are counted
+    /// once the answer is read, after the fake handed the body over).
+    async fn wait_posts(alerter: &Alerter, url: &str, result: &str, n: u64) {
+        let posts = &alerter.inner.as_ref().unwrap().metrics.posts;
+        let counted = async {
+            while posts.with_label_values(&[url, result]).get() < n {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), counted)
+            .await
+            .unwrap_or_else(|_| panic!("{n} POSTs {result} counted"));
+    }
+
+    #[tokio::test]
+    async fn a_failed_post_is_retried_and_a_resolution_follows_the_rank() {
+        // The first POST fails (503). No resend within the test (1 h), so
+        // the alert that arrives is the retry.
+        let (url, mut received) = fake_alertmanager(vec![503]).await;
+        let (alerter, mut alerts, _stop) = alerter_for(&url, Duration::from_secs(3600));
+        alerts.advise(&[advisory(AdvisoryKind::Step2OomPredicted, None)]);
+        let first = next(&mut received).await;
+        assert_eq!(first.len(), 1);
+        assert_eq!(first[0].labels["alertname"], STEP2_OOM_ALERT);
+        assert!(
+            first[0].ends_at > rfc3339(SystemTime::now()),
+            "firing: {first:?}"
+        );
+        alerts.close();
+        let resolved = next(&mut received).await;
+        assert_eq!(resolved[0].labels, first[0].labels);
+        assert_eq!(resolved[0].starts_at, first[0].starts_at);
+        assert!(
+            resolved[0].ends_at <= rfc3339(SystemTime::now()),
+            "resolved: {resolved:?}"
+        );
+        wait_posts(&alerter, &url, "ok", 2).await;
+        wait_posts(&alerter, &url, "error", 1).await;
+    }
+
+    #[tokio::test]
+    async fn an_alert_is_resent_while_it_holds() {
+        let (url, mut received) = fake_alertmanager(vec![]).await;
+        let (_alerter, mut alerts, _stop) = alerter_for(&url, Duration::from_millis(200));
+        alerts.advise(&[advisory(AdvisoryKind::LowHeadroom, None)]);
+        let first = next(&mut received).await;
+        let again = next(&mut received).await;
+        assert_eq!(again[0].labels, first[0].labels);
+        assert_eq!(again[0].starts_at, first[0].starts_at);
+        assert!(again[0].ends_at > first[0].ends_at, "{first:?} {again:?}");
     }
 
     #[test]
