@@ -4,7 +4,9 @@
 //! installs it). The step-2 OOM alert must be in Alertmanager within a
 //! second of the prediction, under the rule's name and label set, and
 //! resolved once the rank is gone; an Alertmanager that never answers must
-//! not slow ingest, and is counted.
+//! not slow ingest, and is counted; and with a real Prometheus (Debian's
+//! `prometheus`) evaluating the shipped rules, the rule's alert and the
+//! agent's must be one alert in Alertmanager.
 //!
 //! `bench/alert-latency.sh` runs `alert_latency_bench` (ignored here) for
 //! the figures in BENCHMARKS.md.
@@ -427,4 +429,72 @@ fn alert_latency_bench() {
         "  advisory -> listed by GET /api/v2/alerts (5 ms polls): {}",
         stats(&mut listed)
     );
+}
+
+/// The rule's alert and the agent's are one alert in Alertmanager: a real
+/// Prometheus scrapes the agent with the shipped rules (external label
+/// `cluster`, as the agent's `--alertmanager-label`) and posts to the same
+/// Alertmanager. The agent's alert arrives first (its `source`
+/// annotation); the rule's later one (its `runbook` annotation) has the
+/// same fingerprint, so Alertmanager holds one alert, not two.
+#[test]
+fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
+    let am = Alertmanager::start("am-dedup");
+    let agent = start_agent("am-dedup", &[am.url()], &[]);
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/prometheus/stepwatch-rules.yml");
+    let config = format!(
+        "global:\n  scrape_interval: 500ms\n  scrape_timeout: 400ms\n  evaluation_interval: 500ms\n  \
+         external_labels: {{cluster: test-cluster}}\n\
+         rule_files:\n  - {}\n\
+         alerting:\n  alertmanagers:\n    - static_configs:\n        - targets: [\"{}\"]\n\
+         scrape_configs:\n  - job_name: stepwatch\n    honor_labels: false\n    static_configs:\n      - targets: [\"{}\"]\n",
+        rules.display(),
+        am.addr,
+        agent.http
+    );
+    let prom = Prometheus::start("am-dedup", &config);
+    let mut sim = doomed_rank(&agent, "dedup", 0.5);
+    let agents = wait_alert(&agent, &am, "dedup", &mut sim);
+    let out = sim.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        agents.alert["annotations"]["source"]
+            .as_str()
+            .is_some_and(|s| s.contains("stepwatch agent")),
+        "the agent's post came first: {}",
+        agents.alert
+    );
+    // Prometheus's post carries the rule's annotations; until it comes the
+    // alert keeps the agent's (or is resolved: the rank is gone).
+    let mut rules_alert = None;
+    wait_until(
+        "the rule's alert in Alertmanager",
+        Duration::from_secs(60),
+        || {
+            let all: Vec<Value> = am
+                .alerts()
+                .into_iter()
+                .filter(|a| {
+                    a["labels"]["alertname"] == "Step2OOMPredicted"
+                        && a["labels"]["training_job"] == "dedup"
+                })
+                .collect();
+            assert!(all.len() <= 1, "two alerts for one rank: {all:#?}");
+            rules_alert = all
+                .into_iter()
+                .find(|a| a["annotations"]["runbook"].is_string());
+            rules_alert.is_some()
+        },
+    );
+    let rules_alert = rules_alert.unwrap();
+    assert_eq!(
+        rules_alert["fingerprint"],
+        agents.alert["fingerprint"],
+        "same label set, same alert:\nagent's {}\nrule's {}\nprometheus log:\n{}",
+        agents.alert["labels"],
+        rules_alert["labels"],
+        prom.log()
+    );
+    assert_eq!(rules_alert["labels"], agents.alert["labels"]);
 }
