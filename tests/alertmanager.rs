@@ -498,3 +498,72 @@ fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
     );
     assert_eq!(rules_alert["labels"], agents.alert["labels"]);
 }
+
+/// The Prometheus path for comparison, measured: no fast path; a real
+/// Prometheus at kube-prometheus-stack's intervals (30 s scrape, 30 s
+/// evaluation) evaluates the shipped rules and posts to Alertmanager.
+/// STEPWATCH_PROM_BENCH_RUNS doomed ranks (default 10) start 6.3 s apart, so
+/// their predictions fall at different points of the scrape and evaluation
+/// cycles. Run by bench/alert-latency.sh.
+#[test]
+#[ignore]
+fn prometheus_path_latency_bench() {
+    let runs: usize = std::env::var("STEPWATCH_PROM_BENCH_RUNS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10);
+    let am = Alertmanager::start("prom-bench");
+    let files = TempDir::new("prom-bench-record");
+    let record = files.0.join("record.jsonl");
+    let agent = start_agent("prom-bench", &[], &["--record", record.to_str().unwrap()]);
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/prometheus/stepwatch-rules.yml");
+    let config = format!(
+        "global:\n  scrape_interval: 30s\n  scrape_timeout: 10s\n  evaluation_interval: 30s\n\
+         rule_files:\n  - {}\n\
+         alerting:\n  alertmanagers:\n    - static_configs:\n        - targets: [\"{}\"]\n\
+         scrape_configs:\n  - job_name: stepwatch\n    honor_labels: false\n    static_configs:\n      - targets: [\"{}\"]\n",
+        rules.display(),
+        am.addr,
+        agent.http
+    );
+    let _prom = Prometheus::start("prom-bench", &config);
+    let jobs: Vec<String> = (0..runs).map(|i| format!("prom-{i}")).collect();
+    let mut received = std::collections::BTreeMap::new();
+    let poll = |received: &mut std::collections::BTreeMap<String, f64>| {
+        for a in am.alerts() {
+            let job = a["labels"]["training_job"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned();
+            if a["labels"]["alertname"] == "Step2OOMPredicted" && !received.contains_key(&job) {
+                received.insert(job, unix_seconds(a["updatedAt"].as_str().unwrap()));
+            }
+        }
+    };
+    for job in &jobs {
+        let sim = doomed_rank(&agent, job, 1.0);
+        let _ = sim.wait_with_output();
+        let next = Instant::now() + Duration::from_millis(6300);
+        while Instant::now() < next {
+            poll(&mut received);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    wait_until("every rule alert", Duration::from_secs(120), || {
+        poll(&mut received);
+        received.len() == runs
+    });
+    let mut latency: Vec<f64> = jobs
+        .iter()
+        .map(|job| received[job] - marker_wall_s(&agent, &record, job))
+        .collect();
+    latency.sort_by(f64::total_cmp);
+    let q = |p: f64| latency[((latency.len() - 1) as f64 * p).round() as usize];
+    println!(
+        "prometheus path over {runs} doomed ranks (30 s scrape, 30 s evaluation): marker -> received by Alertmanager: median {:.1} s, min {:.1} s, max {:.1} s",
+        q(0.5),
+        q(0.0),
+        q(1.0)
+    );
+}
