@@ -470,6 +470,8 @@ impl Alert {
 #[derive(Debug, Clone, PartialEq)]
 struct Target {
     url: String,
+    /// `host:port` as written, for the Host header.
+    authority: String,
     host: String,
     port: u16,
     path: String,
@@ -483,14 +485,21 @@ impl Target {
             )
         })?;
         let (authority, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-        let (host, port) = match authority.rsplit_once(':') {
-            Some((h, p)) if !h.ends_with(']') || authority.starts_with('[') => (
-                h,
-                p.parse::<u16>().map_err(|_| {
-                    anyhow::anyhow!("--alertmanager-url {url:?}: {p:?} is not a port")
-                })?,
-            ),
-            _ => (authority, 80),
+        let port = |p: &str| {
+            p.parse::<u16>()
+                .map_err(|_| anyhow::anyhow!("--alertmanager-url {url:?}: {p:?} is not a port"))
+        };
+        let (host, port) = match authority.strip_prefix('[') {
+            // An IPv6 literal: [::1]:9093.
+            Some(bracketed) => match bracketed.split_once(']') {
+                Some((h, "")) => (h, 80),
+                Some((h, p)) if p.starts_with(':') => (h, port(&p[1..])?),
+                _ => anyhow::bail!("--alertmanager-url {url:?}: malformed IPv6 address"),
+            },
+            None => match authority.rsplit_once(':') {
+                Some((h, p)) => (h, port(p)?),
+                None => (authority, 80),
+            },
         };
         if host.is_empty() {
             anyhow::bail!("--alertmanager-url {url:?} has no host");
@@ -503,10 +512,8 @@ impl Target {
         };
         Ok(Self {
             url: url.to_owned(),
-            host: host
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_owned(),
+            authority: authority.to_owned(),
+            host: host.to_owned(),
             port,
             path,
         })
@@ -518,8 +525,8 @@ impl Target {
             let mut conn = tokio::net::TcpStream::connect((self.host.as_str(), self.port)).await?;
             conn.set_nodelay(true)?;
             let head = format!(
-                "POST {} HTTP/1.1\r\nHost: {}:{}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\nUser-Agent: stepwatch-agent\r\n\r\n",
-                self.path, self.host, self.port, body.len()
+                "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\nUser-Agent: stepwatch-agent\r\n\r\n",
+                self.path, self.authority, body.len()
             );
             conn.write_all(head.as_bytes()).await?;
             conn.write_all(body).await?;
@@ -680,6 +687,9 @@ mod tests {
         assert_eq!(t.port, 80);
         let t = Target::parse("http://[::1]:9093").unwrap();
         assert_eq!((t.host.as_str(), t.port), ("::1", 9093));
+        assert_eq!(t.authority, "[::1]:9093");
+        assert_eq!(Target::parse("http://[::1]").unwrap().port, 80);
+        assert!(Target::parse("http://[::1").is_err());
         assert!(Target::parse("https://am:9093")
             .unwrap_err()
             .to_string()
