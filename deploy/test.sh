@@ -259,6 +259,29 @@ PYEOF
   sed 's/^/  /' "$WORK/attest-refused.err"
 }
 
+check_alertmanager() {
+  render "$WORK/alertmanager.yaml" --set-json \
+    '{"alertmanager":{"urls":["http://am-0.am:9093","http://am-1.am:9093"],"labels":{"prometheus":"monitoring/kps","cluster":"eu-1"}}}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/alertmanager.yaml" --require DaemonSet
+  "$PY" - "$WORK/alertmanager.yaml" "$WORK/helm.yaml" <<'PYEOF'
+import sys, yaml
+def args(path):
+    docs = [d for d in yaml.safe_load_all(open(path)) if d]
+    pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+    return next(c for c in pod["containers"] if c["name"] == "agent")["args"]
+a = args(sys.argv[1])
+pairs = [(a[i], a[i + 1]) for i in range(len(a) - 1) if a[i].startswith("--alertmanager-")]
+assert pairs == [
+    ("--alertmanager-url", "http://am-0.am:9093"),
+    ("--alertmanager-url", "http://am-1.am:9093"),
+    ("--alertmanager-label", "cluster=eu-1"),
+    ("--alertmanager-label", "prometheus=monitoring/kps"),
+], pairs
+assert not any(x.startswith("--alertmanager-") for x in args(sys.argv[2])), "off by default"
+print("  alertmanager.urls -> repeated --alertmanager-url, labels -> --alertmanager-label NAME=VALUE; none by default")
+PYEOF
+}
+
 check_dockerfile() {
   "$HADOLINT" "$DEPLOY/Dockerfile"
   echo "hadolint: no findings"
@@ -322,6 +345,7 @@ step "kustomize build deploy/kubernetes/base + validate" check_kustomize_base
 step "kustomize build equals the Helm render" "$PY" "$SCRIPTS/check_manifests.py" compare "$WORK/helm.yaml" "$WORK/kustomize.yaml"
 step "helm render with csi.enabled (CSIDriver, registrar, mounts, refusals) + example pod" check_csi
 step "helm render with podAttribution.enabled (kubelet mounts read-only, refused without root)" check_pod_attribution
+step "helm render with alertmanager.urls and labels (the agent's fast path)" check_alertmanager
 step "Dockerfile (hadolint, multi-stage, entrypoint stepwatch, cmd agent)" check_dockerfile
 step "dashboards up to date with dashboards/generate.py" python3 "$ROOT/dashboards/generate.py" --check
 step "dashboards: JSON, schemaVersion, variables, datasource, targets" "$PY" "$SCRIPTS/check_dashboards.py" "$ROOT/dashboards"

@@ -576,6 +576,10 @@ fn the_readme_metrics_table_matches_what_the_agent_exports() {
             record.to_str().unwrap(),
             "--csi-socket",
             csi.to_str().unwrap(),
+            // The fast path's families exist only with an Alertmanager;
+            // nothing listens on port 9 (discard), which is fine here.
+            "--alertmanager-url",
+            "http://127.0.0.1:9",
         ],
         |_| {},
     );

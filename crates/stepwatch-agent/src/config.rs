@@ -220,6 +220,29 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_POD_RESOURCES_REFRESH", default_value = "15s", value_parser = parse_duration)]
     pub pod_resources_refresh: Duration,
 
+    /// Alertmanager to post the step-2 OOM, low-headroom and divergence
+    /// alerts to within a second of the prediction (`http://host:port`,
+    /// v2 API), under the rules' alert names and labels so that Alertmanager
+    /// merges them with the rules' alerts. Repeat it for each replica of an
+    /// HA Alertmanager (each gets every alert). Off unless given.
+    #[arg(
+        long = "alertmanager-url",
+        env = "STEPWATCH_ALERTMANAGER_URL",
+        value_delimiter = ','
+    )]
+    pub alertmanager_urls: Vec<String>,
+
+    /// A label `NAME=VALUE` put on every alert the agent posts: Prometheus's
+    /// external labels (e.g. `cluster=prod-eu`), which the rules' alerts
+    /// carry too. Repeatable.
+    #[arg(long = "alertmanager-label", env = "STEPWATCH_ALERTMANAGER_LABELS", value_delimiter = ',', value_parser = parse_label)]
+    pub alertmanager_labels: Vec<(String, String)>,
+
+    /// Active alerts are posted again this often; each says it ends 4 of
+    /// these later, so Alertmanager resolves them if the agent dies.
+    #[arg(long, env = "STEPWATCH_ALERTMANAGER_RESEND_INTERVAL", default_value = "1m", value_parser = parse_duration)]
+    pub alertmanager_resend_interval: Duration,
+
     /// Log format.
     #[arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -254,6 +277,24 @@ fn parse_driver_name(s: &str) -> Result<String, String> {
             "{s:?} is not a CSI driver name (63 characters at most, like csi.example.com)"
         ))
     }
+}
+
+/// `NAME=VALUE`, NAME a Prometheus label name.
+fn parse_label(s: &str) -> Result<(String, String), String> {
+    let (name, value) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not NAME=VALUE"))?;
+    let valid = name
+        .chars()
+        .enumerate()
+        .all(|(i, c)| c == '_' || c.is_ascii_alphabetic() || (i > 0 && c.is_ascii_digit()));
+    if name.is_empty() || !valid || name.starts_with("__") {
+        return Err(format!("{name:?} is not a label name"));
+    }
+    if ["alertname", "severity"].contains(&name) {
+        return Err(format!("{name:?} is set by the rule; choose another label"));
+    }
+    Ok((name.to_owned(), value.to_owned()))
 }
 
 fn parse_hz(s: &str) -> Result<f64, String> {
@@ -308,5 +349,12 @@ mod tests {
         assert!(parse_driver_name("-csi.example").is_err());
         assert!(parse_driver_name("csi_example").is_err());
         assert!(parse_driver_name(&"a".repeat(64)).is_err());
+        assert_eq!(
+            parse_label("cluster=prod-eu"),
+            Ok(("cluster".into(), "prod-eu".into()))
+        );
+        assert!(parse_label("cluster").is_err());
+        assert!(parse_label("1x=y").is_err());
+        assert!(parse_label("severity=info").is_err());
     }
 }

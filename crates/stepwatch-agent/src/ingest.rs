@@ -22,6 +22,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::alerts::{Alerter, RankAlerts};
 use crate::state::AgentState;
 use crate::workload::{Attestation, VolumePod, WorkloadResolver};
 
@@ -33,6 +34,8 @@ pub struct IngestService {
     streams: Arc<Semaphore>,
     limits: IngestLimits,
     traces: Arc<TraceBudget>,
+    /// Posts the advisories' alerts to Alertmanager (`--alertmanager-url`).
+    alerter: Alerter,
     /// The pod whose CSI volume this service listens in (None: the shared
     /// socket or TCP, where the peer is looked up by PID).
     volume: Option<VolumeBinding>,
@@ -138,12 +141,14 @@ impl IngestService {
     pub fn new(
         state: Arc<AgentState>,
         workload: Arc<WorkloadResolver>,
+        alerter: Alerter,
         limits: IngestLimits,
         traces: Arc<TraceBudget>,
     ) -> Self {
         Self {
             state,
             workload,
+            alerter,
             streams: Arc::new(Semaphore::new(limits.max_streams)),
             limits,
             traces,
@@ -191,6 +196,7 @@ impl Ingest for IngestService {
         let limits = self.limits;
         let traces = self.traces.clone();
         let volume = self.volume.clone();
+        let alerter = self.alerter.clone();
         tokio::spawn(async move {
             state.ingest.streams_opened.inc();
             let served = tokio::spawn({
@@ -200,6 +206,7 @@ impl Ingest for IngestService {
                         pid: peer_pid,
                         workload: &workload,
                         volume,
+                        alerter: &alerter,
                     };
                     serve_stream(&state, &streams, &traces, inbound, peer, limits, &tx).await
                 }
@@ -232,6 +239,8 @@ struct Peer<'a> {
     workload: &'a WorkloadResolver,
     /// The pod's CSI volume the stream came in through, if any.
     volume: Option<VolumeBinding>,
+    /// Where the rank's alerts go.
+    alerter: &'a Alerter,
 }
 
 async fn serve_stream(
@@ -303,7 +312,17 @@ async fn serve_stream(
     };
     tracing::info!(namespace = %key.namespace, job = %key.job, rank = key.rank, pid = info.pid, pod = %info.pod, attested = info.attested, gpu = %info.gpu_uuid, "rank connected");
     let gradients = Gradients::of(&info);
-    let receive = receive_markers(state, traces, &key, gradients, &mut inbound, max_rate, tx);
+    let mut alerts = peer.alerter.rank(&key, &info);
+    let receive = receive_markers(
+        state,
+        traces,
+        &key,
+        gradients,
+        &mut inbound,
+        max_rate,
+        tx,
+        &mut alerts,
+    );
     let result = match peer.volume {
         // The pod's volume going away ends its streams; the rank closes as
         // for any other end of stream.
@@ -316,6 +335,7 @@ async fn serve_stream(
         None => receive.await,
     };
     state.close_rank(&key);
+    alerts.close();
     tracing::info!(job = %key.job, rank = key.rank, "rank disconnected");
     result
 }
@@ -328,6 +348,8 @@ async fn volume_unpublished(gone: &mut tokio::sync::watch::Receiver<bool>) {
     }
 }
 
+// The stream's context, one argument each; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
 async fn receive_markers(
     state: &AgentState,
     traces: &TraceBudget,
@@ -336,6 +358,7 @@ async fn receive_markers(
     inbound: &mut Streaming<pb::ClientMessage>,
     max_rate: f64,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
+    alerts: &mut RankAlerts,
 ) -> Result<(), Status> {
     let mut bucket = TokenBucket::new(max_rate);
     // Step 1's trace, kept until step 2 begins: facts that arrive after it
@@ -385,7 +408,7 @@ async fn receive_markers(
                     Ok(Some(complete)) => {
                         held.release();
                         step1_trace = Some(complete.clone());
-                        replay_trace(state, traces, key, gradients, complete, tx).await?;
+                        replay_trace(state, traces, key, gradients, complete, tx, alerts).await?;
                     }
                     Ok(None) => {}
                     Err(Refusal::Unusable(reason, why)) => {
@@ -419,13 +442,13 @@ async fn receive_markers(
                 };
                 tracing::info!(job = %key.job, rank = key.rank, update = ?update, "model facts updated after the hello");
                 match due {
-                    Some(advisories) => send_advisories(state, key, advisories, tx),
+                    Some(advisories) => send_advisories(state, key, advisories, tx, alerts),
                     None => step1_trace = None,
                 }
                 if now != gradients {
                     gradients = now;
                     if let Some(t) = step1_trace.clone() {
-                        replay_trace(state, traces, key, gradients, t, tx).await?;
+                        replay_trace(state, traces, key, gradients, t, tx, alerts).await?;
                     }
                 }
                 continue;
@@ -475,7 +498,8 @@ async fn receive_markers(
         match applied {
             Ok(advisories) => {
                 state.ingest.markers_received.inc_by(n);
-                send_advisories(state, key, advisories, tx);
+                send_advisories(state, key, advisories, tx, alerts);
+                alerts.markers(&markers);
             }
             Err(e) => {
                 state.ingest.reject(e.reason(), n);
@@ -494,7 +518,10 @@ fn send_advisories(
     key: &RankKey,
     advisories: Vec<Advisory>,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
+    alerts: &mut RankAlerts,
 ) {
+    // To Alertmanager first: the page is what the prediction is for.
+    alerts.advise(&advisories);
     for advisory in advisories {
         // The message carries the figures in GB and, for a step-2 OOM, what
         // would fit; the kind names the advisory for log queries.
@@ -754,6 +781,7 @@ async fn replay_trace(
     gradients: Gradients,
     trace: AllocatorTrace,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
+    alerts: &mut RankAlerts,
 ) -> Result<(), Status> {
     let events = trace.events.len();
     let reserved_limit = state.read_tracker(|t| t.reserved_limit(key));
@@ -801,7 +829,7 @@ async fn replay_trace(
                 reserved_peak_bytes = replay.reserved_peak_bytes,
                 "step 2 replayed from the step-1 allocator trace"
             );
-            send_advisories(state, key, advisories, tx);
+            send_advisories(state, key, advisories, tx, alerts);
         }
         None => {
             state

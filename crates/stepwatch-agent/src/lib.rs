@@ -5,6 +5,7 @@
 //! Unix socket (and optionally TCP), an HTTP server for `/metrics`, health
 //! and the JSON API, and a task that moves GPU samples into the step model.
 
+mod alerts;
 pub mod config;
 mod csi;
 mod exporter;
@@ -152,10 +153,24 @@ pub async fn run_until(
             }
         })
     });
+    let alerter = alerts::Alerter::start(
+        alerts::AlertmanagerConfig {
+            urls: config.alertmanager_urls.clone(),
+            extra_labels: config.alertmanager_labels.clone(),
+            resend_interval: config.alertmanager_resend_interval,
+            node: node.clone(),
+        },
+        &state.registry,
+        stop_rx.clone(),
+    )?;
+    if !config.alertmanager_urls.is_empty() {
+        tracing::info!(urls = ?config.alertmanager_urls, "posting step-2 OOM, low-headroom and divergence alerts to Alertmanager");
+    }
     let ingest_service = || {
         ingest::IngestService::new(
             state.clone(),
             workload.clone(),
+            alerter.clone(),
             ingest::IngestLimits {
                 max_streams: config.max_streams,
                 max_marker_rate: config.max_marker_rate,

@@ -1,0 +1,569 @@
+//! The fast path to Alertmanager end to end: the real agent on fake NVML,
+//! a simulated rank whose step 2 runs out of memory (thin-margin), and a
+//! real Alertmanager (Debian's `prometheus-alertmanager`; scripts/test
+//! installs it). The step-2 OOM alert must be in Alertmanager within a
+//! second of the prediction, under the rule's name and label set, and
+//! resolved once the rank is gone; an Alertmanager that never answers must
+//! not slow ingest, and is counted; and with a real Prometheus (Debian's
+//! `prometheus`) evaluating the shipped rules, the rule's alert and the
+//! agent's must be one alert in Alertmanager.
+//!
+//! `bench/alert-latency.sh` runs `alert_latency_bench` (ignored here) for
+//! the figures in BENCHMARKS.md.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::*;
+use serde_json::Value;
+
+/// A real Alertmanager on a temp storage dir, clustering off; killed on drop.
+struct Alertmanager {
+    dir: TempDir,
+    addr: SocketAddr,
+    child: Child,
+}
+
+const ALERTMANAGER: &str = "prometheus-alertmanager";
+
+impl Alertmanager {
+    fn start(tag: &str) -> Self {
+        if Command::new(ALERTMANAGER)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_err()
+        {
+            panic!(
+                "`{ALERTMANAGER}` is not on PATH: this test runs a real Alertmanager. \
+                 Install Debian's package `prometheus-alertmanager` (scripts/test installs it)."
+            );
+        }
+        let dir = TempDir::new(tag);
+        let config = dir.0.join("alertmanager.yml");
+        // Notifications go nowhere; the test reads the API.
+        std::fs::write(
+            &config,
+            "route:\n  receiver: none\nreceivers:\n  - name: none\n",
+        )
+        .unwrap();
+        // Alertmanager cannot report a port it chose: try free ones.
+        let log_path = dir.0.join("alertmanager.log");
+        let read_log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+        for _attempt in 0..5 {
+            let addr = free_port();
+            let log = std::fs::File::create(&log_path).unwrap();
+            let mut child = Command::new(ALERTMANAGER)
+                .arg(format!("--config.file={}", config.display()))
+                .arg(format!("--storage.path={}", dir.0.join("data").display()))
+                .arg(format!("--web.listen-address={addr}"))
+                .arg("--cluster.listen-address=")
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("start alertmanager");
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                if let Ok((200, _)) = http_get(addr, "/-/ready") {
+                    return Self { dir, addr, child };
+                }
+                if let Some(status) = child.try_wait().unwrap() {
+                    let log = read_log();
+                    assert!(
+                        log.contains("address already in use"),
+                        "alertmanager exited ({status}); log:\n{log}"
+                    );
+                    break;
+                }
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    panic!("alertmanager not ready within 30 s; log:\n{}", read_log());
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        panic!("alertmanager found no free port in 5 attempts");
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.0.join("alertmanager.log")).unwrap_or_default()
+    }
+
+    /// The alerts Alertmanager holds (resolved ones are not listed).
+    fn alerts(&self) -> Vec<Value> {
+        let (code, body) = http_get(self.addr, "/api/v2/alerts").expect("GET /api/v2/alerts");
+        assert_eq!(code, 200, "{body}");
+        serde_json::from_str::<Value>(&body)
+            .unwrap()
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// The alert named `name` of training job `job`, if Alertmanager holds it.
+    fn alert(&self, name: &str, job: &str) -> Option<Value> {
+        self.alerts()
+            .into_iter()
+            .find(|a| a["labels"]["alertname"] == name && a["labels"]["training_job"] == job)
+    }
+}
+
+impl Drop for Alertmanager {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Seconds since the Unix epoch of an RFC 3339 time ("…Z" or "…+hh:mm").
+fn unix_seconds(t: &str) -> f64 {
+    let (date, time) = t.split_once('T').expect("RFC 3339");
+    let mut d = date.split('-').map(|x| x.parse::<i64>().unwrap());
+    let (y, m, day) = (d.next().unwrap(), d.next().unwrap(), d.next().unwrap());
+    let (clock, offset) = match time.find(['Z', '+', '-']) {
+        Some(i) => time.split_at(i),
+        None => (time, "Z"),
+    };
+    let offset_s = match offset {
+        "Z" | "" => 0.0,
+        o => {
+            let sign = if o.starts_with('-') { -1.0 } else { 1.0 };
+            let (h, mi) = o[1..].split_once(':').unwrap();
+            sign * (h.parse::<f64>().unwrap() * 3600.0 + mi.parse::<f64>().unwrap() * 60.0)
+        }
+    };
+    let mut c = clock.split(':');
+    let (h, mi, s): (f64, f64, f64) = (
+        c.next().unwrap().parse().unwrap(),
+        c.next().unwrap().parse().unwrap(),
+        c.next().unwrap().parse().unwrap(),
+    );
+    // Howard Hinnant's days_from_civil.
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = if m > 2 { m - 3 } else { m + 9 };
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    days as f64 * 86_400.0 + h * 3600.0 + mi * 60.0 + s - offset_s
+}
+
+fn now_s() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// A doomed rank: thin-margin's step 1 fits an 80 GB GPU with <1% to spare,
+/// step 2 does not. The driver reserves nothing on the fake GPU.
+fn start_agent(tag: &str, urls: &[String], extra: &[&str]) -> Agent {
+    let mut args: Vec<&str> = extra.to_vec();
+    for url in urls {
+        args.extend(["--alertmanager-url", url.as_str()]);
+    }
+    args.extend(["--alertmanager-label", "cluster=test-cluster"]);
+    let agent = Agent::start_with(tag, 1, &args, |f| f.set_reserved_bytes(0, 0));
+    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    agent
+}
+
+/// The alert as Alertmanager first listed it, and when the test saw it.
+struct Observed {
+    alert: Value,
+    seen_s: f64,
+}
+
+/// Starts one doomed rank of job `job`.
+fn doomed_rank(agent: &Agent, job: &str, speed: f64) -> Child {
+    agent.sim("thin-margin", job, 0, 0, 4, speed)
+}
+
+/// Waits for the step-2 OOM alert of `job`'s rank `sim`.
+fn wait_alert(agent: &Agent, am: &Alertmanager, job: &str, sim: &mut Child) -> Observed {
+    let start = Instant::now();
+    loop {
+        if let Some(alert) = am.alert("Step2OOMPredicted", job) {
+            return Observed {
+                alert,
+                seen_s: now_s(),
+            };
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = sim.kill();
+        }
+        assert!(
+            start.elapsed() <= Duration::from_secs(60),
+            "no Step2OOMPredicted alert for {job} in Alertmanager within 60 s; alerts: {:?}\nagent log:\n{}\nalertmanager log:\n{}",
+            am.alerts(),
+            agent.log(),
+            am.log()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_predicted_step2_oom_reaches_alertmanager_at_once_and_resolves_when_the_rank_ends() {
+    let am = Alertmanager::start("am-e2e");
+    let agent = start_agent("am-e2e", &[am.url()], &[]);
+    let mut sim = doomed_rank(&agent, "doomed", 0.5);
+    let seen = wait_alert(&agent, &am, "doomed", &mut sim);
+
+    // The rule's name, severity and label set: nothing of the scrape (job,
+    // instance), so the rule's alert and this one are one in Alertmanager.
+    let labels = seen.alert["labels"].as_object().unwrap();
+    let names: BTreeSet<&str> = labels.keys().map(String::as_str).collect();
+    let allowed: BTreeSet<&str> = [
+        "alertname",
+        "severity",
+        "cluster",
+        "namespace",
+        "training_job",
+        "rank",
+        "pod",
+        "container",
+        "node",
+    ]
+    .into();
+    assert!(names.is_subset(&allowed), "{labels:?}");
+    for (k, v) in [
+        ("severity", "critical"),
+        ("cluster", "test-cluster"),
+        ("training_job", "doomed"),
+        ("rank", "0"),
+        ("node", "test-node"),
+    ] {
+        assert_eq!(labels[k], v, "{labels:?}");
+    }
+    assert!(
+        seen.alert["annotations"]["description"]
+            .as_str()
+            .unwrap()
+            .contains("GB"),
+        "the advisory's sentence: {}",
+        seen.alert["annotations"]
+    );
+    // Within a second of the prediction (startsAt is the advisory's time).
+    let starts = unix_seconds(seen.alert["startsAt"].as_str().unwrap());
+    let received = unix_seconds(seen.alert["updatedAt"].as_str().unwrap());
+    assert!(
+        received - starts < 1.0 && seen.seen_s - starts < 2.0,
+        "startsAt {starts}, received {received}, seen {}",
+        seen.seen_s
+    );
+    // Firing, with an end a few resend intervals ahead.
+    assert!(unix_seconds(seen.alert["endsAt"].as_str().unwrap()) > now_s() + 60.0);
+
+    let out = sim.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "the rank dies of its step-2 OOM:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The rank is gone: the agent resolves its alert (endsAt now), which
+    // Alertmanager then no longer lists.
+    wait_until("the alert resolved", Duration::from_secs(30), || {
+        am.alert("Step2OOMPredicted", "doomed").is_none()
+    });
+    let m = agent.wait_metrics("posts counted", Duration::from_secs(5), |m| {
+        m.get(
+            "stepwatch_alertmanager_posts_total",
+            &[("result", "ok"), ("url", &am.url())],
+        ) >= Some(2.0)
+            && m.get("stepwatch_alertmanager_alerts_active", &[]) == Some(0.0)
+    });
+    assert_eq!(
+        m.get("stepwatch_alertmanager_posts_total", &[("result", "error")]),
+        Some(0.0)
+    );
+}
+
+#[test]
+fn an_alertmanager_that_never_answers_or_refuses_slows_no_ingest_and_is_counted() {
+    // Accepts connections (the kernel's backlog) and never answers a byte.
+    let blackhole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent = format!("http://{}", blackhole.local_addr().unwrap());
+    // Nothing listens there.
+    let refused = format!("http://{}", free_port());
+    let agent = start_agent("am-down", &[silent.clone(), refused.clone()], &[]);
+    let started = Instant::now();
+    let sim = agent.sim("thin-margin", "doomed", 0, 0, 4, 1.0);
+    let out = sim.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{log}");
+    assert!(
+        log.contains("advisories: ") && !log.contains("advisories: 0"),
+        "the client got its advisories:\n{log}"
+    );
+    // Both are counted as errors; the silent one once its POST times out (5 s).
+    let m = agent.wait_metrics("errors counted", Duration::from_secs(30), |m| {
+        m.get(
+            "stepwatch_alertmanager_posts_total",
+            &[("url", &silent), ("result", "error")],
+        ) >= Some(1.0)
+            && m.get(
+                "stepwatch_alertmanager_posts_total",
+                &[("url", &refused), ("result", "error")],
+            ) >= Some(1.0)
+    });
+    assert_eq!(
+        m.get(
+            "stepwatch_alertmanager_alerts_dropped_total",
+            &[("reason", "queue_full")]
+        ),
+        Some(0.0)
+    );
+    assert!(
+        agent.log().contains("cannot post alerts to Alertmanager"),
+        "logged:\n{}",
+        agent.log()
+    );
+    eprintln!(
+        "doomed rank ran in {:?} with Alertmanager down",
+        started.elapsed()
+    );
+    drop(blackhole);
+}
+
+/// Wall time (s) of the newest marker in the batch that made the rank's
+/// first step-2 OOM advisory: the batch the agent's `--record` holds at the
+/// advisory's monotonic time.
+fn marker_wall_s(agent: &Agent, record: &std::path::Path, job: &str) -> f64 {
+    let (_, body) = agent.get(&format!("/api/v1/jobs/{job}/ranks/0"));
+    let report: Value = serde_json::from_str(&body).unwrap();
+    let issued = report["advisories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["kind"] == "step2_oom_predicted")
+        .unwrap_or_else(|| panic!("a step-2 OOM advisory: {body}"))["issued_monotonic_ns"]
+        .as_u64()
+        .unwrap();
+    let mut wall = None;
+    // The record is flushed every second.
+    wait_until(
+        "the advisory's batch in the record",
+        Duration::from_secs(10),
+        || {
+            let text = std::fs::read_to_string(record).unwrap_or_default();
+            wall = text
+                .lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .map(|e| e["markers"].clone())
+                .find(|m| m["at_ns"].as_u64() == Some(issued) && m["key"]["job"] == job)
+                .and_then(|m| {
+                    m["markers"]
+                        .as_array()?
+                        .iter()
+                        .filter_map(|m| m["wall_ns"].as_u64())
+                        .max()
+                });
+            wall.is_some()
+        },
+    );
+    wall.unwrap() as f64 / 1e9
+}
+
+/// Time from the marker (and from the advisory) to the alert in
+/// Alertmanager, over many doomed ranks (STEPWATCH_ALERT_BENCH_RUNS,
+/// default 20). Run by bench/alert-latency.sh.
+#[test]
+#[ignore]
+fn alert_latency_bench() {
+    let runs: usize = std::env::var("STEPWATCH_ALERT_BENCH_RUNS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    let am = Alertmanager::start("am-bench");
+    let files = TempDir::new("am-bench-record");
+    let record = files.0.join("record.jsonl");
+    let agent = start_agent(
+        "am-bench",
+        &[am.url()],
+        &["--record", record.to_str().unwrap()],
+    );
+    let (mut from_marker, mut from_advisory, mut listed) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..runs {
+        let job = format!("bench-{i}");
+        let mut sim = doomed_rank(&agent, &job, 1.0);
+        let obs = wait_alert(&agent, &am, &job, &mut sim);
+        let starts = unix_seconds(obs.alert["startsAt"].as_str().unwrap());
+        let received = unix_seconds(obs.alert["updatedAt"].as_str().unwrap());
+        let _ = sim.wait_with_output();
+        from_marker.push(received - marker_wall_s(&agent, &record, &job));
+        from_advisory.push(received - starts);
+        listed.push(obs.seen_s - starts);
+    }
+    let stats = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        let q = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize] * 1000.0;
+        format!(
+            "median {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+            q(0.5),
+            q(0.99),
+            q(1.0)
+        )
+    };
+    println!("alert latency over {runs} doomed ranks (thin-margin, one agent, one Alertmanager):");
+    println!(
+        "  marker -> received by Alertmanager (its updatedAt): {}",
+        stats(&mut from_marker)
+    );
+    println!(
+        "  advisory -> received by Alertmanager: {}",
+        stats(&mut from_advisory)
+    );
+    println!(
+        "  advisory -> listed by GET /api/v2/alerts (5 ms polls): {}",
+        stats(&mut listed)
+    );
+}
+
+/// The rule's alert and the agent's are one alert in Alertmanager: a real
+/// Prometheus scrapes the agent with the shipped rules (external label
+/// `cluster`, as the agent's `--alertmanager-label`) and posts to the same
+/// Alertmanager. The agent's alert arrives first (its `source`
+/// annotation); the rule's later one (its `runbook` annotation) has the
+/// same fingerprint, so Alertmanager holds one alert, not two.
+#[test]
+fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
+    let am = Alertmanager::start("am-dedup");
+    let agent = start_agent("am-dedup", &[am.url()], &[]);
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/prometheus/stepwatch-rules.yml");
+    let config = format!(
+        "global:\n  scrape_interval: 500ms\n  scrape_timeout: 400ms\n  evaluation_interval: 500ms\n  \
+         external_labels: {{cluster: test-cluster}}\n\
+         rule_files:\n  - {}\n\
+         alerting:\n  alertmanagers:\n    - static_configs:\n        - targets: [\"{}\"]\n\
+         scrape_configs:\n  - job_name: stepwatch\n    honor_labels: false\n    static_configs:\n      - targets: [\"{}\"]\n",
+        rules.display(),
+        am.addr,
+        agent.http
+    );
+    let prom = Prometheus::start("am-dedup", &config);
+    let mut sim = doomed_rank(&agent, "dedup", 0.5);
+    let agents = wait_alert(&agent, &am, "dedup", &mut sim);
+    let out = sim.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        agents.alert["annotations"]["source"]
+            .as_str()
+            .is_some_and(|s| s.contains("stepwatch agent")),
+        "the agent's post came first: {}",
+        agents.alert
+    );
+    // Prometheus's post carries the rule's annotations; until it comes the
+    // alert keeps the agent's (or is resolved: the rank is gone).
+    let mut rules_alert = None;
+    wait_until(
+        "the rule's alert in Alertmanager",
+        Duration::from_secs(60),
+        || {
+            let all: Vec<Value> = am
+                .alerts()
+                .into_iter()
+                .filter(|a| {
+                    a["labels"]["alertname"] == "Step2OOMPredicted"
+                        && a["labels"]["training_job"] == "dedup"
+                })
+                .collect();
+            assert!(all.len() <= 1, "two alerts for one rank: {all:#?}");
+            rules_alert = all
+                .into_iter()
+                .find(|a| a["annotations"]["runbook"].is_string());
+            rules_alert.is_some()
+        },
+    );
+    let rules_alert = rules_alert.unwrap();
+    assert_eq!(
+        rules_alert["fingerprint"],
+        agents.alert["fingerprint"],
+        "same label set, same alert:\nagent's {}\nrule's {}\nprometheus log:\n{}",
+        agents.alert["labels"],
+        rules_alert["labels"],
+        prom.log()
+    );
+    assert_eq!(rules_alert["labels"], agents.alert["labels"]);
+}
+
+/// The Prometheus path for comparison, measured: no fast path; a real
+/// Prometheus at kube-prometheus-stack's intervals (30 s scrape, 30 s
+/// evaluation) evaluates the shipped rules and posts to Alertmanager.
+/// STEPWATCH_PROM_BENCH_RUNS doomed ranks (default 10) start 6.3 s apart, so
+/// their predictions fall at different points of the scrape and evaluation
+/// cycles. Run by bench/alert-latency.sh.
+#[test]
+#[ignore]
+fn prometheus_path_latency_bench() {
+    let runs: usize = std::env::var("STEPWATCH_PROM_BENCH_RUNS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(10);
+    let am = Alertmanager::start("prom-bench");
+    let files = TempDir::new("prom-bench-record");
+    let record = files.0.join("record.jsonl");
+    let agent = start_agent("prom-bench", &[], &["--record", record.to_str().unwrap()]);
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/prometheus/stepwatch-rules.yml");
+    let config = format!(
+        "global:\n  scrape_interval: 30s\n  scrape_timeout: 10s\n  evaluation_interval: 30s\n\
+         rule_files:\n  - {}\n\
+         alerting:\n  alertmanagers:\n    - static_configs:\n        - targets: [\"{}\"]\n\
+         scrape_configs:\n  - job_name: stepwatch\n    honor_labels: false\n    static_configs:\n      - targets: [\"{}\"]\n",
+        rules.display(),
+        am.addr,
+        agent.http
+    );
+    let _prom = Prometheus::start("prom-bench", &config);
+    let jobs: Vec<String> = (0..runs).map(|i| format!("prom-{i}")).collect();
+    let mut received = std::collections::BTreeMap::new();
+    let poll = |received: &mut std::collections::BTreeMap<String, f64>| {
+        for a in am.alerts() {
+            let job = a["labels"]["training_job"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned();
+            if a["labels"]["alertname"] == "Step2OOMPredicted" && !received.contains_key(&job) {
+                received.insert(job, unix_seconds(a["updatedAt"].as_str().unwrap()));
+            }
+        }
+    };
+    for job in &jobs {
+        let sim = doomed_rank(&agent, job, 1.0);
+        let _ = sim.wait_with_output();
+        let next = Instant::now() + Duration::from_millis(6300);
+        while Instant::now() < next {
+            poll(&mut received);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    wait_until("every rule alert", Duration::from_secs(120), || {
+        poll(&mut received);
+        received.len() == runs
+    });
+    let mut latency: Vec<f64> = jobs
+        .iter()
+        .map(|job| received[job] - marker_wall_s(&agent, &record, job))
+        .collect();
+    latency.sort_by(f64::total_cmp);
+    let q = |p: f64| latency[((latency.len() - 1) as f64 * p).round() as usize];
+    println!(
+        "prometheus path over {runs} doomed ranks (30 s scrape, 30 s evaluation): marker -> received by Alertmanager: median {:.1} s, min {:.1} s, max {:.1} s",
+        q(0.5),
+        q(0.0),
+        q(1.0)
+    );
+}
