@@ -608,3 +608,36 @@ fn facts_sent_after_the_hello_replay_step_1_again_and_bad_ones_are_refused() {
     );
     assert_eq!(replay("bad")["grads_persistent"], false);
 }
+
+#[test]
+fn every_refusal_reason_and_known_result_exists_at_zero_from_the_start() {
+    // An alert on increase() misses the first burst of a series born at its
+    // first refusal; each known reason is exported at 0 before any.
+    let agent = Agent::start("zero-reasons", 1);
+    let m = Metrics(agent.metrics());
+    for reason in stepwatch_agent::REJECT_REASONS {
+        assert_eq!(
+            m.get("stepwatch_markers_rejected_total", &[("reason", reason)]),
+            Some(0.0),
+            "{reason}"
+        );
+    }
+    assert_eq!(
+        m.count("stepwatch_markers_rejected_total"),
+        stepwatch_agent::REJECT_REASONS.len()
+    );
+    for result in ["replayed", "late", "rejected"] {
+        assert_eq!(
+            m.get("stepwatch_allocator_traces_total", &[("result", result)]),
+            Some(0.0),
+            "{result}"
+        );
+    }
+    assert_eq!(
+        m.get(
+            "stepwatch_advisories_sent_total",
+            &[("kind", "ADVISORY_KIND_STEP2_OOM_PREDICTED")]
+        ),
+        Some(0.0)
+    );
+}

@@ -16,6 +16,8 @@ mod record;
 mod state;
 mod workload;
 
+pub use state::REJECT_REASONS;
+
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;

@@ -29,6 +29,49 @@ pub struct IngestMetrics {
     pub record_entries: IntCounterVec,
 }
 
+/// Every reason `stepwatch_markers_rejected_total` counts, so that each
+/// series exists at 0 from the start: an alert on `increase()` then sees
+/// the first burst, which a series born at its first refusal hides.
+pub const REJECT_REASONS: &[&str] = &[
+    // The hello.
+    "no_hello",
+    "duplicate_hello",
+    "hello_timeout",
+    "bad_identity",
+    "rank_out_of_range",
+    "too_many_ranks",
+    "too_many_streams",
+    "rank_held",
+    "gpu_not_allocated",
+    "invalid_model_update",
+    // The wire.
+    "decode_error",
+    "message_too_large",
+    "empty_message",
+    "rate_limited",
+    "internal_error",
+    // Markers.
+    "batch_too_large",
+    "unspecified_kind",
+    "step_regressed",
+    "no_open_step",
+    "out_of_order",
+    "clock_regressed",
+    "too_many_phases",
+    "memory_budget",
+    "implausible_value",
+    // Step 1's allocator trace (the stream goes on).
+    "allocator_trace_not_step_one",
+    "allocator_trace_bad_event",
+    "allocator_trace_invalid",
+    "allocator_trace_unmodelled_setting",
+    "allocator_trace_too_large",
+    "allocator_trace_over_budget",
+    "allocator_trace_timeout",
+    "allocator_trace_replay_failed",
+    "duplicate_allocator_trace",
+];
+
 impl IngestMetrics {
     fn register(registry: &Registry) -> prometheus::Result<Self> {
         let m = Self {
@@ -98,11 +141,32 @@ impl IngestMetrics {
         registry.register(Box::new(m.streams_active.clone()))?;
         registry.register(Box::new(m.streams_opened.clone()))?;
         registry.register(Box::new(m.ranks_evicted.clone()))?;
+        // Known label values exist at 0 from the start (see REJECT_REASONS).
+        for reason in REJECT_REASONS {
+            m.markers_rejected.with_label_values(&[reason]);
+        }
+        for result in ["replayed", "late", "rejected"] {
+            m.allocator_traces.with_label_values(&[result]);
+        }
+        for result in ["ok", "error"] {
+            m.journal_writes.with_label_values(&[result]);
+        }
+        for kind in [
+            stepwatch_proto::v1::AdvisoryKind::Step2OomPredicted,
+            stepwatch_proto::v1::AdvisoryKind::LowHeadroom,
+            stepwatch_proto::v1::AdvisoryKind::RankDivergence,
+        ] {
+            m.advisories_sent.with_label_values(&[kind.as_str_name()]);
+        }
         Ok(m)
     }
 
     /// Counts a refusal under `reason`.
     pub fn reject(&self, reason: &str, markers: u64) {
+        debug_assert!(
+            REJECT_REASONS.contains(&reason),
+            "reason {reason:?} is missing from REJECT_REASONS"
+        );
         self.markers_rejected
             .with_label_values(&[reason])
             .inc_by(markers.max(1));
