@@ -363,7 +363,7 @@ async fn receive_markers(
     let mut bucket = TokenBucket::new(max_rate);
     // Step 1's trace, kept until step 2 begins: facts that arrive after it
     // (gradients kept) change how it replays.
-    let mut step1_trace: Option<AllocatorTrace> = None;
+    let mut step1_trace: Option<Arc<AllocatorTrace>> = None;
     let mut markers = Vec::new();
     let mut trace = TraceAssembly::default();
     let mut held = HeldTraceBytes {
@@ -407,7 +407,8 @@ async fn receive_markers(
                 match trace.add(chunk) {
                     Ok(Some(complete)) => {
                         held.release();
-                        step1_trace = Some(complete.clone());
+                        let complete = Arc::new(complete);
+                        step1_trace = Some(Arc::clone(&complete));
                         replay_trace(state, traces, key, gradients, complete, tx, alerts).await?;
                     }
                     Ok(None) => {}
@@ -447,8 +448,9 @@ async fn receive_markers(
                 }
                 if now != gradients {
                     gradients = now;
-                    if let Some(t) = step1_trace.clone() {
-                        replay_trace(state, traces, key, gradients, t, tx, alerts).await?;
+                    if let Some(t) = &step1_trace {
+                        replay_trace(state, traces, key, gradients, Arc::clone(t), tx, alerts)
+                            .await?;
                     }
                 }
                 continue;
@@ -779,7 +781,7 @@ async fn replay_trace(
     traces: &TraceBudget,
     key: &RankKey,
     gradients: Gradients,
-    trace: AllocatorTrace,
+    trace: Arc<AllocatorTrace>,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
     alerts: &mut RankAlerts,
 ) -> Result<(), Status> {

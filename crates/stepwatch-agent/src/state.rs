@@ -387,14 +387,15 @@ impl AgentState {
     pub fn apply_allocator_replay(
         &self,
         key: &RankKey,
-        trace: AllocatorTrace,
+        trace: Arc<AllocatorTrace>,
         gradients: Gradients,
         replay: Step2Replay,
     ) -> Option<Vec<stepwatch_core::Advisory>> {
         self.update(Drain::Always, |tracker, inputs| {
             let at_ns = monotonic_ns();
             let due = tracker.allocator_replay(key, replay, at_ns);
-            // The trace is moved into the queue, not serialised here.
+            // The trace is moved into the queue, not serialised here; it is
+            // copied only while the stream still keeps it for a facts update.
             inputs.record(
                 || RecordEntry::AllocatorTrace {
                     at_ns,
@@ -402,7 +403,7 @@ impl AgentState {
                     grads_persistent: gradients == Gradients::Kept,
                     gradients: Some(gradients),
                     reserved_limit: replay.reserved_limit_bytes,
-                    trace,
+                    trace: Arc::unwrap_or_clone(trace),
                 },
                 true,
             );
