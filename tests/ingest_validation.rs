@@ -230,27 +230,28 @@ fn trace(chunk: AllocatorTraceChunk) -> ClientMessage {
     }
 }
 
+/// Step 1 up to its optimizer end, with allocator figures to predict from.
+fn step1_to_optimizer_end(t0: u64) -> Vec<Marker> {
+    let mut s = step(1, t0);
+    s.pop();
+    for (i, m) in s.iter_mut().enumerate() {
+        let allocated = [1u64, 1, 3, 2, 2][i] << 30;
+        m.allocator = Some(stepwatch_proto::v1::AllocatorStats {
+            allocated_bytes: allocated,
+            allocated_peak_bytes: allocated,
+            reserved_bytes: 3 << 30,
+            reserved_peak_bytes: 3 << 30,
+            ..Default::default()
+        });
+    }
+    s
+}
+
 #[test]
 fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
     let agent = Agent::start("trace-validation", 1);
     let ep = agent.endpoint();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    // Step 1 up to its optimizer end, with allocator figures to predict from.
-    let step1_to_optimizer_end = |t0| {
-        let mut s = step(1, t0);
-        s.pop();
-        for (i, m) in s.iter_mut().enumerate() {
-            let allocated = [1u64, 1, 3, 2, 2][i] << 30;
-            m.allocator = Some(stepwatch_proto::v1::AllocatorStats {
-                allocated_bytes: allocated,
-                allocated_peak_bytes: allocated,
-                reserved_bytes: 3 << 30,
-                reserved_peak_bytes: 3 << 30,
-                ..Default::default()
-            });
-        }
-        s
-    };
     rt.block_on(async {
         // Unusable traces are counted and logged; the stream goes on, so the
         // markers behind them still count. Each goes on a stream of its own
@@ -489,18 +490,7 @@ fn facts_sent_after_the_hello_replay_step_1_again_and_bad_ones_are_refused() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     // Step 1 to its optimizer end, then its trace: backward made an 8 MiB
     // gradient, the optimizer 16 MiB of state.
-    let mut step1 = step(1, 1_000);
-    step1.pop();
-    for (i, m) in step1.iter_mut().enumerate() {
-        let allocated = [1u64, 1, 3, 2, 2][i] << 30;
-        m.allocator = Some(stepwatch_proto::v1::AllocatorStats {
-            allocated_bytes: allocated,
-            allocated_peak_bytes: allocated,
-            reserved_bytes: 3 << 30,
-            reserved_peak_bytes: 3 << 30,
-            ..Default::default()
-        });
-    }
+    let step1 = step1_to_optimizer_end(1_000);
     let base = 1u64 << 32;
     let chunk = AllocatorTraceChunk {
         step: 1,
