@@ -32,18 +32,11 @@ const ALERTMANAGER: &str = "prometheus-alertmanager";
 
 impl Alertmanager {
     fn start(tag: &str) -> Self {
-        if Command::new(ALERTMANAGER)
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_err()
-        {
-            panic!(
-                "`{ALERTMANAGER}` is not on PATH: this test runs a real Alertmanager. \
-                 Install Debian's package `prometheus-alertmanager` (scripts/test installs it)."
-            );
-        }
+        require_binary(
+            ALERTMANAGER,
+            "a real Alertmanager",
+            "prometheus-alertmanager",
+        );
         let dir = TempDir::new(tag);
         let config = dir.0.join("alertmanager.yml");
         // Notifications go nowhere; the test reads the API.

@@ -10,6 +10,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use common::kubelet::FakeKubelet;
 use common::{Agent, Metrics, TempDir};
 use serde_json::Value;
 use stepwatch_proto::csi::v1::{
@@ -19,16 +20,14 @@ use stepwatch_proto::csi::v1::{
     NodeUnpublishVolumeRequest, ProbeRequest, VolumeCapability,
 };
 use stepwatch_proto::podresources::v1::{
-    pod_resources_lister_server::{PodResourcesLister, PodResourcesListerServer},
-    AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
-    ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
-    ListPodResourcesResponse, PodResources,
+    pod_resources_lister_server::PodResourcesListerServer, ContainerDevices, ContainerResources,
+    PodResources,
 };
 use stepwatch_proto::v1::{
     client_message::Kind, ingest_client::IngestClient, AgentMessage, ClientMessage, Hello, Identity,
 };
 use tonic::transport::Channel;
-use tonic::{Code, Request, Response, Status, Streaming};
+use tonic::{Code, Response, Status, Streaming};
 
 const WAIT: Duration = Duration::from_secs(30);
 const UID_A: &str = "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0";
@@ -39,44 +38,20 @@ fn gpu(index: u32) -> String {
 }
 
 /// The pod-resources API: pod team-a/trainer-0 holds GPU 0.
-struct PodResourcesApi;
-
-#[tonic::async_trait]
-impl PodResourcesLister for PodResourcesApi {
-    async fn list(
-        &self,
-        _: Request<ListPodResourcesRequest>,
-    ) -> Result<Response<ListPodResourcesResponse>, Status> {
-        Ok(Response::new(ListPodResourcesResponse {
-            pod_resources: vec![PodResources {
-                name: "trainer-0".into(),
-                namespace: "team-a".into(),
-                containers: vec![ContainerResources {
-                    name: "trainer".into(),
-                    devices: vec![ContainerDevices {
-                        resource_name: "nvidia.com/gpu".into(),
-                        device_ids: vec![gpu(0)],
-                        topology: None,
-                    }],
-                    ..Default::default()
-                }],
+fn team_a_kubelet() -> FakeKubelet {
+    FakeKubelet::with_pods(vec![PodResources {
+        name: "trainer-0".into(),
+        namespace: "team-a".into(),
+        containers: vec![ContainerResources {
+            name: "trainer".into(),
+            devices: vec![ContainerDevices {
+                resource_name: "nvidia.com/gpu".into(),
+                device_ids: vec![gpu(0)],
+                topology: None,
             }],
-        }))
-    }
-
-    async fn get_allocatable_resources(
-        &self,
-        _: Request<AllocatableResourcesRequest>,
-    ) -> Result<Response<AllocatableResourcesResponse>, Status> {
-        Err(Status::unimplemented("not used by the agent"))
-    }
-
-    async fn get(
-        &self,
-        _: Request<GetPodResourcesRequest>,
-    ) -> Result<Response<GetPodResourcesResponse>, Status> {
-        Err(Status::unimplemented("not used by the agent"))
-    }
+            ..Default::default()
+        }],
+    }])
 }
 
 /// A node: the kubelet's directories, its pod-resources API, and the agent
@@ -99,7 +74,7 @@ impl Node {
         let listener = rt.block_on(async { tokio::net::UnixListener::bind(&kubelet).unwrap() });
         rt.spawn(
             tonic::transport::Server::builder()
-                .add_service(PodResourcesListerServer::new(PodResourcesApi))
+                .add_service(PodResourcesListerServer::new(team_a_kubelet()))
                 .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
         );
         let mut args: Vec<String> = [

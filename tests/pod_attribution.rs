@@ -10,61 +10,22 @@ mod common;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Arc, Mutex};
+
 use std::time::Duration;
 
+use common::kubelet::FakeKubelet;
 use common::{Agent, Metrics};
 use serde_json::Value;
 use stepwatch_proto::podresources::v1::{
-    pod_resources_lister_server::{PodResourcesLister, PodResourcesListerServer},
-    AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
-    ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
-    ListPodResourcesResponse, PodResources,
+    pod_resources_lister_server::PodResourcesListerServer, ContainerDevices, ContainerResources,
+    PodResources,
 };
-use tonic::{Request, Response, Status};
 
 const WAIT: Duration = Duration::from_secs(30);
 const CONTAINER_ID: &str = "3f4e1b2c9a8d7e6f5a4b3c2d1e0f9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f";
 
 fn gpu(index: u32) -> String {
     fake_nvml::GpuSpec::h100_80gb(index).uuid
-}
-
-/// The kubelet's pod-resources API, answering from a list the test edits.
-#[derive(Clone, Default)]
-struct FakeKubelet {
-    pods: Arc<Mutex<Vec<PodResources>>>,
-    /// While set, `List` fails (UNAVAILABLE), as a restarting kubelet does.
-    down: Arc<std::sync::atomic::AtomicBool>,
-}
-
-#[tonic::async_trait]
-impl PodResourcesLister for FakeKubelet {
-    async fn list(
-        &self,
-        _: Request<ListPodResourcesRequest>,
-    ) -> Result<Response<ListPodResourcesResponse>, Status> {
-        if self.down.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err(Status::unavailable("kubelet restarting"));
-        }
-        Ok(Response::new(ListPodResourcesResponse {
-            pod_resources: self.pods.lock().unwrap().clone(),
-        }))
-    }
-
-    async fn get_allocatable_resources(
-        &self,
-        _: Request<AllocatableResourcesRequest>,
-    ) -> Result<Response<AllocatableResourcesResponse>, Status> {
-        Err(Status::unimplemented("not used by the agent"))
-    }
-
-    async fn get(
-        &self,
-        _: Request<GetPodResourcesRequest>,
-    ) -> Result<Response<GetPodResourcesResponse>, Status> {
-        Err(Status::unimplemented("not used by the agent"))
-    }
 }
 
 /// A node: /proc and /var/log/pods fixtures, a fake kubelet, and an agent

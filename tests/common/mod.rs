@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod kubelet;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
@@ -401,21 +403,27 @@ pub struct Prometheus {
     child: Option<Child>,
 }
 
+/// Panics with what to install when `binary` is not on PATH: tests that
+/// run a real server fail without it rather than skip.
+pub fn require_binary(binary: &str, what: &str, package: &str) {
+    if Command::new(binary)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_err()
+    {
+        panic!(
+            "`{binary}` is not on PATH: this test runs {what}. \
+             Install Debian's package `{package}` (scripts/test installs it)."
+        );
+    }
+}
+
 impl Prometheus {
     /// Panics with what to install when `prometheus` is not on PATH.
     pub fn require() {
-        if Command::new("prometheus")
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_err()
-        {
-            panic!(
-                "`prometheus` is not on PATH: this test runs a real Prometheus server. \
-                 Install Debian's package `prometheus` (scripts/test installs it)."
-            );
-        }
+        require_binary("prometheus", "a real Prometheus server", "prometheus");
     }
 
     /// Writes `config` (prometheus.yml text) to a temp dir and starts the
