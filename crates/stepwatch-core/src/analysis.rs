@@ -37,8 +37,8 @@ use crate::predict::{
 };
 use crate::profile::{phase_allocator_peaks, SteadyProfile, StepProfile};
 use crate::replay::{Gradients, Step2Replay};
+use crate::sample::GpuSample;
 use crate::timeline::{RankTimeline, StepOutcome, StepRecord};
-use crate::tracker::GpuSample;
 
 /// Tunables of the analysis.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]

@@ -19,6 +19,7 @@ pub mod predict;
 pub mod profile;
 pub mod record;
 pub mod replay;
+pub mod sample;
 pub mod timeline;
 pub mod tracker;
 
@@ -49,5 +50,6 @@ pub use replay::{
     replay_step2, replay_step2_with, replay_step2_within, AllocatorAction, AllocatorEvent,
     AllocatorTrace, Gradients, LimitedReplay, Step2Replay, TraceError, TraceSettings,
 };
+pub use sample::GpuSample;
 pub use timeline::{PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord};
-pub use tracker::{GpuSample, Journal, OpenError, Opened, RankState, Tracker, TrackerConfig};
+pub use tracker::{Journal, OpenError, Opened, RankState, Tracker, TrackerConfig};

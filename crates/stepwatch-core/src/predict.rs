@@ -129,11 +129,11 @@ use crate::advisory::gb;
 use crate::divergence::activation_peak_bytes;
 use crate::fit::{what_would_fit, FitInputs, WhatWouldFit};
 use crate::identity::{ModelFacts, OptimizerImplementation, OptimizerKind, Precision};
-use crate::marker::PhaseKind;
+use crate::marker::{AllocatorStats, PhaseKind};
 use crate::profile::{max_opt, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds};
 use crate::replay::{Gradients, Step2Replay};
+use crate::sample::GpuSample;
 use crate::timeline::{PhaseRecord, SampleEdges, SampleStats, StepOutcome, StepRecord};
-use crate::tracker::GpuSample;
 
 /// Tunables of the prediction.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -568,80 +568,314 @@ pub fn predict_with(
     config: &PredictConfig,
 ) -> Option<Prediction> {
     let step = with_live(step1, live);
-    let phases = &step.phases;
-    let is_fb = |p: &PhaseRecord| matches!(p.phase, PhaseKind::Forward | PhaseKind::Backward);
-    let first_bwd = phases.iter().position(|p| p.phase == PhaseKind::Backward);
-    let first_group = |i: usize| first_bwd.is_none_or(|b| i <= b);
-
-    let alloc = |p: &PhaseRecord| phase_allocator_peaks(p).map(|(a, _)| a);
-    let nvml = |p: &PhaseRecord| (p.nvml.samples > 0).then_some(p.nvml.peak_bytes);
-    let basis = if phases
-        .iter()
-        .filter(|p| is_fb(p))
-        .any(|p| alloc(p).is_some())
-    {
-        PredictionBasis::Allocator
-    } else if phases
-        .iter()
-        .filter(|p| is_fb(p))
-        .any(|p| nvml(p).is_some())
-    {
-        PredictionBasis::NvmlOnly
+    let view = Step1View::of(&step.phases)?;
+    let basis = view.basis;
+    let peaks = view.peaks();
+    let optimizer_phase_closed = view.optimizer_phase_closed();
+    let measured_jump = optimizer_phase_closed
+        .then(|| view.measured_jump())
+        .flatten();
+    let state = optimizer_state(facts, basis, measured_jump, config);
+    let grads = persistent_gradients(&view, facts);
+    let optimizer = optimizer_phase_estimate(&view, &state, &grads, optimizer_phase_closed);
+    let forward_grads = if gradients == Gradients::FreedBeforeBackward && !grads.persistent {
+        grads.measured.or(grads.facts).unwrap_or(0)
     } else {
-        return None;
+        0
     };
-    let figure = |p: &PhaseRecord| match basis {
-        PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => alloc(p),
-        PredictionBasis::NvmlOnly => nvml(p),
+    let terms = Terms::of(&view, &peaks, &state, &grads, &optimizer, forward_grads);
+    let (basis_peak, binding) = terms.binding_max();
+    let basis_peak_at_most = terms
+        .upper_bound(&view, &state, &grads, forward_grads)
+        .map(|m| m.max(basis_peak));
+    // A replay needs allocator figures to sit on (the overhead is NVML minus
+    // reserved at phase starts).
+    let replay = replay.filter(|_| basis == PredictionBasis::Allocator);
+    let device = device_figures(DeviceInputs {
+        step1,
+        step: &step,
+        view: &view,
+        step1_peak: peaks.step1,
+        basis_peak,
+        binding,
+        state: &state,
+        optimizer: &optimizer,
+        replay,
+        other_process_bytes,
+        config,
+    });
+    let predicted = device.device_bytes;
+    let rank_peak = predicted.saturating_sub(other_process_bytes);
+    // capacity − rank's share − other processes, i.e. capacity − device peak
+    // (also when the device figure is below what other processes hold).
+    let headroom = (capacity_bytes > 0).then(|| i128::from(capacity_bytes) - i128::from(predicted));
+    let headroom = headroom.map(|h| h.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64);
+    let oom_risk = headroom.is_some_and(|h| h < 0);
+    let low_headroom =
+        headroom.is_some_and(|h| (h as f64) < config.low_headroom_fraction * capacity_bytes as f64);
+
+    let layout_guessed = basis == PredictionBasis::Allocator && replay.is_none();
+    let inputs = PredictionInputs {
+        basis: if replay.is_some() {
+            PredictionBasis::AllocatorReplay
+        } else {
+            basis
+        },
+        step: step.step,
+        step_outcome: step.outcome,
+        open_phase: step
+            .phases
+            .last()
+            .filter(|p| p.end_monotonic_ns.is_none())
+            .map(|p| p.phase),
+        optimizer_phase_closed,
+        first_micro_batch_peak_bytes: peaks.first,
+        later_micro_batches_peak_bytes: peaks.later,
+        optimizer_phase_peak_bytes: peaks.optimizer,
+        step1_peak_bytes: peaks.step1,
+        state_bytes: state.bytes,
+        state_source: state.source,
+        measured_jump_bytes: measured_jump,
+        facts_state_bytes: state.facts,
+        state_bytes_per_parameter: state.bytes_per_parameter,
+        sharding_factor: state.sharding,
+        inferred_sharding_factor: state.inferred_sharding_factor,
+        grads_persistent: grads.persistent,
+        grad_bytes: grads.bytes,
+        grads_source: grads.source,
+        binding,
+        basis_peak_bytes: basis_peak,
+        basis_peak_at_most_bytes: basis_peak_at_most,
+        reserved_ratio: device.reserved_ratio,
+        step1_reserved_peak_bytes: device.step1_reserved_peak,
+        cache_at_optimizer_begin_bytes: device.cache_at_optimizer_begin,
+        state_from_cache_bytes: device.state_from_cache,
+        layout_allowance_fraction: config.layout_allowance_fraction,
+        layout_allowance_bytes: if layout_guessed {
+            device.layout_allowance
+        } else {
+            0
+        },
+        predicted_reserved_bytes: device.predicted_reserved,
+        allocator_replay: replay.copied(),
+        overhead_bytes: device.overhead,
+        step1_nvml_peak_bytes: device.step1_nvml_peak,
+        capacity_bytes,
+        other_process_bytes,
+        optimizer_temporaries_bytes: state.temporaries,
+        optimizer_phase_estimate_bytes: optimizer.estimate,
+        basis_limits: basis_limits(
+            basis,
+            state.source,
+            replay.is_none() && device.state_from_cache > 0,
+        ),
+        gradients,
+        forward_grad_bytes: forward_grads,
     };
-    let max_where = |keep: &dyn Fn(usize, &PhaseRecord) -> bool| {
-        phases
+    let what_would_fit = what_would_fit(&FitInputs {
+        binding,
+        basis_peak_bytes: basis_peak,
+        optimizer_phase_peak_bytes: peaks.optimizer,
+        predicted_peak_bytes: predicted,
+        capacity_bytes,
+        target_headroom_bytes: (config.low_headroom_fraction.max(0.0) * capacity_bytes as f64)
+            .ceil() as u64,
+        state_bytes: state.bytes,
+        sharding_factor: state.inferred_sharding_factor.unwrap_or(state.sharding),
+        activation_bytes: {
+            let a = activation_peak_bytes(&step);
+            match basis {
+                PredictionBasis::NvmlOnly => a.nvml_bytes,
+                _ => a.allocated_bytes,
+            }
+        },
+        micro_batch_size: facts.micro_batch_size,
+    });
+    Some(Prediction {
+        what_would_fit: Some(what_would_fit),
+        predicted_peak_bytes: predicted,
+        predicted_rank_peak_bytes: rank_peak,
+        headroom_bytes: headroom,
+        oom_risk,
+        low_headroom,
+        provisional: step.outcome == StepOutcome::Running,
+        explanation: explain(&inputs, predicted, headroom),
+        inputs,
+        warning_revision: None,
+    })
+}
+
+/// Step 1's phases as the prediction reads them: the basis its figures are
+/// taken in, and the split into the first micro-batch group (up to and
+/// including the first backward) and the later micro-batches.
+struct Step1View<'a> {
+    phases: &'a [PhaseRecord],
+    basis: PredictionBasis,
+    first_backward: Option<usize>,
+}
+
+/// A predicate over step 1's phases, by position and record.
+type PhaseFilter<'f> = &'f dyn Fn(usize, &PhaseRecord) -> bool;
+
+impl<'a> Step1View<'a> {
+    /// The allocator basis when a forward or backward phase has allocator
+    /// figures, else NVML when one has samples; None when neither has any.
+    fn of(phases: &'a [PhaseRecord]) -> Option<Self> {
+        let forward_backward = || phases.iter().filter(|p| is_forward_backward(p));
+        let basis = if forward_backward().any(|p| allocator_peak(p).is_some()) {
+            PredictionBasis::Allocator
+        } else if forward_backward().any(|p| nvml_peak(p).is_some()) {
+            PredictionBasis::NvmlOnly
+        } else {
+            return None;
+        };
+        Some(Self {
+            phases,
+            basis,
+            first_backward: phases.iter().position(|p| p.phase == PhaseKind::Backward),
+        })
+    }
+
+    fn in_first_group(&self, i: usize) -> bool {
+        self.first_backward.is_none_or(|b| i <= b)
+    }
+
+    fn is_first_group_forward_backward(&self, i: usize, p: &PhaseRecord) -> bool {
+        is_forward_backward(p) && self.in_first_group(i)
+    }
+
+    fn is_later_forward_backward(&self, i: usize, p: &PhaseRecord) -> bool {
+        is_forward_backward(p) && !self.in_first_group(i)
+    }
+
+    fn is_first_forward(&self, i: usize, p: &PhaseRecord) -> bool {
+        p.phase == PhaseKind::Forward && self.in_first_group(i)
+    }
+
+    /// A phase's peak in basis units.
+    fn figure(&self, p: &PhaseRecord) -> Option<u64> {
+        match self.basis {
+            PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => allocator_peak(p),
+            PredictionBasis::NvmlOnly => nvml_peak(p),
+        }
+    }
+
+    /// The highest figure of the phases `keep` selects.
+    fn max_where(&self, keep: PhaseFilter<'_>) -> Option<u64> {
+        self.phases
             .iter()
             .enumerate()
             .filter(|(i, p)| keep(*i, p))
-            .map(|(_, p)| figure(p))
+            .map(|(_, p)| self.figure(p))
             .fold(None, max_opt)
-    };
-    let first_peak = max_where(&|i, p| is_fb(p) && first_group(i));
-    let later_peak = max_where(&|i, p| is_fb(p) && !first_group(i));
-    let opt_peak = max_where(&|_, p| p.phase == PhaseKind::Optimizer);
-    let step1_peak = max_where(&|_, _| true).unwrap_or(0);
-    let first_peak = first_peak.unwrap_or(0);
-    // How high the same maxima can be, on the allocator basis: the figures
-    // above are lower bounds, which since-start peak counters pin only in
-    // the phases that raise the high-water mark (see `crate::profile`).
-    let bounds_where = |keep: &dyn Fn(usize, &PhaseRecord) -> bool| {
-        phases
+    }
+
+    /// How high the same maximum can be, on the allocator basis: the
+    /// figures are lower bounds, which since-start peak counters pin only in
+    /// the phases that raise the high-water mark (see `crate::profile`).
+    fn bounds_where(&self, keep: PhaseFilter<'_>) -> Option<PeakBounds> {
+        self.phases
             .iter()
             .enumerate()
             .filter(|(i, p)| keep(*i, p))
             .filter_map(|(_, p)| phase_allocator_peak_bounds(p).map(|(a, _)| a))
             .reduce(PeakBounds::max)
-    };
+    }
 
-    // Optimizer state.
-    let opt_idx: Vec<usize> = (0..phases.len())
-        .filter(|&i| phases[i].phase == PhaseKind::Optimizer)
-        .collect();
-    let optimizer_phase_closed = !opt_idx.is_empty()
-        && opt_idx
-            .iter()
-            .all(|&i| phases[i].end_monotonic_ns.is_some());
-    let measured_jump = if optimizer_phase_closed {
-        opt_idx
-            .iter()
-            .map(|&i| jump_across(phases, i, basis))
-            .sum::<Option<i64>>()
-    } else {
-        None
-    };
-    let bpp = facts
+    fn peaks(&self) -> Step1Peaks {
+        Step1Peaks {
+            first: self
+                .max_where(&|i, p| self.is_first_group_forward_backward(i, p))
+                .unwrap_or(0),
+            later: self.max_where(&|i, p| self.is_later_forward_backward(i, p)),
+            optimizer: self.max_where(&|_, p| p.phase == PhaseKind::Optimizer),
+            step1: self.max_where(&|_, _| true).unwrap_or(0),
+        }
+    }
+
+    fn optimizer_indices(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.phases.len()).filter(|&i| self.phases[i].phase == PhaseKind::Optimizer)
+    }
+
+    /// Step 1 has an optimizer phase and every one has closed.
+    fn optimizer_phase_closed(&self) -> bool {
+        self.optimizer_indices().next().is_some()
+            && self
+                .optimizer_indices()
+                .all(|i| self.phases[i].end_monotonic_ns.is_some())
+    }
+
+    /// The jump across step 1's optimizer phases, summed.
+    fn measured_jump(&self) -> Option<i64> {
+        self.optimizer_indices()
+            .map(|i| jump_across(self.phases, i, self.basis))
+            .sum()
+    }
+
+    fn first_forward(&self) -> Option<&'a PhaseRecord> {
+        self.phases.iter().find(|p| p.phase == PhaseKind::Forward)
+    }
+
+    /// Allocator figures when step 1's first optimizer phase began.
+    fn allocator_at_optimizer_begin(&self) -> Option<AllocatorStats> {
+        self.optimizer_indices()
+            .next()
+            .and_then(|i| self.phases[i].allocator_at_start)
+    }
+}
+
+fn is_forward_backward(p: &PhaseRecord) -> bool {
+    matches!(p.phase, PhaseKind::Forward | PhaseKind::Backward)
+}
+
+fn allocator_peak(p: &PhaseRecord) -> Option<u64> {
+    phase_allocator_peaks(p).map(|(allocated, _)| allocated)
+}
+
+fn nvml_peak(p: &PhaseRecord) -> Option<u64> {
+    (p.nvml.samples > 0).then_some(p.nvml.peak_bytes)
+}
+
+/// Step 1's peaks by phase group, in basis units.
+struct Step1Peaks {
+    /// The first micro-batch group's forward/backward phases; 0 without a figure.
+    first: u64,
+    /// The forward/backward phases after the first backward.
+    later: Option<u64>,
+    /// The optimizer phases.
+    optimizer: Option<u64>,
+    /// Every phase; 0 without a figure.
+    step1: u64,
+}
+
+/// The optimizer state and the figures it was chosen from.
+struct StateFigures {
+    bytes: u64,
+    source: StateSource,
+    /// From model facts, sharded.
+    facts: Option<u64>,
+    bytes_per_parameter: Option<u32>,
+    sharding: u32,
+    inferred_sharding_factor: Option<u32>,
+    /// The optimizer's temporaries at its peak (see [`optimizer_temporaries`]).
+    temporaries: u64,
+}
+
+/// The optimizer state step 2 adds to step 1's forward/backward peaks (see
+/// the module documentation's `state`).
+fn optimizer_state(
+    facts: &ModelFacts,
+    basis: PredictionBasis,
+    measured_jump: Option<i64>,
+    config: &PredictConfig,
+) -> StateFigures {
+    let bytes_per_parameter = facts
         .state_bytes_per_parameter
         .or_else(|| default_state_bytes_per_parameter(facts.optimizer));
     let sharding = facts.sharding_factor.unwrap_or(1).max(1);
     let unsharded = facts
         .parameter_count
-        .zip(bpp)
+        .zip(bytes_per_parameter)
         .map(|(n, b)| u128::from(n) * u128::from(b));
     // Without a parameter count, the family's state tensors per parameter
     // times the parameters' bytes (Adam: exp_avg and exp_avg_sq, each in
@@ -656,9 +890,8 @@ pub fn predict_with(
         facts.parameter_bytes.map(|b| u128::from(b) * tensors)
     });
     let facts_state = unsharded.map(|u| sat_u64(u.div_ceil(u128::from(sharding))));
-    let optimizer_temporaries = optimizer_temporaries(facts, facts_state);
-    let stateful = bpp.map(|b| b > 0);
-    let (state, state_source) = if facts.state_precreated == Some(true) {
+    let stateful = bytes_per_parameter.map(|b| b > 0);
+    let (bytes, source) = if facts.state_precreated == Some(true) {
         (0, StateSource::DeclaredPrecreated)
     } else if let Some(jump) = measured_jump {
         let jump_u = u64::try_from(jump.max(0)).unwrap_or(0);
@@ -682,26 +915,50 @@ pub fn predict_with(
     } else {
         (0, StateSource::Unknown)
     };
-    let inferred_sharding_factor = match (state_source, unsharded) {
-        (StateSource::MeasuredJump, Some(u)) if state > 0 => {
-            let r = (u as f64 / state as f64).round();
+    let inferred_sharding_factor = match (source, unsharded) {
+        (StateSource::MeasuredJump, Some(u)) if bytes > 0 => {
+            let r = (u as f64 / bytes as f64).round();
             (r >= 2.0).then_some(r.min(f64::from(u32::MAX)) as u32)
         }
         _ => None,
     };
+    StateFigures {
+        bytes,
+        source,
+        facts: facts_state,
+        bytes_per_parameter,
+        sharding,
+        inferred_sharding_factor,
+        temporaries: optimizer_temporaries(facts, facts_state),
+    }
+}
 
-    // Persistent gradients.
-    let grads_persistent = facts.grads_set_to_none == Some(false);
-    let measured_grads = (basis == PredictionBasis::Allocator)
+/// Gradients that survive into step 2's forward, and both ways to size them.
+struct GradFigures {
+    /// `grads_set_to_none == Some(false)`.
+    persistent: bool,
+    /// Added to the first micro-batch term; 0 when not persistent.
+    bytes: u64,
+    source: GradsSource,
+    /// Allocator basis: allocated after the first backward − before the
+    /// first forward.
+    measured: Option<u64>,
+    /// parameter_bytes, or parameter_count × dtype bytes.
+    facts: Option<u64>,
+}
+
+fn persistent_gradients(view: &Step1View<'_>, facts: &ModelFacts) -> GradFigures {
+    let persistent = facts.grads_set_to_none == Some(false);
+    let measured = (view.basis == PredictionBasis::Allocator)
         .then(|| {
-            let first_fwd = phases.iter().find(|p| p.phase == PhaseKind::Forward)?;
-            let bwd = &phases[first_bwd?];
-            let before = first_fwd.allocator_at_start?.allocated_bytes;
-            let after = bwd.allocator_at_end?.allocated_bytes;
+            let before = view.first_forward()?.allocator_at_start?.allocated_bytes;
+            let after = view.phases[view.first_backward?]
+                .allocator_at_end?
+                .allocated_bytes;
             Some(after.saturating_sub(before))
         })
         .flatten();
-    let facts_grads = facts.parameter_bytes.or_else(|| {
+    let from_facts = facts.parameter_bytes.or_else(|| {
         let per = if facts.precision == Precision::Bf16 {
             2
         } else {
@@ -709,303 +966,298 @@ pub fn predict_with(
         };
         facts.parameter_count.map(|n| n.saturating_mul(per))
     });
-    let (grads, grads_source) = if !grads_persistent {
+    let (bytes, source) = if !persistent {
         (0, GradsSource::NotPersistent)
-    } else if let Some(g) = measured_grads {
+    } else if let Some(g) = measured {
         // What backward left allocated also holds the loop's variables still
         // alive then (the logits, the loss); gradients are never larger than
         // the parameters (same dtype), so the facts bound the measurement.
-        match facts_grads {
+        match from_facts {
             Some(f) if f < g => (f, GradsSource::ModelFacts),
             _ => (g, GradsSource::Measured),
         }
-    } else if let Some(g) = facts_grads {
+    } else if let Some(g) = from_facts {
         (g, GradsSource::ModelFacts)
     } else {
         (0, GradsSource::Unknown)
     };
+    GradFigures {
+        persistent,
+        bytes,
+        source,
+        measured,
+        facts: from_facts,
+    }
+}
 
-    // Step 1's optimizer phase, estimated until it has been measured (on
-    // the allocator basis: NVML cannot see what the cache serves).
-    let new_state = if state_source == StateSource::ModelFacts {
-        state
+/// Step 1's optimizer phase, estimated until it has been measured.
+struct OptimizerEstimate {
+    /// Allocated at the phase's begin + state made in it + temporaries.
+    estimate: Option<u64>,
+    /// What the estimate adds that step 1 has not allocated yet.
+    new_bytes: u64,
+}
+
+/// Allocator basis only (NVML cannot see what the cache serves), until the
+/// phase has closed: allocated when it begins (before that: at the first
+/// forward + the gradients) + the state it will create + its temporaries.
+fn optimizer_phase_estimate(
+    view: &Step1View<'_>,
+    state: &StateFigures,
+    grads: &GradFigures,
+    optimizer_phase_closed: bool,
+) -> OptimizerEstimate {
+    let new_state = if state.source == StateSource::ModelFacts {
+        state.bytes
     } else {
         0
     };
-    let optimizer_estimate = (basis == PredictionBasis::Allocator
-        && !optimizer_phase_closed
-        && new_state.saturating_add(optimizer_temporaries) > 0)
-        .then(|| {
-            let at_begin = match opt_idx.first() {
-                Some(&i) => phases[i].allocator_at_start?.allocated_bytes,
-                None => {
-                    let first_fwd = phases.iter().find(|p| p.phase == PhaseKind::Forward)?;
-                    first_fwd
+    let new_bytes = new_state.saturating_add(state.temporaries);
+    let estimate =
+        (view.basis == PredictionBasis::Allocator && !optimizer_phase_closed && new_bytes > 0)
+            .then(|| {
+                let at_begin = match view.optimizer_indices().next() {
+                    Some(i) => view.phases[i].allocator_at_start?.allocated_bytes,
+                    None => view
+                        .first_forward()?
                         .allocator_at_start?
                         .allocated_bytes
-                        .saturating_add(measured_grads.or(facts_grads)?)
-                }
-            };
-            Some(
-                at_begin
-                    .saturating_add(new_state)
-                    .saturating_add(optimizer_temporaries),
-            )
-        })
-        .flatten();
-    // What the estimate adds that step 1 has not allocated yet.
-    let optimizer_new_bytes = new_state.saturating_add(optimizer_temporaries);
-    let opt_term = max_opt(opt_peak, optimizer_estimate);
+                        .saturating_add(grads.measured.or(grads.facts)?),
+                };
+                Some(at_begin.saturating_add(new_bytes))
+            })
+            .flatten();
+    OptimizerEstimate {
+        estimate,
+        new_bytes,
+    }
+}
 
-    // Gradients freed only just before backward live through step 2's
-    // forward, on top of its activations and the state.
-    let forward_grads = if gradients == Gradients::FreedBeforeBackward && !grads_persistent {
-        measured_grads.or(facts_grads).unwrap_or(0)
-    } else {
-        0
-    };
-    let is_first_fwd = |i: usize, p: &PhaseRecord| p.phase == PhaseKind::Forward && first_group(i);
-    let forward_term = (forward_grads > 0)
-        .then(|| max_where(&|i, p| is_first_fwd(i, p)))
-        .flatten()
-        .map(|f| f.saturating_add(state).saturating_add(forward_grads));
+/// The terms of the max (see the module documentation's `basis_peak`), in
+/// basis units; a term that does not apply is None.
+struct Terms {
+    first_micro_batch: u64,
+    later_micro_batches: Option<u64>,
+    optimizer_phase: Option<u64>,
+    step1_peak: u64,
+    first_forward_beside_gradients: Option<u64>,
+    /// The optimizer-phase estimate alone, for the upper bound.
+    optimizer_estimate: Option<u64>,
+}
 
-    // The max.
-    let terms = [
-        (
-            Some(first_peak.saturating_add(state).saturating_add(grads)),
-            BindingTerm::FirstMicroBatch,
-        ),
-        (
-            later_peak.map(|p| p.saturating_add(state)),
-            BindingTerm::LaterMicroBatches,
-        ),
-        (opt_term, BindingTerm::OptimizerPhase),
-        (Some(step1_peak), BindingTerm::Step1Peak),
-        (forward_term, BindingTerm::FirstForwardBesideGradients),
-    ];
-    let (basis_peak, binding) = terms.iter().filter_map(|(v, t)| v.map(|v| (v, *t))).fold(
-        (0, BindingTerm::FirstMicroBatch),
-        |best, (v, t)| {
-            if v > best.0 {
-                (v, t)
-            } else {
-                best
-            }
-        },
-    );
-    // The same max over the terms' upper bounds. A group with no figure
-    // (first micro-batch, step 1) counts as unbounded, as above it counts 0.
-    let unbounded = PeakBounds {
-        at_least: 0,
-        at_most: None,
-    };
-    let first_bounds = bounds_where(&|i, p| is_fb(p) && first_group(i)).unwrap_or(unbounded);
-    let term_bounds = [
-        Some(first_bounds.plus(state.saturating_add(grads))),
-        bounds_where(&|i, p| is_fb(p) && !first_group(i)).map(|b| b.plus(state)),
-        bounds_where(&|_, p| p.phase == PhaseKind::Optimizer),
-        optimizer_estimate.map(|e| PeakBounds {
-            at_least: e,
-            at_most: Some(e),
-        }),
-        Some(bounds_where(&|_, _| true).unwrap_or(unbounded)),
-        forward_term.and_then(|_| {
-            bounds_where(&|i, p| is_first_fwd(i, p))
-                .map(|b| b.plus(state.saturating_add(forward_grads)))
-        }),
-    ];
-    // NVML samples bound nothing: what happened between them is unseen.
-    let basis_peak_at_most = term_bounds
-        .iter()
-        .flatten()
-        .map(|b| b.at_most)
-        .collect::<Option<Vec<u64>>>()
-        .and_then(|m| m.into_iter().max())
-        .filter(|_| basis == PredictionBasis::Allocator)
-        .map(|m| m.max(basis_peak));
+impl Terms {
+    fn of(
+        view: &Step1View<'_>,
+        peaks: &Step1Peaks,
+        state: &StateFigures,
+        grads: &GradFigures,
+        optimizer: &OptimizerEstimate,
+        forward_grads: u64,
+    ) -> Self {
+        // Gradients freed only just before backward live through step 2's
+        // forward, on top of its activations and the state.
+        let first_forward_beside_gradients = (forward_grads > 0)
+            .then(|| view.max_where(&|i, p| view.is_first_forward(i, p)))
+            .flatten()
+            .map(|f| f.saturating_add(state.bytes).saturating_add(forward_grads));
+        Self {
+            first_micro_batch: peaks
+                .first
+                .saturating_add(state.bytes)
+                .saturating_add(grads.bytes),
+            later_micro_batches: peaks.later.map(|p| p.saturating_add(state.bytes)),
+            optimizer_phase: max_opt(peaks.optimizer, optimizer.estimate),
+            step1_peak: peaks.step1,
+            first_forward_beside_gradients,
+            optimizer_estimate: optimizer.estimate,
+        }
+    }
 
-    // To device bytes.
+    /// The largest term and which it is; ties go to the earlier term.
+    fn binding_max(&self) -> (u64, BindingTerm) {
+        let terms = [
+            (Some(self.first_micro_batch), BindingTerm::FirstMicroBatch),
+            (self.later_micro_batches, BindingTerm::LaterMicroBatches),
+            (self.optimizer_phase, BindingTerm::OptimizerPhase),
+            (Some(self.step1_peak), BindingTerm::Step1Peak),
+            (
+                self.first_forward_beside_gradients,
+                BindingTerm::FirstForwardBesideGradients,
+            ),
+        ];
+        terms.iter().filter_map(|(v, t)| v.map(|v| (v, *t))).fold(
+            (0, BindingTerm::FirstMicroBatch),
+            |best, (v, t)| if v > best.0 { (v, t) } else { best },
+        )
+    }
+
+    /// The same max over the terms' upper bounds, on the allocator basis
+    /// (NVML samples bound nothing: what happened between them is unseen).
+    /// A group with no figure (first micro-batch, step 1) counts as
+    /// unbounded, as in the max it counts 0.
+    fn upper_bound(
+        &self,
+        view: &Step1View<'_>,
+        state: &StateFigures,
+        grads: &GradFigures,
+        forward_grads: u64,
+    ) -> Option<u64> {
+        if view.basis != PredictionBasis::Allocator {
+            return None;
+        }
+        let unbounded = PeakBounds {
+            at_least: 0,
+            at_most: None,
+        };
+        let first = view
+            .bounds_where(&|i, p| view.is_first_group_forward_backward(i, p))
+            .unwrap_or(unbounded);
+        let bounds = [
+            Some(first.plus(state.bytes.saturating_add(grads.bytes))),
+            view.bounds_where(&|i, p| view.is_later_forward_backward(i, p))
+                .map(|b| b.plus(state.bytes)),
+            view.bounds_where(&|_, p| p.phase == PhaseKind::Optimizer),
+            self.optimizer_estimate.map(|e| PeakBounds {
+                at_least: e,
+                at_most: Some(e),
+            }),
+            Some(view.bounds_where(&|_, _| true).unwrap_or(unbounded)),
+            self.first_forward_beside_gradients.and_then(|_| {
+                view.bounds_where(&|i, p| view.is_first_forward(i, p))
+                    .map(|b| b.plus(state.bytes.saturating_add(forward_grads)))
+            }),
+        ];
+        bounds
+            .iter()
+            .flatten()
+            .map(|b| b.at_most)
+            .collect::<Option<Vec<u64>>>()
+            .and_then(|m| m.into_iter().max())
+    }
+}
+
+/// What [`device_figures`] converts to device bytes, and from what.
+struct DeviceInputs<'a> {
+    /// Step 1 as recorded, without the live samples.
+    step1: &'a StepRecord,
+    /// Step 1 with the live samples credited to its open phase.
+    step: &'a StepRecord,
+    view: &'a Step1View<'a>,
+    step1_peak: u64,
+    basis_peak: u64,
+    binding: BindingTerm,
+    state: &'a StateFigures,
+    optimizer: &'a OptimizerEstimate,
+    /// Allocator basis only.
+    replay: Option<&'a Step2Replay>,
+    other_process_bytes: u64,
+    config: &'a PredictConfig,
+}
+
+/// The basis peak in device bytes, and the figures on the way.
+struct DeviceFigures {
+    device_bytes: u64,
+    reserved_ratio: Option<f64>,
+    step1_reserved_peak: Option<u64>,
+    predicted_reserved: Option<u64>,
+    overhead: Option<u64>,
+    step1_nvml_peak: Option<u64>,
+    cache_at_optimizer_begin: Option<u64>,
+    state_from_cache: u64,
+    layout_allowance: u64,
+}
+
+/// The basis peak in device bytes (see the module documentation, "Allocator
+/// basis, to device bytes"); on the NVML basis it already is.
+fn device_figures(d: DeviceInputs<'_>) -> DeviceFigures {
+    let view = d.view;
+    let basis = view.basis;
     // On the allocator basis the floor is the NVML peak of step 1's closed
     // phases: samples credited to the open phase are those taken since its
     // marker, and when the client's markers lag (a busy host, a slow replay)
     // they may already be of step 2.
     let floor_phases = match basis {
-        PredictionBasis::NvmlOnly => phases,
-        _ => &step1.phases,
+        PredictionBasis::NvmlOnly => view.phases,
+        _ => &d.step1.phases,
     };
-    let step1_nvml_peak = floor_phases.iter().map(nvml).fold(None, max_opt);
-    let mut reserved_ratio = None;
-    let mut step1_reserved_peak = None;
-    let mut predicted_reserved = None;
-    let mut overhead = None;
-    let cache_at_opt = match basis {
-        PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => opt_idx
-            .first()
-            .and_then(|&i| phases[i].allocator_at_start)
+    let step1_nvml_peak = floor_phases.iter().map(nvml_peak).fold(None, max_opt);
+    let cache_at_optimizer_begin = match basis {
+        PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => view
+            .allocator_at_optimizer_begin()
             .map(|a| a.reserved_bytes.saturating_sub(a.allocated_bytes)),
         PredictionBasis::NvmlOnly => None,
     };
     let lazily_created = matches!(
-        state_source,
+        d.state.source,
         StateSource::MeasuredJump | StateSource::ModelFacts
     );
-    // A replay needs allocator figures to sit on (the overhead is NVML minus
-    // reserved at phase starts).
-    let replay = replay.filter(|_| basis == PredictionBasis::Allocator);
     let state_from_cache =
-        if basis == PredictionBasis::Allocator && lazily_created && replay.is_none() {
-            cache_at_opt.map_or(state, |c| state.min(c))
+        if basis == PredictionBasis::Allocator && lazily_created && d.replay.is_none() {
+            cache_at_optimizer_begin.map_or(d.state.bytes, |c| d.state.bytes.min(c))
         } else {
             0
         };
-    let allowance = (state_from_cache as f64 * config.layout_allowance_fraction.max(0.0)).round();
-    let allowance = if allowance.is_finite() {
+    let allowance = (state_from_cache as f64 * d.config.layout_allowance_fraction.max(0.0)).round();
+    let layout_allowance = if allowance.is_finite() {
         allowance.min(u64::MAX as f64) as u64
     } else {
         0
     };
-    let device = match basis {
-        PredictionBasis::NvmlOnly => basis_peak,
-        PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => {
-            let res_peak = phases
-                .iter()
-                .filter_map(|p| phase_allocator_peaks(p).map(|(_, r)| r))
-                .max();
-            let ratio = match res_peak {
-                Some(r) if step1_peak > 0 => (r as f64 / step1_peak as f64).max(1.0),
-                _ => 1.0,
-            };
-            // When the estimate of step 1's optimizer phase binds, its new
-            // tensors (state, temporaries) are taken at their own size: the
-            // ratio measures the cache around what step 1 has allocated so
-            // far, and early in step 1 that cache is mostly what was kept
-            // from initialisation (FSDP: the unsharded model), which the new
-            // tensors will reuse, not multiply.
-            let fresh = match optimizer_estimate {
-                Some(e) if e == basis_peak && binding == BindingTerm::OptimizerPhase => {
-                    optimizer_new_bytes.min(basis_peak)
-                }
-                _ => 0,
-            };
-            let reserved = match replay {
-                Some(r) => r.expected_reserved_peak_bytes(),
-                None => (((basis_peak - fresh) as f64 * ratio).ceil() as u64)
-                    .saturating_add(fresh)
-                    .saturating_add(allowance),
-            }
-            .max(res_peak.unwrap_or(0));
-            let oh = overhead_estimate(&step);
-            reserved_ratio = Some(ratio);
-            step1_reserved_peak = res_peak;
-            predicted_reserved = Some(reserved);
-            overhead = oh;
-            match oh {
-                Some(oh) => reserved
-                    .saturating_add(oh)
-                    .max(step1_nvml_peak.unwrap_or(0)),
-                None => reserved
-                    .saturating_add(config.assumed_overhead_bytes)
-                    .saturating_add(other_process_bytes),
-            }
+    let mut figures = DeviceFigures {
+        device_bytes: d.basis_peak,
+        reserved_ratio: None,
+        step1_reserved_peak: None,
+        predicted_reserved: None,
+        overhead: None,
+        step1_nvml_peak,
+        cache_at_optimizer_begin,
+        state_from_cache,
+        layout_allowance,
+    };
+    if basis == PredictionBasis::NvmlOnly {
+        return figures;
+    }
+    let reserved_peak = view
+        .phases
+        .iter()
+        .filter_map(|p| phase_allocator_peaks(p).map(|(_, r)| r))
+        .max();
+    let ratio = match reserved_peak {
+        Some(r) if d.step1_peak > 0 => (r as f64 / d.step1_peak as f64).max(1.0),
+        _ => 1.0,
+    };
+    // When the estimate of step 1's optimizer phase binds, its new tensors
+    // (state, temporaries) are taken at their own size: the ratio measures
+    // the cache around what step 1 has allocated so far, and early in step 1
+    // that cache is mostly what was kept from initialisation (FSDP: the
+    // unsharded model), which the new tensors will reuse, not multiply.
+    let fresh = match d.optimizer.estimate {
+        Some(e) if e == d.basis_peak && d.binding == BindingTerm::OptimizerPhase => {
+            d.optimizer.new_bytes.min(d.basis_peak)
         }
+        _ => 0,
     };
-    let rank_peak = device.saturating_sub(other_process_bytes);
-    // capacity − rank's share − other processes, i.e. capacity − device peak
-    // (also when the device figure is below what other processes hold).
-    let headroom = (capacity_bytes > 0).then(|| i128::from(capacity_bytes) - i128::from(device));
-    let headroom = headroom.map(|h| h.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64);
-    let oom_risk = headroom.is_some_and(|h| h < 0);
-    let low_headroom =
-        headroom.is_some_and(|h| (h as f64) < config.low_headroom_fraction * capacity_bytes as f64);
-
-    let inputs = PredictionInputs {
-        basis: if replay.is_some() {
-            PredictionBasis::AllocatorReplay
-        } else {
-            basis
-        },
-        step: step.step,
-        step_outcome: step.outcome,
-        open_phase: phases
-            .last()
-            .filter(|p| p.end_monotonic_ns.is_none())
-            .map(|p| p.phase),
-        optimizer_phase_closed,
-        first_micro_batch_peak_bytes: first_peak,
-        later_micro_batches_peak_bytes: later_peak,
-        optimizer_phase_peak_bytes: opt_peak,
-        step1_peak_bytes: step1_peak,
-        state_bytes: state,
-        state_source,
-        measured_jump_bytes: measured_jump,
-        facts_state_bytes: facts_state,
-        state_bytes_per_parameter: bpp,
-        sharding_factor: sharding,
-        inferred_sharding_factor,
-        grads_persistent,
-        grad_bytes: grads,
-        grads_source,
-        binding,
-        basis_peak_bytes: basis_peak,
-        basis_peak_at_most_bytes: basis_peak_at_most,
-        reserved_ratio,
-        step1_reserved_peak_bytes: step1_reserved_peak,
-        cache_at_optimizer_begin_bytes: cache_at_opt,
-        state_from_cache_bytes: state_from_cache,
-        layout_allowance_fraction: config.layout_allowance_fraction,
-        layout_allowance_bytes: if basis == PredictionBasis::Allocator && replay.is_none() {
-            allowance
-        } else {
-            0
-        },
-        predicted_reserved_bytes: predicted_reserved,
-        allocator_replay: replay.copied(),
-        overhead_bytes: overhead,
-        step1_nvml_peak_bytes: step1_nvml_peak,
-        capacity_bytes,
-        other_process_bytes,
-        optimizer_temporaries_bytes: optimizer_temporaries,
-        optimizer_phase_estimate_bytes: optimizer_estimate,
-        basis_limits: basis_limits(
-            basis,
-            state_source,
-            replay.is_none() && state_from_cache > 0,
-        ),
-        gradients,
-        forward_grad_bytes: forward_grads,
+    let reserved = match d.replay {
+        Some(r) => r.expected_reserved_peak_bytes(),
+        None => (((d.basis_peak - fresh) as f64 * ratio).ceil() as u64)
+            .saturating_add(fresh)
+            .saturating_add(layout_allowance),
+    }
+    .max(reserved_peak.unwrap_or(0));
+    let overhead = overhead_estimate(d.step);
+    figures.reserved_ratio = Some(ratio);
+    figures.step1_reserved_peak = reserved_peak;
+    figures.predicted_reserved = Some(reserved);
+    figures.overhead = overhead;
+    figures.device_bytes = match overhead {
+        Some(oh) => reserved
+            .saturating_add(oh)
+            .max(step1_nvml_peak.unwrap_or(0)),
+        None => reserved
+            .saturating_add(d.config.assumed_overhead_bytes)
+            .saturating_add(d.other_process_bytes),
     };
-    let what_would_fit = what_would_fit(&FitInputs {
-        binding,
-        basis_peak_bytes: basis_peak,
-        optimizer_phase_peak_bytes: opt_peak,
-        predicted_peak_bytes: device,
-        capacity_bytes,
-        target_headroom_bytes: (config.low_headroom_fraction.max(0.0) * capacity_bytes as f64)
-            .ceil() as u64,
-        state_bytes: state,
-        sharding_factor: inferred_sharding_factor.unwrap_or(sharding),
-        activation_bytes: {
-            let a = activation_peak_bytes(&step);
-            match basis {
-                PredictionBasis::NvmlOnly => a.nvml_bytes,
-                _ => a.allocated_bytes,
-            }
-        },
-        micro_batch_size: facts.micro_batch_size,
-    });
-    Some(Prediction {
-        what_would_fit: Some(what_would_fit),
-        predicted_peak_bytes: device,
-        predicted_rank_peak_bytes: rank_peak,
-        headroom_bytes: headroom,
-        oom_risk,
-        low_headroom,
-        provisional: step.outcome == StepOutcome::Running,
-        explanation: explain(&inputs, device, headroom),
-        inputs,
-        warning_revision: None,
-    })
+    figures
 }
 
 /// The optimizer's temporaries at its peak, beyond its state: what PyTorch
@@ -1308,4 +1560,158 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    //! The parts of the prediction alone; `tests/prediction.rs` drives the
+    //! whole through the tracker.
+
+    use super::*;
+    use crate::timeline::{SampleEdges, SampleStats};
+
+    fn phase(
+        kind: PhaseKind,
+        allocated: Option<(u64, u64)>,
+        nvml_peak: Option<u64>,
+    ) -> PhaseRecord {
+        let stats = |current: u64, peak: u64| AllocatorStats {
+            allocated_bytes: current,
+            allocated_peak_bytes: peak,
+            reserved_bytes: peak,
+            reserved_peak_bytes: peak,
+            active_bytes: current,
+            active_peak_bytes: peak,
+            num_alloc_retries: 0,
+        };
+        let mut nvml = SampleStats::default();
+        let mut edges = SampleEdges::default();
+        if let Some(used) = nvml_peak {
+            nvml.add(used);
+            edges.add(1, used);
+        }
+        PhaseRecord {
+            phase: kind,
+            micro_batch: 0,
+            start_monotonic_ns: 0,
+            end_monotonic_ns: Some(1),
+            allocator_at_start: allocated.map(|(start, _)| stats(start, start)),
+            allocator_at_end: allocated.map(|(end, peak)| stats(end, peak)),
+            nvml,
+            nvml_edges: edges,
+            credited: true,
+        }
+    }
+
+    #[test]
+    fn the_basis_is_the_allocator_when_forward_or_backward_has_its_figures() {
+        let with_allocator = [
+            phase(PhaseKind::Forward, Some((100, 300)), Some(900)),
+            phase(PhaseKind::Backward, Some((300, 400)), None),
+        ];
+        let view = Step1View::of(&with_allocator).unwrap();
+        assert_eq!(view.basis, PredictionBasis::Allocator);
+        assert_eq!(view.peaks().first, 400);
+
+        let nvml_only = [
+            phase(PhaseKind::Forward, None, Some(900)),
+            // An optimizer phase's figures do not make the basis.
+            phase(PhaseKind::Optimizer, Some((0, 50)), None),
+        ];
+        let view = Step1View::of(&nvml_only).unwrap();
+        assert_eq!(view.basis, PredictionBasis::NvmlOnly);
+        assert_eq!(view.peaks().first, 900);
+
+        let nothing = [phase(PhaseKind::Optimizer, Some((0, 50)), Some(70))];
+        assert!(Step1View::of(&nothing).is_none());
+    }
+
+    #[test]
+    fn micro_batches_after_the_first_backward_are_the_later_group() {
+        // Two micro-batches: forward 500, backward 600, then forward 800,
+        // backward 700, then the optimizer at 650.
+        let phases = [
+            phase(PhaseKind::Forward, Some((100, 500)), None),
+            phase(PhaseKind::Backward, Some((500, 600)), None),
+            phase(PhaseKind::Forward, Some((200, 800)), None),
+            phase(PhaseKind::Backward, Some((800, 700)), None),
+            phase(PhaseKind::Optimizer, Some((300, 650)), None),
+        ];
+        let peaks = Step1View::of(&phases).unwrap().peaks();
+        assert_eq!(peaks.first, 600);
+        assert_eq!(peaks.later, Some(800));
+        assert_eq!(peaks.optimizer, Some(650));
+        assert_eq!(peaks.step1, 800);
+    }
+
+    fn adam(parameters: u64, sharding: u32) -> ModelFacts {
+        ModelFacts {
+            optimizer: OptimizerKind::Adam,
+            parameter_count: Some(parameters),
+            sharding_factor: Some(sharding),
+            ..ModelFacts::default()
+        }
+    }
+
+    #[test]
+    fn state_is_the_measured_jump_and_names_the_sharding_it_implies() {
+        let config = PredictConfig::default();
+        // 1 M parameters × 8 B = 8 MB unsharded; a jump of 2 MB is a
+        // sharding of 4 that the facts did not report.
+        let state = optimizer_state(
+            &adam(1_000_000, 1),
+            PredictionBasis::Allocator,
+            Some(2_000_000),
+            &config,
+        );
+        assert_eq!(state.bytes, 2_000_000);
+        assert_eq!(state.source, StateSource::MeasuredJump);
+        assert_eq!(state.facts, Some(8_000_000));
+        assert_eq!(state.inferred_sharding_factor, Some(4));
+        // Foreach Adam's temporaries: half the facts state.
+        assert_eq!(state.temporaries, 4_000_000);
+    }
+
+    #[test]
+    fn no_jump_means_precreated_state_on_the_allocator_and_unseen_state_on_nvml() {
+        let config = PredictConfig::default();
+        let facts = adam(1_000_000, 2);
+        let allocator = optimizer_state(&facts, PredictionBasis::Allocator, Some(0), &config);
+        assert_eq!(
+            (allocator.bytes, allocator.source),
+            (0, StateSource::DetectedPrecreated)
+        );
+        // On NVML a zero jump proves nothing: the facts' 4 MB (8 MB / 2) hold.
+        let nvml = optimizer_state(&facts, PredictionBasis::NvmlOnly, Some(0), &config);
+        assert_eq!(
+            (nvml.bytes, nvml.source),
+            (4_000_000, StateSource::ModelFacts)
+        );
+        // Without facts to size it, NVML says what it could not see.
+        let unsized_state = optimizer_state(
+            &ModelFacts::default(),
+            PredictionBasis::NvmlOnly,
+            Some(0),
+            &config,
+        );
+        assert_eq!(unsized_state.source, StateSource::UnseenOnNvml);
+    }
+
+    #[test]
+    fn the_binding_term_is_the_largest_and_ties_go_to_the_earlier_one() {
+        let terms = Terms {
+            first_micro_batch: 700,
+            later_micro_batches: None,
+            optimizer_phase: Some(700),
+            step1_peak: 650,
+            first_forward_beside_gradients: Some(699),
+            optimizer_estimate: None,
+        };
+        assert_eq!(terms.binding_max(), (700, BindingTerm::FirstMicroBatch));
+        let terms = Terms {
+            later_micro_batches: Some(701),
+            ..terms
+        };
+        assert_eq!(terms.binding_max(), (701, BindingTerm::LaterMicroBatches));
+    }
 }

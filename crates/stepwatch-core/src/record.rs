@@ -16,7 +16,8 @@ use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::marker::Marker;
 use crate::predict::PredictionBasis;
 use crate::replay::{replay_step2_with, AllocatorTrace, Gradients, TraceError};
-use crate::tracker::{GpuSample, OpenError, Tracker, TrackerConfig};
+use crate::sample::GpuSample;
+use crate::tracker::{OpenError, Tracker, TrackerConfig};
 
 /// One input to the tracker.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -20,25 +20,11 @@ use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::marker::{Marker, MarkerKind};
 use crate::predict::{LiveStep, Prediction};
 use crate::replay::{Gradients, Step2Replay};
+use crate::sample::GpuSample;
 use crate::timeline::{PhaseRecord, RankTimeline, StepOutcome};
 
 /// Most processes remembered per GPU (see [`Tracker::set_gpu_processes`]).
 pub const MAX_PROCESSES_PER_GPU: usize = 1024;
-
-/// One reading of one GPU's device memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct GpuSample {
-    /// CLOCK_MONOTONIC ns when the reading was taken.
-    pub monotonic_ns: u64,
-    /// Device memory in use (NVML memory info v2 `used`).
-    pub used_bytes: u64,
-    /// Device capacity processes can use: NVML's `total` minus the memory
-    /// the driver reserves (`reserved` of memory info v2), which no
-    /// allocation can get; headroom is measured against it. Records written
-    /// before it was named so call it `total_bytes`.
-    #[serde(alias = "total_bytes")]
-    pub capacity_bytes: u64,
-}
 
 /// Bounds of the tracker. Every map and queue in it is bounded by these.
 #[derive(Debug, Clone, Copy)]
