@@ -111,7 +111,7 @@ fn samples_every_gpu_each_tick_with_monotonic_timestamps_and_a_lag_histogram() {
         .collect();
     let mut fresh = vec![0usize; drained.len()];
     let deadline = Instant::now() + Duration::from_secs(10);
-    while fresh.iter().any(|&n| n == 0) {
+    while fresh.contains(&0) {
         assert!(Instant::now() < deadline, "no new samples: {fresh:?}");
         for (i, (_, samples)) in sampler.drain_samples().iter().enumerate() {
             assert!(
