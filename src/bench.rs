@@ -799,17 +799,7 @@ fn accuracy(args: AccuracyArgs) -> anyhow::Result<()> {
 }
 
 fn median(values: &[f64]) -> f64 {
-    if values.is_empty() {
-        return 0.0;
-    }
-    let mut v = values.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    let mid = v.len() / 2;
-    if v.len() % 2 == 0 {
-        (v[mid - 1] + v[mid]) / 2.0
-    } else {
-        v[mid]
-    }
+    stepwatch_core::median_f64(&mut values.to_vec()).unwrap_or(0.0)
 }
 
 fn render(rows: &[Row]) -> String {

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -23,12 +24,6 @@ pub struct DemoArgs {
     /// Seconds between live status lines.
     #[arg(long, default_value_t = 2)]
     pub every: u64,
-}
-
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    INTERRUPTED.store(true, Ordering::SeqCst);
 }
 
 /// Child processes, stopped (SIGTERM, then SIGKILL) when dropped.
@@ -101,10 +96,11 @@ impl DemoJob {
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    // SAFETY: the handler only stores to an atomic.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as usize);
-        libc::signal(libc::SIGTERM, on_signal as *const () as usize);
+    // Ctrl-C and SIGTERM end the loop below, which stops the children.
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, Arc::clone(&interrupted))
+            .context("cannot handle Ctrl-C")?;
     }
     let exe = std::env::current_exe().context("cannot find the stepwatch binary")?;
     let lib = fake_nvml::find_cdylib().context(
@@ -114,19 +110,27 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("stepwatch-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let _cleanup = RemoveOnDrop(dir.clone());
-    // A 24 GB card for the healthy job, a 48 GB card for the doomed one.
-    let capacities = [24_146_608_128u64, 48_305_799_168];
-    let gpus: Vec<GpuSpec> = capacities
+    // A 24 GB card for the healthy job, a 48 GB card for the doomed one,
+    // named as cards of that size are (an L4 and an L40S).
+    let cards = [
+        ("NVIDIA L4", 24_146_608_128u64),
+        ("NVIDIA L40S", 48_305_799_168),
+    ];
+    let gpus: Vec<GpuSpec> = cards
         .iter()
         .enumerate()
-        .map(|(i, &total_bytes)| GpuSpec {
+        .map(|(i, &(name, total_bytes))| GpuSpec {
+            name: name.into(),
             total_bytes,
             ..GpuSpec::h100_80gb(i as u32)
         })
         .collect();
     let fake = FakeNvml::create(&dir, &gpus)?;
     let socket = dir.join("stepwatch.sock");
-    let log_path = dir.join("agent.log");
+    // Kept after the demo (the rest of `dir` is removed): it is where to
+    // look when something went wrong, and the demo says where it is.
+    let log_path =
+        std::env::temp_dir().join(format!("stepwatch-demo-{}-agent.log", std::process::id()));
     let ready_path = dir.join("agent-ready.json");
 
     let mut children = Children(Vec::new());
@@ -139,8 +143,11 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             "0600",
             "--node-name",
             "demo-node",
+            // The rank URL printed below names the doomed job's first run,
+            // which ends within two minutes: keep ended ranks for an hour so
+            // that it keeps answering (each run is a new job id).
             "--retention",
-            "60s",
+            "1h",
         ])
         .arg("--http-listen")
         .arg(args.http_listen.to_string())
@@ -199,7 +206,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let deadline = args.seconds.map(|s| started + Duration::from_secs(s));
     let mut next_print = started;
-    while !INTERRUPTED.load(Ordering::SeqCst) && deadline.is_none_or(|d| Instant::now() < d) {
+    while !interrupted.load(Ordering::SeqCst) && deadline.is_none_or(|d| Instant::now() < d) {
         std::thread::sleep(Duration::from_millis(100));
         if let Ok(Some(status)) = children.0[0].1.try_wait() {
             anyhow::bail!(
@@ -247,7 +254,10 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
     drop(children);
     drop(fake);
-    println!("demo stopped");
+    println!(
+        "demo stopped; the agent log is kept at {}",
+        log_path.display()
+    );
     Ok(())
 }
 

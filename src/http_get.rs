@@ -54,11 +54,7 @@ pub fn parse_sample(line: &str) -> Option<Sample<'_>> {
     let mut rest = rest.strip_suffix('}')?;
     while !rest.is_empty() {
         let (key, after) = rest.split_once("=\"")?;
-        // The value ends at the first quote not escaped by a backslash.
-        let end = after
-            .char_indices()
-            .find(|&(i, c)| c == '"' && !after[..i].ends_with('\\'))?
-            .0;
+        let end = closing_quote(after)?;
         labels.push((key.trim_start_matches(','), &after[..end]));
         rest = &after[end + 1..];
     }
@@ -67,6 +63,22 @@ pub fn parse_sample(line: &str) -> Option<Sample<'_>> {
         labels,
         value,
     })
+}
+
+/// Index of the quote that closes a label value: the first one not
+/// escaped, a backslash escaping the character after it (so `"a\\"` ends
+/// at its last quote: the backslash before that quote is itself escaped).
+fn closing_quote(value: &str) -> Option<usize> {
+    let mut escaped = false;
+    for (i, c) in value.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '"' => return Some(i),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// Value of the first series of metric `name` whose labels include every
@@ -87,6 +99,15 @@ mod tests {
         x_total{node=\"n\",local_rank=\"1\",rank=\"0\"} 3\n\
         x_total{node=\"n\",rank=\"1\",msg=\"a \\\"q\\\" b\"} 4\n\
         up 1\n";
+
+    #[test]
+    fn a_value_ending_in_an_escaped_backslash_ends_at_its_quote() {
+        // `path="C:\\"` in the text: the value `C:\`, its backslash escaped.
+        let text = "x{path=\"C:\\\\\",rank=\"3\"} 7\n";
+        let s = parse_sample(text.lines().next().unwrap()).unwrap();
+        assert_eq!(s.labels, [("path", "C:\\\\"), ("rank", "3")]);
+        assert_eq!(metric_value(text, "x", &[("rank", "3")]), Some(7.0));
+    }
 
     #[test]
     fn labels_match_whole_pairs_only() {

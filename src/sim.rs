@@ -53,6 +53,14 @@ pub struct SimArgs {
     /// the allocator's history): the agent predicts from markers alone.
     #[arg(long)]
     pub no_allocator_trace: bool,
+    /// Before this step begins, wait until --release-file exists (a test
+    /// checks what the agent said about the steps before; the rank resumes
+    /// at the scenario's pace).
+    #[arg(long, requires = "release_file")]
+    pub hold_before_step: Option<u64>,
+    /// The file whose creation releases a rank held by --hold-before-step.
+    #[arg(long, requires = "hold_before_step")]
+    pub release_file: Option<PathBuf>,
 }
 
 /// Writes the rank's memory into the fake NVML state under this PID, sends
@@ -63,6 +71,8 @@ struct LiveRank<'a> {
     pid: u32,
     client: &'a Client,
     oom_step: Option<u64>,
+    /// Step to hold before, and the file that releases it.
+    hold: Option<(u64, PathBuf)>,
 }
 
 impl Sink for LiveRank<'_> {
@@ -94,6 +104,21 @@ impl Sink for LiveRank<'_> {
             "sending step 1's allocator trace"
         );
         self.client.send_allocator_trace(chunks);
+    }
+
+    fn before_marker(&mut self, m: &Marker) {
+        let Some((step, release)) = &self.hold else {
+            return;
+        };
+        if m.kind != MarkerKind::StepBegin || m.step != *step {
+            return;
+        }
+        // Sent markers first: what the holder checks must have reached the agent.
+        self.client.flush(Duration::from_secs(5));
+        tracing::info!(step, release = %release.display(), "holding before the step");
+        while !release.exists() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     fn other_process_bytes(&mut self) -> Option<u64> {
@@ -183,6 +208,7 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         pid,
         client: &client,
         oom_step: None,
+        hold: args.hold_before_step.zip(args.release_file.clone()),
     };
     stepwatch_sim::run_realtime(
         &mut rank,

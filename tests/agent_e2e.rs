@@ -646,6 +646,17 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
         "the doomed rank dies of a simulated OOM:\n{doomed_log}"
     );
     wait_ok(healthy, "healthy sim");
+    // The agent's log says it too, for whoever reads only that.
+    wait_until(
+        "the OOM in the agent's log",
+        Duration::from_secs(10),
+        || {
+            agent.log().lines().any(|l| {
+                l.contains("rank died of a CUDA out-of-memory error in step 2")
+                    && l.contains("job=doomed")
+            })
+        },
+    );
 
     let (_, body) = agent.get("/api/v1/jobs/doomed/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();

@@ -48,6 +48,19 @@ fn the_demo_predicts_the_doomed_job_before_it_dies() {
             Err(e) => panic!("the demo's output ended ({e}):\n{}", seen.join("\n")),
         }
     }
+    // The rank URL the demo printed answers after the rank died.
+    let url = seen
+        .iter()
+        .find_map(|l| l.trim().strip_prefix("a rank:    curl '"))
+        .and_then(|u| u.strip_suffix('\''))
+        .unwrap_or_else(|| panic!("no rank URL printed:\n{}", seen.join("\n")));
+    let (addr, path) = url
+        .strip_prefix("http://")
+        .and_then(|u| u.split_once('/'))
+        .expect("an http:// URL");
+    let (code, body) = common::http_get(addr.parse().unwrap(), &format!("/{path}")).unwrap();
+    assert_eq!(code, 200, "{url}: {body}");
+    assert!(body.contains("\"outcome\":\"oom\""), "{url}: {body}");
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(demo.id() as i32, libc::SIGTERM) };
     let out = demo.wait_with_output().expect("the demo stops");
@@ -60,7 +73,20 @@ fn the_demo_predicts_the_doomed_job_before_it_dies() {
         "{text}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(text.contains("demo stopped"), "{text}");
+    // The agent log it pointed to is kept, and says which rank died of what.
+    let log = text
+        .lines()
+        .find_map(|l| l.strip_prefix("demo stopped; the agent log is kept at "))
+        .unwrap_or_else(|| panic!("the demo did not say where its log is:\n{text}"));
+    let log_text = std::fs::read_to_string(log).unwrap_or_else(|e| panic!("{log}: {e}"));
+    let _ = std::fs::remove_file(log);
+    assert!(
+        log_text.lines().any(
+            |l| l.contains("rank died of a CUDA out-of-memory error in step 2")
+                && l.contains("job=doomed-llm-1")
+        ),
+        "{log_text}"
+    );
     let lines: Vec<&str> = text.lines().collect();
     let warned = lines
         .iter()

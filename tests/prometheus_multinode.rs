@@ -5,10 +5,11 @@
 //! rank 0 during step 1, the cross-node recording rules naming rank 0 as the
 //! step-1 outlier, and every rule and dashboard expression answering.
 //!
-//! The scenario runs with a longer optimizer phase (see `scenario_file`) so
-//! that a 500 ms scrape and rule evaluation fit between the moment the
-//! prediction goes negative and the start of step 2. The recording rules'
-//! group interval (30 s, as shipped) dominates the run time: 25-45 s.
+//! The ranks are held before step 2 (`stepwatch sim --hold-before-step`)
+//! until the test has seen the alert fire, so that "before step 2" does not
+//! depend on how fast a loaded machine scrapes and evaluates: the alert
+//! must come from step 1's data alone. The recording rules' group interval
+//! (30 s, as shipped) dominates the run time: 25-45 s.
 //!
 //! Needs `prometheus` on PATH (Debian package `prometheus`; scripts/test
 //! installs it).
@@ -28,38 +29,11 @@ use serde_json::Value;
 const CAPACITY: u64 = 48_305_799_168;
 const JOB: &str = "gpt-skew-multinode";
 const ALERT: &str = "Step2OOMPredicted";
-/// Run ten times slower than the scenario's timings (below): step 1 of rank 0
-/// lasts about 4.8 s.
+/// Run ten times slower than the scenario's timings.
 const SPEED: f64 = 0.1;
 const STEPS: u64 = 4;
 /// Resolution of the dashboards' range queries.
 const RANGE_STEP_S: f64 = 1.0;
-
-/// rank0-skew as shipped, with timings that leave Prometheus time to react.
-///
-/// The agent's prediction for rank 0 turns negative only when the step-1
-/// backward phase closes (optimizer-begin marker: its allocator peak
-/// arrives with that marker), so what is left of step 1 for a scrape
-/// (500 ms) plus a rule evaluation (500 ms) is the optimizer and epilogue
-/// phases. At the default 30 + 5 ms that is under 0.8 s even 20 times
-/// slower; a 250 ms optimizer phase gives 2.8 s at SPEED. Memory is
-/// unchanged: timings only space the allocations out.
-fn scenario_file(dir: &std::path::Path) -> PathBuf {
-    let shipped = repo().join("crates/stepwatch-sim/scenarios/rank0-skew.json");
-    let mut scenario: Value =
-        serde_json::from_str(&std::fs::read_to_string(shipped).unwrap()).unwrap();
-    scenario["timing"] = serde_json::json!({
-        "init_ms": 50.0,
-        "prologue_ms": 5.0,
-        "forward_ms": 60.0,
-        "backward_ms": 120.0,
-        "optimizer_ms": 250.0,
-        "epilogue_ms": 5.0
-    });
-    let path = dir.join("rank0-skew-slow-optimizer.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&scenario).unwrap()).unwrap();
-    path
-}
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -381,40 +355,56 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         (2, "node-b", 0),
         (3, "node-c", 0),
     ];
-    let scenario = scenario_file(&world.prom().dir.0);
-    let scenario = scenario.to_str().unwrap();
+    let release = world.prom().dir.0.join("release-step-2");
+    let hold = [
+        "--hold-before-step",
+        "2",
+        "--release-file",
+        release.to_str().unwrap(),
+    ];
     for (rank, node, gpu) in placement {
         let child = world
             .agent(node)
-            .sim(scenario, JOB, rank, gpu, STEPS, SPEED);
+            .sim_with("rank0-skew", JOB, rank, gpu, STEPS, SPEED, &hold);
         world.sims.push((rank, child));
     }
     let prom = world.prom();
     let node_a = world.agent("node-a");
 
-    // (a) The step-2 OOM alert fires for rank 0 before rank 0's step 2 begins.
-    let mut first_seen: Option<(f64, f64)> = None; // (activeAt, seen at)
+    // (a) The step-2 OOM alert fires for rank 0 while every rank is held
+    // before step 2, then the ranks go on.
     let mut others_firing = Vec::new();
-    let step2_begin = poll(
-        "the step-2 OOM alert for rank 0 and rank 0's step 2",
-        Duration::from_secs(30),
-        || {
-            for (labels, active_at) in firing(prom, ALERT) {
-                if labels.get("training_job").map(String::as_str) != Some(JOB) {
-                    continue;
-                }
-                if labels["rank"] == "0" {
-                    assert_eq!(labels["node"], "node-a", "{labels:?}");
-                    first_seen.get_or_insert((active_at, now_s()));
-                } else {
-                    others_firing.push(labels);
-                }
+    let mut collect_others = |firing: &[(BTreeMap<String, String>, f64)]| {
+        for (labels, _) in firing {
+            if labels.get("training_job").map(String::as_str) == Some(JOB) && labels["rank"] != "0"
+            {
+                others_firing.push(labels.clone());
             }
-            let (begin, _) = step_wall_s(&rank_report(node_a, 0)?, 2)?;
-            first_seen.is_some().then_some(begin)
+        }
+    };
+    let (active_at, seen_at) = poll(
+        "the step-2 OOM alert for rank 0",
+        Duration::from_secs(60),
+        || {
+            let now_firing = firing(prom, ALERT);
+            collect_others(&now_firing);
+            let (labels, active_at) = now_firing.into_iter().find(|(l, _)| {
+                l.get("training_job").map(String::as_str) == Some(JOB) && l["rank"] == "0"
+            })?;
+            assert_eq!(labels["node"], "node-a", "{labels:?}");
+            Some((active_at, now_s()))
         },
     );
-    let (active_at, seen_at) = first_seen.unwrap();
+    let held = rank_report(node_a, 0).expect("rank 0 reported");
+    assert!(
+        step_wall_s(&held, 2).is_none(),
+        "rank 0 was held before step 2, yet reported it: {held}"
+    );
+    std::fs::write(&release, b"").unwrap();
+    let step2_begin = poll("rank 0's step 2", Duration::from_secs(30), || {
+        collect_others(&firing(prom, ALERT));
+        step_wall_s(&rank_report(node_a, 0)?, 2).map(|(begin, _)| begin)
+    });
     let r0 = rank_report(node_a, 0).unwrap();
     let (step1_begin, _) = step_wall_s(&r0, 1).unwrap();
     eprintln!(

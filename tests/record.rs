@@ -31,8 +31,21 @@ fn a_record_replays_to_the_agents_own_prediction_and_steady_peak() {
             ) == Some(4.0)
         })
     });
-    // Let the last samples reach the tracker, then read what the agent says.
-    std::thread::sleep(Duration::from_millis(300));
+    // Every sample of the last steps reached the tracker once the sampler
+    // has taken two more on each GPU (the first of them may have been read
+    // before the step ended; the second was read after) and a report drains
+    // them in.
+    let taken = |m: &Metrics, gpu: &str| {
+        m.get("stepwatch_gpu_samples_total", &[("gpu", gpu)])
+            .unwrap_or(0.0)
+    };
+    let now = Metrics(agent.metrics());
+    let before = [taken(&now, "0"), taken(&now, "1")];
+    agent.wait_metrics(
+        "two more samples on each GPU",
+        Duration::from_secs(10),
+        |m| taken(m, "0") >= before[0] + 2.0 && taken(m, "1") >= before[1] + 2.0,
+    );
     let reports: Vec<serde_json::Value> = (1..=2)
         .map(|r| {
             let (code, body) = agent.get(&format!("/api/v1/jobs/rec/ranks/{r}"));

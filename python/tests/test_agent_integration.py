@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import pytest
 from conftest import agent_binary
@@ -40,12 +39,6 @@ def real_agent(sock_dir, monkeypatch, tmp_path):
     agent.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Agent:
     def __init__(
         self, binary: Path, sock_dir: str, tmp_path: Path, extra_args: Sequence[str] = ()
@@ -53,8 +46,11 @@ class _Agent:
         self.binary = binary
         self.extra_args = list(extra_args)
         self.socket = os.path.join(sock_dir, "stepwatch.sock")
-        self.port = _free_port()
         self.log = tmp_path / "agent.log"
+        # The agent binds port 0 and names what it bound here: no free-port race.
+        self.ready_file = tmp_path / "agent-ready.json"
+        self.http = ""  # host:port, once started
+        self.grpc: Optional[str] = None  # host:port of --grpc-listen, if given
         self.proc = None
 
     def start(self) -> None:
@@ -64,23 +60,26 @@ class _Agent:
             "--socket",
             self.socket,
             "--http-listen",
-            f"127.0.0.1:{self.port}",
+            "127.0.0.1:0",
+            "--ready-file",
+            str(self.ready_file),
             "--nvml-lib",
             "/nonexistent",
             *self.extra_args,
         ]
+        if self.ready_file.exists():
+            self.ready_file.unlink()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "wb"))
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"agent exited with {self.proc.returncode}: {self.log.read_text()}")
-            try:
-                if os.path.exists(self.socket) and self.get("/healthz", raw=True) is not None:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"agent did not come up in 20 s: {self.log.read_text()}")
+            if self.ready_file.exists():  # written atomically once every listener is up
+                ready = json.loads(self.ready_file.read_text())
+                self.http, self.grpc = ready["http"], ready.get("grpc")
+                return
+            time.sleep(0.05)
+        pytest.fail(f"agent wrote no ready file in 30 s: {self.log.read_text()}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -93,7 +92,7 @@ class _Agent:
         self.proc = None
 
     def get(self, path: str, raw: bool = False):
-        url = f"http://127.0.0.1:{self.port}{path}"
+        url = f"http://{self.http}{path}"
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 body = r.read()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -91,24 +90,17 @@ def certs(tmp_path_factory) -> Path:
     return d
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _TlsAgent:
-    def __init__(self, agent, grpc_port: int) -> None:
+    def __init__(self, agent) -> None:
         self.agent = agent
-        self.grpc_port = grpc_port
 
     @property
     def https(self) -> str:
-        return f"https://127.0.0.1:{self.grpc_port}"
+        return f"https://{self.agent.grpc}"
 
     @property
     def host_port(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return self.agent.grpc
 
 
 def _start_tls_agent(sock_dir: str, tmp_path: Path, args: List[str]):
@@ -116,20 +108,23 @@ def _start_tls_agent(sock_dir: str, tmp_path: Path, args: List[str]):
     from test_agent_integration import _Agent
 
     binary = agent_binary()
-    port = _free_port()
-    agent = _Agent(binary, sock_dir, tmp_path, ["--grpc-listen", f"127.0.0.1:{port}", *args])
-    agent.start()
-    deadline = time.monotonic() + 20
-    while True:  # the TCP listener may come up after the socket
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                agent.stop()
-                pytest.fail(f"agent TCP ingest not up: {agent.log.read_text()}")
-            time.sleep(0.1)
-    return _TlsAgent(agent, port)
+    agent = _Agent(binary, sock_dir, tmp_path, ["--grpc-listen", "127.0.0.1:0", *args])
+    agent.start()  # returns once the ready file names the bound TCP ingest address
+    assert agent.grpc, agent.log.read_text()
+    return _TlsAgent(agent)
+
+
+def _wait_refused_twice(timeout: float = 30.0) -> None:
+    """Waits until the client tried the agent at least twice and failed each
+    time: a refusal, not a client that never called."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = stepwatch.stats()
+        if st["connect_failures"] + st["stream_errors"] >= 2:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the client did not try twice in {timeout} s: {st}")
+        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -202,8 +197,9 @@ def test_plaintext_client_gets_nothing_into_a_tls_agent(tls_agent, monkeypatch):
     job = _job()
     monkeypatch.setenv("STEPWATCH_ENDPOINT", tls_agent.host_port)  # no CA: plaintext
     assert _train(2, job_id=job) < 30
-    time.sleep(1.5)
+    _wait_refused_twice()
     assert stepwatch.stats()["tls"] is False
+    assert stepwatch.stats()["sent"] == 0
     assert tls_agent.agent.get(f"/api/v1/jobs/{job}/ranks/0") is None
 
 
@@ -224,8 +220,7 @@ def test_mutual_tls_without_client_certificate_gets_nothing(mtls_agent, certs):
     job = _job()
     elapsed = _train(2, job_id=job, endpoint=mtls_agent.https, tls_ca=certs / "ca.pem")
     assert elapsed < 30
-    stepwatch.flush(2)
-    time.sleep(1.5)
+    _wait_refused_twice()
     assert mtls_agent.agent.get(f"/api/v1/jobs/{job}/ranks/0") is None
     st = stepwatch.stats()
     assert st["tls"] is True and st["enqueued"] >= 6, st

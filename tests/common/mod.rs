@@ -283,6 +283,21 @@ impl Agent {
         steps: u64,
         speed: f64,
     ) -> Child {
+        self.sim_with(scenario, job, rank, gpu, steps, speed, &[])
+    }
+
+    /// Like `sim`, with more `stepwatch sim` arguments.
+    #[allow(clippy::too_many_arguments)]
+    pub fn sim_with(
+        &self,
+        scenario: &str,
+        job: &str,
+        rank: u32,
+        gpu: u32,
+        steps: u64,
+        speed: f64,
+        extra_args: &[&str],
+    ) -> Child {
         Command::new(BIN)
             .args(["sim", "--scenario", scenario, "--job", job])
             .args(["--rank", &rank.to_string(), "--gpu", &gpu.to_string()])
@@ -291,6 +306,7 @@ impl Agent {
             .arg(self.endpoint())
             .arg("--fake-nvml-dir")
             .arg(&self.dir.0)
+            .args(extra_args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

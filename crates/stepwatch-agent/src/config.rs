@@ -305,26 +305,15 @@ fn parse_hz(s: &str) -> Result<f64, String> {
     Ok(hz)
 }
 
-/// Parses "250ms", "15s", "5m", "1h".
+/// Parses a flag's duration with humantime ("250ms", "15s", "5m", "1h 30m"):
+/// a unit is required, zero is refused.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 250ms, 15s, 5m or 1h"))?;
-    let secs = match unit {
-        "ms" => n / 1000.0,
-        "s" | "" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?}; use ms, s, m or h")),
-    };
-    if !(secs.is_finite() && secs > 0.0) {
+    let d = humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 250ms, 15s, 5m, 1h or 1h 30m ({e})"))?;
+    if d.is_zero() {
         return Err(format!("{s:?} must be positive"));
     }
-    Ok(Duration::from_secs_f64(secs))
+    Ok(d)
 }
 
 #[cfg(test)]
@@ -337,8 +326,11 @@ mod tests {
         assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
         assert!(parse_duration("5 parsecs")
             .unwrap_err()
-            .contains("unknown unit"));
+            .contains("not a duration like"));
         assert!(parse_duration("0s").is_err());
+        assert_eq!(parse_duration("1h 30m"), Ok(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("2min"), Ok(Duration::from_secs(120)));
+        assert!(parse_duration("15").unwrap_err().contains("15s"));
         assert_eq!(parse_mode("0660"), Ok(0o660));
         assert!(parse_mode("999").is_err());
         assert!(parse_hz("0").is_err());

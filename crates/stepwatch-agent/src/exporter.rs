@@ -363,10 +363,7 @@ fn rank_snapshot(tracker: &Tracker, key: RankKey) -> Option<RankSnapshot> {
         .filter(|s| s.outcome == StepOutcome::Completed)
         .filter_map(|s| s.duration_ns())
         .collect();
-    let median_duration_ns = (!durations.is_empty()).then(|| {
-        let mid = durations.len() / 2;
-        *durations.select_nth_unstable(mid).1
-    });
+    let median_duration_ns = stepwatch_core::median_u64(&mut durations);
     let activation_peak_bytes = tl.steps().next().and_then(|step1| {
         let act = stepwatch_core::activation_peak_bytes(step1);
         act.allocated_bytes.or(act.nvml_bytes)
@@ -438,7 +435,7 @@ fn rank_families(tracker: &TrackerSnapshot, node: &str, out: &mut Vec<MetricFami
     let mut median = Family::gauge(
         node,
         "stepwatch_rank_step_duration_median_seconds",
-        "Median duration of the retained completed steps.",
+        "Median duration of the retained completed steps (the mean of the two middle ones for an even count).",
     );
     let mut last_end = Family::gauge(
         node,
@@ -794,6 +791,28 @@ mod tests {
 
     /// Long enough for a loaded 2-core machine; it only bounds a failure.
     const WAIT: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn the_step_duration_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        // Steps of 1 µs and 3 µs: the median is 2 µs, as everywhere else in
+        // stepwatch (stepwatch_core::median_u64), not the upper middle 3 µs.
+        let state = test_state();
+        let key = test_rank(&state, "j", 0); // step 1 begins at 1 000 ns
+        let batch = [
+            test_marker(MarkerKind::StepEnd, 1, 2_000),
+            test_marker(MarkerKind::StepBegin, 2, 2_000),
+            test_marker(MarkerKind::StepEnd, 2, 5_000),
+            test_marker(MarkerKind::StepBegin, 3, 5_000),
+        ];
+        state.apply_markers(&key, &batch).unwrap();
+        let body = render(&state);
+        let line = body
+            .lines()
+            .find(|l| l.starts_with("stepwatch_rank_step_duration_median_seconds{"))
+            .unwrap_or_else(|| panic!("no median in:\n{body}"));
+        let value: f64 = line.rsplit_once(' ').unwrap().1.parse().unwrap();
+        assert_eq!(value, 2e-6, "{line}");
+    }
 
     #[test]
     fn ingest_goes_on_in_the_middle_of_a_scrape() {

@@ -200,8 +200,11 @@ async fn rank(
         rank,
     };
     // Copy out one rank under the tracker lock; serialise after it is
-    // released (the timeline of a long job is megabytes of JSON).
+    // released (the timeline of a long job is megabytes of JSON). Samples
+    // the sampler took so far go in first, so that a reader who saw a step
+    // end sees that step's last samples rather than the ones of 100 ms ago.
     off_runtime(state, move |state| {
+        state.attribute_samples();
         let body = state.read_tracker(|tracker| {
             let r = tracker.rank(&key)?;
             let retained = r.timeline.steps().len();

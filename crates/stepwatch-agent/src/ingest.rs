@@ -500,6 +500,17 @@ async fn receive_markers(
         match applied {
             Ok(advisories) => {
                 state.ingest.markers_received.inc_by(n);
+                // The one thing about a rank an operator reads the log for.
+                for m in markers.iter().filter(|m| m.kind == MarkerKind::Oom) {
+                    tracing::warn!(
+                        namespace = %key.namespace,
+                        job = %key.job,
+                        rank = key.rank,
+                        step = m.step,
+                        "rank died of a CUDA out-of-memory error in step {}",
+                        m.step
+                    );
+                }
                 send_advisories(state, key, advisories, tx, alerts);
                 alerts.markers(&markers);
             }

@@ -362,12 +362,9 @@ pub fn spread(
     let mut sorted: Vec<u64> = vals.iter().map(|&(_, v)| v).collect();
     sorted.sort_unstable();
     let n = sorted.len();
-    let median = if n % 2 == 1 {
-        sorted[n / 2] as f64
-    } else {
-        (sorted[n / 2 - 1] as f64 + sorted[n / 2] as f64) / 2.0
-    };
     let (min, max) = (sorted[0], sorted[n - 1]);
+    let mut reals: Vec<f64> = sorted.iter().map(|&v| v as f64).collect();
+    let median = crate::profile::median_f64(&mut reals).expect("not empty");
     let denom = if median > 0.0 { median } else { max as f64 };
     let rel = |x: f64| if denom > 0.0 { x / denom } else { 0.0 };
     let rank_of = |target: u64| {

@@ -42,8 +42,8 @@ pub use predict::{
     Prediction, PredictionBasis, PredictionInputs, StateSource, WarningRevision,
 };
 pub use profile::{
-    phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds, PhaseProfile,
-    SteadyPhaseProfile, SteadyProfile, StepProfile,
+    median_f64, median_u64, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds,
+    PhaseProfile, SteadyPhaseProfile, SteadyProfile, StepProfile,
 };
 pub use record::{PredictionCheck, RecordEntry, RecordError, Replayer};
 pub use replay::{

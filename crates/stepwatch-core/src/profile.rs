@@ -297,6 +297,22 @@ pub fn median_u64(values: &mut [u64]) -> Option<u64> {
     })
 }
 
+/// Median of a list of reals (the mean of the two middle values for an
+/// even count); `None` for an empty list. NaN sorts last (`total_cmp`).
+/// The one definition of a median in stepwatch, with [`median_u64`].
+pub fn median_f64(values: &mut [f64]) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_unstable_by(f64::total_cmp);
+    let n = values.len();
+    Some(if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    })
+}
+
 /// Median of the figures that are present.
 fn median_of<T>(items: &[T], f: impl Fn(&T) -> Option<u64>) -> Option<u64> {
     let mut v: Vec<u64> = items.iter().filter_map(f).collect();
@@ -549,6 +565,13 @@ mod tests {
         let steps = [PeakBounds::exact(500), bounds(300, None), bounds(300, None)];
         assert_eq!(steady_peak(&steps), (Some(300), None));
         assert_eq!(steady_peak(&[]), (None, None));
+    }
+
+    #[test]
+    fn median_f64_is_the_middle_or_the_mean_of_the_middle_two() {
+        assert_eq!(median_f64(&mut []), None);
+        assert_eq!(median_f64(&mut [3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median_f64(&mut [4.0, 1.0, 3.0, 2.0]), Some(2.5));
     }
 
     #[test]

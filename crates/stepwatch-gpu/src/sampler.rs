@@ -807,46 +807,27 @@ fn sleep_until(shared: &Shared, deadline_ns: u64, interval_ns: u64) -> bool {
     shared.stop.load(Ordering::Relaxed)
 }
 
-#[cfg(all(target_os = "linux", target_pointer_width = "64"))]
+#[cfg(target_os = "linux")]
 fn sleep_until_abs(deadline_ns: u64) {
-    use std::os::raw::{c_int, c_long};
-
-    // glibc and musl on 64-bit Linux: time_t and long are both 64-bit.
-    #[repr(C)]
-    struct Timespec {
-        tv_sec: c_long,
-        tv_nsec: c_long,
-    }
-    extern "C" {
-        fn clock_nanosleep(
-            clock: c_int,
-            flags: c_int,
-            request: *const Timespec,
-            remain: *mut Timespec,
-        ) -> c_int;
-    }
-    const CLOCK_MONOTONIC: c_int = 1;
-    const TIMER_ABSTIME: c_int = 1;
-    const EINTR: c_int = 4;
-
-    let request = Timespec {
-        tv_sec: (deadline_ns / 1_000_000_000).min(c_long::MAX as u64) as c_long,
-        tv_nsec: (deadline_ns % 1_000_000_000) as c_long,
+    let request = libc::timespec {
+        tv_sec: (deadline_ns / 1_000_000_000).min(libc::time_t::MAX as u64) as libc::time_t,
+        tv_nsec: (deadline_ns % 1_000_000_000) as _,
     };
     // SAFETY: `request` is a valid timespec; with TIMER_ABSTIME `remain` is
     // unused and may be null. An absolute deadline makes EINTR retries exact.
+    // clock_nanosleep returns the error number rather than setting errno.
     while unsafe {
-        clock_nanosleep(
-            CLOCK_MONOTONIC,
-            TIMER_ABSTIME,
+        libc::clock_nanosleep(
+            libc::CLOCK_MONOTONIC,
+            libc::TIMER_ABSTIME,
             &request,
             std::ptr::null_mut(),
         )
-    } == EINTR
+    } == libc::EINTR
     {}
 }
 
-#[cfg(not(all(target_os = "linux", target_pointer_width = "64")))]
+#[cfg(not(target_os = "linux"))]
 fn sleep_until_abs(deadline_ns: u64) {
     let now = monotonic_ns();
     if deadline_ns > now {

@@ -298,16 +298,7 @@ fn steady_device_peak(rank_events: &[SimEvent], timeline: &[(u64, u64)]) -> (Opt
         }
     }
     let n = peaks.len();
-    if n == 0 {
-        return (None, 0);
-    }
-    peaks.sort_unstable();
-    let median = if n % 2 == 1 {
-        peaks[n / 2]
-    } else {
-        peaks[n / 2 - 1] / 2 + peaks[n / 2] / 2 + (peaks[n / 2 - 1] % 2 + peaks[n / 2] % 2) / 2
-    };
-    (Some(median), n)
+    (stepwatch_core::median_u64(&mut peaks), n)
 }
 
 /// What the tracker said during the replay of the real run.
@@ -601,11 +592,8 @@ pub fn summarize(rows: &[AccuracyRow]) -> AccuracySummary {
         .collect();
     errs.sort_by(|a, b| a.0.total_cmp(&b.0));
     let n = errs.len();
-    let median = match n {
-        0 => 0.0,
-        _ if n % 2 == 1 => errs[n / 2].0,
-        _ => (errs[n / 2 - 1].0 + errs[n / 2].0) / 2.0,
-    };
+    let mut abs: Vec<f64> = errs.iter().map(|e| e.0).collect();
+    let median = stepwatch_core::median_f64(&mut abs).unwrap_or(0.0);
     let label = |r: &AccuracyRow| format!("{}/{}", r.scenario, r.rank);
     AccuracySummary {
         rows: rows.len(),

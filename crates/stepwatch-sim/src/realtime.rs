@@ -25,6 +25,13 @@ pub trait Sink {
     fn other_process_bytes(&mut self) -> Option<u64> {
         None
     }
+    /// Called before each marker is stamped and sent; may block, as a test
+    /// holding the rank at a step boundary until it has checked something.
+    /// The run resumes from there at its pace: time spent here is added to
+    /// every later event's due time, so the phases keep their lengths.
+    fn before_marker(&mut self, marker: &Marker) {
+        let _ = marker;
+    }
 }
 
 /// Plays `rank`'s events into `sink`, sleeping so that they follow the
@@ -36,7 +43,7 @@ pub trait Sink {
 /// run ends when the rank does (after its last step or its OOM marker).
 pub fn run_realtime(rank: &mut RankSim, sink: &mut dyn Sink, clock: &dyn Fn() -> u64, speed: f64) {
     let paced = speed.is_finite() && speed > 0.0;
-    let real_start = clock();
+    let mut real_start = clock();
     let sim_start = rank.now_ns();
     let mut last_stamp = 0;
     loop {
@@ -59,6 +66,9 @@ pub fn run_realtime(rank: &mut RankSim, sink: &mut dyn Sink, clock: &dyn Fn() ->
                 nvml_used_bytes, ..
             } => sink.memory(nvml_used_bytes),
             SimEvent::Marker(mut m) => {
+                let held_from = clock();
+                sink.before_marker(&m);
+                real_start = real_start.saturating_add(clock().saturating_sub(held_from));
                 // Never let a marker go back in time, even with a coarse clock.
                 last_stamp = clock().max(last_stamp);
                 m.monotonic_ns = last_stamp;

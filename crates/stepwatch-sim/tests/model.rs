@@ -526,3 +526,56 @@ fn realtime_without_pacing_does_not_sleep() {
         .windows(2)
         .all(|w| w[1].monotonic_ns > w[0].monotonic_ns));
 }
+
+/// Holds the rank before step 2's first marker by moving its clock on
+/// `hold_ns`, as a real wait would.
+struct HoldBeforeStep2<'a> {
+    recorder: Recorder,
+    held_ns: &'a std::cell::Cell<u64>,
+    hold_ns: u64,
+}
+
+impl Sink for HoldBeforeStep2<'_> {
+    fn memory(&mut self, nvml_used_bytes: u64) {
+        self.recorder.memory(nvml_used_bytes);
+    }
+    fn marker(&mut self, marker: Marker) {
+        self.recorder.marker(marker);
+    }
+    fn before_marker(&mut self, marker: &Marker) {
+        if marker.kind == StepBegin && marker.step == 2 {
+            self.held_ns.set(self.held_ns.get() + self.hold_ns);
+        }
+    }
+}
+
+#[test]
+fn a_hold_before_a_marker_delays_the_rest_of_the_run_without_squashing_it() {
+    let s = scenario("demo-small");
+    let expected = common::markers(&simulate(&s, 0).unwrap());
+    let mut sim = RankSim::new(&s, 0).unwrap();
+    let held_ns = std::cell::Cell::new(0);
+    let origin = std::time::Instant::now();
+    let clock = || 1_000_000 + origin.elapsed().as_nanos() as u64 + held_ns.get();
+    let hold_ns = 10_000_000_000;
+    let mut sink = HoldBeforeStep2 {
+        recorder: Recorder::default(),
+        held_ns: &held_ns,
+        hold_ns,
+    };
+    run_realtime(&mut sim, &mut sink, &clock, 200.0);
+    let got = &sink.recorder.markers;
+    let step2 = got
+        .iter()
+        .position(|m| m.kind == StepBegin && m.step == 2)
+        .unwrap();
+    assert!(got[step2].monotonic_ns - got[step2 - 1].monotonic_ns >= hold_ns);
+    // After the hold the run keeps the scenario's pace (scaled), rather than
+    // catching up on the time held.
+    let span = got.last().unwrap().monotonic_ns - got[step2].monotonic_ns;
+    let sim_span = expected.last().unwrap().monotonic_ns - expected[step2].monotonic_ns;
+    assert!(
+        span as f64 >= sim_span as f64 / 200.0 * 0.9,
+        "{span} ns after the hold for {sim_span} simulated ns"
+    );
+}
