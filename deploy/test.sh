@@ -282,6 +282,54 @@ print("  alertmanager.urls -> repeated --alertmanager-url, labels -> --alertmana
 PYEOF
 }
 
+# prometheusRule.alerts / alertLabels / runbookBaseURL / prometheusRelease: the default render
+# is the rules file (plus the chart's runbook base URL, which is the file's); each override lands
+# where it should; a bad override is refused.
+check_alert_overrides() {
+  "$PY" - "$WORK/helm.yaml" "$RULES" <<'PYEOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack", rule["metadata"]
+sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
+assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack", sm["metadata"]
+assert sm["spec"]["sampleLimit"] > 0 and sm["spec"]["labelLimit"] > 0, sm["spec"]
+want = yaml.safe_load(open(sys.argv[2]))["groups"]
+assert rule["spec"]["groups"] == want, "the default render differs from deploy/prometheus/stepwatch-rules.yml"
+print("  default render == stepwatch-rules.yml; release label on PrometheusRule and ServiceMonitor")
+PYEOF
+  render "$WORK/alerts.yaml" --set-json '{"prometheusRule":{"runbookBaseURL":"https://git.example/rb/","alertLabels":{"team":"ml-platform"},"alerts":{"StepwatchSamplerLagging":{"enabled":false},"StepwatchJobStalled":{"for":"15m","threshold":20,"severity":"critical","labels":{"pager":"gpu"}},"StepwatchLowPredictedHeadroom":{"threshold":0.1},"StepwatchFirstStepDivergence":{"threshold":0.25}}},"prometheusRelease":""}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/alerts.yaml" --require PrometheusRule
+  "$PY" - "$WORK/alerts.yaml" <<'PYEOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+assert "release" not in rule["metadata"]["labels"], rule["metadata"]
+alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+assert "StepwatchSamplerLagging" not in alerts, "disabled alert rendered"
+js = alerts["StepwatchJobStalled"]
+assert js["for"] == "15m" and js["labels"] == {"severity": "critical", "team": "ml-platform", "pager": "gpu"}, js
+assert "clamp_min(20 *" in js["expr"] and "clamp_min(10 *" not in js["expr"], js["expr"]
+assert "< 0.1" in alerts["StepwatchLowPredictedHeadroom"]["expr"], alerts["StepwatchLowPredictedHeadroom"]["expr"]
+assert "> 0.25" in alerts["StepwatchFirstStepDivergence"]["expr"]
+assert "> 0.1" in alerts["StepwatchFirstStepActivationDivergence"]["expr"], "another alert's threshold changed"
+for name, a in alerts.items():
+    assert a["labels"]["team"] == "ml-platform", name
+    assert a["annotations"]["runbook_url"] == f"https://git.example/rb/{name}.md", a["annotations"]
+print("  disabled, severity, for, threshold, labels, alertLabels and runbookBaseURL applied")
+PYEOF
+  local refused
+  for refused in '{"prometheusRule":{"alerts":{"StepwatchNoSuchAlert":{"enabled":false}}}}' \
+                 '{"prometheusRule":{"alerts":{"StepwatchAgentDown":{"threshold":3}}}}' \
+                 '{"alertmanager":{"urls":["http://am:9093"]},"prometheusRule":{"alerts":{"StepwatchStep2OOMPredicted":{"severity":"critical"}}}}' \
+                 '{"prometheusRule":{"alerts":{"StepwatchJobStalled":{"severity":"page"}}}}'; do
+    if render "$WORK/alerts-refused.yaml" --set-json "$refused" 2>"$WORK/alerts-refused.err"; then
+      echo "  rendered although refused: $refused"; return 1
+    fi
+    sed 's/^/  /' "$WORK/alerts-refused.err" | tail -n 2
+  done
+}
+
 check_dockerfile() {
   "$HADOLINT" "$DEPLOY/Dockerfile"
   echo "hadolint: no findings"
@@ -346,6 +394,7 @@ step "kustomize build equals the Helm render" "$PY" "$SCRIPTS/check_manifests.py
 step "helm render with csi.enabled (CSIDriver, registrar, mounts, refusals) + example pod" check_csi
 step "helm render with podAttribution.enabled (kubelet mounts read-only, refused without root)" check_pod_attribution
 step "helm render with alertmanager.urls and labels (the agent's fast path)" check_alertmanager
+step "helm render with prometheusRule.alerts overrides (disable, severity, for, threshold, labels) and refusals" check_alert_overrides
 step "Dockerfile (hadolint, multi-stage, entrypoint stepwatch, cmd agent)" check_dockerfile
 step "dashboards up to date with dashboards/generate.py" python3 "$ROOT/dashboards/generate.py" --check
 step "dashboards: JSON, schemaVersion, variables, datasource, targets" "$PY" "$SCRIPTS/check_dashboards.py" "$ROOT/dashboards"

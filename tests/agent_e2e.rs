@@ -387,7 +387,7 @@ fn streams_that_never_say_hello_are_ended_and_do_not_lock_ranks_out() {
 }
 
 /// Refusals at the wire are counted like the others, so the
-/// MarkersRejected alert sees a client that sends garbage.
+/// StepwatchMarkersRejected alert sees a client that sends garbage.
 #[test]
 fn undecodable_oversized_and_empty_floods_are_refused_and_counted() {
     use common::wire::*;

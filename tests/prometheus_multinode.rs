@@ -27,7 +27,7 @@ use serde_json::Value;
 /// Capacity of the scenario's GPU (a 48 GB card).
 const CAPACITY: u64 = 48_305_799_168;
 const JOB: &str = "gpt-skew-multinode";
-const ALERT: &str = "Step2OOMPredicted";
+const ALERT: &str = "StepwatchStep2OOMPredicted";
 /// Run ten times slower than the scenario's timings (below): step 1 of rank 0
 /// lasts about 4.8 s.
 const SPEED: f64 = 0.1;
@@ -657,8 +657,9 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         failures.join("\n")
     );
 
-    // (d) No step-2 OOM alert for ranks 1-3 at any time (they fit), and the
-    // one for rank 0 still fires (its prediction stays exported).
+    // (d) No step-2 OOM alert for ranks 1-3 at any time (they fit); the one
+    // for rank 0 fired, and ended when rank 0 died, although the agent still
+    // exports its negative prediction (kept for --retention).
     assert!(
         others_firing.is_empty(),
         "{ALERT} fired for {others_firing:?}"
@@ -672,17 +673,29 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         BTreeSet::from(["0"]),
         "{ALERT} was pending or firing for ranks {ranks:?}"
     );
+    let still_predicted = prom.vector(&format!(
+        r#"stepwatch_rank_predicted_headroom_bytes{{training_job="{JOB}", rank="0"}} < 0"#
+    ));
+    assert_eq!(still_predicted.len(), 1, "{still_predicted:?}");
     let now_firing: Vec<String> = firing(prom, ALERT)
         .into_iter()
         .map(|(l, _)| format!("{}/{}", l["training_job"], l["rank"]))
         .collect();
-    assert_eq!(now_firing, [format!("{JOB}/0")]);
-    // The observed OOM is reported too.
+    assert!(
+        now_firing.is_empty(),
+        "{ALERT} still fires for the dead rank: {now_firing:?}"
+    );
+    // The observed OOM is reported instead, by its own alert.
     let oom = prom.vector(&format!(
         r#"stepwatch_rank_ooms_total{{training_job="{JOB}"}} > 0"#
     ));
     assert_eq!(oom.len(), 1, "{oom:?}");
     assert_eq!(label(&oom[0], "rank"), "0");
+    let oom_alerts: Vec<String> = firing(prom, "StepwatchGPUOOMObserved")
+        .into_iter()
+        .map(|(l, _)| format!("{}/{}", l["training_job"], l["rank"]))
+        .collect();
+    assert_eq!(oom_alerts, [format!("{JOB}/0")]);
 
     eprintln!(
         "{queries} dashboard queries, {loaded} rules checked; test took {:?}",
