@@ -167,7 +167,7 @@ fn start_agent(tag: &str, urls: &[String], extra: &[&str]) -> Agent {
     }
     args.extend(["--alertmanager-label", "cluster=test-cluster"]);
     let agent = Agent::start_with(tag, 1, &args, |f| f.set_reserved_bytes(0, 0));
-    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    agent.wait_ready_with_nvml();
     agent
 }
 

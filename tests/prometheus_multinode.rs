@@ -347,7 +347,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         world.agents.push((node, agent));
     }
     for (_, agent) in &world.agents {
-        agent.wait_for("/readyz", 200, Duration::from_secs(20));
+        agent.wait_ready_with_nvml();
     }
 
     // A real Prometheus with the shipped rules, scraping the three agents
@@ -718,7 +718,7 @@ fn a_kubernetes_scrape_keeps_the_tenants_labels_and_the_agents_own() {
         &[],
         |_| {},
     );
-    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    agent.wait_ready_with_nvml();
     // Outside Kubernetes here (no kubelet), the agent takes the client's claim.
     let mut hello = wire::hello("tenant-job", 0, 1);
     if let Some(stepwatch_proto::v1::client_message::Kind::Hello(h)) = &mut hello.kind {
