@@ -141,7 +141,7 @@ cfg = yaml.safe_load(open(sys.argv[1]))
 for sc in cfg["scrape_configs"]:
     assert sc.get("honor_labels") is False, f"scrape job {sc['job_name']}: honor_labels must be false"
     if sc.pop("kubernetes_sd_configs", None) is not None:
-        sc["static_configs"] = [{"targets": ["localhost:9400"]}]
+        sc["static_configs"] = [{"targets": ["localhost:9447"]}]
 yaml.safe_dump(cfg, open(sys.argv[2], "w"))
 EOF
   cp "$RULES" "$WORK/example/stepwatch-rules.yml"

@@ -15,7 +15,7 @@ use stepwatch::http_get;
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
     /// Where the demo agent serves HTTP (/metrics, /api/v1/jobs).
-    #[arg(long, default_value = "127.0.0.1:9400")]
+    #[arg(long, default_value = "127.0.0.1:9447")]
     pub http_listen: SocketAddr,
     /// Stop after this many seconds (default: run until Ctrl-C).
     #[arg(long)]
