@@ -330,6 +330,56 @@ PYEOF
   done
 }
 
+# The production values: priorityClassName, tolerations (widened), image digest, resources,
+# NetworkPolicy, dashboards as ConfigMaps for Grafana's sidecar; and their defaults.
+check_production_values() {
+  "$PY" - "$WORK/helm.yaml" "$ROOT/dashboards" <<'PYEOF'
+import json, os, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+assert pod["priorityClassName"] == "system-node-critical", pod.get("priorityClassName")
+assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}], pod["tolerations"]
+agent = next(c for c in pod["containers"] if c["name"] == "agent")
+assert agent["image"] == "stepwatch:0.1.0", agent["image"]
+assert agent["resources"]["limits"]["memory"] == "192Mi", agent["resources"]
+assert not [d for d in docs if d["kind"] == "NetworkPolicy"], "NetworkPolicy is off by default"
+cms = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+want = sorted(n for n in os.listdir(sys.argv[2]) if n.endswith(".json"))
+got = sorted(k for cm in cms.values() for k in cm["data"])
+assert got == want, (got, want)
+for cm in cms.values():
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1", cm["metadata"]
+    for name, text in cm["data"].items():
+        assert json.loads(text) == json.load(open(os.path.join(sys.argv[2], name))), name
+print(f"  defaults: system-node-critical, GPU toleration, 192Mi limit, {len(cms)} dashboard ConfigMaps, no NetworkPolicy")
+PYEOF
+  local digest="sha256:$(printf '%064d' 0 | tr 0 a)"
+  render "$WORK/prod.yaml" --set-json "{\"image\":{\"digest\":\"$digest\"},\"priorityClassName\":\"\",\"extraTolerations\":[{\"key\":\"dedicated\",\"operator\":\"Equal\",\"value\":\"ml\",\"effect\":\"NoSchedule\"}],\"networkPolicy\":{\"enabled\":true},\"dashboards\":{\"enabled\":false}}"
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/prod.yaml" --require DaemonSet --require NetworkPolicy
+  "$PY" - "$WORK/prod.yaml" "$digest" <<'PYEOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+assert "priorityClassName" not in pod, pod.get("priorityClassName")
+assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "dedicated"], pod["tolerations"]
+agent = next(c for c in pod["containers"] if c["name"] == "agent")
+assert agent["image"] == f"stepwatch@{sys.argv[2]}", agent["image"]
+assert not [d for d in docs if d["kind"] == "ConfigMap"], "dashboards.enabled=false"
+np = next(d for d in docs if d["kind"] == "NetworkPolicy")
+rule = np["spec"]["ingress"][0]
+assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}], rule
+assert rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}, rule
+print("  digest, no priorityClassName, extraTolerations appended, NetworkPolicy on the metrics port, no dashboards")
+PYEOF
+  render "$WORK/tolerate-all.yaml" --set-json '{"tolerateAllTaints":true}'
+  grep -q 'operator: Exists' "$WORK/tolerate-all.yaml" && ! grep -q 'key: nvidia.com/gpu' "$WORK/tolerate-all.yaml" \
+    || { echo "tolerateAllTaints must tolerate everything with one operator: Exists"; return 1; }
+  if render "$WORK/bad-digest.yaml" --set-json '{"image":{"digest":"latest"}}' 2>"$WORK/bad-digest.err"; then
+    echo "  rendered a digest that is not sha256:<64 hex>"; return 1
+  fi
+  sed 's/^/  /' "$WORK/bad-digest.err" | tail -n 1
+}
+
 check_dockerfile() {
   "$HADOLINT" "$DEPLOY/Dockerfile"
   echo "hadolint: no findings"
@@ -353,8 +403,17 @@ def last(stage, name):
 if len(stages) < 2:
     errors.append("not multi-stage")
 else:
-    if not re.match(r"rust:", stages[0]["from"]):
-        errors.append(f"builder must be a rust image, is {stages[0]['from']}")
+    builder = stages[0]["from"]
+    if not re.match(r"--platform=\$BUILDPLATFORM rust:", builder):
+        errors.append(f"builder must be a rust image on --platform=$BUILDPLATFORM (cross-compiling), is {builder}")
+    if not any(i == "ARG" and r == "TARGETARCH" for i, r in stages[0]["instrs"]):
+        errors.append("builder must take ARG TARGETARCH (buildx sets it per platform)")
+    body = " ".join(r for i, r in stages[0]["instrs"] if i == "RUN")
+    for arch in ("amd64", "arm64"):
+        if f"{arch})" not in body:
+            errors.append(f"builder has no case for TARGETARCH {arch}")
+    if "--target" not in body:
+        errors.append("cargo build must name the --target triple")
     final = stages[-1]
     if not re.search(r"(debian:.*slim|distroless/cc)", final["from"]):
         errors.append(f"runtime must be debian-slim or distroless/cc, is {final['from']}")
@@ -371,7 +430,7 @@ else:
         errors.append("the binary must be installed as /usr/local/bin/stepwatch")
 for e in errors:
     print("FAIL", e)
-print(f"{len(stages)} stages; runtime {stages[-1]['from'] if stages else '?'}; entrypoint stepwatch, cmd agent, non-root")
+print(f"{len(stages)} stages; builder cross-compiles amd64/arm64; runtime {stages[-1]['from'] if stages else '?'}; entrypoint stepwatch, cmd agent, non-root")
 sys.exit(1 if errors else 0)
 EOF
 }
@@ -395,7 +454,8 @@ step "helm render with csi.enabled (CSIDriver, registrar, mounts, refusals) + ex
 step "helm render with podAttribution.enabled (kubelet mounts read-only, refused without root)" check_pod_attribution
 step "helm render with alertmanager.urls and labels (the agent's fast path)" check_alertmanager
 step "helm render with prometheusRule.alerts overrides (disable, severity, for, threshold, labels) and refusals" check_alert_overrides
-step "Dockerfile (hadolint, multi-stage, entrypoint stepwatch, cmd agent)" check_dockerfile
+step "helm render: priorityClassName, tolerations, image digest, resources, NetworkPolicy, dashboard ConfigMaps" check_production_values
+step "Dockerfile (hadolint, multi-stage, multi-arch amd64/arm64 by TARGETARCH, entrypoint stepwatch, cmd agent)" check_dockerfile
 step "dashboards up to date with dashboards/generate.py" python3 "$ROOT/dashboards/generate.py" --check
 step "dashboards: JSON, schemaVersion, variables, datasource, targets" "$PY" "$SCRIPTS/check_dashboards.py" "$ROOT/dashboards"
 step "every PromQL expression (rules, dashboards) on a real Prometheus" \

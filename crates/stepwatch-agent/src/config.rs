@@ -75,7 +75,7 @@ pub struct AgentConfig {
     /// rank holding the most gives up its oldest steps (never step 1 or the
     /// current step), counted in stepwatch_steps_trimmed_total; when nothing
     /// is left to give, markers that add phases are refused (memory_budget).
-    /// The default fits the chart's 64 MiB memory limit.
+    /// The default fits the chart's 192 MiB memory limit with 256 ranks connected.
     #[arg(long, env = "STEPWATCH_MEMORY_BUDGET_MIB", default_value_t = 24)]
     pub memory_budget_mib: u64,
 
