@@ -47,7 +47,7 @@ PORT="$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pri
 STEPWATCH_FAKE_NVML_DIR="$D/nvml" "$BIN" agent --nvml-lib "$LIB" --socket "$D/a.sock" \
   --http-listen "127.0.0.1:$PORT" --node-name div >"$D/agent.log" 2>&1 &
 APID=$!
-for _ in $(seq 200); do curl -sf "127.0.0.1:$PORT/readyz" >/dev/null && break; sleep 0.1; done
+for _ in $(seq 200); do curl -sf \"127.0.0.1:$PORT/readyz\" | grep -qx 'nvml: up' && break; sleep 0.1; done
 STEPWATCH_FAKE_NVML_DIR="$D/nvml" STEPWATCH_ENDPOINT="unix://$D/a.sock" STEPWATCH_JOB_ID=div \
   PYTHONPATH="$REPO/python" timeout 300 crates/fake-cuda/fake-cuda run --quiet --python "$PY" \
   --gpus 4 -- "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 \

@@ -366,7 +366,8 @@ capture() { # capture RUN: one agent, one training run
     >"$alog" 2>&1 &
   AGENT_PID=$!
   local t_start=$SECONDS
-  if http --wait 20 --pid "$AGENT_PID" "$port" /readyz >/dev/null 2>&1; then
+  # /readyz is 200 without NVML too; its body's "nvml: up" line is what the capture needs.
+  if http --wait 20 --pid "$AGENT_PID" "$port" /readyz 2>/dev/null | grep -qx 'nvml: up'; then
     log "agent ready after ~$((SECONDS - t_start)) s"
   elif ! kill -0 "$AGENT_PID" 2>/dev/null; then
     log "agent exited at start; its log:"

@@ -16,7 +16,7 @@ PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pr
 STEPWATCH_FAKE_NVML_DIR="$DIR" "$BIN" agent --socket "$DIR/s.sock" --http-listen "127.0.0.1:$PORT" \
   --nvml-lib "$("$BIN" fake-gpu --dir "$DIR" lib-path)" 2>"$DIR/agent.log" &
 PID=$!
-for _ in $(seq 100); do curl -sf "127.0.0.1:$PORT/readyz" >/dev/null && break; sleep 0.1; done
+for _ in $(seq 100); do curl -sf \"127.0.0.1:$PORT/readyz\" | grep -qx 'nvml: up' && break; sleep 0.1; done
 for r in 0 1 2 3 4 5 6 7; do
   "$BIN" sim --scenario zero-sharded-8 --rank "$r" --steps 12 --speed 4 \
     --endpoint "unix://$DIR/s.sock" --fake-nvml-dir "$DIR" >/dev/null 2>&1 &

@@ -303,7 +303,9 @@ class Agent:
             deadline = time.monotonic() + self.h.opts.agent_timeout
             while time.monotonic() < deadline:
                 code, body = http_get(self.port, "/readyz", timeout=2)
-                if code == 200:
+                # /readyz is 200 without NVML too; its body says whether NVML is up,
+                # which the accuracy runs need (the fake GPU's samples).
+                if code == 200 and b"nvml: up" in body.splitlines():
                     return
                 last = body.decode(errors="replace")[:200]
                 if self.proc.poll() is not None or STOPPING.is_set():

@@ -20,8 +20,9 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 C = 'cluster=~"$cluster"'
 # The selected training jobs: a job is named by its namespace and its training_job label.
 J = C + ', namespace=~"$namespace", training_job=~"$training_job"'
-AGENT_ALERTS = ("Step2OOMPredicted|LowPredictedHeadroom|FirstStepDivergence|GPUOOMObserved|JobStalled|"
-                "StepwatchAgentDown|NVMLDown|SamplerLagging|MarkersRejected")
+AGENT_ALERTS = ("StepwatchStep2OOMPredicted|StepwatchLowPredictedHeadroom|StepwatchFirstStepDivergence|StepwatchFirstStepActivationDivergence|"
+                "StepwatchGPUOOMObserved|StepwatchJobStalled|"
+                "StepwatchAgentDown|StepwatchNVMLDown|StepwatchGPUNotSampled|StepwatchSamplerLagging|StepwatchMarkersRejected")
 
 RED_BELOW_ZERO = {"mode": "absolute", "steps": [{"color": "red", "value": None}, {"color": "green", "value": 0}]}
 HEADROOM_RATIO = {"mode": "absolute", "steps": [{"color": "red", "value": None}, {"color": "orange", "value": 0},
@@ -265,7 +266,7 @@ def node_gpu_memory():
     L.add(stat("NVML up (nodes)", f"sum(stepwatch_nvml_up{{{sel}}})", "none",
                "Nodes whose agent reads GPU memory through NVML.", thresholds=GOOD_IS_ONE), 4, 4)
     L.add(stat("NVML down (nodes)", f"count(stepwatch_nvml_up{{{sel}}} == 0) or vector(0)", "none",
-               "Agents that cannot reach NVML (alert NVMLDown).", thresholds=ZERO_IS_GOOD), 4, 4)
+               "Agents that cannot reach NVML (alert StepwatchNVMLDown).", thresholds=ZERO_IS_GOOD), 4, 4)
     L.add(stat("GPUs", f"count(stepwatch_gpu_info{{{sel}}})", "none"), 4, 4)
     L.add(stat("Ranks tracked", f"sum(stepwatch_ranks_tracked{{{sel}}})", "none"), 4, 4)
     L.add(stat("Client streams", f"sum(stepwatch_ingest_streams_active{{{sel}}})", "none",
@@ -405,7 +406,7 @@ def step_anatomy():
     L.add(timeseries("Predicted headroom per rank",
                      targets((f"stepwatch_rank_predicted_headroom_bytes{{{sel}}}", "rank {{rank}}")),
                      "bytes", "Capacity minus predicted steady-state peak minus other processes. Below 0: step 2 "
-                     "will likely OOM (alert Step2OOMPredicted).", thresholds=RED_BELOW_ZERO), 12, 9)
+                     "will likely OOM (alert StepwatchStep2OOMPredicted).", thresholds=RED_BELOW_ZERO), 12, 9)
     L.row("GPUs of this job")
     L.add(timeseries(
         "GPU memory high-water of the job's GPUs",
@@ -431,7 +432,7 @@ def first_step_anomaly():
     L = Layout()
     L.row("Across all ranks of the job (recording rules, every node)")
     L.add(stat("Step-1 peak divergence", f"max(stepwatch_job:first_step_peak_divergence_ratio{{{jsel}}})",
-               "percentunit", "(max - min) / median of the ranks' step-1 peaks. Alert FirstStepDivergence above 10%.",
+               "percentunit", "(max - min) / median of the ranks' step-1 peaks. Alert StepwatchFirstStepDivergence above 10%.",
                thresholds=DIVERGENCE), 4, 4)
     L.add(stat("Outlier ranks", f"count(stepwatch_job_rank:first_step_peak_outlier{{{jsel}}} == 1) or vector(0)",
                "none", "Ranks whose step-1 peak is more than 10% from the job median.", thresholds=ZERO_IS_GOOD),

@@ -141,7 +141,7 @@ cfg = yaml.safe_load(open(sys.argv[1]))
 for sc in cfg["scrape_configs"]:
     assert sc.get("honor_labels") is False, f"scrape job {sc['job_name']}: honor_labels must be false"
     if sc.pop("kubernetes_sd_configs", None) is not None:
-        sc["static_configs"] = [{"targets": ["localhost:9400"]}]
+        sc["static_configs"] = [{"targets": ["localhost:9447"]}]
 yaml.safe_dump(cfg, open(sys.argv[2], "w"))
 EOF
   cp "$RULES" "$WORK/example/stepwatch-rules.yml"
@@ -282,6 +282,104 @@ print("  alertmanager.urls -> repeated --alertmanager-url, labels -> --alertmana
 PYEOF
 }
 
+# prometheusRule.alerts / alertLabels / runbookBaseURL / prometheusRelease: the default render
+# is the rules file (plus the chart's runbook base URL, which is the file's); each override lands
+# where it should; a bad override is refused.
+check_alert_overrides() {
+  "$PY" - "$WORK/helm.yaml" "$RULES" <<'PYEOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack", rule["metadata"]
+sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
+assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack", sm["metadata"]
+assert sm["spec"]["sampleLimit"] > 0 and sm["spec"]["labelLimit"] > 0, sm["spec"]
+want = yaml.safe_load(open(sys.argv[2]))["groups"]
+assert rule["spec"]["groups"] == want, "the default render differs from deploy/prometheus/stepwatch-rules.yml"
+print("  default render == stepwatch-rules.yml; release label on PrometheusRule and ServiceMonitor")
+PYEOF
+  render "$WORK/alerts.yaml" --set-json '{"prometheusRule":{"runbookBaseURL":"https://git.example/rb/","alertLabels":{"team":"ml-platform"},"alerts":{"StepwatchSamplerLagging":{"enabled":false},"StepwatchJobStalled":{"for":"15m","threshold":20,"severity":"critical","labels":{"pager":"gpu"}},"StepwatchLowPredictedHeadroom":{"threshold":0.1},"StepwatchFirstStepDivergence":{"threshold":0.25}}},"prometheusRelease":""}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/alerts.yaml" --require PrometheusRule
+  "$PY" - "$WORK/alerts.yaml" <<'PYEOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+rule = next(d for d in docs if d["kind"] == "PrometheusRule")
+assert "release" not in rule["metadata"]["labels"], rule["metadata"]
+alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+assert "StepwatchSamplerLagging" not in alerts, "disabled alert rendered"
+js = alerts["StepwatchJobStalled"]
+assert js["for"] == "15m" and js["labels"] == {"severity": "critical", "team": "ml-platform", "pager": "gpu"}, js
+assert "clamp_min(20 *" in js["expr"] and "clamp_min(10 *" not in js["expr"], js["expr"]
+assert "< 0.1" in alerts["StepwatchLowPredictedHeadroom"]["expr"], alerts["StepwatchLowPredictedHeadroom"]["expr"]
+assert "> 0.25" in alerts["StepwatchFirstStepDivergence"]["expr"]
+assert "> 0.1" in alerts["StepwatchFirstStepActivationDivergence"]["expr"], "another alert's threshold changed"
+for name, a in alerts.items():
+    assert a["labels"]["team"] == "ml-platform", name
+    assert a["annotations"]["runbook_url"] == f"https://git.example/rb/{name}.md", a["annotations"]
+print("  disabled, severity, for, threshold, labels, alertLabels and runbookBaseURL applied")
+PYEOF
+  local refused
+  for refused in '{"prometheusRule":{"alerts":{"StepwatchNoSuchAlert":{"enabled":false}}}}' \
+                 '{"prometheusRule":{"alerts":{"StepwatchAgentDown":{"threshold":3}}}}' \
+                 '{"alertmanager":{"urls":["http://am:9093"]},"prometheusRule":{"alerts":{"StepwatchStep2OOMPredicted":{"severity":"critical"}}}}' \
+                 '{"prometheusRule":{"alerts":{"StepwatchJobStalled":{"severity":"page"}}}}'; do
+    if render "$WORK/alerts-refused.yaml" --set-json "$refused" 2>"$WORK/alerts-refused.err"; then
+      echo "  rendered although refused: $refused"; return 1
+    fi
+    sed 's/^/  /' "$WORK/alerts-refused.err" | tail -n 2
+  done
+}
+
+# The production values: priorityClassName, tolerations (widened), image digest, resources,
+# NetworkPolicy, dashboards as ConfigMaps for Grafana's sidecar; and their defaults.
+check_production_values() {
+  "$PY" - "$WORK/helm.yaml" "$ROOT/dashboards" <<'PYEOF'
+import json, os, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+assert pod["priorityClassName"] == "system-node-critical", pod.get("priorityClassName")
+assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}], pod["tolerations"]
+agent = next(c for c in pod["containers"] if c["name"] == "agent")
+assert agent["image"] == "stepwatch:0.1.0", agent["image"]
+assert agent["resources"]["limits"]["memory"] == "192Mi", agent["resources"]
+assert not [d for d in docs if d["kind"] == "NetworkPolicy"], "NetworkPolicy is off by default"
+cms = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+want = sorted(n for n in os.listdir(sys.argv[2]) if n.endswith(".json"))
+got = sorted(k for cm in cms.values() for k in cm["data"])
+assert got == want, (got, want)
+for cm in cms.values():
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1", cm["metadata"]
+    for name, text in cm["data"].items():
+        assert json.loads(text) == json.load(open(os.path.join(sys.argv[2], name))), name
+print(f"  defaults: system-node-critical, GPU toleration, 192Mi limit, {len(cms)} dashboard ConfigMaps, no NetworkPolicy")
+PYEOF
+  local digest="sha256:$(printf '%064d' 0 | tr 0 a)"
+  render "$WORK/prod.yaml" --set-json "{\"image\":{\"digest\":\"$digest\"},\"priorityClassName\":\"\",\"extraTolerations\":[{\"key\":\"dedicated\",\"operator\":\"Equal\",\"value\":\"ml\",\"effect\":\"NoSchedule\"}],\"networkPolicy\":{\"enabled\":true},\"dashboards\":{\"enabled\":false}}"
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/prod.yaml" --require DaemonSet --require NetworkPolicy
+  "$PY" - "$WORK/prod.yaml" "$digest" <<'PYEOF'
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+assert "priorityClassName" not in pod, pod.get("priorityClassName")
+assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "dedicated"], pod["tolerations"]
+agent = next(c for c in pod["containers"] if c["name"] == "agent")
+assert agent["image"] == f"stepwatch@{sys.argv[2]}", agent["image"]
+assert not [d for d in docs if d["kind"] == "ConfigMap"], "dashboards.enabled=false"
+np = next(d for d in docs if d["kind"] == "NetworkPolicy")
+rule = np["spec"]["ingress"][0]
+assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}], rule
+assert rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}, rule
+print("  digest, no priorityClassName, extraTolerations appended, NetworkPolicy on the metrics port, no dashboards")
+PYEOF
+  render "$WORK/tolerate-all.yaml" --set-json '{"tolerateAllTaints":true}'
+  grep -q 'operator: Exists' "$WORK/tolerate-all.yaml" && ! grep -q 'key: nvidia.com/gpu' "$WORK/tolerate-all.yaml" \
+    || { echo "tolerateAllTaints must tolerate everything with one operator: Exists"; return 1; }
+  if render "$WORK/bad-digest.yaml" --set-json '{"image":{"digest":"latest"}}' 2>"$WORK/bad-digest.err"; then
+    echo "  rendered a digest that is not sha256:<64 hex>"; return 1
+  fi
+  sed 's/^/  /' "$WORK/bad-digest.err" | tail -n 1
+}
+
 check_dockerfile() {
   "$HADOLINT" "$DEPLOY/Dockerfile"
   echo "hadolint: no findings"
@@ -305,8 +403,17 @@ def last(stage, name):
 if len(stages) < 2:
     errors.append("not multi-stage")
 else:
-    if not re.match(r"rust:", stages[0]["from"]):
-        errors.append(f"builder must be a rust image, is {stages[0]['from']}")
+    builder = stages[0]["from"]
+    if not re.match(r"--platform=\$BUILDPLATFORM rust:", builder):
+        errors.append(f"builder must be a rust image on --platform=$BUILDPLATFORM (cross-compiling), is {builder}")
+    if not any(i == "ARG" and r == "TARGETARCH" for i, r in stages[0]["instrs"]):
+        errors.append("builder must take ARG TARGETARCH (buildx sets it per platform)")
+    body = " ".join(r for i, r in stages[0]["instrs"] if i == "RUN")
+    for arch in ("amd64", "arm64"):
+        if f"{arch})" not in body:
+            errors.append(f"builder has no case for TARGETARCH {arch}")
+    if "--target" not in body:
+        errors.append("cargo build must name the --target triple")
     final = stages[-1]
     if not re.search(r"(debian:.*slim|distroless/cc)", final["from"]):
         errors.append(f"runtime must be debian-slim or distroless/cc, is {final['from']}")
@@ -323,7 +430,7 @@ else:
         errors.append("the binary must be installed as /usr/local/bin/stepwatch")
 for e in errors:
     print("FAIL", e)
-print(f"{len(stages)} stages; runtime {stages[-1]['from'] if stages else '?'}; entrypoint stepwatch, cmd agent, non-root")
+print(f"{len(stages)} stages; builder cross-compiles amd64/arm64; runtime {stages[-1]['from'] if stages else '?'}; entrypoint stepwatch, cmd agent, non-root")
 sys.exit(1 if errors else 0)
 EOF
 }
@@ -346,7 +453,9 @@ step "kustomize build equals the Helm render" "$PY" "$SCRIPTS/check_manifests.py
 step "helm render with csi.enabled (CSIDriver, registrar, mounts, refusals) + example pod" check_csi
 step "helm render with podAttribution.enabled (kubelet mounts read-only, refused without root)" check_pod_attribution
 step "helm render with alertmanager.urls and labels (the agent's fast path)" check_alertmanager
-step "Dockerfile (hadolint, multi-stage, entrypoint stepwatch, cmd agent)" check_dockerfile
+step "helm render with prometheusRule.alerts overrides (disable, severity, for, threshold, labels) and refusals" check_alert_overrides
+step "helm render: priorityClassName, tolerations, image digest, resources, NetworkPolicy, dashboard ConfigMaps" check_production_values
+step "Dockerfile (hadolint, multi-stage, multi-arch amd64/arm64 by TARGETARCH, entrypoint stepwatch, cmd agent)" check_dockerfile
 step "dashboards up to date with dashboards/generate.py" python3 "$ROOT/dashboards/generate.py" --check
 step "dashboards: JSON, schemaVersion, variables, datasource, targets" "$PY" "$SCRIPTS/check_dashboards.py" "$ROOT/dashboards"
 step "every PromQL expression (rules, dashboards) on a real Prometheus" \

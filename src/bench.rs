@@ -995,8 +995,11 @@ fn spawn_sim(exe: &Path, spec: &SimSpec, endpoint: &str, dir: &Path) -> anyhow::
 fn wait_ready(addr: SocketAddr, log: &Path) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
-        if let Ok((200, _)) = http_get::get(addr, "/readyz") {
-            return Ok(());
+        // Ready and sampling: /readyz is 200 without NVML too.
+        if let Ok((200, body)) = http_get::get(addr, "/readyz") {
+            if body.lines().any(|l| l == "nvml: up") {
+                return Ok(());
+            }
         }
         std::thread::sleep(Duration::from_millis(50));
     }

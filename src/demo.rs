@@ -16,7 +16,7 @@ use stepwatch::http_get;
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
     /// Where the demo agent serves HTTP (/metrics, /api/v1/jobs).
-    #[arg(long, default_value = "127.0.0.1:9400")]
+    #[arg(long, default_value = "127.0.0.1:9447")]
     pub http_listen: SocketAddr,
     /// Stop after this many seconds (default: run until Ctrl-C).
     #[arg(long)]
@@ -261,7 +261,8 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Waits until the agent has written its ready file and answers `/readyz`;
+/// Waits until the agent has written its ready file and answers `/readyz`
+/// with NVML up;
 /// returns its HTTP address.
 fn wait_ready(ready: &Path, log: &Path, children: &mut Children) -> anyhow::Result<SocketAddr> {
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -275,8 +276,12 @@ fn wait_ready(ready: &Path, log: &Path, children: &mut Children) -> anyhow::Resu
                     .and_then(|a| a.parse::<SocketAddr>().ok())
             });
         if let Some(addr) = addr {
-            if let Ok((200, _)) = http_get::get(addr, "/readyz") {
-                return Ok(addr);
+            // The demo's GPU is fake NVML: wait until it answers too
+            // (/readyz is 200 without NVML; its body says how NVML is).
+            if let Ok((200, body)) = http_get::get(addr, "/readyz") {
+                if body.lines().any(|l| l == "nvml: up") {
+                    return Ok(addr);
+                }
             }
         }
         if let Some((_, agent)) = children.0.first_mut() {

@@ -167,7 +167,7 @@ fn start_agent(tag: &str, urls: &[String], extra: &[&str]) -> Agent {
     }
     args.extend(["--alertmanager-label", "cluster=test-cluster"]);
     let agent = Agent::start_with(tag, 1, &args, |f| f.set_reserved_bytes(0, 0));
-    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    agent.wait_ready_with_nvml();
     agent
 }
 
@@ -186,7 +186,7 @@ fn doomed_rank(agent: &Agent, job: &str, speed: f64) -> Child {
 fn wait_alert(agent: &Agent, am: &Alertmanager, job: &str, sim: &mut Child) -> Observed {
     let start = Instant::now();
     loop {
-        if let Some(alert) = am.alert("Step2OOMPredicted", job) {
+        if let Some(alert) = am.alert("StepwatchStep2OOMPredicted", job) {
             return Observed {
                 alert,
                 seen_s: now_s(),
@@ -197,7 +197,7 @@ fn wait_alert(agent: &Agent, am: &Alertmanager, job: &str, sim: &mut Child) -> O
         }
         assert!(
             start.elapsed() <= Duration::from_secs(60),
-            "no Step2OOMPredicted alert for {job} in Alertmanager within 60 s; alerts: {:?}\nagent log:\n{}\nalertmanager log:\n{}",
+            "no StepwatchStep2OOMPredicted alert for {job} in Alertmanager within 60 s; alerts: {:?}\nagent log:\n{}\nalertmanager log:\n{}",
             am.alerts(),
             agent.log(),
             am.log()
@@ -231,7 +231,7 @@ fn a_predicted_step2_oom_reaches_alertmanager_at_once_and_resolves_when_the_rank
     .into();
     assert!(names.is_subset(&allowed), "{labels:?}");
     for (k, v) in [
-        ("severity", "critical"),
+        ("severity", "warning"),
         ("cluster", "test-cluster"),
         ("training_job", "doomed"),
         ("rank", "0"),
@@ -268,7 +268,7 @@ fn a_predicted_step2_oom_reaches_alertmanager_at_once_and_resolves_when_the_rank
     // The rank is gone: the agent resolves its alert (endsAt now), which
     // Alertmanager then no longer lists.
     wait_until("the alert resolved", Duration::from_secs(30), || {
-        am.alert("Step2OOMPredicted", "doomed").is_none()
+        am.alert("StepwatchStep2OOMPredicted", "doomed").is_none()
     });
     let m = agent.wait_metrics("posts counted", Duration::from_secs(5), |m| {
         m.get(
@@ -424,12 +424,34 @@ fn alert_latency_bench() {
     );
 }
 
+/// thin-margin as shipped, with a 4 s optimizer phase: memory is unchanged,
+/// timings only space the allocations out.
+fn slow_optimizer_thin_margin(dir: &std::path::Path) -> std::path::PathBuf {
+    let shipped = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("crates/stepwatch-sim/scenarios/thin-margin.json");
+    let mut scenario: Value =
+        serde_json::from_str(&std::fs::read_to_string(shipped).unwrap()).unwrap();
+    scenario["timing"] = serde_json::json!({
+        "init_ms": 50.0,
+        "prologue_ms": 5.0,
+        "forward_ms": 60.0,
+        "backward_ms": 120.0,
+        "optimizer_ms": 4000.0,
+        "epilogue_ms": 5.0
+    });
+    let path = dir.join("thin-margin-slow-optimizer.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&scenario).unwrap()).unwrap();
+    path
+}
+
 /// The rule's alert and the agent's are one alert in Alertmanager: a real
 /// Prometheus scrapes the agent with the shipped rules (external label
 /// `cluster`, as the agent's `--alertmanager-label`) and posts to the same
 /// Alertmanager. The agent's alert arrives first (its `source`
-/// annotation); the rule's later one (its `runbook` annotation) has the
-/// same fingerprint, so Alertmanager holds one alert, not two.
+/// annotation); the rule's later one (its `runbook_url` annotation) has the
+/// same fingerprint, so Alertmanager holds one alert, not two. Once the
+/// rank is gone both paths end it: the rule does not fire it again,
+/// although the agent keeps the dead rank's negative prediction.
 #[test]
 fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
     let am = Alertmanager::start("am-dedup");
@@ -447,10 +469,17 @@ fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
         agent.http
     );
     let prom = Prometheus::start("am-dedup", &config);
-    let mut sim = doomed_rank(&agent, "dedup", 0.5);
+    // The rule holds only while the rank lives, so the rank's step-1
+    // optimizer phase (between the prediction and the OOM) lasts 4 s: time
+    // for a scrape and an evaluation (500 ms each) on a busy machine.
+    wait_until(
+        "Prometheus to scrape the agent",
+        Duration::from_secs(30),
+        || !prom.vector("stepwatch_nvml_up == 1").is_empty(),
+    );
+    let scenario = slow_optimizer_thin_margin(&agent.dir.0);
+    let mut sim = agent.sim(scenario.to_str().unwrap(), "dedup", 0, 0, 4, 1.0);
     let agents = wait_alert(&agent, &am, "dedup", &mut sim);
-    let out = sim.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(3));
     assert!(
         agents.alert["annotations"]["source"]
             .as_str()
@@ -469,17 +498,19 @@ fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
                 .alerts()
                 .into_iter()
                 .filter(|a| {
-                    a["labels"]["alertname"] == "Step2OOMPredicted"
+                    a["labels"]["alertname"] == "StepwatchStep2OOMPredicted"
                         && a["labels"]["training_job"] == "dedup"
                 })
                 .collect();
             assert!(all.len() <= 1, "two alerts for one rank: {all:#?}");
             rules_alert = all
                 .into_iter()
-                .find(|a| a["annotations"]["runbook"].is_string());
+                .find(|a| a["annotations"]["runbook_url"].is_string());
             rules_alert.is_some()
         },
     );
+    let out = sim.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(3));
     let rules_alert = rules_alert.unwrap();
     assert_eq!(
         rules_alert["fingerprint"],
@@ -490,6 +521,57 @@ fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
         prom.log()
     );
     assert_eq!(rules_alert["labels"], agents.alert["labels"]);
+
+    // The rank is gone. Its prediction stays exported, yet the rule stops
+    // firing and Alertmanager lists the alert no more.
+    let m = agent.wait_metrics("the dead rank disconnected", Duration::from_secs(10), |m| {
+        m.get("stepwatch_rank_connected", &[("training_job", "dedup")]) == Some(0.0)
+    });
+    assert!(
+        m.get(
+            "stepwatch_rank_predicted_headroom_bytes",
+            &[("training_job", "dedup")]
+        )
+        .is_some_and(|h| h < 0.0),
+        "the dead rank's prediction is kept"
+    );
+    wait_until(
+        "the rule's alert inactive and the alert resolved",
+        Duration::from_secs(30),
+        || {
+            let active = prom.api("/api/v1/alerts").expect("GET /api/v1/alerts")["alerts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|a| {
+                    a["labels"]["alertname"] == "StepwatchStep2OOMPredicted"
+                        && a["labels"]["training_job"] == "dedup"
+                });
+            !active && am.alert("StepwatchStep2OOMPredicted", "dedup").is_none()
+        },
+    );
+    // Evaluations go on (the rule's group is evaluated every 500 ms): the
+    // rule must not fire it again.
+    let evaluated = |prom: &Prometheus| -> f64 {
+        prom.api("/api/v1/rules").expect("GET /api/v1/rules")["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["name"] == "stepwatch-alerts")
+            .and_then(|g| g["lastEvaluation"].as_str().map(unix_seconds))
+            .unwrap_or(0.0)
+    };
+    let after = evaluated(&prom) + 2.0;
+    wait_until(
+        "four more rule evaluations",
+        Duration::from_secs(30),
+        || evaluated(&prom) > after,
+    );
+    assert!(
+        am.alert("StepwatchStep2OOMPredicted", "dedup").is_none(),
+        "the rule fired the dead rank's alert again:\n{}",
+        prom.log()
+    );
 }
 
 /// The Prometheus path for comparison, measured: no fast path; a real
@@ -529,7 +611,9 @@ fn prometheus_path_latency_bench() {
                 .as_str()
                 .unwrap_or("")
                 .to_owned();
-            if a["labels"]["alertname"] == "Step2OOMPredicted" && !received.contains_key(&job) {
+            if a["labels"]["alertname"] == "StepwatchStep2OOMPredicted"
+                && !received.contains_key(&job)
+            {
                 received.insert(job, unix_seconds(a["updatedAt"].as_str().unwrap()));
             }
         }

@@ -28,7 +28,7 @@ use serde_json::Value;
 /// Capacity of the scenario's GPU (a 48 GB card).
 const CAPACITY: u64 = 48_305_799_168;
 const JOB: &str = "gpt-skew-multinode";
-const ALERT: &str = "Step2OOMPredicted";
+const ALERT: &str = "StepwatchStep2OOMPredicted";
 /// Run ten times slower than the scenario's timings.
 const SPEED: f64 = 0.1;
 const STEPS: u64 = 4;
@@ -321,7 +321,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         world.agents.push((node, agent));
     }
     for (_, agent) in &world.agents {
-        agent.wait_for("/readyz", 200, Duration::from_secs(20));
+        agent.wait_ready_with_nvml();
     }
 
     // A real Prometheus with the shipped rules, scraping the three agents
@@ -647,8 +647,9 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         failures.join("\n")
     );
 
-    // (d) No step-2 OOM alert for ranks 1-3 at any time (they fit), and the
-    // one for rank 0 still fires (its prediction stays exported).
+    // (d) No step-2 OOM alert for ranks 1-3 at any time (they fit); the one
+    // for rank 0 fired, and ended when rank 0 died, although the agent still
+    // exports its negative prediction (kept for --retention).
     assert!(
         others_firing.is_empty(),
         "{ALERT} fired for {others_firing:?}"
@@ -662,17 +663,29 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         BTreeSet::from(["0"]),
         "{ALERT} was pending or firing for ranks {ranks:?}"
     );
+    let still_predicted = prom.vector(&format!(
+        r#"stepwatch_rank_predicted_headroom_bytes{{training_job="{JOB}", rank="0"}} < 0"#
+    ));
+    assert_eq!(still_predicted.len(), 1, "{still_predicted:?}");
     let now_firing: Vec<String> = firing(prom, ALERT)
         .into_iter()
         .map(|(l, _)| format!("{}/{}", l["training_job"], l["rank"]))
         .collect();
-    assert_eq!(now_firing, [format!("{JOB}/0")]);
-    // The observed OOM is reported too.
+    assert!(
+        now_firing.is_empty(),
+        "{ALERT} still fires for the dead rank: {now_firing:?}"
+    );
+    // The observed OOM is reported instead, by its own alert.
     let oom = prom.vector(&format!(
         r#"stepwatch_rank_ooms_total{{training_job="{JOB}"}} > 0"#
     ));
     assert_eq!(oom.len(), 1, "{oom:?}");
     assert_eq!(label(&oom[0], "rank"), "0");
+    let oom_alerts: Vec<String> = firing(prom, "StepwatchGPUOOMObserved")
+        .into_iter()
+        .map(|(l, _)| format!("{}/{}", l["training_job"], l["rank"]))
+        .collect();
+    assert_eq!(oom_alerts, [format!("{JOB}/0")]);
 
     eprintln!(
         "{queries} dashboard queries, {loaded} rules checked; test took {:?}",
@@ -695,7 +708,7 @@ fn a_kubernetes_scrape_keeps_the_tenants_labels_and_the_agents_own() {
         &[],
         |_| {},
     );
-    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    agent.wait_ready_with_nvml();
     // Outside Kubernetes here (no kubelet), the agent takes the client's claim.
     let mut hello = wire::hello("tenant-job", 0, 1);
     if let Some(stepwatch_proto::v1::client_message::Kind::Hello(h)) = &mut hello.kind {

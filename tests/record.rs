@@ -15,7 +15,7 @@ fn a_record_replays_to_the_agents_own_prediction_and_steady_peak() {
     let records = TempDir::new("record-out");
     let path = records.0.join("run.jsonl");
     let mut agent = Agent::start_with("record", 2, &["--record", path.to_str().unwrap()], |_| {});
-    agent.wait_for("/readyz", 200, Duration::from_secs(20));
+    agent.wait_ready_with_nvml();
     // Two ranks of a 4-rank job that fits, 4 steps each, with allocator traces.
     let ranks: Vec<_> = (0..2)
         .map(|r| agent.sim("rank0-skew", "rec", r + 1, r, 4, 2.0))

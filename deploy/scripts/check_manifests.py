@@ -23,7 +23,7 @@ import kubernetes_validate
 
 KUBE_VERSIONS = ("1.25.0", "1.37.0")
 HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
-AGENT_ARGS_PREFIX = ["agent", "--http-listen", "0.0.0.0:9400", "--socket", "/run/stepwatch/stepwatch.sock",
+AGENT_ARGS_PREFIX = ["agent", "--http-listen", "0.0.0.0:9447", "--socket", "/run/stepwatch/stepwatch.sock",
                      "--socket-mode", "0666", "--node-name", "$(NODE_NAME)"]
 
 
@@ -163,10 +163,10 @@ def check_daemonset(c, ds, services, allow_root):
     c.expect(env.get("NVIDIA_VISIBLE_DEVICES", {}).get("value") == "all", cw, "NVIDIA_VISIBLE_DEVICES=all")
     c.expect(env.get("NVIDIA_DRIVER_CAPABILITIES", {}).get("value") == "utility", cw, "NVIDIA_DRIVER_CAPABILITIES=utility")
     ports = {p["name"]: p for p in agent.get("ports", [])}
-    c.expect(ports.get("metrics", {}).get("containerPort") == 9400, cw, "containerPort 9400 named metrics")
+    c.expect(ports.get("metrics", {}).get("containerPort") == 9447, cw, "containerPort 9447 named metrics")
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = agent.get(probe, {}).get("httpGet", {})
-        c.expect(get.get("path") == path and get.get("port") in ("metrics", 9400), cw, f"{probe} GET {path} on 9400")
+        c.expect(get.get("path") == path and get.get("port") in ("metrics", 9447), cw, f"{probe} GET {path} on 9447")
     mounts = {m["mountPath"]: m for m in agent.get("volumeMounts", [])}
     c.expect(mounts.get("/run/stepwatch", {}).get("name") == sock[0]["name"] if sock else False, cw,
              "socket hostPath mounted at /run/stepwatch")
@@ -184,8 +184,8 @@ def check_daemonset(c, ds, services, allow_root):
     labels = ds["spec"]["template"]["metadata"].get("labels", {})
     svc_ok = [s for s in services
               if all(labels.get(k) == v for k, v in s["spec"].get("selector", {}).items())
-              and any(p.get("name") == "metrics" and p.get("port") == 9400 for p in s["spec"].get("ports", []))]
-    c.expect(svc_ok, where, "a Service with port 9400 named metrics selecting the agent pods")
+              and any(p.get("name") == "metrics" and p.get("port") == 9447 for p in s["spec"].get("ports", []))]
+    c.expect(svc_ok, where, "a Service with port 9447 named metrics selecting the agent pods")
 
 
 def cmd_validate(args):

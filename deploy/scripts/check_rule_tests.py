@@ -6,13 +6,19 @@
 * every alert has at least one alert_rule_test where it fires (exp_alerts not empty) and
   one where it must stay silent (exp_alerts empty);
 * every recording rule is asserted by a promql_expr_test with expected samples;
-* every alert has a severity label and summary, description and runbook annotations;
-* Step2OOMPredicted fires without waiting (for: 0m), so it is raised during step 1.
+* every alert is named Stepwatch*, has a severity label (warning or critical) and summary,
+  description and runbook_url annotations, and its runbook_url names deploy/runbooks/<alert>.md,
+  which exists (one runbook per alert, and no runbook without its alert);
+* StepwatchStep2OOMPredicted fires without waiting (for: 0m), so it is raised during step 1.
 """
+import os
 import re
 import sys
 
 import yaml
+
+
+RUNBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runbooks")
 
 
 def main(argv):
@@ -43,19 +49,29 @@ def main(argv):
             errors.append(f"alert {name}: no test where it fires")
         if name not in silent:
             errors.append(f"alert {name}: no test where it stays silent")
-        if not rule.get("labels", {}).get("severity"):
-            errors.append(f"alert {name}: no severity label")
-        for key in ("summary", "description", "runbook"):
+        if not name.startswith("Stepwatch"):
+            errors.append(f"alert {name}: not named Stepwatch*")
+        if rule.get("labels", {}).get("severity") not in ("warning", "critical"):
+            errors.append(f"alert {name}: severity label must be warning or critical")
+        for key in ("summary", "description", "runbook_url"):
             if not rule.get("annotations", {}).get(key, "").strip():
                 errors.append(f"alert {name}: no {key} annotation")
+        url = rule.get("annotations", {}).get("runbook_url", "")
+        if not url.endswith(f"/deploy/runbooks/{name}.md"):
+            errors.append(f"alert {name}: runbook_url {url!r} must end with /deploy/runbooks/{name}.md")
+        if not os.path.isfile(os.path.join(RUNBOOKS, f"{name}.md")):
+            errors.append(f"alert {name}: no runbook deploy/runbooks/{name}.md")
+    for md in sorted(os.listdir(RUNBOOKS)):
+        if md.endswith(".md") and md != "README.md" and md[:-3] not in alerts:
+            errors.append(f"deploy/runbooks/{md}: no alert of that name")
     for name in records:
         if name not in asserted:
             errors.append(f"recording rule {name}: no promql_expr_test with expected samples")
     for name in sorted(set(fires | silent) - set(alerts)):
         errors.append(f"tests name alert {name}, which the rules do not define")
-    oom = alerts.get("Step2OOMPredicted")
+    oom = alerts.get("StepwatchStep2OOMPredicted")
     if oom is None or oom.get("for", "0m") not in ("0m", "0s", 0):
-        errors.append("Step2OOMPredicted must exist and have for: 0m (fire during step 1)")
+        errors.append("StepwatchStep2OOMPredicted must exist and have for: 0m (fire during step 1)")
     for e in errors:
         print(f"  FAIL {e}")
     print(f"  {len(alerts)} alerts (each fires and stays silent in a test), {len(records)} recording rules asserted: "

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Keep the generated deployment files in step with their sources.
 
-One source, two outputs:
+One source each:
   * deploy/prometheus/stepwatch-rules.yml  ->  deploy/helm/stepwatch/files/stepwatch-rules.yml
     (the chart wraps that copy into its PrometheusRule)
+  * dashboards/*.json  ->  deploy/helm/stepwatch/files/dashboards/ (the chart's ConfigMaps for
+    Grafana's sidecar)
   * deploy/helm/stepwatch (default values, release "stepwatch", namespace "stepwatch")
     ->  deploy/kubernetes/ (plain kustomize manifests)
 
@@ -26,6 +28,8 @@ DEPLOY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHART = os.path.join(DEPLOY, "helm", "stepwatch")
 RULES_SRC = os.path.join(DEPLOY, "prometheus", "stepwatch-rules.yml")
 RULES_COPY = os.path.join(CHART, "files", "stepwatch-rules.yml")
+DASHBOARDS_SRC = os.path.join(os.path.dirname(DEPLOY), "dashboards")
+DASHBOARDS_COPY = os.path.join(CHART, "files", "dashboards")
 KUSTOMIZE = os.path.join(DEPLOY, "kubernetes")
 
 RELEASE = "stepwatch"
@@ -42,6 +46,8 @@ FILES = {
     "DaemonSet": ("daemonset.yaml", "base"),
     "ServiceMonitor": ("servicemonitor.yaml", "operator"),
     "PrometheusRule": ("prometheusrule.yaml", "operator"),
+    # Grafana's sidecar (kube-prometheus-stack) reads them; with the monitoring stack's objects.
+    "ConfigMap": ("dashboards.yaml", "operator"),
 }
 
 
@@ -87,19 +93,30 @@ def render_chart_objects():
     return objects
 
 
+def dashboard_names():
+    return sorted(n for n in os.listdir(DASHBOARDS_SRC) if n.endswith(".json"))
+
+
 def expected_files():
     """Maps each generated path (relative to deploy/) to its content."""
     with open(RULES_SRC) as f:
         out = {os.path.relpath(RULES_COPY, DEPLOY): f.read()}
+    for name in dashboard_names():
+        with open(os.path.join(DASHBOARDS_SRC, name)) as f:
+            out[os.path.relpath(os.path.join(DASHBOARDS_COPY, name), DEPLOY)] = f.read()
     parts = {"base": [], "operator": []}
+    by_file = {}
     for obj in render_chart_objects():
         kind = obj["kind"]
         if kind not in FILES:
             raise SystemExit(f"sync_generated.py: no kustomize file for kind {kind}; add it to FILES")
         name, part = FILES[kind]
         rel = os.path.join("kubernetes", "base", name) if part == "base" else os.path.join("kubernetes", name)
-        out[rel] = HEADER + dump(strip_helm_labels(obj))
-        parts[part].append(name)
+        by_file.setdefault(rel, []).append(dump(strip_helm_labels(obj)))
+        if name not in parts[part]:
+            parts[part].append(name)
+    for rel, docs in by_file.items():
+        out[rel] = HEADER + "---\n".join(docs)
     namespace = {
         "apiVersion": "v1",
         "kind": "Namespace",
@@ -141,6 +158,9 @@ def generated_paths_on_disk():
             found.add(os.path.relpath(os.path.join(root, name), DEPLOY))
     if os.path.exists(RULES_COPY):
         found.add(os.path.relpath(RULES_COPY, DEPLOY))
+    if os.path.isdir(DASHBOARDS_COPY):
+        for name in os.listdir(DASHBOARDS_COPY):
+            found.add(os.path.relpath(os.path.join(DASHBOARDS_COPY, name), DEPLOY))
     return found
 
 
@@ -158,6 +178,15 @@ def main():
             with open(RULES_COPY, "w") as f:
                 f.write(rules)
             stale.append(os.path.relpath(RULES_COPY, DEPLOY))
+        # Likewise the dashboards the chart ships as ConfigMaps.
+        os.makedirs(DASHBOARDS_COPY, exist_ok=True)
+        for name in dashboard_names():
+            src = open(os.path.join(DASHBOARDS_SRC, name)).read()
+            dst = os.path.join(DASHBOARDS_COPY, name)
+            if not os.path.exists(dst) or open(dst).read() != src:
+                with open(dst, "w") as f:
+                    f.write(src)
+                stale.append(os.path.relpath(dst, DEPLOY))
     want = expected_files()
     for rel, content in sorted(want.items()):
         path = os.path.join(DEPLOY, rel)

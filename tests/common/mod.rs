@@ -209,8 +209,27 @@ impl Agent {
 
     pub fn start(tag: &str, gpus: u32) -> Self {
         let agent = Self::start_with(tag, gpus, &[], |_| {});
-        agent.wait_for("/readyz", 200, Duration::from_secs(20));
+        agent.wait_ready_with_nvml();
         agent
+    }
+
+    /// Waits until the agent is ready (ingest listening) and NVML answers:
+    /// `/readyz` no longer waits for NVML, and most tests need GPU samples.
+    pub fn wait_ready_with_nvml(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok((200, body)) = http_get(self.http, "/readyz") {
+                if body.lines().any(|l| l == "nvml: up") {
+                    return;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not ready with NVML up within 20 s; agent log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     pub fn endpoint(&self) -> String {

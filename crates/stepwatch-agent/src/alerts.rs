@@ -31,13 +31,13 @@ use tokio::sync::{mpsc, watch, Notify};
 
 /// Alert names, as the rules in deploy/prometheus/stepwatch-rules.yml name
 /// them (a test reads the file): one place for the fast path's names.
-pub const STEP2_OOM_ALERT: &str = "Step2OOMPredicted";
+pub const STEP2_OOM_ALERT: &str = "StepwatchStep2OOMPredicted";
 /// See [`STEP2_OOM_ALERT`].
-pub const LOW_HEADROOM_ALERT: &str = "LowPredictedHeadroom";
+pub const LOW_HEADROOM_ALERT: &str = "StepwatchLowPredictedHeadroom";
 /// See [`STEP2_OOM_ALERT`].
-pub const PEAK_DIVERGENCE_ALERT: &str = "FirstStepDivergence";
+pub const PEAK_DIVERGENCE_ALERT: &str = "StepwatchFirstStepDivergence";
 /// See [`STEP2_OOM_ALERT`].
-pub const ACTIVATION_DIVERGENCE_ALERT: &str = "FirstStepActivationDivergence";
+pub const ACTIVATION_DIVERGENCE_ALERT: &str = "StepwatchFirstStepActivationDivergence";
 
 /// Labels of a per-rank alert besides `alertname` and `severity`: the rule
 /// aggregates to exactly these (plus `cluster`, from `--alertmanager-label`), so
@@ -59,7 +59,7 @@ pub const JOB_ALERT_LABELS: [&str; 2] = ["namespace", "training_job"];
 /// whether it is about the rank or the whole job. None: no rule alerts on it.
 pub fn alert_for(advisory: &Advisory) -> Option<(&'static str, &'static str, bool)> {
     match advisory.kind {
-        AdvisoryKind::Step2OomPredicted => Some((STEP2_OOM_ALERT, "critical", true)),
+        AdvisoryKind::Step2OomPredicted => Some((STEP2_OOM_ALERT, "warning", true)),
         AdvisoryKind::LowHeadroom => Some((LOW_HEADROOM_ALERT, "warning", true)),
         AdvisoryKind::RankDivergence => match advisory.divergence.as_ref()?.figure {
             DivergenceFigure::Step1Peak => Some((PEAK_DIVERGENCE_ALERT, "warning", false)),
@@ -324,16 +324,18 @@ impl RankAlerts {
         }
     }
 
-    /// Resolves the step-2 OOM alert once a step ≥ 2 ended normally: the
-    /// prediction was wrong or the job was changed, and step 2 fit.
+    /// Resolves the step-2 prediction's alerts (OOM predicted, low headroom)
+    /// once a step ≥ 2 ended normally: step 2 fit, and the prediction is
+    /// settled. The rules end them at the same point
+    /// (`stepwatch_rank_steps_completed_total < 2`).
     pub fn markers(&mut self, markers: &[Marker]) {
         let step2_passed = || {
             markers
                 .iter()
                 .any(|m| m.step >= 2 && m.kind == MarkerKind::StepEnd)
         };
-        if self.held.iter().any(|(n, _)| *n == STEP2_OOM_ALERT) && step2_passed() {
-            self.release(|name| name == STEP2_OOM_ALERT);
+        if self.held.iter().any(|(n, _)| is_step2_prediction(n)) && step2_passed() {
+            self.release(is_step2_prediction);
         }
     }
 
@@ -356,6 +358,11 @@ impl RankAlerts {
     }
 }
 
+/// The alerts about the step-2 prediction, which end when step 2 passed.
+fn is_step2_prediction(name: &str) -> bool {
+    name == STEP2_OOM_ALERT || name == LOW_HEADROOM_ALERT
+}
+
 /// The rule's summary (same wording) and the advisory's own sentence.
 fn annotations(name: &str, labels: &Labels, advisory: &Advisory) -> Labels {
     let get = |k: &str| labels.get(k).map_or("", String::as_str);
@@ -365,7 +372,15 @@ fn annotations(name: &str, labels: &Labels, advisory: &Advisory) -> Labels {
             format!("Job {job} rank {rank} will likely run out of GPU memory in step 2")
         }
         LOW_HEADROOM_ALERT => {
-            format!("Job {job} rank {rank} has less than 5% predicted GPU memory headroom")
+            let ratio = if advisory.capacity_bytes > 0 {
+                advisory.predicted_headroom_bytes as f64 / advisory.capacity_bytes as f64
+            } else {
+                0.0
+            };
+            format!(
+                "Job {job} rank {rank} has little predicted GPU memory headroom ({:.1}%)",
+                ratio * 100.0
+            )
         }
         _ => format!("Step-1 memory peaks of job {job} diverge across ranks"),
     };
@@ -704,7 +719,7 @@ mod tests {
     fn the_agents_alerts_have_the_rules_names_labels_and_severities() {
         let rules = include_str!("../../../deploy/prometheus/stepwatch-rules.yml");
         let cases = [
-            (STEP2_OOM_ALERT, "critical", &RANK_ALERT_LABELS[..]),
+            (STEP2_OOM_ALERT, "warning", &RANK_ALERT_LABELS[..]),
             (LOW_HEADROOM_ALERT, "warning", &RANK_ALERT_LABELS[..]),
             (PEAK_DIVERGENCE_ALERT, "warning", &JOB_ALERT_LABELS[..]),
             (
@@ -932,6 +947,40 @@ mod tests {
         assert!(again[0].ends_at > first[0].ends_at, "{first:?} {again:?}");
     }
 
+    /// Low headroom is about the step-2 prediction too: like the rule
+    /// (`stepwatch_rank_steps_completed_total < 2`), it ends when step 2
+    /// passed, not with the rank's stream hours later.
+    #[test]
+    fn low_headroom_is_released_when_step_2_passed() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let mut alerts = rank_alerts(tx);
+        let mut low = advisory(AdvisoryKind::LowHeadroom, None);
+        low.predicted_headroom_bytes = 2_000_000_000;
+        low.capacity_bytes = 80_000_000_000;
+        alerts.advise(&[low]);
+        let Change::Fire {
+            labels,
+            annotations,
+            ..
+        } = rx.try_recv().unwrap()
+        else {
+            panic!("a firing alert")
+        };
+        assert_eq!(labels["alertname"], LOW_HEADROOM_ALERT);
+        assert_eq!(labels["severity"], "warning");
+        assert_eq!(
+            annotations["summary"],
+            "Job llm rank 3 has little predicted GPU memory headroom (2.5%)"
+        );
+        alerts.markers(&[marker(MarkerKind::StepEnd, 1)]);
+        assert!(rx.try_recv().is_err(), "step 1's end resolves nothing");
+        alerts.markers(&[marker(MarkerKind::StepEnd, 2)]);
+        let Change::Release { labels, .. } = rx.try_recv().unwrap() else {
+            panic!("released at step 2's end")
+        };
+        assert_eq!(labels["alertname"], LOW_HEADROOM_ALERT);
+    }
+
     #[test]
     fn a_rank_fires_its_alerts_and_releases_them_at_step_2_or_its_end() {
         let (tx, mut rx) = mpsc::channel(16);
@@ -958,8 +1007,8 @@ mod tests {
             panic!("a firing alert first")
         };
         let expected: Labels = [
-            ("alertname", "Step2OOMPredicted"),
-            ("severity", "critical"),
+            ("alertname", "StepwatchStep2OOMPredicted"),
+            ("severity", "warning"),
             ("cluster", "c1"),
             ("namespace", "team"),
             ("training_job", "llm"),

@@ -38,7 +38,8 @@ pub struct AgentConfig {
     pub grpc_tls_client_ca: Option<PathBuf>,
 
     /// Address of the HTTP server: /metrics, /healthz, /readyz, /api/v1.
-    #[arg(long, env = "STEPWATCH_HTTP_LISTEN", default_value = "0.0.0.0:9400")]
+    /// Port 9447, not 9400: dcgm-exporter listens on 9400 on the same GPU nodes.
+    #[arg(long, env = "STEPWATCH_HTTP_LISTEN", default_value = "0.0.0.0:9447")]
     pub http_listen: SocketAddr,
 
     /// Node name put on every series as the `node` label (defaults to the hostname).
@@ -74,7 +75,7 @@ pub struct AgentConfig {
     /// rank holding the most gives up its oldest steps (never step 1 or the
     /// current step), counted in stepwatch_steps_trimmed_total; when nothing
     /// is left to give, markers that add phases are refused (memory_budget).
-    /// The default fits the chart's 64 MiB memory limit.
+    /// The default fits the chart's 192 MiB memory limit with 256 ranks connected.
     #[arg(long, env = "STEPWATCH_MEMORY_BUDGET_MIB", default_value_t = 24)]
     pub memory_budget_mib: u64,
 
@@ -348,5 +349,19 @@ mod tests {
         assert!(parse_label("cluster").is_err());
         assert!(parse_label("1x=y").is_err());
         assert!(parse_label("severity=info").is_err());
+    }
+
+    /// dcgm-exporter runs on the same GPU nodes on port 9400: the agent's
+    /// default must not take it (the chart's `port` follows this default).
+    #[test]
+    fn the_default_http_port_is_not_dcgm_exporters() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            agent: AgentConfig,
+        }
+        let cli = <Cli as clap::Parser>::try_parse_from(["stepwatch"]).unwrap();
+        assert_eq!(cli.agent.http_listen.port(), 9447);
+        assert_ne!(cli.agent.http_listen.port(), 9400);
     }
 }

@@ -74,24 +74,28 @@ async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
         .into_response()
 }
 
+/// Ready once ingest listens: what a training pod on the node needs, and
+/// what a DaemonSet rollout waits for. NVML is not a condition: a node with a
+/// sick GPU must not stall a rollout across the fleet; its NVML health is
+/// `stepwatch_nvml_up` and the StepwatchNVMLDown alert. The body's second
+/// line says how NVML is (`nvml: up`, or `nvml: down: <why>`), for a
+/// caller that needs GPU samples before it starts.
 async fn readyz(State(state): State<Arc<AgentState>>) -> Response {
     let (nvml_up, nvml_status) = state.sampler.nvml_status();
-    let ingest = state.ingest_listening.load(Ordering::Relaxed);
-    if nvml_up && ingest {
-        return (StatusCode::OK, "ready\n").into_response();
+    let nvml = if nvml_up {
+        "nvml: up".to_string()
+    } else {
+        format!("nvml: down: {nvml_status}")
+    };
+    if state.ingest_listening.load(Ordering::Relaxed) {
+        (StatusCode::OK, format!("ready\n{nvml}\n")).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: ingest: not listening\n{nvml}\n"),
+        )
+            .into_response()
     }
-    let mut why = Vec::new();
-    if !nvml_up {
-        why.push(format!("nvml: {nvml_status}"));
-    }
-    if !ingest {
-        why.push("ingest: not listening".to_string());
-    }
-    (
-        StatusCode::SERVICE_UNAVAILABLE,
-        format!("not ready: {}\n", why.join("; ")),
-    )
-        .into_response()
 }
 
 /// Runs `f` (which reads the tracker) on the blocking pool: the tracker's

@@ -45,8 +45,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
+{{/* repository:tag, or repository@digest when image.digest is set (the digest pins the image;
+     a tag can be moved). */}}
 {{- define "stepwatch.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
 {{- end }}
 
 {{- define "stepwatch.socketPath" -}}
@@ -56,4 +62,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* The CSI plugin's host directory, also its path in the agent container. */}}
 {{- define "stepwatch.csiPluginDir" -}}
 {{- printf "%s/plugins/%s" (.Values.csi.kubeletDir | trimSuffix "/") .Values.csi.driverName }}
+{{- end }}
+
+{{/* Each alert's threshold as it is written in files/stepwatch-rules.yml (which must hold it
+     exactly once in the alert's expression) and how a new value is written in its place
+     (prometheusRule.alerts.<name>.threshold). */}}
+{{- define "stepwatch.alertThresholds" -}}
+StepwatchLowPredictedHeadroom: {literal: "< 0.05", format: "< %v"}
+StepwatchFirstStepDivergence: {literal: "> 0.1", format: "> %v"}
+StepwatchFirstStepActivationDivergence: {literal: "> 0.1", format: "> %v"}
+StepwatchJobStalled: {literal: "clamp_min(10 *", format: "clamp_min(%v *"}
+StepwatchSamplerLagging: {literal: "> 0.1", format: "> %v"}
+{{- end }}
+
+{{/* Alerts the agent posts itself (--alertmanager-url) with the rule's name and labels. */}}
+{{- define "stepwatch.fastPathAlerts" -}}
+- StepwatchStep2OOMPredicted
+- StepwatchLowPredictedHeadroom
+- StepwatchFirstStepDivergence
+- StepwatchFirstStepActivationDivergence
+{{- end }}
+
+{{/* Labels kube-prometheus-stack selects by: `release: <its release>`. */}}
+{{- define "stepwatch.prometheusReleaseLabel" -}}
+{{- with .Values.prometheusRelease }}
+release: {{ . | quote }}
+{{- end }}
 {{- end }}
