@@ -11,7 +11,8 @@ use axum::routing::get;
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use stepwatch_core::{RankKey, RankState, StepRecord, Tracker};
+use stepwatch_core::{GpuSample, RankKey, RankState, StepRecord, Tracker};
+use stepwatch_proto::clock::monotonic_ns;
 
 use crate::exporter;
 use crate::listen::Limited;
@@ -59,6 +60,9 @@ pub fn router(state: Arc<AgentState>) -> Router {
         .route("/api/v1/jobs", get(jobs))
         .route("/api/v1/jobs/{job}", get(job))
         .route("/api/v1/jobs/{job}/ranks/{rank}", get(rank))
+        .route("/api/v1/gpus", get(gpus))
+        .route("/api/v1/gpus/{gpu}/samples", get(gpu_samples))
+        .merge(crate::ui::routes())
         .with_state(state)
 }
 
@@ -145,14 +149,22 @@ async fn job(
 ) -> Response {
     let ns = query.namespace;
     let (ranks, divergence, ns, job) = off_runtime(state.clone(), move |s| {
-        s.read_tracker(|tracker| {
-            let ranks: Vec<Value> = tracker
-                .job_ranks(&ns, &job)
-                .map(|(k, r)| rank_summary(k, r))
-                .collect();
-            let divergence = tracker.job_divergence(&ns, &job);
-            (ranks, divergence, ns, job)
-        })
+        let keys: Vec<RankKey> =
+            s.read_tracker(|t| t.job_ranks(&ns, &job).map(|(k, _)| k.clone()).collect());
+        // One rank's analysis per lock hold (see `AgentState::read_tracker`).
+        let ranks: Vec<Value> = keys
+            .iter()
+            .filter_map(|key| {
+                s.read_tracker(|t| {
+                    let r = t.rank(key)?;
+                    let mut summary = rank_summary(key, r);
+                    summary["figures"] = rank_figures(t, key, r);
+                    Some(summary)
+                })
+            })
+            .collect();
+        let divergence = s.read_tracker(|t| t.job_divergence(&ns, &job));
+        (ranks, divergence, ns, job)
     })
     .await;
     if ranks.is_empty() {
@@ -264,6 +276,177 @@ fn rank_summary(key: &RankKey, r: &RankState) -> Value {
     })
 }
 
+/// The figures a job's page compares across ranks (`figures` of each rank
+/// in `/api/v1/jobs/{job}`): step-1, steady and predicted peaks, capacity,
+/// headroom, and the advisories, so that a job's view is one request, not
+/// one full rank report per rank.
+fn rank_figures(tracker: &Tracker, key: &RankKey, r: &RankState) -> Value {
+    let analysis = tracker.rank_analysis(key);
+    let a = analysis.as_ref();
+    let prediction = a.and_then(|a| a.prediction.as_ref());
+    json!({
+        "first_step_peak_bytes": a.and_then(|a| a.first_step.as_ref()).and_then(|f| f.nvml_peak_bytes),
+        "steady_peak_bytes": a.and_then(|a| a.steady.as_ref()).and_then(|s| s.nvml_peak_bytes),
+        "steady_reached": a.is_some_and(|a| a.steady_state.reached),
+        "predicted_peak_bytes": prediction.map(|p| p.predicted_peak_bytes),
+        "headroom_bytes": prediction.and_then(|p| p.headroom_bytes),
+        "oom_risk": prediction.is_some_and(|p| p.oom_risk),
+        "low_headroom": prediction.is_some_and(|p| p.low_headroom),
+        "provisional": prediction.is_some_and(|p| p.provisional),
+        "capacity_bytes": a.map(|a| a.capacity_bytes),
+        "advisories": r.advisories,
+    })
+}
+
+/// `/api/v1/gpus`: every GPU the sampler found, with its latest reading,
+/// the processes NVML lists on it (matched to ranks by PID) and the ranks
+/// whose hello named it. Reads the sampler's snapshot, never NVML.
+async fn gpus(State(state): State<Arc<AgentState>>) -> Json<Value> {
+    let (snapshot, ranks) = off_runtime(state.clone(), |s| {
+        let now = monotonic_ns();
+        let ranks: Vec<(String, u32, RankKey)> = s.read_tracker(|t| {
+            t.ranks()
+                .map(|(k, r)| (r.info.gpu_uuid.clone(), r.info.pid, k.clone()))
+                .collect()
+        });
+        (s.sampler.snapshot(now), ranks)
+    })
+    .await;
+    let key_json = |k: &RankKey| json!({"namespace": k.namespace, "job": k.job, "rank": k.rank});
+    let gpus: Vec<Value> = snapshot
+        .gpus
+        .iter()
+        .map(|g| {
+            let on_gpu = || ranks.iter().filter(|(uuid, _, _)| *uuid == g.uuid);
+            json!({
+                "index": g.index,
+                "uuid": g.uuid,
+                "name": g.name,
+                "total_bytes": g.total_bytes,
+                "capacity_bytes": g.last.map(|l| l.usable_bytes()),
+                "used_bytes": g.last.map(|l| l.used_bytes),
+                "used_max_bytes": g.used_max_bytes,
+                "up": g.up,
+                "stale": g.stale,
+                "utilization_percent": g.utilization_percent.map(|(gpu, mem)| json!({"gpu": gpu, "memory": mem})),
+                "processes": g.processes.iter().map(|p| json!({
+                    "pid": p.pid,
+                    "used_bytes": p.used_bytes,
+                    "rank": on_gpu().find(|(_, pid, _)| *pid == p.pid).map(|(_, _, k)| key_json(k)),
+                })).collect::<Vec<_>>(),
+                "ranks": on_gpu().map(|(_, _, k)| key_json(k)).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    Json(json!({
+        "node": state.node,
+        "nvml_up": snapshot.nvml_up,
+        "nvml_status": snapshot.status,
+        "gpus": gpus,
+    }))
+}
+
+/// `?seconds=` (the latest S seconds) or `?from_ns=&to_ns=` (a range of
+/// CLOCK_MONOTONIC ns, e.g. one step), and `?points=` (buckets).
+#[derive(Deserialize)]
+struct SamplesQuery {
+    seconds: Option<f64>,
+    from_ns: Option<u64>,
+    to_ns: Option<u64>,
+    points: Option<usize>,
+}
+
+/// Buckets of a series unless `?points=` says otherwise: about one per
+/// pixel of a laptop-wide chart's plot area.
+const DEFAULT_SERIES_POINTS: usize = 300;
+/// Most buckets one series may hold: the answer is bounded whatever is asked.
+const MAX_SERIES_POINTS: usize = 2000;
+/// Longest range one series may cover; the agent holds less than this
+/// anyway (`max_samples_per_gpu`, 60 s at 100 Hz).
+const MAX_SERIES_SECONDS: f64 = 3600.0;
+
+/// `/api/v1/gpus/{gpu}/samples`: a GPU's memory series (by UUID or NVML
+/// index) from the tracker's sample window, downsampled to min/max buckets
+/// (peaks kept). The window's samples in range are copied out under the
+/// lock; bucketing and serialising happen after it is released.
+async fn gpu_samples(
+    State(state): State<Arc<AgentState>>,
+    Path(gpu): Path<String>,
+    Query(query): Query<SamplesQuery>,
+) -> Response {
+    let bad = |m: String| (StatusCode::BAD_REQUEST, Json(json!({"error": m}))).into_response();
+    let points = query.points.unwrap_or(DEFAULT_SERIES_POINTS);
+    if points == 0 || points > MAX_SERIES_POINTS {
+        return bad(format!(
+            "points={points} is out of range; ask for 1 to {MAX_SERIES_POINTS}"
+        ));
+    }
+    let now = monotonic_ns();
+    let (from_ns, to_ns) = match (query.seconds, query.from_ns, query.to_ns) {
+        (Some(secs), None, None) => {
+            if !(secs > 0.0 && secs <= MAX_SERIES_SECONDS) {
+                return bad(format!(
+                    "seconds={secs} is out of range; ask for more than 0 and at most {MAX_SERIES_SECONDS}"
+                ));
+            }
+            // One bucket past now, so the newest sample has a bucket.
+            let to = now.saturating_add(1);
+            (to.saturating_sub((secs * 1e9) as u64), to)
+        }
+        (None, Some(from), Some(to)) => {
+            if from >= to || (to - from) as f64 > MAX_SERIES_SECONDS * 1e9 {
+                return bad(format!(
+                    "from_ns={from} to_ns={to}: from_ns must be before to_ns, at most {MAX_SERIES_SECONDS} s apart"
+                ));
+            }
+            (from, to)
+        }
+        (None, None, None) => (now.saturating_sub(60_000_000_000), now.saturating_add(1)),
+        _ => return bad("give either seconds= or both from_ns= and to_ns=, not a mix".to_string()),
+    };
+    off_runtime(state, move |s| {
+        let snapshot = s.sampler.snapshot(now);
+        let found = snapshot
+            .gpus
+            .iter()
+            .find(|g| g.uuid == gpu || g.index.to_string() == gpu);
+        // A GPU the sampler no longer lists (lost) keeps its samples here.
+        let uuid = found.map_or(gpu.as_str(), |g| g.uuid.as_str());
+        let (window, held_from_ns): (Vec<GpuSample>, Option<u64>) = s.read_tracker(|t| {
+            let held_from = t.samples_since(uuid, 0).next().map(|x| x.monotonic_ns);
+            let window = t
+                .samples_since(uuid, from_ns)
+                .take_while(|x| x.monotonic_ns < to_ns)
+                .copied()
+                .collect();
+            (window, held_from)
+        });
+        if found.is_none() && held_from_ns.is_none() {
+            let known: Vec<&str> = snapshot.gpus.iter().map(|g| g.uuid.as_str()).collect();
+            return not_found(format!(
+                "no GPU {gpu:?} on this node (GPUs, by UUID or index: {})",
+                if known.is_empty() { "none".to_string() } else { known.join(", ") }
+            ));
+        }
+        let buckets = stepwatch_core::downsample_min_max(&window, from_ns, to_ns, points);
+        Json(json!({
+            "node": s.node,
+            "gpu": {"index": found.map(|g| g.index), "uuid": uuid, "name": found.map(|g| g.name.as_str())},
+            "now_ns": now,
+            "from_ns": from_ns,
+            "to_ns": to_ns,
+            "held_from_ns": held_from_ns,
+            "bucket_ns": stepwatch_core::bucket_width_ns(from_ns, to_ns, points),
+            "samples": window.len(),
+            "capacity_bytes": window.last().map(|x| x.capacity_bytes).or(found.and_then(|g| g.last).map(|l| l.usable_bytes())),
+            "total_bytes": found.map(|g| g.total_bytes),
+            "points": buckets.iter().map(|b| [b.start_ns, b.min_bytes, b.max_bytes]).collect::<Vec<_>>(),
+        }))
+        .into_response()
+    })
+    .await
+}
+
 fn not_found(message: String) -> Response {
     (StatusCode::NOT_FOUND, Json(json!({"error": message}))).into_response()
 }
@@ -346,6 +529,137 @@ mod tests {
         let mut response = String::new();
         let _ = conn.read_to_string(&mut response);
         response
+    }
+
+    /// Serves `state` on a port of its own until the returned sender is dropped.
+    fn serve(state: Arc<AgentState>) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        serve_on_own_thread(listener, state, 16, None, async {
+            let _ = stop_rx.await;
+        })
+        .unwrap();
+        (addr, stop_tx)
+    }
+
+    /// The status code and JSON body of a GET.
+    fn get_json(addr: std::net::SocketAddr, path: &str) -> (u16, Value) {
+        let response = get(addr, path);
+        let code = response[9..12].parse().unwrap();
+        let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
+        // The body is chunked or not; the JSON is the part between braces.
+        let json = &body[body.find('{').unwrap()..=body.rfind('}').unwrap()];
+        (code, serde_json::from_str(json).unwrap())
+    }
+
+    const GPU: &str = "GPU-test";
+
+    #[test]
+    fn a_gpu_series_is_bounded_and_keeps_the_peak_of_each_bucket() {
+        let state = test_state();
+        // 1000 samples 1 ms apart ending just before now, at 10 bytes, with
+        // one 1 ms spike of 999 bytes in the middle.
+        let end = monotonic_ns();
+        let start = end - 1_000_000_000;
+        let samples: Vec<GpuSample> = (0..1000u64)
+            .map(|i| GpuSample {
+                monotonic_ns: start + i * 1_000_000,
+                used_bytes: if i == 500 { 999 } else { 10 },
+                capacity_bytes: 5000,
+            })
+            .collect();
+        state.test_gpu_samples(GPU, &samples);
+        let (addr, _stop) = serve(state);
+
+        // 10 buckets of 100 ms over the second: the spike is the 6th's max.
+        let path = format!(
+            "/api/v1/gpus/{GPU}/samples?from_ns={start}&to_ns={}&points=10",
+            start + 1_000_000_000
+        );
+        let (code, body) = get_json(addr, &path);
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(body["samples"], 1000);
+        assert_eq!(body["bucket_ns"], 100_000_000);
+        assert_eq!(body["capacity_bytes"], 5000);
+        let points = body["points"].as_array().unwrap();
+        assert_eq!(points.len(), 10);
+        let maxes: Vec<u64> = points.iter().map(|p| p[2].as_u64().unwrap()).collect();
+        assert_eq!(maxes, [10, 10, 10, 10, 10, 999, 10, 10, 10, 10]);
+        assert!(points.iter().all(|p| p[1] == 10), "{body}");
+        assert_eq!(points[5][0], start + 500_000_000);
+
+        // The latest 60 s in 1 bucket: still the spike.
+        let (code, body) = get_json(
+            addr,
+            &format!("/api/v1/gpus/{GPU}/samples?seconds=60&points=1"),
+        );
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(body["points"][0][2], 999, "{body}");
+        assert_eq!(body["samples"], 1000);
+    }
+
+    #[test]
+    fn a_gpu_series_refuses_unbounded_or_unclear_requests_and_unknown_gpus() {
+        let state = test_state();
+        state.test_gpu_samples(
+            GPU,
+            &[GpuSample {
+                monotonic_ns: 1,
+                used_bytes: 1,
+                capacity_bytes: 2,
+            }],
+        );
+        let (addr, _stop) = serve(state);
+        for (query, says) in [
+            ("points=0", "points=0 is out of range"),
+            ("points=2001", "points=2001 is out of range"),
+            ("seconds=0", "seconds=0 is out of range"),
+            ("seconds=3601", "seconds=3601 is out of range"),
+            ("from_ns=5&to_ns=5", "from_ns must be before to_ns"),
+            ("from_ns=0&to_ns=3600000000001", "at most 3600 s apart"),
+            ("seconds=5&from_ns=1&to_ns=2", "not a mix"),
+            ("from_ns=1", "not a mix"),
+        ] {
+            let (code, body) = get_json(addr, &format!("/api/v1/gpus/{GPU}/samples?{query}"));
+            assert_eq!(code, 400, "{query}: {body}");
+            let error = body["error"].as_str().unwrap();
+            assert!(error.contains(says), "{query}: {error}");
+        }
+        let (code, body) = get_json(addr, "/api/v1/gpus/GPU-nope/samples");
+        assert_eq!(code, 404, "{body}");
+        let error = body["error"].as_str().unwrap();
+        assert!(
+            error.contains(r#"no GPU "GPU-nope" on this node"#),
+            "{error}"
+        );
+        // The largest range and bucket count allowed are answered.
+        let (code, body) = get_json(
+            addr,
+            &format!("/api/v1/gpus/{GPU}/samples?from_ns=0&to_ns=3600000000000&points=2000"),
+        );
+        assert_eq!(code, 200, "{body}");
+        assert_eq!(body["points"], serde_json::json!([[0, 1, 1]]));
+    }
+
+    #[test]
+    fn the_page_and_its_assets_are_served_from_the_binary() {
+        let (addr, _stop) = serve(test_state());
+        for (path, kind, has) in [
+            ("/", "text/html", r#"<script src="/ui/app.js">"#),
+            ("/ui/app.js", "text/javascript", "/api/v1/gpus"),
+            ("/ui/style.css", "text/css", "svg.chart"),
+        ] {
+            let response = get(addr, path);
+            assert!(response.starts_with("HTTP/1.1 200"), "{path}: {response}");
+            assert!(
+                response
+                    .to_ascii_lowercase()
+                    .contains(&format!("content-type: {kind}")),
+                "{path}: {response}"
+            );
+            assert!(response.contains(has), "{path}");
+        }
     }
 
     #[test]

@@ -14,6 +14,7 @@ mod ingest;
 mod listen;
 mod record;
 mod state;
+mod ui;
 mod workload;
 
 pub use state::REJECT_REASONS;

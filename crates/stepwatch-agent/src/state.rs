@@ -580,6 +580,14 @@ pub(crate) fn test_state() -> Arc<AgentState> {
     .unwrap()
 }
 
+#[cfg(test)]
+impl AgentState {
+    /// Puts GPU samples in the tracker's window as the sampler would (test helper).
+    pub(crate) fn test_gpu_samples(&self, gpu: &str, samples: &[stepwatch_core::GpuSample]) {
+        self.update(Drain::Never, |t, _| t.gpu_samples(gpu, samples));
+    }
+}
+
 /// Opens rank `rank` of job `job` and begins step 1 (test helper).
 #[cfg(test)]
 pub(crate) fn test_rank(state: &AgentState, job: &str, rank: u32) -> RankKey {

@@ -11,6 +11,7 @@ pub mod advisory;
 pub mod allocator;
 pub mod analysis;
 pub mod divergence;
+pub mod downsample;
 pub mod error;
 pub mod fit;
 pub mod identity;
@@ -32,6 +33,7 @@ pub use divergence::{
     activation_peak_bytes, divergence, ActivationPeak, Divergence, DivergenceFigure, NamedOutlier,
     Outlier, PeakSource, RankFigures, Spread,
 };
+pub use downsample::{bucket_width_ns, downsample_min_max, MinMaxBucket};
 pub use error::{HelloError, MarkerError};
 pub use identity::{
     ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo, RankKey,
