@@ -7,7 +7,7 @@
 
 use serde::Serialize;
 
-use crate::tracker::GpuSample;
+use crate::sample::GpuSample;
 
 /// One time bucket of a downsampled series.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
