@@ -69,13 +69,24 @@ impl Browser {
         out
     }
 
-    /// The page's DOM once it has drawn `view` from the agent's data.
+    /// The page's DOM once it has drawn `view` from the agent's data, and
+    /// drawn it again from a later poll (the page is live).
     fn dom(&self, url: &str, view: &str) -> String {
         let dom = String::from_utf8(self.run(url, "--dump-dom").stdout).unwrap();
         assert!(
             dom.contains(&format!(r#"data-view="{view}""#))
                 && dom.contains(r#"data-state="ready""#),
             "the {view} view at {url} did not render:\n{dom}"
+        );
+        let updates: u32 = dom
+            .split(r#"data-updates=""#)
+            .nth(1)
+            .and_then(|t| t.split('"').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        assert!(
+            updates >= 2,
+            "the {view} view was drawn {updates} times in 5 s of virtual time, not polled again"
         );
         dom
     }
@@ -160,6 +171,28 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
         std::thread::sleep(Duration::from_millis(200));
     };
     let base = format!("http://{}/", agent.http);
+    // The job API's per-rank figures are the exported ones.
+    let m = Metrics(agent.metrics());
+    for r in skew["ranks"].as_array().unwrap() {
+        let labels = [("training_job", "skew"), ("rank", &r["rank"].to_string())];
+        for (figure, metric) in [
+            (
+                "first_step_peak_bytes",
+                "stepwatch_rank_first_step_peak_bytes",
+            ),
+            (
+                "predicted_peak_bytes",
+                "stepwatch_rank_predicted_peak_bytes",
+            ),
+        ] {
+            assert_eq!(
+                r["figures"][figure].as_f64(),
+                m.get(metric, &labels),
+                "rank {}: {figure}",
+                r["rank"]
+            );
+        }
+    }
 
     // The node: one card per GPU, each with its memory chart and usable
     // capacity; the jobs table says which job is doomed.

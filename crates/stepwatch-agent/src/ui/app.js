@@ -546,6 +546,8 @@
         setStatus(`${paused ? "paused" : "live"} · ${new Date().toLocaleTimeString()}`, false);
         document.body.dataset.view = route.view;
         document.body.dataset.state = "ready";
+        // Counts the updates drawn: a test sees that the page keeps polling.
+        document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
       } catch (e) {
         if (mine !== generation) return;
         if (e instanceof HttpError && e.status === 404) {
