@@ -60,7 +60,13 @@ impl Browser {
     /// none, so one is an error (an uncaught exception, a failed script).
     fn run(&self, url: &str, mode: &str) -> Output {
         let out = Command::new("chromium")
-            .args(["--headless", "--no-sandbox", "--disable-gpu"])
+            // No sandbox (root in containers); /tmp, not a small /dev/shm.
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+            ])
             .args(["--enable-logging=stderr", "--v=0"])
             .args(["--window-size=1280,1000", "--hide-scrollbars"])
             .arg("--virtual-time-budget=5000")
