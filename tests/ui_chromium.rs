@@ -59,7 +59,9 @@ impl Browser {
     /// (virtual time), and fails on any console message: the page writes
     /// none, so one is an error (an uncaught exception, a failed script).
     fn run(&self, url: &str, mode: &str) -> Output {
-        let out = Command::new("chromium")
+        // coreutils' timeout bounds a hung browser (exit 124: a failure below).
+        let out = Command::new("timeout")
+            .args(["120", "chromium"])
             // No sandbox (root in containers); /tmp, not a small /dev/shm.
             .args([
                 "--headless",
