@@ -15,7 +15,7 @@ use stepwatch::http_get;
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
-    /// Where the demo agent serves HTTP (/metrics, /api/v1/jobs).
+    /// Where the demo agent serves HTTP (the page at /, /metrics, /api/v1/jobs).
     #[arg(long, default_value = "127.0.0.1:9447")]
     pub http_listen: SocketAddr,
     /// Stop after this many seconds (default: run until Ctrl-C).
@@ -197,6 +197,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     println!("  doomed-llm   GPT 1.3B with AdamW on a 48 GB GPU: step 1 fits, step 2 will not (the optimizer");
     println!("               state is created inside step 1's optimizer.step()); stepwatch predicts it during step 1");
     println!();
+    println!("  the page:  open {base}/ in a browser (GPUs, jobs, each rank's step anatomy; live)");
     println!("  metrics:   curl {base}/metrics");
     println!("  jobs:      curl {base}/api/v1/jobs");
     println!("  a rank:    curl '{base}/api/v1/jobs/doomed-llm-1/ranks/0?steps=3'");

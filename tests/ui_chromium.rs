@@ -27,6 +27,17 @@ fn escaped(text: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// A child process killed when dropped, so that a failing test leaves no
+/// simulated rank training on.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 struct Browser {
     profile: TempDir,
 }
@@ -48,8 +59,16 @@ impl Browser {
     /// (virtual time), and fails on any console message: the page writes
     /// none, so one is an error (an uncaught exception, a failed script).
     fn run(&self, url: &str, mode: &str) -> Output {
-        let out = Command::new("chromium")
-            .args(["--headless", "--no-sandbox", "--disable-gpu"])
+        // coreutils' timeout bounds a hung browser (exit 124: a failure below).
+        let out = Command::new("timeout")
+            .args(["120", "chromium"])
+            // No sandbox (root in containers); /tmp, not a small /dev/shm.
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+            ])
             .args(["--enable-logging=stderr", "--v=0"])
             .args(["--window-size=1280,1000", "--hide-scrollbars"])
             .arg("--virtual-time-budget=5000")
@@ -69,13 +88,24 @@ impl Browser {
         out
     }
 
-    /// The page's DOM once it has drawn `view` from the agent's data.
+    /// The page's DOM once it has drawn `view` from the agent's data, and
+    /// drawn it again from a later poll (the page is live).
     fn dom(&self, url: &str, view: &str) -> String {
         let dom = String::from_utf8(self.run(url, "--dump-dom").stdout).unwrap();
         assert!(
             dom.contains(&format!(r#"data-view="{view}""#))
                 && dom.contains(r#"data-state="ready""#),
             "the {view} view at {url} did not render:\n{dom}"
+        );
+        let updates: u32 = dom
+            .split(r#"data-updates=""#)
+            .nth(1)
+            .and_then(|t| t.split('"').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        assert!(
+            updates >= 2,
+            "the {view} view was drawn {updates} times in 5 s of virtual time, not polled again"
         );
         dom
     }
@@ -118,10 +148,22 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
         .collect();
     let agent = Agent::start_node("ui", "ui-node", &specs, None, &[], |_| {});
     agent.wait_for("/readyz", 200, Duration::from_secs(20));
-    let mut sims = vec![
-        agent.sim("demo-small", "healthy-llm", 0, 0, 4, 20.0),
-        agent.sim("adam-step2-oom", "doomed-llm", 0, 1, 3, 1.0),
-    ];
+    // healthy-llm trains on throughout, as in the demo; killed at the end
+    // (or when the test fails).
+    let healthy = KillOnDrop(
+        Command::new(BIN)
+            .args(["sim", "--scenario", "demo-small", "--job", "healthy-llm"])
+            .args(["--gpu", "0", "--steps", "1000000"])
+            .arg("--endpoint")
+            .arg(agent.endpoint())
+            .arg("--fake-nvml-dir")
+            .arg(&agent.dir.0)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start healthy-llm"),
+    );
+    let mut sims = vec![agent.sim("adam-step2-oom", "doomed-llm", 0, 1, 3, 1.0)];
     sims.extend((0..3).map(|r| agent.sim("rank0-skew", "skew", r, 2 + r, 3, 4.0)));
     // doomed-llm and skew's rank 0 die of their step-2 OOM, as they should;
     // what the sims said is shown should the jobs not settle.
@@ -140,13 +182,21 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
         };
         let skew = body("/api/v1/jobs/skew");
         let doomed = body("/api/v1/jobs/doomed-llm");
-        let ready = skew["ranks"].as_array().is_some_and(|r| {
-            r.len() == 3
-                && r.iter()
-                    .all(|r| r["figures"]["first_step_peak_bytes"].is_u64())
-        }) && skew["divergence"]["named"]
+        let healthy_job = body("/api/v1/jobs/healthy-llm");
+        // Its process listed on GPU 0 (the sampler reads process lists every 200 ms).
+        let listed = body("/api/v1/gpus")["gpus"][0]["processes"]
             .as_array()
-            .is_some_and(|n| !n.is_empty())
+            .is_some_and(|p| p.iter().any(|p| p["rank"]["job"] == "healthy-llm"));
+        let ready = listed
+            && healthy_job["ranks"][0]["figures"]["steady_reached"] == true
+            && skew["ranks"].as_array().is_some_and(|r| {
+                r.len() == 3
+                    && r.iter()
+                        .all(|r| r["figures"]["first_step_peak_bytes"].is_u64())
+            })
+            && skew["divergence"]["named"]
+                .as_array()
+                .is_some_and(|n| !n.is_empty())
             && doomed["ranks"][0]["ooms"] == 1;
         if ready {
             break (skew, doomed);
@@ -160,11 +210,49 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
         std::thread::sleep(Duration::from_millis(200));
     };
     let base = format!("http://{}/", agent.http);
+    // The node's GPU list names the healthy job's process as its rank.
+    let gpus = json(&agent, "/api/v1/gpus");
+    let pid = healthy.0.id();
+    let process = gpus["gpus"][0]["processes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pid"] == pid)
+        .unwrap_or_else(|| panic!("pid {pid} not on GPU 0: {gpus}"));
+    assert_eq!(
+        process["rank"],
+        serde_json::json!({"namespace": "", "job": "healthy-llm", "rank": 0})
+    );
+    // The job API's per-rank figures are the exported ones.
+    let m = Metrics(agent.metrics());
+    for r in skew["ranks"].as_array().unwrap() {
+        let labels = [("training_job", "skew"), ("rank", &r["rank"].to_string())];
+        for (figure, metric) in [
+            (
+                "first_step_peak_bytes",
+                "stepwatch_rank_first_step_peak_bytes",
+            ),
+            (
+                "predicted_peak_bytes",
+                "stepwatch_rank_predicted_peak_bytes",
+            ),
+        ] {
+            assert_eq!(
+                r["figures"][figure].as_f64(),
+                m.get(metric, &labels),
+                "rank {}: {figure}",
+                r["rank"]
+            );
+        }
+    }
 
     // The node: one card per GPU, each with its memory chart and usable
     // capacity; the jobs table says which job is doomed.
-    let gpus = json(&agent, "/api/v1/gpus");
     let node = browser.dom(&base, "node");
+    assert!(
+        node.contains(r##"href="#/jobs/healthy-llm/ranks/0""##),
+        "no link from GPU 0's process to its rank:\n{node}"
+    );
     assert_eq!(node.matches(r#"class="card gpu""#).count(), 5, "{node}");
     for g in gpus["gpus"].as_array().unwrap() {
         let card = node
@@ -221,8 +309,10 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
     assert!(job.contains(r#"class="bar-predicted risk""#), "{job}");
 
     // The demo's doomed job: its rank's step anatomy, with the warning, the
-    // phases as bands, NVML and allocator curves for step 1 and the step that
-    // died, the prediction and capacity lines and the explanation in words.
+    // phases as bands, NVML and allocator curves for step 1 and an allocator
+    // curve for the step that died (its NVML figures, when it dies within a
+    // sample interval, may not exist), the prediction and capacity lines and
+    // the explanation in words.
     let report = json(&agent, "/api/v1/jobs/doomed-llm/ranks/0");
     let prediction = &report["prediction_before_step2"];
     let rank_url = format!("{base}#/jobs/doomed-llm/ranks/0");
@@ -235,7 +325,6 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
         "band band-backward",
         "band band-optimizer",
         "nvml step1",
-        "nvml steady",
         "allocated step1",
         "allocated steady",
         "capacity",
@@ -258,6 +347,23 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
     );
     assert!(doomed["ranks"][0]["figures"]["oom_risk"] == true);
 
+    // The healthy job's rank, training: step 1 over a completed steady step,
+    // both with NVML and allocator curves, and no warning.
+    let healthy_rank = browser.dom(&format!("{base}#/jobs/healthy-llm/ranks/0"), "rank");
+    for class in [
+        "nvml step1",
+        "nvml steady",
+        "allocated step1",
+        "allocated steady",
+        "reserved",
+    ] {
+        assert!(
+            healthy_rank.contains(&format!(r#"class="{class}""#)),
+            "no {class}:\n{healthy_rank}"
+        );
+    }
+    assert!(!healthy_rank.contains("oom-warning"), "{healthy_rank}");
+
     // Current screenshots, for the README.
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("ui-screenshots");
     std::fs::create_dir_all(&dir).unwrap();
@@ -269,6 +375,7 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
     for (name, url) in &shots {
         browser.screenshot(url, &dir.join(name));
     }
+    drop(healthy);
     if std::env::var_os("STEPWATCH_UPDATE_SCREENSHOTS").is_some() {
         let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs");
         std::fs::create_dir_all(&docs).unwrap();

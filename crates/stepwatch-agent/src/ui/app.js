@@ -522,12 +522,19 @@
     statusEl.className = error ? "error" : "";
   }
 
+  let drawn = "";
   function render(nodes) {
+    const holder = document.createElement("div");
+    holder.append(...nodes.flat().filter((n) => n !== null && n !== undefined && n !== false));
+    main.setAttribute("aria-busy", "false");
+    // Unchanged data (a finished rank) leaves the page as it is, so that a
+    // selection or the scroll position inside it survives the poll.
+    if (holder.innerHTML === drawn) return;
+    drawn = holder.innerHTML;
     // Re-rendering replaces the elements: give focus back to the same link.
     const active = document.activeElement;
     const key = active && main.contains(active) ? active.getAttribute("data-key") : null;
-    main.replaceChildren(...nodes.flat().filter((n) => n !== null && n !== undefined && n !== false));
-    main.setAttribute("aria-busy", "false");
+    main.replaceChildren(...holder.childNodes);
     if (key) {
       const again = main.querySelector(`[data-key="${CSS.escape(key)}"]`);
       if (again) again.focus();
@@ -546,6 +553,8 @@
         setStatus(`${paused ? "paused" : "live"} · ${new Date().toLocaleTimeString()}`, false);
         document.body.dataset.view = route.view;
         document.body.dataset.state = "ready";
+        // Counts the polls answered: a test sees that the page keeps polling.
+        document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
       } catch (e) {
         if (mine !== generation) return;
         if (e instanceof HttpError && e.status === 404) {
