@@ -264,6 +264,16 @@ PHASE_PEAK=$(query 'count(stepwatch_rank_phase_peak_bytes)')
 SHARD_TARGETS=$(for a in "${SHARD_ADDRS[@]}"; do curl -sf "http://$a/api/v1/targets?state=active" | json 'sum(t["labels"]["job"] == "stepwatch" for t in d["data"]["activeTargets"])'; done | paste -sd, -)
 RULES_JSON=$(curl -sf "http://$CENTRAL/api/v1/rules" | json 'json.dumps([{"name": g["name"], "interval": g["interval"], "evaluation_seconds": g["evaluationTime"], "rules": len(g["rules"])} for g in d["data"]["groups"]])')
 ALERTS=$(curl -sf "http://$CENTRAL/api/v1/alerts" | json 'json.dumps({n: [a["labels"]["alertname"] for a in d["data"]["alerts"]].count(n) for n in {a["labels"]["alertname"] for a in d["data"]["alerts"]}})')
+# Over the window (the central server scrapes itself): rule evaluations'
+# median and worst, and CPU seconds per second of each Prometheus.
+W="$(python3 -c "print(int($TA1 - $TA0))")s"
+RULE_P50=$(curl -sf --get "http://$CENTRAL/api/v1/query" --data-urlencode \
+  "query=quantile_over_time(0.5, prometheus_rule_group_last_duration_seconds{job=\"prometheus-central\"}[$W])" \
+  | json 'json.dumps({r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1]) for r in d["data"]["result"]})')
+RULE_MAX=$(curl -sf --get "http://$CENTRAL/api/v1/query" --data-urlencode \
+  "query=max_over_time(prometheus_rule_group_last_duration_seconds{job=\"prometheus-central\"}[$W])" \
+  | json 'json.dumps({r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1]) for r in d["data"]["result"]})')
+CENTRAL_CPU=$(query "rate(process_cpu_seconds_total{job=\"prometheus-central\"}[$W])")
 CPU=$(nproc)
 LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
 
@@ -293,6 +303,9 @@ r = {
   "shard_rss_bytes": [int(float(x)) for x in "$SHARD_RSS".split(",")],
   "agent_rss_bytes_median": $AGENT_RSS * 1024,
   "rule_groups": json.loads('''$RULES_JSON'''),
+  "rule_group_seconds_p50_over_window": json.loads('''$RULE_P50'''),
+  "rule_group_seconds_max_over_window": json.loads('''$RULE_MAX'''),
+  "central_cpu_cores": round(float("$CENTRAL_CPU"), 3),
   "alerts": json.loads('''$ALERTS'''),
   "machine": {"cpus": $CPU, "loadavg_at_end": "$LOAD"},
 }
@@ -312,7 +325,11 @@ rows = [
   ("central RSS", mib(r["central_rss_bytes"])),
   ("shard RSS", ", ".join(mib(x) for x in r["shard_rss_bytes"])),
   ("agent RSS (median)", mib(r["agent_rss_bytes_median"])),
-] + [(f"rule group {n} ({x['rules']} rules)", f"{x['evaluation_seconds'] * 1000:.1f} ms") for n, x in g.items()]
+  ("central CPU (cores)", r["central_cpu_cores"]),
+] + [(f"rule group {n} ({x['rules']} rules)",
+      f"last {x['evaluation_seconds'] * 1000:.1f} ms, window median "
+      f"{r['rule_group_seconds_p50_over_window'].get(n, 0) * 1000:.1f} ms, max "
+      f"{r['rule_group_seconds_max_over_window'].get(n, 0) * 1000:.1f} ms") for n, x in g.items()]
 w = max(len(k) for k, _ in rows)
 for k, v in rows:
     print(f"{k:<{w}}  {v}")
