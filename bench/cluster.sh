@@ -274,6 +274,9 @@ RULE_MAX=$(curl -sf --get "http://$CENTRAL/api/v1/query" --data-urlencode \
   "query=max_over_time(prometheus_rule_group_last_duration_seconds{job=\"prometheus-central\"}[$W])" \
   | json 'json.dumps({r["metric"]["rule_group"].split(";")[-1]: float(r["value"][1]) for r in d["data"]["result"]})')
 CENTRAL_CPU=$(query "rate(process_cpu_seconds_total{job=\"prometheus-central\"}[$W])")
+FAMILIES=$(curl -sf --get "http://$CENTRAL/api/v1/query" --data-urlencode \
+  'query=topk(8, count by (__name__) ({__name__=~"stepwatch_.+", __name__!~".*:.*"}))' \
+  | json 'json.dumps({r["metric"]["__name__"]: int(r["value"][1]) for r in d["data"]["result"]})')
 CPU=$(nproc)
 LOAD=$(cut -d' ' -f1-3 /proc/loadavg)
 
@@ -306,6 +309,7 @@ r = {
   "rule_group_seconds_p50_over_window": json.loads('''$RULE_P50'''),
   "rule_group_seconds_max_over_window": json.loads('''$RULE_MAX'''),
   "central_cpu_cores": round(float("$CENTRAL_CPU"), 3),
+  "largest_families": json.loads('''$FAMILIES'''),
   "alerts": json.loads('''$ALERTS'''),
   "machine": {"cpus": $CPU, "loadavg_at_end": "$LOAD"},
 }
@@ -333,6 +337,7 @@ rows = [
 w = max(len(k) for k, _ in rows)
 for k, v in rows:
     print(f"{k:<{w}}  {v}")
+print(f"largest families: {r['largest_families']}")
 print(f"alerts: {r['alerts']}")
 print(f"JSON: {sys.argv[1]}")
 EOF
