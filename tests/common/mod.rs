@@ -438,6 +438,18 @@ pub struct Prometheus {
     child: Option<Child>,
 }
 
+/// What a test's Prometheus is: sharded setups run agents that scrape and
+/// remote-write to a server that stores and evaluates the rules.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum PrometheusRole {
+    /// A plain server: scrapes, stores, evaluates rules.
+    Server,
+    /// A server that also accepts remote writes (`/api/v1/write`).
+    RemoteWriteReceiver,
+    /// Agent mode: scrapes and remote-writes only; no queries, no rules.
+    Agent,
+}
+
 /// Panics with what to install when `binary` is not on PATH: tests that
 /// run a real server fail without it rather than skip.
 pub fn require_binary(binary: &str, what: &str, package: &str) {
@@ -464,6 +476,12 @@ impl Prometheus {
     /// Writes `config` (prometheus.yml text) to a temp dir and starts the
     /// server on it; returns once /-/ready answers 200.
     pub fn start(tag: &str, config: &str) -> Self {
+        Self::start_as(tag, config, PrometheusRole::Server)
+    }
+
+    /// Like `start`, in the given role (a central server receiving remote
+    /// writes, or an agent-mode shard).
+    pub fn start_as(tag: &str, config: &str, role: PrometheusRole) -> Self {
         Self::require();
         let dir = TempDir::new(tag);
         let config_path = dir.0.join("prometheus.yml");
@@ -475,12 +493,22 @@ impl Prometheus {
             let addr = free_port();
             let d = dir.take().expect("kept between attempts");
             let log = std::fs::File::create(d.0.join("prometheus.log")).unwrap();
+            let data = d.0.join("data");
+            // Agent mode refuses the server's storage flags, and the reverse.
+            let role_args = match role {
+                PrometheusRole::Server => vec![format!("--storage.tsdb.path={}", data.display())],
+                PrometheusRole::RemoteWriteReceiver => vec![
+                    format!("--storage.tsdb.path={}", data.display()),
+                    "--web.enable-remote-write-receiver".to_owned(),
+                ],
+                PrometheusRole::Agent => vec![
+                    "--enable-feature=agent".to_owned(),
+                    format!("--storage.agent.path={}", data.display()),
+                ],
+            };
             let child = Command::new("prometheus")
                 .arg(format!("--config.file={}", config_path.display()))
-                .arg(format!(
-                    "--storage.tsdb.path={}",
-                    d.0.join("data").display()
-                ))
+                .args(role_args)
                 .arg(format!("--web.listen-address={addr}"))
                 .stdout(Stdio::null())
                 .stderr(log)
