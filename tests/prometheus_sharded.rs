@@ -9,6 +9,9 @@
 //! the OOM-risk count and the worst headroom; the per-rank step-2 alert
 //! fires for rank 0 alone and the job-level divergence alert is pending for
 //! the job, once (the shards' `shard` external label does not split it).
+//! The ranks are held before step 2 (`stepwatch sim --hold-before-step`)
+//! until then: the step-2 alert holds only while its rank is connected and
+//! short of step 2.
 //!
 //! Depends on these names of deploy/prometheus/stepwatch-rules.yml: the
 //! recording rules `stepwatch_job:*` and `stepwatch_job_rank:*` used below
@@ -258,20 +261,47 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
     eprintln!("agents and shards up after {:?}", t0.elapsed());
 
     // One job, one rank per node: ranks 0 and 2 on shard 0, 1 and 3 on shard 1.
+    // Each rank is held before step 2, so that it is still connected and
+    // short of step 2 while the central server evaluates its alerts (the
+    // step-2 alert ends when the rank is gone or its step 2 passed).
     let scenario = repo().join("crates/stepwatch-sim/scenarios/rank0-skew.json");
+    let release = world.central.as_ref().unwrap().dir.0.join("release-step-2");
+    let hold = [
+        "--hold-before-step",
+        "2",
+        "--release-file",
+        release.to_str().unwrap(),
+    ];
     for (rank, (_, agent)) in world.agents.iter().enumerate() {
-        let child = agent.sim(scenario.to_str().unwrap(), JOB, rank as u32, 0, 4, 1.0);
+        let child = agent.sim_with(
+            scenario.to_str().unwrap(),
+            JOB,
+            rank as u32,
+            0,
+            4,
+            1.0,
+            &hold,
+        );
         world.sims.push((rank as u32, child));
     }
-    for (rank, mut child) in std::mem::take(&mut world.sims) {
-        let status = child.wait().unwrap();
-        if rank == 0 {
-            assert_eq!(status.code(), Some(3), "rank 0 should die of its OOM");
-        } else {
-            assert!(status.success(), "rank {rank} failed: {status}");
-        }
+    // Step 1 has ended on every rank; a rank report drains the sampler's
+    // pending samples first, so the figures read after it are final.
+    for (rank, (_, agent)) in world.agents.iter().enumerate() {
+        poll(
+            &format!("rank {rank}'s step 1 to end"),
+            Duration::from_secs(60),
+            || {
+                let report = rank_report(agent, rank as u32)?;
+                let step1 = report["steps"]
+                    .as_array()?
+                    .iter()
+                    .find(|s| s["step"].as_u64() == Some(1))?
+                    .clone();
+                (step1["outcome"] != "running").then_some(())
+            },
+        );
     }
-    eprintln!("ranks done after {:?}", t0.elapsed());
+    eprintln!("ranks held before step 2 after {:?}", t0.elapsed());
 
     // The agents' figures: what the central server must reproduce.
     let per_rank = |name: &str| -> Vec<f64> {
@@ -404,5 +434,20 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
         !divergence_alerts[0].contains_key("shard"),
         "{divergence_alerts:?}"
     );
+    std::fs::write(&release, b"").unwrap();
+    for (rank, mut child) in std::mem::take(&mut world.sims) {
+        let status = child.wait().unwrap();
+        if rank == 0 {
+            assert_eq!(status.code(), Some(3), "rank 0 should die of its OOM");
+        } else {
+            assert!(status.success(), "rank {rank} failed: {status}");
+        }
+    }
     eprintln!("test took {:?}", t0.elapsed());
+}
+
+/// One rank's step report from its node's agent.
+fn rank_report(agent: &Agent, rank: u32) -> Option<Value> {
+    let (code, body) = http_get(agent.http, &format!("/api/v1/jobs/{JOB}/ranks/{rank}")).ok()?;
+    (code == 200).then(|| serde_json::from_str(&body).unwrap())
 }
