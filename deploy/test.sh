@@ -322,6 +322,7 @@ PYEOF
   for refused in '{"prometheusRule":{"alerts":{"StepwatchNoSuchAlert":{"enabled":false}}}}' \
                  '{"prometheusRule":{"alerts":{"StepwatchAgentDown":{"threshold":3}}}}' \
                  '{"alertmanager":{"urls":["http://am:9093"]},"prometheusRule":{"alerts":{"StepwatchStep2OOMPredicted":{"severity":"critical"}}}}' \
+                 '{"alertmanager":{"urls":["http://am:9093"]},"prometheusRule":{"alerts":{"StepwatchFirstStepDivergence":{"enabled":false}}}}' \
                  '{"prometheusRule":{"alerts":{"StepwatchJobStalled":{"severity":"page"}}}}'; do
     if render "$WORK/alerts-refused.yaml" --set-json "$refused" 2>"$WORK/alerts-refused.err"; then
       echo "  rendered although refused: $refused"; return 1
