@@ -274,6 +274,7 @@ pairs = [(a[i], a[i + 1]) for i in range(len(a) - 1) if a[i].startswith("--alert
 assert pairs == [
     ("--alertmanager-url", "http://am-0.am:9093"),
     ("--alertmanager-url", "http://am-1.am:9093"),
+    ("--alertmanager-runbook-base-url", "https://github.com/stepwatch/stepwatch/blob/main/deploy/runbooks"),
     ("--alertmanager-label", "cluster=eu-1"),
     ("--alertmanager-label", "prometheus=monitoring/kps"),
 ], pairs

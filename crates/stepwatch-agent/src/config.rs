@@ -239,6 +239,11 @@ pub struct AgentConfig {
     #[arg(long = "alertmanager-label", env = "STEPWATCH_ALERTMANAGER_LABELS", value_delimiter = ',', value_parser = parse_label)]
     pub alertmanager_labels: Vec<(String, String)>,
 
+    /// Where the agent's alerts' `runbook_url` annotations point: `<this>/<alert>.md`,
+    /// as the rules' (the chart passes its prometheusRule.runbookBaseURL).
+    #[arg(long, env = "STEPWATCH_ALERTMANAGER_RUNBOOK_BASE_URL", default_value = crate::alerts::DEFAULT_RUNBOOK_BASE_URL)]
+    pub alertmanager_runbook_base_url: String,
+
     /// Active alerts are posted again this often; each says it ends 4 of
     /// these later, so Alertmanager resolves them if the agent dies.
     #[arg(long, env = "STEPWATCH_ALERTMANAGER_RESEND_INTERVAL", default_value = "1m", value_parser = parse_duration)]

@@ -160,6 +160,7 @@ pub async fn run_until(
             urls: config.alertmanager_urls.clone(),
             extra_labels: config.alertmanager_labels.clone(),
             resend_interval: config.alertmanager_resend_interval,
+            runbook_base_url: config.alertmanager_runbook_base_url.clone(),
             node: node.clone(),
         },
         &state.registry,
