@@ -172,6 +172,17 @@ helm_variants() {
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/custom.yaml" --require ServiceMonitor --require PrometheusRule
   grep -qF 'up{job="gpu-agents-stepwatch"} == 0' "$WORK/custom.yaml" || { echo "agentUpSelector not applied"; return 1; }
   grep -qF 'release: kube-prometheus-stack' "$WORK/custom.yaml" || { echo "serviceMonitor.labels not applied"; return 1; }
+  echo "a release label in serviceMonitor.labels or prometheusRule.labels wins over prometheusRelease, written once:"
+  render "$WORK/release.yaml" --set-json '{"serviceMonitor":{"labels":{"release":"prom-a"}},"prometheusRule":{"labels":{"release":"prom-b"}}}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/release.yaml" --require ServiceMonitor --require PrometheusRule
+  "$PY" - "$WORK/release.yaml" <<'PYEOF' || return 1
+import sys, yaml
+docs = {d["kind"]: d for d in yaml.safe_load_all(open(sys.argv[1])) if d}
+assert docs["ServiceMonitor"]["metadata"]["labels"]["release"] == "prom-a"
+assert docs["PrometheusRule"]["metadata"]["labels"]["release"] == "prom-b"
+text = open(sys.argv[1]).read()
+assert text.count("release: prom-a") == 1 and text.count("release: prom-b") == 1, "written once each"
+PYEOF
 
   echo "user metricRelabelings come after the chart's pod-label rules:"
   render "$WORK/relabel.yaml" --set-json '{"serviceMonitor":{"metricRelabelings":[{"action":"drop","sourceLabels":["__name__"],"regex":"stepwatch_rank_phase_peak_bytes"}]}}'
@@ -287,7 +298,7 @@ PYEOF
 # is the rules file (plus the chart's runbook base URL, which is the file's); each override lands
 # where it should; a bad override is refused.
 check_alert_overrides() {
-  "$PY" - "$WORK/helm.yaml" "$RULES" <<'PYEOF'
+  "$PY" - "$WORK/helm.yaml" "$RULES" <<'PYEOF' || return 1
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 rule = next(d for d in docs if d["kind"] == "PrometheusRule")
@@ -301,7 +312,7 @@ print("  default render == stepwatch-rules.yml; release label on PrometheusRule 
 PYEOF
   render "$WORK/alerts.yaml" --set-json '{"prometheusRule":{"runbookBaseURL":"https://git.example/rb/","alertLabels":{"team":"ml-platform"},"alerts":{"StepwatchSamplerLagging":{"enabled":false},"StepwatchJobStalled":{"for":"15m","threshold":20,"severity":"critical","labels":{"pager":"gpu"}},"StepwatchLowPredictedHeadroom":{"threshold":0.1},"StepwatchFirstStepDivergence":{"threshold":0.25}}},"prometheusRelease":""}'
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/alerts.yaml" --require PrometheusRule
-  "$PY" - "$WORK/alerts.yaml" <<'PYEOF'
+  "$PY" - "$WORK/alerts.yaml" <<'PYEOF' || return 1
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 rule = next(d for d in docs if d["kind"] == "PrometheusRule")
@@ -335,7 +346,7 @@ PYEOF
 # The production values: priorityClassName, tolerations (widened), image digest, resources,
 # NetworkPolicy, dashboards as ConfigMaps for Grafana's sidecar; and their defaults.
 check_production_values() {
-  "$PY" - "$WORK/helm.yaml" "$ROOT/dashboards" <<'PYEOF'
+  "$PY" - "$WORK/helm.yaml" "$ROOT/dashboards" <<'PYEOF' || return 1
 import json, os, sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
@@ -358,7 +369,7 @@ PYEOF
   local digest="sha256:$(printf '%064d' 0 | tr 0 a)"
   render "$WORK/prod.yaml" --set-json "{\"image\":{\"digest\":\"$digest\"},\"priorityClassName\":\"\",\"extraTolerations\":[{\"key\":\"dedicated\",\"operator\":\"Equal\",\"value\":\"ml\",\"effect\":\"NoSchedule\"}],\"networkPolicy\":{\"enabled\":true},\"dashboards\":{\"enabled\":false}}"
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/prod.yaml" --require DaemonSet --require NetworkPolicy
-  "$PY" - "$WORK/prod.yaml" "$digest" <<'PYEOF'
+  "$PY" - "$WORK/prod.yaml" "$digest" <<'PYEOF' || return 1
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
