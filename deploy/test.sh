@@ -393,6 +393,34 @@ PYEOF
   sed 's/^/  /' "$WORK/bad-digest.err" | tail -n 1
 }
 
+# metricsProxy.enabled: kube-rbac-proxy on the metrics port (TLS, SubjectAccessReview), the agent on
+# loopback, probes through the proxy, the RBAC it needs, the ServiceMonitor over HTTPS with a token.
+check_metrics_proxy() {
+  render "$WORK/proxy.yaml" --set-json '{"metricsProxy":{"enabled":true,"image":{"repository":"quay.io/brancz/kube-rbac-proxy"},"tlsSecretName":"stepwatch-tls"}}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/proxy.yaml" --metrics-proxy --require DaemonSet \
+    --require ClusterRole --require ClusterRoleBinding --require ServiceMonitor || return 1
+  "$PY" - "$WORK/proxy.yaml" <<'PYEOF' || return 1
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+sm = next(d for d in docs if d["kind"] == "ServiceMonitor")["spec"]["endpoints"][0]
+assert sm["scheme"] == "https" and sm["bearerTokenFile"].endswith("serviceaccount/token"), sm
+assert sm["tlsConfig"] == {"serverName": "stepwatch.stepwatch.svc"}, sm["tlsConfig"]
+pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+proxy = next(c for c in pod["containers"] if c["name"] == "metrics-proxy")
+assert "--tls-cert-file=/etc/tls/tls.crt" in proxy["args"], proxy["args"]
+assert any(v.get("secret", {}).get("secretName") == "stepwatch-tls" for v in pod["volumes"]), pod["volumes"]
+roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
+rules = roles["stepwatch-metrics-proxy"]["rules"]
+assert {r["resources"][0] for r in rules} == {"tokenreviews", "subjectaccessreviews"}, rules
+assert roles["stepwatch-reader"]["rules"][0]["nonResourceURLs"][0] == "/metrics"
+print("  proxy on 9447 (TLS from the Secret), agent on 127.0.0.1:9448, probes over HTTPS, RBAC, ServiceMonitor https + token")
+PYEOF
+  if render "$WORK/proxy-refused.yaml" --set-json '{"metricsProxy":{"enabled":true}}' 2>"$WORK/proxy-refused.err"; then
+    echo "  rendered metricsProxy without an image"; return 1
+  fi
+  sed 's/^/  /' "$WORK/proxy-refused.err" | tail -n 1
+}
+
 check_dockerfile() {
   "$HADOLINT" "$DEPLOY/Dockerfile"
   echo "hadolint: no findings"
@@ -468,6 +496,7 @@ step "helm render with podAttribution.enabled (kubelet mounts read-only, refused
 step "helm render with alertmanager.urls and labels (the agent's fast path)" check_alertmanager
 step "helm render with prometheusRule.alerts overrides (disable, severity, for, threshold, labels) and refusals" check_alert_overrides
 step "helm render: priorityClassName, tolerations, image digest, resources, NetworkPolicy, dashboard ConfigMaps" check_production_values
+step "helm render with metricsProxy.enabled (kube-rbac-proxy: TLS and authorisation on /metrics and /api/v1)" check_metrics_proxy
 step "Dockerfile (hadolint, multi-stage, multi-arch amd64/arm64 by TARGETARCH, entrypoint stepwatch, cmd agent)" check_dockerfile
 step "dashboards up to date with dashboards/generate.py" python3 "$ROOT/dashboards/generate.py" --check
 step "dashboards: JSON, schemaVersion, variables, datasource, targets" "$PY" "$SCRIPTS/check_dashboards.py" "$ROOT/dashboards"
