@@ -415,10 +415,28 @@ assert {r["resources"][0] for r in rules} == {"tokenreviews", "subjectaccessrevi
 assert roles["stepwatch-reader"]["rules"][0]["nonResourceURLs"][0] == "/metrics"
 print("  proxy on 9447 (TLS from the Secret), agent on 127.0.0.1:9448, probes over HTTPS, RBAC, ServiceMonitor https + token")
 PYEOF
-  if render "$WORK/proxy-refused.yaml" --set-json '{"metricsProxy":{"enabled":true}}' 2>"$WORK/proxy-refused.err"; then
-    echo "  rendered metricsProxy without an image"; return 1
-  fi
-  sed 's/^/  /' "$WORK/proxy-refused.err" | tail -n 1
+  local refused
+  for refused in '{"metricsProxy":{"enabled":true}}' \
+                 '{"apiPort":9449,"metricsProxy":{"enabled":true,"image":{"repository":"r/p"}}}'; do
+    if render "$WORK/proxy-refused.yaml" --set-json "$refused" 2>"$WORK/proxy-refused.err"; then
+      echo "  rendered although refused: $refused"; return 1
+    fi
+    sed 's/^/  /' "$WORK/proxy-refused.err" | tail -n 1
+  done
+  # apiPort: the API on a listener (and Service port) of its own.
+  render "$WORK/api.yaml" --set-json '{"apiPort":9449}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/api.yaml" --require DaemonSet --require Service || return 1
+  "$PY" - "$WORK/api.yaml" <<'PYEOF' || return 1
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+agent = next(c for c in next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]["containers"] if c["name"] == "agent")
+a = agent["args"]
+assert a[a.index("--api-listen") + 1] == "0.0.0.0:9449", a
+assert {"name": "api", "containerPort": 9449, "protocol": "TCP"} in agent["ports"], agent["ports"]
+svc = next(d for d in docs if d["kind"] == "Service")
+assert {"name": "api", "port": 9449, "targetPort": "api", "protocol": "TCP"} in svc["spec"]["ports"], svc["spec"]["ports"]
+print("  apiPort: --api-listen 0.0.0.0:9449, container and Service port named api")
+PYEOF
 }
 
 check_dockerfile() {
@@ -496,7 +514,7 @@ step "helm render with podAttribution.enabled (kubelet mounts read-only, refused
 step "helm render with alertmanager.urls and labels (the agent's fast path)" check_alertmanager
 step "helm render with prometheusRule.alerts overrides (disable, severity, for, threshold, labels) and refusals" check_alert_overrides
 step "helm render: priorityClassName, tolerations, image digest, resources, NetworkPolicy, dashboard ConfigMaps" check_production_values
-step "helm render with metricsProxy.enabled (kube-rbac-proxy: TLS and authorisation on /metrics and /api/v1)" check_metrics_proxy
+step "helm render with metricsProxy.enabled (kube-rbac-proxy: TLS and authorisation on /metrics and /api/v1) and apiPort (the API on its own listener)" check_metrics_proxy
 step "Dockerfile (hadolint, multi-stage, multi-arch amd64/arm64 by TARGETARCH, entrypoint stepwatch, cmd agent)" check_dockerfile
 step "dashboards up to date with dashboards/generate.py" python3 "$ROOT/dashboards/generate.py" --check
 step "dashboards: JSON, schemaVersion, variables, datasource, targets" "$PY" "$SCRIPTS/check_dashboards.py" "$ROOT/dashboards"

@@ -42,6 +42,12 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_HTTP_LISTEN", default_value = "0.0.0.0:9447")]
     pub http_listen: SocketAddr,
 
+    /// Serve the JSON API (`/api/v1`, which names tenants' jobs and pods) on
+    /// this address instead, apart from `/metrics` and the probes, so that it
+    /// can be exposed or firewalled on its own. Unset: on --http-listen.
+    #[arg(long, env = "STEPWATCH_API_LISTEN")]
+    pub api_listen: Option<std::net::SocketAddr>,
+
     /// Node name put on every series as the `node` label (defaults to the hostname).
     #[arg(long, env = "STEPWATCH_NODE_NAME")]
     pub node_name: Option<String>,
