@@ -172,6 +172,17 @@ helm_variants() {
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/custom.yaml" --require ServiceMonitor --require PrometheusRule
   grep -qF 'up{job="gpu-agents-stepwatch"} == 0' "$WORK/custom.yaml" || { echo "agentUpSelector not applied"; return 1; }
   grep -qF 'release: kube-prometheus-stack' "$WORK/custom.yaml" || { echo "serviceMonitor.labels not applied"; return 1; }
+  echo "a release label in serviceMonitor.labels or prometheusRule.labels wins over prometheusRelease, written once:"
+  render "$WORK/release.yaml" --set-json '{"serviceMonitor":{"labels":{"release":"prom-a"}},"prometheusRule":{"labels":{"release":"prom-b"}}}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/release.yaml" --require ServiceMonitor --require PrometheusRule
+  "$PY" - "$WORK/release.yaml" <<'PYEOF' || return 1
+import sys, yaml
+docs = {d["kind"]: d for d in yaml.safe_load_all(open(sys.argv[1])) if d}
+assert docs["ServiceMonitor"]["metadata"]["labels"]["release"] == "prom-a"
+assert docs["PrometheusRule"]["metadata"]["labels"]["release"] == "prom-b"
+text = open(sys.argv[1]).read()
+assert text.count("release: prom-a") == 1 and text.count("release: prom-b") == 1, "written once each"
+PYEOF
 
   echo "user metricRelabelings come after the chart's pod-label rules:"
   render "$WORK/relabel.yaml" --set-json '{"serviceMonitor":{"metricRelabelings":[{"action":"drop","sourceLabels":["__name__"],"regex":"stepwatch_rank_phase_peak_bytes"}]}}'
@@ -274,6 +285,7 @@ pairs = [(a[i], a[i + 1]) for i in range(len(a) - 1) if a[i].startswith("--alert
 assert pairs == [
     ("--alertmanager-url", "http://am-0.am:9093"),
     ("--alertmanager-url", "http://am-1.am:9093"),
+    ("--alertmanager-runbook-base-url", "https://github.com/stepwatch/stepwatch/blob/main/deploy/runbooks"),
     ("--alertmanager-label", "cluster=eu-1"),
     ("--alertmanager-label", "prometheus=monitoring/kps"),
 ], pairs
@@ -286,7 +298,7 @@ PYEOF
 # is the rules file (plus the chart's runbook base URL, which is the file's); each override lands
 # where it should; a bad override is refused.
 check_alert_overrides() {
-  "$PY" - "$WORK/helm.yaml" "$RULES" <<'PYEOF'
+  "$PY" - "$WORK/helm.yaml" "$RULES" <<'PYEOF' || return 1
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 rule = next(d for d in docs if d["kind"] == "PrometheusRule")
@@ -300,7 +312,7 @@ print("  default render == stepwatch-rules.yml; release label on PrometheusRule 
 PYEOF
   render "$WORK/alerts.yaml" --set-json '{"prometheusRule":{"runbookBaseURL":"https://git.example/rb/","alertLabels":{"team":"ml-platform"},"alerts":{"StepwatchSamplerLagging":{"enabled":false},"StepwatchJobStalled":{"for":"15m","threshold":20,"severity":"critical","labels":{"pager":"gpu"}},"StepwatchLowPredictedHeadroom":{"threshold":0.1},"StepwatchFirstStepDivergence":{"threshold":0.25}}},"prometheusRelease":""}'
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/alerts.yaml" --require PrometheusRule
-  "$PY" - "$WORK/alerts.yaml" <<'PYEOF'
+  "$PY" - "$WORK/alerts.yaml" <<'PYEOF' || return 1
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 rule = next(d for d in docs if d["kind"] == "PrometheusRule")
@@ -322,6 +334,7 @@ PYEOF
   for refused in '{"prometheusRule":{"alerts":{"StepwatchNoSuchAlert":{"enabled":false}}}}' \
                  '{"prometheusRule":{"alerts":{"StepwatchAgentDown":{"threshold":3}}}}' \
                  '{"alertmanager":{"urls":["http://am:9093"]},"prometheusRule":{"alerts":{"StepwatchStep2OOMPredicted":{"severity":"critical"}}}}' \
+                 '{"alertmanager":{"urls":["http://am:9093"]},"prometheusRule":{"alerts":{"StepwatchFirstStepDivergence":{"enabled":false}}}}' \
                  '{"prometheusRule":{"alerts":{"StepwatchJobStalled":{"severity":"page"}}}}'; do
     if render "$WORK/alerts-refused.yaml" --set-json "$refused" 2>"$WORK/alerts-refused.err"; then
       echo "  rendered although refused: $refused"; return 1
@@ -333,7 +346,7 @@ PYEOF
 # The production values: priorityClassName, tolerations (widened), image digest, resources,
 # NetworkPolicy, dashboards as ConfigMaps for Grafana's sidecar; and their defaults.
 check_production_values() {
-  "$PY" - "$WORK/helm.yaml" "$ROOT/dashboards" <<'PYEOF'
+  "$PY" - "$WORK/helm.yaml" "$ROOT/dashboards" <<'PYEOF' || return 1
 import json, os, sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
@@ -356,7 +369,7 @@ PYEOF
   local digest="sha256:$(printf '%064d' 0 | tr 0 a)"
   render "$WORK/prod.yaml" --set-json "{\"image\":{\"digest\":\"$digest\"},\"priorityClassName\":\"\",\"extraTolerations\":[{\"key\":\"dedicated\",\"operator\":\"Equal\",\"value\":\"ml\",\"effect\":\"NoSchedule\"}],\"networkPolicy\":{\"enabled\":true},\"dashboards\":{\"enabled\":false}}"
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/prod.yaml" --require DaemonSet --require NetworkPolicy
-  "$PY" - "$WORK/prod.yaml" "$digest" <<'PYEOF'
+  "$PY" - "$WORK/prod.yaml" "$digest" <<'PYEOF' || return 1
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
@@ -378,6 +391,52 @@ PYEOF
     echo "  rendered a digest that is not sha256:<64 hex>"; return 1
   fi
   sed 's/^/  /' "$WORK/bad-digest.err" | tail -n 1
+}
+
+# metricsProxy.enabled: kube-rbac-proxy on the metrics port (TLS, SubjectAccessReview), the agent on
+# loopback, probes through the proxy, the RBAC it needs, the ServiceMonitor over HTTPS with a token.
+check_metrics_proxy() {
+  render "$WORK/proxy.yaml" --set-json '{"metricsProxy":{"enabled":true,"image":{"repository":"quay.io/brancz/kube-rbac-proxy"},"tlsSecretName":"stepwatch-tls"}}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/proxy.yaml" --metrics-proxy --require DaemonSet \
+    --require ClusterRole --require ClusterRoleBinding --require ServiceMonitor || return 1
+  "$PY" - "$WORK/proxy.yaml" <<'PYEOF' || return 1
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+sm = next(d for d in docs if d["kind"] == "ServiceMonitor")["spec"]["endpoints"][0]
+assert sm["scheme"] == "https" and sm["bearerTokenFile"].endswith("serviceaccount/token"), sm
+assert sm["tlsConfig"] == {"serverName": "stepwatch.stepwatch.svc"}, sm["tlsConfig"]
+pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
+proxy = next(c for c in pod["containers"] if c["name"] == "metrics-proxy")
+assert "--tls-cert-file=/etc/tls/tls.crt" in proxy["args"], proxy["args"]
+assert any(v.get("secret", {}).get("secretName") == "stepwatch-tls" for v in pod["volumes"]), pod["volumes"]
+roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
+rules = roles["stepwatch-metrics-proxy"]["rules"]
+assert {r["resources"][0] for r in rules} == {"tokenreviews", "subjectaccessreviews"}, rules
+assert roles["stepwatch-reader"]["rules"][0]["nonResourceURLs"][0] == "/metrics"
+print("  proxy on 9447 (TLS from the Secret), agent on 127.0.0.1:9448, probes over HTTPS, RBAC, ServiceMonitor https + token")
+PYEOF
+  local refused
+  for refused in '{"metricsProxy":{"enabled":true}}' \
+                 '{"apiPort":9449,"metricsProxy":{"enabled":true,"image":{"repository":"r/p"}}}'; do
+    if render "$WORK/proxy-refused.yaml" --set-json "$refused" 2>"$WORK/proxy-refused.err"; then
+      echo "  rendered although refused: $refused"; return 1
+    fi
+    sed 's/^/  /' "$WORK/proxy-refused.err" | tail -n 1
+  done
+  # apiPort: the API on a listener (and Service port) of its own.
+  render "$WORK/api.yaml" --set-json '{"apiPort":9449}'
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/api.yaml" --require DaemonSet --require Service || return 1
+  "$PY" - "$WORK/api.yaml" <<'PYEOF' || return 1
+import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+agent = next(c for c in next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]["containers"] if c["name"] == "agent")
+a = agent["args"]
+assert a[a.index("--api-listen") + 1] == "0.0.0.0:9449", a
+assert {"name": "api", "containerPort": 9449, "protocol": "TCP"} in agent["ports"], agent["ports"]
+svc = next(d for d in docs if d["kind"] == "Service")
+assert {"name": "api", "port": 9449, "targetPort": "api", "protocol": "TCP"} in svc["spec"]["ports"], svc["spec"]["ports"]
+print("  apiPort: --api-listen 0.0.0.0:9449, container and Service port named api")
+PYEOF
 }
 
 check_dockerfile() {
@@ -455,6 +514,7 @@ step "helm render with podAttribution.enabled (kubelet mounts read-only, refused
 step "helm render with alertmanager.urls and labels (the agent's fast path)" check_alertmanager
 step "helm render with prometheusRule.alerts overrides (disable, severity, for, threshold, labels) and refusals" check_alert_overrides
 step "helm render: priorityClassName, tolerations, image digest, resources, NetworkPolicy, dashboard ConfigMaps" check_production_values
+step "helm render with metricsProxy.enabled (kube-rbac-proxy: TLS and authorisation on /metrics and /api/v1) and apiPort (the API on its own listener)" check_metrics_proxy
 step "Dockerfile (hadolint, multi-stage, multi-arch amd64/arm64 by TARGETARCH, entrypoint stepwatch, cmd agent)" check_dockerfile
 step "dashboards up to date with dashboards/generate.py" python3 "$ROOT/dashboards/generate.py" --check
 step "dashboards: JSON, schemaVersion, variables, datasource, targets" "$PY" "$SCRIPTS/check_dashboards.py" "$ROOT/dashboards"

@@ -229,6 +229,38 @@ fn nvml_unavailable_at_start_then_recovers_without_restart() {
     assert!(m.get("stepwatch_nvml_init_attempts_total", &[]).unwrap() >= 2.0);
 }
 
+/// `--api-listen` moves the JSON API (tenants' job and pod names) to a
+/// listener of its own: it answers there, and no longer beside `/metrics`.
+#[test]
+fn the_api_can_have_a_listener_of_its_own() {
+    let agent = Agent::start_with("api-listen", 1, &["--api-listen", "127.0.0.1:0"], |_| {});
+    agent.wait_ready_with_nvml();
+    let ready: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(agent.dir.0.join("ready.json")).unwrap())
+            .unwrap();
+    let api: std::net::SocketAddr = ready["api"]
+        .as_str()
+        .expect("the ready file names the API address")
+        .parse()
+        .unwrap();
+    assert_ne!(api, agent.http);
+    let (code, body) = http_get(api, "/api/v1/jobs").unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"jobs\""), "{body}");
+    assert_eq!(
+        http_get(api, "/metrics").unwrap().0,
+        404,
+        "metrics stay on --http-listen"
+    );
+    assert_eq!(
+        agent.get("/api/v1/jobs").0,
+        404,
+        "the API left --http-listen"
+    );
+    assert_eq!(agent.get("/metrics").0, 200);
+    assert_eq!(agent.get("/readyz").0, 200);
+}
+
 #[test]
 fn nvml_lost_while_running_is_reported_and_recovered() {
     let agent = Agent::start("nvml-lost", 1);

@@ -448,7 +448,7 @@ fn slow_optimizer_thin_margin(dir: &std::path::Path) -> std::path::PathBuf {
 /// Prometheus scrapes the agent with the shipped rules (external label
 /// `cluster`, as the agent's `--alertmanager-label`) and posts to the same
 /// Alertmanager. The agent's alert arrives first (its `source`
-/// annotation); the rule's later one (its `runbook_url` annotation) has the
+/// annotation); the rule's later one (without it) has the
 /// same fingerprint, so Alertmanager holds one alert, not two. Once the
 /// rank is gone both paths end it: the rule does not fire it again,
 /// although the agent keeps the dead rank's negative prediction.
@@ -487,8 +487,8 @@ fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
         "the agent's post came first: {}",
         agents.alert
     );
-    // Prometheus's post carries the rule's annotations; until it comes the
-    // alert keeps the agent's (or is resolved: the rank is gone).
+    // Prometheus's post carries the rule's annotations (no `source`); until
+    // it comes the alert keeps the agent's.
     let mut rules_alert = None;
     wait_until(
         "the rule's alert in Alertmanager",
@@ -505,7 +505,7 @@ fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
             assert!(all.len() <= 1, "two alerts for one rank: {all:#?}");
             rules_alert = all
                 .into_iter()
-                .find(|a| a["annotations"]["runbook_url"].is_string());
+                .find(|a| a["annotations"]["source"].is_null());
             rules_alert.is_some()
         },
     );

@@ -98,7 +98,8 @@ def check_service_monitor(c, obj, services):
         c.expect(ep.get("port") in port_names, where, f"endpoint port {ep.get('port')!r} not a port of the Service")
         c.expect(ep.get("path", "/metrics") == "/metrics", where, "path must be /metrics")
         allowed = {"port", "path", "scheme", "interval", "scrapeTimeout", "honorLabels", "relabelings",
-                   "metricRelabelings", "honorTimestamps", "tlsConfig", "bearerTokenSecret", "authorization"}
+                   "metricRelabelings", "honorTimestamps", "tlsConfig", "bearerTokenSecret", "authorization",
+                   "bearerTokenFile"}
         c.expect(set(ep) <= allowed, where, f"unexpected endpoint fields {sorted(set(ep) - allowed)}")
 
 
@@ -135,12 +136,15 @@ def container_checks(c, where, ctr, allow_root):
         c.expect({"cpu", "memory"} <= set(res.get(kind, {})), where, f"resources.{kind} needs cpu and memory")
 
 
-def check_daemonset(c, ds, services, allow_root):
+def check_daemonset(c, ds, services, allow_root, metrics_proxy=False):
     where = name_of(ds)
     pod = ds["spec"]["template"]["spec"]
     c.expect(pod.get("hostPID") is True, where, "hostPID must be true (PIDs from NVML/SO_PEERCRED)")
     c.expect(not pod.get("hostNetwork", False), where, "hostNetwork is not needed")
-    c.expect(pod.get("automountServiceAccountToken") is False, where, "the agent needs no API token")
+    if metrics_proxy:
+        c.expect(pod.get("automountServiceAccountToken") is True, where, "kube-rbac-proxy needs the API token")
+    else:
+        c.expect(pod.get("automountServiceAccountToken") is False, where, "the agent needs no API token")
     c.expect(pod.get("nodeSelector"), where, "nodeSelector for GPU nodes expected")
     c.expect(pod.get("tolerations"), where, "tolerations for GPU taints expected")
     psc = pod.get("securityContext", {})
@@ -154,19 +158,36 @@ def check_daemonset(c, ds, services, allow_root):
         return
     agent = agents[0]
     cw = f"{where} container agent"
-    c.expect(agent.get("args", [])[:len(AGENT_ARGS_PREFIX)] == AGENT_ARGS_PREFIX, cw,
-             f"args must start with {AGENT_ARGS_PREFIX}, got {agent.get('args')}")
+    prefix = list(AGENT_ARGS_PREFIX)
+    if metrics_proxy:
+        prefix[2] = "127.0.0.1:9448"  # behind the proxy: loopback only
+    c.expect(agent.get("args", [])[:len(prefix)] == prefix, cw,
+             f"args must start with {prefix}, got {agent.get('args')}")
     c.expect("command" not in agent, cw, "command must stay the image's entrypoint (stepwatch)")
     env = {e["name"]: e for e in agent.get("env", [])}
     c.expect(env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName",
              cw, "NODE_NAME from fieldRef spec.nodeName")
     c.expect(env.get("NVIDIA_VISIBLE_DEVICES", {}).get("value") == "all", cw, "NVIDIA_VISIBLE_DEVICES=all")
     c.expect(env.get("NVIDIA_DRIVER_CAPABILITIES", {}).get("value") == "utility", cw, "NVIDIA_DRIVER_CAPABILITIES=utility")
-    ports = {p["name"]: p for p in agent.get("ports", [])}
+    serving = agent
+    if metrics_proxy:
+        proxies = [x for x in pod.get("containers", []) if x["name"] == "metrics-proxy"]
+        c.expect(len(proxies) == 1, where, "a metrics-proxy container expected")
+        serving = proxies[0] if proxies else {}
+        pargs = serving.get("args", [])
+        for arg in ("--secure-listen-address=0.0.0.0:9447", "--upstream=http://127.0.0.1:9448/",
+                    "--ignore-paths=/healthz,/readyz"):
+            c.expect(arg in pargs, f"{where} container metrics-proxy", f"{arg} expected in {pargs}")
+        c.expect(not agent.get("ports"), cw, "behind the proxy the agent exposes no port")
+    ports = {p["name"]: p for p in serving.get("ports", [])}
     c.expect(ports.get("metrics", {}).get("containerPort") == 9447, cw, "containerPort 9447 named metrics")
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = agent.get(probe, {}).get("httpGet", {})
-        c.expect(get.get("path") == path and get.get("port") in ("metrics", 9447), cw, f"{probe} GET {path} on 9447")
+        if metrics_proxy:
+            c.expect(get.get("path") == path and get.get("port") == 9447 and get.get("scheme") == "HTTPS", cw,
+                     f"{probe} GET {path} on 9447 over HTTPS (through the proxy)")
+        else:
+            c.expect(get.get("path") == path and get.get("port") in ("metrics", 9447), cw, f"{probe} GET {path} on 9447")
     mounts = {m["mountPath"]: m for m in agent.get("volumeMounts", [])}
     c.expect(mounts.get("/run/stepwatch", {}).get("name") == sock[0]["name"] if sock else False, cw,
              "socket hostPath mounted at /run/stepwatch")
@@ -205,7 +226,7 @@ def cmd_validate(args):
         else:
             validate_core(c, obj)
         if obj["kind"] == "DaemonSet":
-            check_daemonset(c, obj, services, args.allow_root)
+            check_daemonset(c, obj, services, args.allow_root, args.metrics_proxy)
     for kind in args.require or []:
         c.expect(kind in kinds, "render", f"no {kind} object")
     for kind in args.forbid or []:
@@ -250,6 +271,7 @@ def main():
     v = sub.add_parser("validate")
     v.add_argument("files", nargs="+")
     v.add_argument("--allow-root", action="store_true")
+    v.add_argument("--metrics-proxy", action="store_true", help="the render has metricsProxy.enabled")
     v.add_argument("--promtool", default="promtool")
     v.add_argument("--require", action="append")
     v.add_argument("--forbid", action="append")

@@ -39,6 +39,11 @@ pub const PEAK_DIVERGENCE_ALERT: &str = "StepwatchFirstStepDivergence";
 /// See [`STEP2_OOM_ALERT`].
 pub const ACTIVATION_DIVERGENCE_ALERT: &str = "StepwatchFirstStepActivationDivergence";
 
+/// Where the rules' `runbook_url` annotations point (deploy/runbooks of
+/// the repository, one page per alert): the agent's alerts link the same page.
+pub const DEFAULT_RUNBOOK_BASE_URL: &str =
+    "https://github.com/stepwatch/stepwatch/blob/main/deploy/runbooks";
+
 /// Labels of a per-rank alert besides `alertname` and `severity`: the rule
 /// aggregates to exactly these (plus `cluster`, from `--alertmanager-label`), so
 /// Alertmanager sees one label set from both paths. Empty values are left
@@ -80,6 +85,8 @@ pub struct AlertmanagerConfig {
     pub extra_labels: Vec<(String, String)>,
     /// Active alerts are posted again this often.
     pub resend_interval: Duration,
+    /// `runbook_url` of an alert is `<this>/<alert>.md`, as the rule's.
+    pub runbook_base_url: String,
     /// Node name, the `node` label.
     pub node: String,
 }
@@ -170,6 +177,7 @@ pub struct Alerter {
 struct AlerterInner {
     tx: mpsc::Sender<Change>,
     node: String,
+    runbook_base_url: String,
     extra_labels: Vec<(String, String)>,
     metrics: AlertMetrics,
 }
@@ -221,6 +229,7 @@ impl Alerter {
             inner: Some(Arc::new(AlerterInner {
                 tx,
                 node: config.node,
+                runbook_base_url: config.runbook_base_url,
                 extra_labels: config.extra_labels,
                 metrics,
             })),
@@ -310,7 +319,12 @@ impl RankAlerts {
             };
             labels.insert("alertname".into(), name.into());
             labels.insert("severity".into(), severity.into());
-            let annotations = annotations(name, &labels, advisory);
+            let runbooks = self
+                .alerter
+                .inner
+                .as_ref()
+                .map_or(DEFAULT_RUNBOOK_BASE_URL, |i| i.runbook_base_url.as_str());
+            let annotations = annotations(name, &labels, advisory, runbooks);
             self.held.insert((name, labels.clone()));
             let age = monotonic_ns().saturating_sub(advisory.issued_monotonic_ns);
             self.alerter.send(Change::Fire {
@@ -363,8 +377,9 @@ fn is_step2_prediction(name: &str) -> bool {
     name == STEP2_OOM_ALERT || name == LOW_HEADROOM_ALERT
 }
 
-/// The rule's summary (same wording) and the advisory's own sentence.
-fn annotations(name: &str, labels: &Labels, advisory: &Advisory) -> Labels {
+/// The rule's summary (same wording) and runbook, and the advisory's own
+/// sentence.
+fn annotations(name: &str, labels: &Labels, advisory: &Advisory, runbooks: &str) -> Labels {
     let get = |k: &str| labels.get(k).map_or("", String::as_str);
     let (job, rank) = (get("training_job"), get("rank"));
     let summary = match name {
@@ -387,6 +402,10 @@ fn annotations(name: &str, labels: &Labels, advisory: &Advisory) -> Labels {
     [
         ("summary".to_owned(), summary),
         ("description".to_owned(), advisory.message.clone()),
+        (
+            "runbook_url".to_owned(),
+            format!("{}/{name}.md", runbooks.trim_end_matches('/')),
+        ),
         (
             "source".to_owned(),
             "stepwatch agent (fast path; the Prometheus rule sends the same alert)".to_owned(),
@@ -734,6 +753,11 @@ mod tests {
                 rule.contains(&format!("severity: {severity}")),
                 "{name}: severity {severity} expected in\n{rule}"
             );
+            let runbook = format!("runbook_url: \"{DEFAULT_RUNBOOK_BASE_URL}/{name}.md\"");
+            assert!(
+                rule.contains(&runbook),
+                "{name}: {runbook} expected in\n{rule}"
+            );
             let by = rule
                 .split_once("max by (")
                 .and_then(|(_, rest)| rest.split_once(')'))
@@ -787,6 +811,7 @@ mod tests {
             inner: Some(Arc::new(AlerterInner {
                 tx,
                 node: "n1".into(),
+                runbook_base_url: DEFAULT_RUNBOOK_BASE_URL.into(),
                 extra_labels: vec![("cluster".into(), "c1".into())],
                 metrics: AlertMetrics::register(&registry, &[]).unwrap(),
             })),
@@ -870,6 +895,7 @@ mod tests {
     #[derive(Debug, serde::Deserialize)]
     struct Alert2 {
         labels: Labels,
+        annotations: Labels,
         #[serde(rename = "startsAt")]
         starts_at: String,
         #[serde(rename = "endsAt")]
@@ -883,6 +909,7 @@ mod tests {
             urls: vec![url.to_owned()],
             extra_labels: vec![],
             resend_interval: resend,
+            runbook_base_url: "https://runbooks.example/".into(),
             node: "n1".into(),
         };
         let alerter = Alerter::start(config, &Registry::new(), stop).unwrap();
@@ -919,6 +946,11 @@ mod tests {
         let first = next(&mut received).await;
         assert_eq!(first.len(), 1);
         assert_eq!(first[0].labels["alertname"], STEP2_OOM_ALERT);
+        assert_eq!(
+            first[0].annotations["runbook_url"],
+            "https://runbooks.example/StepwatchStep2OOMPredicted.md",
+            "--alertmanager-runbook-base-url, its trailing slash dropped"
+        );
         assert!(
             first[0].ends_at > rfc3339(SystemTime::now()),
             "firing: {first:?}"
@@ -1021,6 +1053,10 @@ mod tests {
         .collect();
         assert_eq!(labels, expected, "the empty container is left out");
         assert_eq!(annotations["description"], "step 2 will not fit");
+        assert_eq!(
+            annotations["runbook_url"],
+            format!("{DEFAULT_RUNBOOK_BASE_URL}/StepwatchStep2OOMPredicted.md")
+        );
         assert_eq!(holder, "team/llm/3");
         let Change::Fire { labels, .. } = rx.try_recv().unwrap() else {
             panic!()

@@ -42,6 +42,12 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_HTTP_LISTEN", default_value = "0.0.0.0:9447")]
     pub http_listen: SocketAddr,
 
+    /// Serve the JSON API (`/api/v1`, which names tenants' jobs and pods) on
+    /// this address instead, apart from `/metrics` and the probes, so that it
+    /// can be exposed or firewalled on its own. Unset: on --http-listen.
+    #[arg(long, env = "STEPWATCH_API_LISTEN")]
+    pub api_listen: Option<std::net::SocketAddr>,
+
     /// Node name put on every series as the `node` label (defaults to the hostname).
     #[arg(long, env = "STEPWATCH_NODE_NAME")]
     pub node_name: Option<String>,
@@ -238,6 +244,11 @@ pub struct AgentConfig {
     /// carry too. Repeatable.
     #[arg(long = "alertmanager-label", env = "STEPWATCH_ALERTMANAGER_LABELS", value_delimiter = ',', value_parser = parse_label)]
     pub alertmanager_labels: Vec<(String, String)>,
+
+    /// Where the agent's alerts' `runbook_url` annotations point: `<this>/<alert>.md`,
+    /// as the rules' (the chart passes its prometheusRule.runbookBaseURL).
+    #[arg(long, env = "STEPWATCH_ALERTMANAGER_RUNBOOK_BASE_URL", default_value = crate::alerts::DEFAULT_RUNBOOK_BASE_URL)]
+    pub alertmanager_runbook_base_url: String,
 
     /// Active alerts are posted again this often; each says it ends 4 of
     /// these later, so Alertmanager resolves them if the agent dies.

@@ -27,6 +27,7 @@ use crate::state::AgentState;
 /// receiver answers when the server has stopped.
 pub fn serve_on_own_thread(
     listener: std::net::TcpListener,
+    routes: Routes,
     state: Arc<AgentState>,
     max_connections: usize,
     idle_timeout: Option<std::time::Duration>,
@@ -38,12 +39,15 @@ pub fn serve_on_own_thread(
         .build()?;
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
-        .name("stepwatch-http".into())
+        .name(match routes {
+            Routes::Api => "stepwatch-api".into(),
+            _ => "stepwatch-http".into(),
+        })
         .spawn(move || {
             let served = runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener)?;
                 let listener = Limited::new(listener, max_connections, idle_timeout);
-                axum::serve(listener, router(state))
+                axum::serve(listener, router(state, routes))
                     .with_graceful_shutdown(stop)
                     .await
             });
@@ -52,18 +56,38 @@ pub fn serve_on_own_thread(
     Ok(done_rx)
 }
 
-pub fn router(state: Arc<AgentState>) -> Router {
-    Router::new()
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/api/v1/jobs", get(jobs))
-        .route("/api/v1/jobs/{job}", get(job))
-        .route("/api/v1/jobs/{job}/ranks/{rank}", get(rank))
-        .route("/api/v1/gpus", get(gpus))
-        .route("/api/v1/gpus/{gpu}/samples", get(gpu_samples))
-        .merge(crate::ui::routes())
-        .with_state(state)
+/// What one listener serves. With `--api-listen` the JSON API (which names
+/// tenants' jobs and pods) and the page at `/` that reads it get a listener
+/// of their own, so that they can be exposed, authorised or firewalled apart
+/// from `/metrics` and the probes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routes {
+    /// `/metrics`, `/healthz`, `/readyz`, `/api/v1` and the page (no `--api-listen`).
+    All,
+    /// `/metrics`, `/healthz`, `/readyz` only.
+    Monitoring,
+    /// `/api/v1` and the page only (`--api-listen`).
+    Api,
+}
+
+pub fn router(state: Arc<AgentState>, routes: Routes) -> Router {
+    let mut router = Router::new();
+    if routes != Routes::Api {
+        router = router
+            .route("/metrics", get(metrics))
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/readyz", get(readyz));
+    }
+    if routes != Routes::Monitoring {
+        router = router
+            .route("/api/v1/jobs", get(jobs))
+            .route("/api/v1/jobs/{job}", get(job))
+            .route("/api/v1/jobs/{job}/ranks/{rank}", get(rank))
+            .route("/api/v1/gpus", get(gpus))
+            .route("/api/v1/gpus/{gpu}/samples", get(gpu_samples))
+            .merge(crate::ui::routes());
+    }
+    router.with_state(state)
 }
 
 async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
@@ -712,7 +736,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let served = workers.block_on(async {
-            serve_on_own_thread(listener, state.clone(), 16, None, async {
+            serve_on_own_thread(listener, Routes::All, state.clone(), 16, None, async {
                 let _ = stop_rx.await;
             })
         });

@@ -110,11 +110,33 @@ pub async fn run_until(
     let http_addr = http.local_addr()?;
     let http_task = http::serve_on_own_thread(
         http,
+        if config.api_listen.is_some() {
+            http::Routes::Monitoring
+        } else {
+            http::Routes::All
+        },
         state.clone(),
         config.max_http_connections,
         idle,
         stopped(stop_rx.clone()),
     )?;
+    let (api_addr, api_task) = match config.api_listen {
+        Some(addr) => {
+            let api = std::net::TcpListener::bind(addr)
+                .with_context(|| format!("cannot listen for the API on {addr}"))?;
+            let api_addr = api.local_addr()?;
+            let task = http::serve_on_own_thread(
+                api,
+                http::Routes::Api,
+                state.clone(),
+                config.max_http_connections,
+                idle,
+                stopped(stop_rx.clone()),
+            )?;
+            (Some(api_addr), Some(task))
+        }
+        None => (None, None),
+    };
 
     let uds = bind_socket(&config.socket, config.socket_mode)?;
     // HTTP/2 streams per connection: one client process holds one per rank.
@@ -161,6 +183,7 @@ pub async fn run_until(
             urls: config.alertmanager_urls.clone(),
             extra_labels: config.alertmanager_labels.clone(),
             resend_interval: config.alertmanager_resend_interval,
+            runbook_base_url: config.alertmanager_runbook_base_url.clone(),
             node: node.clone(),
         },
         &state.registry,
@@ -259,6 +282,7 @@ pub async fn run_until(
     if let Some(path) = &config.ready_file {
         let ready = serde_json::json!({
             "http": http_addr.to_string(),
+            "api": api_addr.map(|a| a.to_string()),
             "grpc": grpc_addr.map(|a| a.to_string()),
             "socket": config.socket,
             "csi_socket": config.csi_socket,
@@ -331,6 +355,9 @@ pub async fn run_until(
             let _ = t.await;
         }
         let _ = http_task.await;
+        if let Some(task) = api_task {
+            let _ = task.await;
+        }
         let _ = housekeeping.await;
         if let Some(t) = holders_task {
             let _ = t.await;

@@ -83,9 +83,15 @@ StepwatchSamplerLagging: {literal: "> 0.1", format: "> %v"}
 - StepwatchFirstStepActivationDivergence
 {{- end }}
 
-{{/* Labels kube-prometheus-stack selects by: `release: <its release>`. */}}
-{{- define "stepwatch.prometheusReleaseLabel" -}}
-{{- with .Values.prometheusRelease }}
-release: {{ . | quote }}
+{{/* Labels kube-prometheus-stack selects by (`release: <its release>`, from prometheusRelease)
+     merged with an object's own extra labels (the dict passed as .extra), which win: a
+     `release` set there too is not written twice. Call with (dict "root" $ "extra" LABELS). */}}
+{{- define "stepwatch.monitoringLabels" -}}
+{{- $labels := deepCopy (.extra | default dict) }}
+{{- with .root.Values.prometheusRelease }}
+{{- if not (hasKey $labels "release") }}{{ $_ := set $labels "release" . }}{{ end }}
+{{- end }}
+{{- with $labels }}
+{{- toYaml . }}
 {{- end }}
 {{- end }}
