@@ -560,7 +560,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        serve_on_own_thread(listener, state, 16, None, async {
+        serve_on_own_thread(listener, Routes::All, state, 16, None, async {
             let _ = stop_rx.await;
         })
         .unwrap();
