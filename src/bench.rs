@@ -82,9 +82,10 @@ pub struct AccuracyArgs {
     /// Time scale of the simulated jobs (2 = twice as fast).
     #[arg(long, default_value_t = 1.0)]
     pub speed: f64,
-    /// Targets: median and maximum absolute error, in percent.
+    /// Target: median absolute error of the step-2 prediction, in percent.
     #[arg(long, default_value_t = 2.0)]
     pub max_median_error: f64,
+    /// Target: maximum absolute error of the step-2 prediction, in percent.
     #[arg(long, default_value_t = 5.0)]
     pub max_error: f64,
     /// Simulated clients send no step-1 allocator trace: measures the

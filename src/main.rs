@@ -73,3 +73,31 @@ fn main() -> anyhow::Result<()> {
         Command::ReplayRecord(args) => replay_record::run(args),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every argument of every subcommand says what it is in `--help`.
+    #[test]
+    fn every_argument_has_help_text() {
+        fn missing(cmd: &clap::Command, path: &str, out: &mut Vec<String>) {
+            for arg in cmd.get_arguments() {
+                let id = arg.get_id().as_str();
+                if id == "help" || id == "version" {
+                    continue;
+                }
+                if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    out.push(format!("{path} {id}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                missing(sub, &format!("{path} {}", sub.get_name()), out);
+            }
+        }
+        let mut out = Vec::new();
+        missing(&Cli::command(), "stepwatch", &mut out);
+        assert!(out.is_empty(), "arguments without help: {out:#?}");
+    }
+}
