@@ -23,10 +23,9 @@ from ._client import (
 from ._identity import Identity, endpoint_target, resolve_identity, sanitize_id
 from ._tls import load_tls, resolve_tls
 from ._tracker import StepTracker
+from ._version import __version__
 
 log = logging.getLogger("stepwatch")
-
-__version__ = "0.1.0"
 
 PHASES = ("forward", "backward", "optimizer")
 
