@@ -1,14 +1,16 @@
 //! What the agent image carries: built as deploy/Dockerfile builds it
 //! (`--no-default-features`), the binary depends on none of the development
-//! tools (simulator, fake NVML, the Rust client the simulator talks through).
+//! tools (simulator, fake NVML, the Rust client the simulator talks through,
+//! the HTTP client the demo reads the agent with).
 
 use std::process::Command;
 
-const DEV_ONLY: [&str; 4] = [
+const DEV_ONLY: [&str; 5] = [
     "stepwatch-sim",
     "fake-nvml",
     "stepwatch-client",
     "signal-hook",
+    "ureq",
 ];
 
 /// The crates the binary is built from with these cargo flags.
