@@ -4,7 +4,8 @@
 # Creates (or reuses) a virtualenv at $STEPWATCH_PY_VENV (default
 # ~/.cache/stepwatch/py-venv, so CI re-runs on one machine reuse it), installs
 # ./python[test] with real PyTorch (CPU path), Lightning and transformers, then
-# runs ruff and pytest. pytest's exit code is the script's exit code.
+# runs ruff, mypy (strict) and pytest. A lint or type error stops it; otherwise
+# pytest's exit code is the script's exit code.
 #
 # The agent integration tests need the agent binary ($STEPWATCH_BIN or
 # target/debug/stepwatch: `cargo build -p stepwatch`); they fail without it
@@ -52,6 +53,8 @@ cd "$REPO"
 "$VENV/bin/ruff" check python
 step "ruff format --check python"
 "$VENV/bin/ruff" format --check python
+step "mypy --strict python/stepwatch (settings in python/pyproject.toml)"
+(cd "$HERE" && "$VENV/bin/mypy")
 
 if [ -z "${STEPWATCH_BIN:-}" ] && [ ! -x "$REPO/target/debug/stepwatch" ] \
    && [ "${STEPWATCH_SKIP_AGENT_TESTS:-}" != "1" ]; then

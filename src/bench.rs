@@ -82,9 +82,10 @@ pub struct AccuracyArgs {
     /// Time scale of the simulated jobs (2 = twice as fast).
     #[arg(long, default_value_t = 1.0)]
     pub speed: f64,
-    /// Targets: median and maximum absolute error, in percent.
+    /// Target: median absolute error of the step-2 prediction, in percent.
     #[arg(long, default_value_t = 2.0)]
     pub max_median_error: f64,
+    /// Target: maximum absolute error of the step-2 prediction, in percent.
     #[arg(long, default_value_t = 5.0)]
     pub max_error: f64,
     /// Simulated clients send no step-1 allocator trace: measures the
@@ -148,7 +149,7 @@ struct BenchAgent {
     child: Killed,
     http: SocketAddr,
     endpoint: String,
-    _dir: RemoveDir,
+    _dir: tempfile::TempDir,
 }
 
 fn start_agent(
@@ -173,9 +174,10 @@ fn start_agent_with(
     };
     let lib = fake_nvml::find_cdylib()
         .context("libfake_nvml.so not found next to the binary; run cargo build")?;
-    let dir = std::env::temp_dir().join(format!("stepwatch-bench-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir)?;
+    let temp = tempfile::Builder::new()
+        .prefix(&format!("stepwatch-bench-{tag}-"))
+        .tempdir()?;
+    let dir = temp.path().to_owned();
     FakeNvml::create(&dir, specs)?;
     let http: SocketAddr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
     let socket = dir.join("agent.sock");
@@ -206,7 +208,7 @@ fn start_agent_with(
             child,
             http,
             endpoint: format!("unix://{}", socket.display()),
-            _dir: RemoveDir(dir.clone()),
+            _dir: temp,
         },
         dir,
     ))
@@ -1015,13 +1017,5 @@ impl Drop for Killed {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
-    }
-}
-
-struct RemoveDir(PathBuf);
-
-impl Drop for RemoveDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }

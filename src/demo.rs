@@ -2,7 +2,7 @@
 //! all local, no GPU needed. It shows what a user sees on a real node.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -107,9 +107,12 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         "the fake NVML library (libfake_nvml.so) was not found next to this binary; \
          build the workspace with `cargo build` first",
     )?;
-    let dir = std::env::temp_dir().join(format!("stepwatch-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let _cleanup = RemoveOnDrop(dir.clone());
+    // Removed when the demo ends (the agent log is kept elsewhere).
+    let temp = tempfile::Builder::new()
+        .prefix("stepwatch-demo-")
+        .tempdir()
+        .context("cannot create the demo's temp dir")?;
+    let dir = temp.path().to_owned();
     // A 24 GB card for the healthy job, a 48 GB card for the doomed one,
     // named as cards of that size are (an L4 and an L40S).
     let cards = [
@@ -354,13 +357,5 @@ fn print_status(elapsed: Duration, metrics: &str, jobs: &[DemoJob]) {
             text += "  [died: CUDA OOM]";
         }
         println!("{text}");
-    }
-}
-
-struct RemoveOnDrop(PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }

@@ -338,9 +338,10 @@ fn proto_facts(f: &stepwatch_core::ModelFacts) -> pb::ModelFacts {
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct FakeGpuArgs {
-    /// The state directory (what STEPWATCH_FAKE_NVML_DIR names for the library).
+    /// The state directory (what STEPWATCH_FAKE_NVML_DIR names for the
+    /// library); every action but `lib-path` needs it.
     #[arg(long, env = fake_nvml::STATE_DIR_ENV)]
-    pub dir: PathBuf,
+    pub dir: Option<PathBuf>,
     #[command(subcommand)]
     pub action: FakeGpuAction,
 }
@@ -349,6 +350,7 @@ pub struct FakeGpuArgs {
 pub enum FakeGpuAction {
     /// Create the state with N H100-80GB-like GPUs (replaces an existing one).
     Init {
+        /// How many GPUs (1 to 16).
         #[arg(long, default_value_t = 2)]
         gpus: u32,
         /// Capacity of each GPU in GiB (default: 80 GB H100).
@@ -361,27 +363,41 @@ pub enum FakeGpuAction {
     },
     /// Make NVML unavailable (init fails, calls fail) or available again.
     Unavailable {
+        /// true: NVML is unavailable; false: available again.
         #[arg(action = clap::ArgAction::Set)]
         on: bool,
     },
     /// Mark one GPU lost or found.
     Lost {
+        /// Index of the GPU.
         gpu: u32,
+        /// true: lost (NVML says GPU_IS_LOST); false: found again.
         #[arg(action = clap::ArgAction::Set)]
         on: bool,
     },
     /// Print the GPUs and their processes.
     Show,
-    /// Print the path of the fake libnvidia-ml built next to this binary.
+    /// Print the path of the fake libnvidia-ml built next to this binary
+    /// (needs no --dir).
     LibPath,
 }
 
 pub fn fake_gpu(args: FakeGpuArgs) -> anyhow::Result<()> {
+    if let FakeGpuAction::LibPath = args.action {
+        let lib = fake_nvml::find_cdylib().context(
+            "the fake libnvidia-ml was not built next to this binary; run `cargo build`",
+        )?;
+        println!("{}", lib.display());
+        return Ok(());
+    }
+    let dir = args.dir.context(
+        "--dir (or STEPWATCH_FAKE_NVML_DIR) is required: the fake GPUs' state directory",
+    )?;
     let open = || {
-        FakeNvml::open(&args.dir).with_context(|| {
+        FakeNvml::open(&dir).with_context(|| {
             format!(
                 "no fake NVML state in {0}; run `stepwatch fake-gpu --dir {0} init` first",
-                args.dir.display()
+                dir.display()
             )
         })
     };
@@ -404,8 +420,8 @@ pub fn fake_gpu(args: FakeGpuArgs) -> anyhow::Result<()> {
                     spec
                 })
                 .collect();
-            FakeNvml::create(&args.dir, &specs)?;
-            println!("created {} fake GPU(s) in {}", gpus, args.dir.display());
+            FakeNvml::create(&dir, &specs)?;
+            println!("created {} fake GPU(s) in {}", gpus, dir.display());
         }
         FakeGpuAction::Unavailable { on } => open()?.set_unavailable(on),
         FakeGpuAction::Lost { gpu, on } => {
@@ -425,12 +441,7 @@ pub fn fake_gpu(args: FakeGpuArgs) -> anyhow::Result<()> {
                 );
             }
         }
-        FakeGpuAction::LibPath => {
-            let lib = fake_nvml::find_cdylib().context(
-                "the fake libnvidia-ml was not built next to this binary; run `cargo build`",
-            )?;
-            println!("{}", lib.display());
-        }
+        FakeGpuAction::LibPath => unreachable!("answered above"),
     }
     Ok(())
 }

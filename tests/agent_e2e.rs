@@ -984,3 +984,35 @@ fn json_path_exists(v: &serde_json::Value, path: &str) -> bool {
     }
     true
 }
+
+/// `fake-gpu lib-path` needs no state directory; the other actions say
+/// clearly that they do.
+#[test]
+fn fake_gpu_lib_path_needs_no_dir_and_the_others_say_they_do() {
+    let out = std::process::Command::new(BIN)
+        .args(["fake-gpu", "lib-path"])
+        .env_remove(fake_nvml::STATE_DIR_ENV)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        std::path::Path::new(stdout.trim()).is_file(),
+        "not a file: {stdout}"
+    );
+    let out = std::process::Command::new(BIN)
+        .args(["fake-gpu", "show"])
+        .env_remove(fake_nvml::STATE_DIR_ENV)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--dir (or STEPWATCH_FAKE_NVML_DIR) is required"),
+        "{stderr}"
+    );
+}

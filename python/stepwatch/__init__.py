@@ -16,7 +16,6 @@ from ._client import Prediction, StepwatchError
 from ._identity import DEFAULT_ENDPOINT, Identity, resolve_identity
 from ._runtime import (
     WatchHandle,
-    __version__,
     configure,
     flush,
     last_prediction,
@@ -28,6 +27,7 @@ from ._runtime import (
     step,
     watch,
 )
+from ._version import __version__
 
 __all__ = [
     "DEFAULT_ENDPOINT",

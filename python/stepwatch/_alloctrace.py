@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import os
 from array import array
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 from . import _torch
 from ._client import (
@@ -475,7 +475,7 @@ def settings_from_snapshot(snapshot: Any) -> Optional[Dict[str, Any]]:
 # blocks are released in ways it does not model, so the history is not even
 # recorded under them; the agent also refuses a trace whose settings (from the
 # snapshot, whatever set them) show one.
-_UNMODELLED_SETTINGS = {
+_UNMODELLED_SETTINGS: Dict[str, Callable[[str], bool]] = {
     "garbage_collection_threshold": lambda v: True,
     "backend": lambda v: v.strip() != "native",
 }
@@ -484,10 +484,10 @@ _UNMODELLED_SETTINGS = {
 def unmodelled_allocator_settings(env: Optional[Dict[str, str]] = None) -> List[str]:
     """Settings in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` that the
     agent's allocator model does not follow, as ``key:value`` strings."""
-    env = os.environ if env is None else env
+    source: Mapping[str, str] = os.environ if env is None else env
     found = []
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        for item in env.get(var, "").split(","):
+        for item in source.get(var, "").split(","):
             key, _, value = item.partition(":")
             key = key.strip()
             if key in _UNMODELLED_SETTINGS and _UNMODELLED_SETTINGS[key](value):

@@ -21,12 +21,11 @@ from ._client import (
     _env_float,
 )
 from ._identity import Identity, endpoint_target, resolve_identity, sanitize_id
-from ._tls import load_tls, resolve_tls
+from ._tls import TlsSettings, load_tls, resolve_tls
 from ._tracker import StepTracker
+from ._version import __version__
 
 log = logging.getLogger("stepwatch")
-
-__version__ = "0.1.0"
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -59,6 +58,16 @@ class _Runtime:
         self._prev_excepthook: Any = None
 
     # ------------------------------------------------------------ configure
+
+    def resolve_tls(self, endpoint: Optional[str]) -> Optional[TlsSettings]:
+        """The TLS settings for ``endpoint`` with the paths given to watch()/configure()."""
+        return resolve_tls(
+            endpoint,
+            tls_ca=self.tls_paths.get("tls_ca"),
+            tls_cert=self.tls_paths.get("tls_cert"),
+            tls_key=self.tls_paths.get("tls_key"),
+        )
+
     def configure(
         self,
         *,
@@ -110,7 +119,7 @@ class _Runtime:
             paths = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
             self.tls_paths.update({k: str(v) for k, v in paths.items() if v is not None})
             target = endpoint_target(endpoint or self.endpoint)
-            tls_settings = resolve_tls(endpoint or self.endpoint, **self.tls_paths)
+            tls_settings = self.resolve_tls(endpoint or self.endpoint)
             if endpoint is not None:
                 self.endpoint = endpoint
             c = self.client
@@ -572,7 +581,7 @@ def stats() -> Dict[str, Any]:
         s["queued"] = 0
         s["connected"] = False
         s["endpoint"] = endpoint_target(RT.endpoint)
-        s["tls"] = resolve_tls(RT.endpoint, **RT.tls_paths) is not None
+        s["tls"] = RT.resolve_tls(RT.endpoint) is not None
         return s
     return c.stats()
 

@@ -115,7 +115,8 @@ def allocator_stats(device: int) -> Optional[Dict[str, Any]]:
     if torch is None:
         return None
     try:
-        return torch._C._cuda_memoryStats(device)
+        stats: Dict[str, Any] = torch._C._cuda_memoryStats(device)
+        return stats
     except Exception as e:
         log.debug("stepwatch: could not read the allocator's stats: %r", e)
         return None

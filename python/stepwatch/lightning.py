@@ -20,7 +20,11 @@ try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # pragma: no cover - depends on what is installed
     try:
-        from pytorch_lightning.callbacks import Callback  # type: ignore[no-redef]
+        # Older installs: the same class under its former package (mypy sees
+        # two types when both are installed).
+        from pytorch_lightning.callbacks import (  # type: ignore[no-redef,assignment,unused-ignore]
+            Callback,
+        )
     except ImportError as e:
         raise ImportError("stepwatch.lightning needs Lightning (pip install lightning)") from e
 

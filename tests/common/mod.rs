@@ -17,27 +17,17 @@ pub mod wire;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_stepwatch");
 
-/// A temp dir removed on drop.
-pub struct TempDir(pub PathBuf);
+/// A fresh temp dir (tempfile's: a unique name, removed on drop), its
+/// path at `.0` for the tests' convenience.
+pub struct TempDir(pub PathBuf, tempfile::TempDir);
 
 impl TempDir {
     pub fn new(tag: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .subsec_nanos();
-        let p = std::env::temp_dir().join(format!(
-            "stepwatch-e2e-{tag}-{}-{nanos}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("stepwatch-e2e-{tag}-"))
+            .tempdir()
+            .expect("a temp dir");
+        Self(dir.path().to_owned(), dir)
     }
 }
 
@@ -540,7 +530,8 @@ impl Prometheus {
                 std::thread::sleep(Duration::from_millis(100));
             }
             prom.child = None;
-            dir = Some(std::mem::replace(&mut prom.dir, TempDir(PathBuf::new())));
+            // Prometheus is Drop, so its dir is swapped out (for a new, empty one).
+            dir = Some(std::mem::replace(&mut prom.dir, TempDir::new(tag)));
         }
         panic!("prometheus found no free port in 5 attempts");
     }

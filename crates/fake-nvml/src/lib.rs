@@ -634,25 +634,16 @@ pub fn find_cdylib() -> Option<PathBuf> {
 mod tests {
     use super::*;
 
-    /// A fresh directory under the system temp dir, removed on drop.
-    pub(crate) struct TempDir(pub PathBuf);
+    /// A fresh temp dir (tempfile's: a unique name, removed on drop), its
+    /// path at `.0`; the second field is held only to remove it on drop.
+    pub(crate) struct TempDir(pub PathBuf, #[allow(dead_code)] tempfile::TempDir);
     impl TempDir {
         pub(crate) fn new(tag: &str) -> Self {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos();
-            let p = std::env::temp_dir().join(format!(
-                "fake-nvml-unit-{tag}-{}-{nanos}",
-                std::process::id()
-            ));
-            fs::create_dir_all(&p).unwrap();
-            TempDir(p)
-        }
-    }
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
+            let dir = tempfile::Builder::new()
+                .prefix(&format!("fake-nvml-unit-{tag}-"))
+                .tempdir()
+                .unwrap();
+            TempDir(dir.path().to_owned(), dir)
         }
     }
 

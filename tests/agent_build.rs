@@ -1,0 +1,68 @@
+//! What the agent image carries: built as deploy/Dockerfile builds it
+//! (`--no-default-features`), the binary depends on none of the development
+//! tools (simulator, fake NVML, the Rust client the simulator talks through,
+//! the HTTP client the demo reads the agent with).
+
+use std::process::Command;
+
+const DEV_ONLY: [&str; 5] = [
+    "stepwatch-sim",
+    "fake-nvml",
+    "stepwatch-client",
+    "signal-hook",
+    "ureq",
+];
+
+/// The crates the binary is built from with these cargo flags.
+fn normal_dependencies(features: &[&str]) -> Vec<String> {
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "tree",
+            "-p",
+            "stepwatch",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+        ])
+        .args(["--offline", "--locked"])
+        .args(features)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run cargo tree");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+        .collect()
+}
+
+#[test]
+fn the_agent_image_build_has_no_development_tools() {
+    let agent = normal_dependencies(&["--no-default-features"]);
+    assert!(agent.iter().any(|c| c == "stepwatch-agent"), "{agent:?}");
+    for dev in DEV_ONLY {
+        assert!(!agent.iter().any(|c| c == dev), "{dev} in {agent:?}");
+    }
+    // The default build (cargo run -- demo, the tests) has them.
+    let full = normal_dependencies(&[]);
+    for dev in DEV_ONLY {
+        assert!(full.iter().any(|c| c == dev), "{dev} not in {full:?}");
+    }
+    // And the image is built that way, stripped.
+    let dockerfile =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/Dockerfile")).unwrap();
+    let build = dockerfile
+        .lines()
+        .find(|l| l.contains("cargo build"))
+        .expect("deploy/Dockerfile runs cargo build");
+    assert!(build.contains("--no-default-features"), "{build}");
+    assert!(
+        dockerfile.contains("CARGO_PROFILE_RELEASE_STRIP=symbols"),
+        "the image's binary is not stripped"
+    );
+}
