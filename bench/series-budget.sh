@@ -3,6 +3,7 @@
 # scenario, 12 steps), then counts the series on /metrics.
 #
 #   bench/series-budget.sh            # BIN=path skips the build
+#   AGENT_ARGS="--rank-phase-series first-step" bench/series-budget.sh   # a cheaper export
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${BIN:-}" ]; then
@@ -14,7 +15,7 @@ trap 'kill "$PID" 2>/dev/null || true; rm -rf "$DIR"' EXIT
 "$BIN" fake-gpu --dir "$DIR" init --gpus 8 >/dev/null
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 STEPWATCH_FAKE_NVML_DIR="$DIR" "$BIN" agent --socket "$DIR/s.sock" --http-listen "127.0.0.1:$PORT" \
-  --nvml-lib "$("$BIN" fake-gpu --dir "$DIR" lib-path)" 2>"$DIR/agent.log" &
+  --nvml-lib "$("$BIN" fake-gpu --dir "$DIR" lib-path)" ${AGENT_ARGS:-} 2>"$DIR/agent.log" &
 PID=$!
 for _ in $(seq 100); do curl -sf \"127.0.0.1:$PORT/readyz\" | grep -qx 'nvml: up' && break; sleep 0.1; done
 for r in 0 1 2 3 4 5 6 7; do

@@ -255,9 +255,31 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_ALERTMANAGER_RESEND_INTERVAL", default_value = "1m", value_parser = parse_duration)]
     pub alertmanager_resend_interval: Duration,
 
+    /// Which per-phase rank series `/metrics` carries. They are most of a
+    /// node's series (about 23 of a rank's 38–47: `stepwatch_rank_phase_peak_bytes`
+    /// and `stepwatch_rank_phase_duration_seconds`; BENCHMARKS.md, issue #16).
+    /// `all`: both, for step 1 and the steady state. `first-step`: step 1's
+    /// phase peaks only (the first-step anomaly dashboard's panel), no steady
+    /// phase peaks and no phase durations. `none`: neither; the step-anatomy
+    /// dashboard's phase panels go empty. The JSON API keeps every figure.
+    #[arg(long, env = "STEPWATCH_RANK_PHASE_SERIES", value_enum, default_value_t = RankPhaseSeries::All)]
+    pub rank_phase_series: RankPhaseSeries,
+
     /// Log format.
     #[arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+}
+
+/// See [`AgentConfig::rank_phase_series`]: a cheaper export for large clusters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum RankPhaseSeries {
+    /// Phase peaks of step 1 and the steady state, and phase durations.
+    #[default]
+    All,
+    /// Step 1's phase peaks only.
+    FirstStep,
+    /// No per-phase series.
+    None,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

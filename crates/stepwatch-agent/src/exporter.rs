@@ -22,6 +22,7 @@ use stepwatch_core::{
 };
 use stepwatch_proto::clock::monotonic_ns;
 
+use crate::config::RankPhaseSeries;
 use crate::state::AgentState;
 
 /// One metric family under construction.
@@ -118,7 +119,7 @@ fn render_with(state: &AgentState, after_each_rank: &mut dyn FnMut()) -> String 
     let mut families = state.registry.gather();
     gpu_families(state, node, &mut families);
     let ranks = snapshot(state, after_each_rank);
-    rank_families(&ranks, node, &mut families);
+    rank_families(&ranks, node, state.rank_phase_series(), &mut families);
     families.sort_by(|a, b| a.name().cmp(b.name()));
     let mut buf = Vec::with_capacity(16 * 1024);
     TextEncoder::new()
@@ -386,7 +387,12 @@ fn rank_snapshot(tracker: &Tracker, key: RankKey) -> Option<RankSnapshot> {
     })
 }
 
-fn rank_families(tracker: &TrackerSnapshot, node: &str, out: &mut Vec<MetricFamily>) {
+fn rank_families(
+    tracker: &TrackerSnapshot,
+    node: &str,
+    phase_series: RankPhaseSeries,
+    out: &mut Vec<MetricFamily>,
+) {
     let mut tracked = Family::gauge(
         node,
         "stepwatch_ranks_tracked",
@@ -482,8 +488,10 @@ fn rank_families(tracker: &TrackerSnapshot, node: &str, out: &mut Vec<MetricFami
             if let Some(wall) = last.end_wall_ns {
                 last_end.add(&labels, ns_to_s(wall));
             }
-            for (kind, ns) in &last.phases {
-                phase.add(&with(&labels, ("phase", kind.as_str())), ns_to_s(*ns));
+            if phase_series == RankPhaseSeries::All {
+                for (kind, ns) in &last.phases {
+                    phase.add(&with(&labels, ("phase", kind.as_str())), ns_to_s(*ns));
+                }
             }
         }
         if let Some(m) = rank.median_duration_ns {
@@ -495,7 +503,7 @@ fn rank_families(tracker: &TrackerSnapshot, node: &str, out: &mut Vec<MetricFami
     ] {
         f.done(out);
     }
-    analysis_families(tracker, node, out);
+    analysis_families(tracker, node, phase_series, out);
 }
 
 fn ns_to_s(ns: u64) -> f64 {
@@ -503,7 +511,12 @@ fn ns_to_s(ns: u64) -> f64 {
 }
 
 /// First-step, steady-state and prediction series, and per-job divergence.
-fn analysis_families(tracker: &TrackerSnapshot, node: &str, out: &mut Vec<MetricFamily>) {
+fn analysis_families(
+    tracker: &TrackerSnapshot,
+    node: &str,
+    phase_series: RankPhaseSeries,
+    out: &mut Vec<MetricFamily>,
+) {
     let mut first_peak = Family::gauge(
         node,
         "stepwatch_rank_first_step_peak_bytes",
@@ -657,7 +670,11 @@ fn analysis_families(tracker: &TrackerSnapshot, node: &str, out: &mut Vec<Metric
             if let Some(p) = first.nvml_peak_bytes {
                 first_peak.add(&labels, p as f64);
             }
-            for ph in &first.phases {
+            let phases = match phase_series {
+                RankPhaseSeries::None => &[][..],
+                _ => &first.phases[..],
+            };
+            for ph in phases {
                 add_phase_peaks(
                     &mut phase_peak,
                     &labels,
@@ -675,7 +692,11 @@ fn analysis_families(tracker: &TrackerSnapshot, node: &str, out: &mut Vec<Metric
                     error.add(&labels, (frozen as f64 - p as f64) / p as f64);
                 }
             }
-            for ph in &steady.phases {
+            let phases = match phase_series {
+                RankPhaseSeries::All => &steady.phases[..],
+                _ => &[][..],
+            };
+            for ph in phases {
                 add_phase_peaks(
                     &mut phase_peak,
                     &labels,
@@ -812,6 +833,99 @@ mod tests {
             .unwrap_or_else(|| panic!("no median in:\n{body}"));
         let value: f64 = line.rsplit_once(' ').unwrap().1.parse().unwrap();
         assert_eq!(value, 2e-6, "{line}");
+    }
+
+    /// A rank of five identical steps (forward, backward, optimizer), each
+    /// marker with allocator figures: step 1 and a steady state have phase
+    /// peaks, the last step phase durations.
+    fn five_steps(state: &AgentState) {
+        let key = test_rank(state, "j", 0);
+        let mut batch = Vec::new();
+        for step in 1..=5u64 {
+            let t = step * 10_000;
+            for (i, kind) in [
+                MarkerKind::StepBegin,
+                MarkerKind::ForwardBegin,
+                MarkerKind::BackwardBegin,
+                MarkerKind::OptimizerBegin,
+                MarkerKind::OptimizerEnd,
+                MarkerKind::StepEnd,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                if step == 1 && kind == MarkerKind::StepBegin {
+                    continue; // test_rank began step 1
+                }
+                let mut m = test_marker(kind, step, t + i as u64 * 1_000);
+                let allocated = 1_000 + 100 * i as u64;
+                m.allocator = Some(stepwatch_core::AllocatorStats {
+                    allocated_bytes: allocated,
+                    allocated_peak_bytes: 2_000,
+                    reserved_bytes: 4_000,
+                    reserved_peak_bytes: 4_000,
+                    active_bytes: allocated,
+                    active_peak_bytes: 2_000,
+                    num_alloc_retries: 0,
+                });
+                batch.push(m);
+            }
+        }
+        state.apply_markers(&key, &batch).unwrap();
+    }
+
+    fn series_of<'b>(body: &'b str, family: &str) -> Vec<&'b str> {
+        body.lines()
+            .filter(|l| l.starts_with(&format!("{family}{{")))
+            .collect()
+    }
+
+    #[test]
+    fn rank_phase_series_can_be_cut_to_step_one_or_to_none() {
+        let all = test_state();
+        five_steps(&all);
+        let body = render(&all);
+        let peaks = series_of(&body, "stepwatch_rank_phase_peak_bytes");
+        assert!(
+            peaks.iter().any(|l| l.contains("step_class=\"first\"")),
+            "{body}"
+        );
+        assert!(
+            peaks.iter().any(|l| l.contains("step_class=\"steady\"")),
+            "{body}"
+        );
+        assert!(!series_of(&body, "stepwatch_rank_phase_duration_seconds").is_empty());
+
+        let first_step = test_state();
+        first_step.set_rank_phase_series(RankPhaseSeries::FirstStep);
+        five_steps(&first_step);
+        let body = render(&first_step);
+        let first_peaks = series_of(&body, "stepwatch_rank_phase_peak_bytes");
+        assert_eq!(
+            first_peaks,
+            peaks
+                .iter()
+                .copied()
+                .filter(|l| l.contains("step_class=\"first\""))
+                .collect::<Vec<_>>()
+        );
+        assert!(series_of(&body, "stepwatch_rank_phase_duration_seconds").is_empty());
+        // The rest of the rank's series stay.
+        assert_eq!(
+            series_of(&body, "stepwatch_rank_steady_step_peak_bytes").len(),
+            series_of(&render(&all), "stepwatch_rank_steady_step_peak_bytes").len()
+        );
+
+        let none = test_state();
+        none.set_rank_phase_series(RankPhaseSeries::None);
+        five_steps(&none);
+        let body = render(&none);
+        assert!(
+            series_of(&body, "stepwatch_rank_phase_peak_bytes").is_empty(),
+            "{body}"
+        );
+        assert!(series_of(&body, "stepwatch_rank_phase_duration_seconds").is_empty());
+        assert!(!series_of(&body, "stepwatch_rank_last_step").is_empty());
     }
 
     #[test]

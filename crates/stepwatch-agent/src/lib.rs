@@ -81,6 +81,7 @@ pub async fn run_until(
     });
     let gpu_holders = workload::GpuHolders::new(config.pod_resources_refresh);
     let state = state::AgentState::new(tracker, sampler.clone(), node.clone(), gpu_holders)?;
+    state.set_rank_phase_series(config.rank_phase_series);
     if let Some(path) = &config.record {
         state.start_record(path, config.record_max_bytes)?;
         tracing::info!(path = %path.display(), max_bytes = config.record_max_bytes, "recording every tracker input");

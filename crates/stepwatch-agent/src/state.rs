@@ -185,6 +185,8 @@ pub struct AgentState {
     recorder: OnceLock<Recorder>,
     /// Which pod holds which GPU (the kubelet's view), for GPU series.
     pub gpu_holders: crate::workload::GpuHolders,
+    /// `--rank-phase-series`, once set; `all` until then.
+    rank_phase_series: OnceLock<crate::config::RankPhaseSeries>,
 }
 
 impl AgentState {
@@ -206,7 +208,18 @@ impl AgentState {
             ingest_listening: AtomicBool::new(false),
             recorder: OnceLock::new(),
             gpu_holders,
+            rank_phase_series: OnceLock::new(),
         }))
+    }
+
+    /// Sets `--rank-phase-series` (once; later calls are ignored).
+    pub fn set_rank_phase_series(&self, series: crate::config::RankPhaseSeries) {
+        let _ = self.rank_phase_series.set(series);
+    }
+
+    /// Which per-phase rank series `/metrics` carries.
+    pub fn rank_phase_series(&self) -> crate::config::RankPhaseSeries {
+        self.rank_phase_series.get().copied().unwrap_or_default()
     }
 
     /// Starts `--record` into `path`.
