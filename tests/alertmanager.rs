@@ -16,7 +16,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::Value;
@@ -149,13 +149,6 @@ fn unix_seconds(t: &str) -> f64 {
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     let days = era * 146_097 + doe - 719_468;
     days as f64 * 86_400.0 + h * 3600.0 + mi * 60.0 + s - offset_s
-}
-
-fn now_s() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
 }
 
 /// A doomed rank: thin-margin's step 1 fits an 80 GB GPU with <1% to spare,

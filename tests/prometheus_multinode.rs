@@ -19,7 +19,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Child;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use common::*;
 use fake_nvml::GpuSpec;
@@ -37,13 +37,6 @@ const RANGE_STEP_S: f64 = 1.0;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn now_s() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
 }
 
 /// Agents and Prometheus; prints every log when the test fails.
@@ -125,27 +118,6 @@ fn label<'a>(series: &'a Value, name: &str) -> &'a str {
 
 fn sample(series: &Value) -> f64 {
     series["value"][1].as_str().unwrap().parse().unwrap()
-}
-
-/// Polls `f` every 200 ms until it returns Some, or panics with `what`.
-fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
-/// One rank's step report from its node's agent.
-fn rank_report(agent: &Agent, rank: u32) -> Option<Value> {
-    let (code, body) = http_get(agent.http, &format!("/api/v1/jobs/{JOB}/ranks/{rank}")).ok()?;
-    (code == 200).then(|| serde_json::from_str(&body).unwrap())
 }
 
 /// Wall-clock begin and (once complete) end of `step` in a rank report, in seconds.
@@ -395,7 +367,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
             Some((active_at, now_s()))
         },
     );
-    let held = rank_report(node_a, 0).expect("rank 0 reported");
+    let held = rank_report(node_a, JOB, 0).expect("rank 0 reported");
     assert!(
         step_wall_s(&held, 2).is_none(),
         "rank 0 was held before step 2, yet reported it: {held}"
@@ -403,9 +375,9 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
     std::fs::write(&release, b"").unwrap();
     let step2_begin = poll("rank 0's step 2", Duration::from_secs(30), || {
         collect_others(&firing(prom, ALERT));
-        step_wall_s(&rank_report(node_a, 0)?, 2).map(|(begin, _)| begin)
+        step_wall_s(&rank_report(node_a, JOB, 0)?, 2).map(|(begin, _)| begin)
     });
-    let r0 = rank_report(node_a, 0).unwrap();
+    let r0 = rank_report(node_a, JOB, 0).unwrap();
     let (step1_begin, _) = step_wall_s(&r0, 1).unwrap();
     eprintln!(
         "rank 0: step 1 began at +{:.2} s, {ALERT} active at +{:.2} s (seen at +{:.2} s), step 2 began at +{:.2} s",
@@ -443,7 +415,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
             assert!(status.success(), "rank {rank} failed ({status}): {stderr}");
         }
         let node = placement[rank as usize].1;
-        let report = rank_report(world.agent(node), rank).expect("rank report");
+        let report = rank_report(world.agent(node), JOB, rank).expect("rank report");
         let (_, end) = step_wall_s(&report, 1).expect("step 1 reported");
         step1_ends.push(end.expect("step 1 complete"));
     }

@@ -29,7 +29,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::process::Child;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use common::*;
 use fake_nvml::GpuSpec;
@@ -46,28 +46,6 @@ const NODES: [(&str, usize); 4] = [("node-a", 0), ("node-b", 1), ("node-c", 0), 
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn now_s() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs_f64()
-}
-
-/// Polls `f` every 200 ms until it returns Some, or panics with `what`.
-fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
 }
 
 fn label<'a>(series: &'a Value, name: &str) -> &'a str {
@@ -291,7 +269,7 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
             &format!("rank {rank}'s step 1 to end"),
             Duration::from_secs(60),
             || {
-                let report = rank_report(agent, rank as u32)?;
+                let report = rank_report(agent, JOB, rank as u32)?;
                 let step1 = report["steps"]
                     .as_array()?
                     .iter()
@@ -444,10 +422,4 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
         }
     }
     eprintln!("test took {:?}", t0.elapsed());
-}
-
-/// One rank's step report from its node's agent.
-fn rank_report(agent: &Agent, rank: u32) -> Option<Value> {
-    let (code, body) = http_get(agent.http, &format!("/api/v1/jobs/{JOB}/ranks/{rank}")).ok()?;
-    (code == 200).then(|| serde_json::from_str(&body).unwrap())
 }

@@ -605,3 +605,32 @@ pub fn url_encode(s: &str) -> String {
     }
     out
 }
+
+/// Polls `f` every 200 ms until it returns Some, or panics with `what`.
+pub fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Seconds since the Unix epoch, the unit of Prometheus's and Alertmanager's times.
+pub fn now_s() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+}
+
+/// One rank's step report from its agent (`/api/v1/jobs/{job}/ranks/{rank}`).
+pub fn rank_report(agent: &Agent, job: &str, rank: u32) -> Option<serde_json::Value> {
+    let (code, body) = http_get(agent.http, &format!("/api/v1/jobs/{job}/ranks/{rank}")).ok()?;
+    (code == 200).then(|| serde_json::from_str(&body).unwrap())
+}
