@@ -30,6 +30,10 @@ BIN=""
 OUT=""
 KEEP=0
 SAMPLE_HZ=2
+# Slower than the scenario's own timings (about 0.5 s a step): about 1 s a
+# step, so that 2 Hz sampling sees every rank's step 1. At speed 4 on an idle
+# machine ranks got no sample in step 1, and their jobs no job figures.
+SIM_SPEED=0.5
 
 usage() {
   sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'
@@ -42,6 +46,7 @@ Options:
   --scrape-interval D  scrape interval of the shards and the central self-scrape (default $SCRAPE)
   --measure SECONDS    window over which samples/s are measured (default $MEASURE)
   --sample-hz HZ       agents' NVML sampling rate (default $SAMPLE_HZ)
+  --sim-speed X        time scale of the simulated ranks (default $SIM_SPEED; 4 runs 8x faster than that)
   --timeout SECONDS    the whole run is killed after this (default $TIMEOUT)
   --bin PATH           stepwatch binary (default: cargo build, target/debug/stepwatch)
   --out FILE           JSON result (default target/cluster/cluster-n<N>.json)
@@ -59,6 +64,7 @@ while [ $# -gt 0 ]; do
     --scrape-interval) SCRAPE="$2"; shift 2 ;;
     --measure) MEASURE="$2"; shift 2 ;;
     --sample-hz) SAMPLE_HZ="$2"; shift 2 ;;
+    --sim-speed) SIM_SPEED="$2"; shift 2 ;;
     --timeout) TIMEOUT="$2"; shift 2 ;;
     --bin) BIN="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
@@ -211,12 +217,12 @@ for n in $(seq 0 $((NODES - 1))); do
 done
 run_sim() {
   local n="$1" gpu="$2" job="$3" rank="$4" d="$DIR/node-$1"
-  exec "$BIN" sim --scenario zero-sharded-8 --job "$job" --rank "$rank" --gpu "$gpu" --steps 6 --speed 4 \
+  exec "$BIN" sim --scenario zero-sharded-8 --job "$job" --rank "$rank" --gpu "$gpu" --steps 6 --speed "$SIM_SPEED" \
     --endpoint "unix://$d/s.sock" --fake-nvml-dir "$d" >/dev/null 2>>"$DIR/sims.log"
 }
 export -f run_sim
-export BIN DIR
-xargs -P 8 -L 1 bash -c 'run_sim "$@"' _ < "$SIMS" &
+export BIN DIR SIM_SPEED
+xargs -P 32 -L 1 bash -c 'run_sim "$@"' _ < "$SIMS" &
 XARGS=$!
 PIDS+=($XARGS)
 wait $XARGS || { echo "some simulated ranks failed: $(tail -5 "$DIR/sims.log")" >&2; exit 1; }
