@@ -36,7 +36,8 @@ pub struct ClientOptions {
     pub endpoint: String,
     /// Sent first on every (re)connection.
     pub hello: Hello,
-    /// Markers buffered while the agent is slow or away; beyond this they are dropped.
+    /// Markers buffered while the agent is slow or away (queued, or taken
+    /// by the sender thread and not yet sent); beyond this they are dropped.
     pub queue_capacity: usize,
     /// First wait before reconnecting; doubles on each failure.
     pub reconnect_min: Duration,
@@ -116,6 +117,8 @@ struct Shared {
 /// A connection to the agent for one rank.
 pub struct Client {
     queue: Option<mpsc::Sender<Outgoing>>,
+    /// `queue_capacity`: the bound on markers enqueued and not yet sent.
+    capacity: u64,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
@@ -124,6 +127,7 @@ impl Client {
     /// Starts the background sender. Never fails and never waits for the agent.
     pub fn start(options: ClientOptions) -> Self {
         let (tx, rx) = mpsc::channel(options.queue_capacity.max(1));
+        let capacity = options.queue_capacity.max(1) as u64;
         let shared = Arc::new(Shared::default());
         let thread = {
             let shared = shared.clone();
@@ -140,6 +144,7 @@ impl Client {
         };
         Self {
             queue: Some(tx),
+            capacity,
             shared,
             thread: Some(thread),
         }
@@ -150,6 +155,15 @@ impl Client {
         let Some(queue) = &self.queue else {
             return false;
         };
+        // The channel alone does not bound what is buffered: while the agent
+        // is away the sender thread takes markers into its next batch (up to
+        // MAX_MARKERS_PER_BATCH), freeing channel slots. Count those too.
+        let enqueued = self.shared.enqueued.load(Ordering::Relaxed);
+        let sent = self.shared.sent.load(Ordering::Relaxed);
+        if enqueued.saturating_sub(sent) >= self.capacity {
+            self.shared.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
         match queue.try_send(Outgoing::Marker(marker)) {
             Ok(()) => {
                 self.shared.enqueued.fetch_add(1, Ordering::Relaxed);
