@@ -454,22 +454,24 @@ fn a_process_outside_any_pod_keeps_its_claim_unattested() {
     let mut client = Client::spawn(&node.agent, &claim);
     node.place(client.pid(), UID_A, "not-kubernetes");
     client.go();
-    let m = node
-        .agent
-        .wait_metrics("the host process's rank", WAIT, |m| {
+    // A scrape gathers the agent's counters before it copies the ranks, so
+    // it can show the rank connected and the attestation (counted just
+    // before the rank opened) not yet: wait for both.
+    let m = node.agent.wait_metrics(
+        "the host process's rank, counted as not in a pod",
+        WAIT,
+        |m| {
             connected(m, "claimed", "hostjob", "0")
-        });
+                && m.get(
+                    "stepwatch_workload_attestations_total",
+                    &[("result", "not_in_pod")],
+                ) == Some(1.0)
+        },
+    );
     assert_eq!(
         m.get(
             "stepwatch_rank_info",
             &[("namespace", "claimed"), ("attested", "false")]
-        ),
-        Some(1.0)
-    );
-    assert_eq!(
-        m.get(
-            "stepwatch_workload_attestations_total",
-            &[("result", "not_in_pod")]
         ),
         Some(1.0)
     );
