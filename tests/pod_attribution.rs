@@ -374,9 +374,14 @@ fn the_kubelets_pod_and_namespace_label_the_rank_for_every_runtime_and_cgroup_la
         let mut client = Client::spawn(&node.agent, &claim);
         node.place(client.pid(), UID_A, layout);
         client.go();
-        let m = node
-            .agent
-            .wait_metrics(layout, WAIT, |m| connected(m, "team-a", claim.job, "0"));
+        // Connected shows at the hello; the client's two steps follow it.
+        let m = node.agent.wait_metrics(layout, WAIT, |m| {
+            connected(m, "team-a", claim.job, "0")
+                && m.get(
+                    "stepwatch_rank_steps_completed_total",
+                    &[("training_job", claim.job), ("rank", "0")],
+                ) == Some(2.0)
+        });
         assert_eq!(
             m.get(
                 "stepwatch_rank_info",
