@@ -362,16 +362,21 @@ fn marker_wall_s(agent: &Agent, record: &std::path::Path, job: &str) -> f64 {
     wall.unwrap() as f64 / 1e9
 }
 
+/// Runs of a bench: the variable `name`, else `default`.
+fn bench_runs(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Time from the marker (and from the advisory) to the alert in
 /// Alertmanager, over many doomed ranks (STEPWATCH_ALERT_BENCH_RUNS,
 /// default 20). Run by bench/alert-latency.sh.
 #[test]
 #[ignore]
 fn alert_latency_bench() {
-    let runs: usize = std::env::var("STEPWATCH_ALERT_BENCH_RUNS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
+    let runs = bench_runs("STEPWATCH_ALERT_BENCH_RUNS", 20);
     let am = Alertmanager::start("am-bench");
     let files = TempDir::new("am-bench-record");
     let record = files.0.join("record.jsonl");
@@ -576,10 +581,7 @@ fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
 #[test]
 #[ignore]
 fn prometheus_path_latency_bench() {
-    let runs: usize = std::env::var("STEPWATCH_PROM_BENCH_RUNS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(10);
+    let runs = bench_runs("STEPWATCH_PROM_BENCH_RUNS", 10);
     let am = Alertmanager::start("prom-bench");
     let files = TempDir::new("prom-bench-record");
     let record = files.0.join("record.jsonl");

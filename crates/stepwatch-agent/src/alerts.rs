@@ -478,8 +478,10 @@ async fn run_alerts(
     }
 }
 
-/// One alert as Alertmanager's v2 API takes it (`postableAlert`).
+/// One alert as Alertmanager's v2 API takes it (`postableAlert`); the
+/// tests' fake Alertmanager reads it back.
 #[derive(Debug, Clone, serde::Serialize)]
+#[cfg_attr(test, derive(serde::Deserialize))]
 struct Alert {
     labels: Labels,
     annotations: Labels,
@@ -841,7 +843,7 @@ mod tests {
 
     /// A fake Alertmanager: answers each POST with the next status of
     /// `statuses` (then 200) and hands the JSON bodies over.
-    async fn fake_alertmanager(statuses: Vec<u16>) -> (String, mpsc::Receiver<Vec<Alert2>>) {
+    async fn fake_alertmanager(statuses: Vec<u16>) -> (String, mpsc::Receiver<Vec<Alert>>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let (tx, rx) = mpsc::channel(64);
@@ -884,22 +886,11 @@ mod tests {
     }
 
     /// The next POST's alerts, within 10 s.
-    async fn next(received: &mut mpsc::Receiver<Vec<Alert2>>) -> Vec<Alert2> {
+    async fn next(received: &mut mpsc::Receiver<Vec<Alert>>) -> Vec<Alert> {
         tokio::time::timeout(Duration::from_secs(10), received.recv())
             .await
             .expect("a POST within 10 s")
             .unwrap()
-    }
-
-    /// An alert as the fake Alertmanager received it.
-    #[derive(Debug, serde::Deserialize)]
-    struct Alert2 {
-        labels: Labels,
-        annotations: Labels,
-        #[serde(rename = "startsAt")]
-        starts_at: String,
-        #[serde(rename = "endsAt")]
-        ends_at: String,
     }
 
     /// An alerter posting to `url`, and rank 0 of job llm's alerts.
