@@ -355,11 +355,9 @@ impl Drop for Agent {
 
 /// Polls `f` until it holds, failing the test after `timeout`.
 pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    poll_every(Duration::from_millis(20), what, timeout, || {
+        f().then_some(())
+    })
 }
 
 /// Waits for a child and asserts it succeeded.
@@ -607,7 +605,18 @@ pub fn url_encode(s: &str) -> String {
 }
 
 /// Polls `f` every 200 ms until it returns Some, or panics with `what`.
-pub fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+pub fn poll<T>(what: &str, timeout: Duration, f: impl FnMut() -> Option<T>) -> T {
+    poll_every(Duration::from_millis(200), what, timeout, f)
+}
+
+/// The one wait loop of the tests: `f` every `interval` until it returns
+/// Some, or a panic naming `what` after `timeout`.
+fn poll_every<T>(
+    interval: Duration,
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Option<T>,
+) -> T {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = f() {
@@ -617,7 +626,7 @@ pub fn poll<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) 
             Instant::now() < deadline,
             "timed out after {timeout:?} waiting for {what}"
         );
-        std::thread::sleep(Duration::from_millis(200));
+        std::thread::sleep(interval);
     }
 }
 
