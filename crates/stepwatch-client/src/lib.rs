@@ -101,6 +101,9 @@ enum Outgoing {
 #[derive(Default)]
 struct Shared {
     enqueued: AtomicU64,
+    /// Markers enqueued and neither sent nor lost yet: in the queue, in the
+    /// sender's next batch. `queue_capacity` bounds it.
+    unsent: AtomicU64,
     sent: AtomicU64,
     dropped: AtomicU64,
     reconnects: AtomicU64,
@@ -158,15 +161,14 @@ impl Client {
         // The channel alone does not bound what is buffered: while the agent
         // is away the sender thread takes markers into its next batch (up to
         // MAX_MARKERS_PER_BATCH), freeing channel slots. Count those too.
-        let enqueued = self.shared.enqueued.load(Ordering::Relaxed);
-        let sent = self.shared.sent.load(Ordering::Relaxed);
-        if enqueued.saturating_sub(sent) >= self.capacity {
+        if self.shared.unsent.load(Ordering::Relaxed) >= self.capacity {
             self.shared.dropped.fetch_add(1, Ordering::Relaxed);
             return false;
         }
         match queue.try_send(Outgoing::Marker(marker)) {
             Ok(()) => {
                 self.shared.enqueued.fetch_add(1, Ordering::Relaxed);
+                self.shared.unsent.fetch_add(1, Ordering::Relaxed);
                 true
             }
             Err(_) => {
@@ -310,7 +312,7 @@ async fn sender(options: ClientOptions, mut queue: mpsc::Receiver<Outgoing>, sha
                     // Closed while the agent is away: close() already waited
                     // its flush timeout, so what is left is dropped, counted.
                     None => {
-                        shared.dropped.fetch_add(pending.markers.len() as u64, Ordering::Relaxed);
+                        shared.lost(pending.markers.len() as u64);
                         if pending.trace.take().is_some() {
                             shared.trace_done(false);
                         }
@@ -346,6 +348,12 @@ impl Pending {
 }
 
 impl Shared {
+    /// `n` enqueued markers that will never be sent: counted as dropped.
+    fn lost(&self, n: u64) {
+        self.dropped.fetch_add(n, Ordering::Relaxed);
+        self.unsent.fetch_sub(n, Ordering::Relaxed);
+    }
+
     fn trace_done(&self, sent: bool) {
         self.traces_in_queue.fetch_sub(1, Ordering::Relaxed);
         if sent {
@@ -411,9 +419,12 @@ async fn session(
                 })),
             };
             if sink.send(batch).await.is_err() {
+                // The stream ended under the batch; it is gone, and counted.
+                shared.lost(n);
                 return Session::Ended;
             }
             shared.sent.fetch_add(n, Ordering::Relaxed);
+            shared.unsent.fetch_sub(n, Ordering::Relaxed);
         }
         if let Some(sink) = &out {
             if let Some(chunks) = pending.trace.take() {
@@ -471,5 +482,37 @@ async fn session(
                 }
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unreachable_client(capacity: usize) -> Client {
+        // No agent at this socket: nothing is ever sent.
+        let mut options =
+            ClientOptions::new("unix:///nonexistent/stepwatch.sock", Hello::default());
+        options.queue_capacity = capacity;
+        Client::start(options)
+    }
+
+    #[test]
+    fn the_bound_counts_markers_the_sender_took_out_of_the_queue() {
+        let client = unreachable_client(3);
+        // As if the sender held 3 markers in its next batch: the queue has
+        // room, the bound does not.
+        client.shared.unsent.store(3, Ordering::Relaxed);
+        assert!(!client.mark_now(MarkerKind::StepBegin, 1, 0));
+        assert_eq!(client.stats().dropped, 1);
+    }
+
+    #[test]
+    fn markers_lost_with_a_broken_stream_are_dropped_and_free_the_bound() {
+        let client = unreachable_client(3);
+        client.shared.unsent.store(3, Ordering::Relaxed);
+        client.shared.lost(3);
+        assert_eq!(client.stats().dropped, 3);
+        assert!(client.mark_now(MarkerKind::StepBegin, 1, 0));
     }
 }
