@@ -333,6 +333,10 @@ fn proto_facts(f: &stepwatch_core::ModelFacts) -> pb::ModelFacts {
             OptimizerImplementation::Fused => pb::OptimizerImplementation::Fused,
             OptimizerImplementation::ForLoop => pb::OptimizerImplementation::ForLoop,
         } as i32,
+        ddp_bucket_rebuild: f.ddp_bucket_rebuild.as_ref().map(|r| pb::DdpBucketRebuild {
+            old_bucket_bytes: r.old_bucket_bytes.clone(),
+            new_bucket_bytes: r.new_bucket_bytes.clone(),
+        }),
     }
 }
 

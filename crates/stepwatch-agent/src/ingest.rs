@@ -405,8 +405,9 @@ async fn receive_markers(
                     continue;
                 }
                 match trace.add(chunk) {
-                    Ok(Some(complete)) => {
+                    Ok(Some(mut complete)) => {
                         held.release();
+                        complete.ddp_bucket_rebuild = rank_bucket_rebuild(state, key);
                         let complete = Arc::new(complete);
                         step1_trace = Some(Arc::clone(&complete));
                         replay_trace(state, traces, key, gradients, complete, tx, alerts).await?;
@@ -446,9 +447,16 @@ async fn receive_markers(
                     Some(advisories) => send_advisories(state, key, advisories, tx, alerts),
                     None => step1_trace = None,
                 }
-                if now != gradients {
+                let rebuild = rank_bucket_rebuild(state, key);
+                let rebuild_changed = step1_trace
+                    .as_ref()
+                    .is_some_and(|t| t.ddp_bucket_rebuild != rebuild);
+                if now != gradients || rebuild_changed {
                     gradients = now;
-                    if let Some(t) = &step1_trace {
+                    if let Some(t) = &mut step1_trace {
+                        if rebuild_changed {
+                            Arc::make_mut(t).ddp_bucket_rebuild = rebuild;
+                        }
                         replay_trace(state, traces, key, gradients, Arc::clone(t), tx, alerts)
                             .await?;
                     }
@@ -769,6 +777,18 @@ impl TraceAssembly {
     }
 }
 
+/// The DDP bucket rebuild the rank's facts announce, which its step-1 trace
+/// replays with ([`AllocatorTrace::ddp_bucket_rebuild`]).
+fn rank_bucket_rebuild(
+    state: &AgentState,
+    key: &RankKey,
+) -> Option<stepwatch_core::DdpBucketRebuild> {
+    state.read_tracker(|t| {
+        t.rank(key)
+            .and_then(|r| r.info.model.ddp_bucket_rebuild.clone())
+    })
+}
+
 /// Counts and logs a trace the prediction cannot use; the stream goes on.
 fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &str) {
     state.ingest.reject(reason, 1);
@@ -1025,6 +1045,12 @@ fn model_facts(model: pb::ModelFacts) -> ModelFacts {
             Ok(pb::OptimizerImplementation::ForLoop) => OptimizerImplementation::ForLoop,
             _ => OptimizerImplementation::Unknown,
         },
+        ddp_bucket_rebuild: model
+            .ddp_bucket_rebuild
+            .map(|r| stepwatch_core::DdpBucketRebuild {
+                old_bucket_bytes: r.old_bucket_bytes,
+                new_bucket_bytes: r.new_bucket_bytes,
+            }),
     }
 }
 

@@ -113,6 +113,61 @@ pub struct ModelFacts {
     /// made before step 1's optimizer phase has been measured.
     #[serde(default)]
     pub optimizer_implementation: OptimizerImplementation,
+    /// DDP's gradient buckets before and after the rebuild it makes at step
+    /// 2's first forward, which step 1's allocator trace cannot show; the
+    /// replay makes it ([`crate::replay`]). None: no rebuild to come.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ddp_bucket_rebuild: Option<DdpBucketRebuild>,
+}
+
+/// Most buckets either list of a [`DdpBucketRebuild`] may hold: far above
+/// any model's (DDP's default 25 MiB buckets of a 1 TB gradient make 40,000).
+pub const MAX_DDP_BUCKETS: usize = 1 << 16;
+
+/// DistributedDataParallel's gradient buckets around its one rebuild. With
+/// `find_unused_parameters=False` (the default) or a static graph, PyTorch
+/// first puts all gradients of a dtype into one bucket, and at step 2's
+/// first forward frees those buffers and allocates buckets of about 25 MiB,
+/// in the order gradients became ready in step 1. Step 1's trace holds
+/// neither, so the client says what they are.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DdpBucketRebuild {
+    /// Bytes of each bucket buffer alive in step 1 (made when DDP was
+    /// constructed, before the trace began).
+    pub old_bucket_bytes: Vec<u64>,
+    /// Bytes of each bucket buffer the rebuild allocates, in that order.
+    pub new_bucket_bytes: Vec<u64>,
+}
+
+impl DdpBucketRebuild {
+    /// Checks the bounds: a bounded number of non-empty buckets, each and
+    /// all of them together within any GPU.
+    pub fn validate(&self) -> Result<(), HelloError> {
+        for list in [&self.old_bucket_bytes, &self.new_bucket_bytes] {
+            if list.len() > MAX_DDP_BUCKETS {
+                return Err(HelloError::Model(
+                    "ddp_bucket_rebuild lists more than 65536 buckets",
+                ));
+            }
+            if list.contains(&0) {
+                return Err(HelloError::Model(
+                    "ddp_bucket_rebuild has a bucket of 0 bytes",
+                ));
+            }
+            // Each at most 2^50 and at most 2^16 of them: the sum cannot overflow.
+            if list.iter().any(|&b| b > MAX_PLAUSIBLE_BYTES)
+                || list.iter().sum::<u64>() > MAX_PLAUSIBLE_BYTES
+            {
+                return Err(HelloError::Model(
+                    "ddp_bucket_rebuild's buckets are beyond any GPU (at most 1 PiB)",
+                ));
+            }
+        }
+        if self.new_bucket_bytes.is_empty() {
+            return Err(HelloError::Model("ddp_bucket_rebuild has no new buckets"));
+        }
+        Ok(())
+    }
 }
 
 impl ModelFacts {
@@ -148,6 +203,10 @@ impl ModelFacts {
         }
         if update.optimizer_implementation != OptimizerImplementation::Unknown {
             self.optimizer_implementation = update.optimizer_implementation;
+        }
+        if update.ddp_bucket_rebuild.is_some() {
+            self.ddp_bucket_rebuild
+                .clone_from(&update.ddp_bucket_rebuild);
         }
     }
 }
@@ -296,6 +355,9 @@ impl RankInfo {
         if self.model.micro_batch_size == Some(0) {
             return Err(HelloError::Model("micro_batch_size must be at least 1"));
         }
+        if let Some(r) = &self.model.ddp_bucket_rebuild {
+            r.validate()?;
+        }
         Ok(())
     }
 }
@@ -366,6 +428,36 @@ mod tests {
         assert_eq!(facts.parameter_count, Some(20));
         assert_eq!(facts.optimizer, OptimizerKind::SgdMomentum);
         assert_eq!(facts.grads_set_to_none, Some(false));
+        let rebuild = DdpBucketRebuild {
+            old_bucket_bytes: vec![4096],
+            new_bucket_bytes: vec![1024, 3072],
+        };
+        facts.merge(&ModelFacts {
+            ddp_bucket_rebuild: Some(rebuild.clone()),
+            ..ModelFacts::default()
+        });
+        facts.merge(&ModelFacts::default());
+        assert_eq!(facts.ddp_bucket_rebuild, Some(rebuild));
+    }
+
+    #[test]
+    fn rejects_a_ddp_bucket_rebuild_no_gpu_holds() {
+        let with = |old: Vec<u64>, new: Vec<u64>| {
+            let mut i = info();
+            i.model.ddp_bucket_rebuild = Some(DdpBucketRebuild {
+                old_bucket_bytes: old,
+                new_bucket_bytes: new,
+            });
+            i.validate()
+        };
+        assert_eq!(with(vec![4096], vec![1024, 3072]), Ok(()));
+        assert_eq!(with(vec![], vec![4096]), Ok(()));
+        let refused = |r: Result<(), HelloError>| matches!(r, Err(HelloError::Model(_)));
+        assert!(refused(with(vec![4096], vec![])));
+        assert!(refused(with(vec![4096], vec![0, 4096])));
+        assert!(refused(with(vec![MAX_PLAUSIBLE_BYTES + 1], vec![1])));
+        assert!(refused(with(vec![1], vec![MAX_PLAUSIBLE_BYTES, 1])));
+        assert!(refused(with(vec![1; MAX_DDP_BUCKETS + 1], vec![1])));
     }
 
     #[test]

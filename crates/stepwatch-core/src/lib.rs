@@ -36,7 +36,8 @@ pub use divergence::{
 pub use downsample::{bucket_width_ns, downsample_min_max, MinMaxBucket};
 pub use error::{HelloError, MarkerError};
 pub use identity::{
-    ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo, RankKey,
+    DdpBucketRebuild, ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo,
+    RankKey,
 };
 pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
 pub use predict::{
@@ -50,7 +51,8 @@ pub use profile::{
 pub use record::{PredictionCheck, RecordEntry, RecordError, Replayer};
 pub use replay::{
     replay_step2, replay_step2_with, replay_step2_within, AllocatorAction, AllocatorEvent,
-    AllocatorTrace, Gradients, LimitedReplay, Step2Replay, TraceError, TraceSettings,
+    AllocatorTrace, Gradients, LimitedReplay, ReplayedBucketRebuild, Step2Replay, TraceError,
+    TraceSettings,
 };
 pub use sample::GpuSample;
 pub use timeline::{PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord};

@@ -1498,6 +1498,28 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
                     },
                     g(r.steady_reserved_peak_bytes),
                 );
+                match r.ddp_bucket_rebuild {
+                    Some(b) if b.modelled => {
+                        let _ = write!(
+                            s,
+                            "; DDP rebuilds its gradient buckets at step 2's first forward \
+                             (replayed: {} of old buckets freed, {} buckets of {} in all made)",
+                            g(b.old_bucket_bytes),
+                            b.new_buckets,
+                            g(b.new_bucket_bytes),
+                        );
+                    }
+                    Some(b) => {
+                        let _ = write!(
+                            s,
+                            "; DDP rebuilds its gradient buckets at step 2's first forward, \
+                             but its old buckets ({}) were not found among the blocks alive \
+                             since before step 1, so the replay leaves the rebuild out",
+                            g(b.old_bucket_bytes),
+                        );
+                    }
+                    None => {}
+                }
                 if let (Some(limit), Some(w)) = (r.reserved_limit_bytes, r.within_limit) {
                     if w.fits {
                         let _ = write!(

@@ -42,10 +42,10 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use crate::allocator::{
-    AllocId, AllocatorSettings, CachingAllocator, LayoutError, SegmentLayout, Usage,
-    ROUNDUP_INTERVALS,
+    AllocId, AllocatorSettings, CachingAllocator, LayoutError, SegmentLayout, Usage, LARGE_BUFFER,
+    ROUNDUP_INTERVALS, SMALL_SIZE,
 };
-use crate::identity::RankInfo;
+use crate::identity::{DdpBucketRebuild, RankInfo};
 use crate::marker::PhaseKind;
 
 /// Steps replayed after step 1 (steps 2..=1 + this): enough for the cache to
@@ -207,6 +207,12 @@ pub struct AllocatorTrace {
     /// clients), PyTorch's defaults are assumed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub settings: Option<TraceSettings>,
+    /// DDP's bucket rebuild to come at step 2's first forward, from the
+    /// rank's model facts ([`crate::ModelFacts::ddp_bucket_rebuild`]), not
+    /// from the trace's chunks: the agent puts it here before the replay, so
+    /// that a record of the trace replays the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ddp_bucket_rebuild: Option<DdpBucketRebuild>,
 }
 
 /// A trace that cannot be replayed.
@@ -393,6 +399,26 @@ pub struct Step2Replay {
     /// Step 2 replayed again within that limit; None without one.
     #[serde(default)]
     pub within_limit: Option<LimitedReplay>,
+    /// DDP's bucket rebuild at step 2's first forward, when the rank's facts
+    /// announced one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ddp_bucket_rebuild: Option<ReplayedBucketRebuild>,
+}
+
+/// What the replay made of DDP's bucket rebuild
+/// ([`AllocatorTrace::ddp_bucket_rebuild`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplayedBucketRebuild {
+    /// Whether step 2 was replayed with it: false when a block holding one
+    /// of the old buckets could not be found among those alive since before
+    /// the trace, so freeing them cannot be placed.
+    pub modelled: bool,
+    /// Old buckets' bytes (as the client said).
+    pub old_bucket_bytes: u64,
+    /// New buckets' bytes (as the client said).
+    pub new_bucket_bytes: u64,
+    /// New buckets allocated.
+    pub new_buckets: u32,
 }
 
 /// Step 2 replayed within the GPU's limit. When `cudaMalloc` fails, PyTorch
@@ -562,6 +588,34 @@ pub fn replay_step2_with(
     }
     keep.extend(private_events);
     alloc.reset_step_peak();
+    let rebuild = trace.ddp_bucket_rebuild.as_ref().map(|r| {
+        let open: HashSet<u64> = open.iter().map(|&(address, _)| address).collect();
+        let before_trace: Vec<(u64, AllocId)> = live
+            .iter()
+            .filter(|(address, _)| !open.contains(address) && !in_private(**address))
+            .map(|(&address, &id)| (address, id))
+            .collect();
+        let old = old_bucket_blocks(&alloc, &before_trace, &r.old_bucket_bytes, &settings);
+        let summary = ReplayedBucketRebuild {
+            modelled: old.is_some(),
+            old_bucket_bytes: r.old_bucket_bytes.iter().sum(),
+            new_bucket_bytes: r.new_bucket_bytes.iter().sum(),
+            new_buckets: u32::try_from(r.new_bucket_bytes.len()).unwrap_or(u32::MAX),
+        };
+        // DDP rebuilds at the start of its forward, before the model's.
+        let at = trace
+            .events
+            .iter()
+            .position(|e| e.phase == PhaseKind::Forward)
+            .unwrap_or(0);
+        let plan = old.map(|old| RebuildPlan {
+            at,
+            old,
+            new_bucket_bytes: r.new_bucket_bytes.clone(),
+        });
+        (summary, plan)
+    });
+    let (rebuild_summary, rebuild_plan) = rebuild.unzip();
 
     let replaced_events: Vec<usize> = replaced.iter().map(|&(index, _)| index).collect();
     let grads_freed_at = match gradients {
@@ -580,6 +634,7 @@ pub fn replay_step2_with(
         &replaced_events,
         &accumulated,
         grads_freed_at,
+        rebuild_plan.flatten(),
     );
     let previous: HashMap<usize, AllocId> = replaced.into_iter().collect();
     let limited = reserved_limit
@@ -623,7 +678,56 @@ pub fn replay_step2_with(
         steady_reserved_peak_bytes: unlimited.last().map_or(0, |r| r.peak.reserved),
         reserved_limit_bytes: reserved_limit,
         within_limit,
+        ddp_bucket_rebuild: rebuild_summary,
     })
+}
+
+/// DDP's bucket rebuild as step 2 makes it: before event `at` (its first
+/// forward's), the old buckets' blocks are freed, then the new buckets are
+/// allocated in order (PyTorch's `Reducer::initialize_buckets` clears the
+/// old buckets before it allocates).
+#[derive(Debug, Clone)]
+struct RebuildPlan {
+    at: usize,
+    old: Vec<AllocId>,
+    new_bucket_bytes: Vec<u64>,
+}
+
+/// The blocks holding DDP's old buckets: for each, among the blocks alive
+/// since before the trace (DDP allocates its buckets when it is
+/// constructed), the smallest that a request of its size may have been
+/// given (the rounded size, plus the remainder the allocator leaves unsplit:
+/// up to 1 MiB in the large pool, up to 20 MiB for an oversize block under
+/// `max_split_size_mb`). Largest buckets first, each block once. None when
+/// one has no such block.
+fn old_bucket_blocks(
+    alloc: &CachingAllocator,
+    before_trace: &[(u64, AllocId)],
+    old_bucket_bytes: &[u64],
+    settings: &AllocatorSettings,
+) -> Option<Vec<AllocId>> {
+    let slack = if settings.max_split_size.is_some() {
+        LARGE_BUFFER
+    } else {
+        SMALL_SIZE
+    };
+    // (size, address, id), so the smallest fit comes first, ties by address.
+    let mut candidates: Vec<(u64, u64, AllocId)> = before_trace
+        .iter()
+        .filter_map(|&(address, id)| alloc.block_size(id).map(|size| (size, address, id)))
+        .collect();
+    candidates.sort_unstable();
+    let mut buckets: Vec<u64> = old_bucket_bytes.to_vec();
+    buckets.sort_unstable_by(|a, b| b.cmp(a));
+    let mut found = Vec::with_capacity(buckets.len());
+    for bytes in buckets {
+        let size = settings.round_size(bytes);
+        let at = candidates
+            .iter()
+            .position(|&(block, _, _)| block >= size && block <= size.saturating_add(slack))?;
+        found.push(candidates.remove(at).2);
+    }
+    Some(found)
 }
 
 /// When step 2 frees what it does not keep of step 1's allocations that
@@ -740,6 +844,8 @@ struct Plan<'a> {
     /// Event index before which the previous step's gradients set to None
     /// are freed (0: before the step).
     grads_freed_at: usize,
+    /// DDP's bucket rebuild, made in step 2 only.
+    rebuild: Option<RebuildPlan>,
 }
 
 #[derive(Clone)]
@@ -761,6 +867,7 @@ impl<'a> Plan<'a> {
         replaced: &[usize],
         accumulated: &[usize],
         grads_freed_at: usize,
+        rebuild: Option<RebuildPlan>,
     ) -> Self {
         let events = &trace.events;
         let mut releases: HashMap<usize, Vec<Release>> = HashMap::new();
@@ -788,6 +895,7 @@ impl<'a> Plan<'a> {
             releases,
             replaced: replaced.iter().copied().collect(),
             grads_freed_at,
+            rebuild,
         }
     }
 
@@ -805,14 +913,15 @@ impl<'a> Plan<'a> {
         limit: u64,
     ) -> Vec<Run> {
         let mut runs = Vec::with_capacity(REPLAYED_STEPS);
-        for _ in 0..REPLAYED_STEPS {
+        for step in 0..REPLAYED_STEPS {
             if self.grads_freed_at == 0 {
                 for id in grads.drain(..) {
                     alloc.free(id);
                 }
             }
             alloc.reset_step_peak();
-            let (run, left) = self.run(&mut alloc, limit, &mut previous, &mut grads);
+            let rebuild = self.rebuild.as_ref().filter(|_| step == 0);
+            let (run, left) = self.run(&mut alloc, limit, &mut previous, &mut grads, rebuild);
             // What the step did not get to free (it ran out) goes first.
             for id in grads.drain(..).chain(previous.drain().map(|(_, id)| id)) {
                 alloc.free(id);
@@ -834,23 +943,40 @@ impl<'a> Plan<'a> {
     }
 
     /// Replays the events once, freeing each of `previous` when the step
-    /// replaces it and `grads` where gradients are freed; returns the step's
-    /// figures and the replayed allocations it left alive, by event index.
+    /// replaces it and `grads` where gradients are freed, and making
+    /// `rebuild` where it falls; returns the step's figures and the replayed
+    /// allocations it left alive, by event index.
     fn run(
         &self,
         alloc: &mut CachingAllocator,
         limit: u64,
         previous: &mut HashMap<usize, AllocId>,
         grads: &mut Vec<AllocId>,
+        rebuild: Option<&RebuildPlan>,
     ) -> (Run, Vec<(usize, AllocId)>) {
         let retries_before = alloc.num_alloc_retries();
         let mut replayed: HashMap<usize, AllocId> = HashMap::new();
         let mut events_replayed = 0;
         let mut out_of_memory = false;
+        // The new buckets live on; nothing of the replay frees them.
+        let rebuild_buckets = |alloc: &mut CachingAllocator, r: &RebuildPlan| {
+            for &id in &r.old {
+                alloc.free(id);
+            }
+            r.new_bucket_bytes
+                .iter()
+                .all(|&bytes| alloc.malloc_on(bytes, 0, limit).is_ok())
+        };
         for (index, e) in self.trace.events.iter().enumerate() {
             if index == self.grads_freed_at {
                 for id in grads.drain(..) {
                     alloc.free(id);
+                }
+            }
+            if let Some(r) = rebuild.filter(|r| r.at == index) {
+                if !rebuild_buckets(alloc, r) {
+                    out_of_memory = true;
+                    break;
                 }
             }
             self.release(alloc, index, &mut replayed, previous);

@@ -72,6 +72,7 @@ impl Recorder {
             segments: self.alloc.layout(),
             events: self.events.clone(),
             settings: None,
+            ddp_bucket_rebuild: None,
         }
     }
 }
@@ -309,6 +310,7 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
         steady_reserved_peak_bytes: 9 * GB,
         reserved_limit_bytes: None,
         within_limit: None,
+        ddp_bucket_rebuild: None,
     };
     assert!(tracker.allocator_replay(&key, replay, 55).is_some());
     let p = tracker.rank_analysis(&key).unwrap().prediction.unwrap();
@@ -338,6 +340,34 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
     assert!(
         p.explanation
             .contains("at least the step-1 reserved peak: 8.00 GB"),
+        "{}",
+        p.explanation
+    );
+    // A DDP bucket rebuild in the replay is said, and so is one left out.
+    let mut rebuilt = ReplayedBucketRebuild {
+        modelled: true,
+        old_bucket_bytes: GB / 2,
+        new_bucket_bytes: GB / 2,
+        new_buckets: 13,
+    };
+    let ddp = Step2Replay {
+        ddp_bucket_rebuild: Some(rebuilt),
+        ..replay
+    };
+    assert!(tracker.allocator_replay(&key, ddp, 57).is_some());
+    let p = tracker.rank_analysis(&key).unwrap().prediction.unwrap();
+    let said = "DDP rebuilds its gradient buckets at step 2's first forward (replayed: 0.50 GB \
+                of old buckets freed, 13 buckets of 0.50 GB in all made)";
+    assert!(p.explanation.contains(said), "{}", p.explanation);
+    rebuilt.modelled = false;
+    let ddp = Step2Replay {
+        ddp_bucket_rebuild: Some(rebuilt),
+        ..replay
+    };
+    assert!(tracker.allocator_replay(&key, ddp, 57).is_some());
+    let p = tracker.rank_analysis(&key).unwrap().prediction.unwrap();
+    assert!(
+        p.explanation.contains("the replay leaves the rebuild out"),
         "{}",
         p.explanation
     );
@@ -545,6 +575,7 @@ fn a_private_pool_serves_no_replayed_allocation() {
             event(AllocatorAction::SegmentFree, s, 20 * MIB),
         ],
         settings: None,
+        ddp_bucket_rebuild: None,
     };
     let replay = replay_step2(&t, false).unwrap();
     assert_eq!(replay.reserved_at_step1_end_bytes, 104 * MIB);
@@ -696,6 +727,7 @@ fn hostile_traces_are_replayed_or_refused_never_a_panic() {
             segments,
             events,
             settings,
+            ddp_bucket_rebuild: None,
         };
         for gradients in [Gradients::FreedBeforeStep, Gradients::Kept] {
             let limit = Some(next() % (1 << 32));
@@ -710,4 +742,84 @@ fn hostile_traces_are_replayed_or_refused_never_a_panic() {
         replayed > 500 && refused > 500,
         "{replayed} replayed, {refused} refused"
     );
+}
+
+/// DDP with its one 40 MiB bucket (made before step 1, in a segment of its
+/// own), then step 1: forward makes a 10 MiB activation, backward frees it
+/// and makes a 40 MiB gradient (set to None before step 2); a rebuild of
+/// `old` into `new` bucket sizes is announced.
+fn ddp_step_one(old: &[u64], new: &[u64]) -> AllocatorTrace {
+    let mut r = Recorder::new();
+    let _bucket = r.alloc.malloc(40 * MIB, u64::MAX).unwrap();
+    r.phase = PhaseKind::Forward;
+    let a = r.malloc(10 * MIB);
+    r.phase = PhaseKind::Backward;
+    r.free(a);
+    r.malloc(40 * MIB);
+    let mut t = r.trace();
+    t.ddp_bucket_rebuild = Some(DdpBucketRebuild {
+        old_bucket_bytes: old.to_vec(),
+        new_bucket_bytes: new.to_vec(),
+    });
+    t
+}
+
+#[test]
+fn ddp_rebuilding_its_buckets_at_step_2s_first_forward_is_replayed() {
+    // Step 1 ends with bucket B (40 MiB), C (10 MiB, free) and the gradient's
+    // D (40 MiB): 90 MiB. The new buckets' sizes add up to the old one's but
+    // are not multiples of 512 B: 20 MiB and 20 MiB + 512 B once rounded.
+    let t = ddp_step_one(&[40 * MIB], &[20 * MIB - 256, 20 * MIB + 256]);
+    let mut without = t.clone();
+    without.ddp_bucket_rebuild = None;
+    // Without it step 2 repeats step 1: the activation in C, the gradient in D.
+    let plain = replay_step2(&without, false).unwrap();
+    assert_eq!(plain.reserved_peak_bytes, 90 * MIB);
+    assert_eq!(plain.ddp_bucket_rebuild, None);
+
+    // With it, before the activation: B is freed (D is free too, the
+    // gradient set to None); the first bucket splits one 40 MiB block, the
+    // second the other, so the gradient finds no 40 MiB block and takes a
+    // new 40 MiB segment: 130 MiB. Steps 3 and 4 do not rebuild again.
+    let rebuilt = replay_step2(&t, false).unwrap();
+    assert_eq!(rebuilt.reserved_at_step1_end_bytes, 90 * MIB);
+    assert_eq!(rebuilt.reserved_peak_bytes, 130 * MIB);
+    assert_eq!(rebuilt.new_segment_bytes, 40 * MIB);
+    assert_eq!(rebuilt.steady_reserved_peak_bytes, 130 * MIB);
+    assert_eq!(
+        rebuilt.ddp_bucket_rebuild,
+        Some(ReplayedBucketRebuild {
+            modelled: true,
+            old_bucket_bytes: 40 * MIB,
+            new_bucket_bytes: 40 * MIB,
+            new_buckets: 2,
+        })
+    );
+
+    // Within 100 MiB, releasing the free C (10 MiB) leaves 80 + 40: no fit.
+    let tight = replay_step2_within(&t, false, Some(100 * MIB)).unwrap();
+    assert!(!tight.within_limit.unwrap().fits);
+    // Within 120 MiB it fits after that one release.
+    let w = replay_step2_within(&t, false, Some(120 * MIB))
+        .unwrap()
+        .within_limit
+        .unwrap();
+    assert!(w.fits);
+    assert_eq!(w.reserved_peak_bytes, 120 * MIB);
+    assert_eq!(w.alloc_retries, 1);
+}
+
+#[test]
+fn a_ddp_rebuild_whose_old_buckets_are_not_in_the_layout_is_left_out() {
+    // No block alive since before the trace can hold a 30 MiB bucket (B is
+    // 40 MiB: more than the 1 MiB the allocator leaves unsplit), and the
+    // trace's own 40 MiB gradient is never taken for a bucket.
+    let t = ddp_step_one(&[30 * MIB], &[30 * MIB]);
+    let r = replay_step2(&t, false).unwrap();
+    assert_eq!(r.reserved_peak_bytes, 90 * MIB);
+    assert_eq!(r.ddp_bucket_rebuild.map(|b| b.modelled), Some(false));
+    let t = ddp_step_one(&[40 * MIB, 40 * MIB], &[80 * MIB]);
+    let r = replay_step2(&t, false).unwrap();
+    assert_eq!(r.reserved_peak_bytes, 90 * MIB);
+    assert_eq!(r.ddp_bucket_rebuild.map(|b| b.modelled), Some(false));
 }

@@ -467,6 +467,8 @@ impl RankSim {
             } else {
                 OptimizerImplementation::ForLoop
             },
+            // The simulated jobs have no DDP buckets.
+            ddp_bucket_rebuild: None,
         }
     }
 
@@ -543,6 +545,7 @@ impl RankSim {
                         segments: self.alloc.layout(),
                         events: std::mem::take(&mut self.trace_events),
                         settings: None,
+                        ddp_bucket_rebuild: None,
                     };
                     self.out.push_back(SimEvent::AllocatorTrace {
                         at_ns: self.now_ns,

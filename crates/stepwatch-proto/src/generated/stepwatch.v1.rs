@@ -83,7 +83,7 @@ pub struct Identity {
     pub namespace: ::prost::alloc::string::String,
 }
 /// Facts about the model and optimizer, all optional.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
 pub struct ModelFacts {
     /// Number of trainable parameters held by this rank.
     #[prost(uint64, optional, tag = "1")]
@@ -122,6 +122,26 @@ pub struct ModelFacts {
     /// PyTorch's default on CUDA (foreach).
     #[prost(enumeration = "OptimizerImplementation", tag = "11")]
     pub optimizer_implementation: i32,
+    /// DistributedDataParallel's gradient buckets, when DDP will rebuild them
+    /// at step 2's first forward (find_unused_parameters=False or a static
+    /// graph: PyTorch first puts every gradient in one bucket, then rebuilds
+    /// the buckets in the order gradients became ready in step 1), which step
+    /// 1's allocator trace cannot show. Sent after step 1's backward, when the
+    /// rebuild is still to come; absent when there is none to come.
+    #[prost(message, optional, tag = "12")]
+    pub ddp_bucket_rebuild: ::core::option::Option<DdpBucketRebuild>,
+}
+/// DDP's gradient buckets before and after its one rebuild. PyTorch frees the
+/// old buckets' buffers, then allocates the new ones in this order.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct DdpBucketRebuild {
+    /// Bytes of each bucket buffer alive in step 1 (allocated when DDP was
+    /// constructed).
+    #[prost(uint64, repeated, tag = "1")]
+    pub old_bucket_bytes: ::prost::alloc::vec::Vec<u64>,
+    /// Bytes of each bucket buffer the rebuild allocates, in allocation order.
+    #[prost(uint64, repeated, tag = "2")]
+    pub new_bucket_bytes: ::prost::alloc::vec::Vec<u64>,
 }
 /// Step 1's history in the CUDA caching allocator, optional. A client that
 /// can record it (PyTorch: torch.cuda.memory._record_memory_history during
