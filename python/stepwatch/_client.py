@@ -601,9 +601,23 @@ class ModelUpdate:
         msg = pb.ClientMessage()
         m = msg.model_update
         m.SetInParent()
-        for key, value in self.facts.items():
-            setattr(m, key, value)
+        set_model_facts(m, self.facts)
         return msg
+
+
+def set_model_facts(m: Any, facts: Dict[str, Any]) -> None:
+    """Fill a ModelFacts message from facts by field name (None: left unset); a
+    dict fills a nested message (its lists the repeated fields)."""
+    for key, value in facts.items():
+        if value is None:
+            continue
+        if isinstance(value, dict):
+            sub = getattr(m, key)
+            sub.SetInParent()
+            for k, v in value.items():
+                getattr(sub, k).extend(v)
+        else:
+            setattr(m, key, value)
 
 
 class _StreamState:

@@ -14,11 +14,15 @@ from . import _torch
 from ._alloctrace import Recorder
 from ._client import (
     COUNTER_NAMES,
+    OPTIMIZER_BEGIN,
+    OPTIMIZER_END,
     STEP_BEGIN,
+    STEP_END,
     Client,
     Prediction,
     StepwatchError,
     _env_float,
+    set_model_facts,
 )
 from ._identity import Identity, endpoint_target, resolve_identity, sanitize_id
 from ._tls import TlsSettings, load_tls, resolve_tls
@@ -28,6 +32,9 @@ from ._version import __version__
 log = logging.getLogger("stepwatch")
 
 PHASES = ("forward", "backward", "optimizer")
+# Markers of step 1 that come after its last backward: the first of them sends
+# what DDP's bucket watch learnt.
+STEP1_BACKWARD_DONE = (OPTIMIZER_BEGIN, OPTIMIZER_END, STEP_END)
 
 
 class _Runtime:
@@ -56,6 +63,8 @@ class _Runtime:
         self.cuda_checked = False
         self.excepthook_installed = False
         self._prev_excepthook: Any = None
+        # A DDP model's bucket rebuild, learnt in step 1 (_torch.DdpBucketWatch).
+        self.ddp_watch: Optional[_torch.DdpBucketWatch] = None
 
     # ------------------------------------------------------------ configure
 
@@ -219,12 +228,8 @@ class _Runtime:
             framework_version=sanitize_id(str(fw_version)),
             client_version=__version__,
         )
-        facts = self.facts
-        if facts:
-            m = h.model
-            for key, value in facts.items():
-                if value is not None:
-                    setattr(m, key, value)
+        if self.facts:
+            set_model_facts(h.model, self.facts)
         return h
 
     # -------------------------------------------------------------- markers
@@ -238,6 +243,8 @@ class _Runtime:
         return _env_flag("STEPWATCH_ALLOCATOR_TRACE", True)
 
     def _emit(self, kind: int, step: int, micro: int) -> None:
+        if self.ddp_watch is not None and step == 1 and kind in STEP1_BACKWARD_DONE:
+            self._send_ddp_bucket_rebuild()
         dev = None
         if self.allocator_stats:
             if not self.cuda_checked and kind == STEP_BEGIN:  # look for CUDA once
@@ -263,6 +270,26 @@ class _Runtime:
         c.mark(kind, step, micro, alloc)
         if finish:
             rec.finish(c)
+
+    def _send_ddp_bucket_rebuild(self) -> None:
+        """Once step 1's backward is done: tell the agent of DDP's bucket rebuild
+        to come (when one is), ahead of this marker and of step 1's allocator
+        trace, and take the watch's hooks out."""
+        w, self.ddp_watch = self.ddp_watch, None
+        if w is None:
+            return
+        try:
+            rebuild = w.facts()
+        except Exception as e:  # a torch whose DDP differs: no facts, training goes on
+            log.debug("stepwatch: could not size DDP's rebuilt buckets: %r", e)
+            rebuild = None
+        finally:
+            w.remove()
+        if rebuild is not None:
+            c = self.client
+            if c is None:
+                c = self.get_client()
+            c.send_model_update({"ddp_bucket_rebuild": rebuild})
 
     def guarded(self, fn: Callable[[], None]) -> None:
         """Run a marking action from a hook: never raise into training unless strict."""
@@ -494,6 +521,7 @@ def watch(
     if optimizer is not None:
         handle._handles += _torch.install_optimizer_hooks(RT, optimizer)
     handle._handles += _torch.install_zero_grad_watch(RT, model, optimizer)
+    handle._handles += _torch.install_ddp_bucket_watch(RT, model)
     if oom_excepthook:
         RT.install_excepthook()
         handle._excepthook = True
@@ -628,3 +656,4 @@ def reset() -> None:
         RT.recorder = Recorder()
         RT.cuda_device = None
         RT.cuda_checked = False
+        RT.ddp_watch = None

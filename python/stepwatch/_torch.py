@@ -566,3 +566,142 @@ def install_zero_grad_watch(rt: _Runtime, model: Any, optimizer: Any) -> List[An
         except Exception as e:  # e.g. a class with __slots__
             log.debug("stepwatch: cannot watch %s.zero_grad: %r", type(obj).__name__, e)
     return handles
+
+
+# ------------------------------------------------------------------ DDP
+class DdpBucketWatch:
+    """Learns, during step 1, the gradient buckets DDP will rebuild at step 2.
+
+    With ``find_unused_parameters=False`` (the default) or ``static_graph``,
+    DistributedDataParallel first puts all gradients of a dtype into one
+    bucket, allocated when it is constructed, and at the first forward after
+    a backward that reduced them (step 2's) frees it and allocates buckets of
+    ``bucket_cap_mb`` (the first one ~1 MiB) in the order the gradients
+    became ready (``Reducer::rebuild_buckets``). Step 1's allocator trace
+    holds neither, so the agent is told both (``ModelFacts.ddp_bucket_rebuild``).
+
+    The order is read with a post-accumulate-grad hook per parameter (where
+    DDP's own hook sees it), kept from the last complete backward of a
+    forward that reduced gradients (not under ``no_sync()``); the new sizes
+    come from DDP's own ``_compute_bucket_assignment_by_size`` with the
+    limits its reducer uses, the old ones from its logging data. Not sent
+    when the rebuild is not certain to come as modelled (already done,
+    ``find_unused_parameters=True`` without a static graph,
+    ``gradient_as_bucket_view``, lazy buckets, DDP's mixed precision, sparse
+    gradients).
+    """
+
+    def __init__(self, ddp: Any) -> None:
+        self.ddp = ddp
+        params, sparse = ddp._build_params_for_reducer()
+        self.params: List[Any] = list(params)
+        self.sparse: List[bool] = [bool(s) for s in sparse]
+        self.order: List[int] = []
+        self.seen: Set[int] = set()
+        self.ready_order: Optional[List[int]] = None
+        self.synced = True
+        self.handles: List[Any] = []
+        for i, p in enumerate(self.params):
+            self.handles.append(p.register_post_accumulate_grad_hook(self._ready_hook(i)))
+        self.handles.append(ddp.register_forward_pre_hook(self._forward))
+
+    def _forward(self, module: Any, args: Any) -> None:
+        import torch
+
+        if torch.is_grad_enabled():
+            self.synced = bool(getattr(module, "require_backward_grad_sync", True))
+            self.order, self.seen = [], set()
+
+    def _ready_hook(self, index: int) -> Any:
+        def hook(param: Any) -> None:
+            if index in self.seen:  # a second backward of one forward
+                self.order, self.seen = [], set()
+            self.order.append(index)
+            self.seen.add(index)
+            if self.synced and len(self.order) == len(self.params):
+                self.ready_order = list(self.order)
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def _rebuild_to_come(self) -> bool:
+        d = self.ddp
+        if getattr(d, "_has_rebuilt_buckets", False):
+            return False
+        if d.find_unused_parameters and not d.static_graph:
+            return False
+        unmodelled = (
+            d.gradient_as_bucket_view,
+            getattr(d, "lazy_bucket_allocation", False),
+            getattr(d, "mixed_precision", None) is not None,
+            getattr(d, "_use_python_reducer", False),
+            getattr(d, "_delay_all_reduce_all_params", False),
+            any(self.sparse),
+        )
+        return not any(unmodelled)
+
+    def _bucket_size_limits(self) -> List[int]:
+        """The limits DDP's reducer rebuilds with (``bucket_size_limits_for_rebuilding``,
+        else the first bucket's cap and then ``bucket_cap_mb``)."""
+        import torch.distributed as dist
+
+        d = self.ddp
+        config = getattr(d, "_bucket_config", None)
+        if config is not None:
+            _, for_rebuild = config.compute_bucket_size_limits(
+                static_graph=d.static_graph, find_unused_parameters=d.find_unused_parameters
+            )
+            if for_rebuild:
+                return [int(n) for n in for_rebuild]
+            return [int(config.first_bucket_bytes_cap), int(config.bucket_bytes_cap)]
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES
+        return [int(first), int(d.bucket_bytes_cap)]
+
+    def facts(self) -> Optional[Dict[str, List[int]]]:
+        """``{"old_bucket_bytes": [...], "new_bucket_bytes": [...]}`` (DdpBucketRebuild),
+        or None when no rebuild as modelled is to come."""
+        order = self.ready_order
+        if order is None or not self._rebuild_to_come():
+            return None
+        import torch.distributed as dist
+
+        data = self.ddp._get_ddp_logging_data()
+        old = [int(s) for s in str(data.get("bucket_sizes", "")).split(",") if s.strip()]
+        if data.get("has_rebuilt_buckets"):
+            return None
+        buckets, _ = dist._compute_bucket_assignment_by_size(
+            [self.params[i] for i in order],
+            self._bucket_size_limits(),
+            [self.sparse[i] for i in order],
+            order,
+        )
+        new = [
+            sum(self.params[i].numel() * self.params[i].element_size() for i in bucket)
+            for bucket in buckets
+        ]
+        if not new or any(n <= 0 for n in new + old):
+            return None
+        return {"old_bucket_bytes": old, "new_bucket_bytes": new}
+
+
+def install_ddp_bucket_watch(rt: _Runtime, model: Any) -> List[Any]:
+    """Watch a DistributedDataParallel model's step 1 for its bucket rebuild
+    (:class:`DdpBucketWatch`); the runtime sends what it learnt before step
+    1's optimizer phase and removes the hooks. Nothing for other models."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return []
+    if not isinstance(model, DistributedDataParallel):
+        return []
+    try:
+        w = DdpBucketWatch(model)
+    except Exception as e:  # a torch whose DDP differs
+        log.debug("stepwatch: cannot watch DDP's buckets: %r", e)
+        return []
+    rt.ddp_watch = w
+    return [w]

@@ -77,7 +77,10 @@ class RecordedStream:
         self.markers: List[pb.Marker] = []
         # Allocator-trace chunks, as received.
         self.traces: List[pb.AllocatorTraceChunk] = []
-        # The stream's content in order: ("marker", kind, step) / ("trace", last).
+        # ModelFacts updates, as received.
+        self.model_updates: List[pb.ModelFacts] = []
+        # The stream's content in order: ("marker", kind, step) / ("trace", last) /
+        # ("model_update",).
         self.order: List[tuple] = []
         self.sizes: List[int] = []
         self.ended = False  # the client half-closed
@@ -123,6 +126,12 @@ class FakeAgent(pb_grpc.IngestServicer):
                             rec.sizes.append(msg.ByteSize())
                             rec.traces.append(msg.allocator_trace)
                             rec.order.append(("trace", msg.allocator_trace.last))
+                            self.changed.notify_all()
+                        continue
+                    if kind == "model_update":
+                        with self.lock:
+                            rec.model_updates.append(msg.model_update)
+                            rec.order.append(("model_update",))
                             self.changed.notify_all()
                         continue
                     if kind != "markers":

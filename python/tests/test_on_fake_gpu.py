@@ -7,10 +7,12 @@ figures on every marker, step 1's allocator trace, the OOM marker.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from typing import List
+from pathlib import Path
+from typing import Any, Dict, List
 
 import pytest
 from conftest import KIND, REPO, STEP, summary
@@ -132,3 +134,111 @@ def test_an_out_of_memory_in_step_2_is_reported_as_an_oom_marker(agent, tmp_path
     (oom,) = [m for m in agent.streams[-1].markers if m.kind == pb.OOM]
     assert oom.step == 2
     assert oom.allocator.reserved_bytes > 0
+
+
+# DDP over two ranks (NCCL on fake GPUs): 8 layers of 1024 x 1024, one 32 MiB
+# bucket at construction. Each rank records PyTorch's own allocator history
+# over step 2's forward (as bench/torch-jobs/probe_ddp_step2.py does) and
+# prints what was freed and allocated there, and DDP's own rebuilt sizes.
+DDP_TRAIN = r"""
+import json, os, sys, torch, torch.distributed as dist, stepwatch
+from torch.nn.parallel import DistributedDataParallel as DDP
+find_unused = sys.argv[1] == "1"
+local = int(os.environ["LOCAL_RANK"])
+torch.cuda.set_device(local)
+dist.init_process_group("nccl")
+with torch.device("cuda"):
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+model = DDP(model, device_ids=[local], find_unused_parameters=find_unused)
+opt = torch.optim.AdamW(model.parameters())
+stepwatch.watch(model, opt)
+for step in (1, 2, 3):
+    x = torch.randn(64, 1024, device="cuda")
+    if step == 2:
+        torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python")
+    out = model(x)
+    if step == 2:
+        trace = torch.cuda.memory._snapshot()["device_traces"][local]
+        torch.cuda.memory._record_memory_history(enabled=None)
+    out.square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+data = model._get_ddp_logging_data()
+seen = [(e["action"], e["size"]) for e in trace if e["action"] in ("alloc", "free_completed")]
+print("RESULT " + json.dumps({"rank": dist.get_rank(), "seen": seen,
+                              "rebuilt": data.get("rebuilt_bucket_sizes", "")}), flush=True)
+stepwatch.flush(5)
+dist.destroy_process_group()
+"""
+
+
+def ddp_on_fake_gpu(agent, tmp_path: Path, find_unused: bool) -> Dict[int, Any]:
+    """Runs DDP_TRAIN on two fake GPUs; returns each rank's RESULT."""
+    script = tmp_path / "ddp_train.py"
+    script.write_text(DDP_TRAIN)
+    env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint, STEPWATCH_JOB_ID="fake-gpu-ddp")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.run(
+        [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
+        + ["--gpus", "2", "--"]
+        + torchrun
+        + ["--nproc-per-node=2", str(script), "1" if find_unused else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [ln[len("RESULT ") :] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    return {r["rank"]: r for r in map(json.loads, lines)}
+
+
+def round512(n: int) -> int:
+    return max(512, (n + 511) // 512 * 512)
+
+
+def rebuilds(agent) -> Dict[int, Any]:
+    """Each rank's DdpBucketRebuild, once both streams have sent step 1's trace."""
+    assert agent.wait_for(
+        lambda: (
+            len(agent.streams) == 2 and all(any(t.last for t in s.traces) for s in agent.streams)
+        )
+    )
+    out = {}
+    for s in agent.streams:
+        updates = [u for u in s.model_updates if u.HasField("ddp_bucket_rebuild")]
+        if updates:
+            (u,) = updates
+            out[s.hello.identity.rank] = (s, u.ddp_bucket_rebuild)
+    return out
+
+
+def test_ddp_sends_the_buckets_it_will_rebuild_at_step_2s_first_forward(agent, tmp_path):
+    results = ddp_on_fake_gpu(agent, tmp_path, False)
+    sent = rebuilds(agent)
+    assert sorted(sent) == [0, 1]
+    layer = (1024 * 1024 + 1024) * 4
+    for rank, (stream, rebuild) in sent.items():
+        seen = [tuple(e) for e in results[rank]["seen"]]
+        # The one bucket DDP made at construction.
+        assert list(rebuild.old_bucket_bytes) == [8 * layer]
+        # What PyTorch did at step 2's first forward: freed that bucket, then
+        # allocated the new ones, in this order, before anything else.
+        at = seen.index(("free_completed", round512(8 * layer)))
+        new = list(rebuild.new_bucket_bytes)
+        assert seen[at + 1 : at + 1 + len(new)] == [("alloc", round512(n)) for n in new], seen
+        # Gradients are ready last layer first: its ~4 MiB closes the 1 MiB
+        # first bucket, the other seven fill the 25 MiB one past its cap.
+        assert new == [layer, 7 * layer]
+        # DDP's own account of its rebuilt buckets says the same.
+        assert [int(b) for b in results[rank]["rebuilt"].split(",")] == new
+        # Sent once step 1's backward is done, before its optimizer phase and trace.
+        at = stream.order.index(("model_update",))
+        assert stream.order[at - 1] == ("marker", pb.BACKWARD_BEGIN, 1)
+        assert stream.order[at + 1] == ("marker", pb.OPTIMIZER_BEGIN, 1)
+        assert stream.order.index(("trace", True)) > at
+
+
+def test_ddp_that_finds_unused_parameters_never_rebuilds_and_sends_nothing(agent, tmp_path):
+    ddp_on_fake_gpu(agent, tmp_path, True)
+    assert rebuilds(agent) == {}

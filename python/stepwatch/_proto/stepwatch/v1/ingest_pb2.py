@@ -24,27 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stepwatch/v1/ingest.proto\x12\x0cstepwatch.v1\"\xdb\x01\n\rClientMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.stepwatch.v1.HelloH\x00\x12,\n\x07markers\x18\x02 \x01(\x0b\x32\x19.stepwatch.v1.MarkerBatchH\x00\x12<\n\x0f\x61llocator_trace\x18\x03 \x01(\x0b\x32!.stepwatch.v1.AllocatorTraceChunkH\x00\x12\x30\n\x0cmodel_update\x18\x04 \x01(\x0b\x32\x18.stepwatch.v1.ModelFactsH\x00\x42\x06\n\x04kind\"\xbf\x01\n\x05Hello\x12(\n\x08identity\x18\x01 \x01(\x0b\x32\x16.stepwatch.v1.Identity\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x11\n\tframework\x18\x04 \x01(\t\x12\x19\n\x11\x66ramework_version\x18\x05 \x01(\t\x12\'\n\x05model\x18\x06 \x01(\x0b\x32\x18.stepwatch.v1.ModelFacts\x12\x16\n\x0e\x63lient_version\x18\x07 \x01(\t\"\x83\x01\n\x08Identity\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tnode_name\x18\x05 \x01(\t\x12\x0b\n\x03pod\x18\x06 \x01(\t\x12\x11\n\tnamespace\x18\x07 \x01(\t\"\xed\x04\n\nModelFacts\x12\x1c\n\x0fparameter_count\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x1c\n\x0fparameter_bytes\x18\x02 \x01(\x04H\x01\x88\x01\x01\x12.\n\toptimizer\x18\x03 \x01(\x0e\x32\x1b.stepwatch.v1.OptimizerKind\x12&\n\x19state_bytes_per_parameter\x18\x04 \x01(\rH\x02\x88\x01\x01\x12*\n\tprecision\x18\x05 \x01(\x0e\x32\x17.stepwatch.v1.Precision\x12\x1c\n\x0fsharding_factor\x18\x06 \x01(\rH\x03\x88\x01\x01\x12$\n\x17grad_accumulation_steps\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x1d\n\x10state_precreated\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12\x1e\n\x11grads_set_to_none\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x1d\n\x10micro_batch_size\x18\n \x01(\rH\x07\x88\x01\x01\x12G\n\x18optimizer_implementation\x18\x0b \x01(\x0e\x32%.stepwatch.v1.OptimizerImplementationB\x12\n\x10_parameter_countB\x12\n\x10_parameter_bytesB\x1c\n\x1a_state_bytes_per_parameterB\x12\n\x10_sharding_factorB\x1a\n\x18_grad_accumulation_stepsB\x13\n\x11_state_precreatedB\x14\n\x12_grads_set_to_noneB\x13\n\x11_micro_batch_size\"\xc4\x01\n\x13\x41llocatorTraceChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x30\n\x08segments\x18\x02 \x03(\x0b\x32\x1e.stepwatch.v1.AllocatorSegment\x12,\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1c.stepwatch.v1.AllocatorEvent\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x31\n\x08settings\x18\x05 \x01(\x0b\x32\x1f.stepwatch.v1.AllocatorSettings\"\xaa\x01\n\x11\x41llocatorSettings\x12\x1c\n\x14max_split_size_bytes\x18\x01 \x01(\x04\x12 \n\x18roundup_power2_divisions\x18\x02 \x03(\r\x12$\n\x1cgarbage_collection_threshold\x18\x03 \x01(\x01\x12\x1b\n\x13\x65xpandable_segments\x18\x04 \x01(\x08\x12\x12\n\nalloc_conf\x18\x05 \x01(\t\"\x9a\x01\n\x10\x41llocatorSegment\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x12\n\nsmall_pool\x18\x02 \x01(\x08\x12,\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x1c.stepwatch.v1.AllocatorBlock\x12\x0e\n\x06stream\x18\x04 \x01(\x04\x12\x0f\n\x07pool_id\x18\x05 \x01(\x04\x12\x12\n\nexpandable\x18\x06 \x01(\x08\"1\n\x0e\x41llocatorBlock\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\x11\n\tallocated\x18\x02 \x01(\x08\"\x97\x01\n\x0e\x41llocatorEvent\x12-\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1d.stepwatch.v1.AllocatorAction\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\'\n\x05phase\x18\x04 \x01(\x0e\x32\x18.stepwatch.v1.MarkerKind\x12\x0e\n\x06stream\x18\x05 \x01(\x04\"4\n\x0bMarkerBatch\x12%\n\x07markers\x18\x01 \x03(\x0b\x32\x14.stepwatch.v1.Marker\"\xab\x01\n\x06Marker\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.stepwatch.v1.MarkerKind\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0cmonotonic_ns\x18\x03 \x01(\x04\x12\x0f\n\x07wall_ns\x18\x04 \x01(\x04\x12/\n\tallocator\x18\x05 \x01(\x0b\x32\x1c.stepwatch.v1.AllocatorStats\x12\x13\n\x0bmicro_batch\x18\x06 \x01(\r\"\xc8\x01\n\x0e\x41llocatorStats\x12\x17\n\x0f\x61llocated_bytes\x18\x01 \x01(\x04\x12\x1c\n\x14\x61llocated_peak_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13reserved_peak_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x61\x63tive_bytes\x18\x05 \x01(\x04\x12\x19\n\x11\x61\x63tive_peak_bytes\x18\x06 \x01(\x04\x12\x19\n\x11num_alloc_retries\x18\x07 \x01(\x04\"B\n\x0c\x41gentMessage\x12*\n\x08\x61\x64visory\x18\x01 \x01(\x0b\x32\x16.stepwatch.v1.AdvisoryH\x00\x42\x06\n\x04kind\"\xd5\x01\n\x08\x41\x64visory\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.stepwatch.v1.AdvisoryKind\x12(\n\x08severity\x18\x02 \x01(\x0e\x32\x16.stepwatch.v1.Severity\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x1c\n\x14predicted_peak_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12 \n\x18predicted_headroom_bytes\x18\x07 \x01(\x03*\x9b\x01\n\rOptimizerKind\x12\x1e\n\x1aOPTIMIZER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13OPTIMIZER_KIND_ADAM\x10\x01\x12\x1f\n\x1bOPTIMIZER_KIND_SGD_MOMENTUM\x10\x02\x12\x16\n\x12OPTIMIZER_KIND_SGD\x10\x03\x12\x18\n\x14OPTIMIZER_KIND_OTHER\x10\x04*\x82\x01\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x12\n\x0ePRECISION_FP32\x10\x01\x12\x18\n\x14PRECISION_MIXED_BF16\x10\x02\x12\x18\n\x14PRECISION_MIXED_FP16\x10\x03\x12\x12\n\x0ePRECISION_BF16\x10\x04*\xb4\x01\n\x17OptimizerImplementation\x12(\n$OPTIMIZER_IMPLEMENTATION_UNSPECIFIED\x10\x00\x12$\n OPTIMIZER_IMPLEMENTATION_FOREACH\x10\x01\x12\"\n\x1eOPTIMIZER_IMPLEMENTATION_FUSED\x10\x02\x12%\n!OPTIMIZER_IMPLEMENTATION_FOR_LOOP\x10\x03*\x9f\x01\n\nMarkerKind\x12\x1b\n\x17MARKER_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nSTEP_BEGIN\x10\x01\x12\x11\n\rFORWARD_BEGIN\x10\x02\x12\x12\n\x0e\x42\x41\x43KWARD_BEGIN\x10\x03\x12\x13\n\x0fOPTIMIZER_BEGIN\x10\x04\x12\x11\n\rOPTIMIZER_END\x10\x05\x12\x0c\n\x08STEP_END\x10\x06\x12\x07\n\x03OOM\x10\x07*\xf7\x01\n\x0f\x41llocatorAction\x12 \n\x1c\x41LLOCATOR_ACTION_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41LLOCATOR_ACTION_ALLOC\x10\x01\x12\x19\n\x15\x41LLOCATOR_ACTION_FREE\x10\x02\x12\"\n\x1e\x41LLOCATOR_ACTION_SEGMENT_ALLOC\x10\x03\x12!\n\x1d\x41LLOCATOR_ACTION_SEGMENT_FREE\x10\x04\x12 \n\x1c\x41LLOCATOR_ACTION_SEGMENT_MAP\x10\x05\x12\"\n\x1e\x41LLOCATOR_ACTION_SEGMENT_UNMAP\x10\x06*\x97\x01\n\x0c\x41\x64visoryKind\x12\x1d\n\x19\x41\x44VISORY_KIND_UNSPECIFIED\x10\x00\x12%\n!ADVISORY_KIND_STEP2_OOM_PREDICTED\x10\x01\x12\x1e\n\x1a\x41\x44VISORY_KIND_LOW_HEADROOM\x10\x02\x12!\n\x1d\x41\x44VISORY_KIND_RANK_DIVERGENCE\x10\x03*d\n\x08Severity\x12\x18\n\x14SEVERITY_UNSPECIFIED\x10\x00\x12\x11\n\rSEVERITY_INFO\x10\x01\x12\x14\n\x10SEVERITY_WARNING\x10\x02\x12\x15\n\x11SEVERITY_CRITICAL\x10\x03\x32O\n\x06Ingest\x12\x45\n\x06Stream\x12\x1b.stepwatch.v1.ClientMessage\x1a\x1a.stepwatch.v1.AgentMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stepwatch/v1/ingest.proto\x12\x0cstepwatch.v1\"\xdb\x01\n\rClientMessage\x12$\n\x05hello\x18\x01 \x01(\x0b\x32\x13.stepwatch.v1.HelloH\x00\x12,\n\x07markers\x18\x02 \x01(\x0b\x32\x19.stepwatch.v1.MarkerBatchH\x00\x12<\n\x0f\x61llocator_trace\x18\x03 \x01(\x0b\x32!.stepwatch.v1.AllocatorTraceChunkH\x00\x12\x30\n\x0cmodel_update\x18\x04 \x01(\x0b\x32\x18.stepwatch.v1.ModelFactsH\x00\x42\x06\n\x04kind\"\xbf\x01\n\x05Hello\x12(\n\x08identity\x18\x01 \x01(\x0b\x32\x16.stepwatch.v1.Identity\x12\x10\n\x08gpu_uuid\x18\x02 \x01(\t\x12\x0b\n\x03pid\x18\x03 \x01(\r\x12\x11\n\tframework\x18\x04 \x01(\t\x12\x19\n\x11\x66ramework_version\x18\x05 \x01(\t\x12\'\n\x05model\x18\x06 \x01(\x0b\x32\x18.stepwatch.v1.ModelFacts\x12\x16\n\x0e\x63lient_version\x18\x07 \x01(\t\"\x83\x01\n\x08Identity\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nlocal_rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\tnode_name\x18\x05 \x01(\t\x12\x0b\n\x03pod\x18\x06 \x01(\t\x12\x11\n\tnamespace\x18\x07 \x01(\t\"\xa9\x05\n\nModelFacts\x12\x1c\n\x0fparameter_count\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x1c\n\x0fparameter_bytes\x18\x02 \x01(\x04H\x01\x88\x01\x01\x12.\n\toptimizer\x18\x03 \x01(\x0e\x32\x1b.stepwatch.v1.OptimizerKind\x12&\n\x19state_bytes_per_parameter\x18\x04 \x01(\rH\x02\x88\x01\x01\x12*\n\tprecision\x18\x05 \x01(\x0e\x32\x17.stepwatch.v1.Precision\x12\x1c\n\x0fsharding_factor\x18\x06 \x01(\rH\x03\x88\x01\x01\x12$\n\x17grad_accumulation_steps\x18\x07 \x01(\rH\x04\x88\x01\x01\x12\x1d\n\x10state_precreated\x18\x08 \x01(\x08H\x05\x88\x01\x01\x12\x1e\n\x11grads_set_to_none\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x1d\n\x10micro_batch_size\x18\n \x01(\rH\x07\x88\x01\x01\x12G\n\x18optimizer_implementation\x18\x0b \x01(\x0e\x32%.stepwatch.v1.OptimizerImplementation\x12:\n\x12\x64\x64p_bucket_rebuild\x18\x0c \x01(\x0b\x32\x1e.stepwatch.v1.DdpBucketRebuildB\x12\n\x10_parameter_countB\x12\n\x10_parameter_bytesB\x1c\n\x1a_state_bytes_per_parameterB\x12\n\x10_sharding_factorB\x1a\n\x18_grad_accumulation_stepsB\x13\n\x11_state_precreatedB\x14\n\x12_grads_set_to_noneB\x13\n\x11_micro_batch_size\"F\n\x10\x44\x64pBucketRebuild\x12\x18\n\x10old_bucket_bytes\x18\x01 \x03(\x04\x12\x18\n\x10new_bucket_bytes\x18\x02 \x03(\x04\"\xc4\x01\n\x13\x41llocatorTraceChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x30\n\x08segments\x18\x02 \x03(\x0b\x32\x1e.stepwatch.v1.AllocatorSegment\x12,\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1c.stepwatch.v1.AllocatorEvent\x12\x0c\n\x04last\x18\x04 \x01(\x08\x12\x31\n\x08settings\x18\x05 \x01(\x0b\x32\x1f.stepwatch.v1.AllocatorSettings\"\xaa\x01\n\x11\x41llocatorSettings\x12\x1c\n\x14max_split_size_bytes\x18\x01 \x01(\x04\x12 \n\x18roundup_power2_divisions\x18\x02 \x03(\r\x12$\n\x1cgarbage_collection_threshold\x18\x03 \x01(\x01\x12\x1b\n\x13\x65xpandable_segments\x18\x04 \x01(\x08\x12\x12\n\nalloc_conf\x18\x05 \x01(\t\"\x9a\x01\n\x10\x41llocatorSegment\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x12\n\nsmall_pool\x18\x02 \x01(\x08\x12,\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x1c.stepwatch.v1.AllocatorBlock\x12\x0e\n\x06stream\x18\x04 \x01(\x04\x12\x0f\n\x07pool_id\x18\x05 \x01(\x04\x12\x12\n\nexpandable\x18\x06 \x01(\x08\"1\n\x0e\x41llocatorBlock\x12\x0c\n\x04size\x18\x01 \x01(\x04\x12\x11\n\tallocated\x18\x02 \x01(\x08\"\x97\x01\n\x0e\x41llocatorEvent\x12-\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1d.stepwatch.v1.AllocatorAction\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\'\n\x05phase\x18\x04 \x01(\x0e\x32\x18.stepwatch.v1.MarkerKind\x12\x0e\n\x06stream\x18\x05 \x01(\x04\"4\n\x0bMarkerBatch\x12%\n\x07markers\x18\x01 \x03(\x0b\x32\x14.stepwatch.v1.Marker\"\xab\x01\n\x06Marker\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.stepwatch.v1.MarkerKind\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x14\n\x0cmonotonic_ns\x18\x03 \x01(\x04\x12\x0f\n\x07wall_ns\x18\x04 \x01(\x04\x12/\n\tallocator\x18\x05 \x01(\x0b\x32\x1c.stepwatch.v1.AllocatorStats\x12\x13\n\x0bmicro_batch\x18\x06 \x01(\r\"\xc8\x01\n\x0e\x41llocatorStats\x12\x17\n\x0f\x61llocated_bytes\x18\x01 \x01(\x04\x12\x1c\n\x14\x61llocated_peak_bytes\x18\x02 \x01(\x04\x12\x16\n\x0ereserved_bytes\x18\x03 \x01(\x04\x12\x1b\n\x13reserved_peak_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x61\x63tive_bytes\x18\x05 \x01(\x04\x12\x19\n\x11\x61\x63tive_peak_bytes\x18\x06 \x01(\x04\x12\x19\n\x11num_alloc_retries\x18\x07 \x01(\x04\"B\n\x0c\x41gentMessage\x12*\n\x08\x61\x64visory\x18\x01 \x01(\x0b\x32\x16.stepwatch.v1.AdvisoryH\x00\x42\x06\n\x04kind\"\xd5\x01\n\x08\x41\x64visory\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.stepwatch.v1.AdvisoryKind\x12(\n\x08severity\x18\x02 \x01(\x0e\x32\x16.stepwatch.v1.Severity\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x04\x12\x1c\n\x14predicted_peak_bytes\x18\x05 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x06 \x01(\x04\x12 \n\x18predicted_headroom_bytes\x18\x07 \x01(\x03*\x9b\x01\n\rOptimizerKind\x12\x1e\n\x1aOPTIMIZER_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13OPTIMIZER_KIND_ADAM\x10\x01\x12\x1f\n\x1bOPTIMIZER_KIND_SGD_MOMENTUM\x10\x02\x12\x16\n\x12OPTIMIZER_KIND_SGD\x10\x03\x12\x18\n\x14OPTIMIZER_KIND_OTHER\x10\x04*\x82\x01\n\tPrecision\x12\x19\n\x15PRECISION_UNSPECIFIED\x10\x00\x12\x12\n\x0ePRECISION_FP32\x10\x01\x12\x18\n\x14PRECISION_MIXED_BF16\x10\x02\x12\x18\n\x14PRECISION_MIXED_FP16\x10\x03\x12\x12\n\x0ePRECISION_BF16\x10\x04*\xb4\x01\n\x17OptimizerImplementation\x12(\n$OPTIMIZER_IMPLEMENTATION_UNSPECIFIED\x10\x00\x12$\n OPTIMIZER_IMPLEMENTATION_FOREACH\x10\x01\x12\"\n\x1eOPTIMIZER_IMPLEMENTATION_FUSED\x10\x02\x12%\n!OPTIMIZER_IMPLEMENTATION_FOR_LOOP\x10\x03*\x9f\x01\n\nMarkerKind\x12\x1b\n\x17MARKER_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nSTEP_BEGIN\x10\x01\x12\x11\n\rFORWARD_BEGIN\x10\x02\x12\x12\n\x0e\x42\x41\x43KWARD_BEGIN\x10\x03\x12\x13\n\x0fOPTIMIZER_BEGIN\x10\x04\x12\x11\n\rOPTIMIZER_END\x10\x05\x12\x0c\n\x08STEP_END\x10\x06\x12\x07\n\x03OOM\x10\x07*\xf7\x01\n\x0f\x41llocatorAction\x12 \n\x1c\x41LLOCATOR_ACTION_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41LLOCATOR_ACTION_ALLOC\x10\x01\x12\x19\n\x15\x41LLOCATOR_ACTION_FREE\x10\x02\x12\"\n\x1e\x41LLOCATOR_ACTION_SEGMENT_ALLOC\x10\x03\x12!\n\x1d\x41LLOCATOR_ACTION_SEGMENT_FREE\x10\x04\x12 \n\x1c\x41LLOCATOR_ACTION_SEGMENT_MAP\x10\x05\x12\"\n\x1e\x41LLOCATOR_ACTION_SEGMENT_UNMAP\x10\x06*\x97\x01\n\x0c\x41\x64visoryKind\x12\x1d\n\x19\x41\x44VISORY_KIND_UNSPECIFIED\x10\x00\x12%\n!ADVISORY_KIND_STEP2_OOM_PREDICTED\x10\x01\x12\x1e\n\x1a\x41\x44VISORY_KIND_LOW_HEADROOM\x10\x02\x12!\n\x1d\x41\x44VISORY_KIND_RANK_DIVERGENCE\x10\x03*d\n\x08Severity\x12\x18\n\x14SEVERITY_UNSPECIFIED\x10\x00\x12\x11\n\rSEVERITY_INFO\x10\x01\x12\x14\n\x10SEVERITY_WARNING\x10\x02\x12\x15\n\x11SEVERITY_CRITICAL\x10\x03\x32O\n\x06Ingest\x12\x45\n\x06Stream\x12\x1b.stepwatch.v1.ClientMessage\x1a\x1a.stepwatch.v1.AgentMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stepwatch.v1.ingest_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OPTIMIZERKIND']._serialized_start=2667
-  _globals['_OPTIMIZERKIND']._serialized_end=2822
-  _globals['_PRECISION']._serialized_start=2825
-  _globals['_PRECISION']._serialized_end=2955
-  _globals['_OPTIMIZERIMPLEMENTATION']._serialized_start=2958
-  _globals['_OPTIMIZERIMPLEMENTATION']._serialized_end=3138
-  _globals['_MARKERKIND']._serialized_start=3141
-  _globals['_MARKERKIND']._serialized_end=3300
-  _globals['_ALLOCATORACTION']._serialized_start=3303
-  _globals['_ALLOCATORACTION']._serialized_end=3550
-  _globals['_ADVISORYKIND']._serialized_start=3553
-  _globals['_ADVISORYKIND']._serialized_end=3704
-  _globals['_SEVERITY']._serialized_start=3706
-  _globals['_SEVERITY']._serialized_end=3806
+  _globals['_OPTIMIZERKIND']._serialized_start=2799
+  _globals['_OPTIMIZERKIND']._serialized_end=2954
+  _globals['_PRECISION']._serialized_start=2957
+  _globals['_PRECISION']._serialized_end=3087
+  _globals['_OPTIMIZERIMPLEMENTATION']._serialized_start=3090
+  _globals['_OPTIMIZERIMPLEMENTATION']._serialized_end=3270
+  _globals['_MARKERKIND']._serialized_start=3273
+  _globals['_MARKERKIND']._serialized_end=3432
+  _globals['_ALLOCATORACTION']._serialized_start=3435
+  _globals['_ALLOCATORACTION']._serialized_end=3682
+  _globals['_ADVISORYKIND']._serialized_start=3685
+  _globals['_ADVISORYKIND']._serialized_end=3836
+  _globals['_SEVERITY']._serialized_start=3838
+  _globals['_SEVERITY']._serialized_end=3938
   _globals['_CLIENTMESSAGE']._serialized_start=44
   _globals['_CLIENTMESSAGE']._serialized_end=263
   _globals['_HELLO']._serialized_start=266
@@ -52,27 +52,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_IDENTITY']._serialized_start=460
   _globals['_IDENTITY']._serialized_end=591
   _globals['_MODELFACTS']._serialized_start=594
-  _globals['_MODELFACTS']._serialized_end=1215
-  _globals['_ALLOCATORTRACECHUNK']._serialized_start=1218
-  _globals['_ALLOCATORTRACECHUNK']._serialized_end=1414
-  _globals['_ALLOCATORSETTINGS']._serialized_start=1417
-  _globals['_ALLOCATORSETTINGS']._serialized_end=1587
-  _globals['_ALLOCATORSEGMENT']._serialized_start=1590
-  _globals['_ALLOCATORSEGMENT']._serialized_end=1744
-  _globals['_ALLOCATORBLOCK']._serialized_start=1746
-  _globals['_ALLOCATORBLOCK']._serialized_end=1795
-  _globals['_ALLOCATOREVENT']._serialized_start=1798
-  _globals['_ALLOCATOREVENT']._serialized_end=1949
-  _globals['_MARKERBATCH']._serialized_start=1951
-  _globals['_MARKERBATCH']._serialized_end=2003
-  _globals['_MARKER']._serialized_start=2006
-  _globals['_MARKER']._serialized_end=2177
-  _globals['_ALLOCATORSTATS']._serialized_start=2180
-  _globals['_ALLOCATORSTATS']._serialized_end=2380
-  _globals['_AGENTMESSAGE']._serialized_start=2382
-  _globals['_AGENTMESSAGE']._serialized_end=2448
-  _globals['_ADVISORY']._serialized_start=2451
-  _globals['_ADVISORY']._serialized_end=2664
-  _globals['_INGEST']._serialized_start=3808
-  _globals['_INGEST']._serialized_end=3887
+  _globals['_MODELFACTS']._serialized_end=1275
+  _globals['_DDPBUCKETREBUILD']._serialized_start=1277
+  _globals['_DDPBUCKETREBUILD']._serialized_end=1347
+  _globals['_ALLOCATORTRACECHUNK']._serialized_start=1350
+  _globals['_ALLOCATORTRACECHUNK']._serialized_end=1546
+  _globals['_ALLOCATORSETTINGS']._serialized_start=1549
+  _globals['_ALLOCATORSETTINGS']._serialized_end=1719
+  _globals['_ALLOCATORSEGMENT']._serialized_start=1722
+  _globals['_ALLOCATORSEGMENT']._serialized_end=1876
+  _globals['_ALLOCATORBLOCK']._serialized_start=1878
+  _globals['_ALLOCATORBLOCK']._serialized_end=1927
+  _globals['_ALLOCATOREVENT']._serialized_start=1930
+  _globals['_ALLOCATOREVENT']._serialized_end=2081
+  _globals['_MARKERBATCH']._serialized_start=2083
+  _globals['_MARKERBATCH']._serialized_end=2135
+  _globals['_MARKER']._serialized_start=2138
+  _globals['_MARKER']._serialized_end=2309
+  _globals['_ALLOCATORSTATS']._serialized_start=2312
+  _globals['_ALLOCATORSTATS']._serialized_end=2512
+  _globals['_AGENTMESSAGE']._serialized_start=2514
+  _globals['_AGENTMESSAGE']._serialized_end=2580
+  _globals['_ADVISORY']._serialized_start=2583
+  _globals['_ADVISORY']._serialized_end=2796
+  _globals['_INGEST']._serialized_start=3940
+  _globals['_INGEST']._serialized_end=4019
 # @@protoc_insertion_point(module_scope)

@@ -151,7 +151,7 @@ class Identity(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_name: _Optional[str] = ..., pod: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class ModelFacts(_message.Message):
-    __slots__ = ("parameter_count", "parameter_bytes", "optimizer", "state_bytes_per_parameter", "precision", "sharding_factor", "grad_accumulation_steps", "state_precreated", "grads_set_to_none", "micro_batch_size", "optimizer_implementation")
+    __slots__ = ("parameter_count", "parameter_bytes", "optimizer", "state_bytes_per_parameter", "precision", "sharding_factor", "grad_accumulation_steps", "state_precreated", "grads_set_to_none", "micro_batch_size", "optimizer_implementation", "ddp_bucket_rebuild")
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class ModelFacts(_message.Message):
     GRADS_SET_TO_NONE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
+    DDP_BUCKET_REBUILD_FIELD_NUMBER: _ClassVar[int]
     parameter_count: int
     parameter_bytes: int
     optimizer: OptimizerKind
@@ -174,7 +175,16 @@ class ModelFacts(_message.Message):
     grads_set_to_none: bool
     micro_batch_size: int
     optimizer_implementation: OptimizerImplementation
-    def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ..., micro_batch_size: _Optional[int] = ..., optimizer_implementation: _Optional[_Union[OptimizerImplementation, str]] = ...) -> None: ...
+    ddp_bucket_rebuild: DdpBucketRebuild
+    def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ..., micro_batch_size: _Optional[int] = ..., optimizer_implementation: _Optional[_Union[OptimizerImplementation, str]] = ..., ddp_bucket_rebuild: _Optional[_Union[DdpBucketRebuild, _Mapping]] = ...) -> None: ...
+
+class DdpBucketRebuild(_message.Message):
+    __slots__ = ("old_bucket_bytes", "new_bucket_bytes")
+    OLD_BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEW_BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    old_bucket_bytes: _containers.RepeatedScalarFieldContainer[int]
+    new_bucket_bytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, old_bucket_bytes: _Optional[_Iterable[int]] = ..., new_bucket_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AllocatorTraceChunk(_message.Message):
     __slots__ = ("step", "segments", "events", "last", "settings")
