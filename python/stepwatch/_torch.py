@@ -572,7 +572,7 @@ def install_zero_grad_watch(rt: _Runtime, model: Any, optimizer: Any) -> List[An
 class DdpBucketWatch:
     """Learns, during step 1, the gradient buckets DDP will rebuild at step 2.
 
-    With ``find_unused_parameters=False`` (the default) or ``static_graph``,
+    With ``find_unused_parameters=False`` (the default),
     DistributedDataParallel first puts all gradients of a dtype into one
     bucket, allocated when it is constructed, and at the first forward after
     a backward that reduced them (step 2's) frees it and allocates buckets of
@@ -586,9 +586,10 @@ class DdpBucketWatch:
     come from DDP's own ``_compute_bucket_assignment_by_size`` with the
     limits its reducer uses, the old ones from its logging data. Not sent
     when the rebuild is not certain to come as modelled (already done,
-    ``find_unused_parameters=True`` without a static graph,
-    ``gradient_as_bucket_view``, lazy buckets, DDP's mixed precision, sparse
-    gradients).
+    ``find_unused_parameters=True``, ``gradient_as_bucket_view``, lazy
+    buckets, DDP's mixed precision, sparse gradients), nor under
+    ``static_graph=True``, whose step 2 on fake CUDA made no rebuild at its
+    first forward (where it rebuilds was not looked into).
     """
 
     def __init__(self, ddp: Any) -> None:
@@ -632,7 +633,7 @@ class DdpBucketWatch:
         d = self.ddp
         if getattr(d, "_has_rebuilt_buckets", False):
             return False
-        if d.find_unused_parameters and not d.static_graph:
+        if d.find_unused_parameters or d.static_graph:
             return False
         unmodelled = (
             d.gradient_as_bucket_view,

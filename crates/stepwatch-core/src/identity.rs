@@ -125,8 +125,7 @@ pub struct ModelFacts {
 pub const MAX_DDP_BUCKETS: usize = 1 << 16;
 
 /// DistributedDataParallel's gradient buckets around its one rebuild. With
-/// `find_unused_parameters=False` (the default) or a static graph, PyTorch
-/// first puts all gradients of a dtype into one bucket, and at step 2's
+/// `find_unused_parameters=False` (the default), PyTorch first puts all gradients of a dtype into one bucket, and at step 2's
 /// first forward frees those buffers and allocates buckets of about 25 MiB,
 /// in the order gradients became ready in step 1. Step 1's trace holds
 /// neither, so the client says what they are.

@@ -123,10 +123,10 @@ pub struct ModelFacts {
     #[prost(enumeration = "OptimizerImplementation", tag = "11")]
     pub optimizer_implementation: i32,
     /// DistributedDataParallel's gradient buckets, when DDP will rebuild them
-    /// at step 2's first forward (find_unused_parameters=False or a static
-    /// graph: PyTorch first puts every gradient in one bucket, then rebuilds
-    /// the buckets in the order gradients became ready in step 1), which step
-    /// 1's allocator trace cannot show. Sent after step 1's backward, when the
+    /// at step 2's first forward (find_unused_parameters=False, PyTorch's
+    /// default: it first puts every gradient in one bucket, then rebuilds the
+    /// buckets in the order gradients became ready in step 1), which step 1's
+    /// allocator trace cannot show. Sent after step 1's backward, when the
     /// rebuild is still to come; absent when there is none to come.
     #[prost(message, optional, tag = "12")]
     pub ddp_bucket_rebuild: ::core::option::Option<DdpBucketRebuild>,
