@@ -181,3 +181,32 @@ fn a_private_pools_cached_block_serves_no_ordinary_allocation() {
     assert_eq!(r.reserved_peak_bytes, 708_837_376);
     assert_eq!(r.steady_reserved_peak_bytes, 775_946_240);
 }
+
+#[test]
+fn ddp_frees_its_one_bucket_and_makes_the_rebuilt_ones_at_step_2s_first_forward() {
+    // bench/torch-jobs' ddp-uneven, rank 0. DDP (find_unused_parameters=False)
+    // made one 473.3 MiB bucket when it was constructed, before the trace;
+    // the client said it rebuilds it into 13 buckets (9.0 MiB, 11 x 27.0
+    // MiB, 166.9 MiB) at step 2's first forward, as PyTorch's own memory
+    // history shows (bench/torch-jobs/probe_ddp_step2.py).
+    let f = fixture("ddp-uneven.json");
+    let rebuild = f.trace.ddp_bucket_rebuild.clone().unwrap();
+    assert_eq!(rebuild.old_bucket_bytes, [496_330_752]);
+    let mut new = vec![9_446_400];
+    new.extend([28_351_488; 11]);
+    new.push(175_017_984);
+    assert_eq!(rebuild.new_bucket_bytes, new);
+    let r = check("ddp-uneven.json");
+    assert!(r.ddp_bucket_rebuild.unwrap().modelled);
+    // Without the rebuild (the old bucket kept, no new ones), the same trace
+    // says 3,946,840,064 reserved bytes in step 2 and the steady state: one
+    // 198 MiB segment (+5.6%) more than PyTorch reserved.
+    let mut without = f.trace.clone();
+    without.ddp_bucket_rebuild = None;
+    let w = replay_step2_with(&without, f.gradients, None).unwrap();
+    assert_eq!(w.steady_reserved_peak_bytes, 3_946_840_064);
+    assert_eq!(
+        w.steady_reserved_peak_bytes - f.real.steady_reserved_peak_bytes,
+        198 << 20
+    );
+}
