@@ -600,6 +600,125 @@ fn facts_sent_after_the_hello_replay_step_1_again_and_bad_ones_are_refused() {
 }
 
 #[test]
+fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_after_the_trace() {
+    const MIB: u64 = 1 << 20;
+    let agent = Agent::start("ddp-rebuild", 1);
+    let ep = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let step1 = step1_to_optimizer_end(1_000);
+    // One segment: DDP's 32 MiB bucket (made before the trace), the 8 MiB
+    // gradient backward made, 16 MiB of optimizer state, 8 MiB free.
+    let base = 1u64 << 32;
+    let block = |mib: u64, allocated: bool| AllocatorBlock {
+        size: mib * MIB,
+        allocated,
+    };
+    let event = |address: u64, mib: u64, phase: MarkerKind| AllocatorEvent {
+        action: AllocatorAction::Alloc as i32,
+        address,
+        size: mib * MIB,
+        phase: phase as i32,
+        ..Default::default()
+    };
+    let chunk = AllocatorTraceChunk {
+        step: 1,
+        segments: vec![AllocatorSegment {
+            address: base,
+            blocks: vec![
+                block(32, true),
+                block(8, true),
+                block(16, true),
+                block(8, false),
+            ],
+            ..Default::default()
+        }],
+        events: vec![
+            event(base + 32 * MIB, 8, MarkerKind::BackwardBegin),
+            event(base + 40 * MIB, 16, MarkerKind::OptimizerBegin),
+        ],
+        last: true,
+        settings: None,
+    };
+    let rebuild = |old: Vec<u64>, new: Vec<u64>| ClientMessage {
+        kind: Some(Kind::ModelUpdate(stepwatch_proto::v1::ModelFacts {
+            ddp_bucket_rebuild: Some(stepwatch_proto::v1::DdpBucketRebuild {
+                old_bucket_bytes: old,
+                new_bucket_bytes: new,
+            }),
+            ..Default::default()
+        })),
+    };
+    let replayed = |job: &str| {
+        let (code, body) = agent.get(&format!("/api/v1/jobs/{job}/ranks/0"));
+        assert_eq!(code, 200, "{body}");
+        let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let p = &report["analysis"]["prediction"];
+        let explanation = p["explanation"].as_str().unwrap_or_default().to_owned();
+        (
+            p["inputs"]["allocator_replay"]["ddp_bucket_rebuild"].clone(),
+            explanation,
+        )
+    };
+    let new = vec![8 * MIB, 24 * MIB];
+    rt.block_on(async {
+        for (job, facts_first) in [("before", true), ("after", false)] {
+            let mut messages = vec![hello(job, 0, 1), batch(step1.clone())];
+            let update = rebuild(vec![32 * MIB], new.clone());
+            if facts_first {
+                messages.extend([update, trace(chunk.clone())]);
+            } else {
+                messages.extend([trace(chunk.clone()), update]);
+            }
+            exchange(&ep, messages).await.expect("accepted");
+        }
+    });
+    // "before": one replay, with the rebuild; "after": one without, then
+    // one with it once the facts came.
+    agent.wait_metrics("three replays counted", Duration::from_secs(10), |m| {
+        m.get(
+            "stepwatch_allocator_traces_total",
+            &[("result", "replayed")],
+        ) == Some(3.0)
+    });
+    for job in ["before", "after"] {
+        let (r, explanation) = replayed(job);
+        assert_eq!(r["modelled"], true, "{job}: {r:#}");
+        assert_eq!(r["old_bucket_bytes"], 32 * MIB, "{job}: {r:#}");
+        assert_eq!(r["new_bucket_bytes"], 32 * MIB, "{job}: {r:#}");
+        assert_eq!(r["new_buckets"], 2, "{job}: {r:#}");
+        assert!(
+            explanation.contains("DDP rebuilds its gradient buckets at step 2's first forward"),
+            "{job}: {explanation}"
+        );
+    }
+
+    // No new buckets: refused and counted.
+    rt.block_on(async {
+        expect(
+            exchange(
+                &ep,
+                vec![
+                    hello("bad-rebuild", 0, 1),
+                    batch(step1.clone()),
+                    rebuild(vec![32 * MIB], Vec::new()),
+                ],
+            )
+            .await,
+            Code::InvalidArgument,
+            "ddp_bucket_rebuild has no new buckets",
+        );
+    });
+    let m = Metrics(agent.metrics());
+    assert_eq!(
+        m.get(
+            "stepwatch_markers_rejected_total",
+            &[("reason", "invalid_model_update")]
+        ),
+        Some(1.0)
+    );
+}
+
+#[test]
 fn every_refusal_reason_and_known_result_exists_at_zero_from_the_start() {
     // An alert on increase() misses the first burst of a series born at its
     // first refusal; each known reason is exported at 0 before any.
