@@ -243,8 +243,9 @@ class _Runtime:
         return _env_flag("STEPWATCH_ALLOCATOR_TRACE", True)
 
     def _emit(self, kind: int, step: int, micro: int) -> None:
-        if self.ddp_watch is not None and step == 1 and kind in STEP1_BACKWARD_DONE:
-            self._send_ddp_bucket_rebuild()
+        if self.ddp_watch is not None and (step > 1 or kind in STEP1_BACKWARD_DONE):
+            # Past step 1 (no optimizer marker came) DDP has rebuilt by now.
+            self._send_ddp_bucket_rebuild(send=step == 1)
         dev = None
         if self.allocator_stats:
             if not self.cuda_checked and kind == STEP_BEGIN:  # look for CUDA once
@@ -271,15 +272,15 @@ class _Runtime:
         if finish:
             rec.finish(c)
 
-    def _send_ddp_bucket_rebuild(self) -> None:
+    def _send_ddp_bucket_rebuild(self, send: bool = True) -> None:
         """Once step 1's backward is done: tell the agent of DDP's bucket rebuild
-        to come (when one is), ahead of this marker and of step 1's allocator
-        trace, and take the watch's hooks out."""
+        to come (when one is and ``send``), ahead of this marker and of step 1's
+        allocator trace, and take the watch's hooks out."""
         w, self.ddp_watch = self.ddp_watch, None
         if w is None:
             return
         try:
-            rebuild = w.facts()
+            rebuild = w.facts() if send else None
         except Exception as e:  # a torch whose DDP differs: no facts, training goes on
             log.debug("stepwatch: could not size DDP's rebuilt buckets: %r", e)
             rebuild = None

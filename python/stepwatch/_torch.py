@@ -670,10 +670,9 @@ class DdpBucketWatch:
             return None
         import torch.distributed as dist
 
+        # The sizes at construction; the logging data is not refreshed at the rebuild.
         data = self.ddp._get_ddp_logging_data()
         old = [int(s) for s in str(data.get("bucket_sizes", "")).split(",") if s.strip()]
-        if data.get("has_rebuilt_buckets"):
-            return None
         buckets, _ = dist._compute_bucket_assignment_by_size(
             [self.params[i] for i in order],
             self._bucket_size_limits(),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from conftest import STEP, small_model, summary
 
@@ -356,3 +358,84 @@ def test_the_step_begins_before_pre_hooks_registered_earlier(agent):
     assert seen == [1, 2], seen
     ms = agent.wait_markers(12)
     assert summary(ms) == [(k, s, 0) for s in (1, 2) for k in STEP]
+
+
+@pytest.fixture
+def gloo_group():
+    """A one-rank gloo process group (DDP on CPU), torn down after the test."""
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch without distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+def ddp_rebuilds(agent):
+    """The ddp_bucket_rebuild updates the stream sent, once step 2 began."""
+    agent.wait_markers(7)  # step 1 and step 2's STEP_BEGIN
+    (stream,) = agent.streams
+    return [u.ddp_bucket_rebuild for u in stream.model_updates if u.HasField("ddp_bucket_rebuild")]
+
+
+def ddp_train(model, opt, steps, micro_batches=1, no_sync=False):
+    for _ in range(steps):
+        for i in range(micro_batches):
+            last = i == micro_batches - 1
+            ctx = model.no_sync() if no_sync and not last else contextlib.nullcontext()
+            with ctx:
+                model(torch.randn(4, 256)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def ddp_model(**kw):
+    layers = [torch.nn.Linear(256, 256) for _ in range(4)]
+    return torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(*layers), **kw)
+
+
+def test_ddp_sends_the_buckets_it_rebuilds_and_they_are_ddps(agent, gloo_group):
+    # bucket_cap_mb=0.5 (the first bucket's cap too, not being the default):
+    # a bucket closes at its second layer of 257 KiB, in the order gradients
+    # became ready (last layer first).
+    model = ddp_model(bucket_cap_mb=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepwatch.watch(model, opt)
+    ddp_train(model, opt, 3)
+    (rebuild,) = ddp_rebuilds(agent)
+    layer = (256 * 256 + 256) * 4
+    assert list(rebuild.old_bucket_bytes) == [4 * layer]
+    assert list(rebuild.new_bucket_bytes) == [layer + layer, layer + layer]
+    # DDP's own account, logged at step 3's forward.
+    data = model._get_ddp_logging_data()
+    assert [int(b) for b in data["rebuilt_bucket_sizes"].split(",")] == list(
+        rebuild.new_bucket_bytes
+    )
+
+
+def test_ddp_rebuilt_in_step_1_or_never_sends_nothing(agent, gloo_group):
+    # Two micro-batches both reducing (no no_sync): DDP rebuilds at the second's
+    # forward, inside step 1, so step 2 has nothing to rebuild.
+    model = ddp_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepwatch.watch(model, opt, grad_accumulation_steps=2)
+    ddp_train(model, opt, 2, micro_batches=2)
+    assert model._has_rebuilt_buckets
+    assert ddp_rebuilds(agent) == []
+
+
+def test_ddp_under_no_sync_sends_the_rebuild_of_its_synced_backward(agent, gloo_group):
+    model = ddp_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepwatch.watch(model, opt, grad_accumulation_steps=2)
+    ddp_train(model, opt, 2, micro_batches=2, no_sync=True)
+    (rebuild,) = ddp_rebuilds(agent)
+    assert sum(rebuild.new_bucket_bytes) == sum(rebuild.old_bucket_bytes)
+
+
+def test_ddp_finding_unused_parameters_sends_nothing(agent, gloo_group):
+    model = ddp_model(find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    stepwatch.watch(model, opt)
+    ddp_train(model, opt, 2)
+    assert ddp_rebuilds(agent) == []

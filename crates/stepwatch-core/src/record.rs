@@ -55,7 +55,8 @@ pub enum RecordEntry {
         /// The reserved-bytes limit the agent replayed it within, if any.
         #[serde(default)]
         reserved_limit: Option<u64>,
-        /// The trace as received.
+        /// The trace as received, with the rank's DDP bucket rebuild as the
+        /// agent replayed it ([`AllocatorTrace::ddp_bucket_rebuild`]).
         trace: AllocatorTrace,
     },
     /// Facts a rank sent after its hello ([`Tracker::update_model_facts`]).

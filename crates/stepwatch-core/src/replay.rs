@@ -26,7 +26,17 @@
 //!   then.
 //!
 //! Where those frees fall among the events is read off the trace (see
-//! `release_points`). Checked against real PyTorch on fake CUDA
+//! `release_points`).
+//!
+//! One thing step 2 does that step 1 did not, the replay is told of:
+//! DistributedDataParallel (`find_unused_parameters=False`) rebuilds its
+//! gradient buckets at step 2's first forward. It frees the one bucket of
+//! all gradients it made when constructed (alive since before the trace)
+//! and allocates buckets of about 25 MiB. With
+//! [`AllocatorTrace::ddp_bucket_rebuild`] (from the client's model facts)
+//! the replay frees the old buckets' blocks, found by size among the blocks
+//! alive since before the trace, and allocates the new ones there, in step
+//! 2 only. Checked against real PyTorch on fake CUDA
 //! (`tests/fixtures/torch-fake-cuda/`), the GPT, CNN, DDP, Lightning and
 //! Hugging Face Trainer jobs of `bench/torch-jobs` replay to PyTorch's
 //! reserved peaks to the byte (kept gradients: when the client says so).
