@@ -139,7 +139,7 @@ def test_an_out_of_memory_in_step_2_is_reported_as_an_oom_marker(agent, tmp_path
 # DDP over two ranks (NCCL on fake GPUs): 8 layers of 1024 x 1024, one 32 MiB
 # bucket at construction. Each rank records PyTorch's own allocator history
 # over step 2's forward (as bench/torch-jobs/probe_ddp_step2.py does) and
-# prints what was freed and allocated there, and DDP's own rebuilt sizes.
+# writes what was freed and allocated there, and DDP's own rebuilt sizes.
 DDP_TRAIN = r"""
 import json, os, sys, torch, torch.distributed as dist, stepwatch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -165,8 +165,8 @@ for step in (1, 2, 3):
     opt.zero_grad()
 data = model._get_ddp_logging_data()
 seen = [(e["action"], e["size"]) for e in trace if e["action"] in ("alloc", "free_completed")]
-print("RESULT " + json.dumps({"rank": dist.get_rank(), "seen": seen,
-                              "rebuilt": data.get("rebuilt_bucket_sizes", "")}), flush=True)
+with open(os.path.join(sys.argv[2], f"result-{dist.get_rank()}.json"), "w") as f:
+    json.dump({"seen": seen, "rebuilt": data.get("rebuilt_bucket_sizes", "")}, f)
 stepwatch.flush(5)
 dist.destroy_process_group()
 """
@@ -182,15 +182,19 @@ def ddp_on_fake_gpu(agent, tmp_path: Path, find_unused: bool) -> Dict[int, Any]:
         [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
         + ["--gpus", "2", "--"]
         + torchrun
-        + ["--nproc-per-node=2", str(script), "1" if find_unused else "0"],
+        + ["--nproc-per-node=2", str(script), "1" if find_unused else "0", str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [ln[len("RESULT ") :] for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    return {r["rank"]: r for r in map(json.loads, lines)}
+    results = [tmp_path / f"result-{rank}.json" for rank in (0, 1)]
+    # Known fake-CUDA flake (crates/fake-cuda/tests): a rank that finished may
+    # abort at exit with "terminate called without an active exception".
+    at_exit = "terminate called without an active exception" in proc.stderr
+    ok = proc.returncode == 0 or (at_exit and all(r.exists() for r in results))
+    assert ok, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {rank: json.loads(r.read_text()) for rank, r in enumerate(results)}
 
 
 def round512(n: int) -> int:
