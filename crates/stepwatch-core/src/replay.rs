@@ -407,7 +407,8 @@ pub struct LimitedReplay {
     pub reserved_peak_bytes: u64,
     /// Highest reserved bytes of the replayed steps after step 2, when all
     /// fit: a cache that keeps being released need not settle, and its
-    /// steps peak in turns.
+    /// steps peak in turns. Pages an expandable segment's failed growth
+    /// held for an instant count ([`Usage::device`]).
     #[serde(default)]
     pub steady_reserved_peak_bytes: u64,
     /// Cache releases the replayed steps needed.
@@ -634,13 +635,15 @@ pub fn replay_step2_with(
 /// (`fsdp2-4` on real PyTorch at its fragmentation capacity: steps 3–6
 /// peaked at 4,802, 4,676, 4,802 and 4,804 MiB reserved, each after cache
 /// releases, as the replay's do), so the last step's peak may be the
-/// lowest of the cycle. The highest is what the GPU must hold.
+/// lowest of the cycle. The highest is what the GPU must hold, counting
+/// the pages a failed expandable growth held for an instant
+/// ([`Usage::device`]).
 fn steady_peak(runs: &[Run]) -> u64 {
     runs.iter()
         .skip(1)
-        .map(|r| r.peak.reserved)
+        .map(|r| r.peak.device)
         .max()
-        .or_else(|| runs.first().map(|r| r.peak.reserved))
+        .or_else(|| runs.first().map(|r| r.peak.device))
         .unwrap_or(0)
 }
 
