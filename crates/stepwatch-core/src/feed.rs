@@ -181,7 +181,7 @@ pub fn apply_replay(
 mod tests {
     use super::*;
     use crate::identity::{ModelFacts, RankInfo};
-    use crate::marker::{Marker, MarkerKind};
+    use crate::marker::Marker;
     use crate::tracker::TrackerConfig;
 
     fn info(rank: u32) -> RankInfo {
@@ -195,14 +195,17 @@ mod tests {
         }
     }
 
-    fn marker(kind: MarkerKind, step: u64, t: u64) -> Marker {
-        Marker {
-            kind,
-            step,
-            monotonic_ns: t,
-            wall_ns: t,
-            micro_batch: 0,
-            allocator: None,
+    /// A batch of one step-begin marker at `t`, as a record holds it.
+    fn step_begins(key: &RankKey, step: u64, t: u64) -> RecordEntry {
+        let marker: Marker = serde_json::from_str(&format!(
+            r#"{{"kind":"step_begin","step":{step},"monotonic_ns":{t},"wall_ns":{t},"micro_batch":0,"allocator":null}}"#
+        ))
+        .unwrap();
+        let markers = vec![marker];
+        RecordEntry::Markers {
+            at_ns: t,
+            key: key.clone(),
+            markers,
         }
     }
 
@@ -254,19 +257,14 @@ mod tests {
                 ..ModelFacts::default()
             },
         };
-        let step = |n: u64, t0: u64| RecordEntry::Markers {
-            at_ns: t0,
-            key: key.clone(),
-            markers: vec![marker(MarkerKind::StepBegin, n, t0)],
-        };
-        apply(&mut t, &step(1, 10)).unwrap();
+        apply(&mut t, &step_begins(&key, 1, 10)).unwrap();
         assert!(!apply(&mut t, &facts(11)).unwrap().late);
         assert_eq!(
             ReplayPlan::for_rank(&t, &key).gradients,
             Gradients::Kept,
             "the plan follows the merged facts"
         );
-        apply(&mut t, &step(2, 20)).unwrap();
+        apply(&mut t, &step_begins(&key, 2, 20)).unwrap();
         assert!(apply(&mut t, &facts(21)).unwrap().late);
     }
 

@@ -2,10 +2,12 @@
 //! where `stepwatch.v1` meets `stepwatch_core`.
 //!
 //! One pair of functions per message, `<message>_to_wire` and
-//! `<message>_from_wire`, side by side, so a field added to the contract is
-//! added to both here (and the round-trip test in `tests/convert.rs` fails
-//! until it is). The agent reads with the `_from_wire` half; the simulator's
-//! client and the tests write with the `_to_wire` half.
+//! `<message>_from_wire`, side by side. Each names every field of what it
+//! reads (a destructuring without `..`), so a field added to the contract
+//! or to the core type does not compile until both functions of its message
+//! take it, and the round-trip test in `tests/convert.rs` then checks that
+//! they agree. The agent reads with the `_from_wire` half; `stepwatch sim`
+//! and the tests write with the `_to_wire` half.
 //!
 //! Reading is strict where a value the step model needs has no meaning: a
 //! marker or trace event with an unspecified or unknown kind, action or
@@ -23,6 +25,44 @@ use stepwatch_core::{
 };
 
 use crate::v1 as pb;
+
+/// `$to` from `$value` (a `$from`) for messages whose fields have the same
+/// names and types on both sides. Both are named in full: a field added to
+/// either side and not listed here fails to compile.
+macro_rules! same_fields {
+    ($value:expr, $from:path => $to:path { $($field:ident),+ $(,)? }) => {{
+        let $from { $($field),+ } = $value;
+        $to { $($field),+ }
+    }};
+}
+
+/// Both directions of a one-to-one enum mapping, from one list of
+/// `core <=> wire` variant pairs: `$to` (total: the match names every core
+/// variant) and `$from`, which gives None for a wire value not listed (an
+/// unspecified one where no core variant stands for it, or one from a newer
+/// contract).
+macro_rules! enum_pairs {
+    ($to:ident, $from:ident, $core:ty => $wire:ty { $($c:ident <=> $w:ident),+ $(,)? }) => {
+        #[doc = concat!("The wire's `", stringify!($wire), "` for a core `", stringify!($core), "`.")]
+        pub fn $to(value: $core) -> $wire {
+            type Core = $core;
+            type Wire = $wire;
+            match value {
+                $(Core::$c => Wire::$w),+
+            }
+        }
+
+        #[doc = concat!("The core `", stringify!($core), "` for a wire value; None when the pairs do not list it.")]
+        pub fn $from(value: i32) -> Option<$core> {
+            type Core = $core;
+            type Wire = $wire;
+            match Wire::try_from(value) {
+                $(Ok(Wire::$w) => Some(Core::$c),)+
+                _ => None,
+            }
+        }
+    };
+}
 
 /// A wire value the step model cannot take, with the
 /// `stepwatch_markers_rejected_total` reason it is counted under.
@@ -76,21 +116,37 @@ impl WireError {
 /// A rank's hello. The agent's own findings (`container`, `attested`) are
 /// not on the wire, and a client's version is not in [`RankInfo`].
 pub fn hello_to_wire(info: &RankInfo, client_version: &str) -> pb::Hello {
+    let RankInfo {
+        job,
+        rank,
+        local_rank,
+        world_size,
+        node_name,
+        pod,
+        namespace,
+        container: _,
+        attested: _,
+        gpu_uuid,
+        pid,
+        framework,
+        framework_version,
+        model,
+    } = info.clone();
     pb::Hello {
         identity: Some(pb::Identity {
-            job_id: info.job.clone(),
-            rank: info.rank,
-            local_rank: info.local_rank,
-            world_size: info.world_size,
-            node_name: info.node_name.clone(),
-            pod: info.pod.clone(),
-            namespace: info.namespace.clone(),
+            job_id: job,
+            rank,
+            local_rank,
+            world_size,
+            node_name,
+            pod,
+            namespace,
         }),
-        gpu_uuid: info.gpu_uuid.clone(),
-        pid: info.pid,
-        framework: info.framework.clone(),
-        framework_version: info.framework_version.clone(),
-        model: Some(model_facts_to_wire(&info.model)),
+        gpu_uuid,
+        pid,
+        framework,
+        framework_version,
+        model: Some(model_facts_to_wire(&model)),
         client_version: client_version.to_owned(),
     }
 }
@@ -100,22 +156,39 @@ pub fn hello_to_wire(info: &RankInfo, client_version: &str) -> pb::Hello {
 /// is neither attested nor placed in a container yet. Content is checked by
 /// the tracker ([`RankInfo::validate`]), not here.
 pub fn hello_from_wire(hello: pb::Hello) -> RankInfo {
-    let id = hello.identity.unwrap_or_default();
+    let pb::Hello {
+        identity,
+        gpu_uuid,
+        pid,
+        framework,
+        framework_version,
+        model,
+        client_version: _,
+    } = hello;
+    let pb::Identity {
+        job_id,
+        rank,
+        local_rank,
+        world_size,
+        node_name,
+        pod,
+        namespace,
+    } = identity.unwrap_or_default();
     RankInfo {
-        job: id.job_id,
-        rank: id.rank,
-        local_rank: id.local_rank,
-        world_size: id.world_size,
-        node_name: id.node_name,
-        pod: id.pod,
-        namespace: id.namespace,
+        job: job_id,
+        rank,
+        local_rank,
+        world_size,
+        node_name,
+        pod,
+        namespace,
         container: String::new(),
         attested: false,
-        gpu_uuid: hello.gpu_uuid,
-        pid: hello.pid,
-        framework: hello.framework,
-        framework_version: hello.framework_version,
-        model: model_facts_from_wire(hello.model.unwrap_or_default()),
+        gpu_uuid,
+        pid,
+        framework,
+        framework_version,
+        model: model_facts_from_wire(model.unwrap_or_default()),
     }
 }
 
@@ -123,156 +196,166 @@ pub fn hello_from_wire(hello: pb::Hello) -> RankInfo {
 
 /// A hello's model facts, or a later update's.
 pub fn model_facts_to_wire(f: &ModelFacts) -> pb::ModelFacts {
+    let ModelFacts {
+        parameter_count,
+        parameter_bytes,
+        optimizer,
+        state_bytes_per_parameter,
+        precision,
+        sharding_factor,
+        grad_accumulation_steps,
+        state_precreated,
+        grads_set_to_none,
+        micro_batch_size,
+        optimizer_implementation,
+    } = *f;
     pb::ModelFacts {
-        parameter_count: f.parameter_count,
-        parameter_bytes: f.parameter_bytes,
-        optimizer: match f.optimizer {
-            OptimizerKind::Unknown => pb::OptimizerKind::Unspecified,
-            OptimizerKind::Adam => pb::OptimizerKind::Adam,
-            OptimizerKind::SgdMomentum => pb::OptimizerKind::SgdMomentum,
-            OptimizerKind::Sgd => pb::OptimizerKind::Sgd,
-            OptimizerKind::Other => pb::OptimizerKind::Other,
-        } as i32,
-        state_bytes_per_parameter: f.state_bytes_per_parameter,
-        precision: match f.precision {
-            Precision::Unknown => pb::Precision::Unspecified,
-            Precision::Fp32 => pb::Precision::Fp32,
-            Precision::MixedBf16 => pb::Precision::MixedBf16,
-            Precision::MixedFp16 => pb::Precision::MixedFp16,
-            Precision::Bf16 => pb::Precision::Bf16,
-        } as i32,
-        sharding_factor: f.sharding_factor,
-        grad_accumulation_steps: f.grad_accumulation_steps,
-        state_precreated: f.state_precreated,
-        grads_set_to_none: f.grads_set_to_none,
-        micro_batch_size: f.micro_batch_size,
-        optimizer_implementation: match f.optimizer_implementation {
-            OptimizerImplementation::Unknown => pb::OptimizerImplementation::Unspecified,
-            OptimizerImplementation::Foreach => pb::OptimizerImplementation::Foreach,
-            OptimizerImplementation::Fused => pb::OptimizerImplementation::Fused,
-            OptimizerImplementation::ForLoop => pb::OptimizerImplementation::ForLoop,
-        } as i32,
+        parameter_count,
+        parameter_bytes,
+        optimizer: optimizer_to_wire(optimizer) as i32,
+        state_bytes_per_parameter,
+        precision: precision_to_wire(precision) as i32,
+        sharding_factor,
+        grad_accumulation_steps,
+        state_precreated,
+        grads_set_to_none,
+        micro_batch_size,
+        optimizer_implementation: optimizer_implementation_to_wire(optimizer_implementation) as i32,
     }
 }
 
 /// Model facts as sent; unknown enum values read as unknown (see the
 /// module's note).
 pub fn model_facts_from_wire(f: pb::ModelFacts) -> ModelFacts {
+    let pb::ModelFacts {
+        parameter_count,
+        parameter_bytes,
+        optimizer,
+        state_bytes_per_parameter,
+        precision,
+        sharding_factor,
+        grad_accumulation_steps,
+        state_precreated,
+        grads_set_to_none,
+        micro_batch_size,
+        optimizer_implementation,
+    } = f;
     ModelFacts {
-        parameter_count: f.parameter_count,
-        parameter_bytes: f.parameter_bytes,
-        optimizer: match pb::OptimizerKind::try_from(f.optimizer) {
-            Ok(pb::OptimizerKind::Adam) => OptimizerKind::Adam,
-            Ok(pb::OptimizerKind::SgdMomentum) => OptimizerKind::SgdMomentum,
-            Ok(pb::OptimizerKind::Sgd) => OptimizerKind::Sgd,
-            Ok(pb::OptimizerKind::Other) => OptimizerKind::Other,
-            Ok(pb::OptimizerKind::Unspecified) | Err(_) => OptimizerKind::Unknown,
-        },
-        state_bytes_per_parameter: f.state_bytes_per_parameter,
-        precision: match pb::Precision::try_from(f.precision) {
-            Ok(pb::Precision::Fp32) => Precision::Fp32,
-            Ok(pb::Precision::MixedBf16) => Precision::MixedBf16,
-            Ok(pb::Precision::MixedFp16) => Precision::MixedFp16,
-            Ok(pb::Precision::Bf16) => Precision::Bf16,
-            Ok(pb::Precision::Unspecified) | Err(_) => Precision::Unknown,
-        },
-        sharding_factor: f.sharding_factor,
-        grad_accumulation_steps: f.grad_accumulation_steps,
-        state_precreated: f.state_precreated,
-        grads_set_to_none: f.grads_set_to_none,
-        micro_batch_size: f.micro_batch_size,
-        optimizer_implementation: match pb::OptimizerImplementation::try_from(
-            f.optimizer_implementation,
-        ) {
-            Ok(pb::OptimizerImplementation::Foreach) => OptimizerImplementation::Foreach,
-            Ok(pb::OptimizerImplementation::Fused) => OptimizerImplementation::Fused,
-            Ok(pb::OptimizerImplementation::ForLoop) => OptimizerImplementation::ForLoop,
-            Ok(pb::OptimizerImplementation::Unspecified) | Err(_) => {
-                OptimizerImplementation::Unknown
-            }
-        },
+        parameter_count,
+        parameter_bytes,
+        optimizer: optimizer_from_wire(optimizer).unwrap_or_default(),
+        state_bytes_per_parameter,
+        precision: precision_from_wire(precision).unwrap_or_default(),
+        sharding_factor,
+        grad_accumulation_steps,
+        state_precreated,
+        grads_set_to_none,
+        micro_batch_size,
+        optimizer_implementation: optimizer_implementation_from_wire(optimizer_implementation)
+            .unwrap_or_default(),
     }
 }
+
+// Unknown values read as unknown (see the module's note).
+enum_pairs!(optimizer_to_wire, optimizer_from_wire, OptimizerKind => pb::OptimizerKind {
+    Unknown <=> Unspecified,
+    Adam <=> Adam,
+    SgdMomentum <=> SgdMomentum,
+    Sgd <=> Sgd,
+    Other <=> Other,
+});
+enum_pairs!(precision_to_wire, precision_from_wire, Precision => pb::Precision {
+    Unknown <=> Unspecified,
+    Fp32 <=> Fp32,
+    MixedBf16 <=> MixedBf16,
+    MixedFp16 <=> MixedFp16,
+    Bf16 <=> Bf16,
+});
+enum_pairs!(
+    optimizer_implementation_to_wire,
+    optimizer_implementation_from_wire,
+    OptimizerImplementation => pb::OptimizerImplementation {
+        Unknown <=> Unspecified,
+        Foreach <=> Foreach,
+        Fused <=> Fused,
+        ForLoop <=> ForLoop,
+    }
+);
 
 // ---- MarkerKind -------------------------------------------------------------
 
-/// A marker's kind.
-pub fn marker_kind_to_wire(kind: MarkerKind) -> pb::MarkerKind {
-    match kind {
-        MarkerKind::StepBegin => pb::MarkerKind::StepBegin,
-        MarkerKind::ForwardBegin => pb::MarkerKind::ForwardBegin,
-        MarkerKind::BackwardBegin => pb::MarkerKind::BackwardBegin,
-        MarkerKind::OptimizerBegin => pb::MarkerKind::OptimizerBegin,
-        MarkerKind::OptimizerEnd => pb::MarkerKind::OptimizerEnd,
-        MarkerKind::StepEnd => pb::MarkerKind::StepEnd,
-        MarkerKind::Oom => pb::MarkerKind::Oom,
-    }
-}
+// No core kind stands for MARKER_KIND_UNSPECIFIED: a marker must say what it is.
+enum_pairs!(marker_kind_to_wire, marker_kind_of_wire, MarkerKind => pb::MarkerKind {
+    StepBegin <=> StepBegin,
+    ForwardBegin <=> ForwardBegin,
+    BackwardBegin <=> BackwardBegin,
+    OptimizerBegin <=> OptimizerBegin,
+    OptimizerEnd <=> OptimizerEnd,
+    StepEnd <=> StepEnd,
+    Oom <=> Oom,
+});
 
 /// A marker kind as sent; unspecified and unknown values are refused.
 pub fn marker_kind_from_wire(value: i32) -> Result<MarkerKind, WireError> {
-    Ok(match pb::MarkerKind::try_from(value) {
-        Ok(pb::MarkerKind::StepBegin) => MarkerKind::StepBegin,
-        Ok(pb::MarkerKind::ForwardBegin) => MarkerKind::ForwardBegin,
-        Ok(pb::MarkerKind::BackwardBegin) => MarkerKind::BackwardBegin,
-        Ok(pb::MarkerKind::OptimizerBegin) => MarkerKind::OptimizerBegin,
-        Ok(pb::MarkerKind::OptimizerEnd) => MarkerKind::OptimizerEnd,
-        Ok(pb::MarkerKind::StepEnd) => MarkerKind::StepEnd,
-        Ok(pb::MarkerKind::Oom) => MarkerKind::Oom,
-        Ok(pb::MarkerKind::Unspecified) | Err(_) => return Err(WireError::MarkerKind(value)),
-    })
+    marker_kind_of_wire(value).ok_or(WireError::MarkerKind(value))
 }
 
 // ---- Marker, AllocatorStats -------------------------------------------------
 
 /// A marker, with its allocator figures when it has them.
 pub fn marker_to_wire(m: &Marker) -> pb::Marker {
+    let Marker {
+        kind,
+        step,
+        monotonic_ns,
+        wall_ns,
+        micro_batch,
+        allocator,
+    } = *m;
     pb::Marker {
-        kind: marker_kind_to_wire(m.kind) as i32,
-        step: m.step,
-        monotonic_ns: m.monotonic_ns,
-        wall_ns: m.wall_ns,
-        micro_batch: m.micro_batch,
-        allocator: m.allocator.as_ref().map(allocator_stats_to_wire),
+        kind: marker_kind_to_wire(kind) as i32,
+        step,
+        monotonic_ns,
+        wall_ns,
+        micro_batch,
+        allocator: allocator.as_ref().map(allocator_stats_to_wire),
     }
 }
 
 /// A marker as sent; its plausibility is the timeline's to check.
 pub fn marker_from_wire(m: pb::Marker) -> Result<Marker, WireError> {
+    let pb::Marker {
+        kind,
+        step,
+        monotonic_ns,
+        wall_ns,
+        allocator,
+        micro_batch,
+    } = m;
     Ok(Marker {
-        kind: marker_kind_from_wire(m.kind)?,
-        step: m.step,
-        monotonic_ns: m.monotonic_ns,
-        wall_ns: m.wall_ns,
-        micro_batch: m.micro_batch,
-        allocator: m.allocator.map(allocator_stats_from_wire),
+        kind: marker_kind_from_wire(kind)?,
+        step,
+        monotonic_ns,
+        wall_ns,
+        micro_batch,
+        allocator: allocator.map(allocator_stats_from_wire),
     })
 }
 
 /// `torch.cuda.memory_stats()` figures at a marker.
 pub fn allocator_stats_to_wire(a: &AllocatorStats) -> pb::AllocatorStats {
-    pb::AllocatorStats {
-        allocated_bytes: a.allocated_bytes,
-        allocated_peak_bytes: a.allocated_peak_bytes,
-        reserved_bytes: a.reserved_bytes,
-        reserved_peak_bytes: a.reserved_peak_bytes,
-        active_bytes: a.active_bytes,
-        active_peak_bytes: a.active_peak_bytes,
-        num_alloc_retries: a.num_alloc_retries,
-    }
+    same_fields!(*a, AllocatorStats => pb::AllocatorStats {
+        allocated_bytes, allocated_peak_bytes, reserved_bytes, reserved_peak_bytes,
+        active_bytes, active_peak_bytes, num_alloc_retries,
+    })
 }
 
 /// Allocator figures as sent.
 pub fn allocator_stats_from_wire(a: pb::AllocatorStats) -> AllocatorStats {
-    AllocatorStats {
-        allocated_bytes: a.allocated_bytes,
-        allocated_peak_bytes: a.allocated_peak_bytes,
-        reserved_bytes: a.reserved_bytes,
-        reserved_peak_bytes: a.reserved_peak_bytes,
-        active_bytes: a.active_bytes,
-        active_peak_bytes: a.active_peak_bytes,
-        num_alloc_retries: a.num_alloc_retries,
-    }
+    same_fields!(a, pb::AllocatorStats => AllocatorStats {
+        allocated_bytes, allocated_peak_bytes, reserved_bytes, reserved_peak_bytes,
+        active_bytes, active_peak_bytes, num_alloc_retries,
+    })
 }
 
 // ---- AllocatorTraceChunk and its parts --------------------------------------
@@ -316,66 +399,64 @@ pub fn allocator_trace_chunk_from_wire(
 
 /// The allocator settings the traced process ran with.
 pub fn trace_settings_to_wire(s: &TraceSettings) -> pb::AllocatorSettings {
-    pb::AllocatorSettings {
-        max_split_size_bytes: s.max_split_size_bytes,
-        roundup_power2_divisions: s.roundup_power2_divisions.clone(),
-        garbage_collection_threshold: s.garbage_collection_threshold,
-        expandable_segments: s.expandable_segments,
-        alloc_conf: s.alloc_conf.clone(),
-    }
+    same_fields!(s.clone(), TraceSettings => pb::AllocatorSettings {
+        max_split_size_bytes, roundup_power2_divisions, garbage_collection_threshold,
+        expandable_segments, alloc_conf,
+    })
 }
 
 /// Allocator settings as sent; whether the replay models them is
 /// [`TraceSettings::model`]'s to say.
 pub fn trace_settings_from_wire(s: pb::AllocatorSettings) -> TraceSettings {
-    TraceSettings {
-        max_split_size_bytes: s.max_split_size_bytes,
-        roundup_power2_divisions: s.roundup_power2_divisions,
-        garbage_collection_threshold: s.garbage_collection_threshold,
-        expandable_segments: s.expandable_segments,
-        alloc_conf: s.alloc_conf,
-    }
+    same_fields!(s, pb::AllocatorSettings => TraceSettings {
+        max_split_size_bytes, roundup_power2_divisions, garbage_collection_threshold,
+        expandable_segments, alloc_conf,
+    })
 }
 
 /// A segment of the layout after step 1's optimizer phase.
 pub fn segment_to_wire(s: &SegmentLayout) -> pb::AllocatorSegment {
+    let SegmentLayout {
+        address,
+        pool,
+        blocks,
+        stream,
+        pool_id,
+        expandable,
+    } = s;
     pb::AllocatorSegment {
-        address: s.address,
-        small_pool: s.pool == Pool::Small,
-        blocks: s
-            .blocks
+        address: *address,
+        small_pool: *pool == Pool::Small,
+        blocks: blocks
             .iter()
-            .map(|b| pb::AllocatorBlock {
-                size: b.size,
-                allocated: b.allocated,
-            })
+            .map(|b| same_fields!(*b, BlockLayout => pb::AllocatorBlock { size, allocated }))
             .collect(),
-        stream: s.stream,
-        pool_id: s.pool_id,
-        expandable: s.expandable,
+        stream: *stream,
+        pool_id: *pool_id,
+        expandable: *expandable,
     }
 }
 
 /// A segment as sent; its consistency is the replay's to check.
 pub fn segment_from_wire(s: pb::AllocatorSegment) -> SegmentLayout {
+    let pb::AllocatorSegment {
+        address,
+        small_pool,
+        blocks,
+        stream,
+        pool_id,
+        expandable,
+    } = s;
     SegmentLayout {
-        address: s.address,
-        pool: if s.small_pool {
-            Pool::Small
-        } else {
-            Pool::Large
-        },
-        blocks: s
-            .blocks
+        address,
+        pool: if small_pool { Pool::Small } else { Pool::Large },
+        blocks: blocks
             .into_iter()
-            .map(|b| BlockLayout {
-                size: b.size,
-                allocated: b.allocated,
-            })
+            .map(|b| same_fields!(b, pb::AllocatorBlock => BlockLayout { size, allocated }))
             .collect(),
-        stream: s.stream,
-        pool_id: s.pool_id,
-        expandable: s.expandable,
+        stream,
+        pool_id,
+        expandable,
     }
 }
 
@@ -390,108 +471,125 @@ pub fn phase_to_wire(phase: PhaseKind) -> pb::MarkerKind {
     })
 }
 
+enum_pairs!(action_to_wire, action_from_wire, AllocatorAction => pb::AllocatorAction {
+    Alloc <=> Alloc,
+    Free <=> Free,
+    SegmentAlloc <=> SegmentAlloc,
+    SegmentFree <=> SegmentFree,
+    SegmentMap <=> SegmentMap,
+    SegmentUnmap <=> SegmentUnmap,
+});
+
 /// One allocation, free or segment event of the traced step.
 pub fn event_to_wire(e: &AllocatorEvent) -> pb::AllocatorEvent {
+    let AllocatorEvent {
+        action,
+        address,
+        size,
+        phase,
+        stream,
+    } = *e;
     pb::AllocatorEvent {
-        action: match e.action {
-            AllocatorAction::Alloc => pb::AllocatorAction::Alloc,
-            AllocatorAction::Free => pb::AllocatorAction::Free,
-            AllocatorAction::SegmentAlloc => pb::AllocatorAction::SegmentAlloc,
-            AllocatorAction::SegmentFree => pb::AllocatorAction::SegmentFree,
-            AllocatorAction::SegmentMap => pb::AllocatorAction::SegmentMap,
-            AllocatorAction::SegmentUnmap => pb::AllocatorAction::SegmentUnmap,
-        } as i32,
-        address: e.address,
-        size: e.size,
-        phase: phase_to_wire(e.phase) as i32,
-        stream: e.stream,
+        action: action_to_wire(action) as i32,
+        address,
+        size,
+        phase: phase_to_wire(phase) as i32,
+        stream,
     }
 }
 
 /// An event as sent, `index` being its place in the whole trace (for the
 /// error); an unknown action or a phase no marker opens is refused.
 pub fn event_from_wire(e: pb::AllocatorEvent, index: usize) -> Result<AllocatorEvent, WireError> {
-    let action = match pb::AllocatorAction::try_from(e.action) {
-        Ok(pb::AllocatorAction::Alloc) => AllocatorAction::Alloc,
-        Ok(pb::AllocatorAction::Free) => AllocatorAction::Free,
-        Ok(pb::AllocatorAction::SegmentAlloc) => AllocatorAction::SegmentAlloc,
-        Ok(pb::AllocatorAction::SegmentFree) => AllocatorAction::SegmentFree,
-        Ok(pb::AllocatorAction::SegmentMap) => AllocatorAction::SegmentMap,
-        Ok(pb::AllocatorAction::SegmentUnmap) => AllocatorAction::SegmentUnmap,
-        Ok(pb::AllocatorAction::Unspecified) | Err(_) => {
-            return Err(WireError::EventAction {
-                index,
-                value: e.action,
-            })
-        }
-    };
-    let phase = marker_kind_from_wire(e.phase)
+    let pb::AllocatorEvent {
+        action,
+        address,
+        size,
+        phase,
+        stream,
+    } = e;
+    let action = action_from_wire(action).ok_or(WireError::EventAction {
+        index,
+        value: action,
+    })?;
+    let phase = marker_kind_from_wire(phase)
         .ok()
         .and_then(MarkerKind::opens)
         .ok_or(WireError::EventPhase {
             index,
-            value: e.phase,
+            value: phase,
         })?;
     Ok(AllocatorEvent {
         action,
-        address: e.address,
-        size: e.size,
+        address,
+        size,
         phase,
-        stream: e.stream,
+        stream,
     })
 }
 
 // ---- Advisory ---------------------------------------------------------------
 
-/// An advisory's kind.
-pub fn advisory_kind_to_wire(kind: AdvisoryKind) -> pb::AdvisoryKind {
-    match kind {
-        AdvisoryKind::Step2OomPredicted => pb::AdvisoryKind::Step2OomPredicted,
-        AdvisoryKind::LowHeadroom => pb::AdvisoryKind::LowHeadroom,
-        AdvisoryKind::RankDivergence => pb::AdvisoryKind::RankDivergence,
-    }
-}
+enum_pairs!(advisory_kind_to_wire, advisory_kind_of_wire, AdvisoryKind => pb::AdvisoryKind {
+    Step2OomPredicted <=> Step2OomPredicted,
+    LowHeadroom <=> LowHeadroom,
+    RankDivergence <=> RankDivergence,
+});
 
 /// An advisory kind as sent; unspecified and unknown values are refused.
 pub fn advisory_kind_from_wire(value: i32) -> Result<AdvisoryKind, WireError> {
-    Ok(match pb::AdvisoryKind::try_from(value) {
-        Ok(pb::AdvisoryKind::Step2OomPredicted) => AdvisoryKind::Step2OomPredicted,
-        Ok(pb::AdvisoryKind::LowHeadroom) => AdvisoryKind::LowHeadroom,
-        Ok(pb::AdvisoryKind::RankDivergence) => AdvisoryKind::RankDivergence,
-        Ok(pb::AdvisoryKind::Unspecified) | Err(_) => return Err(WireError::AdvisoryKind(value)),
-    })
+    advisory_kind_of_wire(value).ok_or(WireError::AdvisoryKind(value))
 }
 
 /// An advisory for the rank's stream; its severity follows from its kind
-/// (a predicted step-2 OOM is critical, the rest are warnings).
+/// (a predicted step-2 OOM is critical, the rest are warnings). When it was
+/// issued and which divergence figure named the rank stay in the agent.
 pub fn advisory_to_wire(a: &Advisory) -> pb::Advisory {
-    let severity = match a.kind {
+    let Advisory {
+        kind,
+        step,
+        issued_monotonic_ns: _,
+        predicted_peak_bytes,
+        capacity_bytes,
+        predicted_headroom_bytes,
+        message,
+        divergence: _,
+    } = a.clone();
+    let severity = match kind {
         AdvisoryKind::Step2OomPredicted => pb::Severity::Critical,
         AdvisoryKind::LowHeadroom | AdvisoryKind::RankDivergence => pb::Severity::Warning,
     };
     pb::Advisory {
-        kind: advisory_kind_to_wire(a.kind) as i32,
+        kind: advisory_kind_to_wire(kind) as i32,
         severity: severity as i32,
-        message: a.message.clone(),
-        step: a.step,
-        predicted_peak_bytes: a.predicted_peak_bytes,
-        capacity_bytes: a.capacity_bytes,
-        predicted_headroom_bytes: a.predicted_headroom_bytes,
+        message,
+        step,
+        predicted_peak_bytes,
+        capacity_bytes,
+        predicted_headroom_bytes,
     }
 }
 
-/// An advisory as a client receives it. The agent's own bookkeeping (when
-/// it was issued, which divergence figure named the rank) is not on the
-/// wire and reads as 0 and None; the severity is implied by the kind.
+/// An advisory as a client receives it. The agent's own bookkeeping reads
+/// as 0 and None; the severity is implied by the kind.
 pub fn advisory_from_wire(a: pb::Advisory) -> Result<Advisory, WireError> {
+    let pb::Advisory {
+        kind,
+        severity: _,
+        message,
+        step,
+        predicted_peak_bytes,
+        capacity_bytes,
+        predicted_headroom_bytes,
+    } = a;
     Ok(Advisory {
-        kind: advisory_kind_from_wire(a.kind)?,
-        step: a.step,
+        kind: advisory_kind_from_wire(kind)?,
+        step,
         issued_monotonic_ns: 0,
-        predicted_peak_bytes: a.predicted_peak_bytes,
-        capacity_bytes: a.capacity_bytes,
-        predicted_headroom_bytes: a.predicted_headroom_bytes,
-        message: a.message,
+        predicted_peak_bytes,
+        capacity_bytes,
+        predicted_headroom_bytes,
+        message,
         divergence: None,
     })
 }

@@ -6,9 +6,8 @@ use proptest::prelude::*;
 use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::replay::TraceSettings;
 use stepwatch_core::{
-    Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace,
-    Marker, MarkerKind, ModelFacts, OptimizerImplementation, OptimizerKind, PhaseKind, Precision,
-    RankInfo,
+    Advisory, AdvisoryKind, AllocatorEvent, AllocatorStats, AllocatorTrace, Marker, MarkerKind,
+    ModelFacts, OptimizerImplementation, OptimizerKind, PhaseKind, Precision, RankInfo,
 };
 use stepwatch_proto::convert::*;
 use stepwatch_proto::v1 as pb;
@@ -103,16 +102,10 @@ fn rank_info() -> impl Strategy<Value = RankInfo> {
         )
 }
 
+/// Every marker kind, drawn by its wire value (the exhaustive test below
+/// checks each wire value maps to a kind and back).
 fn marker_kind() -> impl Strategy<Value = MarkerKind> {
-    prop::sample::select(vec![
-        MarkerKind::StepBegin,
-        MarkerKind::ForwardBegin,
-        MarkerKind::BackwardBegin,
-        MarkerKind::OptimizerBegin,
-        MarkerKind::OptimizerEnd,
-        MarkerKind::StepEnd,
-        MarkerKind::Oom,
-    ])
+    (1..=7i32).prop_map(|k| marker_kind_from_wire(k).expect("a kind of the contract"))
 }
 
 fn allocator_stats() -> impl Strategy<Value = AllocatorStats> {
@@ -172,27 +165,24 @@ fn segment() -> impl Strategy<Value = SegmentLayout> {
         )
 }
 
+/// Every action, in every phase, drawn by its wire value.
 fn event() -> impl Strategy<Value = AllocatorEvent> {
     (
-        prop::sample::select(vec![
-            AllocatorAction::Alloc,
-            AllocatorAction::Free,
-            AllocatorAction::SegmentAlloc,
-            AllocatorAction::SegmentFree,
-            AllocatorAction::SegmentMap,
-            AllocatorAction::SegmentUnmap,
-        ]),
+        1..=6i32,
         any::<u64>(),
         any::<u64>(),
         prop::sample::select(PhaseKind::ALL.to_vec()),
         any::<u64>(),
     )
-        .prop_map(|(action, address, size, phase, stream)| AllocatorEvent {
-            action,
-            address,
-            size,
-            phase,
-            stream,
+        .prop_map(|(action, address, size, phase, stream)| {
+            let wire = pb::AllocatorEvent {
+                action,
+                address,
+                size,
+                phase: phase_to_wire(phase) as i32,
+                stream,
+            };
+            event_from_wire(wire, 0).expect("an action of the contract")
         })
 }
 
