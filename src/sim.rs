@@ -198,6 +198,8 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         framework_version: env!("CARGO_PKG_VERSION").into(),
         client_version: env!("CARGO_PKG_VERSION").into(),
         model: Some(proto_facts(&rank.model_facts())),
+        // Client::start makes one: one simulated run per client.
+        run_id: String::new(),
     };
     let client = Client::start(ClientOptions::new(&args.endpoint, hello));
     tracing::info!(scenario = %scenario.name, job = %job, rank = args.rank, gpu, pid, "simulated rank starting");

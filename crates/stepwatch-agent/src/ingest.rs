@@ -989,6 +989,7 @@ fn rank_info(hello: pb::Hello, peer_pid: Option<u32>) -> RankInfo {
         framework: hello.framework,
         framework_version: hello.framework_version,
         model: model_facts(model),
+        run_id: hello.run_id,
     }
 }
 
