@@ -121,6 +121,32 @@ def _env_int(name: str, default: int) -> int:
 
 _all_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
+# grpc and the stubs (ingest_pb2, ingest_pb2_grpc), once load_wire imported them.
+_wire: Optional[Tuple[Any, Any, Any]] = None
+
+# What the stubs and the client are tested on (tests/test_protobuf_compat.py).
+SUPPORTED_RUNTIMES = "grpcio >= 1.51.3 and protobuf >= 4.21.6, < 8"
+
+
+def load_wire() -> Tuple[Any, Any, Any]:
+    """grpc, ingest_pb2 and ingest_pb2_grpc, imported once. An environment whose
+    grpcio or protobuf the stubs cannot use (e.g. protobuf 3.20, pinned by old
+    TensorFlow) raises :class:`StepwatchError` naming it and what is supported:
+    the client logs it once and acts as if no agent answered; ``strict=True``
+    raises it from ``watch()``/``configure()``."""
+    global _wire
+    if _wire is None:
+        try:
+            import grpc
+
+            from ._proto.stepwatch.v1 import ingest_pb2, ingest_pb2_grpc
+        except Exception as e:
+            raise StepwatchError(
+                f"cannot load grpcio/protobuf ({e}); stepwatch needs {SUPPORTED_RUNTIMES}"
+            ) from e
+        _wire = (grpc, ingest_pb2, ingest_pb2_grpc)
+    return _wire
+
 
 class Client:
     """One rank's connection to the agent. Cheap to create; starts its thread lazily.
@@ -351,10 +377,16 @@ class Client:
             log.debug(msg, *args)
 
     def _run(self) -> None:
-        import grpc
-
-        from ._proto.stepwatch.v1 import ingest_pb2_grpc
-
+        try:
+            grpc, _, ingest_pb2_grpc = load_wire()
+        except StepwatchError as e:
+            # Logged once; then as with an absent agent (queued, dropped, counted).
+            self.counters["connect_failures"] += 1
+            self._agent_absent = True
+            log.error("stepwatch: %s; markers will not reach the agent (training goes on)", e)
+            if self.strict:
+                self._strict_error = e
+            return
         credentials = None
         tls = self.tls
         if tls is not None:

@@ -20,6 +20,7 @@ from ._client import (
     Prediction,
     StepwatchError,
     _env_float,
+    load_wire,
 )
 from ._identity import Identity, endpoint_target, resolve_identity, sanitize_id
 from ._tls import TlsSettings, load_tls, resolve_tls
@@ -150,6 +151,8 @@ class _Runtime:
             c.rank_for_logs = self.get_identity().rank
             if self.strict and c.tls is not None and c.tls.error is not None:
                 raise StepwatchError(f"TLS for {target} is unusable: {c.tls.error}")
+            if self.strict:
+                load_wire()  # an unusable grpcio/protobuf: raised here, at setup
             return c
 
     def attach(
