@@ -98,8 +98,9 @@ _OFFLINE_HINTS = (
 def throwaway_venv(name: str, specs: list[str], probe: str) -> Path:
     """The Python of a virtualenv ``name`` under ``~/.cache/stepwatch/venvs``
     (``$STEPWATCH_VENVS_DIR``) holding exactly ``specs`` (pip requirement
-    strings), made on first use and kept; ``probe`` (Python code) must run in
-    it for it to count as made. Raises :class:`VenvUnavailable`."""
+    strings), made on first use with ``$STEPWATCH_VENV_PYTHON`` (default: this
+    Python) and kept; ``probe`` (Python code) must run in it for it to count
+    as made. Raises :class:`VenvUnavailable`."""
     root = Path(
         os.environ.get("STEPWATCH_VENVS_DIR") or Path.home() / ".cache" / "stepwatch" / "venvs"
     )
@@ -108,7 +109,9 @@ def throwaway_venv(name: str, specs: list[str], probe: str) -> Path:
     if python.exists() and subprocess.run([str(python), "-c", probe]).returncode == 0:
         return python
     shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    # grpcio 1.51.3 (generator and compat pin) has wheels up to CPython 3.11.
+    base = os.environ.get("STEPWATCH_VENV_PYTHON") or sys.executable
+    subprocess.run([base, "-m", "venv", str(venv)], check=True)
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     done = subprocess.run(
         [*pip, "--retries", "1", "--timeout", "15", *specs], capture_output=True, text=True
