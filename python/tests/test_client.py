@@ -338,3 +338,20 @@ def test_strict_raises_an_unusable_protobuf_at_setup(sock_dir, monkeypatch):
     _break_the_stubs(monkeypatch)
     with pytest.raises(stepwatch.StepwatchError, match=r"protobuf >= 4\.21\.6"):
         stepwatch.configure(strict=True)
+
+
+def test_a_new_run_dropped_from_a_full_queue_still_names_the_next_hello():
+    """With no agent the queue overflows; a run boundary pushed out of it with
+    the old run's markers still takes effect: what remains is the new run's,
+    so the next hello must carry the new run id."""
+    from stepwatch._client import NewRun
+
+    c = Client("unix:///nonexistent/stepwatch.sock", lambda: None, queue_size=4, run_id="run-1")
+    c._thread = object()  # no sender: the test drives the queue alone
+    c.mark(STEP_BEGIN, 7)
+    c.new_run("run-2")
+    for _ in range(4):
+        c.mark(STEP_BEGIN, 1)
+    assert not any(type(x) is NewRun for x in c._q)
+    assert c._run_id == "run-2"
+    assert c.counters["dropped"] == 2
