@@ -356,3 +356,37 @@ def test_the_step_begins_before_pre_hooks_registered_earlier(agent):
     assert seen == [1, 2], seen
     ms = agent.wait_markers(12)
     assert summary(ms) == [(k, s, 0) for s in (1, 2) for k in STEP]
+
+
+def test_errors_inside_the_hooks_never_reach_training(sock_dir, monkeypatch):
+    """After watch() returns, a failure in stepwatch's own code (here: every
+    marker) is counted and logged at debug, and training runs as without it;
+    only strict=True raises it."""
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", f"unix://{sock_dir}/none.sock")
+
+    def run(with_watch, strict=False):
+        model = small_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        h = stepwatch.watch(model, opt) if with_watch else None
+        if h is not None:
+            # strict=True as watch() would set it with an agent answering.
+            monkeypatch.setattr(stepwatch._runtime.RT, "strict", strict)
+
+            def broken(kind, step, micro):
+                raise RuntimeError("a bug in stepwatch")
+
+            monkeypatch.setattr(stepwatch._runtime.RT.tracker, "emit", broken)
+        torch.manual_seed(1)
+        try:
+            train(model, opt, 3)
+        finally:
+            if h:
+                h.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    a, b = run(False), run(True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert stepwatch.stats()["hook_errors"] >= 3
+    stepwatch.reset()
+    with pytest.raises(RuntimeError, match="a bug in stepwatch"):
+        run(True, strict=True)

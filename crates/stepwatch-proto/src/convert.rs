@@ -131,6 +131,7 @@ pub fn hello_to_wire(info: &RankInfo, client_version: &str) -> pb::Hello {
         framework,
         framework_version,
         model,
+        run_id,
     } = info.clone();
     pb::Hello {
         identity: Some(pb::Identity {
@@ -148,6 +149,7 @@ pub fn hello_to_wire(info: &RankInfo, client_version: &str) -> pb::Hello {
         framework_version,
         model: Some(model_facts_to_wire(&model)),
         client_version: client_version.to_owned(),
+        run_id,
     }
 }
 
@@ -164,6 +166,7 @@ pub fn hello_from_wire(hello: pb::Hello) -> RankInfo {
         framework_version,
         model,
         client_version: _,
+        run_id,
     } = hello;
     let pb::Identity {
         job_id,
@@ -189,6 +192,7 @@ pub fn hello_from_wire(hello: pb::Hello) -> RankInfo {
         framework,
         framework_version,
         model: model_facts_from_wire(model.unwrap_or_default()),
+        run_id,
     }
 }
 

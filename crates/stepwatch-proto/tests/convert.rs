@@ -78,9 +78,10 @@ fn rank_info() -> impl Strategy<Value = RankInfo> {
         (text(), any::<u32>(), any::<u32>(), any::<u32>(), text()),
         (text(), text(), text(), any::<u32>(), text(), text()),
         model_facts(),
+        text(),
     )
         .prop_map(
-            |((job, rank, local_rank, world_size, node_name), rest, model)| {
+            |((job, rank, local_rank, world_size, node_name), rest, model, run_id)| {
                 let (pod, namespace, gpu_uuid, pid, framework, framework_version) = rest;
                 RankInfo {
                     job,
@@ -97,6 +98,7 @@ fn rank_info() -> impl Strategy<Value = RankInfo> {
                     framework,
                     framework_version,
                     model,
+                    run_id,
                 }
             },
         )
