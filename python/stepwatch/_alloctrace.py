@@ -637,6 +637,11 @@ class Recorder:
             return
         client.send_allocator_trace(trace)
 
+    def abandon(self) -> None:
+        """A new run begins: stop recording (if this run's step 1 still was) and
+        send nothing; the new run gets a recorder of its own."""
+        self._stop_quietly()
+
     def _stop_quietly(self) -> None:
         was_recording = self.state == _RECORDING
         self.state = _DONE

@@ -49,6 +49,7 @@ COUNTER_NAMES = (
     "allocator_traces_sent",  # step-1 allocator traces written whole to a stream
     "allocator_traces_refused",  # traces not sent: incomplete, too large, failed
     "model_updates_sent",  # facts learnt after the hello (zero_grad) sent to the agent
+    "runs",  # new runs begun after the first (a second watch() or fit): a new stream each
 )
 
 MAX_MARKERS_PER_BATCH = 1024  # the agent's limit
@@ -120,6 +121,32 @@ def _env_int(name: str, default: int) -> int:
 
 _all_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
+# grpc and the stubs (ingest_pb2, ingest_pb2_grpc), once load_wire imported them.
+_wire: Optional[Tuple[Any, Any, Any]] = None
+
+# What the stubs and the client are tested on (tests/test_protobuf_compat.py).
+SUPPORTED_RUNTIMES = "grpcio >= 1.51.3 and protobuf >= 4.21.6, < 8"
+
+
+def load_wire() -> Tuple[Any, Any, Any]:
+    """grpc, ingest_pb2 and ingest_pb2_grpc, imported once. An environment whose
+    grpcio or protobuf the stubs cannot use (e.g. protobuf 3.20, pinned by old
+    TensorFlow) raises :class:`StepwatchError` naming it and what is supported:
+    the client logs it once and acts as if no agent answered; ``strict=True``
+    raises it from ``watch()``/``configure()``."""
+    global _wire
+    if _wire is None:
+        try:
+            import grpc
+
+            from ._proto.stepwatch.v1 import ingest_pb2, ingest_pb2_grpc
+        except Exception as e:
+            raise StepwatchError(
+                f"cannot load grpcio/protobuf ({e}); stepwatch needs {SUPPORTED_RUNTIMES}"
+            ) from e
+        _wire = (grpc, ingest_pb2, ingest_pb2_grpc)
+    return _wire
+
 
 class Client:
     """One rank's connection to the agent. Cheap to create; starts its thread lazily.
@@ -143,8 +170,12 @@ class Client:
         flush_interval: Optional[float] = None,
         rank_for_logs: Optional[int] = None,
         tls: Optional[TlsMaterial] = None,
+        run_id: str = "",
     ) -> None:
         self.target = target
+        # The run of the oldest item still queued: what the next stream's hello
+        # says (a new run's markers queue behind a NewRun; see new_run).
+        self._run_id = run_id
         # None: plaintext. Otherwise the PEM files, read once by the caller; when
         # they could not be read (tls.error) the client never connects, as if no
         # agent answered.
@@ -209,6 +240,14 @@ class Client:
         agent, queue overflow, stream lost midway) is dropped, never resent."""
         self._enqueue(trace)
 
+    def new_run(self, run_id: str) -> None:
+        """Begin another training run (a second ``watch()`` or ``fit()``): what is
+        queued so far still goes out on the current stream, then the sender ends
+        it, waits for the agent to finish it, and opens a new stream whose hello
+        carries ``run_id``, so the agent starts the rank at step 1 again. Never
+        blocks."""
+        self._enqueue(NewRun(run_id))
+
     def send_model_update(self, facts: Dict[str, Any]) -> None:
         """Queue facts learnt after the hello (ModelFacts fields by name) after
         the markers queued so far; the agent merges them into the hello's."""
@@ -219,7 +258,7 @@ class Client:
         """Queue an item (what `mark` does inline for markers)."""
         q = self._q
         if len(q) >= self.maxlen:
-            self.counters["dropped"] += 1  # the deque discards the oldest
+            self._dropping_oldest()
         q.append(item)
         if self._thread is None:
             self._start()
@@ -236,7 +275,7 @@ class Client:
         # the extra call costs about a quarter of it.
         q = self._q
         if len(q) >= self.maxlen:
-            self.counters["dropped"] += 1  # the deque discards the oldest
+            self._dropping_oldest()
         q.append((kind, step, _monotonic_ns(), _time_ns(), micro_batch, allocator))
         if self._thread is None:
             self._start()
@@ -244,6 +283,18 @@ class Client:
         if self._strict_error is not None and self.strict:
             err, self._strict_error = self._strict_error, None
             raise StepwatchError(str(err)) from err
+
+    def _dropping_oldest(self) -> None:
+        """The queue is full: the deque discards its oldest item on the next append.
+        Counted; a NewRun discarded so takes effect (the items of its run that
+        remain are what the next stream carries)."""
+        self.counters["dropped"] += 1
+        try:
+            head = self._q[0]
+        except IndexError:  # the sender took it meanwhile
+            return
+        if type(head) is NewRun:
+            self._run_id = head.run_id
 
     def _start(self) -> None:
         with self._lock:
@@ -326,10 +377,16 @@ class Client:
             log.debug(msg, *args)
 
     def _run(self) -> None:
-        import grpc
-
-        from ._proto.stepwatch.v1 import ingest_pb2_grpc
-
+        try:
+            grpc, _, ingest_pb2_grpc = load_wire()
+        except StepwatchError as e:
+            # Logged once; then as with an absent agent (queued, dropped, counted).
+            self.counters["connect_failures"] += 1
+            self._agent_absent = True
+            log.error("stepwatch: %s; markers will not reach the agent (training goes on)", e)
+            if self.strict:
+                self._strict_error = e
+            return
         credentials = None
         tls = self.tls
         if tls is not None:
@@ -373,6 +430,7 @@ class Client:
                 channel = grpc.insecure_channel(self.target, options=options)
             self._channel = channel
             healthy = False
+            new_run = False
             try:
                 if not self._wait_ready(grpc, channel):
                     if self._closed.is_set():
@@ -394,8 +452,7 @@ class Client:
                 self._agent_absent = False
                 if self._closed.is_set():
                     break
-                # Generated by grpcio-tools, which writes no annotations.
-                stub = ingest_pb2_grpc.IngestStub(channel)  # type: ignore[no-untyped-call]
+                stub = ingest_pb2_grpc.IngestStub(channel)
                 stream = _StreamState()
                 call = stub.Stream(self._requests(stream))
                 self.counters["connects"] += 1
@@ -407,7 +464,12 @@ class Client:
                         healthy = True
                         self._on_agent_message(msg)
                     healthy = healthy or stream.hello_sent
-                    if not self._closed.is_set():
+                    if stream.new_run:
+                        # We ended it for a new run; the agent has finished it.
+                        self.counters["runs"] += 1
+                        first = True  # the new run's stream is no reconnect
+                        new_run = True
+                    elif not self._closed.is_set():
                         self._warn("ended", "stepwatch: the agent closed the stream; reconnecting")
                 except grpc.RpcError as e:
                     healthy = healthy or stream.batches > 0
@@ -428,6 +490,9 @@ class Client:
                 self._channel = None
             if self._closed.is_set():
                 break
+            if new_run:
+                backoff = self.backoff_initial
+                continue  # no wait: the new run's stream opens at once
             if healthy:
                 backoff = self.backoff_initial
             delay = backoff * (0.5 + random.random() / 2)
@@ -517,15 +582,32 @@ class Client:
     def _requests(self, stream: _StreamState) -> Iterator[Any]:
         from ._proto.stepwatch.v1 import ingest_pb2 as pb
 
-        yield pb.ClientMessage(hello=self.hello_factory())
+        q = self._q
+        # NewRuns at the head (nothing of the old run left to send) only
+        # change the run this stream's hello names.
+        while q and type(q[0]) is NewRun:
+            try:
+                self._run_id = q.popleft().run_id
+            except IndexError:
+                break
+        hello = self.hello_factory()
+        if self._run_id:
+            hello.run_id = self._run_id
+        yield pb.ClientMessage(hello=hello)
         stream.hello_sent = True
         self._connected = True
-        q = self._q
         interval = self.flush_interval
         while not stream.closed:
             trace = stream.trace
             if trace is not None:
                 stream.trace = None
+                if isinstance(trace, NewRun):
+                    # Half-close: the agent applies what this stream carried and
+                    # ends it; _run then opens the new run's stream at once.
+                    self._run_id = trace.run_id
+                    stream.new_run = True
+                    self._in_flight = 0
+                    return
                 self._in_flight = 1
                 if isinstance(trace, ModelUpdate):
                     yield trace.message(pb)
@@ -543,8 +625,8 @@ class Client:
                     except IndexError:
                         break
                     if type(t) is not tuple:
-                        # An allocator trace or a facts update: goes out after
-                        # this batch, on its own.
+                        # An allocator trace, a facts update or a new run:
+                        # handled after this batch, on its own.
                         stream.trace = t
                         break
                     items.append(t)
@@ -620,10 +702,20 @@ def set_model_facts(m: Any, facts: Dict[str, Any]) -> None:
             setattr(m, key, value)
 
 
+class NewRun:
+    """A run boundary in the queue (see :meth:`Client.new_run`)."""
+
+    __slots__ = ("run_id",)
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+
+
 class _StreamState:
-    __slots__ = ("closed", "hello_sent", "batches", "trace")
+    __slots__ = ("closed", "hello_sent", "batches", "trace", "new_run")
 
     def __init__(self) -> None:
+        self.new_run = False  # ended by us for a new run
         self.closed = False
         self.hello_sent = False
         self.batches = 0

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import threading
+import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import _torch
@@ -22,6 +23,7 @@ from ._client import (
     Prediction,
     StepwatchError,
     _env_float,
+    load_wire,
     set_model_facts,
 )
 from ._identity import Identity, endpoint_target, resolve_identity, sanitize_id
@@ -65,6 +67,9 @@ class _Runtime:
         self._prev_excepthook: Any = None
         # A DDP model's bucket rebuild, learnt in step 1 (_torch.DdpBucketWatch).
         self.ddp_watch: Optional[_torch.DdpBucketWatch] = None
+        # This process's current training run (see begin_run); every hello
+        # carries it, so the agent tells a second fit from a reconnect.
+        self.run_id = _new_run_id()
 
     # ------------------------------------------------------------ configure
 
@@ -143,6 +148,7 @@ class _Runtime:
                 c = Client(
                     target,
                     self.hello,
+                    run_id=self.run_id,
                     queue_size=self.queue_size,
                     on_advisory=self._advisory,
                     strict=self.strict,
@@ -154,6 +160,8 @@ class _Runtime:
             c.rank_for_logs = self.get_identity().rank
             if self.strict and c.tls is not None and c.tls.error is not None:
                 raise StepwatchError(f"TLS for {target} is unusable: {c.tls.error}")
+            if self.strict:
+                load_wire()  # an unusable grpcio/protobuf: raised here, at setup
             return c
 
     def attach(
@@ -171,6 +179,7 @@ class _Runtime:
         """What watch() and the integrations share: the model's device and facts
         (when ``model`` is not None), then :meth:`configure`; one lock held."""
         with self.lock:
+            self.begin_run()
             if model is not None:
                 self.gpu_uuid = _torch.gpu_uuid_for(model)
                 self.cuda_device = _torch.model_cuda_device(model)
@@ -186,6 +195,24 @@ class _Runtime:
                 )
             self.tracker.grad_accumulation_steps = grad_accumulation_steps
             return self.configure(**configure)
+
+    def begin_run(self) -> None:
+        """A ``watch()`` or a trainer's fit is a new training run when the current
+        one has marked a step: fresh step numbers (the next step is 1), a fresh
+        step-1 allocator trace, and a new run id, which the client's next hello
+        carries (after the old run's queued markers) so the agent starts the
+        rank afresh instead of continuing the old run's steps. A ``watch()``
+        before any step keeps the run (and its stream)."""
+        tr = self.tracker
+        if tr.step == 0 and not tr.in_step:
+            return
+        self.run_id = _new_run_id()
+        self.tracker = StepTracker(self._emit)
+        self.recorder.abandon()
+        self.recorder = Recorder()
+        c = self.client
+        if c is not None:
+            c.new_run(self.run_id)
 
     def get_client(self) -> Client:
         c = self.client
@@ -227,6 +254,7 @@ class _Runtime:
             framework=self.framework,
             framework_version=sanitize_id(str(fw_version)),
             client_version=__version__,
+            run_id=self.run_id,
         )
         if self.facts:
             set_model_facts(h.model, self.facts)
@@ -373,6 +401,12 @@ class _Runtime:
                 c.close(timeout=_exit_flush_timeout())
             except Exception:
                 pass
+
+
+def _new_run_id() -> str:
+    """A run id unique on this host: the PID and 64 random bits, in the charset
+    the agent accepts for identifiers."""
+    return f"{os.getpid():x}-{uuid.uuid4().hex[:16]}"
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -654,7 +688,9 @@ def reset() -> None:
         RT.gpu_uuid = ""
         RT.allocator_stats = True
         RT.allocator_trace = None
+        RT.recorder.abandon()
         RT.recorder = Recorder()
+        RT.run_id = _new_run_id()
         RT.cuda_device = None
         RT.cuda_checked = False
         RT.ddp_watch = None

@@ -659,7 +659,8 @@ class DdpBucketWatch:
             if for_rebuild:
                 return [int(n) for n in for_rebuild]
             return [int(config.first_bucket_bytes_cap), int(config.bucket_bytes_cap)]
-        first = dist._DEFAULT_FIRST_BUCKET_BYTES
+        # Private to torch.distributed (no type information): typed as Any.
+        first = _private(dist)._DEFAULT_FIRST_BUCKET_BYTES
         return [int(first), int(d.bucket_bytes_cap)]
 
     def facts(self) -> Optional[Dict[str, List[int]]]:
@@ -673,7 +674,7 @@ class DdpBucketWatch:
         # The sizes at construction; the logging data is not refreshed at the rebuild.
         data = self.ddp._get_ddp_logging_data()
         old = [int(s) for s in str(data.get("bucket_sizes", "")).split(",") if s.strip()]
-        buckets, _ = dist._compute_bucket_assignment_by_size(
+        buckets, _ = _private(dist)._compute_bucket_assignment_by_size(
             [self.params[i] for i in order],
             self._bucket_size_limits(),
             [self.sparse[i] for i in order],
@@ -705,3 +706,9 @@ def install_ddp_bucket_watch(rt: _Runtime, model: Any) -> List[Any]:
         return []
     rt.ddp_watch = w
     return [w]
+
+
+def _private(module: Any) -> Any:
+    """A module whose private helpers stepwatch calls (torch.distributed's bucket
+    assignment), typed as Any: they are not exported, so mypy knows no types."""
+    return module

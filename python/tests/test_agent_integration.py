@@ -262,3 +262,95 @@ def test_zero_grad_tells_the_agent_when_gradients_are_kept(real_agent, set_to_no
     assert st["model_updates_sent"] == (0 if set_to_none else 1), st
     facts = report["info"]["model"]
     assert facts["grads_set_to_none"] == (None if set_to_none else False), report["info"]
+
+
+def _wait_report(agent: _Agent, job: str, done, what: str, timeout: float = 15.0):
+    """The rank's report once ``done(report)`` holds (the agent applies a stream's
+    messages after the client has written them)."""
+    deadline = time.monotonic() + timeout
+    report = None
+    while time.monotonic() < deadline:
+        report = agent.get(f"/api/v1/jobs/{job}/ranks/0")
+        if report and done(report):
+            return report
+        time.sleep(0.05)
+    pytest.fail(
+        f"{what}: the agent reported {report!r}; client stats {stepwatch.stats()}; "
+        f"agent log:\n{agent.log.read_text()[-4000:]}"
+    )
+
+
+def test_a_second_training_loop_under_watch_is_a_new_run_from_step_1(real_agent):
+    """Two training loops in one process, each under its own ``watch()``: the
+    second is a run of its own (a new run id in a new hello, after the first
+    run's markers), so the agent shows its steps from 1, not steps 4 and 5 of
+    the first run (which, before run ids, it got and kept)."""
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    _train(3, 1, job_id=job)
+    first_run = stepwatch._runtime.RT.run_id
+    _wait_report(real_agent, job, lambda r: r["steps_completed"] == 3, "the first run's 3 steps")
+    _train(2, 1, job_id=job)
+    second_run = stepwatch._runtime.RT.run_id
+    assert second_run != first_run
+    assert stepwatch.flush(5), stepwatch.stats()
+    report = _wait_report(
+        real_agent,
+        job,
+        lambda r: r["info"]["run_id"] == second_run and r["steps_completed"] == 2,
+        "the second run's 2 steps",
+    )
+    assert [s["step"] for s in report["steps"]] == [1, 2], report["steps"]
+    assert all(s["complete"] for s in report["steps"]), report["steps"]
+    st = stepwatch.stats()
+    assert st["runs"] == 1 and st["rejections"] == 0 and st["reconnects"] == 0, st
+
+
+def test_a_second_lightning_fit_is_a_new_run_from_step_1(real_agent, tmp_path):
+    """``trainer.fit()`` twice in one process (e.g. a sweep, or fit after a
+    learning-rate finder): the agent reports the second fit from its step 1."""
+    pytest.importorskip("lightning")
+    import lightning as L
+
+    from stepwatch.lightning import StepwatchCallback
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.lin(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    ds = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
+    callback = StepwatchCallback(job_id=job)
+    runs = []
+    for steps in (3, 2):
+        trainer = L.Trainer(
+            max_steps=steps,
+            callbacks=[callback],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(ds, batch_size=4))
+        runs.append(stepwatch._runtime.RT.run_id)
+    assert runs[0] != runs[1]
+    assert stepwatch.flush(5), stepwatch.stats()
+    report = _wait_report(
+        real_agent,
+        job,
+        lambda r: r["info"]["run_id"] == runs[1] and r["steps_completed"] == 2,
+        "the second fit's 2 steps",
+    )
+    assert [s["step"] for s in report["steps"]] == [1, 2], report["steps"]
+    assert report["info"]["framework"] == "lightning"
+    st = stepwatch.stats()
+    assert st["runs"] == 1 and st["rejections"] == 0, st

@@ -303,3 +303,55 @@ def test_client_without_thread_flush_is_noop():
     c = Client("unix:///nonexistent", lambda: None)
     assert c.flush(0.1) is True
     c.close(0.1)
+
+
+def _break_the_stubs(monkeypatch):
+    """As in an environment whose protobuf the stubs refuse (e.g. 3.20): the
+    message module cannot be imported."""
+    from stepwatch import _client
+    from stepwatch._proto.stepwatch import v1
+
+    monkeypatch.setattr(_client, "_wire", None)
+    monkeypatch.delattr(v1, "ingest_pb2", raising=False)
+    monkeypatch.setitem(sys.modules, "stepwatch._proto.stepwatch.v1.ingest_pb2", None)
+
+
+def test_an_unusable_protobuf_is_logged_once_and_training_goes_on(sock_dir, monkeypatch, caplog):
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", "unix://" + os.path.join(sock_dir, "none.sock"))
+    _break_the_stubs(monkeypatch)
+    caplog.set_level(logging.ERROR, logger="stepwatch")
+    mark_steps(3)  # never raises
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not caplog.records:
+        time.sleep(0.01)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    assert "stepwatch needs grpcio >= 1.51.3 and protobuf >= 4.21.6, < 8" in errors[0]
+    assert "training goes on" in errors[0]
+    assert stepwatch.flush(1) is False
+    st = stepwatch.stats()
+    assert st["connect_failures"] == 1 and st["sent"] == 0 and st["enqueued"] == 18, st
+
+
+def test_strict_raises_an_unusable_protobuf_at_setup(sock_dir, monkeypatch):
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", "unix://" + os.path.join(sock_dir, "none.sock"))
+    _break_the_stubs(monkeypatch)
+    with pytest.raises(stepwatch.StepwatchError, match=r"protobuf >= 4\.21\.6"):
+        stepwatch.configure(strict=True)
+
+
+def test_a_new_run_dropped_from_a_full_queue_still_names_the_next_hello():
+    """With no agent the queue overflows; a run boundary pushed out of it with
+    the old run's markers still takes effect: what remains is the new run's,
+    so the next hello must carry the new run id."""
+    from stepwatch._client import NewRun
+
+    c = Client("unix:///nonexistent/stepwatch.sock", lambda: None, queue_size=4, run_id="run-1")
+    c._thread = object()  # no sender: the test drives the queue alone
+    c.mark(STEP_BEGIN, 7)
+    c.new_run("run-2")
+    for _ in range(4):
+        c.mark(STEP_BEGIN, 1)
+    assert not any(type(x) is NewRun for x in c._q)
+    assert c._run_id == "run-2"
+    assert c.counters["dropped"] == 2

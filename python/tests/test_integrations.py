@@ -136,3 +136,59 @@ def test_transformers_callback(agent, tmp_path, accumulate):
     assert h.framework == "transformers" and h.model.grad_accumulation_steps == accumulate
     assert h.model.micro_batch_size == 4  # per_device_train_batch_size
     assert stepwatch.flush(1)
+
+
+def test_a_second_transformers_train_is_a_new_run_on_a_new_stream(agent, tmp_path):
+    """``trainer.train()`` twice in one process: the first run's markers all go
+    out on its stream, which the client ends; the second run says hello on a
+    new stream with a new run id and its steps start at 1."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from stepwatch.transformers import StepwatchCallback
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def forward(self, x, labels=None):
+            out = self.lin(x)
+            return {"loss": torch.nn.functional.mse_loss(out, labels), "logits": out}
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return {"x": torch.randn(4, generator=g), "labels": torch.randn(1, generator=g)}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    callback = StepwatchCallback()
+    for _ in range(2):
+        Trainer(model=Tiny(), args=args, train_dataset=DS(), callbacks=[callback]).train()
+    agent.wait_markers(2 * len(expected(2)))
+    assert stepwatch.flush(5)
+    with agent.lock:
+        streams = list(agent.streams)
+    assert len(streams) == 2, [summary(s.markers) for s in streams]
+    first, second = streams
+    assert first.ended, "the first run's stream was ended before the second's hello"
+    assert first.hello.run_id and second.hello.run_id
+    assert first.hello.run_id != second.hello.run_id
+    assert summary(first.markers) == expected(2)
+    assert summary(second.markers) == expected(2)
+    assert stepwatch.stats()["runs"] == 1

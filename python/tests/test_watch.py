@@ -439,3 +439,37 @@ def test_ddp_finding_unused_parameters_sends_nothing(agent, gloo_group):
     stepwatch.watch(model, opt)
     ddp_train(model, opt, 2)
     assert ddp_rebuilds(agent) == []
+
+
+def test_errors_inside_the_hooks_never_reach_training(sock_dir, monkeypatch):
+    """After watch() returns, a failure in stepwatch's own code (here: every
+    marker) is counted and logged at debug, and training runs as without it;
+    only strict=True raises it."""
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", f"unix://{sock_dir}/none.sock")
+
+    def run(with_watch, strict=False):
+        model = small_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        h = stepwatch.watch(model, opt) if with_watch else None
+        if h is not None:
+            # strict=True as watch() would set it with an agent answering.
+            monkeypatch.setattr(stepwatch._runtime.RT, "strict", strict)
+
+            def broken(kind, step, micro):
+                raise RuntimeError("a bug in stepwatch")
+
+            monkeypatch.setattr(stepwatch._runtime.RT.tracker, "emit", broken)
+        torch.manual_seed(1)
+        try:
+            train(model, opt, 3)
+        finally:
+            if h:
+                h.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    a, b = run(False), run(True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert stepwatch.stats()["hook_errors"] >= 3
+    stepwatch.reset()
+    with pytest.raises(RuntimeError, match="a bug in stepwatch"):
+        run(True, strict=True)

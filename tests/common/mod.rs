@@ -510,7 +510,17 @@ impl Prometheus {
             let deadline = Instant::now() + Duration::from_secs(30);
             loop {
                 if let Ok((200, _)) = http_get(addr, "/-/ready") {
-                    return prom;
+                    // Ready may come from another test's Prometheus that took
+                    // the port between free_port() and our bind: only ours
+                    // runs our config file.
+                    let flags = prom.api("/api/v1/status/flags").unwrap_or_default();
+                    if flags["config.file"] == config_path.display().to_string() {
+                        return prom;
+                    }
+                    let child = prom.child.as_mut().unwrap();
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
                 }
                 if let Some(status) = prom.child.as_mut().unwrap().try_wait().unwrap() {
                     let log = prom.log();

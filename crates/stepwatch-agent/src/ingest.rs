@@ -8,13 +8,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
-use stepwatch_core::replay::{TraceError, TraceSettings, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
+use stepwatch_core::allocator::{BlockLayout, SegmentLayout};
+use stepwatch_core::replay::{TraceError, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_core::{
-    replay_step2_with, Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats,
-    AllocatorTrace, Gradients, Marker, MarkerKind, ModelFacts, OpenError, OptimizerImplementation,
-    OptimizerKind, Precision, RankInfo, RankKey,
+    Advisory, AllocatorEvent, AllocatorTrace, Gradients, MarkerKind, OpenError, RankInfo, RankKey,
+    RecordError,
 };
+use stepwatch_proto::convert;
 use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
 use stepwatch_proto::MAX_MARKERS_PER_BATCH;
 use tokio::sync::{mpsc, Semaphore};
@@ -301,12 +301,17 @@ async fn serve_stream(
         Err(e) => {
             state.ingest.reject(e.reason(), 1);
             return Err(match e {
-                OpenError::Invalid(e) => Status::invalid_argument(format!("invalid hello: {e}")),
-                OpenError::TooManyRanks(_) => Status::resource_exhausted(e.to_string()),
-                OpenError::RankHeld { .. } => {
+                RecordError::Open(OpenError::Invalid(e)) => {
+                    Status::invalid_argument(format!("invalid hello: {e}"))
+                }
+                RecordError::Open(e @ OpenError::TooManyRanks(_)) => {
+                    Status::resource_exhausted(e.to_string())
+                }
+                RecordError::Open(e @ OpenError::RankHeld { .. }) => {
                     tracing::warn!(namespace = %info.namespace, job = %info.job, rank = info.rank, pid = info.pid, pod = %info.pod, "refused a hello for a rank another process holds: {e}");
                     Status::already_exists(e.to_string())
                 }
+                e => Status::internal(format!("the hello could not be applied: {e}")),
             });
         }
     };
@@ -410,7 +415,7 @@ async fn receive_markers(
                         complete.ddp_bucket_rebuild = rank_bucket_rebuild(state, key);
                         let complete = Arc::new(complete);
                         step1_trace = Some(Arc::clone(&complete));
-                        replay_trace(state, traces, key, gradients, complete, tx, alerts).await?;
+                        replay_trace(state, traces, key, complete, tx, alerts).await?;
                     }
                     Ok(None) => {}
                     Err(Refusal::Unusable(reason, why)) => {
@@ -431,13 +436,17 @@ async fn receive_markers(
                         "more than {max_rate} messages/s on one stream (--max-marker-rate)"
                     )));
                 }
-                let update = model_facts(update);
-                let (due, now) = match state.update_model_facts(key, &update) {
+                let update = convert::model_facts_from_wire(update);
+                let (due, plan) = match state.update_model_facts(key, &update) {
                     Ok(applied) => applied,
                     Err(e) => {
-                        state.ingest.reject("invalid_model_update", 1);
+                        state.ingest.reject(e.reason(), 1);
+                        let why = match e {
+                            RecordError::ModelFacts(e) => e.to_string(),
+                            e => e.to_string(),
+                        };
                         return Err(Status::invalid_argument(format!(
-                            "model facts update refused for job {} rank {}: {e}",
+                            "model facts update refused for job {} rank {}: {why}",
                             key.job, key.rank
                         )));
                     }
@@ -451,14 +460,15 @@ async fn receive_markers(
                 let rebuild_changed = step1_trace
                     .as_ref()
                     .is_some_and(|t| t.ddp_bucket_rebuild != rebuild);
-                if now != gradients || rebuild_changed {
-                    gradients = now;
+                // The trace replays again when the facts change what
+                // becomes of its gradients or of DDP's buckets.
+                if plan.gradients != gradients || rebuild_changed {
+                    gradients = plan.gradients;
                     if let Some(t) = &mut step1_trace {
                         if rebuild_changed {
                             Arc::make_mut(t).ddp_bucket_rebuild = rebuild;
                         }
-                        replay_trace(state, traces, key, gradients, Arc::clone(t), tx, alerts)
-                            .await?;
+                        replay_trace(state, traces, key, Arc::clone(t), tx, alerts).await?;
                     }
                 }
                 continue;
@@ -491,13 +501,11 @@ async fn receive_markers(
         }
         markers.clear();
         for m in batch.markers {
-            match marker(m) {
-                Some(m) => markers.push(m),
-                None => {
-                    state.ingest.reject("unspecified_kind", n);
-                    return Err(Status::invalid_argument(
-                        "marker kind is unspecified or unknown",
-                    ));
+            match convert::marker_from_wire(m) {
+                Ok(m) => markers.push(m),
+                Err(e) => {
+                    state.ingest.reject(e.reason(), n);
+                    return Err(Status::invalid_argument(e.to_string()));
                 }
             }
         }
@@ -524,8 +532,12 @@ async fn receive_markers(
             }
             Err(e) => {
                 state.ingest.reject(e.reason(), n);
+                let why = match e {
+                    RecordError::Markers(e) => e.to_string(),
+                    e => e.to_string(),
+                };
                 return Err(Status::invalid_argument(format!(
-                    "marker rejected for job {} rank {}: {e}",
+                    "marker rejected for job {} rank {}: {why}",
                     key.job, key.rank
                 )));
             }
@@ -546,21 +558,27 @@ fn send_advisories(
     for advisory in advisories {
         // The message carries the figures in GB and, for a step-2 OOM, what
         // would fit; the kind names the advisory for log queries.
+        let kind = convert::advisory_kind_to_wire(advisory.kind).as_str_name();
         tracing::warn!(
             job = %key.job,
             rank = key.rank,
             step = advisory.step,
-            kind = advisory_kind(advisory.kind).as_str_name(),
+            kind,
             "{}",
             advisory.message
         );
         state
             .ingest
             .advisories_sent
-            .with_label_values(&[advisory_kind(advisory.kind).as_str_name()])
+            .with_label_values(&[kind])
             .inc();
+        let message = pb::AgentMessage {
+            kind: Some(pb::agent_message::Kind::Advisory(
+                convert::advisory_to_wire(&advisory),
+            )),
+        };
         // Never wait on a slow client; the metric carries the news too.
-        let _ = tx.try_send(Ok(agent_message(&advisory)));
+        let _ = tx.try_send(Ok(message));
     }
 }
 
@@ -695,85 +713,8 @@ impl TraceAssembly {
     }
 
     fn append(&mut self, chunk: pb::AllocatorTraceChunk) -> Result<(), (&'static str, String)> {
-        if chunk.step != 1 {
-            return Err((
-                "allocator_trace_not_step_one",
-                format!(
-                    "an allocator trace must come from step 1, not step {}",
-                    chunk.step
-                ),
-            ));
-        }
-        self.trace.step = 1;
-        if let (None, Some(s)) = (&self.trace.settings, chunk.settings) {
-            self.trace.settings = Some(TraceSettings {
-                max_split_size_bytes: s.max_split_size_bytes,
-                roundup_power2_divisions: s.roundup_power2_divisions,
-                garbage_collection_threshold: s.garbage_collection_threshold,
-                expandable_segments: s.expandable_segments,
-                alloc_conf: s.alloc_conf,
-            });
-        }
-        for s in chunk.segments {
-            self.trace.segments.push(SegmentLayout {
-                address: s.address,
-                pool: if s.small_pool {
-                    Pool::Small
-                } else {
-                    Pool::Large
-                },
-                blocks: s
-                    .blocks
-                    .into_iter()
-                    .map(|b| BlockLayout {
-                        size: b.size,
-                        allocated: b.allocated,
-                    })
-                    .collect(),
-                stream: s.stream,
-                pool_id: s.pool_id,
-                expandable: s.expandable,
-            });
-        }
-        for e in chunk.events {
-            let index = self.trace.events.len();
-            let action = match pb::AllocatorAction::try_from(e.action) {
-                Ok(pb::AllocatorAction::Alloc) => AllocatorAction::Alloc,
-                Ok(pb::AllocatorAction::Free) => AllocatorAction::Free,
-                Ok(pb::AllocatorAction::SegmentAlloc) => AllocatorAction::SegmentAlloc,
-                Ok(pb::AllocatorAction::SegmentFree) => AllocatorAction::SegmentFree,
-                Ok(pb::AllocatorAction::SegmentMap) => AllocatorAction::SegmentMap,
-                Ok(pb::AllocatorAction::SegmentUnmap) => AllocatorAction::SegmentUnmap,
-                _ => {
-                    return Err((
-                        "allocator_trace_bad_event",
-                        format!(
-                            "allocator trace event {index} has an unspecified or unknown action"
-                        ),
-                    ))
-                }
-            };
-            let phase = pb::MarkerKind::try_from(e.phase)
-                .ok()
-                .and_then(|k| marker_kind(k)?.opens())
-                .ok_or_else(|| {
-                    (
-                        "allocator_trace_bad_event",
-                        format!(
-                            "allocator trace event {index} names no phase (STEP_BEGIN, \
-                             FORWARD_BEGIN, BACKWARD_BEGIN, OPTIMIZER_BEGIN or OPTIMIZER_END)"
-                        ),
-                    )
-                })?;
-            self.trace.events.push(AllocatorEvent {
-                action,
-                address: e.address,
-                size: e.size,
-                phase,
-                stream: e.stream,
-            });
-        }
-        Ok(())
+        convert::allocator_trace_chunk_from_wire(&mut self.trace, chunk)
+            .map_err(|e| (e.reason(), e.to_string()))
     }
 }
 
@@ -811,16 +752,15 @@ async fn replay_trace(
     state: &AgentState,
     traces: &TraceBudget,
     key: &RankKey,
-    gradients: Gradients,
     trace: Arc<AllocatorTrace>,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
     alerts: &mut RankAlerts,
 ) -> Result<(), Status> {
     let events = trace.events.len();
-    let reserved_limit = state.read_tracker(|t| t.reserved_limit(key));
+    let plan = state.replay_plan(key);
     let _replay_slot = traces.replays.acquire().await;
     let joined = tokio::task::spawn_blocking(move || {
-        let replayed = replay_step2_with(&trace, gradients, reserved_limit);
+        let replayed = plan.replay(&trace);
         (trace, replayed)
     })
     .await;
@@ -847,7 +787,7 @@ async fn replay_trace(
             return Ok(());
         }
     };
-    match state.apply_allocator_replay(key, trace, gradients, replay) {
+    match state.apply_allocator_replay(key, trace, plan, replay) {
         Some(advisories) => {
             state
                 .ingest
@@ -903,32 +843,6 @@ impl TokenBucket {
         } else {
             false
         }
-    }
-}
-
-fn advisory_kind(kind: AdvisoryKind) -> pb::AdvisoryKind {
-    match kind {
-        AdvisoryKind::Step2OomPredicted => pb::AdvisoryKind::Step2OomPredicted,
-        AdvisoryKind::LowHeadroom => pb::AdvisoryKind::LowHeadroom,
-        AdvisoryKind::RankDivergence => pb::AdvisoryKind::RankDivergence,
-    }
-}
-
-fn agent_message(a: &Advisory) -> pb::AgentMessage {
-    let severity = match a.kind {
-        AdvisoryKind::Step2OomPredicted => pb::Severity::Critical,
-        AdvisoryKind::LowHeadroom | AdvisoryKind::RankDivergence => pb::Severity::Warning,
-    };
-    pb::AgentMessage {
-        kind: Some(pb::agent_message::Kind::Advisory(pb::Advisory {
-            kind: advisory_kind(a.kind) as i32,
-            severity: severity as i32,
-            message: a.message.clone(),
-            step: a.step,
-            predicted_peak_bytes: a.predicted_peak_bytes,
-            capacity_bytes: a.capacity_bytes,
-            predicted_headroom_bytes: a.predicted_headroom_bytes,
-        })),
     }
 }
 
@@ -991,100 +905,12 @@ fn usable_peer_pid(pid: i32) -> Option<u32> {
     }
 }
 
+/// The rank a hello claims to be, with the socket's peer PID in place of
+/// the claimed one where the agent has it.
 fn rank_info(hello: pb::Hello, peer_pid: Option<u32>) -> RankInfo {
-    let id = hello.identity.unwrap_or_default();
-    let model = hello.model.unwrap_or_default();
-    RankInfo {
-        job: id.job_id,
-        rank: id.rank,
-        local_rank: id.local_rank,
-        world_size: id.world_size,
-        node_name: id.node_name,
-        pod: id.pod,
-        namespace: id.namespace,
-        container: String::new(),
-        attested: false,
-        gpu_uuid: hello.gpu_uuid,
-        pid: peer_pid.unwrap_or(hello.pid),
-        framework: hello.framework,
-        framework_version: hello.framework_version,
-        model: model_facts(model),
-    }
-}
-
-/// The wire's model facts in the step model's terms (a Hello's, or an update's).
-fn model_facts(model: pb::ModelFacts) -> ModelFacts {
-    ModelFacts {
-        parameter_count: model.parameter_count,
-        parameter_bytes: model.parameter_bytes,
-        optimizer: match pb::OptimizerKind::try_from(model.optimizer) {
-            Ok(pb::OptimizerKind::Adam) => OptimizerKind::Adam,
-            Ok(pb::OptimizerKind::SgdMomentum) => OptimizerKind::SgdMomentum,
-            Ok(pb::OptimizerKind::Sgd) => OptimizerKind::Sgd,
-            Ok(pb::OptimizerKind::Other) => OptimizerKind::Other,
-            _ => OptimizerKind::Unknown,
-        },
-        state_bytes_per_parameter: model.state_bytes_per_parameter,
-        precision: match pb::Precision::try_from(model.precision) {
-            Ok(pb::Precision::Fp32) => Precision::Fp32,
-            Ok(pb::Precision::MixedBf16) => Precision::MixedBf16,
-            Ok(pb::Precision::MixedFp16) => Precision::MixedFp16,
-            Ok(pb::Precision::Bf16) => Precision::Bf16,
-            _ => Precision::Unknown,
-        },
-        sharding_factor: model.sharding_factor,
-        grad_accumulation_steps: model.grad_accumulation_steps,
-        state_precreated: model.state_precreated,
-        grads_set_to_none: model.grads_set_to_none,
-        micro_batch_size: model.micro_batch_size,
-        optimizer_implementation: match pb::OptimizerImplementation::try_from(
-            model.optimizer_implementation,
-        ) {
-            Ok(pb::OptimizerImplementation::Foreach) => OptimizerImplementation::Foreach,
-            Ok(pb::OptimizerImplementation::Fused) => OptimizerImplementation::Fused,
-            Ok(pb::OptimizerImplementation::ForLoop) => OptimizerImplementation::ForLoop,
-            _ => OptimizerImplementation::Unknown,
-        },
-        ddp_bucket_rebuild: model
-            .ddp_bucket_rebuild
-            .map(|r| stepwatch_core::DdpBucketRebuild {
-                old_bucket_bytes: r.old_bucket_bytes,
-                new_bucket_bytes: r.new_bucket_bytes,
-            }),
-    }
-}
-
-fn marker_kind(kind: pb::MarkerKind) -> Option<MarkerKind> {
-    Some(match kind {
-        pb::MarkerKind::Unspecified => return None,
-        pb::MarkerKind::StepBegin => MarkerKind::StepBegin,
-        pb::MarkerKind::ForwardBegin => MarkerKind::ForwardBegin,
-        pb::MarkerKind::BackwardBegin => MarkerKind::BackwardBegin,
-        pb::MarkerKind::OptimizerBegin => MarkerKind::OptimizerBegin,
-        pb::MarkerKind::OptimizerEnd => MarkerKind::OptimizerEnd,
-        pb::MarkerKind::StepEnd => MarkerKind::StepEnd,
-        pb::MarkerKind::Oom => MarkerKind::Oom,
-    })
-}
-
-fn marker(m: pb::Marker) -> Option<Marker> {
-    let kind = marker_kind(pb::MarkerKind::try_from(m.kind).ok()?)?;
-    Some(Marker {
-        kind,
-        step: m.step,
-        monotonic_ns: m.monotonic_ns,
-        wall_ns: m.wall_ns,
-        micro_batch: m.micro_batch,
-        allocator: m.allocator.map(|a| AllocatorStats {
-            allocated_bytes: a.allocated_bytes,
-            allocated_peak_bytes: a.allocated_peak_bytes,
-            reserved_bytes: a.reserved_bytes,
-            reserved_peak_bytes: a.reserved_peak_bytes,
-            active_bytes: a.active_bytes,
-            active_peak_bytes: a.active_peak_bytes,
-            num_alloc_retries: a.num_alloc_retries,
-        }),
-    })
+    let mut info = convert::hello_from_wire(hello);
+    info.pid = peer_pid.unwrap_or(info.pid);
+    info
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use prost::Message;
-use stepwatch_core::{GpuSample, Tracker, TrackerConfig};
+use stepwatch_core::{GpuSample, Marker, Tracker, TrackerConfig};
 
 use super::*;
 
@@ -274,8 +274,11 @@ fn input() -> impl Strategy<Value = Input> {
 /// Inputs (messages, byte strings, sample batches) fed so far.
 static FED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Feeds one stream's worth of inputs through the ingest path.
+/// Feeds one stream's worth of inputs through the ingest path: the wire
+/// conversions, then the step model's input path as the agent calls it.
 fn run(inputs: Vec<Input>) {
+    use stepwatch_core::feed::{self, ReplayPlan};
+    use stepwatch_core::RecordEntry;
     FED.fetch_add(inputs.len() as u64, std::sync::atomic::Ordering::Relaxed);
     let mut tracker = Tracker::new(TrackerConfig {
         max_ranks: 4,
@@ -284,7 +287,6 @@ fn run(inputs: Vec<Input>) {
         ..TrackerConfig::default()
     });
     let mut key = None;
-    let mut gradients = None;
     let mut trace = TraceAssembly::default();
     let mut now = 0u64;
     for input in inputs {
@@ -305,43 +307,54 @@ fn run(inputs: Vec<Input>) {
                         capacity_bytes: 80 << 30,
                     })
                     .collect();
-                tracker.gpu_samples("GPU-00000000-0000-0000-0000-000000000000", &samples);
+                let gpu = "GPU-00000000-0000-0000-0000-000000000000".into();
+                let _ = feed::apply(&mut tracker, &RecordEntry::GpuSamples { gpu, samples });
                 continue;
             }
         };
         match message.kind {
             Some(Kind::Hello(h)) => {
                 let info = rank_info(h, None);
-                gradients = Some(Gradients::of(&info));
-                key = tracker.open(info, now).ok();
+                let open = RecordEntry::Open { at_ns: now, info };
+                key = feed::apply(&mut tracker, &open)
+                    .ok()
+                    .and_then(|a| a.opened)
+                    .map(|o| o.key);
             }
             Some(Kind::Markers(batch)) => {
                 let Some(key) = &key else { continue };
-                let converted: Option<Vec<Marker>> =
-                    batch.markers.into_iter().map(marker).collect();
-                if let Some(ms) = converted {
-                    let _ = tracker.markers(key, &ms, now);
+                let converted: Result<Vec<Marker>, _> = batch
+                    .markers
+                    .into_iter()
+                    .map(convert::marker_from_wire)
+                    .collect();
+                if let Ok(markers) = converted {
+                    let key = key.clone();
+                    let batch = RecordEntry::Markers {
+                        at_ns: now,
+                        key,
+                        markers,
+                    };
+                    let _ = feed::apply(&mut tracker, &batch);
                 }
             }
             Some(Kind::AllocatorTrace(chunk)) => {
-                let (Some(key), Some(gradients)) = (&key, gradients) else {
-                    continue;
-                };
+                let Some(key) = &key else { continue };
                 if let Ok(Some(complete)) = trace.add(chunk) {
-                    let limit = tracker.reserved_limit(key);
-                    if let Ok(replay) = replay_step2_with(&complete, gradients, limit) {
-                        let _ = tracker.allocator_replay(key, replay, now);
+                    let plan = ReplayPlan::for_rank(&tracker, key);
+                    if let Ok(replay) = plan.replay(&complete) {
+                        feed::apply_replay(&mut tracker, key, replay, now);
                     }
                 }
             }
             Some(Kind::ModelUpdate(update)) => {
                 let Some(key) = &key else { continue };
-                if tracker
-                    .update_model_facts(key, &model_facts(update), now)
-                    .is_ok()
-                {
-                    gradients = tracker.rank(key).map(|r| Gradients::of(&r.info));
-                }
+                let update = RecordEntry::ModelFacts {
+                    at_ns: now,
+                    key: key.clone(),
+                    update: convert::model_facts_from_wire(update),
+                };
+                let _ = feed::apply(&mut tracker, &update);
             }
             None => {}
         }

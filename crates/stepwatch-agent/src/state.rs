@@ -6,9 +6,10 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use std::path::Path;
 
+use stepwatch_core::feed::{self, Applied, ReplayPlan};
 use stepwatch_core::{
-    AllocatorTrace, Gradients, HelloError, Journal, ModelFacts, OpenError, RankInfo, RankKey,
-    RecordEntry, Step2Replay, Tracker,
+    AllocatorTrace, Journal, ModelFacts, RankInfo, RankKey, RecordEntry, RecordError, Step2Replay,
+    Tracker,
 };
 
 use crate::record::Recorder;
@@ -284,14 +285,36 @@ impl AgentState {
         f(&mut tracker, &mut inputs)
     }
 
+    /// Applies one input through the step model's input path
+    /// ([`feed::apply`], as the record replayer and the accuracy harness do)
+    /// and, when the tracker took it, queues that same input for `--record`.
+    /// `input` is given the time under the lock, so times follow the
+    /// tracker's order; `flush`: see [`Recorder::write`].
+    fn apply(
+        &self,
+        drain: Drain<'_>,
+        input: impl FnOnce(u64) -> RecordEntry,
+        flush: bool,
+    ) -> Result<Applied, RecordError> {
+        self.update(drain, |tracker, inputs| {
+            let input = input(monotonic_ns());
+            let applied = feed::apply(tracker, &input)?;
+            inputs.record(input, flush);
+            Ok(applied)
+        })
+    }
+
     /// Registers a stream's hello with the tracker.
-    pub fn open_rank(&self, info: RankInfo) -> Result<RankKey, OpenError> {
-        let opened = self.update(Drain::Never, |tracker, inputs| {
-            let at_ns = monotonic_ns();
-            let opened = tracker.open_evicting(info.clone(), at_ns)?;
-            inputs.record(|| RecordEntry::Open { at_ns, info }, true);
-            Ok::<_, OpenError>(opened)
-        })?;
+    pub fn open_rank(&self, info: RankInfo) -> Result<RankKey, RecordError> {
+        let key = info.key();
+        let applied = self.apply(
+            Drain::Never,
+            |at_ns| RecordEntry::Open { at_ns, info },
+            true,
+        )?;
+        let Some(opened) = applied.opened else {
+            return Ok(key);
+        };
         if let Some(gone) = opened.evicted {
             self.ingest.ranks_evicted.inc();
             tracing::info!(namespace = %gone.namespace, job = %gone.job, rank = gone.rank, "rank table full: evicted the rank that finished longest ago to make room");
@@ -303,37 +326,30 @@ impl AgentState {
         Ok(opened.key)
     }
 
-    /// Evicts ranks idle for `retention_ns`; returns how many.
+    /// Evicts ranks idle for `retention_ns`; returns how many. Recorded
+    /// only when it evicted some.
     pub fn evict_idle(&self, retention_ns: u64) -> usize {
         self.update(Drain::Never, |tracker, inputs| {
-            let at_ns = monotonic_ns();
-            let n = tracker.evict_idle(at_ns, retention_ns);
-            if n > 0 {
-                inputs.record(
-                    || RecordEntry::Evict {
-                        at_ns,
-                        retention_ns,
-                    },
-                    true,
-                );
+            let input = RecordEntry::Evict {
+                at_ns: monotonic_ns(),
+                retention_ns,
+            };
+            let evicted = feed::apply(tracker, &input).map_or(0, |a| a.evicted);
+            if evicted > 0 {
+                inputs.record(input, true);
             }
-            n
+            evicted
         })
     }
 
     /// Marks one of the rank's streams closed.
     pub fn close_rank(&self, key: &RankKey) {
-        self.update(Drain::Never, |tracker, inputs| {
-            let at_ns = monotonic_ns();
-            tracker.close(key, at_ns);
-            inputs.record(
-                || RecordEntry::Close {
-                    at_ns,
-                    key: key.clone(),
-                },
-                true,
-            );
-        })
+        let close = |at_ns| RecordEntry::Close {
+            at_ns,
+            key: key.clone(),
+        };
+        // A close is never refused.
+        let _ = self.apply(Drain::Never, close, true);
     }
 
     /// Moves fresh GPU samples from the sampler into the tracker. Draining
@@ -350,77 +366,64 @@ impl AgentState {
         &self,
         key: &RankKey,
         markers: &[stepwatch_core::Marker],
-    ) -> Result<Vec<stepwatch_core::Advisory>, stepwatch_core::MarkerError> {
-        self.update(Drain::IfInFirstStep(key), |tracker, inputs| {
-            let at_ns = monotonic_ns();
-            let due = tracker.markers(key, markers, at_ns)?;
-            inputs.record(
-                || RecordEntry::Markers {
-                    at_ns,
-                    key: key.clone(),
-                    markers: markers.to_vec(),
-                },
-                // Ordered, not flushed: housekeeping flushes every second.
-                false,
-            );
-            Ok(due)
-        })
+    ) -> Result<Vec<stepwatch_core::Advisory>, RecordError> {
+        let batch = |at_ns| RecordEntry::Markers {
+            at_ns,
+            key: key.clone(),
+            markers: markers.to_vec(),
+        };
+        // Ordered, not flushed: housekeeping flushes every second.
+        let applied = self.apply(Drain::IfInFirstStep(key), batch, false)?;
+        Ok(applied.advisories)
     }
 
     /// Merges facts a rank sent after its hello (recorded) and returns the
-    /// advisories that became due (None once step 2 began) and what becomes
-    /// of the rank's gradients under the merged facts, which decides how its
-    /// allocator trace replays.
+    /// advisories that became due (None once step 2 began) and how the
+    /// rank's allocator trace replays under the merged facts.
     pub fn update_model_facts(
         &self,
         key: &RankKey,
         update: &ModelFacts,
-    ) -> Result<(Option<Vec<stepwatch_core::Advisory>>, Gradients), HelloError> {
+    ) -> Result<(Option<Vec<stepwatch_core::Advisory>>, ReplayPlan), RecordError> {
         self.update(Drain::Never, |tracker, inputs| {
-            let at_ns = monotonic_ns();
-            let due = tracker.update_model_facts(key, update, at_ns)?;
-            let gradients = tracker
-                .rank(key)
-                .map_or_else(Gradients::default, |r| Gradients::of(&r.info));
-            inputs.record(
-                || RecordEntry::ModelFacts {
-                    at_ns,
-                    key: key.clone(),
-                    update: update.clone(),
-                },
-                true,
-            );
-            Ok((due, gradients))
+            let input = RecordEntry::ModelFacts {
+                at_ns: monotonic_ns(),
+                key: key.clone(),
+                update: update.clone(),
+            };
+            let applied = feed::apply(tracker, &input)?;
+            inputs.record(input, true);
+            let due = (!applied.late).then_some(applied.advisories);
+            Ok((due, ReplayPlan::for_rank(tracker, key)))
         })
     }
 
-    /// Hands a rank's step-2 replay (of `trace`, recorded with it) to the
-    /// tracker and returns the advisories it made due; None when step 2 had
-    /// already begun.
+    /// How the rank's allocator trace replays, as the tracker stands.
+    pub fn replay_plan(&self, key: &RankKey) -> ReplayPlan {
+        self.read_tracker(|t| ReplayPlan::for_rank(t, key))
+    }
+
+    /// Hands a rank's step-2 replay (of `trace` under `plan`, recorded with
+    /// them) to the tracker and returns the advisories it made due; None
+    /// when step 2 had already begun.
     pub fn apply_allocator_replay(
         &self,
         key: &RankKey,
         trace: Arc<AllocatorTrace>,
-        gradients: Gradients,
+        plan: ReplayPlan,
         replay: Step2Replay,
     ) -> Option<Vec<stepwatch_core::Advisory>> {
         self.update(Drain::Always, |tracker, inputs| {
             let at_ns = monotonic_ns();
-            let due = tracker.allocator_replay(key, replay, at_ns);
-            // The trace is moved into the queue, not serialised here; it is
-            // copied only while the stream still keeps it for a facts update.
-            inputs.record(
-                || RecordEntry::AllocatorTrace {
-                    at_ns,
-                    key: key.clone(),
-                    grads_persistent: gradients == Gradients::Kept,
-                    gradients: Some(gradients),
-                    reserved_limit: replay.reserved_limit_bytes,
-                    trace: Arc::unwrap_or_clone(trace),
-                },
+            let applied = feed::apply_replay(tracker, key, replay, at_ns);
+            // The replay ran outside the lock, so the entry is built only
+            // for the record; the trace is copied only while the stream
+            // still keeps it for a facts update.
+            inputs.record_with(
+                || plan.entry(at_ns, key.clone(), Arc::unwrap_or_clone(trace)),
                 true,
             );
-            due
+            (!applied.late).then_some(applied.advisories)
         })
     }
 
@@ -430,19 +433,18 @@ impl AgentState {
         let snapshot = self.sampler.snapshot(monotonic_ns());
         self.update(Drain::Never, |tracker, inputs| {
             for gpu in &snapshot.gpus {
-                let procs: Vec<(u32, u64)> = gpu
-                    .processes
-                    .iter()
-                    .map(|p| (p.pid, p.used_bytes))
-                    .collect();
-                tracker.set_gpu_processes(&gpu.uuid, &procs);
-                inputs.record(
-                    || RecordEntry::GpuProcesses {
-                        gpu: gpu.uuid.clone(),
-                        processes: procs,
-                    },
-                    false,
-                );
+                let input = RecordEntry::GpuProcesses {
+                    gpu: gpu.uuid.clone(),
+                    processes: gpu
+                        .processes
+                        .iter()
+                        .map(|p| (p.pid, p.used_bytes))
+                        .collect(),
+                };
+                // Process lists are never refused.
+                if feed::apply(tracker, &input).is_ok() {
+                    inputs.record(input, false);
+                }
             }
         })
     }
@@ -534,13 +536,18 @@ enum Drain<'a> {
 }
 
 /// What an update may do besides changing the tracker: queue its input for
-/// `--record` (nothing when not recording; the entry is built only then).
+/// `--record` (dropped when not recording).
 struct Inputs<'a> {
     recorder: Option<&'a Recorder>,
 }
 
 impl Inputs<'_> {
-    fn record(&mut self, entry: impl FnOnce() -> RecordEntry, flush: bool) {
+    fn record(&mut self, entry: RecordEntry, flush: bool) {
+        self.record_with(|| entry, flush)
+    }
+
+    /// [`Inputs::record`] for an entry worth building only when recording.
+    fn record_with(&mut self, entry: impl FnOnce() -> RecordEntry, flush: bool) {
         if let Some(r) = self.recorder {
             r.write(entry(), flush);
         }
@@ -558,22 +565,21 @@ fn feed_samples(
     drained: Vec<(String, Vec<stepwatch_gpu::Sample>)>,
 ) {
     for (uuid, samples) in drained {
-        let converted: Vec<stepwatch_core::GpuSample> = samples
-            .iter()
-            .map(|s| stepwatch_core::GpuSample {
-                monotonic_ns: s.monotonic_ns,
-                used_bytes: s.used_bytes,
-                capacity_bytes: s.usable_bytes(),
-            })
-            .collect();
-        tracker.gpu_samples(&uuid, &converted);
-        inputs.record(
-            || RecordEntry::GpuSamples {
-                gpu: uuid,
-                samples: converted,
-            },
-            false,
-        );
+        let input = RecordEntry::GpuSamples {
+            gpu: uuid,
+            samples: samples
+                .iter()
+                .map(|s| stepwatch_core::GpuSample {
+                    monotonic_ns: s.monotonic_ns,
+                    used_bytes: s.used_bytes,
+                    capacity_bytes: s.usable_bytes(),
+                })
+                .collect(),
+        };
+        // Samples are never refused.
+        if feed::apply(tracker, &input).is_ok() {
+            inputs.record(input, false);
+        }
     }
 }
 
@@ -597,7 +603,11 @@ pub(crate) fn test_state() -> Arc<AgentState> {
 impl AgentState {
     /// Puts GPU samples in the tracker's window as the sampler would (test helper).
     pub(crate) fn test_gpu_samples(&self, gpu: &str, samples: &[stepwatch_core::GpuSample]) {
-        self.update(Drain::Never, |t, _| t.gpu_samples(gpu, samples));
+        let input = RecordEntry::GpuSamples {
+            gpu: gpu.into(),
+            samples: samples.to_vec(),
+        };
+        self.apply(Drain::Never, |_| input, false).unwrap();
     }
 }
 

@@ -34,7 +34,9 @@ pub type AdvisoryCallback = Arc<dyn Fn(&Advisory) + Send + Sync>;
 pub struct ClientOptions {
     /// `unix:///path`, `http://host:port` or `host:port`.
     pub endpoint: String,
-    /// Sent first on every (re)connection.
+    /// Sent first on every (re)connection. An empty `run_id` is filled with
+    /// a fresh one by [`Client::start`]: each client is one training run,
+    /// and the agent gives a new run of a rank its own step 1.
     pub hello: Hello,
     /// Markers buffered while the agent is slow or away (queued, or taken
     /// by the sender thread and not yet sent); beyond this they are dropped.
@@ -124,11 +126,26 @@ pub struct Client {
     capacity: u64,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// The hello's run id (see [`ClientOptions::hello`]).
+    run_id: String,
+}
+
+/// A run id unique on this host: the PID, the wall clock and a counter
+/// (two clients started in one nanosecond still differ), in the identifier
+/// charset the agent accepts.
+fn new_run_id() -> String {
+    static STARTED: AtomicU64 = AtomicU64::new(0);
+    let n = STARTED.fetch_add(1, Ordering::Relaxed);
+    format!("{:x}-{:x}-{n}", std::process::id(), wall_ns())
 }
 
 impl Client {
     /// Starts the background sender. Never fails and never waits for the agent.
-    pub fn start(options: ClientOptions) -> Self {
+    pub fn start(mut options: ClientOptions) -> Self {
+        if options.hello.run_id.is_empty() {
+            options.hello.run_id = new_run_id();
+        }
+        let run_id = options.hello.run_id.clone();
         let (tx, rx) = mpsc::channel(options.queue_capacity.max(1));
         let capacity = options.queue_capacity.max(1) as u64;
         let shared = Arc::new(Shared::default());
@@ -150,7 +167,13 @@ impl Client {
             capacity,
             shared,
             thread: Some(thread),
+            run_id,
         }
+    }
+
+    /// The run id every hello of this client carries.
+    pub fn run_id(&self) -> &str {
+        &self.run_id
     }
 
     /// Queues a marker. Never blocks; returns false when it was dropped.
@@ -495,6 +518,19 @@ mod tests {
             ClientOptions::new("unix:///nonexistent/stepwatch.sock", Hello::default());
         options.queue_capacity = capacity;
         Client::start(options)
+    }
+
+    #[test]
+    fn each_client_is_a_run_of_its_own_unless_the_hello_names_one() {
+        let (a, b) = (unreachable_client(1), unreachable_client(1));
+        assert!(!a.run_id().is_empty());
+        assert_ne!(a.run_id(), b.run_id());
+        let hello = Hello {
+            run_id: "fit-7".into(),
+            ..Hello::default()
+        };
+        let named = Client::start(ClientOptions::new("unix:///nonexistent/s.sock", hello));
+        assert_eq!(named.run_id(), "fit-7");
     }
 
     #[test]

@@ -130,6 +130,15 @@ pub fn round_size(bytes: u64) -> u64 {
     AllocatorSettings::default().round_size(bytes)
 }
 
+/// The page an expandable segment of `pool` grows and shrinks by: 2 MiB in
+/// the small pool, 20 MiB in the large one (PyTorch's `segment_size_`).
+fn expandable_page(pool: Pool) -> u64 {
+    match pool {
+        Pool::Small => SMALL_BUFFER,
+        Pool::Large => LARGE_BUFFER,
+    }
+}
+
 /// Size of the segment `cudaMalloc`ed when no cached block fits a request of
 /// `bytes` (rounded or not).
 pub fn segment_size(bytes: u64) -> u64 {
@@ -278,6 +287,13 @@ pub struct Usage {
     /// Bytes in segments from the driver (`reserved_bytes.all.current`); what
     /// NVML sees of the allocator.
     pub reserved: u64,
+    /// What the driver holds for the allocator: `reserved`, and for an
+    /// instant more in a peak, when an expandable segment's growth fails
+    /// partway. PyTorch creates the pages one by one
+    /// (`ExpandableSegment::map`) and gives back those it made when one
+    /// fails, before it releases its cache and retries; NVML (and the
+    /// GPU's capacity) sees them, `memory_stats()` does not.
+    pub device: u64,
 }
 
 /// Peak registers; the caller resets each at its own boundaries
@@ -442,7 +458,10 @@ impl CachingAllocator {
 
     /// Current allocated and reserved bytes.
     pub fn usage(&self) -> Usage {
-        self.usage
+        Usage {
+            device: self.usage.reserved,
+            ..self.usage
+        }
     }
 
     /// The peak registers, as markers and step stats read them.
@@ -853,12 +872,12 @@ impl CachingAllocator {
 
     /// Starts a new phase peak at the current usage.
     pub fn reset_phase_peak(&mut self) {
-        self.peaks.phase = self.usage;
+        self.peaks.phase = self.usage();
     }
 
     /// Starts a new step peak at the current usage.
     pub fn reset_step_peak(&mut self) {
-        self.peaks.step = self.usage;
+        self.peaks.step = self.usage();
     }
 
     /// Allocates `bytes` on the default stream; see
@@ -950,6 +969,10 @@ impl CachingAllocator {
         let found = match self.map_for(stream, pool, size, reserved_limit) {
             Some(found) => found,
             None => {
+                // The pages that still fit were made, then given back.
+                let page = expandable_page(pool);
+                let room = reserved_limit.saturating_sub(self.usage.reserved);
+                self.bump_device_peak(self.usage.reserved + room / page * page);
                 self.num_alloc_retries += 1;
                 self.release_free_segments();
                 self.map_for(stream, pool, size, reserved_limit)
@@ -1008,10 +1031,7 @@ impl CachingAllocator {
         size: u64,
         reserved_limit: u64,
     ) -> Option<(u64, u64)> {
-        let page = match pool {
-            Pool::Small => SMALL_BUFFER,
-            Pool::Large => LARGE_BUFFER,
-        };
+        let page = expandable_page(pool);
         let existing = self.expandable.get(&(stream, pool)).copied();
         let seg_id = match existing {
             Some(a) => a,
@@ -1171,10 +1191,7 @@ impl CachingAllocator {
         let Some(seg) = self.segments.get_mut(&id) else {
             return;
         };
-        let page = match seg.pool {
-            Pool::Small => SMALL_BUFFER,
-            Pool::Large => LARGE_BUFFER,
-        };
+        let page = expandable_page(seg.pool);
         let mut blocks: Vec<Block> = Vec::with_capacity(seg.blocks.len());
         let mut unmapped = 0u64;
         for b in std::mem::take(&mut seg.blocks) {
@@ -1380,7 +1397,7 @@ impl CachingAllocator {
     }
 
     fn bump_peaks(&mut self) {
-        let u = self.usage;
+        let u = self.usage();
         for p in [
             &mut self.peaks.phase,
             &mut self.peaks.step,
@@ -1388,6 +1405,19 @@ impl CachingAllocator {
         ] {
             p.allocated = p.allocated.max(u.allocated);
             p.reserved = p.reserved.max(u.reserved);
+            p.device = p.device.max(u.device);
+        }
+    }
+
+    /// Raises the peaks' `device` figure to `bytes` the driver held for an
+    /// instant ([`Usage::device`]).
+    fn bump_device_peak(&mut self, bytes: u64) {
+        for p in [
+            &mut self.peaks.phase,
+            &mut self.peaks.step,
+            &mut self.peaks.total,
+        ] {
+            p.device = p.device.max(bytes);
         }
     }
 }
@@ -1771,6 +1801,38 @@ mod tests {
         let _f = b.malloc(30 * MIB, u64::MAX).unwrap();
         assert_eq!(b.reserved(), 62 * MIB);
         b.check_invariants();
+    }
+
+    #[test]
+    fn a_failed_expandable_growth_holds_the_pages_that_fit_for_an_instant() {
+        // PyTorch maps an expandable segment's pages one by one and gives
+        // back those it made when one fails, then releases its cache and
+        // retries (seen on fake CUDA: gpt-expandable-segments on a 4.769 GiB
+        // GPU peaked, to the byte, 9 pages (180 MiB) above what its replay
+        // had reserved when the growth failed).
+        let s = AllocatorSettings {
+            expandable_segments: true,
+            ..AllocatorSettings::default()
+        };
+        let mut a = CachingAllocator::with_settings(s);
+        let limit = 110 * MIB;
+        // Pages [0, 40) for x, [40, 60) for y.
+        let x = a.malloc(40 * MIB, limit).unwrap();
+        let _y = a.malloc(20 * MIB, limit).unwrap();
+        a.free(x);
+        a.reset_step_peak();
+        // 60 MiB fits no free block (x's 40 MiB ends at y): three pages
+        // after y would make 120 MiB. Two fit (100 MiB) and are given back;
+        // the release unmaps x's two pages (20 MiB left) and the three new
+        // pages make 80 MiB.
+        let _z = a.malloc(60 * MIB, limit).unwrap();
+        assert_eq!(a.num_alloc_retries(), 1);
+        assert_eq!(a.reserved(), 80 * MIB);
+        let peak = a.peaks().step;
+        assert_eq!(peak.reserved, 80 * MIB);
+        assert_eq!(peak.device, 100 * MIB);
+        assert_eq!(a.usage().device, 80 * MIB);
+        a.check_invariants();
     }
 
     #[test]

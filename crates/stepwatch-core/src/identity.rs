@@ -251,6 +251,13 @@ pub struct RankInfo {
     pub framework_version: String,
     /// Optional facts that sharpen the step-2 prediction.
     pub model: ModelFacts,
+    /// The training run of the process the hello is from (a fresh id per
+    /// `watch()` or trainer fit). A hello with another non-empty run id
+    /// starts the rank afresh ([`crate::Tracker::open_evicting`]): a second
+    /// fit in one process gets its own step 1 and prediction. Empty for
+    /// clients that predate it.
+    #[serde(default)]
+    pub run_id: String,
 }
 
 impl RankKey {
@@ -295,6 +302,7 @@ impl RankInfo {
         check_identifier("framework", &self.framework, true)?;
         check_identifier("framework_version", &self.framework_version, true)?;
         check_identifier("gpu_uuid", &self.gpu_uuid, true)?;
+        check_identifier("run_id", &self.run_id, true)?;
         if self.world_size == 0 || self.world_size > MAX_WORLD_SIZE {
             return Err(HelloError::WorldSize(self.world_size));
         }

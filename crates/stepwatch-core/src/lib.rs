@@ -13,6 +13,7 @@ pub mod analysis;
 pub mod divergence;
 pub mod downsample;
 pub mod error;
+pub mod feed;
 pub mod fit;
 pub mod identity;
 pub mod marker;

@@ -7,15 +7,20 @@
 //! line (`stepwatch agent --record`); [`Replayer`] applies them to a fresh
 //! tracker (`stepwatch replay-record`). Records from real GPUs are the test
 //! fixtures of the predictor (`tests/fixtures/`).
+//!
+//! A [`RecordEntry`] is also how every caller describes an input to
+//! [`crate::feed::apply`], the step model's one input path: what the agent
+//! records is the input it applied.
 
 use serde::{Deserialize, Serialize};
 
 use crate::advisory::{Advisory, AdvisoryKind};
 use crate::error::{HelloError, MarkerError};
+use crate::feed;
 use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::marker::Marker;
 use crate::predict::PredictionBasis;
-use crate::replay::{replay_step2_with, AllocatorTrace, Gradients, TraceError};
+use crate::replay::{AllocatorTrace, Gradients, TraceError};
 use crate::sample::GpuSample;
 use crate::tracker::{OpenError, Tracker, TrackerConfig};
 
@@ -98,7 +103,25 @@ pub enum RecordEntry {
     },
 }
 
-/// Why an entry of a record could not be applied.
+impl RecordEntry {
+    /// The rank an entry is about, for its advisories; None for a hello
+    /// (its rank is its info's), a GPU's samples or processes and an
+    /// eviction.
+    pub fn key(&self) -> Option<&RankKey> {
+        match self {
+            RecordEntry::Markers { key, .. }
+            | RecordEntry::AllocatorTrace { key, .. }
+            | RecordEntry::ModelFacts { key, .. }
+            | RecordEntry::Close { key, .. } => Some(key),
+            RecordEntry::Open { .. }
+            | RecordEntry::GpuSamples { .. }
+            | RecordEntry::GpuProcesses { .. }
+            | RecordEntry::Evict { .. } => None,
+        }
+    }
+}
+
+/// Why an input (an entry of a record) could not be applied.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RecordError {
     /// A hello the tracker refused.
@@ -113,6 +136,22 @@ pub enum RecordError {
     /// A trace that does not replay.
     #[error("allocator trace refused: {0}")]
     Trace(#[from] TraceError),
+}
+
+impl RecordError {
+    /// The `stepwatch_markers_rejected_total` reason the agent counts this
+    /// refusal under.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RecordError::Open(e) => e.reason(),
+            RecordError::Markers(e) => e.reason(),
+            RecordError::ModelFacts(_) => "invalid_model_update",
+            RecordError::Trace(TraceError::UnmodelledSetting(_)) => {
+                "allocator_trace_unmodelled_setting"
+            }
+            RecordError::Trace(_) => "allocator_trace_invalid",
+        }
+    }
 }
 
 /// Applies a record's entries, in order, to a tracker of its own.
@@ -132,54 +171,12 @@ impl Replayer {
         }
     }
 
-    /// Applies one entry, as the agent did.
+    /// Applies one entry, as the agent did ([`feed::apply`]).
     pub fn apply(&mut self, entry: RecordEntry) -> Result<(), RecordError> {
-        match entry {
-            RecordEntry::Open { at_ns, info } => {
-                self.tracker.open(info, at_ns)?;
-            }
-            RecordEntry::Markers {
-                at_ns,
-                key,
-                markers,
-            } => {
-                let due = self.tracker.markers(&key, &markers, at_ns)?;
-                self.advisories
-                    .extend(due.into_iter().map(|a| (key.clone(), a)));
-            }
-            RecordEntry::AllocatorTrace {
-                at_ns,
-                key,
-                grads_persistent,
-                gradients,
-                reserved_limit,
-                trace,
-            } => {
-                let gradients =
-                    gradients.unwrap_or_else(|| Gradients::from_persistent(grads_persistent));
-                let replay = replay_step2_with(&trace, gradients, reserved_limit)?;
-                if let Some(due) = self.tracker.allocator_replay(&key, replay, at_ns) {
-                    self.advisories
-                        .extend(due.into_iter().map(|a| (key.clone(), a)));
-                }
-            }
-            RecordEntry::ModelFacts { at_ns, key, update } => {
-                if let Some(due) = self.tracker.update_model_facts(&key, &update, at_ns)? {
-                    self.advisories
-                        .extend(due.into_iter().map(|a| (key.clone(), a)));
-                }
-            }
-            RecordEntry::GpuSamples { gpu, samples } => self.tracker.gpu_samples(&gpu, &samples),
-            RecordEntry::GpuProcesses { gpu, processes } => {
-                self.tracker.set_gpu_processes(&gpu, &processes)
-            }
-            RecordEntry::Evict {
-                at_ns,
-                retention_ns,
-            } => {
-                self.tracker.evict_idle(at_ns, retention_ns);
-            }
-            RecordEntry::Close { at_ns, key } => self.tracker.close(&key, at_ns),
+        let applied = feed::apply(&mut self.tracker, &entry)?;
+        if let Some(key) = entry.key() {
+            self.advisories
+                .extend(applied.advisories.into_iter().map(|a| (key.clone(), a)));
         }
         Ok(())
     }

@@ -395,10 +395,10 @@ pub struct Step2Replay {
     pub grads_freed_before_backward: bool,
     /// Events replayed (in step 2).
     pub events_replayed: u64,
-    /// Highest reserved bytes of the last replayed step (step
-    /// 1 + [`REPLAYED_STEPS`]): the steady state, where a step leaves the
-    /// cache as it found it. Usually step 2's figure; lower when step 2 only
-    /// fitted by releasing the cache, which rearranges it.
+    /// Highest reserved bytes of the replayed steps after step 2 (3 to
+    /// 1 + [`REPLAYED_STEPS`]): the steady state, where steps repeat.
+    /// Usually step 2's figure; lower when step 2 only fitted by releasing
+    /// the cache, which rearranges it (see `steady_peak`).
     #[serde(default)]
     pub steady_reserved_peak_bytes: u64,
     /// The most the allocator may reserve on the GPU (capacity − what NVML
@@ -410,8 +410,8 @@ pub struct Step2Replay {
     #[serde(default)]
     pub within_limit: Option<LimitedReplay>,
     /// DDP's bucket rebuild at step 2's first forward, when the rank's facts
-    /// announced one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// announced one (null otherwise: the API always has the key).
+    #[serde(default)]
     pub ddp_bucket_rebuild: Option<ReplayedBucketRebuild>,
 }
 
@@ -441,7 +441,10 @@ pub struct LimitedReplay {
     pub fits: bool,
     /// Highest reserved bytes of step 2 (up to the failure when it does not fit).
     pub reserved_peak_bytes: u64,
-    /// Highest reserved bytes of the last replayed step, when all fit.
+    /// Highest reserved bytes of the replayed steps after step 2, when all
+    /// fit: a cache that keeps being released need not settle, and its
+    /// steps peak in turns. Pages an expandable segment's failed growth
+    /// held for an instant count ([`Usage::device`]).
     #[serde(default)]
     pub steady_reserved_peak_bytes: u64,
     /// Cache releases the replayed steps needed.
@@ -666,11 +669,7 @@ pub fn replay_step2_with(
         LimitedReplay {
             fits,
             reserved_peak_bytes: runs[0].peak.reserved,
-            steady_reserved_peak_bytes: if fits {
-                runs.last().map_or(0, |r| r.peak.reserved)
-            } else {
-                0
-            },
+            steady_reserved_peak_bytes: if fits { steady_peak(&runs) } else { 0 },
             alloc_retries: runs.iter().map(|r| r.alloc_retries).sum(),
         }
     });
@@ -685,7 +684,7 @@ pub fn replay_step2_with(
         grads_persistent,
         grads_freed_before_backward: gradients == Gradients::FreedBeforeBackward,
         events_replayed: step2.events_replayed,
-        steady_reserved_peak_bytes: unlimited.last().map_or(0, |r| r.peak.reserved),
+        steady_reserved_peak_bytes: steady_peak(&unlimited),
         reserved_limit_bytes: reserved_limit,
         within_limit,
         ddp_bucket_rebuild: rebuild_summary,
@@ -738,6 +737,28 @@ fn old_bucket_blocks(
         found.push(candidates.remove(at).2);
     }
     Some(found)
+}
+
+/// The steady-state reserved peak of replayed steps 2, 3, …: the highest
+/// peak of the steps after step 2. Step 2 starts from the layout step 1
+/// left, which no later step sees again; the steps after it repeat. Where
+/// nothing releases the cache (no retry, no `empty_cache()` in the trace)
+/// reserved memory never shrinks, so that is the last step's peak. With
+/// retries the cache need not settle: each step may fill
+/// the GPU, release and rearrange again, and the steps' peaks take turns
+/// (`fsdp2-4` on real PyTorch at its fragmentation capacity: steps 3–6
+/// peaked at 4,802, 4,676, 4,802 and 4,804 MiB reserved, each after cache
+/// releases, as the replay's do), so the last step's peak may be the
+/// lowest of the cycle. The highest is what the GPU must hold, counting
+/// the pages a failed expandable growth held for an instant
+/// ([`Usage::device`]).
+fn steady_peak(runs: &[Run]) -> u64 {
+    runs.iter()
+        .skip(1)
+        .map(|r| r.peak.device)
+        .max()
+        .or_else(|| runs.first().map(|r| r.peak.device))
+        .unwrap_or(0)
 }
 
 /// When step 2 frees what it does not keep of step 1's allocations that

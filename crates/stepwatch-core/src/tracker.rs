@@ -350,11 +350,18 @@ impl Tracker {
     ///
     /// | the rank is …                       | the hello is from …          | then                    |
     /// |-------------------------------------|------------------------------|-------------------------|
-    /// | tracked, any                        | the same process             | resume its timeline     |
+    /// | tracked, any                        | the same process, same run   | resume its timeline     |
+    /// | tracked, any                        | the same process, a new run  | start it afresh         |
     /// | connected                           | another process or pod       | refused, `RankHeld`     |
     /// | attested by the kubelet             | an unattested claimant       | refused, `RankHeld`     |
     /// | tracked, disconnected               | another process              | a new run (below)       |
     /// | unknown                             | anyone                       | a new rank              |
+    ///
+    /// A hello's run is new when its run id is set and differs from the
+    /// rank's ([`RankInfo::run_id`]): a second `fit()` in one process. The
+    /// rank then starts afresh, like a rank taken over by a new process:
+    /// step 1 again, no advisories, no frozen prediction or replay. An
+    /// empty run id (older clients) never starts one.
     ///
     /// A new run: when a new process opens a tracked rank of a job none of
     /// whose ranks is connected, the job was resubmitted under the same id,
@@ -387,7 +394,8 @@ impl Tracker {
                         "the kubelet vouched for its pod, and not for this hello's",
                     ));
                 }
-                (true, same)
+                let new_run = !info.run_id.is_empty() && info.run_id != state.info.run_id;
+                (true, same && !new_run)
             }
             None => (false, false),
         };

@@ -107,6 +107,45 @@ fn a_restart_after_the_old_stream_closed_starts_afresh_and_a_reconnect_resumes()
 }
 
 #[test]
+fn a_new_run_id_from_the_same_process_starts_the_rank_afresh() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let run = |id: &str| RankInfo {
+        run_id: id.into(),
+        ..info("ns", "j", 0, 10)
+    };
+    let key = t.open(run("fit-1"), 0).unwrap();
+    t.markers(&key, &two_steps(0), 1).unwrap();
+    // A reconnect within the run, and a hello without a run id (an older
+    // client), resume it, also while the first stream is still open.
+    t.open(run("fit-1"), 2).unwrap();
+    t.open(run(""), 2).unwrap();
+    assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 2);
+    // A second fit while the first stream is still open: a new run.
+    t.open(run("fit-2"), 3).unwrap();
+    let r = t.rank(&key).unwrap();
+    assert_eq!(r.timeline.steps_completed(), 0);
+    assert_eq!((r.info.run_id.as_str(), r.connected_streams), ("fit-2", 4));
+    // Its step 1 is step 1, not step 3 (which a resumed run would refuse).
+    t.markers(&key, &two_steps(100_000_000), 4).unwrap();
+    assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 2);
+    assert_eq!(
+        t.rank(&key).unwrap().timeline.steps().next().unwrap().step,
+        1
+    );
+}
+
+#[test]
+fn a_run_id_outside_the_identifier_charset_is_refused() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let bad = RankInfo {
+        run_id: "fit 1".into(),
+        ..info("ns", "j", 0, 10)
+    };
+    let refused = t.open(bad, 0);
+    assert!(matches!(refused, Err(OpenError::Invalid(_))), "{refused:?}");
+}
+
+#[test]
 fn an_attested_rank_is_not_taken_by_an_unattested_hello() {
     let mut t = Tracker::new(TrackerConfig::default());
     let mut attested = info("ns", "j", 0, 10);

@@ -35,6 +35,8 @@ pub mod csi {
     }
 }
 
+pub mod convert;
+
 /// Upper bound on markers in one `MarkerBatch`; larger batches are rejected.
 pub const MAX_MARKERS_PER_BATCH: usize = 1024;
 
@@ -42,12 +44,15 @@ pub const MAX_MARKERS_PER_BATCH: usize = 1024;
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 
 /// Splits an allocator trace into `AllocatorTraceChunk`s whose encoded
-/// `ClientMessage` stays within [`MAX_MESSAGE_BYTES`]: segments first, then
-/// events, in order, with `last` set on the final chunk (there is always at
-/// least one). A single segment too large for one message (over ~4000
-/// blocks) still goes alone in its chunk; the agent then rejects the trace.
+/// `ClientMessage` stays within [`MAX_MESSAGE_BYTES`]: the settings (when
+/// known) in the first, then segments, then events, in order, with `last`
+/// set on the final chunk (there is always at least one). A single segment
+/// too large for one message (over ~4000 blocks) still goes alone in its
+/// chunk; the agent then rejects the trace. From a core trace, use
+/// [`convert::allocator_trace_to_wire`].
 pub fn chunk_allocator_trace(
     step: u64,
+    settings: Option<v1::AllocatorSettings>,
     segments: Vec<v1::AllocatorSegment>,
     events: Vec<v1::AllocatorEvent>,
 ) -> Vec<v1::AllocatorTraceChunk> {
@@ -61,7 +66,8 @@ pub fn chunk_allocator_trace(
     };
     let mut chunks = Vec::new();
     let mut chunk = new_chunk();
-    let mut size = 0;
+    let mut size = settings.as_ref().map_or(0, |s| framed(s.encoded_len()));
+    chunk.settings = settings;
     for s in segments {
         let n = framed(s.encoded_len());
         if size + n > BUDGET && size > 0 {

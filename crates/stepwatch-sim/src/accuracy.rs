@@ -2,9 +2,12 @@
 //!
 //! For each built-in scenario (and each rank whose memory or expectation
 //! differs from rank 0's), the simulated events are fed into a
-//! [`stepwatch_core::Tracker`] the way the agent feeds it:
+//! [`stepwatch_core::Tracker`] through the step model's input path
+//! ([`stepwatch_core::feed::apply`], which the agent and the record
+//! replayer use too):
 //!
-//! * a hello when the rank starts, with [`RankSim::model_facts`];
+//! * a hello when the rank starts, [`RankSim::rank_info`] (what `stepwatch
+//!   sim` sends);
 //! * markers in batches (consecutive markers of one rank at one simulated
 //!   time; a `StepBegin` always starts a new batch), each followed by
 //!   [`Tracker::advise`], as the ingest path does;
@@ -22,10 +25,10 @@
 //! raised ×2 (so that it runs to the end) when the rank did not. True
 //! headroom is `(capacity − actual peak) / capacity` at the real capacity.
 //!
-//! * step 1's allocator trace, replayed ([`stepwatch_core::replay_step2`])
-//!   and handed to [`Tracker::allocator_replay`] when the rank sends one
-//!   (the default; [`evaluate_with`] can leave it out, as for a client that
-//!   cannot record the allocator's history).
+//! * step 1's allocator trace, replayed under the rank's
+//!   [`stepwatch_core::feed::ReplayPlan`] and handed to the tracker when the
+//!   rank sends one (the default; [`evaluate_with`] can leave it out, as for
+//!   a client that cannot record the allocator's history).
 //!
 //! Nothing of the simulator's internals reaches the tracker: only markers
 //! (with allocator figures, their peak counters running since the process
@@ -35,9 +38,10 @@
 
 use std::fmt::Write as _;
 
+use stepwatch_core::feed::{self, Applied, ReplayPlan};
 use stepwatch_core::{
-    replay_step2_within, Advisory, AdvisoryKind, BindingTerm, Marker, MarkerKind, Prediction,
-    RankInfo, RankKey, StateSource, Tracker, TrackerConfig,
+    Advisory, AdvisoryKind, BindingTerm, Marker, MarkerKind, Prediction, RankKey, RecordEntry,
+    StateSource, Tracker, TrackerConfig,
 };
 
 use crate::rank::{PeakMode, RankSim, SimEvent, SimOutcome};
@@ -310,6 +314,11 @@ struct Replay {
     oom_warned_before_step2: bool,
 }
 
+/// Applies one simulated input; the simulator makes only valid ones.
+fn feed(tracker: &mut Tracker, input: RecordEntry) -> Applied {
+    feed::apply(tracker, &input).expect("the simulator's inputs are valid")
+}
+
 /// Feeds the events of every process on one GPU into a tracker the way the
 /// agent does and watches process 0 (the evaluated rank).
 fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
@@ -359,34 +368,29 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
                 if base > 0 {
                     procs.push((OTHER_PID, base));
                 }
-                tracker.set_gpu_processes(GPU, &procs);
+                let processes = RecordEntry::GpuProcesses {
+                    gpu: GPU.into(),
+                    processes: procs,
+                };
+                feed(&mut tracker, processes);
                 next_processes = next_sample + PROCESS_PERIOD_NS;
             }
-            tracker.gpu_samples(
-                GPU,
-                &[stepwatch_core::GpuSample {
-                    monotonic_ns: next_sample,
-                    used_bytes: used,
-                    capacity_bytes: capacity,
-                }],
-            );
+            let sample = stepwatch_core::GpuSample {
+                monotonic_ns: next_sample,
+                used_bytes: used,
+                capacity_bytes: capacity,
+            };
+            let samples = RecordEntry::GpuSamples {
+                gpu: GPU.into(),
+                samples: vec![sample],
+            };
+            feed(&mut tracker, samples);
             next_sample += SAMPLE_PERIOD_NS;
         }
         if !opened[p] {
             opened[p] = true;
-            let sim = &sims[p];
-            let info = RankInfo {
-                job: keys[p].job.clone(),
-                rank: keys[p].rank,
-                local_rank: 0,
-                world_size: sim.scenario().ranks.count,
-                gpu_uuid: GPU.into(),
-                pid: RANK_PID_BASE + p as u32,
-                framework: "stepwatch-sim".into(),
-                model: sim.model_facts(),
-                ..Default::default()
-            };
-            tracker.open(info, t).expect("valid hello");
+            let info = sims[p].rank_info(&keys[p].job, GPU, RANK_PID_BASE + p as u32);
+            feed(&mut tracker, RecordEntry::Open { at_ns: t, info });
         }
         // One batch: consecutive markers of this process at this time, a
         // StepBegin starting a new batch.
@@ -397,14 +401,13 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
             } => latest[p] = *nvml_used_bytes,
             SimEvent::AllocatorTrace { trace, .. } => {
                 // The agent replays a trace as it arrives (before the next marker).
-                let grads_persistent = sims[p].model_facts().grads_set_to_none == Some(false);
-                let limit = tracker.reserved_limit(&keys[p]);
-                let replayed =
-                    replay_step2_within(trace, grads_persistent, limit).expect("valid trace");
-                if let Some(advisories) = tracker.allocator_replay(&keys[p], replayed, t) {
-                    if p == 0 {
-                        due = advisories;
-                    }
+                let plan = ReplayPlan::for_rank(&tracker, &keys[p]);
+                let applied = feed(
+                    &mut tracker,
+                    plan.entry(t, keys[p].clone(), (**trace).clone()),
+                );
+                if p == 0 {
+                    due = applied.advisories;
                 }
             }
             SimEvent::Marker(m) => {
@@ -437,11 +440,18 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
             }
             // The tracker checks advisories after each batch, and before the
             // first marker of step 2 is applied.
-            let from_batch = tracker.markers(key, &batch, t).expect("valid markers");
+            let markers = std::mem::take(&mut batch);
+            let from_batch = feed(
+                &mut tracker,
+                RecordEntry::Markers {
+                    at_ns: t,
+                    key: key.clone(),
+                    markers,
+                },
+            );
             if batch_owner == 0 {
-                due.extend(from_batch);
+                due.extend(from_batch.advisories);
             }
-            batch.clear();
         }
         // Only the memory warnings are judged here; a rank-divergence
         // advisory says nothing about step 2 fitting.
@@ -465,7 +475,11 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
         if last_i + 1 == events[p].len() {
             ended[p] = true;
             latest[p] = 0;
-            tracker.close(&keys[p], t);
+            let close = RecordEntry::Close {
+                at_ns: t,
+                key: keys[p].clone(),
+            };
+            feed(&mut tracker, close);
         }
         k += 1;
     }

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, VecDeque};
 
 use stepwatch_core::{
     AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace, Marker, MarkerKind,
-    ModelFacts, OptimizerImplementation, OptimizerKind, PhaseKind, Precision,
+    ModelFacts, OptimizerImplementation, OptimizerKind, PhaseKind, Precision, RankInfo,
 };
 
 use crate::allocator::{AllocId, CachingAllocator, OutOfMemory, Usage};
@@ -437,6 +437,25 @@ impl RankSim {
     /// What the rank did so far.
     pub fn report(&self) -> &RankReport {
         &self.report
+    }
+
+    /// The hello this rank sends as job `job` from process `pid` on GPU
+    /// `gpu_uuid`: `stepwatch sim` puts it on the wire, and the accuracy
+    /// harness hands it to the tracker as the agent reads it from there.
+    pub fn rank_info(&self, job: &str, gpu_uuid: &str, pid: u32) -> RankInfo {
+        RankInfo {
+            job: job.to_owned(),
+            rank: self.rank,
+            local_rank: self.rank,
+            world_size: self.scenario.ranks.count,
+            node_name: "sim".into(),
+            gpu_uuid: gpu_uuid.to_owned(),
+            pid,
+            framework: "stepwatch-sim".into(),
+            framework_version: env!("CARGO_PKG_VERSION").into(),
+            model: self.model_facts(),
+            ..RankInfo::default()
+        }
     }
 
     /// The model facts a client would send in its hello.

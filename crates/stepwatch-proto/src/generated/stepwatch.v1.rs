@@ -55,6 +55,16 @@ pub struct Hello {
     /// Version of the stepwatch client library, for diagnostics.
     #[prost(string, tag = "7")]
     pub client_version: ::prost::alloc::string::String,
+    /// Which training run of this process the stream belongs to: a fresh id
+    /// per run (stepwatch.watch(), a Lightning or Hugging Face trainer's fit),
+    /// the same on every reconnect within it. A hello whose run id differs from
+    /// the one the rank has starts a new run of the rank: a new step 1, the
+    /// prediction and advisories made afresh, the earlier run's figures
+    /// dropped. Empty (older clients): the stream continues the rank's run
+    /// when it comes from the same process. Same charset and bound as the
+    /// identifiers; may be empty.
+    #[prost(string, tag = "8")]
+    pub run_id: ::prost::alloc::string::String,
 }
 /// A rank's identity within its job.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

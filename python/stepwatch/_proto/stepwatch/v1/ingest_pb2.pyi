@@ -115,7 +115,7 @@ class ClientMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., markers: _Optional[_Union[MarkerBatch, _Mapping]] = ..., allocator_trace: _Optional[_Union[AllocatorTraceChunk, _Mapping]] = ..., model_update: _Optional[_Union[ModelFacts, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("identity", "gpu_uuid", "pid", "framework", "framework_version", "model", "client_version")
+    __slots__ = ("identity", "gpu_uuid", "pid", "framework", "framework_version", "model", "client_version", "run_id")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class Hello(_message.Message):
     FRAMEWORK_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     identity: Identity
     gpu_uuid: str
     pid: int
@@ -130,7 +131,8 @@ class Hello(_message.Message):
     framework_version: str
     model: ModelFacts
     client_version: str
-    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., gpu_uuid: _Optional[str] = ..., pid: _Optional[int] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., model: _Optional[_Union[ModelFacts, _Mapping]] = ..., client_version: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., gpu_uuid: _Optional[str] = ..., pid: _Optional[int] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., model: _Optional[_Union[ModelFacts, _Mapping]] = ..., client_version: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class Identity(_message.Message):
     __slots__ = ("job_id", "rank", "local_rank", "world_size", "node_name", "pod", "namespace")

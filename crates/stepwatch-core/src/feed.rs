@@ -1,0 +1,297 @@
+//! The one path for the step model's inputs.
+//!
+//! Three callers feed a [`Tracker`]: the agent (what arrives on the wire and
+//! from the sampler), the record replayer (`stepwatch replay-record`, what
+//! an agent recorded) and the accuracy harness (what a simulated job does).
+//! They all describe each input as a [`RecordEntry`] and hand it to
+//! [`apply`], so a hello, a marker batch, a trace, a facts update, samples,
+//! a process list, an eviction or a close is applied by the same code
+//! wherever it comes from, and what the agent records is what it applied.
+//!
+//! The one input that is split is the step-1 allocator trace: its replay is
+//! heavy, so the agent runs it outside the tracker's lock. [`ReplayPlan`]
+//! says how a rank's trace is replayed (what becomes of its gradients, the
+//! reserved limit), [`ReplayPlan::replay`] runs it with no tracker, and
+//! [`apply_replay`] hands the result over; [`apply`] does the three in a row.
+//!
+//! What stays with each caller is where its inputs come from and when: the
+//! agent drains the sampler before a step-1 batch, the harness samples its
+//! simulated GPU at 100 Hz, the replayer reads lines.
+
+use crate::advisory::Advisory;
+use crate::identity::RankKey;
+use crate::record::{RecordEntry, RecordError};
+use crate::replay::{replay_step2_with, AllocatorTrace, Gradients, Step2Replay, TraceError};
+use crate::tracker::{Opened, Tracker};
+
+/// What applying one input did, for the caller to act on (send advisories,
+/// count evictions, log a late trace).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Applied {
+    /// Advisories that became due, in order.
+    pub advisories: Vec<Advisory>,
+    /// A trace's replay or a facts update that came after the rank's step 2
+    /// began (or for a rank no longer tracked): the prediction made before
+    /// step 2 stands, so nothing was due.
+    pub late: bool,
+    /// A hello's rank, with what made room for it or was superseded by it.
+    pub opened: Option<Opened>,
+    /// Ranks an eviction dropped.
+    pub evicted: usize,
+}
+
+impl Applied {
+    fn advisories(advisories: Vec<Advisory>) -> Self {
+        Self {
+            advisories,
+            ..Self::default()
+        }
+    }
+
+    /// Advisories, or `late` when there were none to have (None).
+    fn unless_late(due: Option<Vec<Advisory>>) -> Self {
+        match due {
+            Some(advisories) => Self::advisories(advisories),
+            None => Self {
+                late: true,
+                ..Self::default()
+            },
+        }
+    }
+}
+
+/// Applies one input to the tracker, as the agent does. Refused inputs
+/// change nothing.
+pub fn apply(tracker: &mut Tracker, input: &RecordEntry) -> Result<Applied, RecordError> {
+    Ok(match input {
+        RecordEntry::Open { at_ns, info } => Applied {
+            opened: Some(tracker.open_evicting(info.clone(), *at_ns)?),
+            ..Applied::default()
+        },
+        RecordEntry::Markers {
+            at_ns,
+            key,
+            markers,
+        } => Applied::advisories(tracker.markers(key, markers, *at_ns)?),
+        RecordEntry::AllocatorTrace {
+            at_ns, key, trace, ..
+        } => {
+            let plan = ReplayPlan::of_entry(input).expect("an allocator trace entry");
+            apply_replay(tracker, key, plan.replay(trace)?, *at_ns)
+        }
+        RecordEntry::ModelFacts { at_ns, key, update } => {
+            Applied::unless_late(tracker.update_model_facts(key, update, *at_ns)?)
+        }
+        RecordEntry::GpuSamples { gpu, samples } => {
+            tracker.gpu_samples(gpu, samples);
+            Applied::default()
+        }
+        RecordEntry::GpuProcesses { gpu, processes } => {
+            tracker.set_gpu_processes(gpu, processes);
+            Applied::default()
+        }
+        RecordEntry::Evict {
+            at_ns,
+            retention_ns,
+        } => Applied {
+            evicted: tracker.evict_idle(*at_ns, *retention_ns),
+            ..Applied::default()
+        },
+        RecordEntry::Close { at_ns, key } => {
+            tracker.close(key, *at_ns);
+            Applied::default()
+        }
+    })
+}
+
+/// How a rank's step-1 allocator trace is replayed: decided from the
+/// tracker (its facts and its current prediction) when the trace arrives,
+/// and recorded with the trace so a replay of the record does the same.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReplayPlan {
+    /// What becomes of step 1's gradients between steps, from the rank's
+    /// facts ([`Gradients::of`]).
+    pub gradients: Gradients,
+    /// The most the rank's allocator may reserve ([`Tracker::reserved_limit`]);
+    /// None while unknown.
+    pub reserved_limit: Option<u64>,
+}
+
+impl ReplayPlan {
+    /// The plan for the rank's trace as the tracker stands (defaults for a
+    /// rank it does not know; its replay will be late anyway).
+    pub fn for_rank(tracker: &Tracker, key: &RankKey) -> Self {
+        Self {
+            gradients: tracker
+                .rank(key)
+                .map_or_else(Gradients::default, |r| Gradients::of(&r.info)),
+            reserved_limit: tracker.reserved_limit(key),
+        }
+    }
+
+    /// The plan an [`RecordEntry::AllocatorTrace`] was replayed with (older
+    /// records say only whether gradients persist); None for other entries.
+    pub fn of_entry(entry: &RecordEntry) -> Option<Self> {
+        match entry {
+            RecordEntry::AllocatorTrace {
+                grads_persistent,
+                gradients,
+                reserved_limit,
+                ..
+            } => Some(Self {
+                gradients: gradients
+                    .unwrap_or_else(|| Gradients::from_persistent(*grads_persistent)),
+                reserved_limit: *reserved_limit,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Replays step 2 from `trace` under this plan. Pure and heavy (up to a
+    /// few hundred ms for the largest traces): run it outside any lock.
+    pub fn replay(&self, trace: &AllocatorTrace) -> Result<Step2Replay, TraceError> {
+        replay_step2_with(trace, self.gradients, self.reserved_limit)
+    }
+
+    /// The record entry of `trace` replayed under this plan.
+    pub fn entry(&self, at_ns: u64, key: RankKey, trace: AllocatorTrace) -> RecordEntry {
+        RecordEntry::AllocatorTrace {
+            at_ns,
+            key,
+            grads_persistent: self.gradients == Gradients::Kept,
+            gradients: Some(self.gradients),
+            reserved_limit: self.reserved_limit,
+            trace,
+        }
+    }
+}
+
+/// Hands a rank's step-2 replay to the tracker: advisories due with it, or
+/// `late` (nothing changes) once the rank's step 2 has begun.
+pub fn apply_replay(
+    tracker: &mut Tracker,
+    key: &RankKey,
+    replay: Step2Replay,
+    at_ns: u64,
+) -> Applied {
+    Applied::unless_late(tracker.allocator_replay(key, replay, at_ns))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::identity::{ModelFacts, RankInfo};
+    use crate::marker::Marker;
+    use crate::tracker::TrackerConfig;
+
+    fn info(rank: u32) -> RankInfo {
+        RankInfo {
+            job: "j".into(),
+            rank,
+            world_size: 2,
+            gpu_uuid: "GPU-0".into(),
+            pid: 10 + rank,
+            ..RankInfo::default()
+        }
+    }
+
+    /// A batch of one step-begin marker at `t`, as a record holds it.
+    fn step_begins(key: &RankKey, step: u64, t: u64) -> RecordEntry {
+        let marker: Marker = serde_json::from_str(&format!(
+            r#"{{"kind":"step_begin","step":{step},"monotonic_ns":{t},"wall_ns":{t},"micro_batch":0,"allocator":null}}"#
+        ))
+        .unwrap();
+        let markers = vec![marker];
+        RecordEntry::Markers {
+            at_ns: t,
+            key: key.clone(),
+            markers,
+        }
+    }
+
+    #[test]
+    fn a_hello_says_what_made_room_for_it() {
+        let mut t = Tracker::new(TrackerConfig {
+            max_ranks: 1,
+            ..TrackerConfig::default()
+        });
+        let first = info(0).key();
+        for entry in [
+            RecordEntry::Open {
+                at_ns: 1,
+                info: info(0),
+            },
+            RecordEntry::Close {
+                at_ns: 2,
+                key: first.clone(),
+            },
+        ] {
+            apply(&mut t, &entry).unwrap();
+        }
+        let open = RecordEntry::Open {
+            at_ns: 3,
+            info: info(1),
+        };
+        let opened = apply(&mut t, &open).unwrap().opened.unwrap();
+        assert_eq!(opened.key, info(1).key());
+        assert_eq!(opened.evicted, Some(first));
+    }
+
+    #[test]
+    fn facts_after_step_two_began_are_late() {
+        let mut t = Tracker::new(TrackerConfig::default());
+        let key = info(0).key();
+        apply(
+            &mut t,
+            &RecordEntry::Open {
+                at_ns: 1,
+                info: info(0),
+            },
+        )
+        .unwrap();
+        let facts = |at_ns| RecordEntry::ModelFacts {
+            at_ns,
+            key: key.clone(),
+            update: ModelFacts {
+                grads_set_to_none: Some(false),
+                ..ModelFacts::default()
+            },
+        };
+        apply(&mut t, &step_begins(&key, 1, 10)).unwrap();
+        assert!(!apply(&mut t, &facts(11)).unwrap().late);
+        assert_eq!(
+            ReplayPlan::for_rank(&t, &key).gradients,
+            Gradients::Kept,
+            "the plan follows the merged facts"
+        );
+        apply(&mut t, &step_begins(&key, 2, 20)).unwrap();
+        assert!(apply(&mut t, &facts(21)).unwrap().late);
+    }
+
+    #[test]
+    fn a_trace_entry_replays_under_the_plan_it_was_recorded_with() {
+        let plan = ReplayPlan {
+            gradients: Gradients::FreedBeforeBackward,
+            reserved_limit: Some(1 << 30),
+        };
+        let key = info(0).key();
+        let entry = plan.entry(5, key, AllocatorTrace::default());
+        assert_eq!(ReplayPlan::of_entry(&entry), Some(plan));
+        // Older records carry only `grads_persistent`.
+        let old = RecordEntry::AllocatorTrace {
+            at_ns: 5,
+            key: info(0).key(),
+            grads_persistent: true,
+            gradients: None,
+            reserved_limit: None,
+            trace: AllocatorTrace::default(),
+        };
+        assert_eq!(
+            ReplayPlan::of_entry(&old),
+            Some(ReplayPlan {
+                gradients: Gradients::Kept,
+                reserved_limit: None
+            })
+        );
+    }
+}
