@@ -78,6 +78,19 @@ impl PhaseKind {
         PhaseKind::Epilogue,
     ];
 
+    /// The marker that opens this phase: the inverse of [`MarkerKind::opens`]
+    /// (how the wire names an allocator event's phase, and which marker a
+    /// step's open phase began with).
+    pub fn opened_by(self) -> MarkerKind {
+        match self {
+            PhaseKind::Prologue => MarkerKind::StepBegin,
+            PhaseKind::Forward => MarkerKind::ForwardBegin,
+            PhaseKind::Backward => MarkerKind::BackwardBegin,
+            PhaseKind::Optimizer => MarkerKind::OptimizerBegin,
+            PhaseKind::Epilogue => MarkerKind::OptimizerEnd,
+        }
+    }
+
     /// Stable label value for metrics and JSON.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -154,4 +167,16 @@ pub struct Marker {
     /// Allocator figures at this moment; None without CUDA. Needed for the
     /// allocator-basis prediction.
     pub allocator: Option<AllocatorStats>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_phase_is_opened_by_the_marker_that_opens_it() {
+        for phase in PhaseKind::ALL {
+            assert_eq!(phase.opened_by().opens(), Some(phase));
+        }
+    }
 }

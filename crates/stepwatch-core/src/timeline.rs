@@ -213,13 +213,7 @@ impl StepRecord {
     }
 
     fn last_kind(&self) -> Option<MarkerKind> {
-        self.phases.last().map(|p| match p.phase {
-            PhaseKind::Prologue => MarkerKind::StepBegin,
-            PhaseKind::Forward => MarkerKind::ForwardBegin,
-            PhaseKind::Backward => MarkerKind::BackwardBegin,
-            PhaseKind::Optimizer => MarkerKind::OptimizerBegin,
-            PhaseKind::Epilogue => MarkerKind::OptimizerEnd,
-        })
+        self.phases.last().map(|p| p.phase.opened_by())
     }
 }
 

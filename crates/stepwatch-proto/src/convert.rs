@@ -495,13 +495,7 @@ pub fn segment_from_wire(s: pb::AllocatorSegment) -> SegmentLayout {
 
 /// The marker that opens a phase: how the wire names an event's phase.
 pub fn phase_to_wire(phase: PhaseKind) -> pb::MarkerKind {
-    marker_kind_to_wire(match phase {
-        PhaseKind::Prologue => MarkerKind::StepBegin,
-        PhaseKind::Forward => MarkerKind::ForwardBegin,
-        PhaseKind::Backward => MarkerKind::BackwardBegin,
-        PhaseKind::Optimizer => MarkerKind::OptimizerBegin,
-        PhaseKind::Epilogue => MarkerKind::OptimizerEnd,
-    })
+    marker_kind_to_wire(phase.opened_by())
 }
 
 enum_pairs!(action_to_wire, action_from_wire, AllocatorAction => pb::AllocatorAction {
