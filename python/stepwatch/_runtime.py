@@ -315,10 +315,7 @@ class _Runtime:
         finally:
             w.remove()
         if rebuild is not None:
-            c = self.client
-            if c is None:
-                c = self.get_client()
-            c.send_model_update({"ddp_bucket_rebuild": rebuild})
+            self.get_client().send_model_update({"ddp_bucket_rebuild": rebuild})
 
     def guarded(self, fn: Callable[[], None]) -> None:
         """Run a marking action from a hook: never raise into training unless strict."""

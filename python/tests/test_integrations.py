@@ -88,60 +88,10 @@ def test_lightning_callback(agent, tmp_path, monkeypatch, accumulate, step_hooks
     assert sources[:steps] == ["optimizer_end" if step_hooks else "_end_of_batch"] * steps
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_transformers_callback(agent, tmp_path, accumulate):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    import torch
-    from transformers import Trainer, TrainingArguments
-
-    from stepwatch.transformers import StepwatchCallback
-
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 1)
-
-        def forward(self, x, labels=None):
-            out = self.lin(x)
-            loss = torch.nn.functional.mse_loss(out, labels)
-            return {"loss": loss, "logits": out}
-
-    class DS(torch.utils.data.Dataset):
-        def __len__(self):
-            return 32
-
-        def __getitem__(self, i):
-            g = torch.Generator().manual_seed(i)
-            return {"x": torch.randn(4, generator=g), "labels": torch.randn(1, generator=g)}
-
-    steps = 3
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=steps,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=accumulate,
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
-    trainer = Trainer(model=Tiny(), args=args, train_dataset=DS(), callbacks=[StepwatchCallback()])
-    trainer.train()
-    ms = agent.wait_markers(len(expected(steps, accumulate)))
-    assert summary(ms) == expected(steps, accumulate)
-    h = agent.streams[0].hello
-    assert h.framework == "transformers" and h.model.grad_accumulation_steps == accumulate
-    assert h.model.micro_batch_size == 4  # per_device_train_batch_size
-    assert stepwatch.flush(1)
-
-
-def test_a_second_transformers_train_is_a_new_run_on_a_new_stream(agent, tmp_path):
-    """``trainer.train()`` twice in one process: the first run's markers all go
-    out on its stream, which the client ends; the second run says hello on a
-    new stream with a new run id and its steps start at 1."""
+def hf_trainer(tmp_path, steps, accumulate=1):
+    """A tiny HF Trainer on the CPU with stepwatch's callback: ``steps``
+    optimizer steps of 4 samples times ``accumulate`` micro-batches.
+    Returns ``(make_trainer, callback)``; each call makes a fresh model."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     import torch
@@ -160,7 +110,7 @@ def test_a_second_transformers_train_is_a_new_run_on_a_new_stream(agent, tmp_pat
 
     class DS(torch.utils.data.Dataset):
         def __len__(self):
-            return 16
+            return 4 * steps * accumulate
 
         def __getitem__(self, i):
             g = torch.Generator().manual_seed(i)
@@ -168,8 +118,9 @@ def test_a_second_transformers_train_is_a_new_run_on_a_new_stream(agent, tmp_pat
 
     args = TrainingArguments(
         output_dir=str(tmp_path),
-        max_steps=2,
+        max_steps=steps,
         per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulate,
         report_to=[],
         save_strategy="no",
         logging_strategy="no",
@@ -178,8 +129,32 @@ def test_a_second_transformers_train_is_a_new_run_on_a_new_stream(agent, tmp_pat
         dataloader_num_workers=0,
     )
     callback = StepwatchCallback()
+
+    def make_trainer():
+        return Trainer(model=Tiny(), args=args, train_dataset=DS(), callbacks=[callback])
+
+    return make_trainer
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_transformers_callback(agent, tmp_path, accumulate):
+    steps = 3
+    hf_trainer(tmp_path, steps, accumulate)().train()
+    ms = agent.wait_markers(len(expected(steps, accumulate)))
+    assert summary(ms) == expected(steps, accumulate)
+    h = agent.streams[0].hello
+    assert h.framework == "transformers" and h.model.grad_accumulation_steps == accumulate
+    assert h.model.micro_batch_size == 4  # per_device_train_batch_size
+    assert stepwatch.flush(1)
+
+
+def test_a_second_transformers_train_is_a_new_run_on_a_new_stream(agent, tmp_path):
+    """``trainer.train()`` twice in one process (one callback): the first run's
+    markers all go out on its stream, which the client ends; the second run
+    says hello on a new stream with a new run id and its steps start at 1."""
+    make_trainer = hf_trainer(tmp_path, 2)
     for _ in range(2):
-        Trainer(model=Tiny(), args=args, train_dataset=DS(), callbacks=[callback]).train()
+        make_trainer().train()
     agent.wait_markers(2 * len(expected(2)))
     assert stepwatch.flush(5)
     with agent.lock:
