@@ -221,6 +221,7 @@ class Client:
         self._closed = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._channel: Any = None
+        self._call: Any = None  # the open stream, for _after_fork_in_child
         self._connected = False
         self._agent_absent = False
         self._in_flight = 0
@@ -230,7 +231,13 @@ class Client:
 
     def _after_fork_in_child(self) -> None:
         # The parent's thread and channel do not exist in the child; its queued
-        # markers belong to the parent. Start over, lazily.
+        # markers belong to the parent. Start over, lazily. The parent's gRPC
+        # objects are kept, never finalized here: closing them runs gRPC core
+        # code, which a child forked while the sender was inside gRPC must not
+        # (seen once under load: a DataLoader worker died in ev_epoll1 after
+        # "Other threads are currently calling into gRPC, skipping fork()
+        # handlers").
+        _PARENT_GRPC_OBJECTS.append((self._channel, self._call))
         self._reset_state()
 
     def send_allocator_trace(self, trace: Any) -> None:
@@ -455,6 +462,7 @@ class Client:
                 stub = ingest_pb2_grpc.IngestStub(channel)
                 stream = _StreamState()
                 call = stub.Stream(self._requests(stream))
+                self._call = call
                 self.counters["connects"] += 1
                 if not first:
                     self.counters["reconnects"] += 1
@@ -476,6 +484,7 @@ class Client:
                     self._on_rpc_error(e)
                 finally:
                     stream.closed = True
+                    self._call = None
                     self._connected = False
                     self._in_flight = 0
             except Exception as e:  # never let the sender die
@@ -738,6 +747,11 @@ def _to_pb(pb: Any, t: MarkerTuple) -> Any:
             a.num_alloc_retries,
         ) = alloc
     return m
+
+
+# gRPC objects a forked child inherited from its parent's clients: held for the
+# child's lifetime so that it never finalizes them (see _after_fork_in_child).
+_PARENT_GRPC_OBJECTS: List[Tuple[Any, Any]] = []
 
 
 def _after_fork_in_child() -> None:

@@ -242,6 +242,12 @@ def test_fork_child_gets_fresh_sender(agent):
             t0 = time.perf_counter()
             RT.get_client().mark(OPTIMIZER_BEGIN, 2)
             ok = st["enqueued"] == 0 and time.perf_counter() - t0 < 0.5
+            # The parent's open channel and stream are held, never closed
+            # (finalized) in the child: that would run gRPC core code here.
+            from stepwatch import _client
+
+            held = [o for pair in _client._PARENT_GRPC_OBJECTS for o in pair]
+            ok = ok and len(held) >= 2 and all(o is not None for o in held[:2])
             os.write(w, b"1" if ok else b"0")
         finally:
             os._exit(0)
