@@ -234,6 +234,7 @@ def test_failing_callback_does_not_break_the_stream(agent, caplog):
 def test_fork_child_gets_fresh_sender(agent):
     mark_steps(1)
     agent.wait_markers(6)
+    parent_channel = RT.get_client()._channel
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: marking must not block, state must be fresh
@@ -241,18 +242,24 @@ def test_fork_child_gets_fresh_sender(agent):
             st = stepwatch.stats()
             t0 = time.perf_counter()
             RT.get_client().mark(OPTIMIZER_BEGIN, 2)
-            ok = st["enqueued"] == 0 and time.perf_counter() - t0 < 0.5
-            # The parent's open channel and stream are held, never closed
-            # (finalized) in the child: that would run gRPC core code here.
+            # The parent's open channel is held, never closed (finalized) in
+            # the child: that would run gRPC core code here.
             from stepwatch import _client
 
             held = [o for pair in _client._PARENT_GRPC_OBJECTS for o in pair]
-            ok = ok and len(held) >= 2 and all(o is not None for o in held[:2])
-            os.write(w, b"1" if ok else b"0")
+            if st["enqueued"] != 0:
+                verdict = b"q"  # the parent's queue leaked into the child
+            elif parent_channel is not None and not any(o is parent_channel for o in held):
+                verdict = b"h"  # the parent's channel was dropped
+            elif time.perf_counter() - t0 >= 0.5:
+                verdict = b"t"  # marking blocked
+            else:
+                verdict = b"1"
+            os.write(w, verdict)
         finally:
             os._exit(0)
     os.close(w)
-    assert os.read(r, 1) == b"1"
+    assert os.read(r, 1) == b"1", "q: queue leaked, h: channel dropped, t: marking blocked"
     os.waitpid(pid, 0)
     mark_steps(1, start=2)  # the parent's stream still works
     ms = agent.wait_markers(12)
