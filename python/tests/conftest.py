@@ -19,6 +19,11 @@ from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
 from stepwatch._proto.stepwatch.v1 import ingest_pb2_grpc as pb_grpc
 
 KIND = {v: k for k, v in pb.MarkerKind.items()}
+#: How long a test waits for the client to deliver what it queued. flush()
+#: returns as soon as the queue is empty, so an idle machine never waits this
+#: long; a busy one may need seconds for a connect or a TLS handshake.
+FLUSH_S = 60.0
+
 REPO = Path(__file__).resolve().parents[2]
 
 # One optimizer step's markers, in order.

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
-from conftest import agent_binary
+from conftest import FLUSH_S, agent_binary
 
 import stepwatch
 
@@ -143,7 +143,7 @@ def _expected_phases(accumulate: int):
 def test_agent_reports_steps_and_phases(real_agent, accumulate):
     job = f"pytest-{uuid.uuid4().hex[:8]}"
     _train(5, accumulate, job_id=job)
-    assert stepwatch.flush(5), stepwatch.stats()
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
     report = real_agent.rank_report(job, 0, 5)
     jobs = real_agent.get("/api/v1/jobs")
     assert {"job": job, "namespace": "", "ranks": [0]} in jobs["jobs"]
@@ -171,7 +171,7 @@ def test_agent_reports_steps_and_phases(real_agent, accumulate):
 def test_training_completes_with_agent_stopped(real_agent):
     job = f"pytest-{uuid.uuid4().hex[:8]}"
     _train(2, 1, job_id=job)
-    assert stepwatch.flush(5)
+    assert stepwatch.flush(FLUSH_S)
     real_agent.rank_report(job, 0, 2)
     real_agent.stop()
     t0 = time.monotonic()
@@ -216,7 +216,7 @@ def test_allocator_trace_gives_a_replayed_prediction(real_agent, monkeypatch):
     finally:
         handle.remove()
         work.remove()
-    assert stepwatch.flush(5), stepwatch.stats()
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
     report = real_agent.rank_report(job, 0, 3)
     st = stepwatch.stats()
     assert st["allocator_traces_sent"] == 1 and st["allocator_traces_refused"] == 0, st
@@ -255,7 +255,7 @@ def test_zero_grad_tells_the_agent_when_gradients_are_kept(real_agent, set_to_no
     finally:
         handle.remove()
     assert "zero_grad" not in opt.__dict__ and "zero_grad" not in model.__dict__
-    assert stepwatch.flush(5), stepwatch.stats()
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
     report = real_agent.rank_report(job, 0, 3)
     st = stepwatch.stats()
     assert st["rejections"] == 0, (st, real_agent.log.read_text()[-4000:])
@@ -292,7 +292,7 @@ def test_a_second_training_loop_under_watch_is_a_new_run_from_step_1(real_agent)
     _train(2, 1, job_id=job)
     second_run = stepwatch._runtime.RT.run_id
     assert second_run != first_run
-    assert stepwatch.flush(5), stepwatch.stats()
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
     report = _wait_report(
         real_agent,
         job,
@@ -343,7 +343,7 @@ def test_a_second_lightning_fit_is_a_new_run_from_step_1(real_agent, tmp_path):
         trainer.fit(Tiny(), torch.utils.data.DataLoader(ds, batch_size=4))
         runs.append(stepwatch._runtime.RT.run_id)
     assert runs[0] != runs[1]
-    assert stepwatch.flush(5), stepwatch.stats()
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
     report = _wait_report(
         real_agent,
         job,

@@ -9,7 +9,7 @@ import os
 from array import array
 
 import pytest
-from conftest import small_model, summary
+from conftest import FLUSH_S, small_model, summary
 from fake_cuda import FakeCuda, FakeWorkload
 
 import stepwatch
@@ -565,7 +565,7 @@ def test_trace_sent_once_after_step1_optimizer_end(agent, monkeypatch, accumulat
     fake = run(monkeypatch, steps=3, accumulate=accumulate)
     per_step = 4 + 2 * accumulate
     ms = agent.wait_markers(3 * per_step)
-    assert stepwatch.flush(5)
+    assert stepwatch.flush(FLUSH_S)
     assert len(agent.streams) == 1
     s = agent.streams[0]
     order = s.order
@@ -615,7 +615,7 @@ def test_opt_out(agent, monkeypatch, how):
         opts["allocator_trace"] = False
     fake = run(monkeypatch, steps=2, **opts)
     agent.wait_markers(12)
-    assert stepwatch.flush(5)
+    assert stepwatch.flush(FLUSH_S)
     assert fake.history_calls == [] and fake.snapshots == 0
     assert all(not s.traces for s in agent.streams)
     assert stepwatch.stats()["allocator_traces_sent"] == 0
@@ -651,7 +651,7 @@ def test_unmodelled_allocator_settings_send_no_trace(agent, monkeypatch, caplog)
     caplog.set_level(logging.INFO, logger="stepwatch")
     fake = run(monkeypatch, steps=2)
     agent.wait_markers(12)
-    assert stepwatch.flush(5)
+    assert stepwatch.flush(FLUSH_S)
     assert fake.history_calls == [] and fake.snapshots == 0
     assert stepwatch.stats()["allocator_traces_sent"] == 0
     assert any("garbage_collection_threshold:0.6" in r.getMessage() for r in caplog.records)
@@ -662,7 +662,7 @@ def test_keyword_wins_over_the_environment(agent, monkeypatch):
     monkeypatch.setenv("STEPWATCH_ALLOCATOR_TRACE", "0")
     run(monkeypatch, steps=2, allocator_trace=True)
     agent.wait_markers(12)
-    assert stepwatch.flush(5)
+    assert stepwatch.flush(FLUSH_S)
     assert stepwatch.stats()["allocator_traces_sent"] == 1
 
 
@@ -709,7 +709,7 @@ def test_incomplete_history_is_not_sent(agent, monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger="stepwatch")
     run(monkeypatch, steps=2, fake=fake)
     agent.wait_markers(12)
-    assert stepwatch.flush(5)
+    assert stepwatch.flush(FLUSH_S)
     msgs = [r.getMessage() for r in caplog.records if "allocator trace" in r.getMessage()]
     assert len(msgs) == 1 and "out of memory" in msgs[0], msgs
     assert stepwatch.stats()["allocator_traces_refused"] == 1
@@ -772,7 +772,7 @@ def test_manual_marking_tags_the_prologue(agent, monkeypatch):
             with stepwatch.phase("optimizer"):
                 fake.free(x, "optimizer")
     agent.wait_markers(12)
-    assert stepwatch.flush(5)
+    assert stepwatch.flush(FLUSH_S)
     _, evs = decode(agent.streams[0].traces)
     assert [(e[0], e[3]) for e in evs] == [
         (at.ACTION_SEGMENT_ALLOC, STEP_BEGIN),
@@ -893,7 +893,7 @@ def test_trace_written_whole_when_the_stream_stays(agent):
     c.send_allocator_trace(trace)
     c.mark(STEP_END, 1)
     agent.wait_markers(2)
-    assert c.flush(5)
+    assert c.flush(FLUSH_S)
     s = agent.streams[0]
     assert s.order[0] == ("marker", STEP_BEGIN, 1) and s.order[-1] == ("marker", STEP_END, 1)
     assert len(s.traces) > 1 and s.traces[-1].last

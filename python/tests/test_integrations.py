@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import expected, summary
+from conftest import FLUSH_S, expected, summary
 
 import stepwatch
 
@@ -145,7 +145,7 @@ def test_transformers_callback(agent, tmp_path, accumulate):
     h = agent.streams[0].hello
     assert h.framework == "transformers" and h.model.grad_accumulation_steps == accumulate
     assert h.model.micro_batch_size == 4  # per_device_train_batch_size
-    assert stepwatch.flush(1)
+    assert stepwatch.flush(FLUSH_S)
 
 
 def test_a_second_transformers_train_is_a_new_run_on_a_new_stream(agent, tmp_path):
@@ -156,7 +156,7 @@ def test_a_second_transformers_train_is_a_new_run_on_a_new_stream(agent, tmp_pat
     for _ in range(2):
         make_trainer().train()
     agent.wait_markers(2 * len(expected(2)))
-    assert stepwatch.flush(5)
+    assert stepwatch.flush(FLUSH_S)
     with agent.lock:
         streams = list(agent.streams)
     assert len(streams) == 2, [summary(s.markers) for s in streams]

@@ -167,7 +167,7 @@ data = model._get_ddp_logging_data()
 seen = [(e["action"], e["size"]) for e in trace if e["action"] in ("alloc", "free_completed")]
 with open(os.path.join(sys.argv[2], f"result-{dist.get_rank()}.json"), "w") as f:
     json.dump({"seen": seen, "rebuilt": data.get("rebuilt_bucket_sizes", "")}, f)
-stepwatch.flush(5)
+stepwatch.flush(60)
 dist.destroy_process_group()
 """
 

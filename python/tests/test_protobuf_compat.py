@@ -44,7 +44,7 @@ CLIENT = textwrap.dedent(
             for phase in ("forward", "backward", "optimizer"):
                 with stepwatch.phase(phase):
                     pass
-    ok = stepwatch.flush(10)
+    ok = stepwatch.flush(60)
     # The agent's side of the wire: an advisory as it would arrive.
     seen = []
     c = Client("unix:///nonexistent", pb.Hello, on_advisory=seen.append)

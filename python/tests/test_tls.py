@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from conftest import FLUSH_S
 
 import stepwatch
 from stepwatch._tls import load_tls, resolve_tls
@@ -185,7 +186,7 @@ def test_tls_steps_arrive(tls_agent, certs, monkeypatch, form):
         monkeypatch.setenv("STEPWATCH_ENDPOINT", tls_agent.host_port)
         monkeypatch.setenv("STEPWATCH_TLS_CA", str(certs / "ca.pem"))
         _train(2, job_id=job)
-    assert stepwatch.flush(5), stepwatch.stats()
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
     report = tls_agent.agent.rank_report(job, 0, 2)
     assert report["steps_completed"] == 2
     st = stepwatch.stats()
@@ -210,7 +211,7 @@ def test_mutual_tls_with_client_certificate(mtls_agent, certs, monkeypatch):
     monkeypatch.setenv("STEPWATCH_TLS_CERT", str(certs / "client.pem"))
     monkeypatch.setenv("STEPWATCH_TLS_KEY", str(certs / "client.key"))
     _train(2, job_id=job)
-    assert stepwatch.flush(5), stepwatch.stats()
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
     report = mtls_agent.agent.rank_report(job, 0, 2)
     assert report["steps_completed"] == 2
     assert stepwatch.stats()["rejections"] == 0
@@ -235,7 +236,7 @@ def test_mutual_tls_without_client_certificate_gets_nothing(mtls_agent, certs):
         tls_cert=certs / "client.pem",
         tls_key=certs / "client.key",
     )
-    assert stepwatch.flush(5), stepwatch.stats()
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
     assert mtls_agent.agent.rank_report(job2, 0, 2)["steps_completed"] == 2
 
 
