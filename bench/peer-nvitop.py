@@ -30,13 +30,12 @@ import os
 import sys
 import time
 
+from nvitop_exporter import cli
+from nvitop_exporter.exporter import PrometheusExporter
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily
 
-from nvitop_exporter import cli
-from nvitop_exporter.exporter import PrometheusExporter
-
-_counts = {'gpu_samples': 0, 'loops': 0, 'update_device_cpu_ns': 0, 'update_host_cpu_ns': 0}
+_counts = {"gpu_samples": 0, "loops": 0, "update_device_cpu_ns": 0, "update_host_cpu_ns": 0}
 _tcpu = time.thread_time_ns
 
 _orig_init = PrometheusExporter.__init__
@@ -46,31 +45,31 @@ _orig_update_host = PrometheusExporter.update_host
 
 def _init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
     _orig_init(self, *args, **kwargs)
-    override = os.environ.get('STEPWATCH_BENCH_PEER_INTERVAL')
+    override = os.environ.get("STEPWATCH_BENCH_PEER_INTERVAL")
     if override:
         self.interval = float(override)
-        print(f'INFO: bench hook: interval set to {self.interval} s', file=sys.stderr)
+        print(f"INFO: bench hook: interval set to {self.interval} s", file=sys.stderr)
 
 
 def _update_device(self, device):  # type: ignore[no-untyped-def]
     t0 = _tcpu()
     _orig_update_device(self, device)
-    _counts['update_device_cpu_ns'] += _tcpu() - t0
-    _counts['gpu_samples'] += 1
+    _counts["update_device_cpu_ns"] += _tcpu() - t0
+    _counts["gpu_samples"] += 1
 
 
 def _update_host(self):  # type: ignore[no-untyped-def]
     t0 = _tcpu()
     _orig_update_host(self)
-    _counts['update_host_cpu_ns'] += _tcpu() - t0
-    _counts['loops'] += 1
+    _counts["update_host_cpu_ns"] += _tcpu() - t0
+    _counts["loops"] += 1
 
 
 class _BenchCollector:
     def collect(self):  # type: ignore[no-untyped-def]
         for key, value in list(_counts.items()):
             yield CounterMetricFamily(
-                f'stepwatch_bench_peer_{key}', f'bench hook: {key}', value=value
+                f"stepwatch_bench_peer_{key}", f"bench hook: {key}", value=value
             )
 
 
@@ -79,6 +78,6 @@ PrometheusExporter.update_device = _update_device  # type: ignore[method-assign]
 PrometheusExporter.update_host = _update_host  # type: ignore[method-assign]
 REGISTRY.register(_BenchCollector())
 
-if __name__ == '__main__':
-    sys.argv[0] = 'nvitop-exporter'
+if __name__ == "__main__":
+    sys.argv[0] = "nvitop-exporter"
     sys.exit(cli.main())

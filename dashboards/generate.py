@@ -10,6 +10,7 @@ Dashboards > Import and through file provisioning.
 
 Standard library only.
 """
+
 import argparse
 import json
 import os
@@ -20,34 +21,86 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 C = 'cluster=~"$cluster"'
 # The selected training jobs: a job is named by its namespace and its training_job label.
 J = C + ', namespace=~"$namespace", training_job=~"$training_job"'
-AGENT_ALERTS = ("StepwatchStep2OOMPredicted|StepwatchLowPredictedHeadroom|StepwatchFirstStepDivergence|StepwatchFirstStepActivationDivergence|"
-                "StepwatchGPUOOMObserved|StepwatchJobStalled|"
-                "StepwatchAgentDown|StepwatchNVMLDown|StepwatchGPUNotSampled|StepwatchSamplerLagging|StepwatchMarkersRejected")
+AGENT_ALERTS = (
+    "StepwatchStep2OOMPredicted|StepwatchLowPredictedHeadroom|StepwatchFirstStepDivergence|StepwatchFirstStepActivationDivergence|"
+    "StepwatchGPUOOMObserved|StepwatchJobStalled|"
+    "StepwatchAgentDown|StepwatchNVMLDown|StepwatchGPUNotSampled|StepwatchSamplerLagging|StepwatchMarkersRejected"
+)
 
-RED_BELOW_ZERO = {"mode": "absolute", "steps": [{"color": "red", "value": None}, {"color": "green", "value": 0}]}
-HEADROOM_RATIO = {"mode": "absolute", "steps": [{"color": "red", "value": None}, {"color": "orange", "value": 0},
-                                                 {"color": "green", "value": 0.05}]}
-DIVERGENCE = {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "orange", "value": 0.1},
-                                             {"color": "red", "value": 0.25}]}
-GOOD_IS_ONE = {"mode": "absolute", "steps": [{"color": "red", "value": None}, {"color": "green", "value": 1}]}
-ZERO_IS_GOOD = {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}]}
+RED_BELOW_ZERO = {
+    "mode": "absolute",
+    "steps": [{"color": "red", "value": None}, {"color": "green", "value": 0}],
+}
+HEADROOM_RATIO = {
+    "mode": "absolute",
+    "steps": [
+        {"color": "red", "value": None},
+        {"color": "orange", "value": 0},
+        {"color": "green", "value": 0.05},
+    ],
+}
+DIVERGENCE = {
+    "mode": "absolute",
+    "steps": [
+        {"color": "green", "value": None},
+        {"color": "orange", "value": 0.1},
+        {"color": "red", "value": 0.25},
+    ],
+}
+GOOD_IS_ONE = {
+    "mode": "absolute",
+    "steps": [{"color": "red", "value": None}, {"color": "green", "value": 1}],
+}
+ZERO_IS_GOOD = {
+    "mode": "absolute",
+    "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}],
+}
 PLAIN = {"mode": "absolute", "steps": [{"color": "green", "value": None}]}
 
 
 # ------------------------------------------------------------------------------------ variables
 
+
 def v_datasource():
-    return {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-            "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1,
-            "regex": "", "skipUrlSync": False}
+    return {
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},
+        "hide": 0,
+        "includeAll": False,
+        "multi": False,
+        "options": [],
+        "refresh": 1,
+        "regex": "",
+        "skipUrlSync": False,
+    }
 
 
 def v_query(name, label, query, multi=True, include_all=True, hide=0):
-    return {"name": name, "label": label, "type": "query", "datasource": DS, "definition": query,
-            "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery", "qryType": 1},
-            "refresh": 2, "regex": "", "sort": 3 if name == "rank" else 1, "multi": multi,
-            "includeAll": include_all, "allValue": ".*" if include_all else None, "current": {},
-            "options": [], "hide": hide, "skipUrlSync": False}
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "definition": query,
+        "query": {
+            "query": query,
+            "refId": "PrometheusVariableQueryEditor-VariableQuery",
+            "qryType": 1,
+        },
+        "refresh": 2,
+        "regex": "",
+        "sort": 3 if name == "rank" else 1,
+        "multi": multi,
+        "includeAll": include_all,
+        "allValue": ".*" if include_all else None,
+        "current": {},
+        "options": [],
+        "hide": hide,
+        "skipUrlSync": False,
+    }
 
 
 def v_cluster():
@@ -67,9 +120,13 @@ def v_namespace():
 
 
 def v_job(multi=False):
-    return v_query("training_job", "Training job",
-                   f'label_values(stepwatch_rank_info{{{C}, namespace=~"$namespace"}}, training_job)',
-                   multi=multi, include_all=multi)
+    return v_query(
+        "training_job",
+        "Training job",
+        f'label_values(stepwatch_rank_info{{{C}, namespace=~"$namespace"}}, training_job)',
+        multi=multi,
+        include_all=multi,
+    )
 
 
 def v_rank():
@@ -77,17 +134,24 @@ def v_rank():
 
 
 def v_node_of_job():
-    return v_query("node", "Node", f'label_values(stepwatch_rank_info{{{J}}}, node)')
+    return v_query("node", "Node", f"label_values(stepwatch_rank_info{{{J}}}, node)")
 
 
 def v_agent_job():
-    return {"name": "agent_job", "label": "Agent scrape job (regex)", "type": "textbox",
-            "query": ".*stepwatch.*", "current": {"text": ".*stepwatch.*", "value": ".*stepwatch.*"},
-            "options": [{"selected": True, "text": ".*stepwatch.*", "value": ".*stepwatch.*"}],
-            "hide": 2, "skipUrlSync": False}
+    return {
+        "name": "agent_job",
+        "label": "Agent scrape job (regex)",
+        "type": "textbox",
+        "query": ".*stepwatch.*",
+        "current": {"text": ".*stepwatch.*", "value": ".*stepwatch.*"},
+        "options": [{"selected": True, "text": ".*stepwatch.*", "value": ".*stepwatch.*"}],
+        "hide": 2,
+        "skipUrlSync": False,
+    }
 
 
 # ------------------------------------------------------------------------------------ panels
+
 
 class Layout:
     """Places panels left to right on Grafana's 24-column grid, wrapping rows."""
@@ -116,15 +180,31 @@ class Layout:
 
     def row(self, title):
         self.newline()
-        self.panels.append({"id": self.next_id, "type": "row", "title": title, "collapsed": False,
-                            "gridPos": {"x": 0, "y": self.y, "w": 24, "h": 1}, "panels": []})
+        self.panels.append(
+            {
+                "id": self.next_id,
+                "type": "row",
+                "title": title,
+                "collapsed": False,
+                "gridPos": {"x": 0, "y": self.y, "w": 24, "h": 1},
+                "panels": [],
+            }
+        )
         self.next_id += 1
         self.y += 1
 
 
 def target(expr, legend="", ref="A", instant=False, table=False, interval=""):
-    t = {"datasource": DS, "refId": ref, "expr": expr, "legendFormat": legend, "range": not instant,
-         "instant": instant, "editorMode": "code", "format": "table" if table else "time_series"}
+    t = {
+        "datasource": DS,
+        "refId": ref,
+        "expr": expr,
+        "legendFormat": legend,
+        "range": not instant,
+        "instant": instant,
+        "editorMode": "code",
+        "format": "table" if table else "time_series",
+    }
     if interval:
         t["interval"] = interval
     return t
@@ -138,10 +218,22 @@ def targets(*specs, **kw):
     return out
 
 
-def field_config(unit, thresholds=None, decimals=None, mn=None, mx=None, custom=None, overrides=None,
-                 mappings=None):
-    defaults = {"unit": unit, "thresholds": thresholds or PLAIN, "color": {"mode": "palette-classic"},
-                "mappings": mappings or []}
+def field_config(
+    unit,
+    thresholds=None,
+    decimals=None,
+    mn=None,
+    mx=None,
+    custom=None,
+    overrides=None,
+    mappings=None,
+):
+    defaults = {
+        "unit": unit,
+        "thresholds": thresholds or PLAIN,
+        "color": {"mode": "palette-classic"},
+        "mappings": mappings or [],
+    }
     if thresholds:
         defaults["color"] = {"mode": "thresholds"}
     if decimals is not None:
@@ -155,22 +247,52 @@ def field_config(unit, thresholds=None, decimals=None, mn=None, mx=None, custom=
     return {"defaults": defaults, "overrides": overrides or []}
 
 
-def timeseries(title, tgts, unit, description="", stack=False, bars=False, interval=None, thresholds=None,
-               overrides=None, mn=None, max_points=None):
-    custom = {"drawStyle": "bars" if bars else "line", "lineWidth": 1, "fillOpacity": 60 if (stack or bars) else 10,
-              "showPoints": "never", "spanNulls": False, "lineInterpolation": "linear",
-              "stacking": {"mode": "normal" if stack else "none", "group": "A"},
-              "axisPlacement": "auto", "gradientMode": "none"}
+def timeseries(
+    title,
+    tgts,
+    unit,
+    description="",
+    stack=False,
+    bars=False,
+    interval=None,
+    thresholds=None,
+    overrides=None,
+    mn=None,
+    max_points=None,
+):
+    custom = {
+        "drawStyle": "bars" if bars else "line",
+        "lineWidth": 1,
+        "fillOpacity": 60 if (stack or bars) else 10,
+        "showPoints": "never",
+        "spanNulls": False,
+        "lineInterpolation": "linear",
+        "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+        "axisPlacement": "auto",
+        "gradientMode": "none",
+    }
     if thresholds:
         custom["thresholdsStyle"] = {"mode": "line"}
     fc = field_config(unit, custom=custom, overrides=overrides, mn=mn)
     if thresholds:
         fc["defaults"]["thresholds"] = thresholds
-    p = {"type": "timeseries", "title": title, "description": description, "datasource": DS, "targets": tgts,
-         "fieldConfig": fc,
-         "options": {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
-                                "calcs": ["lastNotNull", "max"]},
-                     "tooltip": {"mode": "multi", "sort": "desc"}}}
+    p = {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": tgts,
+        "fieldConfig": fc,
+        "options": {
+            "legend": {
+                "displayMode": "table",
+                "placement": "bottom",
+                "showLegend": True,
+                "calcs": ["lastNotNull", "max"],
+            },
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
     if interval:
         p["interval"] = interval
     if max_points:
@@ -178,36 +300,75 @@ def timeseries(title, tgts, unit, description="", stack=False, bars=False, inter
     return p
 
 
-def stat(title, expr, unit, description="", thresholds=None, legend="", decimals=None, mappings=None):
-    return {"type": "stat", "title": title, "description": description, "datasource": DS,
-            "targets": [target(expr, legend, instant=True)],
-            "fieldConfig": field_config(unit, thresholds=thresholds or PLAIN, decimals=decimals, mappings=mappings),
-            "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                        "colorMode": "value", "graphMode": "none", "justifyMode": "auto", "textMode": "auto",
-                        "orientation": "auto"}}
+def stat(
+    title, expr, unit, description="", thresholds=None, legend="", decimals=None, mappings=None
+):
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": [target(expr, legend, instant=True)],
+        "fieldConfig": field_config(
+            unit, thresholds=thresholds or PLAIN, decimals=decimals, mappings=mappings
+        ),
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "value",
+            "graphMode": "none",
+            "justifyMode": "auto",
+            "textMode": "auto",
+            "orientation": "auto",
+        },
+    }
 
 
 def bargauge(title, tgts, unit, description="", thresholds=None, mn=None, mx=None):
-    return {"type": "bargauge", "title": title, "description": description, "datasource": DS, "targets": tgts,
-            "fieldConfig": field_config(unit, thresholds=thresholds or PLAIN, mn=mn, mx=mx),
-            "options": {"orientation": "horizontal", "displayMode": "gradient", "showUnfilled": True,
-                        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}}}
+    return {
+        "type": "bargauge",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": tgts,
+        "fieldConfig": field_config(unit, thresholds=thresholds or PLAIN, mn=mn, mx=mx),
+        "options": {
+            "orientation": "horizontal",
+            "displayMode": "gradient",
+            "showUnfilled": True,
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        },
+    }
 
 
-def table(title, tgts, unit="none", description="", transformations=None, overrides=None, sort_by=None):
-    opts = {"showHeader": True, "cellHeight": "sm", "footer": {"show": False, "reducer": ["sum"], "fields": ""}}
+def table(
+    title, tgts, unit="none", description="", transformations=None, overrides=None, sort_by=None
+):
+    opts = {
+        "showHeader": True,
+        "cellHeight": "sm",
+        "footer": {"show": False, "reducer": ["sum"], "fields": ""},
+    }
     if sort_by:
         opts["sortBy"] = [{"displayName": sort_by[0], "desc": sort_by[1]}]
-    return {"type": "table", "title": title, "description": description, "datasource": DS, "targets": tgts,
-            "fieldConfig": field_config(unit, overrides=overrides), "options": opts,
-            "transformations": transformations or []}
+    return {
+        "type": "table",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": tgts,
+        "fieldConfig": field_config(unit, overrides=overrides),
+        "options": opts,
+        "transformations": transformations or [],
+    }
 
 
 def unit_override(field, unit, thresholds=None):
     props = [{"id": "unit", "value": unit}]
     if thresholds:
-        props += [{"id": "thresholds", "value": thresholds},
-                  {"id": "custom.cellOptions", "value": {"type": "color-background"}}]
+        props += [
+            {"id": "thresholds", "value": thresholds},
+            {"id": "custom.cellOptions", "value": {"type": "color-background"}},
+        ]
     return {"matcher": {"id": "byName", "options": field}, "properties": props}
 
 
@@ -216,15 +377,25 @@ def regex_override(pattern, props):
 
 
 def organize(exclude=(), rename=None):
-    return {"id": "organize", "options": {"excludeByName": {k: True for k in exclude},
-                                          "renameByName": rename or {}, "indexByName": {}}}
+    return {
+        "id": "organize",
+        "options": {
+            "excludeByName": {k: True for k in exclude},
+            "renameByName": rename or {},
+            "indexByName": {},
+        },
+    }
 
 
 def matrix(row, column, value="Value"):
-    return {"id": "groupingToMatrix", "options": {"rowField": row, "columnField": column, "valueField": value}}
+    return {
+        "id": "groupingToMatrix",
+        "options": {"rowField": row, "columnField": column, "valueField": value},
+    }
 
 
 # ------------------------------------------------------------------------------------ dashboards
+
 
 def dashboard(uid, title, description, variables, layout, time_from="now-1h", refresh="30s"):
     return {
@@ -232,17 +403,38 @@ def dashboard(uid, title, description, variables, layout, time_from="now-1h", re
             {"type": "grafana", "id": "grafana", "name": "Grafana", "version": "10.0.0"},
             {"type": "datasource", "id": "prometheus", "name": "Prometheus", "version": "1.0.0"},
         ],
-        "annotations": {"list": [{
-            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
-            "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard"}]},
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
         "description": description,
         "editable": True,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,
         "id": None,
-        "links": [{"asDropdown": True, "includeVars": True, "keepTime": True, "tags": ["stepwatch"],
-                   "title": "stepwatch", "type": "dashboards", "icon": "external link", "targetBlank": False,
-                   "tooltip": "", "url": ""}],
+        "links": [
+            {
+                "asDropdown": True,
+                "includeVars": True,
+                "keepTime": True,
+                "tags": ["stepwatch"],
+                "title": "stepwatch",
+                "type": "dashboards",
+                "icon": "external link",
+                "targetBlank": False,
+                "tooltip": "",
+                "url": "",
+            }
+        ],
         "panels": layout.panels,
         "refresh": refresh,
         "schemaVersion": 39,
@@ -263,90 +455,258 @@ def node_gpu_memory():
     gsel = f'{sel}, gpu=~"$gpu"'
     L = Layout()
     L.row("Agents")
-    L.add(stat("NVML up (nodes)", f"sum(stepwatch_nvml_up{{{sel}}})", "none",
-               "Nodes whose agent reads GPU memory through NVML.", thresholds=GOOD_IS_ONE), 4, 4)
-    L.add(stat("NVML down (nodes)", f"count(stepwatch_nvml_up{{{sel}}} == 0) or vector(0)", "none",
-               "Agents that cannot reach NVML (alert StepwatchNVMLDown).", thresholds=ZERO_IS_GOOD), 4, 4)
+    L.add(
+        stat(
+            "NVML up (nodes)",
+            f"sum(stepwatch_nvml_up{{{sel}}})",
+            "none",
+            "Nodes whose agent reads GPU memory through NVML.",
+            thresholds=GOOD_IS_ONE,
+        ),
+        4,
+        4,
+    )
+    L.add(
+        stat(
+            "NVML down (nodes)",
+            f"count(stepwatch_nvml_up{{{sel}}} == 0) or vector(0)",
+            "none",
+            "Agents that cannot reach NVML (alert StepwatchNVMLDown).",
+            thresholds=ZERO_IS_GOOD,
+        ),
+        4,
+        4,
+    )
     L.add(stat("GPUs", f"count(stepwatch_gpu_info{{{sel}}})", "none"), 4, 4)
     L.add(stat("Ranks tracked", f"sum(stepwatch_ranks_tracked{{{sel}}})", "none"), 4, 4)
-    L.add(stat("Client streams", f"sum(stepwatch_ingest_streams_active{{{sel}}})", "none",
-               "Open marker streams from training processes."), 4, 4)
-    L.add(stat("Worst sampler lag", f"max(stepwatch_sampler_lag_seconds{{{sel}}})", "s",
-               "Worst tick lateness of the GPU sampler over its trailing window.",
-               thresholds={"mode": "absolute", "steps": [{"color": "green", "value": None},
-                                                         {"color": "orange", "value": 0.02},
-                                                         {"color": "red", "value": 0.1}]}), 4, 4)
-    L.row("GPU memory")
-    L.add(timeseries(
-        "GPU memory: high-water, last sample, capacity",
-        targets(
-            (f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{gsel}}}[$__interval])",
-             "{{node}} GPU {{gpu}} high-water"),
-            (f"stepwatch_gpu_memory_used_bytes{{{gsel}}}", "{{node}} GPU {{gpu}} used"),
-            (f"stepwatch_gpu_memory_total_bytes{{{gsel}}}", "{{node}} GPU {{gpu}} total"),
+    L.add(
+        stat(
+            "Client streams",
+            f"sum(stepwatch_ingest_streams_active{{{sel}}})",
+            "none",
+            "Open marker streams from training processes.",
         ),
-        "bytes",
-        "High-water is the agent's trailing-window maximum (15 s, sampled at up to 100 Hz) taken as a "
-        "max_over_time over each plotted interval, so a 40 ms peak shows at any zoom. 'used' is the last sample at "
-        "scrape time. Min interval 15 s = one scrape (full resolution).",
-        interval="15s", max_points=5000, mn=0,
-        overrides=[regex_override(".* total$", [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
-                                                {"id": "custom.fillOpacity", "value": 0}]),
-                   regex_override(".* used$", [{"id": "custom.fillOpacity", "value": 0}])]), 24, 10)
-    L.add(timeseries(
-        "GPU memory high-water / capacity",
-        targets((f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{gsel}}}[$__interval]) "
-                 f"/ on (node, gpu, gpu_uuid) group_left () stepwatch_gpu_memory_total_bytes{{{gsel}}}",
-                 "{{node}} GPU {{gpu}}")),
-        "percentunit", interval="15s", max_points=5000, mn=0,
-        thresholds={"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "orange", "value": 0.9},
-                                                   {"color": "red", "value": 0.95}]}), 12, 8)
-    L.add(timeseries("GPU memory free (last sample)",
-                     targets((f"stepwatch_gpu_memory_free_bytes{{{gsel}}}", "{{node}} GPU {{gpu}}")),
-                     "bytes", interval="15s", mn=0), 12, 8)
-    L.add(table(
-        "GPUs now",
-        targets(
-            (f"stepwatch_gpu_memory_total_bytes{{{gsel}}} * on (node, gpu, gpu_uuid) group_left (name) "
-             f"stepwatch_gpu_info{{{gsel}}}", ""),
-            (f"stepwatch_gpu_memory_used_max_bytes{{{gsel}}} * on (node, gpu, gpu_uuid) group_left (name) "
-             f"stepwatch_gpu_info{{{gsel}}}", ""),
-            (f"stepwatch_gpu_memory_used_bytes{{{gsel}}} * on (node, gpu, gpu_uuid) group_left (name) "
-             f"stepwatch_gpu_info{{{gsel}}}", ""),
-            instant=True, table=True),
-        transformations=[{"id": "merge", "options": {}},
-                         organize(exclude=("Time", "__name__", "instance", "job", "cluster"),
-                                  rename={"Value #A": "total", "Value #B": "high-water (15 s)",
-                                          "Value #C": "used"})],
-        overrides=[unit_override("total", "bytes"), unit_override("high-water (15 s)", "bytes"),
-                   unit_override("used", "bytes")]), 24, 7)
+        4,
+        4,
+    )
+    L.add(
+        stat(
+            "Worst sampler lag",
+            f"max(stepwatch_sampler_lag_seconds{{{sel}}})",
+            "s",
+            "Worst tick lateness of the GPU sampler over its trailing window.",
+            thresholds={
+                "mode": "absolute",
+                "steps": [
+                    {"color": "green", "value": None},
+                    {"color": "orange", "value": 0.02},
+                    {"color": "red", "value": 0.1},
+                ],
+            },
+        ),
+        4,
+        4,
+    )
+    L.row("GPU memory")
+    L.add(
+        timeseries(
+            "GPU memory: high-water, last sample, capacity",
+            targets(
+                (
+                    f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{gsel}}}[$__interval])",
+                    "{{node}} GPU {{gpu}} high-water",
+                ),
+                (f"stepwatch_gpu_memory_used_bytes{{{gsel}}}", "{{node}} GPU {{gpu}} used"),
+                (f"stepwatch_gpu_memory_total_bytes{{{gsel}}}", "{{node}} GPU {{gpu}} total"),
+            ),
+            "bytes",
+            "High-water is the agent's trailing-window maximum (15 s, sampled at up to 100 Hz) taken as a "
+            "max_over_time over each plotted interval, so a 40 ms peak shows at any zoom. 'used' is the last sample at "
+            "scrape time. Min interval 15 s = one scrape (full resolution).",
+            interval="15s",
+            max_points=5000,
+            mn=0,
+            overrides=[
+                regex_override(
+                    ".* total$",
+                    [
+                        {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                        {"id": "custom.fillOpacity", "value": 0},
+                    ],
+                ),
+                regex_override(".* used$", [{"id": "custom.fillOpacity", "value": 0}]),
+            ],
+        ),
+        24,
+        10,
+    )
+    L.add(
+        timeseries(
+            "GPU memory high-water / capacity",
+            targets(
+                (
+                    f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{gsel}}}[$__interval]) "
+                    f"/ on (node, gpu, gpu_uuid) group_left () stepwatch_gpu_memory_total_bytes{{{gsel}}}",
+                    "{{node}} GPU {{gpu}}",
+                )
+            ),
+            "percentunit",
+            interval="15s",
+            max_points=5000,
+            mn=0,
+            thresholds={
+                "mode": "absolute",
+                "steps": [
+                    {"color": "green", "value": None},
+                    {"color": "orange", "value": 0.9},
+                    {"color": "red", "value": 0.95},
+                ],
+            },
+        ),
+        12,
+        8,
+    )
+    L.add(
+        timeseries(
+            "GPU memory free (last sample)",
+            targets((f"stepwatch_gpu_memory_free_bytes{{{gsel}}}", "{{node}} GPU {{gpu}}")),
+            "bytes",
+            interval="15s",
+            mn=0,
+        ),
+        12,
+        8,
+    )
+    L.add(
+        table(
+            "GPUs now",
+            targets(
+                (
+                    f"stepwatch_gpu_memory_total_bytes{{{gsel}}} * on (node, gpu, gpu_uuid) group_left (name) "
+                    f"stepwatch_gpu_info{{{gsel}}}",
+                    "",
+                ),
+                (
+                    f"stepwatch_gpu_memory_used_max_bytes{{{gsel}}} * on (node, gpu, gpu_uuid) group_left (name) "
+                    f"stepwatch_gpu_info{{{gsel}}}",
+                    "",
+                ),
+                (
+                    f"stepwatch_gpu_memory_used_bytes{{{gsel}}} * on (node, gpu, gpu_uuid) group_left (name) "
+                    f"stepwatch_gpu_info{{{gsel}}}",
+                    "",
+                ),
+                instant=True,
+                table=True,
+            ),
+            transformations=[
+                {"id": "merge", "options": {}},
+                organize(
+                    exclude=("Time", "__name__", "instance", "job", "cluster"),
+                    rename={
+                        "Value #A": "total",
+                        "Value #B": "high-water (15 s)",
+                        "Value #C": "used",
+                    },
+                ),
+            ],
+            overrides=[
+                unit_override("total", "bytes"),
+                unit_override("high-water (15 s)", "bytes"),
+                unit_override("used", "bytes"),
+            ],
+        ),
+        24,
+        7,
+    )
     L.row("Agent health")
-    L.add(timeseries("GPU samples per second",
-                     targets((f"rate(stepwatch_gpu_samples_total{{{gsel}}}[$__rate_interval])", "{{node}} GPU {{gpu}}")),
-                     "ops"), 8, 7)
-    L.add(timeseries("Sampler lag", targets((f"stepwatch_sampler_lag_seconds{{{sel}}}", "{{node}}")), "s",
-                     thresholds={"mode": "absolute", "steps": [{"color": "green", "value": None},
-                                                               {"color": "red", "value": 0.1}]}), 8, 7)
-    L.add(timeseries("NVML errors per second by call",
-                     targets((f"sum by (node, call) (rate(stepwatch_nvml_errors_total{{{sel}}}[$__rate_interval]))",
-                              "{{node}} {{call}}")), "ops"), 8, 7)
-    L.add(timeseries("Markers received / rejected, allocator traces, per second",
-                     targets((f"sum by (node) (rate(stepwatch_markers_received_total{{{sel}}}[$__rate_interval]))",
-                              "{{node}} received"),
-                             (f"sum by (node, reason) (rate(stepwatch_markers_rejected_total{{{sel}}}[$__rate_interval]))",
-                              "{{node}} rejected ({{reason}})"),
-                             (f"sum by (node, result) (rate(stepwatch_allocator_traces_total{{{sel}}}[$__rate_interval]))",
-                              "{{node}} allocator traces ({{result}})")), "ops"), 12, 7)
-    L.add(table("Agent versions",
-                targets((f"stepwatch_build_info{{{sel}}}", ""), instant=True, table=True),
-                transformations=[organize(exclude=("Time", "Value", "__name__", "instance", "job"))]), 12, 7)
+    L.add(
+        timeseries(
+            "GPU samples per second",
+            targets(
+                (
+                    f"rate(stepwatch_gpu_samples_total{{{gsel}}}[$__rate_interval])",
+                    "{{node}} GPU {{gpu}}",
+                )
+            ),
+            "ops",
+        ),
+        8,
+        7,
+    )
+    L.add(
+        timeseries(
+            "Sampler lag",
+            targets((f"stepwatch_sampler_lag_seconds{{{sel}}}", "{{node}}")),
+            "s",
+            thresholds={
+                "mode": "absolute",
+                "steps": [{"color": "green", "value": None}, {"color": "red", "value": 0.1}],
+            },
+        ),
+        8,
+        7,
+    )
+    L.add(
+        timeseries(
+            "NVML errors per second by call",
+            targets(
+                (
+                    f"sum by (node, call) (rate(stepwatch_nvml_errors_total{{{sel}}}[$__rate_interval]))",
+                    "{{node}} {{call}}",
+                )
+            ),
+            "ops",
+        ),
+        8,
+        7,
+    )
+    L.add(
+        timeseries(
+            "Markers received / rejected, allocator traces, per second",
+            targets(
+                (
+                    f"sum by (node) (rate(stepwatch_markers_received_total{{{sel}}}[$__rate_interval]))",
+                    "{{node}} received",
+                ),
+                (
+                    f"sum by (node, reason) (rate(stepwatch_markers_rejected_total{{{sel}}}[$__rate_interval]))",
+                    "{{node}} rejected ({{reason}})",
+                ),
+                (
+                    f"sum by (node, result) (rate(stepwatch_allocator_traces_total{{{sel}}}[$__rate_interval]))",
+                    "{{node}} allocator traces ({{result}})",
+                ),
+            ),
+            "ops",
+        ),
+        12,
+        7,
+    )
+    L.add(
+        table(
+            "Agent versions",
+            targets((f"stepwatch_build_info{{{sel}}}", ""), instant=True, table=True),
+            transformations=[organize(exclude=("Time", "Value", "__name__", "instance", "job"))],
+        ),
+        12,
+        7,
+    )
     return dashboard(
-        "stepwatch-node-gpu-memory", "stepwatch / node GPU memory",
+        "stepwatch-node-gpu-memory",
+        "stepwatch / node GPU memory",
         "GPU memory per node and GPU from the stepwatch agent: trailing-window high-water, last sample, capacity; "
         "agent and sampler health.",
-        [v_datasource(), v_cluster(), v_node(),
-         v_query("gpu", "GPU", f'label_values(stepwatch_gpu_info{{{C}, node=~"$node"}}, gpu)')], L,
-        time_from="now-30m", refresh="15s")
+        [
+            v_datasource(),
+            v_cluster(),
+            v_node(),
+            v_query("gpu", "GPU", f'label_values(stepwatch_gpu_info{{{C}, node=~"$node"}}, gpu)'),
+        ],
+        L,
+        time_from="now-30m",
+        refresh="15s",
+    )
 
 
 def step_anatomy():
@@ -356,74 +716,221 @@ def step_anatomy():
     L.row("Job")
     L.add(stat("Ranks", f"count(stepwatch_rank_info{{{sel}}})", "none"), 3, 4)
     L.add(stat("Last step", f"max(stepwatch_rank_last_step{{{sel}}})", "none"), 3, 4)
-    L.add(stat("Median step time", f"quantile(0.5, stepwatch_rank_step_duration_median_seconds{{{sel}}})", "s"), 3, 4)
-    L.add(stat("Steps per second", f"avg(rate(stepwatch_rank_steps_completed_total{{{sel}}}[$__rate_interval]))",
-               "none", decimals=3), 3, 4)
-    L.add(stat("Steady state reached", f"min(stepwatch_rank_steady_state_reached{{{sel}}})", "none",
-               "1 when every selected rank reached steady state (consecutive step peaks agree).",
-               thresholds=GOOD_IS_ONE,
-               mappings=[{"type": "value", "options": {"0": {"text": "not yet"}, "1": {"text": "yes"}}}]), 3, 4)
-    L.add(stat("Steady / first step peak (worst)", f"max(stepwatch_rank_first_step_anomaly_ratio{{{sel}}})",
-               "percentunit", "Steady-state peak over first-step peak; above 100% the first step under-stated memory."),
-          3, 4)
-    L.add(stat("Worst predicted headroom", f"min(stepwatch_rank_predicted_headroom_bytes{{{sel}}})", "bytes",
-               thresholds=RED_BELOW_ZERO), 3, 4)
-    L.add(stat("OOMs in range", f"sum(increase(stepwatch_rank_ooms_total{{{sel}}}[$__range]))", "none",
-               thresholds=ZERO_IS_GOOD, decimals=0), 3, 4)
+    L.add(
+        stat(
+            "Median step time",
+            f"quantile(0.5, stepwatch_rank_step_duration_median_seconds{{{sel}}})",
+            "s",
+        ),
+        3,
+        4,
+    )
+    L.add(
+        stat(
+            "Steps per second",
+            f"avg(rate(stepwatch_rank_steps_completed_total{{{sel}}}[$__rate_interval]))",
+            "none",
+            decimals=3,
+        ),
+        3,
+        4,
+    )
+    L.add(
+        stat(
+            "Steady state reached",
+            f"min(stepwatch_rank_steady_state_reached{{{sel}}})",
+            "none",
+            "1 when every selected rank reached steady state (consecutive step peaks agree).",
+            thresholds=GOOD_IS_ONE,
+            mappings=[
+                {"type": "value", "options": {"0": {"text": "not yet"}, "1": {"text": "yes"}}}
+            ],
+        ),
+        3,
+        4,
+    )
+    L.add(
+        stat(
+            "Steady / first step peak (worst)",
+            f"max(stepwatch_rank_first_step_anomaly_ratio{{{sel}}})",
+            "percentunit",
+            "Steady-state peak over first-step peak; above 100% the first step under-stated memory.",
+        ),
+        3,
+        4,
+    )
+    L.add(
+        stat(
+            "Worst predicted headroom",
+            f"min(stepwatch_rank_predicted_headroom_bytes{{{sel}}})",
+            "bytes",
+            thresholds=RED_BELOW_ZERO,
+        ),
+        3,
+        4,
+    )
+    L.add(
+        stat(
+            "OOMs in range",
+            f"sum(increase(stepwatch_rank_ooms_total{{{sel}}}[$__range]))",
+            "none",
+            thresholds=ZERO_IS_GOOD,
+            decimals=0,
+        ),
+        3,
+        4,
+    )
     L.row("Phase durations")
-    L.add(timeseries("Phase durations of the last completed step (mean over selected ranks)",
-                     targets((f"avg by (phase) (stepwatch_rank_phase_duration_seconds{{{sel}}})", "{{phase}}")),
-                     "s", "Stacked: prologue, forward, backward, optimizer, epilogue add up to the step.",
-                     stack=True), 14, 9)
-    L.add(bargauge("Phase durations now, per rank",
-                   targets((f"stepwatch_rank_phase_duration_seconds{{{sel}}}", "rank {{rank}} · {{phase}}"),
-                           instant=True), "s"), 10, 9)
-    L.add(timeseries("Step duration per rank (last step and median)",
-                     targets((f"stepwatch_rank_step_duration_seconds{{{sel}}}", "rank {{rank}} last"),
-                             (f"stepwatch_rank_step_duration_median_seconds{{{sel}}}", "rank {{rank}} median")),
-                     "s", overrides=[regex_override(".* median$", [
-                         {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}])]), 24, 8)
+    L.add(
+        timeseries(
+            "Phase durations of the last completed step (mean over selected ranks)",
+            targets(
+                (f"avg by (phase) (stepwatch_rank_phase_duration_seconds{{{sel}}})", "{{phase}}")
+            ),
+            "s",
+            "Stacked: prologue, forward, backward, optimizer, epilogue add up to the step.",
+            stack=True,
+        ),
+        14,
+        9,
+    )
+    L.add(
+        bargauge(
+            "Phase durations now, per rank",
+            targets(
+                (f"stepwatch_rank_phase_duration_seconds{{{sel}}}", "rank {{rank}} · {{phase}}"),
+                instant=True,
+            ),
+            "s",
+        ),
+        10,
+        9,
+    )
+    L.add(
+        timeseries(
+            "Step duration per rank (last step and median)",
+            targets(
+                (f"stepwatch_rank_step_duration_seconds{{{sel}}}", "rank {{rank}} last"),
+                (f"stepwatch_rank_step_duration_median_seconds{{{sel}}}", "rank {{rank}} median"),
+            ),
+            "s",
+            overrides=[
+                regex_override(
+                    ".* median$",
+                    [{"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}],
+                )
+            ],
+        ),
+        24,
+        8,
+    )
     L.row("Phase peaks: first step vs steady state")
-    phase_peaks = (f'label_join(max by (phase, step_class, source) (stepwatch_rank_phase_peak_bytes{{{sel}}}), '
-                   f'"class", " ", "source", "step_class")')
-    L.add(table("Peak bytes per phase (max over selected ranks)",
-                targets((phase_peaks, ""), instant=True, table=True), "bytes",
-                "Rows: phases. Columns: source (nvml = what the driver sees, allocator = torch.cuda.memory_stats) "
-                "and step class (first step, steady state).",
-                transformations=[matrix("phase", "class")]), 12, 8)
-    L.add(bargauge("Peak bytes per phase and step class (NVML)",
-                   targets((f'max by (phase, step_class) (stepwatch_rank_phase_peak_bytes{{{sel}, source="nvml"}})',
-                            "{{step_class}} · {{phase}}"), instant=True), "bytes", mn=0), 12, 8)
-    L.add(timeseries("Step peak per rank: first, steady, predicted, capacity",
-                     targets((f"stepwatch_rank_first_step_peak_bytes{{{sel}}}", "rank {{rank}} first step"),
-                             (f"stepwatch_rank_steady_step_peak_bytes{{{sel}}}", "rank {{rank}} steady"),
-                             (f"stepwatch_rank_predicted_peak_bytes{{{sel}}}", "rank {{rank}} predicted"),
-                             (f"stepwatch_rank_gpu_capacity_bytes{{{sel}}}", "rank {{rank}} capacity")),
-                     "bytes", mn=0,
-                     overrides=[regex_override(".* capacity$", [
-                         {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
-                         {"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}}])]), 12, 9)
-    L.add(timeseries("Predicted headroom per rank",
-                     targets((f"stepwatch_rank_predicted_headroom_bytes{{{sel}}}", "rank {{rank}}")),
-                     "bytes", "Capacity minus predicted steady-state peak minus other processes. Below 0: step 2 "
-                     "will likely OOM (alert StepwatchStep2OOMPredicted).", thresholds=RED_BELOW_ZERO), 12, 9)
+    phase_peaks = (
+        f"label_join(max by (phase, step_class, source) (stepwatch_rank_phase_peak_bytes{{{sel}}}), "
+        f'"class", " ", "source", "step_class")'
+    )
+    L.add(
+        table(
+            "Peak bytes per phase (max over selected ranks)",
+            targets((phase_peaks, ""), instant=True, table=True),
+            "bytes",
+            "Rows: phases. Columns: source (nvml = what the driver sees, allocator = torch.cuda.memory_stats) "
+            "and step class (first step, steady state).",
+            transformations=[matrix("phase", "class")],
+        ),
+        12,
+        8,
+    )
+    L.add(
+        bargauge(
+            "Peak bytes per phase and step class (NVML)",
+            targets(
+                (
+                    f'max by (phase, step_class) (stepwatch_rank_phase_peak_bytes{{{sel}, source="nvml"}})',
+                    "{{step_class}} · {{phase}}",
+                ),
+                instant=True,
+            ),
+            "bytes",
+            mn=0,
+        ),
+        12,
+        8,
+    )
+    L.add(
+        timeseries(
+            "Step peak per rank: first, steady, predicted, capacity",
+            targets(
+                (f"stepwatch_rank_first_step_peak_bytes{{{sel}}}", "rank {{rank}} first step"),
+                (f"stepwatch_rank_steady_step_peak_bytes{{{sel}}}", "rank {{rank}} steady"),
+                (f"stepwatch_rank_predicted_peak_bytes{{{sel}}}", "rank {{rank}} predicted"),
+                (f"stepwatch_rank_gpu_capacity_bytes{{{sel}}}", "rank {{rank}} capacity"),
+            ),
+            "bytes",
+            mn=0,
+            overrides=[
+                regex_override(
+                    ".* capacity$",
+                    [
+                        {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}},
+                        {"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}},
+                    ],
+                )
+            ],
+        ),
+        12,
+        9,
+    )
+    L.add(
+        timeseries(
+            "Predicted headroom per rank",
+            targets((f"stepwatch_rank_predicted_headroom_bytes{{{sel}}}", "rank {{rank}}")),
+            "bytes",
+            "Capacity minus predicted steady-state peak minus other processes. Below 0: step 2 "
+            "will likely OOM (alert StepwatchStep2OOMPredicted).",
+            thresholds=RED_BELOW_ZERO,
+        ),
+        12,
+        9,
+    )
     L.row("GPUs of this job")
-    L.add(timeseries(
-        "GPU memory high-water of the job's GPUs",
-        targets((f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{C}}}[$__interval]) "
-                 f"* on (node, gpu_uuid) group_left (training_job) "
-                 f"max by (node, gpu_uuid, training_job) (stepwatch_rank_info{{{sel}}})",
-                 "{{node}} GPU {{gpu}}")),
-        "bytes", interval="15s", mn=0), 14, 8)
-    L.add(table("Ranks",
-                targets((f"stepwatch_rank_info{{{jsel}}}", ""), instant=True, table=True),
-                transformations=[organize(exclude=("Time", "Value", "__name__", "instance"))],
-                sort_by=("rank", False)), 10, 8)
+    L.add(
+        timeseries(
+            "GPU memory high-water of the job's GPUs",
+            targets(
+                (
+                    f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{C}}}[$__interval]) "
+                    f"* on (node, gpu_uuid) group_left (training_job) "
+                    f"max by (node, gpu_uuid, training_job) (stepwatch_rank_info{{{sel}}})",
+                    "{{node}} GPU {{gpu}}",
+                )
+            ),
+            "bytes",
+            interval="15s",
+            mn=0,
+        ),
+        14,
+        8,
+    )
+    L.add(
+        table(
+            "Ranks",
+            targets((f"stepwatch_rank_info{{{jsel}}}", ""), instant=True, table=True),
+            transformations=[organize(exclude=("Time", "Value", "__name__", "instance"))],
+            sort_by=("rank", False),
+        ),
+        10,
+        8,
+    )
     return dashboard(
-        "stepwatch-step-anatomy", "stepwatch / step anatomy",
+        "stepwatch-step-anatomy",
+        "stepwatch / step anatomy",
         "One training job: phase durations and phase peaks per step class (first step vs steady state), "
         "step peaks, predictions and headroom per rank.",
-        [v_datasource(), v_cluster(), v_namespace(), v_job(), v_node_of_job(), v_rank()], L, time_from="now-3h")
+        [v_datasource(), v_cluster(), v_namespace(), v_job(), v_node_of_job(), v_rank()],
+        L,
+        time_from="now-3h",
+    )
 
 
 def first_step_anomaly():
@@ -431,123 +938,390 @@ def first_step_anomaly():
     sel = f'{J}, node=~"$node", rank=~"$rank"'
     L = Layout()
     L.row("Across all ranks of the job (recording rules, every node)")
-    L.add(stat("Step-1 peak divergence", f"max(stepwatch_job:first_step_peak_divergence_ratio{{{jsel}}})",
-               "percentunit", "(max - min) / median of the ranks' step-1 peaks. Alert StepwatchFirstStepDivergence above 10%.",
-               thresholds=DIVERGENCE), 4, 4)
-    L.add(stat("Outlier ranks", f"count(stepwatch_job_rank:first_step_peak_outlier{{{jsel}}} == 1) or vector(0)",
-               "none", "Ranks whose step-1 peak is more than 10% from the job median.", thresholds=ZERO_IS_GOOD),
-          4, 4)
-    L.add(stat("Step-1 peak max", f"max(stepwatch_job:first_step_peak_bytes:max{{{jsel}}})", "bytes"), 4, 4)
-    L.add(stat("Step-1 peak median", f"max(stepwatch_job:first_step_peak_bytes:median{{{jsel}}})", "bytes"), 4, 4)
-    L.add(stat("Step-1 peak min", f"max(stepwatch_job:first_step_peak_bytes:min{{{jsel}}})", "bytes"), 4, 4)
-    L.add(stat("Ranks reporting", f"max(stepwatch_job:ranks_reporting:count{{{jsel}}})", "none"), 4, 4)
-    L.add(bargauge("Step-1 peak per rank",
-                   targets((f"stepwatch_rank_first_step_peak_bytes{{{sel}}}", "rank {{rank}} ({{node}})"),
-                           instant=True), "bytes", mn=0), 12, 10)
-    L.add(bargauge("Deviation from the job median per rank",
-                   targets((f"stepwatch_job_rank:first_step_peak_deviation_ratio{{{sel}}}", "rank {{rank}} ({{node}})"),
-                           instant=True), "percentunit",
-                   thresholds={"mode": "absolute", "steps": [{"color": "green", "value": None},
-                                                             {"color": "red", "value": 0.1}]}, mn=0), 12, 10)
-    L.add(table("Outlier ranks",
-                targets((f"stepwatch_job_rank:first_step_peak_deviation_ratio{{{jsel}}} "
-                         f"and (stepwatch_job_rank:first_step_peak_outlier{{{jsel}}} == 1)", ""),
-                        instant=True, table=True),
-                "percentunit", "Expected causes: rank 0 logging/evaluation, pipeline stages, uneven shards. "
-                "Unexpected: a shared GPU, a different batch shape, a straggler node.",
-                transformations=[organize(exclude=("Time", "__name__", "instance"),
-                                          rename={"Value": "deviation from median"})],
-                sort_by=("deviation from median", True)), 12, 8)
-    L.add(table("Step-1 peak per phase and rank (NVML)",
-                targets((f'max by (rank, phase) (stepwatch_rank_phase_peak_bytes{{{sel}, step_class="first", '
-                         f'source="nvml"}})', ""), instant=True, table=True), "bytes",
-                "Where in step 1 each rank peaks: a jump in the optimizer phase is optimizer state being created.",
-                transformations=[matrix("rank", "phase")]), 12, 8)
+    L.add(
+        stat(
+            "Step-1 peak divergence",
+            f"max(stepwatch_job:first_step_peak_divergence_ratio{{{jsel}}})",
+            "percentunit",
+            "(max - min) / median of the ranks' step-1 peaks. Alert StepwatchFirstStepDivergence above 10%.",
+            thresholds=DIVERGENCE,
+        ),
+        4,
+        4,
+    )
+    L.add(
+        stat(
+            "Outlier ranks",
+            f"count(stepwatch_job_rank:first_step_peak_outlier{{{jsel}}} == 1) or vector(0)",
+            "none",
+            "Ranks whose step-1 peak is more than 10% from the job median.",
+            thresholds=ZERO_IS_GOOD,
+        ),
+        4,
+        4,
+    )
+    L.add(
+        stat("Step-1 peak max", f"max(stepwatch_job:first_step_peak_bytes:max{{{jsel}}})", "bytes"),
+        4,
+        4,
+    )
+    L.add(
+        stat(
+            "Step-1 peak median",
+            f"max(stepwatch_job:first_step_peak_bytes:median{{{jsel}}})",
+            "bytes",
+        ),
+        4,
+        4,
+    )
+    L.add(
+        stat("Step-1 peak min", f"max(stepwatch_job:first_step_peak_bytes:min{{{jsel}}})", "bytes"),
+        4,
+        4,
+    )
+    L.add(
+        stat("Ranks reporting", f"max(stepwatch_job:ranks_reporting:count{{{jsel}}})", "none"), 4, 4
+    )
+    L.add(
+        bargauge(
+            "Step-1 peak per rank",
+            targets(
+                (f"stepwatch_rank_first_step_peak_bytes{{{sel}}}", "rank {{rank}} ({{node}})"),
+                instant=True,
+            ),
+            "bytes",
+            mn=0,
+        ),
+        12,
+        10,
+    )
+    L.add(
+        bargauge(
+            "Deviation from the job median per rank",
+            targets(
+                (
+                    f"stepwatch_job_rank:first_step_peak_deviation_ratio{{{sel}}}",
+                    "rank {{rank}} ({{node}})",
+                ),
+                instant=True,
+            ),
+            "percentunit",
+            thresholds={
+                "mode": "absolute",
+                "steps": [{"color": "green", "value": None}, {"color": "red", "value": 0.1}],
+            },
+            mn=0,
+        ),
+        12,
+        10,
+    )
+    L.add(
+        table(
+            "Outlier ranks",
+            targets(
+                (
+                    f"stepwatch_job_rank:first_step_peak_deviation_ratio{{{jsel}}} "
+                    f"and (stepwatch_job_rank:first_step_peak_outlier{{{jsel}}} == 1)",
+                    "",
+                ),
+                instant=True,
+                table=True,
+            ),
+            "percentunit",
+            "Expected causes: rank 0 logging/evaluation, pipeline stages, uneven shards. "
+            "Unexpected: a shared GPU, a different batch shape, a straggler node.",
+            transformations=[
+                organize(
+                    exclude=("Time", "__name__", "instance"),
+                    rename={"Value": "deviation from median"},
+                )
+            ],
+            sort_by=("deviation from median", True),
+        ),
+        12,
+        8,
+    )
+    L.add(
+        table(
+            "Step-1 peak per phase and rank (NVML)",
+            targets(
+                (
+                    f'max by (rank, phase) (stepwatch_rank_phase_peak_bytes{{{sel}, step_class="first", '
+                    f'source="nvml"}})',
+                    "",
+                ),
+                instant=True,
+                table=True,
+            ),
+            "bytes",
+            "Where in step 1 each rank peaks: a jump in the optimizer phase is optimizer state being created.",
+            transformations=[matrix("rank", "phase")],
+        ),
+        12,
+        8,
+    )
     L.row("First step vs steady state per rank")
-    L.add(timeseries("Steady / first-step peak per rank",
-                     targets((f"stepwatch_rank_first_step_anomaly_ratio{{{sel}}}", "rank {{rank}}")),
-                     "percentunit", "Above 100%: later steps need more memory than step 1 (lazy optimizer state, "
-                     "allocator warm-up); this is what turns a working step 1 into a step-2 OOM."), 12, 8)
-    L.add(timeseries("Step-1 and steady peak per rank",
-                     targets((f"stepwatch_rank_first_step_peak_bytes{{{sel}}}", "rank {{rank}} first"),
-                             (f"stepwatch_rank_steady_step_peak_bytes{{{sel}}}", "rank {{rank}} steady")),
-                     "bytes", mn=0), 12, 8)
+    L.add(
+        timeseries(
+            "Steady / first-step peak per rank",
+            targets((f"stepwatch_rank_first_step_anomaly_ratio{{{sel}}}", "rank {{rank}}")),
+            "percentunit",
+            "Above 100%: later steps need more memory than step 1 (lazy optimizer state, "
+            "allocator warm-up); this is what turns a working step 1 into a step-2 OOM.",
+        ),
+        12,
+        8,
+    )
+    L.add(
+        timeseries(
+            "Step-1 and steady peak per rank",
+            targets(
+                (f"stepwatch_rank_first_step_peak_bytes{{{sel}}}", "rank {{rank}} first"),
+                (f"stepwatch_rank_steady_step_peak_bytes{{{sel}}}", "rank {{rank}} steady"),
+            ),
+            "bytes",
+            mn=0,
+        ),
+        12,
+        8,
+    )
     L.row("Per node (computed by each agent over its local ranks)")
-    L.add(timeseries("Local divergence of step-1 figures",
-                     targets((f"stepwatch_job_first_step_peak_divergence_ratio{{{jsel}}}", "{{node}} peak"),
-                             (f"stepwatch_job_first_step_duration_divergence_ratio{{{jsel}}}", "{{node}} duration")),
-                     "percentunit"), 12, 8)
-    L.add(table("Outliers named by the agents",
-                targets((f"stepwatch_job_rank_outlier{{{jsel}}} == 1", ""), instant=True, table=True),
-                transformations=[organize(exclude=("Time", "Value", "__name__", "instance"))]), 12, 8)
-    L.add(timeseries("Step-time spread across ranks (max / median of median step times)",
-                     targets((f"stepwatch_job:step_duration_median_seconds:max{{{jsel}}} "
-                              f"/ stepwatch_job:step_duration_median_seconds:median{{{jsel}}}", "{{namespace}} {{training_job}}")),
-                     "percentunit", "Above 100%: the slowest rank is slower than the typical one (a straggler)."),
-          24, 7)
+    L.add(
+        timeseries(
+            "Local divergence of step-1 figures",
+            targets(
+                (f"stepwatch_job_first_step_peak_divergence_ratio{{{jsel}}}", "{{node}} peak"),
+                (
+                    f"stepwatch_job_first_step_duration_divergence_ratio{{{jsel}}}",
+                    "{{node}} duration",
+                ),
+            ),
+            "percentunit",
+        ),
+        12,
+        8,
+    )
+    L.add(
+        table(
+            "Outliers named by the agents",
+            targets((f"stepwatch_job_rank_outlier{{{jsel}}} == 1", ""), instant=True, table=True),
+            transformations=[organize(exclude=("Time", "Value", "__name__", "instance"))],
+        ),
+        12,
+        8,
+    )
+    L.add(
+        timeseries(
+            "Step-time spread across ranks (max / median of median step times)",
+            targets(
+                (
+                    f"stepwatch_job:step_duration_median_seconds:max{{{jsel}}} "
+                    f"/ stepwatch_job:step_duration_median_seconds:median{{{jsel}}}",
+                    "{{namespace}} {{training_job}}",
+                )
+            ),
+            "percentunit",
+            "Above 100%: the slowest rank is slower than the typical one (a straggler).",
+        ),
+        24,
+        7,
+    )
     return dashboard(
-        "stepwatch-first-step-anomaly", "stepwatch / first-step anomaly",
+        "stepwatch-first-step-anomaly",
+        "stepwatch / first-step anomaly",
         "Step-1 memory peaks across the ranks of a job: spread, outlier ranks, first step vs steady state.",
-        [v_datasource(), v_cluster(), v_namespace(), v_job(), v_node_of_job(), v_rank()], L, time_from="now-6h")
+        [v_datasource(), v_cluster(), v_namespace(), v_job(), v_node_of_job(), v_rank()],
+        L,
+        time_from="now-6h",
+    )
 
 
 def cluster_oom_risk():
     jsel = J
     L = Layout()
     L.row("Now")
-    L.add(stat("Jobs predicted to OOM", f"count(stepwatch_job:predicted_headroom_bytes:min{{{jsel}}} < 0) or vector(0)",
-               "none", thresholds=ZERO_IS_GOOD), 4, 4)
-    L.add(stat("Ranks at risk", f"sum(stepwatch_job:oom_risk_ranks:sum{{{jsel}}}) or vector(0)", "none",
-               thresholds=ZERO_IS_GOOD), 4, 4)
-    L.add(stat("Jobs under 5% headroom",
-               f"count(stepwatch_job:predicted_headroom_ratio:min{{{jsel}}} < 0.05) or vector(0)", "none",
-               thresholds=ZERO_IS_GOOD), 4, 4)
-    L.add(stat("OOMs observed in range", f"sum(increase(stepwatch_rank_ooms_total{{{jsel}}}[$__range])) or vector(0)",
-               "none", thresholds=ZERO_IS_GOOD, decimals=0), 4, 4)
-    L.add(stat("Agents up", f'sum(up{{job=~"$agent_job", {C}}})', "none",
-               "Targets of the scrape job matching the agent_job variable."), 4, 4)
-    L.add(stat("Nodes with NVML down", f"count(stepwatch_nvml_up{{{C}}} == 0) or vector(0)", "none",
-               thresholds=ZERO_IS_GOOD), 4, 4)
-    L.add(table(
-        "Jobs ranked by worst predicted headroom",
-        targets((f"stepwatch_job:predicted_headroom_bytes:min{{{jsel}}}", ""),
+    L.add(
+        stat(
+            "Jobs predicted to OOM",
+            f"count(stepwatch_job:predicted_headroom_bytes:min{{{jsel}}} < 0) or vector(0)",
+            "none",
+            thresholds=ZERO_IS_GOOD,
+        ),
+        4,
+        4,
+    )
+    L.add(
+        stat(
+            "Ranks at risk",
+            f"sum(stepwatch_job:oom_risk_ranks:sum{{{jsel}}}) or vector(0)",
+            "none",
+            thresholds=ZERO_IS_GOOD,
+        ),
+        4,
+        4,
+    )
+    L.add(
+        stat(
+            "Jobs under 5% headroom",
+            f"count(stepwatch_job:predicted_headroom_ratio:min{{{jsel}}} < 0.05) or vector(0)",
+            "none",
+            thresholds=ZERO_IS_GOOD,
+        ),
+        4,
+        4,
+    )
+    L.add(
+        stat(
+            "OOMs observed in range",
+            f"sum(increase(stepwatch_rank_ooms_total{{{jsel}}}[$__range])) or vector(0)",
+            "none",
+            thresholds=ZERO_IS_GOOD,
+            decimals=0,
+        ),
+        4,
+        4,
+    )
+    L.add(
+        stat(
+            "Agents up",
+            f'sum(up{{job=~"$agent_job", {C}}})',
+            "none",
+            "Targets of the scrape job matching the agent_job variable.",
+        ),
+        4,
+        4,
+    )
+    L.add(
+        stat(
+            "Nodes with NVML down",
+            f"count(stepwatch_nvml_up{{{C}}} == 0) or vector(0)",
+            "none",
+            thresholds=ZERO_IS_GOOD,
+        ),
+        4,
+        4,
+    )
+    L.add(
+        table(
+            "Jobs ranked by worst predicted headroom",
+            targets(
+                (f"stepwatch_job:predicted_headroom_bytes:min{{{jsel}}}", ""),
                 (f"stepwatch_job:predicted_headroom_ratio:min{{{jsel}}}", ""),
                 (f"stepwatch_job:predicted_peak_bytes:max{{{jsel}}}", ""),
                 (f"stepwatch_job:oom_risk_ranks:sum{{{jsel}}}", ""),
                 (f"stepwatch_job:ranks_reporting:count{{{jsel}}}", ""),
-                instant=True, table=True),
-        description="Worst rank of each job. Negative headroom: step 2 will likely run out of memory.",
-        transformations=[{"id": "merge", "options": {}},
-                         organize(exclude=("Time",),
-                                  rename={"Value #A": "worst headroom", "Value #B": "worst headroom %",
-                                          "Value #C": "largest predicted peak", "Value #D": "ranks at risk",
-                                          "Value #E": "ranks"})],
-        overrides=[unit_override("worst headroom", "bytes", RED_BELOW_ZERO),
-                   unit_override("worst headroom %", "percentunit", HEADROOM_RATIO),
-                   unit_override("largest predicted peak", "bytes")],
-        sort_by=("worst headroom", False)), 24, 9)
-    L.add(table("stepwatch alerts (firing and pending)",
-                targets((f'ALERTS{{alertname=~"{AGENT_ALERTS}", {C}}}', ""), instant=True, table=True),
-                transformations=[organize(exclude=("Time", "Value", "__name__"))],
-                sort_by=("alertstate", False)), 24, 8)
-    L.add(bargauge("Worst predicted headroom per job (share of GPU capacity)",
-                   targets((f"sort(stepwatch_job:predicted_headroom_ratio:min{{{jsel}}})", "{{namespace}} {{training_job}}"), instant=True),
-                   "percentunit", thresholds=HEADROOM_RATIO, mn=-0.25, mx=1), 12, 9)
-    L.add(table("Ranks predicted to OOM",
-                targets((f"stepwatch_rank_predicted_headroom_bytes{{{jsel}}} < 0", ""), instant=True, table=True),
-                "bytes", transformations=[organize(exclude=("Time", "__name__", "instance"),
-                                                   rename={"Value": "predicted headroom"})],
-                sort_by=("predicted headroom", False)), 12, 9)
-    L.add(timeseries("Worst predicted headroom per job",
-                     targets((f"stepwatch_job:predicted_headroom_bytes:min{{{jsel}}}", "{{namespace}} {{training_job}}")), "bytes",
-                     thresholds=RED_BELOW_ZERO), 12, 8)
-    L.add(timeseries("Observed OOMs per job",
-                     targets((f"sum by (namespace, training_job) (increase(stepwatch_rank_ooms_total{{{jsel}}}[$__rate_interval]))",
-                              "{{namespace}} {{training_job}}")), "none", bars=True), 12, 8)
+                instant=True,
+                table=True,
+            ),
+            description="Worst rank of each job. Negative headroom: step 2 will likely run out of memory.",
+            transformations=[
+                {"id": "merge", "options": {}},
+                organize(
+                    exclude=("Time",),
+                    rename={
+                        "Value #A": "worst headroom",
+                        "Value #B": "worst headroom %",
+                        "Value #C": "largest predicted peak",
+                        "Value #D": "ranks at risk",
+                        "Value #E": "ranks",
+                    },
+                ),
+            ],
+            overrides=[
+                unit_override("worst headroom", "bytes", RED_BELOW_ZERO),
+                unit_override("worst headroom %", "percentunit", HEADROOM_RATIO),
+                unit_override("largest predicted peak", "bytes"),
+            ],
+            sort_by=("worst headroom", False),
+        ),
+        24,
+        9,
+    )
+    L.add(
+        table(
+            "stepwatch alerts (firing and pending)",
+            targets((f'ALERTS{{alertname=~"{AGENT_ALERTS}", {C}}}', ""), instant=True, table=True),
+            transformations=[organize(exclude=("Time", "Value", "__name__"))],
+            sort_by=("alertstate", False),
+        ),
+        24,
+        8,
+    )
+    L.add(
+        bargauge(
+            "Worst predicted headroom per job (share of GPU capacity)",
+            targets(
+                (
+                    f"sort(stepwatch_job:predicted_headroom_ratio:min{{{jsel}}})",
+                    "{{namespace}} {{training_job}}",
+                ),
+                instant=True,
+            ),
+            "percentunit",
+            thresholds=HEADROOM_RATIO,
+            mn=-0.25,
+            mx=1,
+        ),
+        12,
+        9,
+    )
+    L.add(
+        table(
+            "Ranks predicted to OOM",
+            targets(
+                (f"stepwatch_rank_predicted_headroom_bytes{{{jsel}}} < 0", ""),
+                instant=True,
+                table=True,
+            ),
+            "bytes",
+            transformations=[
+                organize(
+                    exclude=("Time", "__name__", "instance"), rename={"Value": "predicted headroom"}
+                )
+            ],
+            sort_by=("predicted headroom", False),
+        ),
+        12,
+        9,
+    )
+    L.add(
+        timeseries(
+            "Worst predicted headroom per job",
+            targets(
+                (
+                    f"stepwatch_job:predicted_headroom_bytes:min{{{jsel}}}",
+                    "{{namespace}} {{training_job}}",
+                )
+            ),
+            "bytes",
+            thresholds=RED_BELOW_ZERO,
+        ),
+        12,
+        8,
+    )
+    L.add(
+        timeseries(
+            "Observed OOMs per job",
+            targets(
+                (
+                    f"sum by (namespace, training_job) (increase(stepwatch_rank_ooms_total{{{jsel}}}[$__rate_interval]))",
+                    "{{namespace}} {{training_job}}",
+                )
+            ),
+            "none",
+            bars=True,
+        ),
+        12,
+        8,
+    )
     return dashboard(
-        "stepwatch-cluster-oom-risk", "stepwatch / cluster OOM risk",
+        "stepwatch-cluster-oom-risk",
+        "stepwatch / cluster OOM risk",
         "Every job in the cluster ranked by predicted GPU memory headroom, with stepwatch alerts and observed OOMs.",
-        [v_datasource(), v_cluster(), v_namespace(), v_job(multi=True), v_agent_job()], L, time_from="now-6h")
+        [v_datasource(), v_cluster(), v_namespace(), v_job(multi=True), v_agent_job()],
+        L,
+        time_from="now-6h",
+    )
 
 
 DASHBOARDS = {
@@ -563,7 +1337,9 @@ def render(fn):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--check", action="store_true")
     args = p.parse_args()
     stale = []

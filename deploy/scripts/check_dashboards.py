@@ -9,6 +9,7 @@ target uses, a `cluster` variable from label_values(stepwatch_build_info, cluste
 allows All, panels with unique ids inside the 24-column grid, and an `expr` on every
 target. Prints the number of expressions found; promql_check.py parses them.
 """
+
 import glob
 import json
 import os
@@ -51,8 +52,12 @@ def check(path, seen_uids, errors):
         err("needs a `cluster` variable")
     else:
         q = cl["query"]["query"] if isinstance(cl["query"], dict) else cl["query"]
-        if q.replace(" ", "") != "label_values(stepwatch_build_info,cluster)" or not cl.get("includeAll"):
-            err("cluster variable must be label_values(stepwatch_build_info, cluster) with includeAll")
+        if q.replace(" ", "") != "label_values(stepwatch_build_info,cluster)" or not cl.get(
+            "includeAll"
+        ):
+            err(
+                "cluster variable must be label_values(stepwatch_build_info, cluster) with includeAll"
+            )
     for vname, v in variables.items():
         if v.get("type") == "query" and v.get("datasource", {}).get("uid") != DS_REF:
             err(f"variable {vname} does not use {DS_REF}")
@@ -90,7 +95,9 @@ def main(argv):
         errors.append("no dashboards found")
     for e in errors:
         print(f"  FAIL {e}")
-    print(f"  {len(files)} dashboards, {total} panel expressions: " + ("FAILED" if errors else "ok"))
+    print(
+        f"  {len(files)} dashboards, {total} panel expressions: " + ("FAILED" if errors else "ok")
+    )
     return 1 if errors else 0
 
 

@@ -1,30 +1,39 @@
 #!/usr/bin/env python3
 """Checks rendered Kubernetes manifests (Helm and kustomize output).
 
-  check_manifests.py validate FILE... [--allow-root] [--promtool PATH]
-      * every core object against the Kubernetes OpenAPI schemas (kubernetes-validate,
-        strict: unknown fields are errors), for the oldest and the newest supported version;
-      * ServiceMonitor/PrometheusRule (CRDs, no schema shipped): structure, honorLabels: false and the pod-label metricRelabelings, and
-        the PrometheusRule's groups through `promtool check rules`;
-      * the DaemonSet against stepwatch's deployment contract (security context, hostPID,
-        socket hostPath, probes, args, env, resources).
-  check_manifests.py compare HELM_FILE KUSTOMIZE_FILE
-      the kustomize build equals the chart render (Helm-only labels and the Namespace aside).
+check_manifests.py validate FILE... [--allow-root] [--promtool PATH]
+    * every core object against the Kubernetes OpenAPI schemas (kubernetes-validate,
+      strict: unknown fields are errors), for the oldest and the newest supported version;
+    * ServiceMonitor/PrometheusRule (CRDs, no schema shipped): structure, honorLabels: false and the pod-label metricRelabelings, and
+      the PrometheusRule's groups through `promtool check rules`;
+    * the DaemonSet against stepwatch's deployment contract (security context, hostPID,
+      socket hostPath, probes, args, env, resources).
+check_manifests.py compare HELM_FILE KUSTOMIZE_FILE
+    the kustomize build equals the chart render (Helm-only labels and the Namespace aside).
 """
+
 import argparse
 import os
 import subprocess
 import sys
 import tempfile
 
-import yaml
-
 import kubernetes_validate
+import yaml
 
 KUBE_VERSIONS = ("1.25.0", "1.37.0")
 HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
-AGENT_ARGS_PREFIX = ["agent", "--http-listen", "0.0.0.0:9447", "--socket", "/run/stepwatch/stepwatch.sock",
-                     "--socket-mode", "0666", "--node-name", "$(NODE_NAME)"]
+AGENT_ARGS_PREFIX = [
+    "agent",
+    "--http-listen",
+    "0.0.0.0:9447",
+    "--socket",
+    "/run/stepwatch/stepwatch.sock",
+    "--socket-mode",
+    "0666",
+    "--node-name",
+    "$(NODE_NAME)",
+]
 
 
 class Checker:
@@ -69,43 +78,86 @@ def pod_label_rules():
     camelCase: what every ServiceMonitor endpoint must begin its metricRelabelings with, so
     that a tenant's exported_namespace/pod/container move back into namespace/pod/container.
     tests/prometheus_multinode.rs runs the same rules on a real Prometheus."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "prometheus",
-                        "prometheus-example.yml")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "prometheus",
+        "prometheus-example.yml",
+    )
     with open(path) as f:
         cfg = yaml.safe_load(f)
     rules = cfg["scrape_configs"][0]["metric_relabel_configs"]
-    camel = lambda k: k.split("_")[0] + "".join(w.title() for w in k.split("_")[1:])
+
+    def camel(k):
+        return k.split("_")[0] + "".join(w.title() for w in k.split("_")[1:])
+
     return [{camel(k): v for k, v in r.items()} for r in rules]
 
 
 def check_service_monitor(c, obj, services):
     where = name_of(obj)
-    c.expect(obj["apiVersion"] == "monitoring.coreos.com/v1", where, "apiVersion must be monitoring.coreos.com/v1")
+    c.expect(
+        obj["apiVersion"] == "monitoring.coreos.com/v1",
+        where,
+        "apiVersion must be monitoring.coreos.com/v1",
+    )
     spec = obj.get("spec", {})
     endpoints = spec.get("endpoints") or []
     c.expect(endpoints, where, "no endpoints")
     selector = spec.get("selector", {}).get("matchLabels", {})
-    matched = [s for s in services
-               if selector and all(s["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())]
+    matched = [
+        s
+        for s in services
+        if selector
+        and all(s["metadata"].get("labels", {}).get(k) == v for k, v in selector.items())
+    ]
     c.expect(matched, where, f"selector {selector} matches no Service")
     port_names = {p.get("name") for s in matched for p in s["spec"].get("ports", [])}
     for ep in endpoints:
-        c.expect(ep.get("honorLabels") is False, where, "endpoints must set honorLabels: false (the target's job and instance win)")
+        c.expect(
+            ep.get("honorLabels") is False,
+            where,
+            "endpoints must set honorLabels: false (the target's job and instance win)",
+        )
         rules = pod_label_rules()
-        c.expect((ep.get("metricRelabelings") or [])[:len(rules)] == rules, where,
-                 "metricRelabelings must begin with the pod-label rules of deploy/prometheus/prometheus-example.yml "
-                 f"(exported_namespace/pod/container back to namespace/pod/container): {rules}")
-        c.expect(ep.get("port") in port_names, where, f"endpoint port {ep.get('port')!r} not a port of the Service")
+        c.expect(
+            (ep.get("metricRelabelings") or [])[: len(rules)] == rules,
+            where,
+            "metricRelabelings must begin with the pod-label rules of deploy/prometheus/prometheus-example.yml "
+            f"(exported_namespace/pod/container back to namespace/pod/container): {rules}",
+        )
+        c.expect(
+            ep.get("port") in port_names,
+            where,
+            f"endpoint port {ep.get('port')!r} not a port of the Service",
+        )
         c.expect(ep.get("path", "/metrics") == "/metrics", where, "path must be /metrics")
-        allowed = {"port", "path", "scheme", "interval", "scrapeTimeout", "honorLabels", "relabelings",
-                   "metricRelabelings", "honorTimestamps", "tlsConfig", "bearerTokenSecret", "authorization",
-                   "bearerTokenFile"}
-        c.expect(set(ep) <= allowed, where, f"unexpected endpoint fields {sorted(set(ep) - allowed)}")
+        allowed = {
+            "port",
+            "path",
+            "scheme",
+            "interval",
+            "scrapeTimeout",
+            "honorLabels",
+            "relabelings",
+            "metricRelabelings",
+            "honorTimestamps",
+            "tlsConfig",
+            "bearerTokenSecret",
+            "authorization",
+            "bearerTokenFile",
+        }
+        c.expect(
+            set(ep) <= allowed, where, f"unexpected endpoint fields {sorted(set(ep) - allowed)}"
+        )
 
 
 def check_prometheus_rule(c, obj, promtool):
     where = name_of(obj)
-    c.expect(obj["apiVersion"] == "monitoring.coreos.com/v1", where, "apiVersion must be monitoring.coreos.com/v1")
+    c.expect(
+        obj["apiVersion"] == "monitoring.coreos.com/v1",
+        where,
+        "apiVersion must be monitoring.coreos.com/v1",
+    )
     groups = obj.get("spec", {}).get("groups")
     c.expect(groups, where, "spec.groups is empty")
     if not groups:
@@ -115,25 +167,39 @@ def check_prometheus_rule(c, obj, promtool):
         path = f.name
     try:
         res = subprocess.run([promtool, "check", "rules", path], capture_output=True, text=True)
-        c.expect(res.returncode == 0, where, "promtool check rules failed:\n" + res.stdout + res.stderr)
+        c.expect(
+            res.returncode == 0, where, "promtool check rules failed:\n" + res.stdout + res.stderr
+        )
     finally:
         os.unlink(path)
     alerts = {r["alert"]: r for g in groups for r in g["rules"] if "alert" in r}
     down = alerts.get("StepwatchAgentDown")
-    c.expect(down is not None and down["expr"].startswith("up{"), where, "StepwatchAgentDown missing or not on up{...}")
+    c.expect(
+        down is not None and down["expr"].startswith("up{"),
+        where,
+        "StepwatchAgentDown missing or not on up{...}",
+    )
 
 
 def container_checks(c, where, ctr, allow_root):
     sc = ctr.get("securityContext", {})
     c.expect(sc.get("readOnlyRootFilesystem") is True, where, "readOnlyRootFilesystem must be true")
     c.expect(not sc.get("privileged", False), where, "must not be privileged")
-    c.expect(sc.get("allowPrivilegeEscalation") is False, where, "allowPrivilegeEscalation must be false")
-    c.expect("ALL" in sc.get("capabilities", {}).get("drop", []), where, "capabilities must drop ALL")
+    c.expect(
+        sc.get("allowPrivilegeEscalation") is False, where, "allowPrivilegeEscalation must be false"
+    )
+    c.expect(
+        "ALL" in sc.get("capabilities", {}).get("drop", []), where, "capabilities must drop ALL"
+    )
     added = set(sc.get("capabilities", {}).get("add", []))
     c.expect(added <= {"CHOWN"}, where, f"unexpected capabilities {sorted(added)}")
     res = ctr.get("resources", {})
     for kind in ("requests", "limits"):
-        c.expect({"cpu", "memory"} <= set(res.get(kind, {})), where, f"resources.{kind} needs cpu and memory")
+        c.expect(
+            {"cpu", "memory"} <= set(res.get(kind, {})),
+            where,
+            f"resources.{kind} needs cpu and memory",
+        )
 
 
 def check_daemonset(c, ds, services, allow_root, metrics_proxy=False):
@@ -142,16 +208,25 @@ def check_daemonset(c, ds, services, allow_root, metrics_proxy=False):
     c.expect(pod.get("hostPID") is True, where, "hostPID must be true (PIDs from NVML/SO_PEERCRED)")
     c.expect(not pod.get("hostNetwork", False), where, "hostNetwork is not needed")
     if metrics_proxy:
-        c.expect(pod.get("automountServiceAccountToken") is True, where, "kube-rbac-proxy needs the API token")
+        c.expect(
+            pod.get("automountServiceAccountToken") is True,
+            where,
+            "kube-rbac-proxy needs the API token",
+        )
     else:
-        c.expect(pod.get("automountServiceAccountToken") is False, where, "the agent needs no API token")
+        c.expect(
+            pod.get("automountServiceAccountToken") is False, where, "the agent needs no API token"
+        )
     c.expect(pod.get("nodeSelector"), where, "nodeSelector for GPU nodes expected")
     c.expect(pod.get("tolerations"), where, "tolerations for GPU taints expected")
     psc = pod.get("securityContext", {})
     vols = {v["name"]: v for v in pod.get("volumes", [])}
     sock = [v for v in vols.values() if v.get("hostPath", {}).get("path") == "/run/stepwatch"]
-    c.expect(len(sock) == 1 and sock[0]["hostPath"].get("type") == "DirectoryOrCreate", where,
-             "hostPath /run/stepwatch (DirectoryOrCreate) expected")
+    c.expect(
+        len(sock) == 1 and sock[0]["hostPath"].get("type") == "DirectoryOrCreate",
+        where,
+        "hostPath /run/stepwatch (DirectoryOrCreate) expected",
+    )
     agents = [x for x in pod.get("containers", []) if x["name"] == "agent"]
     c.expect(len(agents) == 1, where, "one container named agent expected")
     if not agents:
@@ -161,51 +236,97 @@ def check_daemonset(c, ds, services, allow_root, metrics_proxy=False):
     prefix = list(AGENT_ARGS_PREFIX)
     if metrics_proxy:
         prefix[2] = "127.0.0.1:9448"  # behind the proxy: loopback only
-    c.expect(agent.get("args", [])[:len(prefix)] == prefix, cw,
-             f"args must start with {prefix}, got {agent.get('args')}")
+    c.expect(
+        agent.get("args", [])[: len(prefix)] == prefix,
+        cw,
+        f"args must start with {prefix}, got {agent.get('args')}",
+    )
     c.expect("command" not in agent, cw, "command must stay the image's entrypoint (stepwatch)")
     env = {e["name"]: e for e in agent.get("env", [])}
-    c.expect(env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "spec.nodeName",
-             cw, "NODE_NAME from fieldRef spec.nodeName")
-    c.expect(env.get("NVIDIA_VISIBLE_DEVICES", {}).get("value") == "all", cw, "NVIDIA_VISIBLE_DEVICES=all")
-    c.expect(env.get("NVIDIA_DRIVER_CAPABILITIES", {}).get("value") == "utility", cw, "NVIDIA_DRIVER_CAPABILITIES=utility")
+    c.expect(
+        env.get("NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        == "spec.nodeName",
+        cw,
+        "NODE_NAME from fieldRef spec.nodeName",
+    )
+    c.expect(
+        env.get("NVIDIA_VISIBLE_DEVICES", {}).get("value") == "all",
+        cw,
+        "NVIDIA_VISIBLE_DEVICES=all",
+    )
+    c.expect(
+        env.get("NVIDIA_DRIVER_CAPABILITIES", {}).get("value") == "utility",
+        cw,
+        "NVIDIA_DRIVER_CAPABILITIES=utility",
+    )
     serving = agent
     if metrics_proxy:
         proxies = [x for x in pod.get("containers", []) if x["name"] == "metrics-proxy"]
         c.expect(len(proxies) == 1, where, "a metrics-proxy container expected")
         serving = proxies[0] if proxies else {}
         pargs = serving.get("args", [])
-        for arg in ("--secure-listen-address=0.0.0.0:9447", "--upstream=http://127.0.0.1:9448/",
-                    "--ignore-paths=/healthz,/readyz"):
+        for arg in (
+            "--secure-listen-address=0.0.0.0:9447",
+            "--upstream=http://127.0.0.1:9448/",
+            "--ignore-paths=/healthz,/readyz",
+        ):
             c.expect(arg in pargs, f"{where} container metrics-proxy", f"{arg} expected in {pargs}")
         c.expect(not agent.get("ports"), cw, "behind the proxy the agent exposes no port")
     ports = {p["name"]: p for p in serving.get("ports", [])}
-    c.expect(ports.get("metrics", {}).get("containerPort") == 9447, cw, "containerPort 9447 named metrics")
+    c.expect(
+        ports.get("metrics", {}).get("containerPort") == 9447,
+        cw,
+        "containerPort 9447 named metrics",
+    )
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = agent.get(probe, {}).get("httpGet", {})
         if metrics_proxy:
-            c.expect(get.get("path") == path and get.get("port") == 9447 and get.get("scheme") == "HTTPS", cw,
-                     f"{probe} GET {path} on 9447 over HTTPS (through the proxy)")
+            c.expect(
+                get.get("path") == path
+                and get.get("port") == 9447
+                and get.get("scheme") == "HTTPS",
+                cw,
+                f"{probe} GET {path} on 9447 over HTTPS (through the proxy)",
+            )
         else:
-            c.expect(get.get("path") == path and get.get("port") in ("metrics", 9447), cw, f"{probe} GET {path} on 9447")
+            c.expect(
+                get.get("path") == path and get.get("port") in ("metrics", 9447),
+                cw,
+                f"{probe} GET {path} on 9447",
+            )
     mounts = {m["mountPath"]: m for m in agent.get("volumeMounts", [])}
-    c.expect(mounts.get("/run/stepwatch", {}).get("name") == sock[0]["name"] if sock else False, cw,
-             "socket hostPath mounted at /run/stepwatch")
-    c.expect(not any(m.get("readOnly") for m in mounts.values() if m["mountPath"] == "/run/stepwatch"), cw,
-             "socket dir must be writable")
+    c.expect(
+        mounts.get("/run/stepwatch", {}).get("name") == sock[0]["name"] if sock else False,
+        cw,
+        "socket hostPath mounted at /run/stepwatch",
+    )
+    c.expect(
+        not any(m.get("readOnly") for m in mounts.values() if m["mountPath"] == "/run/stepwatch"),
+        cw,
+        "socket dir must be writable",
+    )
     sc = agent.get("securityContext", {})
     non_root = sc.get("runAsNonRoot", psc.get("runAsNonRoot"))
     if allow_root:
-        c.expect(sc.get("runAsUser", psc.get("runAsUser")) == 0, cw, "runAsRoot variant must run as UID 0")
+        c.expect(
+            sc.get("runAsUser", psc.get("runAsUser")) == 0,
+            cw,
+            "runAsRoot variant must run as UID 0",
+        )
     else:
         c.expect(non_root is True, cw, "runAsNonRoot must be true")
         c.expect(sc.get("runAsUser", psc.get("runAsUser", 0)) != 0, cw, "runAsUser must not be 0")
     for ctr in pod.get("initContainers", []) + pod.get("containers", []):
         container_checks(c, f"{where} container {ctr['name']}", ctr, allow_root)
     labels = ds["spec"]["template"]["metadata"].get("labels", {})
-    svc_ok = [s for s in services
-              if all(labels.get(k) == v for k, v in s["spec"].get("selector", {}).items())
-              and any(p.get("name") == "metrics" and p.get("port") == 9447 for p in s["spec"].get("ports", []))]
+    svc_ok = [
+        s
+        for s in services
+        if all(labels.get(k) == v for k, v in s["spec"].get("selector", {}).items())
+        and any(
+            p.get("name") == "metrics" and p.get("port") == 9447 for p in s["spec"].get("ports", [])
+        )
+    ]
     c.expect(svc_ok, where, "a Service with port 9447 named metrics selecting the agent pods")
 
 
@@ -233,15 +354,16 @@ def cmd_validate(args):
         c.expect(kind not in kinds, "render", f"unexpected {kind} object")
     for e in c.errors:
         print(f"  FAIL {e}")
-    print(f"  {len(objects)} objects ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}): "
-          f"{c.checked - len(c.errors)}/{c.checked} checks ok")
+    print(
+        f"  {len(objects)} objects ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}): "
+        f"{c.checked - len(c.errors)}/{c.checked} checks ok"
+    )
     return 1 if c.errors or not objects else 0
 
 
 def strip(obj):
     if isinstance(obj, dict):
-        return {k: strip(v) for k, v in obj.items()
-                if not (k in HELM_ONLY_LABELS)}
+        return {k: strip(v) for k, v in obj.items() if k not in HELM_ONLY_LABELS}
     if isinstance(obj, list):
         return [strip(v) for v in obj]
     return obj
@@ -249,7 +371,11 @@ def strip(obj):
 
 def cmd_compare(args):
     helm_objs = {(o["kind"], o["metadata"]["name"]): strip(o) for o in load([args.helm])}
-    kust_objs = {(o["kind"], o["metadata"]["name"]): o for o in load([args.kustomize]) if o["kind"] != "Namespace"}
+    kust_objs = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in load([args.kustomize])
+        if o["kind"] != "Namespace"
+    }
     errors = []
     for key in sorted(set(helm_objs) | set(kust_objs)):
         if key not in kust_objs:
@@ -260,18 +386,24 @@ def cmd_compare(args):
             errors.append(f"{key[0]}/{key[1]} differs between Helm and kustomize")
     for e in errors:
         print(f"  FAIL {e}")
-    print(f"  {len(helm_objs)} Helm objects, {len(kust_objs)} kustomize objects (Namespace aside): "
-          + ("differ" if errors else "identical"))
+    print(
+        f"  {len(helm_objs)} Helm objects, {len(kust_objs)} kustomize objects (Namespace aside): "
+        + ("differ" if errors else "identical")
+    )
     return 1 if errors or not helm_objs else 0
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate")
     v.add_argument("files", nargs="+")
     v.add_argument("--allow-root", action="store_true")
-    v.add_argument("--metrics-proxy", action="store_true", help="the render has metricsProxy.enabled")
+    v.add_argument(
+        "--metrics-proxy", action="store_true", help="the render has metricsProxy.enabled"
+    )
     v.add_argument("--promtool", default="promtool")
     v.add_argument("--require", action="append")
     v.add_argument("--forbid", action="append")

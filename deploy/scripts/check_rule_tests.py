@@ -11,12 +11,12 @@
   which exists (one runbook per alert, and no runbook without its alert);
 * StepwatchStep2OOMPredicted fires without waiting (for: 0m), so it is raised during step 1.
 """
+
 import os
 import re
 import sys
 
 import yaml
-
 
 RUNBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runbooks")
 
@@ -58,7 +58,9 @@ def main(argv):
                 errors.append(f"alert {name}: no {key} annotation")
         url = rule.get("annotations", {}).get("runbook_url", "")
         if not url.endswith(f"/deploy/runbooks/{name}.md"):
-            errors.append(f"alert {name}: runbook_url {url!r} must end with /deploy/runbooks/{name}.md")
+            errors.append(
+                f"alert {name}: runbook_url {url!r} must end with /deploy/runbooks/{name}.md"
+            )
         if not os.path.isfile(os.path.join(RUNBOOKS, f"{name}.md")):
             errors.append(f"alert {name}: no runbook deploy/runbooks/{name}.md")
     for md in sorted(os.listdir(RUNBOOKS)):
@@ -74,8 +76,10 @@ def main(argv):
         errors.append("StepwatchStep2OOMPredicted must exist and have for: 0m (fire during step 1)")
     for e in errors:
         print(f"  FAIL {e}")
-    print(f"  {len(alerts)} alerts (each fires and stays silent in a test), {len(records)} recording rules asserted: "
-          + ("FAILED" if errors else "ok"))
+    print(
+        f"  {len(alerts)} alerts (each fires and stays silent in a test), {len(records)} recording rules asserted: "
+        + ("FAILED" if errors else "ok")
+    )
     return 1 if errors else 0
 
 

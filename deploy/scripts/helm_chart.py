@@ -11,13 +11,13 @@ template engine, value merging, schema checks and linter as the `helm` CLI, with
 `render` prints every rendered manifest (NOTES.txt excluded) as one multi-document YAML
 stream, in template order, the way `helm template` does.
 """
+
 import argparse
 import json
 import sys
 
-import yaml
-
 import helm_python as helm
+import yaml
 
 
 def deep_merge(base, extra):
@@ -40,8 +40,13 @@ def load_values(args):
 
 
 def cmd_lint(args):
-    report = helm.lint(args.chart, load_values(args) or None, strict=True,
-                       namespace=args.namespace, kube_version=args.kube_version)
+    report = helm.lint(
+        args.chart,
+        load_values(args) or None,
+        strict=True,
+        namespace=args.namespace,
+        kube_version=args.kube_version,
+    )
     failed = False
     for msg in report.get("messages", []):
         level = {0: "UNKNOWN", 1: "INFO", 2: "WARNING", 3: "ERROR"}.get(msg["severity"], "?")
@@ -51,15 +56,18 @@ def cmd_lint(args):
     for err in report.get("errors", []):
         print(f"  [ERROR] {err}")
         failed = True
-    print(f"  helm lint (Helm SDK {helm.helm_sdk_version()}): {report.get('total_charts_linted', 0)} chart(s), "
-          + ("FAILED" if failed else "ok"))
+    print(
+        f"  helm lint (Helm SDK {helm.helm_sdk_version()}): {report.get('total_charts_linted', 0)} chart(s), "
+        + ("FAILED" if failed else "ok")
+    )
     return 1 if failed else 0
 
 
 def cmd_render(args):
     with helm.Chart.load(args.chart) as chart:
-        manifests = chart.render(load_values(args), name=args.name, namespace=args.namespace,
-                                 is_install=True)
+        manifests = chart.render(
+            load_values(args), name=args.name, namespace=args.namespace, is_install=True
+        )
     docs = []
     for path in sorted(manifests):
         if path.endswith("NOTES.txt") or not manifests[path].strip():
@@ -72,7 +80,9 @@ def cmd_render(args):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("command", choices=["lint", "render"])
     p.add_argument("chart")
     p.add_argument("--name", default="stepwatch")

@@ -12,6 +12,7 @@ the dashboard defines the variable. Grafana's label_values(SELECTOR, label) vari
 queries are checked as SELECTOR. Also checks that Prometheus loaded every rule of the file.
 Stops Prometheus before it exits, whatever happens.
 """
+
 import argparse
 import glob
 import json
@@ -30,8 +31,13 @@ import urllib.request
 
 import yaml
 
-GRAFANA_DURATIONS = {"__interval": "1m", "__rate_interval": "1m", "__range": "1h", "__range_s": "3600",
-                     "__interval_ms": "60000"}
+GRAFANA_DURATIONS = {
+    "__interval": "1m",
+    "__rate_interval": "1m",
+    "__range": "1h",
+    "__range_s": "3600",
+    "__interval_ms": "60000",
+}
 VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::[a-z]+)?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 LABEL_VALUES_RE = re.compile(r"^\s*label_values\((.*),\s*[A-Za-z_][A-Za-z0-9_]*\s*\)\s*$", re.S)
 
@@ -94,12 +100,19 @@ def dashboard_exprs(path, errors):
         used = {a or b for a, b in VAR_RE.findall(expr)}
         for var in sorted(used - variables - set(GRAFANA_DURATIONS)):
             errors.append(f"{where}: uses ${var}, which the dashboard does not define")
-        out.append((where, VAR_RE.sub(lambda m: GRAFANA_DURATIONS.get(m.group(1) or m.group(2), ".*"), expr)))
+        out.append(
+            (
+                where,
+                VAR_RE.sub(lambda m: GRAFANA_DURATIONS.get(m.group(1) or m.group(2), ".*"), expr),
+            )
+        )
     return out
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--prometheus", default="prometheus")
     p.add_argument("--rules", required=True)
     p.add_argument("--dashboards", required=True)
@@ -124,15 +137,25 @@ def main():
         yaml.safe_dump({"global": {"evaluation_interval": "1s"}, "rule_files": ["rules.yml"]}, f)
     log = open(os.path.join(tmp, "prometheus.log"), "w")
     proc = subprocess.Popen(
-        [args.prometheus, f"--config.file={tmp}/prometheus.yml", f"--storage.tsdb.path={tmp}/data",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            args.prometheus,
+            f"--config.file={tmp}/prometheus.yml",
+            f"--storage.tsdb.path={tmp}/data",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {proc.returncode}:\n" + open(log.name).read()[-3000:])
+                raise RuntimeError(
+                    f"prometheus exited with {proc.returncode}:\n" + open(log.name).read()[-3000:]
+                )
             try:
                 with urllib.request.urlopen(base + "/-/ready", timeout=2) as r:
                     if r.status == 200:
@@ -156,7 +179,9 @@ def main():
             res = http_json(base + "/api/v1/query", {"query": expr, "time": f"{now:.3f}"})
             if res.get("status") != "success":
                 rejected += 1
-                errors.append(f"{where}: {res.get('errorType', '')}: {res.get('error')}\n      {expr}")
+                errors.append(
+                    f"{where}: {res.get('errorType', '')}: {res.get('error')}\n      {expr}"
+                )
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -169,8 +194,10 @@ def main():
 
     for e in errors:
         print(f"  FAIL {e}")
-    print(f"  Prometheus {build}: {len(exprs) - rejected} of {len(exprs)} expressions "
-          f"accepted ({n_rules} from rules, {len(exprs) - n_rules} from dashboards); {len(errors)} error(s)")
+    print(
+        f"  Prometheus {build}: {len(exprs) - rejected} of {len(exprs)} expressions "
+        f"accepted ({n_rules} from rules, {len(exprs) - n_rules} from dashboards); {len(errors)} error(s)"
+    )
     return 1 if errors else 0
 
 
