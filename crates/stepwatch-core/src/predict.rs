@@ -264,7 +264,8 @@ pub enum BasisLimit {
     /// that holds it; when that is a block an activation used in step 1 (the
     /// logits, say), step 2 reserves a new segment of that block's size
     /// (seen in the traces of `tests/fixtures/torch-fake-cuda`). The layout
-    /// allowance is a guess at that.
+    /// allowance is a guess at that. Not set when step 1's segment
+    /// snapshots arrived ([`PredictionInputs::layout_snapshots`]).
     AllocatorFiguresCannotSeeLayout,
 }
 
@@ -1629,9 +1630,10 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
                         s,
                         "; reserved = max({} reserved when step 1's optimizer ended + {} of \
                          new segments for the cached blocks the optimizer state split ({} of \
-                         {} asked for again, from the allocator's segment snapshots at step 1's \
-                         optimizer begin and end), × {ratio:.4} (step 1's reserved / allocated), \
-                         step-1 reserved peak) = {}",
+                         the {} step 2 asks for again find no free block large enough, from \
+                         the allocator's segment snapshots at step 1's optimizer begin and \
+                         end), × {ratio:.4} (step 1's reserved / allocated), step-1 reserved \
+                         peak) = {}",
                         g(i.reserved_at_optimizer_end_bytes.unwrap_or(0)),
                         g(i.layout_allowance_bytes),
                         match l.blocks_needing_new_segments {
