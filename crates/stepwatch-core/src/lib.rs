@@ -44,8 +44,9 @@ pub use identity::{
 pub use layout::{step2_new_segments, LayoutEstimate, MAX_LAYOUT_BLOCKS};
 pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
 pub use predict::{
-    predict, predict_with, predict_with_layout, BasisLimit, BindingTerm, GradsSource, LiveStep,
-    PredictConfig, Prediction, PredictionBasis, PredictionInputs, StateSource, WarningRevision,
+    predict, predict_with, predict_with_layout, BasisLimit, BindingTerm, GradsSource,
+    LayoutSetAside, LiveStep, PredictConfig, Prediction, PredictionBasis, PredictionInputs,
+    StateSource, WarningRevision,
 };
 pub use profile::{
     median_f64, median_u64, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds,

@@ -287,6 +287,23 @@ impl BasisLimit {
     }
 }
 
+/// Why step 1's segment snapshots were not used: cases where step 2 reuses
+/// cache in a way the two layouts cannot show, found on real PyTorch traces
+/// (`tests/replay_torch.rs`), in which the snapshots' rule over-predicts
+/// step 2's new segments (+18% and +24% reserved) while the guessed
+/// allowance was within a few percent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayoutSetAside {
+    /// Gradient accumulation: step 1's micro-batches took turns with the
+    /// cache, so not every block free at the optimizer's begin is wanted at
+    /// once in step 2.
+    GradientAccumulation,
+    /// DDP rebuilds its buckets at step 2's first forward: the old bucket's
+    /// block, freed then, serves step 2's activations.
+    DdpBucketRebuild,
+}
+
 /// What became of a step-2 OOM warning the rank was already given, when a
 /// later prediction of step 1 says step 2 fits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -425,6 +442,10 @@ pub struct PredictionInputs {
     /// not shrink between steps); the ratio figure is then only a floor.
     #[serde(default)]
     pub reserved_at_optimizer_end_bytes: Option<u64>,
+    /// Why step 1's segment snapshots arrived but were not used (the
+    /// layout allowance is then the guessed fraction); None otherwise.
+    #[serde(default)]
+    pub layout_snapshots_set_aside: Option<LayoutSetAside>,
     /// Predicted reserved (caching pool) bytes at the peak; allocator basis only.
     pub predicted_reserved_bytes: Option<u64>,
     /// The replay of step 2 from step 1's allocator trace, when the client
@@ -643,9 +664,18 @@ pub fn predict_with_layout(
     let replay = replay.filter(|_| basis == PredictionBasis::Allocator);
     // The snapshots stand in for the trace's layout, and show the optimizer
     // phase as it ran: only once it closed, and only without a replay.
-    let layout = layout.filter(|_| {
-        basis == PredictionBasis::Allocator && replay.is_none() && optimizer_phase_closed
+    let layout_usable =
+        basis == PredictionBasis::Allocator && replay.is_none() && optimizer_phase_closed;
+    let layout_set_aside = layout.filter(|_| layout_usable).and_then(|_| {
+        if facts.ddp_bucket_rebuild.is_some() {
+            Some(LayoutSetAside::DdpBucketRebuild)
+        } else if peaks.later.is_some() {
+            Some(LayoutSetAside::GradientAccumulation)
+        } else {
+            None
+        }
     });
+    let layout = layout.filter(|_| layout_usable && layout_set_aside.is_none());
     let device = device_figures(DeviceInputs {
         step1,
         step: &step,
@@ -713,6 +743,7 @@ pub fn predict_with_layout(
             0
         },
         layout_snapshots: layout.copied(),
+        layout_snapshots_set_aside: layout_set_aside,
         reserved_at_optimizer_end_bytes: device.reserved_at_optimizer_end,
         predicted_reserved_bytes: device.predicted_reserved,
         allocator_replay: replay.copied(),
@@ -1655,6 +1686,22 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
                         g(i.state_from_cache_bytes),
                         g(res)
                     );
+                    if let Some(why) = i.layout_snapshots_set_aside {
+                        let _ = write!(
+                            s,
+                            " (the allocator's segment snapshots were set aside: {})",
+                            match why {
+                                LayoutSetAside::GradientAccumulation => {
+                                    "with gradient accumulation step 2's micro-batches take \
+                                     turns with the cache"
+                                }
+                                LayoutSetAside::DdpBucketRebuild => {
+                                    "DDP's bucket rebuild in step 2 frees a block they cannot \
+                                     show"
+                                }
+                            }
+                        );
+                    }
                 }
             },
         }

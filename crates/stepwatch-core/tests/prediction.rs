@@ -1467,3 +1467,50 @@ fn a_replay_wins_over_layouts() {
         (None, 0)
     );
 }
+
+#[test]
+fn layouts_are_set_aside_under_gradient_accumulation_and_ddps_bucket_rebuild() {
+    // The same layouts as `segment_layouts_replace_the_guessed_layout_allowance`
+    // (2100 new), on cases where step 2 reuses cache the two layouts cannot
+    // show: the guessed allowance stays, and the prediction says why.
+    let layouts = markers_with_layouts(2100);
+    let mut ms = accumulation_markers();
+    ms[5].layout_segments = layouts[3].layout_segments.clone();
+    ms[6].layout_segments = layouts[4].layout_segments.clone();
+    let with = run(ModelFacts::default(), &ms, &ACC_SAMPLES, 10_000);
+    for m in &mut ms {
+        m.layout_segments.clear();
+    }
+    let without = run(ModelFacts::default(), &ms, &ACC_SAMPLES, 10_000);
+    assert_eq!(
+        with.inputs.layout_snapshots_set_aside,
+        Some(LayoutSetAside::GradientAccumulation)
+    );
+    assert_eq!(with.inputs.layout_snapshots, None);
+    assert_eq!(with.predicted_peak_bytes, without.predicted_peak_bytes);
+    assert!(with
+        .inputs
+        .basis_limits
+        .contains(&BasisLimit::AllocatorFiguresCannotSeeLayout));
+    assert!(
+        with.explanation
+            .contains("segment snapshots were set aside"),
+        "{}",
+        with.explanation
+    );
+    assert_eq!(without.inputs.layout_snapshots_set_aside, None);
+
+    let ddp = ModelFacts {
+        ddp_bucket_rebuild: Some(DdpBucketRebuild {
+            old_bucket_bytes: vec![100 * M],
+            new_bucket_bytes: vec![60 * M, 40 * M],
+        }),
+        ..Default::default()
+    };
+    let p = run(ddp, &layouts, &BASE_SAMPLES, 10_000);
+    assert_eq!(
+        p.inputs.layout_snapshots_set_aside,
+        Some(LayoutSetAside::DdpBucketRebuild)
+    );
+    assert_eq!(p.predicted_peak_bytes, 9050 * M);
+}
