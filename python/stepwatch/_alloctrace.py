@@ -392,8 +392,19 @@ def trace_from_snapshot(
                 f"{ea} and {ef} the allocator counted since recording began"
             )
 
+    segments = _segments_of(snapshot.get("segments") or [], device)
+    trace.segments = [s[:3] for s in segments]
+    trace.segment_homes = [s[3] for s in segments]
+    trace.settings = settings_from_snapshot(snapshot)
+    trace.check()
+    return trace
+
+
+def _segments_of(snapshot_segments: Any, device: int) -> List[Tuple[Any, ...]]:
+    """``device``'s segments of a snapshot, by address: (address, small, [(size,
+    allocated)], (stream, pool_id, expandable))."""
     segments = []
-    for seg in snapshot.get("segments") or []:
+    for seg in snapshot_segments:
         if seg.get("device", device) != device:
             continue
         blocks = seg.get("blocks") or []
@@ -414,11 +425,92 @@ def trace_from_snapshot(
             )
         )
     segments.sort(key=lambda s: s[0])
-    trace.segments = [s[:3] for s in segments]
-    trace.segment_homes = [s[3] for s in segments]
-    trace.settings = settings_from_snapshot(snapshot)
-    trace.check()
-    return trace
+    return segments
+
+
+# A layout rides on one marker in one MarkerBatch; the marker's other fields
+# and the batch's framing take well under 1 KiB.
+LAYOUT_MAX_BYTES = MAX_BATCH_BYTES - 1024
+
+
+class Layout:
+    """The large-pool segments of one device at one marker (``Marker.layout_segments``)."""
+
+    __slots__ = ("segments", "nbytes")
+
+    def __init__(self, segments: List[Tuple[Any, ...]]) -> None:
+        self.segments = segments
+        # Encoded size of the repeated field (1-byte tag, as for a trace's segments).
+        self.nbytes = sum(_segment_bytes(*s) for s in segments)
+
+    def fill(self, marker: Any) -> None:
+        """Adds the segments to a ``pb.Marker``."""
+        for address, small, blocks, (stream, pool_id, expandable) in self.segments:
+            seg = marker.layout_segments.add(
+                address=address,
+                small_pool=small,
+                stream=stream,
+                pool_id=pool_id,
+                expandable=expandable,
+            )
+            add_block = seg.blocks.add
+            for size, allocated in blocks:
+                add_block(size=size, allocated=allocated)
+
+
+def layout_from_segments(snapshot_segments: Any, device: int) -> Layout:
+    """The :class:`Layout` of ``torch.cuda.memory_snapshot()``'s segments on ``device``.
+    Small-pool segments (2 MiB each, requests of 1 MiB or less) are left out: the
+    agent asks only where large requests fit, and they are most of the blocks."""
+    return Layout([s for s in _segments_of(snapshot_segments, device) if not s[1]])
+
+
+class LayoutSnapshots:
+    """Step 1's segment layouts at its OPTIMIZER_BEGIN and OPTIMIZER_END, once per run,
+    for the agent's prediction when no allocator trace is sent (``_Runtime._emit``
+    asks only then): they show which cached blocks the optimizer state was carved
+    out of, which step 2's activations will need anew. ``torch.cuda.memory_snapshot()``
+    without history; a layout over :data:`LAYOUT_MAX_BYTES` is not sent (debug log),
+    and any failure turns the feature off for the run with one warning."""
+
+    def __init__(self) -> None:
+        self.begin_sent = False
+        self.done = False
+
+    def take(self, client: Any, kind: int, device: int) -> Optional[Layout]:
+        """The layout to send on step 1's marker ``kind``, or None."""
+        if self.done or kind not in (OPTIMIZER_BEGIN, OPTIMIZER_END):
+            return None
+        if kind == OPTIMIZER_BEGIN and self.begin_sent:
+            return None
+        if kind == OPTIMIZER_END and not self.begin_sent:
+            self.done = True  # one without the other tells the agent nothing
+            return None
+        try:
+            layout = layout_from_segments(_torch.memory_layout(), device)
+        except Exception as e:
+            self.done = True
+            log.warning(
+                "stepwatch: could not take the allocator's segment snapshot (%r); step 1's "
+                "layout is not sent (the agent guesses it; training goes on)",
+                e,
+            )
+            return None
+        if layout.nbytes > LAYOUT_MAX_BYTES:
+            self.done = True
+            log.debug(
+                "stepwatch: step 1's segment layout takes %d bytes, more than the %d one marker "
+                "may carry; not sent (the agent guesses the layout)",
+                layout.nbytes,
+                LAYOUT_MAX_BYTES,
+            )
+            return None
+        if kind == OPTIMIZER_BEGIN:
+            self.begin_sent = True
+        else:
+            self.done = True
+        client.counters["layout_snapshots_sent"] += 1
+        return layout
 
 
 _U64 = (1 << 64) - 1

@@ -50,13 +50,16 @@ COUNTER_NAMES = (
     "allocator_traces_refused",  # traces not sent: incomplete, too large, failed
     "model_updates_sent",  # facts learnt after the hello (zero_grad) sent to the agent
     "runs",  # new runs begun after the first (a second watch() or fit): a new stream each
+    "layout_snapshots_sent",  # step 1's segment layouts queued on its optimizer markers
 )
 
 MAX_MARKERS_PER_BATCH = 1024  # the agent's limit
 MAX_BATCH_BYTES = 60 * 1024  # the agent refuses messages over 64 KiB
 
-# (kind, step, monotonic_ns, wall_ns, micro_batch, allocator 7-tuple or None)
-MarkerTuple = Tuple[int, int, int, int, int, Optional[Tuple[int, ...]]]
+# (kind, step, monotonic_ns, wall_ns, micro_batch, allocator 7-tuple or None),
+# and on step 1's optimizer markers without a trace, a 7th item: the segment
+# layout (_alloctrace.Layout).
+MarkerTuple = Tuple[Any, ...]
 
 _monotonic_ns = time.monotonic_ns
 _time_ns = time.time_ns
@@ -276,14 +279,18 @@ class Client:
         step: int,
         micro_batch: int = 0,
         allocator: Optional[Tuple[int, ...]] = None,
+        layout: Any = None,
     ) -> None:
-        """Queue one marker. Never blocks; counts a drop when the queue is full."""
+        """Queue one marker (with step 1's segment ``layout``, an
+        ``_alloctrace.Layout``, on its optimizer markers). Never blocks; counts a
+        drop when the queue is full."""
         # _enqueue inlined: this is the training thread's per-marker path, and
         # the extra call costs about a quarter of it.
         q = self._q
         if len(q) >= self.maxlen:
             self._dropping_oldest()
-        q.append((kind, step, _monotonic_ns(), _time_ns(), micro_batch, allocator))
+        t = (kind, step, _monotonic_ns(), _time_ns(), micro_batch, allocator)
+        q.append(t if layout is None else t + (layout,))
         if self._thread is None:
             self._start()
         self.counters["enqueued"] += 1
@@ -625,10 +632,14 @@ class Client:
                     yield from self._trace_messages(pb, trace)
                 self._in_flight = 0
                 continue
-            if q:
+            if q or stream.held is not None:
                 items: List[MarkerTuple] = []
                 size = 0
-                while q and len(items) < MAX_MARKERS_PER_BATCH:
+                if stream.held is not None:
+                    items.append(stream.held)
+                    size = _tuple_bytes(stream.held)
+                    stream.held = None
+                while q and len(items) < MAX_MARKERS_PER_BATCH and size < MAX_BATCH_BYTES:
                     try:
                         t = q.popleft()
                     except IndexError:
@@ -638,14 +649,17 @@ class Client:
                         # handled after this batch, on its own.
                         stream.trace = t
                         break
-                    items.append(t)
-                    size += 40 if t[5] is None else 120  # generous upper bounds
-                    if size >= MAX_BATCH_BYTES:
+                    t_bytes = _tuple_bytes(t)
+                    if items and size + t_bytes > MAX_BATCH_BYTES:
+                        stream.held = t  # a marker with a layout: the next batch's first
                         break
+                    items.append(t)
+                    size += t_bytes
                 n = len(items)
                 if n == 0:
                     continue
-                self._in_flight = n + (stream.trace is not None)
+                after = (stream.trace is not None) + (stream.held is not None)
+                self._in_flight = n + after
                 msg = pb.ClientMessage(
                     markers=pb.MarkerBatch(markers=[_to_pb(pb, t) for t in items])
                 )
@@ -654,7 +668,7 @@ class Client:
                 self.counters["batches"] += 1
                 yield msg
                 # grpc asks for the next message once this one went out.
-                self._in_flight = 1 if stream.trace is not None else 0
+                self._in_flight = after
                 continue
             if self._closed.is_set():
                 return  # half-close: the agent sees the end of our stream
@@ -721,7 +735,7 @@ class NewRun:
 
 
 class _StreamState:
-    __slots__ = ("closed", "hello_sent", "batches", "trace", "new_run")
+    __slots__ = ("closed", "hello_sent", "batches", "trace", "new_run", "held")
 
     def __init__(self) -> None:
         self.new_run = False  # ended by us for a new run
@@ -730,11 +744,21 @@ class _StreamState:
         self.batches = 0
         # An allocator trace taken off the queue, to write after the current batch.
         self.trace: Any = None
+        # A marker taken off the queue that did not fit the batch (a layout's).
+        self.held: Any = None
+
+
+def _tuple_bytes(t: MarkerTuple) -> int:
+    """An upper bound on a queued marker's encoded bytes."""
+    n = 40 if t[5] is None else 120
+    return n if len(t) == 6 else n + t[6].nbytes
 
 
 def _to_pb(pb: Any, t: MarkerTuple) -> Any:
-    kind, step, mono, wall, micro, alloc = t
+    kind, step, mono, wall, micro, alloc = t[:6]
     m = pb.Marker(kind=kind, step=step, monotonic_ns=mono, wall_ns=wall, micro_batch=micro)
+    if len(t) > 6:
+        t[6].fill(m)
     if alloc is not None:
         a = m.allocator
         (

@@ -12,7 +12,7 @@ import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from . import _torch
-from ._alloctrace import Recorder
+from ._alloctrace import LayoutSnapshots, Recorder
 from ._client import (
     COUNTER_NAMES,
     OPTIMIZER_BEGIN,
@@ -37,6 +37,7 @@ PHASES = ("forward", "backward", "optimizer")
 # Markers of step 1 that come after its last backward: the first of them sends
 # what DDP's bucket watch learnt.
 STEP1_BACKWARD_DONE = (OPTIMIZER_BEGIN, OPTIMIZER_END, STEP_END)
+OPTIMIZER_MARKERS = (OPTIMIZER_BEGIN, OPTIMIZER_END)
 
 
 class _Runtime:
@@ -60,6 +61,8 @@ class _Runtime:
         # Step 1's allocator trace: None = STEPWATCH_ALLOCATOR_TRACE (default on).
         self.allocator_trace: Optional[bool] = None
         self.recorder = Recorder()
+        # Step 1's segment layouts at its optimizer markers, when no trace is recorded.
+        self.layouts = LayoutSnapshots()
         # CUDA device whose allocator figures go with each marker; None = none.
         self.cuda_device: Optional[int] = None
         self.cuda_checked = False
@@ -210,6 +213,7 @@ class _Runtime:
         self.tracker = StepTracker(self._emit)
         self.recorder.abandon()
         self.recorder = Recorder()
+        self.layouts = LayoutSnapshots()
         c = self.client
         if c is not None:
             c.new_run(self.run_id)
@@ -270,6 +274,10 @@ class _Runtime:
             return self.allocator_trace
         return _env_flag("STEPWATCH_ALLOCATOR_TRACE", True)
 
+    def layout_snapshots_enabled(self) -> bool:
+        """$STEPWATCH_LAYOUT_SNAPSHOTS (default on); needs the allocator figures."""
+        return self.allocator_stats and _env_flag("STEPWATCH_LAYOUT_SNAPSHOTS", True)
+
     def _emit(self, kind: int, step: int, micro: int) -> None:
         if self.ddp_watch is not None and (step > 1 or kind in STEP1_BACKWARD_DONE):
             # Past step 1 (no optimizer marker came) DDP has rebuilt by now.
@@ -290,13 +298,23 @@ class _Runtime:
         recording = not rec.done and rec.on_marker(c, kind, step, dev, self.allocator_trace_enabled)
         alloc = None
         finish = False
+        layout = None
         if dev is not None:
             stats = _torch.allocator_stats(dev)  # one read: figures and step 1's counters
             if stats is not None:
                 alloc = _torch.allocator_figures(stats)
             if recording:
                 finish = rec.note(c, kind, stats)
-        c.mark(kind, step, micro, alloc)
+            elif (
+                step == 1
+                and kind in OPTIMIZER_MARKERS
+                and not self.layouts.done
+                and self.layout_snapshots_enabled()
+            ):
+                # No trace: the layout the agent would read from it, at the two
+                # moments that show where the optimizer state went.
+                layout = self.layouts.take(c, kind, dev)
+        c.mark(kind, step, micro, alloc, layout)
         if finish:
             rec.finish(c)
 
@@ -687,6 +705,7 @@ def reset() -> None:
         RT.allocator_trace = None
         RT.recorder.abandon()
         RT.recorder = Recorder()
+        RT.layouts = LayoutSnapshots()
         RT.run_id = _new_run_id()
         RT.cuda_device = None
         RT.cuda_checked = False

@@ -237,6 +237,19 @@ def memory_snapshot() -> Any:
     return torch.cuda.memory._snapshot()
 
 
+def memory_layout() -> Any:
+    """The caching allocator's segments (``torch.cuda.memory_snapshot()``): no history is
+    needed, nor recorded, nor (torch 2.10+, ``include_traces=False``) copied when the
+    script records it."""
+    import torch
+
+    fn = torch.cuda.memory.memory_snapshot
+    try:
+        return fn(include_traces=False)
+    except TypeError:  # an older torch: no such argument
+        return fn()
+
+
 def allocator_event_counters(s: Dict[str, Any]) -> Tuple[int, int]:
     """(blocks handed out, blocks returned to the cache) since the process began.
 

@@ -36,6 +36,8 @@ class FakeCuda:
         self.trace: collections.deque = collections.deque()
         self.history_calls: List[Dict[str, Any]] = []
         self.snapshots = 0
+        # include_traces of each torch.cuda.memory_snapshot() call (step 1's layouts).
+        self.layout_snapshots: List[bool] = []
         self.time_us = 1_700_000_000_000_000
         self.c = collections.Counter()  # allocated/freed counters and byte figures
         self.reserved_peak = 0
@@ -267,6 +269,14 @@ class FakeCuda:
             "external_annotations": [],
         }
 
+    def memory_snapshot(self, mempool_id: Any = None, include_traces: bool = True) -> Any:
+        """torch.cuda.memory_snapshot(): the segments only, counted apart from
+        :meth:`snapshot` (which the allocator trace takes)."""
+        self.layout_snapshots.append(include_traces)
+        segments = self.snapshot()["segments"]
+        self.snapshots -= 1
+        return segments
+
     def install(self, monkeypatch: Any, torch: Any) -> FakeCuda:
         """Make a CPU torch look like CUDA to stepwatch (device 0, this allocator)."""
         import stepwatch._torch as st
@@ -278,6 +288,7 @@ class FakeCuda:
         monkeypatch.setattr(torch._C, "_cuda_memoryStats", self.memory_stats_nested, raising=False)
         monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self.record_memory_history)
         monkeypatch.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
+        monkeypatch.setattr(torch.cuda.memory, "memory_snapshot", self.memory_snapshot)
         monkeypatch.setattr(
             torch._C, "_cuda_isHistoryEnabled", self.is_history_enabled, raising=False
         )

@@ -899,3 +899,151 @@ def test_trace_written_whole_when_the_stream_stays(agent):
     assert len(s.traces) > 1 and s.traces[-1].last
     assert decode(s.traces)[1] == list(trace.events())
     assert c.stats()["allocator_traces_sent"] == 1
+
+
+# ------------------------------------------- step 1's layouts, without a trace
+def capture_layouts(fake):
+    """Wraps the fake's memory_snapshot(): the large-pool segments each call saw,
+    as (address, [(size, allocated)]), in call order."""
+    seen = []
+    inner = fake.memory_snapshot
+
+    def wrapped(*a, **k):
+        segments = inner(*a, **k)
+        seen.append(
+            [
+                (s["address"], [(b["size"], b["state"] != "inactive") for b in s["blocks"]])
+                for s in segments
+                if s["segment_type"] == "large"
+            ]
+        )
+        return segments
+
+    fake.memory_snapshot = wrapped
+    return seen
+
+
+def layouts_sent(ms):
+    """(kind, step, [(address, [(size, allocated)])]) of each marker with a layout."""
+    return [
+        (
+            KIND_NAME[m.kind],
+            m.step,
+            [(s.address, [(b.size, b.allocated) for b in s.blocks]) for s in m.layout_segments],
+        )
+        for m in ms
+        if len(m.layout_segments)
+    ]
+
+
+KIND_NAME = {OPTIMIZER_BEGIN: "OPTIMIZER_BEGIN", OPTIMIZER_END: "OPTIMIZER_END"}
+
+
+@needs_torch
+def test_layouts_ride_on_step1_optimizer_markers_without_a_trace(agent, monkeypatch):
+    monkeypatch.setenv("STEPWATCH_ALLOCATOR_TRACE", "0")
+    fake = FakeCuda().install(monkeypatch, torch)
+    seen = capture_layouts(fake)
+    monkeypatch.setattr(torch.cuda.memory, "memory_snapshot", fake.memory_snapshot)
+    run(monkeypatch, steps=3, fake=fake)
+    ms = agent.wait_markers(18)
+    assert stepwatch.flush(5)
+    assert fake.history_calls == [] and fake.snapshots == 0  # no history, no trace
+    assert fake.layout_snapshots == [False, False]  # without traces, twice
+    sent = layouts_sent(ms)
+    assert [(k, s) for k, s, _ in sent] == [("OPTIMIZER_BEGIN", 1), ("OPTIMIZER_END", 1)]
+    # Exactly the allocator's large-pool segments at each moment: at the begin
+    # the activations backward freed sit free; by the end the state is made.
+    assert [layout for _, _, layout in sent] == seen
+    assert all(len(layout) > 0 for layout in seen)
+    begin, end = seen
+    assert any(not allocated for _, blocks in begin for _, allocated in blocks)
+    assert sum(sz for _, b in end for sz, a in b if a) > sum(
+        sz for _, b in begin for sz, a in b if a
+    )
+    st = stepwatch.stats()
+    assert st["layout_snapshots_sent"] == 2 and st["allocator_traces_sent"] == 0
+    assert st["rejections"] == 0 and st["hook_errors"] == 0
+
+
+@needs_torch
+def test_no_layouts_while_the_trace_is_recorded(agent, monkeypatch):
+    fake = run(monkeypatch, steps=2)
+    ms = agent.wait_markers(12)
+    assert stepwatch.flush(5)
+    assert stepwatch.stats()["allocator_traces_sent"] == 1
+    assert fake.layout_snapshots == [] and layouts_sent(ms) == []
+
+
+@needs_torch
+@pytest.mark.parametrize("how", ["env", "allocator_stats"])
+def test_layouts_opt_out(agent, monkeypatch, how):
+    monkeypatch.setenv("STEPWATCH_ALLOCATOR_TRACE", "0")
+    opts = {}
+    if how == "env":
+        monkeypatch.setenv("STEPWATCH_LAYOUT_SNAPSHOTS", "0")
+    else:
+        opts["allocator_stats"] = False
+    fake = run(monkeypatch, steps=2, **opts)
+    ms = agent.wait_markers(12)
+    assert stepwatch.flush(5)
+    assert fake.layout_snapshots == [] and layouts_sent(ms) == []
+
+
+@needs_torch
+def test_a_layout_over_the_message_budget_is_not_sent(agent, monkeypatch, caplog):
+    monkeypatch.setenv("STEPWATCH_ALLOCATOR_TRACE", "0")
+    monkeypatch.setattr(at, "LAYOUT_MAX_BYTES", 8)
+    caplog.set_level(logging.DEBUG, logger="stepwatch")
+    fake = run(monkeypatch, steps=2)
+    ms = agent.wait_markers(12)
+    assert stepwatch.flush(5)
+    assert fake.layout_snapshots == [False]  # tried once, then off for the run
+    assert layouts_sent(ms) == []
+    assert any("more than the 8" in r.getMessage() for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@needs_torch
+def test_a_layout_failure_turns_it_off_with_one_warning(agent, monkeypatch, caplog):
+    monkeypatch.setenv("STEPWATCH_ALLOCATOR_TRACE", "0")
+    fake = FakeCuda().install(monkeypatch, torch)
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("layout exploded")
+
+    monkeypatch.setattr(torch.cuda.memory, "memory_snapshot", broken)
+    caplog.set_level(logging.WARNING, logger="stepwatch")
+    run(monkeypatch, steps=3, fake=fake)
+    ms = agent.wait_markers(18)
+    assert summary(ms)[-1] == ("STEP_END", 3, 0)  # training went on
+    assert len(calls) == 1 and layouts_sent(ms) == []
+    warnings = [r for r in caplog.records if "segment snapshot" in r.getMessage()]
+    assert len(warnings) == 1 and "layout exploded" in warnings[0].getMessage()
+    assert stepwatch.stats()["hook_errors"] == 0
+
+
+def test_a_marker_with_a_layout_gets_a_batch_of_its_own_when_it_would_overflow():
+    """Markers queued before a large layout go in one batch, the layout's marker in
+    the next: no message over the agent's limit."""
+    big = at.Layout([(1 << 40, False, [(2 << 20, False)] * 6000, (0, 0, False))])
+    assert 40_000 < big.nbytes <= at.LAYOUT_MAX_BYTES
+    c = Client("unix:///nonexistent", hello_factory=lambda: pb.Hello())
+    for i in range(1000):
+        c.mark(STEP_BEGIN, i + 1)
+    c.mark(OPTIMIZER_BEGIN, 1, 0, None, big)
+    c.mark(STEP_END, 1)
+    stream = _StreamState()
+    msgs = []
+    it = c._requests(stream)
+    next(it)  # the hello
+    while len(msgs) < 2:
+        msgs.append(next(it))
+    assert all(m.ByteSize() <= LIMIT for m in msgs)
+    first, second = (list(m.markers.markers) for m in msgs)
+    assert len(first) == 1000 and not any(len(m.layout_segments) for m in first)
+    assert len(second[0].layout_segments) == 1 and len(second[0].layout_segments[0].blocks) == 6000
+    assert [m.kind for m in second] == [OPTIMIZER_BEGIN, STEP_END]
+    c.close()

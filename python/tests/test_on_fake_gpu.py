@@ -113,6 +113,19 @@ def test_without_the_trace_the_markers_still_carry_allocator_figures(agent, monk
     markers = agent.wait_markers(12)
     assert all(m.allocator.reserved_bytes > 0 for m in markers)
     assert agent.streams[0].traces == []
+    # Instead, real torch.cuda.memory_snapshot() layouts on step 1's optimizer
+    # markers only: large-pool segments, within what the allocator reserved.
+    with_layout = [m for m in markers if len(m.layout_segments)]
+    assert [(KIND[m.kind], m.step) for m in with_layout] == [
+        ("OPTIMIZER_BEGIN", 1),
+        ("OPTIMIZER_END", 1),
+    ]
+    for m in with_layout:
+        assert not any(s.small_pool for s in m.layout_segments)
+        large = sum(b.size for s in m.layout_segments for b in s.blocks)
+        assert 0 < large <= m.allocator.reserved_bytes
+        live = sum(b.size for s in m.layout_segments for b in s.blocks if b.allocated)
+        assert live <= m.allocator.allocated_bytes
 
 
 def test_an_out_of_memory_in_step_2_is_reported_as_an_oom_marker(agent, tmp_path):

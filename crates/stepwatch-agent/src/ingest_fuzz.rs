@@ -152,6 +152,7 @@ fn markers() -> impl Strategy<Value = pb::ClientMessage> {
                     wall_ns: t,
                     allocator,
                     micro_batch,
+                    layout_segments: Vec::new(),
                 }
             })
             .collect();

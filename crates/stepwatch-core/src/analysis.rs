@@ -31,9 +31,10 @@ use serde::Serialize;
 
 use crate::divergence::{PeakSource, DEFAULT_OUTLIER_THRESHOLD};
 use crate::identity::ModelFacts;
+use crate::layout::LayoutEstimate;
 use crate::marker::PhaseKind;
 use crate::predict::{
-    jump_across, predict_with, LiveStep, PredictConfig, Prediction, PredictionBasis,
+    jump_across, predict_with_layout, LiveStep, PredictConfig, Prediction, PredictionBasis,
 };
 use crate::profile::{phase_allocator_peaks, SteadyProfile, StepProfile};
 use crate::replay::{Gradients, Step2Replay};
@@ -155,6 +156,9 @@ pub struct StepOneExtras<'a> {
     pub live: Option<&'a LiveStep>,
     /// Step 2 replayed from the allocator trace the client sent.
     pub replay: Option<&'a Step2Replay>,
+    /// What step 1's segment snapshots at its optimizer begin and end showed
+    /// (clients without a trace send them).
+    pub layout: Option<&'a LayoutEstimate>,
     /// What becomes of step 1's gradients between steps ([`Gradients::of`]).
     pub gradients: Gradients,
 }
@@ -173,6 +177,7 @@ pub fn analyze_rank<'a>(
     let StepOneExtras {
         live,
         replay,
+        layout,
         gradients,
     } = extras;
     let first = timeline.steps().next();
@@ -227,13 +232,14 @@ pub fn analyze_rank<'a>(
         .filter(|s| s.outcome == StepOutcome::Running)
         .and(live);
     let prediction = first.and_then(|s| {
-        predict_with(
+        predict_with_layout(
             s,
             facts,
             capacity_bytes,
             other_process_bytes,
             live,
             replay,
+            layout,
             gradients,
             &config.predict,
         )

@@ -430,6 +430,7 @@ mod tests {
                 reserved_peak_bytes: peak * MB,
                 ..Default::default()
             }),
+            layout_segments: Vec::new(),
         };
         let fb = 10_000 + act;
         let mut t = crate::timeline::RankTimeline::new(10);

@@ -16,6 +16,7 @@ pub mod error;
 pub mod feed;
 pub mod fit;
 pub mod identity;
+pub mod layout;
 pub mod marker;
 pub mod predict;
 pub mod profile;
@@ -40,10 +41,12 @@ pub use identity::{
     DdpBucketRebuild, ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo,
     RankKey,
 };
+pub use layout::{step2_new_segments, LayoutEstimate, MAX_LAYOUT_BLOCKS};
 pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
 pub use predict::{
-    predict, predict_with, BasisLimit, BindingTerm, GradsSource, LiveStep, PredictConfig,
-    Prediction, PredictionBasis, PredictionInputs, StateSource, WarningRevision,
+    predict, predict_with, predict_with_layout, BasisLimit, BindingTerm, GradsSource,
+    LayoutSetAside, LiveStep, PredictConfig, Prediction, PredictionBasis, PredictionInputs,
+    StateSource, WarningRevision,
 };
 pub use profile::{
     median_f64, median_u64, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds,

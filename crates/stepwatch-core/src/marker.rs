@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::allocator::SegmentLayout;
+
 /// The event a marker records. The order of the variants is the order in
 /// which they occur within one step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -152,7 +154,7 @@ impl AllocatorStats {
 }
 
 /// One phase event of one rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Marker {
     /// Which event this is; decides the phase it opens or closes.
     pub kind: MarkerKind,
@@ -167,6 +169,12 @@ pub struct Marker {
     /// Allocator figures at this moment; None without CUDA. Needed for the
     /// allocator-basis prediction.
     pub allocator: Option<AllocatorStats>,
+    /// The allocator's segments at this moment, sent by clients without an
+    /// allocator trace on step 1's optimizer begin and end only: what the
+    /// optimizer state was carved out of (see [`crate::layout`]). Empty
+    /// otherwise.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layout_segments: Vec<SegmentLayout>,
 }
 
 #[cfg(test)]

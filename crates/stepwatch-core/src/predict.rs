@@ -90,6 +90,12 @@
 //! at phase boundaries do not show, so it is taken as a configurable
 //! fraction ([`PredictConfig::layout_allowance_fraction`]).
 //!
+//! With step 1's segment snapshots at its optimizer begin and end (clients
+//! that send no allocator trace send them on those two markers), the layout
+//! is no longer guessed: `allowance` is the bytes [`crate::layout`] finds
+//! step 2 must reserve anew for the cached blocks the state split
+//! ([`PredictionInputs::layout_snapshots`]), and the fraction is not used.
+//!
 //! `overhead` is NVML's view minus the allocator's (CUDA context, NCCL and
 //! cuBLAS workspaces) *and other processes on the GPU*, because NVML samples
 //! are device-wide. Without any NVML sample it is unknown; then
@@ -129,6 +135,7 @@ use crate::advisory::gb;
 use crate::divergence::activation_peak_bytes;
 use crate::fit::{what_would_fit, FitInputs, WhatWouldFit};
 use crate::identity::{ModelFacts, OptimizerImplementation, OptimizerKind, Precision};
+use crate::layout::LayoutEstimate;
 use crate::marker::{AllocatorStats, PhaseKind};
 use crate::profile::{max_opt, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds};
 use crate::replay::{Gradients, Step2Replay};
@@ -257,7 +264,8 @@ pub enum BasisLimit {
     /// that holds it; when that is a block an activation used in step 1 (the
     /// logits, say), step 2 reserves a new segment of that block's size
     /// (seen in the traces of `tests/fixtures/torch-fake-cuda`). The layout
-    /// allowance is a guess at that.
+    /// allowance is a guess at that. Not set when step 1's segment
+    /// snapshots arrived ([`PredictionInputs::layout_snapshots`]).
     AllocatorFiguresCannotSeeLayout,
 }
 
@@ -277,6 +285,23 @@ impl BasisLimit {
             BasisLimit::AllocatorFiguresCannotSeeLayout => "allocator_figures_cannot_see_layout",
         }
     }
+}
+
+/// Why step 1's segment snapshots were not used: cases where step 2 reuses
+/// cache in a way the two layouts cannot show, found on real PyTorch traces
+/// (`tests/replay_torch.rs`), in which the snapshots' rule over-predicts
+/// step 2's new segments (+18% and +24% reserved) while the guessed
+/// allowance was within a few percent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LayoutSetAside {
+    /// Gradient accumulation: step 1's micro-batches took turns with the
+    /// cache, so not every block free at the optimizer's begin is wanted at
+    /// once in step 2.
+    GradientAccumulation,
+    /// DDP rebuilds its buckets at step 2's first forward: the old bucket's
+    /// block, freed then, serves step 2's activations.
+    DdpBucketRebuild,
 }
 
 /// What became of a step-2 OOM warning the rank was already given, when a
@@ -401,8 +426,26 @@ pub struct PredictionInputs {
     pub state_from_cache_bytes: u64,
     /// [`PredictConfig::layout_allowance_fraction`] as used.
     pub layout_allowance_fraction: f64,
-    /// layout_allowance_fraction × state_from_cache, added to reserved.
+    /// Added for the cached blocks the state split: from step 1's segment
+    /// snapshots when they arrived (`layout_snapshots`; added to
+    /// `reserved_at_optimizer_end_bytes`), else layout_allowance_fraction ×
+    /// state_from_cache (added to the ratio figure).
     pub layout_allowance_bytes: u64,
+    /// What step 1's segment snapshots at its optimizer begin and end showed
+    /// (see [`crate::layout`]); set when both arrived and the prediction
+    /// used them (allocator basis, no replay). None: the layout allowance,
+    /// if any, is the guessed fraction.
+    #[serde(default)]
+    pub layout_snapshots: Option<LayoutEstimate>,
+    /// With `layout_snapshots`: reserved bytes when step 1's optimizer phase
+    /// ended, to which the layout allowance is added (reserved memory does
+    /// not shrink between steps); the ratio figure is then only a floor.
+    #[serde(default)]
+    pub reserved_at_optimizer_end_bytes: Option<u64>,
+    /// Why step 1's segment snapshots arrived but were not used (the
+    /// layout allowance is then the guessed fraction); None otherwise.
+    #[serde(default)]
+    pub layout_snapshots_set_aside: Option<LayoutSetAside>,
     /// Predicted reserved (caching pool) bytes at the peak; allocator basis only.
     pub predicted_reserved_bytes: Option<u64>,
     /// The replay of step 2 from step 1's allocator trace, when the client
@@ -567,6 +610,34 @@ pub fn predict_with(
     gradients: Gradients,
     config: &PredictConfig,
 ) -> Option<Prediction> {
+    predict_with_layout(
+        step1,
+        facts,
+        capacity_bytes,
+        other_process_bytes,
+        live,
+        replay,
+        None,
+        gradients,
+        config,
+    )
+}
+
+/// [`predict_with`], with what step 1's segment snapshots around its
+/// optimizer phase showed (`layout`, [`crate::layout`]): on the allocator
+/// basis without a replay it replaces the guessed layout allowance.
+#[allow(clippy::too_many_arguments)]
+pub fn predict_with_layout(
+    step1: &StepRecord,
+    facts: &ModelFacts,
+    capacity_bytes: u64,
+    other_process_bytes: u64,
+    live: Option<&LiveStep>,
+    replay: Option<&Step2Replay>,
+    layout: Option<&LayoutEstimate>,
+    gradients: Gradients,
+    config: &PredictConfig,
+) -> Option<Prediction> {
     let step = with_live(step1, live);
     let view = Step1View::of(&step.phases)?;
     let basis = view.basis;
@@ -591,6 +662,20 @@ pub fn predict_with(
     // A replay needs allocator figures to sit on (the overhead is NVML minus
     // reserved at phase starts).
     let replay = replay.filter(|_| basis == PredictionBasis::Allocator);
+    // The snapshots stand in for the trace's layout, and show the optimizer
+    // phase as it ran: only once it closed, and only without a replay.
+    let layout_usable =
+        basis == PredictionBasis::Allocator && replay.is_none() && optimizer_phase_closed;
+    let layout_set_aside = layout.filter(|_| layout_usable).and_then(|_| {
+        if facts.ddp_bucket_rebuild.is_some() {
+            Some(LayoutSetAside::DdpBucketRebuild)
+        } else if peaks.later.is_some() {
+            Some(LayoutSetAside::GradientAccumulation)
+        } else {
+            None
+        }
+    });
+    let layout = layout.filter(|_| layout_usable && layout_set_aside.is_none());
     let device = device_figures(DeviceInputs {
         step1,
         step: &step,
@@ -601,6 +686,7 @@ pub fn predict_with(
         state: &state,
         optimizer: &optimizer,
         replay,
+        layout,
         other_process_bytes,
         config,
     });
@@ -614,7 +700,7 @@ pub fn predict_with(
     let low_headroom =
         headroom.is_some_and(|h| (h as f64) < config.low_headroom_fraction * capacity_bytes as f64);
 
-    let layout_guessed = basis == PredictionBasis::Allocator && replay.is_none();
+    let layout_added = basis == PredictionBasis::Allocator && replay.is_none();
     let inputs = PredictionInputs {
         basis: if replay.is_some() {
             PredictionBasis::AllocatorReplay
@@ -651,11 +737,14 @@ pub fn predict_with(
         cache_at_optimizer_begin_bytes: device.cache_at_optimizer_begin,
         state_from_cache_bytes: device.state_from_cache,
         layout_allowance_fraction: config.layout_allowance_fraction,
-        layout_allowance_bytes: if layout_guessed {
+        layout_allowance_bytes: if layout_added {
             device.layout_allowance
         } else {
             0
         },
+        layout_snapshots: layout.copied(),
+        layout_snapshots_set_aside: layout_set_aside,
+        reserved_at_optimizer_end_bytes: device.reserved_at_optimizer_end,
         predicted_reserved_bytes: device.predicted_reserved,
         allocator_replay: replay.copied(),
         overhead_bytes: device.overhead,
@@ -667,7 +756,7 @@ pub fn predict_with(
         basis_limits: basis_limits(
             basis,
             state.source,
-            replay.is_none() && device.state_from_cache > 0,
+            replay.is_none() && layout.is_none() && device.state_from_cache > 0,
         ),
         gradients,
         forward_grad_bytes: forward_grads,
@@ -821,6 +910,13 @@ impl<'a> Step1View<'a> {
         self.optimizer_indices()
             .next()
             .and_then(|i| self.phases[i].allocator_at_start)
+    }
+
+    /// Allocator figures when step 1's (last) optimizer phase ended.
+    fn allocator_at_optimizer_end(&self) -> Option<AllocatorStats> {
+        self.optimizer_indices()
+            .last()
+            .and_then(|i| self.phases[i].allocator_at_end)
     }
 }
 
@@ -1150,6 +1246,8 @@ struct DeviceInputs<'a> {
     optimizer: &'a OptimizerEstimate,
     /// Allocator basis only.
     replay: Option<&'a Step2Replay>,
+    /// Allocator basis without a replay, step 1's optimizer phase closed.
+    layout: Option<&'a LayoutEstimate>,
     other_process_bytes: u64,
     config: &'a PredictConfig,
 }
@@ -1165,6 +1263,7 @@ struct DeviceFigures {
     cache_at_optimizer_begin: Option<u64>,
     state_from_cache: u64,
     layout_allowance: u64,
+    reserved_at_optimizer_end: Option<u64>,
 }
 
 /// The basis peak in device bytes (see the module documentation, "Allocator
@@ -1198,10 +1297,10 @@ fn device_figures(d: DeviceInputs<'_>) -> DeviceFigures {
             0
         };
     let allowance = (state_from_cache as f64 * d.config.layout_allowance_fraction.max(0.0)).round();
-    let layout_allowance = if allowance.is_finite() {
-        allowance.min(u64::MAX as f64) as u64
-    } else {
-        0
+    let layout_allowance = match d.layout {
+        Some(l) => l.new_segment_bytes,
+        None if allowance.is_finite() => allowance.min(u64::MAX as f64) as u64,
+        None => 0,
     };
     let mut figures = DeviceFigures {
         device_bytes: d.basis_peak,
@@ -1213,6 +1312,7 @@ fn device_figures(d: DeviceInputs<'_>) -> DeviceFigures {
         cache_at_optimizer_begin,
         state_from_cache,
         layout_allowance,
+        reserved_at_optimizer_end: None,
     };
     if basis == PredictionBasis::NvmlOnly {
         return figures;
@@ -1237,11 +1337,25 @@ fn device_figures(d: DeviceInputs<'_>) -> DeviceFigures {
         }
         _ => 0,
     };
-    let reserved = match d.replay {
-        Some(r) => r.expected_reserved_peak_bytes(),
-        None => (((d.basis_peak - fresh) as f64 * ratio).ceil() as u64)
-            .saturating_add(fresh)
-            .saturating_add(layout_allowance),
+    let by_ratio = (((d.basis_peak - fresh) as f64 * ratio).ceil() as u64).saturating_add(fresh);
+    // With the snapshots, step 2's reserved peak is what step 1's optimizer
+    // left reserved plus the segments step 2 must add: reserved memory does
+    // not shrink between steps. The ratio figure stays a floor (it holds
+    // what the snapshots' requests leave out, e.g. gradients alive beside
+    // step 2's forward).
+    let by_layout = d.layout.map(|l| {
+        view.allocator_at_optimizer_end()
+            .map_or(0, |a| a.reserved_bytes)
+            .saturating_add(l.new_segment_bytes)
+    });
+    figures.reserved_at_optimizer_end = d
+        .layout
+        .and(view.allocator_at_optimizer_end())
+        .map(|a| a.reserved_bytes);
+    let reserved = match (d.replay, by_layout) {
+        (Some(r), _) => r.expected_reserved_peak_bytes(),
+        (None, Some(l)) => l.max(by_ratio),
+        (None, None) => by_ratio.saturating_add(layout_allowance),
     }
     .max(reserved_peak.unwrap_or(0));
     let overhead = overhead_estimate(d.step);
@@ -1280,7 +1394,8 @@ fn optimizer_temporaries(facts: &ModelFacts, facts_state: Option<u64>) -> u64 {
 }
 
 /// What the prediction's basis cannot see (see [`BasisLimit`]);
-/// `layout_guessed`: the layout allowance was added.
+/// `layout_guessed`: the layout allowance was added as a guessed fraction
+/// (no trace, no snapshots).
 fn basis_limits(
     basis: PredictionBasis,
     state_source: StateSource,
@@ -1540,18 +1655,55 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
                 }
                 let _ = write!(s, "; at least the step-1 reserved peak: {}", g(res));
             }
-            None => {
-                let _ = write!(
-                    s,
-                    "; reserved = max(× {ratio:.4} (step 1's reserved / allocated) + layout \
-                     allowance {} ({:.1}% of the state made from cached blocks, {}), step-1 \
-                     reserved peak) = {}",
-                    g(i.layout_allowance_bytes),
-                    100.0 * i.layout_allowance_fraction,
-                    g(i.state_from_cache_bytes),
-                    g(res)
-                );
-            }
+            None => match &i.layout_snapshots {
+                Some(l) => {
+                    let _ = write!(
+                        s,
+                        "; reserved = max({} reserved when step 1's optimizer ended + {} of \
+                         new segments for the cached blocks the optimizer state split ({} of \
+                         the {} step 2 asks for again find no free block large enough, from \
+                         the allocator's segment snapshots at step 1's optimizer begin and \
+                         end), × {ratio:.4} (step 1's reserved / allocated), step-1 reserved \
+                         peak) = {}",
+                        g(i.reserved_at_optimizer_end_bytes.unwrap_or(0)),
+                        g(i.layout_allowance_bytes),
+                        match l.blocks_needing_new_segments {
+                            1 => "1 block".to_string(),
+                            n => format!("{n} blocks"),
+                        },
+                        g(l.cached_at_begin_bytes),
+                        g(res)
+                    );
+                }
+                None => {
+                    let _ = write!(
+                        s,
+                        "; reserved = max(× {ratio:.4} (step 1's reserved / allocated) + layout \
+                         allowance {} ({:.1}% of the state made from cached blocks, {}), step-1 \
+                         reserved peak) = {}",
+                        g(i.layout_allowance_bytes),
+                        100.0 * i.layout_allowance_fraction,
+                        g(i.state_from_cache_bytes),
+                        g(res)
+                    );
+                    if let Some(why) = i.layout_snapshots_set_aside {
+                        let _ = write!(
+                            s,
+                            " (the allocator's segment snapshots were set aside: {})",
+                            match why {
+                                LayoutSetAside::GradientAccumulation => {
+                                    "with gradient accumulation step 2's micro-batches take \
+                                     turns with the cache"
+                                }
+                                LayoutSetAside::DdpBucketRebuild => {
+                                    "DDP's bucket rebuild in step 2 frees a block they cannot \
+                                     show"
+                                }
+                            }
+                        );
+                    }
+                }
+            },
         }
         match i.overhead_bytes {
             Some(oh) => {

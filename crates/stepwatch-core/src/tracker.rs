@@ -12,11 +12,13 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::advisory::{self, Advisory, AdvisoryKind};
+use crate::allocator::SegmentLayout;
 use crate::analysis::StepOneExtras;
 use crate::analysis::{analyze_rank, steady_profile, AnalysisConfig, RankAnalysis};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{ModelFacts, RankInfo, RankKey};
+use crate::layout::{step2_new_segments, LayoutEstimate, MAX_LAYOUT_BLOCKS};
 use crate::marker::{Marker, MarkerKind};
 use crate::predict::{LiveStep, Prediction};
 use crate::replay::{Gradients, Step2Replay};
@@ -131,6 +133,14 @@ pub struct RankState {
     /// Step 2 replayed from the allocator trace the client sent during step 1.
     #[serde(default)]
     pub allocator_replay: Option<Step2Replay>,
+    /// Step 1's segment layout at its optimizer begin (clients without a
+    /// trace send it on that marker), kept until the one at its end arrives.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub optimizer_begin_layout: Vec<SegmentLayout>,
+    /// What step 1's layouts at its optimizer begin and end showed
+    /// ([`crate::layout`]); it replaces the guessed layout allowance.
+    #[serde(default)]
+    pub layout_estimate: Option<LayoutEstimate>,
 }
 
 impl RankState {
@@ -139,6 +149,30 @@ impl RankState {
     /// (fresh samples before a batch, the freeze, the allocator replay).
     pub fn in_first_step(&self) -> bool {
         self.prediction_before_step2.is_none() && self.timeline.steps().len() <= 1
+    }
+}
+
+/// Keeps the segment layouts of step 1's optimizer begin and end from a
+/// checked batch, and once both are in, what they show. Layouts on other
+/// markers, later steps, or over [`MAX_LAYOUT_BLOCKS`] blocks are ignored,
+/// as is a pair the allocator model cannot take (overlapping segments,
+/// empty blocks): the prediction then guesses the layout as without them.
+fn take_optimizer_layouts(state: &mut RankState, markers: &[Marker]) {
+    for m in markers {
+        let blocks: usize = m.layout_segments.iter().map(|s| s.blocks.len()).sum();
+        if m.step != 1 || m.layout_segments.is_empty() || blocks > MAX_LAYOUT_BLOCKS {
+            continue;
+        }
+        match m.kind {
+            MarkerKind::OptimizerBegin if state.layout_estimate.is_none() => {
+                state.optimizer_begin_layout = m.layout_segments.clone();
+            }
+            MarkerKind::OptimizerEnd if !state.optimizer_begin_layout.is_empty() => {
+                let begin = std::mem::take(&mut state.optimizer_begin_layout);
+                state.layout_estimate = step2_new_segments(&begin, &m.layout_segments).ok();
+            }
+            _ => {}
+        }
     }
 }
 
@@ -253,6 +287,7 @@ impl Tracker {
             StepOneExtras {
                 live: live.as_ref(),
                 replay: state.allocator_replay.as_ref(),
+                layout: state.layout_estimate.as_ref(),
                 gradients: Gradients::of(&state.info),
             },
             samples,
@@ -458,6 +493,8 @@ impl Tracker {
                 advisories: Vec::new(),
                 prediction_before_step2: None,
                 allocator_replay: None,
+                optimizer_begin_layout: Vec::new(),
+                layout_estimate: None,
             },
         );
         Ok(Opened {
@@ -493,6 +530,8 @@ impl Tracker {
             advisories: r.advisories.clone(),
             prediction_before_step2: r.prediction_before_step2.clone(),
             allocator_replay: r.allocator_replay,
+            optimizer_begin_layout: r.optimizer_begin_layout.clone(),
+            layout_estimate: r.layout_estimate,
         })
     }
 
@@ -565,6 +604,9 @@ impl Tracker {
             });
         }
         state.last_activity_ns = now_ns;
+        if state.in_first_step() {
+            take_optimizer_layouts(state, markers);
+        }
         let split = if state.in_first_step() {
             let first = state
                 .timeline

@@ -31,6 +31,7 @@ fn markers(steps: u64, micro: u32, gaps: &[u64]) -> Vec<Marker> {
             wall_ns: *t,
             micro_batch: mb,
             allocator: None,
+            layout_segments: Vec::new(),
         });
     };
     for step in 1..=steps {
@@ -212,7 +213,7 @@ fn a_bad_marker_rejects_its_whole_batch_and_changes_nothing() {
     let err = tracker.markers(&key, &ms[..1], 0).unwrap_err();
     assert!(matches!(err, MarkerError::StepRegressed { .. }), "{err}");
     // Clocks never go backwards.
-    let mut early = ms[6];
+    let mut early = ms[6].clone();
     early.monotonic_ns = 1;
     assert_eq!(
         tracker.markers(&key, &[early], 0).unwrap_err().reason(),
@@ -227,8 +228,7 @@ fn lost_markers_do_not_lock_a_rank_out() {
     let ms = markers(3, 1, &[10]);
     // Step 1 loses its step end, step 2 loses its step begin.
     let kept: Vec<Marker> = ms
-        .iter()
-        .copied()
+        .into_iter()
         .filter(|m| !(m.step == 1 && m.kind == MarkerKind::StepEnd))
         .filter(|m| !(m.step == 2 && m.kind == MarkerKind::StepBegin))
         .collect();

@@ -45,6 +45,7 @@ fn marker(kind: MarkerKind, step: u64, t: u64, mb: u32, a: Alloc) -> Marker {
         wall_ns: t,
         micro_batch: mb,
         allocator: stats(a),
+        layout_segments: Vec::new(),
     }
 }
 
@@ -1302,4 +1303,214 @@ fn kept_gradients_are_no_larger_than_the_parameters() {
         (p.inputs.grad_bytes, p.inputs.grads_source),
         (400 * M, GradsSource::Measured)
     );
+}
+
+/// A large-pool segment at `address` (in M) with blocks (size in M, allocated).
+fn seg(address: u64, blocks: &[(u64, bool)]) -> allocator::SegmentLayout {
+    allocator::SegmentLayout::new(
+        address * M,
+        allocator::Pool::Large,
+        blocks
+            .iter()
+            .map(|&(size, allocated)| allocator::BlockLayout {
+                size: size * M,
+                allocated,
+            })
+            .collect(),
+    )
+}
+
+/// The base scenario's markers, its optimizer begin and end carrying segment
+/// layouts that match their figures: at the begin 1400 allocated (weights,
+/// gradients) and backward's cache, free blocks of 4000 and 2100 (7500
+/// reserved); at the end the 800 of state carved out of the block `split`.
+fn markers_with_layouts(split: u64) -> Vec<Marker> {
+    let begin = vec![
+        seg(0, &[(1400, true)]),
+        seg(10_000, &[(4000, false)]),
+        seg(20_000, &[(2100, false)]),
+    ];
+    let end = begin
+        .iter()
+        .map(|s| match s.blocks[0].size / M {
+            n if n == split => seg(s.address / M, &[(400, true), (400, true), (n - 800, false)]),
+            _ => s.clone(),
+        })
+        .collect();
+    let mut ms = base_markers(true);
+    ms[3].layout_segments = begin;
+    ms[4].layout_segments = end;
+    ms
+}
+
+#[test]
+fn segment_layouts_replace_the_guessed_layout_allowance() {
+    // Best fit puts the state in the 2100 block (the smallest that holds
+    // 400), leaving 1300. Step 2 wants back 4000 (its own block) and 2100
+    // (no free block that large): one new segment of 2100. Reserved = 7500
+    // at the optimizer's end + 2100 = 9600, above the ratio figure (8500:
+    // the device peak was 9000 at allowance 0, see
+    // `layout_allowance_covers_only_lazily_created_state_from_the_cache`);
+    // + 500 overhead. Without layouts the allowance was 800 / 16 = 50 and
+    // the device peak 9050.
+    let p = run(
+        ModelFacts::default(),
+        &markers_with_layouts(2100),
+        &BASE_SAMPLES,
+        10_000,
+    );
+    let i = &p.inputs;
+    assert_eq!(i.basis, PredictionBasis::Allocator);
+    assert_eq!(i.layout_allowance_bytes, 2100 * M);
+    let l = i.layout_snapshots.expect("both layouts arrived");
+    assert_eq!(l.new_segment_bytes, 2100 * M);
+    assert_eq!(l.cached_at_begin_bytes, 6100 * M);
+    assert_eq!(l.blocks_needing_new_segments, 1);
+    assert_eq!(l.reserved_at_end_bytes, 7500 * M);
+    assert_eq!(i.reserved_at_optimizer_end_bytes, Some(7500 * M));
+    assert_eq!(i.predicted_reserved_bytes, Some(9600 * M));
+    assert_eq!(p.predicted_peak_bytes, 10_100 * M, "{}", p.explanation);
+    assert!(
+        !i.basis_limits
+            .contains(&BasisLimit::AllocatorFiguresCannotSeeLayout),
+        "{:?}",
+        i.basis_limits
+    );
+    assert!(
+        p.explanation.contains("2.20 GB of new segments")
+            && p.explanation.contains("segment snapshots"),
+        "{}",
+        p.explanation
+    );
+
+    // Had the state split the 4000 block instead, its 3200 rest would take
+    // the 2100 request and only 4000 would be new: which block, not how
+    // much state, decides.
+    let p = run(
+        ModelFacts::default(),
+        &markers_with_layouts(4000),
+        &BASE_SAMPLES,
+        10_000,
+    );
+    assert_eq!(p.inputs.layout_allowance_bytes, 4000 * M);
+    assert_eq!(p.predicted_peak_bytes, (7500 + 4000 + 500) * M);
+
+    // The state in a segment of its own: nothing new, and the ratio figure
+    // (8500 reserved) is the floor over 7500 + 0.
+    let mut ms = markers_with_layouts(2100);
+    ms[4].layout_segments = ms[3].layout_segments.clone();
+    ms[4].layout_segments.push(seg(30_000, &[(800, true)]));
+    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
+    assert_eq!(p.inputs.layout_allowance_bytes, 0);
+    assert_eq!(p.predicted_peak_bytes, 9000 * M);
+}
+
+#[test]
+fn layouts_count_only_on_step_1s_optimizer_begin_and_end() {
+    let guessed = 9050 * M;
+    // The end without the begin: nothing to compare, the guess stands.
+    let mut ms = markers_with_layouts(2100);
+    ms[3].layout_segments.clear();
+    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
+    assert_eq!(p.inputs.layout_snapshots, None);
+    assert_eq!(p.predicted_peak_bytes, guessed);
+    assert!(p
+        .inputs
+        .basis_limits
+        .contains(&BasisLimit::AllocatorFiguresCannotSeeLayout));
+
+    // On other markers they are ignored.
+    let mut ms = markers_with_layouts(2100);
+    ms[2].layout_segments = std::mem::take(&mut ms[3].layout_segments);
+    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
+    assert_eq!(
+        (p.inputs.layout_snapshots, p.predicted_peak_bytes),
+        (None, guessed)
+    );
+
+    // A layout the model cannot take (overlapping segments): ignored.
+    let mut ms = markers_with_layouts(2100);
+    ms[4].layout_segments.push(seg(10_001, &[(10, true)]));
+    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
+    assert_eq!(
+        (p.inputs.layout_snapshots, p.predicted_peak_bytes),
+        (None, guessed)
+    );
+
+    // Before step 1's optimizer phase closes the begin alone changes nothing.
+    let ms = markers_with_layouts(2100);
+    let p = run(ModelFacts::default(), &ms[..4], &BASE_SAMPLES, 10_000);
+    assert_eq!(p.inputs.layout_snapshots, None);
+}
+
+#[test]
+fn a_replay_wins_over_layouts() {
+    // The trace shows the layout and every request: its replay sets reserved
+    // and the snapshots' figure is not added.
+    let trace = AllocatorTrace {
+        step: 1,
+        segments: vec![seg(0, &[(1400, true)])],
+        ..Default::default()
+    };
+    let replay = replay_step2(&trace, false).unwrap();
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.gpu_samples(GPU, &samples(&BASE_SAMPLES, 10_000));
+    t.markers(&key, &markers_with_layouts(2100)[..1], 0)
+        .unwrap();
+    t.allocator_replay(&key, replay, 0).unwrap();
+    t.markers(&key, &markers_with_layouts(2100)[1..], 0)
+        .unwrap();
+    let p = t.rank_analysis(&key).unwrap().prediction.unwrap();
+    assert_eq!(p.inputs.basis, PredictionBasis::AllocatorReplay);
+    assert_eq!(
+        (p.inputs.layout_snapshots, p.inputs.layout_allowance_bytes),
+        (None, 0)
+    );
+}
+
+#[test]
+fn layouts_are_set_aside_under_gradient_accumulation_and_ddps_bucket_rebuild() {
+    // The same layouts as `segment_layouts_replace_the_guessed_layout_allowance`
+    // (2100 new), on cases where step 2 reuses cache the two layouts cannot
+    // show: the guessed allowance stays, and the prediction says why.
+    let layouts = markers_with_layouts(2100);
+    let mut ms = accumulation_markers();
+    ms[5].layout_segments = layouts[3].layout_segments.clone();
+    ms[6].layout_segments = layouts[4].layout_segments.clone();
+    let with = run(ModelFacts::default(), &ms, &ACC_SAMPLES, 10_000);
+    for m in &mut ms {
+        m.layout_segments.clear();
+    }
+    let without = run(ModelFacts::default(), &ms, &ACC_SAMPLES, 10_000);
+    assert_eq!(
+        with.inputs.layout_snapshots_set_aside,
+        Some(LayoutSetAside::GradientAccumulation)
+    );
+    assert_eq!(with.inputs.layout_snapshots, None);
+    assert_eq!(with.predicted_peak_bytes, without.predicted_peak_bytes);
+    assert!(with
+        .inputs
+        .basis_limits
+        .contains(&BasisLimit::AllocatorFiguresCannotSeeLayout));
+    assert!(
+        with.explanation
+            .contains("segment snapshots were set aside"),
+        "{}",
+        with.explanation
+    );
+    assert_eq!(without.inputs.layout_snapshots_set_aside, None);
+
+    let ddp = ModelFacts {
+        ddp_bucket_rebuild: Some(DdpBucketRebuild {
+            old_bucket_bytes: vec![100 * M],
+            new_bucket_bytes: vec![60 * M, 40 * M],
+        }),
+        ..Default::default()
+    };
+    let p = run(ddp, &layouts, &BASE_SAMPLES, 10_000);
+    assert_eq!(
+        p.inputs.layout_snapshots_set_aside,
+        Some(LayoutSetAside::DdpBucketRebuild)
+    );
+    assert_eq!(p.predicted_peak_bytes, 9050 * M);
 }

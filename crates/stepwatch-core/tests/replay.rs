@@ -327,6 +327,7 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
         wall_ns: t,
         micro_batch: 0,
         allocator: Some(a),
+        layout_segments: Vec::new(),
     };
     tracker.gpu_samples(
         "GPU-a",

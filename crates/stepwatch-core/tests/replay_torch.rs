@@ -210,3 +210,120 @@ fn ddp_frees_its_one_bucket_and_makes_the_rebuilt_ones_at_step_2s_first_forward(
         198 << 20
     );
 }
+
+/// Step 1's segment layout at its optimizer begin, from a trace: the layout
+/// at its end with the optimizer phase's allocations and frees undone, last
+/// first (what a client without a trace snapshots at OPTIMIZER_BEGIN).
+fn layout_at_optimizer_begin(trace: &AllocatorTrace) -> Vec<allocator::SegmentLayout> {
+    let mut segments = trace.segments.clone();
+    for e in trace
+        .events
+        .iter()
+        .rev()
+        .filter(|e| e.phase == PhaseKind::Optimizer)
+    {
+        match e.action {
+            AllocatorAction::Alloc => mark(&mut segments, e.address, None),
+            AllocatorAction::Free => mark(
+                &mut segments,
+                e.address,
+                Some(allocator::round_size(e.size)),
+            ),
+            AllocatorAction::SegmentAlloc => segments.retain(|s| s.address != e.address),
+            _ => {}
+        }
+    }
+    segments
+}
+
+/// Marks the block at `address` free (`None`), or carves an allocated block
+/// of `size` bytes at `address` out of the free block holding it; adjacent
+/// free blocks are merged, as the allocator keeps them.
+fn mark(segments: &mut [allocator::SegmentLayout], address: u64, size: Option<u64>) {
+    let s = segments
+        .iter_mut()
+        .find(|s| s.address <= address && address < s.address + s.size())
+        .expect("the event's address is in a segment of the layout");
+    let mut blocks = Vec::new();
+    let mut start = s.address;
+    for b in &s.blocks {
+        let end = start + b.size;
+        match size {
+            None if start == address => blocks.push(allocator::BlockLayout {
+                size: b.size,
+                allocated: false,
+            }),
+            Some(n) if !b.allocated && start <= address && address < end => {
+                let n = n.min(end - address);
+                for (len, allocated) in [
+                    (address - start, false),
+                    (n, true),
+                    (end - address - n, false),
+                ] {
+                    if len > 0 {
+                        blocks.push(allocator::BlockLayout {
+                            size: len,
+                            allocated,
+                        });
+                    }
+                }
+            }
+            _ => blocks.push(*b),
+        }
+        start = end;
+    }
+    let mut merged: Vec<allocator::BlockLayout> = Vec::new();
+    for b in blocks {
+        match merged.last_mut() {
+            Some(last) if !last.allocated && !b.allocated => last.size += b.size,
+            _ => merged.push(b),
+        }
+    }
+    s.blocks = merged;
+}
+
+#[test]
+fn segment_snapshots_at_the_optimizer_predict_step_2s_new_segments() {
+    // The layouts a client without a trace sends at step 1's optimizer begin
+    // and end, taken from each fixture's trace; the reserved bytes at step 1's
+    // end + the new segments `step2_new_segments` finds, against what
+    // PyTorch reserved in step 2 (relative error, %). The GPT jobs are exact:
+    // one 394 MiB logits segment split by the state (56 MiB under
+    // max_split_size/roundup, which the snapshots do not carry, so default
+    // settings). Where step 2 reuses cache that step 1's forward/backward did
+    // not hold all at once, or that layouts cannot show, the rule
+    // over-predicts: under gradient accumulation step 1's first micro-batch's
+    // logits block is asked for again although step 2's micro-batches take
+    // turns (+18.3%); DDP's bucket rebuild frees a 473 MiB bucket that serves
+    // step 2 (+24.4%); a side stream's cached blocks (+11.7% in step 2, exact
+    // in the steady state); the prediction sets the snapshots aside under
+    // gradient accumulation and DDP's rebuild (`LayoutSetAside`). Lightning's
+    // step 2 is right; its step 3 grows again (-17.2% against the steady
+    // state), which no step-1 figure shows.
+    let cases: [(&str, f64, f64); 7] = [
+        ("gpt-adamw-small.json", 0.0, 0.0),
+        ("gpt-zero-grad-keep-small.json", 0.0, 0.0),
+        ("gpt-max-split-roundup-small.json", 0.0, 0.0),
+        ("lightning-gpt-small.json", -0.11, -17.25),
+        ("gpt-grad-accum-small.json", 18.27, 18.27),
+        ("ddp-uneven.json", 24.45, 24.45),
+        ("side-stream-small.json", 11.68, 0.0),
+    ];
+    for (name, step2_error, steady_error) in cases {
+        let f = fixture(name);
+        let begin = layout_at_optimizer_begin(&f.trace);
+        let e = step2_new_segments(&begin, &f.trace.segments).unwrap();
+        let reserved = f.real.reserved_at_step1_end_bytes + e.new_segment_bytes;
+        for (what, want, real) in [
+            ("step 2", step2_error, f.real.step2_reserved_peak_bytes),
+            ("steady", steady_error, f.real.steady_reserved_peak_bytes),
+        ] {
+            let got = error(reserved, real) * 100.0;
+            assert!(
+                (got - want).abs() < 0.01,
+                "{name}: {what} reserved {reserved} against PyTorch's {real}: {got:+.2}%, \
+                 expected {want:+.2}%"
+            );
+        }
+    }
+}

@@ -344,14 +344,16 @@ pub fn marker_to_wire(m: &Marker) -> pb::Marker {
         wall_ns,
         micro_batch,
         allocator,
-    } = *m;
+        layout_segments,
+    } = m;
     pb::Marker {
-        kind: marker_kind_to_wire(kind) as i32,
-        step,
-        monotonic_ns,
-        wall_ns,
-        micro_batch,
+        kind: marker_kind_to_wire(*kind) as i32,
+        step: *step,
+        monotonic_ns: *monotonic_ns,
+        wall_ns: *wall_ns,
+        micro_batch: *micro_batch,
         allocator: allocator.as_ref().map(allocator_stats_to_wire),
+        layout_segments: layout_segments.iter().map(segment_to_wire).collect(),
     }
 }
 
@@ -364,6 +366,7 @@ pub fn marker_from_wire(m: pb::Marker) -> Result<Marker, WireError> {
         wall_ns,
         allocator,
         micro_batch,
+        layout_segments,
     } = m;
     Ok(Marker {
         kind: marker_kind_from_wire(kind)?,
@@ -372,6 +375,7 @@ pub fn marker_from_wire(m: pb::Marker) -> Result<Marker, WireError> {
         wall_ns,
         micro_batch,
         allocator: allocator.map(allocator_stats_from_wire),
+        layout_segments: layout_segments.into_iter().map(segment_from_wire).collect(),
     })
 }
 

@@ -139,15 +139,17 @@ fn marker() -> impl Strategy<Value = Marker> {
         any::<u64>(),
         any::<u32>(),
         prop::option::of(allocator_stats()),
+        prop::collection::vec(segment(), 0..3),
     )
         .prop_map(
-            |(kind, step, monotonic_ns, wall_ns, micro_batch, allocator)| Marker {
+            |(kind, step, monotonic_ns, wall_ns, micro_batch, allocator, layout_segments)| Marker {
                 kind,
                 step,
                 monotonic_ns,
                 wall_ns,
                 micro_batch,
                 allocator,
+                layout_segments,
             },
         )
 }
@@ -300,7 +302,7 @@ proptest! {
         let hello = hello_to_wire(&info, &version);
         prop_assert_eq!(hello_to_wire(&hello_from_wire(hello.clone()), &version), hello);
         let wire = marker_to_wire(&m);
-        prop_assert_eq!(marker_to_wire(&marker_from_wire(wire).unwrap()), wire);
+        prop_assert_eq!(marker_to_wire(&marker_from_wire(wire.clone()).unwrap()), wire);
         for (i, e) in t.events.iter().map(event_to_wire).enumerate() {
             prop_assert_eq!(event_to_wire(&event_from_wire(e, i).unwrap()), e);
         }

@@ -412,15 +412,15 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
             }
             SimEvent::Marker(m) => {
                 batch.clear();
-                batch.push(*m);
+                batch.push(m.clone());
                 batch_owner = p;
                 while k + 1 < order.len() {
                     let (t2, p2, i2) = order[k + 1];
-                    match events[p2][i2] {
+                    match &events[p2][i2] {
                         SimEvent::Marker(m2)
                             if t2 == t && p2 == p && m2.kind != MarkerKind::StepBegin =>
                         {
-                            batch.push(m2);
+                            batch.push(m2.clone());
                             k += 1;
                         }
                         _ => break,

@@ -683,6 +683,7 @@ impl RankSim {
             wall_ns: self.start_wall_ns + (self.now_ns - self.start_ns),
             micro_batch,
             allocator: Some(self.stats()),
+            layout_segments: Vec::new(),
         };
         self.alloc.reset_phase_peak();
         self.out.push_back(SimEvent::Marker(marker));

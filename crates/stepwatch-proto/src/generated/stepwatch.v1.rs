@@ -270,7 +270,7 @@ pub struct MarkerBatch {
     pub markers: ::prost::alloc::vec::Vec<Marker>,
 }
 /// One phase event of one rank.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+#[derive(Clone, PartialEq, ::prost::Message)]
 pub struct Marker {
     #[prost(enumeration = "MarkerKind", tag = "1")]
     pub kind: i32,
@@ -290,6 +290,13 @@ pub struct Marker {
     /// Micro-batch index within the step (gradient accumulation), from 0.
     #[prost(uint32, tag = "6")]
     pub micro_batch: u32,
+    /// The caching allocator's segments at this moment (torch.cuda.memory_snapshot()
+    /// without history), sent only on step 1's OPTIMIZER_BEGIN and OPTIMIZER_END
+    /// and only when no allocator trace is sent: which cached blocks the
+    /// optimizer state split, which step 2's activations then cannot reuse.
+    /// Empty: not sent (a trace is, the layout was too large, or the client opted out).
+    #[prost(message, repeated, tag = "7")]
+    pub layout_segments: ::prost::alloc::vec::Vec<AllocatorSegment>,
 }
 /// Figures from torch.cuda.memory_stats() at the marker.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]

@@ -16,7 +16,7 @@ pub fn run(name: &str, rank: u32) -> (Vec<SimEvent>, RankReport, RankSim) {
 pub fn markers(events: &[SimEvent]) -> Vec<Marker> {
     events
         .iter()
-        .filter_map(|e| e.as_marker().copied())
+        .filter_map(|e| e.as_marker().cloned())
         .collect()
 }
 

@@ -261,20 +261,22 @@ class MarkerBatch(_message.Message):
     def __init__(self, markers: _Optional[_Iterable[_Union[Marker, _Mapping]]] = ...) -> None: ...
 
 class Marker(_message.Message):
-    __slots__ = ("kind", "step", "monotonic_ns", "wall_ns", "allocator", "micro_batch")
+    __slots__ = ("kind", "step", "monotonic_ns", "wall_ns", "allocator", "micro_batch", "layout_segments")
     KIND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MONOTONIC_NS_FIELD_NUMBER: _ClassVar[int]
     WALL_NS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     kind: MarkerKind
     step: int
     monotonic_ns: int
     wall_ns: int
     allocator: AllocatorStats
     micro_batch: int
-    def __init__(self, kind: _Optional[_Union[MarkerKind, str]] = ..., step: _Optional[int] = ..., monotonic_ns: _Optional[int] = ..., wall_ns: _Optional[int] = ..., allocator: _Optional[_Union[AllocatorStats, _Mapping]] = ..., micro_batch: _Optional[int] = ...) -> None: ...
+    layout_segments: _containers.RepeatedCompositeFieldContainer[AllocatorSegment]
+    def __init__(self, kind: _Optional[_Union[MarkerKind, str]] = ..., step: _Optional[int] = ..., monotonic_ns: _Optional[int] = ..., wall_ns: _Optional[int] = ..., allocator: _Optional[_Union[AllocatorStats, _Mapping]] = ..., micro_batch: _Optional[int] = ..., layout_segments: _Optional[_Iterable[_Union[AllocatorSegment, _Mapping]]] = ...) -> None: ...
 
 class AllocatorStats(_message.Message):
     __slots__ = ("allocated_bytes", "allocated_peak_bytes", "reserved_bytes", "reserved_peak_bytes", "active_bytes", "active_peak_bytes", "num_alloc_retries")
