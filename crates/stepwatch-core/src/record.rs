@@ -15,12 +15,13 @@
 use serde::{Deserialize, Serialize};
 
 use crate::advisory::{Advisory, AdvisoryKind};
+use crate::allocator::SegmentLayout;
 use crate::error::{HelloError, MarkerError};
 use crate::feed;
-use crate::identity::{ModelFacts, RankInfo, RankKey};
+use crate::identity::{DdpBucketRebuild, ModelFacts, RankInfo, RankKey};
 use crate::marker::Marker;
 use crate::predict::PredictionBasis;
-use crate::replay::{AllocatorTrace, Gradients, TraceError};
+use crate::replay::{AllocatorEvent, AllocatorTrace, Gradients, TraceError, TraceSettings};
 use crate::sample::GpuSample;
 use crate::tracker::{OpenError, Tracker, TrackerConfig};
 
@@ -60,8 +61,12 @@ pub enum RecordEntry {
         /// The reserved-bytes limit the agent replayed it within, if any.
         #[serde(default)]
         reserved_limit: Option<u64>,
-        /// The trace as received, with the rank's DDP bucket rebuild as the
-        /// agent replayed it ([`AllocatorTrace::ddp_bucket_rebuild`]).
+        /// DDP's bucket rebuild the agent replayed it with, from the rank's
+        /// facts ([`crate::feed::ReplayPlan::ddp_bucket_rebuild`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ddp_bucket_rebuild: Option<DdpBucketRebuild>,
+        /// The trace as received.
+        #[serde(deserialize_with = "trace_as_recorded")]
         trace: AllocatorTrace,
     },
     /// Facts a rank sent after its hello ([`Tracker::update_model_facts`]).
@@ -119,6 +124,39 @@ impl RecordEntry {
             | RecordEntry::Evict { .. } => None,
         }
     }
+}
+
+/// An entry's trace as records hold it. Records of agents from 2026-12-02
+/// before the rebuild moved into the plan held DDP's bucket rebuild inside
+/// the trace: such a trace is refused by name rather than replayed without
+/// it, which would silently give other figures.
+fn trace_as_recorded<'de, D: serde::Deserializer<'de>>(d: D) -> Result<AllocatorTrace, D::Error> {
+    /// [`AllocatorTrace`]'s fields (the literal below lists them all, so a
+    /// new one does not compile until it is here) and the old rebuild.
+    #[derive(Deserialize)]
+    struct Recorded {
+        step: u64,
+        segments: Vec<SegmentLayout>,
+        events: Vec<AllocatorEvent>,
+        #[serde(default)]
+        settings: Option<TraceSettings>,
+        #[serde(default)]
+        ddp_bucket_rebuild: Option<serde::de::IgnoredAny>,
+    }
+    let r = Recorded::deserialize(d)?;
+    if r.ddp_bucket_rebuild.is_some() {
+        return Err(serde::de::Error::custom(
+            "the trace holds ddp_bucket_rebuild: an agent of 2026-12-02 wrote this \
+             record with the DDP bucket rebuild inside the trace; move it out of \
+             `trace` into its allocator_trace entry to replay the record",
+        ));
+    }
+    Ok(AllocatorTrace {
+        step: r.step,
+        segments: r.segments,
+        events: r.events,
+        settings: r.settings,
+    })
 }
 
 /// Why an input (an entry of a record) could not be applied.
