@@ -429,13 +429,11 @@ async fn receive_markers(
                     Ok(applied) => applied,
                     Err(e) => {
                         state.ingest.reject(e.reason(), 1);
-                        let why = match e {
-                            RecordError::ModelFacts(e) => e.to_string(),
-                            e => e.to_string(),
-                        };
                         return Err(Status::invalid_argument(format!(
-                            "model facts update refused for job {} rank {}: {why}",
-                            key.job, key.rank
+                            "model facts update refused for job {} rank {}: {}",
+                            key.job,
+                            key.rank,
+                            e.refusal()
                         )));
                     }
                 };
@@ -513,13 +511,11 @@ async fn receive_markers(
             }
             Err(e) => {
                 state.ingest.reject(e.reason(), n);
-                let why = match e {
-                    RecordError::Markers(e) => e.to_string(),
-                    e => e.to_string(),
-                };
                 return Err(Status::invalid_argument(format!(
-                    "marker rejected for job {} rank {}: {why}",
-                    key.job, key.rank
+                    "marker rejected for job {} rank {}: {}",
+                    key.job,
+                    key.rank,
+                    e.refusal()
                 )));
             }
         }

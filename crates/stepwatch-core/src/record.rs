@@ -190,6 +190,17 @@ impl RecordError {
             RecordError::Trace(_) => "allocator_trace_invalid",
         }
     }
+
+    /// What the tracker said, without naming the kind of input: for a
+    /// message that names the input itself (the agent's gRPC statuses).
+    pub fn refusal(&self) -> &(dyn std::error::Error + 'static) {
+        match self {
+            RecordError::Open(e) => e,
+            RecordError::Markers(e) => e,
+            RecordError::ModelFacts(e) => e,
+            RecordError::Trace(e) => e,
+        }
+    }
 }
 
 /// Applies a record's entries, in order, to a tracker of its own.
@@ -278,4 +289,17 @@ pub struct PredictionCheck {
     pub error_ratio: Option<f64>,
     /// Advisories issued to the rank, in order.
     pub advisories: Vec<AdvisoryKind>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_is_said_with_and_without_the_kind_of_input() {
+        let e = RecordError::from(TraceError::NotStepOne(2));
+        let said = "an allocator trace must come from step 1, not step 2";
+        assert_eq!(e.to_string(), format!("allocator trace refused: {said}"));
+        assert_eq!(e.refusal().to_string(), said);
+    }
 }
