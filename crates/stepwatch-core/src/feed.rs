@@ -62,7 +62,7 @@ impl Applied {
 
 /// Applies one input to the tracker, as the agent does. Refused inputs
 /// change nothing.
-pub fn apply(tracker: &mut Tracker, input: &RecordEntry) -> Result<Applied, RecordError> {
+pub fn apply(tracker: &mut Tracker, input: &RecordEntry<'_>) -> Result<Applied, RecordError> {
     Ok(match input {
         RecordEntry::Open { at_ns, info } => Applied {
             opened: Some(tracker.open_evicting(info.clone(), *at_ns)?),
@@ -146,7 +146,7 @@ impl ReplayPlan {
 
     /// The plan an [`RecordEntry::AllocatorTrace`] was replayed with (older
     /// records say only whether gradients persist); None for other entries.
-    pub fn of_entry(entry: &RecordEntry) -> Option<Self> {
+    pub fn of_entry(entry: &RecordEntry<'_>) -> Option<Self> {
         match entry {
             RecordEntry::AllocatorTrace {
                 grads_persistent,
@@ -176,7 +176,7 @@ impl ReplayPlan {
     }
 
     /// The record entry of `trace` replayed under this plan.
-    pub fn entry(self, at_ns: u64, key: RankKey, trace: AllocatorTrace) -> RecordEntry {
+    pub fn entry(self, at_ns: u64, key: RankKey, trace: AllocatorTrace) -> RecordEntry<'static> {
         RecordEntry::AllocatorTrace {
             at_ns,
             key,
@@ -219,16 +219,15 @@ mod tests {
     }
 
     /// A batch of one step-begin marker at `t`, as a record holds it.
-    fn step_begins(key: &RankKey, step: u64, t: u64) -> RecordEntry {
+    fn step_begins(key: &RankKey, step: u64, t: u64) -> RecordEntry<'static> {
         let marker: Marker = serde_json::from_str(&format!(
             r#"{{"kind":"step_begin","step":{step},"monotonic_ns":{t},"wall_ns":{t},"micro_batch":0,"allocator":null}}"#
         ))
         .unwrap();
-        let markers = vec![marker];
         RecordEntry::Markers {
             at_ns: t,
-            key: key.clone(),
-            markers,
+            key: std::borrow::Cow::Owned(key.clone()),
+            markers: vec![marker].into(),
         }
     }
 

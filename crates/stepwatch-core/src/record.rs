@@ -10,7 +10,11 @@
 //!
 //! A [`RecordEntry`] is also how every caller describes an input to
 //! [`crate::feed::apply`], the step model's one input path: what the agent
-//! records is the input it applied.
+//! records is the input it applied. A marker batch may be borrowed
+//! ([`Cow`]): the agent applies each batch from the stream's own buffer and
+//! copies it ([`RecordEntry::into_owned`]) only when recording.
+
+use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
@@ -25,10 +29,11 @@ use crate::replay::{AllocatorEvent, AllocatorTrace, Gradients, TraceError, Trace
 use crate::sample::GpuSample;
 use crate::tracker::{OpenError, Tracker, TrackerConfig};
 
-/// One input to the tracker.
+/// One input to the tracker; `'a` is what a marker batch borrows (read from
+/// a record, nothing is borrowed).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum RecordEntry {
+pub enum RecordEntry<'a> {
     /// A stream's hello ([`Tracker::open`]).
     Open {
         /// Monotonic ns passed to the tracker.
@@ -41,9 +46,9 @@ pub enum RecordEntry {
         /// Monotonic ns passed to the tracker.
         at_ns: u64,
         /// The rank.
-        key: RankKey,
+        key: Cow<'a, RankKey>,
         /// The batch.
-        markers: Vec<Marker>,
+        markers: Cow<'a, [Marker]>,
     },
     /// A step-1 allocator trace, replayed and handed to the tracker
     /// ([`Tracker::allocator_replay`]).
@@ -108,14 +113,63 @@ pub enum RecordEntry {
     },
 }
 
-impl RecordEntry {
+impl RecordEntry<'_> {
+    /// The entry with nothing borrowed, to keep (the agent's record): the
+    /// one place a borrowed marker batch is copied.
+    pub fn into_owned(self) -> RecordEntry<'static> {
+        match self {
+            RecordEntry::Markers {
+                at_ns,
+                key,
+                markers,
+            } => RecordEntry::Markers {
+                at_ns,
+                key: Cow::Owned(key.into_owned()),
+                markers: Cow::Owned(markers.into_owned()),
+            },
+            RecordEntry::Open { at_ns, info } => RecordEntry::Open { at_ns, info },
+            RecordEntry::AllocatorTrace {
+                at_ns,
+                key,
+                grads_persistent,
+                gradients,
+                reserved_limit,
+                ddp_bucket_rebuild,
+                trace,
+            } => RecordEntry::AllocatorTrace {
+                at_ns,
+                key,
+                grads_persistent,
+                gradients,
+                reserved_limit,
+                ddp_bucket_rebuild,
+                trace,
+            },
+            RecordEntry::ModelFacts { at_ns, key, update } => {
+                RecordEntry::ModelFacts { at_ns, key, update }
+            }
+            RecordEntry::GpuSamples { gpu, samples } => RecordEntry::GpuSamples { gpu, samples },
+            RecordEntry::GpuProcesses { gpu, processes } => {
+                RecordEntry::GpuProcesses { gpu, processes }
+            }
+            RecordEntry::Evict {
+                at_ns,
+                retention_ns,
+            } => RecordEntry::Evict {
+                at_ns,
+                retention_ns,
+            },
+            RecordEntry::Close { at_ns, key } => RecordEntry::Close { at_ns, key },
+        }
+    }
+
     /// The rank an entry is about, for its advisories; None for a hello
     /// (its rank is its info's), a GPU's samples or processes and an
     /// eviction.
     pub fn key(&self) -> Option<&RankKey> {
         match self {
-            RecordEntry::Markers { key, .. }
-            | RecordEntry::AllocatorTrace { key, .. }
+            RecordEntry::Markers { key, .. } => Some(key),
+            RecordEntry::AllocatorTrace { key, .. }
             | RecordEntry::ModelFacts { key, .. }
             | RecordEntry::Close { key, .. } => Some(key),
             RecordEntry::Open { .. }
@@ -221,7 +275,7 @@ impl Replayer {
     }
 
     /// Applies one entry, as the agent did ([`feed::apply`]).
-    pub fn apply(&mut self, entry: RecordEntry) -> Result<(), RecordError> {
+    pub fn apply(&mut self, entry: RecordEntry<'_>) -> Result<(), RecordError> {
         let applied = feed::apply(&mut self.tracker, &entry)?;
         if let Some(key) = entry.key() {
             self.advisories
@@ -301,5 +355,45 @@ mod tests {
         let said = "an allocator trace must come from step 1, not step 2";
         assert_eq!(e.to_string(), format!("allocator trace refused: {said}"));
         assert_eq!(e.refusal().to_string(), said);
+    }
+
+    #[test]
+    fn a_borrowed_batch_is_applied_as_it_is_and_copied_to_be_kept() {
+        let info = RankInfo {
+            job: "j".into(),
+            world_size: 1,
+            gpu_uuid: "GPU-0".into(),
+            pid: 10,
+            ..RankInfo::default()
+        };
+        let key = info.key();
+        let markers: Vec<Marker> = serde_json::from_str(
+            r#"[{"kind":"step_begin","step":1,"monotonic_ns":10,"wall_ns":10,"micro_batch":0,"allocator":null}]"#,
+        )
+        .unwrap();
+        let mut replayer = Replayer::default();
+        replayer
+            .apply(RecordEntry::Open { at_ns: 1, info })
+            .unwrap();
+        let batch = RecordEntry::Markers {
+            at_ns: 10,
+            key: Cow::Borrowed(&key),
+            markers: Cow::Borrowed(&markers),
+        };
+        replayer.apply(batch.clone()).unwrap();
+        let rank = replayer.tracker().rank(&key).unwrap();
+        assert_eq!(rank.timeline.current().map(|s| s.step), Some(1));
+        let kept = batch.clone().into_owned();
+        assert!(matches!(
+            &kept,
+            RecordEntry::Markers {
+                key: Cow::Owned(_),
+                markers: Cow::Owned(_),
+                ..
+            }
+        ));
+        assert_eq!(kept, batch);
+        let line = serde_json::to_string(&kept).unwrap();
+        assert_eq!(serde_json::from_str::<RecordEntry>(&line).unwrap(), batch);
     }
 }
