@@ -288,7 +288,8 @@ impl AgentState {
 
     /// Applies one input through the step model's input path
     /// ([`feed::apply`], as the record replayer and the accuracy harness do)
-    /// and, when the tracker took it, queues that same input for `--record`.
+    /// and, when the tracker took it, queues that same input for `--record`
+    /// (a copy of what it borrows, made only while recording).
     /// `input` is given the time under the lock, so times follow the
     /// tracker's order; `flush`: see [`Recorder::write`].
     fn apply<'a>(
