@@ -214,15 +214,11 @@ fn start_agent_with(
     ))
 }
 
-/// The markers of one step with one micro-batch, in order.
-const STEP_KINDS: [stepwatch_proto::v1::MarkerKind; 6] = [
-    stepwatch_proto::v1::MarkerKind::StepBegin,
-    stepwatch_proto::v1::MarkerKind::ForwardBegin,
-    stepwatch_proto::v1::MarkerKind::BackwardBegin,
-    stepwatch_proto::v1::MarkerKind::OptimizerBegin,
-    stepwatch_proto::v1::MarkerKind::OptimizerEnd,
-    stepwatch_proto::v1::MarkerKind::StepEnd,
-];
+/// The markers of one step with one micro-batch, in order, as the wire
+/// names them.
+fn step_kinds() -> [stepwatch_proto::v1::MarkerKind; 6] {
+    stepwatch_core::MarkerKind::STEP_ORDER.map(stepwatch_proto::convert::marker_kind_to_wire)
+}
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -237,7 +233,7 @@ fn ingest(args: IngestArgs) -> anyhow::Result<()> {
 
     let specs: Vec<GpuSpec> = (0..8).map(GpuSpec::h100_80gb).collect();
     let (agent, _dir) = start_agent("ingest", &specs, None)?;
-    let kinds = STEP_KINDS;
+    let kinds = step_kinds();
     let client_for = |rank: u32| {
         let hello = Hello {
             identity: Some(Identity {
@@ -419,7 +415,7 @@ fn scrape(args: ScrapeArgs) -> anyhow::Result<()> {
     ];
     let (agent, _dir) =
         start_agent_with("scrape", &specs, None, args.agent_bin.as_deref(), &extra)?;
-    let kinds = STEP_KINDS;
+    let kinds = step_kinds();
     let endpoint = agent.endpoint.clone();
     let world = args.ranks + 1;
     let client_for = move |rank: u32| {

@@ -41,8 +41,8 @@ pub fn replay_file(
         let entry: RecordEntry = serde_json::from_str(&line)
             .with_context(|| format!("{}:{}: not a record entry", path.display(), i + 1))?;
         let key = match &entry {
-            RecordEntry::Markers { key, .. } | RecordEntry::AllocatorTrace { key, .. } => {
-                Some(key.clone())
+            RecordEntry::Markers { .. } | RecordEntry::AllocatorTrace { .. } => {
+                entry.key().cloned()
             }
             _ => None,
         };

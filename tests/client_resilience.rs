@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::*;
 use stepwatch_client::{Client, ClientOptions};
-use stepwatch_proto::v1::{Hello, Identity, MarkerKind};
+use stepwatch_proto::v1::{Hello, Identity};
 
 fn hello(job: &str) -> Hello {
     Hello {
@@ -24,17 +24,11 @@ fn hello(job: &str) -> Hello {
 }
 
 fn mark_step(client: &Client, step: u64) -> usize {
-    [
-        MarkerKind::StepBegin,
-        MarkerKind::ForwardBegin,
-        MarkerKind::BackwardBegin,
-        MarkerKind::OptimizerBegin,
-        MarkerKind::OptimizerEnd,
-        MarkerKind::StepEnd,
-    ]
-    .into_iter()
-    .filter(|k| client.mark_now(*k, step, 0))
-    .count()
+    stepwatch_core::MarkerKind::STEP_ORDER
+        .map(stepwatch_proto::convert::marker_kind_to_wire)
+        .into_iter()
+        .filter(|k| client.mark_now(*k, step, 0))
+        .count()
 }
 
 #[test]

@@ -602,7 +602,15 @@ fn facts_sent_after_the_hello_replay_step_1_again_and_bad_ones_are_refused() {
 #[test]
 fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_after_the_trace() {
     const MIB: u64 = 1 << 20;
-    let agent = Agent::start("ddp-rebuild", 1);
+    let records = TempDir::new("ddp-rebuild-record");
+    let record = records.0.join("run.jsonl");
+    let mut agent = Agent::start_with(
+        "ddp-rebuild",
+        1,
+        &["--record", record.to_str().unwrap()],
+        |_| {},
+    );
+    agent.wait_ready_with_nvml();
     let ep = agent.endpoint();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let step1 = step1_to_optimizer_end(1_000);
@@ -661,26 +669,31 @@ fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_afte
     };
     let new = vec![8 * MIB, 24 * MIB];
     rt.block_on(async {
-        for (job, facts_first) in [("before", true), ("after", false)] {
+        for (job, facts_first) in [("before", true), ("after", false), ("twice", false)] {
             let mut messages = vec![hello(job, 0, 1), batch(step1.clone())];
-            let update = rebuild(vec![32 * MIB], new.clone());
+            let update = || rebuild(vec![32 * MIB], new.clone());
             if facts_first {
-                messages.extend([update, trace(chunk.clone())]);
+                messages.extend([update(), trace(chunk.clone())]);
             } else {
-                messages.extend([trace(chunk.clone()), update]);
+                messages.extend([trace(chunk.clone()), update()]);
+            }
+            if job == "twice" {
+                messages.push(update());
             }
             exchange(&ep, messages).await.expect("accepted");
         }
     });
     // "before": one replay, with the rebuild; "after": one without, then
-    // one with it once the facts came.
-    agent.wait_metrics("three replays counted", Duration::from_secs(10), |m| {
+    // one with it once the facts came; "twice": the same, the second update
+    // leaving the plan as it was. The replays ran before each stream ended.
+    let replays = |m: &Metrics| {
         m.get(
             "stepwatch_allocator_traces_total",
             &[("result", "replayed")],
-        ) == Some(3.0)
-    });
-    for job in ["before", "after"] {
+        )
+    };
+    assert_eq!(replays(&Metrics(agent.metrics())), Some(5.0));
+    for job in ["before", "after", "twice"] {
         let (r, explanation) = replayed(job);
         assert_eq!(r["modelled"], true, "{job}: {r:#}");
         assert_eq!(r["old_bucket_bytes"], 32 * MIB, "{job}: {r:#}");
@@ -716,6 +729,29 @@ fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_afte
         ),
         Some(1.0)
     );
+
+    // The record holds each replay's plan: the rebuild next to the trace.
+    assert!(agent.terminate().success());
+    let text = std::fs::read_to_string(&record).unwrap();
+    let plans: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|e| e.get("allocator_trace").cloned())
+        .filter(|e| e["key"]["job"] == "after")
+        .collect();
+    assert_eq!(plans.len(), 2, "{plans:#?}");
+    assert!(
+        plans[0].get("ddp_bucket_rebuild").is_none(),
+        "{:#}",
+        plans[0]
+    );
+    assert_eq!(
+        plans[1]["ddp_bucket_rebuild"]["new_bucket_bytes"],
+        serde_json::json!(new)
+    );
+    assert!(plans
+        .iter()
+        .all(|p| p["trace"].get("ddp_bucket_rebuild").is_none()));
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use stepwatch_client::{Client, ClientOptions};
-use stepwatch_proto::v1::{Hello, Identity, MarkerKind};
+use stepwatch_proto::v1::{Hello, Identity};
 
 /// A CA, a server certificate for 127.0.0.1 and a client certificate, made by
 /// tests/make-test-certs.sh (shared with the Python TLS tests).
@@ -41,14 +41,9 @@ fn hello(job: &str) -> Hello {
 }
 
 fn one_step(client: &Client) {
-    for kind in [
-        MarkerKind::StepBegin,
-        MarkerKind::ForwardBegin,
-        MarkerKind::BackwardBegin,
-        MarkerKind::OptimizerBegin,
-        MarkerKind::OptimizerEnd,
-        MarkerKind::StepEnd,
-    ] {
+    for kind in
+        stepwatch_core::MarkerKind::STEP_ORDER.map(stepwatch_proto::convert::marker_kind_to_wire)
+    {
         client.mark_now(kind, 1, 0);
     }
 }

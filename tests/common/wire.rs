@@ -38,18 +38,12 @@ pub fn batch(markers: Vec<Marker>) -> ClientMessage {
 }
 
 pub fn step(n: u64, t0: u64) -> Vec<Marker> {
-    [
-        MarkerKind::StepBegin,
-        MarkerKind::ForwardBegin,
-        MarkerKind::BackwardBegin,
-        MarkerKind::OptimizerBegin,
-        MarkerKind::OptimizerEnd,
-        MarkerKind::StepEnd,
-    ]
-    .iter()
-    .enumerate()
-    .map(|(i, k)| marker(*k, n, t0 + i as u64 * 1000))
-    .collect()
+    stepwatch_core::MarkerKind::STEP_ORDER
+        .map(stepwatch_proto::convert::marker_kind_to_wire)
+        .iter()
+        .enumerate()
+        .map(|(i, k)| marker(*k, n, t0 + i as u64 * 1000))
+        .collect()
 }
 
 /// Sends `messages` on one stream, then half-closes; returns how it ended.

@@ -843,17 +843,7 @@ mod tests {
         let mut batch = Vec::new();
         for step in 1..=5u64 {
             let t = step * 10_000;
-            for (i, kind) in [
-                MarkerKind::StepBegin,
-                MarkerKind::ForwardBegin,
-                MarkerKind::BackwardBegin,
-                MarkerKind::OptimizerBegin,
-                MarkerKind::OptimizerEnd,
-                MarkerKind::StepEnd,
-            ]
-            .into_iter()
-            .enumerate()
-            {
+            for (i, kind) in MarkerKind::STEP_ORDER.into_iter().enumerate() {
                 if step == 1 && kind == MarkerKind::StepBegin {
                     continue; // test_rank began step 1
                 }

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use stepwatch_core::allocator::{BlockLayout, SegmentLayout};
+use stepwatch_core::feed::ReplayPlan;
 use stepwatch_core::replay::{TraceError, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_core::{
-    Advisory, AllocatorEvent, AllocatorTrace, Gradients, MarkerKind, OpenError, RankInfo, RankKey,
-    RecordError,
+    Advisory, AllocatorEvent, AllocatorTrace, MarkerKind, OpenError, RankInfo, RankKey, RecordError,
 };
 use stepwatch_proto::convert;
 use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
@@ -316,18 +316,8 @@ async fn serve_stream(
         }
     };
     tracing::info!(namespace = %key.namespace, job = %key.job, rank = key.rank, pid = info.pid, pod = %info.pod, attested = info.attested, gpu = %info.gpu_uuid, "rank connected");
-    let gradients = Gradients::of(&info);
     let mut alerts = peer.alerter.rank(&key, &info);
-    let receive = receive_markers(
-        state,
-        traces,
-        &key,
-        gradients,
-        &mut inbound,
-        max_rate,
-        tx,
-        &mut alerts,
-    );
+    let receive = receive_markers(state, traces, &key, &mut inbound, max_rate, tx, &mut alerts);
     let result = match peer.volume {
         // The pod's volume going away ends its streams; the rank closes as
         // for any other end of stream.
@@ -353,22 +343,20 @@ async fn volume_unpublished(gone: &mut tokio::sync::watch::Receiver<bool>) {
     }
 }
 
-// The stream's context, one argument each; a struct would only rename them.
-#[allow(clippy::too_many_arguments)]
 async fn receive_markers(
     state: &AgentState,
     traces: &TraceBudget,
     key: &RankKey,
-    mut gradients: Gradients,
     inbound: &mut Streaming<pb::ClientMessage>,
     max_rate: f64,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
     alerts: &mut RankAlerts,
 ) -> Result<(), Status> {
     let mut bucket = TokenBucket::new(max_rate);
-    // Step 1's trace, kept until step 2 begins: facts that arrive after it
-    // (gradients kept) change how it replays.
-    let mut step1_trace: Option<Arc<AllocatorTrace>> = None;
+    // Step 1's trace and the plan it was last replayed under, kept until
+    // step 2 begins: facts that arrive after it (gradients kept, DDP's
+    // bucket rebuild) change how it replays.
+    let mut step1_trace: Option<(Arc<AllocatorTrace>, ReplayPlan)> = None;
     let mut markers = Vec::new();
     let mut trace = TraceAssembly::default();
     let mut held = HeldTraceBytes {
@@ -410,12 +398,12 @@ async fn receive_markers(
                     continue;
                 }
                 match trace.add(chunk) {
-                    Ok(Some(mut complete)) => {
+                    Ok(Some(complete)) => {
                         held.release();
-                        complete.ddp_bucket_rebuild = rank_bucket_rebuild(state, key);
                         let complete = Arc::new(complete);
-                        step1_trace = Some(Arc::clone(&complete));
-                        replay_trace(state, traces, key, complete, tx, alerts).await?;
+                        let plan = state.replay_plan(key);
+                        step1_trace = Some((Arc::clone(&complete), plan.clone()));
+                        replay_trace(state, traces, key, complete, plan, tx, alerts).await?;
                     }
                     Ok(None) => {}
                     Err(Refusal::Unusable(reason, why)) => {
@@ -441,13 +429,11 @@ async fn receive_markers(
                     Ok(applied) => applied,
                     Err(e) => {
                         state.ingest.reject(e.reason(), 1);
-                        let why = match e {
-                            RecordError::ModelFacts(e) => e.to_string(),
-                            e => e.to_string(),
-                        };
                         return Err(Status::invalid_argument(format!(
-                            "model facts update refused for job {} rank {}: {why}",
-                            key.job, key.rank
+                            "model facts update refused for job {} rank {}: {}",
+                            key.job,
+                            key.rank,
+                            e.refusal()
                         )));
                     }
                 };
@@ -456,19 +442,12 @@ async fn receive_markers(
                     Some(advisories) => send_advisories(state, key, advisories, tx, alerts),
                     None => step1_trace = None,
                 }
-                let rebuild = rank_bucket_rebuild(state, key);
-                let rebuild_changed = step1_trace
-                    .as_ref()
-                    .is_some_and(|t| t.ddp_bucket_rebuild != rebuild);
-                // The trace replays again when the facts change what
-                // becomes of its gradients or of DDP's buckets.
-                if plan.gradients != gradients || rebuild_changed {
-                    gradients = plan.gradients;
-                    if let Some(t) = &mut step1_trace {
-                        if rebuild_changed {
-                            Arc::make_mut(t).ddp_bucket_rebuild = rebuild;
-                        }
-                        replay_trace(state, traces, key, Arc::clone(t), tx, alerts).await?;
+                // The trace replays again when the facts change its plan.
+                if let Some((trace, replayed)) = &mut step1_trace {
+                    if !plan.replays_like(replayed) {
+                        *replayed = plan.clone();
+                        let trace = Arc::clone(trace);
+                        replay_trace(state, traces, key, trace, plan, tx, alerts).await?;
                     }
                 }
                 continue;
@@ -532,13 +511,11 @@ async fn receive_markers(
             }
             Err(e) => {
                 state.ingest.reject(e.reason(), n);
-                let why = match e {
-                    RecordError::Markers(e) => e.to_string(),
-                    e => e.to_string(),
-                };
                 return Err(Status::invalid_argument(format!(
-                    "marker rejected for job {} rank {}: {why}",
-                    key.job, key.rank
+                    "marker rejected for job {} rank {}: {}",
+                    key.job,
+                    key.rank,
+                    e.refusal()
                 )));
             }
         }
@@ -718,18 +695,6 @@ impl TraceAssembly {
     }
 }
 
-/// The DDP bucket rebuild the rank's facts announce, which its step-1 trace
-/// replays with ([`AllocatorTrace::ddp_bucket_rebuild`]).
-fn rank_bucket_rebuild(
-    state: &AgentState,
-    key: &RankKey,
-) -> Option<stepwatch_core::DdpBucketRebuild> {
-    state.read_tracker(|t| {
-        t.rank(key)
-            .and_then(|r| r.info.model.ddp_bucket_rebuild.clone())
-    })
-}
-
 /// Counts and logs a trace the prediction cannot use; the stream goes on.
 fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &str) {
     state.ingest.reject(reason, 1);
@@ -746,28 +711,29 @@ fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &s
     );
 }
 
-/// Replays a complete trace off the async threads and hands the result to
-/// the tracker. A trace that arrives after step 2 began is counted, not refused.
+/// Replays a complete trace under `plan` off the async threads and hands
+/// the result to the tracker. A trace that arrives after step 2 began is
+/// counted, not refused.
 async fn replay_trace(
     state: &AgentState,
     traces: &TraceBudget,
     key: &RankKey,
     trace: Arc<AllocatorTrace>,
+    plan: ReplayPlan,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
     alerts: &mut RankAlerts,
 ) -> Result<(), Status> {
     let events = trace.events.len();
-    let plan = state.replay_plan(key);
     let _replay_slot = traces.replays.acquire().await;
     let joined = tokio::task::spawn_blocking(move || {
         let replayed = plan.replay(&trace);
-        (trace, replayed)
+        (trace, plan, replayed)
     })
     .await;
     // A failure inside the replay is the agent's bug, not the client's: it
     // is counted and logged, and the rank keeps its stream and its markers
     // prediction.
-    let (trace, replayed) = match joined {
+    let (trace, plan, replayed) = match joined {
         Ok(done) => done,
         Err(e) => {
             tracing::error!(job = %key.job, rank = key.rank, error = %e, "the allocator trace replay failed");

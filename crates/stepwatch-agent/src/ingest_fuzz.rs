@@ -330,11 +330,10 @@ fn run(inputs: Vec<Input>) {
                     .map(convert::marker_from_wire)
                     .collect();
                 if let Ok(markers) = converted {
-                    let key = key.clone();
                     let batch = RecordEntry::Markers {
                         at_ns: now,
-                        key,
-                        markers,
+                        key: std::borrow::Cow::Borrowed(key),
+                        markers: markers.into(),
                     };
                     let _ = feed::apply(&mut tracker, &batch);
                 }

@@ -28,7 +28,7 @@ pub const RECORD_QUEUE_ENTRIES: usize = 4096;
 const FINAL_FLUSH_WAIT: Duration = Duration::from_secs(5);
 
 enum Message {
-    Entry(Box<RecordEntry>, bool),
+    Entry(Box<RecordEntry<'static>>, bool),
     /// Push buffered entries to the file; answer on the sender when done.
     Flush(Option<mpsc::Sender<()>>),
 }
@@ -75,7 +75,7 @@ impl Recorder {
     /// Queues one entry; `flush` pushes it to the file as soon as it is
     /// written (rank events), else it waits in the buffer (samples). Never
     /// blocks and does no I/O: callers hold the tracker lock.
-    pub fn write(&self, entry: RecordEntry, flush: bool) {
+    pub fn write(&self, entry: RecordEntry<'static>, flush: bool) {
         if self.stopped.load(Ordering::Relaxed) {
             self.entries.with_label_values(&["dropped"]).inc();
             return;
@@ -149,7 +149,7 @@ impl Writer {
         self.flush();
     }
 
-    fn write(&mut self, entry: &RecordEntry, flush: bool) {
+    fn write(&mut self, entry: &RecordEntry<'_>, flush: bool) {
         let written = self.written;
         let max_bytes = self.max_bytes;
         let Some(file) = self.file.as_mut() else {
@@ -204,7 +204,7 @@ mod tests {
         IntCounterVec::new(Opts::new("t", "t"), &["result"]).unwrap()
     }
 
-    fn evict(at_ns: u64) -> RecordEntry {
+    fn evict(at_ns: u64) -> RecordEntry<'static> {
         RecordEntry::Evict {
             at_ns,
             retention_ns: 1,

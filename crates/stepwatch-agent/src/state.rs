@@ -1,5 +1,6 @@
 //! State shared by the agent's servers and tasks.
 
+use std::borrow::Cow;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
@@ -287,19 +288,20 @@ impl AgentState {
 
     /// Applies one input through the step model's input path
     /// ([`feed::apply`], as the record replayer and the accuracy harness do)
-    /// and, when the tracker took it, queues that same input for `--record`.
+    /// and, when the tracker took it, queues that same input for `--record`
+    /// (a copy of what it borrows, made only while recording).
     /// `input` is given the time under the lock, so times follow the
     /// tracker's order; `flush`: see [`Recorder::write`].
-    fn apply(
+    fn apply<'a>(
         &self,
         drain: Drain<'_>,
-        input: impl FnOnce(u64) -> RecordEntry,
+        input: impl FnOnce(u64) -> RecordEntry<'a>,
         flush: bool,
     ) -> Result<Applied, RecordError> {
         self.update(drain, |tracker, inputs| {
             let input = input(monotonic_ns());
             let applied = feed::apply(tracker, &input)?;
-            inputs.record(input, flush);
+            inputs.record_with(|| input.into_owned(), flush);
             Ok(applied)
         })
     }
@@ -361,7 +363,8 @@ impl AgentState {
 
     /// Applies a rank's marker batch under one tracker lock and returns the
     /// advisories it made due. During step 1 the freshest samples go in
-    /// first, because the step-2 prediction is decided on this batch.
+    /// first, because the step-2 prediction is decided on this batch. The
+    /// batch is borrowed: copied only for `--record`.
     pub fn apply_markers(
         &self,
         key: &RankKey,
@@ -369,8 +372,8 @@ impl AgentState {
     ) -> Result<Vec<stepwatch_core::Advisory>, RecordError> {
         let batch = |at_ns| RecordEntry::Markers {
             at_ns,
-            key: key.clone(),
-            markers: markers.to_vec(),
+            key: Cow::Borrowed(key),
+            markers: Cow::Borrowed(markers),
         };
         // Ordered, not flushed: housekeeping flushes every second.
         let applied = self.apply(Drain::IfInFirstStep(key), batch, false)?;
@@ -542,12 +545,12 @@ struct Inputs<'a> {
 }
 
 impl Inputs<'_> {
-    fn record(&mut self, entry: RecordEntry, flush: bool) {
+    fn record(&mut self, entry: RecordEntry<'static>, flush: bool) {
         self.record_with(|| entry, flush)
     }
 
     /// [`Inputs::record`] for an entry worth building only when recording.
-    fn record_with(&mut self, entry: impl FnOnce() -> RecordEntry, flush: bool) {
+    fn record_with(&mut self, entry: impl FnOnce() -> RecordEntry<'static>, flush: bool) {
         if let Some(r) = self.recorder {
             r.write(entry(), flush);
         }

@@ -95,7 +95,6 @@ fn segments_trace(n: u64) -> AllocatorTrace {
         segments: a.layout(),
         events,
         settings: None,
-        ddp_bucket_rebuild: None,
     }
 }
 
@@ -168,7 +167,6 @@ fn transformer_trace(layers: u64, micro_batches: u64) -> AllocatorTrace {
         segments: a.layout(),
         events,
         settings: None,
-        ddp_bucket_rebuild: None,
     }
 }
 

@@ -19,7 +19,7 @@
 //! simulated GPU at 100 Hz, the replayer reads lines.
 
 use crate::advisory::Advisory;
-use crate::identity::RankKey;
+use crate::identity::{DdpBucketRebuild, RankKey};
 use crate::record::{RecordEntry, RecordError};
 use crate::replay::{replay_step2_with, AllocatorTrace, Gradients, Step2Replay, TraceError};
 use crate::tracker::{Opened, Tracker};
@@ -62,7 +62,7 @@ impl Applied {
 
 /// Applies one input to the tracker, as the agent does. Refused inputs
 /// change nothing.
-pub fn apply(tracker: &mut Tracker, input: &RecordEntry) -> Result<Applied, RecordError> {
+pub fn apply(tracker: &mut Tracker, input: &RecordEntry<'_>) -> Result<Applied, RecordError> {
     Ok(match input {
         RecordEntry::Open { at_ns, info } => Applied {
             opened: Some(tracker.open_evicting(info.clone(), *at_ns)?),
@@ -107,7 +107,9 @@ pub fn apply(tracker: &mut Tracker, input: &RecordEntry) -> Result<Applied, Reco
 /// How a rank's step-1 allocator trace is replayed: decided from the
 /// tracker (its facts and its current prediction) when the trace arrives,
 /// and recorded with the trace so a replay of the record does the same.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// The agent replays the trace again when a facts update changes the plan
+/// ([`ReplayPlan::replays_like`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ReplayPlan {
     /// What becomes of step 1's gradients between steps, from the rank's
     /// facts ([`Gradients::of`]).
@@ -115,33 +117,48 @@ pub struct ReplayPlan {
     /// The most the rank's allocator may reserve ([`Tracker::reserved_limit`]);
     /// None while unknown.
     pub reserved_limit: Option<u64>,
+    /// DDP's bucket rebuild at step 2's first forward, from the rank's facts
+    /// ([`crate::ModelFacts::ddp_bucket_rebuild`]): the trace's chunks do
+    /// not carry it, and it may come after them.
+    pub ddp_bucket_rebuild: Option<DdpBucketRebuild>,
 }
 
 impl ReplayPlan {
     /// The plan for the rank's trace as the tracker stands (defaults for a
     /// rank it does not know; its replay will be late anyway).
     pub fn for_rank(tracker: &Tracker, key: &RankKey) -> Self {
+        let info = tracker.rank(key).map(|r| &r.info);
         Self {
-            gradients: tracker
-                .rank(key)
-                .map_or_else(Gradients::default, |r| Gradients::of(&r.info)),
+            gradients: info.map_or_else(Gradients::default, Gradients::of),
             reserved_limit: tracker.reserved_limit(key),
+            ddp_bucket_rebuild: info.and_then(|i| i.model.ddp_bucket_rebuild.clone()),
         }
+    }
+
+    /// Whether a trace replayed under `other` would replay the same under
+    /// this plan as far as the rank's facts decide it (the gradients, DDP's
+    /// rebuild). The reserved limit is left out: it follows the GPU samples
+    /// all through step 1, and a facts update is not a reason to measure it
+    /// again (a replay that is due anyway takes the current one).
+    pub fn replays_like(&self, other: &Self) -> bool {
+        self.gradients == other.gradients && self.ddp_bucket_rebuild == other.ddp_bucket_rebuild
     }
 
     /// The plan an [`RecordEntry::AllocatorTrace`] was replayed with (older
     /// records say only whether gradients persist); None for other entries.
-    pub fn of_entry(entry: &RecordEntry) -> Option<Self> {
+    pub fn of_entry(entry: &RecordEntry<'_>) -> Option<Self> {
         match entry {
             RecordEntry::AllocatorTrace {
                 grads_persistent,
                 gradients,
                 reserved_limit,
+                ddp_bucket_rebuild,
                 ..
             } => Some(Self {
                 gradients: gradients
                     .unwrap_or_else(|| Gradients::from_persistent(*grads_persistent)),
                 reserved_limit: *reserved_limit,
+                ddp_bucket_rebuild: ddp_bucket_rebuild.clone(),
             }),
             _ => None,
         }
@@ -150,17 +167,23 @@ impl ReplayPlan {
     /// Replays step 2 from `trace` under this plan. Pure and heavy (up to a
     /// few hundred ms for the largest traces): run it outside any lock.
     pub fn replay(&self, trace: &AllocatorTrace) -> Result<Step2Replay, TraceError> {
-        replay_step2_with(trace, self.gradients, self.reserved_limit)
+        replay_step2_with(
+            trace,
+            self.gradients,
+            self.reserved_limit,
+            self.ddp_bucket_rebuild.as_ref(),
+        )
     }
 
     /// The record entry of `trace` replayed under this plan.
-    pub fn entry(&self, at_ns: u64, key: RankKey, trace: AllocatorTrace) -> RecordEntry {
+    pub fn entry(self, at_ns: u64, key: RankKey, trace: AllocatorTrace) -> RecordEntry<'static> {
         RecordEntry::AllocatorTrace {
             at_ns,
             key,
             grads_persistent: self.gradients == Gradients::Kept,
             gradients: Some(self.gradients),
             reserved_limit: self.reserved_limit,
+            ddp_bucket_rebuild: self.ddp_bucket_rebuild,
             trace,
         }
     }
@@ -196,16 +219,15 @@ mod tests {
     }
 
     /// A batch of one step-begin marker at `t`, as a record holds it.
-    fn step_begins(key: &RankKey, step: u64, t: u64) -> RecordEntry {
+    fn step_begins(key: &RankKey, step: u64, t: u64) -> RecordEntry<'static> {
         let marker: Marker = serde_json::from_str(&format!(
             r#"{{"kind":"step_begin","step":{step},"monotonic_ns":{t},"wall_ns":{t},"micro_batch":0,"allocator":null}}"#
         ))
         .unwrap();
-        let markers = vec![marker];
         RecordEntry::Markers {
             at_ns: t,
-            key: key.clone(),
-            markers,
+            key: std::borrow::Cow::Owned(key.clone()),
+            markers: vec![marker].into(),
         }
     }
 
@@ -268,15 +290,72 @@ mod tests {
         assert!(apply(&mut t, &facts(21)).unwrap().late);
     }
 
+    fn rebuild() -> DdpBucketRebuild {
+        DdpBucketRebuild {
+            old_bucket_bytes: vec![32 << 20],
+            new_bucket_bytes: vec![8 << 20, 24 << 20],
+        }
+    }
+
+    #[test]
+    fn a_ddp_rebuild_in_facts_after_the_trace_changes_the_plan() {
+        let mut t = Tracker::new(TrackerConfig::default());
+        let key = info(0).key();
+        let open = RecordEntry::Open {
+            at_ns: 1,
+            info: info(0),
+        };
+        apply(&mut t, &open).unwrap();
+        apply(&mut t, &step_begins(&key, 1, 10)).unwrap();
+        // The trace came now: replayed without a rebuild.
+        let replayed = ReplayPlan::for_rank(&t, &key);
+        assert_eq!(replayed.ddp_bucket_rebuild, None);
+        let facts = |at_ns| RecordEntry::ModelFacts {
+            at_ns,
+            key: key.clone(),
+            update: ModelFacts {
+                ddp_bucket_rebuild: Some(rebuild()),
+                ..ModelFacts::default()
+            },
+        };
+        apply(&mut t, &facts(11)).unwrap();
+        let plan = ReplayPlan::for_rank(&t, &key);
+        assert_eq!(plan.ddp_bucket_rebuild, Some(rebuild()));
+        assert!(!plan.replays_like(&replayed), "the trace replays again");
+        // The same facts again change nothing.
+        apply(&mut t, &facts(12)).unwrap();
+        assert!(ReplayPlan::for_rank(&t, &key).replays_like(&plan));
+        // Nor does another reserved limit alone (it follows the samples).
+        let measured = ReplayPlan {
+            reserved_limit: Some(1 << 30),
+            ..plan.clone()
+        };
+        assert!(measured.replays_like(&plan));
+    }
+
     #[test]
     fn a_trace_entry_replays_under_the_plan_it_was_recorded_with() {
         let plan = ReplayPlan {
             gradients: Gradients::FreedBeforeBackward,
             reserved_limit: Some(1 << 30),
+            ddp_bucket_rebuild: Some(rebuild()),
         };
         let key = info(0).key();
-        let entry = plan.entry(5, key, AllocatorTrace::default());
-        assert_eq!(ReplayPlan::of_entry(&entry), Some(plan));
+        let entry = plan.clone().entry(5, key, AllocatorTrace::default());
+        assert_eq!(ReplayPlan::of_entry(&entry), Some(plan.clone()));
+        // As a record line: the rebuild next to the trace, not in it.
+        let line = serde_json::to_value(&entry).unwrap();
+        let fields = &line["allocator_trace"];
+        assert_eq!(
+            fields["ddp_bucket_rebuild"]["new_bucket_bytes"][1],
+            24 << 20
+        );
+        assert!(
+            fields["trace"].get("ddp_bucket_rebuild").is_none(),
+            "{fields}"
+        );
+        let read: RecordEntry = serde_json::from_value(line).unwrap();
+        assert_eq!(ReplayPlan::of_entry(&read), Some(plan));
         // Older records carry only `grads_persistent`.
         let old = RecordEntry::AllocatorTrace {
             at_ns: 5,
@@ -284,14 +363,33 @@ mod tests {
             grads_persistent: true,
             gradients: None,
             reserved_limit: None,
+            ddp_bucket_rebuild: None,
             trace: AllocatorTrace::default(),
         };
         assert_eq!(
             ReplayPlan::of_entry(&old),
             Some(ReplayPlan {
                 gradients: Gradients::Kept,
-                reserved_limit: None
+                ..ReplayPlan::default()
             })
+        );
+    }
+
+    #[test]
+    fn a_record_with_the_rebuild_inside_its_trace_is_refused_by_name() {
+        // As agents of 2026-12-02 wrote it before the rebuild joined the plan.
+        let line = r#"{"allocator_trace":{"at_ns":5,"key":{"job":"j","rank":0},"grads_persistent":false,"reserved_limit":null,"trace":{"step":1,"segments":[],"events":[],"ddp_bucket_rebuild":{"old_bucket_bytes":[1],"new_bucket_bytes":[1]}}}}"#;
+        let e = serde_json::from_str::<RecordEntry>(line).unwrap_err();
+        assert!(e.to_string().contains("move it out of `trace`"), "{e}");
+        // Without it, the same line reads.
+        let plain = line.replace(
+            r#","ddp_bucket_rebuild":{"old_bucket_bytes":[1],"new_bucket_bytes":[1]}"#,
+            "",
+        );
+        let entry: RecordEntry = serde_json::from_str(&plain).unwrap();
+        assert_eq!(
+            ReplayPlan::of_entry(&entry).unwrap().ddp_bucket_rebuild,
+            None
         );
     }
 }

@@ -26,6 +26,19 @@ pub enum MarkerKind {
 }
 
 impl MarkerKind {
+    /// The markers of one step with one micro-batch, in the order a
+    /// training loop sends them (no `Oom`: it ends a step instead of
+    /// `StepEnd`). One list for the tests, the simulator's checks and the
+    /// load generators that drive a rank step by step.
+    pub const STEP_ORDER: [MarkerKind; 6] = [
+        MarkerKind::StepBegin,
+        MarkerKind::ForwardBegin,
+        MarkerKind::BackwardBegin,
+        MarkerKind::OptimizerBegin,
+        MarkerKind::OptimizerEnd,
+        MarkerKind::StepEnd,
+    ];
+
     /// The phase this marker opens, if any. `StepEnd` and `Oom` close a step
     /// and open nothing.
     pub fn opens(self) -> Option<PhaseKind> {
@@ -180,6 +193,16 @@ pub struct Marker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_in_order_opens_every_phase_once_then_ends() {
+        let opened: Vec<PhaseKind> = MarkerKind::STEP_ORDER
+            .iter()
+            .filter_map(|k| k.opens())
+            .collect();
+        assert_eq!(opened, PhaseKind::ALL);
+        assert_eq!(MarkerKind::STEP_ORDER.last(), Some(&MarkerKind::StepEnd));
+    }
 
     #[test]
     fn each_phase_is_opened_by_the_marker_that_opens_it() {

@@ -10,24 +10,30 @@
 //!
 //! A [`RecordEntry`] is also how every caller describes an input to
 //! [`crate::feed::apply`], the step model's one input path: what the agent
-//! records is the input it applied.
+//! records is the input it applied. A marker batch may be borrowed
+//! ([`Cow`]): the agent applies each batch from the stream's own buffer and
+//! copies it ([`RecordEntry::into_owned`]) only when recording.
+
+use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
 use crate::advisory::{Advisory, AdvisoryKind};
+use crate::allocator::SegmentLayout;
 use crate::error::{HelloError, MarkerError};
 use crate::feed;
-use crate::identity::{ModelFacts, RankInfo, RankKey};
+use crate::identity::{DdpBucketRebuild, ModelFacts, RankInfo, RankKey};
 use crate::marker::Marker;
 use crate::predict::PredictionBasis;
-use crate::replay::{AllocatorTrace, Gradients, TraceError};
+use crate::replay::{AllocatorEvent, AllocatorTrace, Gradients, TraceError, TraceSettings};
 use crate::sample::GpuSample;
 use crate::tracker::{OpenError, Tracker, TrackerConfig};
 
-/// One input to the tracker.
+/// One input to the tracker; `'a` is what a marker batch borrows (read from
+/// a record, nothing is borrowed).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum RecordEntry {
+pub enum RecordEntry<'a> {
     /// A stream's hello ([`Tracker::open`]).
     Open {
         /// Monotonic ns passed to the tracker.
@@ -40,9 +46,9 @@ pub enum RecordEntry {
         /// Monotonic ns passed to the tracker.
         at_ns: u64,
         /// The rank.
-        key: RankKey,
+        key: Cow<'a, RankKey>,
         /// The batch.
-        markers: Vec<Marker>,
+        markers: Cow<'a, [Marker]>,
     },
     /// A step-1 allocator trace, replayed and handed to the tracker
     /// ([`Tracker::allocator_replay`]).
@@ -60,8 +66,12 @@ pub enum RecordEntry {
         /// The reserved-bytes limit the agent replayed it within, if any.
         #[serde(default)]
         reserved_limit: Option<u64>,
-        /// The trace as received, with the rank's DDP bucket rebuild as the
-        /// agent replayed it ([`AllocatorTrace::ddp_bucket_rebuild`]).
+        /// DDP's bucket rebuild the agent replayed it with, from the rank's
+        /// facts ([`crate::feed::ReplayPlan::ddp_bucket_rebuild`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ddp_bucket_rebuild: Option<DdpBucketRebuild>,
+        /// The trace as received.
+        #[serde(deserialize_with = "trace_as_recorded")]
         trace: AllocatorTrace,
     },
     /// Facts a rank sent after its hello ([`Tracker::update_model_facts`]).
@@ -103,14 +113,63 @@ pub enum RecordEntry {
     },
 }
 
-impl RecordEntry {
+impl RecordEntry<'_> {
+    /// The entry with nothing borrowed, to keep (the agent's record): the
+    /// one place a borrowed marker batch is copied.
+    pub fn into_owned(self) -> RecordEntry<'static> {
+        match self {
+            RecordEntry::Markers {
+                at_ns,
+                key,
+                markers,
+            } => RecordEntry::Markers {
+                at_ns,
+                key: Cow::Owned(key.into_owned()),
+                markers: Cow::Owned(markers.into_owned()),
+            },
+            RecordEntry::Open { at_ns, info } => RecordEntry::Open { at_ns, info },
+            RecordEntry::AllocatorTrace {
+                at_ns,
+                key,
+                grads_persistent,
+                gradients,
+                reserved_limit,
+                ddp_bucket_rebuild,
+                trace,
+            } => RecordEntry::AllocatorTrace {
+                at_ns,
+                key,
+                grads_persistent,
+                gradients,
+                reserved_limit,
+                ddp_bucket_rebuild,
+                trace,
+            },
+            RecordEntry::ModelFacts { at_ns, key, update } => {
+                RecordEntry::ModelFacts { at_ns, key, update }
+            }
+            RecordEntry::GpuSamples { gpu, samples } => RecordEntry::GpuSamples { gpu, samples },
+            RecordEntry::GpuProcesses { gpu, processes } => {
+                RecordEntry::GpuProcesses { gpu, processes }
+            }
+            RecordEntry::Evict {
+                at_ns,
+                retention_ns,
+            } => RecordEntry::Evict {
+                at_ns,
+                retention_ns,
+            },
+            RecordEntry::Close { at_ns, key } => RecordEntry::Close { at_ns, key },
+        }
+    }
+
     /// The rank an entry is about, for its advisories; None for a hello
     /// (its rank is its info's), a GPU's samples or processes and an
     /// eviction.
     pub fn key(&self) -> Option<&RankKey> {
         match self {
-            RecordEntry::Markers { key, .. }
-            | RecordEntry::AllocatorTrace { key, .. }
+            RecordEntry::Markers { key, .. } => Some(key),
+            RecordEntry::AllocatorTrace { key, .. }
             | RecordEntry::ModelFacts { key, .. }
             | RecordEntry::Close { key, .. } => Some(key),
             RecordEntry::Open { .. }
@@ -119,6 +178,39 @@ impl RecordEntry {
             | RecordEntry::Evict { .. } => None,
         }
     }
+}
+
+/// An entry's trace as records hold it. Records of agents from 2026-12-02
+/// before the rebuild moved into the plan held DDP's bucket rebuild inside
+/// the trace: such a trace is refused by name rather than replayed without
+/// it, which would silently give other figures.
+fn trace_as_recorded<'de, D: serde::Deserializer<'de>>(d: D) -> Result<AllocatorTrace, D::Error> {
+    /// [`AllocatorTrace`]'s fields (the literal below lists them all, so a
+    /// new one does not compile until it is here) and the old rebuild.
+    #[derive(Deserialize)]
+    struct Recorded {
+        step: u64,
+        segments: Vec<SegmentLayout>,
+        events: Vec<AllocatorEvent>,
+        #[serde(default)]
+        settings: Option<TraceSettings>,
+        #[serde(default)]
+        ddp_bucket_rebuild: Option<serde::de::IgnoredAny>,
+    }
+    let r = Recorded::deserialize(d)?;
+    if r.ddp_bucket_rebuild.is_some() {
+        return Err(serde::de::Error::custom(
+            "the trace holds ddp_bucket_rebuild: an agent of 2026-12-02 wrote this \
+             record with the DDP bucket rebuild inside the trace; move it out of \
+             `trace` into its allocator_trace entry to replay the record",
+        ));
+    }
+    Ok(AllocatorTrace {
+        step: r.step,
+        segments: r.segments,
+        events: r.events,
+        settings: r.settings,
+    })
 }
 
 /// Why an input (an entry of a record) could not be applied.
@@ -152,6 +244,17 @@ impl RecordError {
             RecordError::Trace(_) => "allocator_trace_invalid",
         }
     }
+
+    /// What the tracker said, without naming the kind of input: for a
+    /// message that names the input itself (the agent's gRPC statuses).
+    pub fn refusal(&self) -> &(dyn std::error::Error + 'static) {
+        match self {
+            RecordError::Open(e) => e,
+            RecordError::Markers(e) => e,
+            RecordError::ModelFacts(e) => e,
+            RecordError::Trace(e) => e,
+        }
+    }
 }
 
 /// Applies a record's entries, in order, to a tracker of its own.
@@ -172,7 +275,7 @@ impl Replayer {
     }
 
     /// Applies one entry, as the agent did ([`feed::apply`]).
-    pub fn apply(&mut self, entry: RecordEntry) -> Result<(), RecordError> {
+    pub fn apply(&mut self, entry: RecordEntry<'_>) -> Result<(), RecordError> {
         let applied = feed::apply(&mut self.tracker, &entry)?;
         if let Some(key) = entry.key() {
             self.advisories
@@ -240,4 +343,57 @@ pub struct PredictionCheck {
     pub error_ratio: Option<f64>,
     /// Advisories issued to the rank, in order.
     pub advisories: Vec<AdvisoryKind>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_is_said_with_and_without_the_kind_of_input() {
+        let e = RecordError::from(TraceError::NotStepOne(2));
+        let said = "an allocator trace must come from step 1, not step 2";
+        assert_eq!(e.to_string(), format!("allocator trace refused: {said}"));
+        assert_eq!(e.refusal().to_string(), said);
+    }
+
+    #[test]
+    fn a_borrowed_batch_is_applied_as_it_is_and_copied_to_be_kept() {
+        let info = RankInfo {
+            job: "j".into(),
+            world_size: 1,
+            gpu_uuid: "GPU-0".into(),
+            pid: 10,
+            ..RankInfo::default()
+        };
+        let key = info.key();
+        let markers: Vec<Marker> = serde_json::from_str(
+            r#"[{"kind":"step_begin","step":1,"monotonic_ns":10,"wall_ns":10,"micro_batch":0,"allocator":null}]"#,
+        )
+        .unwrap();
+        let mut replayer = Replayer::default();
+        replayer
+            .apply(RecordEntry::Open { at_ns: 1, info })
+            .unwrap();
+        let batch = RecordEntry::Markers {
+            at_ns: 10,
+            key: Cow::Borrowed(&key),
+            markers: Cow::Borrowed(&markers),
+        };
+        replayer.apply(batch.clone()).unwrap();
+        let rank = replayer.tracker().rank(&key).unwrap();
+        assert_eq!(rank.timeline.current().map(|s| s.step), Some(1));
+        let kept = batch.clone().into_owned();
+        assert!(matches!(
+            &kept,
+            RecordEntry::Markers {
+                key: Cow::Owned(_),
+                markers: Cow::Owned(_),
+                ..
+            }
+        ));
+        assert_eq!(kept, batch);
+        let line = serde_json::to_string(&kept).unwrap();
+        assert_eq!(serde_json::from_str::<RecordEntry>(&line).unwrap(), batch);
+    }
 }

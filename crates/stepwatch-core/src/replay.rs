@@ -32,9 +32,9 @@
 //! DistributedDataParallel (`find_unused_parameters=False`) rebuilds its
 //! gradient buckets at step 2's first forward. It frees the one bucket of
 //! all gradients it made when constructed (alive since before the trace)
-//! and allocates buckets of about 25 MiB. With
-//! [`AllocatorTrace::ddp_bucket_rebuild`] (from the client's model facts)
-//! the replay frees the old buckets' blocks, found by size among the blocks
+//! and allocates buckets of about 25 MiB. Given the rebuild (the
+//! `ddp_bucket_rebuild` argument of [`replay_step2_with`]: the client's model
+//! facts, through [`crate::feed::ReplayPlan`]) the replay frees the old buckets' blocks, found by size among the blocks
 //! alive since before the trace, and allocates the new ones there, in step
 //! 2 only. Checked against real PyTorch on fake CUDA
 //! (`tests/fixtures/torch-fake-cuda/`), the GPT, CNN, DDP, Lightning and
@@ -217,12 +217,6 @@ pub struct AllocatorTrace {
     /// clients), PyTorch's defaults are assumed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub settings: Option<TraceSettings>,
-    /// DDP's bucket rebuild to come at step 2's first forward, from the
-    /// rank's model facts ([`crate::ModelFacts::ddp_bucket_rebuild`]), not
-    /// from the trace's chunks: the agent puts it here before the replay, so
-    /// that a record of the trace replays the same.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ddp_bucket_rebuild: Option<DdpBucketRebuild>,
 }
 
 /// A trace that cannot be replayed.
@@ -415,8 +409,8 @@ pub struct Step2Replay {
     pub ddp_bucket_rebuild: Option<ReplayedBucketRebuild>,
 }
 
-/// What the replay made of DDP's bucket rebuild
-/// ([`AllocatorTrace::ddp_bucket_rebuild`]).
+/// What the replay made of DDP's bucket rebuild (the `ddp_bucket_rebuild`
+/// argument of [`replay_step2_with`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplayedBucketRebuild {
     /// Whether step 2 was replayed with it: false when a block holding one
@@ -482,15 +476,20 @@ pub fn replay_step2_within(
         trace,
         Gradients::from_persistent(grads_persistent),
         reserved_limit,
+        None,
     )
 }
 
 /// [`replay_step2_within`], with the gradients' fate between steps said in
-/// full.
+/// full and DDP's bucket rebuild at step 2's first forward, if the rank's
+/// facts announced one ([`crate::ModelFacts::ddp_bucket_rebuild`]; the
+/// trace's chunks do not carry it, so it comes with the plan:
+/// [`crate::feed::ReplayPlan`]).
 pub fn replay_step2_with(
     trace: &AllocatorTrace,
     gradients: Gradients,
     reserved_limit: Option<u64>,
+    ddp_bucket_rebuild: Option<&DdpBucketRebuild>,
 ) -> Result<Step2Replay, TraceError> {
     let grads_persistent = gradients == Gradients::Kept;
     trace.check_bounds()?;
@@ -601,7 +600,7 @@ pub fn replay_step2_with(
     }
     keep.extend(private_events);
     alloc.reset_step_peak();
-    let rebuild = trace.ddp_bucket_rebuild.as_ref().map(|r| {
+    let rebuild = ddp_bucket_rebuild.map(|r| {
         let open: HashSet<u64> = open.iter().map(|&(address, _)| address).collect();
         let before_trace: Vec<(u64, AllocId)> = live
             .iter()

@@ -19,14 +19,7 @@ fn steps(n: u64, t0: u64) -> Vec<Marker> {
     let mut out = Vec::new();
     let mut t = t0;
     for step in 1..=n {
-        for kind in [
-            MarkerKind::StepBegin,
-            MarkerKind::ForwardBegin,
-            MarkerKind::BackwardBegin,
-            MarkerKind::OptimizerBegin,
-            MarkerKind::OptimizerEnd,
-            MarkerKind::StepEnd,
-        ] {
+        for kind in MarkerKind::STEP_ORDER {
             t += 10_000_000;
             let allocated = match kind {
                 MarkerKind::BackwardBegin => 6_000_000_000,

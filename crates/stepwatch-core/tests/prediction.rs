@@ -523,23 +523,12 @@ fn no_figures_no_prediction() {
 
 /// Steps 2.. with NVML step peaks as given (no allocator figures).
 fn steps_with_peaks(peaks: &[u64]) -> (Vec<Marker>, Vec<GpuSample>) {
-    use MarkerKind::*;
     let mut ms = Vec::new();
     let mut ss = Vec::new();
     for (i, &peak) in peaks.iter().enumerate() {
         let step = i as u64 + 1;
         let t0 = step * 1000;
-        for (k, kind) in [
-            StepBegin,
-            ForwardBegin,
-            BackwardBegin,
-            OptimizerBegin,
-            OptimizerEnd,
-            StepEnd,
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        for (k, kind) in MarkerKind::STEP_ORDER.into_iter().enumerate() {
             ms.push(marker(kind, step, t0 + 100 * k as u64, 0, None));
         }
         ss.extend(samples(

@@ -72,7 +72,6 @@ impl Recorder {
             segments: self.alloc.layout(),
             events: self.events.clone(),
             settings: None,
-            ddp_bucket_rebuild: None,
         }
     }
 }
@@ -626,7 +625,6 @@ fn a_private_pool_serves_no_replayed_allocation() {
             event(AllocatorAction::SegmentFree, s, 20 * MIB),
         ],
         settings: None,
-        ddp_bucket_rebuild: None,
     };
     let replay = replay_step2(&t, false).unwrap();
     assert_eq!(replay.reserved_at_step1_end_bytes, 104 * MIB);
@@ -778,11 +776,10 @@ fn hostile_traces_are_replayed_or_refused_never_a_panic() {
             segments,
             events,
             settings,
-            ddp_bucket_rebuild: None,
         };
         for gradients in [Gradients::FreedBeforeStep, Gradients::Kept] {
             let limit = Some(next() % (1 << 32));
-            match replay_step2_with(&t, gradients, limit) {
+            match replay_step2_with(&t, gradients, limit, None) {
                 Ok(_) => replayed += 1,
                 Err(_) => refused += 1,
             }
@@ -797,9 +794,9 @@ fn hostile_traces_are_replayed_or_refused_never_a_panic() {
 
 /// DDP with its one 40 MiB bucket (made before step 1, in a segment of its
 /// own), then step 1: forward makes a 10 MiB activation, backward frees it
-/// and makes a 40 MiB gradient (set to None before step 2); a rebuild of
-/// `old` into `new` bucket sizes is announced.
-fn ddp_step_one(old: &[u64], new: &[u64]) -> AllocatorTrace {
+/// and makes a 40 MiB gradient (set to None before step 2); with the
+/// rebuild of `old` into `new` bucket sizes the rank's facts announce.
+fn ddp_step_one(old: &[u64], new: &[u64]) -> (AllocatorTrace, DdpBucketRebuild) {
     let mut r = Recorder::new();
     let _bucket = r.alloc.malloc(40 * MIB, u64::MAX).unwrap();
     r.phase = PhaseKind::Forward;
@@ -807,12 +804,21 @@ fn ddp_step_one(old: &[u64], new: &[u64]) -> AllocatorTrace {
     r.phase = PhaseKind::Backward;
     r.free(a);
     r.malloc(40 * MIB);
-    let mut t = r.trace();
-    t.ddp_bucket_rebuild = Some(DdpBucketRebuild {
+    let rebuild = DdpBucketRebuild {
         old_bucket_bytes: old.to_vec(),
         new_bucket_bytes: new.to_vec(),
-    });
-    t
+    };
+    (r.trace(), rebuild)
+}
+
+/// Step 2 replayed from `t` with DDP's `rebuild` (gradients set to None),
+/// within `limit` when given.
+fn replay_rebuilding(
+    t: &AllocatorTrace,
+    rebuild: &DdpBucketRebuild,
+    limit: Option<u64>,
+) -> Step2Replay {
+    replay_step2_with(t, Gradients::FreedBeforeStep, limit, Some(rebuild)).unwrap()
 }
 
 #[test]
@@ -820,11 +826,9 @@ fn ddp_rebuilding_its_buckets_at_step_2s_first_forward_is_replayed() {
     // Step 1 ends with bucket B (40 MiB), C (10 MiB, free) and the gradient's
     // D (40 MiB): 90 MiB. The new buckets' sizes add up to the old one's but
     // are not multiples of 512 B: 20 MiB and 20 MiB + 512 B once rounded.
-    let t = ddp_step_one(&[40 * MIB], &[20 * MIB - 256, 20 * MIB + 256]);
-    let mut without = t.clone();
-    without.ddp_bucket_rebuild = None;
+    let (t, rebuild) = ddp_step_one(&[40 * MIB], &[20 * MIB - 256, 20 * MIB + 256]);
     // Without it step 2 repeats step 1: the activation in C, the gradient in D.
-    let plain = replay_step2(&without, false).unwrap();
+    let plain = replay_step2(&t, false).unwrap();
     assert_eq!(plain.reserved_peak_bytes, 90 * MIB);
     assert_eq!(plain.ddp_bucket_rebuild, None);
 
@@ -832,7 +836,7 @@ fn ddp_rebuilding_its_buckets_at_step_2s_first_forward_is_replayed() {
     // gradient set to None); the first bucket splits one 40 MiB block, the
     // second the other, so the gradient finds no 40 MiB block and takes a
     // new 40 MiB segment: 130 MiB. Steps 3 and 4 do not rebuild again.
-    let rebuilt = replay_step2(&t, false).unwrap();
+    let rebuilt = replay_rebuilding(&t, &rebuild, None);
     assert_eq!(rebuilt.reserved_at_step1_end_bytes, 90 * MIB);
     assert_eq!(rebuilt.reserved_peak_bytes, 130 * MIB);
     assert_eq!(rebuilt.new_segment_bytes, 40 * MIB);
@@ -848,11 +852,10 @@ fn ddp_rebuilding_its_buckets_at_step_2s_first_forward_is_replayed() {
     );
 
     // Within 100 MiB, releasing the free C (10 MiB) leaves 80 + 40: no fit.
-    let tight = replay_step2_within(&t, false, Some(100 * MIB)).unwrap();
+    let tight = replay_rebuilding(&t, &rebuild, Some(100 * MIB));
     assert!(!tight.within_limit.unwrap().fits);
     // Within 120 MiB it fits after that one release.
-    let w = replay_step2_within(&t, false, Some(120 * MIB))
-        .unwrap()
+    let w = replay_rebuilding(&t, &rebuild, Some(120 * MIB))
         .within_limit
         .unwrap();
     assert!(w.fits);
@@ -865,12 +868,12 @@ fn a_ddp_rebuild_whose_old_buckets_are_not_in_the_layout_is_left_out() {
     // No block alive since before the trace can hold a 30 MiB bucket (B is
     // 40 MiB: more than the 1 MiB the allocator leaves unsplit), and the
     // trace's own 40 MiB gradient is never taken for a bucket.
-    let t = ddp_step_one(&[30 * MIB], &[30 * MIB]);
-    let r = replay_step2(&t, false).unwrap();
+    let (t, rebuild) = ddp_step_one(&[30 * MIB], &[30 * MIB]);
+    let r = replay_rebuilding(&t, &rebuild, None);
     assert_eq!(r.reserved_peak_bytes, 90 * MIB);
     assert_eq!(r.ddp_bucket_rebuild.map(|b| b.modelled), Some(false));
-    let t = ddp_step_one(&[40 * MIB, 40 * MIB], &[80 * MIB]);
-    let r = replay_step2(&t, false).unwrap();
+    let (t, rebuild) = ddp_step_one(&[40 * MIB, 40 * MIB], &[80 * MIB]);
+    let r = replay_rebuilding(&t, &rebuild, None);
     assert_eq!(r.reserved_peak_bytes, 90 * MIB);
     assert_eq!(r.ddp_bucket_rebuild.map(|b| b.modelled), Some(false));
 }

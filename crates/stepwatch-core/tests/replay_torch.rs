@@ -21,6 +21,10 @@ struct Fixture {
     job: String,
     gradients: Gradients,
     real: Real,
+    /// DDP's bucket rebuild from the rank's facts, which the agent replayed
+    /// the trace with (its record's `allocator_trace.ddp_bucket_rebuild`).
+    #[serde(default)]
+    ddp_bucket_rebuild: Option<DdpBucketRebuild>,
     trace: AllocatorTrace,
 }
 
@@ -42,7 +46,7 @@ fn error(predicted: u64, real: u64) -> f64 {
 /// small-pool segment would be 0.09%).
 fn check(name: &str) -> Step2Replay {
     let f = fixture(name);
-    let r = replay_step2_with(&f.trace, f.gradients, None).unwrap();
+    let r = replay_step2_with(&f.trace, f.gradients, None, f.ddp_bucket_rebuild.as_ref()).unwrap();
     let job = &f.job;
     assert_eq!(
         r.reserved_at_step1_end_bytes, f.real.reserved_at_step1_end_bytes,
@@ -190,7 +194,7 @@ fn ddp_frees_its_one_bucket_and_makes_the_rebuilt_ones_at_step_2s_first_forward(
     // MiB, 166.9 MiB) at step 2's first forward, as PyTorch's own memory
     // history shows (bench/torch-jobs/probe_ddp_step2.py).
     let f = fixture("ddp-uneven.json");
-    let rebuild = f.trace.ddp_bucket_rebuild.clone().unwrap();
+    let rebuild = f.ddp_bucket_rebuild.clone().unwrap();
     assert_eq!(rebuild.old_bucket_bytes, [496_330_752]);
     let mut new = vec![9_446_400];
     new.extend([28_351_488; 11]);
@@ -201,9 +205,7 @@ fn ddp_frees_its_one_bucket_and_makes_the_rebuilt_ones_at_step_2s_first_forward(
     // Without the rebuild (the old bucket kept, no new ones), the same trace
     // says 3,946,840,064 reserved bytes in step 2 and the steady state: one
     // 198 MiB segment (+5.6%) more than PyTorch reserved.
-    let mut without = f.trace.clone();
-    without.ddp_bucket_rebuild = None;
-    let w = replay_step2_with(&without, f.gradients, None).unwrap();
+    let w = replay_step2_with(&f.trace, f.gradients, None, None).unwrap();
     assert_eq!(w.steady_reserved_peak_bytes, 3_946_840_064);
     assert_eq!(
         w.steady_reserved_peak_bytes - f.real.steady_reserved_peak_bytes,

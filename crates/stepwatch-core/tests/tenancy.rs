@@ -23,14 +23,7 @@ fn two_steps(t0: u64) -> Vec<Marker> {
     let mut out = Vec::new();
     let mut t = t0;
     for step in 1..=2 {
-        for kind in [
-            MarkerKind::StepBegin,
-            MarkerKind::ForwardBegin,
-            MarkerKind::BackwardBegin,
-            MarkerKind::OptimizerBegin,
-            MarkerKind::OptimizerEnd,
-            MarkerKind::StepEnd,
-        ] {
+        for kind in MarkerKind::STEP_ORDER {
             t += 10_000_000;
             out.push(Marker {
                 kind,

@@ -230,8 +230,6 @@ fn trace() -> impl Strategy<Value = AllocatorTrace> {
             segments,
             events,
             settings,
-            // Not on the trace's wire: the agent adds it from the rank's facts.
-            ddp_bucket_rebuild: None,
         })
 }
 

@@ -36,6 +36,7 @@
 //! at every marker instead), device samples, process lists, model facts and
 //! the allocator trace a client would record.
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use stepwatch_core::feed::{self, Applied, ReplayPlan};
@@ -315,7 +316,7 @@ struct Replay {
 }
 
 /// Applies one simulated input; the simulator makes only valid ones.
-fn feed(tracker: &mut Tracker, input: RecordEntry) -> Applied {
+fn feed(tracker: &mut Tracker, input: RecordEntry<'_>) -> Applied {
     feed::apply(tracker, &input).expect("the simulator's inputs are valid")
 }
 
@@ -445,8 +446,8 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
                 &mut tracker,
                 RecordEntry::Markers {
                     at_ns: t,
-                    key: key.clone(),
-                    markers,
+                    key: Cow::Borrowed(key),
+                    markers: markers.into(),
                 },
             );
             if batch_owner == 0 {

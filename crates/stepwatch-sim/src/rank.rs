@@ -564,7 +564,6 @@ impl RankSim {
                         segments: self.alloc.layout(),
                         events: std::mem::take(&mut self.trace_events),
                         settings: None,
-                        ddp_bucket_rebuild: None,
                     };
                     self.out.push_back(SimEvent::AllocatorTrace {
                         at_ns: self.now_ns,
