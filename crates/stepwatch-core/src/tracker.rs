@@ -71,12 +71,14 @@ pub enum OpenError {
     /// connected (finished ranks give way); keeps memory bounded.
     #[error("the agent already tracks {0} connected ranks, its limit (--max-ranks)")]
     TooManyRanks(usize),
-    /// Another process holds the rank: a hello from a different process or
-    /// pod for a rank with an open stream, or one whose pod the kubelet did
-    /// not vouch for, for a rank whose pod it did. Refused so that no process
-    /// can take over, or reset, another's rank; the holder is untouched.
+    /// Someone else holds the rank: a hello from a different process or
+    /// pod for a rank with an open stream, one whose pod the kubelet did
+    /// not vouch for, for a rank whose pod it did, or one naming a run its
+    /// process has since left for a newer one. Refused so that no process
+    /// (and no stale stream of an earlier run) can take over, or reset,
+    /// the rank; the holder is untouched.
     #[error(
-        "rank {rank} of job {job:?} is held by another process ({why}); \
+        "rank {rank} of job {job:?} is held ({why}); \
          a restarted run can take it once the old process's stream has closed"
     )]
     RankHeld {
@@ -85,7 +87,7 @@ pub enum OpenError {
         /// The rank it claimed.
         rank: u32,
         /// Which rule refused it, for the log and the client.
-        why: &'static str,
+        why: String,
     },
 }
 
@@ -141,7 +143,18 @@ pub struct RankState {
     /// ([`crate::layout`]); it replaces the guessed layout allowance.
     #[serde(default)]
     pub layout_estimate: Option<LayoutEstimate>,
+    /// Run ids this process has left for a newer run, newest last (at most
+    /// [`MAX_ENDED_RUNS`]). A hello naming one is refused: a client that
+    /// kept an earlier run's stream would otherwise reset the newer run's
+    /// step 1 each time it reconnected.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ended_runs: Vec<String>,
 }
+
+/// How many of a process's earlier run ids a rank remembers
+/// ([`RankState::ended_runs`]); a process that starts more runs than this
+/// while an old one still reconnects is not protected from the oldest.
+pub const MAX_ENDED_RUNS: usize = 8;
 
 impl RankState {
     /// Whether the rank has not gone past its first step: its prediction is
@@ -413,16 +426,22 @@ impl Tracker {
         info.validate()?;
         let key = info.key();
         let retained = self.config.max_retained_steps;
-        let held = |why| OpenError::RankHeld {
+        let held = |why: &str| OpenError::RankHeld {
             job: key.job.clone(),
             rank: key.rank,
-            why,
+            why: why.to_string(),
         };
         let (known, resumes) = match self.ranks.get(&key) {
             Some(state) => {
                 let same = state.info.same_claimant(&info);
                 if state.connected_streams > 0 && !same {
                     return Err(held("its stream is open, from another process or pod"));
+                }
+                if same && !info.run_id.is_empty() && state.ended_runs.contains(&info.run_id) {
+                    return Err(held(&format!(
+                        "by run {:?} of the same process, which started after run {:?} of this hello",
+                        state.info.run_id, info.run_id
+                    )));
                 }
                 if state.info.attested && !info.attested {
                     return Err(held(
@@ -450,10 +469,22 @@ impl Tracker {
         }
         if let Some(state) = self.ranks.get_mut(&key) {
             if !resumes {
+                if state.info.same_claimant(&info) {
+                    if !state.info.run_id.is_empty() {
+                        let ended = std::mem::take(&mut state.info.run_id);
+                        state.ended_runs.push(ended);
+                        let over = state.ended_runs.len().saturating_sub(MAX_ENDED_RUNS);
+                        state.ended_runs.drain(..over);
+                    }
+                } else {
+                    state.ended_runs.clear();
+                }
                 state.timeline = RankTimeline::new(retained);
                 state.advisories.clear();
                 state.prediction_before_step2 = None;
                 state.allocator_replay = None;
+                state.optimizer_begin_layout.clear();
+                state.layout_estimate = None;
             }
             state.info = info;
             state.connected_streams += 1;
@@ -495,6 +526,7 @@ impl Tracker {
                 allocator_replay: None,
                 optimizer_begin_layout: Vec::new(),
                 layout_estimate: None,
+                ended_runs: Vec::new(),
             },
         );
         Ok(Opened {
@@ -532,6 +564,7 @@ impl Tracker {
             allocator_replay: r.allocator_replay,
             optimizer_begin_layout: r.optimizer_begin_layout.clone(),
             layout_estimate: r.layout_estimate,
+            ended_runs: r.ended_runs.clone(),
         })
     }
 

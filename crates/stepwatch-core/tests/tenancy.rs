@@ -129,6 +129,96 @@ fn a_new_run_id_from_the_same_process_starts_the_rank_afresh() {
 }
 
 #[test]
+fn a_stream_of_a_run_the_process_left_cannot_reopen_or_reset_the_rank() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let run = |id: &str| RankInfo {
+        run_id: id.into(),
+        ..info("ns", "j", 0, 10)
+    };
+    let key = t.open(run("fit-1"), 0).unwrap();
+    t.close(&key, 1);
+    t.open(run("fit-2"), 2).unwrap();
+    t.markers(&key, &two_steps(0), 3).unwrap();
+    // A client that kept fit-1's stream reconnects with it: refused, and
+    // fit-2's steps stand (before, it started the rank afresh again).
+    let refused = t.open(run("fit-1"), 4);
+    let Err(OpenError::RankHeld { ref why, .. }) = refused else {
+        panic!("{refused:?}");
+    };
+    assert!(
+        why.contains("\"fit-2\"") && why.contains("\"fit-1\""),
+        "{why}"
+    );
+    let r = t.rank(&key).unwrap();
+    assert_eq!((r.info.run_id.as_str(), r.connected_streams), ("fit-2", 1));
+    assert_eq!(r.timeline.steps_completed(), 2);
+    // fit-2 itself reconnects as before, and a third run starts afresh.
+    t.open(run("fit-2"), 5).unwrap();
+    assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 2);
+    t.open(run("fit-3"), 6).unwrap();
+    assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 0);
+    assert!(t.open(run("fit-2"), 7).is_err());
+    // Another process after this one left: its run ids are its own.
+    for _ in 0..3 {
+        t.close(&key, 8);
+    }
+    let other = RankInfo {
+        run_id: "fit-1".into(),
+        ..info("ns", "j", 0, 11)
+    };
+    t.open(other, 9).unwrap();
+    assert!(t.rank(&key).unwrap().ended_runs.is_empty());
+}
+
+#[test]
+fn a_new_run_forgets_the_last_runs_step_1_segment_layout() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let run = |id: &str| RankInfo {
+        run_id: id.into(),
+        ..info("ns", "j", 0, 10)
+    };
+    let key = t.open(run("fit-1"), 0).unwrap();
+    // Step 1 up to its optimizer begin, which carries a layout; the run
+    // ends there (say, an exception) and the process starts another.
+    let mut ms: Vec<Marker> = two_steps(0).into_iter().take(4).collect();
+    ms[3].layout_segments = vec![allocator::SegmentLayout::new(
+        0,
+        allocator::Pool::Large,
+        vec![allocator::BlockLayout {
+            size: 20 << 20,
+            allocated: false,
+        }],
+    )];
+    t.markers(&key, &ms, 1).unwrap();
+    assert_eq!(t.rank(&key).unwrap().optimizer_begin_layout.len(), 1);
+    t.close(&key, 2);
+    t.open(run("fit-2"), 3).unwrap();
+    let r = t.rank(&key).unwrap();
+    assert!(r.optimizer_begin_layout.is_empty() && r.layout_estimate.is_none());
+}
+
+#[test]
+fn a_process_remembers_at_most_max_ended_runs_of_its_own() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let run = |i: usize| RankInfo {
+        run_id: format!("fit-{i}"),
+        ..info("ns", "j", 0, 10)
+    };
+    let key = t.open(run(0), 0).unwrap();
+    for i in 1..=MAX_ENDED_RUNS + 2 {
+        t.close(&key, i as u64);
+        t.open(run(i), i as u64).unwrap();
+    }
+    let ended = &t.rank(&key).unwrap().ended_runs;
+    assert_eq!(ended.len(), MAX_ENDED_RUNS);
+    assert_eq!(
+        ended.last().unwrap(),
+        &format!("fit-{}", MAX_ENDED_RUNS + 1)
+    );
+    assert_eq!(ended.first().unwrap(), "fit-2");
+}
+
+#[test]
 fn a_run_id_outside_the_identifier_charset_is_refused() {
     let mut t = Tracker::new(TrackerConfig::default());
     let bad = RankInfo {
