@@ -17,8 +17,8 @@ use prometheus::proto::{
 };
 use prometheus::{Encoder, TextEncoder};
 use stepwatch_core::{
-    BasisLimit, Divergence, PhaseKind, RankAnalysis, RankInfo, RankKey, StepOutcome, Tracker,
-    WarningRevision,
+    BasisLimit, Divergence, LayoutCounts, PhaseKind, RankAnalysis, RankInfo, RankKey, StepOutcome,
+    Tracker, WarningRevision,
 };
 use stepwatch_proto::clock::monotonic_ns;
 
@@ -284,6 +284,7 @@ struct TrackerSnapshot {
     rank_count: usize,
     retained_bytes: u64,
     steps_trimmed_total: u64,
+    layout_counts: LayoutCounts,
     ranks: Vec<RankSnapshot>,
     /// Per job (in rank order): its divergence, if any.
     divergence: Vec<(RankKey, Option<Divergence>)>,
@@ -316,14 +317,16 @@ struct LastCompleted {
 /// rank (its figures and analysis), so ingest waits at most for one rank's
 /// analysis, never for the whole scrape, and rendering happens unlocked.
 fn snapshot(state: &AgentState, after_each_rank: &mut dyn FnMut()) -> TrackerSnapshot {
-    let (rank_count, retained_bytes, steps_trimmed_total, keys) = state.read_tracker(|t| {
-        (
-            t.rank_count(),
-            t.retained_bytes(),
-            t.steps_trimmed_total(),
-            t.rank_keys(),
-        )
-    });
+    let (rank_count, retained_bytes, steps_trimmed_total, layout_counts, keys) = state
+        .read_tracker(|t| {
+            (
+                t.rank_count(),
+                t.retained_bytes(),
+                t.steps_trimmed_total(),
+                t.layout_counts(),
+                t.rank_keys(),
+            )
+        });
     let mut ranks = Vec::with_capacity(keys.len());
     let mut divergence = Vec::new();
     for key in keys {
@@ -343,6 +346,7 @@ fn snapshot(state: &AgentState, after_each_rank: &mut dyn FnMut()) -> TrackerSna
         rank_count,
         retained_bytes,
         steps_trimmed_total,
+        layout_counts,
         ranks,
         divergence,
     }
@@ -415,6 +419,22 @@ fn rank_families(
         "Steps dropped before --max-steps to stay within --memory-budget-mib (the rank holding the most gives up its oldest).",
     );
     f.add(&[], tracker.steps_trimmed_total as f64);
+    f.done(out);
+
+    let mut f = Family::counter(
+        node,
+        "stepwatch_layout_snapshots_total",
+        "Segment layouts received on markers (clients without an allocator trace send them on step 1's optimizer begin and end), by result: kept (the step-2 prediction uses them), misplaced (another marker or step, an end without a begin), too_many_blocks, unmodelled (the allocator model cannot take the pair). Not kept: the prediction guesses the layout.",
+    );
+    let c = tracker.layout_counts;
+    for (result, n) in [
+        ("kept", c.kept),
+        ("misplaced", c.misplaced),
+        ("too_many_blocks", c.too_many_blocks),
+        ("unmodelled", c.unmodelled),
+    ] {
+        f.add(&[("result", result)], n as f64);
+    }
     f.done(out);
 
     let mut info = Family::gauge(node, "stepwatch_rank_info", "Rank identity; always 1.");

@@ -60,4 +60,6 @@ pub use replay::{
 };
 pub use sample::GpuSample;
 pub use timeline::{PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord};
-pub use tracker::{Journal, OpenError, Opened, RankState, Tracker, TrackerConfig, MAX_ENDED_RUNS};
+pub use tracker::{
+    Journal, LayoutCounts, OpenError, Opened, RankState, Tracker, TrackerConfig, MAX_ENDED_RUNS,
+};

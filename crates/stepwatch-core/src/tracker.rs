@@ -165,26 +165,62 @@ impl RankState {
     }
 }
 
+/// What became of the segment layouts markers carried, since the tracker
+/// started (`stepwatch_layout_snapshots_total{result}`): a layout that is
+/// not used leaves the prediction guessing the layout, and the count says
+/// why.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct LayoutCounts {
+    /// Kept: step 1's optimizer begin, or its end once the begin's is in.
+    pub kept: u64,
+    /// On another marker or step, an end without a begin, or a second
+    /// pair: ignored.
+    pub misplaced: u64,
+    /// Over [`MAX_LAYOUT_BLOCKS`] blocks: ignored.
+    pub too_many_blocks: u64,
+    /// An end whose pair the allocator model cannot take (overlapping
+    /// segments, empty blocks): both ignored.
+    pub unmodelled: u64,
+}
+
 /// Keeps the segment layouts of step 1's optimizer begin and end from a
 /// checked batch, and once both are in, what they show. Layouts on other
 /// markers, later steps, or over [`MAX_LAYOUT_BLOCKS`] blocks are ignored,
 /// as is a pair the allocator model cannot take (overlapping segments,
 /// empty blocks): the prediction then guesses the layout as without them.
-fn take_optimizer_layouts(state: &mut RankState, markers: &[Marker]) {
-    for m in markers {
+/// Each layout is counted in `counts` by what became of it.
+fn take_optimizer_layouts(
+    state: &mut RankState,
+    markers: &[Marker],
+    in_first_step: bool,
+    counts: &mut LayoutCounts,
+) {
+    for m in markers.iter().filter(|m| !m.layout_segments.is_empty()) {
         let blocks: usize = m.layout_segments.iter().map(|s| s.blocks.len()).sum();
-        if m.step != 1 || m.layout_segments.is_empty() || blocks > MAX_LAYOUT_BLOCKS {
+        if blocks > MAX_LAYOUT_BLOCKS {
+            counts.too_many_blocks += 1;
+            continue;
+        }
+        if !in_first_step || m.step != 1 {
+            counts.misplaced += 1;
             continue;
         }
         match m.kind {
             MarkerKind::OptimizerBegin if state.layout_estimate.is_none() => {
                 state.optimizer_begin_layout = m.layout_segments.clone();
+                counts.kept += 1;
             }
             MarkerKind::OptimizerEnd if !state.optimizer_begin_layout.is_empty() => {
                 let begin = std::mem::take(&mut state.optimizer_begin_layout);
-                state.layout_estimate = step2_new_segments(&begin, &m.layout_segments).ok();
+                match step2_new_segments(&begin, &m.layout_segments) {
+                    Ok(estimate) => {
+                        state.layout_estimate = Some(estimate);
+                        counts.kept += 1;
+                    }
+                    Err(_) => counts.unmodelled += 1,
+                }
             }
-            _ => {}
+            _ => counts.misplaced += 1,
         }
     }
 }
@@ -218,6 +254,8 @@ pub struct Tracker {
     retained_bytes: u64,
     /// Steps dropped to stay within the memory budget.
     steps_trimmed_total: u64,
+    /// What became of the markers' segment layouts.
+    layout_counts: LayoutCounts,
 }
 
 impl Tracker {
@@ -231,6 +269,7 @@ impl Tracker {
             analysis: AnalysisConfig::default(),
             retained_bytes: 0,
             steps_trimmed_total: 0,
+            layout_counts: LayoutCounts::default(),
         }
     }
 
@@ -637,9 +676,8 @@ impl Tracker {
             });
         }
         state.last_activity_ns = now_ns;
-        if state.in_first_step() {
-            take_optimizer_layouts(state, markers);
-        }
+        let in_first_step = state.in_first_step();
+        take_optimizer_layouts(state, markers, in_first_step, &mut self.layout_counts);
         let split = if state.in_first_step() {
             let first = state
                 .timeline
@@ -811,6 +849,11 @@ impl Tracker {
     /// Steps dropped before their time to stay within the memory budget.
     pub fn steps_trimmed_total(&self) -> u64 {
         self.steps_trimmed_total
+    }
+
+    /// What became of the segment layouts markers carried, so far.
+    pub fn layout_counts(&self) -> LayoutCounts {
+        self.layout_counts
     }
 
     /// Adds GPU samples (any order, any batch size) and credits those that

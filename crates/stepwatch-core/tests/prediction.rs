@@ -1433,6 +1433,46 @@ fn layouts_count_only_on_step_1s_optimizer_begin_and_end() {
 }
 
 #[test]
+fn what_became_of_each_layout_is_counted() {
+    let counts = |ms: &[Marker]| {
+        let (mut t, key) = tracker(ModelFacts::default());
+        t.gpu_samples(GPU, &samples(&BASE_SAMPLES, 10_000));
+        t.markers(&key, ms, 0).unwrap();
+        t.layout_counts()
+    };
+    let of = |kept, misplaced, too_many_blocks, unmodelled| LayoutCounts {
+        kept,
+        misplaced,
+        too_many_blocks,
+        unmodelled,
+    };
+    assert_eq!(counts(&markers_with_layouts(2100)), of(2, 0, 0, 0));
+    // An end without its begin; a layout on backward's begin.
+    let mut ms = markers_with_layouts(2100);
+    ms[2].layout_segments = std::mem::take(&mut ms[3].layout_segments);
+    assert_eq!(counts(&ms), of(0, 2, 0, 0));
+    // Overlapping segments at the end: the begin was kept, the pair is not.
+    let mut ms = markers_with_layouts(2100);
+    ms[4].layout_segments.push(seg(10_001, &[(10, true)]));
+    assert_eq!(counts(&ms), of(1, 0, 0, 1));
+    // More blocks than a rank may hold.
+    let mut ms = markers_with_layouts(2100);
+    ms[3].layout_segments = vec![seg(0, &vec![(1, true); MAX_LAYOUT_BLOCKS + 1])];
+    assert_eq!(counts(&ms), of(0, 1, 1, 0));
+    // Step 2's markers carrying layouts (a client that never stops).
+    let mut ms = markers_with_layouts(2100);
+    let mut step2: Vec<Marker> = ms.clone();
+    let after = ms.last().unwrap().monotonic_ns;
+    for m in &mut step2 {
+        m.step = 2;
+        m.monotonic_ns += after;
+        m.wall_ns += after;
+    }
+    ms.extend(step2);
+    assert_eq!(counts(&ms), of(2, 2, 0, 0));
+}
+
+#[test]
 fn a_replay_wins_over_layouts() {
     // The trace shows the layout and every request: its replay sets reserved
     // and the snapshots' figure is not added.
