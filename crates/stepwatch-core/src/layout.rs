@@ -36,7 +36,12 @@
 //! --variants markers`, roomy runs, reserved growth in step 2 over step 1's
 //! end): GPT + AdamW 1208 MiB predicted, 1182 MiB real; SGD with momentum
 //! 720 / 788; Lightning 1271 / 1472; with each free block as one request
-//! instead, 1030, 523 and 1001.
+//! instead, 1030, 523 and 1001. Lightning's shortfall is activations that
+//! step 1's forward put where its gradients went later: step 2's forward
+//! runs beside those gradients, and a layout cannot tell a gradient block
+//! from a parameter one. What grows after step 2 (Lightning and expandable
+//! segments: one logits-sized block in step 3) depends on where step 2's
+//! own blocks went, which step 1's layouts do not show.
 
 use serde::{Deserialize, Serialize};
 
