@@ -838,6 +838,7 @@ mod tests {
             wall_ns: 0,
             micro_batch: 0,
             allocator: None,
+            device_memory: None,
         }
     }
 

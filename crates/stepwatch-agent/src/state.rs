@@ -645,5 +645,6 @@ pub(crate) fn test_marker(
         wall_ns: monotonic_ns,
         micro_batch: 0,
         allocator: None,
+        device_memory: None,
     }
 }

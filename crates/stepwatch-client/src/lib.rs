@@ -228,6 +228,7 @@ impl Client {
             wall_ns: wall_ns(),
             allocator: None,
             micro_batch,
+            device_memory: None,
         })
     }
 

@@ -430,6 +430,7 @@ mod tests {
                 reserved_peak_bytes: peak * MB,
                 ..Default::default()
             }),
+            device_memory: None,
         };
         let fb = 10_000 + act;
         let mut t = crate::timeline::RankTimeline::new(10);

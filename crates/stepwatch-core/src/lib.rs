@@ -40,10 +40,10 @@ pub use identity::{
     DdpBucketRebuild, ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo,
     RankKey,
 };
-pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
+pub use marker::{AllocatorStats, DeviceMemory, Marker, MarkerKind, PhaseKind};
 pub use predict::{
-    predict, predict_with, BasisLimit, BindingTerm, GradsSource, LiveStep, PredictConfig,
-    Prediction, PredictionBasis, PredictionInputs, StateSource, WarningRevision,
+    predict, predict_with, BasisLimit, BindingTerm, GradsSource, LiveStep, OverheadSource,
+    PredictConfig, Prediction, PredictionBasis, PredictionInputs, StateSource, WarningRevision,
 };
 pub use profile::{
     median_f64, median_u64, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds,

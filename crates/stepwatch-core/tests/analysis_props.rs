@@ -63,6 +63,7 @@ fn markers(steps: u64, micro: u32, gaps: &[u64], levels: &[u64], with_alloc: boo
                 reserved_peak_bytes: reserved,
                 ..Default::default()
             }),
+            device_memory: None,
         });
     };
     for step in 1..=steps {
@@ -189,6 +190,7 @@ impl History {
                         reserved_peak_bytes: reserved,
                         ..Default::default()
                     }),
+                    device_memory: None,
                 }
             })
             .collect()

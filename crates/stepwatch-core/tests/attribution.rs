@@ -31,6 +31,7 @@ fn markers(steps: u64, micro: u32, gaps: &[u64]) -> Vec<Marker> {
             wall_ns: *t,
             micro_batch: mb,
             allocator: None,
+            device_memory: None,
         });
     };
     for step in 1..=steps {

@@ -43,6 +43,7 @@ fn markers() -> Vec<Marker> {
                 wall_ns: t,
                 micro_batch: 0,
                 allocator: Some(alloc(allocated)),
+                device_memory: None,
             });
         }
     }

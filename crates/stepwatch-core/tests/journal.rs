@@ -46,6 +46,7 @@ fn steps(n: u64, t0: u64) -> Vec<Marker> {
                     reserved_peak_bytes: 7_000_000_000,
                     ..Default::default()
                 }),
+                device_memory: None,
             });
         }
     }

@@ -39,6 +39,7 @@ fn step(n: u64, micro_batches: u32, t: &mut u64) -> Vec<Marker> {
                 wall_ns: *t,
                 micro_batch: 0,
                 allocator: None,
+                device_memory: None,
             }
         })
         .collect()
@@ -112,6 +113,7 @@ fn with_nothing_left_to_give_batches_that_add_phases_are_refused() {
         wall_ns: t + 1,
         micro_batch: 0,
         allocator: None,
+        device_memory: None,
     }];
     t += 1;
     for i in 0..1000u32 {
@@ -127,6 +129,7 @@ fn with_nothing_left_to_give_batches_that_add_phases_are_refused() {
             wall_ns: t,
             micro_batch: i / 2,
             allocator: None,
+            device_memory: None,
         });
         if let Err(e) = tracker.markers(&key, &markers, t) {
             refused = Some(e);
@@ -146,6 +149,7 @@ fn with_nothing_left_to_give_batches_that_add_phases_are_refused() {
         wall_ns: t,
         micro_batch: 0,
         allocator: None,
+        device_memory: None,
     };
     tracker.markers(&key, &[end], t).unwrap();
 }

@@ -327,6 +327,7 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
         wall_ns: t,
         micro_batch: 0,
         allocator: Some(a),
+        device_memory: None,
     };
     tracker.gpu_samples(
         "GPU-a",

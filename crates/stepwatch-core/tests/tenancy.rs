@@ -39,6 +39,7 @@ fn two_steps(t0: u64) -> Vec<Marker> {
                 wall_ns: t,
                 micro_batch: 0,
                 allocator: None,
+                device_memory: None,
             });
         }
     }

@@ -26,6 +26,7 @@ fn marker(kind: MarkerKind, t: u64, (allocated, peak, reserved): (u64, u64, u64)
             reserved_peak_bytes: reserved * M,
             ..Default::default()
         }),
+        device_memory: None,
     }
 }
 
@@ -214,6 +215,7 @@ fn step1_markers(act: u64, t0: u64) -> Vec<Marker> {
             reserved_peak_bytes: peak * MB,
             ..Default::default()
         }),
+        device_memory: None,
     };
     let fb = 10_000 + act;
     vec![

@@ -683,6 +683,8 @@ impl RankSim {
             wall_ns: self.start_wall_ns + (self.now_ns - self.start_ns),
             micro_batch,
             allocator: Some(self.stats()),
+            // The simulator leaves the overhead to NVML's samples.
+            device_memory: None,
         };
         self.alloc.reset_phase_peak();
         self.out.push_back(SimEvent::Marker(marker));
