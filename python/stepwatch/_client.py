@@ -55,8 +55,9 @@ COUNTER_NAMES = (
 MAX_MARKERS_PER_BATCH = 1024  # the agent's limit
 MAX_BATCH_BYTES = 60 * 1024  # the agent refuses messages over 64 KiB
 
-# (kind, step, monotonic_ns, wall_ns, micro_batch, allocator 7-tuple or None)
-MarkerTuple = Tuple[int, int, int, int, int, Optional[Tuple[int, ...]]]
+# (kind, step, monotonic_ns, wall_ns, micro_batch, allocator 7-tuple or None,
+#  device memory (free, total) or None)
+MarkerTuple = Tuple[int, int, int, int, int, Optional[Tuple[int, ...]], Optional[Tuple[int, int]]]
 
 _monotonic_ns = time.monotonic_ns
 _time_ns = time.time_ns
@@ -276,14 +277,16 @@ class Client:
         step: int,
         micro_batch: int = 0,
         allocator: Optional[Tuple[int, ...]] = None,
+        device: Optional[Tuple[int, int]] = None,
     ) -> None:
-        """Queue one marker. Never blocks; counts a drop when the queue is full."""
+        """Queue one marker. Never blocks; counts a drop when the queue is full.
+        ``device`` is (free, total) from cudaMemGetInfo, sent at step 1's markers."""
         # _enqueue inlined: this is the training thread's per-marker path, and
         # the extra call costs about a quarter of it.
         q = self._q
         if len(q) >= self.maxlen:
             self._dropping_oldest()
-        q.append((kind, step, _monotonic_ns(), _time_ns(), micro_batch, allocator))
+        q.append((kind, step, _monotonic_ns(), _time_ns(), micro_batch, allocator, device))
         if self._thread is None:
             self._start()
         self.counters["enqueued"] += 1
@@ -639,7 +642,8 @@ class Client:
                         stream.trace = t
                         break
                     items.append(t)
-                    size += 40 if t[5] is None else 120  # generous upper bounds
+                    # generous upper bounds
+                    size += (40 if t[5] is None else 120) + (0 if t[6] is None else 30)
                     if size >= MAX_BATCH_BYTES:
                         break
                 n = len(items)
@@ -733,8 +737,10 @@ class _StreamState:
 
 
 def _to_pb(pb: Any, t: MarkerTuple) -> Any:
-    kind, step, mono, wall, micro, alloc = t
+    kind, step, mono, wall, micro, alloc, device = t
     m = pb.Marker(kind=kind, step=step, monotonic_ns=mono, wall_ns=wall, micro_batch=micro)
+    if device is not None:
+        m.device_memory.free_bytes, m.device_memory.total_bytes = device
     if alloc is not None:
         a = m.allocator
         (
