@@ -842,6 +842,71 @@ fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
     assert_eq!(inputs["overhead_bytes"], 512 * MIB, "{body}");
 }
 
+/// Step 1's markers carry the device's memory (`cudaMemGetInfo`, marker
+/// field 8): the prediction's overhead comes from them, and its JSON says
+/// so (`overhead_source`). Wiring only: the figures are made up, the
+/// device's showing 600 MiB outside the 1 GiB cache where NVML's process
+/// (context + cache) shows 512 (whether NVML's estimate exists depends on
+/// the sampler's timing, so it is not checked here).
+#[test]
+fn the_prediction_names_the_client_device_memory_as_the_overhead_source() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{AllocatorStats, DeviceMemory};
+
+    const MIB: u64 = 1 << 20;
+    let agent = Agent::start("device-memory", 1);
+    agent.fake.set_process_memory(0, 4242, 1536 * MIB).unwrap();
+    let used = (1536 * MIB) as f64;
+    agent.wait_metrics(
+        "the sampler sees the process",
+        Duration::from_secs(20),
+        |m| m.get("stepwatch_gpu_memory_used_bytes", &[("gpu", "0")]) == Some(used),
+    );
+    let t0 = stepwatch_proto::clock::monotonic_ns();
+    let stats = AllocatorStats {
+        allocated_bytes: 900 * MIB,
+        allocated_peak_bytes: 900 * MIB,
+        reserved_bytes: 1024 * MIB,
+        reserved_peak_bytes: 1024 * MIB,
+        active_bytes: 900 * MIB,
+        active_peak_bytes: 900 * MIB,
+        num_alloc_retries: 0,
+    };
+    let total = 40 << 30;
+    let device = DeviceMemory {
+        free_bytes: total - 1024 * MIB - 600 * MIB,
+        total_bytes: total,
+    };
+    let markers: Vec<_> = step(1, t0)
+        .into_iter()
+        .map(|mut m| {
+            m.allocator = Some(stats);
+            m.device_memory = Some(device);
+            m
+        })
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(exchange(
+        &agent.endpoint(),
+        vec![hello("devmem", 0, 1), batch(markers)],
+    ))
+    .expect("a well-formed stream");
+
+    let (_, body) = agent.get("/api/v1/jobs/devmem/ranks/0");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let prediction = &report["analysis"]["prediction"];
+    let inputs = &prediction["inputs"];
+    assert_eq!(inputs["overhead_source"], "client_device_memory", "{body}");
+    assert_eq!(inputs["overhead_bytes"], 600 * MIB, "{body}");
+    assert_eq!(inputs["process_overhead_bytes"], 600 * MIB, "{body}");
+    assert_eq!(inputs["device_total_bytes"], total, "{body}");
+    let explanation = prediction["explanation"].as_str().unwrap();
+    assert!(
+        explanation.contains("CUDA driver's free and total memory"),
+        "{explanation}"
+    );
+}
+
 /// A second `fit()` in one process is a new run: its hello carries a new
 /// run id, and the rank starts again at step 1 with a prediction of its own
 /// instead of continuing the first run's step numbers.

@@ -56,9 +56,9 @@ COUNTER_NAMES = (
 MAX_MARKERS_PER_BATCH = 1024  # the agent's limit
 MAX_BATCH_BYTES = 60 * 1024  # the agent refuses messages over 64 KiB
 
-# (kind, step, monotonic_ns, wall_ns, micro_batch, allocator 7-tuple or None),
-# and on step 1's optimizer markers without a trace, a 7th item: the segment
-# layout (_alloctrace.Layout).
+# (kind, step, monotonic_ns, wall_ns, micro_batch, allocator 7-tuple or None,
+#  device memory (free, total) or None), and on step 1's optimizer markers
+# without a trace an 8th item: the segment layout (_alloctrace.Layout).
 MarkerTuple = Tuple[Any, ...]
 
 _monotonic_ns = time.monotonic_ns
@@ -279,17 +279,19 @@ class Client:
         step: int,
         micro_batch: int = 0,
         allocator: Optional[Tuple[int, ...]] = None,
+        device: Optional[Tuple[int, int]] = None,
         layout: Any = None,
     ) -> None:
-        """Queue one marker (with step 1's segment ``layout``, an
-        ``_alloctrace.Layout``, on its optimizer markers). Never blocks; counts a
-        drop when the queue is full."""
+        """Queue one marker. Never blocks; counts a drop when the queue is full.
+        ``device`` is (free, total) from cudaMemGetInfo, sent at step 1's
+        markers; ``layout`` (an ``_alloctrace.Layout``) step 1's segment
+        layout, on its optimizer markers."""
         # _enqueue inlined: this is the training thread's per-marker path, and
         # the extra call costs about a quarter of it.
         q = self._q
         if len(q) >= self.maxlen:
             self._dropping_oldest()
-        t = (kind, step, _monotonic_ns(), _time_ns(), micro_batch, allocator)
+        t = (kind, step, _monotonic_ns(), _time_ns(), micro_batch, allocator, device)
         q.append(t if layout is None else t + (layout,))
         if self._thread is None:
             self._start()
@@ -750,15 +752,17 @@ class _StreamState:
 
 def _tuple_bytes(t: MarkerTuple) -> int:
     """An upper bound on a queued marker's encoded bytes."""
-    n = 40 if t[5] is None else 120
-    return n if len(t) == 6 else n + t[6].nbytes
+    n = (40 if t[5] is None else 120) + (0 if t[6] is None else 30)
+    return n if len(t) == 7 else n + t[7].nbytes
 
 
 def _to_pb(pb: Any, t: MarkerTuple) -> Any:
-    kind, step, mono, wall, micro, alloc = t[:6]
+    kind, step, mono, wall, micro, alloc, device = t[:7]
     m = pb.Marker(kind=kind, step=step, monotonic_ns=mono, wall_ns=wall, micro_batch=micro)
-    if len(t) > 6:
-        t[6].fill(m)
+    if device is not None:
+        m.device_memory.free_bytes, m.device_memory.total_bytes = device
+    if len(t) > 7:
+        t[7].fill(m)
     if alloc is not None:
         a = m.allocator
         (

@@ -9,12 +9,13 @@ import os
 import sys
 import threading
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from . import _torch
 from ._alloctrace import LayoutSnapshots, Recorder
 from ._client import (
     COUNTER_NAMES,
+    OOM,
     OPTIMIZER_BEGIN,
     OPTIMIZER_END,
     STEP_BEGIN,
@@ -58,6 +59,9 @@ class _Runtime:
         self.facts: Dict[str, Any] = {}
         self.gpu_uuid = ""
         self.allocator_stats = True
+        # cudaMemGetInfo at step 1's markers and OOM markers; off for the
+        # process after the first failure (one warning).
+        self.device_memory = True
         # Step 1's allocator trace: None = STEPWATCH_ALLOCATOR_TRACE (default on).
         self.allocator_trace: Optional[bool] = None
         self.recorder = Recorder()
@@ -297,6 +301,7 @@ class _Runtime:
         # recording (at STEP_BEGIN), so the stats are read after it.
         recording = not rec.done and rec.on_marker(c, kind, step, dev, self.allocator_trace_enabled)
         alloc = None
+        device = None
         finish = False
         layout = None
         if dev is not None:
@@ -314,9 +319,27 @@ class _Runtime:
                 # No trace: the layout the agent would read from it, at the two
                 # moments that show where the optimizer state went.
                 layout = self.layouts.take(c, kind, dev)
-        c.mark(kind, step, micro, alloc, layout)
+            if self.device_memory and (step == 1 or kind == OOM):
+                device = self._device_memory(dev)
+        c.mark(kind, step, micro, alloc, device, layout)
         if finish:
             rec.finish(c)
+
+    def _device_memory(self, dev: int) -> Optional[Tuple[int, int]]:
+        """(free, total) from cudaMemGetInfo for step 1's markers and OOM markers
+        only: a driver call each, which later steps do without. The agent measures
+        the memory outside the allocator from it exactly (its NVML samples only
+        bound it). Any failure turns it off for the process, with one warning."""
+        try:
+            return _torch.device_memory(dev)
+        except Exception as e:
+            self.device_memory = False
+            log.warning(
+                "stepwatch: could not read the device's free memory (torch.cuda.mem_get_info): "
+                "%r; the agent falls back to NVML samples for the memory outside the allocator",
+                e,
+            )
+            return None
 
     def _send_ddp_bucket_rebuild(self, send: bool = True) -> None:
         """Once step 1's backward is done: tell the agent of DDP's bucket rebuild

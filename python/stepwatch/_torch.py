@@ -122,6 +122,15 @@ def allocator_stats(device: int) -> Optional[Dict[str, Any]]:
         return None
 
 
+def device_memory(device: int) -> Tuple[int, int]:
+    """(free, total) bytes of ``device`` as the CUDA driver reports them
+    (``torch.cuda.mem_get_info``, cudaMemGetInfo): total is what processes can
+    use, free what none holds. Raises when they cannot be read."""
+    torch = sys.modules["torch"]
+    free, total = torch.cuda.mem_get_info(device)
+    return int(free), int(total)
+
+
 def allocator_figures(s: Dict[str, Any]) -> Optional[Tuple[int, ...]]:
     """(allocated, allocated peak, reserved, reserved peak, active, active peak, retries)
     from :func:`allocator_stats`; None when a figure is missing."""

@@ -90,6 +90,16 @@ def test_watch_on_cuda_sends_device_identity_allocator_figures_and_the_step1_tra
     # Step 2 stands higher than step 1 in reserved memory: the first-step anomaly.
     assert by[("STEP_END", 2)].reserved_bytes > by[("STEP_END", 1)].reserved_bytes
 
+    # The device's memory (cudaMemGetInfo) at step 1's six markers only: on fake
+    # CUDA's default 80 GiB GPU, total is NVML's less the 512 MiB driver reserve,
+    # and total - free is this process's context + what its allocator reserved.
+    for m in markers:
+        assert m.HasField("device_memory") == (m.step == 1), m
+    for m in markers[:6]:
+        d = m.device_memory
+        assert d.total_bytes == (80 << 30) - 512 * MIB
+        assert d.total_bytes - d.free_bytes == 512 * MIB + m.allocator.reserved_bytes, m
+
     # Step 1's allocator trace: sent once, after step 1's optimizer phase, before step 2.
     assert agent.wait_for(lambda: any(t.last for t in stream.traces))
     first_trace = stream.order.index(("trace", False if len(stream.traces) > 1 else True))
@@ -147,6 +157,12 @@ def test_an_out_of_memory_in_step_2_is_reported_as_an_oom_marker(agent, tmp_path
     (oom,) = [m for m in agent.streams[-1].markers if m.kind == pb.OOM]
     assert oom.step == 2
     assert oom.allocator.reserved_bytes > 0
+    # The OOM marker carries the device's memory too (step 2's others do not).
+    d = oom.device_memory
+    assert d.total_bytes == capacity - 512 * MIB
+    assert d.total_bytes - d.free_bytes == 512 * MIB + oom.allocator.reserved_bytes
+    step2 = [m for m in agent.streams[-1].markers if m.step == 2 and m.kind != pb.OOM]
+    assert step2 and not any(m.HasField("device_memory") for m in step2)
 
 
 # DDP over two ranks (NCCL on fake GPUs): 8 layers of 1024 x 1024, one 32 MiB

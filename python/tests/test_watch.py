@@ -473,3 +473,61 @@ def test_errors_inside_the_hooks_never_reach_training(sock_dir, monkeypatch):
     stepwatch.reset()
     with pytest.raises(RuntimeError, match="a bug in stepwatch"):
         run(True, strict=True)
+
+
+def _pretend_cuda(monkeypatch, device_memory):
+    """Markers as on CUDA device 0, on this CPU-only torch: allocator figures and
+    cudaMemGetInfo come from stubs (the real reads: test_on_fake_gpu.py)."""
+    monkeypatch.setattr(stepwatch._torch, "model_cuda_device", lambda model: 0)
+    monkeypatch.setattr(stepwatch._torch, "allocator_stats", lambda dev: None)
+    monkeypatch.setattr(stepwatch._torch, "device_memory", device_memory)
+
+
+def test_device_memory_goes_with_step_1s_markers_only(agent, monkeypatch):
+    calls = []
+
+    def device_memory(dev):
+        calls.append(dev)
+        return (1000 - len(calls), 1000)
+
+    _pretend_cuda(monkeypatch, device_memory)
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stepwatch.watch(model, opt)
+    train(model, opt, 2)
+    ms = agent.wait_markers(12)
+    assert [m.HasField("device_memory") for m in ms] == [True] * 6 + [False] * 6
+    assert [(m.device_memory.free_bytes, m.device_memory.total_bytes) for m in ms[:6]] == [
+        (999 - i, 1000) for i in range(6)
+    ]
+    assert calls == [0] * 6  # no driver call after step 1
+
+
+def test_a_failing_device_memory_read_warns_once_and_stops(agent, monkeypatch, caplog):
+    calls = []
+
+    def device_memory(dev):
+        calls.append(dev)
+        raise RuntimeError("no driver")
+
+    _pretend_cuda(monkeypatch, device_memory)
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stepwatch.watch(model, opt)
+    with caplog.at_level("WARNING", logger="stepwatch"):
+        train(model, opt, 1)
+    ms = agent.wait_markers(6)
+    assert not any(m.HasField("device_memory") for m in ms)
+    assert calls == [0]
+    warnings = [r for r in caplog.records if "mem_get_info" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_allocator_stats_off_sends_no_device_memory(agent, monkeypatch):
+    _pretend_cuda(monkeypatch, lambda dev: pytest.fail("read with allocator_stats=False"))
+    model = small_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stepwatch.watch(model, opt, allocator_stats=False)
+    train(model, opt, 1)
+    ms = agent.wait_markers(6)
+    assert not any(m.HasField("device_memory") for m in ms)

@@ -65,6 +65,11 @@ struct device {
   int nvml_index;
   char uuid[96];
   char name[96];
+  /* What CUDA calls the device's total (cudaMemGetInfo, totalGlobalMem):
+   * NVML's total minus the memory the driver reserves, as NVIDIA GPUs
+   * appear to report it (PyTorch's OOM message gives a T4 "a total capacity
+   * of 14.75 GiB", below the 15360 MiB nvidia-smi shows; not checked on a
+   * GPU here). */
   unsigned long long total;
   unsigned long long allocated; /* device bytes this process holds, page-rounded */
   int context;                  /* the context has been created (and charged) */
@@ -196,7 +201,7 @@ static void load(void) {
     nvml.name(d->handle, d->name, sizeof d->name);
     nvml_memory_v2 m = {.version = NVML_MEMORY_V2};
     nvml.memory(d->handle, &m);
-    d->total = m.total;
+    d->total = m.total > m.reserved ? m.total - m.reserved : 0;
     device_count++;
   }
   if (device_count == 0) {
@@ -564,7 +569,7 @@ EXPORT cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev) {
   memset(p, 0, sizeof *p);
   snprintf(p->name, sizeof p->name, "%s", d->name);
   uuid_bytes(d->uuid, p->uuid.bytes);
-  /* What cudaMemGetInfo calls total: the device's memory as NVML counts it. */
+  /* What cudaMemGetInfo calls total: NVML's total less the driver-reserved memory. */
   p->totalGlobalMem = d->total;
   p->sharedMemPerBlock = 48 * 1024;
   p->regsPerBlock = 65536;

@@ -106,7 +106,8 @@ def test_training_runs_with_pytorchs_allocator_and_nvml_sees_what_it_reserved(ca
     assert steps[1]["max_reserved"] > steps[0]["max_reserved"]
     # The device is fake-nvml's GPU 0, and its memory figures agree.
     assert r["uuid"] == "00000000-0000-0000-0000-000000000000"
-    assert r["total"] == 80 << 30
+    # CUDA's total is what processes can use: NVML's total less the driver's reserve.
+    assert r["total"] == (80 << 30) - DRIVER_RESERVED
     assert r["name"] == "NVIDIA H100 80GB HBM3"
     # What NVML shows for the process, at its last change: context + reserved.
     (rows,) = calibration["usage"].values()
@@ -114,8 +115,8 @@ def test_training_runs_with_pytorchs_allocator_and_nvml_sees_what_it_reserved(ca
     assert {row[2] for row in rows} == {"GPU-00000000-0000-0000-0000-000000000000"}
     assert rows[-1][3] == CONTEXT + r["reserved"]
     free, total = r["mem_get_info"]
-    assert total == 80 << 30
-    assert free == total - DRIVER_RESERVED - CONTEXT - r["reserved"]
+    assert total == (80 << 30) - DRIVER_RESERVED
+    assert free == total - CONTEXT - r["reserved"]
     assert [t for t, *_ in rows] == sorted(t for t, *_ in rows)
 
 
@@ -224,6 +225,38 @@ def test_a_process_that_exits_leaves_no_memory_on_the_gpu(tmp_path):
         [binary, "fake-gpu", "--dir", str(state), "show"], capture_output=True, text=True
     )
     assert "used 0 /" in show.stdout and "processes []" in show.stdout, show.stdout
+
+
+# Two processes on one GPU: the parent reads cudaMemGetInfo while a child holds memory.
+SHARED = r"""
+import json, subprocess, sys, torch
+child = subprocess.Popen(
+    [sys.executable, "-c", "import sys, torch; x = torch.empty(100 << 20, dtype=torch.uint8, "
+     "device='cuda'); print('held', flush=True); sys.stdin.read()"],
+    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "held"
+x = torch.empty(300 << 20, dtype=torch.uint8, device="cuda")
+free, total = torch.cuda.mem_get_info()
+out = dict(free=free, total=total, reserved=torch.cuda.memory_reserved())
+child.communicate("")
+free_after, _ = torch.cuda.mem_get_info()
+out["free_after_child"] = free_after
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_mem_get_info_counts_every_process_on_the_gpu_within_the_usable_total():
+    proc = fake_cuda(["--gpu-capacity", "8GiB"], [sys.executable, "-c", SHARED])
+    assert proc.returncode == 0, proc.stderr
+    r = result(proc)
+    # Total: what processes can use (NVML's total less the driver's reserve).
+    assert r["total"] == (8 << 30) - DRIVER_RESERVED
+    # Used = both contexts + the child's 100 MiB (its cache holds exactly that
+    # segment) + what this process's allocator reserved.
+    assert r["reserved"] == 300 * MIB
+    assert r["total"] - r["free"] == 2 * CONTEXT + 100 * MIB + 300 * MIB
+    # Once the child exits, its context and memory are free again.
+    assert r["total"] - r["free_after_child"] == CONTEXT + 300 * MIB
 
 
 DDP = r"""

@@ -839,6 +839,7 @@ mod tests {
             micro_batch: 0,
             allocator: None,
             layout_segments: Vec::new(),
+            device_memory: None,
         }
     }
 

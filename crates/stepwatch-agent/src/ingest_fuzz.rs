@@ -123,6 +123,15 @@ fn allocator_stats() -> impl Strategy<Value = Option<pb::AllocatorStats>> {
     )
 }
 
+fn device_memory() -> impl Strategy<Value = Option<pb::DeviceMemory>> {
+    proptest::option::of(
+        (edgy_u64(), edgy_u64()).prop_map(|(free_bytes, total_bytes)| pb::DeviceMemory {
+            free_bytes,
+            total_bytes,
+        }),
+    )
+}
+
 fn markers() -> impl Strategy<Value = pb::ClientMessage> {
     prop::collection::vec(
         (
@@ -131,6 +140,7 @@ fn markers() -> impl Strategy<Value = pb::ClientMessage> {
             edgy_u64(),
             allocator_stats(),
             edgy_u32(),
+            device_memory(),
         ),
         0..24,
     )
@@ -138,7 +148,7 @@ fn markers() -> impl Strategy<Value = pb::ClientMessage> {
         let mut t = 0u64;
         let markers = ms
             .into_iter()
-            .map(|(kind, step, dt, allocator, micro_batch)| {
+            .map(|(kind, step, dt, allocator, micro_batch, device_memory)| {
                 // Mostly increasing clocks, sometimes anything.
                 t = if dt > 1 << 40 {
                     dt
@@ -153,6 +163,7 @@ fn markers() -> impl Strategy<Value = pb::ClientMessage> {
                     allocator,
                     micro_batch,
                     layout_segments: Vec::new(),
+                    device_memory,
                 }
             })
             .collect();

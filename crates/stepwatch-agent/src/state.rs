@@ -649,5 +649,6 @@ pub(crate) fn test_marker(
         micro_batch: 0,
         allocator: None,
         layout_segments: Vec::new(),
+        device_memory: None,
     }
 }

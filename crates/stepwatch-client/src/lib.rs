@@ -229,6 +229,7 @@ impl Client {
             allocator: None,
             micro_batch,
             layout_segments: Vec::new(),
+            device_memory: None,
         })
     }
 

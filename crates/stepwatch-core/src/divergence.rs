@@ -431,6 +431,7 @@ mod tests {
                 ..Default::default()
             }),
             layout_segments: Vec::new(),
+            device_memory: None,
         };
         let fb = 10_000 + act;
         let mut t = crate::timeline::RankTimeline::new(10);

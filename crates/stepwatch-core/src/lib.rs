@@ -42,11 +42,11 @@ pub use identity::{
     RankKey,
 };
 pub use layout::{step2_new_segments, LayoutEstimate, MAX_LAYOUT_BLOCKS};
-pub use marker::{AllocatorStats, Marker, MarkerKind, PhaseKind};
+pub use marker::{AllocatorStats, DeviceMemory, Marker, MarkerKind, PhaseKind};
 pub use predict::{
     predict, predict_with, predict_with_layout, BasisLimit, BindingTerm, GradsSource,
-    LayoutSetAside, LiveStep, PredictConfig, Prediction, PredictionBasis, PredictionInputs,
-    StateSource, WarningRevision,
+    LayoutSetAside, LiveStep, OverheadSource, PredictConfig, Prediction, PredictionBasis,
+    PredictionInputs, StateSource, WarningRevision,
 };
 pub use profile::{
     median_f64, median_u64, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds,

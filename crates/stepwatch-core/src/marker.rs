@@ -166,6 +166,44 @@ impl AllocatorStats {
     }
 }
 
+/// The device's memory as the CUDA driver reports it at a marker
+/// (`cudaMemGetInfo`, `torch.cuda.mem_get_info()`), on the process's current
+/// device. Exact at the marker's instant, where NVML is only sampled between
+/// markers; with the marker's allocator figures it gives the memory outside
+/// the process's caching allocator exactly (see `predict`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceMemory {
+    /// Free device memory, bytes.
+    pub free_bytes: u64,
+    /// Memory processes can use, bytes (the driver's reserved memory is not
+    /// in it on NVIDIA GPUs: about NVML's total minus reserved).
+    pub total_bytes: u64,
+}
+
+impl DeviceMemory {
+    /// What every process holds on the device: total − free.
+    pub fn used_bytes(&self) -> u64 {
+        self.total_bytes.saturating_sub(self.free_bytes)
+    }
+
+    /// The first figure that cannot be right, as (name, value, limit): a
+    /// byte figure above [`MAX_PLAUSIBLE_BYTES`], or more free than total.
+    pub fn implausible(&self) -> Option<(&'static str, u64, u64)> {
+        if self.total_bytes > MAX_PLAUSIBLE_BYTES {
+            return Some((
+                "device_memory.total_bytes",
+                self.total_bytes,
+                MAX_PLAUSIBLE_BYTES,
+            ));
+        }
+        (self.free_bytes > self.total_bytes).then_some((
+            "device_memory.free_bytes",
+            self.free_bytes,
+            self.total_bytes,
+        ))
+    }
+}
+
 /// One phase event of one rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Marker {
@@ -188,6 +226,11 @@ pub struct Marker {
     /// otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layout_segments: Vec<SegmentLayout>,
+    /// The device's memory at this moment (`cudaMemGetInfo`); the Python
+    /// client sends it at step 1's markers and at OOM markers only. With
+    /// `allocator`, it measures the memory outside the allocator exactly.
+    #[serde(default)]
+    pub device_memory: Option<DeviceMemory>,
 }
 
 #[cfg(test)]

@@ -71,8 +71,11 @@
 //!                 step1 reserved peak)
 //! fresh     = state + temporaries of the optimizer-phase estimate when that
 //!             estimate binds (before the phase is measured), else 0
-//! overhead  = NVML − reserved next to step 1's markers: the best lower
-//!             bound, capped by the best upper one (see `overhead_estimate`)
+//! overhead  = max over step 1's markers of (total − free) − reserved, when
+//!             the markers carry the device's memory (`cudaMemGetInfo`,
+//!             exact at each marker; see `client_overhead`); else NVML −
+//!             reserved next to step 1's markers: the best lower bound,
+//!             capped by the best upper one (see `overhead_estimate`)
 //! device    = max(reserved + overhead, NVML peak of step 1's closed phases)
 //! ```
 //!
@@ -96,10 +99,16 @@
 //! step 2 must reserve anew for the cached blocks the state split
 //! ([`PredictionInputs::layout_snapshots`]), and the fraction is not used.
 //!
-//! `overhead` is NVML's view minus the allocator's (CUDA context, NCCL and
-//! cuBLAS workspaces) *and other processes on the GPU*, because NVML samples
-//! are device-wide. Without any NVML sample it is unknown; then
-//! `device = reserved + assumed_overhead_bytes + other_process_bytes`.
+//! `overhead` is the device's view minus the allocator's (CUDA context, NCCL
+//! and cuBLAS workspaces) *and other processes on the GPU*, because both
+//! NVML samples and `cudaMemGetInfo` are device-wide: the other processes
+//! are counted as they were at step 1's markers, not from NVML's process
+//! list, which is read seconds apart and may be stale. The list only splits
+//! the overhead into the process's own share
+//! (`process_overhead_bytes = overhead − other_process_bytes`) and the rest.
+//! [`OverheadSource`] says where it came from. Without either it is
+//! unknown; then `device = reserved + assumed_overhead_bytes +
+//! other_process_bytes`.
 //!
 //! NVML-only basis: `device = basis_peak`; device samples already include
 //! other processes.
@@ -304,6 +313,37 @@ pub enum LayoutSetAside {
     DdpBucketRebuild,
 }
 
+/// Where the overhead (device memory outside the rank's caching allocator:
+/// CUDA context, workspaces, NCCL buffers, other processes) came from, so a
+/// user knows whether it was measured or bounded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OverheadSource {
+    /// The device's memory the client read at step 1's markers
+    /// (`cudaMemGetInfo`) minus the reserved bytes at the same markers:
+    /// exact at each marker, whatever NVML's sampler caught.
+    ClientDeviceMemory,
+    /// NVML samples next to step 1's markers: a lower bound from the last
+    /// sample of a phase, capped by an upper one (see `overhead_estimate`).
+    /// Phases of a few milliseconds may have no sample, and the bound then
+    /// falls back to one taken before the allocator's last segments.
+    NvmlSamples,
+    /// Neither: [`PredictConfig::assumed_overhead_bytes`] plus other
+    /// processes.
+    Assumed,
+}
+
+impl OverheadSource {
+    /// The name in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OverheadSource::ClientDeviceMemory => "client_device_memory",
+            OverheadSource::NvmlSamples => "nvml_samples",
+            OverheadSource::Assumed => "assumed",
+        }
+    }
+}
+
 /// What became of a step-2 OOM warning the rank was already given, when a
 /// later prediction of step 1 says step 2 fits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -451,8 +491,30 @@ pub struct PredictionInputs {
     /// The replay of step 2 from step 1's allocator trace, when the client
     /// sent one; it sets the reserved figure.
     pub allocator_replay: Option<Step2Replay>,
-    /// NVML minus reserved (includes other processes); None when unmeasured.
+    /// Device used minus reserved (includes other processes); None when
+    /// unmeasured. See `overhead_source` for how it was measured.
     pub overhead_bytes: Option<u64>,
+    /// Where `overhead_bytes` came from; None on the NVML-only basis (no
+    /// conversion to device bytes) and in predictions made before it was
+    /// recorded.
+    #[serde(default)]
+    pub overhead_source: Option<OverheadSource>,
+    /// The rank's own share of the overhead (its CUDA context, workspaces,
+    /// NCCL buffers): `overhead_bytes − other_process_bytes`, floored at 0.
+    /// Only as right as NVML's process list, which is read seconds apart;
+    /// the device prediction does not depend on it.
+    #[serde(default)]
+    pub process_overhead_bytes: Option<u64>,
+    /// The NVML-sample estimate of the overhead, also when the client's
+    /// device figures set `overhead_bytes`, to compare the two.
+    #[serde(default)]
+    pub nvml_overhead_bytes: Option<u64>,
+    /// The device's total as the CUDA driver reported it at step 1's latest
+    /// marker that carried it (`cudaMemGetInfo`: what processes can use, the
+    /// driver's reserved memory excluded). Shown next to `capacity_bytes`
+    /// (NVML total − reserved), which it should match; not used for headroom.
+    #[serde(default)]
+    pub device_total_bytes: Option<u64>,
     /// Highest NVML sample of step 1, bytes; a floor for the device prediction.
     pub step1_nvml_peak_bytes: Option<u64>,
     /// GPU capacity, bytes (0 when unknown: no headroom then).
@@ -748,6 +810,12 @@ pub fn predict_with_layout(
         predicted_reserved_bytes: device.predicted_reserved,
         allocator_replay: replay.copied(),
         overhead_bytes: device.overhead,
+        overhead_source: device.overhead_source,
+        process_overhead_bytes: device
+            .overhead
+            .map(|o| o.saturating_sub(other_process_bytes)),
+        nvml_overhead_bytes: device.nvml_overhead,
+        device_total_bytes: device.device_total,
         step1_nvml_peak_bytes: device.step1_nvml_peak,
         capacity_bytes,
         other_process_bytes,
@@ -1259,6 +1327,9 @@ struct DeviceFigures {
     step1_reserved_peak: Option<u64>,
     predicted_reserved: Option<u64>,
     overhead: Option<u64>,
+    overhead_source: Option<OverheadSource>,
+    nvml_overhead: Option<u64>,
+    device_total: Option<u64>,
     step1_nvml_peak: Option<u64>,
     cache_at_optimizer_begin: Option<u64>,
     state_from_cache: u64,
@@ -1308,6 +1379,9 @@ fn device_figures(d: DeviceInputs<'_>) -> DeviceFigures {
         step1_reserved_peak: None,
         predicted_reserved: None,
         overhead: None,
+        overhead_source: None,
+        nvml_overhead: None,
+        device_total: None,
         step1_nvml_peak,
         cache_at_optimizer_begin,
         state_from_cache,
@@ -1358,11 +1432,23 @@ fn device_figures(d: DeviceInputs<'_>) -> DeviceFigures {
         (None, None) => by_ratio.saturating_add(layout_allowance),
     }
     .max(reserved_peak.unwrap_or(0));
-    let overhead = overhead_estimate(d.step);
+    // The client's figures at step 1's markers are exact where NVML's
+    // samples only bound; they are taken from the step as recorded (the
+    // live samples add nothing to them).
+    let client = client_overhead(d.step1);
+    let nvml_overhead = overhead_estimate(d.step);
+    let (overhead, source) = match (client, nvml_overhead) {
+        (Some(c), _) => (Some(c.overhead_bytes), OverheadSource::ClientDeviceMemory),
+        (None, Some(n)) => (Some(n), OverheadSource::NvmlSamples),
+        (None, None) => (None, OverheadSource::Assumed),
+    };
     figures.reserved_ratio = Some(ratio);
     figures.step1_reserved_peak = reserved_peak;
     figures.predicted_reserved = Some(reserved);
     figures.overhead = overhead;
+    figures.overhead_source = Some(source);
+    figures.nvml_overhead = nvml_overhead;
+    figures.device_total = client.map(|c| c.total_bytes);
     figures.device_bytes = match overhead {
         Some(oh) => reserved
             .saturating_add(oh)
@@ -1415,6 +1501,52 @@ fn basis_limits(
         limits.push(BasisLimit::AllocatorFiguresCannotSeeLayout);
     }
     limits
+}
+
+/// The overhead from the device's memory the client read at step 1's
+/// markers, and the device total it read.
+#[derive(Debug, Clone, Copy)]
+struct ClientOverhead {
+    /// Max over the markers of (total − free) − reserved.
+    overhead_bytes: u64,
+    /// The total at the latest of those markers.
+    total_bytes: u64,
+}
+
+/// The device's used memory (total − free, `cudaMemGetInfo`) minus the
+/// allocator's reserved bytes at each of the step's markers that carry
+/// both, the highest of them; None when no marker does.
+///
+/// Both figures are read at the same instant, on the training thread, so
+/// each difference is exact: the CUDA context, the workspaces and NCCL
+/// buffers made so far, and what other processes held on the device then.
+/// The highest is taken because that memory is made lazily (cuBLAS at the
+/// first matmul, NCCL at the first collective) and is rarely given back;
+/// other processes count at their highest level seen at a marker, the
+/// cautious side for a peak.
+fn client_overhead(step: &StepRecord) -> Option<ClientOverhead> {
+    let at_starts = step
+        .phases
+        .iter()
+        .map(|p| (p.device_at_start, p.allocator_at_start));
+    // The step-end or OOM marker closes the last phase.
+    let at_end = step
+        .device_at_end
+        .zip(step.phases.last().and_then(|p| p.allocator_at_end));
+    let readings: Vec<(u64, u64)> = at_starts
+        .filter_map(|(d, a)| Some((d?, a?)))
+        .chain(at_end)
+        .map(|(d, a)| {
+            (
+                d.used_bytes().saturating_sub(a.reserved_bytes),
+                d.total_bytes,
+            )
+        })
+        .collect();
+    Some(ClientOverhead {
+        overhead_bytes: readings.iter().map(|&(o, _)| o).max()?,
+        total_bytes: readings.last()?.1,
+    })
 }
 
 /// NVML's device figure minus the allocator's reserved bytes (CUDA context,
@@ -1705,16 +1837,28 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
                 }
             },
         }
-        match i.overhead_bytes {
-            Some(oh) => {
+        match (i.overhead_bytes, i.overhead_source) {
+            (Some(oh), Some(OverheadSource::ClientDeviceMemory)) => {
                 let _ = write!(
                     s,
-                    "; + overhead {} (NVML − reserved: CUDA context, workspaces, other \
-                     processes), at least the step-1 NVML peak",
+                    "; + overhead {} (device used − reserved at step 1's markers, from the \
+                     CUDA driver's free and total memory: this process's CUDA context and \
+                     workspaces {}, other processes {} by NVML's process list), at least the step-1 NVML peak",
+                    g(oh),
+                    g(oh.saturating_sub(i.other_process_bytes)),
+                    g(i.other_process_bytes.min(oh)),
+                );
+            }
+            (Some(oh), _) => {
+                let _ = write!(
+                    s,
+                    "; + overhead {} (NVML − reserved, bounded from NVML samples next to step \
+                     1's markers: CUDA context, workspaces, other processes), at least the \
+                     step-1 NVML peak",
                     g(oh)
                 );
             }
-            None => {
+            (None, _) => {
                 let _ = write!(
                     s,
                     "; + assumed overhead + other processes {}",
@@ -1771,6 +1915,7 @@ mod tests {
             end_monotonic_ns: Some(1),
             allocator_at_start: allocated.map(|(start, _)| stats(start, start)),
             allocator_at_end: allocated.map(|(end, peak)| stats(end, peak)),
+            device_at_start: None,
             nvml,
             nvml_edges: edges,
             credited: true,

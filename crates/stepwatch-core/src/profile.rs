@@ -489,6 +489,7 @@ mod tests {
             end_monotonic_ns: end.map(|_| 10),
             allocator_at_start: start,
             allocator_at_end: end,
+            device_at_start: None,
             nvml: Default::default(),
             nvml_edges: Default::default(),
             credited: false,

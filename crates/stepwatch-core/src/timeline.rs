@@ -6,8 +6,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{kind_name, MarkerError};
 use crate::marker::{
-    AllocatorStats, Marker, MarkerKind, PhaseKind, MAX_PLAUSIBLE_BYTES, MAX_PLAUSIBLE_MONOTONIC_NS,
-    MAX_PLAUSIBLE_STEP,
+    AllocatorStats, DeviceMemory, Marker, MarkerKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
+    MAX_PLAUSIBLE_MONOTONIC_NS, MAX_PLAUSIBLE_STEP,
 };
 
 /// A step holds at most this many phases: a forward and a backward for each
@@ -93,6 +93,12 @@ pub struct PhaseRecord {
     pub allocator_at_start: Option<AllocatorStats>,
     /// Allocator figures of the closing marker; None while open.
     pub allocator_at_end: Option<AllocatorStats>,
+    /// The device's memory at the opening marker, when the client sent it
+    /// (step 1's markers); with `allocator_at_start` it measures the memory
+    /// outside the allocator. The closing marker's is the next phase's
+    /// start, or the step's [`StepRecord::device_at_end`].
+    #[serde(default)]
+    pub device_at_start: Option<DeviceMemory>,
     /// NVML samples attributed to this phase.
     pub nvml: SampleStats,
     /// Earliest and latest of those samples.
@@ -162,6 +168,11 @@ pub struct StepRecord {
     /// allocator (see `predict`).
     #[serde(default)]
     pub nvml_before_begin: Option<(u64, u64)>,
+    /// The device's memory at the step-end or OOM marker, when the client
+    /// sent it; the allocator figures of that marker are the last phase's
+    /// `allocator_at_end`.
+    #[serde(default)]
+    pub device_at_end: Option<DeviceMemory>,
 }
 
 /// How far before a step's begin a sample may be to count as its
@@ -416,6 +427,7 @@ impl RankTimeline {
                 outcome: StepOutcome::Running,
                 phases: Vec::new(),
                 nvml_before_begin: None,
+                device_at_end: None,
             });
             // Keep the first step; drop the oldest after it.
             if self.steps.len() > self.max_retained_steps {
@@ -428,6 +440,7 @@ impl RankTimeline {
             MarkerKind::StepEnd | MarkerKind::Oom => {
                 step.end_monotonic_ns = Some(m.monotonic_ns);
                 step.end_wall_ns = Some(m.wall_ns);
+                step.device_at_end = m.device_memory;
                 step.phases.shrink_to_fit();
                 if m.kind == MarkerKind::Oom {
                     step.outcome = StepOutcome::Oom;
@@ -447,6 +460,7 @@ impl RankTimeline {
                     end_monotonic_ns: None,
                     allocator_at_start: m.allocator,
                     allocator_at_end: None,
+                    device_at_start: m.device_memory,
                     nvml: SampleStats::default(),
                     nvml_edges: SampleEdges::default(),
                     credited: false,
@@ -500,6 +514,9 @@ impl Cursor {
         }
         if let Some((field, value)) = m.allocator.and_then(|a| a.implausible()) {
             return Err(implausible(field, value, MAX_PLAUSIBLE_BYTES));
+        }
+        if let Some((field, value, limit)) = m.device_memory.and_then(|d| d.implausible()) {
+            return Err(implausible(field, value, limit));
         }
         // A step that has ended cannot be reopened.
         if m.step < self.last_step || (m.step == self.last_step && self.open_kind.is_none()) {

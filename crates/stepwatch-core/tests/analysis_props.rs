@@ -64,6 +64,7 @@ fn markers(steps: u64, micro: u32, gaps: &[u64], levels: &[u64], with_alloc: boo
                 ..Default::default()
             }),
             layout_segments: Vec::new(),
+            device_memory: None,
         });
     };
     for step in 1..=steps {
@@ -191,6 +192,7 @@ impl History {
                         ..Default::default()
                     }),
                     layout_segments: Vec::new(),
+                    device_memory: None,
                 }
             })
             .collect()

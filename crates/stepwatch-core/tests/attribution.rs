@@ -32,6 +32,7 @@ fn markers(steps: u64, micro: u32, gaps: &[u64]) -> Vec<Marker> {
             micro_batch: mb,
             allocator: None,
             layout_segments: Vec::new(),
+            device_memory: None,
         });
     };
     for step in 1..=steps {

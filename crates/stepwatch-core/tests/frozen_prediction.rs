@@ -44,6 +44,7 @@ fn markers() -> Vec<Marker> {
                 micro_batch: 0,
                 allocator: Some(alloc(allocated)),
                 layout_segments: Vec::new(),
+                device_memory: None,
             });
         }
     }

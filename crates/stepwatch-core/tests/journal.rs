@@ -40,6 +40,7 @@ fn steps(n: u64, t0: u64) -> Vec<Marker> {
                     ..Default::default()
                 }),
                 layout_segments: Vec::new(),
+                device_memory: None,
             });
         }
     }

@@ -40,6 +40,7 @@ fn step(n: u64, micro_batches: u32, t: &mut u64) -> Vec<Marker> {
                 micro_batch: 0,
                 allocator: None,
                 layout_segments: Vec::new(),
+                device_memory: None,
             }
         })
         .collect()
@@ -114,6 +115,7 @@ fn with_nothing_left_to_give_batches_that_add_phases_are_refused() {
         micro_batch: 0,
         allocator: None,
         layout_segments: Vec::new(),
+        device_memory: None,
     }];
     t += 1;
     for i in 0..1000u32 {
@@ -130,6 +132,7 @@ fn with_nothing_left_to_give_batches_that_add_phases_are_refused() {
             micro_batch: i / 2,
             allocator: None,
             layout_segments: Vec::new(),
+            device_memory: None,
         });
         if let Err(e) = tracker.markers(&key, &markers, t) {
             refused = Some(e);
@@ -150,6 +153,7 @@ fn with_nothing_left_to_give_batches_that_add_phases_are_refused() {
         micro_batch: 0,
         allocator: None,
         layout_segments: Vec::new(),
+        device_memory: None,
     };
     tracker.markers(&key, &[end], t).unwrap();
 }

@@ -46,6 +46,7 @@ fn marker(kind: MarkerKind, step: u64, t: u64, mb: u32, a: Alloc) -> Marker {
         micro_batch: mb,
         allocator: stats(a),
         layout_segments: Vec::new(),
+        device_memory: None,
     }
 }
 
@@ -512,6 +513,7 @@ fn no_figures_no_prediction() {
             outcome: StepOutcome::Running,
             phases: vec![],
             nvml_before_begin: None,
+            device_at_end: None,
         },
         &ModelFacts::default(),
         0,
@@ -1542,4 +1544,164 @@ fn layouts_are_set_aside_under_gradient_accumulation_and_ddps_bucket_rebuild() {
         Some(LayoutSetAside::DdpBucketRebuild)
     );
     assert_eq!(p.predicted_peak_bytes, 9050 * M);
+}
+
+/// The overhead measured at step 1's markers (`cudaMemGetInfo`), against
+/// the NVML bounds when the one sample that would pin it is missed.
+///
+/// Unit M. Memory outside the rank's allocator: its CUDA context 512, and
+/// another process's 300. State made before step 1 (no jump):
+///
+/// | marker          | t   | allocated | alloc peak | reserved | device used = 812 + reserved |
+/// |-----------------|-----|-----------|------------|----------|------------------------------|
+/// | step_begin      | 100 | 1000      | 1000       | 1200     | 2012                         |
+/// | forward_begin   | 200 | 1000      | 1000       | 1200     | 2012                         |
+/// | backward_begin  | 300 | 5000      | 5000       | 6250     | 7062                         |
+/// | optimizer_begin | 400 | 1400      | 6000       | 7500     | 8312                         |
+/// | optimizer_end   | 500 | 1400      | 6000       | 7500     | 8312                         |
+/// | step_end        | 600 | 1400      | 6000       | 7500     | 8312                         |
+///
+/// NVML caught one sample, at 250 in forward, before forward's last 500 M
+/// segment: 812 + 5750 = 6562. Its lower bound is 6562 − 6250 (reserved at
+/// forward's end) = 312, its upper 6562 − 1200 = 5362: the NVML estimate is
+/// 312, the context missed (on real PyTorch on fake CUDA,
+/// gpt-precreated-state once gave 2 MiB for a 512 MiB context so).
+/// The client's figures give max(used − reserved) = 812 at every marker.
+///
+/// Reserved: basis peak max(6000 + 0, 1400, 6000) = 6000, × 7500 / 6000 =
+/// 7500, no allowance (no state made). Device = 7500 + overhead, at least
+/// the NVML peak 6562.
+fn precreated_markers(device: bool) -> Vec<Marker> {
+    let mut markers = base_markers(true);
+    for m in &mut markers[3..] {
+        m.allocator = stats(Some((1400, 6000, 7500)));
+    }
+    if device {
+        for m in &mut markers {
+            let reserved = m.allocator.unwrap().reserved_bytes;
+            m.device_memory = Some(DeviceMemory {
+                free_bytes: 10_000 * M - 812 * M - reserved,
+                total_bytes: 10_000 * M,
+            });
+        }
+    }
+    markers
+}
+
+#[test]
+fn the_client_device_memory_pins_the_overhead_an_nvml_sample_missed() {
+    let nvml = run(
+        ModelFacts::default(),
+        &precreated_markers(false),
+        &[(250, 6562)],
+        10_000,
+    );
+    let i = &nvml.inputs;
+    assert_eq!(i.predicted_reserved_bytes, Some(7500 * M));
+    assert_eq!(i.overhead_source, Some(OverheadSource::NvmlSamples));
+    assert_eq!(i.overhead_bytes, Some(312 * M), "{}", nvml.explanation);
+    assert_eq!(i.nvml_overhead_bytes, Some(312 * M));
+    assert_eq!(i.device_total_bytes, None);
+    // 7500 + 312: the context is lost.
+    assert_eq!(nvml.predicted_peak_bytes, 7812 * M);
+
+    let p = run(
+        ModelFacts::default(),
+        &precreated_markers(true),
+        &[(250, 6562)],
+        10_000,
+    );
+    let i = &p.inputs;
+    assert_eq!(i.overhead_source, Some(OverheadSource::ClientDeviceMemory));
+    assert_eq!(i.overhead_bytes, Some(812 * M), "{}", p.explanation);
+    // The rank's own: 812 − the other process's 300 (NVML's process list).
+    assert_eq!(i.process_overhead_bytes, Some(512 * M));
+    assert_eq!(i.other_process_bytes, 300 * M);
+    // The NVML estimate is still shown, to compare.
+    assert_eq!(i.nvml_overhead_bytes, Some(312 * M));
+    assert_eq!(i.device_total_bytes, Some(10_000 * M));
+    // 7500 + 812 = 8312; the rank's share 8312 − 300; headroom 10000 − 8312.
+    assert_eq!(p.predicted_peak_bytes, 8312 * M);
+    assert_eq!(p.predicted_rank_peak_bytes, 8012 * M);
+    assert_eq!(p.headroom_bytes, Some(1688 * M as i64));
+    assert!(
+        p.explanation
+            .contains("CUDA driver's free and total memory"),
+        "{}",
+        p.explanation
+    );
+    let json = serde_json::to_value(&p).unwrap();
+    assert_eq!(json["inputs"]["overhead_source"], "client_device_memory");
+    assert_eq!(
+        serde_json::to_value(i.overhead_source).unwrap(),
+        OverheadSource::ClientDeviceMemory.as_str()
+    );
+}
+
+/// The device prediction does not rest on NVML's process list, which is
+/// read seconds apart: the other processes count as the device showed them
+/// at the markers. A stale list (the other process not in it yet) only
+/// moves the split between the rank's own share and the rest.
+#[test]
+fn a_stale_process_list_changes_the_split_not_the_device_prediction() {
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.set_gpu_processes(GPU, &[(PID, 7000 * M)]);
+    t.gpu_samples(GPU, &samples(&[(250, 6562)], 10_000));
+    t.markers(&key, &precreated_markers(true), 0).unwrap();
+    let p = t.rank_analysis(&key).unwrap().prediction.unwrap();
+    assert_eq!(p.predicted_peak_bytes, 8312 * M);
+    assert_eq!(p.inputs.other_process_bytes, 0);
+    assert_eq!(p.inputs.process_overhead_bytes, Some(812 * M));
+}
+
+/// Memory outside the allocator made during step 1 (cuBLAS workspaces,
+/// NCCL buffers at the first collective) counts at its highest: the step-end
+/// marker's figures count too. Here the device shows 200 M more from
+/// backward on (overhead 812 → 1012); no NVML sample at all.
+#[test]
+fn the_overhead_is_the_highest_at_any_marker_the_step_end_included() {
+    let mut markers = precreated_markers(true);
+    for m in &mut markers[2..] {
+        let d = m.device_memory.as_mut().unwrap();
+        d.free_bytes -= 200 * M;
+    }
+    let p = run(ModelFacts::default(), &markers, &[], 10_000);
+    assert_eq!(p.inputs.overhead_bytes, Some(1012 * M), "{}", p.explanation);
+    assert_eq!(p.predicted_peak_bytes, 8512 * M);
+
+    // Only the step-end marker carries the higher figure: still counted,
+    // against the last phase's closing reserved bytes (7500).
+    let mut markers = precreated_markers(true);
+    markers[5].device_memory.as_mut().unwrap().free_bytes -= 200 * M;
+    let p = run(ModelFacts::default(), &markers, &[], 10_000);
+    assert_eq!(p.inputs.overhead_bytes, Some(1012 * M));
+
+    // Markers without allocator figures give no reading: the overhead is
+    // then NVML's, or assumed.
+    let mut markers = precreated_markers(true);
+    for m in &mut markers[..3] {
+        m.device_memory = None;
+    }
+    for m in &mut markers[3..] {
+        m.allocator = None;
+    }
+    let p = run(ModelFacts::default(), &markers, &[], 10_000);
+    assert_eq!(p.inputs.overhead_source, Some(OverheadSource::Assumed));
+    assert_eq!(p.inputs.overhead_bytes, None);
+}
+
+#[test]
+fn device_memory_with_more_free_than_total_is_refused() {
+    let (mut t, key) = tracker(ModelFacts::default());
+    let mut markers = precreated_markers(true);
+    markers[1].device_memory = Some(DeviceMemory {
+        free_bytes: 11 * M,
+        total_bytes: 10 * M,
+    });
+    let err = t.markers(&key, &markers, 0).unwrap_err();
+    assert!(
+        err.to_string().contains("device_memory.free_bytes"),
+        "{err}"
+    );
+    assert!(t.rank_analysis(&key).unwrap().prediction.is_none());
 }

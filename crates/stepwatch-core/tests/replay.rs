@@ -327,6 +327,7 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
         micro_batch: 0,
         allocator: Some(a),
         layout_segments: Vec::new(),
+        device_memory: None,
     };
     tracker.gpu_samples(
         "GPU-a",

@@ -33,6 +33,7 @@ fn two_steps(t0: u64) -> Vec<Marker> {
                 micro_batch: 0,
                 allocator: None,
                 layout_segments: Vec::new(),
+                device_memory: None,
             });
         }
     }

@@ -27,6 +27,7 @@ fn marker(kind: MarkerKind, t: u64, (allocated, peak, reserved): (u64, u64, u64)
             ..Default::default()
         }),
         layout_segments: Vec::new(),
+        device_memory: None,
     }
 }
 
@@ -216,6 +217,7 @@ fn step1_markers(act: u64, t0: u64) -> Vec<Marker> {
             ..Default::default()
         }),
         layout_segments: Vec::new(),
+        device_memory: None,
     };
     let fb = 10_000 + act;
     vec![

@@ -20,8 +20,8 @@ use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::replay::TraceSettings;
 use stepwatch_core::{
     Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace,
-    DdpBucketRebuild, Marker, MarkerKind, ModelFacts, OptimizerImplementation, OptimizerKind,
-    PhaseKind, Precision, RankInfo,
+    DdpBucketRebuild, DeviceMemory, Marker, MarkerKind, ModelFacts, OptimizerImplementation,
+    OptimizerKind, PhaseKind, Precision, RankInfo,
 };
 
 use crate::v1 as pb;
@@ -333,7 +333,7 @@ pub fn marker_kind_from_wire(value: i32) -> Result<MarkerKind, WireError> {
     marker_kind_of_wire(value).ok_or(WireError::MarkerKind(value))
 }
 
-// ---- Marker, AllocatorStats -------------------------------------------------
+// ---- Marker, AllocatorStats, DeviceMemory ---------------------------------
 
 /// A marker, with its allocator figures when it has them.
 pub fn marker_to_wire(m: &Marker) -> pb::Marker {
@@ -345,6 +345,7 @@ pub fn marker_to_wire(m: &Marker) -> pb::Marker {
         micro_batch,
         allocator,
         layout_segments,
+        device_memory,
     } = m;
     pb::Marker {
         kind: marker_kind_to_wire(*kind) as i32,
@@ -354,6 +355,7 @@ pub fn marker_to_wire(m: &Marker) -> pb::Marker {
         micro_batch: *micro_batch,
         allocator: allocator.as_ref().map(allocator_stats_to_wire),
         layout_segments: layout_segments.iter().map(segment_to_wire).collect(),
+        device_memory: device_memory.as_ref().map(device_memory_to_wire),
     }
 }
 
@@ -367,6 +369,7 @@ pub fn marker_from_wire(m: pb::Marker) -> Result<Marker, WireError> {
         allocator,
         micro_batch,
         layout_segments,
+        device_memory,
     } = m;
     Ok(Marker {
         kind: marker_kind_from_wire(kind)?,
@@ -376,7 +379,18 @@ pub fn marker_from_wire(m: pb::Marker) -> Result<Marker, WireError> {
         micro_batch,
         allocator: allocator.map(allocator_stats_from_wire),
         layout_segments: layout_segments.into_iter().map(segment_from_wire).collect(),
+        device_memory: device_memory.map(device_memory_from_wire),
     })
+}
+
+/// `cudaMemGetInfo` at a marker.
+pub fn device_memory_to_wire(d: &DeviceMemory) -> pb::DeviceMemory {
+    same_fields!(*d, DeviceMemory => pb::DeviceMemory { free_bytes, total_bytes })
+}
+
+/// The device's memory as sent; its plausibility is the timeline's to check.
+pub fn device_memory_from_wire(d: pb::DeviceMemory) -> DeviceMemory {
+    same_fields!(d, pb::DeviceMemory => DeviceMemory { free_bytes, total_bytes })
 }
 
 /// `torch.cuda.memory_stats()` figures at a marker.

@@ -7,8 +7,8 @@ use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::replay::TraceSettings;
 use stepwatch_core::{
     Advisory, AdvisoryKind, AllocatorEvent, AllocatorStats, AllocatorTrace, DdpBucketRebuild,
-    Marker, MarkerKind, ModelFacts, OptimizerImplementation, OptimizerKind, PhaseKind, Precision,
-    RankInfo,
+    DeviceMemory, Marker, MarkerKind, ModelFacts, OptimizerImplementation, OptimizerKind,
+    PhaseKind, Precision, RankInfo,
 };
 use stepwatch_proto::convert::*;
 use stepwatch_proto::v1 as pb;
@@ -140,9 +140,10 @@ fn marker() -> impl Strategy<Value = Marker> {
         any::<u32>(),
         prop::option::of(allocator_stats()),
         prop::collection::vec(segment(), 0..3),
+        prop::option::of(device_memory()),
     )
         .prop_map(
-            |(kind, step, monotonic_ns, wall_ns, micro_batch, allocator, layout_segments)| Marker {
+            |(
                 kind,
                 step,
                 monotonic_ns,
@@ -150,8 +151,25 @@ fn marker() -> impl Strategy<Value = Marker> {
                 micro_batch,
                 allocator,
                 layout_segments,
+                device_memory,
+            )| Marker {
+                kind,
+                step,
+                monotonic_ns,
+                wall_ns,
+                micro_batch,
+                allocator,
+                layout_segments,
+                device_memory,
             },
         )
+}
+
+fn device_memory() -> impl Strategy<Value = DeviceMemory> {
+    any::<[u64; 2]>().prop_map(|v| DeviceMemory {
+        free_bytes: v[0],
+        total_bytes: v[1],
+    })
 }
 
 fn segment() -> impl Strategy<Value = SegmentLayout> {

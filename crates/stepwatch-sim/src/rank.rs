@@ -683,6 +683,8 @@ impl RankSim {
             micro_batch,
             allocator: Some(self.stats()),
             layout_segments: Vec::new(),
+            // The simulator leaves the overhead to NVML's samples.
+            device_memory: None,
         };
         self.alloc.reset_phase_peak();
         self.out.push_back(SimEvent::Marker(marker));

@@ -297,6 +297,27 @@ pub struct Marker {
     /// Empty: not sent (a trace is, the layout was too large, or the client opted out).
     #[prost(message, repeated, tag = "7")]
     pub layout_segments: ::prost::alloc::vec::Vec<AllocatorSegment>,
+    /// The device's memory as the CUDA driver reports it at the marker, on the
+    /// process's current device. The Python client sends it at step 1's markers
+    /// and at an OOM marker only (it costs a driver call).
+    #[prost(message, optional, tag = "8")]
+    pub device_memory: ::core::option::Option<DeviceMemory>,
+}
+/// cudaMemGetInfo (torch.cuda.mem_get_info()) at a marker. Exact at that
+/// instant, unlike NVML samples taken between markers: total - free is the
+/// memory every process holds on the device (this process's CUDA context,
+/// workspaces and caching allocator, and other processes'), so at a marker
+/// that also carries allocator figures the memory outside this process's
+/// allocator is known exactly.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct DeviceMemory {
+    /// Free device memory, bytes.
+    #[prost(uint64, tag = "1")]
+    pub free_bytes: u64,
+    /// Device memory processes can use, bytes: on NVIDIA GPUs the driver's
+    /// reserved memory is not in it (about NVML's total minus reserved).
+    #[prost(uint64, tag = "2")]
+    pub total_bytes: u64,
 }
 /// Figures from torch.cuda.memory_stats() at the marker.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]

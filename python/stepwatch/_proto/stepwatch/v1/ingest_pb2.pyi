@@ -261,7 +261,7 @@ class MarkerBatch(_message.Message):
     def __init__(self, markers: _Optional[_Iterable[_Union[Marker, _Mapping]]] = ...) -> None: ...
 
 class Marker(_message.Message):
-    __slots__ = ("kind", "step", "monotonic_ns", "wall_ns", "allocator", "micro_batch", "layout_segments")
+    __slots__ = ("kind", "step", "monotonic_ns", "wall_ns", "allocator", "micro_batch", "layout_segments", "device_memory")
     KIND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MONOTONIC_NS_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class Marker(_message.Message):
     ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     kind: MarkerKind
     step: int
     monotonic_ns: int
@@ -276,7 +277,16 @@ class Marker(_message.Message):
     allocator: AllocatorStats
     micro_batch: int
     layout_segments: _containers.RepeatedCompositeFieldContainer[AllocatorSegment]
-    def __init__(self, kind: _Optional[_Union[MarkerKind, str]] = ..., step: _Optional[int] = ..., monotonic_ns: _Optional[int] = ..., wall_ns: _Optional[int] = ..., allocator: _Optional[_Union[AllocatorStats, _Mapping]] = ..., micro_batch: _Optional[int] = ..., layout_segments: _Optional[_Iterable[_Union[AllocatorSegment, _Mapping]]] = ...) -> None: ...
+    device_memory: DeviceMemory
+    def __init__(self, kind: _Optional[_Union[MarkerKind, str]] = ..., step: _Optional[int] = ..., monotonic_ns: _Optional[int] = ..., wall_ns: _Optional[int] = ..., allocator: _Optional[_Union[AllocatorStats, _Mapping]] = ..., micro_batch: _Optional[int] = ..., layout_segments: _Optional[_Iterable[_Union[AllocatorSegment, _Mapping]]] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ...) -> None: ...
+
+class DeviceMemory(_message.Message):
+    __slots__ = ("free_bytes", "total_bytes")
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    free_bytes: int
+    total_bytes: int
+    def __init__(self, free_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ...) -> None: ...
 
 class AllocatorStats(_message.Message):
     __slots__ = ("allocated_bytes", "allocated_peak_bytes", "reserved_bytes", "reserved_peak_bytes", "active_bytes", "active_peak_bytes", "num_alloc_retries")
