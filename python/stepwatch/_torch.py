@@ -252,7 +252,7 @@ def memory_layout() -> Any:
     script records it."""
     import torch
 
-    fn = torch.cuda.memory.memory_snapshot
+    fn: Any = torch.cuda.memory.memory_snapshot
     try:
         return fn(include_traces=False)
     except TypeError:  # an older torch: no such argument

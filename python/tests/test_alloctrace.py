@@ -1033,7 +1033,7 @@ def test_a_marker_with_a_layout_gets_a_batch_of_its_own_when_it_would_overflow()
     c = Client("unix:///nonexistent", hello_factory=lambda: pb.Hello())
     for i in range(1000):
         c.mark(STEP_BEGIN, i + 1)
-    c.mark(OPTIMIZER_BEGIN, 1, 0, None, big)
+    c.mark(OPTIMIZER_BEGIN, 1, 0, None, None, big)
     c.mark(STEP_END, 1)
     stream = _StreamState()
     msgs = []
