@@ -93,6 +93,28 @@ def _block_bytes(size: int, allocated: bool) -> int:
     return _field((1 + _vlen(size) if size else 0) + (2 if allocated else 0))
 
 
+def _add_segment(
+    repeated: Any,
+    address: int,
+    small: bool,
+    blocks: List[Tuple[int, bool]],
+    home: Tuple[int, int, bool],
+) -> None:
+    """Appends one segment and its blocks to a repeated ``AllocatorSegment``
+    field: a trace chunk's segments or a marker's layout."""
+    stream, pool_id, expandable = home
+    seg = repeated.add(
+        address=address,
+        small_pool=small,
+        stream=stream,
+        pool_id=pool_id,
+        expandable=expandable,
+    )
+    add_block = seg.blocks.add
+    for size, allocated in blocks:
+        add_block(size=size, allocated=allocated)
+
+
 def _segment_bytes(
     address: int,
     small: bool,
@@ -214,20 +236,10 @@ class AllocatorTrace:
                 else:
                     setattr(out.chunk.settings, key, value)
         for (address, small, blocks), home in zip(self.segments, self.homes()):
-            stream, pool_id, expandable = home
             full = out.fit(_segment_bytes(address, small, blocks, home))
             if full is not None:
                 yield full
-            seg = out.chunk.segments.add(
-                address=address,
-                small_pool=small,
-                stream=stream,
-                pool_id=pool_id,
-                expandable=expandable,
-            )
-            add_block = seg.blocks.add
-            for size, allocated in blocks:
-                add_block(size=size, allocated=allocated)
+            _add_segment(out.chunk.segments, address, small, blocks, home)
         for action, address, size, phase, stream in zip(
             self.ev_action, self.ev_address, self.ev_size, self.ev_phase, self.ev_stream
         ):
@@ -445,17 +457,8 @@ class Layout:
 
     def fill(self, marker: Any) -> None:
         """Adds the segments to a ``pb.Marker``."""
-        for address, small, blocks, (stream, pool_id, expandable) in self.segments:
-            seg = marker.layout_segments.add(
-                address=address,
-                small_pool=small,
-                stream=stream,
-                pool_id=pool_id,
-                expandable=expandable,
-            )
-            add_block = seg.blocks.add
-            for size, allocated in blocks:
-                add_block(size=size, allocated=allocated)
+        for address, small, blocks, home in self.segments:
+            _add_segment(marker.layout_segments, address, small, blocks, home)
 
 
 def layout_from_segments(snapshot_segments: Any, device: int) -> Layout:
