@@ -725,6 +725,7 @@ def reset() -> None:
         RT.facts = {}
         RT.gpu_uuid = ""
         RT.allocator_stats = True
+        RT.device_memory = True
         RT.allocator_trace = None
         RT.recorder.abandon()
         RT.recorder = Recorder()

@@ -189,7 +189,9 @@ class FakeAgent(pb_grpc.IngestServicer):
         with self.lock:
             return [m for s in self.streams for m in s.markers]
 
-    def wait_for(self, pred: Callable[[], bool], timeout: float = 10.0) -> bool:
+    # Waits end as soon as the condition holds; the bound only matters on a
+    # busy machine, where a reconnect after backoff can take many seconds.
+    def wait_for(self, pred: Callable[[], bool], timeout: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout
         with self.lock:
             while not pred():
@@ -199,7 +201,7 @@ class FakeAgent(pb_grpc.IngestServicer):
                 self.changed.wait(min(left, 0.05))
         return True
 
-    def wait_markers(self, n: int, timeout: float = 10.0) -> List[pb.Marker]:
+    def wait_markers(self, n: int, timeout: float = 60.0) -> List[pb.Marker]:
         ok = self.wait_for(lambda: sum(len(s.markers) for s in self.streams) >= n, timeout)
         got = self.all_markers()
         assert ok, f"expected {n} markers, got {len(got)}: {summary(got)}"

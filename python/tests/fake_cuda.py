@@ -13,7 +13,7 @@ them, "active_pending_free" where the docstring says "active_awaiting_free").
 from __future__ import annotations
 
 import collections
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 SMALL = 1 << 20  # requests up to 1 MiB go to the small pool
 SMALL_SEGMENT = 2 << 20
@@ -295,7 +295,14 @@ class FakeCuda:
         monkeypatch.setattr(st, "model_cuda_device", lambda model: 0)
         monkeypatch.setattr(st, "active_cuda_device", lambda: 0)
         monkeypatch.setattr(st, "gpu_uuid_for", lambda model: "")
+        # cudaMemGetInfo: an 80 GiB device that holds this allocator's segments
+        # and a 512 MiB context.
+        monkeypatch.setattr(st, "device_memory", self.device_memory)
         return self
+
+    def device_memory(self, device: int) -> Tuple[int, int]:
+        total = 80 << 30
+        return total - (512 << 20) - self.c["reserved"], total
 
 
 class FakeWorkload:
