@@ -73,7 +73,15 @@ pub fn step2_new_segments(
     begin: &[SegmentLayout],
     end: &[SegmentLayout],
 ) -> Result<LayoutEstimate, LayoutError> {
+    // A segment the optimizer left alone (the same blocks at its end) serves
+    // its own request in step 2 as it did in step 1: it makes no request,
+    // and its free blocks serve no other (they are its request's). Served
+    // from the end layout instead, its request would meet the gradients
+    // still there, which step 2 frees before its forward: plain SGD, no
+    // state, came out 413 MB (one logits block) over on real PyTorch.
+    let untouched = |s: &SegmentLayout| !s.expandable && end.iter().any(|e| e == s);
     let mut requests: Vec<(u64, u64)> = Vec::new();
+    let mut self_served_bytes = 0;
     for s in begin
         .iter()
         .filter(|s| s.pool == Pool::Large && s.pool_id == 0)
@@ -82,7 +90,13 @@ pub fn step2_new_segments(
         if s.blocks.iter().all(|b| b.allocated) {
             continue;
         }
-        if s.expandable || s.size() == LARGE_BUFFER {
+        if untouched(s) {
+            self_served_bytes += if s.size() == LARGE_BUFFER {
+                free.sum()
+            } else {
+                s.size()
+            };
+        } else if s.expandable || s.size() == LARGE_BUFFER {
             requests.extend(free.map(|size| (size, s.stream)));
         } else {
             requests.push((s.size(), s.stream));
@@ -90,8 +104,14 @@ pub fn step2_new_segments(
     }
     // Largest first; a stable order for equal sizes.
     requests.sort_by(|a, b| b.cmp(a));
-    let (mut alloc, _) = CachingAllocator::from_layout(end)?;
-    let reserved_at_end = alloc.reserved();
+    let reserved_at_end = CachingAllocator::from_layout(end)?.0.reserved();
+    let serving: Vec<SegmentLayout> = end
+        .iter()
+        .filter(|e| !begin.iter().any(|s| s == *e && untouched(s)))
+        .cloned()
+        .collect();
+    let (mut alloc, _) = CachingAllocator::from_layout(&serving)?;
+    let reserved_before = alloc.reserved();
     let mut blocks_needing_new_segments = 0;
     for &(size, stream) in &requests {
         let before = alloc.reserved();
@@ -101,8 +121,8 @@ pub fn step2_new_segments(
         }
     }
     Ok(LayoutEstimate {
-        new_segment_bytes: alloc.reserved().saturating_sub(reserved_at_end),
-        cached_at_begin_bytes: requests.iter().map(|r| r.0).sum(),
+        new_segment_bytes: alloc.reserved().saturating_sub(reserved_before),
+        cached_at_begin_bytes: self_served_bytes + requests.iter().map(|r| r.0).sum::<u64>(),
         blocks_needing_new_segments,
         reserved_at_end_bytes: reserved_at_end,
     })
@@ -179,6 +199,32 @@ mod tests {
         assert_eq!(e.new_segment_bytes, 200 * M);
         assert_eq!(e.blocks_needing_new_segments, 1);
         assert_eq!(e.cached_at_begin_bytes, 600 * M);
+    }
+
+    #[test]
+    fn a_segment_the_optimizer_left_alone_serves_its_own_request() {
+        // Plain SGD (no state): the 394 MiB logits segment holds a 147 MiB
+        // gradient beside its free rest at both ends of the optimizer. Step
+        // 2 frees the gradient and the segment serves its 394 MiB request
+        // as in step 1: nothing new (served from the end layout, where the
+        // gradient still sits, it had cost a whole new segment). Its free
+        // block serves no other request: the 300 MiB segment the state was
+        // carved from needs a new one.
+        let begin = [
+            seg(0, &[(147 * M, true), (247 * M, false)]),
+            seg(1 << 32, &[(300 * M, false)]),
+        ];
+        let end = [
+            seg(0, &[(147 * M, true), (247 * M, false)]),
+            seg(1 << 32, &[(64 * M, true), (236 * M, false)]),
+        ];
+        let e = step2_new_segments(&begin, &end).unwrap();
+        assert_eq!(e.new_segment_bytes, 300 * M);
+        assert_eq!(e.blocks_needing_new_segments, 1);
+        assert_eq!(e.cached_at_begin_bytes, 694 * M);
+        assert_eq!(e.reserved_at_end_bytes, 694 * M);
+        let alone = step2_new_segments(&begin[..1], &end[..1]).unwrap();
+        assert_eq!(alone.new_segment_bytes, 0);
     }
 
     #[test]
