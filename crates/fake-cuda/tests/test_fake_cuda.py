@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 
@@ -50,6 +50,26 @@ out.update(uuid=str(props.uuid), total=props.total_memory, name=props.name,
 print("RESULT " + json.dumps(out), flush=True)
 """
 SIZES = ["1024", "8", "4096"]
+
+
+KNOWN_EXIT_ABORT = "terminate called without an active exception"
+
+
+def retry_known_exit_abort(
+    run: Callable[[Path], subprocess.CompletedProcess], tmp_path: Path, ok: int
+) -> Tuple[subprocess.CompletedProcess, Path]:
+    """Known flake, not yet understood: after a script on fake CUDA has done
+    its work (results printed, or the expected OOM raised), PyTorch may abort
+    at interpreter exit with "terminate called without an active exception"
+    (exit 134): about one DDP run in six, and once the single-process OOM
+    test under load 10. Reruns once, in a fresh folder, on exactly that;
+    any other exit code, or the abort twice, is the test's to judge."""
+    proc = run(tmp_path)
+    if proc.returncode != ok and KNOWN_EXIT_ABORT in proc.stderr:
+        tmp_path = tmp_path / "retry"
+        tmp_path.mkdir()
+        proc = run(tmp_path)
+    return proc, tmp_path
 
 
 def fake_cuda(args: List[str], cmd: List[str], **kw: Any) -> subprocess.CompletedProcess:
@@ -125,10 +145,14 @@ def test_step_two_runs_out_of_memory_as_on_a_gpu(calibration, tmp_path):
     # Room for step 1 and a little more, not for step 2.
     usable = CONTEXT + steps[0]["max_reserved"] + 8 * MIB
     assert usable < CONTEXT + steps[1]["max_reserved"]
-    proc = fake_cuda(
-        ["--gpu-capacity", str(usable + DRIVER_RESERVED), "--usage-log", str(tmp_path)],
-        [sys.executable, "-c", TRAIN, *SIZES, "3"],
-    )
+
+    def run(log: Path) -> subprocess.CompletedProcess:
+        return fake_cuda(
+            ["--gpu-capacity", str(usable + DRIVER_RESERVED), "--usage-log", str(log)],
+            [sys.executable, "-c", TRAIN, *SIZES, "3"],
+        )
+
+    proc, tmp_path = retry_known_exit_abort(run, tmp_path, ok=1)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "step 1 done" in proc.stdout and "step 2 done" not in proc.stdout
     assert "torch.OutOfMemoryError: CUDA out of memory." in proc.stderr
@@ -319,14 +343,7 @@ def torchrun(n: int, script: str, tmp_path: Path) -> subprocess.CompletedProcess
 
 
 def test_ddp_over_two_ranks_with_nccl(tmp_path):
-    proc = torchrun(2, DDP, tmp_path)
-    # Known flake, not yet understood: after both ranks finished (and printed
-    # their results) one may abort at exit with "terminate called without an
-    # active exception" (about one run in six). Retried once on exactly that.
-    if proc.returncode != 0 and "terminate called without an active exception" in proc.stderr:
-        tmp_path = tmp_path / "retry"
-        tmp_path.mkdir()
-        proc = torchrun(2, DDP, tmp_path)
+    proc, tmp_path = retry_known_exit_abort(lambda p: torchrun(2, DDP, p), tmp_path, ok=0)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
         assert f"RANK {rank} sum=3 gathered=[10, 20]" in proc.stdout
