@@ -45,6 +45,14 @@ class _Runtime:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.client: Optional[Client] = None
+        self.excepthook_installed = False
+        self._prev_excepthook: Any = None
+        self._set_defaults()
+
+    def _set_defaults(self) -> None:
+        """Every setting and piece of per-run state at its default: what a new
+        process starts with and what :func:`reset` returns to. One list, so a
+        new field cannot be left out of the reset."""
         self.tracker = StepTracker(self._emit)
         self.identity_overrides: Dict[str, Any] = {}
         self.identity: Optional[Identity] = None
@@ -70,8 +78,6 @@ class _Runtime:
         # CUDA device whose allocator figures go with each marker; None = none.
         self.cuda_device: Optional[int] = None
         self.cuda_checked = False
-        self.excepthook_installed = False
-        self._prev_excepthook: Any = None
         # A DDP model's bucket rebuild, learnt in step 1 (_torch.DdpBucketWatch).
         self.ddp_watch: Optional[_torch.DdpBucketWatch] = None
         # This process's current training run (see begin_run); every hello
@@ -712,25 +718,5 @@ def reset() -> None:
     shutdown(timeout=0.2)
     RT.remove_excepthook()
     with RT.lock:
-        RT.tracker = StepTracker(RT._emit)
-        RT.identity_overrides = {}
-        RT.identity = None
-        RT.endpoint = None
-        RT.tls_paths = {}
-        RT.on_advisory = None
-        RT.strict = False
-        RT.queue_size = None
-        RT.framework = "pytorch"
-        RT.framework_version = ""
-        RT.facts = {}
-        RT.gpu_uuid = ""
-        RT.allocator_stats = True
-        RT.device_memory = True
-        RT.allocator_trace = None
         RT.recorder.abandon()
-        RT.recorder = Recorder()
-        RT.layouts = LayoutSnapshots()
-        RT.run_id = _new_run_id()
-        RT.cuda_device = None
-        RT.cuda_checked = False
-        RT.ddp_watch = None
+        RT._set_defaults()
