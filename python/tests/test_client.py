@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from typing import Optional
 
 import grpc
 import pytest
@@ -314,13 +315,14 @@ EXIT_FLUSH_S = 1.0
 EXIT_SLACK_S = 4.0
 
 
-def _run_script(endpoint: str, exit_flush_s: float, connect_timeout_s: float = 2.0) -> float:
-    env = dict(
-        os.environ,
-        STEPWATCH_ENDPOINT=endpoint,
-        STEPWATCH_EXIT_FLUSH_S=str(exit_flush_s),
-        STEPWATCH_CONNECT_TIMEOUT=str(connect_timeout_s),
-    )
+def _run_script(
+    endpoint: str, exit_flush_s: float, connect_timeout_s: Optional[float] = None
+) -> float:
+    """Runs SCRIPT; the client's own connect timeout unless one is given."""
+    env = dict(os.environ, STEPWATCH_ENDPOINT=endpoint, STEPWATCH_EXIT_FLUSH_S=str(exit_flush_s))
+    env.pop("STEPWATCH_CONNECT_TIMEOUT", None)
+    if connect_timeout_s is not None:
+        env["STEPWATCH_CONNECT_TIMEOUT"] = str(connect_timeout_s)
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120
     )
