@@ -11,6 +11,7 @@ was made ``strict``.
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import os
 import random
@@ -235,11 +236,8 @@ class Client:
     def _after_fork_in_child(self) -> None:
         # The parent's thread and channel do not exist in the child; its queued
         # markers belong to the parent. Start over, lazily. The parent's gRPC
-        # objects are kept, never finalized here: closing them runs gRPC core
-        # code, which a child forked while the sender was inside gRPC must not
-        # (seen once under load: a DataLoader worker died in ev_epoll1 after
-        # "Other threads are currently calling into gRPC, skipping fork()
-        # handlers").
+        # objects are kept, never finalized here: that would run gRPC code on
+        # the child's copy of gRPC (see the module's _after_fork_in_child).
         _PARENT_GRPC_OBJECTS.append((self._channel, self._call))
         self._reset_state()
 
@@ -783,6 +781,18 @@ _PARENT_GRPC_OBJECTS: List[Tuple[Any, Any]] = []
 
 
 def _after_fork_in_child() -> None:
+    if _wire is not None:
+        # gRPC was in use here. A fork while any thread (ours, or a gRPC
+        # server's) is inside gRPC skips gRPC's fork handlers, and the child's
+        # copy of gRPC is then unusable: when the child's garbage collector
+        # frees an inherited gRPC object in a reference cycle (a closed
+        # channel, a finished call), gRPC starts threads on that copy and the
+        # child hangs or aborts in ev_epoll1 ("next_worker->state == KICKED"),
+        # seen in DataLoader workers. Freezing moves every inherited object out
+        # of the collector's reach; it is what Python's gc docs advise for
+        # fork without exec, and it also spares the child copy-on-write of the
+        # parent's pages. Only the child's own objects are collected.
+        gc.freeze()
     for c in list(_all_clients):
         try:
             c._after_fork_in_child()

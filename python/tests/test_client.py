@@ -3,6 +3,7 @@ advisories, fork and shutdown."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import select
@@ -273,21 +274,58 @@ def test_fork_child_gets_fresh_sender(agent):
     assert ms[-1].step == 2
 
 
+class _Cycle:
+    """An object in a reference cycle: only the garbage collector frees it."""
+
+
+def _collect_garbage_in_worker(worker_id: int) -> None:
+    gc.collect()
+
+
 def test_dataloader_workers_do_not_deadlock(agent):
     torch = pytest.importorskip("torch")
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stepwatch.watch(model, opt)
     ds = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
-    dl = torch.utils.data.DataLoader(
-        ds, batch_size=8, num_workers=2, multiprocessing_context="fork"
-    )
-    for x, y in dl:
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
+
+    def train_step(x, y):
+        torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    assert agent.wait_markers(24)[-1].step == 4
+
+    train_step(*ds[:8])  # step 1: the sender is connected before the fork
+    agent.wait_markers(6)
+    # gRPC garbage the workers inherit (a process that reconnected has some):
+    # a channel with a call on it, in a cycle, left for the collector. Each
+    # worker runs the collector at once, as its own allocations would later.
+    # Without stepwatch's gc.freeze() in the child, a worker freeing it hangs
+    # or aborts in gRPC, because this process's gRPC threads (the sender, the
+    # fake agent's server) were inside gRPC at the fork.
+    # Whether a fork catches a thread inside gRPC is chance: try several epochs.
+    epochs = 20
+    gc.disable()
+    try:
+        for _ in range(epochs):
+            garbage = _Cycle()
+            garbage.self = garbage
+            garbage.channel = grpc.insecure_channel(agent.endpoint)
+            garbage.call = garbage.channel.unary_unary("/no.Such/Method").future(b"")
+            del garbage
+            dl = torch.utils.data.DataLoader(
+                ds,
+                batch_size=8,
+                num_workers=2,
+                multiprocessing_context="fork",
+                worker_init_fn=_collect_garbage_in_worker,
+                timeout=120,  # a hung worker fails the test instead of hanging it
+            )
+            for x, y in dl:
+                train_step(x, y)
+    finally:
+        gc.enable()
+    steps = 1 + 4 * epochs
+    assert agent.wait_markers(6 * steps)[-1].step == steps
 
 
 # The script reports how long its interpreter exit took, measured inside the
