@@ -42,6 +42,30 @@
 //! from a parameter one. What grows after step 2 (Lightning and expandable
 //! segments: one logits-sized block in step 3) depends on where step 2's
 //! own blocks went, which step 1's layouts do not show.
+//!
+//! The rule that a segment the optimizer left alone serves only its own
+//! request leans on the gradients: step 2 frees them before its forward, on
+//! the stream that made them, and the requests the state displaced land
+//! there. Where the gradients live on another stream (FSDP2 reduce-scatters
+//! them on its own), nothing frees room on the default stream: the
+//! displaced requests take, best fit, the free blocks of segments the
+//! optimizer left alone, whose own requests then take the next larger ones,
+//! until the last and largest requests of the forward (the logits) find
+//! their segments split. [`step2_new_segments_with`] models that when told
+//! the gradients' bytes: the displaced requests first, largest first, then
+//! the left-alone segments' free blocks, smallest first, all served from
+//! the whole end layout. FSDP2 on 4 ranks (real PyTorch 2.15 on fake CUDA,
+//! `bench/torch-accuracy.sh --jobs fsdp2-4 --variants markers`): step 2
+//! reserved three new 394 MiB logits segments (1239 MB); the rule above
+//! found 795 MB (−5.86% on the device peak), this one 1239 MB.
+//!
+//! Given the most the allocator may reserve, the new segments stop at it:
+//! past it PyTorch releases its free cached segments and retries before it
+//! fails, and what that recovers the layouts cannot show (the requests are
+//! served as if all alive at once, which they are not). Whether step 2 fits
+//! is then left to the allocated figures. FSDP2's fragmentation run (same
+//! source): 1239 MB uncapped would put the prediction 8.5% over the device
+//! peak, which fitted after the allocator released its cache.
 
 use serde::{Deserialize, Serialize};
 
@@ -65,67 +89,130 @@ pub struct LayoutEstimate {
     pub blocks_needing_new_segments: u32,
     /// Reserved bytes (all pools) in the end layout.
     pub reserved_at_end_bytes: u64,
+    /// Whether the new segments were cut to the reserved limit: they would
+    /// take the allocator past it, and PyTorch releases cached segments and
+    /// retries before it fails (what that recovers, layouts cannot show).
+    #[serde(default)]
+    pub capped_at_reserved_limit: bool,
 }
 
 /// The segments step 2 adds because step 1's optimizer split the cache (see
-/// the module documentation), with PyTorch's default allocator settings.
+/// the module documentation), with PyTorch's default allocator settings,
+/// the gradients' stream unknown and no reserved limit.
 pub fn step2_new_segments(
     begin: &[SegmentLayout],
     end: &[SegmentLayout],
 ) -> Result<LayoutEstimate, LayoutError> {
+    step2_new_segments_with(begin, end, &LayoutContext::default())
+}
+
+/// What [`step2_new_segments_with`] is told beside the two layouts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayoutContext {
+    /// The gradients' bytes (the model facts' parameter bytes): when blocks
+    /// allocated on streams other than the default at optimizer begin hold
+    /// at least this much, the gradients live there (FSDP2) and free no room
+    /// for the default stream's requests in step 2. None: unknown, taken to
+    /// share the default stream.
+    pub gradient_bytes: Option<u64>,
+    /// The most the allocator may reserve in all (the rank's reserved limit
+    /// less what the layouts leave out, the small pool): the new segments
+    /// stop there. None: no limit.
+    pub reserved_limit: Option<u64>,
+}
+
+/// [`step2_new_segments`], told where the gradients live and the reserved
+/// limit (see the module documentation).
+pub fn step2_new_segments_with(
+    begin: &[SegmentLayout],
+    end: &[SegmentLayout],
+    context: &LayoutContext,
+) -> Result<LayoutEstimate, LayoutError> {
+    let ordinary = |s: &&SegmentLayout| s.pool == Pool::Large && s.pool_id == 0;
+    let grads_elsewhere = context.gradient_bytes.is_some_and(|g| {
+        let on_side_streams: u64 = begin
+            .iter()
+            .filter(ordinary)
+            .filter(|s| s.stream != 0)
+            .flat_map(|s| s.blocks.iter().filter(|b| b.allocated))
+            .map(|b| b.size)
+            .sum();
+        g > 0 && on_side_streams >= g
+    });
     // A segment the optimizer left alone (the same blocks at its end) serves
     // its own request in step 2 as it did in step 1: it makes no request,
     // and its free blocks serve no other (they are its request's). Served
     // from the end layout instead, its request would meet the gradients
     // still there, which step 2 frees before its forward: plain SGD, no
-    // state, came out 413 MB (one logits block) over on real PyTorch.
+    // state, came out 413 MB (one logits block) over on real PyTorch. With
+    // the gradients on another stream its free blocks are requests, served
+    // after the displaced ones (`grads_elsewhere`).
     let untouched = |s: &SegmentLayout| !s.expandable && end.iter().any(|e| e == s);
-    let mut requests: Vec<(u64, u64)> = Vec::new();
+    let mut displaced: Vec<(u64, u64)> = Vec::new();
+    let mut left_alone: Vec<(u64, u64)> = Vec::new();
     let mut self_served_bytes = 0;
-    for s in begin
-        .iter()
-        .filter(|s| s.pool == Pool::Large && s.pool_id == 0)
-    {
+    for s in begin.iter().filter(ordinary) {
         let free = s.blocks.iter().filter(|b| !b.allocated).map(|b| b.size);
         if s.blocks.iter().all(|b| b.allocated) {
             continue;
         }
-        if untouched(s) {
+        if untouched(s) && grads_elsewhere {
+            left_alone.extend(free.map(|size| (size, s.stream)));
+        } else if untouched(s) {
             self_served_bytes += if s.size() == LARGE_BUFFER {
                 free.sum()
             } else {
                 s.size()
             };
         } else if s.expandable || s.size() == LARGE_BUFFER {
-            requests.extend(free.map(|size| (size, s.stream)));
+            displaced.extend(free.map(|size| (size, s.stream)));
         } else {
-            requests.push((s.size(), s.stream));
+            displaced.push((s.size(), s.stream));
         }
     }
-    // Largest first; a stable order for equal sizes.
-    requests.sort_by(|a, b| b.cmp(a));
+    // Displaced largest first; left-alone smallest first (the forward's
+    // last requests are its largest); a stable order for equal sizes.
+    displaced.sort_by(|a, b| b.cmp(a));
+    left_alone.sort();
+    let requests: Vec<(u64, u64)> = displaced.into_iter().chain(left_alone).collect();
     let reserved_at_end = CachingAllocator::from_layout(end)?.0.reserved();
     let serving: Vec<SegmentLayout> = end
         .iter()
-        .filter(|e| !begin.iter().any(|s| s == *e && untouched(s)))
+        .filter(|e| grads_elsewhere || !begin.iter().any(|s| s == *e && untouched(s)))
         .cloned()
         .collect();
-    let (mut alloc, _) = CachingAllocator::from_layout(&serving)?;
+    let (alloc, _) = CachingAllocator::from_layout(&serving)?;
     let reserved_before = alloc.reserved();
-    let mut blocks_needing_new_segments = 0;
-    for &(size, stream) in &requests {
-        let before = alloc.reserved();
-        // No limit: the figure is what step 2 would reserve.
-        if alloc.malloc_on(size, stream, u64::MAX).is_ok() && alloc.reserved() > before {
-            blocks_needing_new_segments += 1;
-        }
-    }
+    // No limit: the figure is what step 2 would reserve without one.
+    let (peak, blocks_needing_new_segments) = serve(alloc, &requests);
+    // The segments left out of `serving` stay reserved beside it.
+    let serving_limit = context.reserved_limit.map(|l| {
+        l.saturating_sub(reserved_at_end - reserved_before)
+            .max(reserved_before)
+    });
+    let capped = serving_limit.filter(|&l| peak > l);
     Ok(LayoutEstimate {
-        new_segment_bytes: alloc.reserved().saturating_sub(reserved_before),
+        new_segment_bytes: capped.unwrap_or(peak).saturating_sub(reserved_before),
+        capped_at_reserved_limit: capped.is_some(),
         cached_at_begin_bytes: self_served_bytes + requests.iter().map(|r| r.0).sum::<u64>(),
         blocks_needing_new_segments,
         reserved_at_end_bytes: reserved_at_end,
     })
+}
+
+/// Serves `requests` (size, stream) in order from `alloc`, with no reserved
+/// limit: the reserved peak and the requests that took a new segment.
+fn serve(mut alloc: CachingAllocator, requests: &[(u64, u64)]) -> (u64, u32) {
+    alloc.reset_step_peak();
+    let mut new_segments = 0;
+    for &(size, stream) in requests {
+        let before = alloc.reserved();
+        // Without a limit a request always fits.
+        if alloc.malloc_on(size, stream, u64::MAX).is_ok() && alloc.reserved() > before {
+            new_segments += 1;
+        }
+    }
+    (alloc.peaks().step.reserved, new_segments)
 }
 
 #[cfg(test)]
@@ -247,6 +334,91 @@ mod tests {
         assert_eq!(e.cached_at_begin_bytes, 405 * M);
         assert_eq!(e.new_segment_bytes, 394 * M);
         assert_eq!(e.blocks_needing_new_segments, 1);
+    }
+
+    /// The FSDP2 case in small: on the default stream a 400 MiB logits
+    /// segment and a 20 MiB one, both free at optimizer begin and left alone,
+    /// and a 16 MiB activation segment the state (2 × 8 MiB) took; the
+    /// gradients (64 MiB) sit on another stream.
+    fn gradients_on_a_side_stream() -> (Vec<SegmentLayout>, Vec<SegmentLayout>) {
+        let mut grads = seg(3 << 32, &[(64 * M, true)]);
+        grads.stream = 7;
+        let begin = vec![
+            seg(0, &[(400 * M, false)]),
+            seg(1 << 32, &[(16 * M, false)]),
+            seg(2 << 32, &[(20 * M, false)]),
+            grads.clone(),
+        ];
+        let mut end = begin.clone();
+        end[1] = seg(1 << 32, &[(8 * M, true), (8 * M, true)]);
+        (begin, end)
+    }
+
+    #[test]
+    fn requests_the_state_displaced_take_left_alone_blocks_when_gradients_are_elsewhere() {
+        let (begin, end) = gradients_on_a_side_stream();
+        // Gradients on the default stream (or unknown): step 2 frees them
+        // and the 16 MiB request lands there; the left-alone segments serve
+        // their own requests. Nothing free holds 16 MiB: one 16 MiB segment.
+        for gradient_bytes in [None, Some(128 * M)] {
+            let context = LayoutContext {
+                gradient_bytes,
+                reserved_limit: None,
+            };
+            let e = step2_new_segments_with(&begin, &end, &context).unwrap();
+            assert_eq!(e.new_segment_bytes, 16 * M, "{gradient_bytes:?}");
+            assert_eq!(e.cached_at_begin_bytes, 436 * M);
+            assert_eq!(e.blocks_needing_new_segments, 1);
+        }
+        // The side stream holds all 64 MiB of gradients: nothing frees room
+        // on the default stream. The 16 MiB request takes the 20 MiB block
+        // (best fit, 4 MiB left), the 20 MiB request then the 400 MiB block
+        // (380 left), and the 400 MiB request, last, finds no block: one new
+        // 400 MiB segment, as step 2's logits on real PyTorch.
+        let context = LayoutContext {
+            gradient_bytes: Some(64 * M),
+            reserved_limit: None,
+        };
+        let e = step2_new_segments_with(&begin, &end, &context).unwrap();
+        assert_eq!(e.new_segment_bytes, 400 * M);
+        assert_eq!(e.cached_at_begin_bytes, 436 * M);
+        assert_eq!(e.blocks_needing_new_segments, 1);
+        assert_eq!(e.reserved_at_end_bytes, 500 * M);
+        assert!(!e.capped_at_reserved_limit);
+    }
+
+    #[test]
+    fn new_segments_stop_at_the_reserved_limit() {
+        // The first test's layouts: 500 MiB reserved at the end, and 400 MiB
+        // new without a limit.
+        let begin = [
+            seg(0, &[(400 * M, false)]),
+            seg(1 << 32, &[(100 * M, true)]),
+        ];
+        let end = [
+            seg(0, &[(64 * M, true), (336 * M, false)]),
+            seg(1 << 32, &[(100 * M, true)]),
+        ];
+        let with_limit = |limit: u64| {
+            let context = LayoutContext {
+                gradient_bytes: None,
+                reserved_limit: Some(limit),
+            };
+            step2_new_segments_with(&begin, &end, &context).unwrap()
+        };
+        // 500 + 400 = 900 fits 1000: as without a limit.
+        let e = with_limit(1000 * M);
+        assert_eq!(e.new_segment_bytes, 400 * M);
+        assert!(!e.capped_at_reserved_limit);
+        // 900 over 700: 200 new, up to the limit.
+        let e = with_limit(700 * M);
+        assert_eq!(e.new_segment_bytes, 200 * M);
+        assert!(e.capped_at_reserved_limit);
+        assert_eq!(e.blocks_needing_new_segments, 1);
+        // A limit under what is reserved already: nothing new.
+        let e = with_limit(450 * M);
+        assert_eq!(e.new_segment_bytes, 0);
+        assert!(e.capped_at_reserved_limit);
     }
 
     #[test]

@@ -41,7 +41,9 @@ pub use identity::{
     DdpBucketRebuild, ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo,
     RankKey,
 };
-pub use layout::{step2_new_segments, LayoutEstimate, MAX_LAYOUT_BLOCKS};
+pub use layout::{
+    step2_new_segments, step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS,
+};
 pub use marker::{AllocatorStats, DeviceMemory, Marker, MarkerKind, PhaseKind};
 pub use predict::{
     predict, predict_with, predict_with_layout, BasisLimit, BindingTerm, GradsSource,

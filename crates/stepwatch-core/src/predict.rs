@@ -1795,7 +1795,7 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
                          new segments for the cached blocks the optimizer state split ({} of \
                          the {} step 2 asks for again find no free block large enough, from \
                          the allocator's segment snapshots at step 1's optimizer begin and \
-                         end), × {ratio:.4} (step 1's reserved / allocated), step-1 reserved \
+                         end{}), × {ratio:.4} (step 1's reserved / allocated), step-1 reserved \
                          peak) = {}",
                         g(i.reserved_at_optimizer_end_bytes.unwrap_or(0)),
                         g(i.layout_allowance_bytes),
@@ -1804,6 +1804,12 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
                             n => format!("{n} blocks"),
                         },
                         g(l.cached_at_begin_bytes),
+                        if l.capped_at_reserved_limit {
+                            "; cut to the reserved limit, past which the allocator releases \
+                             its cache before it fails"
+                        } else {
+                            ""
+                        },
                         g(res)
                     );
                 }

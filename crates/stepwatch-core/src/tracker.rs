@@ -18,7 +18,7 @@ use crate::analysis::{analyze_rank, steady_profile, AnalysisConfig, RankAnalysis
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{ModelFacts, RankInfo, RankKey};
-use crate::layout::{step2_new_segments, LayoutEstimate, MAX_LAYOUT_BLOCKS};
+use crate::layout::{step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS};
 use crate::marker::{Marker, MarkerKind};
 use crate::predict::{LiveStep, Prediction};
 use crate::replay::{Gradients, Step2Replay};
@@ -188,11 +188,13 @@ pub struct LayoutCounts {
 /// markers, later steps, or over [`MAX_LAYOUT_BLOCKS`] blocks are ignored,
 /// as is a pair the allocator model cannot take (overlapping segments,
 /// empty blocks): the prediction then guesses the layout as without them.
-/// Each layout is counted in `counts` by what became of it.
+/// Each layout is counted in `counts` by what became of it. `reserved_limit`
+/// is the rank's ([`Tracker::reserved_limit`]) before the batch.
 fn take_optimizer_layouts(
     state: &mut RankState,
     markers: &[Marker],
     in_first_step: bool,
+    reserved_limit: Option<u64>,
     counts: &mut LayoutCounts,
 ) {
     for m in markers.iter().filter(|m| !m.layout_segments.is_empty()) {
@@ -212,7 +214,17 @@ fn take_optimizer_layouts(
             }
             MarkerKind::OptimizerEnd if !state.optimizer_begin_layout.is_empty() => {
                 let begin = std::mem::take(&mut state.optimizer_begin_layout);
-                match step2_new_segments(&begin, &m.layout_segments) {
+                // The layouts hold the large pool only: the rest of what the
+                // allocator reserved stays beside them.
+                let in_layout: u64 = m.layout_segments.iter().map(|s| s.size()).sum();
+                let left_out = m
+                    .allocator
+                    .map_or(0, |a| a.reserved_bytes.saturating_sub(in_layout));
+                let context = LayoutContext {
+                    gradient_bytes: state.info.model.parameter_bytes,
+                    reserved_limit: reserved_limit.map(|l| l.saturating_sub(left_out)),
+                };
+                match step2_new_segments_with(&begin, &m.layout_segments, &context) {
                     Ok(estimate) => {
                         state.layout_estimate = Some(estimate);
                         counts.kept += 1;
@@ -677,7 +689,20 @@ impl Tracker {
         }
         state.last_activity_ns = now_ns;
         let in_first_step = state.in_first_step();
-        take_optimizer_layouts(state, markers, in_first_step, &mut self.layout_counts);
+        let ends_layouts = markers
+            .iter()
+            .any(|m| m.kind == MarkerKind::OptimizerEnd && !m.layout_segments.is_empty());
+        let reserved_limit = ends_layouts.then(|| self.reserved_limit(key)).flatten();
+        let Some(state) = self.ranks.get_mut(key) else {
+            return Ok(Vec::new());
+        };
+        take_optimizer_layouts(
+            state,
+            markers,
+            in_first_step,
+            reserved_limit,
+            &mut self.layout_counts,
+        );
         let split = if state.in_first_step() {
             let first = state
                 .timeline

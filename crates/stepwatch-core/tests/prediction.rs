@@ -1397,6 +1397,70 @@ fn segment_layouts_replace_the_guessed_layout_allowance() {
 }
 
 #[test]
+fn layout_new_segments_stop_at_the_reserved_limit_known_before_the_optimizer_ends() {
+    // `segment_layouts_replace_the_guessed_layout_allowance`'s first case,
+    // its markers in two batches as a client sends them: when the end
+    // layout arrives the rank's reserved limit is known, capacity 10000 −
+    // overhead 500 = 9500 (the layouts hold all 7500 reserved: nothing
+    // left out). 7500 + 2100 new would pass it; past it PyTorch releases
+    // its cache and retries: 2000 new. Reserved max(9500, ratio 8500) +
+    // 500 = the capacity: low headroom, no OOM warning.
+    let ms = markers_with_layouts(2100);
+    let (mut t, key) = tracker(ModelFacts::default());
+    t.gpu_samples(GPU, &samples(&BASE_SAMPLES, 10_000));
+    t.markers(&key, &ms[..4], 0).unwrap();
+    t.markers(&key, &ms[4..], 0).unwrap();
+    let p = t.rank_analysis(&key).unwrap().prediction.unwrap();
+    let l = p.inputs.layout_snapshots.expect("both layouts arrived");
+    assert_eq!(l.new_segment_bytes, 2000 * M);
+    assert!(l.capped_at_reserved_limit);
+    assert_eq!(p.inputs.predicted_reserved_bytes, Some(9500 * M));
+    assert_eq!(p.predicted_peak_bytes, 10_000 * M, "{}", p.explanation);
+    assert!(!p.oom_risk && p.low_headroom);
+    assert!(
+        p.explanation.contains("cut to the reserved limit"),
+        "{}",
+        p.explanation
+    );
+}
+
+#[test]
+fn layouts_with_the_gradients_on_a_side_stream_cascade_to_the_largest_request() {
+    // The base layouts with the 1400 allocated at optimizer begin split:
+    // 1000 of weights on the default stream, the 400 of gradients on a
+    // side stream (FSDP2's reduce-scatter stream), as the facts' 400 of
+    // parameter bytes. The state splits the 2100 block. Step 2's 2100
+    // request takes the 4000 block the optimizer left alone (best fit over
+    // the 1300 rest), whose own request then finds 1900 and 1300: 4000
+    // new, not 2100. One batch: no reserved limit yet. Reserved 7500 +
+    // 4000, + 500 overhead.
+    let mut ms = markers_with_layouts(2100);
+    for layout in [3, 4] {
+        let mut grads = seg(5_000, &[(400, true)]);
+        grads.stream = 7;
+        ms[layout].layout_segments[0] = seg(0, &[(1000, true)]);
+        ms[layout].layout_segments.push(grads);
+    }
+    let facts = ModelFacts {
+        parameter_bytes: Some(400 * M),
+        ..Default::default()
+    };
+    let p = run(facts, &ms, &BASE_SAMPLES, 20_000);
+    let l = p.inputs.layout_snapshots.expect("both layouts arrived");
+    assert_eq!(l.new_segment_bytes, 4000 * M);
+    assert_eq!(l.blocks_needing_new_segments, 1);
+    assert_eq!(p.predicted_peak_bytes, 12_000 * M, "{}", p.explanation);
+    // Gradients larger than what the side stream holds share the default
+    // stream: the rule for them, 2100 new.
+    let facts = ModelFacts {
+        parameter_bytes: Some(500 * M),
+        ..Default::default()
+    };
+    let p = run(facts, &ms, &BASE_SAMPLES, 20_000);
+    assert_eq!(p.inputs.layout_allowance_bytes, 2100 * M);
+}
+
+#[test]
 fn layouts_count_only_on_step_1s_optimizer_begin_and_end() {
     let guessed = 9050 * M;
     // The end without the begin: nothing to compare, the guess stands.
