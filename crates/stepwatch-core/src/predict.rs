@@ -309,7 +309,18 @@ pub enum LayoutSetAside {
     /// once in step 2.
     GradientAccumulation,
     /// DDP rebuilds its buckets at step 2's first forward: the old bucket's
-    /// block, freed then, serves step 2's activations.
+    /// block, freed then, serves step 2's activations. Playing the rebuild
+    /// inside the rule (old bucket freed, new buckets allocated before the
+    /// requests) does not rescue it: on the kept markers runs of 2026-12-02
+    /// (real PyTorch 2.15 on fake CUDA, `stepwatch replay-record`) it gives
+    /// +0.5% on `ddp-2` and on `ddp-uneven`'s larger rank but +25% on the
+    /// smaller one (1,416 MiB of new segments where PyTorch made 396; +21%
+    /// without the rebuild). The rule asks again for whole segments made
+    /// before step 1 (218, 258 and 148 MiB there), and it serves from a
+    /// layout that still holds the gradients, which `zero_grad` frees
+    /// before the rebuild: the new buckets then fill the old bucket's block
+    /// instead of the gradients' holes. The guessed allowance is -2.66% and
+    /// -2.84% there.
     DdpBucketRebuild,
 }
 
