@@ -19,7 +19,8 @@ pub struct ReplayRecordArgs {
     /// Also print how each rank's prediction changed during step 1: after
     /// every marker batch or allocator trace that changed it, the record
     /// line, the open phase, the basis, the predicted peak, the headroom and
-    /// the prediction's explanation.
+    /// the prediction's explanation; last, the prediction frozen when step 2
+    /// began.
     #[arg(long)]
     pub timeline: bool,
 }
@@ -61,20 +62,24 @@ fn print_change(
     line: usize,
     key: &RankKey,
     replayer: &Replayer,
-    last: &mut HashMap<RankKey, (u64, bool)>,
+    last: &mut HashMap<RankKey, (u64, bool, bool)>,
 ) {
     let tracker = replayer.tracker();
-    let in_step1 = tracker
-        .rank(key)
-        .is_some_and(|r| r.prediction_before_step2.is_none());
-    let Some(p) = tracker
-        .rank_analysis(key)
-        .and_then(|a| a.prediction)
-        .filter(|_| in_step1)
-    else {
+    let Some(rank) = tracker.rank(key) else {
         return;
     };
-    let now = (p.predicted_peak_bytes, p.provisional);
+    // Once step 2 began, the prediction frozen then, printed once: a batch
+    // often holds step 1's last markers and step 2's first, so the figure
+    // that ended step 1 was never printed as a live one.
+    let frozen = rank.prediction_before_step2.is_some();
+    let Some(p) = (if frozen {
+        rank.prediction_before_step2.clone()
+    } else {
+        tracker.rank_analysis(key).and_then(|a| a.prediction)
+    }) else {
+        return;
+    };
+    let now = (p.predicted_peak_bytes, p.provisional, frozen);
     if last.get(key) == Some(&now) {
         return;
     }
@@ -92,7 +97,13 @@ fn print_change(
             "{:.3} GB",
             h as f64 / 1e9
         )),
-        if p.provisional { " (provisional)" } else { "" },
+        if frozen {
+            " (frozen before step 2)"
+        } else if p.provisional {
+            " (provisional)"
+        } else {
+            ""
+        },
     );
     println!("    {}", p.explanation);
 }

@@ -43,6 +43,18 @@ const FIXTURES: &[(&str, &[Expect])] = &[
         ],
     ),
     (
+        "torch-gpt-fp32-markers-fit2pct.jsonl",
+        &[Expect {
+            job: "tacc-gpt-fp32-markers-fit-2pct-29174-45",
+            basis: PredictionBasis::Allocator,
+            // 1.5% true headroom: a low-headroom warning, not a step-2 OOM
+            // (the layouts' new segments stop at the reserved limit; past
+            // it PyTorch releases its cache, which they cannot show).
+            advisories: &[AdvisoryKind::LowHeadroom],
+            max_abs_error: Some(0.02),
+        }],
+    ),
+    (
         "sim-zero-sharded-retry-lagging.jsonl",
         &[Expect {
             job: "zero-sharded-retry",

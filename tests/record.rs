@@ -119,3 +119,33 @@ fn a_record_replays_to_the_agents_own_prediction_and_steady_peak() {
         "{stderr}"
     );
 }
+
+/// The timeline ends with the prediction the agent froze when step 2 began,
+/// also when step 1's last markers and step 2's first came in one batch (a
+/// real PyTorch run on fake CUDA, markers only; the figures are the
+/// fixture's, from `replay-record --json`).
+#[test]
+fn the_timeline_ends_with_the_frozen_prediction() {
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/torch-gpt-fp32-markers-fit2pct.jsonl"
+    );
+    let out = Command::new(BIN)
+        .args(["replay-record", "--timeline", fixture])
+        .output()
+        .expect("run replay-record");
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let timeline: Vec<&str> = stdout.lines().filter(|l| l.starts_with("line ")).collect();
+    let last = timeline.last().expect("a timeline");
+    assert!(
+        last.contains("predicted peak 4.375 GB") && last.ends_with("(frozen before step 2)"),
+        "{stdout}"
+    );
+    // The live figure before it was step 1's optimizer's, not the last.
+    assert!(timeline.len() >= 2, "{stdout}");
+    assert!(
+        timeline[timeline.len() - 2].contains("(provisional)"),
+        "{stdout}"
+    );
+}
