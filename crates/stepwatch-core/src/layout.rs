@@ -233,12 +233,10 @@ mod tests {
         )
     }
 
-    #[test]
-    fn a_cached_block_the_state_split_is_reserved_again() {
-        // Begin: a 400 MiB activation segment, wholly free, and a 100 MiB
-        // segment holding the weights. End: 64 MiB of state carved from the
-        // front of the activation block. Step 2's 400 MiB request fits
-        // nowhere (336 MiB free is the largest): one new 400 MiB segment.
+    /// Begin: a 400 MiB activation segment, wholly free, and a 100 MiB
+    /// segment holding the weights. End: 64 MiB of state carved from the
+    /// front of the activation block.
+    fn state_carved_from_a_cached_block() -> ([SegmentLayout; 2], [SegmentLayout; 2]) {
         let begin = [
             seg(0, &[(400 * M, false)]),
             seg(1 << 32, &[(100 * M, true)]),
@@ -247,6 +245,14 @@ mod tests {
             seg(0, &[(64 * M, true), (336 * M, false)]),
             seg(1 << 32, &[(100 * M, true)]),
         ];
+        (begin, end)
+    }
+
+    #[test]
+    fn a_cached_block_the_state_split_is_reserved_again() {
+        // Step 2's 400 MiB request fits nowhere (336 MiB free is the
+        // largest): one new 400 MiB segment.
+        let (begin, end) = state_carved_from_a_cached_block();
         let e = step2_new_segments(&begin, &end).unwrap();
         assert_eq!(e.new_segment_bytes, 400 * M);
         assert_eq!(e.cached_at_begin_bytes, 400 * M);
@@ -389,16 +395,8 @@ mod tests {
 
     #[test]
     fn new_segments_stop_at_the_reserved_limit() {
-        // The first test's layouts: 500 MiB reserved at the end, and 400 MiB
-        // new without a limit.
-        let begin = [
-            seg(0, &[(400 * M, false)]),
-            seg(1 << 32, &[(100 * M, true)]),
-        ];
-        let end = [
-            seg(0, &[(64 * M, true), (336 * M, false)]),
-            seg(1 << 32, &[(100 * M, true)]),
-        ];
+        // 500 MiB reserved at the end, and 400 MiB new without a limit.
+        let (begin, end) = state_carved_from_a_cached_block();
         let with_limit = |limit: u64| {
             let context = LayoutContext {
                 gradient_bytes: None,
