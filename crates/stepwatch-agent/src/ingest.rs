@@ -12,7 +12,8 @@ use stepwatch_core::allocator::{BlockLayout, SegmentLayout};
 use stepwatch_core::feed::ReplayPlan;
 use stepwatch_core::replay::{TraceError, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_core::{
-    Advisory, AllocatorEvent, AllocatorTrace, MarkerKind, OpenError, RankInfo, RankKey, RecordError,
+    Advisory, AllocatorEvent, AllocatorTrace, MarkerError, MarkerKind, OpenError, RankInfo,
+    RankKey, RecordError,
 };
 use stepwatch_proto::convert;
 use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
@@ -317,7 +318,19 @@ async fn serve_stream(
     };
     tracing::info!(namespace = %key.namespace, job = %key.job, rank = key.rank, pid = info.pid, pod = %info.pod, attested = info.attested, gpu = %info.gpu_uuid, "rank connected");
     let mut alerts = peer.alerter.rank(&key, &info);
-    let receive = receive_markers(state, traces, &key, &mut inbound, max_rate, tx, &mut alerts);
+    let stream = StreamOf {
+        key: &key,
+        run_id: &info.run_id,
+    };
+    let receive = receive_markers(
+        state,
+        traces,
+        stream,
+        &mut inbound,
+        max_rate,
+        tx,
+        &mut alerts,
+    );
     let result = match peer.volume {
         // The pod's volume going away ends its streams; the rank closes as
         // for any other end of stream.
@@ -343,15 +356,23 @@ async fn volume_unpublished(gone: &mut tokio::sync::watch::Receiver<bool>) {
     }
 }
 
+/// Whose markers a stream carries: the rank, and the run its hello named.
+#[derive(Clone, Copy)]
+struct StreamOf<'a> {
+    key: &'a RankKey,
+    run_id: &'a str,
+}
+
 async fn receive_markers(
     state: &AgentState,
     traces: &TraceBudget,
-    key: &RankKey,
+    stream: StreamOf<'_>,
     inbound: &mut Streaming<pb::ClientMessage>,
     max_rate: f64,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
     alerts: &mut RankAlerts,
 ) -> Result<(), Status> {
+    let key = stream.key;
     let mut bucket = TokenBucket::new(max_rate);
     // Step 1's trace and the plan it was last replayed under, kept until
     // step 2 begins: facts that arrive after it (gradients kept, DDP's
@@ -491,7 +512,7 @@ async fn receive_markers(
         if markers.iter().any(|m| m.step > 1) {
             step1_trace = None;
         }
-        let applied = state.apply_markers(key, &markers);
+        let applied = state.apply_markers(key, stream.run_id, &markers);
         match applied {
             Ok(advisories) => {
                 state.ingest.markers_received.inc_by(n);
@@ -508,6 +529,24 @@ async fn receive_markers(
                 }
                 send_advisories(state, key, advisories, tx, alerts);
                 alerts.markers(&markers);
+            }
+            Err(RecordError::Markers(MarkerError::RunEnded {
+                stream_run,
+                rank_run,
+            })) => {
+                // The stream ends here, so this is logged once per stream;
+                // FAILED_PRECONDITION, not INVALID_ARGUMENT: nothing in the
+                // batch is wrong, its run is over.
+                tracing::warn!(namespace = %key.namespace, job = %key.job, rank = key.rank, stream_run = %stream_run, rank_run = %rank_run, markers = n, "refused a batch of a run the process has left for a newer one; its stream is ended");
+                let e = MarkerError::RunEnded {
+                    stream_run,
+                    rank_run,
+                };
+                state.ingest.reject(e.reason(), n);
+                return Err(Status::failed_precondition(format!(
+                    "markers refused for job {} rank {}: {e}",
+                    key.job, key.rank
+                )));
             }
             Err(e) => {
                 state.ingest.reject(e.reason(), n);

@@ -345,6 +345,7 @@ fn run(inputs: Vec<Input>) {
                         at_ns: now,
                         key: std::borrow::Cow::Borrowed(key),
                         markers: markers.into(),
+                        run_id: "".into(),
                     };
                     let _ = feed::apply(&mut tracker, &batch);
                 }

@@ -62,6 +62,7 @@ pub const REJECT_REASONS: &[&str] = &[
     "too_many_phases",
     "memory_budget",
     "implausible_value",
+    "run_ended",
     // Step 1's allocator trace (the stream goes on).
     "allocator_trace_not_step_one",
     "allocator_trace_bad_event",
@@ -364,16 +365,20 @@ impl AgentState {
     /// Applies a rank's marker batch under one tracker lock and returns the
     /// advisories it made due. During step 1 the freshest samples go in
     /// first, because the step-2 prediction is decided on this batch. The
-    /// batch is borrowed: copied only for `--record`.
+    /// batch is borrowed: copied only for `--record`. `run_id` is the run
+    /// the stream's hello named: a batch of a run the rank has since left
+    /// is refused ([`stepwatch_core::Tracker::run_markers`]).
     pub fn apply_markers(
         &self,
         key: &RankKey,
+        run_id: &str,
         markers: &[stepwatch_core::Marker],
     ) -> Result<Vec<stepwatch_core::Advisory>, RecordError> {
         let batch = |at_ns| RecordEntry::Markers {
             at_ns,
             key: Cow::Borrowed(key),
             markers: Cow::Borrowed(markers),
+            run_id: Cow::Borrowed(run_id),
         };
         // Ordered, not flushed: housekeeping flushes every second.
         let applied = self.apply(Drain::IfInFirstStep(key), batch, false)?;
@@ -628,6 +633,7 @@ pub(crate) fn test_rank(state: &AgentState, job: &str, rank: u32) -> RankKey {
     state
         .apply_markers(
             &key,
+            "",
             &[test_marker(stepwatch_core::MarkerKind::StepBegin, 1, 1_000)],
         )
         .unwrap();

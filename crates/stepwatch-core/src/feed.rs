@@ -72,7 +72,8 @@ pub fn apply(tracker: &mut Tracker, input: &RecordEntry<'_>) -> Result<Applied, 
             at_ns,
             key,
             markers,
-        } => Applied::advisories(tracker.markers(key, markers, *at_ns)?),
+            run_id,
+        } => Applied::advisories(tracker.run_markers(key, run_id, markers, *at_ns)?),
         RecordEntry::AllocatorTrace {
             at_ns, key, trace, ..
         } => {
@@ -228,6 +229,7 @@ mod tests {
             at_ns: t,
             key: std::borrow::Cow::Owned(key.clone()),
             markers: vec![marker].into(),
+            run_id: "".into(),
         }
     }
 
@@ -257,6 +259,56 @@ mod tests {
         let opened = apply(&mut t, &open).unwrap().opened.unwrap();
         assert_eq!(opened.key, info(1).key());
         assert_eq!(opened.evicted, Some(first));
+    }
+
+    #[test]
+    fn a_batch_entry_names_its_streams_run_and_replays_the_agents_refusal() {
+        let mut t = Tracker::new(TrackerConfig::default());
+        let run = |id: &str| RankInfo {
+            run_id: id.into(),
+            ..info(0)
+        };
+        let key = info(0).key();
+        let of_run = |entry: RecordEntry<'static>, id: &'static str| match entry {
+            RecordEntry::Markers {
+                at_ns,
+                key,
+                markers,
+                ..
+            } => RecordEntry::Markers {
+                at_ns,
+                key,
+                markers,
+                run_id: id.into(),
+            },
+            _ => unreachable!(),
+        };
+        for (at_ns, id) in [(1, "fit-1"), (2, "fit-2")] {
+            apply(
+                &mut t,
+                &RecordEntry::Open {
+                    at_ns,
+                    info: run(id),
+                },
+            )
+            .unwrap();
+        }
+        // fit-1's stream is still open; its batch is refused as the agent
+        // refused it, and fit-2's is applied.
+        let stale = of_run(step_begins(&key, 1, 10), "fit-1");
+        let e = apply(&mut t, &stale).unwrap_err();
+        assert_eq!(e.reason(), "run_ended");
+        assert!(t.rank(&key).unwrap().timeline.current().is_none());
+        let own = of_run(step_begins(&key, 1, 11), "fit-2");
+        apply(&mut t, &own).unwrap();
+        assert_eq!(t.rank(&key).unwrap().timeline.current().unwrap().step, 1);
+        // The run id is kept on the record's line; lines without one (older
+        // agents and clients) read as before.
+        let line = serde_json::to_string(&own).unwrap();
+        assert!(line.contains(r#""run_id":"fit-2""#), "{line}");
+        assert_eq!(serde_json::from_str::<RecordEntry>(&line).unwrap(), own);
+        let old = serde_json::to_string(&step_begins(&key, 1, 10)).unwrap();
+        assert!(!old.contains("run_id"), "{old}");
     }
 
     #[test]

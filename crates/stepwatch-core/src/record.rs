@@ -49,6 +49,12 @@ pub enum RecordEntry<'a> {
         key: Cow<'a, RankKey>,
         /// The batch.
         markers: Cow<'a, [Marker]>,
+        /// The run its stream's hello named ([`RankInfo::run_id`]): the
+        /// tracker refuses a batch of a run the rank has left
+        /// ([`Tracker::run_markers`]). Empty for older clients, and in
+        /// records of agents before 2026-12-02's sixth session.
+        #[serde(default, skip_serializing_if = "str::is_empty")]
+        run_id: Cow<'a, str>,
     },
     /// A step-1 allocator trace, replayed and handed to the tracker
     /// ([`Tracker::allocator_replay`]).
@@ -122,10 +128,12 @@ impl RecordEntry<'_> {
                 at_ns,
                 key,
                 markers,
+                run_id,
             } => RecordEntry::Markers {
                 at_ns,
                 key: Cow::Owned(key.into_owned()),
                 markers: Cow::Owned(markers.into_owned()),
+                run_id: Cow::Owned(run_id.into_owned()),
             },
             RecordEntry::Open { at_ns, info } => RecordEntry::Open { at_ns, info },
             RecordEntry::AllocatorTrace {
@@ -379,6 +387,7 @@ mod tests {
             at_ns: 10,
             key: Cow::Borrowed(&key),
             markers: Cow::Borrowed(&markers),
+            run_id: Cow::Borrowed(""),
         };
         replayer.apply(batch.clone()).unwrap();
         let rank = replayer.tracker().rank(&key).unwrap();

@@ -448,6 +448,7 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
                     at_ns: t,
                     key: Cow::Borrowed(key),
                     markers: markers.into(),
+                    run_id: Cow::Borrowed(""),
                 },
             );
             if batch_owner == 0 {
