@@ -424,7 +424,7 @@ async fn receive_markers(
                         let complete = Arc::new(complete);
                         let plan = state.replay_plan(key);
                         step1_trace = Some((Arc::clone(&complete), plan.clone()));
-                        replay_trace(state, traces, key, complete, plan, tx, alerts).await?;
+                        replay_trace(state, traces, stream, complete, plan, tx, alerts).await?;
                     }
                     Ok(None) => {}
                     Err(Refusal::Unusable(reason, why)) => {
@@ -446,8 +446,11 @@ async fn receive_markers(
                     )));
                 }
                 let update = convert::model_facts_from_wire(update);
-                let (due, plan) = match state.update_model_facts(key, &update) {
+                let (due, plan) = match state.update_model_facts(key, stream.run_id, &update) {
                     Ok(applied) => applied,
+                    Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
+                        return Err(run_ended(state, key, &e, 1));
+                    }
                     Err(e) => {
                         state.ingest.reject(e.reason(), 1);
                         return Err(Status::invalid_argument(format!(
@@ -468,7 +471,7 @@ async fn receive_markers(
                     if !plan.replays_like(replayed) {
                         *replayed = plan.clone();
                         let trace = Arc::clone(trace);
-                        replay_trace(state, traces, key, trace, plan, tx, alerts).await?;
+                        replay_trace(state, traces, stream, trace, plan, tx, alerts).await?;
                     }
                 }
                 continue;
@@ -530,23 +533,8 @@ async fn receive_markers(
                 send_advisories(state, key, advisories, tx, alerts);
                 alerts.markers(&markers);
             }
-            Err(RecordError::Markers(MarkerError::RunEnded {
-                stream_run,
-                rank_run,
-            })) => {
-                // The stream ends here, so this is logged once per stream;
-                // FAILED_PRECONDITION, not INVALID_ARGUMENT: nothing in the
-                // batch is wrong, its run is over.
-                tracing::warn!(namespace = %key.namespace, job = %key.job, rank = key.rank, stream_run = %stream_run, rank_run = %rank_run, markers = n, "refused a batch of a run the process has left for a newer one; its stream is ended");
-                let e = MarkerError::RunEnded {
-                    stream_run,
-                    rank_run,
-                };
-                state.ingest.reject(e.reason(), n);
-                return Err(Status::failed_precondition(format!(
-                    "markers refused for job {} rank {}: {e}",
-                    key.job, key.rank
-                )));
+            Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
+                return Err(run_ended(state, key, &e, n));
             }
             Err(e) => {
                 state.ingest.reject(e.reason(), n);
@@ -734,6 +722,26 @@ impl TraceAssembly {
     }
 }
 
+/// Counts and logs `n` markers (or a facts update or trace) refused on a
+/// stream of a run its process has left for a newer one
+/// ([`MarkerError::RunEnded`]), and the status that ends the stream: logged
+/// once per stream, since the stream ends. FAILED_PRECONDITION, not
+/// INVALID_ARGUMENT: nothing in the message is wrong, its run is over.
+fn run_ended(state: &AgentState, key: &RankKey, e: &MarkerError, n: u64) -> Status {
+    state.ingest.reject(e.reason(), n);
+    if let MarkerError::RunEnded {
+        stream_run,
+        rank_run,
+    } = e
+    {
+        tracing::warn!(namespace = %key.namespace, job = %key.job, rank = key.rank, stream_run = %stream_run, rank_run = %rank_run, refused = n, "refused a stream's input for a run the process has left for a newer one; the stream is ended");
+    }
+    Status::failed_precondition(format!(
+        "refused for job {} rank {}: {e}",
+        key.job, key.rank
+    ))
+}
+
 /// Counts and logs a trace the prediction cannot use; the stream goes on.
 fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &str) {
     state.ingest.reject(reason, 1);
@@ -756,12 +764,13 @@ fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &s
 async fn replay_trace(
     state: &AgentState,
     traces: &TraceBudget,
-    key: &RankKey,
+    stream: StreamOf<'_>,
     trace: Arc<AllocatorTrace>,
     plan: ReplayPlan,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
     alerts: &mut RankAlerts,
 ) -> Result<(), Status> {
+    let key = stream.key;
     let events = trace.events.len();
     let _replay_slot = traces.replays.acquire().await;
     let joined = tokio::task::spawn_blocking(move || {
@@ -792,7 +801,8 @@ async fn replay_trace(
             return Ok(());
         }
     };
-    match state.apply_allocator_replay(key, trace, plan, replay) {
+    let applied = state.apply_allocator_replay(key, stream.run_id, trace, plan, replay);
+    match applied.map_err(|e| run_ended(state, key, &e, 1))? {
         Some(advisories) => {
             state
                 .ingest

@@ -9,8 +9,8 @@ use std::path::Path;
 
 use stepwatch_core::feed::{self, Applied, ReplayPlan};
 use stepwatch_core::{
-    AllocatorTrace, Journal, ModelFacts, RankInfo, RankKey, RecordEntry, RecordError, Step2Replay,
-    Tracker,
+    AllocatorTrace, Journal, MarkerError, ModelFacts, RankInfo, RankKey, RecordEntry, RecordError,
+    Step2Replay, Tracker,
 };
 
 use crate::record::Recorder;
@@ -387,10 +387,12 @@ impl AgentState {
 
     /// Merges facts a rank sent after its hello (recorded) and returns the
     /// advisories that became due (None once step 2 began) and how the
-    /// rank's allocator trace replays under the merged facts.
+    /// rank's allocator trace replays under the merged facts. Refused when
+    /// the rank has left the stream's run `run_id` (see [`Self::apply_markers`]).
     pub fn update_model_facts(
         &self,
         key: &RankKey,
+        run_id: &str,
         update: &ModelFacts,
     ) -> Result<(Option<Vec<stepwatch_core::Advisory>>, ReplayPlan), RecordError> {
         self.update(Drain::Never, |tracker, inputs| {
@@ -398,6 +400,7 @@ impl AgentState {
                 at_ns: monotonic_ns(),
                 key: key.clone(),
                 update: update.clone(),
+                run_id: run_id.to_string(),
             };
             let applied = feed::apply(tracker, &input)?;
             inputs.record(input, true);
@@ -413,25 +416,30 @@ impl AgentState {
 
     /// Hands a rank's step-2 replay (of `trace` under `plan`, recorded with
     /// them) to the tracker and returns the advisories it made due; None
-    /// when step 2 had already begun.
+    /// when step 2 had already begun. Refused when the rank has left the
+    /// stream's run `run_id` (see [`Self::apply_markers`]).
     pub fn apply_allocator_replay(
         &self,
         key: &RankKey,
+        run_id: &str,
         trace: Arc<AllocatorTrace>,
         plan: ReplayPlan,
         replay: Step2Replay,
-    ) -> Option<Vec<stepwatch_core::Advisory>> {
+    ) -> Result<Option<Vec<stepwatch_core::Advisory>>, MarkerError> {
         self.update(Drain::Always, |tracker, inputs| {
             let at_ns = monotonic_ns();
-            let applied = feed::apply_replay(tracker, key, replay, at_ns);
+            let applied = feed::apply_replay(tracker, key, run_id, replay, at_ns)?;
             // The replay ran outside the lock, so the entry is built only
             // for the record; the trace is copied only while the stream
             // still keeps it for a facts update.
             inputs.record_with(
-                || plan.entry(at_ns, key.clone(), Arc::unwrap_or_clone(trace)),
+                || {
+                    let trace = Arc::unwrap_or_clone(trace);
+                    plan.entry(at_ns, key.clone(), run_id.to_string(), trace)
+                },
                 true,
             );
-            (!applied.late).then_some(applied.advisories)
+            Ok((!applied.late).then_some(applied.advisories))
         })
     }
 

@@ -132,7 +132,7 @@ pub enum MarkerError {
     /// run's step 1. See [`crate::Tracker::run_markers`].
     #[error(
         "run {stream_run:?} of this stream has ended: run {rank_run:?} of the same process \
-         has since started on the rank, so this stream's markers are refused"
+         has since started on the rank, so this stream's markers, facts and traces are refused"
     )]
     RunEnded {
         /// The run the stream's hello named.

@@ -79,6 +79,9 @@ pub enum RecordEntry<'a> {
         /// The trace as received.
         #[serde(deserialize_with = "trace_as_recorded")]
         trace: AllocatorTrace,
+        /// The run its stream's hello named, as for [`RecordEntry::Markers`].
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        run_id: String,
     },
     /// Facts a rank sent after its hello ([`Tracker::update_model_facts`]).
     ModelFacts {
@@ -88,6 +91,9 @@ pub enum RecordEntry<'a> {
         key: RankKey,
         /// The update as received (its set fields replace the hello's).
         update: ModelFacts,
+        /// The run its stream's hello named, as for [`RecordEntry::Markers`].
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        run_id: String,
     },
     /// GPU samples ([`Tracker::gpu_samples`]).
     GpuSamples {
@@ -144,6 +150,7 @@ impl RecordEntry<'_> {
                 reserved_limit,
                 ddp_bucket_rebuild,
                 trace,
+                run_id,
             } => RecordEntry::AllocatorTrace {
                 at_ns,
                 key,
@@ -152,10 +159,19 @@ impl RecordEntry<'_> {
                 reserved_limit,
                 ddp_bucket_rebuild,
                 trace,
+                run_id,
             },
-            RecordEntry::ModelFacts { at_ns, key, update } => {
-                RecordEntry::ModelFacts { at_ns, key, update }
-            }
+            RecordEntry::ModelFacts {
+                at_ns,
+                key,
+                update,
+                run_id,
+            } => RecordEntry::ModelFacts {
+                at_ns,
+                key,
+                update,
+                run_id,
+            },
             RecordEntry::GpuSamples { gpu, samples } => RecordEntry::GpuSamples { gpu, samples },
             RecordEntry::GpuProcesses { gpu, processes } => {
                 RecordEntry::GpuProcesses { gpu, processes }

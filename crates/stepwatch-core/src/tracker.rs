@@ -679,16 +679,28 @@ impl Tracker {
         markers: &[Marker],
         now_ns: u64,
     ) -> Result<Vec<Advisory>, MarkerError> {
-        if let Some(state) = self.ranks.get(key) {
-            let rank_run = &state.info.run_id;
-            if !run_id.is_empty() && !rank_run.is_empty() && run_id != rank_run {
-                return Err(MarkerError::RunEnded {
-                    stream_run: run_id.to_string(),
-                    rank_run: rank_run.clone(),
-                });
-            }
-        }
+        self.check_run(key, run_id)?;
         self.markers(key, markers, now_ns)
+    }
+
+    /// Whether a stream whose hello named run `run_id` may still feed the
+    /// rank: [`MarkerError::RunEnded`] once the rank has started another
+    /// run (see [`Tracker::run_markers`]); also checked before a stream's
+    /// facts update or allocator trace ([`crate::feed::apply`]), which would
+    /// otherwise change the newer run's facts or step-2 replay. Ok when
+    /// either run id is empty, or the rank is not tracked.
+    pub fn check_run(&self, key: &RankKey, run_id: &str) -> Result<(), MarkerError> {
+        let Some(state) = self.ranks.get(key) else {
+            return Ok(());
+        };
+        let rank_run = &state.info.run_id;
+        if !run_id.is_empty() && !rank_run.is_empty() && run_id != rank_run {
+            return Err(MarkerError::RunEnded {
+                stream_run: run_id.to_string(),
+                rank_run: rank_run.clone(),
+            });
+        }
+        Ok(())
     }
 
     /// Applies a batch of markers for an open rank, all or nothing, credits

@@ -405,7 +405,7 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
                 let plan = ReplayPlan::for_rank(&tracker, &keys[p]);
                 let applied = feed(
                     &mut tracker,
-                    plan.entry(t, keys[p].clone(), (**trace).clone()),
+                    plan.entry(t, keys[p].clone(), String::new(), (**trace).clone()),
                 );
                 if p == 0 {
                     due = applied.advisories;
