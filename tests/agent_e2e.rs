@@ -977,6 +977,117 @@ fn a_second_run_in_the_same_process_gets_its_own_step_1_and_prediction() {
     );
 }
 
+/// A first run's stream still open when the second run's opens (its last
+/// batches in flight, or a second client in the process): its batches are
+/// refused, counted and logged, and its stream is ended with a status that
+/// names both runs, so they cannot rewrite the second run's step 1.
+#[test]
+fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_1() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{client_message::Kind, ingest_client::IngestClient, ClientMessage};
+
+    let agent = Agent::start("stale-run", 1);
+    let endpoint = agent.endpoint();
+    let hello_of = |run_id: &str| {
+        let mut hello = hello("stale", 0, 1);
+        if let Some(Kind::Hello(h)) = hello.kind.as_mut() {
+            h.run_id = run_id.into();
+        }
+        hello
+    };
+    let report = || {
+        let (_, body) = agent.get("/api/v1/jobs/stale/ranks/0");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        (v, body)
+    };
+    // Both runs' clocks interleave, as two clients' do: fit-1's late
+    // markers would pass every check of fit-2's timeline.
+    let t0 = stepwatch_proto::clock::monotonic_ns();
+    let fit1 = step(1, t0 + 10_000);
+    let fit2 = step(1, t0);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
+            .unwrap()
+            .connect()
+            .await
+            .expect("connect to the agent");
+        let (old, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
+        let mut old_inbound = IngestClient::new(channel)
+            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("the stream opens")
+            .into_inner();
+        old.send(hello_of("fit-1")).await.unwrap();
+        old.send(batch(fit1[..2].to_vec())).await.unwrap();
+        common::wait_until("fit-1's step 1 began", Duration::from_secs(10), || {
+            report().0["steps"].as_array().is_some_and(|s| s.len() == 1)
+        });
+        // fit-2 opens while fit-1's stream is still open.
+        exchange(
+            &endpoint,
+            vec![hello_of("fit-2"), batch(fit2[..2].to_vec())],
+        )
+        .await
+        .expect("the second run starts");
+        // fit-1's last batch: the rest of its step 1 and step 2's begin.
+        let mut late = fit1[2..].to_vec();
+        late.push(step(2, t0 + 20_000)[0].clone());
+        let n = late.len();
+        old.send(batch(late)).await.unwrap();
+        let refusal = async {
+            loop {
+                match old_inbound.message().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => panic!("fit-1's stream ended without a refusal"),
+                    Err(status) => break status,
+                }
+            }
+        };
+        let ended = tokio::time::timeout(Duration::from_secs(30), refusal)
+            .await
+            .expect("fit-1's stream was refused (it was left open)");
+        assert_eq!(ended.code(), tonic::Code::FailedPrecondition, "{ended:?}");
+        assert!(
+            ended.message().contains("\"fit-1\"") && ended.message().contains("\"fit-2\""),
+            "{ended:?}"
+        );
+        agent.wait_metrics("the refused batch counted", Duration::from_secs(5), |m| {
+            m.get(
+                "stepwatch_markers_rejected_total",
+                &[("reason", "run_ended")],
+            ) == Some(n as f64)
+        });
+    });
+    let (rank, body) = report();
+    assert_eq!(rank["info"]["run_id"], "fit-2", "{body}");
+    let steps = rank["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 1, "fit-2's step 1 alone: {body}");
+    assert_eq!(steps[0]["begin_monotonic_ns"], t0, "fit-2's step 1: {body}");
+    let phases: Vec<_> = steps[0]["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        phases,
+        ["prologue", "forward"],
+        "still in its forward: {body}"
+    );
+    assert!(rank["prediction_before_step2"].is_null(), "{body}");
+    let log = agent.log();
+    let warned: Vec<_> = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("a run the process has left"))
+        .collect();
+    assert_eq!(warned.len(), 1, "{log}");
+    assert!(
+        warned[0].contains("stream_run=fit-1") && warned[0].contains("rank_run=fit-2"),
+        "{log}"
+    );
+}
+
 #[test]
 fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
     use common::wire::*;

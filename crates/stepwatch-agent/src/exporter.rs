@@ -845,7 +845,7 @@ mod tests {
             test_marker(MarkerKind::StepEnd, 2, 5_000),
             test_marker(MarkerKind::StepBegin, 3, 5_000),
         ];
-        state.apply_markers(&key, &batch).unwrap();
+        state.apply_markers(&key, "", &batch).unwrap();
         let body = render(&state);
         let line = body
             .lines()
@@ -881,7 +881,7 @@ mod tests {
                 batch.push(m);
             }
         }
-        state.apply_markers(&key, &batch).unwrap();
+        state.apply_markers(&key, "", &batch).unwrap();
     }
 
     fn series_of<'b>(body: &'b str, family: &str) -> Vec<&'b str> {
@@ -957,7 +957,7 @@ mod tests {
                     test_marker(MarkerKind::StepEnd, 1, 2_000),
                     test_marker(MarkerKind::StepBegin, 2, 3_000),
                 ];
-                let _ = done_tx.send(state.apply_markers(&key, &batch).is_ok());
+                let _ = done_tx.send(state.apply_markers(&key, "", &batch).is_ok());
             });
             assert_eq!(
                 done_rx.recv_timeout(WAIT),

@@ -722,7 +722,7 @@ mod tests {
                 workers.spawn(async move {
                     entered.send(()).unwrap();
                     let batch = [test_marker(MarkerKind::ForwardBegin, 1, 2_000)];
-                    state.apply_markers(&key, &batch).is_ok()
+                    state.apply_markers(&key, "", &batch).is_ok()
                 })
             })
             .collect();

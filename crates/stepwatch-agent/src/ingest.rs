@@ -12,7 +12,8 @@ use stepwatch_core::allocator::{BlockLayout, SegmentLayout};
 use stepwatch_core::feed::ReplayPlan;
 use stepwatch_core::replay::{TraceError, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_core::{
-    Advisory, AllocatorEvent, AllocatorTrace, MarkerKind, OpenError, RankInfo, RankKey, RecordError,
+    Advisory, AllocatorEvent, AllocatorTrace, MarkerError, MarkerKind, OpenError, RankInfo,
+    RankKey, RecordError,
 };
 use stepwatch_proto::convert;
 use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
@@ -317,7 +318,19 @@ async fn serve_stream(
     };
     tracing::info!(namespace = %key.namespace, job = %key.job, rank = key.rank, pid = info.pid, pod = %info.pod, attested = info.attested, gpu = %info.gpu_uuid, "rank connected");
     let mut alerts = peer.alerter.rank(&key, &info);
-    let receive = receive_markers(state, traces, &key, &mut inbound, max_rate, tx, &mut alerts);
+    let stream = StreamOf {
+        key: &key,
+        run_id: &info.run_id,
+    };
+    let receive = receive_markers(
+        state,
+        traces,
+        stream,
+        &mut inbound,
+        max_rate,
+        tx,
+        &mut alerts,
+    );
     let result = match peer.volume {
         // The pod's volume going away ends its streams; the rank closes as
         // for any other end of stream.
@@ -343,15 +356,23 @@ async fn volume_unpublished(gone: &mut tokio::sync::watch::Receiver<bool>) {
     }
 }
 
+/// Whose markers a stream carries: the rank, and the run its hello named.
+#[derive(Clone, Copy)]
+struct StreamOf<'a> {
+    key: &'a RankKey,
+    run_id: &'a str,
+}
+
 async fn receive_markers(
     state: &AgentState,
     traces: &TraceBudget,
-    key: &RankKey,
+    stream: StreamOf<'_>,
     inbound: &mut Streaming<pb::ClientMessage>,
     max_rate: f64,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
     alerts: &mut RankAlerts,
 ) -> Result<(), Status> {
+    let key = stream.key;
     let mut bucket = TokenBucket::new(max_rate);
     // Step 1's trace and the plan it was last replayed under, kept until
     // step 2 begins: facts that arrive after it (gradients kept, DDP's
@@ -403,7 +424,7 @@ async fn receive_markers(
                         let complete = Arc::new(complete);
                         let plan = state.replay_plan(key);
                         step1_trace = Some((Arc::clone(&complete), plan.clone()));
-                        replay_trace(state, traces, key, complete, plan, tx, alerts).await?;
+                        replay_trace(state, traces, stream, complete, plan, tx, alerts).await?;
                     }
                     Ok(None) => {}
                     Err(Refusal::Unusable(reason, why)) => {
@@ -425,8 +446,11 @@ async fn receive_markers(
                     )));
                 }
                 let update = convert::model_facts_from_wire(update);
-                let (due, plan) = match state.update_model_facts(key, &update) {
+                let (due, plan) = match state.update_model_facts(key, stream.run_id, &update) {
                     Ok(applied) => applied,
+                    Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
+                        return Err(run_ended(state, key, &e, 1));
+                    }
                     Err(e) => {
                         state.ingest.reject(e.reason(), 1);
                         return Err(Status::invalid_argument(format!(
@@ -447,7 +471,7 @@ async fn receive_markers(
                     if !plan.replays_like(replayed) {
                         *replayed = plan.clone();
                         let trace = Arc::clone(trace);
-                        replay_trace(state, traces, key, trace, plan, tx, alerts).await?;
+                        replay_trace(state, traces, stream, trace, plan, tx, alerts).await?;
                     }
                 }
                 continue;
@@ -491,7 +515,7 @@ async fn receive_markers(
         if markers.iter().any(|m| m.step > 1) {
             step1_trace = None;
         }
-        let applied = state.apply_markers(key, &markers);
+        let applied = state.apply_markers(key, stream.run_id, &markers);
         match applied {
             Ok(advisories) => {
                 state.ingest.markers_received.inc_by(n);
@@ -508,6 +532,9 @@ async fn receive_markers(
                 }
                 send_advisories(state, key, advisories, tx, alerts);
                 alerts.markers(&markers);
+            }
+            Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
+                return Err(run_ended(state, key, &e, n));
             }
             Err(e) => {
                 state.ingest.reject(e.reason(), n);
@@ -695,6 +722,26 @@ impl TraceAssembly {
     }
 }
 
+/// Counts and logs `n` markers (or a facts update or trace) refused on a
+/// stream of a run its process has left for a newer one
+/// ([`MarkerError::RunEnded`]), and the status that ends the stream: logged
+/// once per stream, since the stream ends. FAILED_PRECONDITION, not
+/// INVALID_ARGUMENT: nothing in the message is wrong, its run is over.
+fn run_ended(state: &AgentState, key: &RankKey, e: &MarkerError, n: u64) -> Status {
+    state.ingest.reject(e.reason(), n);
+    if let MarkerError::RunEnded {
+        stream_run,
+        rank_run,
+    } = e
+    {
+        tracing::warn!(namespace = %key.namespace, job = %key.job, rank = key.rank, stream_run = %stream_run, rank_run = %rank_run, refused = n, "refused a stream's input for a run the process has left for a newer one; the stream is ended");
+    }
+    Status::failed_precondition(format!(
+        "refused for job {} rank {}: {e}",
+        key.job, key.rank
+    ))
+}
+
 /// Counts and logs a trace the prediction cannot use; the stream goes on.
 fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &str) {
     state.ingest.reject(reason, 1);
@@ -717,12 +764,13 @@ fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &s
 async fn replay_trace(
     state: &AgentState,
     traces: &TraceBudget,
-    key: &RankKey,
+    stream: StreamOf<'_>,
     trace: Arc<AllocatorTrace>,
     plan: ReplayPlan,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
     alerts: &mut RankAlerts,
 ) -> Result<(), Status> {
+    let key = stream.key;
     let events = trace.events.len();
     let _replay_slot = traces.replays.acquire().await;
     let joined = tokio::task::spawn_blocking(move || {
@@ -753,7 +801,8 @@ async fn replay_trace(
             return Ok(());
         }
     };
-    match state.apply_allocator_replay(key, trace, plan, replay) {
+    let applied = state.apply_allocator_replay(key, stream.run_id, trace, plan, replay);
+    match applied.map_err(|e| run_ended(state, key, &e, 1))? {
         Some(advisories) => {
             state
                 .ingest

@@ -345,6 +345,7 @@ fn run(inputs: Vec<Input>) {
                         at_ns: now,
                         key: std::borrow::Cow::Borrowed(key),
                         markers: markers.into(),
+                        run_id: "".into(),
                     };
                     let _ = feed::apply(&mut tracker, &batch);
                 }
@@ -354,7 +355,7 @@ fn run(inputs: Vec<Input>) {
                 if let Ok(Some(complete)) = trace.add(chunk) {
                     let plan = ReplayPlan::for_rank(&tracker, key);
                     if let Ok(replay) = plan.replay(&complete) {
-                        feed::apply_replay(&mut tracker, key, replay, now);
+                        let _ = feed::apply_replay(&mut tracker, key, "", replay, now);
                     }
                 }
             }
@@ -364,6 +365,7 @@ fn run(inputs: Vec<Input>) {
                     at_ns: now,
                     key: key.clone(),
                     update: convert::model_facts_from_wire(update),
+                    run_id: String::new(),
                 };
                 let _ = feed::apply(&mut tracker, &update);
             }

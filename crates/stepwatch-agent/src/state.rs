@@ -9,8 +9,8 @@ use std::path::Path;
 
 use stepwatch_core::feed::{self, Applied, ReplayPlan};
 use stepwatch_core::{
-    AllocatorTrace, Journal, ModelFacts, RankInfo, RankKey, RecordEntry, RecordError, Step2Replay,
-    Tracker,
+    AllocatorTrace, Journal, MarkerError, ModelFacts, RankInfo, RankKey, RecordEntry, RecordError,
+    Step2Replay, Tracker,
 };
 
 use crate::record::Recorder;
@@ -62,6 +62,7 @@ pub const REJECT_REASONS: &[&str] = &[
     "too_many_phases",
     "memory_budget",
     "implausible_value",
+    "run_ended",
     // Step 1's allocator trace (the stream goes on).
     "allocator_trace_not_step_one",
     "allocator_trace_bad_event",
@@ -364,16 +365,20 @@ impl AgentState {
     /// Applies a rank's marker batch under one tracker lock and returns the
     /// advisories it made due. During step 1 the freshest samples go in
     /// first, because the step-2 prediction is decided on this batch. The
-    /// batch is borrowed: copied only for `--record`.
+    /// batch is borrowed: copied only for `--record`. `run_id` is the run
+    /// the stream's hello named: a batch of a run the rank has since left
+    /// is refused ([`stepwatch_core::Tracker::run_markers`]).
     pub fn apply_markers(
         &self,
         key: &RankKey,
+        run_id: &str,
         markers: &[stepwatch_core::Marker],
     ) -> Result<Vec<stepwatch_core::Advisory>, RecordError> {
         let batch = |at_ns| RecordEntry::Markers {
             at_ns,
             key: Cow::Borrowed(key),
             markers: Cow::Borrowed(markers),
+            run_id: Cow::Borrowed(run_id),
         };
         // Ordered, not flushed: housekeeping flushes every second.
         let applied = self.apply(Drain::IfInFirstStep(key), batch, false)?;
@@ -382,10 +387,12 @@ impl AgentState {
 
     /// Merges facts a rank sent after its hello (recorded) and returns the
     /// advisories that became due (None once step 2 began) and how the
-    /// rank's allocator trace replays under the merged facts.
+    /// rank's allocator trace replays under the merged facts. Refused when
+    /// the rank has left the stream's run `run_id` (see [`Self::apply_markers`]).
     pub fn update_model_facts(
         &self,
         key: &RankKey,
+        run_id: &str,
         update: &ModelFacts,
     ) -> Result<(Option<Vec<stepwatch_core::Advisory>>, ReplayPlan), RecordError> {
         self.update(Drain::Never, |tracker, inputs| {
@@ -393,6 +400,7 @@ impl AgentState {
                 at_ns: monotonic_ns(),
                 key: key.clone(),
                 update: update.clone(),
+                run_id: run_id.to_string(),
             };
             let applied = feed::apply(tracker, &input)?;
             inputs.record(input, true);
@@ -408,25 +416,30 @@ impl AgentState {
 
     /// Hands a rank's step-2 replay (of `trace` under `plan`, recorded with
     /// them) to the tracker and returns the advisories it made due; None
-    /// when step 2 had already begun.
+    /// when step 2 had already begun. Refused when the rank has left the
+    /// stream's run `run_id` (see [`Self::apply_markers`]).
     pub fn apply_allocator_replay(
         &self,
         key: &RankKey,
+        run_id: &str,
         trace: Arc<AllocatorTrace>,
         plan: ReplayPlan,
         replay: Step2Replay,
-    ) -> Option<Vec<stepwatch_core::Advisory>> {
+    ) -> Result<Option<Vec<stepwatch_core::Advisory>>, MarkerError> {
         self.update(Drain::Always, |tracker, inputs| {
             let at_ns = monotonic_ns();
-            let applied = feed::apply_replay(tracker, key, replay, at_ns);
+            let applied = feed::apply_replay(tracker, key, run_id, replay, at_ns)?;
             // The replay ran outside the lock, so the entry is built only
             // for the record; the trace is copied only while the stream
             // still keeps it for a facts update.
             inputs.record_with(
-                || plan.entry(at_ns, key.clone(), Arc::unwrap_or_clone(trace)),
+                || {
+                    let trace = Arc::unwrap_or_clone(trace);
+                    plan.entry(at_ns, key.clone(), run_id.to_string(), trace)
+                },
                 true,
             );
-            (!applied.late).then_some(applied.advisories)
+            Ok((!applied.late).then_some(applied.advisories))
         })
     }
 
@@ -628,6 +641,7 @@ pub(crate) fn test_rank(state: &AgentState, job: &str, rank: u32) -> RankKey {
     state
         .apply_markers(
             &key,
+            "",
             &[test_marker(stepwatch_core::MarkerKind::StepBegin, 1, 1_000)],
         )
         .unwrap();

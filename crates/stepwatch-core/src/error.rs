@@ -126,6 +126,20 @@ pub enum MarkerError {
         /// The budget, bytes.
         budget_bytes: u64,
     },
+    /// The batch came on a stream of a run its process has since left for
+    /// a newer one on the same rank (a second `fit()` while the first
+    /// run's stream was still open): applied, it would land in the newer
+    /// run's step 1. See [`crate::Tracker::run_markers`].
+    #[error(
+        "run {stream_run:?} of this stream has ended: run {rank_run:?} of the same process \
+         has since started on the rank, so this stream's markers, facts and traces are refused"
+    )]
+    RunEnded {
+        /// The run the stream's hello named.
+        stream_run: String,
+        /// The rank's current run.
+        rank_run: String,
+    },
 }
 
 impl MarkerError {
@@ -140,6 +154,7 @@ impl MarkerError {
             MarkerError::TooManyPhases { .. } => "too_many_phases",
             MarkerError::MemoryBudget { .. } => "memory_budget",
             MarkerError::Implausible { .. } => "implausible_value",
+            MarkerError::RunEnded { .. } => "run_ended",
         }
     }
 }

@@ -19,6 +19,7 @@
 //! simulated GPU at 100 Hz, the replayer reads lines.
 
 use crate::advisory::Advisory;
+use crate::error::MarkerError;
 use crate::identity::{DdpBucketRebuild, RankKey};
 use crate::record::{RecordEntry, RecordError};
 use crate::replay::{replay_step2_with, AllocatorTrace, Gradients, Step2Replay, TraceError};
@@ -72,14 +73,26 @@ pub fn apply(tracker: &mut Tracker, input: &RecordEntry<'_>) -> Result<Applied, 
             at_ns,
             key,
             markers,
-        } => Applied::advisories(tracker.markers(key, markers, *at_ns)?),
+            run_id,
+        } => Applied::advisories(tracker.run_markers(key, run_id, markers, *at_ns)?),
         RecordEntry::AllocatorTrace {
-            at_ns, key, trace, ..
+            at_ns,
+            key,
+            trace,
+            run_id,
+            ..
         } => {
+            tracker.check_run(key, run_id)?;
             let plan = ReplayPlan::of_entry(input).expect("an allocator trace entry");
-            apply_replay(tracker, key, plan.replay(trace)?, *at_ns)
+            apply_replay(tracker, key, run_id, plan.replay(trace)?, *at_ns)?
         }
-        RecordEntry::ModelFacts { at_ns, key, update } => {
+        RecordEntry::ModelFacts {
+            at_ns,
+            key,
+            update,
+            run_id,
+        } => {
+            tracker.check_run(key, run_id)?;
             Applied::unless_late(tracker.update_model_facts(key, update, *at_ns)?)
         }
         RecordEntry::GpuSamples { gpu, samples } => {
@@ -175,8 +188,15 @@ impl ReplayPlan {
         )
     }
 
-    /// The record entry of `trace` replayed under this plan.
-    pub fn entry(self, at_ns: u64, key: RankKey, trace: AllocatorTrace) -> RecordEntry<'static> {
+    /// The record entry of `trace`, sent on a stream of run `run_id`,
+    /// replayed under this plan.
+    pub fn entry(
+        self,
+        at_ns: u64,
+        key: RankKey,
+        run_id: String,
+        trace: AllocatorTrace,
+    ) -> RecordEntry<'static> {
         RecordEntry::AllocatorTrace {
             at_ns,
             key,
@@ -185,19 +205,26 @@ impl ReplayPlan {
             reserved_limit: self.reserved_limit,
             ddp_bucket_rebuild: self.ddp_bucket_rebuild,
             trace,
+            run_id,
         }
     }
 }
 
-/// Hands a rank's step-2 replay to the tracker: advisories due with it, or
-/// `late` (nothing changes) once the rank's step 2 has begun.
+/// Hands a rank's step-2 replay, of a trace sent on a stream of run
+/// `run_id`, to the tracker: advisories due with it, or `late` (nothing
+/// changes) once the rank's step 2 has begun; refused (nothing changes)
+/// when the rank has started another run since ([`Tracker::check_run`]).
 pub fn apply_replay(
     tracker: &mut Tracker,
     key: &RankKey,
+    run_id: &str,
     replay: Step2Replay,
     at_ns: u64,
-) -> Applied {
-    Applied::unless_late(tracker.allocator_replay(key, replay, at_ns))
+) -> Result<Applied, MarkerError> {
+    tracker.check_run(key, run_id)?;
+    Ok(Applied::unless_late(
+        tracker.allocator_replay(key, replay, at_ns),
+    ))
 }
 
 #[cfg(test)]
@@ -228,6 +255,7 @@ mod tests {
             at_ns: t,
             key: std::borrow::Cow::Owned(key.clone()),
             markers: vec![marker].into(),
+            run_id: "".into(),
         }
     }
 
@@ -260,6 +288,93 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_entry_names_its_streams_run_and_replays_the_agents_refusal() {
+        let mut t = Tracker::new(TrackerConfig::default());
+        let run = |id: &str| RankInfo {
+            run_id: id.into(),
+            ..info(0)
+        };
+        let key = info(0).key();
+        let of_run = |entry: RecordEntry<'static>, id: &'static str| match entry {
+            RecordEntry::Markers {
+                at_ns,
+                key,
+                markers,
+                ..
+            } => RecordEntry::Markers {
+                at_ns,
+                key,
+                markers,
+                run_id: id.into(),
+            },
+            _ => unreachable!(),
+        };
+        for (at_ns, id) in [(1, "fit-1"), (2, "fit-2")] {
+            apply(
+                &mut t,
+                &RecordEntry::Open {
+                    at_ns,
+                    info: run(id),
+                },
+            )
+            .unwrap();
+        }
+        // fit-1's stream is still open; its batch is refused as the agent
+        // refused it, and fit-2's is applied.
+        let stale = of_run(step_begins(&key, 1, 10), "fit-1");
+        let e = apply(&mut t, &stale).unwrap_err();
+        assert_eq!(e.reason(), "run_ended");
+        assert!(t.rank(&key).unwrap().timeline.current().is_none());
+        let own = of_run(step_begins(&key, 1, 11), "fit-2");
+        apply(&mut t, &own).unwrap();
+        assert_eq!(t.rank(&key).unwrap().timeline.current().unwrap().step, 1);
+        // So are fit-1's facts and step-1 trace: they would change fit-2's
+        // facts and its step-2 replay.
+        let facts = |run_id: &str| RecordEntry::ModelFacts {
+            at_ns: 12,
+            key: key.clone(),
+            update: ModelFacts {
+                grads_set_to_none: Some(false),
+                ..ModelFacts::default()
+            },
+            run_id: run_id.into(),
+        };
+        let e = apply(&mut t, &facts("fit-1")).unwrap_err();
+        assert_eq!(e.reason(), "run_ended");
+        let plan = ReplayPlan::for_rank(&t, &key);
+        assert_eq!(plan.gradients, Gradients::default(), "fit-2's facts stand");
+        let trace = plan.entry(13, key.clone(), "fit-1".into(), AllocatorTrace::default());
+        assert_eq!(apply(&mut t, &trace).unwrap_err().reason(), "run_ended");
+        let replay = Step2Replay {
+            reserved_at_step1_end_bytes: 1,
+            reserved_peak_bytes: 1,
+            allocated_peak_bytes: 1,
+            new_segment_bytes: 0,
+            state_bytes: 0,
+            grad_bytes: 0,
+            grads_persistent: false,
+            grads_freed_before_backward: false,
+            events_replayed: 0,
+            steady_reserved_peak_bytes: 1,
+            reserved_limit_bytes: None,
+            within_limit: None,
+            ddp_bucket_rebuild: None,
+        };
+        let e = apply_replay(&mut t, &key, "fit-1", replay, 13).unwrap_err();
+        assert_eq!(e.reason(), "run_ended");
+        assert!(t.rank(&key).unwrap().allocator_replay.is_none());
+        apply(&mut t, &facts("fit-2")).unwrap();
+        assert_eq!(ReplayPlan::for_rank(&t, &key).gradients, Gradients::Kept);
+        // The run id is kept on the record's line; lines without one (older
+        // agents and clients) read as before.
+        let line = serde_json::to_string(&own).unwrap();
+        assert!(line.contains(r#""run_id":"fit-2""#), "{line}");
+        assert_eq!(serde_json::from_str::<RecordEntry>(&line).unwrap(), own);
+        let old = serde_json::to_string(&step_begins(&key, 1, 10)).unwrap();
+        assert!(!old.contains("run_id"), "{old}");
+    }
+
+    #[test]
     fn facts_after_step_two_began_are_late() {
         let mut t = Tracker::new(TrackerConfig::default());
         let key = info(0).key();
@@ -278,6 +393,7 @@ mod tests {
                 grads_set_to_none: Some(false),
                 ..ModelFacts::default()
             },
+            run_id: String::new(),
         };
         apply(&mut t, &step_begins(&key, 1, 10)).unwrap();
         assert!(!apply(&mut t, &facts(11)).unwrap().late);
@@ -317,6 +433,7 @@ mod tests {
                 ddp_bucket_rebuild: Some(rebuild()),
                 ..ModelFacts::default()
             },
+            run_id: String::new(),
         };
         apply(&mut t, &facts(11)).unwrap();
         let plan = ReplayPlan::for_rank(&t, &key);
@@ -341,7 +458,9 @@ mod tests {
             ddp_bucket_rebuild: Some(rebuild()),
         };
         let key = info(0).key();
-        let entry = plan.clone().entry(5, key, AllocatorTrace::default());
+        let entry = plan
+            .clone()
+            .entry(5, key, String::new(), AllocatorTrace::default());
         assert_eq!(ReplayPlan::of_entry(&entry), Some(plan.clone()));
         // As a record line: the rebuild next to the trace, not in it.
         let line = serde_json::to_value(&entry).unwrap();
@@ -365,6 +484,7 @@ mod tests {
             reserved_limit: None,
             ddp_bucket_rebuild: None,
             trace: AllocatorTrace::default(),
+            run_id: String::new(),
         };
         assert_eq!(
             ReplayPlan::of_entry(&old),

@@ -49,6 +49,12 @@ pub enum RecordEntry<'a> {
         key: Cow<'a, RankKey>,
         /// The batch.
         markers: Cow<'a, [Marker]>,
+        /// The run its stream's hello named ([`RankInfo::run_id`]): the
+        /// tracker refuses a batch of a run the rank has left
+        /// ([`Tracker::run_markers`]). Empty for older clients, and in
+        /// records of agents before 2026-12-02's sixth session.
+        #[serde(default, skip_serializing_if = "str::is_empty")]
+        run_id: Cow<'a, str>,
     },
     /// A step-1 allocator trace, replayed and handed to the tracker
     /// ([`Tracker::allocator_replay`]).
@@ -73,6 +79,9 @@ pub enum RecordEntry<'a> {
         /// The trace as received.
         #[serde(deserialize_with = "trace_as_recorded")]
         trace: AllocatorTrace,
+        /// The run its stream's hello named, as for [`RecordEntry::Markers`].
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        run_id: String,
     },
     /// Facts a rank sent after its hello ([`Tracker::update_model_facts`]).
     ModelFacts {
@@ -82,6 +91,9 @@ pub enum RecordEntry<'a> {
         key: RankKey,
         /// The update as received (its set fields replace the hello's).
         update: ModelFacts,
+        /// The run its stream's hello named, as for [`RecordEntry::Markers`].
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        run_id: String,
     },
     /// GPU samples ([`Tracker::gpu_samples`]).
     GpuSamples {
@@ -122,10 +134,12 @@ impl RecordEntry<'_> {
                 at_ns,
                 key,
                 markers,
+                run_id,
             } => RecordEntry::Markers {
                 at_ns,
                 key: Cow::Owned(key.into_owned()),
                 markers: Cow::Owned(markers.into_owned()),
+                run_id: Cow::Owned(run_id.into_owned()),
             },
             RecordEntry::Open { at_ns, info } => RecordEntry::Open { at_ns, info },
             RecordEntry::AllocatorTrace {
@@ -136,6 +150,7 @@ impl RecordEntry<'_> {
                 reserved_limit,
                 ddp_bucket_rebuild,
                 trace,
+                run_id,
             } => RecordEntry::AllocatorTrace {
                 at_ns,
                 key,
@@ -144,10 +159,19 @@ impl RecordEntry<'_> {
                 reserved_limit,
                 ddp_bucket_rebuild,
                 trace,
+                run_id,
             },
-            RecordEntry::ModelFacts { at_ns, key, update } => {
-                RecordEntry::ModelFacts { at_ns, key, update }
-            }
+            RecordEntry::ModelFacts {
+                at_ns,
+                key,
+                update,
+                run_id,
+            } => RecordEntry::ModelFacts {
+                at_ns,
+                key,
+                update,
+                run_id,
+            },
             RecordEntry::GpuSamples { gpu, samples } => RecordEntry::GpuSamples { gpu, samples },
             RecordEntry::GpuProcesses { gpu, processes } => {
                 RecordEntry::GpuProcesses { gpu, processes }
@@ -379,6 +403,7 @@ mod tests {
             at_ns: 10,
             key: Cow::Borrowed(&key),
             markers: Cow::Borrowed(&markers),
+            run_id: Cow::Borrowed(""),
         };
         replayer.apply(batch.clone()).unwrap();
         let rank = replayer.tracker().rank(&key).unwrap();

@@ -664,6 +664,45 @@ impl Tracker {
         }
     }
 
+    /// [`Tracker::markers`] for a batch from a stream whose hello named run
+    /// `run_id`: refused ([`MarkerError::RunEnded`], nothing changes) when
+    /// the rank has since started another run. A process that starts a
+    /// second run (a second `fit()`) opens a new stream while the old run's
+    /// may still be open (its last batches in flight, or a second client);
+    /// the rank's state is the new run's, and the old run's markers would
+    /// rewrite its step 1 (timeline, layouts, prediction). When either run
+    /// id is empty (older clients), the batch is applied as before.
+    pub fn run_markers(
+        &mut self,
+        key: &RankKey,
+        run_id: &str,
+        markers: &[Marker],
+        now_ns: u64,
+    ) -> Result<Vec<Advisory>, MarkerError> {
+        self.check_run(key, run_id)?;
+        self.markers(key, markers, now_ns)
+    }
+
+    /// Whether a stream whose hello named run `run_id` may still feed the
+    /// rank: [`MarkerError::RunEnded`] once the rank has started another
+    /// run (see [`Tracker::run_markers`]); also checked before a stream's
+    /// facts update or allocator trace ([`crate::feed::apply`]), which would
+    /// otherwise change the newer run's facts or step-2 replay. Ok when
+    /// either run id is empty, or the rank is not tracked.
+    pub fn check_run(&self, key: &RankKey, run_id: &str) -> Result<(), MarkerError> {
+        let Some(state) = self.ranks.get(key) else {
+            return Ok(());
+        };
+        let rank_run = &state.info.run_id;
+        if !run_id.is_empty() && !rank_run.is_empty() && run_id != rank_run {
+            return Err(MarkerError::RunEnded {
+                stream_run: run_id.to_string(),
+                rank_run: rank_run.clone(),
+            });
+        }
+        Ok(())
+    }
+
     /// Applies a batch of markers for an open rank, all or nothing, credits
     /// GPU samples to the phases it closed, and returns the advisories that
     /// became due. While the rank is in its first step, advisories are

@@ -172,6 +172,54 @@ fn a_stream_of_a_run_the_process_left_cannot_reopen_or_reset_the_rank() {
 }
 
 #[test]
+fn batches_of_a_still_open_stream_of_a_run_the_process_left_are_refused() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let run = |id: &str| RankInfo {
+        run_id: id.into(),
+        ..info("ns", "j", 0, 10)
+    };
+    let steps = two_steps(0);
+    // fit-1's stream is open and half way through its step 1 when fit-2's
+    // opens (connected_streams 2), and fit-2 begins its own step 1.
+    let key = t.open(run("fit-1"), 0).unwrap();
+    t.run_markers(&key, "fit-1", &steps[..2], 1).unwrap();
+    t.open(run("fit-2"), 2).unwrap();
+    // The two runs' clocks interleave (two clients), so fit-1's late
+    // markers would pass every check of fit-2's timeline.
+    let fit2 = two_steps(0);
+    t.run_markers(&key, "fit-2", &fit2[..2], 3).unwrap();
+    let before = serde_json::to_string(&t.rank(&key).unwrap().timeline).unwrap();
+    // fit-1's last batches, still in flight: the rest of its step 1 and
+    // its step 2's begin (which would freeze fit-2's prediction).
+    let late = &steps[2..MarkerKind::STEP_ORDER.len() + 1];
+    let refused = t.run_markers(&key, "fit-1", late, 4);
+    let Err(e @ MarkerError::RunEnded { .. }) = refused else {
+        panic!("{refused:?}");
+    };
+    assert_eq!(e.reason(), "run_ended");
+    assert!(
+        e.to_string().contains("\"fit-1\"") && e.to_string().contains("\"fit-2\""),
+        "{e}"
+    );
+    let r = t.rank(&key).unwrap();
+    assert_eq!(serde_json::to_string(&r.timeline).unwrap(), before);
+    assert!(
+        r.prediction_before_step2.is_none(),
+        "fit-2 is in its step 1"
+    );
+    assert_eq!(r.last_activity_ns, 3, "a refused batch is no activity");
+    // fit-2 goes on with its step 1 as if fit-1 had not spoken.
+    t.run_markers(&key, "fit-2", &fit2[2..], 5).unwrap();
+    let r = t.rank(&key).unwrap();
+    assert_eq!(r.timeline.steps_completed(), 2);
+    assert_eq!(r.timeline.steps().next().unwrap().step, 1);
+    // A stream without a run id (an older client) is applied as before.
+    t.open(run("fit-3"), 6).unwrap();
+    t.run_markers(&key, "", &steps[..2], 7).unwrap();
+    assert_eq!(t.rank(&key).unwrap().timeline.steps().count(), 1);
+}
+
+#[test]
 fn a_new_run_forgets_the_last_runs_step_1_segment_layout() {
     let mut t = Tracker::new(TrackerConfig::default());
     let run = |id: &str| RankInfo {

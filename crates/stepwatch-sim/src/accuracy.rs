@@ -405,7 +405,7 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
                 let plan = ReplayPlan::for_rank(&tracker, &keys[p]);
                 let applied = feed(
                     &mut tracker,
-                    plan.entry(t, keys[p].clone(), (**trace).clone()),
+                    plan.entry(t, keys[p].clone(), String::new(), (**trace).clone()),
                 );
                 if p == 0 {
                     due = applied.advisories;
@@ -448,6 +448,7 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
                     at_ns: t,
                     key: Cow::Borrowed(key),
                     markers: markers.into(),
+                    run_id: Cow::Borrowed(""),
                 },
             );
             if batch_owner == 0 {
