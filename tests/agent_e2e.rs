@@ -386,11 +386,7 @@ fn streams_that_never_say_hello_are_ended_and_do_not_lock_ranks_out() {
     let endpoint = agent.endpoint();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
-            .unwrap()
-            .connect()
-            .await
-            .expect("connect to the agent");
+        let channel = connect(&endpoint).await;
         // Eight streams on one connection that never send anything.
         let mut silent = Vec::new();
         for _ in 0..8 {
@@ -435,11 +431,7 @@ fn undecodable_oversized_and_empty_floods_are_refused_and_counted() {
     let endpoint = agent.endpoint();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
-            .unwrap()
-            .connect()
-            .await
-            .expect("connect to the agent");
+        let channel = connect(&endpoint).await;
         // A Marker where a ClientMessage belongs: field 1 with the wrong
         // wire type, which no ClientMessage decoder accepts.
         let mut grpc = tonic::client::Grpc::new(channel);
@@ -1007,11 +999,7 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
     let fit2 = step(1, t0);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone())
-            .unwrap()
-            .connect()
-            .await
-            .expect("connect to the agent");
+        let channel = connect(&endpoint).await;
         let (old, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
         let mut old_inbound = IngestClient::new(channel)
             .stream(tokio_stream::wrappers::ReceiverStream::new(rx))

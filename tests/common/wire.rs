@@ -46,14 +46,18 @@ pub fn step(n: u64, t0: u64) -> Vec<Marker> {
         .collect()
 }
 
-/// Sends `messages` on one stream, then half-closes; returns how it ended.
-pub async fn exchange(endpoint: &str, messages: Vec<ClientMessage>) -> Result<(), tonic::Status> {
-    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+/// A connection to the agent's ingest endpoint, for one or more streams.
+pub async fn connect(endpoint: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(endpoint.to_string())
         .unwrap()
         .connect()
         .await
-        .expect("connect to the agent");
-    let mut client = IngestClient::new(channel);
+        .expect("connect to the agent")
+}
+
+/// Sends `messages` on one stream, then half-closes; returns how it ended.
+pub async fn exchange(endpoint: &str, messages: Vec<ClientMessage>) -> Result<(), tonic::Status> {
+    let mut client = IngestClient::new(connect(endpoint).await);
     let mut inbound = client
         .stream(tokio_stream::iter(messages))
         .await?
@@ -67,12 +71,7 @@ pub async fn exchange_collect(
     endpoint: &str,
     messages: Vec<ClientMessage>,
 ) -> Result<Vec<stepwatch_proto::v1::AgentMessage>, tonic::Status> {
-    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_string())
-        .unwrap()
-        .connect()
-        .await
-        .expect("connect to the agent");
-    let mut client = IngestClient::new(channel);
+    let mut client = IngestClient::new(connect(endpoint).await);
     let mut inbound = client
         .stream(tokio_stream::iter(messages))
         .await?
