@@ -72,12 +72,16 @@ fn print_change(
     // often holds step 1's last markers and step 2's first, so the figure
     // that ended step 1 was never printed as a live one.
     let frozen = rank.prediction_before_step2.is_some();
-    let Some(p) = (if frozen {
-        rank.prediction_before_step2.clone()
-    } else {
-        tracker.rank_analysis(key).and_then(|a| a.prediction)
-    }) else {
-        return;
+    let live;
+    let p = match &rank.prediction_before_step2 {
+        Some(p) => p,
+        None => match tracker.rank_analysis(key).and_then(|a| a.prediction) {
+            Some(p) => {
+                live = p;
+                &live
+            }
+            None => return,
+        },
     };
     let now = (p.predicted_peak_bytes, p.provisional, frozen);
     if last.get(key) == Some(&now) {
