@@ -409,7 +409,13 @@ def test_a_client_whose_run_another_client_in_the_process_replaced_stops_for_goo
         first.mark(STEP_BEGIN, 1)
         first.mark(FORWARD_BEGIN, 1)
         assert first.flush(FLUSH_S), first.stats()
-        _wait_report(real_agent, job, lambda r: r["info"]["run_id"] == "fit-1", "fit-1 opens")
+        # fit-1's markers applied before fit-2 opens (else they are what is refused).
+        _wait_report(
+            real_agent,
+            job,
+            lambda r: r["info"]["run_id"] == "fit-1" and len(r["steps"]) == 1,
+            "fit-1's step 1 begins",
+        )
         second.mark(STEP_BEGIN, 1)
         assert second.flush(FLUSH_S), second.stats()
         _wait_report(real_agent, job, lambda r: r["info"]["run_id"] == "fit-2", "fit-2 opens")
