@@ -325,7 +325,7 @@ async fn serve_stream(
                         Status::resource_exhausted(e.to_string())
                     }
                     RecordError::Open(e @ OpenError::RankHeld { .. }) => {
-                        tracing::warn!(namespace = %info.namespace, job = %info.job, rank = info.rank, pid = info.pid, pod = %info.pod, "refused a hello for a rank another process holds: {e}");
+                        tracing::warn!(namespace = %info.namespace, job = %info.job, rank = info.rank, pid = info.pid, pod = %info.pod, "refused a hello for a rank another process (or a newer run of this one) holds: {e}");
                         Status::already_exists(e.to_string())
                     }
                     e => Status::internal(format!("the hello could not be applied: {e}")),
