@@ -35,8 +35,8 @@
 //! Checked on real PyTorch 2.15 on fake CUDA (`bench/torch-accuracy.sh
 //! --variants markers`, roomy runs, reserved growth in step 2 over step 1's
 //! end): GPT + AdamW 1208 MiB predicted, 1182 MiB real; SGD with momentum
-//! 720 / 788; Lightning 1271 / 1472; with each free block as one request
-//! instead, 1030, 523 and 1001. Those totals agree better than the
+//! 720 / 788 (Lightning: below); with each free block as one request
+//! instead, 1030 and 523. Those totals agree better than the
 //! segments behind them: for GPT + AdamW (fit-2% run of commit 3344016)
 //! the rule reserved two 394 MiB logits segments and 18 small ones (1184
 //! MiB), step 2 three logits segments (1182). Lightning: see below.
