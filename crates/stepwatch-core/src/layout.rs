@@ -39,8 +39,7 @@
 //! instead, 1030 and 523. Those totals agree better than the
 //! segments behind them: for GPT + AdamW (fit-2% run of commit 3344016)
 //! the rule reserved two 394 MiB logits segments and 18 small ones (1184
-//! MiB), step 2 three logits segments (1182). Lightning: see below.
-//! What grows after step 2 (Lightning and expandable segments: one
+//! MiB), step 2 three logits segments (1182). What grows after step 2 (Lightning and expandable segments: one
 //! logits-sized block in step 3) depends on where step 2's backward put
 //! the gradients it made again (in the free block of a logits segment, in
 //! the range a logits block had in an expandable segment), which step 1's
