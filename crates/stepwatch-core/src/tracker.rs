@@ -236,6 +236,8 @@ fn take_optimizer_layouts(
                 let context = LayoutContext {
                     gradient_bytes: state.info.model.parameter_bytes,
                     reserved_limit: reserved_limit.map(|l| l.saturating_sub(left_out)),
+                    gradients_alive_in_forward: Gradients::of(&state.info)
+                        != Gradients::FreedBeforeStep,
                 };
                 match step2_new_segments_with(&begin, &m.layout_segments, &context) {
                     Ok(estimate) => {
