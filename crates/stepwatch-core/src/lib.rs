@@ -56,9 +56,9 @@ pub use profile::{
 };
 pub use record::{PredictionCheck, RecordEntry, RecordError, Replayer};
 pub use replay::{
-    replay_step2, replay_step2_with, replay_step2_within, AllocatorAction, AllocatorEvent,
-    AllocatorTrace, Gradients, LimitedReplay, ReplayedBucketRebuild, Step2Replay, TraceError,
-    TraceSettings,
+    replay_optimizer_layouts, replay_step2, replay_step2_with, replay_step2_within,
+    AllocatorAction, AllocatorEvent, AllocatorTrace, Gradients, LimitedReplay, OptimizerBoundary,
+    ReplayedBucketRebuild, ReplayedStepLayouts, Step2Replay, TraceError, TraceSettings,
 };
 pub use sample::GpuSample;
 pub use timeline::{PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord};

@@ -491,6 +491,159 @@ pub fn replay_step2_with(
     reserved_limit: Option<u64>,
     ddp_bucket_rebuild: Option<&DdpBucketRebuild>,
 ) -> Result<Step2Replay, TraceError> {
+    let Prepared {
+        plan,
+        alloc,
+        previous,
+        grads,
+        reserved_at_end,
+        state_bytes,
+        grad_bytes,
+        rebuild_summary,
+    } = prepare(trace, gradients, ddp_bucket_rebuild)?;
+    let grads_persistent = gradients == Gradients::Kept;
+    let limited = reserved_limit.map(|limit| {
+        plan.run_steps(
+            alloc.clone(),
+            previous.clone(),
+            grads.clone(),
+            limit,
+            REPLAYED_STEPS,
+            &mut |_, _, _| {},
+        )
+    });
+    // Within the limit with no cache release, every allocation took the path
+    // it takes without one: the same runs.
+    let unlimited = match &limited {
+        Some(runs)
+            if runs
+                .iter()
+                .all(|r| !r.out_of_memory && r.alloc_retries == 0) =>
+        {
+            runs.clone()
+        }
+        _ => plan.run_steps(
+            alloc,
+            previous,
+            grads,
+            u64::MAX,
+            REPLAYED_STEPS,
+            &mut |_, _, _| {},
+        ),
+    };
+    let within_limit = limited.map(|runs| {
+        let fits = runs.iter().all(|r| !r.out_of_memory);
+        LimitedReplay {
+            fits,
+            reserved_peak_bytes: runs[0].peak.reserved,
+            steady_reserved_peak_bytes: if fits { steady_peak(&runs) } else { 0 },
+            alloc_retries: runs.iter().map(|r| r.alloc_retries).sum(),
+        }
+    });
+    let step2 = &unlimited[0];
+    Ok(Step2Replay {
+        reserved_at_step1_end_bytes: reserved_at_end,
+        reserved_peak_bytes: step2.peak.reserved,
+        allocated_peak_bytes: step2.peak.allocated,
+        new_segment_bytes: step2.peak.reserved.saturating_sub(reserved_at_end),
+        state_bytes,
+        grad_bytes,
+        grads_persistent,
+        grads_freed_before_backward: gradients == Gradients::FreedBeforeBackward,
+        events_replayed: step2.events_replayed,
+        steady_reserved_peak_bytes: steady_peak(&unlimited),
+        reserved_limit_bytes: reserved_limit,
+        within_limit,
+        ddp_bucket_rebuild: rebuild_summary,
+    })
+}
+
+/// Where in a replayed step [`replay_optimizer_layouts`] shows the layout:
+/// where a client without a trace sends its snapshots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptimizerBoundary {
+    /// Before the optimizer phase's first allocator event.
+    Begin,
+    /// After the step's last event (the trace ends with the optimizer).
+    End,
+}
+
+/// A replayed step's layouts at its optimizer begin and end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayedStepLayouts {
+    /// The step (2 for the first replayed).
+    pub step: usize,
+    /// The layout before the optimizer phase (empty when the trace has
+    /// none).
+    pub optimizer_begin: Vec<SegmentLayout>,
+    /// The layout at the step's end.
+    pub optimizer_end: Vec<SegmentLayout>,
+    /// Highest reserved bytes during the step.
+    pub reserved_peak_bytes: u64,
+}
+
+/// The layouts the unlimited replay of steps 2..=1 + `steps` passes
+/// through at each step's optimizer begin and end, with each step's
+/// reserved peak: what a client without a trace would snapshot in those
+/// steps, for diagnostics that test the markers-only layout rule
+/// ([`crate::layout`]) on later steps than step 1. Stops after a step that
+/// ran out.
+pub fn replay_optimizer_layouts(
+    trace: &AllocatorTrace,
+    gradients: Gradients,
+    ddp_bucket_rebuild: Option<&DdpBucketRebuild>,
+    steps: usize,
+) -> Result<Vec<ReplayedStepLayouts>, TraceError> {
+    let p = prepare(trace, gradients, ddp_bucket_rebuild)?;
+    let mut layouts: Vec<ReplayedStepLayouts> = Vec::with_capacity(steps);
+    let runs = p.plan.run_steps(
+        p.alloc,
+        p.previous,
+        p.grads,
+        u64::MAX,
+        steps,
+        &mut |step, at, alloc| {
+            if layouts.len() == step {
+                layouts.push(ReplayedStepLayouts {
+                    step: step + 2,
+                    optimizer_begin: Vec::new(),
+                    optimizer_end: Vec::new(),
+                    reserved_peak_bytes: 0,
+                });
+            }
+            match at {
+                OptimizerBoundary::Begin => layouts[step].optimizer_begin = alloc.layout(),
+                OptimizerBoundary::End => layouts[step].optimizer_end = alloc.layout(),
+            }
+        },
+    );
+    layouts.truncate(runs.len());
+    for (l, r) in layouts.iter_mut().zip(&runs) {
+        l.reserved_peak_bytes = r.peak.reserved;
+    }
+    Ok(layouts)
+}
+
+/// What the replay starts from: the plan, the allocator at step 1's end,
+/// and what step 1 left alive for step 2 to free.
+struct Prepared<'a> {
+    plan: Plan<'a>,
+    alloc: CachingAllocator,
+    previous: HashMap<usize, AllocId>,
+    grads: Vec<AllocId>,
+    reserved_at_end: u64,
+    state_bytes: u64,
+    grad_bytes: u64,
+    rebuild_summary: Option<ReplayedBucketRebuild>,
+}
+
+/// The allocator at step 1's end and the plan to replay the steps after
+/// it (see [`replay_step2_with`]).
+fn prepare<'a>(
+    trace: &'a AllocatorTrace,
+    gradients: Gradients,
+    ddp_bucket_rebuild: Option<&DdpBucketRebuild>,
+) -> Result<Prepared<'a>, TraceError> {
     let grads_persistent = gradients == Gradients::Kept;
     trace.check_bounds()?;
     let settings = trace.model_settings()?;
@@ -648,45 +801,15 @@ pub fn replay_step2_with(
         grads_freed_at,
         rebuild_plan.flatten(),
     );
-    let previous: HashMap<usize, AllocId> = replaced.into_iter().collect();
-    let limited = reserved_limit
-        .map(|limit| plan.run_steps(alloc.clone(), previous.clone(), grads.clone(), limit));
-    // Within the limit with no cache release, every allocation took the path
-    // it takes without one: the same runs.
-    let unlimited = match &limited {
-        Some(runs)
-            if runs
-                .iter()
-                .all(|r| !r.out_of_memory && r.alloc_retries == 0) =>
-        {
-            runs.clone()
-        }
-        _ => plan.run_steps(alloc, previous, grads, u64::MAX),
-    };
-    let within_limit = limited.map(|runs| {
-        let fits = runs.iter().all(|r| !r.out_of_memory);
-        LimitedReplay {
-            fits,
-            reserved_peak_bytes: runs[0].peak.reserved,
-            steady_reserved_peak_bytes: if fits { steady_peak(&runs) } else { 0 },
-            alloc_retries: runs.iter().map(|r| r.alloc_retries).sum(),
-        }
-    });
-    let step2 = &unlimited[0];
-    Ok(Step2Replay {
-        reserved_at_step1_end_bytes: reserved_at_end,
-        reserved_peak_bytes: step2.peak.reserved,
-        allocated_peak_bytes: step2.peak.allocated,
-        new_segment_bytes: step2.peak.reserved.saturating_sub(reserved_at_end),
+    Ok(Prepared {
+        plan,
+        alloc,
+        previous: replaced.into_iter().collect(),
+        grads,
+        reserved_at_end,
         state_bytes,
         grad_bytes,
-        grads_persistent,
-        grads_freed_before_backward: gradients == Gradients::FreedBeforeBackward,
-        events_replayed: step2.events_replayed,
-        steady_reserved_peak_bytes: steady_peak(&unlimited),
-        reserved_limit_bytes: reserved_limit,
-        within_limit,
-        ddp_bucket_rebuild: rebuild_summary,
+        rebuild_summary,
     })
 }
 
@@ -876,6 +999,8 @@ struct Plan<'a> {
     grads_freed_at: usize,
     /// DDP's bucket rebuild, made in step 2 only.
     rebuild: Option<RebuildPlan>,
+    /// The optimizer phase's first event, if any.
+    optimizer_at: Option<usize>,
 }
 
 #[derive(Clone)]
@@ -926,24 +1051,28 @@ impl<'a> Plan<'a> {
             replaced: replaced.iter().copied().collect(),
             grads_freed_at,
             rebuild,
+            optimizer_at: events.iter().position(|e| e.phase == PhaseKind::Optimizer),
         }
     }
 
-    /// Replays steps 2..=1 + [`REPLAYED_STEPS`] on `alloc`, which may reserve
-    /// up to `limit`, stopping at the first that runs out. `previous` are the
+    /// Replays steps 2..=1 + `steps` on `alloc`, which may reserve up to
+    /// `limit`, stopping at the first that runs out. `previous` are the
     /// allocations step 1 left alive that step 2 replaces, by event index;
     /// `grads` its gradients set to None. Each step frees the other
     /// allocations the one before made and kept (its gradients) where
-    /// gradients are freed.
+    /// gradients are freed. `observe` is shown the allocator at each step's
+    /// optimizer begin and end (the step counted from 0 for step 2).
     fn run_steps(
         &self,
         mut alloc: CachingAllocator,
         mut previous: HashMap<usize, AllocId>,
         mut grads: Vec<AllocId>,
         limit: u64,
+        steps: usize,
+        observe: &mut dyn FnMut(usize, OptimizerBoundary, &CachingAllocator),
     ) -> Vec<Run> {
-        let mut runs = Vec::with_capacity(REPLAYED_STEPS);
-        for step in 0..REPLAYED_STEPS {
+        let mut runs = Vec::with_capacity(steps);
+        for step in 0..steps {
             if self.grads_freed_at == 0 {
                 for id in grads.drain(..) {
                     alloc.free(id);
@@ -951,7 +1080,14 @@ impl<'a> Plan<'a> {
             }
             alloc.reset_step_peak();
             let rebuild = self.rebuild.as_ref().filter(|_| step == 0);
-            let (run, left) = self.run(&mut alloc, limit, &mut previous, &mut grads, rebuild);
+            let (run, left) = self.run(
+                &mut alloc,
+                limit,
+                &mut previous,
+                &mut grads,
+                rebuild,
+                &mut |at, alloc| observe(step, at, alloc),
+            );
             // What the step did not get to free (it ran out) goes first.
             for id in grads.drain(..).chain(previous.drain().map(|(_, id)| id)) {
                 alloc.free(id);
@@ -975,7 +1111,8 @@ impl<'a> Plan<'a> {
     /// Replays the events once, freeing each of `previous` when the step
     /// replaces it and `grads` where gradients are freed, and making
     /// `rebuild` where it falls; returns the step's figures and the replayed
-    /// allocations it left alive, by event index.
+    /// allocations it left alive, by event index. `observe` is shown the
+    /// allocator at the optimizer's first event and at the end.
     fn run(
         &self,
         alloc: &mut CachingAllocator,
@@ -983,6 +1120,7 @@ impl<'a> Plan<'a> {
         previous: &mut HashMap<usize, AllocId>,
         grads: &mut Vec<AllocId>,
         rebuild: Option<&RebuildPlan>,
+        observe: &mut dyn FnMut(OptimizerBoundary, &CachingAllocator),
     ) -> (Run, Vec<(usize, AllocId)>) {
         let retries_before = alloc.num_alloc_retries();
         let mut replayed: HashMap<usize, AllocId> = HashMap::new();
@@ -998,6 +1136,9 @@ impl<'a> Plan<'a> {
                 .all(|&bytes| alloc.malloc_on(bytes, 0, limit).is_ok())
         };
         for (index, e) in self.trace.events.iter().enumerate() {
+            if Some(index) == self.optimizer_at {
+                observe(OptimizerBoundary::Begin, alloc);
+            }
             if index == self.grads_freed_at {
                 for id in grads.drain(..) {
                     alloc.free(id);
@@ -1043,6 +1184,7 @@ impl<'a> Plan<'a> {
         if !out_of_memory {
             let end = self.trace.events.len();
             self.release(alloc, end, &mut replayed, previous);
+            observe(OptimizerBoundary::End, alloc);
         }
         let run = Run {
             peak: alloc.peaks().step,

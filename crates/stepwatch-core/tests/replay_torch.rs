@@ -334,3 +334,32 @@ fn segment_snapshots_at_the_optimizer_predict_step_2s_new_segments() {
         }
     }
 }
+
+#[test]
+fn the_replays_layouts_at_each_steps_optimizer_follow_the_same_steps() {
+    // `replay_optimizer_layouts` shows the unlimited replay's steps: its
+    // peaks are those `replay_step2_with` reports, and each step's end
+    // layout reserves what the next step starts from. Under Lightning step
+    // 3 grows again (the steady peak is above step 2's).
+    for name in ["lightning-gpt-small.json", "gpt-adamw-small.json"] {
+        let f = fixture(name);
+        let r = replay_step2_with(&f.trace, f.gradients, None, None).unwrap();
+        let steps = replay_optimizer_layouts(&f.trace, f.gradients, None, 3).unwrap();
+        assert_eq!(steps.len(), 3, "{name}");
+        assert_eq!(steps[0].step, 2);
+        assert_eq!(
+            steps[0].reserved_peak_bytes, r.reserved_peak_bytes,
+            "{name}"
+        );
+        let later = steps[1..].iter().map(|s| s.reserved_peak_bytes).max();
+        assert_eq!(later, Some(r.steady_reserved_peak_bytes), "{name}");
+        for s in &steps {
+            // The optimizer makes no state after step 1: begin and end
+            // reserve the same (no cache release in these traces).
+            let reserved = |l: &[allocator::SegmentLayout]| l.iter().map(|s| s.size()).sum::<u64>();
+            assert!(!s.optimizer_begin.is_empty(), "{name}");
+            assert_eq!(reserved(&s.optimizer_begin), reserved(&s.optimizer_end));
+            assert!(reserved(&s.optimizer_end) <= s.reserved_peak_bytes);
+        }
+    }
+}
