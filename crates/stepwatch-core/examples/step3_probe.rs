@@ -15,17 +15,39 @@
 //! bytes, the gradients' fate; no reserved limit), large pool only, as the
 //! client sends them.
 //!
-//! Per rank it prints, in MiB: the replay's growth in step 2 (peak over
-//! reserved at step 1's end) and the rule on step 1's pair; the replay's
-//! growth after step 2 (the highest peak of steps 3..=6 over reserved at
-//! step 2's end) and the rule on step 2's pair; the rule on step 3's pair
-//! (what a revision at step 3 would add); and each replayed step's growth
-//! over the step before's end.
+//! Per rank it prints, in MiB:
+//! - `s1begin-vs-s2end`: the rule on step 1's optimizer-begin layout (its
+//!   requests: what each step's forward and backward ask for) served from
+//!   step 2's end layout; `flagged`: the same with step 2's gradients freed
+//!   first where step 3 frees them before its forward (what per-block
+//!   gradient flags from the client would allow);
+//! - `end-vs-end`: the rule on step 2's end layout as both begin and end
+//!   (what it gives when the optimizer changed nothing), and per replayed
+//!   step how many large segments it shares with the step before changed
+//!   their blocks;
+//! - the replay's growth in step 2 (peak over reserved at step 1's end) and
+//!   the rule on step 1's pair (`rule(s1)`); the replay's growth after step
+//!   2 (the highest peak of steps 3..=6 over reserved at step 2's end) and
+//!   the rule on step 2's pair (`rule(s2)`) and step 3's; each replayed
+//!   step's growth over the step before's end.
+//!
+//! `V=1` lists the large segments at each pair's begin (MiB, free blocks in
+//! brackets, `*`: changed by the end) on stderr.
 //!
 //! ```text
 //! cargo build -p stepwatch-core --example step3_probe
 //! target/debug/examples/step3_probe /tmp/tacc.*/rNNN/record.jsonl ...
 //! ```
+//!
+//! Findings (kept trace runs of commit 3344016, 2026-12-02): step 2's pair
+//! gives 0 for every job, the two that grow in step 3 included (Lightning
+//! 0 for 394 real, expandable segments 4 for 400): step 2's optimizer makes
+//! no state, so its begin and end layouts match (`end-vs-end` is the same
+//! figure), every segment is one the optimizer left alone, and no request
+//! is displaced. Step 3's growth comes from where step 2's backward put
+//! blocks relative to step 2's forward, which neither snapshot shows.
+//! `flagged` finds Lightning's 394 but also 394 for FSDP2 and 40 to 872
+//! for four other jobs that do not grow.
 use std::collections::HashMap;
 
 use stepwatch_core::allocator::{self, BlockLayout, Pool, SegmentLayout};
@@ -137,11 +159,66 @@ fn probe(
         .saturating_sub(step2_end) as f64
         / MIB;
     let step2_rule = rule(&step2.optimizer_begin, &step2.optimizer_end);
+    if std::env::var_os("V").is_some() {
+        let pairs = [
+            (1, layout_at_optimizer_begin(trace), trace.segments.clone()),
+            (
+                2,
+                step2.optimizer_begin.clone(),
+                step2.optimizer_end.clone(),
+            ),
+        ];
+        for (step, begin, end) in pairs.iter().chain(
+            steps
+                .get(1)
+                .map(|s| (3, s.optimizer_begin.clone(), s.optimizer_end.clone()))
+                .iter(),
+        ) {
+            eprintln!("  step {step} optimizer begin (large pool; * = changed by end):");
+            for s in large(begin) {
+                let changed = if end.contains(&s) { ' ' } else { '*' };
+                eprintln!("   {changed} {}", show(&s));
+            }
+            for s in large(end).iter().filter(|e| !begin.contains(e)) {
+                eprintln!("   end {}", show(s));
+            }
+        }
+    }
     let step3_rule = steps
         .get(1)
         .map_or(f64::NAN, |s| rule(&s.optimizer_begin, &s.optimizer_end));
+    // The same point one step apart: of the segments a step's end layout
+    // shares with the step before's (by address), those whose blocks differ.
+    let ends: Vec<&[SegmentLayout]> = std::iter::once(trace.segments.as_slice())
+        .chain(steps.iter().map(|s| s.optimizer_end.as_slice()))
+        .collect();
+    let moved: Vec<usize> = ends
+        .windows(2)
+        .map(|w| {
+            let (a, b) = (large(w[0]), large(w[1]));
+            b.iter()
+                .filter(|s| a.iter().any(|p| p.address == s.address && p != *s))
+                .count()
+        })
+        .collect();
+    let end_end = rule(&step2.optimizer_end, &step2.optimizer_end);
+    // Step 1's requests (its optimizer-begin layout) served from step 2's
+    // end; then from it with step 2's gradients freed where step 3 frees
+    // them before its forward (as a client's per-block gradient flags
+    // would let the agent do).
+    let step1_begin = layout_at_optimizer_begin(trace);
+    let cross = rule(&step1_begin, &step2.optimizer_end);
+    let cross_flagged = if gradients == Gradients::FreedBeforeStep {
+        rule(
+            &step1_begin,
+            &freed_at(&step2.optimizer_end, &step2.gradients_at_end),
+        )
+    } else {
+        cross
+    };
     println!(
-        "{job:58} {rank} {gradients:?}: step2 real {:7.1} rule(s1) {step1_rule:7.1} | \
+        "{job:58} {rank} {gradients:?}: s1begin-vs-s2end {cross:7.1} flagged {cross_flagged:7.1} end-vs-end rule {end_end:5.1} changed-old-segments \
+         {moved:?} | step2 real {:7.1} rule(s1) {step1_rule:7.1} | \
          after-step2 real {after_step2:7.1} rule(s2) {step2_rule:7.1} rule(s3) {step3_rule:7.1} \
          | per step {:?}",
         growth.first().copied().unwrap_or(0.0),
@@ -150,6 +227,55 @@ fn probe(
             .map(|g| (g * 10.0).round() / 10.0)
             .collect::<Vec<_>>()
     );
+}
+
+/// A segment as `address size: [blocks]` in MiB, free blocks in brackets.
+fn show(s: &SegmentLayout) -> String {
+    let blocks: Vec<String> = s
+        .blocks
+        .iter()
+        .map(|b| {
+            let m = b.size as f64 / MIB;
+            if b.allocated {
+                format!("{m:.2}")
+            } else {
+                format!("[{m:.2}]")
+            }
+        })
+        .collect();
+    format!(
+        "{:x}{} {:.2}: {}",
+        s.address,
+        if s.expandable { " exp" } else { "" },
+        s.size() as f64 / MIB,
+        blocks.join(" ")
+    )
+}
+
+/// `layout` with the blocks that start at `addresses` (ascending) freed.
+fn freed_at(layout: &[SegmentLayout], addresses: &[u64]) -> Vec<SegmentLayout> {
+    layout
+        .iter()
+        .map(|s| {
+            let mut blocks: Vec<BlockLayout> = Vec::new();
+            let mut at = s.address;
+            for b in &s.blocks {
+                let free = !b.allocated || addresses.binary_search(&at).is_ok();
+                at += b.size;
+                match blocks.last_mut() {
+                    Some(last) if free && !last.allocated => last.size += b.size,
+                    _ => blocks.push(BlockLayout {
+                        size: b.size,
+                        allocated: !free,
+                    }),
+                }
+            }
+            SegmentLayout {
+                blocks,
+                ..s.clone()
+            }
+        })
+        .collect()
 }
 
 /// The large pool's segments: what the client's snapshots hold.

@@ -509,7 +509,7 @@ pub fn replay_step2_with(
             grads.clone(),
             limit,
             REPLAYED_STEPS,
-            &mut |_, _, _| {},
+            &mut |_, _, _, _| {},
         )
     });
     // Within the limit with no cache release, every allocation took the path
@@ -528,7 +528,7 @@ pub fn replay_step2_with(
             grads,
             u64::MAX,
             REPLAYED_STEPS,
-            &mut |_, _, _| {},
+            &mut |_, _, _, _| {},
         ),
     };
     let within_limit = limited.map(|runs| {
@@ -562,7 +562,8 @@ pub fn replay_step2_with(
 /// where a client without a trace sends its snapshots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OptimizerBoundary {
-    /// Before the optimizer phase's first allocator event.
+    /// Before the optimizer phase's first allocator event, after what the
+    /// replay lets go of just before it.
     Begin,
     /// After the step's last event (the trace ends with the optimizer).
     End,
@@ -578,6 +579,10 @@ pub struct ReplayedStepLayouts {
     pub optimizer_begin: Vec<SegmentLayout>,
     /// The layout at the step's end.
     pub optimizer_end: Vec<SegmentLayout>,
+    /// Where the step's gradients (allocations its backward made, alive at
+    /// its end) start in `optimizer_end`, ascending: what a client's
+    /// per-block gradient flag would mark.
+    pub gradients_at_end: Vec<u64>,
     /// Highest reserved bytes during the step.
     pub reserved_peak_bytes: u64,
 }
@@ -602,18 +607,22 @@ pub fn replay_optimizer_layouts(
         p.grads,
         u64::MAX,
         steps,
-        &mut |step, at, alloc| {
+        &mut |step, at, alloc, gradients| {
             if layouts.len() == step {
                 layouts.push(ReplayedStepLayouts {
                     step: step + 2,
                     optimizer_begin: Vec::new(),
                     optimizer_end: Vec::new(),
+                    gradients_at_end: Vec::new(),
                     reserved_peak_bytes: 0,
                 });
             }
             match at {
                 OptimizerBoundary::Begin => layouts[step].optimizer_begin = alloc.layout(),
-                OptimizerBoundary::End => layouts[step].optimizer_end = alloc.layout(),
+                OptimizerBoundary::End => {
+                    layouts[step].optimizer_end = alloc.layout();
+                    layouts[step].gradients_at_end = gradients.to_vec();
+                }
             }
         },
     );
@@ -623,6 +632,11 @@ pub fn replay_optimizer_layouts(
     }
     Ok(layouts)
 }
+
+/// Shown the allocator at a replayed step's optimizer boundary: the step
+/// (0 for step 2), the boundary, the allocator, and the addresses of the
+/// step's gradients alive there.
+type StepObserver<'o> = dyn FnMut(usize, OptimizerBoundary, &CachingAllocator, &[u64]) + 'o;
 
 /// What the replay starts from: the plan, the allocator at step 1's end,
 /// and what step 1 left alive for step 2 to free.
@@ -1069,7 +1083,7 @@ impl<'a> Plan<'a> {
         mut grads: Vec<AllocId>,
         limit: u64,
         steps: usize,
-        observe: &mut dyn FnMut(usize, OptimizerBoundary, &CachingAllocator),
+        observe: &mut StepObserver<'_>,
     ) -> Vec<Run> {
         let mut runs = Vec::with_capacity(steps);
         for step in 0..steps {
@@ -1086,7 +1100,7 @@ impl<'a> Plan<'a> {
                 &mut previous,
                 &mut grads,
                 rebuild,
-                &mut |at, alloc| observe(step, at, alloc),
+                &mut |at, alloc, gradients| observe(step, at, alloc, gradients),
             );
             // What the step did not get to free (it ran out) goes first.
             for id in grads.drain(..).chain(previous.drain().map(|(_, id)| id)) {
@@ -1120,7 +1134,7 @@ impl<'a> Plan<'a> {
         previous: &mut HashMap<usize, AllocId>,
         grads: &mut Vec<AllocId>,
         rebuild: Option<&RebuildPlan>,
-        observe: &mut dyn FnMut(OptimizerBoundary, &CachingAllocator),
+        observe: &mut dyn FnMut(OptimizerBoundary, &CachingAllocator, &[u64]),
     ) -> (Run, Vec<(usize, AllocId)>) {
         let retries_before = alloc.num_alloc_retries();
         let mut replayed: HashMap<usize, AllocId> = HashMap::new();
@@ -1136,9 +1150,6 @@ impl<'a> Plan<'a> {
                 .all(|&bytes| alloc.malloc_on(bytes, 0, limit).is_ok())
         };
         for (index, e) in self.trace.events.iter().enumerate() {
-            if Some(index) == self.optimizer_at {
-                observe(OptimizerBoundary::Begin, alloc);
-            }
             if index == self.grads_freed_at {
                 for id in grads.drain(..) {
                     alloc.free(id);
@@ -1151,6 +1162,15 @@ impl<'a> Plan<'a> {
                 }
             }
             self.release(alloc, index, &mut replayed, previous);
+            // What is let go of before the optimizer's first event (a
+            // gradient `AccumulateGrad` dropped) went in backward.
+            if Some(index) == self.optimizer_at {
+                observe(
+                    OptimizerBoundary::Begin,
+                    alloc,
+                    &self.gradient_addresses(alloc, &replayed),
+                );
+            }
             match e.action {
                 AllocatorAction::Alloc if !self.keep.contains(&index) => {
                     match alloc.malloc_on(e.size, e.stream, limit) {
@@ -1184,7 +1204,8 @@ impl<'a> Plan<'a> {
         if !out_of_memory {
             let end = self.trace.events.len();
             self.release(alloc, end, &mut replayed, previous);
-            observe(OptimizerBoundary::End, alloc);
+            let gradients = self.gradient_addresses(alloc, &replayed);
+            observe(OptimizerBoundary::End, alloc, &gradients);
         }
         let run = Run {
             peak: alloc.peaks().step,
@@ -1195,6 +1216,22 @@ impl<'a> Plan<'a> {
         let mut left: Vec<(usize, AllocId)> = replayed.into_iter().collect();
         left.sort_unstable();
         (run, left)
+    }
+
+    /// The addresses of the allocations this step made in backward that are
+    /// still alive (its gradients), ascending.
+    fn gradient_addresses(
+        &self,
+        alloc: &CachingAllocator,
+        replayed: &HashMap<usize, AllocId>,
+    ) -> Vec<u64> {
+        let mut addresses: Vec<u64> = replayed
+            .iter()
+            .filter(|(&index, _)| self.trace.events[index].phase == PhaseKind::Backward)
+            .filter_map(|(_, &id)| alloc.address_of(id))
+            .collect();
+        addresses.sort_unstable();
+        addresses
     }
 
     /// Frees what is let go of just before event `index`.

@@ -360,6 +360,19 @@ fn the_replays_layouts_at_each_steps_optimizer_follow_the_same_steps() {
             assert!(!s.optimizer_begin.is_empty(), "{name}");
             assert_eq!(reserved(&s.optimizer_begin), reserved(&s.optimizer_end));
             assert!(reserved(&s.optimizer_end) <= s.reserved_peak_bytes);
+            // Each gradient starts an allocated block of the end layout.
+            assert!(!s.gradients_at_end.is_empty(), "{name}");
+            for &g in &s.gradients_at_end {
+                let starts_allocated = s.optimizer_end.iter().any(|seg| {
+                    let mut at = seg.address;
+                    seg.blocks.iter().any(|b| {
+                        let hit = at == g && b.allocated;
+                        at += b.size;
+                        hit
+                    })
+                });
+                assert!(starts_allocated, "{name}: gradient at {g:#x}");
+            }
         }
     }
 }
