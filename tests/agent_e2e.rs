@@ -1040,6 +1040,36 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
             ended.message().contains("\"fit-1\"") && ended.message().contains("\"fit-2\""),
             "{ended:?}"
         );
+        // The refusal names itself, and tells the client that no retry of
+        // fit-1 can pass (a client that retried would loop on rank_held).
+        let named = |status: &tonic::Status, key: &str| {
+            status
+                .metadata()
+                .get(key)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        assert_eq!(
+            named(&ended, "stepwatch-refusal").as_deref(),
+            Some("run_ended")
+        );
+        assert_eq!(named(&ended, "stepwatch-retry").as_deref(), Some("never"));
+        let reconnect = exchange(&endpoint, vec![hello_of("fit-1")])
+            .await
+            .expect_err("fit-1 cannot come back");
+        assert_eq!(
+            reconnect.code(),
+            tonic::Code::AlreadyExists,
+            "{reconnect:?}"
+        );
+        assert_eq!(
+            named(&reconnect, "stepwatch-refusal").as_deref(),
+            Some("rank_held")
+        );
+        assert_eq!(
+            named(&reconnect, "stepwatch-retry").as_deref(),
+            Some("never")
+        );
         agent.wait_metrics("the refused batch counted", Duration::from_secs(5), |m| {
             m.get(
                 "stepwatch_markers_rejected_total",

@@ -85,3 +85,63 @@ fn markers_survive_an_absent_then_restarted_agent() {
     assert_eq!(stats.sent, stats.enqueued, "{stats:?}");
     assert_eq!(stats.rejected_streams, 0, "{stats:?}");
 }
+
+/// Two clients for one rank in one process: the second one's run takes the
+/// rank, and the first one's next batch is refused as `run_ended`. No retry
+/// can pass (a reconnect naming the left run is refused as `rank_held`), so
+/// the first client stops instead of reconnecting for the rest of training.
+#[test]
+fn a_client_whose_run_another_client_in_the_process_replaced_stops_for_good() {
+    use stepwatch_proto::v1::MarkerKind;
+
+    let agent = Agent::start("client-replaced", 1);
+    let start = || {
+        let mut options = ClientOptions::new(agent.endpoint(), hello("replaced"));
+        options.reconnect_max = Duration::from_millis(300);
+        Client::start(options)
+    };
+    let run_of_rank = || {
+        let (_, body) = agent.get("/api/v1/jobs/replaced/ranks/0");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let steps = v["steps"].as_array().map_or(0, Vec::len);
+        (v["info"]["run_id"].as_str().unwrap_or("").to_owned(), steps)
+    };
+    let first = start();
+    first.mark_now(MarkerKind::StepBegin, 1, 0);
+    first.mark_now(MarkerKind::ForwardBegin, 1, 0);
+    assert!(first.flush(Duration::from_secs(30)));
+    wait_until("the first run's step 1", Duration::from_secs(30), || {
+        run_of_rank() == (first.run_id().to_owned(), 1)
+    });
+    let second = start();
+    second.mark_now(MarkerKind::StepBegin, 1, 0);
+    assert!(second.flush(Duration::from_secs(30)));
+    wait_until(
+        "the second run takes the rank",
+        Duration::from_secs(30),
+        || run_of_rank().0 == second.run_id(),
+    );
+    first.mark_now(MarkerKind::BackwardBegin, 1, 0);
+    wait_until("the first client stops", Duration::from_secs(30), || {
+        first.stats().stopped
+    });
+    assert!(!first.mark_now(MarkerKind::OptimizerBegin, 1, 0), "dropped");
+    assert!(
+        !first.flush(Duration::from_secs(30)),
+        "nothing will be sent"
+    );
+    // Closing joins the sender: after it, no reconnect can still come.
+    let stats = first.close(Duration::from_secs(1));
+    assert_eq!(
+        (stats.reconnects, stats.rejected_streams),
+        (0, 1),
+        "{stats:?}"
+    );
+    assert_eq!(stats.dropped, 1, "{stats:?}");
+    let m = Metrics(agent.metrics());
+    let rejected = |reason| m.get("stepwatch_markers_rejected_total", &[("reason", reason)]);
+    assert_eq!(rejected("run_ended"), Some(1.0));
+    assert_eq!(rejected("rank_held"), Some(0.0));
+    let stats = second.close(Duration::from_secs(5));
+    assert!(!stats.stopped && stats.rejected_streams == 0, "{stats:?}");
+}

@@ -57,6 +57,15 @@ COUNTER_NAMES = (
 MAX_MARKERS_PER_BATCH = 1024  # the agent's limit
 MAX_BATCH_BYTES = 60 * 1024  # the agent refuses messages over 64 KiB
 
+# Trailing metadata of a stream the agent refused (see ingest.proto): the
+# refusal's reason, and "never" when no stream of the client's run will be
+# accepted again (its run has ended on the rank), so reconnecting is futile.
+REFUSAL_METADATA = "stepwatch-refusal"
+RETRY_METADATA = "stepwatch-retry"
+# Client.stats()["stopped"] of a client in a child forked after stepwatch used
+# gRPC in the parent (see _after_fork_in_child).
+STOPPED_FORKED = "forked"
+
 # (kind, step, monotonic_ns, wall_ns, micro_batch, allocator 7-tuple or None,
 #  device memory (free, total) or None), and on step 1's optimizer markers
 # without a trace an 8th item: the segment layout (_alloctrace.Layout).
@@ -232,6 +241,18 @@ class Client:
         self._pid = os.getpid()
         self.counters: Dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self._warned: Dict[str, float] = {}
+        # Why the client sends nothing for the rest of its life (None while it
+        # does): the agent refused its run for good, or it lives in a child
+        # forked from a process that used gRPC. Its markers are discarded.
+        self._stopped: Optional[str] = None
+        if _forked_from is not None:
+            self._stop_sending(STOPPED_FORKED)
+
+    def _stop_sending(self, why: str) -> None:
+        """Send nothing from now on: the queue discards what it is given (and what
+        it held), so a stopped client costs no memory and no thread."""
+        self._stopped = why
+        self._q = collections.deque(maxlen=0)
 
     def _after_fork_in_child(self) -> None:
         # The parent's thread and channel do not exist in the child; its queued
@@ -311,6 +332,10 @@ class Client:
             self._run_id = head.run_id
 
     def _start(self) -> None:
+        if self._stopped is not None:
+            if self._stopped == STOPPED_FORKED:
+                _tell_forked_once()
+            return
         with self._lock:
             if self._thread is not None or self._closed.is_set():
                 return
@@ -329,6 +354,7 @@ class Client:
         s["connected"] = self._connected
         s["endpoint"] = self.target
         s["tls"] = self.tls is not None
+        s["stopped"] = self._stopped
         return s
 
     def last_prediction(self) -> Optional[Prediction]:
@@ -341,11 +367,16 @@ class Client:
         while time.monotonic() < deadline:
             if self._connected:
                 return True
+            if self._stopped is not None:
+                return False
             time.sleep(0.01)
         return self._connected
 
     def flush(self, timeout: float = 1.0) -> bool:
-        """Wait (at most ``timeout`` s) until everything queued has been written."""
+        """Wait (at most ``timeout`` s) until everything queued has been written.
+        False at once when the client has stopped sending (``stats()["stopped"]``)."""
+        if self._stopped is not None:
+            return False
         if self._thread is None:
             return not self._q
         deadline = time.monotonic() + timeout
@@ -353,7 +384,7 @@ class Client:
         while time.monotonic() < deadline:
             if not self._q and self._in_flight == 0:
                 return True
-            if self._agent_absent:
+            if self._agent_absent or self._stopped is not None:
                 return False
             time.sleep(0.002)
             self._wake.set()
@@ -445,6 +476,7 @@ class Client:
             self._channel = channel
             healthy = False
             new_run = False
+            stop: Optional[str] = None
             try:
                 if not self._wait_ready(grpc, channel):
                     if self._closed.is_set():
@@ -488,7 +520,7 @@ class Client:
                         self._warn("ended", "stepwatch: the agent closed the stream; reconnecting")
                 except grpc.RpcError as e:
                     healthy = healthy or stream.batches > 0
-                    self._on_rpc_error(e)
+                    stop = self._on_rpc_error(e)
                 finally:
                     stream.closed = True
                     self._call = None
@@ -504,6 +536,9 @@ class Client:
                 except Exception:
                     pass
                 self._channel = None
+            if stop is not None:
+                self._stop_sending(stop)
+                break
             if self._closed.is_set():
                 break
             if new_run:
@@ -531,15 +566,37 @@ class Client:
         finally:
             fut.cancel()
 
-    def _on_rpc_error(self, e: Any) -> None:
+    def _on_rpc_error(self, e: Any) -> Optional[str]:
+        """Counts and logs how a stream ended; returns the refusal's reason when the
+        agent refused the client's run for good (``stepwatch-retry: never``), which
+        no reconnect can cure: the caller then stops sending."""
         import grpc
 
         code = e.code() if hasattr(e, "code") else None
         details = e.details() if hasattr(e, "details") else str(e)
         if self._closed.is_set() and code == grpc.StatusCode.CANCELLED:
-            return
+            return None
         self.counters["stream_errors"] += 1
         name = code.name if code is not None else "UNKNOWN"
+        reason, for_good = _refusal_of(e)
+        if for_good:
+            self.counters["rejections"] += 1
+            log.warning(
+                "stepwatch: the agent refused this client's stream for good (%s: %s). "
+                "Its run %r has ended on the rank: another stepwatch client in this "
+                "process began a newer run there, and the agent follows that one. This "
+                "client stops sending: its markers are not sent (training goes on). "
+                "Report each rank from one stepwatch client per process (one "
+                "stepwatch.watch() or callback per training loop)",
+                reason or name,
+                details,
+                self._run_id,
+            )
+            if self.strict:
+                self._strict_error = StepwatchError(
+                    f"agent refused the stream for good: {reason or name}: {details}"
+                )
+            return reason or name
         if code in (
             grpc.StatusCode.INVALID_ARGUMENT,
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -561,6 +618,7 @@ class Client:
             self._warn(
                 f"err-{name}", "stepwatch: stream to the agent ended (%s: %s)", name, details
             )
+        return None
 
     def _on_agent_message(self, msg: Any) -> None:
         if msg.WhichOneof("kind") != "advisory":
@@ -748,6 +806,19 @@ class _StreamState:
         self.held: Any = None
 
 
+def _refusal_of(e: Any) -> Tuple[str, bool]:
+    """The reason an agent named in a refused stream's trailing metadata ("" from
+    agents before it, or when the stream ended otherwise), and whether the
+    refusal is for good (no stream of this run will be accepted again)."""
+    try:
+        metadata = e.trailing_metadata() or ()
+    except Exception:  # not a call's error (e.g. raised before the call began)
+        return "", False
+    named = {key: value for key, value in metadata}
+    reason = named.get(REFUSAL_METADATA, "")
+    return (reason if isinstance(reason, str) else ""), named.get(RETRY_METADATA) == "never"
+
+
 def _tuple_bytes(t: MarkerTuple) -> int:
     """An upper bound on a queued marker's encoded bytes."""
     n = (40 if t[5] is None else 120) + (0 if t[6] is None else 30)
@@ -779,9 +850,45 @@ def _to_pb(pb: Any, t: MarkerTuple) -> Any:
 # child's lifetime so that it never finalizes them (see _after_fork_in_child).
 _PARENT_GRPC_OBJECTS: List[Tuple[Any, Any]] = []
 
+# In a child forked after stepwatch had used gRPC (in this process or an
+# ancestor): the PID of the process it was forked from; every client here
+# then stops sending (see _after_fork_in_child).
+_forked_from: Optional[int] = None
+_forked_told = False
+
+
+def stopped_before_start() -> Optional[str]:
+    """``stats()["stopped"]`` of a client not made yet: "forked" in a child whose
+    clients send nothing (see _after_fork_in_child), else None."""
+    return STOPPED_FORKED if _forked_from is not None else None
+
+
+def _tell_forked_once() -> None:
+    """The one warning of a forked child whose clients send nothing (at its first
+    marker: DataLoader workers, which mark nothing, stay silent)."""
+    global _forked_told
+    if _forked_told:
+        return
+    _forked_told = True
+    log.warning(
+        "stepwatch: this process (pid %d) was forked from pid %s after stepwatch "
+        "had used gRPC there; gRPC cannot be used safely in such a child, so "
+        "its markers are not sent (training goes on). To report a process of "
+        "its own, start it with the 'spawn' or 'forkserver' start method, or "
+        "fork before stepwatch marks a step",
+        os.getpid(),
+        _forked_from,
+    )
+
 
 def _after_fork_in_child() -> None:
+    global _forked_from, _forked_told
     if _wire is not None:
+        # A child that marks steps itself (DataLoader workers never do) would
+        # need a channel of its own on that copy of gRPC: its clients send
+        # nothing instead, and say so once, at their first marker.
+        _forked_from = os.getppid()
+        _forked_told = False
         # gRPC was in use here. A fork while any thread (ours, or a gRPC
         # server's) is inside gRPC skips gRPC's fork handlers, and the child's
         # copy of gRPC is then unusable: when the child's garbage collector

@@ -26,6 +26,7 @@ from ._client import (
     _env_float,
     load_wire,
     set_model_facts,
+    stopped_before_start,
 )
 from ._identity import Identity, endpoint_target, resolve_identity, sanitize_id
 from ._tls import TlsSettings, load_tls, resolve_tls
@@ -689,6 +690,7 @@ def stats() -> Dict[str, Any]:
         s["connected"] = False
         s["endpoint"] = endpoint_target(RT.endpoint)
         s["tls"] = RT.resolve_tls(RT.endpoint) is not None
+        s["stopped"] = stopped_before_start()
         return s
     return c.stats()
 

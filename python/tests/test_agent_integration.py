@@ -8,7 +8,9 @@ FAIL; set ``STEPWATCH_SKIP_AGENT_TESTS=1`` to skip them on purpose.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import select
 import subprocess
 import time
 import urllib.error
@@ -354,3 +356,245 @@ def test_a_second_lightning_fit_is_a_new_run_from_step_1(real_agent, tmp_path):
     assert report["info"]["framework"] == "lightning"
     st = stepwatch.stats()
     assert st["runs"] == 1 and st["rejections"] == 0, st
+
+
+def _metric(agent: _Agent, name: str, labels: str) -> float:
+    """One series of the agent's /metrics, e.g. ``_metric(a, "x_total", 'reason="y"')``."""
+    text = agent.get("/metrics", raw=True).decode()
+    for line in text.splitlines():
+        if line.startswith(f"{name}{{") and labels in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{{{labels}}} is not exported")
+
+
+def _hello_of(job: str, pid: Optional[int] = None):
+    """A hello factory for a Client made by hand: rank 0 of ``job``."""
+    from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
+
+    def hello():
+        return pb.Hello(
+            identity=pb.Identity(job_id=job, rank=0, world_size=1),
+            pid=os.getpid() if pid is None else pid,
+            framework="pytorch",
+        )
+
+    return hello
+
+
+def _sender_ends(client, what: str) -> None:
+    """Waits until the client's sender thread has ended: a thread that has ended
+    cannot reconnect, so this is how a test sees that no reconnect will come."""
+    thread = client._thread
+    assert thread is not None, client.stats()
+    thread.join(FLUSH_S)
+    assert not thread.is_alive(), f"{what}: the sender still runs: {client.stats()}"
+
+
+def test_a_client_whose_run_another_client_in_the_process_replaced_stops_for_good(
+    real_agent, caplog
+):
+    """Two clients in one process for the same rank: the second one's run takes
+    the rank, the first one's next batch is refused as ``run_ended``. No retry
+    can cure that (a reconnect naming the left run is refused as ``rank_held``),
+    so the first client says once what happened and stops, instead of
+    reconnecting every 10 s for the rest of training."""
+    from stepwatch._client import BACKWARD_BEGIN, FORWARD_BEGIN, STEP_BEGIN, Client
+    from stepwatch._identity import endpoint_target
+
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    target = endpoint_target()
+    first = Client(target, _hello_of(job), run_id="fit-1")
+    second = Client(target, _hello_of(job), run_id="fit-2")
+    try:
+        first.mark(STEP_BEGIN, 1)
+        first.mark(FORWARD_BEGIN, 1)
+        assert first.flush(FLUSH_S), first.stats()
+        # fit-1's markers applied before fit-2 opens (else they are what is refused).
+        _wait_report(
+            real_agent,
+            job,
+            lambda r: r["info"]["run_id"] == "fit-1" and len(r["steps"]) == 1,
+            "fit-1's step 1 begins",
+        )
+        second.mark(STEP_BEGIN, 1)
+        assert second.flush(FLUSH_S), second.stats()
+        _wait_report(real_agent, job, lambda r: r["info"]["run_id"] == "fit-2", "fit-2 opens")
+        with caplog.at_level(logging.WARNING, logger="stepwatch"):
+            first.mark(BACKWARD_BEGIN, 1)  # fit-1's stream is still open: refused
+            _sender_ends(first, "refused as run_ended")
+        st = first.stats()
+        assert st["stopped"] == "run_ended", st
+        assert (st["connects"], st["reconnects"], st["rejections"]) == (1, 0, 1), st
+        assert _metric(real_agent, "stepwatch_markers_rejected_total", 'reason="run_ended"') == 1
+        assert _metric(real_agent, "stepwatch_markers_rejected_total", 'reason="rank_held"') == 0
+        said = [r.getMessage() for r in caplog.records if r.name == "stepwatch"]
+        assert len(said) == 1, said
+        assert "run_ended" in said[0] and "fit-2" in said[0] and "one stepwatch" in said[0], said
+        # Marking goes on, never blocks, and sends nothing; flush says so at once.
+        first.mark(STEP_BEGIN, 2)
+        assert first.flush(FLUSH_S) is False
+        # The run that holds the rank goes on undisturbed.
+        second.mark(FORWARD_BEGIN, 1)
+        assert second.flush(FLUSH_S), second.stats()
+        report = _wait_report(
+            real_agent,
+            job,
+            lambda r: [p["phase"] for p in r["steps"][0]["phases"]] == ["prologue", "forward"],
+            "fit-2's forward",
+        )
+        assert report["info"]["run_id"] == "fit-2" and len(report["steps"]) == 1, report
+        assert second.stats()["stopped"] is None and second.stats()["rejections"] == 0
+    finally:
+        first.close(0.2)
+        second.close(0.2)
+
+
+def test_a_client_whose_run_the_process_has_left_is_refused_once_and_stops(real_agent, caplog):
+    """A client that opens its first stream with a run its process has since
+    left (the rank runs a newer one): the hello is refused as ``rank_held`` for
+    good, and the client stops after that one try."""
+    from stepwatch._client import STEP_BEGIN, Client
+    from stepwatch._identity import endpoint_target
+
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    target = endpoint_target()
+    old = Client(target, _hello_of(job), run_id="fit-1")
+    old.mark(STEP_BEGIN, 1)
+    assert old.flush(FLUSH_S), old.stats()
+    old.close(FLUSH_S)
+    new = Client(target, _hello_of(job), run_id="fit-2")
+    late = Client(target, _hello_of(job), run_id="fit-1")
+    try:
+        new.mark(STEP_BEGIN, 1)
+        assert new.flush(FLUSH_S), new.stats()
+        _wait_report(real_agent, job, lambda r: r["info"]["run_id"] == "fit-2", "fit-2 opens")
+        with caplog.at_level(logging.WARNING, logger="stepwatch"):
+            late.mark(STEP_BEGIN, 1)
+            _sender_ends(late, "refused as rank_held for a left run")
+        st = late.stats()
+        assert st["stopped"] == "rank_held" and st["connects"] == 1, st
+        assert _metric(real_agent, "stepwatch_markers_rejected_total", 'reason="rank_held"') == 1
+        said = [r.getMessage() for r in caplog.records if r.name == "stepwatch"]
+        assert len(said) == 1 and "rank_held" in said[0], said
+    finally:
+        late.close(0.2)
+        new.close(0.2)
+
+
+def test_a_rank_another_process_holds_is_retried_until_its_stream_closes(
+    sock_dir, monkeypatch, tmp_path
+):
+    """``rank_held`` by another process is no refusal for good: a restarted
+    process takes the rank once the old one's stream has closed, so the client
+    keeps reconnecting (with backoff) until then."""
+    from stepwatch._client import STEP_BEGIN, Client
+    from stepwatch._identity import endpoint_target
+
+    # Over TCP the agent takes the PID from the hello: another "process".
+    agent = _Agent(agent_binary(), sock_dir, tmp_path, ["--grpc-listen", "127.0.0.1:0"])
+    agent.start()
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    holder = Client(endpoint_target("unix://" + agent.socket), _hello_of(job), run_id="a")
+    other = Client(agent.grpc or "", _hello_of(job, pid=1), run_id="b")
+    try:
+        holder.mark(STEP_BEGIN, 1)
+        assert holder.flush(FLUSH_S), holder.stats()
+        _wait_report(agent, job, lambda r: r["info"]["run_id"] == "a", "the holder opens")
+        other.mark(STEP_BEGIN, 1)
+        deadline = time.monotonic() + FLUSH_S
+        while _metric(agent, "stepwatch_markers_rejected_total", 'reason="rank_held"') < 2:
+            assert time.monotonic() < deadline, other.stats()
+            time.sleep(0.05)
+        assert other.stats()["stopped"] is None, other.stats()
+        holder.close(FLUSH_S)
+        report = _wait_report(agent, job, lambda r: r["info"]["run_id"] == "b", "the rank is taken")
+        assert report["info"]["pid"] == 1, report["info"]
+        st = other.stats()
+        assert st["stopped"] is None and st["reconnects"] >= 2, st
+    finally:
+        other.close(0.2)
+        holder.close(0.2)
+        agent.stop()
+
+
+def _mark_steps(first: int, n: int) -> None:
+    for i in range(first, first + n):
+        with stepwatch.step(i):
+            with stepwatch.phase("forward"):
+                pass
+            with stepwatch.phase("backward"):
+                pass
+            with stepwatch.phase("optimizer"):
+                pass
+
+
+_CHILD_SCRIPT_DONE = b"\n"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_that_marks_steps_sends_nothing_says_so_once_and_never_hangs(real_agent):
+    """``os.fork()`` after the client connected, then the child marks steps
+    itself. The child is another process with the parent's rank, on a copy of
+    gRPC the fork left unusable (the sender was inside gRPC): it must not open
+    a channel there (it could hang or abort, and the agent would refuse it as
+    ``rank_held`` while the parent holds the rank, over and over). Its client
+    sends nothing, logs one warning that says what to do, and marking, flush
+    and exit stay quick; the parent's rank and stream are untouched."""
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    stepwatch.configure(job_id=job)
+    _mark_steps(1, 1)
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
+    real_agent.rank_report(job, 0, 1)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what happened through the pipe, then exit
+        try:
+            said: list = []
+
+            class Keep(logging.Handler):
+                def emit(self, record: logging.LogRecord) -> None:
+                    said.append(record.getMessage())
+
+            logging.getLogger("stepwatch").addHandler(Keep(logging.WARNING))
+            t0 = time.monotonic()
+            _mark_steps(2, 3)
+            flushed = stepwatch.flush(5)
+            first = stepwatch.stats()
+            stepwatch.shutdown(timeout=5)
+            _mark_steps(5, 1)  # a new client after shutdown: still nothing sent
+            took = time.monotonic() - t0
+            out = dict(stats=[first, stepwatch.stats()], flushed=flushed, said=said, took=took)
+            os.write(w, json.dumps(out).encode() + _CHILD_SCRIPT_DONE)
+        finally:
+            os._exit(0)
+    os.close(w)
+    got = b""
+    deadline = time.monotonic() + 120
+    while not got.endswith(_CHILD_SCRIPT_DONE):
+        ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            os.kill(pid, 9)
+            pytest.fail("the forked child did not answer in 120 s: it hung")
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        got += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child ended with {status}"
+    child = json.loads(got)
+    for st in child["stats"]:  # the inherited client, then one made after shutdown()
+        assert st["sent"] == 0 and st["connects"] == 0 and st["queued"] == 0, st
+        assert st.get("stopped") == "forked", st
+    assert child["flushed"] is False and child["took"] < 30, child
+    assert len(child["said"]) == 1, child["said"]
+    assert f"forked from pid {os.getpid()}" in child["said"][0], child["said"]
+    assert "'spawn'" in child["said"][0], child["said"]
+    # The agent never heard from the child; the parent goes on on its stream.
+    assert _metric(real_agent, "stepwatch_markers_rejected_total", 'reason="rank_held"') == 0
+    _mark_steps(2, 1)
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
+    report = real_agent.rank_report(job, 0, 2)
+    assert report["info"]["pid"] == os.getpid() and report["steps_completed"] == 2, report
+    st = stepwatch.stats()
+    assert st["stopped"] is None and st["connects"] == 1 and st["reconnects"] == 0, st

@@ -21,6 +21,7 @@ use stepwatch_proto::MAX_MARKERS_PER_BATCH;
 use tokio::sync::{mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
+use tonic::metadata::MetadataValue;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::alerts::{Alerter, RankAlerts};
@@ -217,10 +218,12 @@ impl Ingest for IngestService {
                 Ok(result) => result,
                 // A bug must not pass unseen: counted, logged, and the client told.
                 Err(e) => {
-                    state.ingest.reject("internal_error", 1);
                     tracing::error!(error = %e, "a stream's handler failed; the stream is ended");
-                    Err(Status::internal(
-                        "the agent failed to handle this stream; see its log",
+                    Err(refuse(
+                        &state,
+                        "internal_error",
+                        1,
+                        Status::internal("the agent failed to handle this stream; see its log"),
                     ))
                 }
             };
@@ -256,18 +259,26 @@ async fn serve_stream(
     let Ok(first) =
         tokio::time::timeout(limits.hello_timeout, next_message(state, &mut inbound)).await
     else {
-        state.ingest.reject("hello_timeout", 1);
-        return Err(Status::deadline_exceeded(format!(
-            "no Hello within {:?} of opening the stream (--hello-timeout)",
-            limits.hello_timeout
-        )));
+        return Err(refuse(
+            state,
+            "hello_timeout",
+            1,
+            Status::deadline_exceeded(format!(
+                "no Hello within {:?} of opening the stream (--hello-timeout)",
+                limits.hello_timeout
+            )),
+        ));
     };
     // The stream's slot is taken at the hello: streams that never say one
     // cannot lock well-behaved ranks out.
     let Ok(_slot) = streams.clone().try_acquire_owned() else {
-        state.ingest.reject("too_many_streams", 1);
-        return Err(Status::resource_exhausted(
-            "the agent has reached its limit of concurrent streams (--max-streams)",
+        return Err(refuse(
+            state,
+            "too_many_streams",
+            1,
+            Status::resource_exhausted(
+                "the agent has reached its limit of concurrent streams (--max-streams)",
+            ),
         ));
     };
     state.ingest.streams_active.inc();
@@ -278,9 +289,11 @@ async fn serve_stream(
             kind: Some(Kind::Hello(hello)),
         }) => hello,
         Some(_) => {
-            state.ingest.reject("no_hello", 1);
-            return Err(Status::failed_precondition(
-                "the first message on a stream must be a Hello",
+            return Err(refuse(
+                state,
+                "no_hello",
+                1,
+                Status::failed_precondition("the first message on a stream must be a Hello"),
             ));
         }
         None => return Ok(()),
@@ -300,20 +313,26 @@ async fn serve_stream(
     let key = match state.open_rank(info.clone()) {
         Ok(key) => key,
         Err(e) => {
-            state.ingest.reject(e.reason(), 1);
-            return Err(match e {
-                RecordError::Open(OpenError::Invalid(e)) => {
-                    Status::invalid_argument(format!("invalid hello: {e}"))
-                }
-                RecordError::Open(e @ OpenError::TooManyRanks(_)) => {
-                    Status::resource_exhausted(e.to_string())
-                }
-                RecordError::Open(e @ OpenError::RankHeld { .. }) => {
-                    tracing::warn!(namespace = %info.namespace, job = %info.job, rank = info.rank, pid = info.pid, pod = %info.pod, "refused a hello for a rank another process holds: {e}");
-                    Status::already_exists(e.to_string())
-                }
-                e => Status::internal(format!("the hello could not be applied: {e}")),
-            });
+            let reason = e.reason();
+            let run_over = matches!(&e, RecordError::Open(e) if e.refuses_the_run());
+            state.ingest.reject(reason, 1);
+            return Err(named(
+                match e {
+                    RecordError::Open(OpenError::Invalid(e)) => {
+                        Status::invalid_argument(format!("invalid hello: {e}"))
+                    }
+                    RecordError::Open(e @ OpenError::TooManyRanks(_)) => {
+                        Status::resource_exhausted(e.to_string())
+                    }
+                    RecordError::Open(e @ OpenError::RankHeld { .. }) => {
+                        tracing::warn!(namespace = %info.namespace, job = %info.job, rank = info.rank, pid = info.pid, pod = %info.pod, "refused a hello for a rank another process (or a newer run of this one) holds: {e}");
+                        Status::already_exists(e.to_string())
+                    }
+                    e => Status::internal(format!("the hello could not be applied: {e}")),
+                },
+                reason,
+                run_over,
+            ));
         }
     };
     tracing::info!(namespace = %key.namespace, job = %key.job, rank = key.rank, pid = info.pid, pod = %info.pod, attested = info.attested, gpu = %info.gpu_uuid, "rank connected");
@@ -401,10 +420,14 @@ async fn receive_markers(
             Some(Kind::AllocatorTrace(chunk)) => {
                 // A chunk costs like a marker, so a flood of them is bounded too.
                 if !bucket.take(1.0) {
-                    state.ingest.reject("rate_limited", 1);
-                    return Err(Status::resource_exhausted(format!(
-                        "more than {max_rate} messages/s on one stream (--max-marker-rate)"
-                    )));
+                    return Err(refuse(
+                        state,
+                        "rate_limited",
+                        1,
+                        Status::resource_exhausted(format!(
+                            "more than {max_rate} messages/s on one stream (--max-marker-rate)"
+                        )),
+                    ));
                 }
                 if !trace.skipping && !trace.complete && !held.take(held_bytes(&chunk)) {
                     let last = chunk.last;
@@ -432,18 +455,21 @@ async fn receive_markers(
                         reject_trace(state, key, reason, &why);
                     }
                     Err(Refusal::Fatal(reason, status)) => {
-                        state.ingest.reject(reason, 1);
-                        return Err(status);
+                        return Err(refuse(state, reason, 1, status));
                     }
                 }
                 continue;
             }
             Some(Kind::ModelUpdate(update)) => {
                 if !bucket.take(1.0) {
-                    state.ingest.reject("rate_limited", 1);
-                    return Err(Status::resource_exhausted(format!(
-                        "more than {max_rate} messages/s on one stream (--max-marker-rate)"
-                    )));
+                    return Err(refuse(
+                        state,
+                        "rate_limited",
+                        1,
+                        Status::resource_exhausted(format!(
+                            "more than {max_rate} messages/s on one stream (--max-marker-rate)"
+                        )),
+                    ));
                 }
                 let update = convert::model_facts_from_wire(update);
                 let (due, plan) = match state.update_model_facts(key, stream.run_id, &update) {
@@ -452,13 +478,17 @@ async fn receive_markers(
                         return Err(run_ended(state, key, &e, 1));
                     }
                     Err(e) => {
-                        state.ingest.reject(e.reason(), 1);
-                        return Err(Status::invalid_argument(format!(
-                            "model facts update refused for job {} rank {}: {}",
-                            key.job,
-                            key.rank,
-                            e.refusal()
-                        )));
+                        return Err(refuse(
+                            state,
+                            e.reason(),
+                            1,
+                            Status::invalid_argument(format!(
+                                "model facts update refused for job {} rank {}: {}",
+                                key.job,
+                                key.rank,
+                                e.refusal()
+                            )),
+                        ));
                     }
                 };
                 tracing::info!(job = %key.job, rank = key.rank, update = ?update, "model facts updated after the hello");
@@ -477,38 +507,52 @@ async fn receive_markers(
                 continue;
             }
             Some(Kind::Hello(_)) => {
-                state.ingest.reject("duplicate_hello", 1);
-                return Err(Status::failed_precondition(
-                    "Hello may only be the first message of a stream",
+                return Err(refuse(
+                    state,
+                    "duplicate_hello",
+                    1,
+                    Status::failed_precondition("Hello may only be the first message of a stream"),
                 ));
             }
             None => {
-                state.ingest.reject("empty_message", 1);
-                return Err(Status::invalid_argument("ClientMessage has no content"));
+                return Err(refuse(
+                    state,
+                    "empty_message",
+                    1,
+                    Status::invalid_argument("ClientMessage has no content"),
+                ));
             }
         };
         let n = batch.markers.len() as u64;
         if batch.markers.len() > MAX_MARKERS_PER_BATCH {
-            state.ingest.reject("batch_too_large", n);
-            return Err(Status::invalid_argument(format!(
-                "a MarkerBatch holds {} markers; at most {MAX_MARKERS_PER_BATCH} are allowed",
-                batch.markers.len()
-            )));
+            return Err(refuse(
+                state,
+                "batch_too_large",
+                n,
+                Status::invalid_argument(format!(
+                    "a MarkerBatch holds {} markers; at most {MAX_MARKERS_PER_BATCH} are allowed",
+                    batch.markers.len()
+                )),
+            ));
         }
         // An empty batch costs one, so a flood of them is bounded too.
         if !bucket.take(n.max(1) as f64) {
-            state.ingest.reject("rate_limited", n);
-            return Err(Status::resource_exhausted(format!(
-                "more than {max_rate} markers/s on one stream (--max-marker-rate)"
-            )));
+            return Err(refuse(
+                state,
+                "rate_limited",
+                n,
+                Status::resource_exhausted(format!(
+                    "more than {max_rate} markers/s on one stream (--max-marker-rate)"
+                )),
+            ));
         }
         markers.clear();
         for m in batch.markers {
             match convert::marker_from_wire(m) {
                 Ok(m) => markers.push(m),
                 Err(e) => {
-                    state.ingest.reject(e.reason(), n);
-                    return Err(Status::invalid_argument(e.to_string()));
+                    let status = Status::invalid_argument(e.to_string());
+                    return Err(refuse(state, e.reason(), n, status));
                 }
             }
         }
@@ -537,13 +581,17 @@ async fn receive_markers(
                 return Err(run_ended(state, key, &e, n));
             }
             Err(e) => {
-                state.ingest.reject(e.reason(), n);
-                return Err(Status::invalid_argument(format!(
-                    "marker rejected for job {} rank {}: {}",
-                    key.job,
-                    key.rank,
-                    e.refusal()
-                )));
+                return Err(refuse(
+                    state,
+                    e.reason(),
+                    n,
+                    Status::invalid_argument(format!(
+                        "marker rejected for job {} rank {}: {}",
+                        key.job,
+                        key.rank,
+                        e.refusal()
+                    )),
+                ));
             }
         }
     }
@@ -599,11 +647,11 @@ async fn next_message(
         .await
         .map_err(|status| match wire_refusal(&status) {
             Some(reason) => {
-                state.ingest.reject(reason, 1);
-                match reason {
+                let status = match reason {
                     "decode_error" => Status::invalid_argument(status.message().to_string()),
                     _ => status,
-                }
+                };
+                refuse(state, reason, 1, status)
             }
             None => status,
         })
@@ -736,10 +784,40 @@ fn run_ended(state: &AgentState, key: &RankKey, e: &MarkerError, n: u64) -> Stat
     {
         tracing::warn!(namespace = %key.namespace, job = %key.job, rank = key.rank, stream_run = %stream_run, rank_run = %rank_run, refused = n, "refused a stream's input for a run the process has left for a newer one; the stream is ended");
     }
-    Status::failed_precondition(format!(
+    let status = Status::failed_precondition(format!(
         "refused for job {} rank {}: {e}",
         key.job, key.rank
-    ))
+    ));
+    named(status, e.reason(), e.refuses_the_run())
+}
+
+/// Trailing metadata of a stream the agent ended with a refusal: its
+/// `stepwatch_markers_rejected_total` reason, so that a client can act on
+/// the refusal without parsing the message (see ingest.proto).
+pub const REFUSAL_METADATA: &str = "stepwatch-refusal";
+
+/// Trailing metadata set to `never` on a refusal of the stream's run
+/// itself (`run_ended`, or `rank_held` for a hello naming a run its process
+/// has left): no stream of that run is accepted again, so a client that
+/// reconnected would be refused at every try.
+pub const RETRY_METADATA: &str = "stepwatch-retry";
+
+/// Counts a refusal of `n` markers (at least one input) under `reason` and
+/// names it in the status that ends the stream.
+fn refuse(state: &AgentState, reason: &'static str, n: u64, status: Status) -> Status {
+    state.ingest.reject(reason, n);
+    named(status, reason, false)
+}
+
+/// `status` with the refusal's reason in its trailing metadata, and
+/// `stepwatch-retry: never` when the refusal is of the stream's run itself.
+fn named(mut status: Status, reason: &'static str, run_over: bool) -> Status {
+    let metadata = status.metadata_mut();
+    metadata.insert(REFUSAL_METADATA, MetadataValue::from_static(reason));
+    if run_over {
+        metadata.insert(RETRY_METADATA, MetadataValue::from_static("never"));
+    }
+    status
 }
 
 /// Counts and logs a trace the prediction cannot use; the stream goes on.
@@ -802,7 +880,17 @@ async fn replay_trace(
         }
     };
     let applied = state.apply_allocator_replay(key, stream.run_id, trace, plan, replay);
-    match applied.map_err(|e| run_ended(state, key, &e, 1))? {
+    // A trace of a run its process has left is refused like its markers,
+    // and counted with the other traces the prediction did not use.
+    let applied = applied.map_err(|e| {
+        state
+            .ingest
+            .allocator_traces
+            .with_label_values(&["rejected"])
+            .inc();
+        run_ended(state, key, &e, 1)
+    })?;
+    match applied {
         Some(advisories) => {
             state
                 .ingest
@@ -875,12 +963,16 @@ fn apply_attestation(
         return Ok(());
     };
     if !info.gpu_uuid.is_empty() && w.holds_gpu(&info.gpu_uuid) == Some(false) {
-        state.ingest.reject("gpu_not_allocated", 1);
         tracing::warn!(namespace = %w.namespace, pod = %w.pod, pid = info.pid, gpu = %info.gpu_uuid, "refused a hello naming a GPU its pod does not hold");
-        return Err(Status::permission_denied(format!(
-            "GPU {} is not allocated to pod {}/{} (the kubelet's pod-resources API says so)",
-            info.gpu_uuid, w.namespace, w.pod
-        )));
+        return Err(refuse(
+            state,
+            "gpu_not_allocated",
+            1,
+            Status::permission_denied(format!(
+                "GPU {} is not allocated to pod {}/{} (the kubelet's pod-resources API says so)",
+                info.gpu_uuid, w.namespace, w.pod
+            )),
+        ));
     }
     for (field, claimed, actual) in [
         ("namespace", &info.namespace, &w.namespace),

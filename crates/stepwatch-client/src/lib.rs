@@ -91,6 +91,10 @@ pub struct ClientStats {
     /// Allocator traces dropped: queue full, or the stream ended mid-trace
     /// (a trace is never resent on a new stream).
     pub traces_dropped: u64,
+    /// The agent refused this client's run for good (`stepwatch-retry:
+    /// never`: another client in the process began a newer run on the
+    /// rank); nothing is sent any more and markers count as dropped.
+    pub stopped: bool,
 }
 
 /// What the queue carries: a marker, or a whole allocator trace, which goes
@@ -116,6 +120,8 @@ struct Shared {
     /// Traces queued and not yet sent or dropped, for `flush`.
     traces_in_queue: AtomicU64,
     connected: AtomicBool,
+    /// See [`ClientStats::stopped`].
+    stopped: AtomicBool,
     last_advisory: Mutex<Option<Advisory>>,
 }
 
@@ -181,6 +187,10 @@ impl Client {
         let Some(queue) = &self.queue else {
             return false;
         };
+        if self.shared.stopped.load(Ordering::Relaxed) {
+            self.shared.dropped.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
         // The channel alone does not bound what is buffered: while the agent
         // is away the sender thread takes markers into its next batch (up to
         // MAX_MARKERS_PER_BATCH), freeing channel slots. Count those too.
@@ -245,6 +255,7 @@ impl Client {
             advisories: s.advisories.load(Ordering::Relaxed),
             traces_sent: s.traces_sent.load(Ordering::Relaxed),
             traces_dropped: s.traces_dropped.load(Ordering::Relaxed),
+            stopped: s.stopped.load(Ordering::Relaxed),
         }
     }
 
@@ -263,10 +274,14 @@ impl Client {
     }
 
     /// Waits up to `timeout` for every queued marker (and trace) to be
-    /// handed to the stream; returns whether it got there.
+    /// handed to the stream; returns whether it got there (false at once
+    /// once the client has stopped, see [`ClientStats::stopped`]).
     pub fn flush(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
+            if self.shared.stopped.load(Ordering::Relaxed) {
+                return false;
+            }
             let s = self.stats();
             if s.sent >= s.enqueued && self.shared.traces_in_queue.load(Ordering::Relaxed) == 0 {
                 return true;
@@ -319,6 +334,7 @@ async fn sender(options: ClientOptions, mut queue: mpsc::Receiver<Outgoing>, sha
         shared.connected.store(false, Ordering::Relaxed);
         match outcome {
             Session::QueueClosed => return,
+            Session::RefusedForGood(status) => return stop(status, queue, pending, &shared).await,
             Session::Ended => backoff = options.reconnect_min,
             Session::Failed(e) => {
                 tracing::debug!(error = %e, retry_in_ms = backoff.as_millis() as u64, "stepwatch agent unreachable");
@@ -393,6 +409,53 @@ enum Session {
     QueueClosed,
     Ended,
     Failed(String),
+    /// The agent refused the client's run for good: reconnecting is futile.
+    RefusedForGood(tonic::Status),
+}
+
+/// Whether the agent marked a refusal as one no retry of this run can pass
+/// (trailing metadata `stepwatch-retry: never`, see ingest.proto).
+fn refused_for_good(status: &tonic::Status) -> bool {
+    status
+        .metadata()
+        .get("stepwatch-retry")
+        .is_some_and(|v| v.as_bytes() == b"never")
+}
+
+/// Stops the client for good after such a refusal: says so once, and drops
+/// (counts) what is queued until the client is closed.
+async fn stop(
+    status: tonic::Status,
+    mut queue: mpsc::Receiver<Outgoing>,
+    mut pending: Pending,
+    shared: &Shared,
+) {
+    let reason = status
+        .metadata()
+        .get("stepwatch-refusal")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+    tracing::warn!(
+        code = ?status.code(),
+        reason,
+        message = status.message(),
+        "the stepwatch agent refused this client's run for good: another client in this process \
+         began a newer run on the rank; this client stops sending (training goes on). Report \
+         each rank from one stepwatch Client per process"
+    );
+    shared.stopped.store(true, Ordering::Relaxed);
+    shared.lost(pending.markers.len() as u64);
+    pending.markers.clear();
+    if pending.trace.take().is_some() {
+        shared.trace_done(false);
+    }
+    while let Some(item) = queue.recv().await {
+        match item {
+            Outgoing::Marker(_) => shared.lost(1),
+            Outgoing::Trace(_) => shared.trace_done(false),
+        }
+    }
 }
 
 async fn session(
@@ -431,6 +494,10 @@ async fn session(
     let mut client = IngestClient::new(channel);
     let mut inbound = match client.stream(ReceiverStream::new(out_rx)).await {
         Ok(r) => r.into_inner(),
+        Err(status) if refused_for_good(&status) => {
+            shared.rejected_streams.fetch_add(1, Ordering::Relaxed);
+            return Session::RefusedForGood(status);
+        }
         Err(status) => return Session::Failed(status.to_string()),
     };
     shared.connected.store(true, Ordering::Relaxed);
@@ -497,6 +564,10 @@ async fn session(
                         return Session::QueueClosed;
                     }
                     use tonic::Code;
+                    if refused_for_good(&status) {
+                        shared.rejected_streams.fetch_add(1, Ordering::Relaxed);
+                        return Session::RefusedForGood(status);
+                    }
                     if matches!(status.code(), Code::InvalidArgument | Code::FailedPrecondition | Code::ResourceExhausted) {
                         shared.rejected_streams.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(code = ?status.code(), message = status.message(), "stepwatch agent refused our markers; reconnecting");

@@ -157,6 +157,14 @@ impl MarkerError {
             MarkerError::RunEnded { .. } => "run_ended",
         }
     }
+
+    /// Whether the refusal is of the stream's run itself
+    /// ([`MarkerError::RunEnded`]): nothing that run sends will be
+    /// accepted again, so its client should stop rather than reconnect
+    /// (as [`crate::OpenError::refuses_the_run`] for a hello).
+    pub fn refuses_the_run(&self) -> bool {
+        matches!(self, MarkerError::RunEnded { .. })
+    }
 }
 
 /// Convenience for messages that name a marker kind.

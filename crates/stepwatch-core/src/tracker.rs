@@ -88,6 +88,10 @@ pub enum OpenError {
         rank: u32,
         /// Which rule refused it, for the log and the client.
         why: String,
+        /// The hello names a run its process has since left for a newer
+        /// one: that run can never take the rank again, so its client
+        /// should stop rather than retry (see [`OpenError::refuses_the_run`]).
+        run_left: bool,
     },
 }
 
@@ -99,6 +103,15 @@ impl OpenError {
             OpenError::TooManyRanks(_) => "too_many_ranks",
             OpenError::RankHeld { .. } => "rank_held",
         }
+    }
+
+    /// Whether the refusal is of the hello's run itself: the run has
+    /// ended on the rank, so no stream naming it will be accepted again.
+    /// The agent tells the client, which then stops reconnecting for that
+    /// run instead of retrying for good; every other refusal may pass on
+    /// a later try (the holder's stream closes, a rank slot frees up).
+    pub fn refuses_the_run(&self) -> bool {
+        matches!(self, OpenError::RankHeld { run_left: true, .. })
     }
 }
 
@@ -223,6 +236,8 @@ fn take_optimizer_layouts(
                 let context = LayoutContext {
                     gradient_bytes: state.info.model.parameter_bytes,
                     reserved_limit: reserved_limit.map(|l| l.saturating_sub(left_out)),
+                    gradients_alive_in_forward: Gradients::of(&state.info)
+                        != Gradients::FreedBeforeStep,
                 };
                 match step2_new_segments_with(&begin, &m.layout_segments, &context) {
                     Ok(estimate) => {
@@ -477,26 +492,34 @@ impl Tracker {
         info.validate()?;
         let key = info.key();
         let retained = self.config.max_retained_steps;
-        let held = |why: &str| OpenError::RankHeld {
+        let held = |why: &str, run_left: bool| OpenError::RankHeld {
             job: key.job.clone(),
             rank: key.rank,
             why: why.to_string(),
+            run_left,
         };
         let (known, resumes) = match self.ranks.get(&key) {
             Some(state) => {
                 let same = state.info.same_claimant(&info);
                 if state.connected_streams > 0 && !same {
-                    return Err(held("its stream is open, from another process or pod"));
+                    return Err(held(
+                        "its stream is open, from another process or pod",
+                        false,
+                    ));
                 }
                 if same && !info.run_id.is_empty() && state.ended_runs.contains(&info.run_id) {
-                    return Err(held(&format!(
-                        "by run {:?} of the same process, which started after run {:?} of this hello",
-                        state.info.run_id, info.run_id
-                    )));
+                    return Err(held(
+                        &format!(
+                            "by run {:?} of the same process, which started after run {:?} of this hello",
+                            state.info.run_id, info.run_id
+                        ),
+                        true,
+                    ));
                 }
                 if state.info.attested && !info.attested {
                     return Err(held(
                         "the kubelet vouched for its pod, and not for this hello's",
+                        false,
                     ));
                 }
                 let new_run = !info.run_id.is_empty() && info.run_id != state.info.run_id;

@@ -65,7 +65,11 @@ fn another_process_cannot_take_or_reset_a_live_rank() {
         matches!(refused, Err(OpenError::RankHeld { ref job, rank: 0, .. }) if job == "j"),
         "{refused:?}"
     );
-    assert_eq!(refused.unwrap_err().reason(), "rank_held");
+    let refused = refused.unwrap_err();
+    assert_eq!(refused.reason(), "rank_held");
+    // The holder may go away (a restart while the old stream closes): the
+    // client is told to retry.
+    assert!(!refused.refuses_the_run(), "{refused:?}");
     let r = t.rank(&key).unwrap();
     assert_eq!((r.info.pid, r.connected_streams), (10, 1));
     assert_eq!(r.timeline.steps_completed(), 2);
@@ -150,6 +154,8 @@ fn a_stream_of_a_run_the_process_left_cannot_reopen_or_reset_the_rank() {
         why.contains("\"fit-2\"") && why.contains("\"fit-1\""),
         "{why}"
     );
+    // No later try of fit-1 can pass: its client is told to stop.
+    assert!(refused.as_ref().unwrap_err().refuses_the_run());
     let r = t.rank(&key).unwrap();
     assert_eq!((r.info.run_id.as_str(), r.connected_streams), ("fit-2", 1));
     assert_eq!(r.timeline.steps_completed(), 2);
@@ -197,6 +203,7 @@ fn batches_of_a_still_open_stream_of_a_run_the_process_left_are_refused() {
         panic!("{refused:?}");
     };
     assert_eq!(e.reason(), "run_ended");
+    assert!(e.refuses_the_run(), "fit-1's client is told to stop");
     assert!(
         e.to_string().contains("\"fit-1\"") && e.to_string().contains("\"fit-2\""),
         "{e}"
