@@ -274,7 +274,11 @@ mod tests {
             Pool::Large,
             blocks
                 .iter()
-                .map(|&(size, allocated)| BlockLayout { size, allocated })
+                .map(|&(size, allocated)| BlockLayout {
+                    size,
+                    allocated,
+                    gradient: false,
+                })
                 .collect(),
         )
     }
@@ -540,6 +544,7 @@ mod tests {
             vec![BlockLayout {
                 size: 2 * M,
                 allocated: false,
+                gradient: false,
             }],
         );
         let mut small_end = small.clone();
@@ -547,10 +552,12 @@ mod tests {
             BlockLayout {
                 size: M,
                 allocated: true,
+                gradient: false,
             },
             BlockLayout {
                 size: M,
                 allocated: false,
+                gradient: false,
             },
         ];
         let e = step2_new_segments(&[small], &[small_end]).unwrap();

@@ -1306,6 +1306,7 @@ fn seg(address: u64, blocks: &[(u64, bool)]) -> allocator::SegmentLayout {
             .map(|&(size, allocated)| allocator::BlockLayout {
                 size: size * M,
                 allocated,
+                gradient: false,
             })
             .collect(),
     )
