@@ -36,7 +36,13 @@
 //!   freed (`keepgrads`: not); `check`: refused (printed EXCEEDS) when the
 //!   requests all alive at once hold more than step 1's allocated peak plus
 //!   the state (`exact`: less the small pool); `cap`: instead free the newest
-//!   requests to stay under it.
+//!   requests to stay under it; `capold`: the oldest (the rule the crate
+//!   took, `VAR=v3,capold,exact`); `bwlive`: a request whose range held no
+//!   allocated block at step 1's backward begin is freed once served
+//!   (`fwtrans`: only in segments that existed then); both fail on GPT,
+//!   whose loss temporaries (logits-sized) are freed before backward begins
+//!   yet alive together with the forward's activations. `RANK=n`: the
+//!   allocator figures (peak, state) of rank n's markers.
 use std::collections::HashMap;
 
 use stepwatch_core::allocator::{
@@ -49,6 +55,7 @@ use stepwatch_core::{
 
 const M: f64 = 1048576.0;
 thread_local! { static END_ALLOC: std::cell::Cell<u64> = const { std::cell::Cell::new(0) }; }
+thread_local! { static BW: std::cell::RefCell<Vec<SegmentLayout>> = const { std::cell::RefCell::new(Vec::new()) }; }
 thread_local! { static PEAK: std::cell::Cell<u64> = const { std::cell::Cell::new(0) }; }
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -72,6 +79,15 @@ fn main() {
                 continue;
             }
             let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            let rank = v["markers"]["key"]["rank"].as_u64().unwrap_or(0);
+            if rank
+                != std::env::var("RANK")
+                    .ok()
+                    .and_then(|r| r.parse().ok())
+                    .unwrap_or(0)
+            {
+                continue;
+            }
             for m in v["markers"]["markers"].as_array().into_iter().flatten() {
                 if m["step"] != 1 {
                     continue;
@@ -118,6 +134,10 @@ fn main() {
             let roles = roles(&trace);
             let base = step2_new_segments(&begin, &end).unwrap();
             let variant = std::env::var("VAR").unwrap_or_default();
+            BW.with(|b| {
+                *b.borrow_mut() =
+                    layout_before(&trace, &[PhaseKind::Optimizer, PhaseKind::Backward])
+            });
             let cand = if variant.starts_with("v3") {
                 v3(
                     &begin,
@@ -222,6 +242,7 @@ fn freed(
             BlockLayout {
                 size: b.size,
                 allocated: false,
+                gradient: false,
             }
         } else {
             *b
@@ -365,12 +386,16 @@ fn candidate(
 }
 
 fn layout_at_optimizer_begin(trace: &AllocatorTrace) -> Vec<SegmentLayout> {
+    layout_before(trace, &[PhaseKind::Optimizer])
+}
+
+fn layout_before(trace: &AllocatorTrace, phases: &[PhaseKind]) -> Vec<SegmentLayout> {
     let mut segments = trace.segments.clone();
     for e in trace
         .events
         .iter()
         .rev()
-        .filter(|e| e.phase == PhaseKind::Optimizer)
+        .filter(|e| phases.contains(&e.phase))
     {
         match e.action {
             AllocatorAction::Alloc => mark(&mut segments, e.address, None),
@@ -399,6 +424,7 @@ fn mark(segments: &mut [SegmentLayout], address: u64, size: Option<u64>) {
             None if start == address => blocks.push(BlockLayout {
                 size: b.size,
                 allocated: false,
+                gradient: false,
             }),
             Some(n) if !b.allocated && start <= address && address < end => {
                 let n = n.min(end - address);
@@ -411,6 +437,7 @@ fn mark(segments: &mut [SegmentLayout], address: u64, size: Option<u64>) {
                         blocks.push(BlockLayout {
                             size: len,
                             allocated,
+                            gradient: false,
                         });
                     }
                 }
@@ -572,16 +599,33 @@ fn v3(
                 alloc.free(old);
             }
         }
+        if has("capold") {
+            while alloc.allocated() + size > bound && !stack.is_empty() {
+                let old = stack.remove(0);
+                alloc.free(old);
+            }
+        }
         let b = alloc.reserved();
         let id = alloc.malloc_on(size, stream, u64::MAX).unwrap();
-        stack.push(id);
+        let transient = (has("bwlive") && !BW.with(|bw| alive_in(&bw.borrow(), addr, size)))
+            || (has("fwtrans")
+                && BW.with(|bw| {
+                    let bw = bw.borrow();
+                    existed_in(&bw, addr) && !alive_in(&bw, addr, size)
+                }));
+        if transient {
+            alloc.free(id);
+        } else {
+            stack.push(id);
+        }
         if verbose {
             eprintln!(
-                "  req {:x} -> {:x} {:.2}{} {}",
+                "  req {:x} -> {:x} {:.2}{}{} {}",
                 addr,
                 alloc.address_of(id).unwrap_or(0),
                 size as f64 / M,
                 if alone { " (alone)" } else { "" },
+                if transient { " (transient)" } else { "" },
                 if alloc.reserved() > b {
                     format!("NEW {:.2}", (alloc.reserved() - b) as f64 / M)
                 } else {
@@ -661,4 +705,21 @@ fn markers_mode(text: &str, var: &str, verbose: bool) {
         base.new_segment_bytes as f64 / M,
         cand as f64 / M
     );
+}
+
+/// Whether any block allocated in `layout` overlaps [addr, addr+size).
+fn alive_in(layout: &[SegmentLayout], addr: u64, size: u64) -> bool {
+    layout.iter().any(|s| {
+        block_addresses(s)
+            .into_iter()
+            .zip(&s.blocks)
+            .any(|(a, b)| b.allocated && a < addr + size && addr < a + b.size)
+    })
+}
+
+/// Whether a segment of `layout` holds `addr`.
+fn existed_in(layout: &[SegmentLayout], addr: u64) -> bool {
+    layout
+        .iter()
+        .any(|s| s.address <= addr && addr < s.address + s.size())
 }
