@@ -8,8 +8,11 @@ layout at the optimizer's end is the one the client sends), then times, N times
 each at that point:
 
 - ``snapshot``: ``torch.cuda.memory_snapshot(include_traces=False)``;
-- ``convert``: the snapshot and its conversion to the client's ``Layout``
-  (what ``LayoutSnapshots.take`` does on the training thread, twice per run);
+- ``gradients``: where the parameters' gradients start
+  (``_torch.gradient_addresses``, for the layout's gradient flags);
+- ``convert``: the gradients' addresses, the snapshot and its conversion to the
+  client's ``Layout`` (what ``LayoutSnapshots.take`` does on the training
+  thread, twice per run);
 - ``encode``: filling a ``Marker`` with that layout (on the sender thread).
 
 It prints the median and the 90th percentile of each in milliseconds, with the
@@ -70,7 +73,13 @@ def main() -> int:
     opt.step()  # the optimizer's end: the layout the client sends second
 
     index = device.index or 0
-    layout = _alloctrace.layout_from_segments(_torch.memory_layout(), index)
+
+    def convert() -> _alloctrace.Layout:
+        # As the client: the gradients' blocks flagged.
+        grads = _torch.gradient_addresses(model.parameters())
+        return _alloctrace.layout_from_segments(_torch.memory_layout(), index, grads)
+
+    layout = convert()
     _, pb, _ = load_wire()
 
     def encode() -> None:
@@ -78,15 +87,16 @@ def main() -> int:
 
     results: Dict[str, List[float]] = {
         "snapshot": timed(_torch.memory_layout, args.repeats),
-        "convert": timed(
-            lambda: _alloctrace.layout_from_segments(_torch.memory_layout(), index), args.repeats
-        ),
+        "gradients": timed(lambda: _torch.gradient_addresses(model.parameters()), args.repeats),
+        "convert": timed(convert, args.repeats),
         "encode": timed(encode, args.repeats),
     }
     blocks = sum(len(s[2]) for s in layout.segments)
+    flagged = sum(1 for s in layout.segments for b in s[2] if len(b) > 2 and b[2])
     print(
         f"layout at step 1's optimizer end: {len(layout.segments)} large-pool segments, "
-        f"{blocks} blocks, {layout.nbytes} bytes on the wire; torch {torch.__version__}"
+        f"{blocks} blocks ({flagged} gradients), {layout.nbytes} bytes on the wire; "
+        f"torch {torch.__version__}"
     )
     print(f"{'operation':<10} {'median ms':>10} {'p90 ms':>8}  ({args.repeats} timings each)")
     for name, ms in results.items():

@@ -204,10 +204,12 @@ fn trace_chunk(step: u64, last: bool) -> AllocatorTraceChunk {
                 AllocatorBlock {
                     size: 16 * MIB,
                     allocated: true,
+                    gradient: false,
                 },
                 AllocatorBlock {
                     size: 48 * MIB,
                     allocated: false,
+                    gradient: false,
                 },
             ],
             ..Default::default()
@@ -500,14 +502,17 @@ fn facts_sent_after_the_hello_replay_step_1_again_and_bad_ones_are_refused() {
                 AllocatorBlock {
                     size: 16 * MIB,
                     allocated: true,
+                    gradient: false,
                 },
                 AllocatorBlock {
                     size: 8 * MIB,
                     allocated: true,
+                    gradient: false,
                 },
                 AllocatorBlock {
                     size: 40 * MIB,
                     allocated: false,
+                    gradient: false,
                 },
             ],
             ..Default::default()
@@ -620,6 +625,7 @@ fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_afte
     let block = |mib: u64, allocated: bool| AllocatorBlock {
         size: mib * MIB,
         allocated,
+        gradient: false,
     };
     let event = |address: u64, mib: u64, phase: MarkerKind| AllocatorEvent {
         action: AllocatorAction::Alloc as i32,

@@ -29,7 +29,18 @@ from __future__ import annotations
 import logging
 import os
 from array import array
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 from . import _torch
 from ._client import (
@@ -89,19 +100,22 @@ def _field(n: int) -> int:
     return 1 + _vlen(n) + n
 
 
-def _block_bytes(size: int, allocated: bool) -> int:
-    return _field((1 + _vlen(size) if size else 0) + (2 if allocated else 0))
+def _block_bytes(size: int, allocated: bool, gradient: bool = False) -> int:
+    return _field(
+        (1 + _vlen(size) if size else 0) + (2 if allocated else 0) + (2 if gradient else 0)
+    )
 
 
 def _add_segment(
     repeated: Any,
     address: int,
     small: bool,
-    blocks: List[Tuple[int, bool]],
+    blocks: Sequence[Tuple[Any, ...]],
     home: Tuple[int, int, bool],
 ) -> None:
     """Appends one segment and its blocks to a repeated ``AllocatorSegment``
-    field: a trace chunk's segments or a marker's layout."""
+    field: a trace chunk's segments or a marker's layout. A block is (size,
+    allocated) or, in a layout, (size, allocated, gradient)."""
     stream, pool_id, expandable = home
     seg = repeated.add(
         address=address,
@@ -111,22 +125,25 @@ def _add_segment(
         expandable=expandable,
     )
     add_block = seg.blocks.add
-    for size, allocated in blocks:
-        add_block(size=size, allocated=allocated)
+    for block in blocks:
+        if len(block) > 2 and block[2]:
+            add_block(size=block[0], allocated=block[1], gradient=True)
+        else:
+            add_block(size=block[0], allocated=block[1])
 
 
 def _segment_bytes(
     address: int,
     small: bool,
-    blocks: Sequence[Tuple[int, bool]],
+    blocks: Sequence[Tuple[Any, ...]],
     home: Tuple[int, int, bool] = (0, 0, False),
 ) -> int:
     stream, pool_id, expandable = home
     n = (1 + _vlen(address) if address else 0) + (2 if small else 0)
     n += (1 + _vlen(stream) if stream else 0) + (1 + _vlen(pool_id) if pool_id else 0)
     n += 2 if expandable else 0
-    for size, allocated in blocks:
-        n += _block_bytes(size, allocated)
+    for block in blocks:
+        n += _block_bytes(*block)
     return _field(n)
 
 
@@ -461,11 +478,30 @@ class Layout:
             _add_segment(marker.layout_segments, address, small, blocks, home)
 
 
-def layout_from_segments(snapshot_segments: Any, device: int) -> Layout:
+def layout_from_segments(
+    snapshot_segments: Any, device: int, gradient_addresses: Iterable[int] = ()
+) -> Layout:
     """The :class:`Layout` of ``torch.cuda.memory_snapshot()``'s segments on ``device``.
     Small-pool segments (2 MiB each, requests of 1 MiB or less) are left out: the
-    agent asks only where large requests fit, and they are most of the blocks."""
-    return Layout([s for s in _segments_of(snapshot_segments, device) if not s[1]])
+    agent asks only where large requests fit, and they are most of the blocks.
+    An allocated block that starts at one of ``gradient_addresses`` (the
+    parameters' gradients, :func:`_torch.gradient_addresses`) is flagged
+    ``AllocatorBlock.gradient``: the agent frees it before step 2's forward when
+    the gradients are set to None between steps."""
+    grads = frozenset(gradient_addresses)
+    out = []
+    for address, small, blocks, home in _segments_of(snapshot_segments, device):
+        if small:
+            continue
+        if grads:
+            flagged = []
+            at = address
+            for size, allocated in blocks:  # blocks tile their segment, by address
+                flagged.append((size, allocated, allocated and at in grads))
+                at += size
+            blocks = flagged
+        out.append((address, small, blocks, home))
+    return Layout(out)
 
 
 class LayoutSnapshots:
@@ -480,8 +516,15 @@ class LayoutSnapshots:
         self.begin_sent = False
         self.done = False
 
-    def take(self, client: Any, kind: int, device: int) -> Optional[Layout]:
-        """The layout to send on step 1's marker ``kind``, or None."""
+    def take(
+        self,
+        client: Any,
+        kind: int,
+        device: int,
+        parameters: Callable[[], Iterable[Any]] = lambda: (),
+    ) -> Optional[Layout]:
+        """The layout to send on step 1's marker ``kind``, or None; the blocks of
+        the gradients of ``parameters()`` (the watched model's) flagged."""
         if self.done or kind not in (OPTIMIZER_BEGIN, OPTIMIZER_END):
             return None
         if kind == OPTIMIZER_BEGIN and self.begin_sent:
@@ -490,7 +533,9 @@ class LayoutSnapshots:
             self.done = True  # one without the other tells the agent nothing
             return None
         try:
-            layout = layout_from_segments(_torch.memory_layout(), device)
+            layout = layout_from_segments(
+                _torch.memory_layout(), device, _torch.gradient_addresses(parameters())
+            )
         except Exception as e:
             self.done = True
             log.warning(

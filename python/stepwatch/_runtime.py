@@ -9,7 +9,8 @@ import os
 import sys
 import threading
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+import weakref
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from . import _torch
 from ._alloctrace import LayoutSnapshots, Recorder
@@ -76,6 +77,9 @@ class _Runtime:
         self.recorder = Recorder()
         # Step 1's segment layouts at its optimizer markers, when no trace is recorded.
         self.layouts = LayoutSnapshots()
+        # The watched model, weakly (stepwatch must not keep it alive): the
+        # layouts flag its parameters' gradients. None: no model given.
+        self.model_ref: Optional[Callable[[], Any]] = None
         # CUDA device whose allocator figures go with each marker; None = none.
         self.cuda_device: Optional[int] = None
         self.cuda_checked = False
@@ -195,6 +199,7 @@ class _Runtime:
         with self.lock:
             self.begin_run()
             if model is not None:
+                self.model_ref = _weak(model)
                 self.gpu_uuid = _torch.gpu_uuid_for(model)
                 self.cuda_device = _torch.model_cuda_device(model)
                 self.cuda_checked = self.cuda_device is not None
@@ -325,12 +330,18 @@ class _Runtime:
             ):
                 # No trace: the layout the agent would read from it, at the two
                 # moments that show where the optimizer state went.
-                layout = self.layouts.take(c, kind, dev)
+                layout = self.layouts.take(c, kind, dev, self.watched_parameters)
             if self.device_memory and (step == 1 or kind == OOM):
                 device = self._device_memory(dev)
         c.mark(kind, step, micro, alloc, device, layout)
         if finish:
             rec.finish(c)
+
+    def watched_parameters(self) -> Iterable[Any]:
+        """The watched model's parameters; none when no model was given or it is gone."""
+        model = self.model_ref() if self.model_ref is not None else None
+        params = getattr(model, "parameters", None)
+        return params() if callable(params) else ()
 
     def _device_memory(self, dev: int) -> Optional[Tuple[int, int]]:
         """(free, total) from cudaMemGetInfo for step 1's markers and OOM markers
@@ -446,6 +457,14 @@ class _Runtime:
                 c.close(timeout=_exit_flush_timeout())
             except Exception:
                 pass
+
+
+def _weak(obj: Any) -> Callable[[], Any]:
+    """A weak reference to ``obj``, or a strong one where it takes none."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def _new_run_id() -> str:

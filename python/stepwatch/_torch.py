@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._runtime import _Runtime
@@ -257,6 +257,28 @@ def memory_layout() -> Any:
         return fn(include_traces=False)
     except TypeError:  # an older torch: no such argument
         return fn()
+
+
+def gradient_addresses(parameters: Iterable[Any]) -> Set[int]:
+    """Where the parameters' gradients start (``.grad``'s storage), for the layouts'
+    gradient flags (``AllocatorBlock.gradient``). Only a gradient that owns its
+    storage whole counts: setting it to None frees that block. A view into a
+    shared buffer (DDP's ``gradient_as_bucket_view``, a flat-parameter scheme)
+    does not, nor then does the buffer. A DTensor's (FSDP2) local shard counts.
+    A parameter whose gradient cannot be read is skipped."""
+    out: Set[int] = set()
+    for p in parameters:
+        g = getattr(p, "grad", None)
+        if g is None:
+            continue
+        try:
+            g = getattr(g, "_local_tensor", g)
+            storage = g.untyped_storage()
+            if g.storage_offset() == 0 and storage.nbytes() == g.numel() * g.element_size():
+                out.add(int(storage.data_ptr()))
+        except Exception:
+            continue
+    return out
 
 
 def allocator_event_counters(s: Dict[str, Any]) -> Tuple[int, int]:

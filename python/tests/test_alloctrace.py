@@ -14,6 +14,7 @@ from fake_cuda import FakeCuda, FakeWorkload
 
 import stepwatch
 from stepwatch import _alloctrace as at
+from stepwatch import _torch
 from stepwatch._client import (
     BACKWARD_BEGIN,
     FORWARD_BEGIN,
@@ -964,6 +965,85 @@ def test_layouts_ride_on_step1_optimizer_markers_without_a_trace(agent, monkeypa
     st = stepwatch.stats()
     assert st["layout_snapshots_sent"] == 2 and st["allocator_traces_sent"] == 0
     assert st["rejections"] == 0 and st["hook_errors"] == 0
+
+
+@needs_torch
+def test_layouts_flag_the_blocks_of_the_models_gradients(agent, monkeypatch):
+    """The blocks that start where a watched parameter's gradient does are flagged
+    on both layouts; no other block is. (CPU tensors do not live in the fake's
+    segments, so the gradients' addresses are given: the first allocated large
+    block at each snapshot.)"""
+    monkeypatch.setenv("STEPWATCH_ALLOCATOR_TRACE", "0")
+    fake = FakeCuda().install(monkeypatch, torch)
+    seen = capture_layouts(fake)
+    monkeypatch.setattr(torch.cuda.memory, "memory_snapshot", fake.memory_snapshot)
+    asked = []
+
+    def gradient_addresses(parameters):
+        asked.append([tuple(p.shape) for p in parameters])
+        layout = fake.memory_snapshot()
+        seen.pop()  # this call is ours, not a layout's
+        for seg in layout:
+            if seg["segment_type"] == "large":
+                for b in seg["blocks"]:
+                    if b["state"] != "inactive":
+                        return {b["address"]}
+        return set()
+
+    monkeypatch.setattr(_torch, "gradient_addresses", gradient_addresses)
+    run(monkeypatch, steps=2, fake=fake)
+    ms = agent.wait_markers(12)
+    assert stepwatch.flush(5)
+    # The watched model's parameters, at each of the two snapshots.
+    assert asked == [[tuple(p.shape) for p in small_model().parameters()]] * 2
+    flagged = [
+        [b.gradient for s in m.layout_segments for b in s.blocks]
+        for m in ms
+        if len(m.layout_segments)
+    ]
+    assert len(flagged) == 2
+    for flags, layout in zip(flagged, seen):
+        allocated = [a for _, blocks in layout for _, a in blocks]
+        assert flags == [a and i == allocated.index(True) for i, a in enumerate(allocated)]
+
+
+def test_a_layout_flags_blocks_starting_at_a_gradient_and_counts_their_bytes():
+    """Only an allocated block that starts at a gradient's address is flagged (its
+    free neighbour and a block the address falls inside are not); the flag's two
+    bytes count in the layout's encoded size."""
+    seg = {
+        "device": 0,
+        "address": 1 << 30,
+        "segment_type": "large",
+        "blocks": [
+            {"address": (1 << 30), "size": 4 << 20, "state": "active_allocated"},
+            {"address": (1 << 30) + (4 << 20), "size": 4 << 20, "state": "inactive"},
+            {"address": (1 << 30) + (8 << 20), "size": 12 << 20, "state": "active_allocated"},
+        ],
+    }
+    grads = {1 << 30, (1 << 30) + (4 << 20), (1 << 30) + (9 << 20)}
+    layout = at.layout_from_segments([seg], 0, grads)
+    blocks = layout.segments[0][2]
+    assert [b[2] for b in blocks] == [True, False, False]
+    marker = pb.Marker()
+    layout.fill(marker)
+    assert [b.gradient for b in marker.layout_segments[0].blocks] == [True, False, False]
+    assert layout.nbytes == marker.ByteSize()
+    assert layout.nbytes == at.layout_from_segments([seg], 0).nbytes + 2
+
+
+@needs_torch
+def test_gradient_addresses_are_those_of_gradients_that_own_their_storage():
+    """A gradient set to None frees its block only when it owns it: a view into a
+    shared buffer (DDP's gradient_as_bucket_view) is left out, as is no gradient."""
+    own, viewed, none = (torch.nn.Parameter(torch.zeros(4)) for _ in range(3))
+    own.grad = torch.ones(4)
+    bucket = torch.zeros(8)
+    viewed.grad = bucket[4:]
+    assert _torch.gradient_addresses([own, viewed, none]) == {own.grad.data_ptr()}
+    first = torch.nn.Parameter(torch.zeros(4))
+    first.grad = bucket[:4]  # at the buffer's start, still not its own
+    assert _torch.gradient_addresses([first]) == set()
 
 
 @needs_torch

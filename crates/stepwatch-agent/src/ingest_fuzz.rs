@@ -177,8 +177,13 @@ fn trace_chunk() -> impl Strategy<Value = pb::ClientMessage> {
     let block = (
         prop_oneof![3 => (1u64..8).prop_map(|k| k * 512), 1 => edgy_u64()],
         any::<bool>(),
+        any::<bool>(),
     )
-        .prop_map(|(size, allocated)| pb::AllocatorBlock { size, allocated });
+        .prop_map(|(size, allocated, gradient)| pb::AllocatorBlock {
+            size,
+            allocated,
+            gradient,
+        });
     let segment = (
         prop_oneof![3 => (1u64..16).prop_map(|k| k << 21), 1 => edgy_u64()],
         any::<bool>(),

@@ -315,6 +315,13 @@ pub struct BlockLayout {
     pub size: u64,
     /// Holds a live allocation (false: free, cached).
     pub allocated: bool,
+    /// Holds a parameter's gradient (`.grad`), as the client found it when
+    /// it took the snapshot (step 1's optimizer-marker layouts; traces do
+    /// not set it). Gradients set to None between steps are gone before
+    /// step 2's forward, whose requests their blocks then serve
+    /// ([`crate::layout`]).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub gradient: bool,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -524,6 +531,7 @@ impl CachingAllocator {
                         run.blocks.push(BlockLayout {
                             size: b.size,
                             allocated: b.used,
+                            gradient: false,
                         });
                     }
                 }
@@ -1604,7 +1612,15 @@ mod tests {
         assert_eq!(a.peaks().total.allocated, 30 * MIB);
     }
     fn whole(address: u64, size: u64, allocated: bool) -> SegmentLayout {
-        SegmentLayout::new(address, Pool::Large, vec![BlockLayout { size, allocated }])
+        SegmentLayout::new(
+            address,
+            Pool::Large,
+            vec![BlockLayout {
+                size,
+                allocated,
+                gradient: false,
+            }],
+        )
     }
 
     #[test]
@@ -1786,11 +1802,13 @@ mod tests {
             vec![
                 BlockLayout {
                     size: 2 * MIB + 512,
-                    allocated: true
+                    allocated: true,
+                    gradient: false
                 },
                 BlockLayout {
                     size: 18 * MIB - 512,
-                    allocated: false
+                    allocated: false,
+                    gradient: false
                 },
             ]
         );

@@ -78,6 +78,38 @@
 //! (`tests/fixtures/torch-lightning-l8b6-markers-fit10pct.jsonl`): two new
 //! 590 MiB logits segments; −5.18% → +1.58% on the device peak.
 //!
+//! Where the client flagged the gradients' blocks
+//! ([`crate::allocator::BlockLayout::gradient`], the Python client does) and
+//! step 2 frees them before its forward (set to None), the two errors the
+//! rules above cancel on GPT (the gradients kept in place; a left-alone
+//! segment serving only its own request) are both undone: step 2's
+//! forward puts its first activations into the large free blocks, the
+//! 394 MiB segment the optimizer never touched and the freed 147 MiB
+//! embedding gradient, and its logits-sized requests, last, find nothing.
+//! So: the end layout less the gradients serves every segment's request
+//! (the left-alone segments' free blocks are requests too, as in the FSDP2
+//! chain), in the order step 1 made the segments (highest address first:
+//! CUDA hands out a new segment below the older ones), within what step 1
+//! held at once: a request that would take the blocks held past step 1's
+//! allocated peak before its optimizer plus the state (less the small
+//! pool) frees the oldest requests first, for they were gone by then (a
+//! CNN's forward allocates and frees a 32 MiB workspace again and again:
+//! all its uses alive at once cascade into a new 392 MiB segment that
+//! step 2 never makes). Against the exact step-2 replay of kept trace
+//! records (`examples/layout_probe.rs`, `VAR=v3,capold,exact`; real PyTorch
+//! 2.15 on fake CUDA), reserved error on the steady peak, the rules above →
+//! this one: gpt-adamw +0.04 → 0.00%, gpt-bf16-autocast +6.16 → −0.05,
+//! gpt-bf16-weights +3.05 → 0.00, gpt-fp32 +4.50 → +0.17,
+//! gpt-sgd-momentum −2.13 → 0.00, hf-trainer-llama +0.88 → 0.00,
+//! cnn-batchnorm +2.03 → 0.00 (all alive at once: +10.2). Without the
+//! limit the rule over-counts wherever a forward frees as it goes, and the
+//! oldest-first choice of what it frees is the model's guess, not read
+//! from the layouts. On real runs (`bench/torch-accuracy.sh --variants
+//! markers`, the client's flags) the markers-only median went from 1.28% to
+//! 0.05%; `gpt-bf16-autocast` +5.40% → −0.05%, `cnn-batchnorm` +1.79% →
+//! +1.45%. Under gradient accumulation and DDP's bucket rebuild the
+//! snapshots stay set aside (`crate::predict`).
+//!
 //! Given the most the allocator may reserve, the new segments stop at it:
 //! past it PyTorch releases its free cached segments and retries before it
 //! fails, and what that recovers the layouts cannot show (the requests are
@@ -88,7 +120,9 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::{CachingAllocator, LayoutError, Pool, SegmentLayout, LARGE_BUFFER};
+use crate::allocator::{
+    BlockLayout, CachingAllocator, LayoutError, Pool, SegmentLayout, LARGE_BUFFER,
+};
 
 /// The most blocks one layout may hold for the tracker to keep it: a rank
 /// holds one until the other arrives. A client's 64 KiB message cap allows
@@ -144,6 +178,13 @@ pub struct LayoutContext {
     /// with gradients on another stream, nothing frees room for the
     /// forward's requests.
     pub gradients_alive_in_forward: bool,
+    /// The most the layouts' pool may hold allocated at once in step 2:
+    /// step 1's allocated peak before its optimizer, plus the state the
+    /// optimizer made, less the small pool's allocated bytes at its end.
+    /// Used where the client flagged the gradients' blocks
+    /// ([`crate::allocator::BlockLayout::gradient`]): requests beyond it
+    /// free the oldest ones first. None: no limit.
+    pub live_limit: Option<u64>,
 }
 
 /// [`step2_new_segments`], told where the gradients live and the reserved
@@ -167,6 +208,13 @@ pub fn step2_new_segments_with(
     // Nothing frees room for step 2's forward before it runs: the gradients
     // live on another stream or through the forward.
     let nothing_freed = grads_elsewhere || context.gradients_alive_in_forward;
+    let gradients_flagged = end
+        .iter()
+        .filter(ordinary)
+        .any(|s| s.blocks.iter().any(|b| b.allocated && b.gradient));
+    if gradients_flagged && !nothing_freed {
+        return with_gradients_freed(begin, end, context);
+    }
     // A segment the optimizer left alone (the same blocks at its end) serves
     // its own request in step 2 as it did in step 1: it makes no request,
     // and its free blocks serve no other (they are its request's). Served
@@ -212,22 +260,139 @@ pub fn step2_new_segments_with(
         .cloned()
         .collect();
     let (alloc, _) = CachingAllocator::from_layout(&serving)?;
+    let requests: Vec<Request> = requests
+        .into_iter()
+        .map(|(size, stream)| Request { size, stream })
+        .collect();
+    Ok(estimate(
+        alloc,
+        &requests,
+        None,
+        context.reserved_limit,
+        reserved_at_end,
+        self_served_bytes,
+    ))
+}
+
+/// One request step 2 is taken to make again: bytes, and the stream whose
+/// pool serves it.
+#[derive(Debug, Clone, Copy)]
+struct Request {
+    size: u64,
+    stream: u64,
+}
+
+/// Serves `requests` in order from `alloc` (the serving layout) and sums up:
+/// the new segments, cut to `reserved_limit` (all pools; `alloc` holds all
+/// but what was left out of it, reserved at the end beside it), and
+/// `self_served_bytes` of requests the serving layout does not see.
+fn estimate(
+    alloc: CachingAllocator,
+    requests: &[Request],
+    live_limit: Option<u64>,
+    reserved_limit: Option<u64>,
+    reserved_at_end: u64,
+    self_served_bytes: u64,
+) -> LayoutEstimate {
     let reserved_before = alloc.reserved();
-    // No limit: the figure is what step 2 would reserve without one.
-    let (peak, blocks_needing_new_segments) = serve(alloc, &requests);
-    // The segments left out of `serving` stay reserved beside it.
-    let serving_limit = context.reserved_limit.map(|l| {
+    // No reserved limit: the figure is what step 2 would reserve without one.
+    let (peak, blocks_needing_new_segments) = serve(alloc, requests, live_limit);
+    // The segments left out of the serving layout stay reserved beside it.
+    let serving_limit = reserved_limit.map(|l| {
         l.saturating_sub(reserved_at_end - reserved_before)
             .max(reserved_before)
     });
     let capped = serving_limit.filter(|&l| peak > l);
-    Ok(LayoutEstimate {
+    LayoutEstimate {
         new_segment_bytes: capped.unwrap_or(peak).saturating_sub(reserved_before),
         capped_at_reserved_limit: capped.is_some(),
-        cached_at_begin_bytes: self_served_bytes + requests.iter().map(|r| r.0).sum::<u64>(),
+        cached_at_begin_bytes: self_served_bytes + requests.iter().map(|r| r.size).sum::<u64>(),
         blocks_needing_new_segments,
         reserved_at_end_bytes: reserved_at_end,
-    })
+    }
+}
+
+/// The rule where the client flagged the gradients' blocks and step 2 frees
+/// them before its forward (see the module documentation): served from the
+/// whole end layout less the gradients, every segment's request in the order
+/// step 1 made the segments, within [`LayoutContext::live_limit`].
+fn with_gradients_freed(
+    begin: &[SegmentLayout],
+    end: &[SegmentLayout],
+    context: &LayoutContext,
+) -> Result<LayoutEstimate, LayoutError> {
+    let untouched = |s: &SegmentLayout| !s.expandable && end.iter().any(|e| e == s);
+    // (segment's address, request): a segment's request stands at its
+    // address, its free blocks' in the segment's place.
+    let mut requests: Vec<(u64, Request)> = Vec::new();
+    for s in begin
+        .iter()
+        .filter(|s| s.pool == Pool::Large && s.pool_id == 0)
+    {
+        let stream = s.stream;
+        let free = s.blocks.iter().filter(|b| !b.allocated);
+        if s.expandable || s.size() == LARGE_BUFFER || untouched(s) {
+            // A left-alone segment's free blocks are its requests; with the
+            // gradients gone, a request older than them may take them first.
+            requests.extend(free.map(|b| {
+                let request = Request {
+                    size: b.size,
+                    stream,
+                };
+                (s.address, request)
+            }));
+        } else if free.count() > 0 {
+            requests.push((
+                s.address,
+                Request {
+                    size: s.size(),
+                    stream,
+                },
+            ));
+        }
+    }
+    // CUDA hands out each new segment below the older ones: the highest
+    // address is step 1's first, and its forward asks in that order again.
+    // A stable sort keeps a segment's blocks in address order.
+    requests.sort_by_key(|&(address, _)| std::cmp::Reverse(address));
+    let requests: Vec<Request> = requests.into_iter().map(|(_, r)| r).collect();
+    let reserved_at_end = CachingAllocator::from_layout(end)?.0.reserved();
+    let serving: Vec<SegmentLayout> = end.iter().map(without_gradients).collect();
+    let (alloc, _) = CachingAllocator::from_layout(&serving)?;
+    Ok(estimate(
+        alloc,
+        &requests,
+        context.live_limit,
+        context.reserved_limit,
+        reserved_at_end,
+        0,
+    ))
+}
+
+/// `segment` with its gradients' blocks freed and merged with free
+/// neighbours, as the caching allocator coalesces a freed block: step 2
+/// sets the gradients to None before its forward.
+fn without_gradients(segment: &SegmentLayout) -> SegmentLayout {
+    let mut blocks: Vec<BlockLayout> = Vec::with_capacity(segment.blocks.len());
+    for b in &segment.blocks {
+        let b = if b.gradient {
+            BlockLayout {
+                size: b.size,
+                allocated: false,
+                gradient: false,
+            }
+        } else {
+            *b
+        };
+        match blocks.last_mut() {
+            Some(last) if !last.allocated && !b.allocated => last.size += b.size,
+            _ => blocks.push(b),
+        }
+    }
+    SegmentLayout {
+        blocks,
+        ..segment.clone()
+    }
 }
 
 /// The requests in the order step 2's forward makes them when nothing
@@ -246,16 +411,33 @@ fn forward_order(displaced: Vec<(u64, u64)>, left_alone: Vec<(u64, u64)>) -> Vec
     requests
 }
 
-/// Serves `requests` (size, stream) in order from `alloc`, with no reserved
-/// limit: the reserved peak and the requests that took a new segment.
-fn serve(mut alloc: CachingAllocator, requests: &[(u64, u64)]) -> (u64, u32) {
+/// Serves `requests` in order from `alloc`, with no reserved limit: the
+/// reserved peak and the requests that took a new segment. With a
+/// `live_limit` (bytes allocated at once, the serving layout's included), a
+/// request that would pass it first frees the oldest requests still held:
+/// step 2 cannot hold more than step 1 did plus its state, so they were
+/// gone by then (a workspace the forward frees after each use), and a
+/// forward frees its earliest temporaries first.
+fn serve(mut alloc: CachingAllocator, requests: &[Request], live_limit: Option<u64>) -> (u64, u32) {
     alloc.reset_step_peak();
     let mut new_segments = 0;
-    for &(size, stream) in requests {
+    let mut held = std::collections::VecDeque::new();
+    for r in requests {
+        if let Some(limit) = live_limit {
+            while alloc.allocated() + r.size > limit {
+                let Some(oldest) = held.pop_front() else {
+                    break;
+                };
+                alloc.free(oldest);
+            }
+        }
         let before = alloc.reserved();
-        // Without a limit a request always fits.
-        if alloc.malloc_on(size, stream, u64::MAX).is_ok() && alloc.reserved() > before {
-            new_segments += 1;
+        // Without a reserved limit a request always fits.
+        if let Ok(id) = alloc.malloc_on(r.size, r.stream, u64::MAX) {
+            held.push_back(id);
+            if alloc.reserved() > before {
+                new_segments += 1;
+            }
         }
     }
     (alloc.peaks().step.reserved, new_segments)
@@ -264,7 +446,6 @@ fn serve(mut alloc: CachingAllocator, requests: &[(u64, u64)]) -> (u64, u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::allocator::BlockLayout;
 
     const M: u64 = 1 << 20;
 
@@ -274,7 +455,11 @@ mod tests {
             Pool::Large,
             blocks
                 .iter()
-                .map(|&(size, allocated)| BlockLayout { size, allocated })
+                .map(|&(size, allocated)| BlockLayout {
+                    size,
+                    allocated,
+                    gradient: false,
+                })
                 .collect(),
         )
     }
@@ -532,6 +717,107 @@ mod tests {
         assert!(e.capped_at_reserved_limit);
     }
 
+    /// A segment whose one block holds a gradient the client flagged.
+    fn gradient_segment(address: u64, size: u64) -> SegmentLayout {
+        let mut s = seg(address, &[(size, true)]);
+        s.blocks[0].gradient = true;
+        s
+    }
+
+    /// GPT's step 1 in small, oldest segment (highest address) first: a 24
+    /// MiB activation segment the state took whole, a 400 MiB logits
+    /// segment the optimizer left alone, free, and a gradient's segment of
+    /// `gradient` MiB, flagged; the gradients are set to None between steps.
+    fn flagged_gradient_layouts(gradient: u64) -> (Vec<SegmentLayout>, Vec<SegmentLayout>) {
+        let begin = vec![
+            seg(3 << 32, &[(24 * M, false)]),
+            seg(2 << 32, &[(400 * M, false)]),
+            gradient_segment(1 << 32, gradient * M),
+        ];
+        let mut end = begin.clone();
+        end[0] = seg(3 << 32, &[(24 * M, true)]);
+        (begin, end)
+    }
+
+    #[test]
+    fn a_flagged_gradient_freed_before_the_forward_serves_its_requests() {
+        // Step 2 frees the 128 MiB gradient before its forward. The 24 MiB
+        // request, first (oldest segment), takes its block, best fit (104
+        // left); the logits' 400 MiB request then its own block: nothing new.
+        let (begin, end) = flagged_gradient_layouts(128);
+        let e = step2_new_segments(&begin, &end).unwrap();
+        assert_eq!(e.new_segment_bytes, 0);
+        assert_eq!(e.blocks_needing_new_segments, 0);
+        assert_eq!(e.cached_at_begin_bytes, 424 * M);
+        assert_eq!(e.reserved_at_end_bytes, 552 * M);
+        // Without the flag (kept records, older clients) the rule before
+        // them: the gradient stays, the left-alone segments serve only
+        // their own requests, and the 24 MiB request needs a segment.
+        let mut unflagged = (begin, end);
+        unflagged.0[2].blocks[0].gradient = false;
+        unflagged.1[2].blocks[0].gradient = false;
+        let e = step2_new_segments(&unflagged.0, &unflagged.1).unwrap();
+        assert_eq!(e.new_segment_bytes, 24 * M);
+    }
+
+    #[test]
+    fn with_flagged_gradients_an_older_request_takes_a_left_alone_block() {
+        // A 16 MiB gradient frees too little for the 24 MiB request, which
+        // comes first and takes the left-alone logits block (376 left): the
+        // logits' request finds no block, one new 400 MiB segment, as step
+        // 2 on real PyTorch reserved for GPT's logits. (The rule without
+        // flags: 24 MiB.)
+        let (begin, end) = flagged_gradient_layouts(16);
+        let e = step2_new_segments(&begin, &end).unwrap();
+        assert_eq!(e.new_segment_bytes, 400 * M);
+        assert_eq!(e.blocks_needing_new_segments, 1);
+        assert_eq!(e.cached_at_begin_bytes, 424 * M);
+        // Gradients alive through the forward: the flags change nothing,
+        // the chain as before (smallest first, the same outcome here).
+        let alive = LayoutContext {
+            gradients_alive_in_forward: true,
+            ..LayoutContext::default()
+        };
+        let e = step2_new_segments_with(&begin, &end, &alive).unwrap();
+        assert_eq!(e.new_segment_bytes, 400 * M);
+    }
+
+    #[test]
+    fn requests_past_what_step_1_held_at_once_free_the_oldest_first() {
+        // A CNN's workspace in small: two 32 MiB segments, the older one
+        // taken whole by the state (32 MiB), the other left alone, and a 16
+        // MiB flagged gradient. The older request takes the left-alone
+        // block (the gradient's is too small), and the other's own request
+        // finds none: 32 MiB new, were both alive at once.
+        let begin = [
+            seg(3 << 32, &[(32 * M, false)]),
+            seg(2 << 32, &[(32 * M, false)]),
+            gradient_segment(1 << 32, 16 * M),
+        ];
+        let mut end = begin.clone();
+        end[0] = seg(3 << 32, &[(32 * M, true)]);
+        let e = step2_new_segments(&begin, &end).unwrap();
+        assert_eq!(e.new_segment_bytes, 32 * M);
+        // Step 1 never held both: its peak was the gradient and one
+        // workspace, 48 MiB; with the 32 MiB state, step 2 holds at most
+        // 80. The state (32) and the first request (32) make 64; the second
+        // would make 96, so the first is gone by then, and its block, the
+        // left-alone one, serves the second: nothing new.
+        let within = |limit: u64| {
+            let context = LayoutContext {
+                live_limit: Some(limit),
+                ..LayoutContext::default()
+            };
+            step2_new_segments_with(&begin, &end, &context).unwrap()
+        };
+        let e = within(80 * M);
+        assert_eq!(e.new_segment_bytes, 0);
+        assert_eq!(e.blocks_needing_new_segments, 0);
+        assert_eq!(e.cached_at_begin_bytes, 64 * M);
+        // Room for both at once: as without a limit.
+        assert_eq!(within(96 * M).new_segment_bytes, 32 * M);
+    }
+
     #[test]
     fn small_pool_blocks_are_not_requested() {
         let small = SegmentLayout::new(
@@ -540,6 +826,7 @@ mod tests {
             vec![BlockLayout {
                 size: 2 * M,
                 allocated: false,
+                gradient: false,
             }],
         );
         let mut small_end = small.clone();
@@ -547,10 +834,12 @@ mod tests {
             BlockLayout {
                 size: M,
                 allocated: true,
+                gradient: false,
             },
             BlockLayout {
                 size: M,
                 allocated: false,
+                gradient: false,
             },
         ];
         let e = step2_new_segments(&[small], &[small_end]).unwrap();

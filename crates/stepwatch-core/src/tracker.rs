@@ -24,6 +24,7 @@ use crate::predict::{LiveStep, Prediction};
 use crate::replay::{Gradients, Step2Replay};
 use crate::sample::GpuSample;
 use crate::timeline::{PhaseRecord, RankTimeline, StepOutcome};
+use crate::AllocatorStats;
 
 /// Most processes remembered per GPU (see [`Tracker::set_gpu_processes`]).
 pub const MAX_PROCESSES_PER_GPU: usize = 1024;
@@ -152,6 +153,11 @@ pub struct RankState {
     /// trace send it on that marker), kept until the one at its end arrives.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub optimizer_begin_layout: Vec<SegmentLayout>,
+    /// The allocator's figures on that marker, kept with its layout: step
+    /// 1's allocated peak before the optimizer and what it held then bound
+    /// what step 2 holds at once ([`LayoutContext::live_limit`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_begin_allocator: Option<AllocatorStats>,
     /// What step 1's layouts at its optimizer begin and end showed
     /// ([`crate::layout`]); it replaces the guessed layout allowance.
     #[serde(default)]
@@ -223,10 +229,12 @@ fn take_optimizer_layouts(
         match m.kind {
             MarkerKind::OptimizerBegin if state.layout_estimate.is_none() => {
                 state.optimizer_begin_layout = m.layout_segments.clone();
+                state.optimizer_begin_allocator = m.allocator;
                 counts.kept += 1;
             }
             MarkerKind::OptimizerEnd if !state.optimizer_begin_layout.is_empty() => {
                 let begin = std::mem::take(&mut state.optimizer_begin_layout);
+                let begin_allocator = state.optimizer_begin_allocator.take();
                 // The layouts hold the large pool only: the rest of what the
                 // allocator reserved stays beside them.
                 let in_layout: u64 = m.layout_segments.iter().map(|s| s.size()).sum();
@@ -238,6 +246,7 @@ fn take_optimizer_layouts(
                     reserved_limit: reserved_limit.map(|l| l.saturating_sub(left_out)),
                     gradients_alive_in_forward: Gradients::of(&state.info)
                         != Gradients::FreedBeforeStep,
+                    live_limit: live_limit(begin_allocator, m.allocator, &m.layout_segments),
                 };
                 match step2_new_segments_with(&begin, &m.layout_segments, &context) {
                     Ok(estimate) => {
@@ -250,6 +259,32 @@ fn take_optimizer_layouts(
             _ => counts.misplaced += 1,
         }
     }
+}
+
+/// [`LayoutContext::live_limit`] from the allocator's figures at step 1's
+/// optimizer begin and end and the end layout: the allocated peak before the
+/// optimizer plus the state it made, less what the pools the layout leaves
+/// out (the small pool) hold at the end. None without both figures.
+fn live_limit(
+    begin: Option<AllocatorStats>,
+    end: Option<AllocatorStats>,
+    end_layout: &[SegmentLayout],
+) -> Option<u64> {
+    let (begin, end) = (begin?, end?);
+    let state = end.allocated_bytes.saturating_sub(begin.allocated_bytes);
+    let in_layout: u64 = end_layout
+        .iter()
+        .flat_map(|s| s.blocks.iter().filter(|b| b.allocated))
+        .map(|b| b.size)
+        .sum();
+    let left_out = end.allocated_bytes.saturating_sub(in_layout);
+    Some(
+        begin
+            .allocated_peak_bytes
+            .max(begin.allocated_bytes)
+            .saturating_add(state)
+            .saturating_sub(left_out),
+    )
 }
 
 /// What survives an agent restart: every rank's identity, timeline (step 1
@@ -558,6 +593,7 @@ impl Tracker {
                 state.prediction_before_step2 = None;
                 state.allocator_replay = None;
                 state.optimizer_begin_layout.clear();
+                state.optimizer_begin_allocator = None;
                 state.layout_estimate = None;
             }
             state.info = info;
@@ -599,6 +635,7 @@ impl Tracker {
                 prediction_before_step2: None,
                 allocator_replay: None,
                 optimizer_begin_layout: Vec::new(),
+                optimizer_begin_allocator: None,
                 layout_estimate: None,
                 ended_runs: Vec::new(),
             },
@@ -637,6 +674,7 @@ impl Tracker {
             prediction_before_step2: r.prediction_before_step2.clone(),
             allocator_replay: r.allocator_replay,
             optimizer_begin_layout: r.optimizer_begin_layout.clone(),
+            optimizer_begin_allocator: r.optimizer_begin_allocator,
             layout_estimate: r.layout_estimate,
             ended_runs: r.ended_runs.clone(),
         })

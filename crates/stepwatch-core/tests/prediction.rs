@@ -1306,6 +1306,7 @@ fn seg(address: u64, blocks: &[(u64, bool)]) -> allocator::SegmentLayout {
             .map(|&(size, allocated)| allocator::BlockLayout {
                 size: size * M,
                 allocated,
+                gradient: false,
             })
             .collect(),
     )
@@ -1458,6 +1459,41 @@ fn layouts_with_the_gradients_on_a_side_stream_cascade_to_the_largest_request() 
     };
     let p = run(facts, &ms, &BASE_SAMPLES, 20_000);
     assert_eq!(p.inputs.layout_allowance_bytes, 2100 * M);
+}
+
+#[test]
+fn flagged_gradients_are_freed_and_requests_stay_within_step_1s_peak_plus_state() {
+    // The base layouts with the 1400 allocated at optimizer begin split into
+    // 1000 of weights and a 400 gradient the client flagged; gradients set
+    // to None between steps. Served from the whole end layout less the
+    // gradient, oldest segment (highest address) first: the 2100 request
+    // takes the 4000 block (the 1300 rest and the freed 400 are too small),
+    // 1900 left. The 4000 request would make 1800 (weights, state) + 2100 +
+    // 4000 = 7900 held at once, past step 1's allocated peak before its
+    // optimizer (6000) plus the state (800): the 2100 request is gone by
+    // then and the 4000 block serves its own request. Nothing new, where
+    // the rule without flags finds 2100
+    // (`segment_layouts_replace_the_guessed_layout_allowance`).
+    let flagged = |begin_peak: u64| {
+        let mut ms = markers_with_layouts(2100);
+        for layout in [3, 4] {
+            let mut weights_and_gradient = seg(0, &[(1000, true), (400, true)]);
+            weights_and_gradient.blocks[1].gradient = true;
+            ms[layout].layout_segments[0] = weights_and_gradient;
+        }
+        ms[3].allocator.as_mut().unwrap().allocated_peak_bytes = begin_peak * M;
+        ms
+    };
+    let p = run(ModelFacts::default(), &flagged(6000), &BASE_SAMPLES, 20_000);
+    let l = p.inputs.layout_snapshots.expect("both layouts arrived");
+    assert_eq!(l.new_segment_bytes, 0);
+    assert_eq!(l.cached_at_begin_bytes, 6100 * M);
+    // Had step 1 held 8000 at once, both fit under 8800: the 4000 request
+    // finds its block split, one new 4000 segment.
+    let p = run(ModelFacts::default(), &flagged(8000), &BASE_SAMPLES, 20_000);
+    let l = p.inputs.layout_snapshots.expect("both layouts arrived");
+    assert_eq!(l.new_segment_bytes, 4000 * M);
+    assert_eq!(l.blocks_needing_new_segments, 1);
 }
 
 #[test]

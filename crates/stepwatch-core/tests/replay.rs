@@ -490,6 +490,7 @@ fn bad_traces_are_refused_with_a_reason() {
         vec![BlockLayout {
             size: 0,
             allocated: false,
+            gradient: false,
         }],
     ));
     assert!(matches!(
@@ -599,7 +600,11 @@ fn a_private_pool_serves_no_replayed_allocation() {
     let w = 1u64 << 36;
     let p = w - 40 * MIB;
     let s = p - 20 * MIB;
-    let block = |size, allocated| BlockLayout { size, allocated };
+    let block = |size, allocated| BlockLayout {
+        size,
+        allocated,
+        gradient: false,
+    };
     let mut private = SegmentLayout::new(
         p,
         Pool::Large,
@@ -720,6 +725,7 @@ fn hostile_traces_are_replayed_or_refused_never_a_panic() {
                 .map(|_| BlockLayout {
                     size: 512 * (1 + next() % 40_000),
                     allocated: next() % 2 == 0,
+                    gradient: false,
                 })
                 .collect();
             let mut offset = address;

@@ -254,6 +254,7 @@ fn mark(segments: &mut [allocator::SegmentLayout], address: u64, size: Option<u6
             None if start == address => blocks.push(allocator::BlockLayout {
                 size: b.size,
                 allocated: false,
+                gradient: false,
             }),
             Some(n) if !b.allocated && start <= address && address < end => {
                 let n = n.min(end - address);
@@ -266,6 +267,7 @@ fn mark(segments: &mut [allocator::SegmentLayout], address: u64, size: Option<u6
                         blocks.push(allocator::BlockLayout {
                             size: len,
                             allocated,
+                            gradient: false,
                         });
                     }
                 }

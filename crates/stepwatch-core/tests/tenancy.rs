@@ -243,6 +243,7 @@ fn a_new_run_forgets_the_last_runs_step_1_segment_layout() {
         vec![allocator::BlockLayout {
             size: 20 << 20,
             allocated: false,
+            gradient: false,
         }],
     )];
     t.markers(&key, &ms, 1).unwrap();

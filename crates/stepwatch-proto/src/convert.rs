@@ -480,7 +480,7 @@ pub fn segment_to_wire(s: &SegmentLayout) -> pb::AllocatorSegment {
         small_pool: *pool == Pool::Small,
         blocks: blocks
             .iter()
-            .map(|b| same_fields!(*b, BlockLayout => pb::AllocatorBlock { size, allocated }))
+            .map(|b| same_fields!(*b, BlockLayout => pb::AllocatorBlock { size, allocated, gradient }))
             .collect(),
         stream: *stream,
         pool_id: *pool_id,
@@ -503,7 +503,7 @@ pub fn segment_from_wire(s: pb::AllocatorSegment) -> SegmentLayout {
         pool: if small_pool { Pool::Small } else { Pool::Large },
         blocks: blocks
             .into_iter()
-            .map(|b| same_fields!(b, pb::AllocatorBlock => BlockLayout { size, allocated }))
+            .map(|b| same_fields!(b, pb::AllocatorBlock => BlockLayout { size, allocated, gradient }))
             .collect(),
         stream,
         pool_id,

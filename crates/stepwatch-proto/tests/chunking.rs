@@ -17,6 +17,7 @@ fn chunks_fit_the_message_limit_and_keep_the_order() {
                 .map(|j| AllocatorBlock {
                     size: (i + 1) * 512 * (j + 1),
                     allocated: j == 1,
+                    gradient: false,
                 })
                 .collect(),
             ..Default::default()

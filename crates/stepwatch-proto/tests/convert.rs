@@ -176,7 +176,7 @@ fn segment() -> impl Strategy<Value = SegmentLayout> {
     (
         any::<u64>(),
         any::<bool>(),
-        prop::collection::vec((any::<u64>(), any::<bool>()), 0..4),
+        prop::collection::vec((any::<u64>(), any::<bool>(), any::<bool>()), 0..4),
         any::<u64>(),
         any::<u64>(),
         any::<bool>(),
@@ -187,7 +187,11 @@ fn segment() -> impl Strategy<Value = SegmentLayout> {
                 pool: if small { Pool::Small } else { Pool::Large },
                 blocks: blocks
                     .into_iter()
-                    .map(|(size, allocated)| BlockLayout { size, allocated })
+                    .map(|(size, allocated, gradient)| BlockLayout {
+                        size,
+                        allocated,
+                        gradient,
+                    })
                     .collect(),
                 stream,
                 pool_id,

@@ -243,6 +243,13 @@ pub struct AllocatorBlock {
     /// Holds a live tensor (false: free, cached for reuse).
     #[prost(bool, tag = "2")]
     pub allocated: bool,
+    /// Holds a parameter's gradient (its .grad) when the snapshot was taken:
+    /// set on step 1's optimizer-marker layouts (Marker.layout_segments) by
+    /// clients that know the parameters; false in allocator traces. Gradients
+    /// set to None between steps are gone before step 2's forward, which the
+    /// agent then serves from their blocks.
+    #[prost(bool, tag = "3")]
+    pub gradient: bool,
 }
 /// One allocation or free of the traced step.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]

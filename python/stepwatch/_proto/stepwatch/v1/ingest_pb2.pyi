@@ -233,12 +233,14 @@ class AllocatorSegment(_message.Message):
     def __init__(self, address: _Optional[int] = ..., small_pool: bool = ..., blocks: _Optional[_Iterable[_Union[AllocatorBlock, _Mapping]]] = ..., stream: _Optional[int] = ..., pool_id: _Optional[int] = ..., expandable: bool = ...) -> None: ...
 
 class AllocatorBlock(_message.Message):
-    __slots__ = ("size", "allocated")
+    __slots__ = ("size", "allocated", "gradient")
     SIZE_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FIELD_NUMBER: _ClassVar[int]
     size: int
     allocated: bool
-    def __init__(self, size: _Optional[int] = ..., allocated: bool = ...) -> None: ...
+    gradient: bool
+    def __init__(self, size: _Optional[int] = ..., allocated: bool = ..., gradient: bool = ...) -> None: ...
 
 class AllocatorEvent(_message.Message):
     __slots__ = ("action", "address", "size", "phase", "stream")
