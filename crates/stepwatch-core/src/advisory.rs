@@ -22,7 +22,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::divergence::{Divergence, DivergenceFigure, NamedOutlier, PeakSource};
-use crate::marker::Marker;
+use crate::marker::{Marker, MarkerKind};
 use crate::predict::Prediction;
 
 /// An advisory is sent again when the predicted peak grew by this fraction
@@ -253,7 +253,10 @@ pub struct RetryGrowth {
 /// the first); returns the count after the batch and the growth in steps
 /// ≥ [`FIRST_RETRY_STEP`], if any. A marker's growth is counted in its
 /// own step (retries between step 1's end and step 2's begin are step
-/// 2's). The count is PyTorch's since the process started: a drop
+/// 2's). Growth shown first by an OOM marker is not counted: PyTorch
+/// retries the allocation that then fails, so every OOM carries one, and
+/// the OOM speaks for itself (on real PyTorch, fake CUDA: every kept
+/// step-2 OOM run). The count is PyTorch's since the process started: a drop
 /// (`torch.cuda.reset_accumulated_memory_stats`) starts it afresh, and
 /// the first count seen is a baseline, never growth (a client that
 /// connects late, or a rank restored without its count).
@@ -266,7 +269,7 @@ pub fn retry_growth(seen: Option<u64>, markers: &[Marker]) -> (Option<u64>, Opti
         };
         let added = last.map_or(0, |l| now.saturating_sub(l));
         last = Some(now);
-        if added == 0 || m.step < FIRST_RETRY_STEP {
+        if added == 0 || m.step < FIRST_RETRY_STEP || m.kind == MarkerKind::Oom {
             continue;
         }
         let g = growth.get_or_insert(RetryGrowth {

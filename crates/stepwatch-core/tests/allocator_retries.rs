@@ -124,6 +124,25 @@ fn growth_is_counted_from_step_2_on_in_the_step_of_its_marker() {
             total: 2
         })
     );
+    // An OOM marker's retry is the failed allocation's: the figure follows,
+    // but it is not growth; growth before it in the step still is.
+    let dying = [
+        marker(ForwardBegin, 2, 0, Some(0)),
+        marker(Oom, 2, 10, Some(1)),
+    ];
+    assert_eq!(retry_growth(Some(0), &dying), (Some(1), None));
+    let warned = [
+        marker(ForwardBegin, 2, 0, Some(1)),
+        marker(Oom, 2, 10, Some(2)),
+    ];
+    assert_eq!(
+        retry_growth(Some(0), &warned).1,
+        Some(RetryGrowth {
+            step: 2,
+            retries: 1,
+            total: 2
+        })
+    );
     // Markers without allocator figures change nothing.
     let bare = [marker(StepBegin, 4, 0, None), marker(StepEnd, 4, 10, None)];
     assert_eq!(retry_growth(Some(2), &bare), (Some(2), None));
@@ -314,7 +333,7 @@ proptest! {
         let mut grew = false;
         for m in &markers {
             if let Some(n) = m.allocator.map(|a| a.num_alloc_retries) {
-                if m.step >= 2 && last.is_some_and(|l| n > l) {
+                if m.step >= 2 && m.kind != MarkerKind::Oom && last.is_some_and(|l| n > l) {
                     grew = true;
                 }
                 last = Some(n);
