@@ -1298,6 +1298,16 @@ fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
         ),
         Some(1.0)
     );
+    let (_, body) = agent.get("/api/v1/jobs/retries/ranks/0");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(report["allocator_retries"], 3, "{body}");
+    let kinds: Vec<&serde_json::Value> = report["advisories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| &a["kind"])
+        .collect();
+    assert_eq!(kinds, ["allocator_retries"], "{body}");
 }
 
 /// (answer, path) of each row of README's "JSON paths" table.
