@@ -915,12 +915,13 @@ fn run_group(
                 .unwrap_or(0)
         });
         // The most severe advisory: an OOM prediction may follow a low-headroom
-        // one. Rank-divergence advisories say nothing about step 2 fitting.
+        // one. Only these two judge step 2: rank divergence is about peers,
+        // allocator retries come after step 1.
         let advisories: Vec<serde_json::Value> = report["advisories"]
             .as_array()
             .into_iter()
             .flatten()
-            .filter(|a| a["kind"] != "rank_divergence")
+            .filter(|a| a["kind"] == "step2_oom_predicted" || a["kind"] == "low_headroom")
             .cloned()
             .collect();
         let severe = advisories

@@ -1206,6 +1206,110 @@ fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
     );
 }
 
+/// After step 1 nothing else watches a job that grows into the GPU's limit
+/// (seen on real PyTorch on fake CUDA: `lightning-gpt` on a tight GPU died in
+/// step 4, its `num_alloc_retries` grew in steps 2 and 3). The client's
+/// retry count growing in step 3 reaches the training process as one
+/// ALLOCATOR_RETRIES advisory on its stream, and moves the rank's counter.
+#[test]
+fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{agent_message, AdvisoryKind, AllocatorStats, Severity};
+
+    const MB: u64 = 1_000_000;
+    // Every marker of step `n` reports `retries` (the last two markers of
+    // a step may report `late` instead), with small allocator figures.
+    let with_retries = |n: u64, t0: u64, retries: u64, late: u64| -> Vec<_> {
+        let markers = step(n, t0);
+        let last = markers.len() - 2;
+        markers
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut m)| {
+                m.allocator = Some(AllocatorStats {
+                    allocated_bytes: 1_000 * MB,
+                    allocated_peak_bytes: 1_000 * MB,
+                    reserved_bytes: 1_200 * MB,
+                    reserved_peak_bytes: 1_200 * MB,
+                    num_alloc_retries: if i >= last { late } else { retries },
+                    ..Default::default()
+                });
+                m
+            })
+            .collect()
+    };
+    let retries_advisories = |got: Vec<stepwatch_proto::v1::AgentMessage>| -> Vec<_> {
+        got.into_iter()
+            .filter_map(|m| match m.kind {
+                Some(agent_message::Kind::Advisory(a)) => Some(a),
+                _ => None,
+            })
+            .filter(|a| a.kind == AdvisoryKind::AllocatorRetries as i32)
+            .collect()
+    };
+    let agent = Agent::start("retries", 1);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let labels = [("training_job", "retries"), ("rank", "0")];
+    // Steps 1 and 2 without retries: no advisory, the counter at 0.
+    let got = rt
+        .block_on(exchange_collect(
+            &agent.endpoint(),
+            vec![
+                hello("retries", 0, 1),
+                batch(with_retries(1, 1_000_000, 0, 0)),
+                batch(with_retries(2, 2_000_000, 0, 0)),
+            ],
+        ))
+        .expect("a well-formed stream");
+    assert!(retries_advisories(got).is_empty());
+    agent.wait_metrics("the counter at 0", Duration::from_secs(10), |m| {
+        m.get("stepwatch_rank_allocator_retries_total", &labels) == Some(0.0)
+    });
+    // The same process resumes: step 3 retries twice (0 → 2), step 4 once
+    // more; one advisory, in step 3.
+    let got = rt
+        .block_on(exchange_collect(
+            &agent.endpoint(),
+            vec![
+                hello("retries", 0, 1),
+                batch(with_retries(3, 3_000_000, 0, 2)),
+                batch(with_retries(4, 4_000_000, 3, 3)),
+            ],
+        ))
+        .expect("a well-formed stream");
+    let advisories = retries_advisories(got);
+    assert_eq!(advisories.len(), 1, "{advisories:?}");
+    let a = &advisories[0];
+    assert_eq!((a.step, a.severity), (3, Severity::Warning as i32));
+    for words in [
+        "in step 3",
+        "retry 2 times (2 since the process started)",
+        "expandable_segments:True",
+    ] {
+        assert!(a.message.contains(words), "{words:?} not in {}", a.message);
+    }
+    let m = agent.wait_metrics("the counter at 3", Duration::from_secs(10), |m| {
+        m.get("stepwatch_rank_allocator_retries_total", &labels) == Some(3.0)
+    });
+    assert_eq!(
+        m.get(
+            "stepwatch_advisories_sent_total",
+            &[("kind", "ADVISORY_KIND_ALLOCATOR_RETRIES")]
+        ),
+        Some(1.0)
+    );
+    let (_, body) = agent.get("/api/v1/jobs/retries/ranks/0");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(report["allocator_retries"], 3, "{body}");
+    let kinds: Vec<&serde_json::Value> = report["advisories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| &a["kind"])
+        .collect();
+    assert_eq!(kinds, ["allocator_retries"], "{body}");
+}
+
 /// (answer, path) of each row of README's "JSON paths" table.
 fn readme_json_paths() -> Vec<(String, String)> {
     let readme =

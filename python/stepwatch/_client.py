@@ -639,9 +639,11 @@ class Client:
             capacity_bytes=a.capacity_bytes,
             predicted_headroom_bytes=a.predicted_headroom_bytes,
         )
-        # A rank-divergence advisory is about this rank's peers, not a
-        # prediction: last_prediction() keeps the step-2 one.
-        if a.kind != pb.ADVISORY_KIND_RANK_DIVERGENCE:
+        # Only the step-2 prediction's advisories replace last_prediction():
+        # rank divergence (about the rank's peers), allocator retries (an
+        # observation after step 1) and kinds newer than this client are not
+        # predictions; they are logged and passed to on_advisory all the same.
+        if a.kind in (pb.ADVISORY_KIND_STEP2_OOM_PREDICTED, pb.ADVISORY_KIND_LOW_HEADROOM):
             self._last_prediction = p
         self.counters["advisories"] += 1
         level = logging.INFO if a.severity == pb.SEVERITY_INFO else logging.WARNING

@@ -209,6 +209,41 @@ def test_rank_divergence_is_logged_but_last_prediction_keeps_the_step2_one(agent
     assert any("activation peak is off" in t for t in text)
 
 
+def test_allocator_retries_and_unknown_kinds_are_logged_but_keep_the_step2_prediction(
+    agent, caplog
+):
+    got = []
+    stepwatch.configure(on_advisory=got.append, rank=3, world_size=4)
+    mark_steps(1)
+    agent.wait_markers(6)
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        agent.advise(kind=2, severity=2, step=1, message="leaves only 0.50 GB free")
+        agent.advise(
+            kind=4,
+            severity=2,
+            step=3,
+            message="in step 3 PyTorch's caching allocator ran out of GPU memory and had to "
+            "free its cache and retry 2 times",
+        )
+        # A kind newer than this client: logged with its number, not dropped.
+        agent.advise(kind=99, severity=2, step=4, message="something new")
+        deadline = time.monotonic() + 5
+        while len(got) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert [p.kind for p in got] == [
+        "ADVISORY_KIND_LOW_HEADROOM",
+        "ADVISORY_KIND_ALLOCATOR_RETRIES",
+        "99",
+    ]
+    assert [p.severity for p in got] == ["SEVERITY_WARNING"] * 3
+    assert stepwatch.last_prediction() is got[0]
+    text = [r.getMessage() for r in caplog.records if r.name == "stepwatch"]
+    assert any("step 3): in step 3" in t and "retry 2 times" in t for t in text), text
+    assert any("step 4): something new" in t for t in text), text
+    # No prediction figures: no bracket of GB figures after the message.
+    assert not any("retry 2 times [" in t for t in text), text
+
+
 def test_failing_callback_does_not_break_the_stream(agent, caplog):
     calls = []
 

@@ -73,6 +73,9 @@ pub fn alert_for(advisory: &Advisory) -> Option<(&'static str, &'static str, boo
             }
             _ => None,
         },
+        // The Prometheus rule StepwatchAllocatorRetries covers it: it ends
+        // when the retries stop, which a once-per-run advisory cannot say.
+        AdvisoryKind::AllocatorRetries => None,
     }
 }
 

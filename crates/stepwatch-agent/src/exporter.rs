@@ -297,6 +297,8 @@ struct RankSnapshot {
     connected: bool,
     steps_completed: u64,
     ooms: u64,
+    /// The client's `num_alloc_retries` at its latest marker.
+    allocator_retries: Option<u64>,
     last_step: Option<u64>,
     last_completed: Option<LastCompleted>,
     median_duration_ns: Option<u64>,
@@ -378,6 +380,7 @@ fn rank_snapshot(tracker: &Tracker, key: RankKey) -> Option<RankSnapshot> {
         connected: rank.connected_streams > 0,
         steps_completed: tl.steps_completed(),
         ooms: tl.ooms(),
+        allocator_retries: rank.allocator_retries,
         last_step: tl.current().map(|s| s.step),
         last_completed,
         median_duration_ns,
@@ -478,6 +481,11 @@ fn rank_families(
         "stepwatch_rank_ooms_total",
         "Steps that ended with an out-of-memory marker.",
     );
+    let mut retries = Family::counter(
+        node,
+        "stepwatch_rank_allocator_retries_total",
+        "PyTorch's num_alloc_retries as the rank's latest marker reported it: allocations for which the caching allocator had to free its cache and retry cudaMalloc. Growth after step 1 means the job runs at the GPU's memory limit (each retry is a slow cache flush; a larger request may fail next). Absent until a marker carries allocator figures.",
+    );
     for rank in &tracker.ranks {
         let key = &rank.key;
         let rank_label = key.rank.to_string();
@@ -500,6 +508,9 @@ fn rank_families(
         connected.add(&labels, if rank.connected { 1.0 } else { 0.0 });
         steps.add(&labels, rank.steps_completed as f64);
         ooms.add(&labels, rank.ooms as f64);
+        if let Some(n) = rank.allocator_retries {
+            retries.add(&labels, n as f64);
+        }
         if let Some(current) = rank.last_step {
             last_step.add(&labels, current as f64);
         }
@@ -519,7 +530,7 @@ fn rank_families(
         }
     }
     for f in [
-        info, connected, steps, last_step, duration, median, last_end, phase, ooms,
+        info, connected, steps, last_step, duration, median, last_end, phase, ooms, retries,
     ] {
         f.done(out);
     }

@@ -296,6 +296,7 @@ fn rank_summary(key: &RankKey, r: &RankState) -> Value {
         "connected": r.connected_streams > 0,
         "steps_completed": r.timeline.steps_completed(),
         "ooms": r.timeline.ooms(),
+        "allocator_retries": r.allocator_retries,
         "last_step": r.timeline.current().map(|s| s.step),
     })
 }

@@ -158,6 +158,7 @@ impl IngestMetrics {
             stepwatch_proto::v1::AdvisoryKind::Step2OomPredicted,
             stepwatch_proto::v1::AdvisoryKind::LowHeadroom,
             stepwatch_proto::v1::AdvisoryKind::RankDivergence,
+            stepwatch_proto::v1::AdvisoryKind::AllocatorRetries,
         ] {
             m.advisories_sent.with_label_values(&[kind.as_str_name()]);
         }

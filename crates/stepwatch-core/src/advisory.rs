@@ -12,7 +12,9 @@
 //!   that kind, so the message a person reads follows the prediction;
 //! * rank divergence: once per figure ([`DivergenceFigure`]) per rank
 //!   timeline, to the outlier rank itself, when it is named (see
-//!   [`crate::divergence`]).
+//!   [`crate::divergence`]);
+//! * allocator retries: once per rank and run, at the first marker of a
+//!   step ≥ 2 whose `num_alloc_retries` grew (see [`retries_due`]).
 //!
 //! Sizes are written in decimal GB (10^9 bytes), with two decimals, as in
 //! the proto's example.
@@ -20,6 +22,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::divergence::{Divergence, DivergenceFigure, NamedOutlier, PeakSource};
+use crate::marker::{Marker, MarkerKind};
 use crate::predict::Prediction;
 
 /// An advisory is sent again when the predicted peak grew by this fraction
@@ -43,6 +46,9 @@ pub enum AdvisoryKind {
     LowHeadroom,
     /// The rank's memory figure is far from its peers' on this node.
     RankDivergence,
+    /// After step 1, PyTorch's caching allocator had to free its cache and
+    /// retry a `cudaMalloc`: the job runs at the GPU's limit.
+    AllocatorRetries,
 }
 
 /// One advisory, as issued.
@@ -118,7 +124,9 @@ pub fn due(
             100.0 * headroom as f64 / capacity_bytes.max(1) as f64,
             gb(capacity),
         ),
-        AdvisoryKind::RankDivergence => unreachable!("not a prediction advisory"),
+        AdvisoryKind::RankDivergence | AdvisoryKind::AllocatorRetries => {
+            unreachable!("not a prediction advisory")
+        }
     };
     vec![Advisory {
         kind,
@@ -216,4 +224,117 @@ fn divergence_message(n: &NamedOutlier) -> String {
         gb(n.median_bytes),
         n.ranks,
     )
+}
+
+/// The first step whose allocator retries are advised of. Step 1's are
+/// not: step 1 builds the allocator's cache, and a flush there already
+/// shapes what the step-2 prediction rests on (its reserved figures are
+/// measured after the flush, the allocator replay models the same release
+/// within the GPU's limit), so a step 1 at the limit is told by the
+/// step-2 OOM or low-headroom advisory. After step 1 nothing else watches:
+/// the prediction is frozen, and a job whose memory creeps up or fragments
+/// reaches the limit unannounced.
+pub const FIRST_RETRY_STEP: u64 = 2;
+
+/// Growth of the client's `num_alloc_retries` seen in one batch of markers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryGrowth {
+    /// The step of the first marker (from [`FIRST_RETRY_STEP`] on) whose
+    /// count grew.
+    pub step: u64,
+    /// Retries the batch's markers of steps ≥ [`FIRST_RETRY_STEP`] added.
+    pub retries: u64,
+    /// The client's count at the batch's last marker with allocator figures.
+    pub total: u64,
+}
+
+/// Follows the client's `num_alloc_retries` through a batch. `seen` is the
+/// count at the rank's last marker with allocator figures (None before
+/// the first); returns the count after the batch and the growth in steps
+/// ≥ [`FIRST_RETRY_STEP`], if any. A marker's growth is counted in its
+/// own step (retries between step 1's end and step 2's begin are step
+/// 2's). Growth shown first by an OOM marker is not counted: PyTorch
+/// retries the allocation that then fails, so every OOM carries one, and
+/// the OOM speaks for itself (on real PyTorch, fake CUDA: every kept
+/// step-2 OOM run). The count is PyTorch's since the process started: a drop
+/// (`torch.cuda.reset_accumulated_memory_stats`) starts it afresh, and
+/// the first count seen is a baseline, never growth (a client that
+/// connects late, or a rank restored without its count).
+pub fn retry_growth(seen: Option<u64>, markers: &[Marker]) -> (Option<u64>, Option<RetryGrowth>) {
+    let mut last = seen;
+    let mut growth: Option<RetryGrowth> = None;
+    for m in markers {
+        let Some(now) = m.allocator.map(|a| a.num_alloc_retries) else {
+            continue;
+        };
+        let added = last.map_or(0, |l| now.saturating_sub(l));
+        last = Some(now);
+        if added == 0 || m.step < FIRST_RETRY_STEP || m.kind == MarkerKind::Oom {
+            continue;
+        }
+        let g = growth.get_or_insert(RetryGrowth {
+            step: m.step,
+            retries: 0,
+            total: 0,
+        });
+        g.retries += added;
+    }
+    if let Some(g) = growth.as_mut() {
+        g.total = last.unwrap_or(0);
+    }
+    (last, growth)
+}
+
+/// The allocator-retries advisory due for `growth`: once per rank and run
+/// (none when `issued` holds one), a warning. `frozen` is the prediction
+/// made before step 2, quoted so the person can compare. The prediction
+/// fields stay 0: it is an observation, not a prediction.
+pub fn retries_due(
+    growth: RetryGrowth,
+    frozen: Option<&Prediction>,
+    now_ns: u64,
+    issued: &[Advisory],
+) -> Option<Advisory> {
+    if issued
+        .iter()
+        .any(|a| a.kind == AdvisoryKind::AllocatorRetries)
+    {
+        return None;
+    }
+    Some(Advisory {
+        kind: AdvisoryKind::AllocatorRetries,
+        step: growth.step,
+        issued_monotonic_ns: now_ns,
+        predicted_peak_bytes: 0,
+        capacity_bytes: 0,
+        predicted_headroom_bytes: 0,
+        message: retries_message(growth, frozen),
+        divergence: None,
+    })
+}
+
+fn retries_message(growth: RetryGrowth, frozen: Option<&Prediction>) -> String {
+    let RetryGrowth {
+        step,
+        retries,
+        total,
+    } = growth;
+    let times = if retries == 1 { "time" } else { "times" };
+    let mut m = format!(
+        "in step {step} PyTorch's caching allocator ran out of GPU memory and had to free its \
+         cache and retry {retries} {times} ({total} since the process started): the job is \
+         running at the GPU's memory limit; each retry costs a full cache flush (slow), and \
+         the next larger allocation may fail with an out-of-memory error. Set \
+         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation) or use a \
+         smaller micro-batch"
+    );
+    match frozen {
+        Some(p) if p.inputs.capacity_bytes > 0 => m.push_str(&format!(
+            "; before step 2 stepwatch predicted a steady peak of {} of the GPU's {}",
+            gb(p.predicted_peak_bytes as f64),
+            gb(p.inputs.capacity_bytes as f64),
+        )),
+        _ => {}
+    }
+    m
 }

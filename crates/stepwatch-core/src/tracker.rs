@@ -168,6 +168,13 @@ pub struct RankState {
     /// step 1 each time it reconnected.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ended_runs: Vec<String>,
+    /// The client's `num_alloc_retries` at the run's latest marker with
+    /// allocator figures (None before one): PyTorch's count of allocations
+    /// that needed the cache freed and `cudaMalloc` retried. Exported as a
+    /// counter; its growth after step 1 is advised of once
+    /// ([`crate::advisory::retries_due`]).
+    #[serde(default)]
+    pub allocator_retries: Option<u64>,
 }
 
 /// How many of a process's earlier run ids a rank remembers
@@ -595,6 +602,7 @@ impl Tracker {
                 state.optimizer_begin_layout.clear();
                 state.optimizer_begin_allocator = None;
                 state.layout_estimate = None;
+                state.allocator_retries = None;
             }
             state.info = info;
             state.connected_streams += 1;
@@ -638,6 +646,7 @@ impl Tracker {
                 optimizer_begin_allocator: None,
                 layout_estimate: None,
                 ended_runs: Vec::new(),
+                allocator_retries: None,
             },
         );
         Ok(Opened {
@@ -677,6 +686,7 @@ impl Tracker {
             optimizer_begin_allocator: r.optimizer_begin_allocator,
             layout_estimate: r.layout_estimate,
             ended_runs: r.ended_runs.clone(),
+            allocator_retries: r.allocator_retries,
         })
     }
 
@@ -826,6 +836,7 @@ impl Tracker {
             if boundary {
                 advisories.extend(self.advise_divergence(key, now_ns));
             }
+            advisories.extend(self.advise_retries(key, markers, now_ns));
             return Ok(advisories);
         };
         self.apply_and_credit(key, &markers[..at]);
@@ -835,7 +846,32 @@ impl Tracker {
         }
         self.apply_and_credit(key, &markers[at..]);
         advisories.extend(self.advise_divergence(key, now_ns));
+        advisories.extend(self.advise_retries(key, markers, now_ns));
         Ok(advisories)
+    }
+
+    /// Follows the client's allocator retry count through an applied batch
+    /// ([`RankState::allocator_retries`]) and returns the allocator-retries
+    /// advisory when the count grew in a step ≥ 2 and none was issued to
+    /// this run yet (see [`advisory::retry_growth`] for why not step 1).
+    fn advise_retries(&mut self, key: &RankKey, markers: &[Marker], now_ns: u64) -> Vec<Advisory> {
+        let Some(state) = self.ranks.get_mut(key) else {
+            return Vec::new();
+        };
+        let (seen, growth) = advisory::retry_growth(state.allocator_retries, markers);
+        state.allocator_retries = seen;
+        let Some(due) = growth.and_then(|g| {
+            advisory::retries_due(
+                g,
+                state.prediction_before_step2.as_ref(),
+                now_ns,
+                &state.advisories,
+            )
+        }) else {
+            return Vec::new();
+        };
+        state.advisories.push(due.clone());
+        vec![due]
     }
 
     /// Rank-divergence advisories that have become due for `key`, recorded

@@ -579,6 +579,7 @@ enum_pairs!(advisory_kind_to_wire, advisory_kind_of_wire, AdvisoryKind => pb::Ad
     Step2OomPredicted <=> Step2OomPredicted,
     LowHeadroom <=> LowHeadroom,
     RankDivergence <=> RankDivergence,
+    AllocatorRetries <=> AllocatorRetries,
 });
 
 /// An advisory kind as sent; unspecified and unknown values are refused.
@@ -602,7 +603,9 @@ pub fn advisory_to_wire(a: &Advisory) -> pb::Advisory {
     } = a.clone();
     let severity = match kind {
         AdvisoryKind::Step2OomPredicted => pb::Severity::Critical,
-        AdvisoryKind::LowHeadroom | AdvisoryKind::RankDivergence => pb::Severity::Warning,
+        AdvisoryKind::LowHeadroom
+        | AdvisoryKind::RankDivergence
+        | AdvisoryKind::AllocatorRetries => pb::Severity::Warning,
     };
     pb::Advisory {
         kind: advisory_kind_to_wire(kind) as i32,

@@ -455,12 +455,15 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
                 due.extend(from_batch.advisories);
             }
         }
-        // Only the memory warnings are judged here; a rank-divergence
-        // advisory says nothing about step 2 fitting.
-        for a in due
-            .into_iter()
-            .filter(|a| a.kind != AdvisoryKind::RankDivergence)
-        {
+        // Only the step-2 memory warnings are judged here; a rank-divergence
+        // advisory says nothing about step 2 fitting, and an allocator-retries
+        // one comes only once step 2 runs.
+        for a in due.into_iter().filter(|a| {
+            matches!(
+                a.kind,
+                AdvisoryKind::Step2OomPredicted | AdvisoryKind::LowHeadroom
+            )
+        }) {
             if out.first_warning.is_none() {
                 out.first_warning = Some((a.kind, t));
             }
@@ -641,6 +644,7 @@ pub fn render_table(rows: &[AccuracyRow]) -> String {
             (Some(AdvisoryKind::Step2OomPredicted), l) => format!("oom_risk ({})", ms(l)),
             (Some(AdvisoryKind::LowHeadroom), l) => format!("low_headroom ({})", ms(l)),
             (Some(AdvisoryKind::RankDivergence), l) => format!("rank_divergence ({})", ms(l)),
+            (Some(AdvisoryKind::AllocatorRetries), l) => format!("allocator_retries ({})", ms(l)),
             (None, _) => "—".into(),
         };
         let actual = match r.actual_source {

@@ -614,6 +614,9 @@ pub enum AdvisoryKind {
     LowHeadroom = 2,
     /// The rank's step-1 figures diverge from its peers on this node.
     RankDivergence = 3,
+    /// After step 1, the caching allocator had to free its cache and retry a
+    /// cudaMalloc (num_alloc_retries grew): the job runs at the GPU's limit.
+    AllocatorRetries = 4,
 }
 impl AdvisoryKind {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -626,6 +629,7 @@ impl AdvisoryKind {
             Self::Step2OomPredicted => "ADVISORY_KIND_STEP2_OOM_PREDICTED",
             Self::LowHeadroom => "ADVISORY_KIND_LOW_HEADROOM",
             Self::RankDivergence => "ADVISORY_KIND_RANK_DIVERGENCE",
+            Self::AllocatorRetries => "ADVISORY_KIND_ALLOCATOR_RETRIES",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -635,6 +639,7 @@ impl AdvisoryKind {
             "ADVISORY_KIND_STEP2_OOM_PREDICTED" => Some(Self::Step2OomPredicted),
             "ADVISORY_KIND_LOW_HEADROOM" => Some(Self::LowHeadroom),
             "ADVISORY_KIND_RANK_DIVERGENCE" => Some(Self::RankDivergence),
+            "ADVISORY_KIND_ALLOCATOR_RETRIES" => Some(Self::AllocatorRetries),
             _ => None,
         }
     }
