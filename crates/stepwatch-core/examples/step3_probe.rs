@@ -94,6 +94,8 @@ fn main() {
                             .copied()
                             .flatten(),
                         reserved_limit: None,
+                        // Unflagged snapshots (the probe's finding): no live limit.
+                        live_limit: None,
                         gradients_alive_in_forward: gradients != Gradients::FreedBeforeStep,
                     };
                     probe(
@@ -267,6 +269,7 @@ fn freed_at(layout: &[SegmentLayout], addresses: &[u64]) -> Vec<SegmentLayout> {
                     _ => blocks.push(BlockLayout {
                         size: b.size,
                         allocated: !free,
+                        gradient: false,
                     }),
                 }
             }
@@ -328,6 +331,7 @@ fn mark(segments: &mut [SegmentLayout], address: u64, size: Option<u64>) {
             None if start == address => blocks.push(BlockLayout {
                 size: b.size,
                 allocated: false,
+                gradient: false,
             }),
             Some(n) if !b.allocated && start <= address && address < end => {
                 let n = n.min(end - address);
@@ -340,6 +344,7 @@ fn mark(segments: &mut [SegmentLayout], address: u64, size: Option<u64>) {
                         blocks.push(BlockLayout {
                             size: len,
                             allocated,
+                            gradient: false,
                         });
                     }
                 }

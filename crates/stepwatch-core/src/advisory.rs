@@ -105,6 +105,19 @@ pub fn due(
     let peak = prediction.predicted_peak_bytes as f64;
     let capacity = capacity_bytes as f64;
     let message = match kind {
+        AdvisoryKind::Step2OomPredicted if headroom >= 0 => {
+            // Only a reserved need cut to the limit warns at headroom ≥ 0.
+            let mut m = format!(
+                "step 2 needs more cached GPU memory than {} leaves (new segments for the \
+                 blocks step 1's optimizer state took, cut at the limit, predicted peak {}); \
+                 PyTorch will free its cache and retry, and step 2 may still run out of GPU \
+                 memory",
+                gb(capacity),
+                gb(peak),
+            );
+            m.push_str(&what_would_fit_words(prediction));
+            m
+        }
         AdvisoryKind::Step2OomPredicted => {
             let mut m = format!(
                 "predicted steady-state peak {} exceeds capacity {} by {}; step 2 will likely \

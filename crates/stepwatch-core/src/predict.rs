@@ -769,9 +769,15 @@ pub fn predict_with_layout(
     // (also when the device figure is below what other processes hold).
     let headroom = (capacity_bytes > 0).then(|| i128::from(capacity_bytes) - i128::from(predicted));
     let headroom = headroom.map(|h| h.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64);
-    let oom_risk = headroom.is_some_and(|h| h < 0);
-    let low_headroom =
-        headroom.is_some_and(|h| (h as f64) < config.low_headroom_fraction * capacity_bytes as f64);
+    // New segments past the reserved limit were cut to it: step 2 then fits
+    // only if PyTorch's cache release and retry frees enough, which the
+    // layouts cannot show. A risk, not a fit (`gpt-activation-checkpointing`
+    // on real PyTorch died in step 2 at headroom 0 from the cut figure).
+    let past_reserved_limit = layout.is_some_and(|l| l.capped_at_reserved_limit);
+    let oom_risk = headroom.is_some_and(|h| h < 0 || past_reserved_limit);
+    let low_headroom = oom_risk
+        || headroom
+            .is_some_and(|h| (h as f64) < config.low_headroom_fraction * capacity_bytes as f64);
 
     let layout_added = basis == PredictionBasis::Allocator && replay.is_none();
     let inputs = PredictionInputs {
@@ -1817,7 +1823,8 @@ fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
                         g(l.cached_at_begin_bytes),
                         if l.capped_at_reserved_limit {
                             "; cut to the reserved limit, past which the allocator releases \
-                             its cache before it fails"
+                             its cache and retries before it fails: whether that frees enough \
+                             the snapshots cannot show, so step 2 is at risk of running out"
                         } else {
                             ""
                         },
