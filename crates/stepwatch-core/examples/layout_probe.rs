@@ -43,11 +43,12 @@
 //!   whose loss temporaries (logits-sized) are freed before backward begins
 //!   yet alive together with the forward's activations. `RANK=n`: the
 //!   allocator figures (peak, state) of rank n's markers.
+mod common;
+use common::{layout_at_optimizer_begin, layout_before};
+
 use std::collections::HashMap;
 
-use stepwatch_core::allocator::{
-    self, BlockLayout, CachingAllocator, Pool, SegmentLayout, LARGE_BUFFER,
-};
+use stepwatch_core::allocator::{BlockLayout, CachingAllocator, Pool, SegmentLayout, LARGE_BUFFER};
 use stepwatch_core::{
     replay_step2_with, step2_new_segments, AllocatorAction, AllocatorTrace, Gradients, PhaseKind,
     RecordEntry,
@@ -383,77 +384,6 @@ fn candidate(
         }
     }
     alloc.peaks().step.reserved - before
-}
-
-fn layout_at_optimizer_begin(trace: &AllocatorTrace) -> Vec<SegmentLayout> {
-    layout_before(trace, &[PhaseKind::Optimizer])
-}
-
-fn layout_before(trace: &AllocatorTrace, phases: &[PhaseKind]) -> Vec<SegmentLayout> {
-    let mut segments = trace.segments.clone();
-    for e in trace
-        .events
-        .iter()
-        .rev()
-        .filter(|e| phases.contains(&e.phase))
-    {
-        match e.action {
-            AllocatorAction::Alloc => mark(&mut segments, e.address, None),
-            AllocatorAction::Free => mark(
-                &mut segments,
-                e.address,
-                Some(allocator::round_size(e.size)),
-            ),
-            AllocatorAction::SegmentAlloc => segments.retain(|s| s.address != e.address),
-            _ => {}
-        }
-    }
-    segments
-}
-
-fn mark(segments: &mut [SegmentLayout], address: u64, size: Option<u64>) {
-    let s = segments
-        .iter_mut()
-        .find(|s| s.address <= address && address < s.address + s.size())
-        .unwrap();
-    let mut blocks = Vec::new();
-    let mut start = s.address;
-    for b in &s.blocks {
-        let end = start + b.size;
-        match size {
-            None if start == address => blocks.push(BlockLayout {
-                size: b.size,
-                allocated: false,
-                gradient: false,
-            }),
-            Some(n) if !b.allocated && start <= address && address < end => {
-                let n = n.min(end - address);
-                for (len, allocated) in [
-                    (address - start, false),
-                    (n, true),
-                    (end - address - n, false),
-                ] {
-                    if len > 0 {
-                        blocks.push(BlockLayout {
-                            size: len,
-                            allocated,
-                            gradient: false,
-                        });
-                    }
-                }
-            }
-            _ => blocks.push(*b),
-        }
-        start = end;
-    }
-    let mut merged: Vec<BlockLayout> = Vec::new();
-    for b in blocks {
-        match merged.last_mut() {
-            Some(last) if !last.allocated && !b.allocated => last.size += b.size,
-            _ => merged.push(b),
-        }
-    }
-    s.blocks = merged;
 }
 
 /// Forward order (smallest first), gradients freed, replaced blocks freed once their new copy is made.

@@ -10,7 +10,7 @@
 //! layouts it passes through at each step's optimizer begin and end are
 //! what a markers-only client would snapshot there. Step 1's pair is
 //! rebuilt from the trace (the optimizer's events undone from the end
-//! layout, as `layout_probe` on branch h7-over does). Both pairs go through
+//! layout, `common::layout_at_optimizer_begin`, shared with `layout_probe`). Both pairs go through
 //! the rule with the context the tracker builds (the hello's parameter
 //! bytes, the gradients' fate; no reserved limit), large pool only, as the
 //! client sends them.
@@ -48,12 +48,15 @@
 //! blocks relative to step 2's forward, which neither snapshot shows.
 //! `flagged` finds Lightning's 394 but also 394 for FSDP2 and 40 to 872
 //! for four other jobs that do not grow.
+mod common;
+use common::layout_at_optimizer_begin;
+
 use std::collections::HashMap;
 
-use stepwatch_core::allocator::{self, BlockLayout, Pool, SegmentLayout};
+use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::{
-    replay_optimizer_layouts, step2_new_segments_with, AllocatorAction, AllocatorTrace, Gradients,
-    LayoutContext, PhaseKind, RecordEntry,
+    replay_optimizer_layouts, step2_new_segments_with, AllocatorTrace, Gradients, LayoutContext,
+    RecordEntry,
 };
 
 const MIB: f64 = 1048576.0;
@@ -288,77 +291,4 @@ fn large(layout: &[SegmentLayout]) -> Vec<SegmentLayout> {
         .filter(|s| s.pool == Pool::Large)
         .cloned()
         .collect()
-}
-
-/// Step 1's layout at its optimizer begin: the trace's end layout with the
-/// optimizer phase's events undone (latest first).
-fn layout_at_optimizer_begin(trace: &AllocatorTrace) -> Vec<SegmentLayout> {
-    let mut segments = trace.segments.clone();
-    for e in trace
-        .events
-        .iter()
-        .rev()
-        .filter(|e| e.phase == PhaseKind::Optimizer)
-    {
-        match e.action {
-            AllocatorAction::Alloc => mark(&mut segments, e.address, None),
-            AllocatorAction::Free => mark(
-                &mut segments,
-                e.address,
-                Some(allocator::round_size(e.size)),
-            ),
-            AllocatorAction::SegmentAlloc => segments.retain(|s| s.address != e.address),
-            _ => {}
-        }
-    }
-    segments
-}
-
-/// Undoes one event on the block at `address`: an allocation (`None`)
-/// frees it, a free (`Some(size)`) allocates `size` bytes there again.
-fn mark(segments: &mut [SegmentLayout], address: u64, size: Option<u64>) {
-    let Some(s) = segments
-        .iter_mut()
-        .find(|s| s.address <= address && address < s.address + s.size())
-    else {
-        return;
-    };
-    let mut blocks = Vec::new();
-    let mut start = s.address;
-    for b in &s.blocks {
-        let end = start + b.size;
-        match size {
-            None if start == address => blocks.push(BlockLayout {
-                size: b.size,
-                allocated: false,
-                gradient: false,
-            }),
-            Some(n) if !b.allocated && start <= address && address < end => {
-                let n = n.min(end - address);
-                for (len, allocated) in [
-                    (address - start, false),
-                    (n, true),
-                    (end - address - n, false),
-                ] {
-                    if len > 0 {
-                        blocks.push(BlockLayout {
-                            size: len,
-                            allocated,
-                            gradient: false,
-                        });
-                    }
-                }
-            }
-            _ => blocks.push(*b),
-        }
-        start = end;
-    }
-    let mut merged: Vec<BlockLayout> = Vec::new();
-    for b in blocks {
-        match merged.last_mut() {
-            Some(last) if !last.allocated && !b.allocated => last.size += b.size,
-            _ => merged.push(b),
-        }
-    }
-    s.blocks = merged;
 }
