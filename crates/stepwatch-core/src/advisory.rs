@@ -12,7 +12,7 @@
 //!   that kind, so the message a person reads follows the prediction;
 //! * rank divergence: once per figure ([`DivergenceFigure`]) per rank
 //!   timeline, to the outlier rank itself, when it is named (see
-//!   [`crate::divergence`]);
+//!   [`crate::divergence`](mod@crate::divergence));
 //! * allocator retries: once per rank and run, at the first marker of a
 //!   step ≥ 2 whose `num_alloc_retries` grew (see [`retries_due`]).
 //!
