@@ -7,6 +7,12 @@ use std::path::Path;
 use serde::Deserialize;
 use stepwatch_core::*;
 
+// Step 1's layout at its optimizer begin, rebuilt from a trace: one copy
+// with the diagnostic examples.
+#[path = "../examples/common/mod.rs"]
+mod trace_layout;
+use trace_layout::layout_at_optimizer_begin;
+
 /// What PyTorch's allocator reported in the same run.
 #[derive(Deserialize)]
 struct Real {
@@ -211,79 +217,6 @@ fn ddp_frees_its_one_bucket_and_makes_the_rebuilt_ones_at_step_2s_first_forward(
         w.steady_reserved_peak_bytes - f.real.steady_reserved_peak_bytes,
         198 << 20
     );
-}
-
-/// Step 1's segment layout at its optimizer begin, from a trace: the layout
-/// at its end with the optimizer phase's allocations and frees undone, last
-/// first (what a client without a trace snapshots at OPTIMIZER_BEGIN).
-fn layout_at_optimizer_begin(trace: &AllocatorTrace) -> Vec<allocator::SegmentLayout> {
-    let mut segments = trace.segments.clone();
-    for e in trace
-        .events
-        .iter()
-        .rev()
-        .filter(|e| e.phase == PhaseKind::Optimizer)
-    {
-        match e.action {
-            AllocatorAction::Alloc => mark(&mut segments, e.address, None),
-            AllocatorAction::Free => mark(
-                &mut segments,
-                e.address,
-                Some(allocator::round_size(e.size)),
-            ),
-            AllocatorAction::SegmentAlloc => segments.retain(|s| s.address != e.address),
-            _ => {}
-        }
-    }
-    segments
-}
-
-/// Marks the block at `address` free (`None`), or carves an allocated block
-/// of `size` bytes at `address` out of the free block holding it; adjacent
-/// free blocks are merged, as the allocator keeps them.
-fn mark(segments: &mut [allocator::SegmentLayout], address: u64, size: Option<u64>) {
-    let s = segments
-        .iter_mut()
-        .find(|s| s.address <= address && address < s.address + s.size())
-        .expect("the event's address is in a segment of the layout");
-    let mut blocks = Vec::new();
-    let mut start = s.address;
-    for b in &s.blocks {
-        let end = start + b.size;
-        match size {
-            None if start == address => blocks.push(allocator::BlockLayout {
-                size: b.size,
-                allocated: false,
-                gradient: false,
-            }),
-            Some(n) if !b.allocated && start <= address && address < end => {
-                let n = n.min(end - address);
-                for (len, allocated) in [
-                    (address - start, false),
-                    (n, true),
-                    (end - address - n, false),
-                ] {
-                    if len > 0 {
-                        blocks.push(allocator::BlockLayout {
-                            size: len,
-                            allocated,
-                            gradient: false,
-                        });
-                    }
-                }
-            }
-            _ => blocks.push(*b),
-        }
-        start = end;
-    }
-    let mut merged: Vec<allocator::BlockLayout> = Vec::new();
-    for b in blocks {
-        match merged.last_mut() {
-            Some(last) if !last.allocated && !b.allocated => last.size += b.size,
-            _ => merged.push(b),
-        }
-    }
-    s.blocks = merged;
 }
 
 #[test]

@@ -1,4 +1,5 @@
-//! What the diagnostic examples `layout_probe` and `step3_probe` share:
+//! What the diagnostic examples `layout_probe` and `step3_probe` and the
+//! test `tests/replay_torch.rs` share:
 //! step 1's layout at a phase boundary, rebuilt from an allocator trace by
 //! undoing the later phases' events on the trace's end layout (what a
 //! markers-only client would have snapshotted there).
@@ -37,12 +38,10 @@ pub fn layout_before(trace: &AllocatorTrace, phases: &[PhaseKind]) -> Vec<Segmen
 /// Undoes one event on the block at `address`: an allocation (`None`)
 /// frees it, a free (`Some(size)`) allocates `size` bytes there again.
 pub fn mark(segments: &mut [SegmentLayout], address: u64, size: Option<u64>) {
-    let Some(s) = segments
+    let s = segments
         .iter_mut()
         .find(|s| s.address <= address && address < s.address + s.size())
-    else {
-        return;
-    };
+        .expect("the event's address is in a segment of the layout");
     let mut blocks = Vec::new();
     let mut start = s.address;
     for b in &s.blocks {
