@@ -237,26 +237,7 @@ fn freed(
     roles: &HashMap<u64, Role>,
     which: &dyn Fn(Role) -> bool,
 ) -> SegmentLayout {
-    let mut blocks: Vec<BlockLayout> = Vec::new();
-    for (b, a) in s.blocks.iter().zip(block_addresses(s)) {
-        let b = if b.allocated && which(role(roles, a, b)) {
-            BlockLayout {
-                size: b.size,
-                allocated: false,
-                gradient: false,
-            }
-        } else {
-            *b
-        };
-        match blocks.last_mut() {
-            Some(last) if !last.allocated && !b.allocated => last.size += b.size,
-            _ => blocks.push(b),
-        }
-    }
-    SegmentLayout {
-        blocks,
-        ..s.clone()
-    }
+    s.freeing(|a, b| b.allocated && which(role(roles, a, b)))
 }
 
 fn candidate(

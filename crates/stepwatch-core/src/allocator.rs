@@ -375,6 +375,34 @@ impl SegmentLayout {
     pub fn size(&self) -> u64 {
         self.blocks.iter().map(|b| b.size).sum()
     }
+
+    /// The segment with the blocks `free(address, block)` picks freed and
+    /// merged with free neighbours, as the caching allocator coalesces a
+    /// freed block: what a layout becomes once those tensors are gone.
+    pub fn freeing(&self, free: impl Fn(u64, &BlockLayout) -> bool) -> SegmentLayout {
+        let mut blocks: Vec<BlockLayout> = Vec::with_capacity(self.blocks.len());
+        let mut address = self.address;
+        for b in &self.blocks {
+            let b = if free(address, b) {
+                BlockLayout {
+                    size: b.size,
+                    allocated: false,
+                    gradient: false,
+                }
+            } else {
+                *b
+            };
+            address += b.size;
+            match blocks.last_mut() {
+                Some(last) if !last.allocated && !b.allocated => last.size += b.size,
+                _ => blocks.push(b),
+            }
+        }
+        SegmentLayout {
+            blocks,
+            ..self.clone()
+        }
+    }
 }
 
 /// A layout [`CachingAllocator::from_layout`] cannot take.

@@ -120,9 +120,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::allocator::{
-    BlockLayout, CachingAllocator, LayoutError, Pool, SegmentLayout, LARGE_BUFFER,
-};
+use crate::allocator::{CachingAllocator, LayoutError, Pool, SegmentLayout, LARGE_BUFFER};
 
 /// The most blocks one layout may hold for the tracker to keep it: a rank
 /// holds one until the other arrives. A client's 64 KiB message cap allows
@@ -357,7 +355,8 @@ fn with_gradients_freed(
     requests.sort_by_key(|&(address, _)| std::cmp::Reverse(address));
     let requests: Vec<Request> = requests.into_iter().map(|(_, r)| r).collect();
     let reserved_at_end = CachingAllocator::from_layout(end)?.0.reserved();
-    let serving: Vec<SegmentLayout> = end.iter().map(without_gradients).collect();
+    // Step 2 sets the gradients to None before its forward.
+    let serving: Vec<SegmentLayout> = end.iter().map(|s| s.freeing(|_, b| b.gradient)).collect();
     let (alloc, _) = CachingAllocator::from_layout(&serving)?;
     Ok(estimate(
         alloc,
@@ -367,32 +366,6 @@ fn with_gradients_freed(
         reserved_at_end,
         0,
     ))
-}
-
-/// `segment` with its gradients' blocks freed and merged with free
-/// neighbours, as the caching allocator coalesces a freed block: step 2
-/// sets the gradients to None before its forward.
-fn without_gradients(segment: &SegmentLayout) -> SegmentLayout {
-    let mut blocks: Vec<BlockLayout> = Vec::with_capacity(segment.blocks.len());
-    for b in &segment.blocks {
-        let b = if b.gradient {
-            BlockLayout {
-                size: b.size,
-                allocated: false,
-                gradient: false,
-            }
-        } else {
-            *b
-        };
-        match blocks.last_mut() {
-            Some(last) if !last.allocated && !b.allocated => last.size += b.size,
-            _ => blocks.push(b),
-        }
-    }
-    SegmentLayout {
-        blocks,
-        ..segment.clone()
-    }
 }
 
 /// The requests in the order step 2's forward makes them when nothing
@@ -446,6 +419,7 @@ fn serve(mut alloc: CachingAllocator, requests: &[Request], live_limit: Option<u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::allocator::BlockLayout;
 
     const M: u64 = 1 << 20;
 
