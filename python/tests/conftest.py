@@ -37,6 +37,19 @@ STEP = [
 ]
 
 
+def mark_steps(n: int, start: int = 1) -> None:
+    """Marks steps start..start+n-1 with stepwatch's module API, each with its
+    forward, backward and optimizer phases (no work inside)."""
+    for i in range(start, start + n):
+        with stepwatch.step(i):
+            with stepwatch.phase("forward"):
+                pass
+            with stepwatch.phase("backward"):
+                pass
+            with stepwatch.phase("optimizer"):
+                pass
+
+
 def expected(steps: int, micro: int = 1) -> List[tuple]:
     """summary() of ``steps`` steps of ``micro`` forward/backward pairs each."""
     out: List[tuple] = []

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
-from conftest import FLUSH_S, agent_binary
+from conftest import FLUSH_S, agent_binary, mark_steps
 
 import stepwatch
 
@@ -517,17 +517,6 @@ def test_a_rank_another_process_holds_is_retried_until_its_stream_closes(
         agent.stop()
 
 
-def _mark_steps(first: int, n: int) -> None:
-    for i in range(first, first + n):
-        with stepwatch.step(i):
-            with stepwatch.phase("forward"):
-                pass
-            with stepwatch.phase("backward"):
-                pass
-            with stepwatch.phase("optimizer"):
-                pass
-
-
 _CHILD_SCRIPT_DONE = b"\n"
 
 
@@ -542,7 +531,7 @@ def test_a_forked_child_that_marks_steps_sends_nothing_says_so_once_and_never_ha
     and exit stay quick; the parent's rank and stream are untouched."""
     job = f"pytest-{uuid.uuid4().hex[:8]}"
     stepwatch.configure(job_id=job)
-    _mark_steps(1, 1)
+    mark_steps(1, start=1)
     assert stepwatch.flush(FLUSH_S), stepwatch.stats()
     real_agent.rank_report(job, 0, 1)
     r, w = os.pipe()
@@ -557,11 +546,11 @@ def test_a_forked_child_that_marks_steps_sends_nothing_says_so_once_and_never_ha
 
             logging.getLogger("stepwatch").addHandler(Keep(logging.WARNING))
             t0 = time.monotonic()
-            _mark_steps(2, 3)
+            mark_steps(3, start=2)
             flushed = stepwatch.flush(5)
             first = stepwatch.stats()
             stepwatch.shutdown(timeout=5)
-            _mark_steps(5, 1)  # a new client after shutdown: still nothing sent
+            mark_steps(1, start=5)  # a new client after shutdown: still nothing sent
             took = time.monotonic() - t0
             out = dict(stats=[first, stepwatch.stats()], flushed=flushed, said=said, took=took)
             os.write(w, json.dumps(out).encode() + _CHILD_SCRIPT_DONE)
@@ -592,7 +581,7 @@ def test_a_forked_child_that_marks_steps_sends_nothing_says_so_once_and_never_ha
     assert "'spawn'" in child["said"][0], child["said"]
     # The agent never heard from the child; the parent goes on on its stream.
     assert _metric(real_agent, "stepwatch_markers_rejected_total", 'reason="rank_held"') == 0
-    _mark_steps(2, 1)
+    mark_steps(1, start=2)
     assert stepwatch.flush(FLUSH_S), stepwatch.stats()
     report = real_agent.rank_report(job, 0, 2)
     assert report["info"]["pid"] == os.getpid() and report["steps_completed"] == 2, report

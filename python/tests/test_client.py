@@ -15,22 +15,11 @@ from typing import Optional
 
 import grpc
 import pytest
-from conftest import FakeAgent, summary
+from conftest import FakeAgent, mark_steps, summary
 
 import stepwatch
 from stepwatch._client import MAX_MARKERS_PER_BATCH, OPTIMIZER_BEGIN, STEP_BEGIN, STEP_END, Client
 from stepwatch._runtime import RT
-
-
-def mark_steps(n, start=1):
-    for i in range(start, start + n):
-        with stepwatch.step(i):
-            with stepwatch.phase("forward"):
-                pass
-            with stepwatch.phase("backward"):
-                pass
-            with stepwatch.phase("optimizer"):
-                pass
 
 
 def test_hello_first_then_markers_in_order(agent):
