@@ -201,7 +201,7 @@ class Client:
                 tls.error,
             )
         self.hello_factory = hello_factory
-        self.maxlen = queue_size or _env_int("STEPWATCH_QUEUE_SIZE", 16384)
+        self._queue_size = queue_size or _env_int("STEPWATCH_QUEUE_SIZE", 16384)
         self.on_advisory = on_advisory
         self.strict = strict
         self.connect_timeout = (
@@ -228,6 +228,8 @@ class Client:
     def _reset_state(self) -> None:
         """Fresh queue, counters and thread state (also used in a forked child)."""
         # MarkerTuples, and at most one _alloctrace.AllocatorTrace (step 1's).
+        # maxlen: the queue's bound as `mark` reads it (0 once stopped).
+        self.maxlen = self._queue_size
         self._q: Deque[Any] = collections.deque(maxlen=self.maxlen)
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -250,8 +252,12 @@ class Client:
 
     def _stop_sending(self, why: str) -> None:
         """Send nothing from now on: the queue discards what it is given (and what
-        it held), so a stopped client costs no memory and no thread."""
+        it held), so a stopped client costs no memory and no thread. What it
+        discards counts as dropped."""
         self._stopped = why
+        # A bound of 0: `mark` counts each marker it is given as dropped (as
+        # the Rust client does) at no cost on its path.
+        self.maxlen = 0
         self._q = collections.deque(maxlen=0)
 
     def _after_fork_in_child(self) -> None:

@@ -430,9 +430,12 @@ def test_a_client_whose_run_another_client_in_the_process_replaced_stops_for_goo
         said = [r.getMessage() for r in caplog.records if r.name == "stepwatch"]
         assert len(said) == 1, said
         assert "run_ended" in said[0] and "fit-2" in said[0] and "one stepwatch" in said[0], said
-        # Marking goes on, never blocks, and sends nothing; flush says so at once.
+        # Marking goes on, never blocks, and sends nothing (counted as dropped);
+        # flush says so at once.
+        dropped = first.stats()["dropped"]
         first.mark(STEP_BEGIN, 2)
         assert first.flush(FLUSH_S) is False
+        assert first.stats()["dropped"] == dropped + 1, first.stats()
         # The run that holds the rank goes on undisturbed.
         second.mark(FORWARD_BEGIN, 1)
         assert second.flush(FLUSH_S), second.stats()
