@@ -105,8 +105,15 @@ pub fn due(
     let peak = prediction.predicted_peak_bytes as f64;
     let capacity = capacity_bytes as f64;
     let message = match kind {
-        AdvisoryKind::Step2OomPredicted if headroom >= 0 => {
-            // Only a reserved need cut to the limit warns at headroom ≥ 0.
+        // A reserved need cut to the limit warns at headroom ≥ 0 (see
+        // `predict_with_layout`): say why, not that the peak exceeds capacity.
+        AdvisoryKind::Step2OomPredicted
+            if headroom >= 0
+                && prediction
+                    .inputs
+                    .layout_snapshots
+                    .is_some_and(|l| l.capped_at_reserved_limit) =>
+        {
             let mut m = format!(
                 "step 2 needs more cached GPU memory than {} leaves (new segments for the \
                  blocks step 1's optimizer state took, cut at the limit, predicted peak {}); \
