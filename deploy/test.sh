@@ -304,7 +304,7 @@ want = yaml.safe_load(open(sys.argv[2]))["groups"]
 assert rule["spec"]["groups"] == want, "the default render differs from deploy/prometheus/stepwatch-rules.yml"
 print("  default render == stepwatch-rules.yml; release label on PrometheusRule and ServiceMonitor")
 PYEOF
-  render "$WORK/alerts.yaml" --set-json '{"prometheusRule":{"runbookBaseURL":"https://git.example/rb/","alertLabels":{"team":"ml-platform"},"alerts":{"StepwatchSamplerLagging":{"enabled":false},"StepwatchJobStalled":{"for":"15m","threshold":20,"severity":"critical","labels":{"pager":"gpu"}},"StepwatchLowPredictedHeadroom":{"threshold":0.1},"StepwatchFirstStepDivergence":{"threshold":0.25}}},"prometheusRelease":""}'
+  render "$WORK/alerts.yaml" --set-json '{"prometheusRule":{"runbookBaseURL":"https://git.example/rb/","alertLabels":{"team":"ml-platform"},"alerts":{"StepwatchSamplerLagging":{"enabled":false},"StepwatchJobStalled":{"for":"15m","threshold":20,"severity":"critical","labels":{"pager":"gpu"}},"StepwatchLowPredictedHeadroom":{"threshold":0.1},"StepwatchLowObservedHeadroom":{"threshold":0.08,"for":"10m"},"StepwatchAllocatorRetries":{"severity":"critical"},"StepwatchFirstStepDivergence":{"threshold":0.25}}},"prometheusRelease":""}'
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/alerts.yaml" --require PrometheusRule
   "$PY" - "$WORK/alerts.yaml" <<'PYEOF' || return 1
 import sys, yaml
@@ -318,6 +318,9 @@ assert js["for"] == "15m" and js["labels"] == {"severity": "critical", "team": "
 assert "clamp_min(20 *" in js["expr"] and "clamp_min(10 *" not in js["expr"], js["expr"]
 assert "< 0.1" in alerts["StepwatchLowPredictedHeadroom"]["expr"], alerts["StepwatchLowPredictedHeadroom"]["expr"]
 assert "> 0.25" in alerts["StepwatchFirstStepDivergence"]["expr"]
+lo = alerts["StepwatchLowObservedHeadroom"]
+assert "< 0.08" in lo["expr"] and "< 0.05" not in lo["expr"] and lo["for"] == "10m", lo
+assert alerts["StepwatchAllocatorRetries"]["labels"]["severity"] == "critical", alerts["StepwatchAllocatorRetries"]
 assert "> 0.1" in alerts["StepwatchFirstStepActivationDivergence"]["expr"], "another alert's threshold changed"
 for name, a in alerts.items():
     assert a["labels"]["team"] == "ml-platform", name

@@ -9,8 +9,13 @@
 * every alert is named Stepwatch*, has a severity label (warning or critical) and summary,
   description and runbook_url annotations, and its runbook_url names deploy/runbooks/<alert>.md,
   which exists (one runbook per alert, and no runbook without its alert);
-* StepwatchStep2OOMPredicted fires without waiting (for: 0m), so it is raised during step 1.
+* StepwatchStep2OOMPredicted fires without waiting (for: 0m), so it is raised during step 1;
+* every alert can be configured through the Helm chart: the values schema
+  (helm/stepwatch/values.schema.json, prometheusRule.alerts) names it and names no other, for
+  it refuses keys it does not know.
 """
+
+import json
 
 import os
 import re
@@ -18,7 +23,9 @@ import sys
 
 import yaml
 
-RUNBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runbooks")
+DEPLOY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNBOOKS = os.path.join(DEPLOY, "runbooks")
+SCHEMA = os.path.join(DEPLOY, "helm", "stepwatch", "values.schema.json")
 
 
 def main(argv):
@@ -74,6 +81,12 @@ def main(argv):
     oom = alerts.get("StepwatchStep2OOMPredicted")
     if oom is None or oom.get("for", "0m") not in ("0m", "0s", 0):
         errors.append("StepwatchStep2OOMPredicted must exist and have for: 0m (fire during step 1)")
+    schema = json.load(open(SCHEMA))
+    configurable = set(schema["properties"]["prometheusRule"]["properties"]["alerts"]["properties"])
+    for name in sorted(set(alerts) - configurable):
+        errors.append(f"alert {name}: not in the chart's values schema (prometheusRule.alerts)")
+    for name in sorted(configurable - set(alerts)):
+        errors.append(f"values schema: prometheusRule.alerts.{name} names no alert")
     for e in errors:
         print(f"  FAIL {e}")
     print(

@@ -69,6 +69,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
      (prometheusRule.alerts.<name>.threshold). */}}
 {{- define "stepwatch.alertThresholds" -}}
 StepwatchLowPredictedHeadroom: {literal: "< 0.05", format: "< %v"}
+StepwatchLowObservedHeadroom: {literal: "< 0.05", format: "< %v"}
 StepwatchFirstStepDivergence: {literal: "> 0.1", format: "> %v"}
 StepwatchFirstStepActivationDivergence: {literal: "> 0.1", format: "> %v"}
 StepwatchJobStalled: {literal: "clamp_min(10 *", format: "clamp_min(%v *"}
