@@ -893,6 +893,30 @@ def step_anatomy():
         12,
         9,
     )
+    # Beside the prediction: retries are what a job at the limit shows after step 2 began,
+    # when the prediction is frozen. increase() absorbs a new run's counter starting over.
+    L.add(
+        timeseries(
+            "Allocator retries per rank",
+            targets(
+                (
+                    f"increase(stepwatch_rank_allocator_retries_total{{{sel}}}[$__rate_interval])",
+                    "rank {{rank}}",
+                )
+            ),
+            "none",
+            "Allocations for which PyTorch's caching allocator found no free block, freed its "
+            "whole cache of unused segments and retried cudaMalloc (num_alloc_retries), per "
+            "interval. Any retry after step 1: the job lives at its GPU's memory limit; each "
+            "retry is a cache flush that slows the step, and the next larger allocation may OOM "
+            "(alert StepwatchAllocatorRetries; its runbook says what to do). No series until "
+            "the client sends allocator figures.",
+            bars=True,
+            mn=0,
+        ),
+        24,
+        7,
+    )
     L.row("GPUs of this job")
     L.add(
         timeseries(
