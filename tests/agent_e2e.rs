@@ -1106,6 +1106,158 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
     );
 }
 
+/// A stream's opening that no reconnect of its process can cure (a hello
+/// that breaks the contract, one too large to read, or none: the process
+/// opens every stream the same way) is refused with `stepwatch-retry:
+/// never`, so that its client stops instead of being refused every 10 s
+/// for the rest of training. A refusal a later try can pass (a rank
+/// another live process holds, a batch refused after the hello) carries
+/// no such mark, and the later try passes.
+#[test]
+fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass_is_not() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{
+        client_message::Kind, ingest_client::IngestClient, ClientMessage, Hello,
+    };
+
+    // Over TCP the agent takes the PID from the hello: two "processes".
+    let agent = Agent::start_with("retry-never", 1, &["--grpc-listen", "127.0.0.1:0"], |_| {});
+    let tcp = format!(
+        "http://{}",
+        agent.grpc.expect("the agent reports its gRPC address")
+    );
+    let named = |status: &tonic::Status, key: &str| {
+        status
+            .metadata()
+            .get(key)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let hello_with = |job: &str, pid: u32, edit: &dyn Fn(&mut Hello)| {
+        let mut hello = hello(job, 0, 1);
+        if let Some(Kind::Hello(h)) = hello.kind.as_mut() {
+            h.pid = pid;
+            edit(h);
+        }
+        hello
+    };
+    let identity = |edit: fn(&mut stepwatch_proto::v1::Identity)| {
+        move |h: &mut Hello| edit(h.identity.as_mut().unwrap())
+    };
+    let t0 = stepwatch_proto::clock::monotonic_ns();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let for_good: Vec<(&str, Vec<ClientMessage>, &str)> = vec![
+            (
+                "a rank beyond the world",
+                vec![hello_with("bad", 1, &identity(|i| i.rank = 3))],
+                "rank_out_of_range",
+            ),
+            (
+                "a world beyond 65536 ranks",
+                vec![hello_with("bad", 1, &identity(|i| i.world_size = 100_000))],
+                "rank_out_of_range",
+            ),
+            (
+                "no job id",
+                vec![hello_with("", 1, &|_| {})],
+                "bad_identity",
+            ),
+            (
+                "a job id over 128 bytes",
+                vec![hello_with(&"j".repeat(200), 1, &|_| {})],
+                "bad_identity",
+            ),
+            (
+                "a hello over 64 KiB",
+                vec![hello_with(&"j".repeat(70_000), 1, &|_| {})],
+                "message_too_large",
+            ),
+            (
+                "markers before any hello",
+                vec![batch(step(1, t0))],
+                "no_hello",
+            ),
+        ];
+        for (what, messages, reason) in for_good {
+            let refused = exchange(&tcp, messages)
+                .await
+                .expect_err(&format!("{what} is refused"));
+            assert_eq!(
+                named(&refused, "stepwatch-refusal").as_deref(),
+                Some(reason),
+                "{what}: {refused:?}"
+            );
+            assert_eq!(
+                named(&refused, "stepwatch-retry").as_deref(),
+                Some("never"),
+                "{what}: no reconnect of the process can pass: {refused:?}"
+            );
+        }
+
+        // Process 1 holds rank 0 of "held" on an open stream.
+        let (holder, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
+        let mut holder_inbound = IngestClient::new(connect(&tcp).await)
+            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("the stream opens")
+            .into_inner();
+        holder.send(hello_with("held", 1, &|_| {})).await.unwrap();
+        holder.send(batch(step(1, t0))).await.unwrap();
+        common::wait_until("the holder's step 1", Duration::from_secs(10), || {
+            common::rank_report(&agent, "held", 0).is_some_and(|r| r["info"]["pid"] == 1)
+        });
+        let held = exchange(&tcp, vec![hello_with("held", 2, &|_| {})])
+            .await
+            .expect_err("the rank is held");
+        assert_eq!(
+            named(&held, "stepwatch-refusal").as_deref(),
+            Some("rank_held"),
+            "{held:?}"
+        );
+        assert_eq!(
+            named(&held, "stepwatch-retry"),
+            None,
+            "the holder may go away: {held:?}"
+        );
+        // A batch refused after an accepted hello: a new stream does not resend it.
+        let regressed = exchange(
+            &tcp,
+            vec![hello_with("other", 1, &|_| {}), batch(step(0, t0))],
+        )
+        .await
+        .expect_err("step 0 is refused");
+        assert_eq!(
+            named(&regressed, "stepwatch-refusal").as_deref(),
+            Some("step_regressed"),
+            "{regressed:?}"
+        );
+        assert_eq!(named(&regressed, "stepwatch-retry"), None, "{regressed:?}");
+
+        // Once the holder's stream has closed, process 2's retry takes the rank.
+        drop(holder);
+        while holder_inbound
+            .message()
+            .await
+            .expect("the holder ends cleanly")
+            .is_some()
+        {}
+        exchange(&tcp, vec![hello_with("held", 2, &|_| {})])
+            .await
+            .expect("the retry passes once the holder is gone");
+        exchange(
+            &tcp,
+            vec![hello_with("other", 1, &|_| {}), batch(step(1, t0))],
+        )
+        .await
+        .expect("the refused batch's rank goes on");
+    });
+    assert_eq!(
+        common::rank_report(&agent, "held", 0).unwrap()["info"]["pid"],
+        2
+    );
+}
+
 #[test]
 fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
     use common::wire::*;

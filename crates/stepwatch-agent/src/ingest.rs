@@ -256,8 +256,13 @@ async fn serve_stream(
     limits: IngestLimits,
     tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
 ) -> Result<(), Status> {
-    let Ok(first) =
-        tokio::time::timeout(limits.hello_timeout, next_message(state, &mut inbound)).await
+    // The first message is the hello: one too large or that does not decode
+    // is refused for good, since the process opens every stream with it.
+    let Ok(first) = tokio::time::timeout(
+        limits.hello_timeout,
+        next_message(state, &mut inbound, Retry::Never),
+    )
+    .await
     else {
         return Err(refuse(
             state,
@@ -288,11 +293,11 @@ async fn serve_stream(
         Some(pb::ClientMessage {
             kind: Some(Kind::Hello(hello)),
         }) => hello,
+        // A client that opens a stream without a hello does so every time.
         Some(_) => {
-            return Err(refuse(
+            return Err(refuse_for_good(
                 state,
                 "no_hello",
-                1,
                 Status::failed_precondition("the first message on a stream must be a Hello"),
             ));
         }
@@ -314,7 +319,13 @@ async fn serve_stream(
         Ok(key) => key,
         Err(e) => {
             let reason = e.reason();
-            let run_over = matches!(&e, RecordError::Open(e) if e.refuses_the_run());
+            // A hello that breaks the contract is this process's on every
+            // stream; one naming a left run is refused for that run.
+            let retry = match &e {
+                RecordError::Open(OpenError::Invalid(_)) => Retry::Never,
+                RecordError::Open(e) if e.refuses_the_run() => Retry::Never,
+                _ => Retry::Later,
+            };
             state.ingest.reject(reason, 1);
             return Err(named(
                 match e {
@@ -331,7 +342,7 @@ async fn serve_stream(
                     e => Status::internal(format!("the hello could not be applied: {e}")),
                 },
                 reason,
-                run_over,
+                retry,
             ));
         }
     };
@@ -403,7 +414,7 @@ async fn receive_markers(
         budget: traces,
         held: 0,
     };
-    while let Some(message) = next_message(state, inbound).await? {
+    while let Some(message) = next_message(state, inbound, Retry::Later).await? {
         // A trace begun too long ago gives its memory back; the prediction
         // keeps to the markers.
         if trace.started.is_some_and(|t| t.elapsed() > traces.timeout) {
@@ -636,11 +647,12 @@ fn send_advisories(
 
 /// The next client message. Refusals at the wire (a message over the size
 /// limit, bytes that are not a ClientMessage) are counted like every other
-/// refusal, and a message that does not decode is the client's error
-/// (INVALID_ARGUMENT), not the agent's (tonic says INTERNAL).
+/// refusal, named with `retry`, and a message that does not decode is the
+/// client's error (INVALID_ARGUMENT), not the agent's (tonic says INTERNAL).
 async fn next_message(
     state: &AgentState,
     inbound: &mut Streaming<pb::ClientMessage>,
+    retry: Retry,
 ) -> Result<Option<pb::ClientMessage>, Status> {
     inbound
         .message()
@@ -651,7 +663,8 @@ async fn next_message(
                     "decode_error" => Status::invalid_argument(status.message().to_string()),
                     _ => status,
                 };
-                refuse(state, reason, 1, status)
+                state.ingest.reject(reason, 1);
+                named(status, reason, retry)
             }
             None => status,
         })
@@ -788,7 +801,12 @@ fn run_ended(state: &AgentState, key: &RankKey, e: &MarkerError, n: u64) -> Stat
         "refused for job {} rank {}: {e}",
         key.job, key.rank
     ));
-    named(status, e.reason(), e.refuses_the_run())
+    let retry = if e.refuses_the_run() {
+        Retry::Never
+    } else {
+        Retry::Later
+    };
+    named(status, e.reason(), retry)
 }
 
 /// Trailing metadata of a stream the agent ended with a refusal: its
@@ -796,25 +814,45 @@ fn run_ended(state: &AgentState, key: &RankKey, e: &MarkerError, n: u64) -> Stat
 /// the refusal without parsing the message (see ingest.proto).
 pub const REFUSAL_METADATA: &str = "stepwatch-refusal";
 
-/// Trailing metadata set to `never` on a refusal of the stream's run
-/// itself (`run_ended`, or `rank_held` for a hello naming a run its process
-/// has left): no stream of that run is accepted again, so a client that
-/// reconnected would be refused at every try.
+/// Trailing metadata set to `never` on a refusal no reconnect of the same
+/// process can pass ([`Retry::Never`]), so that its client stops instead of
+/// being refused at every try for the rest of training.
 pub const RETRY_METADATA: &str = "stepwatch-retry";
 
+/// Whether a reconnect of the same process could pass where a refusal did
+/// not (the classification ingest.proto documents).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    /// It may: the refusal is of one message after the hello (a new stream
+    /// does not resend it), or of something that changes without the
+    /// process: a limit (streams, ranks, rate), a rank another process
+    /// holds, the kubelet's answer, a slow hello, the agent's own failure.
+    Later,
+    /// It cannot: the stream's opening breaks the contract (an invalid,
+    /// oversized or undecodable hello, or none), which the process sends
+    /// the same way on every stream, or the hello's run is over on the rank.
+    Never,
+}
+
 /// Counts a refusal of `n` markers (at least one input) under `reason` and
-/// names it in the status that ends the stream.
+/// names it in the status that ends the stream; a later try may pass.
 fn refuse(state: &AgentState, reason: &'static str, n: u64, status: Status) -> Status {
     state.ingest.reject(reason, n);
-    named(status, reason, false)
+    named(status, reason, Retry::Later)
+}
+
+/// [`refuse`] for a stream's opening that no reconnect can cure.
+fn refuse_for_good(state: &AgentState, reason: &'static str, status: Status) -> Status {
+    state.ingest.reject(reason, 1);
+    named(status, reason, Retry::Never)
 }
 
 /// `status` with the refusal's reason in its trailing metadata, and
-/// `stepwatch-retry: never` when the refusal is of the stream's run itself.
-fn named(mut status: Status, reason: &'static str, run_over: bool) -> Status {
+/// `stepwatch-retry: never` for a refusal no reconnect can pass.
+fn named(mut status: Status, reason: &'static str, retry: Retry) -> Status {
     let metadata = status.metadata_mut();
     metadata.insert(REFUSAL_METADATA, MetadataValue::from_static(reason));
-    if run_over {
+    if retry == Retry::Never {
         metadata.insert(RETRY_METADATA, MetadataValue::from_static("never"));
     }
     status
@@ -964,6 +1002,8 @@ fn apply_attestation(
     };
     if !info.gpu_uuid.is_empty() && w.holds_gpu(&info.gpu_uuid) == Some(false) {
         tracing::warn!(namespace = %w.namespace, pod = %w.pod, pid = info.pid, gpu = %info.gpu_uuid, "refused a hello naming a GPU its pod does not hold");
+        // Not for good: the answer rests on the kubelet's view and on which
+        // container the agent could place the peer in, not on the hello alone.
         return Err(refuse(
             state,
             "gpu_not_allocated",
