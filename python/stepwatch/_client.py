@@ -58,10 +58,14 @@ MAX_MARKERS_PER_BATCH = 1024  # the agent's limit
 MAX_BATCH_BYTES = 60 * 1024  # the agent refuses messages over 64 KiB
 
 # Trailing metadata of a stream the agent refused (see ingest.proto): the
-# refusal's reason, and "never" when no stream of the client's run will be
-# accepted again (its run has ended on the rank), so reconnecting is futile.
+# refusal's reason, and "never" when no reconnect can pass (the client's run
+# has ended on the rank, or its hello breaks the contract and every reconnect
+# would send the same one), so reconnecting is futile.
 REFUSAL_METADATA = "stepwatch-refusal"
 RETRY_METADATA = "stepwatch-retry"
+# The refusals "never" marks when the client's run is over on the rank (a newer
+# run of the process holds it); the others it marks are of the hello itself.
+RUN_OVER_REFUSALS = ("run_ended", "rank_held")
 # Client.stats()["stopped"] of a client in a child forked after stepwatch used
 # gRPC in the parent (see _after_fork_in_child).
 STOPPED_FORKED = "forked"
@@ -574,8 +578,9 @@ class Client:
 
     def _on_rpc_error(self, e: Any) -> Optional[str]:
         """Counts and logs how a stream ended; returns the refusal's reason when the
-        agent refused the client's run for good (``stepwatch-retry: never``), which
-        no reconnect can cure: the caller then stops sending."""
+        agent refused the client for good (``stepwatch-retry: never``: its run is
+        over on the rank, or its hello breaks the contract), which no reconnect can
+        cure: the caller then stops sending."""
         import grpc
 
         code = e.code() if hasattr(e, "code") else None
@@ -587,17 +592,28 @@ class Client:
         reason, for_good = _refusal_of(e)
         if for_good:
             self.counters["rejections"] += 1
-            log.warning(
-                "stepwatch: the agent refused this client's stream for good (%s: %s). "
-                "Its run %r has ended on the rank: another stepwatch client in this "
-                "process began a newer run there, and the agent follows that one. This "
-                "client stops sending: its markers are not sent (training goes on). "
-                "Report each rank from one stepwatch client per process (one "
-                "stepwatch.watch() or callback per training loop)",
-                reason or name,
-                details,
-                self._run_id,
-            )
+            if reason in RUN_OVER_REFUSALS:
+                log.warning(
+                    "stepwatch: the agent refused this client's stream for good (%s: %s). "
+                    "Its run %r has ended on the rank: another stepwatch client in this "
+                    "process began a newer run there, and the agent follows that one. This "
+                    "client stops sending: its markers are not sent (training goes on). "
+                    "Report each rank from one stepwatch client per process (one "
+                    "stepwatch.watch() or callback per training loop)",
+                    reason or name,
+                    details,
+                    self._run_id,
+                )
+            else:
+                log.warning(
+                    "stepwatch: the agent refused this client's hello for good (%s: %s). "
+                    "Every reconnect would send the same hello, so this client stops "
+                    "sending: its markers are not sent (training goes on). Fix what the "
+                    "agent names: the rank's identity (STEPWATCH_JOB_ID, RANK, WORLD_SIZE "
+                    "or the arguments of stepwatch.configure()) or its model facts",
+                    reason or name,
+                    details,
+                )
             if self.strict:
                 self._strict_error = StepwatchError(
                     f"agent refused the stream for good: {reason or name}: {details}"

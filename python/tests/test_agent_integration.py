@@ -484,6 +484,47 @@ def test_a_client_whose_run_the_process_has_left_is_refused_once_and_stops(real_
         new.close(0.2)
 
 
+def test_a_client_whose_hello_the_agent_finds_invalid_is_refused_once_and_stops(real_agent, caplog):
+    """A hello that breaks the contract (a world of 100000 ranks, beyond the
+    agent's 65536, as WORLD_SIZE=100000 gives) is the same on every reconnect, so
+    the agent refuses it for good: the client says once what to fix and stops,
+    instead of reconnecting every 10 s for the rest of training."""
+    from stepwatch._client import FORWARD_BEGIN, STEP_BEGIN, Client
+    from stepwatch._identity import endpoint_target
+    from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
+
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+
+    def hello():
+        return pb.Hello(
+            identity=pb.Identity(job_id=job, rank=0, world_size=100_000),
+            pid=os.getpid(),
+            framework="pytorch",
+        )
+
+    client = Client(endpoint_target(), hello, run_id="fit-1")
+    try:
+        with caplog.at_level(logging.WARNING, logger="stepwatch"):
+            client.mark(STEP_BEGIN, 1)
+            _sender_ends(client, "refused as rank_out_of_range")
+        st = client.stats()
+        assert st["stopped"] == "rank_out_of_range", st
+        assert (st["connects"], st["reconnects"], st["rejections"]) == (1, 0, 1), st
+        assert (
+            _metric(real_agent, "stepwatch_markers_rejected_total", 'reason="rank_out_of_range"')
+            == 1
+        )
+        said = [r.getMessage() for r in caplog.records if r.name == "stepwatch"]
+        assert len(said) == 1, said
+        assert "rank_out_of_range" in said[0] and "world_size 100000" in said[0], said
+        assert "WORLD_SIZE" in said[0] and "another stepwatch client" not in said[0], said
+        # Marking goes on, never blocks and sends nothing; flush says so at once.
+        client.mark(FORWARD_BEGIN, 1)
+        assert client.flush(FLUSH_S) is False
+    finally:
+        client.close(0.2)
+
+
 def test_a_rank_another_process_holds_is_retried_until_its_stream_closes(
     sock_dir, monkeypatch, tmp_path
 ):

@@ -91,9 +91,11 @@ pub struct ClientStats {
     /// Allocator traces dropped: queue full, or the stream ended mid-trace
     /// (a trace is never resent on a new stream).
     pub traces_dropped: u64,
-    /// The agent refused this client's run for good (`stepwatch-retry:
-    /// never`: another client in the process began a newer run on the
-    /// rank); nothing is sent any more and markers count as dropped.
+    /// The agent refused this client for good (`stepwatch-retry: never`:
+    /// another client in the process began a newer run on the rank, or the
+    /// hello breaks the contract, e.g. a rank beyond the world size, and
+    /// would on every reconnect); nothing is sent any more and markers
+    /// count as dropped.
     pub stopped: bool,
 }
 
@@ -409,12 +411,12 @@ enum Session {
     QueueClosed,
     Ended,
     Failed(String),
-    /// The agent refused the client's run for good: reconnecting is futile.
+    /// The agent refused the client for good: reconnecting is futile.
     RefusedForGood(tonic::Status),
 }
 
-/// Whether the agent marked a refusal as one no retry of this run can pass
-/// (trailing metadata `stepwatch-retry: never`, see ingest.proto).
+/// Whether the agent marked a refusal as one no reconnect of this client
+/// can pass (trailing metadata `stepwatch-retry: never`, see ingest.proto).
 fn refused_for_good(status: &tonic::Status) -> bool {
     status
         .metadata()
@@ -436,14 +438,27 @@ async fn stop(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
-    tracing::warn!(
-        code = ?status.code(),
-        reason,
-        message = status.message(),
-        "the stepwatch agent refused this client's run for good: another client in this process \
-         began a newer run on the rank; this client stops sending (training goes on). Report \
-         each rank from one stepwatch Client per process"
-    );
+    // The two refusals of a run that is over have one cause; every other
+    // one is of the stream's opening, which each reconnect would repeat.
+    if matches!(reason.as_str(), "run_ended" | "rank_held") {
+        tracing::warn!(
+            code = ?status.code(),
+            reason,
+            message = status.message(),
+            "the stepwatch agent refused this client's run for good: another client in this process \
+             began a newer run on the rank; this client stops sending (training goes on). Report \
+             each rank from one stepwatch Client per process"
+        );
+    } else {
+        tracing::warn!(
+            code = ?status.code(),
+            reason,
+            message = status.message(),
+            "the stepwatch agent refused this client's hello for good: every reconnect would send \
+             the same one; this client stops sending (training goes on). Fix what the message \
+             names (the client's identity or model facts)"
+        );
+    }
     shared.stopped.store(true, Ordering::Relaxed);
     shared.lost(pending.markers.len() as u64);
     pending.markers.clear();
