@@ -12,11 +12,15 @@ DEFAULT_ENDPOINT = "unix:///run/stepwatch/stepwatch.sock"
 _K8S_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _BAD_CHARS = re.compile(r"[^A-Za-z0-9._:/@+\-]")
 MAX_ID_LEN = 128
+# Pod and node names: Kubernetes allows a DNS subdomain (253 bytes), and the agent takes the
+# kubelet's pod name whole, so a truncated claim would only differ from it.
+MAX_K8S_NAME_LEN = 253
 
 
-def sanitize_id(value: str) -> str:
-    """Fit a string to the agent's identifier rules: 1..=128 of [A-Za-z0-9._:/@+-]."""
-    return _BAD_CHARS.sub("_", value)[:MAX_ID_LEN]
+def sanitize_id(value: str, max_len: int = MAX_ID_LEN) -> str:
+    """Fit a string to the agent's identifier rules: 1..=max_len (128; 253 for pod and node
+    names) of [A-Za-z0-9._:/@+-]."""
+    return _BAD_CHARS.sub("_", value)[:max_len]
 
 
 @dataclass
@@ -169,8 +173,8 @@ def resolve_identity(
         rank=r,
         local_rank=lr,
         world_size=ws,
-        node_name=sanitize_id(node) or "localhost",
-        pod=sanitize_id(pod_name) if pod_name else "",
+        node_name=sanitize_id(node, MAX_K8S_NAME_LEN) or "localhost",
+        pod=sanitize_id(pod_name, MAX_K8S_NAME_LEN) if pod_name else "",
         namespace=sanitize_id(ns) if ns else "",
         source=source,
     )

@@ -76,6 +76,16 @@ def test_identifiers_fit_the_agent_charset():
     assert len(ident({}, job_id="x" * 300).job_id) == 128
 
 
+def test_a_long_kubernetes_pod_name_is_sent_whole():
+    # A generated pod name (JobSet, Kubeflow) may pass 128 bytes; Kubernetes allows 253, and
+    # the agent compares the claim with the kubelet's name, so a cut claim would only differ.
+    pod = "trainer-" + "a" * 192
+    i = ident({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "POD_NAME": pod, "NODE_NAME": "n" * 250})
+    assert i.pod == pod
+    assert i.node_name == "n" * 250
+    assert len(ident({"POD_NAME": "p" * 300}).pod) == 253
+
+
 def test_endpoint_forms():
     assert endpoint_target(env={}) == DEFAULT_ENDPOINT
     assert endpoint_target(env={"STEPWATCH_ENDPOINT": "unix:///tmp/s.sock"}) == "unix:///tmp/s.sock"

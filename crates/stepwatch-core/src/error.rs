@@ -13,12 +13,14 @@ pub enum HelloError {
     #[error("{0} must not be empty")]
     Empty(&'static str),
     /// An identifier is too long to be a sane Prometheus label value.
-    #[error("{field} is {len} bytes; at most 128 are allowed")]
+    #[error("{field} is {len} bytes; at most {max} are allowed")]
     TooLong {
         /// The offending hello field.
         field: &'static str,
         /// Its length, in bytes.
         len: usize,
+        /// The field's bound: 128, or 253 for a pod or node name.
+        max: usize,
     },
     /// An identifier has a character that labels and JSON should not carry.
     #[error("{field} contains {bad:?}; allowed are ASCII letters, digits and ._:/@+-")]

@@ -5,8 +5,14 @@ use serde::{Deserialize, Serialize};
 use crate::error::HelloError;
 use crate::marker::MAX_PLAUSIBLE_BYTES;
 
-/// Longest accepted identifier (job id, node name, pod, …), in bytes.
+/// Longest accepted identifier (job id, namespace, framework, …), in bytes.
 pub const MAX_IDENTIFIER_BYTES: usize = 128;
+
+/// Longest accepted pod or node name, in bytes: Kubernetes allows a DNS
+/// subdomain (253) there, and a generated pod name (JobSet, Kubeflow) can
+/// pass 128. The kubelet's name replaces the claimed one, so a shorter bound
+/// would refuse such a pod for good.
+pub const MAX_KUBERNETES_NAME_BYTES: usize = 253;
 
 /// Largest accepted world size.
 pub const MAX_WORLD_SIZE: u32 = 65_536;
@@ -294,15 +300,16 @@ impl RankInfo {
     /// Identifiers end up as Prometheus label values and in JSON, so their
     /// length and charset are bounded here, once, at the edge.
     pub fn validate(&self) -> Result<(), HelloError> {
-        check_identifier("job_id", &self.job, false)?;
-        check_identifier("node_name", &self.node_name, true)?;
-        check_identifier("pod", &self.pod, true)?;
-        check_identifier("namespace", &self.namespace, true)?;
-        check_identifier("container", &self.container, true)?;
-        check_identifier("framework", &self.framework, true)?;
-        check_identifier("framework_version", &self.framework_version, true)?;
-        check_identifier("gpu_uuid", &self.gpu_uuid, true)?;
-        check_identifier("run_id", &self.run_id, true)?;
+        let (id, k8s) = (MAX_IDENTIFIER_BYTES, MAX_KUBERNETES_NAME_BYTES);
+        check_identifier("job_id", &self.job, false, id)?;
+        check_identifier("node_name", &self.node_name, true, k8s)?;
+        check_identifier("pod", &self.pod, true, k8s)?;
+        check_identifier("namespace", &self.namespace, true, id)?;
+        check_identifier("container", &self.container, true, id)?;
+        check_identifier("framework", &self.framework, true, id)?;
+        check_identifier("framework_version", &self.framework_version, true, id)?;
+        check_identifier("gpu_uuid", &self.gpu_uuid, true, id)?;
+        check_identifier("run_id", &self.run_id, true, id)?;
         if self.world_size == 0 || self.world_size > MAX_WORLD_SIZE {
             return Err(HelloError::WorldSize(self.world_size));
         }
@@ -373,6 +380,7 @@ fn check_identifier(
     field: &'static str,
     value: &str,
     may_be_empty: bool,
+    max_bytes: usize,
 ) -> Result<(), HelloError> {
     if value.is_empty() {
         return if may_be_empty {
@@ -381,10 +389,11 @@ fn check_identifier(
             Err(HelloError::Empty(field))
         };
     }
-    if value.len() > MAX_IDENTIFIER_BYTES {
+    if value.len() > max_bytes {
         return Err(HelloError::TooLong {
             field,
             len: value.len(),
+            max: max_bytes,
         });
     }
     if let Some(bad) = value
@@ -529,5 +538,37 @@ mod tests {
         assert!(matches!(i.validate(), Err(HelloError::TooLong { .. })));
         i.job = String::new();
         assert_eq!(i.validate(), Err(HelloError::Empty("job_id")));
+    }
+
+    #[test]
+    fn a_pod_or_node_name_may_be_as_long_as_kubernetes_allows() {
+        // A JobSet's generated pod name of 200 bytes: the kubelet's name
+        // replaces the claimed one, so refusing it would refuse the pod for good.
+        for field in ["pod", "node_name"] {
+            let mut i = info();
+            let name = "trainer-".to_string() + &"a".repeat(192);
+            let set = |i: &mut RankInfo, v: String| match field {
+                "pod" => i.pod = v,
+                _ => i.node_name = v,
+            };
+            set(&mut i, name);
+            assert_eq!(i.validate(), Ok(()), "{field}");
+            set(&mut i, "a".repeat(MAX_KUBERNETES_NAME_BYTES + 1));
+            assert_eq!(
+                i.validate(),
+                Err(HelloError::TooLong {
+                    field,
+                    len: 254,
+                    max: 253
+                })
+            );
+        }
+        // Other identifiers keep the label-sized bound.
+        let mut i = info();
+        i.namespace = "a".repeat(129);
+        assert!(matches!(
+            i.validate(),
+            Err(HelloError::TooLong { max: 128, .. })
+        ));
     }
 }
