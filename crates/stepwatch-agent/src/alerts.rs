@@ -76,6 +76,9 @@ pub fn alert_for(advisory: &Advisory) -> Option<(&'static str, &'static str, boo
         // The Prometheus rule StepwatchAllocatorRetries covers it: it ends
         // when the retries stop, which a once-per-run advisory cannot say.
         AdvisoryKind::AllocatorRetries => None,
+        // StepwatchLowObservedHeadroom covers it: it holds while the steady
+        // peak stays high, and it ends, which a once-per-run advisory cannot.
+        AdvisoryKind::LowObservedHeadroom => None,
     }
 }
 

@@ -159,6 +159,7 @@ impl IngestMetrics {
             stepwatch_proto::v1::AdvisoryKind::LowHeadroom,
             stepwatch_proto::v1::AdvisoryKind::RankDivergence,
             stepwatch_proto::v1::AdvisoryKind::AllocatorRetries,
+            stepwatch_proto::v1::AdvisoryKind::LowObservedHeadroom,
         ] {
             m.advisories_sent.with_label_values(&[kind.as_str_name()]);
         }

@@ -14,7 +14,11 @@
 //!   timeline, to the outlier rank itself, when it is named (see
 //!   [`crate::divergence`](mod@crate::divergence));
 //! * allocator retries: once per rank and run, at the first marker of a
-//!   step ≥ 2 whose `num_alloc_retries` grew (see [`retries_due`]).
+//!   step ≥ 2 whose `num_alloc_retries` grew (see [`retries_due`]);
+//! * low observed headroom: once per rank and run, at the first step end
+//!   where the measured steady peak leaves under the low-headroom fraction
+//!   of capacity, unless the run was already told LOW_HEADROOM or
+//!   STEP2_OOM_PREDICTED (see [`observed_headroom_due`]).
 //!
 //! Sizes are written in decimal GB (10^9 bytes), with two decimals, as in
 //! the proto's example.
@@ -23,7 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::divergence::{Divergence, DivergenceFigure, NamedOutlier, PeakSource};
 use crate::marker::{Marker, MarkerKind};
-use crate::predict::Prediction;
+use crate::predict::{Prediction, PredictionBasis};
 
 /// An advisory is sent again when the predicted peak grew by this fraction
 /// of capacity since the last one of its kind: small refinements of a
@@ -49,6 +53,10 @@ pub enum AdvisoryKind {
     /// After step 1, PyTorch's caching allocator had to free its cache and
     /// retry a `cudaMalloc`: the job runs at the GPU's limit.
     AllocatorRetries,
+    /// The steps after the first, as measured (the steady NVML peak), leave
+    /// less than the low-headroom fraction of capacity: the job runs closer
+    /// to the limit than step 1 showed.
+    LowObservedHeadroom,
 }
 
 /// One advisory, as issued.
@@ -144,7 +152,9 @@ pub fn due(
             100.0 * headroom as f64 / capacity_bytes.max(1) as f64,
             gb(capacity),
         ),
-        AdvisoryKind::RankDivergence | AdvisoryKind::AllocatorRetries => {
+        AdvisoryKind::RankDivergence
+        | AdvisoryKind::AllocatorRetries
+        | AdvisoryKind::LowObservedHeadroom => {
             unreachable!("not a prediction advisory")
         }
     };
@@ -355,6 +365,144 @@ fn retries_message(growth: RetryGrowth, frozen: Option<&Prediction>) -> String {
             gb(p.inputs.capacity_bytes as f64),
         )),
         _ => {}
+    }
+    m
+}
+
+/// The steady peak as measured after step 1, for [`observed_headroom_due`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObservedPeak {
+    /// The step whose end made the check; the advisory's step.
+    pub step: u64,
+    /// The first of the steps the steady peak is the median of (normally 2).
+    pub first_step: u64,
+    /// The last of them.
+    pub last_step: u64,
+    /// How many steps the median is over.
+    pub steps: usize,
+    /// The steady NVML peak (`stepwatch_rank_steady_step_peak_bytes`:
+    /// device memory, other processes included), bytes.
+    pub peak_bytes: u64,
+    /// The NVML peak of `first_step` alone, to say whether memory grew after
+    /// it; None when it had no samples.
+    pub first_step_peak_bytes: Option<u64>,
+    /// What processes can use on the GPU (total less the driver's reserve),
+    /// as the prediction uses it, bytes; 0 when unknown.
+    pub capacity_bytes: u64,
+}
+
+/// Whether a run with `issued` advisories may still get the low observed
+/// headroom advisory: not once it has one, nor after LOW_HEADROOM or
+/// STEP2_OOM_PREDICTED (the person was warned already). The tracker asks
+/// this before it computes the steady profile.
+pub fn observed_headroom_open(issued: &[Advisory]) -> bool {
+    !issued.iter().any(|a| {
+        matches!(
+            a.kind,
+            AdvisoryKind::LowObservedHeadroom
+                | AdvisoryKind::LowHeadroom
+                | AdvisoryKind::Step2OomPredicted
+        )
+    })
+}
+
+/// The low-observed-headroom advisory due for `observed`: when capacity is
+/// known and the steady peak leaves less than `low_headroom_fraction` of it
+/// (the prediction's threshold, so both advisories mean the same "low"),
+/// once per rank and run ([`observed_headroom_open`]), a warning. `frozen`
+/// is the prediction made before step 2, quoted so the person sees what
+/// step 1 could not show. The prediction fields stay 0: it is an
+/// observation, not a prediction.
+pub fn observed_headroom_due(
+    observed: ObservedPeak,
+    low_headroom_fraction: f64,
+    frozen: Option<&Prediction>,
+    now_ns: u64,
+    issued: &[Advisory],
+) -> Option<Advisory> {
+    let capacity = observed.capacity_bytes;
+    if capacity == 0 || !observed_headroom_open(issued) {
+        return None;
+    }
+    let spare = capacity as f64 - observed.peak_bytes as f64;
+    if spare >= low_headroom_fraction * capacity as f64 {
+        return None;
+    }
+    Some(Advisory {
+        kind: AdvisoryKind::LowObservedHeadroom,
+        step: observed.step,
+        issued_monotonic_ns: now_ns,
+        predicted_peak_bytes: 0,
+        capacity_bytes: 0,
+        predicted_headroom_bytes: 0,
+        message: observed_headroom_message(observed, frozen),
+        divergence: None,
+    })
+}
+
+/// "(1.5% to spare)" of `capacity` at `peak`; "(nothing to spare)" at or
+/// past it.
+fn to_spare(peak: f64, capacity: f64) -> String {
+    let pct = 100.0 * (capacity - peak) / capacity.max(1.0);
+    if pct > 0.0 {
+        format!("({pct:.1}% to spare)")
+    } else {
+        "(nothing to spare)".to_string()
+    }
+}
+
+fn observed_headroom_message(o: ObservedPeak, frozen: Option<&Prediction>) -> String {
+    let capacity = o.capacity_bytes as f64;
+    let peak = o.peak_bytes as f64;
+    let steps = if o.last_step == o.first_step {
+        format!("step {}", o.first_step)
+    } else if o.last_step - o.first_step + 1 == o.steps as u64 {
+        format!("steps {}–{}", o.first_step, o.last_step)
+    } else {
+        format!("{} steps from {} to {}", o.steps, o.first_step, o.last_step)
+    };
+    let mut m = format!(
+        "{steps} peak at {} of {} usable on the GPU {}",
+        gb(peak),
+        gb(capacity),
+        to_spare(peak, capacity),
+    );
+    // Growth after the first of them is what step 1 could not show; under
+    // 1% of capacity it is noise between samples, not worth a clause.
+    if let Some(first) = o.first_step_peak_bytes.filter(|_| o.steps > 1) {
+        if peak - first as f64 >= WORSENED_FRACTION * capacity {
+            m.push_str(&format!(
+                "; memory grew after step {}, which peaked at {}",
+                o.first_step,
+                gb(first as f64)
+            ));
+        }
+    }
+    let frozen = frozen.filter(|p| p.inputs.capacity_bytes > 0);
+    if let Some(p) = frozen {
+        m.push_str(&format!(
+            "; the prediction made during step 1 was {} {}",
+            gb(p.predicted_peak_bytes as f64),
+            to_spare(
+                p.predicted_peak_bytes as f64,
+                p.inputs.capacity_bytes as f64
+            ),
+        ));
+    }
+    m.push_str(
+        ". The next longer batch or an evaluation pass may run out of GPU memory: use a \
+         smaller micro-batch (or shorter sequences), set \
+         PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation), or enable \
+         activation recomputation",
+    );
+    // Markers only: the allocator figures without step 1's trace, so the
+    // prediction could not replay what step 2 does to the cache.
+    if frozen.is_some_and(|p| p.inputs.basis == PredictionBasis::Allocator) {
+        m.push_str(
+            ". That prediction had no allocator trace of step 1 (markers only): with the \
+             trace on (unset STEPWATCH_ALLOCATOR_TRACE=0) it sees what step 2 does to \
+             PyTorch's cache",
+        );
     }
     m
 }

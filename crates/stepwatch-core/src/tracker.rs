@@ -837,6 +837,7 @@ impl Tracker {
                 advisories.extend(self.advise_divergence(key, now_ns));
             }
             advisories.extend(self.advise_retries(key, markers, now_ns));
+            advisories.extend(self.advise_observed_headroom(key, markers, now_ns));
             return Ok(advisories);
         };
         self.apply_and_credit(key, &markers[..at]);
@@ -847,6 +848,7 @@ impl Tracker {
         self.apply_and_credit(key, &markers[at..]);
         advisories.extend(self.advise_divergence(key, now_ns));
         advisories.extend(self.advise_retries(key, markers, now_ns));
+        advisories.extend(self.advise_observed_headroom(key, markers, now_ns));
         Ok(advisories)
     }
 
@@ -870,6 +872,77 @@ impl Tracker {
         }) else {
             return Vec::new();
         };
+        state.advisories.push(due.clone());
+        vec![due]
+    }
+
+    /// The low-observed-headroom advisory when an applied batch ends a step
+    /// and the rank's steady peak ([`steady_profile`], the figure
+    /// `stepwatch_rank_steady_step_peak_bytes` exports) leaves less than the
+    /// prediction's low-headroom fraction of the GPU's capacity; recorded as
+    /// issued. Checked only on batches with a step end, and only while the
+    /// run may still get it ([`advisory::observed_headroom_open`]), so the
+    /// steady profile is computed at most once per step and never again
+    /// once the run was told.
+    fn advise_observed_headroom(
+        &mut self,
+        key: &RankKey,
+        markers: &[Marker],
+        now_ns: u64,
+    ) -> Vec<Advisory> {
+        let Some(step) = markers
+            .iter()
+            .rev()
+            .find(|m| m.kind == MarkerKind::StepEnd)
+            .map(|m| m.step)
+        else {
+            return Vec::new();
+        };
+        let Some(state) = self.ranks.get(key) else {
+            return Vec::new();
+        };
+        if !advisory::observed_headroom_open(&state.advisories) {
+            return Vec::new();
+        }
+        let capacity = self
+            .latest_sample(&state.info.gpu_uuid)
+            .map_or(0, |s| s.capacity_bytes);
+        if capacity == 0 {
+            return Vec::new();
+        }
+        let Some(steady) = steady_profile(&state.timeline, &self.analysis) else {
+            return Vec::new();
+        };
+        let (Some(peak), Some(&first), Some(&last)) = (
+            steady.nvml_peak_bytes,
+            steady.steps.first(),
+            steady.steps.last(),
+        ) else {
+            return Vec::new();
+        };
+        let observed = advisory::ObservedPeak {
+            step,
+            first_step: first,
+            last_step: last,
+            steps: steady.steps.len(),
+            peak_bytes: peak,
+            first_step_peak_bytes: state
+                .timeline
+                .steps()
+                .find(|s| s.step == first)
+                .and_then(|s| s.nvml_peak_bytes()),
+            capacity_bytes: capacity,
+        };
+        let Some(due) = advisory::observed_headroom_due(
+            observed,
+            self.analysis.predict.low_headroom_fraction,
+            state.prediction_before_step2.as_ref(),
+            now_ns,
+            &state.advisories,
+        ) else {
+            return Vec::new();
+        };
+        let state = self.ranks.get_mut(key).expect("checked above");
         state.advisories.push(due.clone());
         vec![due]
     }

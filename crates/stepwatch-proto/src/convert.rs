@@ -580,6 +580,7 @@ enum_pairs!(advisory_kind_to_wire, advisory_kind_of_wire, AdvisoryKind => pb::Ad
     LowHeadroom <=> LowHeadroom,
     RankDivergence <=> RankDivergence,
     AllocatorRetries <=> AllocatorRetries,
+    LowObservedHeadroom <=> LowObservedHeadroom,
 });
 
 /// An advisory kind as sent; unspecified and unknown values are refused.
@@ -605,7 +606,8 @@ pub fn advisory_to_wire(a: &Advisory) -> pb::Advisory {
         AdvisoryKind::Step2OomPredicted => pb::Severity::Critical,
         AdvisoryKind::LowHeadroom
         | AdvisoryKind::RankDivergence
-        | AdvisoryKind::AllocatorRetries => pb::Severity::Warning,
+        | AdvisoryKind::AllocatorRetries
+        | AdvisoryKind::LowObservedHeadroom => pb::Severity::Warning,
     };
     pb::Advisory {
         kind: advisory_kind_to_wire(kind) as i32,

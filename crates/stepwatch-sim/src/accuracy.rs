@@ -456,8 +456,8 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
             }
         }
         // Only the step-2 memory warnings are judged here; a rank-divergence
-        // advisory says nothing about step 2 fitting, and an allocator-retries
-        // one comes only once step 2 runs.
+        // advisory says nothing about step 2 fitting, and the allocator-retries
+        // and low-observed-headroom ones come only once step 2 runs.
         for a in due.into_iter().filter(|a| {
             matches!(
                 a.kind,
@@ -645,6 +645,9 @@ pub fn render_table(rows: &[AccuracyRow]) -> String {
             (Some(AdvisoryKind::LowHeadroom), l) => format!("low_headroom ({})", ms(l)),
             (Some(AdvisoryKind::RankDivergence), l) => format!("rank_divergence ({})", ms(l)),
             (Some(AdvisoryKind::AllocatorRetries), l) => format!("allocator_retries ({})", ms(l)),
+            (Some(AdvisoryKind::LowObservedHeadroom), l) => {
+                format!("low_observed_headroom ({})", ms(l))
+            }
             (None, _) => "—".into(),
         };
         let actual = match r.actual_source {

@@ -617,6 +617,12 @@ pub enum AdvisoryKind {
     /// After step 1, the caching allocator had to free its cache and retry a
     /// cudaMalloc (num_alloc_retries grew): the job runs at the GPU's limit.
     AllocatorRetries = 4,
+    /// The steps after the first, as measured (median NVML peak of steps 2..,
+    /// once two have ended), leave under 5% of the GPU's usable capacity: the
+    /// job runs closer to the limit than step 1 showed (e.g. reserved memory
+    /// that grew again after step 2). Once per rank and run, not to a run
+    /// already told LOW_HEADROOM or STEP2_OOM_PREDICTED.
+    LowObservedHeadroom = 5,
 }
 impl AdvisoryKind {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -630,6 +636,7 @@ impl AdvisoryKind {
             Self::LowHeadroom => "ADVISORY_KIND_LOW_HEADROOM",
             Self::RankDivergence => "ADVISORY_KIND_RANK_DIVERGENCE",
             Self::AllocatorRetries => "ADVISORY_KIND_ALLOCATOR_RETRIES",
+            Self::LowObservedHeadroom => "ADVISORY_KIND_LOW_OBSERVED_HEADROOM",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -640,6 +647,7 @@ impl AdvisoryKind {
             "ADVISORY_KIND_LOW_HEADROOM" => Some(Self::LowHeadroom),
             "ADVISORY_KIND_RANK_DIVERGENCE" => Some(Self::RankDivergence),
             "ADVISORY_KIND_ALLOCATOR_RETRIES" => Some(Self::AllocatorRetries),
+            "ADVISORY_KIND_LOW_OBSERVED_HEADROOM" => Some(Self::LowObservedHeadroom),
             _ => None,
         }
     }

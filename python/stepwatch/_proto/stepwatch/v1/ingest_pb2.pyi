@@ -58,6 +58,7 @@ class AdvisoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADVISORY_KIND_LOW_HEADROOM: _ClassVar[AdvisoryKind]
     ADVISORY_KIND_RANK_DIVERGENCE: _ClassVar[AdvisoryKind]
     ADVISORY_KIND_ALLOCATOR_RETRIES: _ClassVar[AdvisoryKind]
+    ADVISORY_KIND_LOW_OBSERVED_HEADROOM: _ClassVar[AdvisoryKind]
 
 class Severity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -99,6 +100,7 @@ ADVISORY_KIND_STEP2_OOM_PREDICTED: AdvisoryKind
 ADVISORY_KIND_LOW_HEADROOM: AdvisoryKind
 ADVISORY_KIND_RANK_DIVERGENCE: AdvisoryKind
 ADVISORY_KIND_ALLOCATOR_RETRIES: AdvisoryKind
+ADVISORY_KIND_LOW_OBSERVED_HEADROOM: AdvisoryKind
 SEVERITY_UNSPECIFIED: Severity
 SEVERITY_INFO: Severity
 SEVERITY_WARNING: Severity
