@@ -1462,6 +1462,124 @@ fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
     assert_eq!(kinds, ["allocator_retries"], "{body}");
 }
 
+/// Step 1 can predict room to spare and later steps still run at the limit
+/// (on real PyTorch, fake CUDA: markers-only `lightning-gpt` predicted at 11%
+/// headroom ran at 1.5% from step 3 on). Once two steps after the first have
+/// ended with the GPU nearly full, the training process is told on its
+/// stream, once: the figure is the steady peak the exporter shows
+/// (`StepwatchLowObservedHeadroom`'s), and the counter counts it.
+#[test]
+fn low_observed_headroom_after_step_1_is_advised_on_the_stream_and_counted() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{agent_message, AdvisoryKind, Severity};
+
+    const MIB: u64 = 1 << 20;
+    let agent = Agent::start("observed", 1);
+    let labels = [("training_job", "observed"), ("rank", "0")];
+    let kind = [("kind", "ADVISORY_KIND_LOW_OBSERVED_HEADROOM")];
+    // Known from the start, at 0.
+    assert_eq!(
+        Metrics(agent.metrics()).get("stepwatch_advisories_sent_total", &kind),
+        Some(0.0)
+    );
+    let samples = |m: &Metrics| m.get("stepwatch_gpu_samples_total", &[("gpu", "0")]);
+    // The process holds `used` for a stretch of samples; returns its
+    // CLOCK_MONOTONIC bounds, every sample between them at `used`.
+    let hold = |used: u64| -> (u64, u64) {
+        agent.fake.set_process_memory(0, 4242, used).unwrap();
+        agent.wait_metrics("the sampler sees it", Duration::from_secs(20), |m| {
+            m.get("stepwatch_gpu_memory_used_bytes", &[("gpu", "0")]) == Some(used as f64)
+        });
+        let from = stepwatch_proto::clock::monotonic_ns();
+        let before = samples(&Metrics(agent.metrics())).unwrap();
+        agent.wait_metrics("20 more samples", Duration::from_secs(20), |m| {
+            samples(m).is_some_and(|n| n >= before + 20.0)
+        });
+        (from, stepwatch_proto::clock::monotonic_ns())
+    };
+    // A step's markers spread evenly over [from, to].
+    let spread = |n: u64, from: u64, to: u64| -> Vec<_> {
+        let mut markers = step(n, 0);
+        let gap = (to - from) / markers.len() as u64;
+        for (i, m) in markers.iter_mut().enumerate() {
+            m.monotonic_ns = from + i as u64 * gap;
+            m.wall_ns = m.monotonic_ns;
+        }
+        markers
+    };
+    // Step 1 at 40000 MiB of the H100's 81047 usable (81559 less the
+    // driver's 512): predicted with half the GPU to spare, no advisory.
+    // Steps 2 and 3 at 80000 MiB: 1047 MiB = 1.3% left.
+    let (a, b) = hold(40_000 * MIB);
+    let (c, d) = hold(80_000 * MIB);
+    let mid = c + (d - c) / 2;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let got = rt
+        .block_on(exchange_collect(
+            &agent.endpoint(),
+            vec![
+                hello("observed", 0, 1),
+                batch(spread(1, a, b)),
+                batch(spread(2, c, mid)),
+                batch(spread(3, mid, d)),
+            ],
+        ))
+        .expect("a well-formed stream");
+    let advisories: Vec<_> = got
+        .into_iter()
+        .filter_map(|m| match m.kind {
+            Some(agent_message::Kind::Advisory(a)) => Some(a),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(advisories.len(), 1, "{advisories:?}");
+    let advisory = &advisories[0];
+    assert_eq!(advisory.kind, AdvisoryKind::LowObservedHeadroom as i32);
+    assert_eq!(
+        (advisory.step, advisory.severity),
+        (3, Severity::Warning as i32)
+    );
+    // 80000 MiB = 83.89 GB, 81047 MiB = 84.98 GB.
+    for words in [
+        "steps 2–3 peak at 83.89 GB of 84.98 GB usable on the GPU (1.3% to spare)",
+        "the prediction made during step 1 was",
+        "expandable_segments:True",
+    ] {
+        assert!(
+            advisory.message.contains(words),
+            "{words:?} not in {}",
+            advisory.message
+        );
+    }
+    // NVML figures only: the allocator trace was not what it lacked.
+    assert!(
+        !advisory.message.contains("allocator trace"),
+        "{}",
+        advisory.message
+    );
+    let m = agent.wait_metrics("the advisory counted", Duration::from_secs(10), |m| {
+        m.get("stepwatch_advisories_sent_total", &kind) == Some(1.0)
+    });
+    // The figure the advisory rests on is the one the rule reads.
+    assert_eq!(
+        m.get("stepwatch_rank_steady_step_peak_bytes", &labels),
+        Some((80_000 * MIB) as f64)
+    );
+    assert_eq!(
+        m.get("stepwatch_rank_gpu_capacity_bytes", &labels),
+        Some((81_047 * MIB) as f64)
+    );
+    let (_, body) = agent.get("/api/v1/jobs/observed/ranks/0");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let kinds: Vec<&serde_json::Value> = report["advisories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| &a["kind"])
+        .collect();
+    assert_eq!(kinds, ["low_observed_headroom"], "{body}");
+}
+
 /// (answer, path) of each row of README's "JSON paths" table.
 fn readme_json_paths() -> Vec<(String, String)> {
     let readme =
