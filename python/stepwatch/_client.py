@@ -662,9 +662,10 @@ class Client:
             predicted_headroom_bytes=a.predicted_headroom_bytes,
         )
         # Only the step-2 prediction's advisories replace last_prediction():
-        # rank divergence (about the rank's peers), allocator retries (an
-        # observation after step 1) and kinds newer than this client are not
-        # predictions; they are logged and passed to on_advisory all the same.
+        # rank divergence (about the rank's peers), allocator retries and low
+        # observed headroom (observations after step 1) and kinds newer than
+        # this client are not predictions; they are logged and passed to
+        # on_advisory all the same.
         if a.kind in (pb.ADVISORY_KIND_STEP2_OOM_PREDICTED, pb.ADVISORY_KIND_LOW_HEADROOM):
             self._last_prediction = p
         self.counters["advisories"] += 1
