@@ -372,7 +372,7 @@ fn retries_message(growth: RetryGrowth, frozen: Option<&Prediction>) -> String {
 /// The steady peak as measured after step 1, for [`observed_headroom_due`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ObservedPeak {
-    /// The step whose end made the check; the advisory's step.
+    /// The step of the batch that made the check; the advisory's step.
     pub step: u64,
     /// The first of the steps the steady peak is the median of (normally 2).
     pub first_step: u64,

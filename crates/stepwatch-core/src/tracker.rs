@@ -876,26 +876,27 @@ impl Tracker {
         vec![due]
     }
 
-    /// The low-observed-headroom advisory when an applied batch ends a step
-    /// and the rank's steady peak ([`steady_profile`], the figure
+    /// The low-observed-headroom advisory when, after an applied batch, the
+    /// rank's steady peak ([`steady_profile`], the figure
     /// `stepwatch_rank_steady_step_peak_bytes` exports) leaves less than the
     /// prediction's low-headroom fraction of the GPU's capacity; recorded as
-    /// issued. Checked only on batches with a step end, and only while the
-    /// run may still get it ([`advisory::observed_headroom_open`]), so the
-    /// steady profile is computed at most once per step and never again
-    /// once the run was told.
+    /// issued. Checked on every batch, not only at step ends: the sampler
+    /// hands its samples over in batches, after the markers that closed
+    /// their step, so at a step's end its peak is not yet all there, and a
+    /// later batch hears it. (On fake CUDA, whose steps last about 20 ms,
+    /// the samples lag by several steps: `gpt-expandable-segments` at 3.8%
+    /// from step 3 on was told nothing in its six steps either way.) Only
+    /// while the run may still get it
+    /// ([`advisory::observed_headroom_open`]) and once two steps after the
+    /// first have ended: a median over at most `steady_window` steps per
+    /// batch, never again once the run was told.
     fn advise_observed_headroom(
         &mut self,
         key: &RankKey,
         markers: &[Marker],
         now_ns: u64,
     ) -> Vec<Advisory> {
-        let Some(step) = markers
-            .iter()
-            .rev()
-            .find(|m| m.kind == MarkerKind::StepEnd)
-            .map(|m| m.step)
-        else {
+        let Some(step) = markers.last().map(|m| m.step) else {
             return Vec::new();
         };
         let Some(state) = self.ranks.get(key) else {

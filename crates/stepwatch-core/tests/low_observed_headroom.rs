@@ -353,3 +353,60 @@ fn the_message_without_a_prediction_or_a_contiguous_window() {
     // Issued once.
     assert_eq!(observed_headroom_due(o, 0.05, None, 8, &[a]), None);
 }
+
+#[test]
+fn samples_that_reach_the_tracker_after_their_step_ended_are_heard_at_the_next_batch() {
+    // The sampler hands its samples over in batches, so those of a step's
+    // end reach the tracker after the markers that closed it (seen on real
+    // PyTorch on fake CUDA: at step 3's end the agent's figure for it was
+    // still step 1's peak). Steps 2
+    // and 3 peak at 9600 M (4.0% to spare), each known only after its end
+    // batch: at step 3's end its peak is 8000 (forward) and the steady peak
+    // the median of 9600 and 8000 = 8800, 12% to spare. Once step 3's
+    // samples are in, step 4's first batch finds 9600: the advisory comes
+    // there, not a step later at step 4's end.
+    use MarkerKind::*;
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = open(&mut t, "");
+    assert!(observed(&step1(&mut t, &key, 100, CAPACITY)).is_empty());
+    let f = (2200, 6800, 7500);
+    for n in [2u64, 3] {
+        let t0 = n * 1000;
+        samples(&mut t, CAPACITY, &[(t0 + 150, 8000)]);
+        let kinds = [
+            StepBegin,
+            ForwardBegin,
+            BackwardBegin,
+            OptimizerBegin,
+            OptimizerEnd,
+            StepEnd,
+        ];
+        let batch: Vec<Marker> = (0u64..)
+            .zip(kinds)
+            .map(|(i, k)| marker(k, n, t0 + 100 * i, f))
+            .collect();
+        let due = t.markers(&key, &batch, t0).unwrap();
+        assert!(observed(&due).is_empty(), "step {n}: {due:#?}");
+        samples(&mut t, CAPACITY, &[(t0 + 250, 9600), (t0 + 350, 8200)]);
+    }
+    let due = t
+        .markers(
+            &key,
+            &[
+                marker(StepBegin, 4, 4000, f),
+                marker(ForwardBegin, 4, 4100, f),
+            ],
+            4000,
+        )
+        .unwrap();
+    let due = observed(&due);
+    assert_eq!(due.len(), 1, "{due:#?}");
+    assert_eq!(due[0].step, 4);
+    assert!(
+        due[0]
+            .message
+            .contains("steps 2–3 peak at 10.07 GB of 10.49 GB usable on the GPU (4.0% to spare)"),
+        "{}",
+        due[0].message
+    );
+}
