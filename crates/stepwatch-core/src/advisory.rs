@@ -15,8 +15,8 @@
 //!   [`crate::divergence`](mod@crate::divergence));
 //! * allocator retries: once per rank and run, at the first marker of a
 //!   step ≥ 2 whose `num_alloc_retries` grew (see [`retries_due`]);
-//! * low observed headroom: once per rank and run, at the first step end
-//!   where the measured steady peak leaves under the low-headroom fraction
+//! * low observed headroom: once per rank and run, after the first marker
+//!   batch where the measured steady peak leaves under the low-headroom fraction
 //!   of capacity, unless the run was already told LOW_HEADROOM or
 //!   STEP2_OOM_PREDICTED (see [`observed_headroom_due`]).
 //!
