@@ -36,7 +36,7 @@ use crate::marker::PhaseKind;
 use crate::predict::{
     jump_across, predict_with_layout, LiveStep, PredictConfig, Prediction, PredictionBasis,
 };
-use crate::profile::{phase_allocator_peaks, SteadyProfile, StepProfile};
+use crate::profile::{median_u64, phase_allocator_peaks, SteadyProfile, StepProfile};
 use crate::replay::{Gradients, Step2Replay};
 use crate::sample::GpuSample;
 use crate::timeline::{RankTimeline, StepOutcome, StepRecord};
@@ -269,17 +269,72 @@ fn later_completed(timeline: &RankTimeline) -> Vec<&StepRecord> {
 /// enough steps after the first have completed. Shared by the analysis and
 /// the cross-rank divergence, so both mean the same steady peak.
 pub fn steady_profile(timeline: &RankTimeline, config: &AnalysisConfig) -> Option<SteadyProfile> {
-    // Only the window is visited: ingest computes this for every rank of a
-    // job at each step boundary (divergence), and collecting all of a
-    // rank's retained steps first made that O(ranks x retained steps).
-    let window: Vec<StepProfile> = timeline
+    let window: Vec<StepProfile> = steady_window(timeline, config)
+        .map(StepProfile::of)
+        .collect();
+    SteadyProfile::of(&window, config.min_steady_steps.max(1))
+}
+
+/// The steps the steady profile is over: the first `steady_window`
+/// completed steps after the first. Only the window is visited: ingest
+/// computes this for every rank of a job at each step boundary
+/// (divergence), and collecting all of a rank's retained steps first made
+/// that O(ranks x retained steps).
+fn steady_window<'a>(
+    timeline: &'a RankTimeline,
+    config: &AnalysisConfig,
+) -> impl Iterator<Item = &'a StepRecord> {
+    timeline
         .steps()
         .skip(1)
         .filter(|s| s.outcome == StepOutcome::Completed)
         .take(config.steady_window.max(1))
-        .map(StepProfile::of)
-        .collect();
-    SteadyProfile::of(&window, config.min_steady_steps.max(1))
+}
+
+/// [`steady_profile`]'s NVML peak alone, from the steps' peaks (no
+/// profiles): cheap enough for every marker batch, where the
+/// low-observed-headroom advisory reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SteadyNvmlPeak {
+    /// The median NVML peak of the window's steps that have samples (what
+    /// `stepwatch_rank_steady_step_peak_bytes` exports), bytes.
+    pub peak_bytes: u64,
+    /// The window's first and last steps.
+    pub first_step: u64,
+    /// See `first_step`.
+    pub last_step: u64,
+    /// How many steps the window holds.
+    pub steps: usize,
+    /// The NVML peak of `first_step` alone; None when it had no samples.
+    pub first_step_peak_bytes: Option<u64>,
+}
+
+/// See [`SteadyNvmlPeak`]; None where [`steady_profile`] is None or has no
+/// NVML peak.
+pub fn steady_nvml_peak(
+    timeline: &RankTimeline,
+    config: &AnalysisConfig,
+) -> Option<SteadyNvmlPeak> {
+    let mut peaks = Vec::with_capacity(config.steady_window.max(1));
+    let (mut first, mut last, mut steps) = (None, 0, 0);
+    for s in steady_window(timeline, config) {
+        let peak = s.nvml_peak_bytes();
+        first.get_or_insert((s.step, peak));
+        last = s.step;
+        steps += 1;
+        peaks.extend(peak);
+    }
+    let (first_step, first_step_peak_bytes) = first?;
+    if steps < config.min_steady_steps.max(1) {
+        return None;
+    }
+    Some(SteadyNvmlPeak {
+        peak_bytes: median_u64(&mut peaks)?,
+        first_step,
+        last_step: last,
+        steps,
+        first_step_peak_bytes,
+    })
 }
 
 /// Steady-state detection over completed steps after the first, in order.

@@ -14,7 +14,9 @@ use serde::{Deserialize, Serialize};
 use crate::advisory::{self, Advisory, AdvisoryKind};
 use crate::allocator::SegmentLayout;
 use crate::analysis::StepOneExtras;
-use crate::analysis::{analyze_rank, steady_profile, AnalysisConfig, RankAnalysis};
+use crate::analysis::{
+    analyze_rank, steady_nvml_peak, steady_profile, AnalysisConfig, RankAnalysis,
+};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{ModelFacts, RankInfo, RankKey};
@@ -877,7 +879,7 @@ impl Tracker {
     }
 
     /// The low-observed-headroom advisory when, after an applied batch, the
-    /// rank's steady peak ([`steady_profile`], the figure
+    /// rank's steady peak ([`steady_nvml_peak`], the figure
     /// `stepwatch_rank_steady_step_peak_bytes` exports) leaves less than the
     /// prediction's low-headroom fraction of the GPU's capacity; recorded as
     /// issued. Checked on every batch, not only at step ends: the sampler
@@ -911,27 +913,16 @@ impl Tracker {
         if capacity == 0 {
             return Vec::new();
         }
-        let Some(steady) = steady_profile(&state.timeline, &self.analysis) else {
-            return Vec::new();
-        };
-        let (Some(peak), Some(&first), Some(&last)) = (
-            steady.nvml_peak_bytes,
-            steady.steps.first(),
-            steady.steps.last(),
-        ) else {
+        let Some(steady) = steady_nvml_peak(&state.timeline, &self.analysis) else {
             return Vec::new();
         };
         let observed = advisory::ObservedPeak {
             step,
-            first_step: first,
-            last_step: last,
-            steps: steady.steps.len(),
-            peak_bytes: peak,
-            first_step_peak_bytes: state
-                .timeline
-                .steps()
-                .find(|s| s.step == first)
-                .and_then(|s| s.nvml_peak_bytes()),
+            first_step: steady.first_step,
+            last_step: steady.last_step,
+            steps: steady.steps,
+            peak_bytes: steady.peak_bytes,
+            first_step_peak_bytes: steady.first_step_peak_bytes,
             capacity_bytes: capacity,
         };
         let Some(due) = advisory::observed_headroom_due(

@@ -520,3 +520,51 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// The low-observed-headroom advisory reads the steady NVML peak on
+    /// every marker batch through `steady_nvml_peak` (step peaks only); the
+    /// metric and the alert read `steady_profile`. They must be one figure,
+    /// over one window, for any window, minimum, steps and samples.
+    #[test]
+    fn the_cheap_steady_nvml_peak_is_the_steady_profiles(
+        steps in 1u64..15,
+        micro in 1u32..3,
+        gaps in prop::collection::vec(1u64..60, 1..8),
+        levels in prop::collection::vec(0u64..50_000_000, 1..12),
+        sample_points in prop::collection::vec((0u64..7_000, 0u64..60_000_000), 0..200),
+        steady_window in 1usize..12,
+        min_steady_steps in 1usize..4,
+    ) {
+        let mut tracker = Tracker::new(TrackerConfig {
+            max_samples_per_gpu: 100_000,
+            ..Default::default()
+        });
+        let key = tracker
+            .open(
+                RankInfo { job: "job".into(), world_size: 1, gpu_uuid: GPU.into(), pid: 1, ..Default::default() },
+                0,
+            )
+            .unwrap();
+        let samples: Vec<GpuSample> = sample_points
+            .iter()
+            .map(|&(t, used)| GpuSample { monotonic_ns: 900 + t, used_bytes: used, capacity_bytes: 80_000_000 })
+            .collect();
+        tracker.gpu_samples(GPU, &samples);
+        tracker.markers(&key, &markers(steps, micro, &gaps, &levels, true), 0).unwrap();
+        let config = AnalysisConfig { steady_window, min_steady_steps, ..Default::default() };
+        let timeline = &tracker.rank(&key).unwrap().timeline;
+        let full = steady_profile(timeline, &config);
+        let cheap = steady_nvml_peak(timeline, &config);
+        prop_assert_eq!(cheap.map(|c| c.peak_bytes), full.as_ref().and_then(|f| f.nvml_peak_bytes));
+        if let (Some(c), Some(f)) = (cheap, full) {
+            prop_assert_eq!(c.steps, f.steps.len());
+            prop_assert_eq!(Some(c.first_step), f.steps.first().copied());
+            prop_assert_eq!(Some(c.last_step), f.steps.last().copied());
+            let first = timeline.steps().find(|s| s.step == c.first_step).unwrap();
+            prop_assert_eq!(c.first_step_peak_bytes, StepProfile::of(first).nvml_peak_bytes);
+        }
+    }
+}
