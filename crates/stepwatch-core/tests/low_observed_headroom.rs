@@ -98,6 +98,26 @@ fn step1(t: &mut Tracker, key: &RankKey, t0: u64, capacity: u64) -> Vec<Advisory
     .unwrap()
 }
 
+/// The allocator figures of every marker of a later step.
+const LATER: (u64, u64, u64) = (2200, 6800, 7500);
+
+/// The markers of step `n` (≥ 2) from time `t0`, a phase every 100 ns.
+fn later_step_markers(n: u64, t0: u64) -> Vec<Marker> {
+    use MarkerKind::*;
+    let kinds = [
+        StepBegin,
+        ForwardBegin,
+        BackwardBegin,
+        OptimizerBegin,
+        OptimizerEnd,
+        StepEnd,
+    ];
+    (0u64..)
+        .zip(kinds)
+        .map(|(i, k)| marker(k, n, t0 + 100 * i, LATER))
+        .collect()
+}
+
 /// Step `n` (≥ 2) from time `t0`, its NVML peak at `peak` M (in backward).
 fn later_step(
     t: &mut Tracker,
@@ -107,26 +127,12 @@ fn later_step(
     capacity: u64,
     peak: u64,
 ) -> Vec<Advisory> {
-    use MarkerKind::*;
     samples(
         t,
         capacity,
         &[(t0 + 150, 8000), (t0 + 250, peak), (t0 + 350, 8200)],
     );
-    let f = (2200, 6800, 7500);
-    t.markers(
-        key,
-        &[
-            marker(StepBegin, n, t0, f),
-            marker(ForwardBegin, n, t0 + 100, f),
-            marker(BackwardBegin, n, t0 + 200, f),
-            marker(OptimizerBegin, n, t0 + 300, f),
-            marker(OptimizerEnd, n, t0 + 400, f),
-            marker(StepEnd, n, t0 + 500, f),
-        ],
-        t0,
-    )
-    .unwrap()
+    t.markers(key, &later_step_markers(n, t0), t0).unwrap()
 }
 
 fn observed(advisories: &[Advisory]) -> Vec<&Advisory> {
@@ -369,23 +375,10 @@ fn samples_that_reach_the_tracker_after_their_step_ended_are_heard_at_the_next_b
     let mut t = Tracker::new(TrackerConfig::default());
     let key = open(&mut t, "");
     assert!(observed(&step1(&mut t, &key, 100, CAPACITY)).is_empty());
-    let f = (2200, 6800, 7500);
     for n in [2u64, 3] {
         let t0 = n * 1000;
         samples(&mut t, CAPACITY, &[(t0 + 150, 8000)]);
-        let kinds = [
-            StepBegin,
-            ForwardBegin,
-            BackwardBegin,
-            OptimizerBegin,
-            OptimizerEnd,
-            StepEnd,
-        ];
-        let batch: Vec<Marker> = (0u64..)
-            .zip(kinds)
-            .map(|(i, k)| marker(k, n, t0 + 100 * i, f))
-            .collect();
-        let due = t.markers(&key, &batch, t0).unwrap();
+        let due = t.markers(&key, &later_step_markers(n, t0), t0).unwrap();
         assert!(observed(&due).is_empty(), "step {n}: {due:#?}");
         samples(&mut t, CAPACITY, &[(t0 + 250, 9600), (t0 + 350, 8200)]);
     }
@@ -393,8 +386,8 @@ fn samples_that_reach_the_tracker_after_their_step_ended_are_heard_at_the_next_b
         .markers(
             &key,
             &[
-                marker(StepBegin, 4, 4000, f),
-                marker(ForwardBegin, 4, 4100, f),
+                marker(StepBegin, 4, 4000, LATER),
+                marker(ForwardBegin, 4, 4100, LATER),
             ],
             4000,
         )
