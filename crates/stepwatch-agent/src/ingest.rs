@@ -295,9 +295,11 @@ async fn serve_stream(
         }) => hello,
         // A client that opens a stream without a hello does so every time.
         Some(_) => {
-            return Err(refuse_for_good(
+            return Err(refuse_as(
                 state,
                 "no_hello",
+                1,
+                Retry::Never,
                 Status::failed_precondition("the first message on a stream must be a Hello"),
             ));
         }
@@ -326,8 +328,11 @@ async fn serve_stream(
                 RecordError::Open(e) if e.refuses_the_run() => Retry::Never,
                 _ => Retry::Later,
             };
-            state.ingest.reject(reason, 1);
-            return Err(named(
+            return Err(refuse_as(
+                state,
+                reason,
+                1,
+                retry,
                 match e {
                     RecordError::Open(OpenError::Invalid(e)) => {
                         Status::invalid_argument(format!("invalid hello: {e}"))
@@ -341,8 +346,6 @@ async fn serve_stream(
                     }
                     e => Status::internal(format!("the hello could not be applied: {e}")),
                 },
-                reason,
-                retry,
             ));
         }
     };
@@ -663,8 +666,7 @@ async fn next_message(
                     "decode_error" => Status::invalid_argument(status.message().to_string()),
                     _ => status,
                 };
-                state.ingest.reject(reason, 1);
-                named(status, reason, retry)
+                refuse_as(state, reason, 1, retry, status)
             }
             None => status,
         })
@@ -837,14 +839,19 @@ enum Retry {
 /// Counts a refusal of `n` markers (at least one input) under `reason` and
 /// names it in the status that ends the stream; a later try may pass.
 fn refuse(state: &AgentState, reason: &'static str, n: u64, status: Status) -> Status {
-    state.ingest.reject(reason, n);
-    named(status, reason, Retry::Later)
+    refuse_as(state, reason, n, Retry::Later, status)
 }
 
-/// [`refuse`] for a stream's opening that no reconnect can cure.
-fn refuse_for_good(state: &AgentState, reason: &'static str, status: Status) -> Status {
-    state.ingest.reject(reason, 1);
-    named(status, reason, Retry::Never)
+/// [`refuse`], saying whether a reconnect of the process may pass.
+fn refuse_as(
+    state: &AgentState,
+    reason: &'static str,
+    n: u64,
+    retry: Retry,
+    status: Status,
+) -> Status {
+    state.ingest.reject(reason, n);
+    named(status, reason, retry)
 }
 
 /// `status` with the refusal's reason in its trailing metadata, and
