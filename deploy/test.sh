@@ -268,23 +268,24 @@ check_alertmanager() {
   render "$WORK/alertmanager.yaml" --set-json \
     '{"alertmanager":{"urls":["http://am-0.am:9093","http://am-1.am:9093"],"labels":{"prometheus":"monitoring/kps","cluster":"eu-1"}}}'
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/alertmanager.yaml" --require DaemonSet
-  "$PY" - "$WORK/alertmanager.yaml" "$WORK/helm.yaml" <<'PYEOF'
+  render "$WORK/alertmanager-rb.yaml" --set-json \
+    '{"alertmanager":{"urls":["http://am-0.am:9093","http://am-1.am:9093"],"labels":{"prometheus":"monitoring/kps","cluster":"eu-1"}},"prometheusRule":{"runbookBaseURL":"https://wiki.example/rb"}}'
+  "$PY" - "$WORK/alertmanager.yaml" "$WORK/helm.yaml" "$WORK/alertmanager-rb.yaml" <<'PYEOF'
 import sys, yaml
 def args(path):
     docs = [d for d in yaml.safe_load_all(open(path)) if d]
     pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
     return next(c for c in pod["containers"] if c["name"] == "agent")["args"]
-a = args(sys.argv[1])
-pairs = [(a[i], a[i + 1]) for i in range(len(a) - 1) if a[i].startswith("--alertmanager-")]
-assert pairs == [
-    ("--alertmanager-url", "http://am-0.am:9093"),
-    ("--alertmanager-url", "http://am-1.am:9093"),
-    ("--alertmanager-runbook-base-url", "https://github.com/stepwatch/stepwatch/blob/main/deploy/runbooks"),
-    ("--alertmanager-label", "cluster=eu-1"),
-    ("--alertmanager-label", "prometheus=monitoring/kps"),
-], pairs
+def pairs(path):
+    a = args(path)
+    return [(a[i], a[i + 1]) for i in range(len(a) - 1) if a[i].startswith("--alertmanager-")]
+urls = [("--alertmanager-url", "http://am-0.am:9093"), ("--alertmanager-url", "http://am-1.am:9093")]
+labels = [("--alertmanager-label", "cluster=eu-1"), ("--alertmanager-label", "prometheus=monitoring/kps")]
+# No runbookBaseURL (the default): no --alertmanager-runbook-base-url.
+assert pairs(sys.argv[1]) == urls + labels, pairs(sys.argv[1])
+assert pairs(sys.argv[3]) == urls + [("--alertmanager-runbook-base-url", "https://wiki.example/rb")] + labels, pairs(sys.argv[3])
 assert not any(x.startswith("--alertmanager-") for x in args(sys.argv[2])), "off by default"
-print("  alertmanager.urls -> repeated --alertmanager-url, labels -> --alertmanager-label NAME=VALUE; none by default")
+print("  alertmanager.urls -> repeated --alertmanager-url, labels -> --alertmanager-label NAME=VALUE, runbookBaseURL when set; none by default")
 PYEOF
 }
 
@@ -292,17 +293,28 @@ PYEOF
 # is the rules file (plus the chart's runbook base URL, which is the file's); each override lands
 # where it should; a bad override is refused.
 check_alert_overrides() {
-  "$PY" - "$WORK/helm.yaml" "$RULES" <<'PYEOF' || return 1
+  "$PY" - "$WORK/helm.yaml" "$RULES" "$CHART/Chart.yaml" <<'PYEOF' || return 1
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+version = yaml.safe_load(open(sys.argv[3]))["version"]
 rule = next(d for d in docs if d["kind"] == "PrometheusRule")
 assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack", rule["metadata"]
 sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
 assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack", sm["metadata"]
 assert sm["spec"]["sampleLimit"] > 0 and sm["spec"]["labelLimit"] > 0, sm["spec"]
 want = yaml.safe_load(open(sys.argv[2]))["groups"]
+# runbookBaseURL "" (the default): each alert's runbook_url becomes a `runbook` annotation naming
+# its page in the chart (no link that could be dead).
+for g in want:
+    for r in g["rules"]:
+        if "alert" in r:
+            assert r["annotations"].pop("runbook_url", "").endswith(f"/{r['alert']}.md"), r["alert"]
+            r["annotations"]["runbook"] = (
+                f"files/runbooks/{r['alert']}.md in the stepwatch chart {version} "
+                "(set prometheusRule.runbookBaseURL for a link)"
+            )
 assert rule["spec"]["groups"] == want, "the default render differs from deploy/prometheus/stepwatch-rules.yml"
-print("  default render == stepwatch-rules.yml; release label on PrometheusRule and ServiceMonitor")
+print("  default render == stepwatch-rules.yml (runbook_url -> runbook: the page in the chart); release label on PrometheusRule and ServiceMonitor")
 PYEOF
   render "$WORK/alerts.yaml" --set-json '{"prometheusRule":{"runbookBaseURL":"https://git.example/rb/","alertLabels":{"team":"ml-platform"},"alerts":{"StepwatchSamplerLagging":{"enabled":false},"StepwatchJobStalled":{"for":"15m","threshold":20,"severity":"critical","labels":{"pager":"gpu"}},"StepwatchLowPredictedHeadroom":{"threshold":0.1},"StepwatchLowObservedHeadroom":{"threshold":0.08,"for":"10m"},"StepwatchAllocatorRetries":{"severity":"critical"},"StepwatchFirstStepDivergence":{"threshold":0.25}}},"prometheusRelease":""}'
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/alerts.yaml" --require PrometheusRule
@@ -498,7 +510,11 @@ step "every alert fires and stays silent in a test; every recording rule asserte
 step "promtool check config (example scrape config, honor_labels: false)" check_example_config
 step "generated files up to date (chart's rules copy, deploy/kubernetes)" "$PY" "$SCRIPTS/sync_generated.py" --check
 step "helm lint --strict" "$PY" "$SCRIPTS/helm_chart.py" lint "$CHART"
+step "values.schema.json covers every top-level key; a misspelt key fails the render and helm lint" \
+  "$PY" "$SCRIPTS/check_chart_defaults.py" schema "$CHART"
 step "helm render (defaults)" render "$WORK/helm.yaml"
+step "no dead link in the defaults (values, Chart.yaml, templates, default render, deploy/kubernetes); runbooks ship in the chart" \
+  "$PY" "$SCRIPTS/check_chart_defaults.py" links "$CHART" "$WORK/helm.yaml" "$DEPLOY"/kubernetes/*.yaml "$DEPLOY"/kubernetes/base/*.yaml
 step "validate Helm render (kubernetes-validate 1.25/1.37 strict, CRDs, DaemonSet contract)" \
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/helm.yaml" --require DaemonSet --require Service \
   --require ServiceAccount --require ServiceMonitor --require PrometheusRule

@@ -6,6 +6,9 @@ One source each:
     (the chart wraps that copy into its PrometheusRule)
   * dashboards/*.json  ->  deploy/helm/stepwatch/files/dashboards/ (the chart's ConfigMaps for
     Grafana's sidecar)
+  * deploy/runbooks/*.md  ->  deploy/helm/stepwatch/files/runbooks/ (shipped in the chart's .tgz,
+    where the alerts' `runbook` annotation points when prometheusRule.runbookBaseURL is "")
+  * LICENSE  ->  deploy/helm/stepwatch/LICENSE (Helm packages a chart's LICENSE)
   * deploy/helm/stepwatch (default values, release "stepwatch", namespace "stepwatch")
     ->  deploy/kubernetes/ (plain kustomize manifests)
 
@@ -30,6 +33,10 @@ RULES_SRC = os.path.join(DEPLOY, "prometheus", "stepwatch-rules.yml")
 RULES_COPY = os.path.join(CHART, "files", "stepwatch-rules.yml")
 DASHBOARDS_SRC = os.path.join(os.path.dirname(DEPLOY), "dashboards")
 DASHBOARDS_COPY = os.path.join(CHART, "files", "dashboards")
+RUNBOOKS_SRC = os.path.join(DEPLOY, "runbooks")
+RUNBOOKS_COPY = os.path.join(CHART, "files", "runbooks")
+LICENSE_SRC = os.path.join(os.path.dirname(DEPLOY), "LICENSE")
+LICENSE_COPY = os.path.join(CHART, "LICENSE")
 KUSTOMIZE = os.path.join(DEPLOY, "kubernetes")
 
 RELEASE = "stepwatch"
@@ -99,13 +106,30 @@ def dashboard_names():
     return sorted(n for n in os.listdir(DASHBOARDS_SRC) if n.endswith(".json"))
 
 
+def copies():
+    """Maps each verbatim copy (path relative to deploy/) to its source's content."""
+    out = {}
+    pairs = [(RULES_SRC, RULES_COPY), (LICENSE_SRC, LICENSE_COPY)]
+    pairs += [
+        (os.path.join(DASHBOARDS_SRC, n), os.path.join(DASHBOARDS_COPY, n))
+        for n in dashboard_names()
+    ]
+    pairs += [
+        (os.path.join(RUNBOOKS_SRC, n), os.path.join(RUNBOOKS_COPY, n)) for n in runbook_names()
+    ]
+    for src, dst in pairs:
+        with open(src) as f:
+            out[os.path.relpath(dst, DEPLOY)] = f.read()
+    return out
+
+
+def runbook_names():
+    return sorted(n for n in os.listdir(RUNBOOKS_SRC) if n.endswith(".md"))
+
+
 def expected_files():
     """Maps each generated path (relative to deploy/) to its content."""
-    with open(RULES_SRC) as f:
-        out = {os.path.relpath(RULES_COPY, DEPLOY): f.read()}
-    for name in dashboard_names():
-        with open(os.path.join(DASHBOARDS_SRC, name)) as f:
-            out[os.path.relpath(os.path.join(DASHBOARDS_COPY, name), DEPLOY)] = f.read()
+    out = copies()
     parts = {"base": [], "operator": []}
     by_file = {}
     for obj in render_chart_objects():
@@ -178,9 +202,12 @@ def generated_paths_on_disk():
             found.add(os.path.relpath(os.path.join(root, name), DEPLOY))
     if os.path.exists(RULES_COPY):
         found.add(os.path.relpath(RULES_COPY, DEPLOY))
-    if os.path.isdir(DASHBOARDS_COPY):
-        for name in os.listdir(DASHBOARDS_COPY):
-            found.add(os.path.relpath(os.path.join(DASHBOARDS_COPY, name), DEPLOY))
+    if os.path.exists(LICENSE_COPY):
+        found.add(os.path.relpath(LICENSE_COPY, DEPLOY))
+    for copy_dir in (DASHBOARDS_COPY, RUNBOOKS_COPY):
+        if os.path.isdir(copy_dir):
+            for name in os.listdir(copy_dir):
+                found.add(os.path.relpath(os.path.join(copy_dir, name), DEPLOY))
     return found
 
 
@@ -192,23 +219,16 @@ def main():
     args = p.parse_args()
     stale = []
     if not args.check:
-        # The chart's PrometheusRule is rendered from the rules copy: refresh the copy first, so
-        # that one run brings deploy/kubernetes up to date too.
-        with open(RULES_SRC) as f:
-            rules = f.read()
-        if not os.path.exists(RULES_COPY) or open(RULES_COPY).read() != rules:
-            with open(RULES_COPY, "w") as f:
-                f.write(rules)
-            stale.append(os.path.relpath(RULES_COPY, DEPLOY))
-        # Likewise the dashboards the chart ships as ConfigMaps.
-        os.makedirs(DASHBOARDS_COPY, exist_ok=True)
-        for name in dashboard_names():
-            src = open(os.path.join(DASHBOARDS_SRC, name)).read()
-            dst = os.path.join(DASHBOARDS_COPY, name)
-            if not os.path.exists(dst) or open(dst).read() != src:
+        # The chart's PrometheusRule is rendered from the rules copy (and its ConfigMaps from the
+        # dashboards' copies): refresh the copies first, so that one run brings
+        # deploy/kubernetes up to date too.
+        for rel, content in copies().items():
+            dst = os.path.join(DEPLOY, rel)
+            if not os.path.exists(dst) or open(dst).read() != content:
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
                 with open(dst, "w") as f:
-                    f.write(src)
-                stale.append(os.path.relpath(dst, DEPLOY))
+                    f.write(content)
+                stale.append(rel)
     want = expected_files()
     for rel, content in sorted(want.items()):
         path = os.path.join(DEPLOY, rel)
