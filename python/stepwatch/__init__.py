@@ -12,7 +12,7 @@ never blocks training; with no agent, markers are buffered up to a bound and
 then dropped and counted (:func:`stats`).
 """
 
-from ._client import Prediction, StepwatchError
+from ._client import PredictedOutOfMemoryError, Prediction, StepwatchError
 from ._identity import DEFAULT_ENDPOINT, Identity, resolve_identity
 from ._runtime import (
     WatchHandle,
@@ -32,6 +32,7 @@ from ._version import __version__
 __all__ = [
     "DEFAULT_ENDPOINT",
     "Identity",
+    "PredictedOutOfMemoryError",
     "Prediction",
     "StepwatchError",
     "WatchHandle",

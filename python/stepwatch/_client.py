@@ -97,6 +97,30 @@ class Prediction:
     received_wall_ns: int = field(default_factory=time.time_ns)
 
 
+class PredictedOutOfMemoryError(StepwatchError):
+    """Raised into training, with ``watch(raise_on_predicted_oom=True)``, at the
+    first step boundary after the agent predicted that step 2 will run out of
+    GPU memory (its ``ADVISORY_KIND_STEP2_OOM_PREDICTED`` advisory): the job
+    stops before step 2 allocates instead of dying in it.
+
+    ``prediction`` is the advisory; ``predicted_peak_bytes``,
+    ``capacity_bytes`` and ``predicted_headroom_bytes`` its figures and
+    ``advice`` the agent's sentence (by how much, and what would fit)."""
+
+    def __init__(self, prediction: Prediction, rank: Optional[int] = None) -> None:
+        self.prediction = prediction
+        self.predicted_peak_bytes = prediction.predicted_peak_bytes
+        self.capacity_bytes = prediction.capacity_bytes
+        self.predicted_headroom_bytes = prediction.predicted_headroom_bytes
+        self.advice = prediction.message
+        super().__init__(
+            advisory_text(prediction, rank).replace(
+                "stepwatch advisory", "stepwatch: step 2 is predicted to run out of GPU memory", 1
+            )
+            + "; stopped before step 2 began (watch(raise_on_predicted_oom=True))"
+        )
+
+
 def _fmt_bytes(n: int) -> str:
     sign = "-" if n < 0 else ""
     n = abs(n)
@@ -369,6 +393,17 @@ class Client:
 
     def last_prediction(self) -> Optional[Prediction]:
         return self._last_prediction
+
+    def agent_may_answer(self) -> bool:
+        """Whether an agent may answer soon: the client still sends, its stream is
+        open or being opened, its last connect attempt did not come back empty,
+        and (for a Unix socket) the socket exists."""
+        if self._stopped is not None or self._agent_absent or self._closed.is_set():
+            return False
+        if self._connected:
+            return True
+        path = _unix_socket_path(self.target)
+        return path is None or os.path.exists(path)
 
     def wait_connected(self, timeout: float) -> bool:
         """Start the sender and wait until a stream is open (for strict mode and tests)."""
@@ -829,6 +864,15 @@ class _StreamState:
         self.trace: Any = None
         # A marker taken off the queue that did not fit the batch (a layout's).
         self.held: Any = None
+
+
+def _unix_socket_path(target: str) -> Optional[str]:
+    """The file of a ``unix:`` target (``unix:///path``, ``unix:path``), else None."""
+    if target.startswith("unix://"):
+        return target[len("unix://") :] or None
+    if target.startswith("unix:"):
+        return target[len("unix:") :] or None
+    return None
 
 
 def _refusal_of(e: Any) -> Tuple[str, bool]:

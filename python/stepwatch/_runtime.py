@@ -8,20 +8,23 @@ import logging
 import os
 import sys
 import threading
+import time
 import uuid
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 from . import _torch
 from ._alloctrace import LayoutSnapshots, Recorder
 from ._client import (
     COUNTER_NAMES,
+    FORWARD_BEGIN,
     OOM,
     OPTIMIZER_BEGIN,
     OPTIMIZER_END,
     STEP_BEGIN,
     STEP_END,
     Client,
+    PredictedOutOfMemoryError,
     Prediction,
     StepwatchError,
     _env_float,
@@ -41,6 +44,8 @@ PHASES = ("forward", "backward", "optimizer")
 # what DDP's bucket watch learnt.
 STEP1_BACKWARD_DONE = (OPTIMIZER_BEGIN, OPTIMIZER_END, STEP_END)
 OPTIMIZER_MARKERS = (OPTIMIZER_BEGIN, OPTIMIZER_END)
+# Advisory kinds (stepwatch.v1.AdvisoryKind names, as Prediction.kind has them).
+STEP2_OOM_PREDICTED = "ADVISORY_KIND_STEP2_OOM_PREDICTED"
 
 
 class _Runtime:
@@ -55,7 +60,15 @@ class _Runtime:
         """Every setting and piece of per-run state at its default: what a new
         process starts with and what :func:`reset` returns to. One list, so a
         new field cannot be left out of the reset."""
-        self.tracker = StepTracker(self._emit)
+        self.tracker = self._new_tracker()
+        # watch(hold_step2_for_prediction=): at most this many seconds before
+        # step 2's first marker, waiting for step 1's prediction (0: off).
+        self.hold_step2_s = 0.0
+        # watch(raise_on_predicted_oom=True).
+        self.raise_on_predicted_oom = False
+        # watch() calls that failed in part (stats()["watch_errors"]).
+        self.watch_errors = 0
+        self._reset_run_predictions()
         self.identity_overrides: Dict[str, Any] = {}
         self.identity: Optional[Identity] = None
         self.endpoint: Optional[str] = None
@@ -88,6 +101,21 @@ class _Runtime:
         # This process's current training run (see begin_run); every hello
         # carries it, so the agent tells a second fit from a reconnect.
         self.run_id = _new_run_id()
+
+    def _new_tracker(self) -> StepTracker:
+        tracker = StepTracker(self._emit)
+        tracker.gate = self._step_gate
+        return tracker
+
+    def _reset_run_predictions(self) -> None:
+        """Per run: what the agent predicted for its step 2, as the gate reads it."""
+        # Set (on the sender thread) when the agent's step-2 OOM advisory arrives.
+        self.oom_predicted = threading.Event()
+        self.predicted_oom: Optional[Prediction] = None
+        # Marker kinds of the run's step 1: whether the agent can predict step 2.
+        self.step1_kinds: Set[int] = set()
+        self.held = False  # step 2 was held once already (or needed no hold)
+        self.raised = False  # PredictedOutOfMemoryError was raised once already
 
     # ------------------------------------------------------------ configure
 
@@ -203,17 +231,29 @@ class _Runtime:
                 self.gpu_uuid = _torch.gpu_uuid_for(model)
                 self.cuda_device = _torch.model_cuda_device(model)
                 self.cuda_checked = self.cuda_device is not None
-                self.facts = _torch.model_facts(
-                    model,
-                    optimizer,
-                    grad_accumulation_steps=grad_accumulation_steps,
-                    precision=precision,
-                    sharding_factor=sharding_factor,
-                    grads_set_to_none=grads_set_to_none,
-                    micro_batch_size=micro_batch_size,
-                )
+                try:
+                    self.facts = _torch.model_facts(
+                        model,
+                        optimizer,
+                        grad_accumulation_steps=grad_accumulation_steps,
+                        precision=precision,
+                        sharding_factor=sharding_factor,
+                        grads_set_to_none=grads_set_to_none,
+                        micro_batch_size=micro_batch_size,
+                    )
+                except Exception as e:
+                    # Raised once the client is configured: the markers still go out.
+                    self.facts = {}
+                    facts_error: Optional[Exception] = e
+                else:
+                    facts_error = None
+            else:
+                facts_error = None
             self.tracker.grad_accumulation_steps = grad_accumulation_steps
-            return self.configure(**configure)
+            client = self.configure(**configure)
+            if facts_error is not None:
+                raise facts_error
+            return client
 
     def begin_run(self) -> None:
         """A ``watch()`` or a trainer's fit is a new training run when the current
@@ -226,7 +266,10 @@ class _Runtime:
         if tr.step == 0 and not tr.in_step:
             return
         self.run_id = _new_run_id()
-        self.tracker = StepTracker(self._emit)
+        optimizers = tr.optimizer_count
+        self.tracker = self._new_tracker()
+        self.tracker.optimizer_count = optimizers
+        self._reset_run_predictions()
         self.recorder.abandon()
         self.recorder = Recorder()
         self.layouts = LayoutSnapshots()
@@ -248,9 +291,82 @@ class _Runtime:
         return ident
 
     def _advisory(self, p: Prediction) -> None:
+        """An advisory from the agent (on the sender thread)."""
+        if p.kind == STEP2_OOM_PREDICTED and self.predicted_oom is None:
+            self.predicted_oom = p
+            self.oom_predicted.set()
         cb = self.on_advisory
         if cb is not None:
             cb(p)
+
+    def _say_if_no_prediction(self) -> None:
+        """At step 1's end: one warning when its markers leave the agent nothing
+        to predict step 2 from (it needs a forward and a closed optimizer phase)."""
+        missing = []
+        if FORWARD_BEGIN not in self.step1_kinds:
+            missing.append(
+                "no forward of the watched model (pass watch() the module whose forward "
+                "the loop calls, or mark it with stepwatch.phase('forward'))"
+            )
+        if OPTIMIZER_END not in self.step1_kinds:
+            missing.append(
+                "no optimizer step (pass watch() the optimizer, or mark it with "
+                "stepwatch.phase('optimizer'))"
+            )
+        if missing:
+            log.warning(
+                "stepwatch: step 1 ended with %s; the agent cannot predict step 2's memory "
+                "for this run (no step-2 out-of-memory warning will come)",
+                " and ".join(missing),
+            )
+
+    # ----------------------------------------------------------- step gate
+    def _step_gate(self, number: int) -> None:
+        """Before a step begins (``StepTracker.gate``): hold the run's second
+        step for step 1's prediction (``hold_step2_for_prediction``), then,
+        with ``raise_on_predicted_oom``, raise :class:`PredictedOutOfMemoryError`
+        once the agent has predicted a step-2 OOM."""
+        if self.tracker.step < 1:
+            return  # the run's first step
+        if not self.held:
+            self.held = True
+            if self.hold_step2_s > 0:
+                self._hold_for_prediction(self.hold_step2_s)
+        p = self.predicted_oom
+        if p is not None and self.raise_on_predicted_oom and not self.raised:
+            self.raised = True
+            c = self.client
+            rank = c.rank_for_logs if c is not None else None
+            raise PredictedOutOfMemoryError(p, rank)
+
+    def _hold_for_prediction(self, bound: float) -> None:
+        """Wait, at most ``bound`` seconds, until the agent's step-2 OOM advisory
+        has arrived. Never waits for an agent that cannot answer (its socket
+        missing, a connect attempt that found none, a client that stopped, or
+        an agent gone during the wait). The agent sends no advisory when step 2
+        fits, so then the wait runs to its bound."""
+        c = self.client
+        if c is None or not c.agent_may_answer():
+            log.info("stepwatch: step 2 not held for step 1's prediction: no agent to answer")
+            return
+        t0 = time.monotonic()
+        deadline = t0 + bound
+        event = self.oom_predicted
+        while not event.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0 or not c.agent_may_answer():
+                break
+            event.wait(min(left, 0.01))
+        waited = time.monotonic() - t0
+        if event.is_set():
+            log.info("stepwatch: step 2 held %.2f s until step 1's prediction arrived", waited)
+        else:
+            log.info(
+                "stepwatch: step 2 held %.2f s (at most %.2f s); no step-2 out-of-memory "
+                "advisory arrived",
+                waited,
+                bound,
+            )
 
     def hello(self) -> Any:
         from ._proto.stepwatch.v1 import ingest_pb2 as pb
@@ -295,6 +411,10 @@ class _Runtime:
         return self.allocator_stats and _env_flag("STEPWATCH_LAYOUT_SNAPSHOTS", True)
 
     def _emit(self, kind: int, step: int, micro: int) -> None:
+        if step == 1:
+            self.step1_kinds.add(kind)
+            if kind == STEP_END:
+                self._say_if_no_prediction()
         if self.ddp_watch is not None and (step > 1 or kind in STEP1_BACKWARD_DONE):
             # Past step 1 (no optimizer marker came) DDP has rebuilt by now.
             self._send_ddp_bucket_rebuild(send=step == 1)
@@ -377,9 +497,12 @@ class _Runtime:
             self.get_client().send_model_update({"ddp_bucket_rebuild": rebuild})
 
     def guarded(self, fn: Callable[[], None]) -> None:
-        """Run a marking action from a hook: never raise into training unless strict."""
+        """Run a marking action from a hook: never raise into training unless strict
+        (or asked to: ``raise_on_predicted_oom``)."""
         try:
             fn()
+        except PredictedOutOfMemoryError:
+            raise
         except StepwatchError:
             if self.strict:
                 raise
@@ -554,6 +677,8 @@ def watch(
     tls_ca: Optional[str] = None,
     tls_cert: Optional[str] = None,
     tls_key: Optional[str] = None,
+    hold_step2_for_prediction: float = 0.0,
+    raise_on_predicted_oom: bool = False,
 ) -> WatchHandle:
     """Hook a PyTorch model (and its optimizer) so every training step is reported.
 
@@ -588,50 +713,133 @@ def watch(
     record the caching allocator's history during step 1 (no stacks) and send
     it once, after step 1's optimizer phase, so the agent can predict step 2's
     fragmentation. ``False`` (or ``STEPWATCH_ALLOCATOR_TRACE=0``) turns it off.
+
+    ``optimizer``: a ``torch.optim.Optimizer``, a wrapper of one (accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``,
+    ``ZeroRedundancyOptimizer``, anything keeping it in ``.optimizer``,
+    ``._optimizer`` or ``.optim``), or a list of them: one step then runs
+    until each has stepped. An object that is none of these has its
+    ``step()`` watched instead (one warning).
+
+    ``hold_step2_for_prediction`` (seconds, default 0: off): the run's second
+    step waits before its first marker, at most this long, until the agent's
+    step-2 out-of-memory advisory has arrived; it never waits for an agent
+    that cannot answer (socket missing, connect failed). The agent sends no
+    advisory when step 2 fits: the wait then runs to its bound, once per run.
+
+    ``raise_on_predicted_oom``: once the agent has predicted that step 2 will
+    run out of GPU memory, raise :class:`PredictedOutOfMemoryError` (its
+    figures and advice) into training at the next step boundary, before that
+    step allocates, instead of letting step 2 die. Combine with
+    ``hold_step2_for_prediction`` so that the advisory is in before step 2.
+
+    ``watch()`` never raises into training (unless ``strict=True``): a part it
+    cannot set up is left out with one warning naming it, the rest watches,
+    and ``stats()["watch_errors"]`` counts such calls.
     """
-    _torch.require_torch()
-    client = RT.attach(
-        model,
-        optimizer,
-        grad_accumulation_steps=grad_accumulation_steps,
-        precision=precision,
-        sharding_factor=sharding_factor,
-        grads_set_to_none=grads_set_to_none,
-        micro_batch_size=micro_batch_size,
-        endpoint=endpoint,
-        job_id=job_id,
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        on_advisory=on_advisory,
-        strict=strict,
-        queue_size=queue_size,
-        framework=framework,
-        # "": hello() sends torch's version for framework "pytorch".
-        framework_version=framework_version or "",
-        allocator_stats=allocator_stats,
-        allocator_trace=allocator_trace,
-        tls_ca=tls_ca,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-    )
     handle = WatchHandle()
-    handle._handles += _torch.install_module_hooks(RT, model)
+    failed: List[str] = []
+
+    def part(what: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as e:
+            if strict:
+                raise
+            failed.append(f"{what} ({type(e).__name__}: {e})")
+            log.debug("stepwatch: watch() could not %s", what, exc_info=True)
+            return None
+
+    part("import torch", _torch.require_torch)
+
+    def options() -> None:
+        RT.raise_on_predicted_oom = bool(raise_on_predicted_oom)
+        RT.hold_step2_s = 0.0
+        RT.hold_step2_s = _hold_bound(hold_step2_for_prediction)
+
+    part("read its options", options)
+
+    def attach() -> Client:
+        return RT.attach(
+            model,
+            optimizer,
+            grad_accumulation_steps=grad_accumulation_steps,
+            precision=precision,
+            sharding_factor=sharding_factor,
+            grads_set_to_none=grads_set_to_none,
+            micro_batch_size=micro_batch_size,
+            endpoint=endpoint,
+            job_id=job_id,
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            on_advisory=on_advisory,
+            strict=strict,
+            queue_size=queue_size,
+            framework=framework,
+            # "": hello() sends torch's version for framework "pytorch".
+            framework_version=framework_version or "",
+            allocator_stats=allocator_stats,
+            allocator_trace=allocator_trace,
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+        )
+
+    client: Optional[Client] = part("read the model facts or set up the client", attach)
+    if client is None and not strict:
+        client = RT.client  # configured all the same when only the facts failed
+
+    def add(hooks: Optional[List[Any]]) -> None:
+        if hooks:
+            handle._handles += hooks
+
+    add(part("hook the model", lambda: _torch.install_module_hooks(RT, model)))
     if optimizer is not None:
-        handle._handles += _torch.install_optimizer_hooks(RT, optimizer)
-    handle._handles += _torch.install_zero_grad_watch(RT, model, optimizer)
-    handle._handles += _torch.install_ddp_bucket_watch(RT, model)
-    if oom_excepthook:
+        add(part("hook the optimizer", lambda: _torch.install_optimizer_hooks(RT, optimizer)))
+    else:
+        log.warning(
+            "stepwatch: watch() got no optimizer: steps are not closed and the agent cannot "
+            "predict step 2's memory, unless the loop marks the optimizer step with "
+            "stepwatch.phase('optimizer')"
+        )
+    add(part("watch zero_grad", lambda: _torch.install_zero_grad_watch(RT, model, optimizer)))
+    add(part("watch DDP's buckets", lambda: _torch.install_ddp_bucket_watch(RT, model)))
+
+    def excepthook() -> bool:
         RT.install_excepthook()
+        return True
+
+    if oom_excepthook and part("install the OOM excepthook", excepthook):
         handle._excepthook = True
+    if failed:
+        RT.watch_errors += 1
+        log.warning(
+            "stepwatch: watch() could not %s; training goes on, watched without it",
+            "; ".join(failed),
+        )
+    if client is None:
+        return handle
     if strict:
         timeout = connect_timeout if connect_timeout is not None else client.connect_timeout
         if not client.wait_connected(timeout + 0.5):
             handle.remove()
             raise StepwatchError(f"no stepwatch agent answered at {client.target}")
     else:
-        client.start()  # connect in the background while the first batch loads
+        part("start the sender", client.start)  # connect while the first batch loads
     return handle
+
+
+def _hold_bound(value: Any) -> float:
+    """``hold_step2_for_prediction`` in seconds: a number ≥ 0 (True: 5 s)."""
+    if value is True:
+        return 5.0
+    if not value:
+        return 0.0
+    bound = float(value)
+    if not bound >= 0:
+        raise ValueError(f"hold_step2_for_prediction must be seconds >= 0, not {value!r}")
+    return bound
 
 
 @contextlib.contextmanager
@@ -710,8 +918,10 @@ def stats() -> Dict[str, Any]:
         s["endpoint"] = endpoint_target(RT.endpoint)
         s["tls"] = RT.resolve_tls(RT.endpoint) is not None
         s["stopped"] = stopped_before_start()
-        return s
-    return c.stats()
+    else:
+        s = c.stats()
+    s["watch_errors"] = RT.watch_errors
+    return s
 
 
 def last_prediction() -> Optional[Prediction]:

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Optional,
+    Set,
+    Tuple,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._runtime import _Runtime
@@ -307,16 +318,80 @@ def _optimizers(optimizer: Any) -> List[Any]:
     return [optimizer]
 
 
+# Where optimizer wrappers keep the optimizer they wrap: accelerate's
+# AcceleratedOptimizer and Lightning Fabric's in ``.optimizer``, Lightning's
+# LightningOptimizer in ``._optimizer``, torch's ZeroRedundancyOptimizer its
+# local shard's optimizer in ``.optim``.
+_WRAPPED_OPTIMIZER_ATTRS = ("optimizer", "_optimizer", "optim")
+# How deep wrappers are followed.
+_WRAP_DEPTH = 4
+
+
+def _wrapped(optimizer: Any) -> Any:
+    """The optimizer ``optimizer`` wraps (an object with ``param_groups``), or None."""
+    for attr in _WRAPPED_OPTIMIZER_ATTRS:
+        try:
+            inner = getattr(optimizer, attr, None)
+        except Exception:  # a property that raises
+            continue
+        if inner is not None and inner is not optimizer and hasattr(inner, "param_groups"):
+            return inner
+    return None
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
-    """The optimizer inside wrappers: Lightning's ``LightningOptimizer`` and
-    accelerate's ``AcceleratedOptimizer`` (the HF Trainer's, itself a
-    ``torch.optim.Optimizer``) keep it in ``.optimizer``."""
-    for _ in range(4):
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
+    """The innermost optimizer inside wrappers (what its state and kind are read
+    from): accelerate's ``AcceleratedOptimizer`` (the HF Trainer's, itself a
+    ``torch.optim.Optimizer``), Lightning's ``LightningOptimizer``, torch's
+    ``ZeroRedundancyOptimizer`` (its local optimizer), anything that keeps one
+    in ``.optimizer``, ``._optimizer`` or ``.optim``."""
+    for _ in range(_WRAP_DEPTH):
+        inner = _wrapped(optimizer)
+        if inner is None:
             break
         optimizer = inner
     return optimizer
+
+
+def _optimizer_chain(optimizer: Any) -> List[Any]:
+    """``optimizer`` and the optimizers inside it, outermost first."""
+    chain = [optimizer]
+    for _ in range(_WRAP_DEPTH):
+        inner = _wrapped(chain[-1])
+        if inner is None or any(inner is o for o in chain):
+            break
+        chain.append(inner)
+    return chain
+
+
+def _has_step_hooks(optimizer: Any) -> bool:
+    """Whether ``register_step_pre_hook``/``post_hook`` work on ``optimizer``: a
+    ``torch.optim.Optimizer`` whose ``__init__`` ran (a wrapper that subclasses
+    Optimizer without calling it, such as accelerate's, lacks the hook dicts)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(optimizer, torch.optim.Optimizer):
+        return False
+    try:
+        return isinstance(
+            getattr(optimizer, "_optimizer_step_pre_hooks", None), dict
+        ) and isinstance(getattr(optimizer, "_optimizer_step_post_hooks", None), dict)
+    except Exception:
+        return False
+
+
+def hookable_optimizer(optimizer: Any) -> Optional[Any]:
+    """The optimizer whose step hooks mark ``optimizer``'s step: itself when its
+    hooks work (a ``torch.optim.Optimizer``, a ``ZeroRedundancyOptimizer``),
+    else the first optimizer inside it whose hooks do (accelerate's and
+    Lightning's wrappers call the wrapped one's ``step()``). None when there
+    is none (an object that is not an optimizer and wraps none)."""
+    for _ in range(_WRAP_DEPTH + 1):
+        if optimizer is None:
+            return None
+        if _has_step_hooks(optimizer):
+            return optimizer
+        optimizer = _wrapped(optimizer)
+    return None
 
 
 def optimizer_kind(optimizer: Any) -> Tuple[int, Optional[int]]:
@@ -377,6 +452,32 @@ def _state_exists(optimizer: Any) -> bool:
         return False
 
 
+def _state_bytes(opts: List[Any], tensors: List[Optional[int]]) -> Optional[int]:
+    """Bytes of state the optimizers make for their parameters (each parameter's
+    elements held on this rank, times its element size, times the optimizer's
+    state tensors per parameter); None when one optimizer's is unknown or its
+    parameters cannot be read."""
+    total = 0
+    for opt, n in zip(opts, tensors):
+        if n is None:
+            return None
+        groups = getattr(unwrap_optimizer(opt), "param_groups", None)
+        if not groups:
+            return None
+        seen: Set[int] = set()
+        try:
+            for g in groups:
+                for p in g.get("params", []):
+                    if id(p) in seen or not getattr(p, "requires_grad", True):
+                        continue
+                    seen.add(id(p))
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    total += local.numel() * p.element_size() * n
+        except Exception:
+            return None
+    return total
+
+
 def model_facts(
     model: Any,
     optimizer: Any = None,
@@ -415,10 +516,18 @@ def model_facts(
         facts["parameter_bytes"] = nbytes
     opts = _optimizers(optimizer)
     if opts:
-        kind, tensors = optimizer_kind(opts[0])
-        facts["optimizer"] = kind
-        if tensors is not None:
-            facts["state_bytes_per_parameter"] = tensors * (elem_size or 4)
+        kinds = [optimizer_kind(o) for o in opts]
+        # Several optimizers of one kind (a GAN's two Adams) are that kind.
+        facts["optimizer"] = kinds[0][0] if len({k for k, _ in kinds}) == 1 else OPT_OTHER
+        state = _state_bytes(opts, [t for _, t in kinds])
+        if state is not None and count:
+            # What the optimizers will hold, over the parameters the model
+            # trains, rounded up: exact for one optimizer over all of them, and
+            # the sum for several (or for a ZeroRedundancyOptimizer, this rank's
+            # shard), which the agent multiplies back by parameter_count.
+            facts["state_bytes_per_parameter"] = -(-state // count)
+        elif kinds[0][1] is not None and len(opts) == 1:
+            facts["state_bytes_per_parameter"] = kinds[0][1] * (elem_size or 4)
         facts["state_precreated"] = any(_state_exists(o) for o in opts)
         impl = optimizer_implementation(opts[0])
         if impl is not None:
@@ -528,49 +637,151 @@ def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
 
         rt.guarded(register)
 
-    # First among the pre hooks: the step begins before FSDP's (registered
-    # earlier, itself prepended) all-gathers the root's parameters, so step
-    # 1's allocator trace holds what step 2 allocates there too.
-    try:
-        handles = [model.register_forward_pre_hook(pre_hook, prepend=True)]
-    except TypeError:  # torch < 2.0: no prepend
-        handles = [model.register_forward_pre_hook(pre_hook)]
-    try:
-        handles.append(model.register_forward_hook(post_hook, always_call=True))
-    except TypeError:  # torch < 2.0: no always_call; forward OOM is then not seen here
-        handles.append(model.register_forward_hook(post_hook))
+    handles: List[Any] = []
+    for module in forward_modules(model):
+        # First among the pre hooks: the step begins before FSDP's (registered
+        # earlier, itself prepended) all-gathers the root's parameters, so step
+        # 1's allocator trace holds what step 2 allocates there too.
+        try:
+            handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
+        except TypeError:  # torch < 2.0: no prepend
+            handles.append(module.register_forward_pre_hook(pre_hook))
+        try:
+            handles.append(module.register_forward_hook(post_hook, always_call=True))
+        except TypeError:  # torch < 2.0: no always_call; forward OOM is then not seen here
+            handles.append(module.register_forward_hook(post_hook))
     return handles
+
+
+# Bounds on the modules forward_modules looks through.
+_CONTAINER_DEPTH = 3
+_CONTAINER_MODULES = 64
+
+
+def forward_modules(model: Any) -> List[Any]:
+    """The modules whose forward the training loop calls: the model itself,
+    or, for a container that has no ``forward`` of its own (a module holding a
+    GAN's generator and discriminator, an ``nn.ModuleDict``), its children,
+    looked through the same way."""
+    import torch
+
+    unimplemented = torch.nn.Module.forward
+    out: List[Any] = []
+
+    def visit(module: Any, depth: int) -> None:
+        if len(out) >= _CONTAINER_MODULES:
+            return
+        own = getattr(type(module), "forward", unimplemented) is not unimplemented
+        children = list(module.children()) if depth < _CONTAINER_DEPTH and not own else []
+        if not children:
+            out.append(module)
+            return
+        for child in children:
+            visit(child, depth + 1)
+
+    visit(model, 0)
+    return out
 
 
 def install_optimizer_hooks(rt: _Runtime, optimizer: Any, *, begin: bool = True) -> List[Any]:
     """OPTIMIZER_BEGIN/END (and STEP_END) from Optimizer step pre/post hooks (torch >= 2.0).
 
-    With several optimizers the step closes after the last one in the list.
+    A wrapper (accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``, …) is seen through to the optimizer it wraps
+    (:func:`hookable_optimizer`). An object with no such optimizer inside has
+    its ``step`` wrapped on the instance instead, with one warning; without a
+    ``step`` either, the optimizer phase is not marked (one warning).
+
+    With several optimizers one step runs until each of them has stepped:
+    OPTIMIZER_BEGIN at the first optimizer's step, OPTIMIZER_END and STEP_END
+    after the last one's (whatever their order); the forward and backward
+    passes between them belong to the step's optimizer phase.
     """
     opts = _optimizers(optimizer)
     handles: List[Any] = []
-    for i, opt in enumerate(opts):
-        opt = opt if hasattr(opt, "register_step_post_hook") else getattr(opt, "optimizer", opt)
-        if not hasattr(opt, "register_step_post_hook"):
+    targets: List[Any] = []
+    for opt in opts:
+        target = hookable_optimizer(opt)
+        if target is None:
+            target = _StepWrapper.make(opt)
+            if target is None:
+                log.warning(
+                    "stepwatch: %s is not a torch.optim.Optimizer and wraps none (and has "
+                    "no step() to watch); the optimizer phase is not marked: mark it with "
+                    "stepwatch.phase('optimizer')",
+                    type(opt).__name__,
+                )
+                continue
             log.warning(
-                "stepwatch: %s has no step hooks (needs torch >= 2.0); mark the optimizer "
-                "phase with stepwatch.phase('optimizer')",
+                "stepwatch: %s is not a torch.optim.Optimizer and wraps none; watching "
+                "its step() instead (the model facts leave its state out)",
                 type(opt).__name__,
             )
-            continue
-        last = i == len(opts) - 1
+        if any(t is target for t in targets):
+            continue  # listed twice (or two wrappers of one optimizer)
+        targets.append(target)
+    rt.tracker.optimizer_count = max(1, len(targets))
+    if len(targets) > 1:
+        log.info(
+            "stepwatch: %d optimizers: a step runs until each has stepped (OPTIMIZER_BEGIN "
+            "at the first one's step, OPTIMIZER_END after the last one's); the forward and "
+            "backward passes between them count as the optimizer phase, so what they leave "
+            "alive is predicted as optimizer state (on the safe side)",
+            len(targets),
+        )
+    for index, target in enumerate(targets):
 
         def pre(o: Any, args: Any, kwargs: Any) -> None:
             rt.guarded(rt.tracker.optimizer_begin)
 
-        def post(o: Any, args: Any, kwargs: Any, _last: bool = last) -> None:
-            if _last:
-                rt.guarded(rt.tracker.optimizer_end)
+        def post(o: Any, args: Any, kwargs: Any, _index: int = index) -> None:
+            rt.guarded(lambda: rt.tracker.optimizer_stepped(_index))
 
+        if isinstance(target, _StepWrapper):
+            target.pre, target.post = (pre if begin else None), post
+            handles.append(target)
+            continue
         if begin:
-            handles.append(opt.register_step_pre_hook(pre))
-        handles.append(opt.register_step_post_hook(post))
+            handles.append(target.register_step_pre_hook(pre))
+        handles.append(target.register_step_post_hook(post))
     return handles
+
+
+class _StepWrapper:
+    """For an optimizer-like object without torch's step hooks: its ``step`` is
+    wrapped on the instance to call ``pre`` and ``post`` around it (as
+    ``register_step_pre_hook``/``post_hook`` would); ``remove()`` puts it back."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self.pre: Optional[Callable[[Any, Any, Any], None]] = None
+        self.post: Optional[Callable[[Any, Any, Any], None]] = None
+        original = obj.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if self.pre is not None:
+                self.pre(obj, args, kwargs)
+            out = original(*args, **kwargs)
+            if self.post is not None:
+                self.post(obj, args, kwargs)
+            return out
+
+        self.wrapper = step
+        obj.step = step
+
+    @classmethod
+    def make(cls, obj: Any) -> Optional[_StepWrapper]:
+        if not callable(getattr(obj, "step", None)):
+            return None
+        try:
+            return cls(obj)
+        except Exception as e:  # e.g. a class with __slots__
+            log.debug("stepwatch: cannot wrap %s.step: %r", type(obj).__name__, e)
+            return None
+
+    def remove(self) -> None:
+        if getattr(self.obj, "__dict__", {}).get("step") is self.wrapper:
+            del self.obj.step
 
 
 class _ZeroGradWatch:
@@ -601,10 +812,14 @@ def install_zero_grad_watch(rt: _Runtime, model: Any, optimizer: Any) -> List[An
     gradients are alive through step 2's forward and backward. The model's and
     each optimizer's ``zero_grad`` are wrapped on the instance."""
     handles: List[Any] = []
-    objs = [model] + [getattr(o, "optimizer", o) for o in _optimizers(optimizer)]
+    # The optimizer as given and each one it wraps: a wrapper's zero_grad may
+    # call the wrapped one's (accelerate) or not (ZeroRedundancyOptimizer).
+    objs = [model] + [o for opt in _optimizers(optimizer) for o in _optimizer_chain(opt)]
+    seen: Set[int] = set()
     for obj in objs:
-        if obj is None or not callable(getattr(obj, "zero_grad", None)):
+        if obj is None or id(obj) in seen or not callable(getattr(obj, "zero_grad", None)):
             continue
+        seen.add(id(obj))
         try:
             handles.append(_ZeroGradWatch(rt, obj))
         except Exception as e:  # e.g. a class with __slots__

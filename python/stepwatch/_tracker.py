@@ -12,7 +12,7 @@ drops duplicates and never emits an out-of-order marker.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Callable, Optional, Set
 
 from ._client import (
     BACKWARD_BEGIN,
@@ -27,6 +27,15 @@ from ._client import (
 log = logging.getLogger("stepwatch")
 
 Emit = Callable[[int, int, int], None]  # (kind, step, micro_batch)
+# Called with the number of the step about to begin, before its STEP_BEGIN: it
+# may wait (watch(hold_step2_for_prediction=)) or raise into training
+# (watch(raise_on_predicted_oom=True)).
+Gate = Callable[[int], None]
+
+# With several optimizers, a step whose optimizers have stepped this many times
+# without each of them having stepped once is closed at every optimizer step
+# from then on (one of them never steps: its step must not swallow the run).
+MAX_OPTIMIZER_STEPS_PER_STEP = 64
 
 
 class StepTracker:
@@ -38,11 +47,21 @@ class StepTracker:
         self.last: Optional[int] = None  # last marker kind emitted in this step
         self.manual = False  # inside ``with stepwatch.step()``: only it ends the step
         self.grad_accumulation_steps: Optional[int] = None
+        # Optimizers watched (watch(model, [opt_a, opt_b])): one step runs from
+        # its first forward until each of them has stepped (OPTIMIZER_BEGIN at
+        # the first one's step, OPTIMIZER_END after the last one's).
+        self.optimizer_count = 1
+        self.stepped: Set[int] = set()  # the optimizers that stepped in this step
+        self.optimizer_steps = 0  # optimizer steps in this step
+        self.gate: Optional[Gate] = None
 
     # ---------------------------------------------------------------- steps
     def begin_step(self, number: Optional[int] = None, manual: bool = False) -> int:
         if self.in_step:
             self.end_step()
+        gate = self.gate
+        if gate is not None:
+            gate(self.step + 1 if number is None or number <= self.step else number)
         if number is None or number <= self.step:
             if number is not None:
                 log.warning(
@@ -57,6 +76,8 @@ class StepTracker:
         self.in_step = True
         self.manual = manual
         self.micro = 0
+        self.stepped = set()
+        self.optimizer_steps = 0
         self.last = STEP_BEGIN
         self.emit(STEP_BEGIN, number, 0)
         return number
@@ -92,8 +113,11 @@ class StepTracker:
             else:
                 self.micro += 1
         elif last in (OPTIMIZER_BEGIN, OPTIMIZER_END):
-            if self.manual:
-                return  # a forward after the optimizer inside one manual step: not representable
+            if self.manual or (last == OPTIMIZER_BEGIN and self.optimizers_pending()):
+                # A forward after the optimizer inside one manual step, or between
+                # the optimizers of one step (a GAN's generator pass after the
+                # discriminator's step): part of the step, not representable.
+                return
             self.end_step()
             self.begin_step()
         self.last = FORWARD_BEGIN
@@ -114,6 +138,32 @@ class StepTracker:
             return
         self.last = OPTIMIZER_BEGIN
         self.emit(OPTIMIZER_BEGIN, self.step, self.micro)
+
+    def optimizers_pending(self) -> bool:
+        """Several optimizers are watched and not each has stepped in this step."""
+        return self.optimizer_count > 1 and len(self.stepped) < self.optimizer_count
+
+    def optimizer_stepped(self, index: int, end_step: bool = True) -> None:
+        """Optimizer ``index`` (of ``optimizer_count``) finished its step: the
+        optimizer phase and the step end once each optimizer has stepped."""
+        if not self.in_step:
+            return
+        self.stepped.add(index)
+        self.optimizer_steps += 1
+        if self.optimizer_steps >= MAX_OPTIMIZER_STEPS_PER_STEP and self.optimizers_pending():
+            log.warning(
+                "stepwatch: %d optimizer steps in step %d but only %d of the %d watched "
+                "optimizers stepped; from now on every optimizer step ends a step (pass "
+                "watch() only the optimizers that step in every training step)",
+                self.optimizer_steps,
+                self.step,
+                len(self.stepped),
+                self.optimizer_count,
+            )
+            self.optimizer_count = 1
+        if self.optimizers_pending():
+            return
+        self.optimizer_end(end_step)
 
     def optimizer_end(self, end_step: bool = True) -> None:
         if not self.in_step or self.last != OPTIMIZER_BEGIN:

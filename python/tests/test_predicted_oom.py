@@ -1,0 +1,286 @@
+"""watch(hold_step2_for_prediction=, raise_on_predicted_oom=): step 2 waits
+for step 1's prediction (bounded, never for an absent agent), and a predicted
+step-2 OOM is raised into training at the next step boundary instead of
+letting step 2 die. First with the in-process fake agent, then with the real
+agent on fake GPUs (real PyTorch on crates/fake-cuda, fake NVML)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import KIND, REPO, STEP, agent_binary, summary
+
+import stepwatch
+from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
+
+torch = pytest.importorskip("torch")
+
+GB = 10**9
+OOM_ADVICE = dict(
+    kind=pb.ADVISORY_KIND_STEP2_OOM_PREDICTED,
+    severity=pb.SEVERITY_CRITICAL,
+    message="predicted steady-state peak 81.20 GB exceeds capacity 80.00 GB by 1.20 GB; "
+    "step 2 will likely run out of GPU memory; predicted to fit: a micro-batch of 4 instead of 8",
+    step=1,
+    predicted_peak_bytes=int(81.2 * GB),
+    capacity_bytes=80 * GB,
+    predicted_headroom_bytes=-int(1.2 * GB),
+)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def one_step(model, opt):
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def advise_after_step_1(agent, delay: float = 0.0) -> None:
+    """The fake agent answers step 1's STEP_END with a step-2 OOM advisory,
+    ``delay`` seconds later (as the real one does once it has predicted)."""
+
+    def on_marker(rec, m):
+        if m.kind == pb.STEP_END and m.step == 1:
+            threading.Timer(delay, lambda: agent.advise(**OOM_ADVICE)).start()
+
+    agent.on_marker = on_marker
+
+
+def test_a_predicted_oom_is_raised_at_the_next_step_boundary(agent):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    advise_after_step_1(agent)
+    stepwatch.watch(model, opt, raise_on_predicted_oom=True)
+    one_step(model, opt)
+    assert agent.wait_for(lambda: stepwatch.last_prediction() is not None)
+    with pytest.raises(stepwatch.PredictedOutOfMemoryError) as raised:
+        model(torch.randn(4, 8))  # step 2's first forward: the boundary
+    e = raised.value
+    assert isinstance(e, stepwatch.StepwatchError)
+    assert (e.predicted_peak_bytes, e.capacity_bytes, e.predicted_headroom_bytes) == (
+        int(81.2 * GB),
+        80 * GB,
+        -int(1.2 * GB),
+    )
+    assert e.advice == OOM_ADVICE["message"]
+    assert e.prediction.kind == "ADVISORY_KIND_STEP2_OOM_PREDICTED"
+    text = str(e)
+    assert "step 2 is predicted to run out of GPU memory" in text
+    assert "a micro-batch of 4 instead of 8" in text and "81.2 GB" in text
+    # Step 2 did not begin for the agent.
+    assert stepwatch.flush(10)
+    assert summary(agent.all_markers()) == [(k, 1, 0) for k in STEP]
+    # Raised once: a script that catches it and goes on is watched on.
+    one_step(model, opt)
+    ms = agent.wait_markers(12)
+    assert summary(ms)[6:] == [(k, 2, 0) for k in STEP]
+
+
+def test_without_the_option_a_predicted_oom_raises_nothing(agent):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    advise_after_step_1(agent)
+    stepwatch.watch(model, opt)
+    one_step(model, opt)
+    assert agent.wait_for(lambda: stepwatch.last_prediction() is not None)
+    one_step(model, opt)
+    agent.wait_markers(12)
+
+
+def test_step_2_is_held_until_the_prediction_arrives(agent, caplog):
+    """The advisory comes 0.5 s after step 1's end: step 2's first marker
+    waits for it (not for the 30 s bound), and the raise then comes before
+    step 2 begins."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    advise_after_step_1(agent, delay=0.5)
+    stepwatch.watch(model, opt, hold_step2_for_prediction=30, raise_on_predicted_oom=True)
+    assert stepwatch._runtime.RT.client.wait_connected(10)
+    caplog.set_level(logging.INFO, logger="stepwatch")
+    one_step(model, opt)
+    t0 = time.monotonic()
+    with pytest.raises(stepwatch.PredictedOutOfMemoryError):
+        one_step(model, opt)
+    held = time.monotonic() - t0
+    assert 0.4 < held < 10, held
+    assert any("until step 1's prediction arrived" in r.getMessage() for r in caplog.records)
+
+
+def test_the_hold_runs_to_its_bound_when_no_advisory_comes_once_per_run(agent, caplog):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    stepwatch.watch(model, opt, hold_step2_for_prediction=0.5)
+    assert stepwatch._runtime.RT.client.wait_connected(10)
+    caplog.set_level(logging.INFO, logger="stepwatch")
+    times = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        one_step(model, opt)
+        times.append(time.monotonic() - t0)
+    assert times[1] >= 0.5 and times[2] < 0.4, times
+    assert any("no step-2 out-of-memory advisory arrived" in r.getMessage() for r in caplog.records)
+    # The held step 2 marked after the hold: its STEP_BEGIN ≥ 0.5 s after step 1's end.
+    ms = agent.wait_markers(18)
+    by = {(KIND[m.kind], m.step): m.monotonic_ns for m in ms}
+    assert by[("STEP_BEGIN", 2)] - by[("STEP_END", 1)] >= 0.5e9
+
+
+def test_the_hold_never_waits_for_an_absent_agent(sock_dir, monkeypatch):
+    monkeypatch.setenv("STEPWATCH_ENDPOINT", "unix://" + os.path.join(sock_dir, "none.sock"))
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    stepwatch.watch(model, opt, hold_step2_for_prediction=60, raise_on_predicted_oom=True)
+    t0 = time.monotonic()
+    for _ in range(3):
+        one_step(model, opt)
+    assert time.monotonic() - t0 < 5
+    assert stepwatch.stats()["sent"] == 0
+
+
+# ------------------------------------------------- the real agent, fake GPUs
+FAKE_CUDA = REPO / "crates" / "fake-cuda" / "fake-cuda"
+MIB = 1 << 20
+
+TRAIN = r"""
+import logging, sys, time, torch, stepwatch
+logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+hold, fail_fast = float(sys.argv[1]), sys.argv[2] == "1"
+with torch.device("cuda"):
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
+opt = torch.optim.AdamW(model.parameters())
+stepwatch.watch(model, opt, hold_step2_for_prediction=hold, raise_on_predicted_oom=fail_fast)
+try:
+    for step in (1, 2, 3):
+        model(torch.randn(4096, 1024, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"step {step} done reserved {torch.cuda.max_memory_reserved()}", flush=True)
+except stepwatch.PredictedOutOfMemoryError as e:
+    print(f"PREDICTED_OOM peak={e.predicted_peak_bytes} capacity={e.capacity_bytes} "
+          f"headroom={e.predicted_headroom_bytes} advice={e.advice!r}", flush=True)
+    sys.exit(3)
+"""
+
+
+class FakeGpuAgent:
+    """The real agent on a fake-NVML GPU of ``capacity`` bytes, which fake CUDA
+    trains on (both read the same fake-NVML state)."""
+
+    def __init__(self, tmp_path: Path, sock_dir: str, capacity: int) -> None:
+        self.binary = agent_binary()
+        self.nvml = tmp_path / "nvml"
+        self.tmp = tmp_path
+        self.socket = os.path.join(sock_dir, "a.sock")
+        self.log = tmp_path / "agent.log"
+        init = subprocess.run(
+            [str(self.binary), "fake-gpu", "--dir", str(self.nvml), "init", "--gpus", "1"]
+            + ["--total-gib", repr(capacity / (1 << 30))],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert init.returncode == 0, init.stderr
+        lib = subprocess.run(
+            [str(self.binary), "fake-gpu", "lib-path"], capture_output=True, text=True, timeout=60
+        ).stdout.strip()
+        ready = tmp_path / "ready.json"
+        env = dict(os.environ, STEPWATCH_FAKE_NVML_DIR=str(self.nvml))
+        self.proc = subprocess.Popen(
+            [str(self.binary), "agent", "--nvml-lib", lib, "--socket", self.socket]
+            + ["--http-listen", "127.0.0.1:0", "--ready-file", str(ready)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log, "wb"),
+            env=env,
+        )
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.05)
+        self.http = json.loads(ready.read_text())["http"]
+        while b"nvml: up" not in self._get("/readyz"):
+            assert time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.1)
+
+    def _get(self, path: str) -> bytes:
+        with urllib.request.urlopen(f"http://{self.http}{path}", timeout=5) as r:
+            return r.read()
+
+    def train(self, hold: float, fail_fast: bool) -> subprocess.CompletedProcess:
+        if not FAKE_CUDA.exists():
+            pytest.fail(f"{FAKE_CUDA} is missing")
+        env = dict(
+            os.environ,
+            STEPWATCH_ENDPOINT="unix://" + self.socket,
+            STEPWATCH_JOB_ID=f"pytest-{uuid.uuid4().hex[:8]}",
+            STEPWATCH_FAKE_NVML_DIR=str(self.nvml),
+        )
+        return subprocess.run(
+            [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
+            + ["--", sys.executable, "-c", TRAIN, str(hold), "1" if fail_fast else "0"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# What this job reserves in step 1 on fake CUDA (PyTorch 2.15): 282 MiB; step 2
+# reserves about 48 MiB more. A GPU with room for step 1 and 24 MiB to spare
+# (context 512 MiB, driver reserve 512 MiB) cannot run step 2.
+STEP1_RESERVED = 282 * MIB
+TIGHT = 512 * MIB + 512 * MIB + STEP1_RESERVED + 24 * MIB
+
+
+@pytest.fixture
+def tight_gpu_agent(tmp_path, sock_dir):
+    a = FakeGpuAgent(tmp_path, sock_dir, TIGHT)
+    yield a
+    a.stop()
+
+
+def test_the_real_agents_oom_prediction_stops_the_job_before_step_2(tight_gpu_agent):
+    """Held for step 1's prediction, the job gets the agent's step-2 OOM
+    advisory before step 2 and stops with PredictedOutOfMemoryError (its
+    figures and advice) instead of dying of a CUDA OOM in step 2."""
+    proc = tight_gpu_agent.train(hold=60, fail_fast=True)
+    out = proc.stdout + proc.stderr
+    assert f"step 1 done reserved {STEP1_RESERVED}" in proc.stdout, out
+    assert proc.returncode == 3, out
+    assert "step 2 done" not in proc.stdout and "OutOfMemoryError: CUDA" not in out, out
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("PREDICTED_OOM"))
+    figures = dict(f.split("=", 1) for f in line.split()[1:4])
+    assert int(figures["peak"]) > int(figures["capacity"]) == TIGHT - 512 * MIB
+    assert int(figures["headroom"]) < 0
+    assert "step 2 will likely run out of GPU memory" in line
+    assert "until step 1's prediction arrived" in proc.stderr, proc.stderr
+
+
+def test_without_the_options_step_2_dies_of_the_oom_the_agent_predicted(tight_gpu_agent):
+    """The same job without them: the advisory comes (logged), but step 2
+    dies of a CUDA OOM, as predicted."""
+    proc = tight_gpu_agent.train(hold=0, fail_fast=False)
+    out = proc.stdout + proc.stderr
+    assert "step 1 done" in proc.stdout and "step 2 done" not in proc.stdout, out
+    assert proc.returncode == 1 and "OutOfMemoryError" in out, out
