@@ -2,7 +2,8 @@
 for step 1's prediction (bounded, never for an absent agent), and a predicted
 step-2 OOM is raised into training at the next step boundary instead of
 letting step 2 die. First with the in-process fake agent, then with the real
-agent on fake GPUs (real PyTorch on crates/fake-cuda, fake NVML)."""
+agent on fake GPUs (real PyTorch on crates/fake-cuda, fake NVML), where a GAN
+with two optimizers also gets its prediction."""
 
 from __future__ import annotations
 
@@ -219,18 +220,25 @@ class FakeGpuAgent:
         with urllib.request.urlopen(f"http://{self.http}{path}", timeout=5) as r:
             return r.read()
 
+    def rank_report(self, job: str) -> dict:
+        return json.loads(self._get(f"/api/v1/jobs/{job}/ranks/0"))
+
     def train(self, hold: float, fail_fast: bool) -> subprocess.CompletedProcess:
+        return self.run(TRAIN, [str(hold), "1" if fail_fast else "0"])
+
+    def run(self, script: str, args=(), job: str = "") -> subprocess.CompletedProcess:
+        """``python -c script args`` on the fake GPU under fake CUDA, reporting to the agent."""
         if not FAKE_CUDA.exists():
             pytest.fail(f"{FAKE_CUDA} is missing")
         env = dict(
             os.environ,
             STEPWATCH_ENDPOINT="unix://" + self.socket,
-            STEPWATCH_JOB_ID=f"pytest-{uuid.uuid4().hex[:8]}",
+            STEPWATCH_JOB_ID=job or f"pytest-{uuid.uuid4().hex[:8]}",
             STEPWATCH_FAKE_NVML_DIR=str(self.nvml),
         )
         return subprocess.run(
             [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
-            + ["--", sys.executable, "-c", TRAIN, str(hold), "1" if fail_fast else "0"],
+            + ["--", sys.executable, "-c", script, *args],
             env=env,
             capture_output=True,
             text=True,
@@ -284,3 +292,64 @@ def test_without_the_options_step_2_dies_of_the_oom_the_agent_predicted(tight_gp
     out = proc.stdout + proc.stderr
     assert "step 1 done" in proc.stdout and "step 2 done" not in proc.stdout, out
     assert proc.returncode == 1 and "OutOfMemoryError" in out, out
+
+
+GAN = r"""
+import torch, stepwatch
+class Gan(torch.nn.Module):  # no forward of its own: the loop calls each part
+    def __init__(self):
+        super().__init__()
+        self.generator = torch.nn.Sequential(
+            torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))
+        self.discriminator = torch.nn.Sequential(
+            torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1))
+with torch.device("cuda"):
+    gan = Gan()
+opt_d = torch.optim.Adam(gan.discriminator.parameters(), lr=2e-4)
+opt_g = torch.optim.Adam(gan.generator.parameters(), lr=2e-4)
+stepwatch.watch(gan, [opt_d, opt_g])
+bce = torch.nn.functional.binary_cross_entropy_with_logits
+for step in (1, 2, 3, 4):
+    real = torch.randn(512, 1024, device="cuda")
+    fake = gan.generator(torch.randn(512, 256, device="cuda"))
+    opt_d.zero_grad()
+    d_real, d_fake = gan.discriminator(real), gan.discriminator(fake.detach())
+    (bce(d_real, torch.ones_like(d_real)) + bce(d_fake, torch.zeros_like(d_fake))).backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    d_fake = gan.discriminator(fake)
+    bce(d_fake, torch.ones_like(d_fake)).backward()
+    opt_g.step()
+print("steady reserved", torch.cuda.max_memory_reserved(), flush=True)
+assert stepwatch.flush(60)
+"""
+
+
+@pytest.fixture
+def roomy_gpu_agent(tmp_path, sock_dir):
+    a = FakeGpuAgent(tmp_path, sock_dir, 80 << 30)
+    yield a
+    a.stop()
+
+
+def test_a_gan_with_two_optimizers_gets_a_prediction_from_the_real_agent(roomy_gpu_agent):
+    """watch(gan, [opt_d, opt_g]) on a fake GPU: the agent predicts step 2 from
+    step 1's trace, and the prediction is the steady reserved peak (plus the
+    CUDA context). Before, the client sent no forward and split the steps, and
+    the rank's report had no prediction."""
+    job = f"pytest-gan-{uuid.uuid4().hex[:8]}"
+    proc = roomy_gpu_agent.run(GAN, job=job)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steady = int(proc.stdout.split("steady reserved ")[1].split()[0])
+    deadline = time.monotonic() + 30
+    while True:
+        report = roomy_gpu_agent.rank_report(job)
+        if report.get("steps_completed", 0) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    pred = report.get("prediction_before_step2")
+    assert pred, report
+    assert pred["inputs"]["basis"] == "allocator_replay", pred
+    context = 512 * MIB  # fake CUDA's default context
+    assert pred["predicted_peak_bytes"] >= steady + context, (pred, steady)
+    assert pred["predicted_peak_bytes"] <= (steady + context) * 1.03, (pred, steady)
