@@ -185,6 +185,13 @@ pub struct AgentConfig {
     #[arg(long, env = "STEPWATCH_PROC_ROOT", default_value = "/proc")]
     pub proc_root: PathBuf,
 
+    /// Slurm: the GPU↔job mapping directory a Slurm prolog keeps
+    /// (dcgm-exporter's --hpc-job-mapping-dir; deploy/slurm/). When given, a
+    /// client's Slurm job claim is checked against its cgroup and this
+    /// directory, and GPU series get an `hpc_job` label. Off unless given.
+    #[arg(long, env = "STEPWATCH_SLURM_JOB_MAPPING_DIR")]
+    pub slurm_job_mapping_dir: Option<PathBuf>,
+
     /// The kubelet's pod-resources API (v1 PodResourcesLister), which says
     /// which pod holds which GPU. Without it (outside Kubernetes) clients'
     /// pods and namespaces are taken as they claim them, logged once.

@@ -189,6 +189,8 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
         "stepwatch_gpu_utilization_ratio",
         "GPU busy ratio over NVML's own averaging window (1/6 s to 1 s).",
     );
+    // Slurm's job on each GPU (--slurm-job-mapping-dir), as dcgm-exporter labels it.
+    let slurm_jobs = state.slurm.get().map(|s| s.mapping()).unwrap_or_default();
     for g in &snap.gpus {
         let index = g.index.to_string();
         // The pod holding the GPU, from the kubelet (dcgm-exporter's
@@ -203,6 +205,7 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
             ("namespace", namespace),
             ("pod", pod),
             ("container", container),
+            ("hpc_job", slurm_jobs.sole_job(g.index).unwrap_or("")),
         ];
         let mut with_name = labels.to_vec();
         with_name.push(("name", &g.name));

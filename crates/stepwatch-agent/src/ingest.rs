@@ -311,6 +311,14 @@ async fn serve_stream(
         None => peer.workload.attest(peer.pid).await,
     };
     apply_attestation(state, peer.workload, &mut info, attestation)?;
+    // Slurm (--slurm-job-mapping-dir): the job a hello names must be the peer's.
+    if let (Some(slurm), None) = (state.slurm.get(), &peer.volume) {
+        if let Err(r) = slurm.attest(&mut info, &state.sampler, peer.pid).await {
+            let retry = [Retry::Later, Retry::Never][usize::from(r.for_good)];
+            let status = Status::permission_denied(r.message);
+            return Err(refuse_as(state, r.reason, 1, retry, status));
+        }
+    }
     // A hello that arrives after its pod's volume went opens no rank.
     if peer.volume.as_ref().is_some_and(|v| *v.gone.borrow()) {
         return Err(Status::unavailable(

@@ -13,6 +13,7 @@ mod http;
 mod ingest;
 mod listen;
 mod record;
+mod slurm;
 mod state;
 mod ui;
 mod workload;
@@ -82,6 +83,10 @@ pub async fn run_until(
     let gpu_holders = workload::GpuHolders::new(config.pod_resources_refresh);
     let state = state::AgentState::new(tracker, sampler.clone(), node.clone(), gpu_holders)?;
     state.set_rank_phase_series(config.rank_phase_series);
+    if let Some(dir) = &config.slurm_job_mapping_dir {
+        let slurm = slurm::Slurm::new(dir.clone(), config.proc_root.clone(), &state.registry)?;
+        let _ = state.slurm.set(slurm);
+    }
     if let Some(path) = &config.record {
         state.start_record(path, config.record_max_bytes)?;
         tracing::info!(path = %path.display(), max_bytes = config.record_max_bytes, "recording every tracker input");

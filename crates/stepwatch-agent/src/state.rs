@@ -45,6 +45,7 @@ pub const REJECT_REASONS: &[&str] = &[
     "too_many_streams",
     "rank_held",
     "gpu_not_allocated",
+    "slurm_job_not_yours",
     "invalid_model_update",
     // The wire.
     "decode_error",
@@ -192,6 +193,8 @@ pub struct AgentState {
     pub gpu_holders: crate::workload::GpuHolders,
     /// `--rank-phase-series`, once set; `all` until then.
     rank_phase_series: OnceLock<crate::config::RankPhaseSeries>,
+    /// Slurm job attribution (`--slurm-job-mapping-dir`), once set.
+    pub slurm: OnceLock<crate::slurm::Slurm>,
 }
 
 impl AgentState {
@@ -214,6 +217,7 @@ impl AgentState {
             recorder: OnceLock::new(),
             gpu_holders,
             rank_phase_series: OnceLock::new(),
+            slurm: OnceLock::new(),
         }))
     }
 
