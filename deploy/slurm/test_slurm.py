@@ -465,6 +465,18 @@ def test_a_slurm_job_is_attributed_refused_to_others_and_unmapped_after_its_epil
     )
     assert re.search(rf"the hello names Slurm job {job}, but the process runs in job \d+", log), log
 
+    # Prometheus finds the agents from sinfo: file-sd.sh names the node with GPUs.
+    sd = json.loads(c.slurm(str(HERE / "file-sd.sh"), "--cluster", "test"))
+    assert sd == [{"targets": [f"{c.node}:9447"], "labels": {"cluster": "test"}}], sd
+    if shutil.which("promtool"):
+        sd_file = c.dir / "stepwatch.json"
+        sd_file.write_text(json.dumps(sd))
+        config = (HERE / "prometheus-file-sd.yml").read_text()
+        config = config.replace("/etc/prometheus/file_sd/stepwatch.json", str(sd_file))
+        (c.dir / "prometheus.yml").write_text(config)
+        shutil.copy(REPO / "deploy" / "prometheus" / "stepwatch-rules.yml", c.dir)
+        c.slurm("promtool", "check", "config", str(c.dir / "prometheus.yml"))
+
     # The job ends; its epilog removes the mapping, and the GPU's series lose the label.
     release.touch()
     wait_for(
