@@ -3,7 +3,9 @@
 # slurmd and munge, installed here when missing) with two fake GPUs as GRES, the
 # prolog/epilog of this directory, and the agent on fake NVML with --slurm-job-mapping-dir;
 # an sbatch job trains unmodified PyTorch on fake CUDA with the Python client.
-# See test_slurm.py for what is checked.
+# See test_slurm.py for what is checked. STEPWATCH_SLURM_PROCTRACK=proctrack/linuxproc runs
+# the cluster without job cgroups (the agent then finds the job from the slurmstepd
+# the process descends from).
 #
 # Needs root (slurmd starts jobs as their users and makes their cgroups; the test adds
 # the system user stepwatch-slurm-test), the venv of python/run-tests.sh (torch, the
@@ -12,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 if [ "$(id -u)" -ne 0 ]; then
-  exec sudo --preserve-env=STEPWATCH_BIN,STEPWATCH_PY_VENV,STEPWATCH_KEEP_SLURM_DIR "$0" "$@"
+  exec sudo --preserve-env=STEPWATCH_BIN,STEPWATCH_PY_VENV,STEPWATCH_KEEP_SLURM_DIR,STEPWATCH_SLURM_PROCTRACK "$0" "$@"
 fi
 
 packages=()

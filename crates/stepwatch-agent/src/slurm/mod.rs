@@ -3,7 +3,9 @@
 //! Two records, neither written by the client. The cgroup slurmstepd puts
 //! each task in (proctrack/cgroup: `…/job_<id>/step_<id>/…`, cgroup v1 or
 //! v2), read from `/proc/<pid>/cgroup` of the peer PID that SO_PEERCRED
-//! gives on the Unix socket ([`parse_cgroup`]). And the GPU↔job mapping
+//! gives on the Unix socket ([`parse_cgroup`]); where the cgroup names no job
+//! (proctrack/linuxproc, pgid), the root-owned `slurmstepd: [<job>.<step>]`
+//! the process descends from. And the GPU↔job mapping
 //! directory a prolog/epilog keeps in dcgm-exporter's `--hpc-job-mapping-dir`
 //! format ([`JobMapping`]; `deploy/slurm/` ships the pair).
 //!
@@ -15,11 +17,12 @@
 //! node. A verified rank counts as attested. GPU series get the
 //! `hpc_job` label of dcgm-exporter while one job holds the GPU.
 
+mod ancestry;
 mod cgroup;
 mod mapping;
 mod verdict;
 
-pub use cgroup::parse_cgroup;
+pub use cgroup::{parse_cgroup, SlurmStep};
 pub use mapping::JobMapping;
 pub use verdict::{decide, PeerView, Verdict};
 
@@ -133,10 +136,9 @@ impl Slurm {
                     .map(|g| g.index)
             })
             .flatten();
-        let cgroup = pid.map(|pid| self.proc_root.join(pid.to_string()).join("cgroup"));
-        let dir = self.dir.clone();
+        let (proc_root, dir) = (self.proc_root.clone(), self.dir.clone());
         let read = tokio::task::spawn_blocking(move || {
-            let step = cgroup.map(|path| std::fs::read_to_string(path).map(|t| parse_cgroup(&t)));
+            let step = pid.map(|pid| peer_step(&proc_root, pid));
             (step, JobMapping::read(&dir))
         })
         .await;
@@ -194,4 +196,13 @@ impl Slurm {
             tracing::warn!("{message} (logged once)");
         }
     }
+}
+
+/// The Slurm step of process `pid`: from its cgroup (proctrack/cgroup), else
+/// from its nearest root-owned slurmstepd ancestor (other proctrack
+/// plugins). Err when its cgroup cannot be read.
+fn peer_step(proc_root: &std::path::Path, pid: u32) -> std::io::Result<Option<SlurmStep>> {
+    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup"))?;
+    Ok(parse_cgroup(&text)
+        .or_else(|| ancestry::step_of_ancestors(pid, |p| ancestry::read_proc(proc_root, p))))
 }
