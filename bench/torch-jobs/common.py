@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Iterable, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from models import GPTConfig
 
-OPTIMIZERS = ("adamw", "adamw-fused", "sgd", "sgd-momentum")
+OPTIMIZERS = (
+    "adamw",
+    "adamw-fused",
+    "adamw-loop",
+    "sgd",
+    "sgd-momentum",
+    "sgd-nesterov",
+    "adam-amsgrad",
+    "adagrad",
+    "rmsprop",
+    "adafactor",
+    "lion",
+)
 PRECISIONS = ("fp32", "bf16-autocast")
 
 
@@ -57,7 +69,9 @@ def add_optimizer_arg(
         "--optimizer",
         choices=list(choices),
         default=default,
-        help="adamw: torch's default (foreach on CUDA); adamw-fused: fused=True",
+        help="adamw: torch's default (foreach on CUDA); adamw-fused: fused=True; adamw-loop:"
+        " foreach=False; adagrad: state made in its constructor; adafactor: torch.optim's;"
+        " lion: a hand-written Lion (one state tensor per parameter)",
     )
 
 
@@ -112,17 +126,66 @@ def init_distributed(device_name: str) -> Tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def make_optimizer(
-    name: str, params: Iterable[torch.nn.Parameter], lr: Optional[float] = None
-) -> torch.optim.Optimizer:
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), written
+    the way a user writes an optimizer: one state tensor per parameter (the momentum),
+    made lazily in the first ``step()``, a plain loop over the parameters."""
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-4,
+        betas: Tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = exp_avg.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+        return loss
+
+
+def make_optimizer(name: str, params: Any, lr: Optional[float] = None) -> torch.optim.Optimizer:
+    """The optimizer ``name`` over ``params`` (parameters or parameter groups)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr or 3e-4, weight_decay=0.1)
     if name == "adamw-fused":
         return torch.optim.AdamW(params, lr=lr or 3e-4, weight_decay=0.1, fused=True)
+    if name == "adamw-loop":
+        return torch.optim.AdamW(params, lr=lr or 3e-4, weight_decay=0.1, foreach=False)
     if name == "sgd-momentum":
         return torch.optim.SGD(params, lr=lr or 1e-2, momentum=0.9)
+    if name == "sgd-nesterov":
+        return torch.optim.SGD(params, lr=lr or 1e-2, momentum=0.9, nesterov=True)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr or 1e-2)
+    if name == "adam-amsgrad":
+        return torch.optim.Adam(params, lr=lr or 3e-4, amsgrad=True)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr or 1e-2)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr or 1e-3, alpha=0.99)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr or 1e-2)
+    if name == "lion":
+        return Lion(params, lr=lr or 1e-4, weight_decay=0.1)
     raise ValueError(f"unknown optimizer {name!r}")
 
 

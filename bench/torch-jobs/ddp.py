@@ -4,11 +4,15 @@
 
 NCCL on CUDA, gloo with ``--device cpu``. ``--uneven`` gives the last rank a
 batch twice as large as the others (gradients are still averaged), so the
-ranks' memory differs. Rank 0 prints ``step N done`` after each optimizer step.
+ranks' memory differs. ``--zero`` shards the optimizer state with
+``torch.distributed.optim.ZeroRedundancyOptimizer``; ``--no-sync N`` accumulates
+N micro-batches per step, all but the last under ``model.no_sync()`` (no
+all-reduce). Rank 0 prints ``step N done`` after each optimizer step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import List, Optional
 
@@ -16,6 +20,7 @@ import stepwatch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
 from common import (
@@ -39,7 +44,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     add_optimizer_arg(p)
     add_precision_arg(p)
     p.add_argument("--uneven", action="store_true", help="the last rank's batch is twice --batch")
+    p.add_argument(
+        "--zero",
+        action="store_true",
+        help="ZeroRedundancyOptimizer(optimizer_class=AdamW) instead of --optimizer",
+    )
+    p.add_argument(
+        "--no-sync",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-batches per step, all but the last under model.no_sync()",
+    )
     args = p.parse_args(argv)
+    if args.no_sync < 1:
+        p.error("--no-sync must be at least 1")
     check_args(p, args)
 
     rank, world, device = init_distributed(args.device)
@@ -49,13 +68,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     with device:
         model = GPT(gpt_config(args))
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    if args.zero:
+        optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            model.parameters(),
+            optimizer_class=torch.optim.AdamW,
+            lr=args.lr or 3e-4,
+            weight_decay=0.1,
+        )
+    else:
+        optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(
             f"ddp: {world} ranks, {n_params / 1e6:.1f}M parameters, {args.optimizer}, "
             f"{args.precision}, batch {args.batch} x {args.seq_len}"
-            + (f" ({last_batch} on rank {world - 1})" if args.uneven else ""),
+            + (f" ({last_batch} on rank {world - 1})" if args.uneven else "")
+            + (", ZeroRedundancyOptimizer" if args.zero else "")
+            + (f", {args.no_sync} micro-batches (no_sync)" if args.no_sync > 1 else ""),
             flush=True,
         )
 
@@ -64,11 +93,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     amp = autocast(device, args.precision)
     model.train()
     for step in range(1, args.steps + 1):
-        x, y = random_tokens(batch, args.seq_len, args.vocab, device)
-        with amp:
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        loss.backward()
+        for micro in range(args.no_sync):
+            last = micro == args.no_sync - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                x, y = random_tokens(batch, args.seq_len, args.vocab, device)
+                with amp:
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+                (loss / args.no_sync).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if rank == 0:

@@ -3,14 +3,18 @@
 A plain PyTorch loop: forward under autocast (or not), cross-entropy loss,
 backward, ``optimizer.step()``, ``optimizer.zero_grad()``. The flags choose the
 optimizer, the precision, gradient accumulation, how gradients are zeroed and
-whether the optimizer state exists before step 1. Prints ``step N done`` after
-each optimizer step.
+whether the optimizer state exists before step 1; and loop shapes people add:
+parameter groups with and without weight decay, an LR scheduler,
+``clip_grad_norm_``, frozen layers, an evaluation pass every k steps, a
+checkpoint copied to the host after step 1, a smaller warm-up batch in step 1.
+Prints ``step N done`` after each optimizer step.
 """
 
 from __future__ import annotations
 
+import math
 import sys
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import stepwatch
 import torch
@@ -49,6 +53,42 @@ def precreate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> List[Dict[str, Any]]:
+    """nanoGPT's split: weight decay on matrices (and embeddings), none on biases and norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def cosine_with_warmup(
+    optimizer: torch.optim.Optimizer, warmup: int, total: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (i - warmup) / max(1, total - warmup))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def checkpoint_to_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The model's and the optimizer's state_dict, every tensor copied to the host, as a
+    checkpoint writer does before it serialises."""
+
+    def to_host(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            return obj.detach().to("cpu")
+        if isinstance(obj, dict):
+            return {k: to_host(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(to_host(v) for v in obj)
+        return obj
+
+    return {"model": to_host(model.state_dict()), "optimizer": to_host(optimizer.state_dict())}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = parser(__doc__.split("\n\n")[0])
     add_gpt_args(p)
@@ -75,6 +115,40 @@ def main(argv: Optional[List[str]] = None) -> int:
         action="store_true",
         help="recompute each block in backward (torch.utils.checkpoint)",
     )
+    p.add_argument(
+        "--param-groups",
+        action="store_true",
+        help="two parameter groups: weight decay on matrices, none on biases and norms",
+    )
+    p.add_argument(
+        "--scheduler", action="store_true", help="LambdaLR: linear warm-up, cosine decay"
+    )
+    p.add_argument(
+        "--clip", type=float, default=None, help="torch.nn.utils.clip_grad_norm_ to this norm"
+    )
+    p.add_argument(
+        "--freeze-layers",
+        type=int,
+        default=0,
+        help="freeze the embeddings (and so the tied head) and the first N blocks",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="after every K-th step, an evaluation batch under model.eval() and no_grad()",
+    )
+    p.add_argument(
+        "--checkpoint-after-step1",
+        action="store_true",
+        help="after step 1, copy model and optimizer state_dict() to the host",
+    )
+    p.add_argument(
+        "--warmup-batch",
+        type=int,
+        default=0,
+        help="step 1 runs this many sequences (a warm-up), later steps --batch",
+    )
     args = p.parse_args(argv)
     check_args(p, args)
 
@@ -85,7 +159,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         model = GPT(cfg)
     if args.precision == "bf16":
         model.to(torch.bfloat16)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    if args.freeze_layers:
+        model.tok.requires_grad_(False)
+        model.pos.requires_grad_(False)
+        for block in model.blocks[: args.freeze_layers]:
+            block.requires_grad_(False)
+    if args.param_groups:
+        params: Any = param_groups(model)
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(args.optimizer, params, args.lr)
+    scheduler = cosine_with_warmup(optimizer, 2, args.steps) if args.scheduler else None
     if args.precreate_state:
         precreate_optimizer_state(optimizer)
     n_params = sum(p.numel() for p in model.parameters())
@@ -101,14 +185,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     amp = autocast(device, args.precision)
     model.train()
     for step in range(1, args.steps + 1):
+        batch = args.warmup_batch if step == 1 and args.warmup_batch else args.batch
         for _ in range(args.grad_accum):
-            x, y = random_tokens(args.batch, args.seq_len, args.vocab, device)
+            x, y = random_tokens(batch, args.seq_len, args.vocab, device)
             with amp:
                 logits = model(x)
                 loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             (loss / args.grad_accum).backward()
+        if args.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=not args.zero_grad_keep)
+        if step == 1 and args.checkpoint_after_step1:
+            ckpt = checkpoint_to_host(model, optimizer)
+            print(f"checkpoint: {len(ckpt['model'])} model tensors on the host", flush=True)
+            del ckpt
+        if args.eval_every and step % args.eval_every == 0:
+            model.eval()
+            with torch.no_grad(), amp:
+                x, y = random_tokens(args.batch, args.seq_len, args.vocab, device)
+                logits = model(x)
+                val = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            print(f"eval after step {step}: loss {val.item():.3f}", flush=True)
+            model.train()
         print(f"step {step} done", flush=True)
     return 0
 

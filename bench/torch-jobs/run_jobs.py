@@ -38,6 +38,13 @@ TINY: Dict[str, List[str]] = {
     "lightning_gpt.py": [*GPT_TINY, "--vocab", "256"],
     "hf_trainer.py": [*GPT_TINY, "--vocab", "256"],
     "cnn.py": ["--batch", "2", "--image-size", "32", "--classes", "10", "--width", "8"],
+    "fsdp1.py": [*GPT_TINY, "--vocab", "256"],
+    "hf_loop.py": [*GPT_TINY, "--vocab", "256", "--target-len", "16", "--image-size", "32"],
+    "accelerate_loop.py": [*GPT_TINY, "--vocab", "256"],
+    "unet.py": ["--batch", "2", "--image-size", "32", "--width", "4", "--depth", "2"],
+    "lstm_lm.py": ["--batch", "2", "--hidden", "32", "--seq-len", "8", "--vocab", "100"],
+    "recsys.py": ["--batch", "16", "--rows", "100", "--dim", "8"],
+    "gan.py": ["--batch", "2", "--image-size", "16", "--width", "4", "--latent", "8"],
 }
 
 
@@ -99,6 +106,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tail", type=int, default=25, help="output lines shown for a failure")
     p.add_argument("-v", "--verbose", action="store_true", help="show every job's output")
     p.add_argument("--manifest", default=str(HERE / "jobs.json"))
+    p.add_argument("--set", choices=["tuning", "held_out"], help="only the jobs of this set")
     args = p.parse_args(argv)
 
     jobs = json.loads(Path(args.manifest).read_text())
@@ -107,6 +115,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown:
         p.error(f"unknown job(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
     selected = [j for j in jobs if not args.jobs or j["name"] in args.jobs]
+    if args.set:
+        selected = [j for j in selected if j.get("set") == args.set]
     failed = [j["name"] for j in selected if not run(j, args)]
     print(
         f"{len(selected) - len(failed)}/{len(selected)} passed"

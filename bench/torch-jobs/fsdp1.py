@@ -1,0 +1,99 @@
+"""Train a GPT-like model sharded with FSDP (v1, ``FullyShardedDataParallel``), one GPU per rank.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 fsdp1.py [flags]
+
+The classic wrapper: ``FullyShardedDataParallel(model, auto_wrap_policy=...)``
+with each transformer block its own FSDP unit (``ModuleWrapPolicy``), FULL_SHARD,
+flat parameters (``use_orig_params=False``), ``device_id`` set, and with
+``--precision bf16-mixed`` ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)``.
+The optimizer is made after wrapping, over the sharded flat parameters. NCCL on
+CUDA, gloo with ``--device cpu``. Rank 0 prints ``step N done`` after each
+optimizer step.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import List, Optional
+
+import stepwatch
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812 (the usual spelling)
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
+from torch.distributed.fsdp import MixedPrecision
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+from common import (
+    add_gpt_args,
+    add_optimizer_arg,
+    check_args,
+    gpt_config,
+    init_distributed,
+    make_optimizer,
+    parser,
+    random_tokens,
+)
+from models import GPT, Block
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = parser(__doc__.split("\n\n")[0])
+    add_gpt_args(p, layers=8, hidden=768)
+    add_optimizer_arg(p)
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16-mixed"],
+        default="bf16-mixed",
+        help="bf16-mixed: MixedPrecision(param_dtype=bf16, reduce_dtype=fp32, buffer_dtype=bf16)",
+    )
+    args = p.parse_args(argv)
+    check_args(p, args)
+    # FSDP v1 is deprecated in favour of fully_shard; the job is here because it is
+    # still what many scripts run.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+    rank, world, device = init_distributed(args.device)
+    torch.manual_seed(args.seed)
+    with device:
+        model = GPT(gpt_config(args))
+    mp = None
+    if args.precision == "bf16-mixed":
+        mp = MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16
+        )
+    model = FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        mixed_precision=mp,
+        device_id=device,
+    )
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters()) * world
+        print(
+            f"fsdp1: {world} ranks, about {n_params / 1e6:.1f}M parameters, {args.optimizer}, "
+            f"{args.precision}, batch {args.batch} x {args.seq_len} per rank",
+            flush=True,
+        )
+
+    stepwatch.watch(model, optimizer)
+
+    model.train()
+    for step in range(1, args.steps + 1):
+        x, y = random_tokens(args.batch, args.seq_len, args.vocab, device)
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if rank == 0:
+            print(f"step {step} done", flush=True)
+
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

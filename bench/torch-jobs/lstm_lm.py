@@ -1,0 +1,86 @@
+"""Train an LSTM language model on random tokens, one GPU (or the CPU).
+
+The classic word-level model (an embedding, a multi-layer ``nn.LSTM``,
+dropout, a linear decoder tied to the embedding), trained with truncated
+backpropagation through time: the hidden state is carried from batch to batch
+and detached at each step. SGD with Nesterov momentum and
+``clip_grad_norm_`` by default. cuDNN is off (the fake CUDA stack has none):
+PyTorch's native LSTM cells. Prints ``step N done`` after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional, Tuple
+
+import stepwatch
+import torch
+import torch.nn.functional as F  # noqa: N812 (the usual spelling)
+from torch import nn
+
+from common import add_optimizer_arg, make_optimizer, parser, setup_device
+
+
+class LSTMLM(nn.Module):
+    def __init__(self, vocab: int, hidden: int, layers: int, dropout: float = 0.2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, layers, dropout=dropout, batch_first=True)
+        self.drop = nn.Dropout(dropout)
+        self.decoder = nn.Linear(hidden, vocab)
+        self.decoder.weight = self.embed.weight  # tied
+
+    def forward(
+        self, idx: torch.Tensor, state: Tuple[torch.Tensor, torch.Tensor]
+    ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        y, state = self.lstm(self.drop(self.embed(idx)), state)
+        return self.decoder(self.drop(y)), state
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=2, help="LSTM layers")
+    p.add_argument("--hidden", type=int, default=1024, help="embedding and LSTM width")
+    p.add_argument("--seq-len", type=int, default=128, help="BPTT length")
+    p.add_argument("--batch", type=int, default=32, help="sequences per step")
+    p.add_argument("--vocab", type=int, default=33278, help="vocabulary (WikiText-103's is 267k)")
+    p.add_argument("--clip", type=float, default=0.25, help="clip_grad_norm_ (0: none)")
+    add_optimizer_arg(p, default="sgd-nesterov")
+    args = p.parse_args(argv)
+    if min(args.steps, args.layers, args.hidden, args.seq_len, args.batch, args.vocab) < 1:
+        p.error("sizes must be at least 1")
+
+    torch.backends.cudnn.enabled = False
+    device = setup_device(args.device)
+    torch.manual_seed(args.seed)
+    with device:
+        model = LSTMLM(args.vocab, args.hidden, args.layers)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"lstm_lm: {n_params / 1e6:.1f}M parameters, {args.optimizer}, "
+        f"batch {args.batch} x {args.seq_len} on {device}",
+        flush=True,
+    )
+
+    stepwatch.watch(model, optimizer)
+
+    zeros = torch.zeros(args.layers, args.batch, args.hidden, device=device)
+    state = (zeros, zeros.clone())
+    model.train()
+    for step in range(1, args.steps + 1):
+        t = torch.randint(args.vocab, (args.batch, args.seq_len + 1)).to(device)
+        state = (state[0].detach(), state[1].detach())
+        logits, state = model(t[:, :-1], state)
+        loss = F.cross_entropy(logits.reshape(-1, args.vocab), t[:, 1:].reshape(-1))
+        loss.backward()
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        print(f"step {step} done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Train a UNet-like convolution/upsampling network on random images, one GPU (or the CPU).
+
+An encoder of double 3x3 convolutions with BatchNorm and max-pooling, a
+bottleneck, and a decoder that upsamples with ``ConvTranspose2d`` and
+concatenates the encoder's feature map at each level (skip connections), as in
+a segmentation or diffusion UNet; per-pixel cross-entropy over ``--classes``
+classes. Images and masks are made on the host and copied each step; Adam by
+default. cuDNN is off (the fake CUDA stack has none): PyTorch's native
+convolution kernels. Prints ``step N done`` after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import stepwatch
+import torch
+import torch.nn.functional as F  # noqa: N812 (the usual spelling)
+from torch import nn
+
+from common import (
+    add_optimizer_arg,
+    add_precision_arg,
+    autocast,
+    make_optimizer,
+    parser,
+    setup_device,
+)
+
+
+def double_conv(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(cout, cout, 3, padding=1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(inplace=True),
+    )
+
+
+class UNet(nn.Module):
+    def __init__(self, classes: int, width: int, depth: int) -> None:
+        super().__init__()
+        chans = [width * 2**i for i in range(depth + 1)]
+        self.down = nn.ModuleList()
+        cin = 3
+        for c in chans[:-1]:
+            self.down.append(double_conv(cin, c))
+            cin = c
+        self.bottom = double_conv(chans[-2], chans[-1])
+        self.up = nn.ModuleList()
+        self.dec = nn.ModuleList()
+        for c_hi, c_lo in zip(reversed(chans[1:]), reversed(chans[:-1])):
+            self.up.append(nn.ConvTranspose2d(c_hi, c_lo, 2, stride=2))
+            self.dec.append(double_conv(2 * c_lo, c_lo))
+        self.head = nn.Conv2d(chans[0], classes, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for block in self.down:
+            x = block(x)
+            skips.append(x)
+            x = F.max_pool2d(x, 2)
+        x = self.bottom(x)
+        for up, dec, skip in zip(self.up, self.dec, reversed(skips)):
+            x = dec(torch.cat([up(x), skip], dim=1))
+        return self.head(x)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=8, help="images per step")
+    p.add_argument("--image-size", type=int, default=256, help="height and width")
+    p.add_argument("--classes", type=int, default=21, help="segmentation classes")
+    p.add_argument("--width", type=int, default=32, help="channels of the first level")
+    p.add_argument("--depth", type=int, default=4, help="down-sampling levels")
+    add_optimizer_arg(p, default="adamw")
+    add_precision_arg(p)
+    args = p.parse_args(argv)
+    if min(args.steps, args.batch, args.classes, args.width, args.depth) < 1:
+        p.error("sizes must be at least 1")
+    if args.image_size % 2**args.depth:
+        p.error("--image-size must be a multiple of 2**--depth")
+
+    torch.backends.cudnn.enabled = False
+    device = setup_device(args.device)
+    torch.manual_seed(args.seed)
+    with device:
+        model = UNet(args.classes, args.width, args.depth)
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"unet: {n_params / 1e6:.1f}M parameters, {args.optimizer}, {args.precision}, "
+        f"batch {args.batch} x 3 x {args.image_size}^2 on {device}",
+        flush=True,
+    )
+
+    stepwatch.watch(model, optimizer)
+
+    amp = autocast(device, args.precision)
+    model.train()
+    for step in range(1, args.steps + 1):
+        s = args.image_size
+        images = torch.randn(args.batch, 3, s, s).to(device, non_blocking=True)
+        masks = torch.randint(args.classes, (args.batch, s, s)).to(device, non_blocking=True)
+        with amp:
+            loss = F.cross_entropy(model(images), masks)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        print(f"step {step} done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
