@@ -349,6 +349,23 @@ pub async fn run_until(
 
     shutdown.await;
     tracing::info!("shutting down");
+    // NVML first: a driver upgrade (the GPU Operator's) waits for the driver's
+    // clients to let go, and the drain below may take seconds.
+    let signalled = std::time::Instant::now();
+    let nvml_released = tokio::task::spawn_blocking({
+        let sampler = sampler.clone();
+        move || {
+            let stopped = sampler.stop_within(Duration::from_secs(2));
+            if stopped {
+                let ms = signalled.elapsed().as_secs_f64() * 1e3;
+                tracing::info!(
+                    after_ms = format_args!("{ms:.1}"),
+                    "NVML released (nvmlShutdown)"
+                );
+            }
+            stopped
+        }
+    });
     state.ingest_listening.store(false, Ordering::Relaxed);
     let _ = stop_tx.send(true);
     // Streams from live trainers never end by themselves; don't wait forever.
@@ -382,10 +399,7 @@ pub async fn run_until(
     state.flush_record_and_wait();
     // A hung NVML call cannot be interrupted; exit without waiting for it
     // (a blocking task still running would hold the runtime's shutdown).
-    let stopped = tokio::task::spawn_blocking(move || sampler.stop_within(Duration::from_secs(2)))
-        .await
-        .unwrap_or(false);
-    if !stopped {
+    if !nvml_released.await.unwrap_or(false) {
         tracing::warn!("the NVML sampler did not stop within 2 s (an NVML call hangs); exiting without nvmlShutdown");
     }
     let _ = std::fs::remove_file(&config.socket);
