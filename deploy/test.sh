@@ -264,6 +264,84 @@ PYEOF
   sed 's/^/  /' "$WORK/attest-refused.err"
 }
 
+# gpuOperator.clientLabel (leave the node during the GPU Operator's driver upgrades and MIG
+# changes) and nvidia.deviceListStrategy (how the toolkit is asked for the GPUs).
+check_gpu_operator() {
+  local user_affinity='{"nodeAffinity":{"requiredDuringSchedulingIgnoredDuringExecution":{"nodeSelectorTerms":[{"matchExpressions":[{"key":"pool","operator":"In","values":["a"]}]},{"matchExpressions":[{"key":"pool","operator":"In","values":["b"]}]}]}}}'
+  render "$WORK/gpuop-affinity.yaml" --set-json "{\"affinity\":$user_affinity}"
+  render "$WORK/gpuop-selector.yaml" --set-json '{"gpuOperator":{"clientLabel":"nodeSelector"}}'
+  render "$WORK/gpuop-none.yaml" --set-json '{"gpuOperator":{"clientLabel":"none"}}'
+  render "$WORK/gpuop-vm.yaml" --set-json '{"nvidia":{"deviceListStrategy":"volume-mounts"}}'
+  render "$WORK/gpuop-cdi.yaml" --set-json '{"nvidia":{"deviceListStrategy":"cdi-annotations"},"runtimeClassName":""}'
+  for f in gpuop-affinity gpuop-vm gpuop-cdi; do
+    "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/$f.yaml" --require DaemonSet
+  done
+  "$PY" - "$WORK" "$SCRIPTS" <<'PYEOF'
+import sys, yaml
+sys.path.insert(0, sys.argv[2])
+from check_manifests import nvidia_devices_requested
+work = sys.argv[1]
+def ds(name):
+    docs = [d for d in yaml.safe_load_all(open(f"{work}/{name}.yaml")) if d]
+    return next(d for d in docs if d["kind"] == "DaemonSet")
+def pod(name):
+    return ds(name)["spec"]["template"]["spec"]
+LABEL = "nvidia.com/gpu.deploy.client"
+CLIENT = [{"key": LABEL, "operator": "In", "values": ["true"]}, {"key": LABEL, "operator": "DoesNotExist"}]
+def terms(p):
+    return p.get("affinity", {}).get("nodeAffinity", {}).get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms")
+def runs_on(p, labels):
+    """Whether the pod's nodeSelector and required node affinity admit a node with `labels`."""
+    if any(labels.get(k) != v for k, v in p.get("nodeSelector", {}).items()):
+        return False
+    def ok(e):
+        has, val = e["key"] in labels, labels.get(e["key"])
+        return {"In": has and val in e.get("values", []), "NotIn": not has or val not in e.get("values", []),
+                "Exists": has, "DoesNotExist": not has}[e["operator"]]
+    t = terms(p)
+    return t is None or any(all(ok(e) for e in term.get("matchExpressions", [])) for term in t)
+gpu = {"nvidia.com/gpu.present": "true"}
+# Default (affinity): the label "true" or absent runs the agent; the operator's pause values evict it.
+d = pod("helm")
+assert [term["matchExpressions"] for term in terms(d)] == [[CLIENT[0]], [CLIENT[1]]], terms(d)
+assert LABEL not in d["nodeSelector"], d["nodeSelector"]
+for value, runs in [(None, True), ("true", True), ("paused-for-driver-upgrade", False), ("paused-for-mig-change", False), ("false", False)]:
+    node = dict(gpu, **({LABEL: value} if value else {}))
+    assert runs_on(d, node) is runs, (value, runs)
+    # nodeSelector mode: only where the operator set "true" (26.7+); none: everywhere.
+    assert runs_on(pod("gpuop-selector"), node) is (value == "true"), value
+    assert runs_on(pod("gpuop-none"), node) is True, value
+assert pod("gpuop-selector")["nodeSelector"] == {"nvidia.com/gpu.present": "true", LABEL: "true"}
+assert terms(pod("gpuop-selector")) is None and terms(pod("gpuop-none")) is None
+# A user's terms (ORed) each gain both client terms: pool a or b, label true or absent.
+t = [term["matchExpressions"] for term in terms(pod("gpuop-affinity"))]
+pools = [[{"key": "pool", "operator": "In", "values": [p]}] for p in "ab"]
+assert t == [pools[0] + [CLIENT[0]], pools[0] + [CLIENT[1]], pools[1] + [CLIENT[0]], pools[1] + [CLIENT[1]]], t
+assert runs_on(pod("gpuop-affinity"), dict(gpu, pool="b")) and not runs_on(pod("gpuop-affinity"), dict(gpu, pool="c"))
+# The GPUs, as the NVIDIA toolkit would read the pod: one way each.
+for name, want_env in [("helm", True), ("gpuop-vm", False), ("gpuop-cdi", False)]:
+    assert nvidia_devices_requested(ds(name)) == ["all"], name
+    agent = next(c for c in pod(name)["containers"] if c["name"] == "agent")
+    env = {e["name"] for e in agent["env"]}
+    assert ("NVIDIA_VISIBLE_DEVICES" in env) is want_env and "NVIDIA_DRIVER_CAPABILITIES" in env, (name, env)
+vm = pod("gpuop-vm")
+dev = next(v for v in vm["volumes"] if v["name"] == "nvidia-device-0")
+assert dev["hostPath"] == {"path": "/dev/null", "type": "CharDevice"}, dev
+meta = ds("gpuop-cdi")["spec"]["template"]["metadata"]
+assert meta["annotations"]["cdi.k8s.io/stepwatch"] == "nvidia.com/gpu=all", meta
+assert "runtimeClassName" not in pod("gpuop-cdi")
+print("  clientLabel: affinity (default; label true or absent), nodeSelector, none, merged with user terms;"
+      " deviceListStrategy: envvar (default), volume-mounts (/dev/null mounts), cdi-annotations")
+PYEOF
+  local refused
+  for refused in '{"gpuOperator":{"clientLabel":"always"}}' '{"nvidia":{"deviceListStrategy":"mounts"}}'; do
+    if render "$WORK/gpuop-refused.yaml" --set-json "$refused" 2>"$WORK/gpuop-refused.err"; then
+      echo "  rendered $refused"; return 1
+    fi
+  done
+  echo "  an unknown clientLabel or deviceListStrategy is refused by the schema"
+}
+
 check_alertmanager() {
   render "$WORK/alertmanager.yaml" --set-json \
     '{"alertmanager":{"urls":["http://am-0.am:9093","http://am-1.am:9093"],"labels":{"prometheus":"monitoring/kps","cluster":"eu-1"}}}'
@@ -394,7 +472,7 @@ assert rule["from"][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/me
 print("  digest, no priorityClassName, extraTolerations appended, NetworkPolicy on the metrics port, no dashboards")
 PYEOF
   render "$WORK/tolerate-all.yaml" --set-json '{"tolerateAllTaints":true}'
-  grep -q 'operator: Exists' "$WORK/tolerate-all.yaml" && ! grep -q 'key: nvidia.com/gpu' "$WORK/tolerate-all.yaml" \
+  grep -q 'operator: Exists' "$WORK/tolerate-all.yaml" && ! grep -q 'key: nvidia.com/gpu$' "$WORK/tolerate-all.yaml" \
     || { echo "tolerateAllTaints must tolerate everything with one operator: Exists"; return 1; }
   if render "$WORK/bad-digest.yaml" --set-json '{"image":{"digest":"latest"}}' 2>"$WORK/bad-digest.err"; then
     echo "  rendered a digest that is not sha256:<64 hex>"; return 1
@@ -524,6 +602,7 @@ step "kustomize build deploy/kubernetes/base + validate" check_kustomize_base
 step "kustomize build equals the Helm render" "$PY" "$SCRIPTS/check_manifests.py" compare "$WORK/helm.yaml" "$WORK/kustomize.yaml"
 step "helm render with csi.enabled (CSIDriver, registrar, mounts, refusals) + example pod" check_csi
 step "helm render with podAttribution.enabled (kubelet mounts read-only, refused without root)" check_pod_attribution
+step "helm render with gpuOperator.clientLabel (driver upgrades evict the agent) and nvidia.deviceListStrategy" check_gpu_operator
 step "helm render with alertmanager.urls and labels (the agent's fast path)" check_alertmanager
 step "helm render with prometheusRule.alerts overrides (disable, severity, for, threshold, labels) and refusals" check_alert_overrides
 step "helm render: priorityClassName, tolerations, image digest, resources, NetworkPolicy, dashboard ConfigMaps" check_production_values

@@ -202,6 +202,44 @@ def container_checks(c, where, ctr, allow_root):
         )
 
 
+DEVICE_MOUNT_ROOT = "/var/run/nvidia-container-devices/"
+
+
+def nvidia_devices_requested(ds):
+    """The devices the NVIDIA container toolkit would inject into the agent container, by each
+    of its three ways, as the toolkit reads them: NVIDIA_VISIBLE_DEVICES; mounts whose source is
+    /dev/null under /var/run/nvidia-container-devices/<device> (its DevicesFromMounts, with
+    accept-nvidia-visible-devices-as-volume-mounts); CDI annotations cdi.k8s.io/* naming
+    nvidia.com/gpu=<device>. The toolkit takes one of them; the agent must use exactly one."""
+    template = ds["spec"]["template"]
+    pod = template["spec"]
+    agent = next(x for x in pod.get("containers", []) if x["name"] == "agent")
+    ways = []
+    env = {e["name"]: e.get("value") for e in agent.get("env", [])}
+    if "NVIDIA_VISIBLE_DEVICES" in env:
+        ways.append(env["NVIDIA_VISIBLE_DEVICES"].split(","))
+    vols = {v["name"]: v for v in pod.get("volumes", [])}
+    mounted = [
+        m["mountPath"][len(DEVICE_MOUNT_ROOT) :]
+        for m in agent.get("volumeMounts", [])
+        if m["mountPath"].startswith(DEVICE_MOUNT_ROOT)
+        and vols.get(m["name"], {}).get("hostPath", {}).get("path") == "/dev/null"
+    ]
+    if mounted:
+        ways.append(mounted)
+    annotations = template.get("metadata", {}).get("annotations", {}) or {}
+    cdi = [
+        dev.split("=", 1)[1]
+        for key, value in annotations.items()
+        if key.startswith("cdi.k8s.io/")
+        for dev in value.split(",")
+        if dev.startswith("nvidia.com/gpu=")
+    ]
+    if cdi:
+        ways.append(cdi)
+    return ways[0] if len(ways) == 1 else ways
+
+
 def check_daemonset(c, ds, services, allow_root, metrics_proxy=False):
     where = name_of(ds)
     pod = ds["spec"]["template"]["spec"]
@@ -249,10 +287,14 @@ def check_daemonset(c, ds, services, allow_root, metrics_proxy=False):
         cw,
         "NODE_NAME from fieldRef spec.nodeName",
     )
+    # The GPUs come from the NVIDIA toolkit: NVIDIA_VISIBLE_DEVICES=all (envvar), or, with
+    # nvidia.deviceListStrategy, /dev/null mounts under /var/run/nvidia-container-devices/
+    # (volume-mounts) or a cdi.k8s.io/ pod annotation (cdi-annotations).
+    requested = nvidia_devices_requested(ds)
     c.expect(
-        env.get("NVIDIA_VISIBLE_DEVICES", {}).get("value") == "all",
+        requested == ["all"],
         cw,
-        "NVIDIA_VISIBLE_DEVICES=all",
+        f"the NVIDIA toolkit must be asked for all GPUs by one means, got {requested}",
     )
     c.expect(
         env.get("NVIDIA_DRIVER_CAPABILITIES", {}).get("value") == "utility",

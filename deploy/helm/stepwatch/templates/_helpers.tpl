@@ -96,3 +96,50 @@ StepwatchSamplerLagging: {literal: "> 0.1", format: "> %v"}
 {{- toYaml . }}
 {{- end }}
 {{- end }}
+
+{{/* The GPUs asked of the NVIDIA toolkit: nvidia.visibleDevices split at commas, as a YAML list. */}}
+{{- define "stepwatch.visibleDevices" -}}
+{{- $devs := list }}
+{{- range splitList "," .Values.nvidia.visibleDevices }}
+{{- with trim . }}{{ $devs = append $devs . }}{{ end }}
+{{- end }}
+{{- toYaml $devs }}
+{{- end }}
+
+{{/* The GPU Operator's label for third-party GPU clients (gpuOperator.clientLabel). */}}
+{{- define "stepwatch.gpuClientLabel" -}}nvidia.com/gpu.deploy.client{{- end }}
+
+{{/* nodeSelector, plus the GPU Operator's client label with gpuOperator.clientLabel=nodeSelector. */}}
+{{- define "stepwatch.nodeSelector" -}}
+{{- $sel := deepCopy (.Values.nodeSelector | default dict) }}
+{{- if eq .Values.gpuOperator.clientLabel "nodeSelector" }}
+{{- $_ := set $sel (include "stepwatch.gpuClientLabel" .) "true" }}
+{{- end }}
+{{- with $sel }}{{ toYaml . }}{{ end }}
+{{- end }}
+
+{{/* affinity, and with gpuOperator.clientLabel=affinity a required node affinity on the GPU
+     Operator's client label: each of the user's nodeSelectorTerms (or one empty term) becomes
+     two, one where the label is "true" and one where it is absent. Terms are ORed, so the agent
+     runs on nodes where the label is "true" or missing, and the DaemonSet controller removes it
+     while the operator says anything else (paused-for-driver-upgrade, paused-for-mig-change). */}}
+{{- define "stepwatch.affinity" -}}
+{{- $affinity := deepCopy (.Values.affinity | default dict) }}
+{{- if eq .Values.gpuOperator.clientLabel "affinity" }}
+{{- $label := include "stepwatch.gpuClientLabel" . }}
+{{- $node := $affinity.nodeAffinity | default dict }}
+{{- $required := $node.requiredDuringSchedulingIgnoredDuringExecution | default dict }}
+{{- $terms := list }}
+{{- range $term := $required.nodeSelectorTerms | default (list dict) }}
+{{- range $expr := list (dict "key" $label "operator" "In" "values" (list "true")) (dict "key" $label "operator" "DoesNotExist") }}
+{{- $t := deepCopy $term }}
+{{- $_ := set $t "matchExpressions" (append ($t.matchExpressions | default list) $expr) }}
+{{- $terms = append $terms $t }}
+{{- end }}
+{{- end }}
+{{- $_ := set $required "nodeSelectorTerms" $terms }}
+{{- $_ = set $node "requiredDuringSchedulingIgnoredDuringExecution" $required }}
+{{- $_ = set $affinity "nodeAffinity" $node }}
+{{- end }}
+{{- with $affinity }}{{ toYaml . }}{{ end }}
+{{- end }}
