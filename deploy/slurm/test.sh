@@ -11,10 +11,14 @@
 # the system user stepwatch-slurm-test), the venv of python/run-tests.sh (torch, the
 # client, pytest) and a built agent ($STEPWATCH_BIN or target/debug/stepwatch).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$self")/../.."
 
+# Resolved before sudo, which changes $HOME: the caller's venv and agent.
+export STEPWATCH_PY_VENV="${STEPWATCH_PY_VENV:-$HOME/.cache/stepwatch/py-venv}"
+export STEPWATCH_BIN="${STEPWATCH_BIN:-$PWD/target/debug/stepwatch}"
 if [ "$(id -u)" -ne 0 ]; then
-  exec sudo --preserve-env=STEPWATCH_BIN,STEPWATCH_PY_VENV,STEPWATCH_KEEP_SLURM_DIR,STEPWATCH_SLURM_PROCTRACK "$0" "$@"
+  exec sudo --preserve-env=STEPWATCH_BIN,STEPWATCH_PY_VENV,STEPWATCH_KEEP_SLURM_DIR,STEPWATCH_SLURM_PROCTRACK "$self" "$@"
 fi
 
 packages=()
@@ -36,6 +40,4 @@ if [ ${#packages[@]} -gt 0 ]; then
   [ "$own_policy" -eq 0 ] || rm -f /usr/sbin/policy-rc.d
 fi
 
-venv="${STEPWATCH_PY_VENV:-$HOME/.cache/stepwatch/py-venv}"
-export STEPWATCH_BIN="${STEPWATCH_BIN:-$PWD/target/debug/stepwatch}"
-exec "$venv/bin/python" -m pytest -p no:cacheprovider -q deploy/slurm/test_slurm.py "$@"
+exec "$STEPWATCH_PY_VENV/bin/python" -m pytest -p no:cacheprovider -q deploy/slurm/test_slurm.py "$@"
