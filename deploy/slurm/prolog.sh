@@ -3,7 +3,7 @@
 # directory of dcgm-exporter's --hpc-job-mapping-dir, which stepwatch reads with
 # --slurm-job-mapping-dir. One prolog serves both tools; epilog.sh undoes it.
 #
-#   slurm.conf:  Prolog=/etc/slurm/prolog.d/*   (or Prolog=/usr/share/stepwatch/slurm/prolog.sh)
+#   slurm.conf:  Prolog=/etc/slurm/prolog.d/*   (this file installed there, e.g. as 50-stepwatch.sh)
 #                Epilog=/etc/slurm/epilog.d/*
 #                PrologFlags=Alloc              (run at allocation, before any step)
 #
