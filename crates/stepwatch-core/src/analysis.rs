@@ -149,6 +149,23 @@ pub struct RankAnalysis {
     pub other_process_bytes: u64,
 }
 
+/// The rank an analysis is of: its timeline and facts, and what the node
+/// knows of its GPU.
+#[derive(Debug, Clone)]
+pub struct RankInputs<'a> {
+    /// The rank's step history.
+    pub timeline: &'a RankTimeline,
+    /// What the client said about the model.
+    pub facts: &'a ModelFacts,
+    /// GPU capacity, bytes; 0 when unknown.
+    pub capacity_bytes: u64,
+    /// Bytes other processes hold on the GPU.
+    pub other_process_bytes: u64,
+    /// The steady profile when the caller keeps it (the tracker's memo);
+    /// None: computed from the timeline.
+    pub steady: Option<Option<SteadyProfile>>,
+}
+
 /// What the prediction can use of step 1 beyond the rank's timeline.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct StepOneExtras<'a> {
@@ -166,14 +183,18 @@ pub struct StepOneExtras<'a> {
 /// Analyses one rank. `samples` are the GPU's samples from step 1 on
 /// (time-ordered), for the activation plateau.
 pub fn analyze_rank<'a>(
-    timeline: &RankTimeline,
-    facts: &ModelFacts,
-    capacity_bytes: u64,
-    other_process_bytes: u64,
+    rank: RankInputs<'_>,
     extras: StepOneExtras<'_>,
     samples: impl IntoIterator<Item = &'a GpuSample>,
     config: &AnalysisConfig,
 ) -> RankAnalysis {
+    let RankInputs {
+        timeline,
+        facts,
+        capacity_bytes,
+        other_process_bytes,
+        steady,
+    } = rank;
     let StepOneExtras {
         live,
         replay,
@@ -181,8 +202,7 @@ pub fn analyze_rank<'a>(
         gradients,
     } = extras;
     let first = timeline.steps().next();
-    let later = later_completed(timeline);
-    let steady = steady_profile(timeline, config);
+    let steady = steady.unwrap_or_else(|| steady_profile(timeline, config));
     let first_profile = first.map(StepProfile::of);
     let ratio = |s: Option<u64>, f: Option<u64>| match (s, f) {
         (Some(s), Some(f)) if f > 0 => Some(s as f64 / f as f64),
@@ -249,7 +269,7 @@ pub fn analyze_rank<'a>(
         steady,
         anomaly,
         anomaly_ratio,
-        steady_state: steady_state(&later, config),
+        steady_state: steady_state(later_completed(timeline), config),
         prediction,
         capacity_bytes,
         other_process_bytes,
@@ -257,12 +277,11 @@ pub fn analyze_rank<'a>(
 }
 
 /// Completed steps after the first, in order.
-fn later_completed(timeline: &RankTimeline) -> Vec<&StepRecord> {
+fn later_completed(timeline: &RankTimeline) -> impl Iterator<Item = &StepRecord> + Clone {
     timeline
         .steps()
         .skip(1)
         .filter(|s| s.outcome == StepOutcome::Completed)
-        .collect()
 }
 
 /// The steady profile of a rank (see the module documentation); None until
@@ -273,6 +292,94 @@ pub fn steady_profile(timeline: &RankTimeline, config: &AnalysisConfig) -> Optio
         .map(StepProfile::of)
         .collect();
     SteadyProfile::of(&window, config.min_steady_steps.max(1))
+}
+
+/// A rank's [`steady_profile`], kept between reads. Divergence reads every
+/// rank's steady profile at each step boundary of any rank of the job:
+/// computed afresh each time, ingest cost grew with ranks squared. The memo
+/// is keyed on the timeline's [`RankTimeline::revision`] (one comparison);
+/// when that moved, on a cheap key of each window step (its number,
+/// outcome, phases, closed phases and credited samples, which every change
+/// to a step moves), and only a changed window is profiled again.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct SteadyMemo {
+    revision: Option<u64>,
+    window: Vec<WindowStepKey>,
+    profile: Option<SteadyProfile>,
+    /// The config the profile was computed under.
+    sized_for: Option<(usize, usize)>,
+}
+
+/// What [`SteadyMemo`] compares a window step by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct WindowStepKey {
+    step: u64,
+    outcome: StepOutcome,
+    phases: usize,
+    closed_phases: usize,
+    samples: u64,
+}
+
+impl WindowStepKey {
+    fn of(step: &StepRecord) -> Self {
+        Self {
+            step: step.step,
+            outcome: step.outcome,
+            phases: step.phases.len(),
+            closed_phases: step
+                .phases
+                .iter()
+                .filter(|p| p.end_monotonic_ns.is_some())
+                .count(),
+            samples: step.phases.iter().map(|p| p.nvml.samples).sum(),
+        }
+    }
+}
+
+impl SteadyMemo {
+    fn sized_for(config: &AnalysisConfig) -> Option<(usize, usize)> {
+        Some((config.steady_window, config.min_steady_steps))
+    }
+
+    fn window_unchanged(&self, timeline: &RankTimeline, config: &AnalysisConfig) -> bool {
+        self.sized_for == Self::sized_for(config)
+            && steady_window(timeline, config)
+                .map(WindowStepKey::of)
+                .eq(self.window.iter().copied())
+    }
+
+    /// Calls `f` with the rank's steady profile: the memo's when still
+    /// fresh, else one computed now (and not kept: a reader holds `&self`).
+    pub(crate) fn with<R>(
+        &self,
+        timeline: &RankTimeline,
+        config: &AnalysisConfig,
+        f: impl FnOnce(Option<&SteadyProfile>) -> R,
+    ) -> R {
+        let fresh = self.sized_for == Self::sized_for(config)
+            && self.revision == Some(timeline.revision())
+            || self.window_unchanged(timeline, config);
+        if fresh {
+            f(self.profile.as_ref())
+        } else {
+            f(steady_profile(timeline, config).as_ref())
+        }
+    }
+
+    /// Brings the memo up to date after the timeline changed.
+    pub(crate) fn refresh(&mut self, timeline: &RankTimeline, config: &AnalysisConfig) {
+        if self.revision == Some(timeline.revision()) && self.sized_for == Self::sized_for(config) {
+            return;
+        }
+        if !self.window_unchanged(timeline, config) {
+            self.window = steady_window(timeline, config)
+                .map(WindowStepKey::of)
+                .collect();
+            self.profile = steady_profile(timeline, config);
+            self.sized_for = Self::sized_for(config);
+        }
+        self.revision = Some(timeline.revision());
+    }
 }
 
 /// The steps the steady profile is over: the first `steady_window`
@@ -339,14 +446,17 @@ pub fn steady_nvml_peak(
 
 /// Steady-state detection over completed steps after the first, in order.
 /// Cheap: step peaks only, no profiles, so it can run on every scrape.
-pub fn steady_state(later: &[&StepRecord], config: &AnalysisConfig) -> SteadyState {
-    if later.is_empty() {
+pub fn steady_state<'a>(
+    later: impl Iterator<Item = &'a StepRecord> + Clone,
+    config: &AnalysisConfig,
+) -> SteadyState {
+    let Some(first) = later.clone().next() else {
         return SteadyState {
             reached: false,
             since_step: None,
             source: None,
         };
-    }
+    };
     let allocated = |s: &StepRecord| {
         s.phases
             .iter()
@@ -354,8 +464,8 @@ pub fn steady_state(later: &[&StepRecord], config: &AnalysisConfig) -> SteadySta
             .max()
     };
     let nvml = |s: &StepRecord| s.nvml_peak_bytes();
-    let all_nvml = later.iter().all(|s| nvml(s).is_some());
-    let source = if !all_nvml && later.iter().all(|s| allocated(s).is_some()) {
+    let all_nvml = later.clone().all(|s| nvml(s).is_some());
+    let source = if !all_nvml && later.clone().all(|s| allocated(s).is_some()) {
         PeakSource::Allocated
     } else {
         PeakSource::Nvml
@@ -366,19 +476,23 @@ pub fn steady_state(later: &[&StepRecord], config: &AnalysisConfig) -> SteadySta
     };
     let need = config.steady_agreements.max(1);
     let mut run = 0;
-    let mut prev = peak(later[0]);
-    for i in 1..later.len() {
-        let cur = peak(later[i]);
+    let (mut prev_step, mut prev) = (first.step, peak(first));
+    let mut run_start = first.step;
+    for step in later.skip(1) {
+        let cur = peak(step);
         let agree = match (prev, cur) {
             (Some(a), Some(b)) => a.abs_diff(b) as f64 <= config.steady_tolerance * a.max(b) as f64,
             _ => false,
         };
-        prev = cur;
+        if agree && run == 0 {
+            run_start = prev_step;
+        }
+        (prev_step, prev) = (step.step, cur);
         run = if agree { run + 1 } else { 0 };
         if run >= need {
             return SteadyState {
                 reached: true,
-                since_step: Some(later[i - need].step),
+                since_step: Some(run_start),
                 source: Some(source),
             };
         }

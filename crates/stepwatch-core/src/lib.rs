@@ -29,8 +29,8 @@ pub mod tracker;
 pub use advisory::{Advisory, AdvisoryKind};
 pub use analysis::{
     activation_plateau, analyze_rank, steady_nvml_peak, steady_profile, steady_state,
-    ActivationPlateau, AnalysisConfig, FirstStepAnomaly, RankAnalysis, SteadyNvmlPeak, SteadyState,
-    StepOneExtras,
+    ActivationPlateau, AnalysisConfig, FirstStepAnomaly, RankAnalysis, RankInputs, SteadyNvmlPeak,
+    SteadyState, StepOneExtras,
 };
 pub use divergence::{
     activation_peak_bytes, divergence, ActivationPeak, Divergence, DivergenceFigure, NamedOutlier,

@@ -184,15 +184,19 @@ impl StepRecord {
     /// latest so far in the window before the begin, the larger on a tie
     /// (any arrival order gives the same result).
     pub fn offer_before_begin(&mut self, monotonic_ns: u64, used_bytes: u64) {
+        if self.takes_before_begin(monotonic_ns, used_bytes) {
+            self.nvml_before_begin = Some((monotonic_ns, used_bytes));
+        }
+    }
+
+    /// Whether [`StepRecord::offer_before_begin`] would keep the sample.
+    pub fn takes_before_begin(&self, monotonic_ns: u64, used_bytes: u64) -> bool {
         let in_window = monotonic_ns < self.begin_monotonic_ns
             && self.begin_monotonic_ns - monotonic_ns <= BEFORE_BEGIN_WINDOW_NS;
-        if in_window
+        in_window
             && self
                 .nvml_before_begin
                 .is_none_or(|kept| (monotonic_ns, used_bytes) > kept)
-        {
-            self.nvml_before_begin = Some((monotonic_ns, used_bytes));
-        }
     }
 
     /// Duration in ns once the step has ended.
@@ -261,6 +265,9 @@ pub struct RankTimeline {
     last_monotonic_ns: u64,
     steps_completed: u64,
     ooms: u64,
+    /// Moves on every change to the retained steps ([`RankTimeline::revision`]).
+    #[serde(skip)]
+    revision: u64,
 }
 
 impl RankTimeline {
@@ -281,6 +288,7 @@ impl RankTimeline {
             last_monotonic_ns: self.last_monotonic_ns,
             steps_completed: self.steps_completed,
             ooms: self.ooms,
+            revision: 0,
         };
         trimmed.count_phases();
         trimmed
@@ -289,6 +297,7 @@ impl RankTimeline {
     /// Re-applies the retention bound after a restore (it is not journaled).
     pub(crate) fn set_max_retained_steps(&mut self, max_retained_steps: usize) {
         self.max_retained_steps = max_retained_steps.max(2);
+        self.revision += 1;
         while self.steps.len() > self.max_retained_steps {
             self.steps.remove(1);
         }
@@ -308,7 +317,15 @@ impl RankTimeline {
             last_monotonic_ns: 0,
             steps_completed: 0,
             ooms: 0,
+            revision: 0,
         }
+    }
+
+    /// A number that changes whenever the retained steps may have changed
+    /// (markers, credited samples, trimming): what a cache of figures
+    /// derived from the steps is keyed on.
+    pub fn revision(&self) -> u64 {
+        self.revision
     }
 
     /// What the retained steps hold in memory, approximately: their records
@@ -328,6 +345,7 @@ impl RankTimeline {
             return false;
         }
         self.remove_step(1);
+        self.revision += 1;
         true
     }
 
@@ -341,6 +359,7 @@ impl RankTimeline {
     /// rejects the batch and leaves the timeline unchanged.
     pub fn apply_batch(&mut self, markers: &[Marker]) -> Result<(), MarkerError> {
         self.check_batch(markers)?;
+        self.revision += 1;
         for m in markers {
             self.apply_unchecked(m);
         }
@@ -358,12 +377,15 @@ impl RankTimeline {
     }
 
     /// Steps retained, oldest first.
-    pub fn steps(&self) -> impl DoubleEndedIterator<Item = &StepRecord> + ExactSizeIterator {
+    pub fn steps(
+        &self,
+    ) -> impl DoubleEndedIterator<Item = &StepRecord> + ExactSizeIterator + Clone {
         self.steps.iter()
     }
 
     /// Mutable access for sample attribution.
     pub(crate) fn steps_mut(&mut self) -> impl DoubleEndedIterator<Item = &mut StepRecord> {
+        self.revision += 1;
         self.steps.iter_mut()
     }
 

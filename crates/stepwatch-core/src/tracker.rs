@@ -13,10 +13,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::advisory::{self, Advisory, AdvisoryKind};
 use crate::allocator::SegmentLayout;
-use crate::analysis::StepOneExtras;
-use crate::analysis::{
-    analyze_rank, steady_nvml_peak, steady_profile, AnalysisConfig, RankAnalysis,
-};
+use crate::analysis::{analyze_rank, steady_nvml_peak, AnalysisConfig, RankAnalysis};
+use crate::analysis::{RankInputs, SteadyMemo, StepOneExtras};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{ModelFacts, RankInfo, RankKey};
@@ -25,7 +23,7 @@ use crate::marker::{Marker, MarkerKind};
 use crate::predict::{LiveStep, Prediction};
 use crate::replay::{Gradients, Step2Replay};
 use crate::sample::GpuSample;
-use crate::timeline::{PhaseRecord, RankTimeline, StepOutcome};
+use crate::timeline::{RankTimeline, StepOutcome};
 use crate::AllocatorStats;
 
 /// Most processes remembered per GPU (see [`Tracker::set_gpu_processes`]).
@@ -177,6 +175,9 @@ pub struct RankState {
     /// ([`crate::advisory::retries_due`]).
     #[serde(default)]
     pub allocator_retries: Option<u64>,
+    /// The steady profile, kept between reads (see [`SteadyMemo`]).
+    #[serde(skip)]
+    pub(crate) steady: SteadyMemo,
 }
 
 /// How many of a process's earlier run ids a rank remembers
@@ -403,10 +404,17 @@ impl Tracker {
                 .take_while(move |x| x.monotonic_ns < end)
         });
         let mut analysis = analyze_rank(
-            &state.timeline,
-            &state.info.model,
-            self.latest_sample(gpu).map_or(0, |s| s.capacity_bytes),
-            self.other_process_bytes(key),
+            RankInputs {
+                timeline: &state.timeline,
+                facts: &state.info.model,
+                capacity_bytes: self.latest_sample(gpu).map_or(0, |s| s.capacity_bytes),
+                other_process_bytes: self.other_process_bytes(key),
+                steady: Some(
+                    state
+                        .steady
+                        .with(&state.timeline, &self.analysis, |s| s.cloned()),
+                ),
+            },
             StepOneExtras {
                 live: live.as_ref(),
                 replay: state.allocator_replay.as_ref(),
@@ -478,11 +486,11 @@ impl Tracker {
         let figures: Vec<RankFigures> = self
             .job_ranks(namespace, job)
             .map(|(key, state)| {
-                RankFigures::of(
-                    key.rank,
-                    state.timeline.steps().next(),
-                    steady_profile(&state.timeline, &self.analysis).as_ref(),
-                )
+                state
+                    .steady
+                    .with(&state.timeline, &self.analysis, |steady| {
+                        RankFigures::of(key.rank, state.timeline.steps().next(), steady)
+                    })
             })
             .collect();
         divergence(job, &figures, self.analysis.divergence_threshold)
@@ -649,6 +657,7 @@ impl Tracker {
                 layout_estimate: None,
                 ended_runs: Vec::new(),
                 allocator_retries: None,
+                steady: SteadyMemo::default(),
             },
         );
         Ok(Opened {
@@ -689,6 +698,7 @@ impl Tracker {
             layout_estimate: r.layout_estimate,
             ended_runs: r.ended_runs.clone(),
             allocator_retries: r.allocator_retries,
+            steady: SteadyMemo::default(),
         })
     }
 
@@ -1036,6 +1046,7 @@ impl Tracker {
         let empty = VecDeque::new();
         let window = self.samples.get(&state.info.gpu_uuid).unwrap_or(&empty);
         credit_newly_closed(&mut state.timeline, window);
+        state.steady.refresh(&state.timeline, &self.analysis);
         self.retained_bytes = (self.retained_bytes + after).saturating_sub(before);
         self.enforce_budget();
     }
@@ -1108,14 +1119,22 @@ impl Tracker {
             .values_mut()
             .filter(|r| r.info.gpu_uuid == gpu_uuid)
         {
+            // Mutable access only for a sample that lands, so that the
+            // timeline's revision moves only when its steps change.
             for s in samples {
-                if let Some(phase) = closed_phase_at(&mut state.timeline, s.monotonic_ns) {
-                    phase.add_sample(s.monotonic_ns, s.used_bytes);
+                if let Some((step, phase)) = closed_phase_at(&state.timeline, s.monotonic_ns) {
+                    if let Some(step) = state.timeline.steps_mut().nth(step) {
+                        step.phases[phase].add_sample(s.monotonic_ns, s.used_bytes);
+                    }
                 }
-                if let Some(first) = state.timeline.steps_mut().next() {
-                    first.offer_before_begin(s.monotonic_ns, s.used_bytes);
+                let first = state.timeline.steps().next();
+                if first.is_some_and(|f| f.takes_before_begin(s.monotonic_ns, s.used_bytes)) {
+                    if let Some(first) = state.timeline.steps_mut().next() {
+                        first.offer_before_begin(s.monotonic_ns, s.used_bytes);
+                    }
                 }
             }
+            state.steady.refresh(&state.timeline, &self.analysis);
         }
     }
 
@@ -1197,14 +1216,14 @@ fn credit_newly_closed(timeline: &mut RankTimeline, window: &VecDeque<GpuSample>
     }
 }
 
-/// The closed, already scanned phase holding time `t`, if any.
-fn closed_phase_at(timeline: &mut RankTimeline, t: u64) -> Option<&mut PhaseRecord> {
-    let step = timeline
-        .steps_mut()
+/// The closed, already scanned phase holding time `t`, if any, as (step,
+/// phase) indices into the retained steps.
+fn closed_phase_at(timeline: &RankTimeline, t: u64) -> Option<(usize, usize)> {
+    let (index, step) = timeline
+        .steps()
+        .enumerate()
         .rev()
-        .find(|s| s.begin_monotonic_ns <= t)?;
-    step.phases
-        .iter_mut()
-        .find(|p| p.contains(t))
-        .filter(|p| p.credited)
+        .find(|(_, s)| s.begin_monotonic_ns <= t)?;
+    let phase = step.phases.iter().position(|p| p.contains(t))?;
+    step.phases[phase].credited.then_some((index, phase))
 }

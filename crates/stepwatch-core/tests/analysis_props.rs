@@ -568,3 +568,55 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// The tracker keeps each rank's steady profile between reads; whatever
+    /// order markers and samples (late ones included) arrive in, the kept
+    /// profile is the one computed afresh from the timeline.
+    #[test]
+    fn the_kept_steady_profile_is_the_fresh_one(
+        steps in 1u64..16,
+        micro in 1u32..3,
+        gaps in prop::collection::vec(1u64..60, 1..8),
+        levels in prop::collection::vec(0u64..50_000_000, 1..12),
+        sample_points in prop::collection::vec((0u64..9_000, 0u64..60_000_000), 0..200),
+        batch in 1usize..9,
+        steady_window in 1usize..12,
+    ) {
+        let mut tracker = Tracker::new(TrackerConfig {
+            max_samples_per_gpu: 100_000,
+            ..Default::default()
+        });
+        let config = AnalysisConfig { steady_window, ..Default::default() };
+        tracker.set_analysis_config(config);
+        let key = tracker
+            .open(
+                RankInfo { job: "job".into(), world_size: 1, gpu_uuid: GPU.into(), pid: 1, ..Default::default() },
+                0,
+            )
+            .unwrap();
+        let samples: Vec<GpuSample> = sample_points
+            .iter()
+            .map(|&(t, used)| GpuSample { monotonic_ns: 900 + t, used_bytes: used, capacity_bytes: 80_000_000 })
+            .collect();
+        let all = markers(steps, micro, &gaps, &levels, true);
+        let mut fed = 0;
+        for chunk in all.chunks(batch) {
+            tracker.markers(&key, chunk, 0).unwrap();
+            // The samples up to the latest marker, some after it (late).
+            let until = chunk.last().unwrap().monotonic_ns;
+            let due: Vec<GpuSample> = samples[fed..].iter().take_while(|s| s.monotonic_ns <= until).copied().collect();
+            fed += due.len();
+            tracker.gpu_samples(GPU, &due);
+            let kept = tracker.rank_analysis(&key).unwrap().steady;
+            let fresh = steady_profile(&tracker.rank(&key).unwrap().timeline, &config);
+            prop_assert_eq!(kept, fresh);
+        }
+        tracker.gpu_samples(GPU, &samples[fed..]);
+        let kept = tracker.rank_analysis(&key).unwrap().steady;
+        let fresh = steady_profile(&tracker.rank(&key).unwrap().timeline, &config);
+        prop_assert_eq!(kept, fresh);
+    }
+}
