@@ -12,39 +12,64 @@
 //! every series that names one; `namespace`, `pod` and `container` name the
 //! tenant's workload, on rank series and on the series of a GPU a pod holds.
 
-use prometheus::proto::{
-    Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily, MetricType,
-};
-use prometheus::{Encoder, TextEncoder};
-use stepwatch_core::{
-    BasisLimit, Divergence, LayoutCounts, PhaseKind, RankAnalysis, RankInfo, RankKey, StepOutcome,
-    Tracker, WarningRevision,
-};
+use prometheus::proto::MetricType;
+use prometheus::TextEncoder;
+use stepwatch_core::{BasisLimit, PhaseKind, RankInfo, RankKey, WarningRevision};
 use stepwatch_proto::clock::monotonic_ns;
 
 use crate::config::RankPhaseSeries;
 use crate::state::AgentState;
+use crate::views::TrackerSnapshot;
 
-/// One metric family under construction.
+/// One rendered family: its name (the exposition is sorted by it) and its
+/// text, `# HELP` and `# TYPE` lines included.
+pub(crate) struct TextFamily {
+    name: String,
+    text: String,
+}
+
+/// One metric family under construction, written straight into the text
+/// format: building the client library's protobuf families for thousands
+/// of rank series and encoding them again cost most of a large scrape.
 struct Family<'a> {
     node: &'a str,
-    family: MetricFamily,
+    name: &'a str,
+    kind: MetricType,
+    text: String,
+    series: usize,
 }
 
 impl<'a> Family<'a> {
-    fn new(node: &'a str, name: &str, help: &str, kind: MetricType) -> Self {
-        let mut family = MetricFamily::default();
-        family.set_name(name.to_owned());
-        family.set_help(help.to_owned());
-        family.set_field_type(kind);
-        Self { node, family }
+    fn new(node: &'a str, name: &'a str, help: &str, kind: MetricType) -> Self {
+        let type_name = match kind {
+            MetricType::COUNTER => "counter",
+            MetricType::HISTOGRAM => "histogram",
+            _ => "gauge",
+        };
+        let mut text = String::with_capacity(256);
+        text.push_str("# HELP ");
+        text.push_str(name);
+        text.push(' ');
+        escape_into(&mut text, help, false);
+        text.push_str("\n# TYPE ");
+        text.push_str(name);
+        text.push(' ');
+        text.push_str(type_name);
+        text.push('\n');
+        Self {
+            node,
+            name,
+            kind,
+            text,
+            series: 0,
+        }
     }
 
-    fn gauge(node: &'a str, name: &str, help: &str) -> Self {
+    fn gauge(node: &'a str, name: &'a str, help: &str) -> Self {
         Self::new(node, name, help, MetricType::GAUGE)
     }
 
-    fn counter(node: &'a str, name: &str, help: &str) -> Self {
+    fn counter(node: &'a str, name: &'a str, help: &str) -> Self {
         Self::new(node, name, help, MetricType::COUNTER)
     }
 
@@ -52,56 +77,77 @@ impl<'a> Family<'a> {
     /// Prometheus makes of it anyway: ranks outside Kubernetes have no
     /// `namespace`, and their series read as before.
     fn add(&mut self, labels: &[(&str, &str)], value: f64) {
-        let mut pairs = Vec::with_capacity(labels.len() + 1);
+        self.sample("", labels, None, value);
+    }
+
+    /// One line: `name{node="…",labels…,extra} value`.
+    fn sample(
+        &mut self,
+        suffix: &str,
+        labels: &[(&str, &str)],
+        extra: Option<(&str, &str)>,
+        value: f64,
+    ) {
+        use std::fmt::Write;
+        let text = &mut self.text;
+        text.push_str(self.name);
+        text.push_str(suffix);
+        let mut separator = '{';
         for (name, value) in std::iter::once(&("node", self.node))
             .chain(labels)
+            .chain(extra.as_ref())
             .filter(|(_, v)| !v.is_empty())
         {
-            let mut pair = LabelPair::default();
-            pair.set_name((*name).to_owned());
-            pair.set_value((*value).to_owned());
-            pairs.push(pair);
+            text.push(separator);
+            text.push_str(name);
+            text.push_str("=\"");
+            escape_into(text, value, true);
+            text.push('"');
+            separator = ',';
         }
-        let mut metric = Metric::from_label(pairs);
-        if self.family.get_field_type() == MetricType::COUNTER {
-            let mut c = Counter::default();
-            c.set_value(value);
-            metric.set_counter(c);
-        } else {
-            let mut g = Gauge::default();
-            g.set_value(value);
-            metric.set_gauge(g);
+        if separator == ',' {
+            text.push('}');
         }
-        self.family.mut_metric().push(metric);
+        let _ = writeln!(text, " {value}");
+        self.series += 1;
     }
 
     /// One histogram series from cumulative (upper bound, count) buckets.
     fn add_histogram(&mut self, buckets: &[(f64, u64)], count: u64, sum: f64) {
-        let mut pair = LabelPair::default();
-        pair.set_name("node".to_owned());
-        pair.set_value(self.node.to_owned());
-        let mut metric = Metric::from_label(vec![pair]);
-        let mut h = Histogram::default();
-        h.set_bucket(
-            buckets
-                .iter()
-                .map(|&(upper, cumulative)| {
-                    let mut b = Bucket::default();
-                    b.set_upper_bound(upper);
-                    b.set_cumulative_count(cumulative);
-                    b
-                })
-                .collect(),
-        );
-        h.set_sample_count(count);
-        h.set_sample_sum(sum);
-        metric.set_histogram(h);
-        self.family.mut_metric().push(metric);
+        debug_assert_eq!(self.kind, MetricType::HISTOGRAM);
+        for &(upper, cumulative) in buckets {
+            let le = upper.to_string();
+            self.sample("_bucket", &[], Some(("le", &le)), cumulative as f64);
+        }
+        if buckets
+            .last()
+            .is_none_or(|&(upper, _)| upper != f64::INFINITY)
+        {
+            self.sample("_bucket", &[], Some(("le", "+Inf")), count as f64);
+        }
+        self.sample("_sum", &[], None, sum);
+        self.sample("_count", &[], None, count as f64);
     }
 
-    fn done(self, out: &mut Vec<MetricFamily>) {
-        if !self.family.get_metric().is_empty() {
-            out.push(self.family);
+    fn done(self, out: &mut Vec<TextFamily>) {
+        if self.series > 0 {
+            out.push(TextFamily {
+                name: self.name.to_owned(),
+                text: self.text,
+            });
+        }
+    }
+}
+
+/// Escapes a label value (`quotes`) or help text as the text format asks:
+/// backslash, newline and, in label values, the double quote.
+fn escape_into(out: &mut String, value: &str, quotes: bool) {
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '"' if quotes => out.push_str("\\\""),
+            c => out.push(c),
         }
     }
 }
@@ -116,19 +162,34 @@ pub fn render(state: &AgentState) -> String {
 /// in the middle of a scrape.
 fn render_with(state: &AgentState, after_each_rank: &mut dyn FnMut()) -> String {
     let node = state.node.as_str();
-    let mut families = state.registry.gather();
+    // The registry's own counters, through the client library's encoder.
+    let mut families: Vec<TextFamily> = state
+        .registry
+        .gather()
+        .into_iter()
+        .map(|family| {
+            let mut text = String::new();
+            TextEncoder::new()
+                .encode_utf8(std::slice::from_ref(&family), &mut text)
+                .expect("text encoding of well-formed families");
+            TextFamily {
+                name: family.name().to_owned(),
+                text,
+            }
+        })
+        .collect();
     gpu_families(state, node, &mut families);
-    let ranks = snapshot(state, after_each_rank);
+    let ranks = state.views.snapshot(state, after_each_rank);
     rank_families(&ranks, node, state.rank_phase_series(), &mut families);
-    families.sort_by(|a, b| a.name().cmp(b.name()));
-    let mut buf = Vec::with_capacity(16 * 1024);
-    TextEncoder::new()
-        .encode(&families, &mut buf)
-        .expect("text encoding of well-formed families");
-    String::from_utf8(buf).expect("text format is UTF-8")
+    families.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut out = String::with_capacity(families.iter().map(|f| f.text.len()).sum());
+    for family in &families {
+        out.push_str(&family.text);
+    }
+    out
 }
 
-fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
+fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<TextFamily>) {
     let snap = state.sampler.snapshot(monotonic_ns());
 
     let mut f = Family::gauge(node, "stepwatch_build_info", "Agent version; always 1.");
@@ -282,126 +343,11 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<MetricFamily>) {
     f.done(out);
 }
 
-/// What a scrape needs of the tracker, copied out a rank at a time.
-struct TrackerSnapshot {
-    rank_count: usize,
-    retained_bytes: u64,
-    steps_trimmed_total: u64,
-    layout_counts: LayoutCounts,
-    ranks: Vec<RankSnapshot>,
-    /// Per job (in rank order): its divergence, if any.
-    divergence: Vec<(RankKey, Option<Divergence>)>,
-}
-
-/// What the scrape needs of one rank: small, owned figures.
-struct RankSnapshot {
-    key: RankKey,
-    info: RankInfo,
-    connected: bool,
-    steps_completed: u64,
-    ooms: u64,
-    /// The client's `num_alloc_retries` at its latest marker.
-    allocator_retries: Option<u64>,
-    last_step: Option<u64>,
-    last_completed: Option<LastCompleted>,
-    median_duration_ns: Option<u64>,
-    activation_peak_bytes: Option<u64>,
-    /// Predicted peak of the prediction frozen before step 2.
-    frozen_peak_bytes: Option<u64>,
-    analysis: Option<RankAnalysis>,
-}
-
-struct LastCompleted {
-    duration_ns: u64,
-    end_wall_ns: Option<u64>,
-    phases: Vec<(PhaseKind, u64)>,
-}
-
-/// Copies what the scrape renders out of the tracker: one short lock for
-/// the totals and the rank list, then one per job (divergence) and one per
-/// rank (its figures and analysis), so ingest waits at most for one rank's
-/// analysis, never for the whole scrape, and rendering happens unlocked.
-fn snapshot(state: &AgentState, after_each_rank: &mut dyn FnMut()) -> TrackerSnapshot {
-    let (rank_count, retained_bytes, steps_trimmed_total, layout_counts, keys) = state
-        .read_tracker(|t| {
-            (
-                t.rank_count(),
-                t.retained_bytes(),
-                t.steps_trimmed_total(),
-                t.layout_counts(),
-                t.rank_keys(),
-            )
-        });
-    let mut ranks = Vec::with_capacity(keys.len());
-    let mut divergence = Vec::new();
-    for key in keys {
-        let new_job = divergence
-            .last()
-            .is_none_or(|(k, _): &(RankKey, _)| k.namespace != key.namespace || k.job != key.job);
-        if new_job {
-            let div = state.read_tracker(|t| t.job_divergence(&key.namespace, &key.job));
-            divergence.push((key.clone(), div));
-        }
-        if let Some(rank) = state.read_tracker(|t| rank_snapshot(t, key)) {
-            ranks.push(rank);
-        }
-        after_each_rank();
-    }
-    TrackerSnapshot {
-        rank_count,
-        retained_bytes,
-        steps_trimmed_total,
-        layout_counts,
-        ranks,
-        divergence,
-    }
-}
-
-fn rank_snapshot(tracker: &Tracker, key: RankKey) -> Option<RankSnapshot> {
-    let rank = tracker.rank(&key)?;
-    let tl = &rank.timeline;
-    let last_completed = tl.last_completed().map(|last| LastCompleted {
-        duration_ns: last.duration_ns().unwrap_or(0),
-        end_wall_ns: last.end_wall_ns,
-        phases: PhaseKind::ALL
-            .into_iter()
-            .filter_map(|kind| last.phase_duration_ns(kind).map(|ns| (kind, ns)))
-            .collect(),
-    });
-    let mut durations: Vec<u64> = tl
-        .steps()
-        .filter(|s| s.outcome == StepOutcome::Completed)
-        .filter_map(|s| s.duration_ns())
-        .collect();
-    let median_duration_ns = stepwatch_core::median_u64(&mut durations);
-    let activation_peak_bytes = tl.steps().next().and_then(|step1| {
-        let act = stepwatch_core::activation_peak_bytes(step1);
-        act.allocated_bytes.or(act.nvml_bytes)
-    });
-    Some(RankSnapshot {
-        info: rank.info.clone(),
-        connected: rank.connected_streams > 0,
-        steps_completed: tl.steps_completed(),
-        ooms: tl.ooms(),
-        allocator_retries: rank.allocator_retries,
-        last_step: tl.current().map(|s| s.step),
-        last_completed,
-        median_duration_ns,
-        activation_peak_bytes,
-        frozen_peak_bytes: rank
-            .prediction_before_step2
-            .as_ref()
-            .map(|p| p.predicted_peak_bytes),
-        analysis: tracker.rank_analysis(&key),
-        key,
-    })
-}
-
 fn rank_families(
     tracker: &TrackerSnapshot,
     node: &str,
     phase_series: RankPhaseSeries,
-    out: &mut Vec<MetricFamily>,
+    out: &mut Vec<TextFamily>,
 ) {
     let mut tracked = Family::gauge(
         node,
@@ -549,7 +495,7 @@ fn analysis_families(
     tracker: &TrackerSnapshot,
     node: &str,
     phase_series: RankPhaseSeries,
-    out: &mut Vec<MetricFamily>,
+    out: &mut Vec<TextFamily>,
 ) {
     let mut first_peak = Family::gauge(
         node,
@@ -950,6 +896,100 @@ mod tests {
         );
         assert!(series_of(&body, "stepwatch_rank_phase_duration_seconds").is_empty());
         assert!(!series_of(&body, "stepwatch_rank_last_step").is_empty());
+    }
+
+    /// The text written here is what the client library's encoder writes
+    /// for the same families, escapes and the histogram's buckets included.
+    #[test]
+    fn families_are_written_as_the_client_library_encodes_them() {
+        use prometheus::proto::{
+            Bucket, Counter, Gauge, Histogram, LabelPair, Metric, MetricFamily,
+        };
+        let node = "n\"1\\";
+        let labels = [("a", "x\ny\"z\\"), ("empty", ""), ("b", "1")];
+        let mut written = Vec::new();
+        let mut g = Family::gauge(node, "t_gauge", "help with \\ and \n");
+        g.add(&labels, 1.5);
+        g.add(&[], f64::INFINITY);
+        g.done(&mut written);
+        let mut c = Family::counter(node, "t_total", "counted");
+        c.add(&labels, 3.0);
+        c.done(&mut written);
+        let mut h = Family::new(node, "t_seconds", "lateness", MetricType::HISTOGRAM);
+        h.add_histogram(&[(0.001, 2), (0.5, 7)], 9, 1.25);
+        h.done(&mut written);
+        let empty = Family::gauge(node, "t_empty", "no series");
+        empty.done(&mut written);
+        let written: String = written.iter().map(|f| f.text.as_str()).collect();
+
+        let pair = |name: &str, value: &str| {
+            let mut p = LabelPair::default();
+            p.set_name(name.into());
+            p.set_value(value.into());
+            p
+        };
+        let with_labels = |pairs: &[(&str, &str)]| {
+            Metric::from_label(
+                std::iter::once(pair("node", node))
+                    .chain(
+                        pairs
+                            .iter()
+                            .filter(|(_, v)| !v.is_empty())
+                            .map(|(n, v)| pair(n, v)),
+                    )
+                    .collect(),
+            )
+        };
+        let family = |name: &str, help: &str, kind, metrics: Vec<Metric>| {
+            let mut f = MetricFamily::default();
+            f.set_name(name.into());
+            f.set_help(help.into());
+            f.set_field_type(kind);
+            f.set_metric(metrics);
+            f
+        };
+        let gauge = |pairs: &[(&str, &str)], v| {
+            let mut m = with_labels(pairs);
+            let mut g = Gauge::default();
+            g.set_value(v);
+            m.set_gauge(g);
+            m
+        };
+        let mut counter = with_labels(&labels);
+        let mut cv = Counter::default();
+        cv.set_value(3.0);
+        counter.set_counter(cv);
+        let mut hist = with_labels(&[]);
+        let mut hv = Histogram::default();
+        hv.set_bucket(
+            [(0.001, 2), (0.5, 7)]
+                .iter()
+                .map(|&(u, n)| {
+                    let mut b = Bucket::default();
+                    b.set_upper_bound(u);
+                    b.set_cumulative_count(n);
+                    b
+                })
+                .collect(),
+        );
+        hv.set_sample_count(9);
+        hv.set_sample_sum(1.25);
+        hist.set_histogram(hv);
+        let expected = [
+            family(
+                "t_gauge",
+                "help with \\ and \n",
+                MetricType::GAUGE,
+                vec![gauge(&labels, 1.5), gauge(&[], f64::INFINITY)],
+            ),
+            family("t_total", "counted", MetricType::COUNTER, vec![counter]),
+            family("t_seconds", "lateness", MetricType::HISTOGRAM, vec![hist]),
+        ];
+        let mut encoded = String::new();
+        TextEncoder::new()
+            .encode_utf8(&expected, &mut encoded)
+            .unwrap();
+        assert_eq!(written, encoded);
     }
 
     #[test]

@@ -16,6 +16,7 @@ mod record;
 mod slurm;
 mod state;
 mod ui;
+mod views;
 mod workload;
 
 pub use state::REJECT_REASONS;
@@ -323,7 +324,12 @@ pub async fn run_until(
             journal_tick.tick().await;
             loop {
                 tokio::select! {
-                    _ = attribute.tick() => state.attribute_samples(),
+                    _ = attribute.tick() => {
+                        state.attribute_samples();
+                        // Off the runtime: a refresh after many changes analyses many ranks.
+                        let state = state.clone();
+                        let _ = tokio::task::spawn_blocking(move || state.views.refresh(&state)).await;
+                    }
                     _ = processes.tick() => {
                         state.update_processes();
                         state.flush_record();

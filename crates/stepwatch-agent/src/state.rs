@@ -195,6 +195,8 @@ pub struct AgentState {
     rank_phase_series: OnceLock<crate::config::RankPhaseSeries>,
     /// Slurm job attribution (`--slurm-job-mapping-dir`), once set.
     pub slurm: OnceLock<crate::slurm::Slurm>,
+    /// Each rank's `/metrics` view, kept between scrapes.
+    pub(crate) views: crate::views::RankViews,
 }
 
 impl AgentState {
@@ -218,6 +220,7 @@ impl AgentState {
             gpu_holders,
             rank_phase_series: OnceLock::new(),
             slurm: OnceLock::new(),
+            views: Default::default(),
         }))
     }
 
