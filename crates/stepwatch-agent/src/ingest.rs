@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use stepwatch_core::allocator::{BlockLayout, SegmentLayout};
 use stepwatch_core::feed::ReplayPlan;
-use stepwatch_core::replay::{TraceError, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_core::{
     Advisory, AllocatorEvent, AllocatorTrace, MarkerError, MarkerKind, OpenError, RankInfo,
     RankKey, RecordError,
 };
+use stepwatch_core::{TraceError, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_proto::convert;
 use stepwatch_proto::v1::{self as pb, client_message::Kind, ingest_server::Ingest};
 use stepwatch_proto::MAX_MARKERS_PER_BATCH;

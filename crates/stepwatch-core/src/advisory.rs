@@ -12,7 +12,7 @@
 //!   that kind, so the message a person reads follows the prediction;
 //! * rank divergence: once per figure ([`DivergenceFigure`]) per rank
 //!   timeline, to the outlier rank itself, when it is named (see
-//!   [`crate::divergence`](mod@crate::divergence));
+//!   `divergence`);
 //! * allocator retries: once per rank and run, at the first marker of a
 //!   step ≥ 2 whose `num_alloc_retries` grew (see [`retries_due`]);
 //! * low observed headroom: once per rank and run, after the first marker
@@ -28,17 +28,12 @@ use serde::{Deserialize, Serialize};
 use crate::divergence::{Divergence, DivergenceFigure, NamedOutlier, PeakSource};
 use crate::marker::{Marker, MarkerKind};
 use crate::predict::{Prediction, PredictionBasis};
+use crate::units::gb;
 
 /// An advisory is sent again when the predicted peak grew by this fraction
 /// of capacity since the last one of its kind: small refinements of a
 /// provisional prediction do not repeat it, a real change does.
 pub const WORSENED_FRACTION: f64 = 0.01;
-
-/// Bytes as decimal GB with two decimals, e.g. "81.20 GB": the unit of every
-/// message a person reads.
-pub fn gb(bytes: f64) -> String {
-    format!("{:.2} GB", bytes / 1e9)
-}
 
 /// What an advisory is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -409,7 +404,7 @@ pub fn observed_headroom_open(issued: &[Advisory]) -> bool {
 /// The low-observed-headroom advisory due for `observed`: when capacity is
 /// known and the steady peak leaves less than `low_headroom_fraction` of it
 /// (the prediction's threshold, so both advisories mean the same "low"),
-/// once per rank and run ([`observed_headroom_open`]), a warning. `frozen`
+/// once per rank and run (`observed_headroom_open`), a warning. `frozen`
 /// is the prediction made before step 2, quoted so the person sees what
 /// step 1 could not show. The prediction fields stay 0: it is an
 /// observation, not a prediction.

@@ -319,7 +319,7 @@ pub struct BlockLayout {
     /// it took the snapshot (step 1's optimizer-marker layouts; traces do
     /// not set it). Gradients set to None between steps are gone before
     /// step 2's forward, whose requests their blocks then serve
-    /// ([`crate::layout`]).
+    /// (`layout`).
     #[serde(default, skip_serializing_if = "is_false")]
     pub gradient: bool,
 }

@@ -31,13 +31,12 @@ use serde::Serialize;
 
 use crate::divergence::{PeakSource, DEFAULT_OUTLIER_THRESHOLD};
 use crate::identity::ModelFacts;
-use crate::layout::LayoutEstimate;
 use crate::marker::PhaseKind;
 use crate::predict::{
-    jump_across, predict_with_layout, LiveStep, PredictConfig, Prediction, PredictionBasis,
+    jump_across, predict, PredictConfig, PredictFrom, Prediction, PredictionBasis, StepOneExtras,
 };
 use crate::profile::{median_u64, phase_allocator_peaks, SteadyProfile, StepProfile};
-use crate::replay::{Gradients, Step2Replay};
+
 use crate::sample::GpuSample;
 use crate::timeline::{RankTimeline, StepOutcome, StepRecord};
 
@@ -166,20 +165,6 @@ pub struct RankInputs<'a> {
     pub steady: Option<Option<SteadyProfile>>,
 }
 
-/// What the prediction can use of step 1 beyond the rank's timeline.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct StepOneExtras<'a> {
-    /// Samples of step 1's open phase while step 1 is still running.
-    pub live: Option<&'a LiveStep>,
-    /// Step 2 replayed from the allocator trace the client sent.
-    pub replay: Option<&'a Step2Replay>,
-    /// What step 1's segment snapshots at its optimizer begin and end showed
-    /// (clients without a trace send them).
-    pub layout: Option<&'a LayoutEstimate>,
-    /// What becomes of step 1's gradients between steps ([`Gradients::of`]).
-    pub gradients: Gradients,
-}
-
 /// Analyses one rank. `samples` are the GPU's samples from step 1 on
 /// (time-ordered), for the activation plateau.
 pub fn analyze_rank<'a>(
@@ -195,12 +180,6 @@ pub fn analyze_rank<'a>(
         other_process_bytes,
         steady,
     } = rank;
-    let StepOneExtras {
-        live,
-        replay,
-        layout,
-        gradients,
-    } = extras;
     let first = timeline.steps().next();
     let steady = steady.unwrap_or_else(|| steady_profile(timeline, config));
     let first_profile = first.map(StepProfile::of);
@@ -248,20 +227,23 @@ pub fn analyze_rank<'a>(
     let anomaly_ratio = anomaly
         .as_ref()
         .and_then(|a| a.nvml_peak_ratio.or(a.allocated_peak_ratio));
-    let live = first
-        .filter(|s| s.outcome == StepOutcome::Running)
-        .and(live);
+    // Live samples are of step 1's open phase: only while it runs.
+    let extras = StepOneExtras {
+        live: extras
+            .live
+            .filter(|_| first.is_some_and(|s| s.outcome == StepOutcome::Running)),
+        ..extras
+    };
     let prediction = first.and_then(|s| {
-        predict_with_layout(
+        predict(
             s,
-            facts,
-            capacity_bytes,
-            other_process_bytes,
-            live,
-            replay,
-            layout,
-            gradients,
-            &config.predict,
+            PredictFrom {
+                facts,
+                capacity_bytes,
+                other_process_bytes,
+                extras,
+                config: &config.predict,
+            },
         )
     });
     RankAnalysis {

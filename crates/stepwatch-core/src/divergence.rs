@@ -15,7 +15,7 @@
 //!   the step-1 peak, so a rank whose activations are much heavier can sit
 //!   within the threshold at the step-1 peak; its activation peak shows it;
 //! * the **steady peak**: the median peak of the steps after the first,
-//!   once a rank has enough of them (see [`crate::analysis`]);
+//!   once a rank has enough of them (see `analysis`);
 //! * the step-1 duration.
 //!
 //! Ranks differ for real reasons (rank 0 logging, pipeline stages, uneven

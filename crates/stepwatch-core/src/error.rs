@@ -110,7 +110,7 @@ pub enum MarkerError {
         limit: usize,
     },
     /// A number no real client sends (a step, a clock reading or a size
-    /// past the plausibility limits in [`crate::marker`]); refused before
+    /// past the plausibility limits in `marker`); refused before
     /// it can overflow anything downstream.
     #[error("{field} = {value} is beyond what any client sends (at most {limit})")]
     Implausible {

@@ -44,7 +44,24 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::predict::BindingTerm;
+/// The term of the max that set the prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BindingTerm {
+    /// First micro-batch peak + state + grads: step 2's first forward on top of
+    /// the new state.
+    FirstMicroBatch,
+    /// Later micro-batches' peak + state (gradient accumulation).
+    LaterMicroBatches,
+    /// Step 1's optimizer-phase peak.
+    OptimizerPhase,
+    /// Step 1's own peak: step 2 was predicted to need no more.
+    Step1Peak,
+    /// The first forward's peak + state + step 1's gradients, which live
+    /// through step 2's forward when they are freed just before backward
+    /// (Lightning's closure).
+    FirstForwardBesideGradients,
+}
 
 /// What the prediction knew about fitting, and what would fit.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

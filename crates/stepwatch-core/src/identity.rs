@@ -112,7 +112,7 @@ pub struct ModelFacts {
     pub grads_set_to_none: Option<bool>,
     /// Samples per micro-batch (per forward pass on this rank); divides
     /// step 1's activation memory into a per-sample figure, to say which
-    /// micro-batch would fit (see [`crate::fit`]).
+    /// micro-batch would fit (see `fit`).
     #[serde(default)]
     pub micro_batch_size: Option<u32>,
     /// How the optimizer's step runs; sizes its temporaries in the estimate
@@ -121,7 +121,7 @@ pub struct ModelFacts {
     pub optimizer_implementation: OptimizerImplementation,
     /// DDP's gradient buckets before and after the rebuild it makes at step
     /// 2's first forward, which step 1's allocator trace cannot show; the
-    /// replay makes it ([`crate::replay`]). None: no rebuild to come.
+    /// replay makes it (`replay`). None: no rebuild to come.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ddp_bucket_rebuild: Option<DdpBucketRebuild>,
 }

@@ -7,30 +7,38 @@
 
 #![warn(missing_docs)]
 
-pub mod advisory;
+// Two modules are public as namespaces of their own: the allocator model
+// (the simulator and the wire conversion build on it) and the input path
+// (`feed`: every caller describes its inputs the same way). The rest is
+// re-exported below, item by item.
+mod advisory;
 pub mod allocator;
-pub mod analysis;
-pub mod divergence;
-pub mod downsample;
-pub mod error;
+mod analysis;
+mod divergence;
+mod downsample;
+mod error;
 pub mod feed;
-pub mod fit;
-pub mod identity;
-pub mod layout;
-pub mod marker;
-pub mod predict;
-pub mod profile;
-pub mod record;
-pub mod replay;
-pub mod sample;
-pub mod timeline;
-pub mod tracker;
+mod fit;
+mod identity;
+mod layout;
+mod marker;
+mod predict;
+mod profile;
+mod record;
+mod replay;
+mod sample;
+mod timeline;
+mod tracker;
+mod units;
 
-pub use advisory::{Advisory, AdvisoryKind};
+pub use advisory::{
+    due, observed_headroom_due, retries_due, retry_growth, Advisory, AdvisoryKind, ObservedPeak,
+    RetryGrowth, FIRST_RETRY_STEP, WORSENED_FRACTION,
+};
 pub use analysis::{
     activation_plateau, analyze_rank, steady_nvml_peak, steady_profile, steady_state,
     ActivationPlateau, AnalysisConfig, FirstStepAnomaly, RankAnalysis, RankInputs, SteadyNvmlPeak,
-    SteadyState, StepOneExtras,
+    SteadyState,
 };
 pub use divergence::{
     activation_peak_bytes, divergence, ActivationPeak, Divergence, DivergenceFigure, NamedOutlier,
@@ -38,6 +46,8 @@ pub use divergence::{
 };
 pub use downsample::{bucket_width_ns, downsample_min_max, MinMaxBucket};
 pub use error::{HelloError, MarkerError};
+pub use feed::{RecordEntry, RecordError};
+pub use fit::{BindingTerm, WhatWouldFit};
 pub use identity::{
     DdpBucketRebuild, ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo,
     RankKey,
@@ -45,24 +55,31 @@ pub use identity::{
 pub use layout::{
     step2_new_segments, step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS,
 };
-pub use marker::{AllocatorStats, DeviceMemory, Marker, MarkerKind, PhaseKind};
+pub use marker::{
+    AllocatorStats, DeviceMemory, Marker, MarkerKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
+};
 pub use predict::{
-    predict, predict_with, predict_with_layout, BasisLimit, BindingTerm, GradsSource,
-    LayoutSetAside, LiveStep, OverheadSource, PredictConfig, Prediction, PredictionBasis,
-    PredictionInputs, StateSource, WarningRevision,
+    predict, BasisLimit, GradsSource, LayoutSetAside, LiveStep, OverheadSource, PredictConfig,
+    PredictFrom, Prediction, PredictionBasis, PredictionInputs, StateSource, StepOneExtras,
+    WarningRevision,
 };
 pub use profile::{
     median_f64, median_u64, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds,
     PhaseProfile, SteadyPhaseProfile, SteadyProfile, StepProfile,
 };
-pub use record::{PredictionCheck, RecordEntry, RecordError, Replayer};
+pub use record::{PredictionCheck, Replayer};
 pub use replay::{
     replay_optimizer_layouts, replay_step2, replay_step2_with, replay_step2_within,
     AllocatorAction, AllocatorEvent, AllocatorTrace, Gradients, LimitedReplay, OptimizerBoundary,
     ReplayedBucketRebuild, ReplayedStepLayouts, Step2Replay, TraceError, TraceSettings,
+    MAX_EVENT_BYTES, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS, REPLAYED_STEPS,
 };
 pub use sample::GpuSample;
-pub use timeline::{PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord};
+pub use timeline::{
+    PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord,
+    BEFORE_BEGIN_WINDOW_NS, MAX_PHASES_PER_STEP,
+};
 pub use tracker::{
     Journal, LayoutCounts, OpenError, Opened, RankState, Tracker, TrackerConfig, MAX_ENDED_RUNS,
 };
+pub use units::gb;

@@ -222,7 +222,7 @@ pub struct Marker {
     pub allocator: Option<AllocatorStats>,
     /// The allocator's segments at this moment, sent by clients without an
     /// allocator trace on step 1's optimizer begin and end only: what the
-    /// optimizer state was carved out of (see [`crate::layout`]). Empty
+    /// optimizer state was carved out of (see `layout`). Empty
     /// otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layout_segments: Vec<SegmentLayout>,

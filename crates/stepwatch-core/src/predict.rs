@@ -45,7 +45,7 @@
 //!   ([`PredictionInputs::basis_limits`] says what the basis cannot see).
 //!   Without a parameter count, the facts state is the optimizer kind's
 //!   state tensors (Adam 2, SGD with momentum 1) × `parameter_bytes`.
-//! * allocator figures are the lower bounds of [`crate::profile`]: with
+//! * allocator figures are the lower bounds of `profile`: with
 //!   since-start peak counters (what the Python client sends) a phase that
 //!   stayed under an earlier high-water mark is known only to lie between its
 //!   boundary figures and that mark. When the mark was set by step 1's
@@ -95,7 +95,7 @@
 //!
 //! With step 1's segment snapshots at its optimizer begin and end (clients
 //! that send no allocator trace send them on those two markers), the layout
-//! is no longer guessed: `allowance` is the bytes [`crate::layout`] finds
+//! is no longer guessed: `allowance` is the bytes `layout` finds
 //! step 2 must reserve anew for the cached blocks the state split
 //! ([`PredictionInputs::layout_snapshots`]), and the fraction is not used.
 //!
@@ -140,9 +140,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::advisory::gb;
 use crate::divergence::activation_peak_bytes;
-use crate::fit::{what_would_fit, FitInputs, WhatWouldFit};
+use crate::fit::{what_would_fit, BindingTerm, FitInputs, WhatWouldFit};
 use crate::identity::{ModelFacts, OptimizerImplementation, OptimizerKind, Precision};
 use crate::layout::LayoutEstimate;
 use crate::marker::{AllocatorStats, PhaseKind};
@@ -150,6 +149,7 @@ use crate::profile::{max_opt, phase_allocator_peak_bounds, phase_allocator_peaks
 use crate::replay::{Gradients, Step2Replay};
 use crate::sample::GpuSample;
 use crate::timeline::{PhaseRecord, SampleEdges, SampleStats, StepOutcome, StepRecord};
+use crate::units::gb;
 
 /// Tunables of the prediction.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -213,7 +213,7 @@ pub enum PredictionBasis {
     /// Device-used NVML samples alone.
     NvmlOnly,
     /// Allocator figures, with the reserved peak from replaying step 1's
-    /// allocator trace (see [`crate::replay`]) instead of the ratio and the
+    /// allocator trace (see `replay`) instead of the ratio and the
     /// layout allowance.
     AllocatorReplay,
 }
@@ -384,25 +384,6 @@ pub enum GradsSource {
     Unknown,
 }
 
-/// The term of the max that set the prediction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BindingTerm {
-    /// First micro-batch peak + state + grads: step 2's first forward on top of
-    /// the new state.
-    FirstMicroBatch,
-    /// Later micro-batches' peak + state (gradient accumulation).
-    LaterMicroBatches,
-    /// Step 1's optimizer-phase peak.
-    OptimizerPhase,
-    /// Step 1's own peak: step 2 was predicted to need no more.
-    Step1Peak,
-    /// The first forward's peak + state + step 1's gradients, which live
-    /// through step 2's forward when they are freed just before backward
-    /// (Lightning's closure).
-    FirstForwardBesideGradients,
-}
-
 /// Every figure the prediction used, so a user can see why.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PredictionInputs {
@@ -458,7 +439,7 @@ pub struct PredictionInputs {
     /// bounds of step 1's allocator peaks; equal to it when the counters pin
     /// it. Since-start peak counters (what `torch.cuda.memory_stats()`
     /// reports) pin a phase's peak only when it raised the process's
-    /// high-water mark (see [`crate::profile`]); a higher mark set before
+    /// high-water mark (see `profile`); a higher mark set before
     /// step 1 (a checkpoint loaded onto the GPU, say) can hide how high step
     /// 1's phases went. None on the NVML basis, while a phase of step 1 is
     /// still open, or when a counter was reset inside a phase.
@@ -483,7 +464,7 @@ pub struct PredictionInputs {
     /// state_from_cache (added to the ratio figure).
     pub layout_allowance_bytes: u64,
     /// What step 1's segment snapshots at its optimizer begin and end showed
-    /// (see [`crate::layout`]); set when both arrived and the prediction
+    /// (see `layout`); set when both arrived and the prediction
     /// used them (allocator basis, no replay). None: the layout allowance,
     /// if any, is the guessed fraction.
     #[serde(default)]
@@ -579,7 +560,7 @@ pub struct Prediction {
     /// The formula with its figures, for humans.
     pub explanation: String,
     /// Step 1's activation memory, and when step 2 will not fit, the
-    /// micro-batch or optimizer-state sharding that would (see [`crate::fit`]).
+    /// micro-batch or optimizer-state sharding that would (see `fit`).
     #[serde(default)]
     pub what_would_fit: Option<WhatWouldFit>,
     /// Set when the rank was already warned of a step-2 OOM and this
@@ -637,26 +618,6 @@ impl Prediction {
     }
 }
 
-/// [`predict_with`] under the default [`PredictConfig`].
-pub fn predict(
-    step1: &StepRecord,
-    facts: &ModelFacts,
-    capacity_bytes: u64,
-    other_process_bytes: u64,
-    live: Option<&LiveStep>,
-) -> Option<Prediction> {
-    predict_with(
-        step1,
-        facts,
-        capacity_bytes,
-        other_process_bytes,
-        live,
-        None,
-        Gradients::from_persistent(facts.grads_set_to_none == Some(false)),
-        &PredictConfig::default(),
-    )
-}
-
 /// Default optimizer-state bytes per parameter of an optimizer family.
 pub fn default_state_bytes_per_parameter(kind: OptimizerKind) -> Option<u32> {
     match kind {
@@ -667,50 +628,52 @@ pub fn default_state_bytes_per_parameter(kind: OptimizerKind) -> Option<u32> {
     }
 }
 
-/// Predicts the steady-state peak from step 1 (complete or running; `live`
-/// holds the samples of its open phase; `replay` is step 2 replayed from the
-/// client's allocator trace, when it sent one; `gradients` what becomes of
-/// step 1's gradients, [`Gradients::of`] the rank). None when step 1 has no
-/// forward/backward phase with a figure yet.
-#[allow(clippy::too_many_arguments)]
-pub fn predict_with(
-    step1: &StepRecord,
-    facts: &ModelFacts,
-    capacity_bytes: u64,
-    other_process_bytes: u64,
-    live: Option<&LiveStep>,
-    replay: Option<&Step2Replay>,
-    gradients: Gradients,
-    config: &PredictConfig,
-) -> Option<Prediction> {
-    predict_with_layout(
-        step1,
+/// What a step-2 prediction is made from besides step 1's record.
+#[derive(Debug, Clone, Copy)]
+pub struct PredictFrom<'a> {
+    /// What the client said about the model.
+    pub facts: &'a ModelFacts,
+    /// GPU capacity, bytes; 0 when unknown.
+    pub capacity_bytes: u64,
+    /// Bytes other processes hold on the GPU.
+    pub other_process_bytes: u64,
+    /// What the rank showed of step 1 beyond its record.
+    pub extras: StepOneExtras<'a>,
+    /// The prediction's tunables.
+    pub config: &'a PredictConfig,
+}
+
+/// What the prediction can use of step 1 beyond the rank's timeline.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepOneExtras<'a> {
+    /// Samples of step 1's open phase while step 1 is still running.
+    pub live: Option<&'a LiveStep>,
+    /// Step 2 replayed from the allocator trace the client sent.
+    pub replay: Option<&'a Step2Replay>,
+    /// What step 1's segment snapshots at its optimizer begin and end showed
+    /// (clients without a trace send them); on the allocator basis without
+    /// a replay it replaces the guessed layout allowance.
+    pub layout: Option<&'a LayoutEstimate>,
+    /// What becomes of step 1's gradients between steps ([`Gradients::of`]).
+    pub gradients: Gradients,
+}
+
+/// Predicts the steady-state peak from step 1, complete or running. None
+/// when step 1 has no forward/backward phase with a figure yet.
+pub fn predict(step1: &StepRecord, from: PredictFrom<'_>) -> Option<Prediction> {
+    let PredictFrom {
         facts,
         capacity_bytes,
         other_process_bytes,
-        live,
-        replay,
-        None,
-        gradients,
+        extras:
+            StepOneExtras {
+                live,
+                replay,
+                layout,
+                gradients,
+            },
         config,
-    )
-}
-
-/// [`predict_with`], with what step 1's segment snapshots around its
-/// optimizer phase showed (`layout`, [`crate::layout`]): on the allocator
-/// basis without a replay it replaces the guessed layout allowance.
-#[allow(clippy::too_many_arguments)]
-pub fn predict_with_layout(
-    step1: &StepRecord,
-    facts: &ModelFacts,
-    capacity_bytes: u64,
-    other_process_bytes: u64,
-    live: Option<&LiveStep>,
-    replay: Option<&Step2Replay>,
-    layout: Option<&LayoutEstimate>,
-    gradients: Gradients,
-    config: &PredictConfig,
-) -> Option<Prediction> {
+    } = from;
     let step = with_live(step1, live);
     let view = Step1View::of(&step.phases)?;
     let basis = view.basis;

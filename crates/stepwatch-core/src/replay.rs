@@ -591,7 +591,7 @@ pub struct ReplayedStepLayouts {
 /// through at each step's optimizer begin and end, with each step's
 /// reserved peak: what a client without a trace would snapshot in those
 /// steps, for diagnostics that test the markers-only layout rule
-/// ([`crate::layout`]) on later steps than step 1. Stops after a step that
+/// (`layout`) on later steps than step 1. Stops after a step that
 /// ran out.
 pub fn replay_optimizer_layouts(
     trace: &AllocatorTrace,

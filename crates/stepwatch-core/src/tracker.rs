@@ -14,12 +14,13 @@ use serde::{Deserialize, Serialize};
 use crate::advisory::{self, Advisory, AdvisoryKind};
 use crate::allocator::SegmentLayout;
 use crate::analysis::{analyze_rank, steady_nvml_peak, AnalysisConfig, RankAnalysis};
-use crate::analysis::{RankInputs, SteadyMemo, StepOneExtras};
+use crate::analysis::{RankInputs, SteadyMemo};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::layout::{step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS};
 use crate::marker::{Marker, MarkerKind};
+use crate::predict::StepOneExtras;
 use crate::predict::{LiveStep, Prediction};
 use crate::replay::{Gradients, Step2Replay};
 use crate::sample::GpuSample;
@@ -140,7 +141,7 @@ pub struct RankState {
     /// Caller-supplied time of the last hello, marker or disconnect; drives eviction.
     pub last_activity_ns: u64,
     /// Advisories issued to this rank: per kind once, and again when the
-    /// prediction worsened (see [`crate::advisory`]); rank divergence once
+    /// prediction worsened (see `advisory`); rank divergence once
     /// per figure.
     pub advisories: Vec<Advisory>,
     /// The prediction as it stood just before the second step began: what
@@ -159,7 +160,7 @@ pub struct RankState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub optimizer_begin_allocator: Option<AllocatorStats>,
     /// What step 1's layouts at its optimizer begin and end showed
-    /// ([`crate::layout`]); it replaces the guessed layout allowance.
+    /// (`layout`); it replaces the guessed layout allowance.
     #[serde(default)]
     pub layout_estimate: Option<LayoutEstimate>,
     /// Run ids this process has left for a newer run, newest last (at most
@@ -984,7 +985,7 @@ impl Tracker {
     }
 
     /// Takes step 2's replay from the rank's step-1 allocator trace (see
-    /// [`crate::replay`]; the caller runs the replay, outside any lock) and
+    /// `replay`; the caller runs the replay, outside any lock) and
     /// returns the advisories that became due with it. None, and nothing
     /// changes, when the rank is unknown or is no longer in its first step:
     /// a replay only counts before step 2 begins.

@@ -5,8 +5,8 @@
 //! step 4 with no warning after step 1. The figures below are hand-made.
 
 use proptest::prelude::*;
-use stepwatch_core::advisory::{retries_due, retry_growth, RetryGrowth, FIRST_RETRY_STEP};
 use stepwatch_core::*;
+use stepwatch_core::{retries_due, retry_growth, RetryGrowth, FIRST_RETRY_STEP};
 
 const M: u64 = 1 << 20;
 const GPU: &str = "GPU-0";
@@ -289,7 +289,7 @@ fn the_advisory_quotes_the_prediction_frozen_before_step_2() {
     // 10000 MiB = 10.49 GB.
     let quoted = format!(
         "before step 2 stepwatch predicted a steady peak of {} of the GPU's 10.49 GB",
-        advisory::gb(frozen.predicted_peak_bytes as f64)
+        gb(frozen.predicted_peak_bytes as f64)
     );
     assert!(retries.message.contains(&quoted), "{}", retries.message);
 }

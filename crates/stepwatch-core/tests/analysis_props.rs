@@ -409,7 +409,7 @@ proptest! {
             prop_assert_eq!(q.headroom_bytes, p.headroom_bytes);
             prop_assert_eq!((q.oom_risk, q.low_headroom), (p.oom_risk, p.low_headroom));
         } else {
-            prop_assert!(q.explanation.contains(&format!("at most {}", stepwatch_core::advisory::gb(most as f64))), "{}", q.explanation);
+            prop_assert!(q.explanation.contains(&format!("at most {}", stepwatch_core::gb(most as f64))), "{}", q.explanation);
         }
     }
 

@@ -10,8 +10,8 @@
 //! predicted device peak 9050 M, which leaves 9.5% of a 10000 M GPU: no
 //! step-1 advisory. Each later step's NVML peak is set by its samples.
 
-use stepwatch_core::advisory::{gb, observed_headroom_due, ObservedPeak};
 use stepwatch_core::*;
+use stepwatch_core::{gb, observed_headroom_due, ObservedPeak};
 
 const M: u64 = 1 << 20;
 const GPU: &str = "GPU-0";

@@ -515,10 +515,13 @@ fn no_figures_no_prediction() {
             nvml_before_begin: None,
             device_at_end: None,
         },
-        &ModelFacts::default(),
-        0,
-        0,
-        None,
+        PredictFrom {
+            facts: &ModelFacts::default(),
+            capacity_bytes: 0,
+            other_process_bytes: 0,
+            extras: StepOneExtras::default(),
+            config: &PredictConfig::default(),
+        },
     );
     assert!(p.is_none());
 }
@@ -1427,7 +1430,7 @@ fn layout_new_segments_stop_at_the_reserved_limit_known_before_the_optimizer_end
         "{}",
         p.explanation
     );
-    let advised = stepwatch_core::advisory::due(&p, 10_000 * M, 1, 0, &[]);
+    let advised = stepwatch_core::due(&p, 10_000 * M, 1, 0, &[]);
     assert_eq!(advised.len(), 1);
     assert_eq!(advised[0].kind, AdvisoryKind::Step2OomPredicted);
     assert!(

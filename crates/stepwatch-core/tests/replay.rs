@@ -3,7 +3,7 @@
 //! traces refused.
 
 use stepwatch_core::allocator::{BlockLayout, CachingAllocator, Pool, SegmentLayout};
-use stepwatch_core::replay::MAX_TRACE_EVENTS;
+use stepwatch_core::MAX_TRACE_EVENTS;
 use stepwatch_core::*;
 
 const MIB: u64 = 1 << 20;

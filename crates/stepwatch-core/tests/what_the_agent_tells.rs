@@ -6,8 +6,8 @@
 //! the optimizer makes 800 of state, and the predicted device peak is 9050
 //! (allocated 6800 × 1.25 + 50 layout allowance + 500 overhead).
 
-use stepwatch_core::advisory::{due, gb, WORSENED_FRACTION};
 use stepwatch_core::*;
+use stepwatch_core::{due, gb, WORSENED_FRACTION};
 
 const M: u64 = 1 << 20;
 const GPU: &str = "GPU-0";

@@ -17,7 +17,7 @@
 //! out of an older agent.
 
 use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
-use stepwatch_core::replay::TraceSettings;
+use stepwatch_core::TraceSettings;
 use stepwatch_core::{
     Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace,
     DdpBucketRebuild, DeviceMemory, Marker, MarkerKind, ModelFacts, OptimizerImplementation,

@@ -4,7 +4,7 @@
 
 use proptest::prelude::*;
 use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
-use stepwatch_core::replay::TraceSettings;
+use stepwatch_core::TraceSettings;
 use stepwatch_core::{
     Advisory, AdvisoryKind, AllocatorEvent, AllocatorStats, AllocatorTrace, DdpBucketRebuild,
     DeviceMemory, Marker, MarkerKind, ModelFacts, OptimizerImplementation, OptimizerKind,

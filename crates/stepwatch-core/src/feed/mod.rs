@@ -18,10 +18,13 @@
 //! agent drains the sampler before a step-1 batch, the harness samples its
 //! simulated GPU at 100 Hz, the replayer reads lines.
 
+mod entry;
+
+pub use entry::{RecordEntry, RecordError};
+
 use crate::advisory::Advisory;
 use crate::error::MarkerError;
 use crate::identity::{DdpBucketRebuild, RankKey};
-use crate::record::{RecordEntry, RecordError};
 use crate::replay::{replay_step2_with, AllocatorTrace, Gradients, Step2Replay, TraceError};
 use crate::tracker::{Opened, Tracker};
 

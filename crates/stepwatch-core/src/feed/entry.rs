@@ -1,0 +1,266 @@
+//! One input to the step model ([`RecordEntry`]) and why one is refused
+//! ([`RecordError`]): what [`super::apply`] takes and what a record holds.
+
+use std::borrow::Cow;
+
+use serde::{Deserialize, Serialize};
+
+use crate::allocator::SegmentLayout;
+use crate::error::{HelloError, MarkerError};
+use crate::identity::{DdpBucketRebuild, ModelFacts, RankInfo, RankKey};
+use crate::marker::Marker;
+use crate::replay::{AllocatorEvent, AllocatorTrace, Gradients, TraceError, TraceSettings};
+use crate::sample::GpuSample;
+use crate::tracker::OpenError;
+
+/// One input to the tracker; `'a` is what a marker batch borrows (read from
+/// a record, nothing is borrowed).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecordEntry<'a> {
+    /// A stream's hello ([`crate::Tracker::open`]).
+    Open {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank, as validated.
+        info: RankInfo,
+    },
+    /// A marker batch the tracker accepted ([`crate::Tracker::markers`]).
+    Markers {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank.
+        key: Cow<'a, RankKey>,
+        /// The batch.
+        markers: Cow<'a, [Marker]>,
+        /// The run its stream's hello named ([`RankInfo::run_id`]): the
+        /// tracker refuses a batch of a run the rank has left
+        /// ([`crate::Tracker::run_markers`]). Empty for older clients, and in
+        /// records of agents before 2026-12-02's sixth session.
+        #[serde(default, skip_serializing_if = "str::is_empty")]
+        run_id: Cow<'a, str>,
+    },
+    /// A step-1 allocator trace, replayed and handed to the tracker
+    /// ([`crate::Tracker::allocator_replay`]).
+    AllocatorTrace {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank.
+        key: RankKey,
+        /// Whether gradients persist into step 2 (from the hello's facts).
+        grads_persistent: bool,
+        /// What becomes of the gradients between steps (from the hello);
+        /// absent in older records: [`Gradients::from_persistent`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        gradients: Option<Gradients>,
+        /// The reserved-bytes limit the agent replayed it within, if any.
+        #[serde(default)]
+        reserved_limit: Option<u64>,
+        /// DDP's bucket rebuild the agent replayed it with, from the rank's
+        /// facts ([`crate::feed::ReplayPlan::ddp_bucket_rebuild`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ddp_bucket_rebuild: Option<DdpBucketRebuild>,
+        /// The trace as received.
+        #[serde(deserialize_with = "trace_as_recorded")]
+        trace: AllocatorTrace,
+        /// The run its stream's hello named, as for [`RecordEntry::Markers`].
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        run_id: String,
+    },
+    /// Facts a rank sent after its hello ([`crate::Tracker::update_model_facts`]).
+    ModelFacts {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank.
+        key: RankKey,
+        /// The update as received (its set fields replace the hello's).
+        update: ModelFacts,
+        /// The run its stream's hello named, as for [`RecordEntry::Markers`].
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        run_id: String,
+    },
+    /// GPU samples ([`crate::Tracker::gpu_samples`]).
+    GpuSamples {
+        /// GPU UUID.
+        gpu: String,
+        /// The samples.
+        samples: Vec<GpuSample>,
+    },
+    /// A GPU's process list ([`crate::Tracker::set_gpu_processes`]).
+    GpuProcesses {
+        /// GPU UUID.
+        gpu: String,
+        /// (pid, used bytes) of each process.
+        processes: Vec<(u32, u64)>,
+    },
+    /// Ranks idle for the retention window were evicted ([`crate::Tracker::evict_idle`]).
+    Evict {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The retention window, ns.
+        retention_ns: u64,
+    },
+    /// A stream closed ([`crate::Tracker::close`]).
+    Close {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank.
+        key: RankKey,
+    },
+}
+
+impl RecordEntry<'_> {
+    /// The entry with nothing borrowed, to keep (the agent's record): the
+    /// one place a borrowed marker batch is copied.
+    pub fn into_owned(self) -> RecordEntry<'static> {
+        match self {
+            RecordEntry::Markers {
+                at_ns,
+                key,
+                markers,
+                run_id,
+            } => RecordEntry::Markers {
+                at_ns,
+                key: Cow::Owned(key.into_owned()),
+                markers: Cow::Owned(markers.into_owned()),
+                run_id: Cow::Owned(run_id.into_owned()),
+            },
+            RecordEntry::Open { at_ns, info } => RecordEntry::Open { at_ns, info },
+            RecordEntry::AllocatorTrace {
+                at_ns,
+                key,
+                grads_persistent,
+                gradients,
+                reserved_limit,
+                ddp_bucket_rebuild,
+                trace,
+                run_id,
+            } => RecordEntry::AllocatorTrace {
+                at_ns,
+                key,
+                grads_persistent,
+                gradients,
+                reserved_limit,
+                ddp_bucket_rebuild,
+                trace,
+                run_id,
+            },
+            RecordEntry::ModelFacts {
+                at_ns,
+                key,
+                update,
+                run_id,
+            } => RecordEntry::ModelFacts {
+                at_ns,
+                key,
+                update,
+                run_id,
+            },
+            RecordEntry::GpuSamples { gpu, samples } => RecordEntry::GpuSamples { gpu, samples },
+            RecordEntry::GpuProcesses { gpu, processes } => {
+                RecordEntry::GpuProcesses { gpu, processes }
+            }
+            RecordEntry::Evict {
+                at_ns,
+                retention_ns,
+            } => RecordEntry::Evict {
+                at_ns,
+                retention_ns,
+            },
+            RecordEntry::Close { at_ns, key } => RecordEntry::Close { at_ns, key },
+        }
+    }
+
+    /// The rank an entry is about, for its advisories; None for a hello
+    /// (its rank is its info's), a GPU's samples or processes and an
+    /// eviction.
+    pub fn key(&self) -> Option<&RankKey> {
+        match self {
+            RecordEntry::Markers { key, .. } => Some(key),
+            RecordEntry::AllocatorTrace { key, .. }
+            | RecordEntry::ModelFacts { key, .. }
+            | RecordEntry::Close { key, .. } => Some(key),
+            RecordEntry::Open { .. }
+            | RecordEntry::GpuSamples { .. }
+            | RecordEntry::GpuProcesses { .. }
+            | RecordEntry::Evict { .. } => None,
+        }
+    }
+}
+
+/// An entry's trace as records hold it. Records of agents from 2026-12-02
+/// before the rebuild moved into the plan held DDP's bucket rebuild inside
+/// the trace: such a trace is refused by name rather than replayed without
+/// it, which would silently give other figures.
+fn trace_as_recorded<'de, D: serde::Deserializer<'de>>(d: D) -> Result<AllocatorTrace, D::Error> {
+    /// [`AllocatorTrace`]'s fields (the literal below lists them all, so a
+    /// new one does not compile until it is here) and the old rebuild.
+    #[derive(Deserialize)]
+    struct Recorded {
+        step: u64,
+        segments: Vec<SegmentLayout>,
+        events: Vec<AllocatorEvent>,
+        #[serde(default)]
+        settings: Option<TraceSettings>,
+        #[serde(default)]
+        ddp_bucket_rebuild: Option<serde::de::IgnoredAny>,
+    }
+    let r = Recorded::deserialize(d)?;
+    if r.ddp_bucket_rebuild.is_some() {
+        return Err(serde::de::Error::custom(
+            "the trace holds ddp_bucket_rebuild: an agent of 2026-12-02 wrote this \
+             record with the DDP bucket rebuild inside the trace; move it out of \
+             `trace` into its allocator_trace entry to replay the record",
+        ));
+    }
+    Ok(AllocatorTrace {
+        step: r.step,
+        segments: r.segments,
+        events: r.events,
+        settings: r.settings,
+    })
+}
+
+/// Why an input (an entry of a record) could not be applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    /// A hello the tracker refused.
+    #[error("hello refused: {0}")]
+    Open(#[from] OpenError),
+    /// A marker batch the tracker refused.
+    #[error("markers refused: {0}")]
+    Markers(#[from] MarkerError),
+    /// A facts update the tracker refused.
+    #[error("model facts refused: {0}")]
+    ModelFacts(#[from] HelloError),
+    /// A trace that does not replay.
+    #[error("allocator trace refused: {0}")]
+    Trace(#[from] TraceError),
+}
+
+impl RecordError {
+    /// The `stepwatch_markers_rejected_total` reason the agent counts this
+    /// refusal under.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            RecordError::Open(e) => e.reason(),
+            RecordError::Markers(e) => e.reason(),
+            RecordError::ModelFacts(_) => "invalid_model_update",
+            RecordError::Trace(TraceError::UnmodelledSetting(_)) => {
+                "allocator_trace_unmodelled_setting"
+            }
+            RecordError::Trace(_) => "allocator_trace_invalid",
+        }
+    }
+
+    /// What the tracker said, without naming the kind of input: for a
+    /// message that names the input itself (the agent's gRPC statuses).
+    pub fn refusal(&self) -> &(dyn std::error::Error + 'static) {
+        match self {
+            RecordError::Open(e) => e,
+            RecordError::Markers(e) => e,
+            RecordError::ModelFacts(e) => e,
+            RecordError::Trace(e) => e,
+        }
+    }
+}
