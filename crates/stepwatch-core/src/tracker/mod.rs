@@ -11,9 +11,11 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
+mod checks;
+
 use crate::advisory::{self, Advisory, AdvisoryKind};
 use crate::allocator::SegmentLayout;
-use crate::analysis::{analyze_rank, steady_nvml_peak, AnalysisConfig, RankAnalysis};
+use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
 use crate::analysis::{RankInputs, SteadyMemo};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
@@ -436,48 +438,35 @@ impl Tracker {
         Some(analysis)
     }
 
-    /// Advisories that have become due for `key`, recorded as issued.
-    /// Only while the rank's first step is its latest step: the point is to
-    /// warn before step 2 begins.
+    /// Advisories that have become due for `key` outside a marker batch
+    /// (a trace replay, facts learnt later): the step-1 checks, recorded
+    /// as issued.
     pub fn advise(&mut self, key: &RankKey, now_ns: u64) -> Vec<Advisory> {
-        self.advise_with_prediction(key, now_ns).0
+        let batch = checks::Batch {
+            markers: &[],
+            boundary: false,
+            retry_growth: None,
+            now_ns,
+        };
+        self.run_checks(checks::STEP_ONE, key, &batch)
     }
 
-    /// [`Tracker::advise`], also returning the prediction it judged (None
-    /// outside the first step): the one frozen when step 2 begins.
-    fn advise_with_prediction(
+    /// Runs `checks` for `key` and records what they found due as issued.
+    fn run_checks(
         &mut self,
+        checks: &[&dyn checks::Check],
         key: &RankKey,
-        now_ns: u64,
-    ) -> (Vec<Advisory>, Option<Prediction>) {
-        let Some(state) = self.ranks.get(key) else {
-            return (Vec::new(), None);
-        };
-        let (Some(first), Some(current)) =
-            (state.timeline.steps().next(), state.timeline.current())
-        else {
-            return (Vec::new(), None);
-        };
-        if first.step != current.step {
-            return (Vec::new(), None);
+        batch: &checks::Batch<'_>,
+    ) -> Vec<Advisory> {
+        let mut due = Vec::new();
+        for check in checks {
+            let found = check.due(self, key, batch);
+            if let Some(state) = self.ranks.get_mut(key) {
+                state.advisories.extend(found.iter().cloned());
+            }
+            due.extend(found);
         }
-        let step = first.step;
-        let Some(analysis) = self.rank_analysis(key) else {
-            return (Vec::new(), None);
-        };
-        let Some(prediction) = analysis.prediction else {
-            return (Vec::new(), None);
-        };
-        let state = self.ranks.get_mut(key).expect("checked above");
-        let due = advisory::due(
-            &prediction,
-            analysis.capacity_bytes,
-            step,
-            now_ns,
-            &state.advisories,
-        );
-        state.advisories.extend(due.iter().cloned());
-        (due, Some(prediction))
+        due
     }
 
     /// Divergence of the ranks of `job` in `namespace` on this node (see
@@ -837,141 +826,43 @@ impl Tracker {
         } else {
             None
         };
-        let boundary = markers.iter().any(|m| {
-            matches!(
-                m.kind,
-                MarkerKind::StepBegin | MarkerKind::StepEnd | MarkerKind::Oom
-            )
-        });
-        let Some(at) = split else {
-            self.apply_and_credit(key, markers);
-            let mut advisories = self.advise(key, now_ns);
-            if boundary {
-                advisories.extend(self.advise_divergence(key, now_ns));
-            }
-            advisories.extend(self.advise_retries(key, markers, now_ns));
-            advisories.extend(self.advise_observed_headroom(key, markers, now_ns));
-            return Ok(advisories);
-        };
+        let boundary = split.is_some()
+            || markers.iter().any(|m| {
+                matches!(
+                    m.kind,
+                    MarkerKind::StepBegin | MarkerKind::StepEnd | MarkerKind::Oom
+                )
+            });
+        let at = split.unwrap_or(markers.len());
         self.apply_and_credit(key, &markers[..at]);
-        let (mut advisories, prediction) = self.advise_with_prediction(key, now_ns);
-        if let Some(state) = self.ranks.get_mut(key) {
-            state.prediction_before_step2 = prediction;
-        }
-        self.apply_and_credit(key, &markers[at..]);
-        advisories.extend(self.advise_divergence(key, now_ns));
-        advisories.extend(self.advise_retries(key, markers, now_ns));
-        advisories.extend(self.advise_observed_headroom(key, markers, now_ns));
-        Ok(advisories)
-    }
-
-    /// Follows the client's allocator retry count through an applied batch
-    /// ([`RankState::allocator_retries`]) and returns the allocator-retries
-    /// advisory when the count grew in a step ≥ 2 and none was issued to
-    /// this run yet (see [`advisory::retry_growth`] for why not step 1).
-    fn advise_retries(&mut self, key: &RankKey, markers: &[Marker], now_ns: u64) -> Vec<Advisory> {
-        let Some(state) = self.ranks.get_mut(key) else {
-            return Vec::new();
-        };
-        let (seen, growth) = advisory::retry_growth(state.allocator_retries, markers);
-        state.allocator_retries = seen;
-        let Some(due) = growth.and_then(|g| {
-            advisory::retries_due(
-                g,
-                state.prediction_before_step2.as_ref(),
-                now_ns,
-                &state.advisories,
-            )
-        }) else {
-            return Vec::new();
-        };
-        state.advisories.push(due.clone());
-        vec![due]
-    }
-
-    /// The low-observed-headroom advisory when, after an applied batch, the
-    /// rank's steady peak ([`steady_nvml_peak`], the figure
-    /// `stepwatch_rank_steady_step_peak_bytes` exports) leaves less than the
-    /// prediction's low-headroom fraction of the GPU's capacity; recorded as
-    /// issued. Checked on every batch, not only at step ends: the sampler
-    /// hands its samples over in batches, after the markers that closed
-    /// their step, so at a step's end its peak is not yet all there, and a
-    /// later batch hears it. (On fake CUDA, whose steps last about 20 ms,
-    /// the samples lag by several steps: `gpt-expandable-segments` at 3.8%
-    /// from step 3 on was told nothing in its six steps either way.) Only
-    /// while the run may still get it
-    /// ([`advisory::observed_headroom_open`]) and once two steps after the
-    /// first have ended: a median over at most `steady_window` steps per
-    /// batch, never again once the run was told.
-    fn advise_observed_headroom(
-        &mut self,
-        key: &RankKey,
-        markers: &[Marker],
-        now_ns: u64,
-    ) -> Vec<Advisory> {
-        let Some(step) = markers.last().map(|m| m.step) else {
-            return Vec::new();
-        };
-        let Some(state) = self.ranks.get(key) else {
-            return Vec::new();
-        };
-        if !advisory::observed_headroom_open(&state.advisories) {
-            return Vec::new();
-        }
-        let capacity = self
-            .latest_sample(&state.info.gpu_uuid)
-            .map_or(0, |s| s.capacity_bytes);
-        if capacity == 0 {
-            return Vec::new();
-        }
-        let Some(steady) = steady_nvml_peak(&state.timeline, &self.analysis) else {
-            return Vec::new();
-        };
-        let observed = advisory::ObservedPeak {
-            step,
-            first_step: steady.first_step,
-            last_step: steady.last_step,
-            steps: steady.steps,
-            peak_bytes: steady.peak_bytes,
-            first_step_peak_bytes: steady.first_step_peak_bytes,
-            capacity_bytes: capacity,
-        };
-        let Some(due) = advisory::observed_headroom_due(
-            observed,
-            self.analysis.predict.low_headroom_fraction,
-            state.prediction_before_step2.as_ref(),
+        let batch = checks::Batch {
+            markers,
+            boundary,
+            retry_growth: None,
             now_ns,
-            &state.advisories,
-        ) else {
-            return Vec::new();
         };
-        let state = self.ranks.get_mut(key).expect("checked above");
-        state.advisories.push(due.clone());
-        vec![due]
-    }
-
-    /// Rank-divergence advisories that have become due for `key`, recorded
-    /// as issued: once per figure the rank is named for in its job's
-    /// divergence. Checked on the rank's batches that hold a step boundary
-    /// (step begin, step end, OOM), so the cost is one divergence per step
-    /// and the outlier hears of it at its next boundary after its peers
-    /// have the figure too.
-    fn advise_divergence(&mut self, key: &RankKey, now_ns: u64) -> Vec<Advisory> {
-        let Some(step) = self
-            .ranks
-            .get(key)
-            .and_then(|s| s.timeline.current())
-            .map(|s| s.step)
-        else {
-            return Vec::new();
+        // The prediction step 2's warning is judged on, frozen before step
+        // 2's first marker when the batch holds it (before the warning it
+        // may give is recorded, as the check judged it).
+        let frozen = split.map(|_| self.rank_analysis(key).and_then(|a| a.prediction));
+        let mut advisories = self.run_checks(checks::STEP_ONE, key, &batch);
+        if let Some(frozen) = frozen {
+            if let Some(state) = self.ranks.get_mut(key) {
+                state.prediction_before_step2 = frozen;
+            }
+            self.apply_and_credit(key, &markers[at..]);
+        }
+        let retry_growth = self.ranks.get_mut(key).and_then(|state| {
+            let (seen, growth) = advisory::retry_growth(state.allocator_retries, markers);
+            state.allocator_retries = seen;
+            growth
+        });
+        let batch = checks::Batch {
+            retry_growth,
+            ..batch
         };
-        let Some(div) = self.job_divergence(&key.namespace, &key.job) else {
-            return Vec::new();
-        };
-        let state = self.ranks.get_mut(key).expect("checked above");
-        let due = advisory::divergence_due(&div, key.rank, step, now_ns, &state.advisories);
-        state.advisories.extend(due.iter().cloned());
-        due
+        advisories.extend(self.run_checks(checks::AFTER_BATCH, key, &batch));
+        Ok(advisories)
     }
 
     /// The most the rank's allocator may reserve on its GPU, for replaying

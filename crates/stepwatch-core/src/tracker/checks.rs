@@ -1,0 +1,167 @@
+//! The advisory checks: one struct per check behind [`Check`], run in one
+//! loop by the tracker ([`Tracker::run_checks`](super::Tracker)). Each
+//! decides what became due for a rank from the tracker's state; the loop
+//! records it as issued. When a check is due and what it says is decided
+//! by the pure functions of `advisory`.
+
+use super::Tracker;
+use crate::advisory::{self, Advisory, RetryGrowth};
+use crate::analysis::steady_nvml_peak;
+use crate::identity::RankKey;
+use crate::marker::Marker;
+
+/// What a check may look at besides the tracker: the batch just applied.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Batch<'a> {
+    /// The markers applied (empty outside a marker batch).
+    pub markers: &'a [Marker],
+    /// Whether the batch holds a step boundary (step begin or end, OOM).
+    pub boundary: bool,
+    /// How the client's allocator retry count grew in the batch.
+    pub retry_growth: Option<RetryGrowth>,
+    /// The caller's clock.
+    pub now_ns: u64,
+}
+
+/// One advisory check.
+pub(super) trait Check {
+    /// The advisories due for `key` now; the caller records them as issued.
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory>;
+}
+
+/// Checks that judge step 1: run after step 1's part of a batch, before
+/// step 2's first marker is applied, and when a trace replay or later
+/// facts change the prediction.
+pub(super) const STEP_ONE: &[&dyn Check] = &[&Step2Prediction];
+
+/// Checks run after the whole batch.
+pub(super) const AFTER_BATCH: &[&dyn Check] =
+    &[&RankDivergence, &AllocatorRetries, &ObservedHeadroom];
+
+/// Step-2 OOM predicted, or low headroom: only while the rank's first step
+/// is its latest step, since the point is to warn before step 2 begins.
+pub(super) struct Step2Prediction;
+
+impl Check for Step2Prediction {
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
+        let Some(state) = tracker.ranks.get(key) else {
+            return Vec::new();
+        };
+        let (Some(first), Some(current)) =
+            (state.timeline.steps().next(), state.timeline.current())
+        else {
+            return Vec::new();
+        };
+        if first.step != current.step {
+            return Vec::new();
+        }
+        let Some(analysis) = tracker.rank_analysis(key) else {
+            return Vec::new();
+        };
+        let Some(prediction) = analysis.prediction else {
+            return Vec::new();
+        };
+        advisory::due(
+            &prediction,
+            analysis.capacity_bytes,
+            first.step,
+            batch.now_ns,
+            &state.advisories,
+        )
+    }
+}
+
+/// Rank divergence: once per figure the rank is named for in its job's
+/// divergence. Checked on batches that hold a step boundary, so the cost
+/// is one divergence per step and the outlier hears of it at its next
+/// boundary after its peers have the figure too.
+pub(super) struct RankDivergence;
+
+impl Check for RankDivergence {
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
+        if !batch.boundary {
+            return Vec::new();
+        }
+        let Some(state) = tracker.ranks.get(key) else {
+            return Vec::new();
+        };
+        let Some(step) = state.timeline.current().map(|s| s.step) else {
+            return Vec::new();
+        };
+        let Some(div) = tracker.job_divergence(&key.namespace, &key.job) else {
+            return Vec::new();
+        };
+        advisory::divergence_due(&div, key.rank, step, batch.now_ns, &state.advisories)
+    }
+}
+
+/// Allocator retries: when the client's retry count grew in a step ≥ 2 and
+/// none was issued to this run yet (see [`advisory::retry_growth`] for why
+/// not step 1).
+pub(super) struct AllocatorRetries;
+
+impl Check for AllocatorRetries {
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
+        let (Some(growth), Some(state)) = (batch.retry_growth, tracker.ranks.get(key)) else {
+            return Vec::new();
+        };
+        advisory::retries_due(
+            growth,
+            state.prediction_before_step2.as_ref(),
+            batch.now_ns,
+            &state.advisories,
+        )
+        .into_iter()
+        .collect()
+    }
+}
+
+/// Low observed headroom: when the rank's steady peak (the figure
+/// `stepwatch_rank_steady_step_peak_bytes` exports) leaves less than the
+/// prediction's low-headroom fraction of the GPU's capacity. Checked on
+/// every batch, not only at step ends: the sampler hands its samples over
+/// after the markers that closed their step, so a step's peak is complete
+/// only a batch or more later. Only while the run may still get it, and
+/// once two steps after the first have ended.
+pub(super) struct ObservedHeadroom;
+
+impl Check for ObservedHeadroom {
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
+        let Some(step) = batch.markers.last().map(|m| m.step) else {
+            return Vec::new();
+        };
+        let Some(state) = tracker.ranks.get(key) else {
+            return Vec::new();
+        };
+        if !advisory::observed_headroom_open(&state.advisories) {
+            return Vec::new();
+        }
+        let capacity = tracker
+            .latest_sample(&state.info.gpu_uuid)
+            .map_or(0, |s| s.capacity_bytes);
+        if capacity == 0 {
+            return Vec::new();
+        }
+        let Some(steady) = steady_nvml_peak(&state.timeline, &tracker.analysis) else {
+            return Vec::new();
+        };
+        let observed = advisory::ObservedPeak {
+            step,
+            first_step: steady.first_step,
+            last_step: steady.last_step,
+            steps: steady.steps,
+            peak_bytes: steady.peak_bytes,
+            first_step_peak_bytes: steady.first_step_peak_bytes,
+            capacity_bytes: capacity,
+        };
+        advisory::observed_headroom_due(
+            observed,
+            tracker.analysis.predict.low_headroom_fraction,
+            state.prediction_before_step2.as_ref(),
+            batch.now_ns,
+            &state.advisories,
+        )
+        .into_iter()
+        .collect()
+    }
+}
