@@ -8,8 +8,8 @@
 use std::time::Duration;
 
 use fake_nvml::{FakeNvml, GpuSpec, STATE_DIR_ENV};
+use stepwatch_clock::monotonic_ns;
 use stepwatch_gpu::{SamplerConfig, SamplerHandle, SamplerSnapshot};
-use stepwatch_proto::clock::monotonic_ns;
 
 fn sampler_cpu_ns() -> u64 {
     let mut total = 0;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, Nvml};
-use stepwatch_proto::clock::monotonic_ns;
+use stepwatch_clock::monotonic_ns;
 
 use crate::ring::TimedRing;
 

@@ -9,8 +9,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use fake_nvml::{FakeNvml, GpuSpec, STATE_DIR_ENV};
+use stepwatch_clock::monotonic_ns;
 use stepwatch_gpu::{NvmlCall, SamplerConfig, SamplerHandle, SamplerSnapshot};
-use stepwatch_proto::clock::monotonic_ns;
 
 static LOCK: Mutex<()> = Mutex::new(());
 

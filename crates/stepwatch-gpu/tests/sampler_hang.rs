@@ -6,8 +6,8 @@
 use std::time::{Duration, Instant};
 
 use fake_nvml::{Call, FakeNvml, GpuSpec, STATE_DIR_ENV};
+use stepwatch_clock::monotonic_ns;
 use stepwatch_gpu::{SamplerConfig, SamplerHandle, SamplerSnapshot};
-use stepwatch_proto::clock::monotonic_ns;
 
 fn wait_for(
     sampler: &SamplerHandle,

@@ -35,6 +35,9 @@ pub mod csi {
     }
 }
 
+/// Conversions between the wire messages and the step model's types
+/// (feature `convert`: the client and the sampler do without the step model).
+#[cfg(feature = "convert")]
 pub mod convert;
 
 /// Upper bound on markers in one `MarkerBatch`; larger batches are rejected.
@@ -49,7 +52,7 @@ pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 /// set on the final chunk (there is always at least one). A single segment
 /// too large for one message (over ~4000 blocks) still goes alone in its
 /// chunk; the agent then rejects the trace. From a core trace, use
-/// [`convert::allocator_trace_to_wire`].
+/// `convert::allocator_trace_to_wire` (feature `convert`).
 pub fn chunk_allocator_trace(
     step: u64,
     settings: Option<v1::AllocatorSettings>,
@@ -91,26 +94,5 @@ pub fn chunk_allocator_trace(
     chunks
 }
 
-/// The two clocks every marker carries, read the way the contract defines them.
-pub mod clock {
-    /// CLOCK_MONOTONIC in ns. The agent's GPU samples and the client's markers
-    /// use this same clock, which is what lets samples be attributed to phases.
-    pub fn monotonic_ns() -> u64 {
-        read(libc::CLOCK_MONOTONIC)
-    }
-
-    /// CLOCK_REALTIME in ns since the Unix epoch.
-    pub fn wall_ns() -> u64 {
-        read(libc::CLOCK_REALTIME)
-    }
-
-    fn read(clock: libc::clockid_t) -> u64 {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `ts` is a valid, writable timespec; both clocks exist on Linux.
-        unsafe { libc::clock_gettime(clock, &mut ts) };
-        (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
-    }
-}
+/// The two clocks every marker carries (the `stepwatch-clock` crate).
+pub use stepwatch_clock as clock;
