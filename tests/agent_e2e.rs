@@ -609,13 +609,14 @@ fn a_socket_path_that_is_a_regular_file_is_refused_and_kept() {
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "precious");
 }
 
-/// README.md's metrics table is the documentation users read: every metric
-/// family the agent exports has a row, and every row is a family it exports.
+/// The metrics reference (docs/src/reference/metrics.md, generated from the
+/// agent's table) is what users read: every metric family the agent
+/// exports has a row, and every row is a family it exports.
 /// The run makes every family appear: three ranks, one an outlier,
 /// rank 0 warned of and dying of a step-2 OOM, a hello refused, the journal
 /// and the record written.
 #[test]
-fn the_readme_metrics_table_matches_what_the_agent_exports() {
+fn the_metrics_reference_matches_what_the_agent_exports() {
     let files = TempDir::new("readme-files");
     let journal = files.0.join("journal.json");
     let record = files.0.join("record.jsonl");
@@ -669,13 +670,16 @@ fn the_readme_metrics_table_matches_what_the_agent_exports() {
             .filter_map(|l| l.strip_prefix("# HELP "))
             .filter_map(|l| l.split(' ').next())
             .collect();
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let section = readme
-        .split("\n## Metrics\n")
+    let page = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/src/reference/metrics.md"
+    ))
+    .unwrap();
+    let section = page
+        .split("<!-- BEGIN GENERATED: metrics -->")
         .nth(1)
-        .and_then(|s| s.split("\n## ").next())
-        .expect("README.md has a ## Metrics section");
+        .and_then(|s| s.split("<!-- END GENERATED: metrics -->").next())
+        .expect("the metrics reference has its generated table");
     let documented: std::collections::BTreeSet<&str> = section
         .lines()
         .filter_map(|l| l.strip_prefix("| `"))
@@ -685,7 +689,7 @@ fn the_readme_metrics_table_matches_what_the_agent_exports() {
     let not_exported: Vec<_> = documented.difference(&exported).collect();
     assert!(
         undocumented.is_empty() && not_exported.is_empty(),
-        "exported without a README row: {undocumented:?}; README rows not exported: {not_exported:?}"
+        "exported without a reference row: {undocumented:?}; reference rows not exported: {not_exported:?}"
     );
     assert!(documented.len() > 40, "{documented:?}");
 }
@@ -761,16 +765,16 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
     );
     assert!(advisory["predicted_headroom_bytes"].as_i64().unwrap() < 0);
 
-    // Every JSON path the README names is in the answers.
+    // Every JSON path the HTTP API reference names is in the answers.
     let (_, job_body) = agent.get("/api/v1/jobs/doomed");
     let job: serde_json::Value = serde_json::from_str(&job_body).unwrap();
-    let paths = readme_json_paths();
+    let paths = documented_json_paths();
     assert!(paths.len() >= 10, "{paths:?}");
     for (answer, path) in &paths {
         let root = if answer == "job" { &job } else { &report };
         assert!(
             json_path_exists(root, path),
-            "README's {answer} path {path} is not in the answer:\n{}",
+            "the documented {answer} path {path} is not in the answer:\n{}",
             if answer == "job" { &job_body } else { &body }
         );
     }
@@ -1616,15 +1620,18 @@ fn low_observed_headroom_after_step_1_is_advised_on_the_stream_and_counted() {
     assert_eq!(kinds, ["low_observed_headroom"], "{body}");
 }
 
-/// (answer, path) of each row of README's "JSON paths" table.
-fn readme_json_paths() -> Vec<(String, String)> {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
-    let section = readme
-        .split("### JSON paths")
+/// (answer, path) of each row of the HTTP API reference's "JSON paths" table.
+fn documented_json_paths() -> Vec<(String, String)> {
+    let page = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/docs/src/reference/http-api.md"
+    ))
+    .unwrap();
+    let section = page
+        .split("\n## JSON paths")
         .nth(1)
-        .expect("README has a JSON paths section");
-    let section = section.split("\n### ").next().unwrap();
+        .expect("the HTTP API reference has a JSON paths section");
+    let section = section.split("\n## ").next().unwrap();
     section
         .lines()
         .filter_map(|line| {

@@ -17,11 +17,12 @@
 //! retrying with bounded exponential backoff; alerts that change while it
 //! waits are merged, so a retry never sends a stale state.
 
+use crate::metrics;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{IntCounterVec, IntGauge, Registry};
 use stepwatch_core::{
     Advisory, AdvisoryKind, DivergenceFigure, Marker, MarkerKind, RankInfo, RankKey,
 };
@@ -125,23 +126,15 @@ struct AlertMetrics {
 
 impl AlertMetrics {
     fn register(registry: &Registry, urls: &[String]) -> prometheus::Result<Self> {
-        let posts = IntCounterVec::new(
-            Opts::new(
-                "stepwatch_alertmanager_posts_total",
-                "POSTs of alerts to Alertmanager, by --alertmanager-url and result (ok, error); an error is retried with backoff",
-            ),
-            &["url", "result"],
-        )?;
+        let posts =
+            IntCounterVec::new(metrics::ALERTMANAGER_POSTS_TOTAL.opts(), &["url", "result"])?;
         let dropped = IntCounterVec::new(
-            Opts::new(
-                "stepwatch_alertmanager_alerts_dropped_total",
-                "Alert changes not sent to Alertmanager: queue_full (ingest's queue to the alert task), pending_full (an unreachable Alertmanager's backlog)",
-            ),
+            metrics::ALERTMANAGER_ALERTS_DROPPED_TOTAL.opts(),
             &["reason"],
         )?;
         let active = IntGauge::new(
-            "stepwatch_alertmanager_alerts_active",
-            "Alerts the agent holds firing at Alertmanager (resent every --alertmanager-resend-interval)",
+            metrics::ALERTMANAGER_ALERTS_ACTIVE.name,
+            metrics::ALERTMANAGER_ALERTS_ACTIVE.help,
         )?;
         registry.register(Box::new(posts.clone()))?;
         registry.register(Box::new(dropped.clone()))?;

@@ -22,13 +22,14 @@
 //! file next to the CSI socket and reopened when the agent restarts (the
 //! kubelet does not publish a mounted volume again).
 
+use crate::metrics;
 use std::collections::HashMap;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{IntCounterVec, IntGauge, Registry};
 use stepwatch_proto::csi::v1 as csi;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
@@ -186,17 +187,8 @@ impl CsiPlugin {
         stop: watch::Receiver<bool>,
         registry: &Registry,
     ) -> prometheus::Result<Self> {
-        let published = IntGauge::new(
-            "stepwatch_csi_volumes",
-            "CSI ephemeral volumes published now, each one pod's own ingest socket (--csi-socket).",
-        )?;
-        let refusals = IntCounterVec::new(
-            Opts::new(
-                "stepwatch_csi_publish_refusals_total",
-                "NodePublishVolume calls refused, by reason: invalid_argument (not an ephemeral inline volume, or no pod info), too_many_volumes (--csi-max-volumes), conflict (the volume ID is published at another path), io_error (the directory or socket could not be made).",
-            ),
-            &["reason"],
-        )?;
+        let published = IntGauge::new(metrics::CSI_VOLUMES.name, metrics::CSI_VOLUMES.help)?;
+        let refusals = IntCounterVec::new(metrics::CSI_PUBLISH_REFUSALS_TOTAL.opts(), &["reason"])?;
         for reason in [
             "invalid_argument",
             "too_many_volumes",

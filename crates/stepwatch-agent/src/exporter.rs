@@ -18,6 +18,7 @@ use stepwatch_core::{BasisLimit, PhaseKind, RankInfo, RankKey, WarningRevision};
 use stepwatch_proto::clock::monotonic_ns;
 
 use crate::config::RankPhaseSeries;
+use crate::metrics::{self, MetricDef, MetricKind};
 use crate::state::AgentState;
 use crate::views::TrackerSnapshot;
 
@@ -65,12 +66,14 @@ impl<'a> Family<'a> {
         }
     }
 
-    fn gauge(node: &'a str, name: &'a str, help: &str) -> Self {
-        Self::new(node, name, help, MetricType::GAUGE)
-    }
-
-    fn counter(node: &'a str, name: &'a str, help: &str) -> Self {
-        Self::new(node, name, help, MetricType::COUNTER)
+    /// The family declared as `def` (see [`crate::metrics`]).
+    fn of(node: &'a str, def: &'a MetricDef) -> Self {
+        let kind = match def.kind {
+            MetricKind::Gauge => MetricType::GAUGE,
+            MetricKind::Counter => MetricType::COUNTER,
+            MetricKind::Histogram => MetricType::HISTOGRAM,
+        };
+        Self::new(node, def.name, def.help, kind)
     }
 
     /// One series. A label with an empty value is left out, which is what
@@ -192,64 +195,24 @@ fn render_with(state: &AgentState, after_each_rank: &mut dyn FnMut()) -> String 
 fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<TextFamily>) {
     let snap = state.sampler.snapshot(monotonic_ns());
 
-    let mut f = Family::gauge(node, "stepwatch_build_info", "Agent version; always 1.");
+    let mut f = Family::of(node, &metrics::BUILD_INFO);
     f.add(&[("version", env!("CARGO_PKG_VERSION"))], 1.0);
     f.done(out);
 
-    let mut f = Family::gauge(
-        node,
-        "stepwatch_nvml_up",
-        "1 when NVML answered the last attempt, 0 while it is missing or lost (the agent retries with backoff).",
-    );
+    let mut f = Family::of(node, &metrics::NVML_UP);
     f.add(&[], if snap.nvml_up { 1.0 } else { 0.0 });
     f.done(out);
 
-    let mut info = Family::gauge(node, "stepwatch_gpu_info", "GPU identity; always 1.");
-    let mut up = Family::gauge(
-        node,
-        "stepwatch_gpu_up",
-        "1 while NVML reads the GPU, 0 when it reports it lost or its samples are stale (stepwatch_gpu_sample_age_seconds above the bound: an NVML call hangs).",
-    );
-    let mut age = Family::gauge(
-        node,
-        "stepwatch_gpu_sample_age_seconds",
-        "Seconds since the GPU's last good memory read; above max(2 s, 5 sampling periods) the figures are frozen and stepwatch_gpu_up is 0.",
-    );
-    let mut used = Family::gauge(
-        node,
-        "stepwatch_gpu_memory_used_bytes",
-        "Device memory in use at the last sample (NVML memory info v2 'used', which excludes driver-reserved memory).",
-    );
-    let mut used_max = Family::gauge(
-        node,
-        "stepwatch_gpu_memory_used_max_bytes",
-        "Maximum of stepwatch_gpu_memory_used_bytes over the trailing window (--max-window); never reset by scrapes.",
-    );
-    let mut total = Family::gauge(
-        node,
-        "stepwatch_gpu_memory_total_bytes",
-        "Device memory capacity (NVML v2 'total').",
-    );
-    let mut free = Family::gauge(
-        node,
-        "stepwatch_gpu_memory_free_bytes",
-        "Device memory free at the last sample (NVML v2 'free').",
-    );
-    let mut samples = Family::counter(
-        node,
-        "stepwatch_gpu_samples_total",
-        "Device-memory samples taken.",
-    );
-    let mut procs = Family::gauge(
-        node,
-        "stepwatch_gpu_processes",
-        "Compute processes on the GPU at the last process-list read.",
-    );
-    let mut util = Family::gauge(
-        node,
-        "stepwatch_gpu_utilization_ratio",
-        "GPU busy ratio over NVML's own averaging window (1/6 s to 1 s).",
-    );
+    let mut info = Family::of(node, &metrics::GPU_INFO);
+    let mut up = Family::of(node, &metrics::GPU_UP);
+    let mut age = Family::of(node, &metrics::GPU_SAMPLE_AGE_SECONDS);
+    let mut used = Family::of(node, &metrics::GPU_MEMORY_USED_BYTES);
+    let mut used_max = Family::of(node, &metrics::GPU_MEMORY_USED_MAX_BYTES);
+    let mut total = Family::of(node, &metrics::GPU_MEMORY_TOTAL_BYTES);
+    let mut free = Family::of(node, &metrics::GPU_MEMORY_FREE_BYTES);
+    let mut samples = Family::of(node, &metrics::GPU_SAMPLES_TOTAL);
+    let mut procs = Family::of(node, &metrics::GPU_PROCESSES);
+    let mut util = Family::of(node, &metrics::GPU_UTILIZATION_RATIO);
     // Slurm's job on each GPU (--slurm-job-mapping-dir), as dcgm-exporter labels it.
     let slurm_jobs = state.slurm.get().map(|s| s.mapping()).unwrap_or_default();
     for g in &snap.gpus {
@@ -293,50 +256,25 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<TextFamily>) {
         f.done(out);
     }
 
-    let mut f = Family::gauge(
-        node,
-        "stepwatch_sampler_lag_seconds",
-        "Worst lateness of a sampler tick over the trailing window.",
-    );
+    let mut f = Family::of(node, &metrics::SAMPLER_LAG_SECONDS);
     f.add(&[], snap.lag_max_seconds);
     f.done(out);
-    let mut f = Family::new(
-        node,
-        "stepwatch_sampler_tick_lateness_seconds",
-        "How late each sampler tick started, since the agent started (jitter).",
-        MetricType::HISTOGRAM,
-    );
+    let mut f = Family::of(node, &metrics::SAMPLER_TICK_LATENESS_SECONDS);
     f.add_histogram(&snap.lag_histogram, snap.lag_count, snap.lag_sum_seconds);
     f.done(out);
-    let mut f = Family::counter(node, "stepwatch_sampler_ticks_total", "Sampler ticks run.");
+    let mut f = Family::of(node, &metrics::SAMPLER_TICKS_TOTAL);
     f.add(&[], snap.ticks_total as f64);
     f.done(out);
-    let mut f = Family::counter(
-        node,
-        "stepwatch_sampler_late_ticks_total",
-        "Sampler ticks that started more than one period late.",
-    );
+    let mut f = Family::of(node, &metrics::SAMPLER_LATE_TICKS_TOTAL);
     f.add(&[], snap.late_ticks_total as f64);
     f.done(out);
-    let mut f = Family::counter(
-        node,
-        "stepwatch_sampler_samples_dropped_total",
-        "Samples dropped because the step tracker did not take them in time.",
-    );
+    let mut f = Family::of(node, &metrics::SAMPLER_SAMPLES_DROPPED_TOTAL);
     f.add(&[], snap.pending_dropped_total as f64);
     f.done(out);
-    let mut f = Family::counter(
-        node,
-        "stepwatch_nvml_init_attempts_total",
-        "Attempts to initialise NVML.",
-    );
+    let mut f = Family::of(node, &metrics::NVML_INIT_ATTEMPTS_TOTAL);
     f.add(&[], snap.init_attempts_total as f64);
     f.done(out);
-    let mut f = Family::counter(
-        node,
-        "stepwatch_nvml_errors_total",
-        "NVML calls that returned an error, by call.",
-    );
+    let mut f = Family::of(node, &metrics::NVML_ERRORS_TOTAL);
     for (call, n) in &snap.errors {
         f.add(&[("call", call.as_str())], *n as f64);
     }
@@ -349,35 +287,19 @@ fn rank_families(
     phase_series: RankPhaseSeries,
     out: &mut Vec<TextFamily>,
 ) {
-    let mut tracked = Family::gauge(
-        node,
-        "stepwatch_ranks_tracked",
-        "Ranks the agent currently tracks.",
-    );
+    let mut tracked = Family::of(node, &metrics::RANKS_TRACKED);
     tracked.add(&[], tracker.rank_count as f64);
     tracked.done(out);
 
-    let mut f = Family::gauge(
-        node,
-        "stepwatch_retained_bytes",
-        "Bytes the ranks' retained step history holds (approximately); kept within --memory-budget-mib.",
-    );
+    let mut f = Family::of(node, &metrics::RETAINED_BYTES);
     f.add(&[], tracker.retained_bytes as f64);
     f.done(out);
 
-    let mut f = Family::counter(
-        node,
-        "stepwatch_steps_trimmed_total",
-        "Steps dropped before --max-steps to stay within --memory-budget-mib (the rank holding the most gives up its oldest).",
-    );
+    let mut f = Family::of(node, &metrics::STEPS_TRIMMED_TOTAL);
     f.add(&[], tracker.steps_trimmed_total as f64);
     f.done(out);
 
-    let mut f = Family::counter(
-        node,
-        "stepwatch_layout_snapshots_total",
-        "Segment layouts received on markers (clients without an allocator trace send them on step 1's optimizer begin and end), by result: kept (the step-2 prediction uses them), misplaced (another marker or step, an end without a begin), too_many_blocks, unmodelled (the allocator model cannot take the pair). Not kept: the prediction guesses the layout.",
-    );
+    let mut f = Family::of(node, &metrics::LAYOUT_SNAPSHOTS_TOTAL);
     let c = tracker.layout_counts;
     for (result, n) in [
         ("kept", c.kept),
@@ -389,52 +311,16 @@ fn rank_families(
     }
     f.done(out);
 
-    let mut info = Family::gauge(node, "stepwatch_rank_info", "Rank identity; always 1.");
-    let mut connected = Family::gauge(
-        node,
-        "stepwatch_rank_connected",
-        "1 while the rank has an open marker stream.",
-    );
-    let mut steps = Family::counter(
-        node,
-        "stepwatch_rank_steps_completed_total",
-        "Steps that reached their step end.",
-    );
-    let mut last_step = Family::gauge(
-        node,
-        "stepwatch_rank_last_step",
-        "Number of the latest step seen (open or not).",
-    );
-    let mut duration = Family::gauge(
-        node,
-        "stepwatch_rank_step_duration_seconds",
-        "Duration of the latest completed step.",
-    );
-    let mut median = Family::gauge(
-        node,
-        "stepwatch_rank_step_duration_median_seconds",
-        "Median duration of the retained completed steps (the mean of the two middle ones for an even count).",
-    );
-    let mut last_end = Family::gauge(
-        node,
-        "stepwatch_rank_last_step_end_timestamp_seconds",
-        "Wall-clock time of the latest step end (for stall alerts).",
-    );
-    let mut phase = Family::gauge(
-        node,
-        "stepwatch_rank_phase_duration_seconds",
-        "Duration of each phase in the latest completed step (micro-batches summed).",
-    );
-    let mut ooms = Family::counter(
-        node,
-        "stepwatch_rank_ooms_total",
-        "Steps that ended with an out-of-memory marker.",
-    );
-    let mut retries = Family::counter(
-        node,
-        "stepwatch_rank_allocator_retries_total",
-        "PyTorch's num_alloc_retries as the rank's latest marker reported it: allocations for which the caching allocator had to free its cache and retry cudaMalloc. Growth after step 1 means the job runs at the GPU's memory limit (each retry is a slow cache flush; a larger request may fail next). Absent until a marker carries allocator figures.",
-    );
+    let mut info = Family::of(node, &metrics::RANK_INFO);
+    let mut connected = Family::of(node, &metrics::RANK_CONNECTED);
+    let mut steps = Family::of(node, &metrics::RANK_STEPS_COMPLETED_TOTAL);
+    let mut last_step = Family::of(node, &metrics::RANK_LAST_STEP);
+    let mut duration = Family::of(node, &metrics::RANK_STEP_DURATION_SECONDS);
+    let mut median = Family::of(node, &metrics::RANK_STEP_DURATION_MEDIAN_SECONDS);
+    let mut last_end = Family::of(node, &metrics::RANK_LAST_STEP_END_TIMESTAMP_SECONDS);
+    let mut phase = Family::of(node, &metrics::RANK_PHASE_DURATION_SECONDS);
+    let mut ooms = Family::of(node, &metrics::RANK_OOMS_TOTAL);
+    let mut retries = Family::of(node, &metrics::RANK_ALLOCATOR_RETRIES_TOTAL);
     for rank in &tracker.ranks {
         let key = &rank.key;
         let rank_label = key.rank.to_string();
@@ -497,106 +383,26 @@ fn analysis_families(
     phase_series: RankPhaseSeries,
     out: &mut Vec<TextFamily>,
 ) {
-    let mut first_peak = Family::gauge(
-        node,
-        "stepwatch_rank_first_step_peak_bytes",
-        "Peak device memory (NVML) during the rank's first step.",
-    );
-    let mut steady_peak = Family::gauge(
-        node,
-        "stepwatch_rank_steady_step_peak_bytes",
-        "Median peak device memory (NVML) of the steps after the first (steady state).",
-    );
-    let mut anomaly = Family::gauge(
-        node,
-        "stepwatch_rank_first_step_anomaly_ratio",
-        "Steady-state peak divided by first-step peak (above 1: later steps need more than step 1).",
-    );
-    let mut steady_reached = Family::gauge(
-        node,
-        "stepwatch_rank_steady_state_reached",
-        "1 once consecutive step peaks agree within the tolerance.",
-    );
-    let mut phase_peak = Family::gauge(
-        node,
-        "stepwatch_rank_phase_peak_bytes",
-        "Peak memory per phase, from NVML (device) or the allocator (allocated), for the first step and the steady state.",
-    );
-    let mut predicted = Family::gauge(
-        node,
-        "stepwatch_rank_predicted_peak_bytes",
-        "Predicted steady-state peak device memory (as NVML will see it, other processes included), made during step 1.",
-    );
-    let mut headroom = Family::gauge(
-        node,
-        "stepwatch_rank_predicted_headroom_bytes",
-        "GPU capacity minus the predicted steady-state peak (rank plus other processes); negative means step 2 will not fit.",
-    );
-    let mut capacity = Family::gauge(
-        node,
-        "stepwatch_rank_gpu_capacity_bytes",
-        "What processes can use on the rank's GPU: NVML total minus driver-reserved memory.",
-    );
-    let mut risk = Family::gauge(
-        node,
-        "stepwatch_rank_oom_risk",
-        "1 when the predicted headroom is negative (step 2 will likely run out of memory), or a step-2 OOM warning stands until a measurement withdraws it.",
-    );
-    let mut provisional = Family::gauge(
-        node,
-        "stepwatch_rank_prediction_provisional",
-        "1 while step 1 is still running and the prediction may still be refined.",
-    );
-    let mut basis = Family::gauge(
-        node,
-        "stepwatch_rank_prediction_basis",
-        "1 for what the prediction was computed from (basis: allocator_replay, allocator or nvml_only, least to most blind).",
-    );
-    let mut limited = Family::gauge(
-        node,
-        "stepwatch_rank_prediction_basis_limited",
-        "1 for each thing the prediction's basis cannot see, 0 for the others (limit: nvml_only_cannot_see_cache_reuse, optimizer_state_unsized, allocator_figures_cannot_see_layout).",
-    );
-    let mut upheld = Family::gauge(
-        node,
-        "stepwatch_rank_prediction_warning_upheld",
-        "1 while a step-2 OOM warning stands although the latest estimate fits: only a measurement of step 1's optimizer phase withdraws it.",
-    );
-    let mut error = Family::gauge(
-        node,
-        "stepwatch_rank_prediction_error_ratio",
-        "(prediction made before step 2 began - steady-state peak) / steady-state peak, once steady state is measured.",
-    );
-    let mut peak_div = Family::gauge(
-        node,
-        "stepwatch_job_first_step_peak_divergence_ratio",
-        "(max - min) / median of the first-step peaks of the job's ranks on this node.",
-    );
-    let mut dur_div = Family::gauge(
-        node,
-        "stepwatch_job_first_step_duration_divergence_ratio",
-        "(max - min) / median of the first-step durations of the job's ranks on this node.",
-    );
-    let mut act_div = Family::gauge(
-        node,
-        "stepwatch_job_activation_peak_divergence_ratio",
-        "(max - min) / median of the step-1 activation peaks (forward/backward peak above the memory at step begin) of the job's ranks on this node.",
-    );
-    let mut steady_div = Family::gauge(
-        node,
-        "stepwatch_job_steady_peak_divergence_ratio",
-        "(max - min) / median of the steady-state peaks of the job's ranks on this node.",
-    );
-    let mut outlier = Family::gauge(
-        node,
-        "stepwatch_job_rank_outlier",
-        "1 for a rank named as an outlier of a memory figure (figure: step1_peak, activation_peak, steady_peak): off the job's median on this node beyond the threshold, with at least 3 ranks that all have the figure.",
-    );
-    let mut rank_activation = Family::gauge(
-        node,
-        "stepwatch_rank_first_step_activation_peak_bytes",
-        "Step-1 forward/backward peak above the memory at step begin (allocated bytes, else NVML): what differs between ranks when the optimizer state is the same.",
-    );
+    let mut first_peak = Family::of(node, &metrics::RANK_FIRST_STEP_PEAK_BYTES);
+    let mut steady_peak = Family::of(node, &metrics::RANK_STEADY_STEP_PEAK_BYTES);
+    let mut anomaly = Family::of(node, &metrics::RANK_FIRST_STEP_ANOMALY_RATIO);
+    let mut steady_reached = Family::of(node, &metrics::RANK_STEADY_STATE_REACHED);
+    let mut phase_peak = Family::of(node, &metrics::RANK_PHASE_PEAK_BYTES);
+    let mut predicted = Family::of(node, &metrics::RANK_PREDICTED_PEAK_BYTES);
+    let mut headroom = Family::of(node, &metrics::RANK_PREDICTED_HEADROOM_BYTES);
+    let mut capacity = Family::of(node, &metrics::RANK_GPU_CAPACITY_BYTES);
+    let mut risk = Family::of(node, &metrics::RANK_OOM_RISK);
+    let mut provisional = Family::of(node, &metrics::RANK_PREDICTION_PROVISIONAL);
+    let mut basis = Family::of(node, &metrics::RANK_PREDICTION_BASIS);
+    let mut limited = Family::of(node, &metrics::RANK_PREDICTION_BASIS_LIMITED);
+    let mut upheld = Family::of(node, &metrics::RANK_PREDICTION_WARNING_UPHELD);
+    let mut error = Family::of(node, &metrics::RANK_PREDICTION_ERROR_RATIO);
+    let mut peak_div = Family::of(node, &metrics::JOB_FIRST_STEP_PEAK_DIVERGENCE_RATIO);
+    let mut dur_div = Family::of(node, &metrics::JOB_FIRST_STEP_DURATION_DIVERGENCE_RATIO);
+    let mut act_div = Family::of(node, &metrics::JOB_ACTIVATION_PEAK_DIVERGENCE_RATIO);
+    let mut steady_div = Family::of(node, &metrics::JOB_STEADY_PEAK_DIVERGENCE_RATIO);
+    let mut outlier = Family::of(node, &metrics::JOB_RANK_OUTLIER);
+    let mut rank_activation = Family::of(node, &metrics::RANK_FIRST_STEP_ACTIVATION_PEAK_BYTES);
     for (key, div) in &tracker.divergence {
         let job = [
             ("namespace", key.namespace.as_str()),
@@ -908,17 +714,17 @@ mod tests {
         let node = "n\"1\\";
         let labels = [("a", "x\ny\"z\\"), ("empty", ""), ("b", "1")];
         let mut written = Vec::new();
-        let mut g = Family::gauge(node, "t_gauge", "help with \\ and \n");
+        let mut g = Family::new(node, "t_gauge", "help with \\ and \n", MetricType::GAUGE);
         g.add(&labels, 1.5);
         g.add(&[], f64::INFINITY);
         g.done(&mut written);
-        let mut c = Family::counter(node, "t_total", "counted");
+        let mut c = Family::new(node, "t_total", "counted", MetricType::COUNTER);
         c.add(&labels, 3.0);
         c.done(&mut written);
         let mut h = Family::new(node, "t_seconds", "lateness", MetricType::HISTOGRAM);
         h.add_histogram(&[(0.001, 2), (0.5, 7)], 9, 1.25);
         h.done(&mut written);
-        let empty = Family::gauge(node, "t_empty", "no series");
+        let empty = Family::new(node, "t_empty", "no series", MetricType::GAUGE);
         empty.done(&mut written);
         let written: String = written.iter().map(|f| f.text.as_str()).collect();
 

@@ -12,6 +12,7 @@ mod exporter;
 mod http;
 mod ingest;
 mod listen;
+mod metrics;
 mod record;
 mod slurm;
 mod state;
@@ -19,6 +20,7 @@ mod ui;
 mod views;
 mod workload;
 
+pub use metrics::reference_table as metrics_reference;
 pub use state::REJECT_REASONS;
 
 use std::future::Future;

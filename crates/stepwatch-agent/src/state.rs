@@ -1,10 +1,11 @@
 //! State shared by the agent's servers and tasks.
 
+use crate::metrics;
 use std::borrow::Cow;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, Registry};
 use std::path::Path;
 
 use stepwatch_core::feed::{self, Applied, ReplayPlan};
@@ -80,60 +81,36 @@ impl IngestMetrics {
     fn register(registry: &Registry) -> prometheus::Result<Self> {
         let m = Self {
             markers_received: IntCounter::new(
-                "stepwatch_markers_received_total",
-                "Markers accepted from training processes.",
+                metrics::MARKERS_RECEIVED_TOTAL.name,
+                metrics::MARKERS_RECEIVED_TOTAL.help,
             )?,
             markers_rejected: IntCounterVec::new(
-                Opts::new(
-                    "stepwatch_markers_rejected_total",
-                    "Markers (or hellos) refused, by reason; the client got a gRPC status naming the problem.",
-                ),
+                metrics::MARKERS_REJECTED_TOTAL.opts(),
                 &["reason"],
             )?,
             streams_active: IntGauge::new(
-                "stepwatch_ingest_streams_active",
-                "Marker streams currently open that have said hello.",
+                metrics::INGEST_STREAMS_ACTIVE.name,
+                metrics::INGEST_STREAMS_ACTIVE.help,
             )?,
             streams_opened: IntCounter::new(
-                "stepwatch_ingest_streams_opened_total",
-                "Marker streams opened since start.",
+                metrics::INGEST_STREAMS_OPENED_TOTAL.name,
+                metrics::INGEST_STREAMS_OPENED_TOTAL.help,
             )?,
             ranks_evicted: IntCounter::new(
-                "stepwatch_ranks_evicted_total",
-                "Finished ranks dropped: after the retention window with no open stream, or to make room in a full rank table.",
+                metrics::RANKS_EVICTED_TOTAL.name,
+                metrics::RANKS_EVICTED_TOTAL.help,
             )?,
-            journal_writes: IntCounterVec::new(
-                Opts::new(
-                    "stepwatch_journal_writes_total",
-                    "Journal writes, by result (ok or error); errors are logged with the reason.",
-                ),
-                &["result"],
-            )?,
+            journal_writes: IntCounterVec::new(metrics::JOURNAL_WRITES_TOTAL.opts(), &["result"])?,
             journal_restored: IntCounter::new(
-                "stepwatch_journal_restored_ranks_total",
-                "Ranks restored from the journal at start.",
+                metrics::JOURNAL_RESTORED_RANKS_TOTAL.name,
+                metrics::JOURNAL_RESTORED_RANKS_TOTAL.help,
             )?,
             allocator_traces: IntCounterVec::new(
-                Opts::new(
-                    "stepwatch_allocator_traces_total",
-                    "Step-1 allocator traces received, by result: replayed (the step-2 prediction uses it), late (step 2 had begun; ignored), rejected (unusable: logged, reason in stepwatch_markers_rejected_total; the stream goes on).",
-                ),
+                metrics::ALLOCATOR_TRACES_TOTAL.opts(),
                 &["result"],
             )?,
-            record_entries: IntCounterVec::new(
-                Opts::new(
-                    "stepwatch_record_entries_total",
-                    "Entries of the --record file, by result: written, or dropped (after the size bound, a write error, or the writer falling 4096 entries behind; logged).",
-                ),
-                &["result"],
-            )?,
-            advisories_sent: IntCounterVec::new(
-                Opts::new(
-                    "stepwatch_advisories_sent_total",
-                    "Advisories sent to training processes, by kind (e.g. ADVISORY_KIND_STEP2_OOM_PREDICTED).",
-                ),
-                &["kind"],
-            )?,
+            record_entries: IntCounterVec::new(metrics::RECORD_ENTRIES_TOTAL.opts(), &["result"])?,
+            advisories_sent: IntCounterVec::new(metrics::ADVISORIES_SENT_TOTAL.opts(), &["kind"])?,
         };
         registry.register(Box::new(m.advisories_sent.clone()))?;
         registry.register(Box::new(m.allocator_traces.clone()))?;

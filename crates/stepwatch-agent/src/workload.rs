@@ -13,12 +13,13 @@
 //! Outside Kubernetes (no pod-resources socket) attestation is off and
 //! hellos are taken as they come, as before; logged once at start.
 
+use crate::metrics;
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
+use prometheus::{IntCounter, IntCounterVec, Registry};
 use stepwatch_proto::podresources::v1::{
     pod_resources_lister_client::PodResourcesListerClient, ListPodResourcesRequest, PodResources,
 };
@@ -400,25 +401,12 @@ impl WorkloadResolver {
         registry: &Registry,
         holders: GpuHolders,
     ) -> prometheus::Result<Self> {
-        let failures = IntCounterVec::new(
-            Opts::new(
-                "stepwatch_workload_lookup_failures_total",
-                "Peers whose pod could not be looked up, by reason (the hello then counts as unattested; each reason is logged once).",
-            ),
-            &["reason"],
-        )?;
-        let attestations = IntCounterVec::new(
-            Opts::new(
-                "stepwatch_workload_attestations_total",
-                "Hellos by how their pod and namespace were found: kubelet (attested through the peer's PID), csi_volume (the pod's own CSI volume socket), or why not (off, no_peer_pid, not_in_pod, lookup_failed).",
-            ),
-            &["result"],
-        )?;
+        let failures =
+            IntCounterVec::new(metrics::WORKLOAD_LOOKUP_FAILURES_TOTAL.opts(), &["reason"])?;
+        let attestations =
+            IntCounterVec::new(metrics::WORKLOAD_ATTESTATIONS_TOTAL.opts(), &["result"])?;
         let mismatches = IntCounterVec::new(
-            Opts::new(
-                "stepwatch_workload_identity_mismatches_total",
-                "Hellos whose claimed pod or namespace differs from the kubelet's, by field; the kubelet's is used.",
-            ),
+            metrics::WORKLOAD_IDENTITY_MISMATCHES_TOTAL.opts(),
             &["field"],
         )?;
         // Every label value exported from the start, at 0: a rate() over a
@@ -448,8 +436,8 @@ impl WorkloadResolver {
         registry.register(Box::new(attestations.clone()))?;
         registry.register(Box::new(mismatches.clone()))?;
         let holder_errors = IntCounter::new(
-            "stepwatch_workload_gpu_holders_refresh_errors_total",
-            "Failed refreshes of which pod holds which GPU (the pod-resources List; logged once); after a minute without an answer, GPU series lose their pod labels.",
+            metrics::WORKLOAD_GPU_HOLDERS_REFRESH_ERRORS_TOTAL.name,
+            metrics::WORKLOAD_GPU_HOLDERS_REFRESH_ERRORS_TOTAL.help,
         )?;
         registry.register(Box::new(holder_errors.clone()))?;
         let enabled = config.pod_resources_socket.exists();

@@ -35,8 +35,7 @@ pub mod csi {
     }
 }
 
-/// Conversions between the wire messages and the step model's types
-/// (feature `convert`: the client and the sampler do without the step model).
+// Feature `convert`: the client and the sampler do without the step model.
 #[cfg(feature = "convert")]
 pub mod convert;
 

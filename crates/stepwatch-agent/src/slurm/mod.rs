@@ -30,7 +30,7 @@ use std::collections::HashSet;
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-use prometheus::{IntCounterVec, Opts, Registry};
+use prometheus::{IntCounterVec, Registry};
 use stepwatch_core::RankInfo;
 use stepwatch_gpu::SamplerHandle;
 use stepwatch_proto::clock::monotonic_ns;
@@ -70,13 +70,8 @@ impl Slurm {
     /// Slurm attribution from the mapping directory `dir`, and the peers'
     /// cgroups under `proc_root` (`--proc-root`).
     pub fn new(dir: PathBuf, proc_root: PathBuf, registry: &Registry) -> prometheus::Result<Self> {
-        let results = IntCounterVec::new(
-            Opts::new(
-                "stepwatch_slurm_attestations_total",
-                "Hellos checked against Slurm (--slurm-job-mapping-dir), by result: verified (the process runs in the Slurm job it names, or names none), refused (it names another job or a GPU its job does not hold), or unchecked: not_in_job, no_peer_pid, proc_unreadable.",
-            ),
-            &["result"],
-        )?;
+        let results =
+            IntCounterVec::new(crate::metrics::SLURM_ATTESTATIONS_TOTAL.opts(), &["result"])?;
         for result in RESULTS {
             results.with_label_values(&[result]);
         }
