@@ -621,6 +621,8 @@ fn the_metrics_reference_matches_what_the_agent_exports() {
     let journal = files.0.join("journal.json");
     let record = files.0.join("record.jsonl");
     // The CSI service's families exist only when it is served.
+    let slurm_jobs = files.0.join("slurm-jobs");
+    std::fs::create_dir(&slurm_jobs).unwrap();
     let csi = files.0.join("csi.sock");
     // rank0-skew's L40S: rank 0 (+15% memory) dies of a step-2 OOM.
     let specs: Vec<_> = (0..3)
@@ -643,6 +645,9 @@ fn the_metrics_reference_matches_what_the_agent_exports() {
             record.to_str().unwrap(),
             "--csi-socket",
             csi.to_str().unwrap(),
+            // Slurm attribution's counter exists only when it is on.
+            "--slurm-job-mapping-dir",
+            slurm_jobs.to_str().unwrap(),
             // The fast path's families exist only with an Alertmanager;
             // nothing listens on port 9 (discard), which is fine here.
             "--alertmanager-url",
