@@ -325,7 +325,12 @@ class _Runtime:
         """Before a step begins (``StepTracker.gate``): hold the run's second
         step for step 1's prediction (``hold_step2_for_prediction``), then,
         with ``raise_on_predicted_oom``, raise :class:`PredictedOutOfMemoryError`
-        once the agent has predicted a step-2 OOM."""
+        once the agent has predicted a step-2 OOM. First of all, with
+        ``STEPWATCH_STOP_AFTER_STEP=N``, step N+1 does not begin: the process
+        ends here (see :meth:`_stop_after_step`)."""
+        stop = _stop_after_step()
+        if stop is not None and number > stop:
+            self._stop_process(number - 1)
         if self.tracker.step < 1:
             return  # the run's first step
         if not self.held:
@@ -338,6 +343,32 @@ class _Runtime:
             c = self.client
             rank = c.rank_for_logs if c is not None else None
             raise PredictedOutOfMemoryError(p, rank)
+
+    def _stop_process(self, done: int) -> None:
+        """``STEPWATCH_STOP_AFTER_STEP``: step ``done`` has ended and the next
+        would begin. Send what is queued (bounded by ``STEPWATCH_EXIT_FLUSH_S``),
+        flush the standard streams and end the process with status 0 at once
+        (``os._exit``): no exception travels through the training loop, where a
+        framework or an ``except BaseException`` could catch it, and no
+        interpreter teardown runs (a torchrun rank would tear down NCCL)."""
+        log.warning(
+            "stepwatch: STEPWATCH_STOP_AFTER_STEP=%d: step %d ended; ending the process "
+            "(exit status 0) before the next step",
+            done,
+            done,
+        )
+        c = self.client
+        if c is not None:
+            try:
+                c.close(timeout=_exit_flush_timeout())
+            except Exception:
+                pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        _exit(0)
 
     def _hold_for_prediction(self, bound: float) -> None:
         """Wait, at most ``bound`` seconds, until the agent's step-2 OOM advisory
@@ -601,6 +632,36 @@ def _env_flag(name: str, default: bool) -> bool:
     if v is None or not v.strip():
         return default
     return v.strip().lower() not in ("0", "false", "no", "off")
+
+
+# How the process ends at STEPWATCH_STOP_AFTER_STEP (tests replace it).
+_exit: Callable[[int], Any] = os._exit
+
+
+def _stop_after_step() -> Optional[int]:
+    """``$STEPWATCH_STOP_AFTER_STEP``: end the process once this many steps have
+    ended (``stepwatch preflight`` sets it); None when unset. A value that is no
+    whole number >= 1 is ignored, with one warning."""
+    v = os.environ.get("STEPWATCH_STOP_AFTER_STEP")
+    if v is None or not v.strip():
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n >= 1:
+        return n
+    if v not in _WARNED_STOP_VALUES:
+        _WARNED_STOP_VALUES.add(v)
+        log.warning(
+            "stepwatch: STEPWATCH_STOP_AFTER_STEP=%r is not a step number (a whole number "
+            ">= 1); ignored",
+            v,
+        )
+    return None
+
+
+_WARNED_STOP_VALUES: Set[str] = set()
 
 
 def _oom_flush_timeout() -> float:
