@@ -8,7 +8,7 @@
 mod alerts;
 pub mod config;
 mod csi;
-mod exporter;
+mod export;
 mod http;
 mod ingest;
 mod listen;
@@ -17,7 +17,6 @@ mod record;
 mod slurm;
 mod state;
 mod ui;
-mod views;
 mod workload;
 
 pub use metrics::reference_table as metrics_reference;

@@ -173,7 +173,7 @@ pub struct AgentState {
     /// Slurm job attribution (`--slurm-job-mapping-dir`), once set.
     pub slurm: OnceLock<crate::slurm::Slurm>,
     /// Each rank's `/metrics` view, kept between scrapes.
-    pub(crate) views: crate::views::RankViews,
+    pub(crate) views: crate::export::RankViews,
 }
 
 impl AgentState {

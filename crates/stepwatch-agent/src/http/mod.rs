@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use stepwatch_core::{GpuSample, RankKey, RankState, StepRecord, Tracker};
 use stepwatch_proto::clock::monotonic_ns;
 
-use crate::exporter;
+use crate::export;
 use crate::listen::Limited;
 use crate::state::AgentState;
 
@@ -91,7 +91,7 @@ pub fn router(state: Arc<AgentState>, routes: Routes) -> Router {
 }
 
 async fn metrics(State(state): State<Arc<AgentState>>) -> Response {
-    let body = off_runtime(state, exporter::render).await;
+    let body = off_runtime(state, export::render).await;
     (
         [(
             header::CONTENT_TYPE,

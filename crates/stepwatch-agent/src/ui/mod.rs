@@ -13,9 +13,9 @@ use axum::Router;
 use crate::state::AgentState;
 
 /// The page; its script and style are the two assets below.
-const INDEX_HTML: &str = include_str!("ui/index.html");
-const APP_JS: &str = include_str!("ui/app.js");
-const STYLE_CSS: &str = include_str!("ui/style.css");
+const INDEX_HTML: &str = include_str!("index.html");
+const APP_JS: &str = include_str!("app.js");
+const STYLE_CSS: &str = include_str!("style.css");
 
 /// `/`, `/ui/app.js` and `/ui/style.css`. `no-cache`: a browser asks again
 /// after an agent upgrade (the assets are a few kilobytes; the data the page

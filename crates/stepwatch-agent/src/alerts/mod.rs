@@ -737,7 +737,7 @@ mod tests {
     /// Alertmanager would hold two alerts, and page twice.
     #[test]
     fn the_agents_alerts_have_the_rules_names_labels_and_severities() {
-        let rules = include_str!("../../../deploy/prometheus/stepwatch-rules.yml");
+        let rules = include_str!("../../../../deploy/prometheus/stepwatch-rules.yml");
         let cases = [
             (STEP2_OOM_ALERT, "warning", &RANK_ALERT_LABELS[..]),
             (LOW_HEADROOM_ALERT, "warning", &RANK_ALERT_LABELS[..]),

@@ -20,7 +20,10 @@ use stepwatch_proto::clock::monotonic_ns;
 use crate::config::RankPhaseSeries;
 use crate::metrics::{self, MetricDef, MetricKind};
 use crate::state::AgentState;
-use crate::views::TrackerSnapshot;
+mod views;
+
+pub(crate) use views::RankViews;
+use views::TrackerSnapshot;
 
 /// One rendered family: its name (the exposition is sorted by it) and its
 /// text, `# HELP` and `# TYPE` lines included.
