@@ -2,17 +2,17 @@
 //! NVML and simulated ranks as processes, and how well the step-2
 //! prediction did.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
-use fake_nvml::{FakeNvml, GpuSpec};
+use fake_nvml::GpuSpec;
 use serde_json::Value;
 use stepwatch_sim::Scenario;
 
 use stepwatch::http_get;
+
+use crate::fake_agent::{self, FakeAgent};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchArgs {
@@ -144,13 +144,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
 }
 
-/// A fresh agent on `gpus` fake GPUs in its own temp dir.
-struct BenchAgent {
-    child: Killed,
-    http: SocketAddr,
-    endpoint: String,
-    _dir: tempfile::TempDir,
-}
+/// A fresh agent on fake GPUs in its own temp dir.
+type BenchAgent = FakeAgent;
 
 fn start_agent(
     tag: &str,
@@ -168,50 +163,15 @@ fn start_agent_with(
     agent_bin: Option<&Path>,
     extra: &[String],
 ) -> anyhow::Result<(BenchAgent, PathBuf)> {
-    let exe = match agent_bin {
-        Some(bin) => bin.to_path_buf(),
-        None => std::env::current_exe()?,
+    let opts = fake_agent::Options {
+        record,
+        agent_bin,
+        extra,
+        ..Default::default()
     };
-    let lib = fake_nvml::find_cdylib()
-        .context("libfake_nvml.so not found next to the binary; run cargo build")?;
-    let temp = tempfile::Builder::new()
-        .prefix(&format!("stepwatch-bench-{tag}-"))
-        .tempdir()?;
-    let dir = temp.path().to_owned();
-    FakeNvml::create(&dir, specs)?;
-    let http: SocketAddr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
-    let socket = dir.join("agent.sock");
-    let child = Killed(
-        Command::new(&exe)
-            .arg("agent")
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--http-listen")
-            .arg(http.to_string())
-            .arg("--nvml-lib")
-            .arg(&lib)
-            .args(["--process-interval", "200ms", "--node-name", "bench"])
-            .args(extra)
-            .args(record.map(|r| {
-                let mut a = std::ffi::OsString::from("--record=");
-                a.push(r);
-                a
-            }))
-            .env(fake_nvml::STATE_DIR_ENV, &dir)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("agent.log"))?)
-            .spawn()?,
-    );
-    wait_ready(http, &dir.join("agent.log"))?;
-    Ok((
-        BenchAgent {
-            child,
-            http,
-            endpoint: format!("unix://{}", socket.display()),
-            _dir: temp,
-        },
-        dir,
-    ))
+    let agent = FakeAgent::start(&format!("bench-{tag}"), specs, &opts)?;
+    let dir = agent.dir.clone();
+    Ok((agent, dir))
 }
 
 /// The markers of one step with one micro-batch, in order, as the wire
@@ -989,30 +949,4 @@ fn spawn_sim(exe: &Path, spec: &SimSpec, endpoint: &str, dir: &Path) -> anyhow::
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?)
-}
-
-fn wait_ready(addr: SocketAddr, log: &Path) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        // Ready and sampling: /readyz is 200 without NVML too.
-        if let Ok((200, body)) = http_get::get(addr, "/readyz") {
-            if body.lines().any(|l| l == "nvml: up") {
-                return Ok(());
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    anyhow::bail!(
-        "agent not ready: {}",
-        std::fs::read_to_string(log).unwrap_or_default()
-    )
-}
-
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }

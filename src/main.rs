@@ -6,6 +6,10 @@
 mod bench;
 #[cfg(feature = "dev-tools")]
 mod demo;
+#[cfg(feature = "dev-tools")]
+mod fake_agent;
+#[cfg(feature = "dev-tools")]
+mod preflight;
 mod replay_record;
 #[cfg(feature = "dev-tools")]
 mod sim;
@@ -43,6 +47,11 @@ enum Command {
     #[cfg(feature = "dev-tools")]
     /// Benchmarks that need the whole system (e.g. `bench accuracy`).
     Bench(bench::BenchArgs),
+    #[cfg(feature = "dev-tools")]
+    /// Will this training script run out of GPU memory on that GPU? Runs it
+    /// for a few steps on fake GPUs of that model (fake CUDA, an agent) and
+    /// says, before the job is queued. Needs no GPU.
+    Preflight(preflight::PreflightArgs),
     /// Replay an agent's `--record` file through the step model: each rank's
     /// prediction made before step 2 against the steady-state peak after it.
     ReplayRecord(replay_record::ReplayRecordArgs),
@@ -70,6 +79,8 @@ fn main() -> anyhow::Result<()> {
         Command::FakeGpu(args) => sim::fake_gpu(args),
         #[cfg(feature = "dev-tools")]
         Command::Bench(args) => bench::run(args),
+        #[cfg(feature = "dev-tools")]
+        Command::Preflight(args) => std::process::exit(preflight::main(args)),
         Command::ReplayRecord(args) => replay_record::run(args),
     }
 }

@@ -1,0 +1,342 @@
+//! Preflight's verdict per rank, and the report as text and as JSON.
+
+use serde_json::{json, Value};
+
+use super::gpus::{gib, GpuModel};
+
+/// Below this share of the usable memory to spare, a fit is not good enough:
+/// the agent's `low_observed_headroom` advisory and the accuracy bench's false-alarm
+/// line use the same 5%.
+pub const MIN_HEADROOM: f64 = 0.05;
+
+/// What the fake cannot see: said in every report.
+pub const BLIND_SPOTS: &[&str] = &[
+    "cuDNN workspaces (cuDNN is off on fake CUDA; a real H100/H200 runs cuDNN attention and convolutions)",
+    "NCCL's buffers beyond --nccl-bytes (each communicator takes that much; real NCCL takes what its settings say)",
+    "data-dependent shapes: device reads are zeros (nonzero, MoE routing, masks read back, GradScaler's inf check)",
+    "torch.compile, Triton, CUDA graphs and the cudaMallocAsync backend (not available: a script using them fails here)",
+    "memory other processes on the real GPU hold",
+];
+
+/// How one rank's run ended on the fake GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Ran every step with at least 5% of the usable memory to spare.
+    Fits,
+    /// Ran every step with under 5% to spare.
+    Tight,
+    /// Ran out of memory in this step (0: before step 1's first marker).
+    Oom(u64),
+    /// Stopped before its last step because another rank ran out of memory.
+    Aborted,
+}
+
+impl Verdict {
+    pub fn text(self) -> String {
+        match self {
+            Verdict::Fits => "fits".into(),
+            Verdict::Tight => "fits with under 5% to spare".into(),
+            Verdict::Oom(2) => "step-2 OOM: step 1 fits, step 2 runs out of memory".into(),
+            Verdict::Oom(0) => "OOM before step 1 ended (model or data set-up)".into(),
+            Verdict::Oom(1) => "OOM in step 1".into(),
+            Verdict::Oom(n) => format!("OOM in step {n}"),
+            Verdict::Aborted => "stopped when another rank ran out of memory".into(),
+        }
+    }
+
+    pub fn key(self) -> &'static str {
+        match self {
+            Verdict::Fits => "fits",
+            Verdict::Tight => "under_5_percent",
+            Verdict::Oom(2) => "step2_oom",
+            Verdict::Oom(_) => "oom",
+            Verdict::Aborted => "aborted",
+        }
+    }
+
+    pub fn ok(self) -> bool {
+        self == Verdict::Fits
+    }
+}
+
+/// One rank, measured.
+#[derive(Debug, Clone, Default)]
+pub struct RankResult {
+    pub rank: u32,
+    pub gpu_uuid: String,
+    /// Steps the rank completed.
+    pub steps_completed: u64,
+    /// The step it ran out of memory in (agent's OOM marker or the process's output).
+    pub oom_step: Option<u64>,
+    /// Stopped early because another rank ran out of memory.
+    pub aborted: bool,
+    /// The GPU's peak during step 1 (fake CUDA's usage log).
+    pub step1_peak_bytes: Option<u64>,
+    /// The GPU's peak from step 2's begin to the last step's end (fake CUDA's usage log).
+    pub steady_peak_bytes: Option<u64>,
+    /// The agent's prediction, frozen before step 2 began.
+    pub predicted_peak_bytes: Option<u64>,
+    pub prediction_basis: Option<String>,
+    pub predicted_oom: bool,
+    pub explanation: Option<String>,
+    /// `what_would_fit` of the prediction.
+    pub what_would_fit: Value,
+    /// (kind, message) of every advisory the agent sent the rank.
+    pub advisories: Vec<(String, String)>,
+}
+
+impl RankResult {
+    pub fn verdict(&self, usable: u64) -> Verdict {
+        if let Some(step) = self.oom_step {
+            return Verdict::Oom(step);
+        }
+        if self.aborted {
+            return Verdict::Aborted;
+        }
+        match self.headroom(usable) {
+            Some(h) if h < MIN_HEADROOM => Verdict::Tight,
+            _ => Verdict::Fits,
+        }
+    }
+
+    /// Share of the usable memory the steady peak leaves free.
+    pub fn headroom(&self, usable: u64) -> Option<f64> {
+        self.steady_peak_bytes
+            .map(|p| (usable as f64 - p as f64) / usable.max(1) as f64)
+    }
+
+    /// The prediction's error against the steady peak.
+    pub fn prediction_error(&self) -> Option<f64> {
+        match (self.predicted_peak_bytes, self.steady_peak_bytes) {
+            (Some(p), Some(a)) if a > 0 => Some((p as f64 - a as f64) / a as f64),
+            _ => None,
+        }
+    }
+}
+
+/// Everything the report says.
+pub struct Report<'a> {
+    pub command: &'a [String],
+    pub gpu: &'a GpuModel,
+    pub gpus: u32,
+    pub steps: u64,
+    pub seconds: f64,
+    pub ranks: &'a [RankResult],
+}
+
+impl Report<'_> {
+    /// The job's verdict: the worst rank's.
+    pub fn exit_status(&self) -> i32 {
+        let usable = self.gpu.usable_bytes();
+        if !self.ranks.is_empty() && self.ranks.iter().all(|r| r.verdict(usable).ok()) {
+            0
+        } else {
+            1
+        }
+    }
+
+    pub fn text(&self) -> String {
+        use std::fmt::Write as _;
+        let usable = self.gpu.usable_bytes();
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "stepwatch preflight: {}\n  on {} x {} ({} usable of {} total), {} steps, {:.0} s",
+            self.command.join(" "),
+            self.gpus,
+            self.gpu.name,
+            gib(usable),
+            gib(self.gpu.total_bytes),
+            self.steps,
+            self.seconds
+        );
+        let opt = |b: Option<u64>| b.map_or("-".to_string(), gib);
+        for r in self.ranks {
+            let v = r.verdict(usable);
+            let _ = writeln!(o, "\nrank {}: {}", r.rank, v.text().to_uppercase());
+            let _ = writeln!(o, "  step-1 peak          {}", opt(r.step1_peak_bytes));
+            let pred = match (r.predicted_peak_bytes, &r.prediction_basis) {
+                (Some(p), Some(b)) => format!(
+                    "{} ({b}{})",
+                    gib(p),
+                    if r.predicted_oom {
+                        ", step-2 OOM predicted"
+                    } else {
+                        ""
+                    }
+                ),
+                (Some(p), None) => gib(p),
+                _ => "none (the agent made no prediction during step 1)".into(),
+            };
+            let _ = writeln!(o, "  predicted in step 1  {pred}");
+            match (r.steady_peak_bytes, r.oom_step) {
+                (_, None) if r.aborted => {
+                    let _ = writeln!(o, "  steady peak          - (stopped with the job)");
+                }
+                (_, Some(step)) => {
+                    let _ = writeln!(
+                        o,
+                        "  steady peak          - (ran out of memory in step {step})"
+                    );
+                }
+                (Some(p), None) => {
+                    let err = r
+                        .prediction_error()
+                        .map(|e| format!(", prediction {:+.2}%", e * 100.0))
+                        .unwrap_or_default();
+                    let _ = writeln!(
+                        o,
+                        "  steady peak          {} (steps 2-{}, fake CUDA{err})",
+                        gib(p),
+                        r.steps_completed
+                    );
+                    let _ = writeln!(
+                        o,
+                        "  headroom             {} ({:.1}%)",
+                        gib(usable.saturating_sub(p)),
+                        r.headroom(usable).unwrap_or(0.0) * 100.0
+                    );
+                }
+                (None, None) => {
+                    let _ = writeln!(o, "  steady peak          - (no step after step 1)");
+                }
+            }
+            let fit = advice(&r.what_would_fit);
+            if !fit.is_empty() {
+                let _ = writeln!(o, "  would fit            {}", fit.join("; "));
+            }
+            // The latest advisory of each kind (a revised prediction sends another).
+            for (i, (kind, message)) in r.advisories.iter().enumerate() {
+                if r.advisories[i + 1..].iter().all(|(k, _)| k != kind) {
+                    let _ = writeln!(o, "  advisory {kind}: {message}");
+                }
+            }
+        }
+        o.push_str("\nWhat the fake GPU cannot see (real runs need more than this):\n");
+        for s in BLIND_SPOTS {
+            let _ = writeln!(o, "  - {s}");
+        }
+        let _ = writeln!(
+            o,
+            "\nverdict: {} (exit status {})",
+            if self.exit_status() == 0 {
+                "fits"
+            } else {
+                "does not fit with 5% to spare"
+            },
+            self.exit_status()
+        );
+        o
+    }
+
+    pub fn json(&self) -> Value {
+        let usable = self.gpu.usable_bytes();
+        json!({
+            "command": self.command,
+            "gpu": {
+                "model": self.gpu.key,
+                "name": self.gpu.name,
+                "total_bytes": self.gpu.total_bytes,
+                "reserved_bytes": self.gpu.reserved_bytes,
+                "usable_bytes": usable,
+                "count": self.gpus,
+            },
+            "steps": self.steps,
+            "seconds": (self.seconds * 100.0).round() / 100.0,
+            "exit_status": self.exit_status(),
+            "fits": self.exit_status() == 0,
+            "ranks": self.ranks.iter().map(|r| {
+                let v = r.verdict(usable);
+                json!({
+                    "rank": r.rank,
+                    "gpu_uuid": r.gpu_uuid,
+                    "verdict": v.key(),
+                    "verdict_text": v.text(),
+                    "oom_step": r.oom_step,
+                    "steps_completed": r.steps_completed,
+                    "step1_peak_bytes": r.step1_peak_bytes,
+                    "predicted_peak_bytes": r.predicted_peak_bytes,
+                    "prediction_basis": r.prediction_basis,
+                    "predicted_oom": r.predicted_oom,
+                    "prediction_error": r.prediction_error(),
+                    "explanation": r.explanation,
+                    "steady_peak_bytes": r.steady_peak_bytes,
+                    "headroom_bytes": r.steady_peak_bytes.map(|p| usable as i64 - p as i64),
+                    "headroom_fraction": r.headroom(usable),
+                    "what_would_fit": r.what_would_fit,
+                    "advisories": r.advisories.iter().map(|(k, m)| json!({"kind": k, "message": m})).collect::<Vec<_>>(),
+                })
+            }).collect::<Vec<_>>(),
+            "cannot_see": BLIND_SPOTS,
+        })
+    }
+}
+
+/// The agent's `what_would_fit`, in words (only what it named).
+fn advice(fit: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(mb) = fit["fits_with_micro_batch_size"].as_u64() {
+        out.push(format!("micro-batch {mb}"));
+    }
+    if let Some(sf) = fit["fits_with_sharding_factor"].as_u64() {
+        out.push(format!("optimizer state sharded {sf} ways"));
+    }
+    if let Some(over) = fit["over_capacity_bytes"].as_u64() {
+        out.push(format!("{} over capacity", gib(over)));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn rank(steady: Option<u64>, oom: Option<u64>) -> RankResult {
+        RankResult {
+            steady_peak_bytes: steady,
+            oom_step: oom,
+            steps_completed: 3,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn verdicts() {
+        let usable = 100 * GIB;
+        assert_eq!(rank(Some(90 * GIB), None).verdict(usable), Verdict::Fits);
+        assert_eq!(rank(Some(96 * GIB), None).verdict(usable), Verdict::Tight);
+        assert_eq!(rank(None, Some(2)).verdict(usable), Verdict::Oom(2));
+        assert_eq!(Verdict::Oom(2).key(), "step2_oom");
+        assert_eq!(Verdict::Oom(0).key(), "oom");
+    }
+
+    #[test]
+    fn the_job_fits_only_when_every_rank_does_and_blind_spots_are_always_said() {
+        let gpu = super::super::gpus::with_capacity(100 * GIB);
+        let command = vec!["python".to_string(), "train.py".to_string()];
+        let ranks = [rank(Some(50 * GIB), None), rank(None, Some(2))];
+        let report = Report {
+            command: &command,
+            gpu: &gpu,
+            gpus: 2,
+            steps: 3,
+            seconds: 1.0,
+            ranks: &ranks,
+        };
+        assert_eq!(report.exit_status(), 1);
+        let text = report.text();
+        assert!(text.contains("STEP-2 OOM"), "{text}");
+        assert!(text.contains("cuDNN workspaces"), "{text}");
+        let j = report.json();
+        assert_eq!(j["ranks"][1]["verdict"], "step2_oom");
+        assert_eq!(j["cannot_see"].as_array().unwrap().len(), BLIND_SPOTS.len());
+        let fits = Report {
+            ranks: &ranks[..1],
+            ..report
+        };
+        assert_eq!(fits.exit_status(), 0);
+        assert!(fits.text().contains("cuDNN workspaces"));
+    }
+}
