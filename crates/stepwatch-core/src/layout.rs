@@ -4,119 +4,38 @@
 //! Without an allocator trace the prediction sees only phase-boundary
 //! figures, which cannot show where the optimizer state landed. PyTorch's
 //! caching allocator serves new state from the cached blocks backward freed
-//! (best fit), splitting them; in step 2 the activations come back at their
-//! old sizes and no longer fit there, so the allocator reserves new
-//! segments although the allocated peak fits. Two snapshots show it:
+//! (best fit, splitting them); in step 2 the activations come back at their
+//! old sizes and no longer fit there, so the allocator reserves new segments
+//! although the allocated peak fits. The two snapshots show it:
 //!
 //! ```text
-//! requests = per large-pool segment (default pool) with a free block at
-//!            optimizer begin: the whole segment when it is not a 20 MiB
-//!            one, else each of its free blocks; largest first
-//! new      = reserved after serving them from the layout at optimizer end
-//!            (the caching allocator's model: best fit, splitting, rounding)
+//! requests = per large-pool segment with a free block at optimizer begin:
+//!            the whole segment unless it is a 20 MiB one, else each of its
+//!            free blocks; largest first
+//! new      = reserved after serving them from the end layout (the caching
+//!            allocator's model: best fit, splitting, rounding)
 //!            − reserved at optimizer end
 //! ```
 //!
-//! PyTorch gives a request over 10 MiB a segment of its own size (rounded
-//! to 2 MiB) and one of 1 to 10 MiB a 20 MiB segment (`kLargeBuffer`). So a
-//! segment of another size was made for one request of about its size,
-//! which step 2 makes again: its free part at optimizer begin may be less
-//! (a gradient, freed before step 2, took the rest in step 1's backward).
-//! A 20 MiB segment served several smaller requests; its free blocks, as
-//! backward left them coalesced, stand for them (one request each: the
-//! conservative reading). A segment the optimizer left alone serves its own
-//! request; one the state was carved out of needs a new segment unless
-//! another free block (a temporary the optimizer freed, the rest of a split
-//! one) is large enough. Expandable segments (one per pool, grown in place)
-//! count by their free blocks. Small-pool blocks (2 MiB segments) are left
-//! out: their requests are small and the model could not tell them from
-//! large ones by size.
+//! Decisions, each checked against exact step-2 replays of real PyTorch on
+//! fake CUDA (the figures are in the book's prediction page and BENCHMARKS):
 //!
-//! Checked on real PyTorch 2.15 on fake CUDA (`bench/torch-accuracy.sh
-//! --variants markers`, roomy runs, reserved growth in step 2 over step 1's
-//! end): GPT + AdamW 1208 MiB predicted, 1182 MiB real; SGD with momentum
-//! 720 / 788 (Lightning: below); with each free block as one request
-//! instead, 1030 and 523. Those totals agree better than the
-//! segments behind them: for GPT + AdamW (fit-2% run of commit 3344016)
-//! the rule reserved two 394 MiB logits segments and 18 small ones (1184
-//! MiB), step 2 three logits segments (1182). What grows after step 2 (Lightning and expandable segments: one
-//! logits-sized block in step 3) depends on where step 2's backward put
-//! the gradients it made again (in the free block of a logits segment, in
-//! the range a logits block had in an expandable segment), which step 1's
-//! layouts do not show.
-//!
-//! The rule that a segment the optimizer left alone serves only its own
-//! request leans on the gradients: step 2 frees them before its forward, on
-//! the stream that made them, and the requests the state displaced land
-//! there. Where the gradients live on another stream (FSDP2 reduce-scatters
-//! them on its own), nothing frees room on the default stream: the
-//! displaced requests take, best fit, the free blocks of segments the
-//! optimizer left alone, whose own requests then take the next larger ones,
-//! until the last and largest requests of the forward (the logits) find
-//! their segments split. [`step2_new_segments_with`] models that when told
-//! the gradients' bytes: the displaced requests and the left-alone
-//! segments' free blocks in the forward's order, smallest first (its
-//! layers' activations come before the logits), all served from the whole
-//! end layout. FSDP2 on 4 ranks (real PyTorch 2.15 on fake CUDA,
-//! `bench/torch-accuracy.sh --jobs fsdp2-4 --variants markers`): step 2
-//! reserved three new 394 MiB logits segments (1239 MB); the rule above
-//! found 795 MB (−5.86% on the device peak), this one 1239 MB.
-//!
-//! Nothing frees room either when step 1's gradients live through step 2's
-//! forward on the default stream: Lightning's closure sets them to None
-//! only before backward, `zero_grad(set_to_none=False)` keeps them
-//! ([`LayoutContext::gradients_alive_in_forward`]); the same model holds.
-//! `lightning-gpt` (fit-2% run of commit 3344016): step 2 reserved 2 × 394,
-//! 2 × 198, 74 and 32 MiB segments and 182 MiB of small ones; this model
-//! finds the six large ones (1290 MiB), largest first found one 394, one
-//! 198 and 34 small ones (1284 MiB). It misses the small ones: its small
-//! requests fit the large free blocks, for it does not see the activations
-//! whose step-1 blocks a gradient holds (four of the eleven that took a new
-//! segment; the state holds the other seven's), and which allocated blocks
-//! are gradients the layouts do not say. The same job with 8 layers and
-//! batch 6
-//! (`tests/fixtures/torch-lightning-l8b6-markers-fit10pct.jsonl`): two new
-//! 590 MiB logits segments; −5.18% → +1.58% on the device peak.
-//!
-//! Where the client flagged the gradients' blocks
-//! ([`crate::allocator::BlockLayout::gradient`], the Python client does) and
-//! step 2 frees them before its forward (set to None), the two errors the
-//! rules above cancel on GPT (the gradients kept in place; a left-alone
-//! segment serving only its own request) are both undone: step 2's
-//! forward puts its first activations into the large free blocks, the
-//! 394 MiB segment the optimizer never touched and the freed 147 MiB
-//! embedding gradient, and its logits-sized requests, last, find nothing.
-//! So: the end layout less the gradients serves every segment's request
-//! (the left-alone segments' free blocks are requests too, as in the FSDP2
-//! chain), in the order step 1 made the segments (highest address first:
-//! CUDA hands out a new segment below the older ones), within what step 1
-//! held at once: a request that would take the blocks held past step 1's
-//! allocated peak before its optimizer plus the state (less the small
-//! pool) frees the oldest requests first, for they were gone by then (a
-//! CNN's forward allocates and frees a 32 MiB workspace again and again:
-//! all its uses alive at once cascade into a new 392 MiB segment that
-//! step 2 never makes). Against the exact step-2 replay of kept trace
-//! records (`examples/layout_probe.rs`, `VAR=v3,capold,exact`; real PyTorch
-//! 2.15 on fake CUDA), reserved error on the steady peak, the rules above →
-//! this one: gpt-adamw +0.04 → 0.00%, gpt-bf16-autocast +6.16 → −0.05,
-//! gpt-bf16-weights +3.05 → 0.00, gpt-fp32 +4.50 → +0.17,
-//! gpt-sgd-momentum −2.13 → 0.00, hf-trainer-llama +0.88 → 0.00,
-//! cnn-batchnorm +2.03 → 0.00 (all alive at once: +10.2). Without the
-//! limit the rule over-counts wherever a forward frees as it goes, and the
-//! oldest-first choice of what it frees is the model's guess, not read
-//! from the layouts. On real runs (`bench/torch-accuracy.sh --variants
-//! markers`, the client's flags) the markers-only median went from 1.28% to
-//! 0.05%; `gpt-bf16-autocast` +5.40% → −0.05%, `cnn-batchnorm` +1.79% →
-//! +1.45%. Under gradient accumulation and DDP's bucket rebuild the
-//! snapshots stay set aside (`crate::predict`).
-//!
-//! Given the most the allocator may reserve, the new segments stop at it:
-//! past it PyTorch releases its free cached segments and retries before it
-//! fails, and what that recovers the layouts cannot show (the requests are
-//! served as if all alive at once, which they are not). Whether step 2 fits
-//! is then left to the allocated figures. FSDP2's fragmentation run (same
-//! source): 1239 MB uncapped would put the prediction 8.5% over the device
-//! peak, which fitted after the allocator released its cache.
+//! * A segment of another size than 20 MiB was made for one request of
+//!   about its size, which step 2 makes again; a 20 MiB segment's free
+//!   blocks stand for the smaller requests it served (the conservative
+//!   reading). Small-pool blocks are left out.
+//! * When nothing frees room on the default stream before step 2's forward
+//!   (FSDP2's gradients on their own stream, gradients kept alive through
+//!   the forward), the displaced requests chain through the left-alone
+//!   segments' free blocks ([`step2_new_segments_with`]).
+//! * Where the client flags gradient blocks and step 2 frees them first, the
+//!   end layout less the gradients serves every segment's request in the
+//!   order step 1 made the segments, within what step 1 held at once
+//!   ([`LayoutContext`]): serving all as if alive together over-counts
+//!   wherever a forward frees as it goes.
+//! * Given the most the allocator may reserve, new segments stop there:
+//!   past it PyTorch releases its cache and retries, which the layouts
+//!   cannot show, so whether step 2 fits is left to the allocated figures.
 
 use serde::{Deserialize, Serialize};
 

@@ -311,7 +311,7 @@ pub enum LayoutSetAside {
     /// DDP rebuilds its buckets at step 2's first forward: the old bucket's
     /// block, freed then, serves step 2's activations. Playing the rebuild
     /// inside the rule (old bucket freed, new buckets allocated before the
-    /// requests) does not rescue it: on the kept markers runs of 2026-12-02
+    /// requests) does not rescue it: on kept markers runs
     /// (real PyTorch 2.15 on fake CUDA, `stepwatch replay-record`) it gives
     /// +0.5% on `ddp-2` and on `ddp-uneven`'s larger rank but +25% on the
     /// smaller one (1,416 MiB of new segments where PyTorch made 396; +21%

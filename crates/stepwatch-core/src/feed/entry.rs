@@ -36,7 +36,7 @@ pub enum RecordEntry<'a> {
         /// The run its stream's hello named ([`RankInfo::run_id`]): the
         /// tracker refuses a batch of a run the rank has left
         /// ([`crate::Tracker::run_markers`]). Empty for older clients, and in
-        /// records of agents before 2026-12-02's sixth session.
+        /// records of older agents.
         #[serde(default, skip_serializing_if = "str::is_empty")]
         run_id: Cow<'a, str>,
     },
@@ -188,7 +188,7 @@ impl RecordEntry<'_> {
     }
 }
 
-/// An entry's trace as records hold it. Records of agents from 2026-12-02
+/// An entry's trace as records hold it. Records of older agents
 /// before the rebuild moved into the plan held DDP's bucket rebuild inside
 /// the trace: such a trace is refused by name rather than replayed without
 /// it, which would silently give other figures.
@@ -208,7 +208,7 @@ fn trace_as_recorded<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Allocator
     let r = Recorded::deserialize(d)?;
     if r.ddp_bucket_rebuild.is_some() {
         return Err(serde::de::Error::custom(
-            "the trace holds ddp_bucket_rebuild: an agent of 2026-12-02 wrote this \
+            "the trace holds ddp_bucket_rebuild: an older agent wrote this \
              record with the DDP bucket rebuild inside the trace; move it out of \
              `trace` into its allocator_trace entry to replay the record",
         ));

@@ -500,7 +500,7 @@ mod tests {
 
     #[test]
     fn a_record_with_the_rebuild_inside_its_trace_is_refused_by_name() {
-        // As agents of 2026-12-02 wrote it before the rebuild joined the plan.
+        // As older agents wrote it, before the rebuild joined the plan.
         let line = r#"{"allocator_trace":{"at_ns":5,"key":{"job":"j","rank":0},"grads_persistent":false,"reserved_limit":null,"trace":{"step":1,"segments":[],"events":[],"ddp_bucket_rebuild":{"old_bucket_bytes":[1],"new_bucket_bytes":[1]}}}}"#;
         let e = serde_json::from_str::<RecordEntry>(line).unwrap_err();
         assert!(e.to_string().contains("move it out of `trace`"), "{e}");
