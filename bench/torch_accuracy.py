@@ -47,6 +47,25 @@ client's default; variant ``trace``) and with markers only
    (marker batch or allocator trace) it was judged on, which gives the last
    marker the agent had applied when it sent it (``warning_at``).
 
+5. Sets. Every job of ``jobs.json`` is in the tuning or the held-out set
+   (``"set"``, fixed by ``bench/torch-jobs/split.py``); ``--set`` runs one of
+   them. Each row carries its job's set, and everything below is reported per
+   set: the per-variant summary, the targets, and a table of median and max
+   |error|, step-2 OOMs warned and false alarms per set and estimator, also
+   written to ``<out>-summary.json`` (``target/torch-accuracy-summary.json``).
+6. Peers (unless ``--no-peers``). Each job runs once more on a roomy GPU, two
+   steps, with ``bench/peers/sitecustomize.py`` loaded: at the job's
+   ``watch()`` (or callback) it starts PyTorch's
+   ``torch.distributed._tools.mem_tracker.MemTracker`` (its peak over steps 1
+   and 2) and computes ``accelerate estimate-memory``'s training estimate for
+   the model (``accelerate.commands.estimate``: float32 row, or the bfloat16
+   row when step 1's forward runs under autocast). Neither knows the capacity,
+   so each estimate is judged on every trace row of its job and rank like a
+   prediction: ``error`` where the run fit, ``warned`` when the estimate
+   exceeds the usable memory (an OOM caught, or a false alarm at >= 5% true
+   headroom). Rows get ``peers``. A peer that fails on a job (MemTracker cannot
+   hook frozen parameters) has no estimate there.
+
 Definitions (per rank and run):
 
 - ``capacity_bytes``: the fake GPU's NVML total; ``usable_bytes`` = total minus
@@ -103,6 +122,14 @@ GIB = 1 << 30
 # fake-nvml's DEFAULT_RESERVED_BYTES: NVML v2 `reserved`, outside `used` and `free`.
 DRIVER_RESERVED_BYTES = 512 * MIB
 VARIANTS = ("trace", "markers")
+# The fixed split of bench/torch-jobs/jobs.json (bench/torch-jobs/split.py); each set is
+# reported apart.
+SETS = ("tuning", "held_out")
+# Peer estimators, run once per job on a roomy GPU (bench/peers/sitecustomize.py).
+PEERS = {
+    "memtracker": "torch MemTracker (2 steps)",
+    "accelerate": "accelerate estimate-memory",
+}
 # variant -> (median |error| target, max |error| target)
 ERROR_TARGETS = {"trace": (0.01, 0.03), "markers": (0.02, 0.05)}
 FALSE_ALARM_HEADROOM = 0.05
@@ -146,6 +173,8 @@ class Job:
     env: Dict[str, str]
     steps: int
     covers: str
+    set: Optional[str] = None  # "tuning" | "held_out" (bench/torch-jobs/split.py); None: unsplit
+    family: str = ""
 
     @staticmethod
     def load(path: Path, repo: Path) -> List[Job]:
@@ -165,6 +194,9 @@ class Job:
                 covers = j.get("covers", "")
                 if isinstance(covers, list):
                     covers = ", ".join(str(c) for c in covers)
+                job_set = j.get("set")
+                if job_set is not None and job_set not in SETS:
+                    raise ValueError(f"set {job_set!r} is none of {', '.join(SETS)}")
                 jobs.append(
                     Job(
                         name=str(j["name"]),
@@ -174,6 +206,8 @@ class Job:
                         env={str(k): str(v) for k, v in (j.get("env") or {}).items()},
                         steps=int(j["steps"]),
                         covers=str(covers),
+                        set=job_set,
+                        family=str(j.get("family", "")),
                     )
                 )
             except (KeyError, TypeError, ValueError) as e:
@@ -507,6 +541,8 @@ class Harness:
         self.runs_done = 0
         self.lock = threading.Lock()
         self.phase_totals: Dict[str, float] = {}
+        # job -> rank -> what each peer estimator said (peer_run)
+        self.peers: Dict[str, Dict[int, Dict[str, Any]]] = {}
         self.fake_cuda = Path(opts.fake_cuda)
         try:
             self.bin, self.nvml_lib = self._agent_binary(Path(opts.bin))
@@ -687,6 +723,88 @@ class Harness:
             rc = stop(p)
         return (rc if rc is not None else -1), timed_out
 
+    def peer_run(self, job: Job) -> Dict[int, Dict[str, Any]]:
+        """The peer estimators on one run of the job on a roomy fake GPU, without an agent
+        (bench/peers/sitecustomize.py, 2 steps): per rank, what each estimated."""
+        with self.lock:
+            self.runs_done += 1
+            n = self.runs_done
+        rundir = self.work / f"r{n:03d}-peers"
+        rundir.mkdir()
+        nvml_dir = rundir / "nvml"
+        out_dir = rundir / "peers"
+        out_dir.mkdir()
+        total = int(self.opts.calibration_gib * GIB) + DRIVER_RESERVED_BYTES
+        init = subprocess.run(
+            [str(self.bin), "fake-gpu", "--dir", str(nvml_dir), "init"]
+            + ["--gpus", str(job.nproc), "--total-gib", repr(total / GIB)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if init.returncode != 0:
+            raise HarnessError(f"fake-gpu init failed: {init.stderr.strip()}")
+        env = dict(os.environ)
+        for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "STEPWATCH_ALLOCATOR_TRACE"):
+            env.pop(v, None)
+        pythonpath = os.pathsep.join([str(self.repo / "bench/peers"), str(self.repo / "python")])
+        if env.get("PYTHONPATH"):
+            pythonpath += os.pathsep + env["PYTHONPATH"]
+        env.update(
+            PYTHONPATH=pythonpath,
+            PYTHONUNBUFFERED="1",
+            STEPWATCH_ENDPOINT=f"unix://{rundir / 'no-agent.sock'}",
+            STEPWATCH_ALLOCATOR_TRACE="0",
+            STEPWATCH_FAKE_NVML_DIR=str(nvml_dir),
+            STEPWATCH_PEER_OUT=str(out_dir),
+        )
+        env.update(job.env)
+        cmd = [str(self.python)]
+        if job.nproc > 1:
+            cmd += ["-m", "torch.distributed.run", "--standalone"]
+            cmd += ["--nproc-per-node", str(job.nproc)]
+        cmd += [str(job.script)] + job.args + ["--steps", "2"]
+        wrap = [str(self.fake_cuda), "run", "--python", str(self.python)]
+        wrap += ["--gpus", str(job.nproc), "--quiet"]
+        if self.opts.kernel_time != "0":
+            wrap += ["--kernel-time", self.opts.kernel_time]
+        cmd = wrap + ["--"] + cmd
+        (rundir / "cmd").write_text(" ".join(cmd) + "\n")
+        t0 = time.monotonic()
+        with open(rundir / "job.out", "wb") as out, open(rundir / "job.err", "wb") as err:
+            p = start(cmd, group=True, stdout=out, stderr=err, env=env, cwd=str(self.repo))
+            try:
+                p.wait(self.opts.run_timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            rc = stop(p)
+        seconds = time.monotonic() - t0
+        with self.lock:
+            self.phase_totals["peers"] = self.phase_totals.get("peers", 0.0) + seconds
+        results: Dict[int, Dict[str, Any]] = {}
+        for rank in range(job.nproc):
+            f = out_dir / f"peer-{rank}.json"
+            try:
+                results[rank] = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+        if timed_out or rc != 0 or len(results) < job.nproc:
+            raise HarnessError(
+                f"{job.name} peers: the job ended with status {rc}"
+                + (" (timed out)" if timed_out else "")
+                + f", {len(results)} of {job.nproc} ranks wrote estimates; stderr:\n"
+                + tail(rundir / "job.err")
+            )
+        for rank, r in sorted(results.items()):
+            parts = []
+            for key, name in PEERS.items():
+                pred = (r.get(key) or {}).get("predicted_peak_bytes")
+                failed = r.get(f"{key}_failed")
+                parts.append(f"{name} {gib(pred)} GiB" + (f" (failed: {failed})" if failed else ""))
+            log(f"  run {n} (peers): {job.name} rank {rank}: {'; '.join(parts)} [{seconds:.1f} s]")
+        return results
+
     def _reports(self, agent: Agent, job: Job, job_id: str) -> Dict[int, Dict[str, Any]]:
         """Each rank's report, once its stream has closed (the agent has applied all of it)."""
         reports: Dict[int, Dict[str, Any]] = {}
@@ -728,6 +846,8 @@ class Harness:
     ) -> Dict[str, Any]:
         row: Dict[str, Any] = {
             "job": job.name,
+            "set": job.set,
+            "family": job.family,
             "variant": variant,
             "case": plan.case,
             "planned_as": plan.why,
@@ -1033,9 +1153,193 @@ def summarize(rows: List[Dict[str, Any]], variants: List[str]) -> Tuple[List[str
     return lines, missed
 
 
+def annotate_peers(rows: List[Dict[str, Any]], peers: Dict[str, Dict[int, Dict[str, Any]]]) -> None:
+    """Each row gets ``peers``: per peer estimator, its estimate for the row's job and rank
+    (made once, on a roomy GPU), judged against the row's capacity and outcome like ours:
+    ``error`` for runs that fit, ``warned`` when the estimate exceeds the usable memory."""
+    for row in rows:
+        got = peers.get(row["job"], {}).get(row["rank"])
+        if got is None:
+            row.pop("peers", None)
+            continue
+        out: Dict[str, Any] = {}
+        for key in PEERS:
+            pred = (got.get(key) or {}).get("predicted_peak_bytes")
+            entry: Dict[str, Any] = {"predicted_peak_bytes": pred, "error": None, "warned": False}
+            if got.get(f"{key}_failed"):
+                entry["failed"] = got[f"{key}_failed"]
+            if key == "accelerate" and got.get(key):
+                entry["row"] = got[key].get("row")
+            if key == "memtracker" and got.get(key):
+                entry["step1_peak_bytes"] = got[key].get("step1_peak_bytes")
+            if pred is not None:
+                entry["warned"] = pred > row["usable_bytes"]
+                if row["outcome"] == "fit" and row["actual_peak_bytes"]:
+                    entry["error"] = (pred - row["actual_peak_bytes"]) / row["actual_peak_bytes"]
+            out[key] = entry
+        row["peers"] = out
+
+
+def estimator_stats(rows: List[Dict[str, Any]], who: str) -> Dict[str, Any]:
+    """Median and max |error| over the runs that fit, step-2 OOMs warned before step 2
+    (ours) or caught (a peer's estimate above the usable memory), false alarms (warned,
+    and the run fit with >= 5% true headroom). ``who``: a variant (ours) or a peer key;
+    a peer is judged on the trace variant's rows (one per job, case and rank)."""
+    if who in VARIANTS:
+        vr = [r for r in rows if r["variant"] == who]
+
+        def pred(r: Dict[str, Any]) -> Optional[int]:
+            return r["predicted_peak_bytes"]
+
+        def err(r: Dict[str, Any]) -> Optional[float]:
+            return r["error"]
+
+        def warned(r: Dict[str, Any]) -> bool:
+            return bool(r["warned_before_step2"])
+
+        def alarm(r: Dict[str, Any]) -> bool:
+            return bool(r["false_alarm"])
+    else:
+        vr = [r for r in rows if r["variant"] == "trace" and "peers" in r]
+
+        def pred(r: Dict[str, Any]) -> Optional[int]:
+            return r["peers"][who]["predicted_peak_bytes"]
+
+        def err(r: Dict[str, Any]) -> Optional[float]:
+            return r["peers"][who]["error"]
+
+        def warned(r: Dict[str, Any]) -> bool:
+            return bool(r["peers"][who]["warned"])
+
+        def alarm(r: Dict[str, Any]) -> bool:
+            return (
+                warned(r)
+                and r["outcome"] == "fit"
+                and (r["true_headroom"] or 0) >= FALSE_ALARM_HEADROOM
+            )
+
+    fits = [r for r in vr if r["outcome"] == "fit"]
+    errs = [err(r) for r in fits if err(r) is not None]
+    ooms2 = [r for r in vr if r["outcome"] == "oom" and r["oom_step"] == 2]
+    worst = max(fits, key=lambda r: abs(err(r) or 0)) if errs else None
+    return {
+        "rank_runs": len(vr),
+        "jobs": len({r["job"] for r in vr}),
+        "fit": len(fits),
+        "fit_without_estimate": sum(1 for r in fits if pred(r) is None),
+        "median_abs_error": statistics.median(abs(e) for e in errs) if errs else None,
+        "max_abs_error": max(abs(e) for e in errs) if errs else None,
+        "median_error": statistics.median(errs) if errs else None,
+        "worst": None if worst is None else f"{worst['job']} {worst['case']} rank {worst['rank']}",
+        "step2_ooms": len(ooms2),
+        "step2_ooms_warned": sum(1 for r in ooms2 if warned(r)),
+        "step2_oom_unwarned": [
+            f"{r['job']} {r['case']} rank {r['rank']}" for r in ooms2 if not warned(r)
+        ],
+        "false_alarms": sum(1 for r in vr if alarm(r)),
+        "false_alarm_runs": [f"{r['job']} {r['case']} rank {r['rank']}" for r in vr if alarm(r)],
+    }
+
+
+def set_label(s: Optional[str]) -> str:
+    return s if s is not None else "unsplit"
+
+
+def sets_of(rows: List[Dict[str, Any]]) -> List[Optional[str]]:
+    present = {r.get("set") for r in rows}
+    return [s for s in (*SETS, None) if s in present]
+
+
+def summary_by_set(
+    rows: List[Dict[str, Any]], variants: List[str], peers: bool
+) -> Dict[str, Dict[str, Any]]:
+    """Per set, per estimator (our variants, then the peers): estimator_stats."""
+    out: Dict[str, Dict[str, Any]] = {}
+    whos = list(variants) + (list(PEERS) if peers else [])
+    for st in sets_of(rows):
+        srows = [r for r in rows if r.get("set") == st]
+        out[set_label(st)] = {w: estimator_stats(srows, w) for w in whos}
+    return out
+
+
+def set_table(summary: Dict[str, Dict[str, Any]]) -> str:
+    """One line per set and estimator: the figures the targets are judged on."""
+    names = {"trace": "stepwatch, trace", "markers": "stepwatch, markers only", **PEERS}
+    head = [
+        "set",
+        "estimator",
+        "jobs",
+        "runs fit",
+        "median |error|",
+        "max |error|",
+        "step-2 OOMs warned",
+        "false alarms (>= 5%)",
+    ]
+    body = []
+    for st, by in summary.items():
+        for who, x in by.items():
+            no_est = f" ({x['fit_without_estimate']} without)" if x["fit_without_estimate"] else ""
+            body.append(
+                [
+                    st,
+                    names.get(who, who),
+                    str(x["jobs"]),
+                    f"{x['fit']}{no_est}",
+                    pct(x["median_abs_error"], False),
+                    pct(x["max_abs_error"], False),
+                    f"{x['step2_ooms_warned']}/{x['step2_ooms']}",
+                    str(x["false_alarms"]),
+                ]
+            )
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in body]
+    return "\n".join(out)
+
+
+def job_table(rows: List[Dict[str, Any]], variants: List[str], peers: bool) -> str:
+    """One line per job: its set, our error range and warned step-2 OOMs per variant,
+    each peer's error range and caught step-2 OOMs."""
+    whos = list(variants) + (list(PEERS) if peers else [])
+    head = ["job", "set"]
+    for w in whos:
+        head += [f"{w} error", f"{w} OOMs"]
+    body = []
+    for job in dict.fromkeys(r["job"] for r in rows):
+        jr = [r for r in rows if r["job"] == job]
+        line = [job, set_label(jr[0].get("set"))]
+        for w in whos:
+            x = estimator_stats(jr, w)
+            if w in VARIANTS:
+                errs = [r["error"] for r in jr if r["variant"] == w and r["error"] is not None]
+            else:
+                errs = [
+                    r["peers"][w]["error"]
+                    for r in jr
+                    if r["variant"] == "trace"
+                    and "peers" in r
+                    and r["peers"][w]["error"] is not None
+                ]
+            if not errs:
+                rng = "-"
+            elif abs(max(errs) - min(errs)) < 5e-5:
+                rng = pct(errs[0])
+            else:
+                rng = f"{pct(min(errs))}..{pct(max(errs))}"
+            line += [rng, f"{x['step2_ooms_warned']}/{x['step2_ooms']}" if x["step2_ooms"] else "-"]
+        body.append(line)
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in body]
+    return "\n".join(out)
+
+
 def table(rows: List[Dict[str, Any]]) -> str:
     head = [
         "job",
+        "set",
         "variant",
         "case",
         "rank",
@@ -1063,6 +1367,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
         body.append(
             [
                 r["job"],
+                set_label(r.get("set")),
                 r["variant"],
                 r["case"],
                 str(r["rank"]),
@@ -1097,6 +1402,17 @@ def parse_args(argv: Optional[List[str]], repo: Path) -> argparse.Namespace:
         " did not come up); 2 on bad usage; 3 with --check when a target is missed.",
     )
     ap.add_argument("--jobs", help="comma-separated job names (default: all in the jobs file)")
+    ap.add_argument(
+        "--set",
+        help="comma-separated: tuning, held_out (the split in the jobs file;"
+        " bench/torch-jobs/split.py): only jobs of these sets (with --jobs: of both)",
+    )
+    ap.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="skip the peer estimators (torch MemTracker, accelerate estimate-memory): one"
+        " roomy run per job fewer",
+    )
     ap.add_argument("--list", action="store_true", help="list the jobs and exit")
     ap.add_argument(
         "--check", action="store_true", help="exit 3 when a target is missed (default: report)"
@@ -1171,6 +1487,10 @@ def parse_args(argv: Optional[List[str]], repo: Path) -> argparse.Namespace:
     opts = ap.parse_args(argv)
     opts.variants = [v for v in opts.variants.split(",") if v]
     opts.cases = [c for c in opts.cases.split(",") if c]
+    opts.sets = [x for x in (opts.set or "").split(",") if x]
+    bad_sets = [x for x in opts.sets if x not in SETS]
+    if bad_sets:
+        ap.error(f"unknown set(s): {', '.join(bad_sets)} (sets: {', '.join(SETS)})")
     bad = [v for v in opts.variants if v not in VARIANTS] + [
         c for c in opts.cases if c not in ALL_CASES
     ]
@@ -1186,6 +1506,7 @@ class Task:
     variant: str
     plan: Plan
     calibration: bool = False
+    peers: bool = False
 
 
 def run_suite(h: Harness, jobs: List[Job], out: Path) -> None:
@@ -1193,6 +1514,7 @@ def run_suite(h: Harness, jobs: List[Job], out: Path) -> None:
     `--parallel` runs at a time (each with its own agent and fake GPUs)."""
     opts = h.opts
     calib_variant = "trace" if "trace" in opts.variants else opts.variants[0]
+    peers_on = not opts.no_peers and opts.launcher == "fake-cuda"
     roomy = Plan("roomy", int(opts.calibration_gib * GIB), "calibration")
     queue: Deque[Task] = deque(
         Task(i, job, calib_variant, roomy, calibration=True) for i, job in enumerate(jobs)
@@ -1218,11 +1540,26 @@ def run_suite(h: Harness, jobs: List[Job], out: Path) -> None:
                             f" (nproc {t.job.nproc}): {t.job.covers}"
                         )
                     label = "calibration" if t.calibration else t.plan.case
-                    running[pool.submit(h.run, t.job, t.variant, t.plan, label)] = t
+                    if t.peers:
+                        running[pool.submit(h.peer_run, t.job)] = t
+                    else:
+                        running[pool.submit(h.run, t.job, t.variant, t.plan, label)] = t
                 done, _ = wait(list(running), timeout=0.5, return_when=FIRST_COMPLETED)
                 for f in done:
                     t = running.pop(f)
                     left[t.job.name] -= 1
+                    if t.peers:
+                        try:
+                            h.peers[t.job.name] = f.result()
+                        except HarnessError as e:
+                            h.errors.append(f"{t.job.name} peers: {e}")
+                            log(f"  HARNESS ERROR ({t.job.name} peers): {e}")
+                        if left[t.job.name] == 0:
+                            log(
+                                f"  {t.job.name}: done in"
+                                f" {time.monotonic() - started[t.job.name]:.0f} s"
+                            )
+                        continue
                     try:
                         rows = f.result()
                     except HarnessError as e:
@@ -1246,10 +1583,12 @@ def run_suite(h: Harness, jobs: List[Job], out: Path) -> None:
                         runs = [
                             Task(t.job_index, t.job, v, p) for p in plans for v in opts.variants
                         ]
-                        log(
-                            f"  {t.job.name}: {len(runs)} more runs:"
-                            f" {', '.join(f'{p.case} {gib(p.usable)} GiB' for p in plans)}"
-                        )
+                        if peers_on:
+                            runs.append(Task(t.job_index, t.job, t.variant, roomy, peers=True))
+                        what = [f"{p.case} {gib(p.usable)} GiB" for p in plans]
+                        if peers_on:
+                            what.append("the peer estimators")
+                        log(f"  {t.job.name}: {len(runs)} more runs: {', '.join(what)}")
                         left[t.job.name] += len(runs)
                         queue.extendleft(reversed(runs))  # finish this job first
                     if left[t.job.name] == 0:
@@ -1266,7 +1605,7 @@ def run_suite(h: Harness, jobs: List[Job], out: Path) -> None:
                 wait(list(running), timeout=60)
 
 
-def write_json(path: Path, rows: List[Dict[str, Any]]) -> None:
+def write_json(path: Path, rows: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(rows, indent=1) + "\n")
@@ -1283,7 +1622,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
     if opts.list:
         for j in jobs:
-            print(f"{j.name:24s} nproc {j.nproc}, {j.steps} steps: {j.covers}")
+            if opts.sets and j.set not in opts.sets:
+                continue
+            print(
+                f"{j.name:28s} {set_label(j.set):8s} nproc {j.nproc}, {j.steps} steps: {j.covers}"
+            )
         return 0
     if opts.jobs:
         want = [n for n in opts.jobs.split(",") if n]
@@ -1296,6 +1639,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             )
             return 2
         jobs = [j for j in jobs if j.name in want]
+    if opts.sets:
+        jobs = [j for j in jobs if j.set in opts.sets]
+        if not jobs:
+            print(f"torch-accuracy: no job of set(s) {opts.set} selected", file=sys.stderr)
+            return 2
     if opts.launcher == "fake-cuda" and not os.access(opts.fake_cuda, os.X_OK):
         print(f"torch-accuracy: no fake CUDA launcher at {opts.fake_cuda}", file=sys.stderr)
         return 1
@@ -1325,14 +1673,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         stop_all()
     assert h is not None
+    peers_on = not opts.no_peers and opts.launcher == "fake-cuda"
+    annotate_peers(h.rows, h.peers)
     write_json(out, h.rows)
+    by_set = summary_by_set(h.rows, opts.variants, peers_on)
+    summary_path = out.with_name(out.stem + "-summary.json")
+    write_json(summary_path, by_set)
 
     print()
     print(table(h.rows))
     print()
-    lines, missed = summarize(h.rows, opts.variants)
-    for line in lines:
-        print(line)
+    print(job_table(h.rows, opts.variants, peers_on))
+    print()
+    missed: List[str] = []
+    for st in sets_of(h.rows):
+        srows = [r for r in h.rows if r.get("set") == st]
+        label = set_label(st)
+        print(f"== set {label}: {len({r['job'] for r in srows})} job(s) ==")
+        lines, set_missed = summarize(srows, opts.variants)
+        for line in lines:
+            print(line)
+        missed += [f"{label}: {m}" for m in set_missed]
+        print()
+    if peers_on:
+        print("Peers (one estimate per job and rank, on a roomy GPU; judged on the trace rows):")
+    print(set_table(by_set))
+    print(f"(per set and estimator in {summary_path})")
     print()
     if missed:
         print("TARGETS MISSED:")
