@@ -136,7 +136,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         other => return Err(format!("unknown unit {other:?} in {text:?}")),
     };
     let bytes = (value * scale).round();
-    if !(bytes >= 1.0 && bytes < 1e15) {
+    if !(1.0..1e15).contains(&bytes) {
         return Err(format!("{text:?} is not a GPU's size"));
     }
     Ok(bytes as u64)

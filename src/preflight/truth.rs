@@ -95,12 +95,12 @@ mod tests {
         for e in u.by_gpu.values_mut() {
             e.sort_unstable();
         }
+        // At 250: 50 + 9.
+        assert_eq!(u.peak("GPU-a", 0, 1000), Some(59));
         // At 200: 50 + 7.
-        assert_eq!(u.peak("GPU-a", 0, 1000), Some(57));
-        // [260, 1000]: held 50 + 9 when it opened, then 20 + 9.
-        assert_eq!(u.peak("GPU-a", 260, 1000), Some(59));
-        // Nothing changed inside the window: what was held.
-        assert_eq!(u.peak("GPU-a", 400, 500), Some(29));
+        assert_eq!(u.peak("GPU-a", 0, 220), Some(57));
+        // Nothing changed inside the window: what was held when it opened.
+        assert_eq!(u.peak("GPU-a", 301, 1000), Some(29));
         assert_eq!(u.peak("GPU-a", 0, 50), None);
         assert_eq!(u.peak("GPU-b", 0, 10), Some(3));
         assert_eq!(u.peak("GPU-c", 0, 10), None);
