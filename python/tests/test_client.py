@@ -220,24 +220,32 @@ def test_observations_after_step_1_and_unknown_kinds_are_logged_but_keep_the_ste
             step=4,
             message="steps 2–4 peak at 5.27 GB of 5.35 GB usable on the GPU (1.5% to spare)",
         )
+        agent.advise(
+            kind=6,
+            severity=2,
+            step=18,
+            message="memory grows by 8.4 MB per step (allocated memory at step end, steps 3–18)",
+        )
         # A kind newer than this client: logged with its number, not dropped.
         agent.advise(kind=99, severity=2, step=4, message="something new")
         deadline = time.monotonic() + 5
-        while len(got) < 4 and time.monotonic() < deadline:
+        while len(got) < 5 and time.monotonic() < deadline:
             time.sleep(0.01)
     assert [p.kind for p in got] == [
         "ADVISORY_KIND_LOW_HEADROOM",
         "ADVISORY_KIND_ALLOCATOR_RETRIES",
         "ADVISORY_KIND_LOW_OBSERVED_HEADROOM",
+        "ADVISORY_KIND_MEMORY_GROWTH",
         "99",
     ]
-    assert [p.severity for p in got] == ["SEVERITY_WARNING"] * 4
+    assert [p.severity for p in got] == ["SEVERITY_WARNING"] * 5
     # Observations after step 1 are no step-2 prediction.
     assert stepwatch.last_prediction() is got[0]
     text = [r.getMessage() for r in caplog.records if r.name == "stepwatch"]
     assert any("step 3): in step 3" in t and "retry 2 times" in t for t in text), text
     assert any("step 4): steps 2–4 peak at 5.27 GB" in t for t in text), text
     assert any("step 4): something new" in t for t in text), text
+    assert any("step 18): memory grows by 8.4 MB per step" in t for t in text), text
     # No prediction figures: no bracket of GB figures after the message.
     assert not any("retry 2 times [" in t for t in text), text
 

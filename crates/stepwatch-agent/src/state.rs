@@ -138,6 +138,7 @@ impl IngestMetrics {
             stepwatch_proto::v1::AdvisoryKind::RankDivergence,
             stepwatch_proto::v1::AdvisoryKind::AllocatorRetries,
             stepwatch_proto::v1::AdvisoryKind::LowObservedHeadroom,
+            stepwatch_proto::v1::AdvisoryKind::MemoryGrowth,
         ] {
             m.advisories_sent.with_label_values(&[kind.as_str_name()]);
         }

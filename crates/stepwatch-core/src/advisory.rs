@@ -18,7 +18,11 @@
 //! * low observed headroom: once per rank and run, after the first marker
 //!   batch where the measured steady peak leaves under the low-headroom fraction
 //!   of capacity, unless the run was already told LOW_HEADROOM or
-//!   STEP2_OOM_PREDICTED (see [`observed_headroom_due`]).
+//!   STEP2_OOM_PREDICTED (see [`observed_headroom_due`]);
+//! * memory growth: once per rank and run, after the first marker batch
+//!   where a figure taken at the same point of every step grows (see
+//!   `growth`), with the step and time at which the GPU will be full (see
+//!   [`growth_due`]).
 //!
 //! Sizes are written in decimal GB (10^9 bytes), with two decimals, as in
 //! the proto's example.
@@ -26,6 +30,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::divergence::{Divergence, DivergenceFigure, NamedOutlier, PeakSource};
+use crate::growth::{GrowthForecast, GrowthSource, MemoryTrend};
 use crate::marker::{Marker, MarkerKind};
 use crate::predict::{Prediction, PredictionBasis};
 use crate::units::gb;
@@ -52,6 +57,10 @@ pub enum AdvisoryKind {
     /// less than the low-headroom fraction of capacity: the job runs closer
     /// to the limit than step 1 showed.
     LowObservedHeadroom,
+    /// Memory at the same point of every step grows after step 2, at a
+    /// rate that reaches the GPU's capacity: a leak, a cache, or
+    /// fragmentation that ratchets up.
+    MemoryGrowth,
 }
 
 /// One advisory, as issued.
@@ -149,7 +158,8 @@ pub fn due(
         ),
         AdvisoryKind::RankDivergence
         | AdvisoryKind::AllocatorRetries
-        | AdvisoryKind::LowObservedHeadroom => {
+        | AdvisoryKind::LowObservedHeadroom
+        | AdvisoryKind::MemoryGrowth => {
             unreachable!("not a prediction advisory")
         }
     };
@@ -497,6 +507,89 @@ fn observed_headroom_message(o: ObservedPeak, frozen: Option<&Prediction>) -> St
             ". That prediction had no allocator trace of step 1 (markers only): with the \
              trace on (unset STEPWATCH_ALLOCATOR_TRACE=0) it sees what step 2 does to \
              PyTorch's cache",
+        );
+    }
+    m
+}
+
+/// The memory-growth advisory due for `forecast` (from [`crate::forecast`]:
+/// a figure grows, and capacity is known): once per rank and run, a
+/// warning, at `step`. `trend` says which other figures grow, for the
+/// likely cause. The prediction fields stay 0: it is an observation.
+pub fn growth_due(
+    forecast: &GrowthForecast,
+    trend: &MemoryTrend,
+    step: u64,
+    now_ns: u64,
+    issued: &[Advisory],
+) -> Option<Advisory> {
+    if issued.iter().any(|a| a.kind == AdvisoryKind::MemoryGrowth) {
+        return None;
+    }
+    Some(Advisory {
+        kind: AdvisoryKind::MemoryGrowth,
+        step,
+        issued_monotonic_ns: now_ns,
+        predicted_peak_bytes: 0,
+        capacity_bytes: 0,
+        predicted_headroom_bytes: 0,
+        message: growth_message(forecast, trend),
+        divergence: None,
+    })
+}
+
+/// "2 h 15 min", "40 min", "35 s".
+fn duration_words(seconds: f64) -> String {
+    let s = seconds.max(0.0).round() as u64;
+    match s {
+        0..=59 => format!("{s} s"),
+        60..=3599 => format!("{} min", s / 60),
+        3600..=172_799 => format!("{} h {} min", s / 3600, s % 3600 / 60),
+        _ => format!("{} days", s / 86_400),
+    }
+}
+
+fn growth_message(f: &GrowthForecast, trend: &MemoryTrend) -> String {
+    let mut m = format!(
+        "memory grows by {:.1} MB per step ({}, steps {}–{})",
+        f.bytes_per_step / 1e6,
+        f.source.describe(),
+        f.first_step,
+        f.last_step,
+    );
+    if f.oom_step <= f.last_step {
+        m.push_str(&format!(
+            ": the step peak, {}, has reached the GPU's {} usable",
+            gb(f.level_bytes as f64),
+            gb(f.capacity_bytes as f64)
+        ));
+    } else {
+        m.push_str(&format!(
+            ": at this rate the step peak, now {}, reaches the GPU's {} usable at about step {}",
+            gb(f.level_bytes as f64),
+            gb(f.capacity_bytes as f64),
+            f.oom_step,
+        ));
+        if let Some(s) = f.seconds_to_oom {
+            m.push_str(&format!(", in about {}", duration_words(s)));
+        }
+        m.push_str(", and the job will run out of GPU memory there");
+    }
+    let allocated_grows = trend
+        .slope(GrowthSource::Allocated)
+        .is_some_and(|s| s.low_bytes_per_step > 0.0);
+    if allocated_grows || f.source == GrowthSource::Allocated {
+        m.push_str(
+            ". Tensors stay alive from one step to the next: usually a running total of a loss \
+             tensor (`total_loss += loss`; use `loss.item()`), a list that keeps device tensors \
+             (logits or predictions kept for a metric; `.detach().cpu()` them), or a cache that \
+             grows (a dict of tensors keyed by input shape)",
+        );
+    } else {
+        m.push_str(
+            ". Allocated memory does not grow, the cache does: usually fragmentation from \
+             batches of varying shapes (set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), \
+             or a cache of tensors the allocator keeps for a growing set of shapes",
         );
     }
     m

@@ -30,6 +30,7 @@
 use serde::Serialize;
 
 use crate::divergence::{PeakSource, DEFAULT_OUTLIER_THRESHOLD};
+use crate::growth::GrowthConfig;
 use crate::identity::ModelFacts;
 use crate::marker::PhaseKind;
 use crate::predict::{
@@ -57,6 +58,8 @@ pub struct AnalysisConfig {
     pub divergence_threshold: f64,
     /// Tunables of the step-2 prediction made from step 1.
     pub predict: PredictConfig,
+    /// Tunables of the trailing window and growth after step 2.
+    pub growth: GrowthConfig,
 }
 
 impl Default for AnalysisConfig {
@@ -69,6 +72,7 @@ impl Default for AnalysisConfig {
             plateau_tolerance: 0.05,
             divergence_threshold: DEFAULT_OUTLIER_THRESHOLD,
             predict: PredictConfig::default(),
+            growth: GrowthConfig::default(),
         }
     }
 }

@@ -19,6 +19,7 @@ mod downsample;
 mod error;
 pub mod feed;
 mod fit;
+mod growth;
 mod identity;
 mod layout;
 mod marker;
@@ -32,8 +33,8 @@ mod tracker;
 mod units;
 
 pub use advisory::{
-    due, observed_headroom_due, retries_due, retry_growth, Advisory, AdvisoryKind, ObservedPeak,
-    RetryGrowth, FIRST_RETRY_STEP, WORSENED_FRACTION,
+    due, growth_due, observed_headroom_due, retries_due, retry_growth, Advisory, AdvisoryKind,
+    ObservedPeak, RetryGrowth, FIRST_RETRY_STEP, WORSENED_FRACTION,
 };
 pub use analysis::{
     activation_plateau, analyze_rank, steady_nvml_peak, steady_profile, steady_state,
@@ -48,6 +49,10 @@ pub use downsample::{bucket_width_ns, downsample_min_max, MinMaxBucket};
 pub use error::{HelloError, MarkerError};
 pub use feed::{RecordEntry, RecordError};
 pub use fit::{BindingTerm, WhatWouldFit};
+pub use growth::{
+    forecast, grows, theil_sen, GrowthConfig, GrowthForecast, GrowthSource, MemoryTrend, Slope,
+    StepFigures, TrailingPeaks, RECHECK_STEPS,
+};
 pub use identity::{
     DdpBucketRebuild, ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo,
     RankKey,

@@ -581,6 +581,7 @@ enum_pairs!(advisory_kind_to_wire, advisory_kind_of_wire, AdvisoryKind => pb::Ad
     RankDivergence <=> RankDivergence,
     AllocatorRetries <=> AllocatorRetries,
     LowObservedHeadroom <=> LowObservedHeadroom,
+    MemoryGrowth <=> MemoryGrowth,
 });
 
 /// An advisory kind as sent; unspecified and unknown values are refused.
@@ -607,7 +608,8 @@ pub fn advisory_to_wire(a: &Advisory) -> pb::Advisory {
         AdvisoryKind::LowHeadroom
         | AdvisoryKind::RankDivergence
         | AdvisoryKind::AllocatorRetries
-        | AdvisoryKind::LowObservedHeadroom => pb::Severity::Warning,
+        | AdvisoryKind::LowObservedHeadroom
+        | AdvisoryKind::MemoryGrowth => pb::Severity::Warning,
     };
     pb::Advisory {
         kind: advisory_kind_to_wire(kind) as i32,

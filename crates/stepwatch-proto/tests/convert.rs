@@ -265,6 +265,7 @@ fn advisory() -> impl Strategy<Value = Advisory> {
             AdvisoryKind::RankDivergence,
             AdvisoryKind::AllocatorRetries,
             AdvisoryKind::LowObservedHeadroom,
+            AdvisoryKind::MemoryGrowth,
         ]),
         any::<u64>(),
         any::<u64>(),

@@ -648,6 +648,7 @@ pub fn render_table(rows: &[AccuracyRow]) -> String {
             (Some(AdvisoryKind::LowObservedHeadroom), l) => {
                 format!("low_observed_headroom ({})", ms(l))
             }
+            (Some(AdvisoryKind::MemoryGrowth), l) => format!("memory_growth ({})", ms(l)),
             (None, _) => "—".into(),
         };
         let actual = match r.actual_source {

@@ -80,6 +80,10 @@ pub fn alert_for(advisory: &Advisory) -> Option<(&'static str, &'static str, boo
         // StepwatchLowObservedHeadroom covers it: it holds while the steady
         // peak stays high, and it ends, which a once-per-run advisory cannot.
         AdvisoryKind::LowObservedHeadroom => None,
+        // StepwatchMemoryGrowthOOMForecast covers it: it fires inside its
+        // horizon and ends when the growth stops, which the once-per-run
+        // advisory, told as soon as growth is measured, cannot.
+        AdvisoryKind::MemoryGrowth => None,
     }
 }
 

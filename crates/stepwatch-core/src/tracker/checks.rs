@@ -35,8 +35,12 @@ pub(super) trait Check {
 pub(super) const STEP_ONE: &[&dyn Check] = &[&Step2Prediction];
 
 /// Checks run after the whole batch.
-pub(super) const AFTER_BATCH: &[&dyn Check] =
-    &[&RankDivergence, &AllocatorRetries, &ObservedHeadroom];
+pub(super) const AFTER_BATCH: &[&dyn Check] = &[
+    &RankDivergence,
+    &AllocatorRetries,
+    &ObservedHeadroom,
+    &MemoryGrowth,
+];
 
 /// Step-2 OOM predicted, or low headroom: only while the rank's first step
 /// is its latest step, since the point is to warn before step 2 begins.
@@ -163,5 +167,37 @@ impl Check for ObservedHeadroom {
         )
         .into_iter()
         .collect()
+    }
+}
+
+/// Memory growth: when a figure taken at the same point of every step
+/// grows after step 2 at a rate that will fill the GPU (see `growth`).
+/// Reads the rank's kept trend, so the check costs a forecast (a few
+/// comparisons) per batch; checked on every batch for the same reason as
+/// [`ObservedHeadroom`]. Once per rank and run.
+pub(super) struct MemoryGrowth;
+
+impl Check for MemoryGrowth {
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
+        let Some(step) = batch.markers.last().map(|m| m.step) else {
+            return Vec::new();
+        };
+        let Some(state) = tracker.ranks.get(key) else {
+            return Vec::new();
+        };
+        if state
+            .advisories
+            .iter()
+            .any(|a| a.kind == advisory::AdvisoryKind::MemoryGrowth)
+        {
+            return Vec::new();
+        }
+        let (Some(trend), Some(forecast)) = (state.trend.trend(), tracker.memory_growth(key))
+        else {
+            return Vec::new();
+        };
+        advisory::growth_due(&forecast, trend, step, batch.now_ns, &state.advisories)
+            .into_iter()
+            .collect()
     }
 }

@@ -19,6 +19,7 @@ use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
 use crate::analysis::{RankInputs, SteadyMemo};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
+use crate::growth::{forecast, GrowthForecast, MemoryTrend, TrendMemo};
 use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::layout::{step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS};
 use crate::marker::{Marker, MarkerKind};
@@ -181,6 +182,10 @@ pub struct RankState {
     /// The steady profile, kept between reads (see [`SteadyMemo`]).
     #[serde(skip)]
     pub(crate) steady: SteadyMemo,
+    /// The trailing window and its growth, kept between batches (see
+    /// `growth`).
+    #[serde(skip)]
+    pub(crate) trend: TrendMemo,
 }
 
 /// How many of a process's earlier run ids a rank remembers
@@ -352,6 +357,28 @@ impl Tracker {
     /// [`Tracker::job_divergence`].
     pub fn set_analysis_config(&mut self, config: AnalysisConfig) {
         self.analysis = config;
+        for state in self.ranks.values_mut() {
+            state.steady.refresh(&state.timeline, &self.analysis);
+            state.trend.refresh(&state.timeline, &self.analysis.growth);
+        }
+    }
+
+    /// The rank's trailing window after step 2 and each figure's growth
+    /// (see `growth`), as kept; None for an unknown rank or before a step
+    /// from the third on has completed.
+    pub fn memory_trend(&self, key: &RankKey) -> Option<&MemoryTrend> {
+        self.ranks.get(key)?.trend.trend()
+    }
+
+    /// When the rank's growing memory reaches its GPU's capacity (from the
+    /// GPU's latest sample); None for an unknown rank, an unknown capacity,
+    /// or memory that does not grow (see [`crate::forecast`]).
+    pub fn memory_growth(&self, key: &RankKey) -> Option<GrowthForecast> {
+        let state = self.ranks.get(key)?;
+        let capacity = self
+            .latest_sample(&state.info.gpu_uuid)
+            .map_or(0, |s| s.capacity_bytes);
+        forecast(state.trend.trend()?, capacity, &self.analysis.growth)
     }
 
     /// The analysis tunables in use, for display.
@@ -603,6 +630,8 @@ impl Tracker {
                 state.optimizer_begin_allocator = None;
                 state.layout_estimate = None;
                 state.allocator_retries = None;
+                state.steady = SteadyMemo::default();
+                state.trend = TrendMemo::default();
             }
             state.info = info;
             state.connected_streams += 1;
@@ -648,6 +677,7 @@ impl Tracker {
                 ended_runs: Vec::new(),
                 allocator_retries: None,
                 steady: SteadyMemo::default(),
+                trend: TrendMemo::default(),
             },
         );
         Ok(Opened {
@@ -689,6 +719,7 @@ impl Tracker {
             ended_runs: r.ended_runs.clone(),
             allocator_retries: r.allocator_retries,
             steady: SteadyMemo::default(),
+            trend: TrendMemo::default(),
         })
     }
 
@@ -722,6 +753,8 @@ impl Tracker {
             state
                 .timeline
                 .set_max_retained_steps(self.config.max_retained_steps);
+            state.steady.refresh(&state.timeline, &self.analysis);
+            state.trend.refresh(&state.timeline, &self.analysis.growth);
             self.ranks.insert(key, state);
             restored += 1;
         }
@@ -939,6 +972,7 @@ impl Tracker {
         let window = self.samples.get(&state.info.gpu_uuid).unwrap_or(&empty);
         credit_newly_closed(&mut state.timeline, window);
         state.steady.refresh(&state.timeline, &self.analysis);
+        state.trend.refresh(&state.timeline, &self.analysis.growth);
         self.retained_bytes = (self.retained_bytes + after).saturating_sub(before);
         self.enforce_budget();
     }
@@ -1027,6 +1061,7 @@ impl Tracker {
                 }
             }
             state.steady.refresh(&state.timeline, &self.analysis);
+            state.trend.refresh(&state.timeline, &self.analysis.growth);
         }
     }
 

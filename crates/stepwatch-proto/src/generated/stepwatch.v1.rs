@@ -623,6 +623,13 @@ pub enum AdvisoryKind {
     /// that grew again after step 2). Once per rank and run, not to a run
     /// already told LOW_HEADROOM or STEP2_OOM_PREDICTED.
     LowObservedHeadroom = 5,
+    /// After step 2, memory at the same point of every step (allocated or
+    /// reserved at step end, the step's NVML peak) grows at a rate that
+    /// reaches the GPU's usable capacity; the message gives the rate, the
+    /// step and the time at which it will, and the usual causes (a loss
+    /// tensor summed without .item(), device tensors kept in a list, a
+    /// growing cache, fragmentation). Once per rank and run.
+    MemoryGrowth = 6,
 }
 impl AdvisoryKind {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -637,6 +644,7 @@ impl AdvisoryKind {
             Self::RankDivergence => "ADVISORY_KIND_RANK_DIVERGENCE",
             Self::AllocatorRetries => "ADVISORY_KIND_ALLOCATOR_RETRIES",
             Self::LowObservedHeadroom => "ADVISORY_KIND_LOW_OBSERVED_HEADROOM",
+            Self::MemoryGrowth => "ADVISORY_KIND_MEMORY_GROWTH",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -648,6 +656,7 @@ impl AdvisoryKind {
             "ADVISORY_KIND_RANK_DIVERGENCE" => Some(Self::RankDivergence),
             "ADVISORY_KIND_ALLOCATOR_RETRIES" => Some(Self::AllocatorRetries),
             "ADVISORY_KIND_LOW_OBSERVED_HEADROOM" => Some(Self::LowObservedHeadroom),
+            "ADVISORY_KIND_MEMORY_GROWTH" => Some(Self::MemoryGrowth),
             _ => None,
         }
     }

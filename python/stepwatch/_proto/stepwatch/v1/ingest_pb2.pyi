@@ -59,6 +59,7 @@ class AdvisoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADVISORY_KIND_RANK_DIVERGENCE: _ClassVar[AdvisoryKind]
     ADVISORY_KIND_ALLOCATOR_RETRIES: _ClassVar[AdvisoryKind]
     ADVISORY_KIND_LOW_OBSERVED_HEADROOM: _ClassVar[AdvisoryKind]
+    ADVISORY_KIND_MEMORY_GROWTH: _ClassVar[AdvisoryKind]
 
 class Severity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -101,6 +102,7 @@ ADVISORY_KIND_LOW_HEADROOM: AdvisoryKind
 ADVISORY_KIND_RANK_DIVERGENCE: AdvisoryKind
 ADVISORY_KIND_ALLOCATOR_RETRIES: AdvisoryKind
 ADVISORY_KIND_LOW_OBSERVED_HEADROOM: AdvisoryKind
+ADVISORY_KIND_MEMORY_GROWTH: AdvisoryKind
 SEVERITY_UNSPECIFIED: Severity
 SEVERITY_INFO: Severity
 SEVERITY_WARNING: Severity

@@ -1,0 +1,530 @@
+//! After step 2: the trailing window of a rank's steps, and whether memory
+//! grows from step to step.
+//!
+//! The steady profile (`analysis`) is taken over the first steps after the
+//! first; what happens after them is seen here. Each rank keeps the figures
+//! of its latest [`GrowthConfig::window_steps`] completed steps from the
+//! third on (step 1 makes the optimizer state, step 2 fragments the cache
+//! around it: both grow for reasons of their own):
+//!
+//! * **Trailing peaks**: the highest NVML, allocated and reserved step peak
+//!   of the window, so that alerts see the job's whole life, not steps 2–11.
+//! * **Growth**: per figure taken at the same point of every step
+//!   (allocated at step end, reserved at step end, the step's NVML peak),
+//!   the Theil–Sen slope: the median of the slopes between every pair of
+//!   steps in the window. One outlier step moves at most `n − 1` of the
+//!   `n(n − 1)/2` pair slopes, so it cannot move the median of a window of
+//!   more than four steps. With it, Sen's confidence interval (from the
+//!   ranks of the pair slopes, as in the Mann–Kendall test, without the
+//!   correction for ties, which only widens it). Nothing is said before
+//!   [`GrowthConfig::min_steps`] steps.
+//! * **Forecast** ([`forecast`]): growth counts when the interval's lower
+//!   end is above 0 *and* the slope adds at least
+//!   [`GrowthConfig::min_window_growth_fraction`] of the GPU's capacity over
+//!   the window. The first keeps noise out; the second bounds it for good: a
+//!   flat series whose steps stay within ±b of a level never has a median
+//!   pair slope above about 7b/n, so noise under a seventh of the threshold
+//!   never counts, whatever the confidence. Of the figures that grow, the
+//!   fastest sets the rate; the level is the fitted NVML peak of the latest
+//!   step (device memory, what capacity is compared with), else the reserved
+//!   and then the allocated peak. The step at which the level reaches
+//!   capacity, and the time from the step period (the median time between
+//!   the window's step ends), follow.
+//!
+//! Kept incrementally ([`TrendMemo`]): a marker batch or a credited sample
+//! visits only the steps that completed since, and the last
+//! [`RECHECK_STEPS`] kept ones (late samples raise their NVML peaks); the
+//! slopes are recomputed only when a kept figure changed, which is about
+//! once per step. A window of 64 steps is 2,016 pair slopes per figure.
+
+use std::collections::VecDeque;
+
+use serde::Serialize;
+
+use crate::profile::phase_allocator_peaks;
+use crate::timeline::{RankTimeline, StepOutcome, StepRecord};
+
+/// Tunables of the growth estimate.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GrowthConfig {
+    /// Completed steps the trailing window keeps (from the third step on).
+    pub window_steps: usize,
+    /// Steps in a figure's window before its slope is computed.
+    pub min_steps: usize,
+    /// Normal quantile of Sen's interval (3.29: two-sided 99.9%).
+    pub confidence_z: f64,
+    /// Growth counts only when its slope adds at least this fraction of
+    /// the GPU's capacity over the window's span.
+    pub min_window_growth_fraction: f64,
+}
+
+impl Default for GrowthConfig {
+    fn default() -> Self {
+        Self {
+            window_steps: 64,
+            min_steps: 16,
+            confidence_z: 3.29,
+            min_window_growth_fraction: 0.01,
+        }
+    }
+}
+
+/// The kept steps of the window that are visited again on each refresh:
+/// samples arrive after the markers that closed their phase (the sampler
+/// hands them over every 100 ms), so the NVML peaks of the last few
+/// completed steps may still rise.
+pub const RECHECK_STEPS: u64 = 8;
+
+/// What growth is measured on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GrowthSource {
+    /// Allocated bytes at the step-end marker: what stays alive from one
+    /// step to the next (a leak shows here first and most clearly).
+    Allocated,
+    /// Reserved bytes at the step-end marker: the caching allocator's pool
+    /// (fragmentation shows here without allocated growth).
+    Reserved,
+    /// The step's NVML peak: device memory, what runs out.
+    Nvml,
+}
+
+impl GrowthSource {
+    /// Every source, in the order the metrics list them.
+    pub const ALL: [GrowthSource; 3] = [
+        GrowthSource::Allocated,
+        GrowthSource::Reserved,
+        GrowthSource::Nvml,
+    ];
+
+    /// Stable label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GrowthSource::Allocated => "allocated",
+            GrowthSource::Reserved => "reserved",
+            GrowthSource::Nvml => "nvml",
+        }
+    }
+
+    /// How a person reads it.
+    pub fn describe(self) -> &'static str {
+        match self {
+            GrowthSource::Allocated => "allocated memory at step end",
+            GrowthSource::Reserved => "reserved (cached) memory at step end",
+            GrowthSource::Nvml => "the step's device-memory peak (NVML)",
+        }
+    }
+}
+
+/// One completed step as the window keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct StepFigures {
+    /// Step number.
+    pub step: u64,
+    /// CLOCK_MONOTONIC ns of its end.
+    pub end_monotonic_ns: u64,
+    /// Wall-clock ns of its end (0 when the marker had none).
+    pub end_wall_ns: u64,
+    /// Highest NVML sample of the step; None without samples.
+    pub nvml_peak_bytes: Option<u64>,
+    /// Highest allocated bytes (a lower bound, see `profile`).
+    pub allocated_peak_bytes: Option<u64>,
+    /// Highest reserved bytes (a lower bound).
+    pub reserved_peak_bytes: Option<u64>,
+    /// Allocated bytes at the step-end marker.
+    pub allocated_at_end_bytes: Option<u64>,
+    /// Reserved bytes at the step-end marker.
+    pub reserved_at_end_bytes: Option<u64>,
+}
+
+impl StepFigures {
+    /// The figures of a completed step; None for any other.
+    pub fn of(step: &StepRecord) -> Option<Self> {
+        if step.outcome != StepOutcome::Completed {
+            return None;
+        }
+        let peaks = step.phases.iter().filter_map(phase_allocator_peaks);
+        let (allocated_peak, reserved_peak) = peaks.fold((None, None), |(a, r), (pa, pr)| {
+            (
+                Some(a.map_or(pa, |a: u64| a.max(pa))),
+                Some(r.map_or(pr, |r: u64| r.max(pr))),
+            )
+        });
+        let at_end = step.phases.last().and_then(|p| p.allocator_at_end);
+        Some(Self {
+            step: step.step,
+            end_monotonic_ns: step.end_monotonic_ns?,
+            end_wall_ns: step.end_wall_ns.unwrap_or(0),
+            nvml_peak_bytes: step.nvml_peak_bytes(),
+            allocated_peak_bytes: allocated_peak,
+            reserved_peak_bytes: reserved_peak,
+            allocated_at_end_bytes: at_end.map(|a| a.allocated_bytes),
+            reserved_at_end_bytes: at_end.map(|a| a.reserved_bytes),
+        })
+    }
+
+    /// The figure growth is measured on for `source`.
+    pub fn growth_figure(&self, source: GrowthSource) -> Option<u64> {
+        match source {
+            GrowthSource::Allocated => self.allocated_at_end_bytes,
+            GrowthSource::Reserved => self.reserved_at_end_bytes,
+            GrowthSource::Nvml => self.nvml_peak_bytes,
+        }
+    }
+}
+
+/// A robust slope of one figure over the window.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Slope {
+    /// The Theil–Sen slope: median of the pair slopes, bytes per step.
+    pub bytes_per_step: f64,
+    /// Lower end of Sen's interval, bytes per step.
+    pub low_bytes_per_step: f64,
+    /// Upper end of Sen's interval, bytes per step.
+    pub high_bytes_per_step: f64,
+    /// The fitted figure at `last_step` (median intercept), bytes.
+    pub level_bytes: f64,
+    /// Steps the slope is over.
+    pub steps: usize,
+    /// First step of them.
+    pub first_step: u64,
+    /// Last step of them.
+    pub last_step: u64,
+}
+
+/// The Theil–Sen slope of `points` (step, bytes; in step order, steps
+/// distinct) with Sen's interval at normal quantile `z`; None under two
+/// points.
+pub fn theil_sen(points: &[(u64, u64)], z: f64) -> Option<Slope> {
+    let n = points.len();
+    if n < 2 {
+        return None;
+    }
+    let x0 = points[0].0;
+    let xy: Vec<(f64, f64)> = points
+        .iter()
+        .map(|&(x, y)| ((x - x0) as f64, y as f64))
+        .collect();
+    let mut slopes = Vec::with_capacity(n * (n - 1) / 2);
+    for (i, &(xi, yi)) in xy.iter().enumerate() {
+        for &(xj, yj) in &xy[i + 1..] {
+            if xj != xi {
+                slopes.push((yj - yi) / (xj - xi));
+            }
+        }
+    }
+    if slopes.is_empty() {
+        return None;
+    }
+    slopes.sort_unstable_by(f64::total_cmp);
+    let count = slopes.len();
+    let median = |v: &[f64]| {
+        let m = v.len() / 2;
+        if v.len() % 2 == 1 {
+            v[m]
+        } else {
+            (v[m - 1] + v[m]) / 2.0
+        }
+    };
+    let slope = median(&slopes);
+    // Sen (1968): the interval's ends are the pair slopes of ranks
+    // (N − C)/2 and (N + C)/2 + 1 (1-based), C = z·sqrt(Var S).
+    let nf = n as f64;
+    let c = z * (nf * (nf - 1.0) * (2.0 * nf + 5.0) / 18.0).sqrt();
+    let lo_rank = ((count as f64 - c) / 2.0).floor();
+    let hi_rank = ((count as f64 + c) / 2.0).ceil() + 1.0;
+    let low = if lo_rank >= 1.0 {
+        slopes[(lo_rank as usize - 1).min(count - 1)]
+    } else {
+        f64::NEG_INFINITY
+    };
+    let high = if hi_rank <= count as f64 {
+        slopes[(hi_rank as usize - 1).min(count - 1)]
+    } else {
+        f64::INFINITY
+    };
+    let mut intercepts: Vec<f64> = xy.iter().map(|&(x, y)| y - slope * x).collect();
+    intercepts.sort_unstable_by(f64::total_cmp);
+    let last_x = xy[n - 1].0;
+    Some(Slope {
+        bytes_per_step: slope,
+        low_bytes_per_step: low,
+        high_bytes_per_step: high,
+        level_bytes: median(&intercepts) + slope * last_x,
+        steps: n,
+        first_step: points[0].0,
+        last_step: points[n - 1].0,
+    })
+}
+
+/// The highest step peaks of the trailing window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TrailingPeaks {
+    /// Steps in the window.
+    pub steps: usize,
+    /// Its first step.
+    pub first_step: u64,
+    /// Its last step.
+    pub last_step: u64,
+    /// Highest NVML step peak, bytes.
+    pub nvml_max_bytes: Option<u64>,
+    /// Highest allocated step peak (lower bounds), bytes.
+    pub allocated_max_bytes: Option<u64>,
+    /// Highest reserved step peak (lower bounds), bytes.
+    pub reserved_max_bytes: Option<u64>,
+}
+
+/// What the trailing window says: its peaks, and each figure's slope.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryTrend {
+    /// The window's highest peaks.
+    pub trailing: TrailingPeaks,
+    /// Allocated at step end, reserved at step end, the NVML step peak
+    /// ([`GrowthSource::ALL`] order); None under
+    /// [`GrowthConfig::min_steps`] steps with the figure.
+    pub slopes: [Option<Slope>; 3],
+    /// Median time from one step's end to the next's, per step, ns.
+    pub step_period_ns: Option<u64>,
+    /// The window's latest step.
+    pub last: StepFigures,
+}
+
+impl MemoryTrend {
+    /// The trend of a window (steps in order); None when it is empty.
+    pub fn of(window: &[StepFigures], config: &GrowthConfig) -> Option<Self> {
+        let (first, last) = (window.first()?, *window.last()?);
+        let max_of = |f: fn(&StepFigures) -> Option<u64>| window.iter().filter_map(f).max();
+        let slopes = GrowthSource::ALL.map(|source| {
+            let points: Vec<(u64, u64)> = window
+                .iter()
+                .filter_map(|s| s.growth_figure(source).map(|b| (s.step, b)))
+                .collect();
+            if points.len() < config.min_steps.max(2) {
+                return None;
+            }
+            theil_sen(&points, config.confidence_z)
+        });
+        let mut periods: Vec<u64> = window
+            .windows(2)
+            .filter(|w| w[1].step > w[0].step)
+            .map(|w| {
+                w[1].end_monotonic_ns.saturating_sub(w[0].end_monotonic_ns)
+                    / (w[1].step - w[0].step)
+            })
+            .collect();
+        Some(Self {
+            trailing: TrailingPeaks {
+                steps: window.len(),
+                first_step: first.step,
+                last_step: last.step,
+                nvml_max_bytes: max_of(|s| s.nvml_peak_bytes),
+                allocated_max_bytes: max_of(|s| s.allocated_peak_bytes),
+                reserved_max_bytes: max_of(|s| s.reserved_peak_bytes),
+            },
+            slopes,
+            step_period_ns: crate::profile::median_u64(&mut periods),
+            last,
+        })
+    }
+
+    /// The slope of `source`, if computed.
+    pub fn slope(&self, source: GrowthSource) -> Option<&Slope> {
+        let i = GrowthSource::ALL.iter().position(|s| *s == source)?;
+        self.slopes[i].as_ref()
+    }
+}
+
+/// When memory that grows will reach the GPU's capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GrowthForecast {
+    /// The figure that grows fastest, whose slope is the rate.
+    pub source: GrowthSource,
+    /// Its slope, bytes per step.
+    pub bytes_per_step: f64,
+    /// The steps and span it was measured over.
+    pub steps: usize,
+    /// First step of them.
+    pub first_step: u64,
+    /// Last step of them (the window's latest step).
+    pub last_step: u64,
+    /// The step peak now (fitted, at `last_step`), bytes.
+    pub level_bytes: u64,
+    /// What processes can use on the GPU, bytes.
+    pub capacity_bytes: u64,
+    /// The step at which the peak reaches capacity at this rate
+    /// (`last_step` when it already has).
+    pub oom_step: u64,
+    /// Seconds from `last_step`'s end to then; None without a step period.
+    pub seconds_to_oom: Option<f64>,
+    /// Wall-clock ns of then; None without a step period or wall clock.
+    pub oom_wall_ns: Option<u64>,
+}
+
+/// Whether `slope` is growth worth a word against `capacity_bytes` (see
+/// the module documentation).
+pub fn grows(slope: &Slope, capacity_bytes: u64, config: &GrowthConfig) -> bool {
+    let span = slope.last_step.saturating_sub(slope.first_step) as f64;
+    slope.low_bytes_per_step > 0.0
+        && slope.bytes_per_step * span >= config.min_window_growth_fraction * capacity_bytes as f64
+}
+
+/// The forecast from `trend` against `capacity_bytes` (what processes can
+/// use, 0 when unknown); None when capacity is unknown or no figure grows.
+pub fn forecast(
+    trend: &MemoryTrend,
+    capacity_bytes: u64,
+    config: &GrowthConfig,
+) -> Option<GrowthForecast> {
+    if capacity_bytes == 0 {
+        return None;
+    }
+    let (source, rate) = GrowthSource::ALL
+        .into_iter()
+        .filter_map(|s| trend.slope(s).map(|sl| (s, sl)))
+        .filter(|(_, sl)| grows(sl, capacity_bytes, config))
+        .max_by(|a, b| a.1.bytes_per_step.total_cmp(&b.1.bytes_per_step))?;
+    let level = trend
+        .slope(GrowthSource::Nvml)
+        .map(|s| s.level_bytes.max(0.0) as u64)
+        .or(trend.last.nvml_peak_bytes)
+        .or(trend.last.reserved_peak_bytes)
+        .or(trend.last.allocated_peak_bytes)?;
+    let last_step = trend.last.step;
+    let left = capacity_bytes.saturating_sub(level) as f64;
+    let steps_to_oom = (left / rate.bytes_per_step).ceil();
+    // Bounded: a forecast past any plausible step is no forecast.
+    let steps_to_oom = steps_to_oom.min(crate::marker::MAX_PLAUSIBLE_STEP as f64);
+    let seconds = trend.step_period_ns.map(|p| steps_to_oom * p as f64 / 1e9);
+    Some(GrowthForecast {
+        source,
+        bytes_per_step: rate.bytes_per_step,
+        steps: rate.steps,
+        first_step: rate.first_step,
+        last_step,
+        level_bytes: level,
+        capacity_bytes,
+        oom_step: last_step.saturating_add(steps_to_oom as u64),
+        seconds_to_oom: seconds,
+        oom_wall_ns: seconds.filter(|_| trend.last.end_wall_ns > 0).map(|s| {
+            trend
+                .last
+                .end_wall_ns
+                .saturating_add((s * 1e9).min(u64::MAX as f64) as u64)
+        }),
+    })
+}
+
+/// A rank's trailing window and its trend, kept between batches (see the
+/// module documentation).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct TrendMemo {
+    revision: Option<u64>,
+    sized_for: Option<(usize, usize, u64, u64)>,
+    window: VecDeque<StepFigures>,
+    trend: Option<MemoryTrend>,
+}
+
+impl TrendMemo {
+    fn sized_for(config: &GrowthConfig) -> (usize, usize, u64, u64) {
+        (
+            config.window_steps,
+            config.min_steps,
+            config.confidence_z.to_bits(),
+            config.min_window_growth_fraction.to_bits(),
+        )
+    }
+
+    /// The trend as of the last refresh.
+    pub(crate) fn trend(&self) -> Option<&MemoryTrend> {
+        self.trend.as_ref()
+    }
+
+    /// Brings the window up to date with the timeline: visits the steps
+    /// completed since the last refresh and the last [`RECHECK_STEPS`]
+    /// kept, never the whole history.
+    pub(crate) fn refresh(&mut self, timeline: &RankTimeline, config: &GrowthConfig) {
+        let sized = Self::sized_for(config);
+        if self.revision == Some(timeline.revision()) && self.sized_for == Some(sized) {
+            return;
+        }
+        let latest = timeline.current().map_or(0, |s| s.step);
+        let mut changed = false;
+        if self.sized_for != Some(sized) || self.window.back().is_some_and(|f| f.step > latest) {
+            // New tunables, or a new run on the rank: start again.
+            self.window.clear();
+            self.trend = None;
+            self.sized_for = Some(sized);
+            changed = true;
+        }
+        let window_steps = config.window_steps.max(2);
+        let Some(first) = timeline.steps().next().map(|s| s.step) else {
+            self.window.clear();
+            self.trend = None;
+            self.revision = Some(timeline.revision());
+            return;
+        };
+        let from_step = first.saturating_add(2);
+        let newest = self.window.back().map_or(0, |f| f.step);
+        let recheck_from = newest.saturating_sub(RECHECK_STEPS);
+        let mut fresh = Vec::new();
+        for s in timeline.steps().rev() {
+            if s.step < from_step || s.step <= recheck_from || fresh.len() >= window_steps {
+                break;
+            }
+            let Some(f) = StepFigures::of(s) else {
+                continue;
+            };
+            if f.step > newest {
+                fresh.push(f);
+            } else if let Some(kept) = self.window.iter_mut().rev().find(|k| k.step == f.step) {
+                if *kept != f {
+                    *kept = f;
+                    changed = true;
+                }
+            }
+        }
+        changed |= !fresh.is_empty();
+        for f in fresh.into_iter().rev() {
+            self.window.push_back(f);
+            if self.window.len() > window_steps {
+                self.window.pop_front();
+            }
+        }
+        if changed {
+            self.trend = MemoryTrend::of(self.window.make_contiguous(), config);
+        }
+        self.revision = Some(timeline.revision());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_exact_line_gives_its_slope_and_level() {
+        let points: Vec<(u64, u64)> = (3..=30).map(|s| (s, 1_000_000 + 5_000 * s)).collect();
+        let s = theil_sen(&points, 3.29).unwrap();
+        assert_eq!(s.bytes_per_step, 5_000.0);
+        assert_eq!(s.low_bytes_per_step, 5_000.0);
+        assert_eq!(s.level_bytes, 1_150_000.0);
+        assert_eq!((s.first_step, s.last_step, s.steps), (3, 30, 28));
+    }
+
+    #[test]
+    fn a_flat_series_has_no_growth() {
+        let points: Vec<(u64, u64)> = (3..=30).map(|s| (s, 7_000)).collect();
+        let s = theil_sen(&points, 3.29).unwrap();
+        assert_eq!(s.bytes_per_step, 0.0);
+        assert!(s.low_bytes_per_step <= 0.0);
+    }
+
+    #[test]
+    fn a_step_change_halfway_is_not_significant_growth() {
+        let points: Vec<(u64, u64)> = (3..=34)
+            .map(|s| (s, if s < 19 { 1_000 } else { 2_000 }))
+            .collect();
+        let s = theil_sen(&points, 3.29).unwrap();
+        assert!(s.low_bytes_per_step <= 0.0, "{s:?}");
+    }
+}

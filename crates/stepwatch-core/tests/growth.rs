@@ -1,0 +1,350 @@
+//! Growth after step 2: the robust slope, the forecast, the trailing
+//! window the tracker keeps, and the MEMORY_GROWTH advisory.
+//!
+//! Unit M = 1 MiB. The GPU of the tracker tests has 10000 M usable.
+
+use proptest::prelude::*;
+use stepwatch_core::*;
+
+const M: u64 = 1 << 20;
+const GPU: &str = "GPU-0";
+const CAPACITY: u64 = 10_000 * M;
+/// Step period of the tracker tests: 1 ms of CLOCK_MONOTONIC per step.
+const PERIOD: u64 = 1_000_000;
+
+/// The window of steps `3..3 + values.len()`, each figure (allocated and
+/// reserved at step end, the NVML peak) from `values`, a step every second.
+fn window(values: &[(u64, u64, u64)]) -> Vec<StepFigures> {
+    (3u64..)
+        .zip(values)
+        .map(|(step, &(a, r, n))| StepFigures {
+            step,
+            end_monotonic_ns: step * 1_000_000_000,
+            end_wall_ns: 1_700_000_000_000_000_000 + step * 1_000_000_000,
+            nvml_peak_bytes: Some(n),
+            allocated_peak_bytes: Some(a + 2_000 * M),
+            reserved_peak_bytes: Some(r),
+            allocated_at_end_bytes: Some(a),
+            reserved_at_end_bytes: Some(r),
+        })
+        .collect()
+}
+
+/// A deterministic noise sequence in [-1, 1] (an LCG), so that the tests
+/// with noise far above the materiality bound cannot flake.
+fn noise(seed: u64, n: usize) -> Vec<f64> {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+proptest! {
+    /// A flat job whose figures stay within ±0.1% of capacity of their
+    /// level (a seventh of the 1% the slope must add over the window)
+    /// never reports growth, whatever the noise does.
+    #[test]
+    fn a_flat_job_with_bounded_noise_never_grows(
+        steps in 16usize..=64,
+        level in 2_000u64..9_000,
+        amplitude in 0u64..=10,
+        seed in any::<u64>(),
+    ) {
+        let e = noise(seed, steps * 3);
+        let jitter = |i: usize| (e[i] * amplitude as f64 * M as f64) as i64;
+        let values: Vec<(u64, u64, u64)> = (0..steps)
+            .map(|i| {
+                let base = (level * M) as i64;
+                (
+                    (base / 2 + jitter(3 * i)) as u64,
+                    (base * 3 / 4 + jitter(3 * i + 1)) as u64,
+                    (base + jitter(3 * i + 2)) as u64,
+                )
+            })
+            .collect();
+        let trend = MemoryTrend::of(&window(&values), &GrowthConfig::default()).unwrap();
+        prop_assert!(forecast(&trend, CAPACITY, &GrowthConfig::default()).is_none(), "{trend:?}");
+    }
+
+    /// A linear leak of 0.1% to 2% of capacity per step, with noise of up
+    /// to a fifth of the leak per step, is found: the slope within 10%,
+    /// the forecast step within 10% of the true one (counted from the
+    /// window's last step).
+    #[test]
+    fn a_linear_leak_is_found_with_its_slope(
+        steps in 16usize..=64,
+        leak in 10u64..=200,
+        seed in any::<u64>(),
+    ) {
+        let e = noise(seed, steps);
+        let level = 4_000 * M;
+        let leak_bytes = leak * M;
+        let values: Vec<(u64, u64, u64)> = (0..steps)
+            .map(|i| {
+                let grown = level + i as u64 * leak_bytes;
+                let n = (grown as f64 + e[i] * leak_bytes as f64 / 5.0) as u64;
+                (grown / 2, grown * 3 / 4, n)
+            })
+            .collect();
+        let config = GrowthConfig::default();
+        let trend = MemoryTrend::of(&window(&values), &config).unwrap();
+        let f = forecast(&trend, CAPACITY, &config).expect("a leak is found");
+        let nvml = trend.slope(GrowthSource::Nvml).unwrap();
+        prop_assert!((nvml.bytes_per_step - leak_bytes as f64).abs() <= 0.1 * leak_bytes as f64);
+        prop_assert_eq!(f.source, GrowthSource::Nvml);
+        let last = 3 + steps as u64 - 1;
+        let peak_now = level + (steps as u64 - 1) * leak_bytes;
+        let truth = CAPACITY.saturating_sub(peak_now).div_ceil(leak_bytes);
+        let found = f.oom_step - last;
+        prop_assert!(
+            (found as f64 - truth as f64).abs() <= (0.1 * truth as f64).max(1.0),
+            "forecast {found} steps, truth {truth}"
+        );
+        // A step a second: the time is the steps.
+        prop_assert!((f.seconds_to_oom.unwrap() - found as f64).abs() < 1e-6);
+    }
+
+    /// One step far off the line, up or down, at any place of the window,
+    /// does not move the slope at all.
+    #[test]
+    fn one_spike_does_not_move_the_slope(
+        steps in 16usize..=64,
+        leak in 0u64..=100,
+        at in any::<prop::sample::Index>(),
+        spike in -3_000i64..=3_000,
+    ) {
+        let at = at.index(steps);
+        let points: Vec<(u64, u64)> = (0..steps as u64)
+            .map(|i| {
+                let y = (5_000 + leak * i) as i64 * M as i64;
+                let y = if i as usize == at { y + spike * M as i64 } else { y };
+                (3 + i, y as u64)
+            })
+            .collect();
+        let s = theil_sen(&points, 3.29).unwrap();
+        prop_assert_eq!(s.bytes_per_step, (leak * M) as f64);
+    }
+}
+
+/// Noise of ±5% of capacity (varying batches), 50 times the materiality
+/// bound: Sen's interval keeps it silent, on every one of 200 fixed seeds
+/// and every window length.
+#[test]
+fn a_noisy_flat_job_stays_silent() {
+    let config = GrowthConfig::default();
+    for seed in 0..200 {
+        let e = noise(seed, 64 * 3);
+        for steps in [16, 32, 64] {
+            let values: Vec<(u64, u64, u64)> = (0..steps)
+                .map(|i| {
+                    let j = |k: usize| (e[3 * i + k] * 500.0 * M as f64) as i64;
+                    (
+                        (3_000 * M as i64 + j(0)) as u64,
+                        (6_000 * M as i64 + j(1)) as u64,
+                        (7_000 * M as i64 + j(2)) as u64,
+                    )
+                })
+                .collect();
+            let trend = MemoryTrend::of(&window(&values), &config).unwrap();
+            assert!(
+                forecast(&trend, CAPACITY, &config).is_none(),
+                "seed {seed}, {steps} steps: {trend:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn nothing_is_said_before_the_minimum_of_steps() {
+    let config = GrowthConfig::default();
+    let values: Vec<(u64, u64, u64)> = (0..config.min_steps as u64 - 1)
+        .map(|i| (i * 100 * M, i * 100 * M, 4_000 * M + i * 100 * M))
+        .collect();
+    let trend = MemoryTrend::of(&window(&values), &config).unwrap();
+    assert!(trend.slopes.iter().all(Option::is_none));
+    assert!(forecast(&trend, CAPACITY, &config).is_none());
+}
+
+// ---- The tracker: the kept window, the advisory ---------------------------
+
+fn open(t: &mut Tracker) -> RankKey {
+    t.open(
+        RankInfo {
+            job: "job".into(),
+            world_size: 1,
+            gpu_uuid: GPU.into(),
+            pid: 1,
+            ..Default::default()
+        },
+        0,
+    )
+    .unwrap()
+}
+
+/// Step `n` from `n × PERIOD`: allocated `held` M between steps (what a leak
+/// adds to) and 3000 M more during backward; reserved `held + 3500` M; one
+/// NVML sample per phase, the highest `held + 4000` M in backward.
+fn step(t: &mut Tracker, key: &RankKey, n: u64, held: u64) -> Vec<Advisory> {
+    use MarkerKind::*;
+    let t0 = n * PERIOD;
+    let at = |i: u64| t0 + i * PERIOD / 8;
+    let samples: Vec<GpuSample> = [held + 1_000, held + 4_000, held + 3_800, held + 3_600]
+        .iter()
+        .enumerate()
+        .map(|(i, &used)| GpuSample {
+            monotonic_ns: at(i as u64 + 1) + 10,
+            used_bytes: used * M,
+            capacity_bytes: CAPACITY,
+        })
+        .collect();
+    t.gpu_samples(GPU, &samples);
+    let stats = |allocated: u64| AllocatorStats {
+        allocated_bytes: allocated * M,
+        allocated_peak_bytes: (held + 3_000) * M,
+        reserved_bytes: (held + 3_500) * M,
+        reserved_peak_bytes: (held + 3_500) * M,
+        ..Default::default()
+    };
+    let markers: Vec<Marker> = [
+        (StepBegin, held),
+        (ForwardBegin, held),
+        (BackwardBegin, held + 3_000),
+        (OptimizerBegin, held + 500),
+        (OptimizerEnd, held),
+        (StepEnd, held),
+    ]
+    .into_iter()
+    .enumerate()
+    .map(|(i, (kind, allocated))| Marker {
+        kind,
+        step: n,
+        monotonic_ns: at(i as u64),
+        wall_ns: 1_700_000_000_000_000_000 + at(i as u64),
+        micro_batch: 0,
+        allocator: Some(stats(allocated)),
+        layout_segments: Vec::new(),
+        device_memory: None,
+    })
+    .collect();
+    t.markers(key, &markers, t0).unwrap()
+}
+
+fn growth(advisories: &[Advisory]) -> Vec<&Advisory> {
+    advisories
+        .iter()
+        .filter(|a| a.kind == AdvisoryKind::MemoryGrowth)
+        .collect()
+}
+
+/// `total_loss += loss`: 8 M more held every step from step 2 on. The
+/// advisory comes once, when the 16th step of the window (step 18) has
+/// ended, with the slope and the forecast OOM step; the true OOM step is
+/// where the NVML peak (held + 4000 M) passes 10000 M.
+#[test]
+fn a_leaking_job_is_told_once_with_its_forecast() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = open(&mut t);
+    let leak = 8;
+    let held = |n: u64| 2_000 + leak * n.saturating_sub(1);
+    let mut told = Vec::new();
+    for n in 1..=200 {
+        for a in step(&mut t, &key, n, held(n)) {
+            told.push((n, a));
+        }
+        if held(n) + 4_000 > 10_000 {
+            break;
+        }
+    }
+    let kinds: Vec<_> = told.iter().map(|(n, a)| (*n, a.kind)).collect();
+    let grown: Vec<_> = told
+        .iter()
+        .filter(|(_, a)| a.kind == AdvisoryKind::MemoryGrowth)
+        .collect();
+    assert_eq!(grown.len(), 1, "{kinds:?}");
+    let (at, advisory) = grown[0];
+    // Samples come with their step: the window of 16 steps 3..18 is
+    // complete at step 18's end.
+    assert_eq!(*at, 18, "{}", advisory.message);
+    let f = t.memory_growth(&key).expect("still growing");
+    assert_eq!(f.bytes_per_step, (leak * M) as f64);
+    let true_oom = (1..).find(|&n| held(n) + 4_000 > 10_000).unwrap();
+    let err = (f.oom_step as f64 - true_oom as f64).abs() / true_oom as f64;
+    println!(
+        "leak {} B/step, found {} B/step; forecast OOM step {} at step {}, true {true_oom}",
+        leak * M,
+        f.bytes_per_step,
+        f.oom_step,
+        f.last_step
+    );
+    assert!(err <= 0.1, "forecast {} vs {true_oom}", f.oom_step);
+    for words in ["8.4 MB per step", "total_loss += loss", "at about step"] {
+        assert!(advisory.message.contains(words), "{}", advisory.message);
+    }
+    // The trailing window's NVML max is the latest step's peak.
+    let trend = t.memory_trend(&key).unwrap();
+    assert_eq!(
+        trend.trailing.nvml_max_bytes,
+        Some((held(trend.last.step) + 4_000) * M)
+    );
+}
+
+/// The same job without the leak: 300 steps, no advisory, no forecast.
+#[test]
+fn a_flat_job_is_never_told() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = open(&mut t);
+    for n in 1..=300 {
+        // A little jitter of the held memory: ±2 M.
+        let held = 2_000 + (n * 7919 % 5);
+        let told = step(&mut t, &key, n, held);
+        assert!(growth(&told).is_empty(), "step {n}: {told:?}");
+    }
+    assert!(t.memory_growth(&key).is_none());
+    let trend = t.memory_trend(&key).unwrap();
+    assert_eq!(trend.trailing.steps, 64);
+    assert_eq!(trend.trailing.last_step, 300);
+}
+
+/// The kept window is the window a scan of the retained steps gives:
+/// the last 64 completed steps from step 3 on, whatever the retention.
+#[test]
+fn the_kept_window_is_the_scanned_one() {
+    for retained in [10, 70, 1000] {
+        let mut t = Tracker::new(TrackerConfig {
+            max_retained_steps: retained,
+            ..TrackerConfig::default()
+        });
+        let key = open(&mut t);
+        for n in 1..=150 {
+            step(&mut t, &key, n, 2_000 + (n % 3) * n);
+            let rank = t.rank(&key).unwrap();
+            let mut scanned: Vec<StepFigures> = rank
+                .timeline
+                .steps()
+                .filter(|s| s.step >= 3)
+                .filter_map(StepFigures::of)
+                .collect();
+            let kept = t.memory_trend(&key);
+            if scanned.is_empty() {
+                assert!(kept.is_none());
+                continue;
+            }
+            let from = scanned.len().saturating_sub(64);
+            let scanned = scanned.split_off(from);
+            let config = GrowthConfig::default();
+            let expected = MemoryTrend::of(&scanned, &config).unwrap();
+            let kept = kept.unwrap();
+            // A short retention keeps fewer steps than the window does.
+            if retained >= 70 {
+                assert_eq!(kept, &expected, "step {n}");
+            } else {
+                assert_eq!(kept.last, expected.last, "step {n}");
+            }
+        }
+    }
+}
