@@ -457,6 +457,51 @@ pub(crate) const RANK_PREDICTION_ERROR_RATIO: MetricDef = MetricDef {
     help: "(prediction made before step 2 began - steady-state peak) / steady-state peak, once steady state is measured.",
 };
 
+/// `stepwatch_rank_trailing_step_peak_max_bytes`
+pub(crate) const RANK_TRAILING_STEP_PEAK_MAX_BYTES: MetricDef = MetricDef {
+    name: "stepwatch_rank_trailing_step_peak_max_bytes",
+    kind: MetricKind::Gauge,
+    labels: "rank labels, `source`",
+    meaning: "highest step peak of the trailing window (the latest 64 completed steps from step 3 on), `source` `nvml` (device), `allocated` or `reserved` (allocator lower bounds): the job's whole life, where the steady peak stops at step 11",
+    help: "Highest step peak of the trailing window (the latest 64 completed steps from step 3 on), by source: nvml (device memory), allocated or reserved (allocator, lower bounds).",
+};
+
+/// `stepwatch_rank_trailing_headroom_bytes`
+pub(crate) const RANK_TRAILING_HEADROOM_BYTES: MetricDef = MetricDef {
+    name: "stepwatch_rank_trailing_headroom_bytes",
+    kind: MetricKind::Gauge,
+    labels: "rank labels",
+    meaning: "capacity − the trailing window's highest NVML step peak",
+    help: "GPU capacity minus the highest NVML step peak of the trailing window.",
+};
+
+/// `stepwatch_rank_memory_growth_bytes_per_step`
+pub(crate) const RANK_MEMORY_GROWTH_BYTES_PER_STEP: MetricDef = MetricDef {
+    name: "stepwatch_rank_memory_growth_bytes_per_step",
+    kind: MetricKind::Gauge,
+    labels: "rank labels, `source`",
+    meaning: "robust slope (Theil–Sen: median of the pair slopes) over the trailing window of a figure taken at the same point of every step: `allocated` and `reserved` at step end, `nvml` the step's peak; there from 16 steps with the figure, noise included (the forecast says whether it counts)",
+    help: "Per-step growth of memory over the trailing window (Theil-Sen slope), by source: allocated or reserved at step end, nvml the step's device peak. Noise included; stepwatch_rank_memory_forecast_oom_seconds is there only when it counts.",
+};
+
+/// `stepwatch_rank_memory_forecast_oom_seconds`
+pub(crate) const RANK_MEMORY_FORECAST_OOM_SECONDS: MetricDef = MetricDef {
+    name: "stepwatch_rank_memory_forecast_oom_seconds",
+    kind: MetricKind::Gauge,
+    labels: "rank labels",
+    meaning: "seconds from the rank's latest step end until its growing step peak reaches the GPU's capacity, at the fastest growth that counts (Sen's 99.9% interval above 0, and at least 1% of capacity over the window); absent for a flat or noisy job",
+    help: "Seconds from the rank's latest completed step until its growing step peak reaches the GPU's capacity, at the measured growth; absent when memory does not grow.",
+};
+
+/// `stepwatch_rank_memory_forecast_oom_step`
+pub(crate) const RANK_MEMORY_FORECAST_OOM_STEP: MetricDef = MetricDef {
+    name: "stepwatch_rank_memory_forecast_oom_step",
+    kind: MetricKind::Gauge,
+    labels: "rank labels",
+    meaning: "the step at which the growing step peak reaches the GPU's capacity; absent like the seconds",
+    help: "The step at which the rank's growing step peak reaches the GPU's capacity, at the measured growth; absent when memory does not grow.",
+};
+
 /// `stepwatch_job_first_step_peak_divergence_ratio`
 pub(crate) const JOB_FIRST_STEP_PEAK_DIVERGENCE_RATIO: MetricDef = MetricDef {
     name: "stepwatch_job_first_step_peak_divergence_ratio",
@@ -597,7 +642,7 @@ pub(crate) const ADVISORIES_SENT_TOTAL: MetricDef = MetricDef {
     name: "stepwatch_advisories_sent_total",
     kind: MetricKind::Counter,
     labels: "`kind`",
-    meaning: "advisories sent to training processes; `kind` is the proto's name: `ADVISORY_KIND_STEP2_OOM_PREDICTED`, `ADVISORY_KIND_LOW_HEADROOM`, `ADVISORY_KIND_RANK_DIVERGENCE`, `ADVISORY_KIND_ALLOCATOR_RETRIES`, `ADVISORY_KIND_LOW_OBSERVED_HEADROOM`",
+    meaning: "advisories sent to training processes; `kind` is the proto's name: `ADVISORY_KIND_STEP2_OOM_PREDICTED`, `ADVISORY_KIND_LOW_HEADROOM`, `ADVISORY_KIND_RANK_DIVERGENCE`, `ADVISORY_KIND_ALLOCATOR_RETRIES`, `ADVISORY_KIND_LOW_OBSERVED_HEADROOM`, `ADVISORY_KIND_MEMORY_GROWTH`",
     help: "Advisories sent to training processes, by kind (e.g. ADVISORY_KIND_STEP2_OOM_PREDICTED).",
 };
 
@@ -758,6 +803,11 @@ pub(crate) const ALL: &[&MetricDef] = &[
     &RANK_PREDICTION_BASIS,
     &RANK_PREDICTION_BASIS_LIMITED,
     &RANK_PREDICTION_WARNING_UPHELD,
+    &RANK_TRAILING_STEP_PEAK_MAX_BYTES,
+    &RANK_TRAILING_HEADROOM_BYTES,
+    &RANK_MEMORY_GROWTH_BYTES_PER_STEP,
+    &RANK_MEMORY_FORECAST_OOM_SECONDS,
+    &RANK_MEMORY_FORECAST_OOM_STEP,
     &RANK_OOMS_TOTAL,
     &RANK_ALLOCATOR_RETRIES_TOTAL,
     &JOB_FIRST_STEP_PEAK_DIVERGENCE_RATIO,

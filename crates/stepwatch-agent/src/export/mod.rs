@@ -14,7 +14,7 @@
 
 use prometheus::proto::MetricType;
 use prometheus::TextEncoder;
-use stepwatch_core::{BasisLimit, PhaseKind, RankInfo, RankKey, WarningRevision};
+use stepwatch_core::{BasisLimit, GrowthSource, PhaseKind, RankInfo, RankKey, WarningRevision};
 use stepwatch_proto::clock::monotonic_ns;
 
 use crate::config::RankPhaseSeries;
@@ -406,6 +406,11 @@ fn analysis_families(
     let mut steady_div = Family::of(node, &metrics::JOB_STEADY_PEAK_DIVERGENCE_RATIO);
     let mut outlier = Family::of(node, &metrics::JOB_RANK_OUTLIER);
     let mut rank_activation = Family::of(node, &metrics::RANK_FIRST_STEP_ACTIVATION_PEAK_BYTES);
+    let mut trailing_max = Family::of(node, &metrics::RANK_TRAILING_STEP_PEAK_MAX_BYTES);
+    let mut trailing_headroom = Family::of(node, &metrics::RANK_TRAILING_HEADROOM_BYTES);
+    let mut growth = Family::of(node, &metrics::RANK_MEMORY_GROWTH_BYTES_PER_STEP);
+    let mut oom_seconds = Family::of(node, &metrics::RANK_MEMORY_FORECAST_OOM_SECONDS);
+    let mut oom_step = Family::of(node, &metrics::RANK_MEMORY_FORECAST_OOM_STEP);
     for (key, div) in &tracker.divergence {
         let job = [
             ("namespace", key.namespace.as_str()),
@@ -445,6 +450,35 @@ fn analysis_families(
         let Some(a) = &rank.analysis else {
             continue;
         };
+        if let Some(trend) = &rank.trend {
+            let t = &trend.trailing;
+            for (source, max) in [
+                ("nvml", t.nvml_max_bytes),
+                ("allocated", t.allocated_max_bytes),
+                ("reserved", t.reserved_max_bytes),
+            ] {
+                if let Some(b) = max {
+                    trailing_max.add(&with(&labels, ("source", source)), b as f64);
+                }
+            }
+            if let (Some(max), true) = (t.nvml_max_bytes, a.capacity_bytes > 0) {
+                trailing_headroom.add(&labels, a.capacity_bytes as f64 - max as f64);
+            }
+            for source in GrowthSource::ALL {
+                if let Some(s) = trend.slope(source) {
+                    growth.add(
+                        &with(&labels, ("source", source.as_str())),
+                        s.bytes_per_step,
+                    );
+                }
+            }
+        }
+        if let Some(f) = &rank.growth {
+            if let Some(s) = f.seconds_to_oom {
+                oom_seconds.add(&labels, s);
+            }
+            oom_step.add(&labels, f.oom_step as f64);
+        }
         if a.capacity_bytes > 0 {
             capacity.add(&labels, a.capacity_bytes as f64);
         }
@@ -537,6 +571,11 @@ fn analysis_families(
         steady_div,
         outlier,
         rank_activation,
+        trailing_max,
+        trailing_headroom,
+        growth,
+        oom_seconds,
+        oom_step,
     ] {
         f.done(out);
     }

@@ -12,7 +12,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use stepwatch_core::{
-    Divergence, LayoutCounts, PhaseKind, RankAnalysis, RankInfo, RankKey, StepOutcome, Tracker,
+    Divergence, GrowthForecast, LayoutCounts, MemoryTrend, PhaseKind, RankAnalysis, RankInfo,
+    RankKey, StepOutcome, Tracker,
 };
 
 use crate::state::AgentState;
@@ -44,6 +45,10 @@ pub(crate) struct RankSnapshot {
     /// Predicted peak of the prediction frozen before step 2.
     pub(crate) frozen_peak_bytes: Option<u64>,
     pub(crate) analysis: Option<RankAnalysis>,
+    /// The trailing window after step 2 and its growth (kept by the core).
+    pub(crate) trend: Option<MemoryTrend>,
+    /// When growing memory reaches capacity; None when it does not grow.
+    pub(crate) growth: Option<GrowthForecast>,
 }
 
 pub(crate) struct LastCompleted {
@@ -227,6 +232,8 @@ fn rank_snapshot(tracker: &Tracker, key: RankKey) -> Option<RankSnapshot> {
             .as_ref()
             .map(|p| p.predicted_peak_bytes),
         analysis: tracker.rank_analysis(&key),
+        trend: tracker.memory_trend(&key).cloned(),
+        growth: tracker.memory_growth(&key),
         key,
     })
 }
