@@ -74,6 +74,7 @@ StepwatchFirstStepDivergence: {literal: "> 0.1", format: "> %v"}
 StepwatchFirstStepActivationDivergence: {literal: "> 0.1", format: "> %v"}
 StepwatchJobStalled: {literal: "clamp_min(10 *", format: "clamp_min(%v *"}
 StepwatchSamplerLagging: {literal: "> 0.1", format: "> %v"}
+StepwatchMemoryGrowthOOMForecast: {literal: "< 3600", format: "< %v"}
 {{- end }}
 
 {{/* Alerts the agent posts itself (--alertmanager-url) with the rule's name and labels. */}}
