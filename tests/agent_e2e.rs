@@ -1702,3 +1702,118 @@ fn fake_gpu_lib_path_needs_no_dir_and_the_others_say_they_do() {
         "{stderr}"
     );
 }
+
+/// A job that leaks after step 2 (`total_loss += loss`: 200 MiB more held
+/// at every step end) is told on its stream once, when the 16th step from
+/// step 3 on (step 18) has ended, with the rate and the step at which the
+/// GPU will be full; `/metrics` shows the slope and the forecast that
+/// `StepwatchMemoryGrowthOOMForecast` alerts on. A step a second; markers
+/// only (their times are long before the sampler's, so no NVML peaks): the
+/// level is the reserved peak, and the GPU's capacity the fake H100's
+/// 81047 MiB usable.
+#[test]
+fn memory_growth_after_step_2_is_advised_on_the_stream_and_forecast_in_metrics() {
+    use common::wire::*;
+    use stepwatch_proto::v1::{agent_message, AdvisoryKind, AllocatorStats, Severity};
+
+    const MIB: u64 = 1 << 20;
+    const STEPS: u64 = 40;
+    let agent = Agent::start("leaky", 1);
+    let labels = [("training_job", "leaky"), ("rank", "0")];
+    let held = |n: u64| 20_480 * MIB + 200 * MIB * n;
+    let leaking = |n: u64| -> Vec<_> {
+        let t0 = n * 1_000_000_000;
+        let mut markers = step(n, t0);
+        for m in markers.iter_mut() {
+            m.allocator = Some(AllocatorStats {
+                allocated_bytes: held(n),
+                allocated_peak_bytes: held(n) + 10_240 * MIB,
+                reserved_bytes: held(n) + 2_048 * MIB,
+                reserved_peak_bytes: held(n) + 2_048 * MIB,
+                ..Default::default()
+            });
+        }
+        markers
+    };
+    // The sampler has read the GPU's capacity before the first marker.
+    agent.wait_metrics("the GPU sampled", Duration::from_secs(20), |m| {
+        m.get("stepwatch_gpu_memory_total_bytes", &[("gpu", "0")])
+            .is_some()
+    });
+    let mut messages = vec![hello("leaky", 0, 1)];
+    messages.extend((1..=STEPS).map(|n| batch(leaking(n))));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let got = rt
+        .block_on(exchange_collect(&agent.endpoint(), messages))
+        .expect("a well-formed stream");
+    let advisories: Vec<_> = got
+        .into_iter()
+        .filter_map(|m| match m.kind {
+            Some(agent_message::Kind::Advisory(a)) => Some(a),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(advisories.len(), 1, "{advisories:?}");
+    let a = &advisories[0];
+    assert_eq!(a.kind, AdvisoryKind::MemoryGrowth as i32);
+    assert_eq!((a.step, a.severity), (18, Severity::Warning as i32));
+    // 200 MiB = 209.7 MB; at step 18 the reserved peak is 26128 MiB, and
+    // (81047 − 26128) / 200 = 274.6 steps to go: step 293.
+    for words in [
+        "memory grows by 209.7 MB per step",
+        "steps 3–18",
+        "at about step 293, in about 4 min",
+        "total_loss += loss",
+    ] {
+        assert!(a.message.contains(words), "{words:?} not in {}", a.message);
+    }
+    // The true OOM step: the first whose reserved peak passes capacity.
+    let capacity = 81_047 * MIB;
+    let true_oom = (1..).find(|&n| held(n) + 2_048 * MIB > capacity).unwrap();
+    let m = agent.wait_metrics("the forecast", Duration::from_secs(10), |m| {
+        m.get("stepwatch_rank_memory_forecast_oom_step", &labels)
+            .is_some()
+    });
+    let step = m
+        .get("stepwatch_rank_memory_forecast_oom_step", &labels)
+        .unwrap();
+    let seconds = m
+        .get("stepwatch_rank_memory_forecast_oom_seconds", &labels)
+        .unwrap();
+    let slope = m
+        .get(
+            "stepwatch_rank_memory_growth_bytes_per_step",
+            &[
+                ("training_job", "leaky"),
+                ("rank", "0"),
+                ("source", "allocated"),
+            ],
+        )
+        .unwrap();
+    println!(
+        "slope {slope} B/step (true {}); forecast step {step}, true {true_oom}; {seconds} s",
+        200 * MIB
+    );
+    assert_eq!(slope, (200 * MIB) as f64);
+    assert_eq!(step, true_oom as f64);
+    // From step 40's end, a step a second.
+    assert_eq!(seconds, (true_oom - STEPS) as f64);
+    assert_eq!(
+        m.get(
+            "stepwatch_rank_trailing_step_peak_max_bytes",
+            &[
+                ("training_job", "leaky"),
+                ("rank", "0"),
+                ("source", "reserved")
+            ]
+        ),
+        Some((held(STEPS) + 2_048 * MIB) as f64)
+    );
+    assert_eq!(
+        m.get(
+            "stepwatch_advisories_sent_total",
+            &[("kind", "ADVISORY_KIND_MEMORY_GROWTH")]
+        ),
+        Some(1.0)
+    );
+}
