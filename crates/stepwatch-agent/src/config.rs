@@ -252,8 +252,10 @@ pub struct AgentConfig {
     #[arg(long = "alertmanager-label", env = "STEPWATCH_ALERTMANAGER_LABELS", value_delimiter = ',', value_parser = parse_label)]
     pub alertmanager_labels: Vec<(String, String)>,
 
-    /// Where the agent's alerts' `runbook_url` annotations point: `<this>/<alert>.md`,
-    /// as the rules' (the chart passes its prometheusRule.runbookBaseURL).
+    /// Where the agent's alerts' `runbook_url` annotations point: `<this>/<alert>.md`
+    /// (the chart passes its prometheusRule.runbookBaseURL). Empty (the
+    /// default): no link; a `runbook` annotation names the page that ships
+    /// with the chart and the package.
     #[arg(long, env = "STEPWATCH_ALERTMANAGER_RUNBOOK_BASE_URL", default_value = crate::alerts::DEFAULT_RUNBOOK_BASE_URL)]
     pub alertmanager_runbook_base_url: String,
 

@@ -40,10 +40,12 @@ pub const PEAK_DIVERGENCE_ALERT: &str = "StepwatchFirstStepDivergence";
 /// See [`STEP2_OOM_ALERT`].
 pub const ACTIVATION_DIVERGENCE_ALERT: &str = "StepwatchFirstStepActivationDivergence";
 
-/// Where the rules' `runbook_url` annotations point (deploy/runbooks of
-/// the repository, one page per alert): the agent's alerts link the same page.
-pub const DEFAULT_RUNBOOK_BASE_URL: &str =
-    "https://github.com/stepwatch/stepwatch/blob/main/deploy/runbooks";
+/// Where the agent's alerts' `runbook_url` points by default: nowhere. The
+/// runbooks (one page per alert) ship with the chart, the .deb and the
+/// repository, but there is no public address to link; without a base URL
+/// (`--alertmanager-runbook-base-url`) an alert names its page in a
+/// `runbook` annotation instead of carrying a dead link.
+pub const DEFAULT_RUNBOOK_BASE_URL: &str = "";
 
 /// Labels of a per-rank alert besides `alertname` and `severity`: the rule
 /// aggregates to exactly these (plus `cluster`, from `--alertmanager-label`), so
@@ -405,10 +407,21 @@ fn annotations(name: &str, labels: &Labels, advisory: &Advisory, runbooks: &str)
     [
         ("summary".to_owned(), summary),
         ("description".to_owned(), advisory.message.clone()),
-        (
-            "runbook_url".to_owned(),
-            format!("{}/{name}.md", runbooks.trim_end_matches('/')),
-        ),
+        if runbooks.is_empty() {
+            (
+                "runbook".to_owned(),
+                format!(
+                    "{name}.md in stepwatch's runbooks (deploy/runbooks; the chart's \
+                     files/runbooks; /usr/share/doc/stepwatch/runbooks with the .deb); \
+                     --alertmanager-runbook-base-url makes it a link"
+                ),
+            )
+        } else {
+            (
+                "runbook_url".to_owned(),
+                format!("{}/{name}.md", runbooks.trim_end_matches('/')),
+            )
+        },
         (
             "source".to_owned(),
             "stepwatch agent (fast path; the Prometheus rule sends the same alert)".to_owned(),
@@ -758,10 +771,12 @@ mod tests {
                 rule.contains(&format!("severity: {severity}")),
                 "{name}: severity {severity} expected in\n{rule}"
             );
-            let runbook = format!("runbook_url: \"{DEFAULT_RUNBOOK_BASE_URL}/{name}.md\"");
+            // The rule and the agent's alert name the same runbook page.
+            let runbook = format!("/deploy/runbooks/{name}.md\"");
             assert!(
-                rule.contains(&runbook),
-                "{name}: {runbook} expected in\n{rule}"
+                rule.lines()
+                    .any(|l| l.contains("runbook_url:") && l.ends_with(&runbook)),
+                "{name}: a runbook_url ending in {runbook} expected in\n{rule}"
             );
             let by = rule
                 .split_once("max by (")
@@ -1049,9 +1064,12 @@ mod tests {
         .collect();
         assert_eq!(labels, expected, "the empty container is left out");
         assert_eq!(annotations["description"], "step 2 will not fit");
-        assert_eq!(
-            annotations["runbook_url"],
-            format!("{DEFAULT_RUNBOOK_BASE_URL}/StepwatchStep2OOMPredicted.md")
+        // No base URL (the default): the page is named, no dead link is sent.
+        assert!(!annotations.contains_key("runbook_url"), "{annotations:?}");
+        assert!(
+            annotations["runbook"]
+                .starts_with("StepwatchStep2OOMPredicted.md in stepwatch's runbooks"),
+            "{annotations:?}"
         );
         assert_eq!(holder, "team/llm/3");
         let Change::Fire { labels, .. } = rx.try_recv().unwrap() else {
