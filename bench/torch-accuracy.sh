@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Step-2 prediction accuracy on real PyTorch jobs, on fake GPUs:
 #
-#   bench/torch-accuracy.sh                    # every job of bench/torch-jobs/jobs.json
-#   bench/torch-accuracy.sh --jobs a,b         # a subset (--list shows them)
+#   bench/torch-accuracy.sh                    # every job of bench/torch-jobs/jobs.json (44)
+#   bench/torch-accuracy.sh --set held_out     # the held-out set (what CI runs), or tuning
+#   bench/torch-accuracy.sh --jobs a,b         # a subset (--list shows them and their sets)
 #   bench/torch-accuracy.sh --check            # missed targets make the exit status 3
 #   bench/torch-accuracy.sh --help             # every flag
 #
@@ -17,15 +18,22 @@
 # which PyTorch raised OutOfMemoryError. It prints a line per run, a table and
 # a summary per variant against the targets (trace: median |error| <= 1%,
 # max <= 3%; markers: <= 2%, <= 5%; every step-2 OOM warned before step 2; no
-# OOM warning with >= 5% true headroom), and writes target/torch-accuracy.json
-# (one object per rank and run). bench/torch_accuracy.py's docstring has the
-# definitions.
+# OOM warning with >= 5% true headroom), each for the tuning and the held-out
+# set apart (bench/torch-jobs/split.py fixed the split), and writes
+# target/torch-accuracy.json (one object per rank and run, with its set) and
+# target/torch-accuracy-summary.json (per set and estimator). Beside
+# stepwatch it runs two peer estimators on each job, once, on a roomy GPU:
+# PyTorch's MemTracker and accelerate's estimate-memory (--no-peers: not).
+# bench/torch_accuracy.py's docstring has the definitions.
 #
-# About 17 minutes for all 18 jobs (186 runs) on the 2-vCPU VM, 2 runs at a
-# time (--parallel), kernels of 50 us (--kernel-time). Each run has its own
-# agent and fake GPUs; the harness stops every process it started on exit,
-# SIGINT and SIGTERM. --keep keeps each run's agent log, record, reports, the
-# job's output and fake CUDA's usage log (kept anyway on a harness error).
+# On the 2-vCPU VM, 2 runs at a time (--parallel), kernels of 50 us
+# (--kernel-time), while other builds shared the VM (load average 5-10): the
+# held-out set (24 jobs, 272 runs with the peers) 29 minutes, the tuning set
+# (20 jobs, 224 runs) 27, all 44 jobs about 55. CI runs the held-out set only.
+# Each run has its own agent and fake GPUs; the harness stops every process it
+# started on exit, SIGINT and SIGTERM. --keep keeps each run's agent log,
+# record, reports, the job's output and fake CUDA's usage log (kept anyway on
+# a harness error).
 #
 # Knobs: PYTHON (default: the test venv ~/.cache/stepwatch/py-venv, else
 # python3; it runs the harness and the jobs), STEPWATCH_BIN (the agent;
