@@ -9,72 +9,88 @@ use std::time::Duration;
 pub const DEFAULT_SOCKET: &str = "/run/stepwatch/stepwatch.sock";
 
 /// How the agent runs.
-#[derive(Debug, Clone, clap::Args)]
+#[derive(Debug, Clone)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 pub struct AgentConfig {
     /// Unix socket for marker ingest (gRPC). Its directory is created if missing.
-    #[arg(long, env = "STEPWATCH_SOCKET", default_value = DEFAULT_SOCKET)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_SOCKET", default_value = DEFAULT_SOCKET))]
     pub socket: PathBuf,
 
     /// File mode of the marker socket, octal. Only processes that can write
     /// the socket can send markers; use 0666 when training runs as other users.
-    #[arg(long, env = "STEPWATCH_SOCKET_MODE", default_value = "0660", value_parser = parse_mode)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_SOCKET_MODE", default_value = "0660", value_parser = parse_mode))]
     pub socket_mode: u32,
 
     /// Also accept marker ingest over TCP at this address (off unless given).
     /// Use TLS (--grpc-tls-cert/--grpc-tls-key) unless the interface is private.
-    #[arg(long, env = "STEPWATCH_GRPC_LISTEN")]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_GRPC_LISTEN"))]
     pub grpc_listen: Option<SocketAddr>,
 
     /// PEM certificate (chain) for TLS on the TCP ingest.
-    #[arg(long, env = "STEPWATCH_GRPC_TLS_CERT", requires = "grpc_tls_key")]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_GRPC_TLS_CERT", requires = "grpc_tls_key")
+    )]
     pub grpc_tls_cert: Option<PathBuf>,
 
     /// PEM private key for TLS on the TCP ingest.
-    #[arg(long, env = "STEPWATCH_GRPC_TLS_KEY", requires = "grpc_tls_cert")]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_GRPC_TLS_KEY", requires = "grpc_tls_cert")
+    )]
     pub grpc_tls_key: Option<PathBuf>,
 
     /// PEM CA bundle: when given, TCP clients must present a certificate it signed (mutual TLS).
-    #[arg(long, env = "STEPWATCH_GRPC_TLS_CLIENT_CA", requires = "grpc_tls_cert")]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_GRPC_TLS_CLIENT_CA", requires = "grpc_tls_cert")
+    )]
     pub grpc_tls_client_ca: Option<PathBuf>,
 
     /// Address of the HTTP server: /metrics, /healthz, /readyz, /api/v1.
     /// Port 9447, not 9400: dcgm-exporter listens on 9400 on the same GPU nodes.
-    #[arg(long, env = "STEPWATCH_HTTP_LISTEN", default_value = "0.0.0.0:9447")]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_HTTP_LISTEN", default_value = "0.0.0.0:9447")
+    )]
     pub http_listen: SocketAddr,
 
     /// Serve the JSON API (`/api/v1`, which names tenants' jobs and pods) on
     /// this address instead, apart from `/metrics` and the probes, so that it
     /// can be exposed or firewalled on its own. Unset: on --http-listen.
-    #[arg(long, env = "STEPWATCH_API_LISTEN")]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_API_LISTEN"))]
     pub api_listen: Option<std::net::SocketAddr>,
 
     /// Node name put on every series as the `node` label (defaults to the hostname).
-    #[arg(long, env = "STEPWATCH_NODE_NAME")]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_NODE_NAME"))]
     pub node_name: Option<String>,
 
     /// Path of libnvidia-ml to load (default: libnvidia-ml.so.1 from the loader path).
-    #[arg(long, env = "STEPWATCH_NVML_LIB")]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_NVML_LIB"))]
     pub nvml_lib: Option<PathBuf>,
 
     /// Device-memory sampling rate per GPU, in Hz.
-    #[arg(long, env = "STEPWATCH_SAMPLE_HZ", default_value_t = 100.0, value_parser = parse_hz)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_SAMPLE_HZ", default_value_t = 100.0, value_parser = parse_hz))]
     pub sample_hz: f64,
 
     /// Period of process-list and utilisation reads. Process lists take the
     /// driver's global lock, so keep this slow.
-    #[arg(long, env = "STEPWATCH_PROCESS_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_PROCESS_INTERVAL", default_value = "1s", value_parser = parse_duration))]
     pub process_interval: Duration,
 
     /// Trailing window of stepwatch_gpu_memory_used_max_bytes; set it to the scrape interval.
-    #[arg(long, env = "STEPWATCH_MAX_WINDOW", default_value = "15s", value_parser = parse_duration)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_MAX_WINDOW", default_value = "15s", value_parser = parse_duration))]
     pub max_window: Duration,
 
     /// How long a finished rank's figures stay exported after its last stream closed.
-    #[arg(long, env = "STEPWATCH_RETENTION", default_value = "1h", value_parser = parse_duration)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_RETENTION", default_value = "1h", value_parser = parse_duration))]
     pub retention: Duration,
 
     /// Steps kept per rank (step 1 is always kept as well).
-    #[arg(long, env = "STEPWATCH_MAX_STEPS", default_value_t = 1000)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_MAX_STEPS", default_value_t = 1000)
+    )]
     pub max_steps: usize,
 
     /// Memory budget of the ranks' retained step history, MiB. Past it, the
@@ -82,81 +98,108 @@ pub struct AgentConfig {
     /// current step), counted in stepwatch_steps_trimmed_total; when nothing
     /// is left to give, markers that add phases are refused (memory_budget).
     /// The default fits the chart's 192 MiB memory limit with 256 ranks connected.
-    #[arg(long, env = "STEPWATCH_MEMORY_BUDGET_MIB", default_value_t = 24)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_MEMORY_BUDGET_MIB", default_value_t = 24)
+    )]
     pub memory_budget_mib: u64,
 
     /// Ranks tracked at once. When full, the rank that finished longest ago
     /// gives way; a hello gets RESOURCE_EXHAUSTED only when every rank is
     /// connected.
-    #[arg(long, env = "STEPWATCH_MAX_RANKS", default_value_t = 256)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_MAX_RANKS", default_value_t = 256)
+    )]
     pub max_ranks: usize,
 
     /// Concurrent ingest streams that said Hello; further hellos get
     /// RESOURCE_EXHAUSTED.
-    #[arg(long, env = "STEPWATCH_MAX_STREAMS", default_value_t = 512)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_MAX_STREAMS", default_value_t = 512)
+    )]
     pub max_streams: usize,
 
     /// Connections each ingest listener (the Unix socket, the TCP port)
     /// holds at once; further ones wait until one closes. Keeps the agent
     /// below its file-descriptor limit whatever clients do.
-    #[arg(long, env = "STEPWATCH_MAX_CONNECTIONS", default_value_t = 256)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_MAX_CONNECTIONS", default_value_t = 256)
+    )]
     pub max_connections: usize,
 
     /// Connections the HTTP listener (/metrics, /healthz, the API) holds at
     /// once; further ones wait until one closes.
-    #[arg(long, env = "STEPWATCH_MAX_HTTP_CONNECTIONS", default_value_t = 64)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_MAX_HTTP_CONNECTIONS", default_value_t = 64)
+    )]
     pub max_http_connections: usize,
 
     /// A connection (HTTP or ingest) that neither sends nor receives a byte
     /// for this long is closed. Live ingest connections never idle this long:
     /// the agent pings them every 30 s (HTTP/2 keepalive).
-    #[arg(long, env = "STEPWATCH_IDLE_TIMEOUT", default_value = "2m", value_parser = parse_duration)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_IDLE_TIMEOUT", default_value = "2m", value_parser = parse_duration))]
     pub idle_timeout: Duration,
 
     /// Streams one connection may hold open at once (HTTP/2
     /// max_concurrent_streams); a client process needs one per rank it runs.
-    #[arg(
-        long,
-        env = "STEPWATCH_MAX_STREAMS_PER_CONNECTION",
-        default_value_t = 64
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long,
+            env = "STEPWATCH_MAX_STREAMS_PER_CONNECTION",
+            default_value_t = 64
+        )
     )]
     pub max_streams_per_connection: usize,
 
     /// How long a new stream may take to send its Hello before it is ended
     /// with DEADLINE_EXCEEDED (counted as `hello_timeout`). A stream takes
     /// one of --max-streams only once its Hello arrives.
-    #[arg(long, env = "STEPWATCH_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_duration)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_HELLO_TIMEOUT", default_value = "10s", value_parser = parse_duration))]
     pub hello_timeout: Duration,
 
     /// Bytes that allocator traces still being sent may hold, all streams
     /// together, MiB; a trace that would go past it is dropped (counted as
     /// allocator_trace_over_budget) and that rank's prediction keeps to its
     /// markers.
-    #[arg(long, env = "STEPWATCH_MAX_PARTIAL_TRACE_MIB", default_value_t = 64)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_MAX_PARTIAL_TRACE_MIB", default_value_t = 64)
+    )]
     pub max_partial_trace_mib: u64,
 
     /// How long an allocator trace may take from its first chunk to its
     /// last; past it the partial trace is dropped (allocator_trace_timeout).
-    #[arg(long, env = "STEPWATCH_PARTIAL_TRACE_TIMEOUT", default_value = "60s", value_parser = parse_duration)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_PARTIAL_TRACE_TIMEOUT", default_value = "60s", value_parser = parse_duration))]
     pub partial_trace_timeout: Duration,
 
     /// Markers per second one stream may send (burst: one second's worth);
     /// beyond it the stream gets RESOURCE_EXHAUSTED.
-    #[arg(long, env = "STEPWATCH_MAX_MARKER_RATE", default_value_t = 200_000.0)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_MAX_MARKER_RATE", default_value_t = 200_000.0)
+    )]
     pub max_marker_rate: f64,
 
     /// Journal file: ranks' step history is written here periodically and at
     /// shutdown, and restored at start, so an agent restart loses no history.
     /// Off unless given.
-    #[arg(long, env = "STEPWATCH_JOURNAL")]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_JOURNAL"))]
     pub journal: Option<PathBuf>,
 
     /// How often the journal is written.
-    #[arg(long, env = "STEPWATCH_JOURNAL_INTERVAL", default_value = "30s", value_parser = parse_duration)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_JOURNAL_INTERVAL", default_value = "30s", value_parser = parse_duration))]
     pub journal_interval: Duration,
 
     /// Steps per rank kept in the journal besides step 1 (bounds its size).
-    #[arg(long, env = "STEPWATCH_JOURNAL_STEPS", default_value_t = 100)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_JOURNAL_STEPS", default_value_t = 100)
+    )]
     pub journal_steps: usize,
 
     /// Record every input of the step model (hellos, marker batches,
@@ -165,50 +208,59 @@ pub struct AgentConfig {
     /// Off unless given; the file is truncated at start. A record covers what
     /// this agent saw since it started (ranks restored from the journal are
     /// not in it).
-    #[arg(long, env = "STEPWATCH_RECORD")]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_RECORD"))]
     pub record: Option<PathBuf>,
 
     /// Size bound of the record, bytes (about 84 bytes per GPU sample: 8 GPUs
     /// at 100 Hz write about 240 MB an hour); recording stops there.
-    #[arg(long, env = "STEPWATCH_RECORD_MAX_BYTES", default_value_t = 1 << 30)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_RECORD_MAX_BYTES", default_value_t = 1 << 30))]
     pub record_max_bytes: u64,
 
     /// Once every listener is bound, write a JSON object with their
     /// addresses here (`{"http": "127.0.0.1:9464", "grpc": null, "socket": …}`),
     /// so a supervisor or a test can start the agent on port 0 and learn the
     /// port without racing for a free one. Written atomically.
-    #[arg(long, env = "STEPWATCH_READY_FILE")]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_READY_FILE"))]
     pub ready_file: Option<PathBuf>,
 
     /// The host's /proc, where a client's cgroup is read from its peer PID
     /// (the agent runs with hostPID); like node_exporter's --path.procfs.
-    #[arg(long, env = "STEPWATCH_PROC_ROOT", default_value = "/proc")]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_PROC_ROOT", default_value = "/proc")
+    )]
     pub proc_root: PathBuf,
 
     /// Slurm: the GPU↔job mapping directory a Slurm prolog keeps
     /// (dcgm-exporter's --hpc-job-mapping-dir; deploy/slurm/). When given, a
     /// client's Slurm job claim is checked against its cgroup and this
     /// directory, and GPU series get an `hpc_job` label. Off unless given.
-    #[arg(long, env = "STEPWATCH_SLURM_JOB_MAPPING_DIR")]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_SLURM_JOB_MAPPING_DIR"))]
     pub slurm_job_mapping_dir: Option<PathBuf>,
 
     /// The kubelet's pod-resources API (v1 PodResourcesLister), which says
     /// which pod holds which GPU. Without it (outside Kubernetes) clients'
     /// pods and namespaces are taken as they claim them, logged once.
-    #[arg(
-        long,
-        env = "STEPWATCH_POD_RESOURCES_SOCKET",
-        default_value = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long,
+            env = "STEPWATCH_POD_RESOURCES_SOCKET",
+            default_value = "/var/lib/kubelet/pod-resources/kubelet.sock"
+        )
     )]
     pub pod_resources_socket: PathBuf,
 
     /// The kubelet's pod log directories (`<namespace>_<pod>_<uid>`): the
     /// node's map from a pod UID (in a client's cgroup) to its name.
-    #[arg(long, env = "STEPWATCH_POD_LOGS_DIR", default_value = "/var/log/pods")]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_POD_LOGS_DIR", default_value = "/var/log/pods")
+    )]
     pub pod_logs_dir: PathBuf,
 
     /// Deadline of one call to the pod-resources API.
-    #[arg(long, env = "STEPWATCH_POD_RESOURCES_TIMEOUT", default_value = "2s", value_parser = parse_duration)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_POD_RESOURCES_TIMEOUT", default_value = "2s", value_parser = parse_duration))]
     pub pod_resources_timeout: Duration,
 
     /// Serve the CSI Identity and Node services on this Unix socket (off
@@ -216,22 +268,25 @@ pub struct AgentConfig {
     /// baseline/restricted) get their own ingest socket through a CSI
     /// ephemeral inline volume, bound to the pod the kubelet names. Published
     /// volumes are recorded in `volumes.jsonl` beside it and reopened at start.
-    #[arg(long, env = "STEPWATCH_CSI_SOCKET")]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_CSI_SOCKET"))]
     pub csi_socket: Option<PathBuf>,
 
     /// The CSI driver's name: the CSIDriver object's and the pods' `csi.driver`.
-    #[arg(long, env = "STEPWATCH_CSI_DRIVER_NAME", default_value = "csi.stepwatch.dev", value_parser = parse_driver_name)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_CSI_DRIVER_NAME", default_value = "csi.stepwatch.dev", value_parser = parse_driver_name))]
     pub csi_driver_name: String,
 
     /// CSI volumes published at once (one per pod using it); more are
     /// refused with RESOURCE_EXHAUSTED, counted, and retried by the kubelet.
-    #[arg(long, env = "STEPWATCH_CSI_MAX_VOLUMES", default_value_t = 128)]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_CSI_MAX_VOLUMES", default_value_t = 128)
+    )]
     pub csi_max_volumes: usize,
 
     /// How often the kubelet is asked which pod holds which GPU, for the
     /// `namespace`, `pod` and `container` labels of GPU series; one `List`
     /// call each time (a hello's lookup also refreshes it).
-    #[arg(long, env = "STEPWATCH_POD_RESOURCES_REFRESH", default_value = "15s", value_parser = parse_duration)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_POD_RESOURCES_REFRESH", default_value = "15s", value_parser = parse_duration))]
     pub pod_resources_refresh: Duration,
 
     /// Alertmanager to post the step-2 OOM, low-headroom and divergence
@@ -239,29 +294,32 @@ pub struct AgentConfig {
     /// v2 API), under the rules' alert names and labels so that Alertmanager
     /// merges them with the rules' alerts. Repeat it for each replica of an
     /// HA Alertmanager (each gets every alert). Off unless given.
-    #[arg(
-        long = "alertmanager-url",
-        env = "STEPWATCH_ALERTMANAGER_URL",
-        value_delimiter = ','
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long = "alertmanager-url",
+            env = "STEPWATCH_ALERTMANAGER_URL",
+            value_delimiter = ','
+        )
     )]
     pub alertmanager_urls: Vec<String>,
 
     /// A label `NAME=VALUE` put on every alert the agent posts: Prometheus's
     /// external labels (e.g. `cluster=prod-eu`), which the rules' alerts
     /// carry too. Repeatable.
-    #[arg(long = "alertmanager-label", env = "STEPWATCH_ALERTMANAGER_LABELS", value_delimiter = ',', value_parser = parse_label)]
+    #[cfg_attr(feature = "cli", arg(long = "alertmanager-label", env = "STEPWATCH_ALERTMANAGER_LABELS", value_delimiter = ',', value_parser = parse_label))]
     pub alertmanager_labels: Vec<(String, String)>,
 
     /// Where the agent's alerts' `runbook_url` annotations point: `<this>/<alert>.md`
     /// (the chart passes its prometheusRule.runbookBaseURL). Empty (the
     /// default): no link; a `runbook` annotation names the page that ships
     /// with the chart and the package.
-    #[arg(long, env = "STEPWATCH_ALERTMANAGER_RUNBOOK_BASE_URL", default_value = crate::alerts::DEFAULT_RUNBOOK_BASE_URL)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_ALERTMANAGER_RUNBOOK_BASE_URL", default_value = crate::alerts::DEFAULT_RUNBOOK_BASE_URL))]
     pub alertmanager_runbook_base_url: String,
 
     /// Active alerts are posted again this often; each says it ends 4 of
     /// these later, so Alertmanager resolves them if the agent dies.
-    #[arg(long, env = "STEPWATCH_ALERTMANAGER_RESEND_INTERVAL", default_value = "1m", value_parser = parse_duration)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_ALERTMANAGER_RESEND_INTERVAL", default_value = "1m", value_parser = parse_duration))]
     pub alertmanager_resend_interval: Duration,
 
     /// Which per-phase rank series `/metrics` carries. They are most of a
@@ -271,16 +329,17 @@ pub struct AgentConfig {
     /// phase peaks only (the first-step anomaly dashboard's panel), no steady
     /// phase peaks and no phase durations. `none`: neither; the step-anatomy
     /// dashboard's phase panels go empty. The JSON API keeps every figure.
-    #[arg(long, env = "STEPWATCH_RANK_PHASE_SERIES", value_enum, default_value_t = RankPhaseSeries::All)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_RANK_PHASE_SERIES", value_enum, default_value_t = RankPhaseSeries::All))]
     pub rank_phase_series: RankPhaseSeries,
 
     /// Log format.
-    #[arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text))]
     pub log_format: LogFormat,
 }
 
 /// See [`AgentConfig::rank_phase_series`]: a cheaper export for large clusters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum RankPhaseSeries {
     /// Phase peaks of step 1 and the steady state, and phase durations.
     #[default]
@@ -291,12 +350,14 @@ pub enum RankPhaseSeries {
     None,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum LogFormat {
     Text,
     Json,
 }
 
+#[cfg(feature = "cli")]
 fn parse_mode(s: &str) -> Result<u32, String> {
     u32::from_str_radix(s.trim_start_matches("0o"), 8)
         .ok()
@@ -306,6 +367,7 @@ fn parse_mode(s: &str) -> Result<u32, String> {
 
 /// A CSI driver name: at most 63 characters, alphanumerics at both ends,
 /// dashes, dots and alphanumerics between (the CSI spec's GetPluginInfo).
+#[cfg(feature = "cli")]
 fn parse_driver_name(s: &str) -> Result<String, String> {
     let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
     let ok = s.len() <= 63
@@ -323,6 +385,7 @@ fn parse_driver_name(s: &str) -> Result<String, String> {
 }
 
 /// `NAME=VALUE`, NAME a Prometheus label name.
+#[cfg(feature = "cli")]
 fn parse_label(s: &str) -> Result<(String, String), String> {
     let (name, value) = s
         .split_once('=')
@@ -340,6 +403,7 @@ fn parse_label(s: &str) -> Result<(String, String), String> {
     Ok((name.to_owned(), value.to_owned()))
 }
 
+#[cfg(feature = "cli")]
 fn parse_hz(s: &str) -> Result<f64, String> {
     let hz: f64 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
     if !(0.1..=10_000.0).contains(&hz) {
@@ -359,7 +423,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "cli"))]
 mod tests {
     use super::*;
 
