@@ -690,12 +690,27 @@ fn the_metrics_reference_matches_what_the_agent_exports() {
         .filter_map(|l| l.strip_prefix("| `"))
         .filter_map(|l| l.split('`').next())
         .collect();
+    // Families that exist only once memory grows after step 2 (the growth
+    // test below makes the first three appear) or once the trailing window
+    // holds NVML peaks of steps 3 on; this run's jobs are too short.
+    let only_with_growth = [
+        "stepwatch_rank_memory_forecast_oom_seconds",
+        "stepwatch_rank_memory_forecast_oom_step",
+        "stepwatch_rank_memory_growth_bytes_per_step",
+        "stepwatch_rank_trailing_headroom_bytes",
+    ];
     let undocumented: Vec<_> = exported.difference(&documented).collect();
-    let not_exported: Vec<_> = documented.difference(&exported).collect();
+    let not_exported: Vec<_> = documented
+        .difference(&exported)
+        .filter(|name| !only_with_growth.contains(name))
+        .collect();
     assert!(
         undocumented.is_empty() && not_exported.is_empty(),
         "exported without a reference row: {undocumented:?}; reference rows not exported: {not_exported:?}"
     );
+    assert!(only_with_growth
+        .iter()
+        .all(|name| documented.contains(name)));
     assert!(documented.len() > 40, "{documented:?}");
 }
 
