@@ -521,6 +521,36 @@ proptest! {
     }
 }
 
+/// A tracker with one rank on GPU, keeping every sample, under `config`.
+fn one_rank_tracker(config: AnalysisConfig) -> (Tracker, RankKey) {
+    let mut tracker = Tracker::new(TrackerConfig {
+        max_samples_per_gpu: 100_000,
+        ..Default::default()
+    });
+    tracker.set_analysis_config(config);
+    let info = RankInfo {
+        job: "job".into(),
+        world_size: 1,
+        gpu_uuid: GPU.into(),
+        pid: 1,
+        ..Default::default()
+    };
+    let key = tracker.open(info, 0).unwrap();
+    (tracker, key)
+}
+
+/// Samples of GPU at (time after 900 ns, used bytes), on an 80 MB GPU.
+fn samples_at(points: &[(u64, u64)]) -> Vec<GpuSample> {
+    points
+        .iter()
+        .map(|&(t, used)| GpuSample {
+            monotonic_ns: 900 + t,
+            used_bytes: used,
+            capacity_bytes: 80_000_000,
+        })
+        .collect()
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
@@ -538,20 +568,8 @@ proptest! {
         steady_window in 1usize..12,
         min_steady_steps in 1usize..4,
     ) {
-        let mut tracker = Tracker::new(TrackerConfig {
-            max_samples_per_gpu: 100_000,
-            ..Default::default()
-        });
-        let key = tracker
-            .open(
-                RankInfo { job: "job".into(), world_size: 1, gpu_uuid: GPU.into(), pid: 1, ..Default::default() },
-                0,
-            )
-            .unwrap();
-        let samples: Vec<GpuSample> = sample_points
-            .iter()
-            .map(|&(t, used)| GpuSample { monotonic_ns: 900 + t, used_bytes: used, capacity_bytes: 80_000_000 })
-            .collect();
+        let (mut tracker, key) = one_rank_tracker(AnalysisConfig::default());
+        let samples = samples_at(&sample_points);
         tracker.gpu_samples(GPU, &samples);
         tracker.markers(&key, &markers(steps, micro, &gaps, &levels, true), 0).unwrap();
         let config = AnalysisConfig { steady_window, min_steady_steps, ..Default::default() };
@@ -585,22 +603,9 @@ proptest! {
         batch in 1usize..9,
         steady_window in 1usize..12,
     ) {
-        let mut tracker = Tracker::new(TrackerConfig {
-            max_samples_per_gpu: 100_000,
-            ..Default::default()
-        });
         let config = AnalysisConfig { steady_window, ..Default::default() };
-        tracker.set_analysis_config(config);
-        let key = tracker
-            .open(
-                RankInfo { job: "job".into(), world_size: 1, gpu_uuid: GPU.into(), pid: 1, ..Default::default() },
-                0,
-            )
-            .unwrap();
-        let samples: Vec<GpuSample> = sample_points
-            .iter()
-            .map(|&(t, used)| GpuSample { monotonic_ns: 900 + t, used_bytes: used, capacity_bytes: 80_000_000 })
-            .collect();
+        let (mut tracker, key) = one_rank_tracker(config);
+        let samples = samples_at(&sample_points);
         let all = markers(steps, micro, &gaps, &levels, true);
         let mut fed = 0;
         for chunk in all.chunks(batch) {
