@@ -194,6 +194,13 @@ pub struct RankState {
 pub const MAX_ENDED_RUNS: usize = 8;
 
 impl RankState {
+    /// Brings the figures kept between reads (steady profile, memory trend)
+    /// up to date after the timeline or the tunables changed.
+    fn refresh_memos(&mut self, config: &AnalysisConfig) {
+        self.steady.refresh(&self.timeline, config);
+        self.trend.refresh(&self.timeline, &config.growth);
+    }
+
     /// Whether the rank has not gone past its first step: its prediction is
     /// not frozen yet and no later step has begun. What step-1 work keys on
     /// (fresh samples before a batch, the freeze, the allocator replay).
@@ -358,8 +365,7 @@ impl Tracker {
     pub fn set_analysis_config(&mut self, config: AnalysisConfig) {
         self.analysis = config;
         for state in self.ranks.values_mut() {
-            state.steady.refresh(&state.timeline, &self.analysis);
-            state.trend.refresh(&state.timeline, &self.analysis.growth);
+            state.refresh_memos(&self.analysis);
         }
     }
 
@@ -753,8 +759,7 @@ impl Tracker {
             state
                 .timeline
                 .set_max_retained_steps(self.config.max_retained_steps);
-            state.steady.refresh(&state.timeline, &self.analysis);
-            state.trend.refresh(&state.timeline, &self.analysis.growth);
+            state.refresh_memos(&self.analysis);
             self.ranks.insert(key, state);
             restored += 1;
         }
@@ -971,8 +976,7 @@ impl Tracker {
         let empty = VecDeque::new();
         let window = self.samples.get(&state.info.gpu_uuid).unwrap_or(&empty);
         credit_newly_closed(&mut state.timeline, window);
-        state.steady.refresh(&state.timeline, &self.analysis);
-        state.trend.refresh(&state.timeline, &self.analysis.growth);
+        state.refresh_memos(&self.analysis);
         self.retained_bytes = (self.retained_bytes + after).saturating_sub(before);
         self.enforce_budget();
     }
@@ -1060,8 +1064,7 @@ impl Tracker {
                     }
                 }
             }
-            state.steady.refresh(&state.timeline, &self.analysis);
-            state.trend.refresh(&state.timeline, &self.analysis.growth);
+            state.refresh_memos(&self.analysis);
         }
     }
 
