@@ -1321,7 +1321,7 @@ fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass
 #[test]
 fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
     use common::wire::*;
-    use stepwatch_proto::v1::{agent_message, AdvisoryKind, AllocatorStats, Severity};
+    use stepwatch_proto::v1::{AdvisoryKind, AllocatorStats, Severity};
 
     const MB: u64 = 1_000_000;
     // Four ranks with the same 10 GB at step begin, 2 GB of gradients and
@@ -1372,13 +1372,7 @@ fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
             vec![hello("div", 3, 4), batch(step1(6_200))],
         ))
         .expect("a well-formed stream");
-    let advisories: Vec<_> = got
-        .into_iter()
-        .filter_map(|m| match m.kind {
-            Some(agent_message::Kind::Advisory(a)) => Some(a),
-            _ => None,
-        })
-        .collect();
+    let advisories = wire::advisories(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let a = &advisories[0];
     assert_eq!(a.kind, AdvisoryKind::RankDivergence as i32);
@@ -1426,7 +1420,7 @@ fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
 #[test]
 fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
     use common::wire::*;
-    use stepwatch_proto::v1::{agent_message, AdvisoryKind, AllocatorStats, Severity};
+    use stepwatch_proto::v1::{AdvisoryKind, AllocatorStats, Severity};
 
     const MB: u64 = 1_000_000;
     // Every marker of step `n` reports `retries` (the last two markers of
@@ -1451,11 +1445,8 @@ fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
             .collect()
     };
     let retries_advisories = |got: Vec<stepwatch_proto::v1::AgentMessage>| -> Vec<_> {
-        got.into_iter()
-            .filter_map(|m| match m.kind {
-                Some(agent_message::Kind::Advisory(a)) => Some(a),
-                _ => None,
-            })
+        wire::advisories(got)
+            .into_iter()
             .filter(|a| a.kind == AdvisoryKind::AllocatorRetries as i32)
             .collect()
     };
@@ -1531,7 +1522,7 @@ fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
 #[test]
 fn low_observed_headroom_after_step_1_is_advised_on_the_stream_and_counted() {
     use common::wire::*;
-    use stepwatch_proto::v1::{agent_message, AdvisoryKind, Severity};
+    use stepwatch_proto::v1::{AdvisoryKind, Severity};
 
     const MIB: u64 = 1 << 20;
     let agent = Agent::start("observed", 1);
@@ -1585,13 +1576,7 @@ fn low_observed_headroom_after_step_1_is_advised_on_the_stream_and_counted() {
             ],
         ))
         .expect("a well-formed stream");
-    let advisories: Vec<_> = got
-        .into_iter()
-        .filter_map(|m| match m.kind {
-            Some(agent_message::Kind::Advisory(a)) => Some(a),
-            _ => None,
-        })
-        .collect();
+    let advisories = wire::advisories(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let advisory = &advisories[0];
     assert_eq!(advisory.kind, AdvisoryKind::LowObservedHeadroom as i32);
@@ -1729,7 +1714,7 @@ fn fake_gpu_lib_path_needs_no_dir_and_the_others_say_they_do() {
 #[test]
 fn memory_growth_after_step_2_is_advised_on_the_stream_and_forecast_in_metrics() {
     use common::wire::*;
-    use stepwatch_proto::v1::{agent_message, AdvisoryKind, AllocatorStats, Severity};
+    use stepwatch_proto::v1::{AdvisoryKind, AllocatorStats, Severity};
 
     const MIB: u64 = 1 << 20;
     const STEPS: u64 = 40;
@@ -1761,13 +1746,7 @@ fn memory_growth_after_step_2_is_advised_on_the_stream_and_forecast_in_metrics()
     let got = rt
         .block_on(exchange_collect(&agent.endpoint(), messages))
         .expect("a well-formed stream");
-    let advisories: Vec<_> = got
-        .into_iter()
-        .filter_map(|m| match m.kind {
-            Some(agent_message::Kind::Advisory(a)) => Some(a),
-            _ => None,
-        })
-        .collect();
+    let advisories = wire::advisories(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let a = &advisories[0];
     assert_eq!(a.kind, AdvisoryKind::MemoryGrowth as i32);

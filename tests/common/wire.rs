@@ -82,3 +82,15 @@ pub async fn exchange_collect(
     }
     Ok(received)
 }
+
+/// The advisories among what the agent sent on a stream, in order.
+pub fn advisories(
+    got: Vec<stepwatch_proto::v1::AgentMessage>,
+) -> Vec<stepwatch_proto::v1::Advisory> {
+    got.into_iter()
+        .filter_map(|m| match m.kind {
+            Some(stepwatch_proto::v1::agent_message::Kind::Advisory(a)) => Some(a),
+            _ => None,
+        })
+        .collect()
+}
