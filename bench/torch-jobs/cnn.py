@@ -20,7 +20,7 @@ from common import (
     add_optimizer_arg,
     add_precision_arg,
     autocast,
-    make_optimizer,
+    build_model,
     parser,
     setup_device,
 )
@@ -43,15 +43,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     torch.backends.cudnn.enabled = False
     device = setup_device(args.device)
-    torch.manual_seed(args.seed)
-    with device:
-        model = ResNet(classes=args.classes, width=args.width, blocks=blocks)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"cnn: {n_params / 1e6:.1f}M parameters, {args.optimizer}, {args.precision}, "
-        f"batch {args.batch} x 3 x {args.image_size}^2 on {device}",
-        flush=True,
+    model, optimizer = build_model(
+        "cnn",
+        args,
+        device,
+        lambda: ResNet(classes=args.classes, width=args.width, blocks=blocks),
+        f"{args.optimizer}, {args.precision}, batch {args.batch} x 3 x {args.image_size}^2",
     )
 
     stepwatch.watch(model, optimizer)

@@ -189,6 +189,24 @@ def make_optimizer(name: str, params: Any, lr: Optional[float] = None) -> torch.
     raise ValueError(f"unknown optimizer {name!r}")
 
 
+def build_model(
+    name: str,
+    args: argparse.Namespace,
+    device: torch.device,
+    make_model: Any,
+    detail: str,
+) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The job's model, built on ``device`` from ``args.seed``, and its optimizer
+    (``args.optimizer``, ``args.lr``); prints one line saying what was built."""
+    torch.manual_seed(args.seed)
+    with device:
+        model = make_model()
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {n_params / 1e6:.1f}M parameters, {detail} on {device}", flush=True)
+    return model, optimizer
+
+
 def autocast(device: torch.device, precision: str) -> torch.autocast:
     """bf16 autocast for ``bf16-autocast``, a disabled one for ``fp32``."""
     return torch.autocast(

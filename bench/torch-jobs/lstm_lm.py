@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch import nn
 
-from common import add_optimizer_arg, make_optimizer, parser, setup_device
+from common import add_optimizer_arg, build_model, parser, setup_device
 
 
 class LSTMLM(nn.Module):
@@ -52,15 +52,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     torch.backends.cudnn.enabled = False
     device = setup_device(args.device)
-    torch.manual_seed(args.seed)
-    with device:
-        model = LSTMLM(args.vocab, args.hidden, args.layers)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"lstm_lm: {n_params / 1e6:.1f}M parameters, {args.optimizer}, "
-        f"batch {args.batch} x {args.seq_len} on {device}",
-        flush=True,
+    model, optimizer = build_model(
+        "lstm_lm",
+        args,
+        device,
+        lambda: LSTMLM(args.vocab, args.hidden, args.layers),
+        f"{args.optimizer}, batch {args.batch} x {args.seq_len}",
     )
 
     stepwatch.watch(model, optimizer)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch import nn
 
-from common import add_optimizer_arg, make_optimizer, parser, setup_device
+from common import add_optimizer_arg, build_model, parser, setup_device
 
 
 def mlp(sizes: List[int]) -> nn.Sequential:
@@ -63,15 +63,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("sizes must be at least 1")
 
     device = setup_device(args.device)
-    torch.manual_seed(args.seed)
-    with device:
-        model = DLRM(args.tables, args.rows, args.dim, args.dense)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(
-        f"recsys: {n_params / 1e6:.1f}M parameters ({args.tables} tables of {args.rows} rows),"
-        f" {args.optimizer}, batch {args.batch} on {device}",
-        flush=True,
+    model, optimizer = build_model(
+        "recsys",
+        args,
+        device,
+        lambda: DLRM(args.tables, args.rows, args.dim, args.dense),
+        f"{args.tables} tables of {args.rows} rows, {args.optimizer}, batch {args.batch}",
     )
 
     stepwatch.watch(model, optimizer)
