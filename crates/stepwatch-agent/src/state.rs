@@ -2,7 +2,7 @@
 
 use crate::metrics;
 use std::borrow::Cow;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Registry};
@@ -175,6 +175,8 @@ pub struct AgentState {
     pub slurm: OnceLock<crate::slurm::Slurm>,
     /// Each rank's `/metrics` view, kept between scrapes.
     pub(crate) views: crate::export::RankViews,
+    /// Moves on every change to the tracker ([`AgentState::generation`]).
+    generation: AtomicU64,
 }
 
 impl AgentState {
@@ -199,6 +201,7 @@ impl AgentState {
             rank_phase_series: OnceLock::new(),
             slurm: OnceLock::new(),
             views: Default::default(),
+            generation: Default::default(),
         }))
     }
 
@@ -243,6 +246,12 @@ impl AgentState {
     /// I/O, an await or another lock. Keep `f` short (copy out what you
     /// need; analyse one rank, not every rank) and do not call back into
     /// this state from it (the lock is not reentrant).
+    /// A number that moves whenever the tracker may have changed (every
+    /// update takes it under the lock): equal numbers, nothing changed.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
+    }
+
     pub fn read_tracker<R>(&self, f: impl FnOnce(&Tracker) -> R) -> R {
         f(&self.lock())
     }
@@ -260,6 +269,8 @@ impl AgentState {
     /// recorder's thread after.
     fn update<R>(&self, drain: Drain<'_>, f: impl FnOnce(&mut Tracker, &mut Inputs<'_>) -> R) -> R {
         let mut tracker = self.lock();
+        // Under the lock: a reader that sees the new number sees the change.
+        self.generation.fetch_add(1, Ordering::Relaxed);
         let mut inputs = Inputs {
             recorder: self.recorder.get(),
         };

@@ -101,12 +101,22 @@ struct Cache {
     ranks: BTreeMap<RankKey, (Option<ViewKey>, Arc<RankSnapshot>)>,
     /// Per job (namespace, job id): its divergence as of the last refresh.
     jobs: BTreeMap<(String, String), Option<Divergence>>,
+    /// The tracker's generation the views were brought up to date with.
+    generation: Option<u64>,
 }
 
 impl RankViews {
     /// Recomputes the views whose inputs changed (background refresh).
+    /// Nothing at all when the tracker has not changed since the last
+    /// refresh: the housekeeping tick then takes no lock.
     pub(crate) fn refresh(&self, state: &AgentState) {
-        self.snapshot(state, &mut || {});
+        let unchanged = {
+            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            cache.generation == Some(state.generation())
+        };
+        if !unchanged {
+            self.snapshot(state, &mut || {});
+        }
     }
 
     /// Brings the views up to date and copies them out for a scrape, taking
@@ -119,6 +129,8 @@ impl RankViews {
         after_each_rank: &mut dyn FnMut(),
     ) -> TrackerSnapshot {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        // Read before the walk: a change during it moves the number again.
+        cache.generation = Some(state.generation());
         let (rank_count, retained_bytes, steps_trimmed_total, layout_counts, keys) = state
             .read_tracker(|t| {
                 (
@@ -165,7 +177,9 @@ impl RankViews {
             let div = state.read_tracker(|t| t.job_divergence(&job.0, &job.1));
             cache.jobs.insert(job, div);
         }
-        let Cache { ranks: live, jobs } = &mut *cache;
+        let Cache {
+            ranks: live, jobs, ..
+        } = &mut *cache;
         jobs.retain(|(ns, job), _| {
             live.range(RankKey::new(ns, job, 0)..=RankKey::new(ns, job, u32::MAX))
                 .next()
@@ -302,6 +316,27 @@ mod tests {
         state.test_gpu_samples("", &[sample(4_150_000, 7_000_000_000)]);
         let sampled = state.views.snapshot(&state, &mut || {});
         assert!(!Arc::ptr_eq(&view(&after, 0), &view(&sampled, 0)));
+    }
+
+    #[test]
+    fn a_background_refresh_with_nothing_new_touches_nothing() {
+        let state = test_state();
+        let a = test_rank(&state, "j", 0);
+        let view_of = |state: &AgentState| {
+            let cache = state.views.cache.lock().unwrap();
+            cache.ranks.values().next().map(|(_, v)| v.clone())
+        };
+        state.views.refresh(&state);
+        let first = view_of(&state).expect("the refresh made the view");
+        // The rank is in step 1, so a walk would compute its view again:
+        // an unchanged tracker means no walk.
+        state.views.refresh(&state);
+        assert!(Arc::ptr_eq(&first, &view_of(&state).unwrap()));
+        steps(&state, &a, 1, 1);
+        state.views.refresh(&state);
+        let after = view_of(&state).unwrap();
+        assert!(!Arc::ptr_eq(&first, &after));
+        assert_eq!(after.steps_completed, 1);
     }
 
     #[test]
