@@ -692,7 +692,8 @@ fn the_metrics_reference_matches_what_the_agent_exports() {
         .collect();
     // Families that exist only once memory grows after step 2 (the growth
     // test below makes the first three appear) or once the trailing window
-    // holds NVML peaks of steps 3 on; this run's jobs are too short.
+    // holds NVML peaks of steps 3 on (the exporter's unit test
+    // the_trailing_window_and_its_headroom_are_exported); this run has neither.
     let only_with_growth = [
         "stepwatch_rank_memory_forecast_oom_seconds",
         "stepwatch_rank_memory_forecast_oom_step",

@@ -692,6 +692,40 @@ mod tests {
         state.apply_markers(&key, "", &batch).unwrap();
     }
 
+    /// The trailing window (steps 3 on) is exported with the headroom of its
+    /// highest NVML step peak against the GPU's capacity.
+    #[test]
+    fn the_trailing_window_and_its_headroom_are_exported() {
+        let state = test_state();
+        // The GPU's capacity, and samples in every phase of steps 1..=5
+        // (test_rank's GPU has the empty uuid); step 4 peaks highest.
+        let samples: Vec<stepwatch_core::GpuSample> = (1..=5u64)
+            .flat_map(|step| {
+                (0..6u64).map(move |i| stepwatch_core::GpuSample {
+                    monotonic_ns: step * 10_000 + i * 1_000 + 500,
+                    used_bytes: if step == 4 { 7_000 } else { 5_000 },
+                    capacity_bytes: 10_000,
+                })
+            })
+            .collect();
+        state.test_gpu_samples("", &samples);
+        five_steps(&state);
+        let body = render(&state);
+        let labels = "{node=\"test-node\",training_job=\"j\",rank=\"0\"";
+        assert!(
+            body.contains(&format!(
+                "stepwatch_rank_trailing_step_peak_max_bytes{labels},source=\"nvml\"}} 7000"
+            )),
+            "{body}"
+        );
+        assert!(
+            body.contains(&format!(
+                "stepwatch_rank_trailing_headroom_bytes{labels}}} 3000"
+            )),
+            "{body}"
+        );
+    }
+
     fn series_of<'b>(body: &'b str, family: &str) -> Vec<&'b str> {
         body.lines()
             .filter(|l| l.starts_with(&format!("{family}{{")))
