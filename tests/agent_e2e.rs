@@ -396,14 +396,18 @@ fn a_second_agent_on_the_same_socket_refuses_to_start() {
         .arg("agent")
         .arg("--socket")
         .arg(&agent.socket)
-        .args(["--http-listen", "127.0.0.1:0"])
+        .args(["--http-listen", "127.0.0.1:0", "--lock-wait", "200ms"])
         .arg("--nvml-lib")
         .arg("/nonexistent/libnvidia-ml.so.1")
         .output()
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("already listening"), "{err}");
+    let pid = agent.child.as_ref().unwrap().id();
+    assert!(
+        err.contains(&format!("another stepwatch agent (pid {pid}) holds")),
+        "{err}"
+    );
     // The first agent is untouched.
     assert_eq!(agent.get("/readyz").0, 200);
 }

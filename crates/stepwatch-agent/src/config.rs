@@ -16,6 +16,12 @@ pub struct AgentConfig {
     #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_SOCKET", default_value = DEFAULT_SOCKET))]
     pub socket: PathBuf,
 
+    /// How long to wait for the agent that holds the socket's lock
+    /// (`<socket>.lock`: one agent per socket path) to exit, as during a
+    /// restart, before refusing to start. `0s`: refuse at once.
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_LOCK_WAIT", default_value = "10s", value_parser = parse_wait))]
+    pub lock_wait: Duration,
+
     /// File mode of the marker socket, octal. Only processes that can write
     /// the socket can send markers; use 0666 when training runs as other users.
     #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_SOCKET_MODE", default_value = "0660", value_parser = parse_mode))]
@@ -421,6 +427,13 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err(format!("{s:?} must be positive"));
     }
     Ok(d)
+}
+
+/// A wait: like [`parse_duration`], and zero (do not wait) is allowed.
+#[cfg(feature = "cli")]
+fn parse_wait(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s)
+        .map_err(|e| format!("{s:?} is not a duration like 0s, 250ms or 10s ({e})"))
 }
 
 #[cfg(all(test, feature = "cli"))]

@@ -11,6 +11,7 @@ mod csi;
 mod export;
 mod http;
 mod ingest;
+mod lifecycle;
 mod listen;
 mod metrics;
 mod record;
@@ -65,6 +66,17 @@ pub async fn run_until(
     config: AgentConfig,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    // First of all: a restarted agent waits here for the old one to exit,
+    // so it reads the old one's last journal and the old one's exit cannot
+    // unlink the new socket.
+    let lock = {
+        let (socket, wait) = (config.socket.clone(), config.lock_wait);
+        tokio::task::spawn_blocking(move || lifecycle::SocketLock::acquire(&socket, wait)).await??
+    };
+    // SIGHUP's default action ends the process with no final journal; a
+    // terminal closing or a supervisor's reload must not do that.
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+        .context("cannot handle SIGHUP")?;
     let node = config.node_name.clone().unwrap_or_else(hostname);
     let sampler = SamplerHandle::start(SamplerConfig {
         lib_path: config.nvml_lib.clone(),
@@ -147,6 +159,7 @@ pub async fn run_until(
     };
 
     let uds = bind_socket(&config.socket, config.socket_mode)?;
+    let owned_socket = lifecycle::OwnedSocket::new(&config.socket);
     // HTTP/2 streams per connection: one client process holds one per rank.
     let per_connection = u32::try_from(config.max_streams_per_connection).ok();
     let grpc_server = || grpc_server(per_connection);
@@ -341,6 +354,13 @@ pub async fn run_until(
                         let path = journal.clone().expect("checked by the guard");
                         let _ = tokio::task::spawn_blocking(move || state.write_journal(&path, journal_steps)).await;
                     }
+                    _ = hangup.recv() => {
+                        if let Some(path) = journal.clone() {
+                            let state = state.clone();
+                            let _ = tokio::task::spawn_blocking(move || state.write_journal(&path, journal_steps)).await;
+                        }
+                        tracing::info!(journal_written = journal.is_some(), "SIGHUP: flags are not reloaded (restart the agent to change them); still running");
+                    }
                     _ = evict.tick() => {
                         let n = state.evict_idle(retention.as_nanos() as u64);
                         if n > 0 {
@@ -409,7 +429,9 @@ pub async fn run_until(
     if !nvml_released.await.unwrap_or(false) {
         tracing::warn!("the NVML sampler did not stop within 2 s (an NVML call hangs); exiting without nvmlShutdown");
     }
-    let _ = std::fs::remove_file(&config.socket);
+    owned_socket.remove();
+    tracing::debug!(lock = %lock.path().display(), "releasing the socket's lock");
+    drop(lock);
     // The volumes' sockets stay: their pods still mount them, and the next
     // agent reopens them from the state file.
     if let Some(path) = &config.csi_socket {
@@ -473,13 +495,10 @@ pub(crate) fn ingest_server(service: ingest::IngestService) -> IngestServer<inge
         .max_encoding_message_size(MAX_MESSAGE_BYTES)
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename, so a
-/// reader never sees half of it.
+/// Writes `bytes` to `path` whole or not at all (see
+/// [`lifecycle::write_atomically_with`]).
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    lifecycle::write_atomically_with(path, |w| std::io::Write::write_all(w, bytes))
 }
 
 /// Creates the directory `path` goes in; `what` names the file in the error.

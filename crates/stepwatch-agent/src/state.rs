@@ -465,7 +465,8 @@ impl AgentState {
 
     /// Restores ranks from the journal file, if there is one. A journal that
     /// cannot be used (not JSON, not UTF-8, another format version) is moved
-    /// aside (`.corrupt`, or `.v<N>` for another version) and logged, so the
+    /// aside (`.corrupt`, or `.v<N>` for another version; a name already
+    /// taken gets `.1`, `.2` …) and logged, so the
     /// next write does not destroy what an operator may want back; the agent
     /// starts empty rather than not at all.
     pub fn restore_journal(&self, path: &Path) {
@@ -477,15 +478,14 @@ impl AgentState {
                 return;
             }
         };
-        let move_aside = |extension: &str, why: &str| {
-            let aside = path.with_extension(extension);
-            match std::fs::rename(path, &aside) {
-                Ok(()) => {
-                    tracing::warn!(path = %path.display(), moved_to = %aside.display(), error = why, "the journal is unreadable; starting without it")
-                }
-                Err(e) => {
-                    tracing::warn!(path = %path.display(), error = why, rename_error = %e, "the journal is unreadable and could not be moved aside; starting without it")
-                }
+        let move_aside = |extension: &str, why: &str| match crate::lifecycle::move_aside(
+            path, extension,
+        ) {
+            Ok(aside) => {
+                tracing::warn!(path = %path.display(), moved_to = %aside.display(), error = why, "the journal is unreadable; starting without it")
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = why, rename_error = %e, "the journal is unreadable and could not be moved aside; starting without it")
             }
         };
         match serde_json::from_slice::<Journal>(&bytes) {
@@ -509,7 +509,8 @@ impl AgentState {
         }
     }
 
-    /// Writes the journal atomically: a temporary file, fsync, rename.
+    /// Writes the journal whole or not at all (a failed write, on a full
+    /// disk, leaves the previous journal and no temporary file).
     pub fn write_journal(&self, path: &Path, keep_steps: usize) {
         // A rank at a time under the lock, so ingest waits for one rank's
         // copy at most; the file is written after the lock is released.
@@ -521,13 +522,9 @@ impl AgentState {
                 .filter_map(|key| self.read_tracker(|t| t.journal_rank(key, keep_steps)))
                 .collect(),
         };
-        let result = (|| -> std::io::Result<()> {
-            let tmp = path.with_extension("tmp");
-            let mut file = std::fs::File::create(&tmp)?;
-            serde_json::to_writer(std::io::BufWriter::new(&mut file), &journal)?;
-            file.sync_all()?;
-            std::fs::rename(&tmp, path)
-        })();
+        let result = crate::lifecycle::write_atomically_with(path, |w| {
+            serde_json::to_writer(w, &journal).map_err(std::io::Error::from)
+        });
         match result {
             Ok(()) => self.ingest.journal_writes.with_label_values(&["ok"]).inc(),
             Err(e) => {
