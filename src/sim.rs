@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-use fake_nvml::{FakeNvml, GpuSpec};
+use fake_nvml::{FakeNvml, GpuSpec, MigSpec};
 use stepwatch_client::{Client, ClientOptions, DEFAULT_ENDPOINT};
 use stepwatch_core::{AllocatorTrace, Marker, MarkerKind};
 use stepwatch_proto::convert;
@@ -42,7 +42,8 @@ pub struct SimArgs {
     /// Fake NVML state directory the rank writes its GPU memory to.
     #[arg(long, env = fake_nvml::STATE_DIR_ENV)]
     pub fake_nvml_dir: Option<PathBuf>,
-    /// Index of the fake GPU this rank runs on (default: the rank, modulo the GPU count).
+    /// Index of the fake GPU this rank runs on (default: the rank, modulo the GPU count);
+    /// MIG slices are numbered after the GPUs (`fake-gpu show` lists them).
     #[arg(long)]
     pub gpu: Option<u32>,
     /// Do not send step 1's allocator trace (as a client that cannot record
@@ -161,9 +162,10 @@ pub fn run(args: SimArgs) -> anyhow::Result<()> {
         .with_context(|| format!("cannot open fake NVML state in {}", dir.display()))?;
     let gpu = args.gpu.unwrap_or(args.rank % fake.gpu_count().max(1));
     anyhow::ensure!(
-        gpu < fake.gpu_count(),
-        "--gpu {gpu} does not exist; the fake state has {} GPU(s)",
-        fake.gpu_count()
+        gpu < fake.device_count(),
+        "--gpu {gpu} does not exist; the fake state has {} GPU(s) and {} MIG slice(s)",
+        fake.gpu_count(),
+        fake.device_count() - fake.gpu_count()
     );
     // The simulated GPU is the one the agent sees.
     // What a process can use, as on a real GPU: the driver keeps `reserved`.
@@ -234,6 +236,10 @@ pub enum FakeGpuAction {
         /// reserves 512 MiB of it, as `fake-gpu show` and NVML report).
         #[arg(long)]
         total_bytes: Option<u64>,
+        /// Put every GPU in MIG mode with this many 1g.10gb slices (1 to 7), GPU
+        /// instance ids 7, 8, ...; slices are device numbers after the GPUs.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=7))]
+        mig_slices: Option<u32>,
     },
     /// Make NVML unavailable (init fails, calls fail) or available again.
     Unavailable {
@@ -280,6 +286,7 @@ pub fn fake_gpu(args: FakeGpuArgs) -> anyhow::Result<()> {
             gpus,
             total_gib,
             total_bytes,
+            mig_slices,
         } => {
             anyhow::ensure!((1..=16).contains(&gpus), "--gpus must be 1..=16");
             let specs: Vec<GpuSpec> = (0..gpus)
@@ -294,8 +301,18 @@ pub fn fake_gpu(args: FakeGpuArgs) -> anyhow::Result<()> {
                     spec
                 })
                 .collect();
-            FakeNvml::create(&dir, &specs)?;
-            println!("created {} fake GPU(s) in {}", gpus, dir.display());
+            let migs: Vec<MigSpec> = (0..gpus)
+                .flat_map(|g| {
+                    (0..mig_slices.unwrap_or(0)).map(move |i| MigSpec::h100_1g_10gb(g, 7 + i))
+                })
+                .collect();
+            FakeNvml::create_with_mig(&dir, &specs, &migs)?;
+            println!(
+                "created {} fake GPU(s) and {} MIG slice(s) in {}",
+                gpus,
+                migs.len(),
+                dir.display()
+            );
         }
         FakeGpuAction::Unavailable { on } => open()?.set_unavailable(on),
         FakeGpuAction::Lost { gpu, on } => {
@@ -305,7 +322,7 @@ pub fn fake_gpu(args: FakeGpuArgs) -> anyhow::Result<()> {
         }
         FakeGpuAction::Show => {
             let fake = open()?;
-            for gpu in 0..fake.gpu_count() {
+            for gpu in 0..fake.device_count() {
                 println!(
                     "gpu {gpu} {} used {} / {} bytes, processes {:?}",
                     fake.gpu_uuid(gpu),

@@ -19,6 +19,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use fake_nvml::{GpuSpec, MigSpec};
 use serde_json::Value;
 
 /// A real Alertmanager on a temp storage dir, clustering off; killed on drop.
@@ -281,6 +282,113 @@ fn a_predicted_step2_oom_reaches_alertmanager_at_once_and_resolves_when_the_rank
     });
     assert_eq!(
         m.get("stepwatch_alertmanager_posts_total", &[("result", "error")]),
+        Some(0.0)
+    );
+}
+
+#[test]
+fn a_job_that_fits_its_gpu_but_not_its_mig_slice_is_warned_before_step_2_and_alerted() {
+    // GPU 0 whole; GPU 1 cut into seven 1g.10gb slices (GPU instances 7..13).
+    // The same job runs on GPU 0 and on slice 2 (GPU instance 9): it fits
+    // the whole GPU, and on the slice its step 2 does not fit.
+    let am = Alertmanager::start("am-mig");
+    let migs: Vec<MigSpec> = (0..7).map(|i| MigSpec::h100_1g_10gb(1, 7 + i)).collect();
+    let url = am.url();
+    let agent = Agent::start_mig(
+        "am-mig",
+        &[GpuSpec::h100_80gb(0), GpuSpec::h100_80gb(1)],
+        &migs,
+        &["--alertmanager-url", &url],
+        |f| f.set_reserved_bytes(0, 0),
+    );
+    agent.wait_ready_with_nvml();
+    let slice = agent.fake.mig_device(1, 2).unwrap();
+    let slice_uuid = migs[2].uuid.as_str();
+    let slice_bytes = (9984u64 << 20) as f64;
+    let mut sliced = agent.sim("mig-slice-oom", "sliced", 0, slice, 4, 0.5);
+    let whole = agent.sim("mig-slice-oom", "whole", 0, 0, 4, 0.5);
+
+    // NVML -> prediction -> alert: judged against the slice's memory.
+    let seen = wait_alert(&agent, &am, "sliced", &mut sliced);
+    let description = seen.alert["annotations"]["description"].as_str().unwrap();
+    assert!(description.contains("capacity 10.47 GB"), "{description}");
+    let out = sliced.wait_with_output().unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "the slice runs out in step 2:\n{log}"
+    );
+    assert!(
+        !log.contains("advisories: 0"),
+        "its client was warned:\n{log}"
+    );
+    wait_ok(whole, "the same job on the whole GPU");
+
+    let report = rank_report(&agent, "sliced", 0).expect("the sliced rank's report");
+    let advisory = report["advisories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["kind"] == "step2_oom_predicted")
+        .unwrap_or_else(|| panic!("no step-2 OOM advisory: {}", report["advisories"]));
+    assert_eq!(advisory["step"], 1);
+    assert_eq!(
+        advisory["capacity_bytes"].as_f64(),
+        Some(slice_bytes),
+        "{advisory}"
+    );
+    let issued = advisory["issued_monotonic_ns"].as_u64().unwrap();
+    let step2 = &report["steps"][1];
+    assert_eq!(step2["outcome"], "oom");
+    assert!(
+        issued < step2["begin_monotonic_ns"].as_u64().unwrap(),
+        "step 2 began later"
+    );
+    let report = rank_report(&agent, "whole", 0).expect("the whole-GPU rank's report");
+    assert_eq!(
+        report["advisories"].as_array().map(Vec::len),
+        Some(0),
+        "{report}"
+    );
+
+    // The page's data: the slice is a device of its own, with its profile.
+    let (_, body) = agent.get("/api/v1/gpus");
+    let gpus: Value = serde_json::from_str(&body).unwrap();
+    let gpus = gpus["gpus"].as_array().unwrap().clone();
+    assert_eq!(gpus.len(), 2 + 7, "{body}");
+    let g = gpus.iter().find(|g| g["uuid"] == slice_uuid).unwrap();
+    assert_eq!(g["index"], 1);
+    assert_eq!(g["mig"]["profile"], "1g.10gb");
+    assert_eq!(g["mig"]["gpu_instance_id"], 9);
+    assert_eq!(g["mig"]["parent_uuid"], GpuSpec::h100_80gb(1).uuid);
+    assert_eq!(g["capacity_bytes"].as_f64(), Some(slice_bytes));
+
+    // The series carry the GPU instance and profile.
+    let m = Metrics(agent.metrics());
+    let slice_labels = [
+        ("gpu", "1"),
+        ("gpu_uuid", slice_uuid),
+        ("gpu_instance_id", "9"),
+        ("mig_profile", "1g.10gb"),
+    ];
+    assert_eq!(
+        m.get("stepwatch_gpu_memory_total_bytes", &slice_labels),
+        Some(slice_bytes)
+    );
+    assert_eq!(
+        m.get(
+            "stepwatch_rank_info",
+            &[
+                ("training_job", "sliced"),
+                ("gpu_instance_id", "9"),
+                ("mig_profile", "1g.10gb")
+            ]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        m.get("stepwatch_rank_oom_risk", &[("training_job", "whole")]),
         Some(0.0)
     );
 }

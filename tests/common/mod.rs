@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use fake_nvml::{FakeNvml, GpuSpec};
+use fake_nvml::{FakeNvml, GpuSpec, MigSpec};
 
 pub mod wire;
 
@@ -108,7 +108,36 @@ impl Agent {
         extra_args: &[&str],
         prepare: impl FnOnce(&FakeNvml),
     ) -> Self {
-        Self::spawn(tag, node_name, specs, socket, extra_args, prepare, None)
+        Self::spawn(
+            tag,
+            node_name,
+            specs,
+            &[],
+            socket,
+            extra_args,
+            prepare,
+            None,
+        )
+    }
+
+    /// Like `start_node`, with GPUs cut into MIG slices.
+    pub fn start_mig(
+        tag: &str,
+        specs: &[GpuSpec],
+        migs: &[MigSpec],
+        extra_args: &[&str],
+        prepare: impl FnOnce(&FakeNvml),
+    ) -> Self {
+        Self::spawn(
+            tag,
+            "test-node",
+            specs,
+            migs,
+            None,
+            extra_args,
+            prepare,
+            None,
+        )
     }
 
     /// Like `start_with`, with the agent's open-file limit (soft and hard)
@@ -119,6 +148,7 @@ impl Agent {
             tag,
             "test-node",
             &specs,
+            &[],
             None,
             extra_args,
             |_| {},
@@ -126,17 +156,19 @@ impl Agent {
         )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn spawn(
         tag: &str,
         node_name: &str,
         specs: &[GpuSpec],
+        migs: &[MigSpec],
         socket: Option<PathBuf>,
         extra_args: &[&str],
         prepare: impl FnOnce(&FakeNvml),
         nofile: Option<u64>,
     ) -> Self {
         let dir = TempDir::new(tag);
-        let fake = FakeNvml::create(&dir.0, specs).unwrap();
+        let fake = FakeNvml::create_with_mig(&dir.0, specs, migs).unwrap();
         prepare(&fake);
         let lib = fake_nvml::find_cdylib()
             .expect("libfake_nvml.so is built as a dependency of stepwatch");

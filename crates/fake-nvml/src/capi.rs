@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::codes::*;
-use crate::layout::{cstr_bytes, Gpu, State, MAX_PROCS};
+use crate::layout::{cstr_bytes, Gpu, State, MAX_PROCS, NO_PARENT};
 use crate::{Call, Mapping, STATE_DIR_ENV, STATE_FILE};
 
 type NvmlReturn = c_uint;
@@ -124,17 +124,22 @@ fn enter(call: Call) -> Result<&'static State, NvmlReturn> {
     Ok(st)
 }
 
-/// The GPU behind `dev`, if it is a handle into `st` that is in range and not lost.
+/// The device behind `dev`, if it is a handle into `st` that is in range and not lost (a
+/// MIG device is lost with its GPU).
 #[inline]
 fn gpu_of(st: &'static State, dev: NvmlDevice) -> Result<&'static Gpu, NvmlReturn> {
     let base = st.gpus.as_ptr() as usize;
     let size = std::mem::size_of::<Gpu>();
     let off = (dev as usize).wrapping_sub(base);
-    if off % size != 0 || off / size >= st.header.gpu_count as usize {
+    let devices = st.devices();
+    if off % size != 0 || off / size >= devices.len() {
         return Err(INVALID_ARGUMENT);
     }
-    let g = &st.gpus[off / size];
-    if g.lost.load(Ordering::Relaxed) != 0 {
+    let g = &devices[off / size];
+    let parent_lost = devices
+        .get(g.parent as usize)
+        .is_some_and(|p| p.lost.load(Ordering::Relaxed) != 0);
+    if g.lost.load(Ordering::Relaxed) != 0 || parent_lost {
         return Err(GPU_IS_LOST);
     }
     Ok(g)
@@ -143,6 +148,14 @@ fn gpu_of(st: &'static State, dev: NvmlDevice) -> Result<&'static Gpu, NvmlRetur
 #[inline]
 fn device(call: Call, dev: NvmlDevice) -> Result<&'static Gpu, NvmlReturn> {
     gpu_of(enter(call)?, dev)
+}
+
+/// The state the handles of this session point into; `UNINITIALIZED` when a shutdown
+/// on another thread ended the session.
+fn current() -> Result<&'static State, NvmlReturn> {
+    let p = CURRENT.load(Ordering::Acquire);
+    // SAFETY: non-null CURRENT always points into a leaked, never-unmapped mapping.
+    (!p.is_null()).then(|| unsafe { &*p }).ok_or(UNINITIALIZED)
 }
 
 fn handle_of(g: &Gpu) -> NvmlDevice {
@@ -367,7 +380,7 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex(
     handle_by_index(index, dev)
 }
 
-/// `nvmlDeviceGetHandleByUUID`: `NOT_FOUND` if no GPU has that UUID.
+/// `nvmlDeviceGetHandleByUUID`: `NOT_FOUND` if no GPU or MIG device has that UUID.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
     uuid: *const c_char,
@@ -378,7 +391,8 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
             return Err(INVALID_ARGUMENT);
         }
         let want = CStr::from_ptr(uuid).to_bytes();
-        let g = st.gpus[..st.header.gpu_count as usize]
+        let g = st
+            .devices()
             .iter()
             .find(|g| cstr_bytes(&g.uuid) == want)
             .ok_or(NOT_FOUND)?;
@@ -492,7 +506,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
         if memory.is_null() {
             return Err(INVALID_ARGUMENT);
         }
-        let (total, reserved, free, used) = g.memory();
+        let (total, reserved, free, used) = current()?.memory(g);
         *memory = NvmlMemoryV1 {
             total,
             free,
@@ -516,7 +530,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
         if (*memory).version != MEMORY_V2_VERSION {
             return Err(ARGUMENT_VERSION_MISMATCH);
         }
-        let (total, reserved, free, used) = g.memory();
+        let (total, reserved, free, used) = current()?.memory(g);
         *memory = NvmlMemoryV2 {
             version: MEMORY_V2_VERSION,
             total,
@@ -556,7 +570,7 @@ unsafe fn process_list<T>(
     g: &Gpu,
     count: *mut c_uint,
     infos: *mut T,
-    make: impl Fn(u32, u64) -> T,
+    make: impl Fn(&Gpu, u32, u64) -> T,
 ) -> Result<(), NvmlReturn> {
     if count.is_null() {
         return Err(INVALID_ARGUMENT);
@@ -582,22 +596,28 @@ unsafe fn process_list<T>(
         return Err(INVALID_ARGUMENT);
     }
     for (i, &(pid, used)) in snap[..n].iter().enumerate() {
-        infos.add(i).write(make(pid, used));
+        infos.add(i).write(make(g, pid, used));
     }
     *count = n as c_uint;
     Ok(())
 }
 
-fn info_v2(pid: u32, used: u64) -> NvmlProcessInfo {
+fn info_v2(g: &Gpu, pid: u32, used: u64) -> NvmlProcessInfo {
+    let mig = g.parent != NO_PARENT;
     NvmlProcessInfo {
         pid,
         used_gpu_memory: used,
-        gpu_instance_id: NO_INSTANCE,
-        compute_instance_id: NO_INSTANCE,
+        gpu_instance_id: if mig { g.gpu_instance_id } else { NO_INSTANCE },
+        compute_instance_id: if mig {
+            g.compute_instance_id
+        } else {
+            NO_INSTANCE
+        },
     }
 }
 
-/// `nvmlDeviceGetComputeRunningProcesses_v3`: every claimed slot, no MIG instance.
+/// `nvmlDeviceGetComputeRunningProcesses_v3`: every claimed slot of the device; a MIG
+/// device's entries carry its instance ids, a GPU's `0xFFFFFFFF`.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
     dev: NvmlDevice,
@@ -625,7 +645,7 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses(
     infos: *mut NvmlProcessInfoV1,
 ) -> NvmlReturn {
     ret(device(Call::Processes, dev).and_then(|g| {
-        process_list(g, count, infos, |pid, used| NvmlProcessInfoV1 {
+        process_list(g, count, infos, |_, pid, used| NvmlProcessInfoV1 {
             pid,
             used_gpu_memory: used,
         })
@@ -687,6 +707,118 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfoV(
             Ok(())
         }
     }))
+}
+
+/// Most MIG devices one GPU can hold (an A100's or H100's seven 1g slices).
+const MAX_MIG_PER_GPU: c_uint = 7;
+
+/// The physical GPU behind `dev`; `NOT_SUPPORTED` for a MIG device handle.
+fn physical(dev: NvmlDevice) -> Result<&'static Gpu, NvmlReturn> {
+    let g = device(Call::Mig, dev)?;
+    if g.parent != NO_PARENT {
+        return Err(NOT_SUPPORTED);
+    }
+    Ok(g)
+}
+
+/// The MIG device behind `dev`; `INVALID_ARGUMENT` for a physical GPU's handle.
+fn mig(dev: NvmlDevice) -> Result<&'static Gpu, NvmlReturn> {
+    let g = device(Call::Mig, dev)?;
+    if g.parent == NO_PARENT {
+        return Err(INVALID_ARGUMENT);
+    }
+    Ok(g)
+}
+
+/// Writes `value` through `out`, or `INVALID_ARGUMENT` when `out` is NULL.
+unsafe fn put<T>(out: *mut T, value: T) -> Result<(), NvmlReturn> {
+    if out.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    out.write(value);
+    Ok(())
+}
+
+/// `nvmlDeviceGetMigMode`: current and pending mode are the same, 1 on a GPU with MIG
+/// devices; `NOT_SUPPORTED` on a MIG device.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMigMode(
+    dev: NvmlDevice,
+    current: *mut c_uint,
+    pending: *mut c_uint,
+) -> NvmlReturn {
+    ret(physical(dev).and_then(|g| {
+        if pending.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        put(current, g.mig_mode)?;
+        put(pending, g.mig_mode)
+    }))
+}
+
+/// `nvmlDeviceGetMaxMigDeviceCount`: 7 on every GPU (what it could hold, not what it has).
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
+    dev: NvmlDevice,
+    count: *mut c_uint,
+) -> NvmlReturn {
+    ret(physical(dev).and_then(|_| put(count, MAX_MIG_PER_GPU)))
+}
+
+/// `nvmlDeviceGetMigDeviceHandleByIndex`: `NOT_FOUND` for an index with no MIG device,
+/// `INVALID_ARGUMENT` past the maximum or on a GPU not in MIG mode.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
+    dev: NvmlDevice,
+    index: c_uint,
+    out: *mut NvmlDevice,
+) -> NvmlReturn {
+    ret(physical(dev).and_then(|g| {
+        if out.is_null() || index >= MAX_MIG_PER_GPU || g.mig_mode == 0 {
+            return Err(INVALID_ARGUMENT);
+        }
+        let m = current()?
+            .migs_of(g.index)
+            .find(|m| m.mig_index == index)
+            .ok_or(NOT_FOUND)?;
+        put(out, handle_of(m))
+    }))
+}
+
+/// `nvmlDeviceIsMigDeviceHandle`.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceIsMigDeviceHandle(
+    dev: NvmlDevice,
+    is_mig: *mut c_uint,
+) -> NvmlReturn {
+    ret(device(Call::Mig, dev).and_then(|g| put(is_mig, (g.parent != NO_PARENT) as c_uint)))
+}
+
+/// `nvmlDeviceGetDeviceHandleFromMigDeviceHandle`: the GPU a MIG device is carved from.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetDeviceHandleFromMigDeviceHandle(
+    dev: NvmlDevice,
+    parent: *mut NvmlDevice,
+) -> NvmlReturn {
+    ret(mig(dev).and_then(|m| put(parent, handle_of(&current()?.gpus[m.parent as usize]))))
+}
+
+/// `nvmlDeviceGetGpuInstanceId`: a MIG device's GPU instance id.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetGpuInstanceId(
+    dev: NvmlDevice,
+    id: *mut c_uint,
+) -> NvmlReturn {
+    ret(mig(dev).and_then(|m| put(id, m.gpu_instance_id)))
+}
+
+/// `nvmlDeviceGetComputeInstanceId`: a MIG device's compute instance id.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetComputeInstanceId(
+    dev: NvmlDevice,
+    id: *mut c_uint,
+) -> NvmlReturn {
+    ret(mig(dev).and_then(|m| put(id, m.compute_instance_id)))
 }
 
 // ----------------------------------------------------------------- extensions
@@ -901,7 +1033,9 @@ mod tests {
                 INSUFFICIENT_SIZE
             );
             assert_eq!(cnt, 3);
-            let mut infos: Vec<NvmlProcessInfo> = (0..8).map(|_| info_v2(0, 0)).collect();
+            let mut infos: Vec<NvmlProcessInfo> = (0..8)
+                .map(|_| info_v2(&f.map.state().gpus[0], 0, 0))
+                .collect();
             cnt = 2;
             assert_eq!(
                 nvmlDeviceGetComputeRunningProcesses_v3(h0, &mut cnt, infos.as_mut_ptr()),

@@ -12,9 +12,15 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 /// `"FNVM"` as a little-endian `u32`: the first four bytes of every state file.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"FNVM");
 /// Bumped whenever [`State`]'s layout changes, so an old mapping is refused, not misread.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// The most GPUs one state file can describe (an 8-GPU node with room to spare).
 pub const MAX_GPUS: usize = 16;
+/// The most MIG devices one state file can describe: an 8-GPU node with 7 slices each.
+pub const MAX_MIG_DEVICES: usize = 56;
+/// Device entries in the file: physical GPUs first, then MIG devices.
+pub const MAX_DEVICES: usize = MAX_GPUS + MAX_MIG_DEVICES;
+/// `parent` of a physical GPU: it has none.
+pub const NO_PARENT: u32 = u32::MAX;
 /// Process slots per GPU. Real nodes run a handful of processes per GPU; 64 leaves room
 /// for tests that churn through many short-lived simulated trainers.
 pub const MAX_PROCS: usize = 64;
@@ -34,8 +40,12 @@ pub struct Header {
     pub magic: u32,
     /// [`LAYOUT_VERSION`] of the writer.
     pub layout_version: u32,
-    /// GPUs in use, at most [`MAX_GPUS`]; entries past it are zero.
+    /// Physical GPUs in use, at most [`MAX_GPUS`]; they are the first entries.
     pub gpu_count: u32,
+    /// MIG devices, at most [`MAX_MIG_DEVICES`]; the entries after the GPUs.
+    pub mig_count: u32,
+    /// Explicit padding so the layout has no implicit holes.
+    pub _pad: u32,
     /// Non-zero: the "driver" is gone. See [`crate::FakeNvml::set_unavailable`].
     pub unavailable: AtomicU32,
     /// NUL-terminated `nvmlSystemGetDriverVersion` answer.
@@ -82,8 +92,20 @@ pub struct Gpu {
     pub util_mem: AtomicU32,
     /// Non-zero: the GPU "fell off the bus"; calls on it return `NVML_ERROR_GPU_IS_LOST`.
     pub lost: AtomicU32,
-    /// Position in the file, what `nvmlDeviceGetIndex` reports.
+    /// Position in the file, what `nvmlDeviceGetIndex` reports (a MIG device: its entry).
     pub index: u32,
+    /// A MIG device's GPU entry, or [`NO_PARENT`] for a physical GPU.
+    pub parent: u32,
+    /// A MIG device's index on its parent (`nvmlDeviceGetMigDeviceHandleByIndex`).
+    pub mig_index: u32,
+    /// A MIG device's GPU instance id (`nvmlDeviceGetGpuInstanceId`).
+    pub gpu_instance_id: u32,
+    /// A MIG device's compute instance id (`nvmlDeviceGetComputeInstanceId`).
+    pub compute_instance_id: u32,
+    /// A physical GPU: non-zero when MIG mode is on (`nvmlDeviceGetMigMode`).
+    pub mig_mode: u32,
+    /// Explicit padding so the layout has no implicit holes.
+    pub _pad: u32,
     /// Process slots; the device's `used` sums them.
     pub slots: [Slot; MAX_PROCS],
 }
@@ -93,8 +115,34 @@ pub struct Gpu {
 pub struct State {
     /// Identity and global switches.
     pub header: Header,
-    /// All GPU entries; only the first `header.gpu_count` are in use.
-    pub gpus: [Gpu; MAX_GPUS],
+    /// All device entries: `header.gpu_count` GPUs, then `header.mig_count` MIG devices.
+    pub gpus: [Gpu; MAX_DEVICES],
+}
+
+impl State {
+    /// The entries in use: GPUs, then MIG devices.
+    pub fn devices(&self) -> &[Gpu] {
+        let n = (self.header.gpu_count + self.header.mig_count) as usize;
+        &self.gpus[..n.min(MAX_DEVICES)]
+    }
+
+    /// The MIG devices of physical GPU `gpu`, in `mig_index` order.
+    pub fn migs_of(&self, gpu: u32) -> impl Iterator<Item = &Gpu> {
+        self.devices().iter().filter(move |d| d.parent == gpu)
+    }
+
+    /// `(total, reserved, free, used_v2)` of a device. A GPU in MIG mode counts what its
+    /// MIG devices use, as the parent's memory info does on a real GPU.
+    pub fn memory(&self, g: &Gpu) -> (u64, u64, u64, u64) {
+        let (total, reserved, _, mut used) = g.memory();
+        if g.parent == NO_PARENT && g.mig_mode != 0 {
+            for m in self.migs_of(g.index) {
+                used = used.saturating_add(m.used_v2());
+            }
+        }
+        let free = total.saturating_sub(reserved).saturating_sub(used);
+        (total, reserved, free, used)
+    }
 }
 
 /// Size in bytes of `state.bin`.

@@ -31,7 +31,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use layout::{put_cstr, Gpu, State, LAYOUT_VERSION, MAGIC, MAX_GPUS, STATE_SIZE};
+use layout::{
+    put_cstr, Gpu, State, LAYOUT_VERSION, MAGIC, MAX_GPUS, MAX_MIG_DEVICES, NO_PARENT, STATE_SIZE,
+};
 
 /// Environment variable naming the directory that holds `state.bin`.
 ///
@@ -86,6 +88,41 @@ impl GpuSpec {
     }
 }
 
+/// One MIG device (a GPU instance with one compute instance) to create on a GPU, which
+/// then reports MIG mode on. Its NVML name is the parent's name followed by
+/// ` MIG <profile>`, as real drivers name MIG devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigSpec {
+    /// The physical GPU it is carved from (its position in the `gpus` given to create).
+    pub parent: u32,
+    /// The GPU instance profile, e.g. `1g.10gb`.
+    pub profile: String,
+    /// `MIG-xxxxxxxx-...` identifier, as `nvmlDeviceGetUUID` reports it.
+    pub uuid: String,
+    /// GPU instance id (`GPU_I_ID` in dcgm-exporter's labels).
+    pub gpu_instance_id: u32,
+    /// Compute instance id.
+    pub compute_instance_id: u32,
+    /// The instance's own memory, bytes: `total` of its memory info.
+    pub total_bytes: u64,
+}
+
+impl MigSpec {
+    /// A `1g.10gb` slice of an H100 80GB, GPU instance `gpu_instance_id`: 9,984 MiB of its
+    /// own (about what the profile gives; not read from a real GPU). UUID
+    /// `MIG-00000000-0000-0000-PPPP-00000000GGGG` (parent, instance id in hex).
+    pub fn h100_1g_10gb(parent: u32, gpu_instance_id: u32) -> Self {
+        MigSpec {
+            parent,
+            profile: "1g.10gb".to_string(),
+            uuid: format!("MIG-00000000-0000-0000-{parent:04x}-{gpu_instance_id:012x}"),
+            gpu_instance_id,
+            compute_instance_id: 0,
+            total_bytes: 9984 << 20,
+        }
+    }
+}
+
 /// A class of NVML calls, for [`FakeNvml::set_call_failure`] and [`FakeNvml::set_call_delay`].
 ///
 /// Classes rather than single symbols, because a test cares that "the memory read fails",
@@ -111,11 +148,15 @@ pub enum Call {
     Processes = 7,
     /// `nvmlSystemGetDriverVersion`, `nvmlSystemGetNVMLVersion`.
     DriverVersion = 8,
+    /// `nvmlDeviceGetMigMode`, `nvmlDeviceGetMaxMigDeviceCount`,
+    /// `nvmlDeviceGetMigDeviceHandleByIndex`, `nvmlDeviceIsMigDeviceHandle`,
+    /// `nvmlDeviceGetDeviceHandleFromMigDeviceHandle`, `nvmlDeviceGet{Gpu,Compute}InstanceId`.
+    Mig = 9,
 }
 
 impl Call {
     /// Every call class, for tests and for clearing all switches.
-    pub const ALL: [Call; 9] = [
+    pub const ALL: [Call; 10] = [
         Call::Init,
         Call::Count,
         Call::Handle,
@@ -125,6 +166,7 @@ impl Call {
         Call::Utilization,
         Call::Processes,
         Call::DriverVersion,
+        Call::Mig,
     ];
 }
 
@@ -224,10 +266,15 @@ impl Mapping {
                 ),
             ));
         }
-        if h.gpu_count as usize > MAX_GPUS {
+        if h.gpu_count as usize > MAX_GPUS || h.mig_count as usize > MAX_MIG_DEVICES {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                format!("{}: gpu count {} > {MAX_GPUS}", path.display(), h.gpu_count),
+                format!(
+                    "{}: {} GPUs and {} MIG devices, at most {MAX_GPUS} and {MAX_MIG_DEVICES}",
+                    path.display(),
+                    h.gpu_count,
+                    h.mig_count
+                ),
             ));
         }
         Ok(m)
@@ -281,10 +328,44 @@ impl FakeNvml {
     ///
     /// Errors: more than [`MAX_GPUS`] GPUs (`InvalidInput`), or any I/O failure.
     pub fn create(dir: &Path, gpus: &[GpuSpec]) -> io::Result<Self> {
+        Self::create_with_mig(dir, gpus, &[])
+    }
+
+    /// [`FakeNvml::create`] with MIG devices: each GPU named as a parent reports MIG mode
+    /// on, and its MIG devices are device numbers `gpus.len()..` of this API, in the order
+    /// given ([`FakeNvml::mig_device`] finds them).
+    ///
+    /// Errors (`InvalidInput`): more than [`MAX_GPUS`] GPUs or [`MAX_MIG_DEVICES`] MIG
+    /// devices, a parent out of range, or MIG devices on one GPU whose memory adds up to
+    /// more than the GPU's.
+    pub fn create_with_mig(dir: &Path, gpus: &[GpuSpec], migs: &[MigSpec]) -> io::Result<Self> {
+        let invalid = |msg: String| Err(io::Error::new(io::ErrorKind::InvalidInput, msg));
         if gpus.len() > MAX_GPUS {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("{} GPUs requested, at most {MAX_GPUS}", gpus.len()),
+            return invalid(format!("{} GPUs requested, at most {MAX_GPUS}", gpus.len()));
+        }
+        if migs.len() > MAX_MIG_DEVICES {
+            return invalid(format!(
+                "{} MIG devices requested, at most {MAX_MIG_DEVICES}",
+                migs.len()
+            ));
+        }
+        for (i, spec) in gpus.iter().enumerate() {
+            let carved: u64 = migs
+                .iter()
+                .filter(|m| m.parent as usize == i)
+                .map(|m| m.total_bytes)
+                .sum();
+            if carved > spec.total_bytes {
+                return invalid(format!(
+                    "MIG devices on GPU {i} hold {carved} bytes, more than its {}",
+                    spec.total_bytes
+                ));
+            }
+        }
+        if let Some(m) = migs.iter().find(|m| m.parent as usize >= gpus.len()) {
+            return invalid(format!(
+                "MIG device {} on GPU {}, which is not there",
+                m.uuid, m.parent
             ));
         }
         fs::create_dir_all(dir)?;
@@ -309,13 +390,32 @@ impl FakeNvml {
             st.header.gpu_count = gpus.len() as u32;
             put_cstr(&mut st.header.driver_version, DRIVER_VERSION);
             put_cstr(&mut st.header.nvml_version, NVML_VERSION);
+            st.header.mig_count = migs.len() as u32;
             for (i, (spec, g)) in gpus.iter().zip(st.gpus.iter_mut()).enumerate() {
                 put_cstr(&mut g.name, &spec.name);
                 put_cstr(&mut g.uuid, &spec.uuid);
                 g.index = i as u32;
+                g.parent = NO_PARENT;
+                g.mig_mode = migs.iter().any(|m| m.parent as usize == i) as u32;
                 g.total_bytes.store(spec.total_bytes, Ordering::Relaxed);
                 g.reserved_bytes
                     .store(DEFAULT_RESERVED_BYTES, Ordering::Relaxed);
+            }
+            for (k, spec) in migs.iter().enumerate() {
+                let index = gpus.len() + k;
+                let mig_index = migs[..k].iter().filter(|m| m.parent == spec.parent).count();
+                let name = format!("{} MIG {}", gpus[spec.parent as usize].name, spec.profile);
+                let g = &mut st.gpus[index];
+                put_cstr(&mut g.name, &name);
+                put_cstr(&mut g.uuid, &spec.uuid);
+                g.index = index as u32;
+                g.parent = spec.parent;
+                g.mig_index = mig_index as u32;
+                g.gpu_instance_id = spec.gpu_instance_id;
+                g.compute_instance_id = spec.compute_instance_id;
+                g.total_bytes.store(spec.total_bytes, Ordering::Relaxed);
+                // What a MIG device reports as driver-reserved is unknown here; none.
+                g.reserved_bytes.store(0, Ordering::Relaxed);
             }
             // Magic last: a file with a valid magic is a complete file.
             st.header.magic = MAGIC;
@@ -373,19 +473,37 @@ impl FakeNvml {
     }
 
     fn try_gpu(&self, gpu: u32) -> io::Result<&Gpu> {
-        let count = self.gpu_count();
-        if gpu >= count {
-            return Err(io::Error::new(
+        let devices = self.state().devices();
+        devices.get(gpu as usize).ok_or_else(|| {
+            io::Error::new(
                 io::ErrorKind::InvalidInput,
-                format!("fake-nvml: GPU {gpu} out of range (state has {count})"),
-            ));
-        }
-        Ok(&self.state().gpus[gpu as usize])
+                format!(
+                    "fake-nvml: GPU {gpu} out of range (state has {} devices)",
+                    devices.len()
+                ),
+            )
+        })
     }
 
-    /// Number of GPUs in the state (what `nvmlDeviceGetCount` reports).
+    /// Number of GPUs in the state (what `nvmlDeviceGetCount` reports; MIG devices are
+    /// not counted, as in NVML).
     pub fn gpu_count(&self) -> u32 {
         self.state().header.gpu_count
+    }
+
+    /// GPUs and MIG devices: the device numbers the per-GPU methods take are
+    /// `0..device_count()`, the MIG devices after the GPUs.
+    pub fn device_count(&self) -> u32 {
+        self.state().devices().len() as u32
+    }
+
+    /// The device number of MIG device `mig_index` on GPU `gpu`, for the per-GPU methods
+    /// (`set_process_memory`, `device_used_bytes`, ...); None when there is none.
+    pub fn mig_device(&self, gpu: u32, mig_index: u32) -> Option<u32> {
+        self.state()
+            .migs_of(gpu)
+            .find(|m| m.mig_index == mig_index)
+            .map(|m| m.index)
     }
 
     /// The GPU's UUID string. Panics if `gpu` is out of range.
@@ -450,7 +568,7 @@ impl FakeNvml {
     /// processes (`EPERM`) are kept.
     pub fn remove_dead_processes(&self) -> usize {
         let mut freed = 0;
-        for g in &self.state().gpus[..self.gpu_count() as usize] {
+        for g in self.state().devices() {
             for s in &g.slots {
                 let pid = s.pid.load(Ordering::Acquire);
                 if pid == 0 || pid > i32::MAX as u32 {
@@ -512,16 +630,17 @@ impl FakeNvml {
         g.util_mem.store(memory_percent, Ordering::Relaxed);
     }
 
-    /// The device's v2 `used`: base usage plus every process slot (saturating). `reserved`
-    /// is not included, exactly as in `nvmlDeviceGetMemoryInfo_v2`. Panics if out of range.
+    /// The device's v2 `used`: base usage plus every process slot (saturating), plus its
+    /// MIG devices' for a GPU in MIG mode. `reserved` is not included, exactly as in
+    /// `nvmlDeviceGetMemoryInfo_v2`. Panics if out of range.
     pub fn device_used_bytes(&self, gpu: u32) -> u64 {
-        self.gpu(gpu).used_v2()
+        self.state().memory(self.gpu(gpu)).3
     }
 
     /// The device's v2 `free`: `total - reserved - used`, saturating at 0.
     /// Panics if `gpu` is out of range.
     pub fn device_free_bytes(&self, gpu: u32) -> u64 {
-        self.gpu(gpu).memory().2
+        self.state().memory(self.gpu(gpu)).2
     }
 
     /// Simulates the driver going away (module unloaded, node being drained).
@@ -660,10 +779,10 @@ mod tests {
         assert_eq!(std::mem::size_of::<layout::Slot>(), 16);
         assert_eq!(
             std::mem::size_of::<layout::Gpu>(),
-            96 + 96 + 32 + 16 + 64 * 16
+            96 + 96 + 32 + 16 + 24 + 64 * 16
         );
-        assert_eq!(std::mem::size_of::<layout::Header>(), 16 + 160 + 64 + 128);
-        assert_eq!(STATE_SIZE, 368 + 16 * 1264);
+        assert_eq!(std::mem::size_of::<layout::Header>(), 24 + 160 + 64 + 128);
+        assert_eq!(STATE_SIZE, 376 + 72 * 1288);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fake_nvml::{codes, Call, FakeNvml, GpuSpec, DEFAULT_RESERVED_BYTES, STATE_DIR_ENV};
+use fake_nvml::{codes, Call, FakeNvml, GpuSpec, MigSpec, DEFAULT_RESERVED_BYTES, STATE_DIR_ENV};
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
@@ -33,6 +33,10 @@ struct World {
 
 impl World {
     fn new(tag: &str, n: u32) -> World {
+        World::with_mig(tag, n, &[])
+    }
+
+    fn with_mig(tag: &str, n: u32, migs: &[MigSpec]) -> World {
         let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
         let dir = std::env::temp_dir().join(format!(
             "fake-nvml-it-{tag}-{}-{}",
@@ -44,7 +48,7 @@ impl World {
         ));
         let _ = std::fs::remove_dir_all(&dir);
         let specs: Vec<_> = (0..n).map(GpuSpec::h100_80gb).collect();
-        let fake = FakeNvml::create(&dir, &specs).unwrap();
+        let fake = FakeNvml::create_with_mig(&dir, &specs, migs).unwrap();
         std::env::set_var(STATE_DIR_ENV, &dir);
         World {
             fake,
@@ -144,6 +148,86 @@ fn reads_match_the_state() {
     f.remove_process(0, 4343);
     assert!(d0.running_compute_processes().unwrap().is_empty());
     assert_eq!(d0.memory_info().unwrap().used, 0);
+}
+
+#[test]
+fn mig_devices_are_reached_through_nvml_mig_calls() {
+    // GPU 0 whole; GPU 1 in MIG mode with two 1g.10gb slices (instances 9 and 13).
+    let migs = [MigSpec::h100_1g_10gb(1, 9), MigSpec::h100_1g_10gb(1, 13)];
+    let w = World::with_mig("mig", 2, &migs);
+    let f = &w.fake;
+    let slice = f.mig_device(1, 1).unwrap();
+    assert_eq!(f.mig_device(1, 2), None);
+    assert_eq!(f.mig_device(0, 0), None);
+    f.set_process_memory(slice, 777, 3 << 30).unwrap();
+    f.set_process_memory(1, 888, 1 << 30).unwrap();
+
+    let nvml = w.init().unwrap();
+    // MIG devices are not GPUs of their own in the count.
+    assert_eq!(nvml.device_count().unwrap(), 2);
+    let whole = nvml.device_by_index(0).unwrap();
+    assert!(!whole.mig_mode().unwrap().current.eq(&1));
+    assert!(whole.mig_device_by_index(0).is_err());
+    let parent = nvml.device_by_index(1).unwrap();
+    assert_eq!(parent.mig_mode().unwrap().current, 1);
+    assert_eq!(parent.mig_device_count().unwrap(), 7);
+    assert!(!parent.mig_is_mig_device_handle().unwrap());
+    assert!(matches!(
+        parent.mig_device_by_index(2),
+        Err(NvmlError::NotFound)
+    ));
+
+    let m = parent.mig_device_by_index(1).unwrap();
+    assert!(m.mig_is_mig_device_handle().unwrap());
+    assert_eq!(m.uuid().unwrap(), migs[1].uuid);
+    assert!(m.uuid().unwrap().starts_with("MIG-"));
+    assert_eq!(m.name().unwrap(), "NVIDIA H100 80GB HBM3 MIG 1g.10gb");
+    assert_eq!(
+        m.mig_parent_device().unwrap().uuid().unwrap(),
+        f.gpu_uuid(1)
+    );
+    let mut id = 0;
+    // SAFETY: a live handle and a valid out pointer, as NVML's signature asks.
+    let rc =
+        unsafe { (nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref().unwrap())(m.handle(), &mut id) };
+    assert_eq!((rc, id), (0, 13));
+    let mem = m.memory_info().unwrap();
+    assert_eq!(mem.total, 9984 << 20);
+    assert_eq!(mem.used, 3 << 30);
+    assert_eq!(mem.free, (9984 << 20) - (3 << 30));
+    let procs = m.running_compute_processes().unwrap();
+    assert_eq!(procs.len(), 1);
+    assert_eq!(procs[0].pid, 777);
+    assert_eq!(procs[0].gpu_instance_id, Some(13));
+    // The parent's memory counts its slices; the slice is found by its UUID too.
+    assert_eq!(parent.memory_info().unwrap().used, (3 << 30) + (1 << 30));
+    assert_eq!(f.device_used_bytes(1), (3 << 30) + (1 << 30));
+    assert_eq!(
+        nvml.device_by_uuid(migs[0].uuid.as_str())
+            .unwrap()
+            .uuid()
+            .unwrap(),
+        migs[0].uuid
+    );
+    // A lost GPU takes its slices with it; MIG calls fail like the others.
+    f.set_gpu_lost(1, true);
+    assert!(matches!(m.memory_info(), Err(NvmlError::GpuLost)));
+    f.set_gpu_lost(1, false);
+    f.set_call_failure(Call::Mig, Some(codes::UNKNOWN));
+    assert!(matches!(parent.mig_mode(), Err(NvmlError::Unknown)));
+    assert!(m.memory_info().is_ok());
+}
+
+#[test]
+fn mig_layouts_that_do_not_fit_are_refused() {
+    let dir = std::env::temp_dir().join(format!("fake-nvml-mig-bad-{}", std::process::id()));
+    let gpus = [GpuSpec::h100_80gb(0)];
+    let nine: Vec<_> = (0..9).map(|i| MigSpec::h100_1g_10gb(0, i)).collect();
+    let err = FakeNvml::create_with_mig(&dir, &gpus, &nine).unwrap_err();
+    assert!(err.to_string().contains("more than"), "{err}");
+    let err = FakeNvml::create_with_mig(&dir, &gpus, &[MigSpec::h100_1g_10gb(3, 1)]).unwrap_err();
+    assert!(err.to_string().contains("not there"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

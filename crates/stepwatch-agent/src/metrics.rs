@@ -244,8 +244,8 @@ pub(crate) const LAYOUT_SNAPSHOTS_TOTAL: MetricDef = MetricDef {
 pub(crate) const RANK_INFO: MetricDef = MetricDef {
     name: "stepwatch_rank_info",
     kind: MetricKind::Gauge,
-    labels: "rank labels, `local_rank`, `world_size`, `gpu_uuid`, `attested`",
-    meaning: "always 1; `pod`/`container` from the kubelet when `attested=\"true\"`",
+    labels: "rank labels, `local_rank`, `world_size`, `gpu_uuid`, `gpu_instance_id`, `mig_profile`, `attested`",
+    meaning: "always 1; `pod`/`container` from the kubelet when `attested=\"true\"`; `gpu_instance_id` and `mig_profile` when the rank's device is a MIG slice",
     help: "Rank identity; always 1.",
 };
 

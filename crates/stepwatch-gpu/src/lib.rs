@@ -17,6 +17,6 @@ mod sampler;
 
 pub use ring::TimedRing;
 pub use sampler::{
-    GpuSnapshot, NvmlCall, ProcessUsage, Sample, SamplerConfig, SamplerHandle, SamplerSnapshot,
-    LAG_BUCKETS_SECONDS,
+    mig_profile_of_name, GpuSnapshot, MigSlice, NvmlCall, ProcessUsage, Sample, SamplerConfig,
+    SamplerHandle, SamplerSnapshot, LAG_BUCKETS_SECONDS,
 };

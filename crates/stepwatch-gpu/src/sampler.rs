@@ -81,11 +81,13 @@ pub enum NvmlCall {
     Processes,
     /// Reading utilisation rates.
     Utilization,
+    /// Finding a GPU's MIG devices (MIG mode, handles, instance ids).
+    Mig,
 }
 
 impl NvmlCall {
     /// Every call class, so exporters can emit a zero counter for each.
-    pub const ALL: [NvmlCall; 8] = [
+    pub const ALL: [NvmlCall; 9] = [
         NvmlCall::Init,
         NvmlCall::DeviceCount,
         NvmlCall::DeviceHandle,
@@ -94,6 +96,7 @@ impl NvmlCall {
         NvmlCall::MemoryInfo,
         NvmlCall::Processes,
         NvmlCall::Utilization,
+        NvmlCall::Mig,
     ];
 
     /// Label value of `stepwatch_nvml_errors_total{call}`.
@@ -107,6 +110,7 @@ impl NvmlCall {
             NvmlCall::MemoryInfo => "memory_info",
             NvmlCall::Processes => "processes",
             NvmlCall::Utilization => "utilization",
+            NvmlCall::Mig => "mig",
         }
     }
 }
@@ -147,13 +151,35 @@ pub struct ProcessUsage {
     pub used_bytes: u64,
 }
 
-/// What `/metrics` and the API need about one GPU.
+/// What makes a device a MIG slice of a GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MigSlice {
+    /// The parent GPU's UUID.
+    pub parent_uuid: String,
+    /// GPU instance id (dcgm-exporter's `GPU_I_ID`).
+    pub gpu_instance_id: u32,
+    /// GPU instance profile, e.g. "1g.10gb" (dcgm-exporter's `GPU_I_PROFILE`);
+    /// "" when the device's name does not say.
+    pub profile: String,
+}
+
+/// The profile in a MIG device's NVML name, which drivers write as
+/// "<GPU name> MIG <profile>" (e.g. "NVIDIA H100 80GB HBM3 MIG 1g.10gb").
+pub fn mig_profile_of_name(name: &str) -> &str {
+    name.rsplit_once(" MIG ").map_or("", |(_, p)| p.trim())
+}
+
+/// What `/metrics` and the API need about one GPU or MIG slice.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GpuSnapshot {
-    /// NVML device index on this node.
+    /// NVML device index on this node (a MIG slice: its GPU's).
     pub index: u32,
-    /// NVML UUID ("GPU-…"); ranks report it in their hello to be matched here.
+    /// NVML UUID ("GPU-…", "MIG-…" for a slice); ranks report it in their
+    /// hello to be matched here.
     pub uuid: String,
+    /// Set for a MIG slice: its memory is its own, and a rank on it is
+    /// judged against that, not the whole GPU's.
+    pub mig: Option<MigSlice>,
     /// Product name, e.g. "NVIDIA H100 80GB HBM3"; for labels and display.
     pub name: String,
     /// Device capacity, bytes.
@@ -587,6 +613,7 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
         .iter()
         .map(|g| (g.snapshot.uuid.clone(), g.snapshot.samples_total))
         .collect();
+    let mut found: Vec<(u32, Device<'_>, Option<MigSlice>)> = Vec::new();
     for index in 0..count {
         let device = match nvml.device_by_index(index) {
             Ok(d) => d,
@@ -596,6 +623,11 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
                 continue;
             }
         };
+        let slices = mig_devices(shared, nvml, &device, index);
+        found.push((index, device, None));
+        found.extend(slices.into_iter().map(|(d, m)| (index, d, Some(m))));
+    }
+    for (index, device, mig) in found {
         let uuid = device.uuid().unwrap_or_else(|e| {
             shared.count_error(NvmlCall::Uuid);
             tracing::warn!(gpu = index, error = %e, "GPU UUID unreadable");
@@ -615,6 +647,7 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
             snapshot: GpuSnapshot {
                 index,
                 uuid,
+                mig,
                 name,
                 total_bytes,
                 last: None,
@@ -769,6 +802,90 @@ fn session(shared: &Shared, config: &SamplerConfig, nvml: &Nvml) -> Option<Strin
     }
 }
 
+/// The MIG devices of GPU `index`, with what makes each a slice; none when
+/// MIG mode is off or NVML cannot say (a driver without MIG calls). Read once
+/// per NVML session: a MIG layout changes only with no process on the GPU,
+/// and the GPU Operator evicts the agent for it (paused-for-mig-change).
+fn mig_devices<'n>(
+    shared: &Shared,
+    nvml: &'n Nvml,
+    device: &Device<'n>,
+    index: u32,
+) -> Vec<(Device<'n>, MigSlice)> {
+    // NVML_DEVICE_MIG_ENABLE.
+    const MIG_ENABLED: u32 = 1;
+    let failed = |what: &str, e: &NvmlError| {
+        shared.count_error(NvmlCall::Mig);
+        tracing::warn!(gpu = index, error = %e, "{what}; its MIG slices are not sampled");
+    };
+    match device.mig_mode() {
+        Ok(mode) if mode.current == MIG_ENABLED => {}
+        // No MIG on this GPU or driver: a whole GPU.
+        Ok(_) | Err(NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_)) => {
+            return Vec::new()
+        }
+        Err(e) => {
+            failed("MIG mode unreadable", &e);
+            return Vec::new();
+        }
+    }
+    let max = match device.mig_device_count() {
+        Ok(n) => n,
+        Err(e) => {
+            failed("MIG device count unreadable", &e);
+            return Vec::new();
+        }
+    };
+    let parent_uuid = device.uuid().unwrap_or_default();
+    let mut slices = Vec::new();
+    for i in 0..max {
+        let mig = match device.mig_device_by_index(i) {
+            Ok(d) => d,
+            // An index with no instance on it.
+            Err(NvmlError::NotFound) => continue,
+            Err(e) => {
+                failed("a MIG device handle failed", &e);
+                continue;
+            }
+        };
+        let gpu_instance_id = match gpu_instance_id(nvml, &mig) {
+            Ok(id) => id,
+            Err(e) => {
+                failed("a MIG device's GPU instance id is unreadable", &e);
+                continue;
+            }
+        };
+        let profile = mig
+            .name()
+            .map(|n| mig_profile_of_name(&n).to_owned())
+            .unwrap_or_default();
+        slices.push((
+            mig,
+            MigSlice {
+                parent_uuid: parent_uuid.clone(),
+                gpu_instance_id,
+                profile,
+            },
+        ));
+    }
+    slices
+}
+
+/// `nvmlDeviceGetGpuInstanceId`, which nvml-wrapper does not wrap.
+fn gpu_instance_id(nvml: &Nvml, device: &Device<'_>) -> Result<u32, NvmlError> {
+    let sym = nvml
+        .lib()
+        .nvmlDeviceGetGpuInstanceId
+        .as_ref()
+        .map_err(|e| NvmlError::FailedToLoadSymbol(e.to_string()))?;
+    let mut id = 0;
+    // SAFETY: a live handle of this NVML session and a valid out pointer, as
+    // the C signature `(nvmlDevice_t, unsigned int *)` asks.
+    let rc = unsafe { sym(device.handle(), &mut id) };
+    nvml_wrapper::error::nvml_try(rc)?;
+    Ok(id)
+}
+
 /// A process list and utilisation reading; None when the list failed.
 type SlowReading = (Vec<ProcessUsage>, Option<(u32, u32)>);
 
@@ -881,6 +998,19 @@ mod tests {
             pending_dropped_total: 0,
             errors: Vec::new(),
         }
+    }
+
+    #[test]
+    fn the_profile_is_read_from_a_mig_device_name() {
+        assert_eq!(
+            mig_profile_of_name("NVIDIA H100 80GB HBM3 MIG 1g.10gb"),
+            "1g.10gb"
+        );
+        assert_eq!(
+            mig_profile_of_name("NVIDIA A100-SXM4-40GB MIG 3g.20gb"),
+            "3g.20gb"
+        );
+        assert_eq!(mig_profile_of_name("NVIDIA H100 80GB HBM3"), "");
     }
 
     #[test]

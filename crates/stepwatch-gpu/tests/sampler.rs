@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fake_nvml::{FakeNvml, GpuSpec, STATE_DIR_ENV};
+use fake_nvml::{codes, Call, FakeNvml, GpuSpec, MigSpec, STATE_DIR_ENV};
 use stepwatch_clock::monotonic_ns;
-use stepwatch_gpu::{NvmlCall, SamplerConfig, SamplerHandle, SamplerSnapshot};
+use stepwatch_gpu::{MigSlice, NvmlCall, SamplerConfig, SamplerHandle, SamplerSnapshot};
 
 static LOCK: Mutex<()> = Mutex::new(());
 
@@ -22,6 +22,10 @@ struct World {
 
 impl World {
     fn new(tag: &str, gpus: u32) -> World {
+        World::with_mig(tag, gpus, &[])
+    }
+
+    fn with_mig(tag: &str, gpus: u32, migs: &[MigSpec]) -> World {
         let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
         let dir = std::env::temp_dir().join(format!(
             "stepwatch-gpu-it-{tag}-{}-{}",
@@ -29,7 +33,7 @@ impl World {
             monotonic_ns()
         ));
         let specs: Vec<_> = (0..gpus).map(GpuSpec::h100_80gb).collect();
-        let fake = FakeNvml::create(&dir, &specs).unwrap();
+        let fake = FakeNvml::create_with_mig(&dir, &specs, migs).unwrap();
         std::env::set_var(STATE_DIR_ENV, &dir);
         World {
             fake,
@@ -134,6 +138,75 @@ fn samples_every_gpu_each_tick_with_monotonic_timestamps_and_a_lag_histogram() {
     assert!(snap.lag_sum_seconds >= 0.0);
     let p50 = snap.lag_quantile_seconds(0.5).unwrap();
     assert!((0.0..=1.0).contains(&p50));
+    sampler.stop();
+}
+
+#[test]
+fn each_mig_slice_is_sampled_as_a_device_with_its_own_memory() {
+    // GPU 0 whole; GPU 1 cut into two 1g.10gb slices (GPU instances 7 and 8).
+    let migs = [MigSpec::h100_1g_10gb(1, 7), MigSpec::h100_1g_10gb(1, 8)];
+    let w = World::with_mig("mig", 2, &migs);
+    let slice = w.fake.mig_device(1, 1).unwrap();
+    w.fake.set_process_memory(slice, 4242, 6 << 30).unwrap();
+    let sampler = SamplerHandle::start(w.config());
+    let snap = wait_for(
+        &sampler,
+        "samples of the slices",
+        Duration::from_secs(10),
+        |s| {
+            s.gpus
+                .iter()
+                .find(|g| g.uuid == migs[1].uuid)
+                .is_some_and(|g| g.last.is_some() && !g.processes.is_empty())
+        },
+    );
+    let uuids: Vec<&str> = snap.gpus.iter().map(|g| g.uuid.as_str()).collect();
+    let parent = w.fake.gpu_uuid(1);
+    assert_eq!(
+        uuids,
+        [
+            w.fake.gpu_uuid(0).as_str(),
+            &parent,
+            &migs[0].uuid,
+            &migs[1].uuid
+        ]
+    );
+    let s = &snap.gpus[3];
+    // The slice's own capacity and usage, under its GPU's index.
+    assert_eq!(s.index, 1);
+    assert_eq!(s.total_bytes, 9984 << 20);
+    let last = s.last.unwrap();
+    assert_eq!(last.used_bytes, 6 << 30);
+    assert_eq!(last.usable_bytes(), 9984 << 20);
+    assert_eq!(s.processes[0].pid, 4242);
+    assert_eq!(
+        s.mig,
+        Some(MigSlice {
+            parent_uuid: parent.clone(),
+            gpu_instance_id: 8,
+            profile: "1g.10gb".into(),
+        })
+    );
+    assert_eq!(snap.gpus[1].mig, None);
+    assert_eq!(snap.gpus[1].total_bytes, 81559 << 20);
+    // Samples drain under the slice's UUID, which a rank on it reports.
+    let drained = sampler.drain_samples();
+    let (_, samples) = drained.iter().find(|(u, _)| *u == migs[1].uuid).unwrap();
+    assert!(samples.iter().all(|x| x.total_bytes == 9984 << 20));
+    assert_eq!(errors(&snap, NvmlCall::Mig), 0);
+    sampler.stop();
+}
+
+#[test]
+fn a_gpu_whose_mig_calls_fail_is_sampled_whole_and_the_failure_counted() {
+    let w = World::with_mig("mig-fail", 1, &[MigSpec::h100_1g_10gb(0, 7)]);
+    w.fake.set_call_failure(Call::Mig, Some(codes::UNKNOWN));
+    let sampler = SamplerHandle::start(w.config());
+    let snap = wait_for(&sampler, "a sample", Duration::from_secs(10), |s| {
+        s.gpus.first().is_some_and(|g| g.last.is_some())
+    });
+    assert_eq!(snap.gpus.len(), 1);
+    assert!(errors(&snap, NvmlCall::Mig) >= 1);
     sampler.stop();
 }
 

@@ -533,6 +533,7 @@ pub const BUILTIN: &[(&str, &str)] = &[
     builtin!("demo-small.json"),
     builtin!("fp32-adam.json"),
     builtin!("grads-kept.json"),
+    builtin!("mig-slice-oom.json"),
     builtin!("precreated-state.json"),
     builtin!("rank0-skew.json"),
     builtin!("sgd-momentum.json"),

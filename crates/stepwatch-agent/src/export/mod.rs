@@ -184,9 +184,15 @@ fn render_with(state: &AgentState, after_each_rank: &mut dyn FnMut()) -> String 
             }
         })
         .collect();
-    gpu_families(state, node, &mut families);
+    let slices = gpu_families(state, node, &mut families);
     let ranks = state.views.snapshot(state, after_each_rank);
-    rank_families(&ranks, node, state.rank_phase_series(), &mut families);
+    rank_families(
+        &ranks,
+        &slices,
+        node,
+        state.rank_phase_series(),
+        &mut families,
+    );
     families.sort_by(|a, b| a.name.cmp(&b.name));
     let mut out = String::with_capacity(families.iter().map(|f| f.text.len()).sum());
     for family in &families {
@@ -195,7 +201,13 @@ fn render_with(state: &AgentState, after_each_rank: &mut dyn FnMut()) -> String 
     out
 }
 
-fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<TextFamily>) {
+/// Writes the GPU families; returns the MIG slices found, by UUID, for the
+/// ranks on them.
+fn gpu_families(
+    state: &AgentState,
+    node: &str,
+    out: &mut Vec<TextFamily>,
+) -> Vec<(String, stepwatch_gpu::MigSlice)> {
     let snap = state.sampler.snapshot(monotonic_ns());
 
     let mut f = Family::of(node, &metrics::BUILD_INFO);
@@ -226,13 +238,30 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<TextFamily>) {
         let (namespace, pod, container) = holder
             .as_ref()
             .map_or(("", "", ""), |h| (&*h.namespace, &*h.pod, &*h.container));
+        // A MIG slice: dcgm-exporter's GPU_I_ID and GPU_I_PROFILE.
+        let instance = g
+            .mig
+            .as_ref()
+            .map(|m| m.gpu_instance_id.to_string())
+            .unwrap_or_default();
+        let profile = g.mig.as_ref().map_or("", |m| m.profile.as_str());
         let labels = [
             ("gpu", index.as_str()),
             ("gpu_uuid", g.uuid.as_str()),
+            ("gpu_instance_id", instance.as_str()),
+            ("mig_profile", profile),
             ("namespace", namespace),
             ("pod", pod),
             ("container", container),
-            ("hpc_job", slurm_jobs.sole_job(g.index).unwrap_or("")),
+            // The mapping names whole GPUs; a slice's job is its rank's.
+            (
+                "hpc_job",
+                if g.mig.is_some() {
+                    ""
+                } else {
+                    slurm_jobs.sole_job(g.index).unwrap_or("")
+                },
+            ),
         ];
         let mut with_name = labels.to_vec();
         with_name.push(("name", &g.name));
@@ -282,10 +311,15 @@ fn gpu_families(state: &AgentState, node: &str, out: &mut Vec<TextFamily>) {
         f.add(&[("call", call.as_str())], *n as f64);
     }
     f.done(out);
+    snap.gpus
+        .into_iter()
+        .filter_map(|g| Some((g.uuid, g.mig?)))
+        .collect()
 }
 
 fn rank_families(
     tracker: &TrackerSnapshot,
+    slices: &[(String, stepwatch_gpu::MigSlice)],
     node: &str,
     phase_series: RankPhaseSeries,
     out: &mut Vec<TextFamily>,
@@ -329,6 +363,8 @@ fn rank_families(
         let rank_label = key.rank.to_string();
         let labels = rank_labels(key, &rank_label, &rank.info);
         let i = &rank.info;
+        let slice = slices.iter().find(|(uuid, _)| *uuid == i.gpu_uuid);
+        let instance = slice.map(|(_, m)| m.gpu_instance_id.to_string());
         info.add(
             &[
                 labels[0],
@@ -340,6 +376,8 @@ fn rank_families(
                 ("local_rank", &i.local_rank.to_string()),
                 ("world_size", &i.world_size.to_string()),
                 ("gpu_uuid", &i.gpu_uuid),
+                ("gpu_instance_id", instance.as_deref().unwrap_or("")),
+                ("mig_profile", slice.map_or("", |(_, m)| m.profile.as_str())),
             ],
             1.0,
         );

@@ -346,6 +346,11 @@ async fn gpus(State(state): State<Arc<AgentState>>) -> Json<Value> {
             json!({
                 "index": g.index,
                 "uuid": g.uuid,
+                "mig": g.mig.as_ref().map(|m| json!({
+                    "parent_uuid": m.parent_uuid,
+                    "gpu_instance_id": m.gpu_instance_id,
+                    "profile": m.profile,
+                })),
                 "name": g.name,
                 "total_bytes": g.total_bytes,
                 "capacity_bytes": g.last.map(|l| l.usable_bytes()),
