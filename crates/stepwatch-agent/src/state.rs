@@ -650,14 +650,5 @@ pub(crate) fn test_marker(
     step: u64,
     monotonic_ns: u64,
 ) -> stepwatch_core::Marker {
-    stepwatch_core::Marker {
-        kind,
-        step,
-        monotonic_ns,
-        wall_ns: monotonic_ns,
-        micro_batch: 0,
-        allocator: None,
-        layout_segments: Vec::new(),
-        device_memory: None,
-    }
+    stepwatch_core::Marker::at(kind, step, monotonic_ns, monotonic_ns)
 }

@@ -233,6 +233,25 @@ pub struct Marker {
     pub device_memory: Option<DeviceMemory>,
 }
 
+impl Marker {
+    /// A marker with its kind, step and clocks, and nothing else (first
+    /// micro-batch, no allocator figures). Builders start here and fill the
+    /// rest with struct update syntax, so a new optional field is added in
+    /// one place.
+    pub fn at(kind: MarkerKind, step: u64, monotonic_ns: u64, wall_ns: u64) -> Marker {
+        Marker {
+            kind,
+            step,
+            monotonic_ns,
+            wall_ns,
+            micro_batch: 0,
+            allocator: None,
+            layout_segments: Vec::new(),
+            device_memory: None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,6 +7,7 @@
 use proptest::prelude::*;
 use stepwatch_core::*;
 use stepwatch_core::{retries_due, retry_growth, RetryGrowth, FIRST_RETRY_STEP};
+use stepwatch_testkit as kit;
 
 const M: u64 = 1 << 20;
 const GPU: &str = "GPU-0";
@@ -14,21 +15,11 @@ const GPU: &str = "GPU-0";
 /// A marker of `step` whose allocator figures show `retries` (None: no figures).
 fn marker(kind: MarkerKind, step: u64, t: u64, retries: Option<u64>) -> Marker {
     Marker {
-        kind,
-        step,
-        monotonic_ns: t,
-        wall_ns: t,
-        micro_batch: 0,
         allocator: retries.map(|n| AllocatorStats {
-            allocated_bytes: 1000 * M,
-            allocated_peak_bytes: 1000 * M,
-            reserved_bytes: 1200 * M,
-            reserved_peak_bytes: 1200 * M,
             num_alloc_retries: n,
-            ..Default::default()
+            ..kit::alloc_mib(1000, 1000, 1200)
         }),
-        layout_segments: Vec::new(),
-        device_memory: None,
+        ..kit::marker(kind, step, t)
     }
 }
 
@@ -53,18 +44,11 @@ fn step(step: u64, t: u64, retries: [u64; 4]) -> Vec<Marker> {
 }
 
 fn open(t: &mut Tracker, run_id: &str) -> RankKey {
-    t.open(
-        RankInfo {
-            job: "job".into(),
-            world_size: 1,
-            gpu_uuid: GPU.into(),
-            pid: 1,
-            run_id: run_id.into(),
-            ..Default::default()
-        },
-        0,
-    )
-    .unwrap()
+    let info = RankInfo {
+        run_id: run_id.into(),
+        ..kit::solo_rank("job", GPU)
+    };
+    kit::open(t, info)
 }
 
 fn kinds(advisories: &[Advisory]) -> Vec<AdvisoryKind> {

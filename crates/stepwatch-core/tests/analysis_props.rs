@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 
 use proptest::prelude::*;
 use stepwatch_core::*;
+use stepwatch_testkit as kit;
 
 const GPU: &str = "GPU-a";
 
@@ -51,20 +52,9 @@ fn markers(steps: u64, micro: u32, gaps: &[u64], levels: &[u64], with_alloc: boo
         reserved = reserved.max(peak + peak / 8);
         i += 1;
         out.push(Marker {
-            kind,
-            step,
-            monotonic_ns: t,
-            wall_ns: t,
             micro_batch: mb,
-            allocator: with_alloc.then_some(AllocatorStats {
-                allocated_bytes: allocated,
-                allocated_peak_bytes: peak,
-                reserved_bytes: reserved,
-                reserved_peak_bytes: reserved,
-                ..Default::default()
-            }),
-            layout_segments: Vec::new(),
-            device_memory: None,
+            allocator: with_alloc.then(|| kit::alloc_bytes(allocated, peak, reserved)),
+            ..kit::marker(kind, step, t)
         });
     };
     for step in 1..=steps {
@@ -179,20 +169,9 @@ impl History {
                 // either way.
                 reserved = reserved.max(peak + peak / 8);
                 Marker {
-                    kind,
-                    step,
-                    monotonic_ns: 1_000 + 100 * k as u64,
-                    wall_ns: 1_000 + 100 * k as u64,
                     micro_batch: mb,
-                    allocator: Some(AllocatorStats {
-                        allocated_bytes: self.levels[k],
-                        allocated_peak_bytes: peak,
-                        reserved_bytes: reserved,
-                        reserved_peak_bytes: reserved,
-                        ..Default::default()
-                    }),
-                    layout_segments: Vec::new(),
-                    device_memory: None,
+                    allocator: Some(kit::alloc_bytes(self.levels[k], peak, reserved)),
+                    ..kit::marker(kind, step, 1_000 + 100 * k as u64)
                 }
             })
             .collect()

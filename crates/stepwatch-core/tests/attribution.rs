@@ -3,6 +3,7 @@
 
 use proptest::prelude::*;
 use stepwatch_core::*;
+use stepwatch_testkit as kit;
 
 fn info(job: &str, rank: u32, gpu: &str) -> RankInfo {
     RankInfo {
@@ -25,14 +26,8 @@ fn markers(steps: u64, micro: u32, gaps: &[u64]) -> Vec<Marker> {
     let mut push = |kind, step, mb, t: &mut u64| {
         *t += gap.next().unwrap();
         out.push(Marker {
-            kind,
-            step,
-            monotonic_ns: *t,
-            wall_ns: *t,
             micro_batch: mb,
-            allocator: None,
-            layout_segments: Vec::new(),
-            device_memory: None,
+            ..kit::marker(kind, step, *t)
         });
     };
     for step in 1..=steps {

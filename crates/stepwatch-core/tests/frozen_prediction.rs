@@ -1,6 +1,7 @@
 //! The prediction is frozen just before step 2 begins, whatever the batching.
 
 use stepwatch_core::*;
+use stepwatch_testkit as kit;
 
 fn info() -> RankInfo {
     RankInfo {
@@ -37,14 +38,8 @@ fn markers() -> Vec<Marker> {
         ] {
             t += 10_000_000;
             out.push(Marker {
-                kind,
-                step,
-                monotonic_ns: t,
-                wall_ns: t,
-                micro_batch: 0,
                 allocator: Some(alloc(allocated)),
-                layout_segments: Vec::new(),
-                device_memory: None,
+                ..kit::marker(kind, step, t)
             });
         }
     }

@@ -5,6 +5,7 @@
 
 use proptest::prelude::*;
 use stepwatch_core::*;
+use stepwatch_testkit as kit;
 
 const M: u64 = 1 << 20;
 const GPU: &str = "GPU-0";
@@ -173,17 +174,7 @@ fn nothing_is_said_before_the_minimum_of_steps() {
 // ---- The tracker: the kept window, the advisory ---------------------------
 
 fn open(t: &mut Tracker) -> RankKey {
-    t.open(
-        RankInfo {
-            job: "job".into(),
-            world_size: 1,
-            gpu_uuid: GPU.into(),
-            pid: 1,
-            ..Default::default()
-        },
-        0,
-    )
-    .unwrap()
+    kit::open(t, kit::solo_rank("job", GPU))
 }
 
 /// Step `n` from `n × PERIOD`: allocated `held` M between steps (what a leak
@@ -221,14 +212,9 @@ fn step(t: &mut Tracker, key: &RankKey, n: u64, held: u64) -> Vec<Advisory> {
     .into_iter()
     .enumerate()
     .map(|(i, (kind, allocated))| Marker {
-        kind,
-        step: n,
-        monotonic_ns: at(i as u64),
         wall_ns: 1_700_000_000_000_000_000 + at(i as u64),
-        micro_batch: 0,
         allocator: Some(stats(allocated)),
-        layout_segments: Vec::new(),
-        device_memory: None,
+        ..kit::marker(kind, n, at(i as u64))
     })
     .collect();
     t.markers(key, &markers, t0).unwrap()

@@ -2,6 +2,7 @@
 //! same ranks, timelines and analysis: an agent restart loses no step history.
 
 use stepwatch_core::*;
+use stepwatch_testkit as kit;
 
 fn info(rank: u32) -> RankInfo {
     RankInfo {
@@ -27,20 +28,8 @@ fn steps(n: u64, t0: u64) -> Vec<Marker> {
                 _ => 2_000_000_000,
             };
             out.push(Marker {
-                kind,
-                step,
-                monotonic_ns: t,
-                wall_ns: t,
-                micro_batch: 0,
-                allocator: Some(AllocatorStats {
-                    allocated_bytes: allocated,
-                    allocated_peak_bytes: allocated,
-                    reserved_bytes: 7_000_000_000,
-                    reserved_peak_bytes: 7_000_000_000,
-                    ..Default::default()
-                }),
-                layout_segments: Vec::new(),
-                device_memory: None,
+                allocator: Some(kit::alloc_bytes(allocated, allocated, 7_000_000_000)),
+                ..kit::marker(kind, step, t)
             });
         }
     }

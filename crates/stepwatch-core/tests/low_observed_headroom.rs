@@ -12,90 +12,29 @@
 
 use stepwatch_core::*;
 use stepwatch_core::{gb, observed_headroom_due, ObservedPeak};
+use stepwatch_testkit::{self as kit, marker_mib as marker, MIB as M};
 
-const M: u64 = 1 << 20;
 const GPU: &str = "GPU-0";
 /// The GPU of most tests: 10000 M = 10.49 GB usable.
 const CAPACITY: u64 = 10_000;
 
-fn marker(
-    kind: MarkerKind,
-    step: u64,
-    t: u64,
-    (allocated, peak, reserved): (u64, u64, u64),
-) -> Marker {
-    Marker {
-        kind,
-        step,
-        monotonic_ns: t,
-        wall_ns: t,
-        micro_batch: 0,
-        allocator: Some(AllocatorStats {
-            allocated_bytes: allocated * M,
-            allocated_peak_bytes: peak * M,
-            reserved_bytes: reserved * M,
-            reserved_peak_bytes: reserved * M,
-            ..Default::default()
-        }),
-        layout_segments: Vec::new(),
-        device_memory: None,
-    }
-}
-
 fn samples(t: &mut Tracker, capacity: u64, at: &[(u64, u64)]) {
-    let samples: Vec<GpuSample> = at
-        .iter()
-        .map(|&(ns, used)| GpuSample {
-            monotonic_ns: ns,
-            used_bytes: used * M,
-            capacity_bytes: capacity * M,
-        })
-        .collect();
-    t.gpu_samples(GPU, &samples);
+    t.gpu_samples(GPU, &kit::samples_mib(at, capacity));
 }
 
 fn open(t: &mut Tracker, run_id: &str) -> RankKey {
-    t.open(
-        RankInfo {
-            job: "job".into(),
-            world_size: 1,
-            gpu_uuid: GPU.into(),
-            pid: 1,
-            run_id: run_id.into(),
-            ..Default::default()
-        },
-        0,
-    )
-    .unwrap()
+    let info = RankInfo {
+        run_id: run_id.into(),
+        ..kit::solo_rank("job", GPU)
+    };
+    kit::open(t, info)
 }
 
 /// Step 1 of the base scenario, from time `t0`, on a GPU of `capacity` M.
 fn step1(t: &mut Tracker, key: &RankKey, t0: u64, capacity: u64) -> Vec<Advisory> {
-    use MarkerKind::*;
-    samples(
-        t,
-        capacity,
-        &[
-            (t0 + 50, 1700),
-            (t0 + 150, 3500),
-            (t0 + 250, 7000),
-            (t0 + 350, 8000),
-            (t0 + 450, 8000),
-        ],
-    );
-    t.markers(
-        key,
-        &[
-            marker(StepBegin, 1, t0, (1000, 1000, 1200)),
-            marker(ForwardBegin, 1, t0 + 100, (1000, 1000, 1200)),
-            marker(BackwardBegin, 1, t0 + 200, (5000, 5000, 6250)),
-            marker(OptimizerBegin, 1, t0 + 300, (1400, 6000, 7500)),
-            marker(OptimizerEnd, 1, t0 + 400, (2200, 6000, 7500)),
-            marker(StepEnd, 1, t0 + 500, (2200, 6000, 7500)),
-        ],
-        t0,
-    )
-    .unwrap()
+    t.gpu_samples(GPU, &kit::base::step1_samples(t0, capacity));
+    t.markers(key, &kit::base::step1_markers(t0, true), t0)
+        .unwrap()
 }
 
 /// The allocator figures of every marker of a later step.
@@ -103,18 +42,9 @@ const LATER: (u64, u64, u64) = (2200, 6800, 7500);
 
 /// The markers of step `n` (≥ 2) from time `t0`, a phase every 100 ns.
 fn later_step_markers(n: u64, t0: u64) -> Vec<Marker> {
-    use MarkerKind::*;
-    let kinds = [
-        StepBegin,
-        ForwardBegin,
-        BackwardBegin,
-        OptimizerBegin,
-        OptimizerEnd,
-        StepEnd,
-    ];
     (0u64..)
-        .zip(kinds)
-        .map(|(i, k)| marker(k, n, t0 + 100 * i, LATER))
+        .zip(MarkerKind::STEP_ORDER)
+        .map(|(i, k)| kit::marker_mib(k, n, t0 + 100 * i, LATER))
         .collect()
 }
 

@@ -4,6 +4,7 @@
 
 use proptest::prelude::*;
 use stepwatch_core::*;
+use stepwatch_testkit as kit;
 
 fn info(job: &str) -> RankInfo {
     RankInfo {
@@ -18,32 +19,9 @@ fn info(job: &str) -> RankInfo {
 
 /// One step with `micro_batches` forward/backward pairs, from `t`.
 fn step(n: u64, micro_batches: u32, t: &mut u64) -> Vec<Marker> {
-    let mut kinds = vec![MarkerKind::StepBegin];
-    for _ in 0..micro_batches {
-        kinds.push(MarkerKind::ForwardBegin);
-        kinds.push(MarkerKind::BackwardBegin);
-    }
-    kinds.extend([
-        MarkerKind::OptimizerBegin,
-        MarkerKind::OptimizerEnd,
-        MarkerKind::StepEnd,
-    ]);
-    kinds
-        .into_iter()
-        .map(|kind| {
-            *t += 1_000;
-            Marker {
-                kind,
-                step: n,
-                monotonic_ns: *t,
-                wall_ns: *t,
-                micro_batch: 0,
-                allocator: None,
-                layout_segments: Vec::new(),
-                device_memory: None,
-            }
-        })
-        .collect()
+    let markers = kit::step_markers(n, micro_batches, *t + 1_000, 1_000);
+    *t = markers.last().map_or(*t, |m| m.monotonic_ns);
+    markers
 }
 
 /// Bytes of one retained step of `micro_batches` (as `approx_bytes` counts).
@@ -107,32 +85,18 @@ fn with_nothing_left_to_give_batches_that_add_phases_are_refused() {
     tracker.markers(&key, &step(1, 2, &mut t), t).unwrap();
     // Step 2 grows without end: it cannot be trimmed, nor can step 1.
     let mut refused = None;
-    let mut markers = vec![Marker {
-        kind: MarkerKind::StepBegin,
-        step: 2,
-        monotonic_ns: t + 1,
-        wall_ns: t + 1,
-        micro_batch: 0,
-        allocator: None,
-        layout_segments: Vec::new(),
-        device_memory: None,
-    }];
+    let mut markers = vec![kit::marker(MarkerKind::StepBegin, 2, t + 1)];
     t += 1;
     for i in 0..1000u32 {
         t += 1_000;
+        let kind = if i % 2 == 0 {
+            MarkerKind::ForwardBegin
+        } else {
+            MarkerKind::BackwardBegin
+        };
         markers.push(Marker {
-            kind: if i % 2 == 0 {
-                MarkerKind::ForwardBegin
-            } else {
-                MarkerKind::BackwardBegin
-            },
-            step: 2,
-            monotonic_ns: t,
-            wall_ns: t,
             micro_batch: i / 2,
-            allocator: None,
-            layout_segments: Vec::new(),
-            device_memory: None,
+            ..kit::marker(kind, 2, t)
         });
         if let Err(e) = tracker.markers(&key, &markers, t) {
             refused = Some(e);
@@ -145,16 +109,7 @@ fn with_nothing_left_to_give_batches_that_add_phases_are_refused() {
     assert!(tracker.retained_bytes() <= 3 * step_bytes(2) + step_bytes(0));
     // Ending the step is still allowed: it adds no phase.
     t += 1_000;
-    let end = Marker {
-        kind: MarkerKind::StepEnd,
-        step: 2,
-        monotonic_ns: t,
-        wall_ns: t,
-        micro_batch: 0,
-        allocator: None,
-        layout_segments: Vec::new(),
-        device_memory: None,
-    };
+    let end = kit::marker(MarkerKind::StepEnd, 2, t);
     tracker.markers(&key, &[end], t).unwrap();
 }
 

@@ -19,8 +19,8 @@
 //! allowance is 800 / 16 = 50.
 
 use stepwatch_core::*;
+use stepwatch_testkit::{self as kit, samples_mib as samples, MIB as M};
 
-const M: u64 = 1 << 20;
 const GPU: &str = "GPU-0";
 const PID: u32 = 4242;
 const OTHER_PID: u32 = 77;
@@ -28,50 +28,19 @@ const OTHER_PID: u32 = 77;
 type Alloc = Option<(u64, u64, u64)>;
 
 fn stats(a: Alloc) -> Option<AllocatorStats> {
-    a.map(|(allocated, peak, reserved)| AllocatorStats {
-        allocated_bytes: allocated * M,
-        allocated_peak_bytes: peak * M,
-        reserved_bytes: reserved * M,
-        reserved_peak_bytes: reserved * M,
-        ..Default::default()
-    })
+    a.map(|(allocated, peak, reserved)| kit::alloc_mib(allocated, peak, reserved))
 }
 
 fn marker(kind: MarkerKind, step: u64, t: u64, mb: u32, a: Alloc) -> Marker {
     Marker {
-        kind,
-        step,
-        monotonic_ns: t,
-        wall_ns: t,
         micro_batch: mb,
         allocator: stats(a),
-        layout_segments: Vec::new(),
-        device_memory: None,
+        ..kit::marker(kind, step, t)
     }
 }
 
 fn base_markers(with_alloc: bool) -> Vec<Marker> {
-    use MarkerKind::*;
-    let a = |x: (u64, u64, u64)| with_alloc.then_some(x);
-    vec![
-        marker(StepBegin, 1, 100, 0, a((1000, 1000, 1200))),
-        marker(ForwardBegin, 1, 200, 0, a((1000, 1000, 1200))),
-        marker(BackwardBegin, 1, 300, 0, a((5000, 5000, 6250))),
-        marker(OptimizerBegin, 1, 400, 0, a((1400, 6000, 7500))),
-        marker(OptimizerEnd, 1, 500, 0, a((2200, 6000, 7500))),
-        marker(StepEnd, 1, 600, 0, a((2200, 6000, 7500))),
-    ]
-}
-
-fn samples(points: &[(u64, u64)], capacity: u64) -> Vec<GpuSample> {
-    points
-        .iter()
-        .map(|&(t, used)| GpuSample {
-            monotonic_ns: t,
-            used_bytes: used * M,
-            capacity_bytes: capacity * M,
-        })
-        .collect()
+    kit::base::step1_markers(100, with_alloc)
 }
 
 const BASE_SAMPLES: [(u64, u64); 5] = [

@@ -320,14 +320,8 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
         ..Default::default()
     };
     let marker = |kind, step, t, a| Marker {
-        kind,
-        step,
-        monotonic_ns: t,
-        wall_ns: t,
-        micro_batch: 0,
         allocator: Some(a),
-        layout_segments: Vec::new(),
-        device_memory: None,
+        ..stepwatch_testkit::marker(kind, step, t)
     };
     tracker.gpu_samples(
         "GPU-a",

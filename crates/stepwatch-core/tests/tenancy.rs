@@ -4,6 +4,7 @@
 
 use proptest::prelude::*;
 use stepwatch_core::*;
+use stepwatch_testkit as kit;
 
 fn info(namespace: &str, job: &str, rank: u32, pid: u32) -> RankInfo {
     RankInfo {
@@ -25,16 +26,7 @@ fn two_steps(t0: u64) -> Vec<Marker> {
     for step in 1..=2 {
         for kind in MarkerKind::STEP_ORDER {
             t += 10_000_000;
-            out.push(Marker {
-                kind,
-                step,
-                monotonic_ns: t,
-                wall_ns: t,
-                micro_batch: 0,
-                allocator: None,
-                layout_segments: Vec::new(),
-                device_memory: None,
-            });
+            out.push(kit::marker(kind, step, t));
         }
     }
     out

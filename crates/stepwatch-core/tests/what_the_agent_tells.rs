@@ -8,74 +8,21 @@
 
 use stepwatch_core::*;
 use stepwatch_core::{due, gb, WORSENED_FRACTION};
+use stepwatch_testkit::{self as kit, MIB as M};
 
-const M: u64 = 1 << 20;
 const GPU: &str = "GPU-0";
-
-fn marker(kind: MarkerKind, t: u64, (allocated, peak, reserved): (u64, u64, u64)) -> Marker {
-    Marker {
-        kind,
-        step: 1,
-        monotonic_ns: t,
-        wall_ns: t,
-        micro_batch: 0,
-        allocator: Some(AllocatorStats {
-            allocated_bytes: allocated * M,
-            allocated_peak_bytes: peak * M,
-            reserved_bytes: reserved * M,
-            reserved_peak_bytes: reserved * M,
-            ..Default::default()
-        }),
-        layout_segments: Vec::new(),
-        device_memory: None,
-    }
-}
 
 /// The prediction of the base scenario on a GPU of `capacity` M.
 fn predict_base(facts: ModelFacts, capacity: u64) -> Prediction {
-    use MarkerKind::*;
     let mut t = Tracker::new(TrackerConfig::default());
-    let key = t
-        .open(
-            RankInfo {
-                job: "job".into(),
-                world_size: 1,
-                gpu_uuid: GPU.into(),
-                pid: 1,
-                model: facts,
-                ..Default::default()
-            },
-            0,
-        )
+    let info = RankInfo {
+        model: facts,
+        ..kit::solo_rank("job", GPU)
+    };
+    let key = kit::open(&mut t, info);
+    t.gpu_samples(GPU, &kit::base::step1_samples(100, capacity));
+    t.markers(&key, &kit::base::step1_markers(100, true), 0)
         .unwrap();
-    let samples: Vec<GpuSample> = [
-        (150, 1700),
-        (250, 3500),
-        (350, 7000),
-        (450, 8000),
-        (550, 8000),
-    ]
-    .iter()
-    .map(|&(t, used)| GpuSample {
-        monotonic_ns: t,
-        used_bytes: used * M,
-        capacity_bytes: capacity * M,
-    })
-    .collect();
-    t.gpu_samples(GPU, &samples);
-    t.markers(
-        &key,
-        &[
-            marker(StepBegin, 100, (1000, 1000, 1200)),
-            marker(ForwardBegin, 200, (1000, 1000, 1200)),
-            marker(BackwardBegin, 300, (5000, 5000, 6250)),
-            marker(OptimizerBegin, 400, (1400, 6000, 7500)),
-            marker(OptimizerEnd, 500, (2200, 6000, 7500)),
-            marker(StepEnd, 600, (2200, 6000, 7500)),
-        ],
-        0,
-    )
-    .unwrap();
     t.rank_analysis(&key).unwrap().prediction.unwrap()
 }
 
@@ -204,20 +151,8 @@ fn step1_markers(act: u64, t0: u64) -> Vec<Marker> {
     use MarkerKind::*;
     const MB: u64 = 1_000_000;
     let m = |kind, t: u64, allocated: u64, peak: u64| Marker {
-        kind,
-        step: 1,
-        monotonic_ns: t0 + t,
-        wall_ns: t0 + t,
-        micro_batch: 0,
-        allocator: Some(AllocatorStats {
-            allocated_bytes: allocated * MB,
-            allocated_peak_bytes: peak * MB,
-            reserved_bytes: peak * MB,
-            reserved_peak_bytes: peak * MB,
-            ..Default::default()
-        }),
-        layout_segments: Vec::new(),
-        device_memory: None,
+        allocator: Some(kit::alloc_bytes(allocated * MB, peak * MB, peak * MB)),
+        ..kit::marker(kind, 1, t0 + t)
     };
     let fb = 10_000 + act;
     vec![

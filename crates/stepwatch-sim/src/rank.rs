@@ -675,16 +675,12 @@ impl RankSim {
     }
 
     fn emit_marker(&mut self, kind: MarkerKind, micro_batch: u32) {
+        let wall_ns = self.start_wall_ns + (self.now_ns - self.start_ns);
+        // No device memory: the simulator leaves the overhead to NVML's samples.
         let marker = Marker {
-            kind,
-            step: self.step,
-            monotonic_ns: self.now_ns,
-            wall_ns: self.start_wall_ns + (self.now_ns - self.start_ns),
             micro_batch,
             allocator: Some(self.stats()),
-            layout_segments: Vec::new(),
-            // The simulator leaves the overhead to NVML's samples.
-            device_memory: None,
+            ..Marker::at(kind, self.step, self.now_ns, wall_ns)
         };
         self.alloc.reset_phase_peak();
         self.out.push_back(SimEvent::Marker(marker));

@@ -849,16 +849,7 @@ mod tests {
     }
 
     fn marker(kind: MarkerKind, step: u64) -> Marker {
-        Marker {
-            kind,
-            step,
-            monotonic_ns: 0,
-            wall_ns: 0,
-            micro_batch: 0,
-            allocator: None,
-            layout_segments: Vec::new(),
-            device_memory: None,
-        }
+        Marker::at(kind, step, 0, 0)
     }
 
     /// A fake Alertmanager: answers each POST with the next status of
