@@ -99,16 +99,23 @@ pub struct AgentConfig {
     )]
     pub max_steps: usize,
 
-    /// Memory budget of the ranks' retained step history, MiB. Past it, the
-    /// rank holding the most gives up its oldest steps (never step 1 or the
-    /// current step), counted in stepwatch_steps_trimmed_total; when nothing
-    /// is left to give, markers that add phases are refused (memory_budget).
-    /// The default fits the chart's 192 MiB memory limit with 256 ranks connected.
-    #[cfg_attr(
-        feature = "cli",
-        arg(long, env = "STEPWATCH_MEMORY_BUDGET_MIB", default_value_t = 24)
-    )]
-    pub memory_budget_mib: u64,
+    /// The memory the agent may use, MiB: every budget below is drawn from
+    /// it (step history an eighth, allocator traces in flight a sixteenth,
+    /// rank reports in flight a twelfth; the rest is the agent's base).
+    /// Default: the container's limit (cgroup v2 `memory.max` of the
+    /// agent's cgroup or an ancestor), else 192 (the chart's limit).
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_MEMORY_LIMIT_MIB"))]
+    pub memory_limit_mib: Option<u64>,
+
+    /// Memory budget of the ranks' retained step history, MiB (default: an
+    /// eighth of the memory limit, 24 at 192). Past it, finished ranks give
+    /// way first (stepwatch_ranks_evicted_for_memory_total), then the
+    /// namespace holding the most gives up its oldest steps (never step 1 or
+    /// the current step; stepwatch_steps_trimmed_total); when nothing is
+    /// left to give, markers that add phases are refused (memory_budget)
+    /// for ranks whose namespace holds its share of the budget.
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_MEMORY_BUDGET_MIB"))]
+    pub memory_budget_mib: Option<u64>,
 
     /// Ranks tracked at once. When full, the rank that finished longest ago
     /// gives way; a hello gets RESOURCE_EXHAUSTED only when every rank is
@@ -169,14 +176,12 @@ pub struct AgentConfig {
     pub hello_timeout: Duration,
 
     /// Bytes that allocator traces still being sent may hold, all streams
-    /// together, MiB; a trace that would go past it is dropped (counted as
+    /// together, MiB (default: a sixteenth of the memory limit, 12 at 192);
+    /// a trace that would go past it is dropped (counted as
     /// allocator_trace_over_budget) and that rank's prediction keeps to its
     /// markers.
-    #[cfg_attr(
-        feature = "cli",
-        arg(long, env = "STEPWATCH_MAX_PARTIAL_TRACE_MIB", default_value_t = 64)
-    )]
-    pub max_partial_trace_mib: u64,
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_MAX_PARTIAL_TRACE_MIB"))]
+    pub max_partial_trace_mib: Option<u64>,
 
     /// How long an allocator trace may take from its first chunk to its
     /// last; past it the partial trace is dropped (allocator_trace_timeout).

@@ -13,6 +13,7 @@ mod http;
 mod ingest;
 mod lifecycle;
 mod listen;
+mod memory;
 mod metrics;
 mod record;
 mod slurm;
@@ -77,6 +78,22 @@ pub async fn run_until(
     // terminal closing or a supervisor's reload must not do that.
     let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .context("cannot handle SIGHUP")?;
+    let mib = |m: u64| m.saturating_mul(1 << 20);
+    let (limit, source) = memory::MemoryBudget::limit(config.memory_limit_mib.map(mib));
+    let budget = memory::MemoryBudget::split(
+        limit,
+        source,
+        config.memory_budget_mib.map(mib),
+        config.max_partial_trace_mib.map(mib),
+    );
+    tracing::info!(
+        limit_bytes = budget.limit_bytes,
+        from = ?budget.source,
+        history_bytes = budget.history_bytes,
+        traces_bytes = budget.traces_bytes,
+        reports_bytes = budget.reports_bytes,
+        "memory budget"
+    );
     let node = config.node_name.clone().unwrap_or_else(hostname);
     let sampler = SamplerHandle::start(SamplerConfig {
         lib_path: config.nvml_lib.clone(),
@@ -91,11 +108,12 @@ pub async fn run_until(
     let tracker = Tracker::new(TrackerConfig {
         max_ranks: config.max_ranks,
         max_retained_steps: config.max_steps,
-        memory_budget_bytes: config.memory_budget_mib.saturating_mul(1 << 20),
+        memory_budget_bytes: budget.history_bytes,
         ..TrackerConfig::default()
     });
     let gpu_holders = workload::GpuHolders::new(config.pod_resources_refresh);
     let state = state::AgentState::new(tracker, sampler.clone(), node.clone(), gpu_holders)?;
+    state.set_memory_budget(&budget)?;
     state.set_rank_phase_series(config.rank_phase_series);
     if let Some(dir) = &config.slurm_job_mapping_dir {
         let slurm = slurm::Slurm::new(dir.clone(), config.proc_root.clone(), &state.registry)?;
@@ -165,7 +183,7 @@ pub async fn run_until(
     let grpc_server = || grpc_server(per_connection);
     // One budget for traces across both ingest listeners.
     let traces = Arc::new(ingest::TraceBudget::new(
-        config.max_partial_trace_mib.saturating_mul(1 << 20),
+        budget.traces_bytes,
         config.partial_trace_timeout,
         std::thread::available_parallelism().map_or(1, |n| n.get()),
     ));

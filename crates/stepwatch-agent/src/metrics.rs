@@ -222,6 +222,42 @@ pub(crate) const RETAINED_BYTES: MetricDef = MetricDef {
     help: "Bytes the ranks' retained step history holds (approximately); kept within --memory-budget-mib.",
 };
 
+/// `stepwatch_memory_limit_bytes`
+pub(crate) const MEMORY_LIMIT_BYTES: MetricDef = MetricDef {
+    name: "stepwatch_memory_limit_bytes",
+    kind: MetricKind::Gauge,
+    labels: "",
+    meaning: "the memory the agent budgets for: `--memory-limit-mib`, else the container's cgroup `memory.max`, else 192 MiB",
+    help: "The memory the agent budgets for: --memory-limit-mib, else the container's cgroup memory.max, else 192 MiB.",
+};
+
+/// `stepwatch_memory_budget_bytes`
+pub(crate) const MEMORY_BUDGET_BYTES: MetricDef = MetricDef {
+    name: "stepwatch_memory_budget_bytes",
+    kind: MetricKind::Gauge,
+    labels: "`budget`",
+    meaning: "each budget drawn from the memory limit: `history` (retained steps), `traces` (allocator traces in flight, as accounted), `reports` (rank reports in flight)",
+    help: "Budgets drawn from the memory limit: history (retained steps), traces (allocator traces in flight, as accounted), reports (rank reports in flight).",
+};
+
+/// `stepwatch_ranks_evicted_for_memory_total`
+pub(crate) const RANKS_EVICTED_FOR_MEMORY_TOTAL: MetricDef = MetricDef {
+    name: "stepwatch_ranks_evicted_for_memory_total",
+    kind: MetricKind::Counter,
+    labels: "",
+    meaning: "finished ranks dropped before their retention window to keep the step history within its budget (finished ranks give way before any step is trimmed or marker refused)",
+    help: "Finished ranks dropped before the retention window to keep the step history within its budget.",
+};
+
+/// `stepwatch_http_reports_refused_total`
+pub(crate) const HTTP_REPORTS_REFUSED_TOTAL: MetricDef = MetricDef {
+    name: "stepwatch_http_reports_refused_total",
+    kind: MetricKind::Counter,
+    labels: "`reason`",
+    meaning: "rank reports answered 503 to stay within the reports budget: `busy` (other reports held it for 5 s), `too_large` (this report alone exceeds it; ask for fewer `?steps=`)",
+    help: "Rank reports refused (503) to stay within the reports budget, by reason: busy, too_large.",
+};
+
 /// `stepwatch_steps_trimmed_total`
 pub(crate) const STEPS_TRIMMED_TOTAL: MetricDef = MetricDef {
     name: "stepwatch_steps_trimmed_total",
@@ -781,6 +817,10 @@ pub(crate) const ALL: &[&MetricDef] = &[
     &LAYOUT_SNAPSHOTS_TOTAL,
     &STEPS_TRIMMED_TOTAL,
     &RANKS_EVICTED_TOTAL,
+    &RANKS_EVICTED_FOR_MEMORY_TOTAL,
+    &MEMORY_LIMIT_BYTES,
+    &MEMORY_BUDGET_BYTES,
+    &HTTP_REPORTS_REFUSED_TOTAL,
     &RANK_INFO,
     &RANK_CONNECTED,
     &RANK_STEPS_COMPLETED_TOTAL,

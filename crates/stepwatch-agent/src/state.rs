@@ -177,6 +177,8 @@ pub struct AgentState {
     pub(crate) views: crate::export::RankViews,
     /// Moves on every change to the tracker ([`AgentState::generation`]).
     generation: AtomicU64,
+    /// Rank reports in flight, once the memory budget is set.
+    pub(crate) reports: OnceLock<crate::memory::ReportBudget>,
 }
 
 impl AgentState {
@@ -202,6 +204,7 @@ impl AgentState {
             slurm: OnceLock::new(),
             views: Default::default(),
             generation: Default::default(),
+            reports: OnceLock::new(),
         }))
     }
 
@@ -303,6 +306,14 @@ impl AgentState {
             inputs.record_with(|| input.into_owned(), flush);
             Ok(applied)
         })
+    }
+
+    /// Exports the memory limit and its budgets, and sets the reports'.
+    pub fn set_memory_budget(&self, budget: &crate::memory::MemoryBudget) -> anyhow::Result<()> {
+        crate::memory::register(budget, &self.registry)?;
+        let reports = crate::memory::ReportBudget::new(budget.reports_bytes, &self.registry)?;
+        let _ = self.reports.set(reports);
+        Ok(())
     }
 
     /// Registers a stream's hello with the tracker.

@@ -121,12 +121,17 @@ pub enum MarkerError {
         /// The limit it broke.
         limit: u64,
     },
-    /// The agent's memory budget is spent and no rank has a step left to
-    /// give up (each keeps step 1 and its current step).
-    #[error("the agent's memory budget ({budget_bytes} bytes, --memory-budget) is spent; markers that add phases are refused until ranks finish")]
+    /// The agent's memory budget is spent, no rank has a step left to
+    /// give up (each keeps step 1 and its current step), no finished rank
+    /// is left to give way, and the rank's namespace holds its share.
+    #[error("the agent's step-history budget ({budget_bytes} bytes) is spent and namespace {namespace:?} holds its share ({share_bytes} bytes) or more; markers that add phases are refused until ranks finish")]
     MemoryBudget {
         /// The budget, bytes.
         budget_bytes: u64,
+        /// The namespace of the refused rank.
+        namespace: String,
+        /// Its share of the budget, bytes.
+        share_bytes: u64,
     },
     /// The batch came on a stream of a run its process has since left for
     /// a newer one on the same rank (a second `fit()` while the first

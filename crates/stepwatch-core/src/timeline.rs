@@ -179,7 +179,19 @@ pub struct StepRecord {
 /// [`StepRecord::nvml_before_begin`].
 pub const BEFORE_BEGIN_WINDOW_NS: u64 = 100_000_000;
 
+/// What `steps` retained steps with `phases` phases in all hold in memory,
+/// approximately (see [`RankTimeline::approx_bytes`]).
+fn approx_bytes(steps: usize, phases: usize) -> u64 {
+    (steps * std::mem::size_of::<StepRecord>() + phases * std::mem::size_of::<PhaseRecord>()) as u64
+}
+
 impl StepRecord {
+    /// What this step holds in memory, approximately: its share of
+    /// [`RankTimeline::approx_bytes`].
+    pub fn approx_bytes(&self) -> u64 {
+        approx_bytes(1, self.phases.len())
+    }
+
     /// Takes a sample as [`StepRecord::nvml_before_begin`] if it is the
     /// latest so far in the window before the begin, the larger on a tie
     /// (any arrival order gives the same result).
@@ -332,9 +344,7 @@ impl RankTimeline {
     /// and phase records (closed steps' phase lists are shrunk to fit). The
     /// figure the tracker's memory budget is enforced on.
     pub fn approx_bytes(&self) -> u64 {
-        let bytes = self.steps.len() * std::mem::size_of::<StepRecord>()
-            + self.phases_retained * std::mem::size_of::<PhaseRecord>();
-        bytes as u64
+        approx_bytes(self.steps.len(), self.phases_retained)
     }
 
     /// Drops the oldest step after step 1, unless only step 1 and the

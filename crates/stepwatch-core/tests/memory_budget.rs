@@ -113,6 +113,83 @@ fn with_nothing_left_to_give_batches_that_add_phases_are_refused() {
     tracker.markers(&key, &[end], t).unwrap();
 }
 
+/// Rank `rank` of `job` in `namespace`, one per process.
+fn tenant_rank(namespace: &str, job: &str, rank: u32) -> RankInfo {
+    RankInfo {
+        namespace: namespace.into(),
+        rank,
+        world_size: 1024,
+        pid: 100 + rank,
+        ..info(job)
+    }
+}
+
+#[test]
+fn ranks_that_finished_give_way_before_anyone_is_refused() {
+    // 91 one-step ranks that disconnect filled the budget and every other
+    // rank's markers were refused until they aged out (an hour).
+    let wide = step_bytes(200);
+    let mut tracker = Tracker::new(TrackerConfig {
+        memory_budget_bytes: 90 * wide,
+        ..Default::default()
+    });
+    let mut t = 0;
+    for r in 0..91 {
+        let key = tracker.open(tenant_rank("", "burst", r), t).unwrap();
+        tracker.markers(&key, &step(1, 200, &mut t), t).unwrap();
+        tracker.close(&key, t);
+    }
+    let polite = tracker.open(tenant_rank("", "polite", 0), t).unwrap();
+    for n in 1..=5 {
+        tracker
+            .markers(&polite, &step(n, 1, &mut t), t)
+            .expect("a connected rank is served while finished ranks hold the budget");
+    }
+    assert!(tracker.retained_bytes() <= 90 * wide);
+    assert!(tracker.ranks_evicted_for_memory_total() >= 1);
+    // The ones that finished longest ago went first.
+    let burst = |r| tracker.rank(&tenant_rank("", "burst", r).key()).is_some();
+    assert!(!burst(0));
+    assert!(burst(90));
+}
+
+#[test]
+fn one_namespace_cannot_lock_the_others_out() {
+    // Namespace "greedy" holds the whole budget with connected ranks that
+    // have nothing to give (each only a wide step 1).
+    let wide = step_bytes(200);
+    let budget = 8 * wide;
+    let mut tracker = Tracker::new(TrackerConfig {
+        memory_budget_bytes: budget,
+        ..Default::default()
+    });
+    let mut t = 0;
+    let mut refused = None;
+    for r in 0..20 {
+        let key = tracker.open(tenant_rank("greedy", "hog", r), t).unwrap();
+        if let Err(e) = tracker.markers(&key, &step(1, 200, &mut t), t) {
+            refused = Some(e);
+            break;
+        }
+    }
+    let e = refused.expect("the greedy namespace is refused past the budget");
+    assert!(e.to_string().contains("\"greedy\""), "{e}");
+    // Another namespace is served, up to its share.
+    let polite = tracker.open(tenant_rank("polite", "job", 0), t).unwrap();
+    for n in 1..=20 {
+        tracker
+            .markers(&polite, &step(n, 1, &mut t), t)
+            .expect("a polite namespace under its share is served");
+    }
+    // Its growth takes its own oldest steps once over its share, not more.
+    let polite_bytes = tracker.rank(&polite).unwrap().timeline.approx_bytes();
+    assert!(polite_bytes <= budget / 2 + step_bytes(1), "{polite_bytes}");
+    // The greedy namespace stays refused while it holds its share.
+    let late = tracker.open(tenant_rank("greedy", "hog", 99), t).unwrap();
+    let e = tracker.markers(&late, &step(1, 1, &mut t), t).unwrap_err();
+    assert_eq!(e.reason(), "memory_budget");
+}
+
 proptest! {
     /// Any mix of ranks, step lengths and budgets: the running count equals
     /// the ranks' own figures, it stays within the budget whenever some rank

@@ -336,6 +336,10 @@ fn rank_families(
     f.add(&[], tracker.steps_trimmed_total as f64);
     f.done(out);
 
+    let mut f = Family::of(node, &metrics::RANKS_EVICTED_FOR_MEMORY_TOTAL);
+    f.add(&[], tracker.ranks_evicted_for_memory_total as f64);
+    f.done(out);
+
     let mut f = Family::of(node, &metrics::LAYOUT_SNAPSHOTS_TOTAL);
     let c = tracker.layout_counts;
     for (result, n) in [

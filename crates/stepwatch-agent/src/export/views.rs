@@ -23,6 +23,7 @@ pub(crate) struct TrackerSnapshot {
     pub(crate) rank_count: usize,
     pub(crate) retained_bytes: u64,
     pub(crate) steps_trimmed_total: u64,
+    pub(crate) ranks_evicted_for_memory_total: u64,
     pub(crate) layout_counts: LayoutCounts,
     pub(crate) ranks: Vec<Arc<RankSnapshot>>,
     /// Per job (in rank order): its divergence, if any.
@@ -131,12 +132,12 @@ impl RankViews {
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         // Read before the walk: a change during it moves the number again.
         cache.generation = Some(state.generation());
-        let (rank_count, retained_bytes, steps_trimmed_total, layout_counts, keys) = state
+        let (rank_count, retained_bytes, trimmed_evicted, layout_counts, keys) = state
             .read_tracker(|t| {
                 (
                     t.rank_count(),
                     t.retained_bytes(),
-                    t.steps_trimmed_total(),
+                    (t.steps_trimmed_total(), t.ranks_evicted_for_memory_total()),
                     t.layout_counts(),
                     t.rank_keys(),
                 )
@@ -202,7 +203,8 @@ impl RankViews {
         TrackerSnapshot {
             rank_count,
             retained_bytes,
-            steps_trimmed_total,
+            steps_trimmed_total: trimmed_evicted.0,
+            ranks_evicted_for_memory_total: trimmed_evicted.1,
             layout_counts,
             ranks,
             divergence,

@@ -239,10 +239,37 @@ async fn rank(
         job,
         rank,
     };
+    // Room in the reports budget first (a long job's report is megabytes,
+    // built in memory): many at once wait, then are refused.
+    let estimate = off_runtime(state.clone(), {
+        let key = key.clone();
+        move |state| {
+            state.read_tracker(|tracker| {
+                let r = tracker.rank(&key)?;
+                let start = r.timeline.steps().len().saturating_sub(steps);
+                let held: u64 = r
+                    .timeline
+                    .steps()
+                    .enumerate()
+                    .filter(|(i, _)| *i == 0 || *i >= start)
+                    .map(|(_, s)| s.approx_bytes())
+                    .sum();
+                Some(report_cost(held))
+            })
+        }
+    })
+    .await;
+    let permit = match (estimate, state.reports.get()) {
+        (Some(bytes), Some(budget)) => match budget.reserve(bytes).await {
+            Ok(permit) => Some(permit),
+            Err(refusal) => return report_refused(refusal, bytes, budget.bytes(), steps),
+        },
+        _ => None,
+    };
     // Copy out one rank under the tracker lock; serialise after it is
-    // released (the timeline of a long job is megabytes of JSON). Samples
-    // the sampler took so far go in first, so that a reader who saw a step
-    // end sees that step's last samples rather than the ones of 100 ms ago.
+    // released. Samples the sampler took so far go in first, so that a
+    // reader who saw a step end sees that step's last samples rather than
+    // the ones of 100 ms ago.
     off_runtime(state, move |state| {
         state.attribute_samples();
         let body = state.read_tracker(|tracker| {
@@ -265,7 +292,7 @@ async fn rank(
             })
         });
         match body {
-            Some(body) => Json(body).into_response(),
+            Some(body) => json_holding(&body, permit),
             None => not_found(format!(
                 "no rank {} of job {:?} in namespace {:?} on this node",
                 key.rank, key.job, key.namespace
@@ -273,6 +300,70 @@ async fn rank(
         }
     })
     .await
+}
+
+/// What building and sending a report of steps holding `held` bytes (as
+/// `StepRecord::approx_bytes` counts) costs at its peak: its JSON is up to
+/// about 3 times that, in a buffer that grows by doubling, beside the copy.
+fn report_cost(held: u64) -> u64 {
+    held.saturating_mul(8) + (64 << 10)
+}
+
+/// A JSON response whose bytes hold `permit` until the last chunk was
+/// taken for sending, so that slow readers keep counting against the
+/// reports budget.
+fn json_holding(
+    body: &impl Serialize,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+) -> Response {
+    let bytes = match serde_json::to_vec(body) {
+        Ok(v) => axum::body::Bytes::from(v),
+        Err(e) => {
+            return (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response();
+        }
+    };
+    const CHUNK: usize = 64 << 10;
+    let chunks =
+        futures_util::stream::unfold((bytes, 0, permit), |(bytes, at, permit)| async move {
+            if at >= bytes.len() {
+                drop(permit);
+                return None;
+            }
+            let end = (at + CHUNK).min(bytes.len());
+            let chunk = bytes.slice(at..end);
+            Some((
+                Ok::<_, std::convert::Infallible>(chunk),
+                (bytes, end, permit),
+            ))
+        });
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        axum::body::Body::from_stream(chunks),
+    )
+        .into_response()
+}
+
+/// The 503 of a report the reports budget has no room for.
+fn report_refused(
+    refusal: crate::memory::ReportRefusal,
+    bytes: u64,
+    budget: u64,
+    steps: usize,
+) -> Response {
+    let error = match refusal {
+        crate::memory::ReportRefusal::TooLarge => format!(
+            "a report of {steps} steps needs about {bytes} bytes, more than the agent's reports budget ({budget} bytes, a twelfth of --memory-limit-mib); ask for fewer (?steps=)"
+        ),
+        crate::memory::ReportRefusal::Busy => format!(
+            "other reports hold the agent's reports budget ({budget} bytes); retry shortly"
+        ),
+    };
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        [(header::RETRY_AFTER, "1")],
+        Json(json!({ "error": error })),
+    )
+        .into_response()
 }
 
 /// `/api/v1/jobs/{job}/ranks/{rank}`: the rank's summary fields, then the rest.
@@ -584,6 +675,100 @@ mod tests {
     }
 
     const GPU: &str = "GPU-test";
+
+    /// A rank whose steps each hold 1022 phases with allocator figures on
+    /// every marker: the largest report per step a client can cause.
+    fn wide_rank(state: &AgentState, steps: u64) -> RankKey {
+        let key = test_rank(state, "wide", 0);
+        let stats = stepwatch_core::AllocatorStats {
+            allocated_bytes: 1 << 49,
+            allocated_peak_bytes: 1 << 49,
+            reserved_bytes: 1 << 49,
+            reserved_peak_bytes: 1 << 49,
+            active_bytes: 1 << 49,
+            active_peak_bytes: 1 << 49,
+            num_alloc_retries: 1 << 40,
+        };
+        let mut t = 2_000;
+        for step in 1..=steps {
+            let mut markers = Vec::new();
+            if step > 1 {
+                markers.push(test_marker(MarkerKind::StepBegin, step, t));
+            }
+            for mb in 0..510 {
+                for kind in [MarkerKind::ForwardBegin, MarkerKind::BackwardBegin] {
+                    t += 1_000;
+                    let mut m = test_marker(kind, step, t);
+                    m.micro_batch = mb;
+                    markers.push(m);
+                }
+            }
+            for kind in [
+                MarkerKind::OptimizerBegin,
+                MarkerKind::OptimizerEnd,
+                MarkerKind::StepEnd,
+            ] {
+                t += 1_000;
+                markers.push(test_marker(kind, step, t));
+            }
+            for m in &mut markers {
+                m.allocator = Some(stats);
+            }
+            state.apply_markers(&key, "", &markers).unwrap();
+        }
+        key
+    }
+
+    #[test]
+    fn a_reports_estimated_cost_covers_its_json_and_its_copy() {
+        let state = test_state();
+        let key = wide_rank(&state, 3);
+        let held = state.read_tracker(|t| t.rank(&key).unwrap().timeline.approx_bytes());
+        let (addr, _stop) = serve(state);
+        let response = get(addr, "/api/v1/jobs/wide/ranks/0");
+        assert!(response.starts_with("HTTP/1.1 200"), "{}", &response[..200]);
+        let json = response.split("\r\n\r\n").nth(1).unwrap().len() as u64;
+        let copy = held * std::mem::size_of::<PhaseReport>() as u64
+            / std::mem::size_of::<stepwatch_core::PhaseRecord>() as u64;
+        // A buffer grown by doubling holds up to twice its bytes.
+        assert!(
+            2 * json + copy <= report_cost(held),
+            "json {json} copy {copy} estimate {}",
+            report_cost(held)
+        );
+    }
+
+    #[test]
+    fn a_report_larger_than_the_reports_budget_is_refused_with_what_to_do() {
+        let state = test_state();
+        // A 32 MiB limit: 2.7 MiB for reports, room for the wide step 1
+        // alone (2.3 MB estimated) but not for three steps.
+        let budget = crate::memory::MemoryBudget::split(
+            32 << 20,
+            crate::memory::LimitSource::Flag,
+            None,
+            None,
+        );
+        state.set_memory_budget(&budget).unwrap();
+        wide_rank(&state, 3);
+        let (addr, _stop) = serve(state.clone());
+        let (code, body) = get_json(addr, "/api/v1/jobs/wide/ranks/0");
+        assert_eq!(code, 503, "{body}");
+        assert!(
+            body["error"].as_str().unwrap().contains("?steps="),
+            "{body}"
+        );
+        let response = get(addr, "/api/v1/jobs/wide/ranks/0?steps=0");
+        assert!(response.starts_with("HTTP/1.1 200"), "{}", &response[..200]);
+        let refused = crate::metrics::HTTP_REPORTS_REFUSED_TOTAL.name;
+        let text = crate::export::render(&state);
+        assert!(
+            text.contains(&format!(
+                "{refused}{{reason=\"too_large\",node=\"test-node\"}} 1"
+            )),
+            "{text}"
+        );
+    }
 
     #[test]
     fn a_gpu_series_is_bounded_and_keeps_the_peak_of_each_bucket() {

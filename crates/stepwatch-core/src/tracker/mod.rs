@@ -45,11 +45,15 @@ pub struct TrackerConfig {
     /// Most GPUs sampled.
     pub max_gpus: usize,
     /// Bytes the ranks' retained steps may hold in all (see
-    /// [`RankTimeline::approx_bytes`]). Past it, the rank holding the most
-    /// gives up its oldest step (step 1 and the current step are always
-    /// kept); when no rank has a step to give, batches that add phases are
-    /// refused. Without it, retention is a product of limits (ranks × steps
-    /// × phases) far beyond any container's memory.
+    /// [`RankTimeline::approx_bytes`]). Past it, finished ranks (no open
+    /// stream) give way first, the one that finished longest ago first;
+    /// then the namespace holding the most gives up its largest rank's
+    /// oldest step (step 1 and the current step are always kept); when
+    /// nothing is left to give, batches that add phases are refused for
+    /// ranks whose namespace holds its share of the budget or more (the
+    /// budget over the namespaces tracked), so that one tenant cannot
+    /// lock the others out. Without it, retention is a product of limits
+    /// (ranks × steps × phases) far beyond any container's memory.
     pub memory_budget_bytes: u64,
 }
 
@@ -341,6 +345,8 @@ pub struct Tracker {
     retained_bytes: u64,
     /// Steps dropped to stay within the memory budget.
     steps_trimmed_total: u64,
+    /// Finished ranks dropped to stay within the memory budget.
+    ranks_evicted_for_memory_total: u64,
     /// What became of the markers' segment layouts.
     layout_counts: LayoutCounts,
 }
@@ -356,6 +362,7 @@ impl Tracker {
             analysis: AnalysisConfig::default(),
             retained_bytes: 0,
             steps_trimmed_total: 0,
+            ranks_evicted_for_memory_total: 0,
             layout_counts: LayoutCounts::default(),
         }
     }
@@ -827,16 +834,16 @@ impl Tracker {
         markers: &[Marker],
         now_ns: u64,
     ) -> Result<Vec<Advisory>, MarkerError> {
-        let budget = self.config.memory_budget_bytes;
-        let Some(state) = self.ranks.get_mut(key) else {
+        let Some(state) = self.ranks.get(key) else {
             return Ok(Vec::new());
         };
         state.timeline.check_batch(markers)?;
-        if self.retained_bytes > budget && markers.iter().any(|m| m.kind.opens().is_some()) {
-            return Err(MarkerError::MemoryBudget {
-                budget_bytes: budget,
-            });
+        if markers.iter().any(|m| m.kind.opens().is_some()) {
+            self.check_budget(&key.namespace)?;
         }
+        let Some(state) = self.ranks.get_mut(key) else {
+            return Ok(Vec::new());
+        };
         state.last_activity_ns = now_ns;
         let in_first_step = state.in_first_step();
         let ends_layouts = markers
@@ -981,16 +988,70 @@ impl Tracker {
         self.enforce_budget();
     }
 
-    /// Drops the oldest steps of the ranks holding the most until the
-    /// retained steps fit the budget, or no rank has a step to give.
+    /// Whether a batch of a rank of `namespace` may add phases: yes within
+    /// the budget (after finished ranks gave way); past it, only while the
+    /// namespace holds less than its share (see
+    /// [`TrackerConfig::memory_budget_bytes`]).
+    fn check_budget(&mut self, namespace: &str) -> Result<(), MarkerError> {
+        let budget = self.config.memory_budget_bytes;
+        if self.retained_bytes <= budget {
+            return Ok(());
+        }
+        // Streams closed since the last batch: their ranks give way now.
+        self.enforce_budget();
+        if self.retained_bytes <= budget {
+            return Ok(());
+        }
+        let held = self.namespace_bytes();
+        let share = budget / held.len().max(1) as u64;
+        let holds = held.get(namespace).copied().unwrap_or(0);
+        if holds < share {
+            return Ok(());
+        }
+        Err(MarkerError::MemoryBudget {
+            budget_bytes: budget,
+            namespace: namespace.to_string(),
+            share_bytes: share,
+        })
+    }
+
+    /// Bytes each namespace's ranks retain.
+    fn namespace_bytes(&self) -> HashMap<&str, u64> {
+        let mut held = HashMap::new();
+        for (key, rank) in &self.ranks {
+            *held.entry(key.namespace.as_str()).or_default() += rank.timeline.approx_bytes();
+        }
+        held
+    }
+
+    /// Frees retained steps until they fit the budget: finished ranks go
+    /// first, the one that finished longest ago first; then the namespace
+    /// holding the most (among those with a step to give) drops its
+    /// largest rank's oldest step; until nothing is left to give.
     fn enforce_budget(&mut self) {
         while self.retained_bytes > self.config.memory_budget_bytes {
+            let finished = self
+                .ranks
+                .iter()
+                .filter(|(_, r)| r.connected_streams == 0)
+                .min_by_key(|(_, r)| r.last_activity_ns)
+                .map(|(k, _)| k.clone());
+            if let Some(key) = finished {
+                if let Some(gone) = self.ranks.remove(&key) {
+                    let freed = gone.timeline.approx_bytes();
+                    self.retained_bytes = self.retained_bytes.saturating_sub(freed);
+                    self.ranks_evicted_for_memory_total += 1;
+                }
+                continue;
+            }
+            let held = self.namespace_bytes();
             let largest = self
                 .ranks
-                .values_mut()
-                .filter(|r| r.timeline.steps().len() > 2)
-                .max_by_key(|r| r.timeline.approx_bytes());
-            let Some(rank) = largest else {
+                .iter()
+                .filter(|(_, r)| r.timeline.steps().len() > 2)
+                .max_by_key(|(k, r)| (held[k.namespace.as_str()], r.timeline.approx_bytes()))
+                .map(|(k, _)| k.clone());
+            let Some(rank) = largest.and_then(|k| self.ranks.get_mut(&k)) else {
                 return;
             };
             let before = rank.timeline.approx_bytes();
@@ -999,6 +1060,11 @@ impl Tracker {
             self.retained_bytes = self.retained_bytes.saturating_sub(freed);
             self.steps_trimmed_total += 1;
         }
+    }
+
+    /// Finished ranks dropped to stay within the memory budget.
+    pub fn ranks_evicted_for_memory_total(&self) -> u64 {
+        self.ranks_evicted_for_memory_total
     }
 
     /// Recounts [`Tracker::retained_bytes`] after ranks came or went.
