@@ -176,7 +176,8 @@ pub struct AgentConfig {
     pub hello_timeout: Duration,
 
     /// Bytes that allocator traces still being sent may hold, all streams
-    /// together, MiB (default: a sixteenth of the memory limit, 12 at 192);
+    /// together, MiB (default: a sixteenth of the memory limit, at least the
+    /// largest trace the contract allows, 26);
     /// a trace that would go past it is dropped (counted as
     /// allocator_trace_over_budget) and that rank's prediction keeps to its
     /// markers.

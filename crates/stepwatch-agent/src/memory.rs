@@ -39,7 +39,8 @@ pub struct MemoryBudget {
     pub history_bytes: u64,
     /// Allocator traces being received, as the trace budget accounts them:
     /// a sixteenth of the limit, since the accounted bytes undercount the
-    /// real ones about twice.
+    /// real ones about twice, and never less than the largest trace the
+    /// contract allows, so that one legitimate trace always fits.
     pub traces_bytes: u64,
     /// Rank reports being built and sent at once (their estimated size): a
     /// twelfth of the limit.
@@ -59,7 +60,7 @@ impl MemoryBudget {
             limit_bytes,
             source,
             history_bytes: history.unwrap_or(limit_bytes / 8),
-            traces_bytes: traces.unwrap_or(limit_bytes / 16),
+            traces_bytes: traces.unwrap_or((limit_bytes / 16).max(largest_trace_bytes())),
             reports_bytes: limit_bytes / 12,
         }
     }
@@ -75,6 +76,18 @@ impl MemoryBudget {
             None => (DEFAULT_LIMIT_BYTES, LimitSource::Default),
         }
     }
+}
+
+/// What the largest allocator trace the contract allows holds, as the
+/// trace budget accounts it: every event and block at its bound, each
+/// block in a segment of its own.
+pub fn largest_trace_bytes() -> u64 {
+    use stepwatch_core::allocator::{BlockLayout, SegmentLayout};
+    use stepwatch_core::{AllocatorEvent, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
+    let bytes = MAX_TRACE_EVENTS * std::mem::size_of::<AllocatorEvent>()
+        + MAX_TRACE_BLOCKS
+            * (std::mem::size_of::<BlockLayout>() + std::mem::size_of::<SegmentLayout>());
+    bytes as u64
 }
 
 /// The tightest memory limit over the agent's cgroup, as `proc_self_cgroup`
@@ -310,11 +323,14 @@ mod tests {
     fn the_budgets_fit_the_charts_limit_and_flags_replace_their_share() {
         let b = MemoryBudget::split(192 << 20, LimitSource::Default, None, None);
         assert_eq!(b.history_bytes, 24 << 20);
-        assert_eq!(b.traces_bytes, 12 << 20);
+        assert_eq!(b.traces_bytes, (12 << 20).max(largest_trace_bytes()));
         assert_eq!(b.reports_bytes, 16 << 20);
         // Traces count twice (their accounting undercounts): the budgets
-        // take a third of the limit, the rest is the agent's base.
-        assert!(b.history_bytes + 2 * b.traces_bytes + b.reports_bytes <= b.limit_bytes / 3);
+        // take under half the limit, the rest is the agent's base.
+        assert!(b.history_bytes + 2 * b.traces_bytes + b.reports_bytes <= b.limit_bytes / 2);
+        // One largest trace fits whatever the limit.
+        let small = MemoryBudget::split(64 << 20, LimitSource::Flag, None, None);
+        assert_eq!(small.traces_bytes, largest_trace_bytes());
         let b = MemoryBudget::split(1 << 30, LimitSource::Flag, Some(5 << 20), None);
         assert_eq!(b.history_bytes, 5 << 20);
         assert_eq!(b.traces_bytes, 64 << 20);
