@@ -135,7 +135,7 @@ cfg = yaml.safe_load(open(sys.argv[1]))
 for sc in cfg["scrape_configs"]:
     assert sc.get("honor_labels") is False, f"scrape job {sc['job_name']}: honor_labels must be false"
     if sc.pop("kubernetes_sd_configs", None) is not None:
-        sc["static_configs"] = [{"targets": ["localhost:9447"]}]
+        sc["static_configs"] = [{"targets": ["localhost:19447"]}]
 yaml.safe_dump(cfg, open(sys.argv[2], "w"))
 EOF
   cp "$RULES" "$WORK/example/stepwatch-rules.yml"
@@ -500,29 +500,29 @@ roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRole"}
 rules = roles["stepwatch-metrics-proxy"]["rules"]
 assert {r["resources"][0] for r in rules} == {"tokenreviews", "subjectaccessreviews"}, rules
 assert roles["stepwatch-reader"]["rules"][0]["nonResourceURLs"][0] == "/metrics"
-print("  proxy on 9447 (TLS from the Secret), agent on 127.0.0.1:9448, probes over HTTPS, RBAC, ServiceMonitor https + token")
+print("  proxy on 19447 (TLS from the Secret), agent on 127.0.0.1:19448, probes over HTTPS, RBAC, ServiceMonitor https + token")
 PYEOF
   local refused
   for refused in '{"metricsProxy":{"enabled":true}}' \
-                 '{"apiPort":9449,"metricsProxy":{"enabled":true,"image":{"repository":"r/p"}}}'; do
+                 '{"apiPort":19449,"metricsProxy":{"enabled":true,"image":{"repository":"r/p"}}}'; do
     if render "$WORK/proxy-refused.yaml" --set-json "$refused" 2>"$WORK/proxy-refused.err"; then
       echo "  rendered although refused: $refused"; return 1
     fi
     sed 's/^/  /' "$WORK/proxy-refused.err" | tail -n 1
   done
   # apiPort: the API on a listener (and Service port) of its own.
-  render "$WORK/api.yaml" --set-json '{"apiPort":9449}'
+  render "$WORK/api.yaml" --set-json '{"apiPort":19449}'
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/api.yaml" --require DaemonSet --require Service || return 1
   "$PY" - "$WORK/api.yaml" <<'PYEOF' || return 1
 import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 agent = next(c for c in next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]["containers"] if c["name"] == "agent")
 a = agent["args"]
-assert a[a.index("--api-listen") + 1] == "0.0.0.0:9449", a
-assert {"name": "api", "containerPort": 9449, "protocol": "TCP"} in agent["ports"], agent["ports"]
+assert a[a.index("--api-listen") + 1] == "0.0.0.0:19449", a
+assert {"name": "api", "containerPort": 19449, "protocol": "TCP"} in agent["ports"], agent["ports"]
 svc = next(d for d in docs if d["kind"] == "Service")
-assert {"name": "api", "port": 9449, "targetPort": "api", "protocol": "TCP"} in svc["spec"]["ports"], svc["spec"]["ports"]
-print("  apiPort: --api-listen 0.0.0.0:9449, container and Service port named api")
+assert {"name": "api", "port": 19449, "targetPort": "api", "protocol": "TCP"} in svc["spec"]["ports"], svc["spec"]["ports"]
+print("  apiPort: --api-listen 0.0.0.0:19449, container and Service port named api")
 PYEOF
 }
 

@@ -16,7 +16,7 @@ use stepwatch::http_get;
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
     /// Where the demo agent serves HTTP (the page at /, /metrics, /api/v1/jobs).
-    #[arg(long, default_value = "127.0.0.1:9447")]
+    #[arg(long, default_value = "127.0.0.1:19447")]
     pub http_listen: SocketAddr,
     /// Stop after this many seconds (default: run until Ctrl-C).
     #[arg(long)]

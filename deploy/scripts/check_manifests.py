@@ -26,7 +26,7 @@ HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
 AGENT_ARGS_PREFIX = [
     "agent",
     "--http-listen",
-    "0.0.0.0:9447",
+    "0.0.0.0:19447",
     "--socket",
     "/run/stepwatch/stepwatch.sock",
     "--socket-mode",
@@ -273,7 +273,7 @@ def check_daemonset(c, ds, services, allow_root, metrics_proxy=False):
     cw = f"{where} container agent"
     prefix = list(AGENT_ARGS_PREFIX)
     if metrics_proxy:
-        prefix[2] = "127.0.0.1:9448"  # behind the proxy: loopback only
+        prefix[2] = "127.0.0.1:19448"  # behind the proxy: loopback only
     c.expect(
         agent.get("args", [])[: len(prefix)] == prefix,
         cw,
@@ -308,33 +308,33 @@ def check_daemonset(c, ds, services, allow_root, metrics_proxy=False):
         serving = proxies[0] if proxies else {}
         pargs = serving.get("args", [])
         for arg in (
-            "--secure-listen-address=0.0.0.0:9447",
-            "--upstream=http://127.0.0.1:9448/",
+            "--secure-listen-address=0.0.0.0:19447",
+            "--upstream=http://127.0.0.1:19448/",
             "--ignore-paths=/healthz,/readyz",
         ):
             c.expect(arg in pargs, f"{where} container metrics-proxy", f"{arg} expected in {pargs}")
         c.expect(not agent.get("ports"), cw, "behind the proxy the agent exposes no port")
     ports = {p["name"]: p for p in serving.get("ports", [])}
     c.expect(
-        ports.get("metrics", {}).get("containerPort") == 9447,
+        ports.get("metrics", {}).get("containerPort") == 19447,
         cw,
-        "containerPort 9447 named metrics",
+        "containerPort 19447 named metrics",
     )
     for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
         get = agent.get(probe, {}).get("httpGet", {})
         if metrics_proxy:
             c.expect(
                 get.get("path") == path
-                and get.get("port") == 9447
+                and get.get("port") == 19447
                 and get.get("scheme") == "HTTPS",
                 cw,
-                f"{probe} GET {path} on 9447 over HTTPS (through the proxy)",
+                f"{probe} GET {path} on 19447 over HTTPS (through the proxy)",
             )
         else:
             c.expect(
-                get.get("path") == path and get.get("port") in ("metrics", 9447),
+                get.get("path") == path and get.get("port") in ("metrics", 19447),
                 cw,
-                f"{probe} GET {path} on 9447",
+                f"{probe} GET {path} on 19447",
             )
     mounts = {m["mountPath"]: m for m in agent.get("volumeMounts", [])}
     c.expect(
@@ -366,10 +366,11 @@ def check_daemonset(c, ds, services, allow_root, metrics_proxy=False):
         for s in services
         if all(labels.get(k) == v for k, v in s["spec"].get("selector", {}).items())
         and any(
-            p.get("name") == "metrics" and p.get("port") == 9447 for p in s["spec"].get("ports", [])
+            p.get("name") == "metrics" and p.get("port") == 19447
+            for p in s["spec"].get("ports", [])
         )
     ]
-    c.expect(svc_ok, where, "a Service with port 9447 named metrics selecting the agent pods")
+    c.expect(svc_ok, where, "a Service with port 19447 named metrics selecting the agent pods")
 
 
 def cmd_validate(args):

@@ -3,12 +3,12 @@
 # GPU, at the agent's port. Run it where `sinfo` works (e.g. from cron next to Prometheus),
 # writing the file prometheus-file-sd.yml reads; Prometheus picks up changes by itself.
 #
-#   file-sd.sh [--port 9447] [--cluster NAME] > /etc/prometheus/file_sd/stepwatch.json
+#   file-sd.sh [--port 19447] [--cluster NAME] > /etc/prometheus/file_sd/stepwatch.json
 #
 # The write is yours to make atomic (write a temporary file, then mv), so Prometheus never
 # reads half a file.
 set -euo pipefail
-port=9447
+port=19447
 cluster=""
 while [ $# -gt 0 ]; do
   case "$1" in

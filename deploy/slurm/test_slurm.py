@@ -467,7 +467,7 @@ def test_a_slurm_job_is_attributed_refused_to_others_and_unmapped_after_its_epil
 
     # Prometheus finds the agents from sinfo: file-sd.sh names the node with GPUs.
     sd = json.loads(c.slurm(str(HERE / "file-sd.sh"), "--cluster", "test"))
-    assert sd == [{"targets": [f"{c.node}:9447"], "labels": {"cluster": "test"}}], sd
+    assert sd == [{"targets": [f"{c.node}:19447"], "labels": {"cluster": "test"}}], sd
     if shutil.which("promtool"):
         sd_file = c.dir / "stepwatch.json"
         sd_file.write_text(json.dumps(sd))

@@ -54,10 +54,12 @@ pub struct AgentConfig {
     pub grpc_tls_client_ca: Option<PathBuf>,
 
     /// Address of the HTTP server: /metrics, /healthz, /readyz, /api/v1.
-    /// Port 9447, not 9400: dcgm-exporter listens on 9400 on the same GPU nodes.
+    /// Port 19447: outside Prometheus's exporter range 9100-9999, which is
+    /// fully allocated (9447 belongs to another exporter), and away from
+    /// dcgm-exporter's 9400 on the same GPU nodes.
     #[cfg_attr(
         feature = "cli",
-        arg(long, env = "STEPWATCH_HTTP_LISTEN", default_value = "0.0.0.0:9447")
+        arg(long, env = "STEPWATCH_HTTP_LISTEN", default_value = "0.0.0.0:19447")
     )]
     pub http_listen: SocketAddr,
 
@@ -476,17 +478,35 @@ mod tests {
         assert!(parse_label("severity=info").is_err());
     }
 
-    /// dcgm-exporter runs on the same GPU nodes on port 9400: the agent's
-    /// default must not take it (the chart's `port` follows this default).
+    /// The default port is one no registered exporter uses (Prometheus's
+    /// "Default port allocations" list) and no GPU-node neighbour binds: not
+    /// the fully allocated exporter range 9090-9999 (dcgm-exporter is 9400),
+    /// not a port the list registers outside it, not the kubelet's 10248-10259,
+    /// the NodePort range or the ephemeral range. The chart's `port` follows it.
     #[test]
-    fn the_default_http_port_is_not_dcgm_exporters() {
+    fn the_default_http_port_is_no_registered_exporters() {
         #[derive(clap::Parser)]
         struct Cli {
             #[command(flatten)]
             agent: AgentConfig,
         }
         let cli = <Cli as clap::Parser>::try_parse_from(["stepwatch"]).unwrap();
-        assert_eq!(cli.agent.http_listen.port(), 9447);
-        assert_ne!(cli.agent.http_listen.port(), 9400);
+        let port = cli.agent.http_listen.port();
+        assert_eq!(port, 19447);
+        // Registered outside the standard range on the list.
+        const REGISTERED_OUTSIDE: [u16; 20] = [
+            3903, 7300, 8080, 8082, 8088, 8089, 8292, 8404, 9042, 9087, 9095, 9097, 9099, 16995,
+            19091, 19999, 24231, 42004, 44322, 61091,
+        ];
+        assert!(
+            !(9090..=9999).contains(&port),
+            "{port} is in the allocated exporter range"
+        );
+        assert!(
+            !REGISTERED_OUTSIDE.contains(&port),
+            "{port} is registered to an exporter"
+        );
+        assert!(!(10248..=10259).contains(&port), "{port} is the kubelet's");
+        assert!(port < 30000, "{port} is in the NodePort or ephemeral range");
     }
 }
