@@ -368,7 +368,7 @@ PYEOF
 }
 
 # prometheusRule.alerts / alertLabels / runbookBaseURL / prometheusRelease: the default render
-# is the rules file (plus the chart's runbook base URL, which is the file's); each override lands
+# is the rules file (its runbook annotations naming the chart's pages); each override lands
 # where it should; a bad override is refused.
 check_alert_overrides() {
   "$PY" - "$WORK/helm.yaml" "$RULES" "$CHART/Chart.yaml" <<'PYEOF' || return 1
@@ -381,18 +381,18 @@ sm = next(d for d in docs if d["kind"] == "ServiceMonitor")
 assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack", sm["metadata"]
 assert sm["spec"]["sampleLimit"] > 0 and sm["spec"]["labelLimit"] > 0, sm["spec"]
 want = yaml.safe_load(open(sys.argv[2]))["groups"]
-# runbookBaseURL "" (the default): each alert's runbook_url becomes a `runbook` annotation naming
-# its page in the chart (no link that could be dead).
+# runbookBaseURL "" (the default): each alert's `runbook` annotation names its page in the chart
+# (no link that could be dead).
 for g in want:
     for r in g["rules"]:
         if "alert" in r:
-            assert r["annotations"].pop("runbook_url", "").endswith(f"/{r['alert']}.md"), r["alert"]
+            assert r["annotations"]["runbook"].startswith(f"{r['alert']}.md "), r["alert"]
             r["annotations"]["runbook"] = (
                 f"files/runbooks/{r['alert']}.md in the stepwatch chart {version} "
                 "(set prometheusRule.runbookBaseURL for a link)"
             )
 assert rule["spec"]["groups"] == want, "the default render differs from deploy/prometheus/stepwatch-rules.yml"
-print("  default render == stepwatch-rules.yml (runbook_url -> runbook: the page in the chart); release label on PrometheusRule and ServiceMonitor")
+print("  default render == stepwatch-rules.yml (runbook: the page in the chart); release label on PrometheusRule and ServiceMonitor")
 PYEOF
   render "$WORK/alerts.yaml" --set-json '{"prometheusRule":{"runbookBaseURL":"https://git.example/rb/","alertLabels":{"team":"ml-platform"},"alerts":{"StepwatchSamplerLagging":{"enabled":false},"StepwatchJobStalled":{"for":"15m","threshold":20,"severity":"critical","labels":{"pager":"gpu"}},"StepwatchLowPredictedHeadroom":{"threshold":0.1},"StepwatchLowObservedHeadroom":{"threshold":0.08,"for":"10m"},"StepwatchAllocatorRetries":{"severity":"critical"},"StepwatchFirstStepDivergence":{"threshold":0.25}}},"prometheusRelease":""}'
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/alerts.yaml" --require PrometheusRule
@@ -415,6 +415,7 @@ assert "> 0.1" in alerts["StepwatchFirstStepActivationDivergence"]["expr"], "ano
 for name, a in alerts.items():
     assert a["labels"]["team"] == "ml-platform", name
     assert a["annotations"]["runbook_url"] == f"https://git.example/rb/{name}.md", a["annotations"]
+    assert "runbook" not in a["annotations"], a["annotations"]
 print("  disabled, severity, for, threshold, labels, alertLabels and runbookBaseURL applied")
 PYEOF
   local refused

@@ -4,9 +4,11 @@
 1. Every relative link and `#anchor` in the book (docs/src), README.md,
    BENCHMARKS.md, CHANGELOG.md, changelog.d/README.md, python/README.md and
    deploy/README.md resolves to a file of the repository (and to a heading of
-   it). Links to this repository on GitHub (`https://github.com/stepwatch/
-   stepwatch/blob/main/PATH`) are checked as PATH; other URLs are not fetched.
-   `{{#include FILE}}` in the book must name a file.
+   it). A page of the book links only within the book (docs/src): mdBook
+   publishes nothing else, so a file outside it is named as a path, or brought
+   in with `{{#include FILE}}`, which must name a file. The project has no
+   public address yet: a link to one (the would-be GitHub repository or site)
+   is dead and fails; other URLs are not fetched.
 2. No file of the repository (tracked or not ignored; outside .git and
    target/) names the design notes kept beside the checkout: a user of the
    repository does not have them. Each offender is printed as path:line.
@@ -27,9 +29,9 @@ from pathlib import Path
 from urllib.parse import unquote
 
 ROOT = Path(__file__).resolve().parent.parent
-REPO_URL = re.compile(
-    r"https://github\.com/stepwatch/stepwatch/(?:blob|tree)/main/([^)#\s]*)(#\S*)?$"
-)
+BOOK = ROOT / "docs" / "src"
+# The project's would-be public home, which does not exist.
+DEAD = re.compile(r"^https?://(www\.)?(github\.com/stepwatch\b|stepwatch\.(io|dev|org)\b)", re.I)
 # Built from parts, so that this file does not name it.
 OUTSIDE = ".." + "/shared"
 # Files that still name it and are not the docs' to change: reported, not failed.
@@ -122,22 +124,21 @@ def anchors(path: Path) -> set[str]:
 
 def check_target(source: Path, target: str) -> str | None:
     """None when the link resolves, else why not."""
-    repo = REPO_URL.match(target)
-    if repo:
-        path = ROOT / unquote(repo.group(1))
-        fragment = (repo.group(2) or "")[1:]
-    elif re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
+    if DEAD.match(target):
+        return "the project's public address, which does not exist: link within the book or repo"
+    if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):
         return None  # another site, or mailto:
-    else:
-        raw, _, fragment = target.partition("#")
-        if raw.startswith("/"):
-            return "absolute path; use a path relative to the file"
-        path = source.parent / unquote(raw) if raw else source
+    raw, _, fragment = target.partition("#")
+    if raw.startswith("/"):
+        return "absolute path; use a path relative to the file"
+    path = source.parent / unquote(raw) if raw else source
     try:
         path = path.resolve()
         path.relative_to(ROOT)
     except ValueError:
         return "points outside the repository"
+    if source.resolve().is_relative_to(BOOK) and not path.is_relative_to(BOOK):
+        return "leaves the book (mdBook publishes docs/src only): name the path or {{#include}} it"
     if not path.exists():
         return "no such file"
     if fragment and path.suffix == ".md" and fragment not in anchors(path):

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Generate the alerts reference from the Prometheus rules.
+"""Generate the alerts reference and the runbooks page from the Prometheus rules.
 
 Reads every alerting rule of deploy/prometheus/*.yml (name, severity, `for`,
 summary, description, expression, runbook) and writes the region between
 `<!-- BEGIN GENERATED: alerts -->` and `<!-- END GENERATED: alerts -->` in
-docs/src/reference/alerts.md. The prose around the region is hand-written.
+docs/src/reference/alerts.md, and the region `runbooks` of
+docs/src/reference/runbooks.md: one `{{#include}}` of deploy/runbooks/<alert>.md
+per alert, so that the book carries the runbooks its alerts link to. The prose
+around the regions is hand-written.
 
     python3 docs/gen-reference.py           # rewrite the page
     python3 docs/gen-reference.py --check   # exit 1 when the page is stale
@@ -23,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RULES_DIR = ROOT / "deploy" / "prometheus"
 ALERTS_PAGE = ROOT / "docs" / "src" / "reference" / "alerts.md"
-REPO_URL = "https://github.com/stepwatch/stepwatch/blob/main/"
+RUNBOOKS_PAGE = ROOT / "docs" / "src" / "reference" / "runbooks.md"
+RUNBOOKS_DIR = ROOT / "deploy" / "runbooks"
 
 
 def load_yaml(path: Path) -> object:
@@ -67,10 +71,21 @@ def readable(template: str) -> str:
     return text
 
 
-def runbook_link(url: str) -> str:
-    """The runbook as a link; a page of this repository is named by its path."""
-    name = url.rsplit("/", 1)[-1].removesuffix(".md")
-    return f"[{name}]({url})"
+def runbook_link(name: str) -> str:
+    """The alert's runbook in the book (runbooks.md includes each one)."""
+    return f"[{name}](runbooks.md#{name.lower()})"
+
+
+def render_runbooks() -> str:
+    """One include per alert, in the rules' order; every alert must have its page."""
+    lines = []
+    for _, rule in alerting_rules():
+        page = RUNBOOKS_DIR / f"{rule['alert']}.md"
+        if not page.is_file():
+            sys.exit(f"alert {rule['alert']}: no runbook {page.relative_to(ROOT)}")
+        rel = Path("..", "..", "..", page.relative_to(ROOT)).as_posix()
+        lines += ["", "{{#include " + rel + "}}"]
+    return "\n".join(lines[1:]) + "\n"
 
 
 def for_text(value: object) -> str:
@@ -93,7 +108,7 @@ def render() -> str:
                 sev=rule.get("labels", {}).get("severity", ""),
                 for_=for_text(rule.get("for")),
                 summary=readable(ann.get("summary", "")).replace("|", "\\|"),
-                runbook=runbook_link(ann["runbook_url"]) if "runbook_url" in ann else "",
+                runbook=runbook_link(rule["alert"]) if "runbook" in ann else "",
             )
         )
     for path, rule in rules:
@@ -103,11 +118,10 @@ def render() -> str:
             "",
             f"### {rule['alert']}",
             "",
-            "Severity **{}**, `for` {}. Defined in [{}]({}).".format(
+            "Severity **{}**, `for` {}. Defined in `{}`.".format(
                 rule.get("labels", {}).get("severity", ""),
                 for_text(rule.get("for")),
                 source,
-                REPO_URL + source,
             ),
             "",
             f"> {readable(ann.get('summary', ''))}",
@@ -118,18 +132,18 @@ def render() -> str:
             str(rule["expr"]).rstrip("\n"),
             "```",
         ]
-        if "runbook_url" in ann:
-            lines += ["", f"Runbook: {runbook_link(ann['runbook_url'])}."]
+        if "runbook" in ann:
+            lines += ["", f"Runbook: {runbook_link(rule['alert'])}."]
     return "\n".join(lines) + "\n"
 
 
-def replace_region(page: str, name: str, body: str) -> str:
+def replace_region(path: Path, page: str, name: str, body: str) -> str:
     begin = f"<!-- BEGIN GENERATED: {name} -->\n"
     end = f"<!-- END GENERATED: {name} -->"
     start = page.find(begin)
     stop = page.find(end)
     if start < 0 or stop < start:
-        sys.exit(f"{ALERTS_PAGE}: no region {begin.strip()} … {end}")
+        sys.exit(f"{path}: no region {begin.strip()} … {end}")
     return page[: start + len(begin)] + body + page[stop:]
 
 
@@ -138,29 +152,34 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="fail when the committed page differs")
     args = parser.parse_args()
 
-    current = ALERTS_PAGE.read_text(encoding="utf-8")
-    wanted = replace_region(current, "alerts", render())
-    rel = ALERTS_PAGE.relative_to(ROOT)
-    if args.check:
-        if current != wanted:
-            sys.stdout.writelines(
-                difflib.unified_diff(
-                    current.splitlines(keepends=True),
-                    wanted.splitlines(keepends=True),
-                    f"{rel} (committed)",
-                    f"{rel} (from the rules)",
+    stale = 0
+    for path, name, body in (
+        (ALERTS_PAGE, "alerts", render()),
+        (RUNBOOKS_PAGE, "runbooks", render_runbooks()),
+    ):
+        current = path.read_text(encoding="utf-8")
+        wanted = replace_region(path, current, name, body)
+        rel = path.relative_to(ROOT)
+        if args.check:
+            if current != wanted:
+                sys.stdout.writelines(
+                    difflib.unified_diff(
+                        current.splitlines(keepends=True),
+                        wanted.splitlines(keepends=True),
+                        f"{rel} (committed)",
+                        f"{rel} (from the rules)",
+                    )
                 )
-            )
-            print(f"{rel} is stale: run python3 docs/gen-reference.py", file=sys.stderr)
-            return 1
-        print(f"{rel}: up to date")
-        return 0
-    if current != wanted:
-        ALERTS_PAGE.write_text(wanted, encoding="utf-8")
-        print(f"{rel}: rewritten")
-    else:
-        print(f"{rel}: unchanged")
-    return 0
+                print(f"{rel} is stale: run python3 docs/gen-reference.py", file=sys.stderr)
+                stale += 1
+            else:
+                print(f"{rel}: up to date")
+        elif current != wanted:
+            path.write_text(wanted, encoding="utf-8")
+            print(f"{rel}: rewritten")
+        else:
+            print(f"{rel}: unchanged")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

@@ -772,11 +772,10 @@ mod tests {
                 "{name}: severity {severity} expected in\n{rule}"
             );
             // The rule and the agent's alert name the same runbook page.
-            let runbook = format!("/deploy/runbooks/{name}.md\"");
+            let runbook = format!("runbook: \"{name}.md in stepwatch's runbooks (deploy/runbooks;");
             assert!(
-                rule.lines()
-                    .any(|l| l.contains("runbook_url:") && l.ends_with(&runbook)),
-                "{name}: a runbook_url ending in {runbook} expected in\n{rule}"
+                rule.lines().any(|l| l.trim_start().starts_with(&runbook)),
+                "{name}: a runbook annotation starting {runbook} expected in\n{rule}"
             );
             let by = rule
                 .split_once("max by (")
