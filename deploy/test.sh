@@ -239,27 +239,41 @@ EOF
 }
 
 check_pod_attribution() {
-  render "$WORK/attest.yaml" --set-json '{"podAttribution":{"enabled":true},"securityContext":{"runAsRoot":true}}'
+  # The default install attributes pods unprivileged: pod logs read-only, no kubelet socket, no root.
+  render "$WORK/attest.yaml" --set-json '{"podAttribution":{"podResources":true},"securityContext":{"runAsRoot":true}}'
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/attest.yaml" --allow-root --require DaemonSet
-  "$PY" - "$WORK/attest.yaml" "$WORK/root.yaml" <<'PYEOF'
+  render "$WORK/attest-off.yaml" --set-json '{"podAttribution":{"enabled":false},"securityContext":{"runAsRoot":true}}'
+  "$PY" - "$WORK/attest.yaml" "$WORK/root.yaml" "$WORK/helm.yaml" "$WORK/attest-off.yaml" <<'PYEOF'
 import sys, yaml
 def agent(path):
     docs = [d for d in yaml.safe_load_all(open(path)) if d]
     pod = next(d for d in docs if d["kind"] == "DaemonSet")["spec"]["template"]["spec"]
     c = next(c for c in pod["containers"] if c["name"] == "agent")
-    return c["args"], {m["mountPath"]: m for m in c["volumeMounts"]}
-args, mounts = agent(sys.argv[1])
+    return c, {m["mountPath"]: m for m in c["volumeMounts"]}
+c, mounts = agent(sys.argv[1])
+args = c["args"]
 sock = "/var/lib/kubelet/pod-resources/kubelet.sock"
 assert args[args.index("--pod-resources-socket") + 1] == sock, args
 assert mounts["/var/lib/kubelet/pod-resources"]["readOnly"] is True, mounts
 assert mounts["/var/log/pods"]["readOnly"] is True, mounts
 assert "--csi-socket" not in args, args
-args, mounts = agent(sys.argv[2])
-assert "--pod-resources-socket" not in args and "/var/log/pods" not in mounts, args  # root, not asked
-print("  pod-resources and pod logs mounted read-only with podAttribution.enabled; absent without it (even as root)")
+for path in sys.argv[2:4]:  # the defaults, as root and as they are
+    c, mounts = agent(path)
+    assert mounts["/var/log/pods"]["readOnly"] is True, (path, mounts)
+    assert "--pod-resources-socket" not in c["args"], (path, c["args"])
+    assert "/var/lib/kubelet/pod-resources" not in mounts, (path, mounts)
+c, mounts = agent(sys.argv[3])
+sc = c["securityContext"]
+assert sc["runAsNonRoot"] is True and sc["runAsUser"] != 0, sc
+assert sc["capabilities"]["drop"] == ["ALL"] and not sc["capabilities"].get("add"), sc
+c, mounts = agent(sys.argv[4])
+assert "/var/log/pods" not in mounts and "--pod-resources-socket" not in c["args"], mounts
+print("  default: pod logs read-only, as a non-root user with no capabilities; podResources adds the"
+      " kubelet socket read-only (root); podAttribution.enabled=false mounts neither")
 PYEOF
-  if render "$WORK/attest-refused.yaml" --set-json '{"podAttribution":{"enabled":true}}' 2>"$WORK/attest-refused.err"; then
-    echo "  rendered podAttribution without root"; return 1
+  "$PY" "$SCRIPTS/check_manifests.py" validate "$DEPLOY/examples/training-pod.yaml" --require Pod
+  if render "$WORK/attest-refused.yaml" --set-json '{"podAttribution":{"podResources":true}}' 2>"$WORK/attest-refused.err"; then
+    echo "  rendered podAttribution.podResources without root"; return 1
   fi
   sed 's/^/  /' "$WORK/attest-refused.err"
 }
@@ -602,7 +616,7 @@ step "kustomize build deploy/kubernetes + validate" check_kustomize_full
 step "kustomize build deploy/kubernetes/base + validate" check_kustomize_base
 step "kustomize build equals the Helm render" "$PY" "$SCRIPTS/check_manifests.py" compare "$WORK/helm.yaml" "$WORK/kustomize.yaml"
 step "helm render with csi.enabled (CSIDriver, registrar, mounts, refusals) + example pod" check_csi
-step "helm render with podAttribution.enabled (kubelet mounts read-only, refused without root)" check_pod_attribution
+step "helm render of pod attribution (default unprivileged; podResources needs root)" check_pod_attribution
 step "helm render with gpuOperator.clientLabel (driver upgrades evict the agent) and nvidia.deviceListStrategy" check_gpu_operator
 step "helm render with alertmanager.urls and labels (the agent's fast path)" check_alertmanager
 step "helm render with prometheusRule.alerts overrides (disable, severity, for, threshold, labels) and refusals" check_alert_overrides

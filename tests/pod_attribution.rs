@@ -38,6 +38,17 @@ struct Node {
 
 impl Node {
     fn start(tag: &str) -> Self {
+        Self::start_with_socket(tag, true)
+    }
+
+    /// The chart's default install: the agent runs unprivileged, so the
+    /// kubelet's pod-resources socket (root's) is not mounted; it has /proc
+    /// (hostPID) and the pod log directories.
+    fn start_unprivileged(tag: &str) -> Self {
+        Self::start_with_socket(tag, false)
+    }
+
+    fn start_with_socket(tag: &str, pod_resources: bool) -> Self {
         let root = common::TempDir::new(&format!("{tag}-node"));
         for dir in ["proc", "pods"] {
             std::fs::create_dir_all(root.0.join(dir)).unwrap();
@@ -62,6 +73,11 @@ impl Node {
         ready_rx.recv().unwrap();
         let proc_root = root.0.join("proc");
         let pods = root.0.join("pods");
+        let socket = if pod_resources {
+            socket
+        } else {
+            root.0.join("not-mounted").join("kubelet.sock")
+        };
         let args = [
             "--proc-root".to_string(),
             proc_root.display().to_string(),
@@ -448,6 +464,67 @@ fn the_kubelets_pod_and_namespace_label_the_rank_for_every_runtime_and_cgroup_la
         ),
         Some(5.0)
     );
+}
+
+#[test]
+fn unprivileged_a_client_that_names_no_namespace_gets_its_pods_from_the_node() {
+    // A hardened training pod: no POD_NAMESPACE, so the hello's namespace
+    // and pod are empty. Its cgroup and the pod log directories still say
+    // whose it is, and its series (and alerts) carry the tenant's namespace.
+    let node = Node::start_unprivileged("podattr-unpriv");
+    node.add_pod("team-a", "trainer-0", UID_A, &[("trainer", &[gpu(0)])]);
+    let mut claim = Claim::new("hardened", 0, gpu(1));
+    claim.world = 1;
+    let mut client = Client::spawn(&node.agent, &claim);
+    node.place_in(client.pid(), UID_A, "v2-systemd-containerd", "trainer");
+    client.go();
+    let m = node
+        .agent
+        .wait_metrics("the rank in its pod's namespace", WAIT, |m| {
+            connected(m, "team-a", "hardened", "0")
+                && m.get(
+                    "stepwatch_workload_attestations_total",
+                    &[("result", "pod_logs")],
+                ) == Some(1.0)
+        });
+    assert_eq!(
+        m.get(
+            "stepwatch_rank_info",
+            &[
+                ("namespace", "team-a"),
+                ("pod", "trainer-0"),
+                ("container", "trainer"),
+                ("attested", "true"),
+            ]
+        ),
+        Some(1.0)
+    );
+    // Without the pod-resources API the GPU it names is not checked (GPU 1
+    // is not the pod's), and the kubelet is never asked.
+    assert_eq!(
+        m.get(
+            "stepwatch_workload_lookup_failures_total",
+            &[("reason", "pod_resources_error")]
+        ),
+        Some(0.0)
+    );
+    assert_eq!(client.finish(), "Ok");
+    // A process in no pod keeps its claim, unattested, as with the socket.
+    let mut claim = Claim::new("hostjob", 0, gpu(0));
+    claim.namespace = "claimed";
+    claim.world = 1;
+    let mut client = Client::spawn(&node.agent, &claim);
+    node.place(client.pid(), UID_A, "not-kubernetes");
+    client.go();
+    node.agent
+        .wait_metrics("the host process's rank", WAIT, |m| {
+            connected(m, "claimed", "hostjob", "0")
+                && m.get(
+                    "stepwatch_workload_attestations_total",
+                    &[("result", "not_in_pod")],
+                ) == Some(1.0)
+        });
+    assert_eq!(client.finish(), "Ok");
 }
 
 #[test]

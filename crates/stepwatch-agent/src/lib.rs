@@ -202,7 +202,7 @@ pub async fn run_until(
     )?);
     // Which pod holds which GPU, for the GPU series' pod labels: one List
     // call per --pod-resources-refresh, bounded by its timeout.
-    let holders_task = workload.enabled().then(|| {
+    let holders_task = workload.pod_resources().then(|| {
         let workload = workload.clone();
         let mut stop = stop_rx.clone();
         let period = config.pod_resources_refresh;

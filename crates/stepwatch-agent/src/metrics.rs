@@ -750,8 +750,8 @@ pub(crate) const WORKLOAD_ATTESTATIONS_TOTAL: MetricDef = MetricDef {
     name: "stepwatch_workload_attestations_total",
     kind: MetricKind::Counter,
     labels: "`result`",
-    meaning: "hellos by how their pod was found: `kubelet` (peer PID), `csi_volume` (the pod's own CSI volume socket), or why not: `off`, `no_peer_pid`, `not_in_pod`, `lookup_failed`",
-    help: "Hellos by how their pod and namespace were found: kubelet (attested through the peer's PID), csi_volume (the pod's own CSI volume socket), or why not (off, no_peer_pid, not_in_pod, lookup_failed).",
+    meaning: "hellos by how their pod was found: `kubelet` (peer PID, with the pod-resources API checking its GPU), `pod_logs` (peer PID and the pod log directories; no pod-resources socket, GPU unchecked), `csi_volume` (the pod's own CSI volume socket), or why not: `off`, `no_peer_pid`, `not_in_pod`, `lookup_failed`",
+    help: "Hellos by how their pod and namespace were found: kubelet (attested through the peer's PID, GPU checked with the pod-resources API), pod_logs (through the peer's PID and the pod log directories, GPU unchecked), csi_volume (the pod's own CSI volume socket), or why not (off, no_peer_pid, not_in_pod, lookup_failed).",
 };
 
 /// `stepwatch_workload_identity_mismatches_total`

@@ -10,8 +10,13 @@
 //! the kubelet's own UID → name map on the node (log collectors read it the
 //! same way).
 //!
-//! Outside Kubernetes (no pod-resources socket) attestation is off and
-//! hellos are taken as they come, as before; logged once at start.
+//! The pod (namespace, name, UID, container) needs only the first links,
+//! which an unprivileged agent with hostPID and a read-only view of the pod
+//! log directories can read; the pod-resources API (root's socket) adds
+//! which GPUs the pod holds, so that a GPU it does not hold is refused, and
+//! the pod labels of GPU series. Outside Kubernetes (neither the pod log
+//! directories nor the socket) attestation is off and hellos are taken as
+//! they come; logged once at start.
 
 use crate::metrics;
 use std::collections::{HashMap, HashSet};
@@ -382,6 +387,8 @@ pub struct WorkloadConfig {
 pub struct WorkloadResolver {
     config: WorkloadConfig,
     enabled: bool,
+    /// The kubelet's pod-resources socket is there: GPUs are checked.
+    pod_resources: bool,
     /// The latest `List` answer and when it came; one at a time.
     cache: tokio::sync::Mutex<Option<(Instant, Arc<Vec<PodResources>>)>>,
     /// Failure reasons already logged (each is logged once, counted always).
@@ -394,8 +401,9 @@ pub struct WorkloadResolver {
 }
 
 impl WorkloadResolver {
-    /// A resolver; attestation is on when the pod-resources socket exists.
-    /// Every fresh `List` answer updates `holders`.
+    /// A resolver; attestation is on when the pod log directories or the
+    /// pod-resources socket exist, GPU checks when the socket does. Every
+    /// fresh `List` answer updates `holders`.
     pub fn new(
         config: WorkloadConfig,
         registry: &Registry,
@@ -421,6 +429,7 @@ impl WorkloadResolver {
         }
         for result in [
             "kubelet",
+            "pod_logs",
             "csi_volume",
             "off",
             "no_peer_pid",
@@ -440,15 +449,19 @@ impl WorkloadResolver {
             metrics::WORKLOAD_GPU_HOLDERS_REFRESH_ERRORS_TOTAL.help,
         )?;
         registry.register(Box::new(holder_errors.clone()))?;
-        let enabled = config.pod_resources_socket.exists();
-        if enabled {
-            tracing::info!(socket = %config.pod_resources_socket.display(), proc_root = %config.proc_root.display(), "pod attribution on: clients' pods and namespaces come from the kubelet");
+        let pod_resources = config.pod_resources_socket.exists();
+        let enabled = pod_resources || config.pod_logs_dir.is_dir();
+        if pod_resources {
+            tracing::info!(socket = %config.pod_resources_socket.display(), proc_root = %config.proc_root.display(), "pod attribution on: clients' pods and namespaces come from the kubelet, and a GPU a pod does not hold is refused");
+        } else if enabled {
+            tracing::info!(pod_logs = %config.pod_logs_dir.display(), proc_root = %config.proc_root.display(), socket = %config.pod_resources_socket.display(), "pod attribution on: clients' pods and namespaces come from their cgroups and the kubelet's pod log directories; no pod-resources socket, so the GPUs clients name are not checked and GPU series carry no pod");
         } else {
-            tracing::warn!(socket = %config.pod_resources_socket.display(), "pod attribution off: no kubelet pod-resources socket (outside Kubernetes?); pods and namespaces are as clients claim");
+            tracing::warn!(socket = %config.pod_resources_socket.display(), pod_logs = %config.pod_logs_dir.display(), "pod attribution off: no kubelet pod log directories or pod-resources socket (outside Kubernetes?); pods and namespaces are as clients claim");
         }
         Ok(Self {
             config,
             enabled,
+            pod_resources,
             cache: tokio::sync::Mutex::new(None),
             told: Mutex::new(HashSet::new()),
             failures,
@@ -459,9 +472,10 @@ impl WorkloadResolver {
         })
     }
 
-    /// Whether attestation (and GPU holder labels) are on.
-    pub fn enabled(&self) -> bool {
-        self.enabled
+    /// Whether the pod-resources API is there to ask: GPU checks and GPU
+    /// holder labels.
+    pub fn pod_resources(&self) -> bool {
+        self.pod_resources
     }
 
     /// Asks the kubelet who holds which GPU, unless an answer younger than
@@ -469,7 +483,7 @@ impl WorkloadResolver {
     /// A failure is counted and logged once; the last answer stays until
     /// it is stale. Call every `--pod-resources-refresh`.
     pub async fn refresh_holders(&self) {
-        if !self.enabled {
+        if !self.pod_resources {
             return;
         }
         let mut cache = self.cache.lock().await;
@@ -504,7 +518,8 @@ impl WorkloadResolver {
     pub async fn attest(&self, pid: Option<u32>) -> Attestation {
         let result = self.attest_inner(pid).await;
         let label = match &result {
-            Attestation::Pod(_) => "kubelet",
+            Attestation::Pod(_) if self.pod_resources => "kubelet",
+            Attestation::Pod(_) => "pod_logs",
             Attestation::Unattested(why) => why,
         };
         self.attestations.with_label_values(&[label]).inc();
@@ -517,7 +532,7 @@ impl WorkloadResolver {
     /// the failure counted), and the peer's mounts its container where the
     /// peer PID is visible.
     pub async fn attest_volume(&self, volume: &VolumePod, pid: Option<u32>) -> Attestation {
-        let containers = if self.enabled {
+        let containers = if self.pod_resources {
             match self.list(&volume.namespace, &volume.pod).await {
                 Ok(list) => match list
                     .iter()
@@ -593,6 +608,17 @@ impl WorkloadResolver {
             Ok(None) => return Attestation::Unattested("not_in_pod"),
             Err(e) => return self.failed(e.reason(), &e.to_string()),
         };
+        if !self.pod_resources {
+            // The pod without its GPUs: no GPU is refused (holds_gpu: None).
+            return Attestation::Pod(Workload {
+                namespace,
+                pod,
+                pod_uid: cgroup.pod_uid,
+                container_id: cgroup.container_id,
+                container,
+                containers: Vec::new(),
+            });
+        }
         let list = match self.list(&namespace, &pod).await {
             Ok(list) => list,
             Err(why) => return self.failed("pod_resources_error", &why),
