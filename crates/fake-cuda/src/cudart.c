@@ -51,6 +51,9 @@ static struct {
   int (*init)(void);
   int (*count)(unsigned *);
   int (*handle)(unsigned, nvml_device *);
+  int (*handle_by_uuid)(const char *, nvml_device *);
+  int (*index)(nvml_device, unsigned *);
+  int (*mig_parent)(nvml_device, nvml_device *);
   int (*name)(nvml_device, char *, unsigned);
   int (*uuid)(nvml_device, char *, unsigned);
   int (*memory)(nvml_device, nvml_memory_v2 *);
@@ -153,6 +156,10 @@ static void load(void) {
   nvml.init = (int (*)(void))dlsym(h, "nvmlInit_v2");
   nvml.count = (int (*)(unsigned *))dlsym(h, "nvmlDeviceGetCount_v2");
   nvml.handle = (int (*)(unsigned, nvml_device *))dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+  nvml.handle_by_uuid = (int (*)(const char *, nvml_device *))dlsym(h, "nvmlDeviceGetHandleByUUID");
+  nvml.index = (int (*)(nvml_device, unsigned *))dlsym(h, "nvmlDeviceGetIndex");
+  nvml.mig_parent = (int (*)(nvml_device, nvml_device *))dlsym(
+      h, "nvmlDeviceGetDeviceHandleFromMigDeviceHandle");
   nvml.name = (int (*)(nvml_device, char *, unsigned))dlsym(h, "nvmlDeviceGetName");
   nvml.uuid = (int (*)(nvml_device, char *, unsigned))dlsym(h, "nvmlDeviceGetUUID");
   nvml.memory = (int (*)(nvml_device, nvml_memory_v2 *))dlsym(h, "nvmlDeviceGetMemoryInfo_v2");
@@ -176,27 +183,48 @@ static void load(void) {
     return;
   }
 
-  /* CUDA_VISIBLE_DEVICES: a comma-separated list of fake-nvml indices. */
-  int order[MAX_DEVICES];
+  /* CUDA_VISIBLE_DEVICES: a comma-separated list of fake-nvml indices, or of
+   * UUIDs (`GPU-…`, or `MIG-…` to place the process on a MIG slice, which it
+   * then sees with the slice's memory, as CUDA does). */
+  nvml_device order[MAX_DEVICES];
   int k = 0;
   const char *vis = getenv("CUDA_VISIBLE_DEVICES");
   if (vis) {
     const char *p = vis;
     while (*p && k < MAX_DEVICES) {
-      char *end;
-      long idx = strtol(p, &end, 10);
-      if (end == p || idx < 0 || idx >= (long)n) break; /* CUDA stops at the first bad entry */
-      order[k++] = (int)idx;
-      p = *end == ',' ? end + 1 : end;
-      if (*end != ',') break;
+      const char *comma = strchr(p, ',');
+      size_t len = comma ? (size_t)(comma - p) : strlen(p);
+      char entry[128];
+      if (len == 0 || len >= sizeof entry) break;
+      memcpy(entry, p, len);
+      entry[len] = 0;
+      nvml_device handle = NULL;
+      if (strncmp(entry, "GPU-", 4) == 0 || strncmp(entry, "MIG-", 4) == 0) {
+        if (!nvml.handle_by_uuid || nvml.handle_by_uuid(entry, &handle) != 0) break;
+      } else {
+        char *end;
+        long idx = strtol(entry, &end, 10);
+        if (*end || idx < 0 || idx >= (long)n) break; /* CUDA stops at the first bad entry */
+        if (nvml.handle((unsigned)idx, &handle) != 0) break;
+      }
+      order[k++] = handle;
+      if (!comma) break;
+      p = comma + 1;
     }
   } else {
-    for (unsigned i = 0; i < n && i < MAX_DEVICES; i++) order[k++] = (int)i;
+    for (unsigned i = 0; i < n && i < MAX_DEVICES; i++) {
+      if (nvml.handle(i, &order[k]) == 0) k++;
+    }
   }
   for (int i = 0; i < k; i++) {
-    struct device *d = &devices[i];
-    d->nvml_index = order[i];
-    if (nvml.handle((unsigned)order[i], &d->handle) != 0) continue;
+    struct device *d = &devices[device_count];
+    d->handle = order[i];
+    /* The bus is the GPU's; a MIG slice is on its parent's. */
+    nvml_device gpu = d->handle;
+    if (nvml.mig_parent) nvml.mig_parent(d->handle, &gpu);
+    unsigned index = 0;
+    if (nvml.index) nvml.index(gpu, &index);
+    d->nvml_index = (int)index;
     nvml.uuid(d->handle, d->uuid, sizeof d->uuid);
     nvml.name(d->handle, d->name, sizeof d->name);
     nvml_memory_v2 m = {.version = NVML_MEMORY_V2};

@@ -283,6 +283,52 @@ def test_mem_get_info_counts_every_process_on_the_gpu_within_the_usable_total():
     assert r["total"] - r["free_after_child"] == CONTEXT + 300 * MIB
 
 
+MIG = r"""
+import json, os, torch
+props = torch.cuda.get_device_properties(0)
+x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+out = {"count": torch.cuda.device_count(), "total": props.total_memory, "uuid": str(props.uuid),
+       "name": props.name, "mem_get_info": list(torch.cuda.mem_get_info())}
+try:
+    torch.empty(12 << 30, dtype=torch.uint8, device="cuda")
+    out["oom"] = False
+except torch.OutOfMemoryError:
+    out["oom"] = True
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def test_a_process_placed_on_a_mig_slice_sees_the_slices_memory(tmp_path):
+    # One H100 in seven 1g.10gb slices (9,984 MiB each, none driver-reserved);
+    # the process asks for slice 3 by its UUID, as the device plugin does.
+    state = tmp_path / "gpus"
+    binary = os.environ.get("STEPWATCH_BIN", str(REPO / "target" / "debug" / "stepwatch"))
+    init = [binary, "fake-gpu", "--dir", str(state), "init", "--gpus", "1", "--mig-slices", "7"]
+    subprocess.run(init, check=True, capture_output=True)
+    slice_uuid = "MIG-00000000-0000-0000-0000-00000000000a"
+    log = tmp_path / "usage"
+    proc = fake_cuda(
+        ["--state-dir", str(state), "--usage-log", str(log)],
+        [sys.executable, "-c", MIG],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": slice_uuid},
+    )
+    assert proc.returncode == 0, proc.stderr
+    r = result(proc)
+    assert r["count"] == 1
+    assert r["total"] == 9984 * MIB
+    assert r["name"] == "NVIDIA H100 80GB HBM3 MIG 1g.10gb"
+    # PyTorch prints the UUID without its prefix.
+    assert r["uuid"] == slice_uuid[len("MIG-") :]
+    free, total = r["mem_get_info"]
+    assert total == 9984 * MIB and total - free == CONTEXT + (1 << 30)
+    # 12 GiB fits the 80 GB GPU, not the slice.
+    assert r["oom"] is True
+    # The slice's usage went to the slice in fake-nvml, under its UUID.
+    rows = [row for rows in usage(log).values() for row in rows]
+    assert rows and {u for _, _, u, _ in rows} == {slice_uuid}
+    assert max(b for _, _, _, b in rows) == CONTEXT + (1 << 30)
+
+
 DDP = r"""
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

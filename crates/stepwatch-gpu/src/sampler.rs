@@ -476,6 +476,27 @@ impl SamplerHandle {
             .collect()
     }
 
+    /// The UUID under which the sampler knows the device a client names:
+    /// `claimed` itself, or a device whose UUID differs only in its `GPU-` /
+    /// `MIG-` prefix. PyTorch prints a device's UUID without a prefix, so a
+    /// client on a MIG slice may send `GPU-` and the slice's UUID. None when
+    /// no device matches (yet).
+    pub fn device_uuid(&self, claimed: &str) -> Option<String> {
+        let state = self.shared.lock();
+        let uuids = || state.gpus.iter().map(|g| g.snapshot.uuid.as_str());
+        if let Some(exact) = uuids().find(|u| *u == claimed) {
+            return Some(exact.to_owned());
+        }
+        let bare = |u: &'_ str| -> String {
+            u.strip_prefix("GPU-")
+                .or_else(|| u.strip_prefix("MIG-"))
+                .unwrap_or(u)
+                .to_ascii_lowercase()
+        };
+        let want = bare(claimed);
+        uuids().find(|u| bare(u) == want).map(str::to_owned)
+    }
+
     /// Whether NVML answered the last attempt, and the status line that says
     /// why not (what `/readyz` needs, without a whole snapshot).
     pub fn nvml_status(&self) -> (bool, String) {

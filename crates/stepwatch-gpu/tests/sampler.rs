@@ -193,6 +193,20 @@ fn each_mig_slice_is_sampled_as_a_device_with_its_own_memory() {
     let drained = sampler.drain_samples();
     let (_, samples) = drained.iter().find(|(u, _)| *u == migs[1].uuid).unwrap();
     assert!(samples.iter().all(|x| x.total_bytes == 9984 << 20));
+    // A client that names the slice with PyTorch's bare UUID and `GPU-`.
+    let as_gpu = migs[1].uuid.replacen("MIG-", "GPU-", 1);
+    assert_eq!(
+        sampler.device_uuid(&as_gpu).as_deref(),
+        Some(migs[1].uuid.as_str())
+    );
+    assert_eq!(
+        sampler.device_uuid(&parent).as_deref(),
+        Some(parent.as_str())
+    );
+    assert_eq!(
+        sampler.device_uuid("GPU-ffffffff-0000-0000-0000-000000000000"),
+        None
+    );
     assert_eq!(errors(&snap, NvmlCall::Mig), 0);
     sampler.stop();
 }

@@ -243,6 +243,10 @@ async fn serve_stream(
         None => return Ok(()),
     };
     let mut info = rank_info(hello, peer.pid);
+    // The device as the sampler names it (a MIG slice sent with `GPU-`).
+    if let Some(uuid) = state.sampler.device_uuid(&info.gpu_uuid) {
+        info.gpu_uuid = uuid;
+    }
     let attestation = match &peer.volume {
         Some(v) => peer.workload.attest_volume(&v.pod, peer.pid).await,
         None => peer.workload.attest(peer.pid).await,
