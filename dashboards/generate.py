@@ -20,6 +20,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 DS = {"type": "prometheus", "uid": "${datasource}"}
 C = 'cluster=~"$cluster"'
+# A device in legends: a MIG slice shares its GPU's index and adds its profile and GPU instance
+# (labels a whole GPU does not have, which Grafana leaves empty).
+DEVICE = "{{node}} GPU {{gpu}} {{mig_profile}} {{gpu_instance_id}}"
 # The selected training jobs: a job is named by its namespace and its training_job label.
 J = C + ', namespace=~"$namespace", training_job=~"$training_job"'
 
@@ -523,10 +526,10 @@ def node_gpu_memory():
             targets(
                 (
                     f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{gsel}}}[$__interval])",
-                    "{{node}} GPU {{gpu}} high-water",
+                    DEVICE + " high-water",
                 ),
-                (f"stepwatch_gpu_memory_used_bytes{{{gsel}}}", "{{node}} GPU {{gpu}} used"),
-                (f"stepwatch_gpu_memory_total_bytes{{{gsel}}}", "{{node}} GPU {{gpu}} total"),
+                (f"stepwatch_gpu_memory_used_bytes{{{gsel}}}", DEVICE + " used"),
+                (f"stepwatch_gpu_memory_total_bytes{{{gsel}}}", DEVICE + " total"),
             ),
             "bytes",
             "High-water is the agent's trailing-window maximum (15 s, sampled at up to 100 Hz) taken as a "
@@ -556,7 +559,7 @@ def node_gpu_memory():
                 (
                     f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{gsel}}}[$__interval]) "
                     f"/ on (node, gpu, gpu_uuid) group_left () stepwatch_gpu_memory_total_bytes{{{gsel}}}",
-                    "{{node}} GPU {{gpu}}",
+                    DEVICE,
                 )
             ),
             "percentunit",
@@ -578,7 +581,7 @@ def node_gpu_memory():
     L.add(
         timeseries(
             "GPU memory free (last sample)",
-            targets((f"stepwatch_gpu_memory_free_bytes{{{gsel}}}", "{{node}} GPU {{gpu}}")),
+            targets((f"stepwatch_gpu_memory_free_bytes{{{gsel}}}", DEVICE)),
             "bytes",
             interval="15s",
             mn=0,
@@ -635,7 +638,7 @@ def node_gpu_memory():
             targets(
                 (
                     f"rate(stepwatch_gpu_samples_total{{{gsel}}}[$__rate_interval])",
-                    "{{node}} GPU {{gpu}}",
+                    DEVICE,
                 )
             ),
             "ops",
@@ -935,7 +938,7 @@ def step_anatomy():
                     f"max_over_time(stepwatch_gpu_memory_used_max_bytes{{{C}}}[$__interval]) "
                     f"* on (node, gpu_uuid) group_left (training_job) "
                     f"max by (node, gpu_uuid, training_job) (stepwatch_rank_info{{{sel}}})",
-                    "{{node}} GPU {{gpu}}",
+                    DEVICE,
                 )
             ),
             "bytes",

@@ -384,3 +384,35 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
         }
     }
 }
+
+#[test]
+fn the_page_shows_each_mig_slice_as_a_card_with_its_profile_and_capacity() {
+    let browser = Browser::new();
+    // GPU 0 whole; GPU 1 cut into two 1g.10gb slices (GPU instances 7 and 8).
+    let migs = [
+        fake_nvml::MigSpec::h100_1g_10gb(1, 7),
+        fake_nvml::MigSpec::h100_1g_10gb(1, 8),
+    ];
+    let specs = [
+        fake_nvml::GpuSpec::h100_80gb(0),
+        fake_nvml::GpuSpec::h100_80gb(1),
+    ];
+    let agent = Agent::start_mig("ui-mig", &specs, &migs, &[], |_| {});
+    agent.wait_ready_with_nvml();
+    let node = browser.dom(&format!("http://{}/", agent.http), "node");
+    assert_eq!(node.matches(r#"class="card gpu""#).count(), 4, "{node}");
+    for m in &migs {
+        let card = node
+            .split(&format!(r#"data-gpu-uuid="{}""#, m.uuid))
+            .nth(1)
+            .and_then(|rest| rest.split("</section>").next())
+            .unwrap_or_else(|| panic!("no card for slice {}:\n{node}", m.uuid));
+        let title = format!("GPU 1 MIG 1g.10gb (instance {})", m.gpu_instance_id);
+        assert!(card.contains(&title), "{title} not in {card}");
+        let capacity = format!(
+            r#"<strong class="capacity">{}</strong>"#,
+            gb(&serde_json::json!(9984u64 << 20))
+        );
+        assert!(card.contains(&capacity), "{capacity} not in {card}");
+    }
+}

@@ -160,6 +160,11 @@
   }
   const badge = ([cls, text]) => el("span", { class: "badge " + cls, text });
 
+  // A MIG slice is a device of its own, on its GPU's index: name both.
+  function deviceName(g) {
+    return g.mig ? `GPU ${g.index} MIG ${g.mig.profile} (instance ${g.mig.gpu_instance_id})` : `GPU ${g.index}`;
+  }
+
   function gpuCard(g, series) {
     const cap = g.capacity_bytes || g.total_bytes;
     // Room above the capacity line for its label.
@@ -181,8 +186,8 @@
       : el("p", { class: "muted", text: "No compute processes listed." });
     return el(
       "section",
-      { class: "card gpu", "data-gpu-index": g.index, "aria-label": `GPU ${g.index}` },
-      el("h2", {}, `GPU ${g.index} · ${g.name}`, " ", el("span", { class: "muted", text: g.uuid })),
+      { class: "card gpu", "data-gpu-index": g.index, "data-gpu-uuid": g.uuid, "aria-label": deviceName(g) },
+      el("h2", {}, `${deviceName(g)} · ${g.name}`, " ", el("span", { class: "muted", text: g.uuid })),
       el(
         "p",
         { class: "figure" },
@@ -279,7 +284,7 @@
     const [d, gpus] = await Promise.all([api(jobApi(route.job, route.ns)), api("/api/v1/gpus").catch(() => ({ gpus: [] }))]);
     const gpuName = (uuid) => {
       const g = gpus.gpus.find((x) => x.uuid === uuid);
-      return g ? "GPU " + g.index : uuid || "–";
+      return g ? deviceName(g) : uuid || "–";
     };
     siblings = d.ranks.map((r) => r.rank);
     crumbs.replaceChildren(el("a", { href: "#/", "data-key": "crumb-node" }, "node " + d.node), "›", el("span", { text: "job " + d.job }));
