@@ -181,7 +181,7 @@ class FakeGpuAgent:
     """The real agent on a fake-NVML GPU of ``capacity`` bytes, which fake CUDA
     trains on (both read the same fake-NVML state)."""
 
-    def __init__(self, tmp_path: Path, sock_dir: str, capacity: int) -> None:
+    def __init__(self, tmp_path: Path, sock_dir: str, capacity: int, mig_slices: int = 0) -> None:
         self.binary = agent_binary()
         self.nvml = tmp_path / "nvml"
         self.tmp = tmp_path
@@ -189,7 +189,8 @@ class FakeGpuAgent:
         self.log = tmp_path / "agent.log"
         init = subprocess.run(
             [str(self.binary), "fake-gpu", "--dir", str(self.nvml), "init", "--gpus", "1"]
-            + ["--total-gib", repr(capacity / (1 << 30))],
+            + ["--total-gib", repr(capacity / (1 << 30))]
+            + (["--mig-slices", str(mig_slices)] if mig_slices else []),
             capture_output=True,
             text=True,
             timeout=60,
@@ -226,8 +227,11 @@ class FakeGpuAgent:
     def train(self, hold: float, fail_fast: bool) -> subprocess.CompletedProcess:
         return self.run(TRAIN, [str(hold), "1" if fail_fast else "0"])
 
-    def run(self, script: str, args=(), job: str = "") -> subprocess.CompletedProcess:
-        """``python -c script args`` on the fake GPU under fake CUDA, reporting to the agent."""
+    def run(
+        self, script: str, args=(), job: str = "", device: str = ""
+    ) -> subprocess.CompletedProcess:
+        """``python -c script args`` on the fake GPU under fake CUDA, reporting to the
+        agent; on ``device`` (CUDA_VISIBLE_DEVICES) when given."""
         if not FAKE_CUDA.exists():
             pytest.fail(f"{FAKE_CUDA} is missing")
         env = dict(
@@ -236,6 +240,8 @@ class FakeGpuAgent:
             STEPWATCH_JOB_ID=job or f"pytest-{uuid.uuid4().hex[:8]}",
             STEPWATCH_FAKE_NVML_DIR=str(self.nvml),
         )
+        if device:
+            env["CUDA_VISIBLE_DEVICES"] = device
         return subprocess.run(
             [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
             + ["--", sys.executable, "-c", script, *args],
@@ -353,3 +359,50 @@ def test_a_gan_with_two_optimizers_gets_a_prediction_from_the_real_agent(roomy_g
     context = 512 * MIB  # fake CUDA's default context
     assert pred["predicted_peak_bytes"] >= steady + context, (pred, steady)
     assert pred["predicted_peak_bytes"] <= (steady + context) * 1.03, (pred, steady)
+
+
+# On a 1g.10gb slice (9,984 MiB of its own) this job's step 1 reserves about
+# 7.7 GiB and its step 2 does not fit (SGD's momentum is made in step 1's
+# optimizer step); the whole 80 GB GPU holds it many times over.
+SLICED = r"""
+import sys, torch, stepwatch
+with torch.device("cuda"):
+    model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192, bias=False) for _ in range(8)])
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+stepwatch.watch(model, opt, hold_step2_for_prediction=60, raise_on_predicted_oom=True)
+try:
+    for step in (1, 2, 3):
+        model(torch.randn(12288, 8192, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"step {step} done", flush=True)
+except stepwatch.PredictedOutOfMemoryError as e:
+    print(f"PREDICTED_OOM capacity={e.capacity_bytes} peak={e.predicted_peak_bytes}", flush=True)
+    sys.exit(3)
+"""
+SLICE_UUID = "MIG-00000000-0000-0000-0000-000000000009"
+
+
+@pytest.fixture
+def mig_gpu_agent(tmp_path, sock_dir):
+    a = FakeGpuAgent(tmp_path, sock_dir, 81559 * MIB, mig_slices=7)
+    yield a
+    a.stop()
+
+
+def test_a_job_on_a_mig_slice_is_stopped_before_step_2_by_the_slices_prediction(mig_gpu_agent):
+    """Real PyTorch on fake CUDA placed on a 1g.10gb slice: PyTorch names the
+    device without a prefix, the client sends GPU-<slice>, the agent matches it
+    to the slice and predicts against the slice's 9,984 MiB, and the job stops
+    before step 2 instead of dying in it."""
+    job = f"pytest-mig-{uuid.uuid4().hex[:8]}"
+    proc = mig_gpu_agent.run(SLICED, job=job, device=SLICE_UUID)
+    out = proc.stdout + proc.stderr
+    assert "step 1 done" in proc.stdout and "step 2 done" not in proc.stdout, out
+    assert proc.returncode == 3, out
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("PREDICTED_OOM"))
+    figures = dict(f.split("=", 1) for f in line.split()[1:])
+    assert int(figures["capacity"]) == 9984 * MIB, line
+    assert int(figures["peak"]) > int(figures["capacity"]), line
+    report = mig_gpu_agent.rank_report(job)
+    assert report["info"]["gpu_uuid"] == SLICE_UUID, report["info"]
