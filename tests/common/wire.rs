@@ -83,7 +83,10 @@ pub async fn exchange_collect(
     Ok(received)
 }
 
-/// The advisories among what the agent sent on a stream, in order.
+/// The advisories about memory among what the agent sent on a stream, in
+/// order. Streams whose markers carry made-up times (long before the agent
+/// started, so that no GPU sample falls in them) are also told their clock
+/// is far from the agent's; those advisories are left out here.
 pub fn advisories(
     got: Vec<stepwatch_proto::v1::AgentMessage>,
 ) -> Vec<stepwatch_proto::v1::Advisory> {
@@ -92,5 +95,19 @@ pub fn advisories(
             Some(stepwatch_proto::v1::agent_message::Kind::Advisory(a)) => Some(a),
             _ => None,
         })
+        .filter(|a| a.kind != stepwatch_proto::v1::AdvisoryKind::ClientClock as i32)
+        .collect()
+}
+
+/// The client-clock advisories among what the agent sent on a stream.
+pub fn clock_advisories(
+    got: Vec<stepwatch_proto::v1::AgentMessage>,
+) -> Vec<stepwatch_proto::v1::Advisory> {
+    got.into_iter()
+        .filter_map(|m| match m.kind {
+            Some(stepwatch_proto::v1::agent_message::Kind::Advisory(a)) => Some(a),
+            _ => None,
+        })
+        .filter(|a| a.kind == stepwatch_proto::v1::AdvisoryKind::ClientClock as i32)
         .collect()
 }

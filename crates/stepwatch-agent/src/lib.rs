@@ -109,6 +109,7 @@ pub async fn run_until(
         max_ranks: config.max_ranks,
         max_retained_steps: config.max_steps,
         memory_budget_bytes: budget.history_bytes,
+        check_client_clock: true,
         ..TrackerConfig::default()
     });
     let gpu_holders = workload::GpuHolders::new(config.pod_resources_refresh);

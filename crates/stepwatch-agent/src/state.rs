@@ -61,6 +61,7 @@ pub const REJECT_REASONS: &[&str] = &[
     "no_open_step",
     "out_of_order",
     "clock_regressed",
+    "clock_jumped",
     "too_many_phases",
     "memory_budget",
     "implausible_value",
@@ -139,6 +140,7 @@ impl IngestMetrics {
             stepwatch_proto::v1::AdvisoryKind::AllocatorRetries,
             stepwatch_proto::v1::AdvisoryKind::LowObservedHeadroom,
             stepwatch_proto::v1::AdvisoryKind::MemoryGrowth,
+            stepwatch_proto::v1::AdvisoryKind::ClientClock,
         ] {
             m.advisories_sent.with_label_values(&[kind.as_str_name()]);
         }

@@ -61,6 +61,9 @@ pub enum AdvisoryKind {
     /// rate that reaches the GPU's capacity: a leak, a cache, or
     /// fragmentation that ratchets up.
     MemoryGrowth,
+    /// The client's monotonic clock disagrees with the agent's (see
+    /// `clock`): far from it, or one batch jumped ahead and was refused.
+    ClientClock,
 }
 
 /// One advisory, as issued.
@@ -159,7 +162,8 @@ pub fn due(
         AdvisoryKind::RankDivergence
         | AdvisoryKind::AllocatorRetries
         | AdvisoryKind::LowObservedHeadroom
-        | AdvisoryKind::MemoryGrowth => {
+        | AdvisoryKind::MemoryGrowth
+        | AdvisoryKind::ClientClock => {
             unreachable!("not a prediction advisory")
         }
     };

@@ -44,9 +44,15 @@ pub enum ClockVerdict {
     Ok,
     /// The first batch, or a new offset taken after [`JUMPS_TO_ACCEPT`]
     /// jumps; `offset_ns` is the rank's offset from now on.
-    New { offset_ns: i64 },
+    New {
+        /// The offset (marker − caller's clock), ns.
+        offset_ns: i64,
+    },
     /// Ahead of the rank's offset by `ahead_ns`: refuse the batch.
-    Jumped { ahead_ns: u64 },
+    Jumped {
+        /// How far ahead of the rank's offset, ns.
+        ahead_ns: u64,
+    },
 }
 
 impl ClientClock {
@@ -134,16 +140,7 @@ mod tests {
     use crate::marker::MarkerKind;
 
     fn at(ns: u64) -> Vec<Marker> {
-        vec![Marker {
-            kind: MarkerKind::ForwardBegin,
-            step: 1,
-            monotonic_ns: ns,
-            wall_ns: ns,
-            micro_batch: 0,
-            allocator: None,
-            layout_segments: Vec::new(),
-            device_memory: None,
-        }]
+        vec![Marker::at(MarkerKind::ForwardBegin, 1, ns, ns)]
     }
 
     const S: u64 = 1_000_000_000;

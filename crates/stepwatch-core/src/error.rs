@@ -101,6 +101,16 @@ pub enum MarkerError {
         /// This marker's monotonic time, ns.
         got: u64,
     },
+    /// The batch's markers are far ahead of the process's clock as the
+    /// rank's earlier batches showed it (see `clock`): one jumped marker
+    /// would otherwise make every later one "older" and refused.
+    #[error("the batch is {ahead_ns} ns ahead of this process's monotonic clock as its earlier batches showed it (a clock jump); it is refused and later batches are taken")]
+    ClockJumped {
+        /// How far ahead, ns.
+        ahead_ns: u64,
+        /// The step of the batch's first marker.
+        step: u64,
+    },
     /// A step kept opening phases past the bound that keeps memory finite.
     #[error("step {step} has more than {limit} phases")]
     TooManyPhases {
@@ -158,6 +168,7 @@ impl MarkerError {
             MarkerError::NoOpenStep { .. } => "no_open_step",
             MarkerError::OutOfOrder { .. } => "out_of_order",
             MarkerError::ClockRegressed { .. } => "clock_regressed",
+            MarkerError::ClockJumped { .. } => "clock_jumped",
             MarkerError::TooManyPhases { .. } => "too_many_phases",
             MarkerError::MemoryBudget { .. } => "memory_budget",
             MarkerError::Implausible { .. } => "implausible_value",

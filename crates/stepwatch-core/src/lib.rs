@@ -14,6 +14,7 @@
 mod advisory;
 pub mod allocator;
 mod analysis;
+pub mod clock;
 mod divergence;
 mod downsample;
 mod error;

@@ -582,6 +582,7 @@ enum_pairs!(advisory_kind_to_wire, advisory_kind_of_wire, AdvisoryKind => pb::Ad
     AllocatorRetries <=> AllocatorRetries,
     LowObservedHeadroom <=> LowObservedHeadroom,
     MemoryGrowth <=> MemoryGrowth,
+    ClientClock <=> ClientClock,
 });
 
 /// An advisory kind as sent; unspecified and unknown values are refused.
@@ -590,7 +591,8 @@ pub fn advisory_kind_from_wire(value: i32) -> Result<AdvisoryKind, WireError> {
 }
 
 /// An advisory for the rank's stream; its severity follows from its kind
-/// (a predicted step-2 OOM is critical, the rest are warnings). When it was
+/// (a predicted step-2 OOM is critical, a client clock is information,
+/// the rest are warnings). When it was
 /// issued and which divergence figure named the rank stay in the agent.
 pub fn advisory_to_wire(a: &Advisory) -> pb::Advisory {
     let Advisory {
@@ -610,6 +612,7 @@ pub fn advisory_to_wire(a: &Advisory) -> pb::Advisory {
         | AdvisoryKind::AllocatorRetries
         | AdvisoryKind::LowObservedHeadroom
         | AdvisoryKind::MemoryGrowth => pb::Severity::Warning,
+        AdvisoryKind::ClientClock => pb::Severity::Info,
     };
     pb::Advisory {
         kind: advisory_kind_to_wire(kind) as i32,

@@ -649,6 +649,7 @@ pub fn render_table(rows: &[AccuracyRow]) -> String {
                 format!("low_observed_headroom ({})", ms(l))
             }
             (Some(AdvisoryKind::MemoryGrowth), l) => format!("memory_growth ({})", ms(l)),
+            (Some(AdvisoryKind::ClientClock), l) => format!("client_clock ({})", ms(l)),
             (None, _) => "—".into(),
         };
         let actual = match r.actual_source {

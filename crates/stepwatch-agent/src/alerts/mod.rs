@@ -86,6 +86,8 @@ pub fn alert_for(advisory: &Advisory) -> Option<(&'static str, &'static str, boo
         // horizon and ends when the growth stops, which the once-per-run
         // advisory, told as soon as growth is measured, cannot.
         AdvisoryKind::MemoryGrowth => None,
+        // About the client's clock, not the job's memory.
+        AdvisoryKind::ClientClock => None,
     }
 }
 

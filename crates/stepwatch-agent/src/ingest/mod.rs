@@ -543,6 +543,14 @@ async fn receive_markers(
             Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
                 return Err(run_ended(state, key, &e, n));
             }
+            // One jumped batch is refused alone: the stream goes on, and
+            // the client hears why on its advisory channel.
+            Err(RecordError::Markers(MarkerError::ClockJumped { ahead_ns, step })) => {
+                state.ingest.reject("clock_jumped", n);
+                let now = stepwatch_proto::clock::monotonic_ns();
+                let advisory = stepwatch_core::clock::jump_advisory(step, now, ahead_ns);
+                send_advisories(state, key, vec![advisory], tx, alerts);
+            }
             Err(e) => {
                 return Err(refuse(
                     state,

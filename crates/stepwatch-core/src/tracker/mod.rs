@@ -55,6 +55,13 @@ pub struct TrackerConfig {
     /// lock the others out. Without it, retention is a product of limits
     /// (ranks × steps × phases) far beyond any container's memory.
     pub memory_budget_bytes: u64,
+    /// Whether markers' clocks are checked against the caller's (the
+    /// agent's CLOCK_MONOTONIC; see `clock`): a batch far ahead of the
+    /// rank's usual offset is refused (`clock_jumped`), and a rank whose
+    /// clock is far from the caller's is advised of it. Off where the
+    /// caller's clock is not the markers' (tests and harnesses that pass
+    /// made-up times).
+    pub check_client_clock: bool,
 }
 
 impl Default for TrackerConfig {
@@ -66,6 +73,7 @@ impl Default for TrackerConfig {
             max_samples_per_gpu: 6000,
             max_gpus: 64,
             memory_budget_bytes: u64::MAX,
+            check_client_clock: false,
         }
     }
 }
@@ -190,6 +198,9 @@ pub struct RankState {
     /// `growth`).
     #[serde(skip)]
     pub(crate) trend: TrendMemo,
+    /// The client's clock against the caller's, learnt from its batches.
+    #[serde(skip)]
+    pub(crate) clock: crate::clock::ClientClock,
 }
 
 /// How many of a process's earlier run ids a rank remembers
@@ -645,6 +656,7 @@ impl Tracker {
                 state.allocator_retries = None;
                 state.steady = SteadyMemo::default();
                 state.trend = TrendMemo::default();
+                state.clock = Default::default();
             }
             state.info = info;
             state.connected_streams += 1;
@@ -691,6 +703,7 @@ impl Tracker {
                 allocator_retries: None,
                 steady: SteadyMemo::default(),
                 trend: TrendMemo::default(),
+                clock: Default::default(),
             },
         );
         Ok(Opened {
@@ -733,6 +746,7 @@ impl Tracker {
             allocator_retries: r.allocator_retries,
             steady: SteadyMemo::default(),
             trend: TrendMemo::default(),
+            clock: Default::default(),
         })
     }
 
@@ -844,6 +858,11 @@ impl Tracker {
         let Some(state) = self.ranks.get_mut(key) else {
             return Ok(Vec::new());
         };
+        let clock_advisory = if self.config.check_client_clock {
+            check_clock(state, markers, now_ns)?
+        } else {
+            None
+        };
         state.last_activity_ns = now_ns;
         let in_first_step = state.in_first_step();
         let ends_layouts = markers
@@ -907,6 +926,12 @@ impl Tracker {
             ..batch
         };
         advisories.extend(self.run_checks(checks::AFTER_BATCH, key, &batch));
+        if let Some(a) = clock_advisory {
+            if let Some(state) = self.ranks.get_mut(key) {
+                state.advisories.push(a.clone());
+            }
+            advisories.push(a);
+        }
         Ok(advisories)
     }
 
@@ -1174,6 +1199,30 @@ impl Tracker {
     /// Number of tracked ranks; exported as a gauge.
     pub fn rank_count(&self) -> usize {
         self.ranks.len()
+    }
+}
+
+/// Checks a batch's clock (see `clock`): Err when it jumped ahead; the
+/// advisory due, once per rank and run, when the rank's clock turns out
+/// far from the caller's.
+fn check_clock(
+    state: &mut RankState,
+    markers: &[Marker],
+    now_ns: u64,
+) -> Result<Option<Advisory>, MarkerError> {
+    use crate::clock::{offset_advisory, offset_is_far, ClockVerdict};
+    let step = markers.first().map_or(0, |m| m.step);
+    match state.clock.check(markers, now_ns) {
+        ClockVerdict::Ok => Ok(None),
+        ClockVerdict::Jumped { ahead_ns } => Err(MarkerError::ClockJumped { ahead_ns, step }),
+        ClockVerdict::New { offset_ns } => {
+            let told = state
+                .advisories
+                .iter()
+                .any(|a| a.kind == AdvisoryKind::ClientClock);
+            Ok((offset_is_far(offset_ns) && !told)
+                .then(|| offset_advisory(step, now_ns, offset_ns)))
+        }
     }
 }
 

@@ -630,6 +630,12 @@ pub enum AdvisoryKind {
     /// tensor summed without .item(), device tensors kept in a list, a
     /// growing cache, fragmentation). Once per rank and run.
     MemoryGrowth = 6,
+    /// The process's CLOCK_MONOTONIC disagrees with the agent's: its markers
+    /// are far from the agent's clock (another host or time namespace; GPU
+    /// samples cannot be matched to its phases), or one batch jumped far ahead
+    /// of its usual offset and was refused (clock_jumped) while later batches
+    /// are taken. Informational.
+    ClientClock = 7,
 }
 impl AdvisoryKind {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -645,6 +651,7 @@ impl AdvisoryKind {
             Self::AllocatorRetries => "ADVISORY_KIND_ALLOCATOR_RETRIES",
             Self::LowObservedHeadroom => "ADVISORY_KIND_LOW_OBSERVED_HEADROOM",
             Self::MemoryGrowth => "ADVISORY_KIND_MEMORY_GROWTH",
+            Self::ClientClock => "ADVISORY_KIND_CLIENT_CLOCK",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -657,6 +664,7 @@ impl AdvisoryKind {
             "ADVISORY_KIND_ALLOCATOR_RETRIES" => Some(Self::AllocatorRetries),
             "ADVISORY_KIND_LOW_OBSERVED_HEADROOM" => Some(Self::LowObservedHeadroom),
             "ADVISORY_KIND_MEMORY_GROWTH" => Some(Self::MemoryGrowth),
+            "ADVISORY_KIND_CLIENT_CLOCK" => Some(Self::ClientClock),
             _ => None,
         }
     }

@@ -60,6 +60,7 @@ class AdvisoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADVISORY_KIND_ALLOCATOR_RETRIES: _ClassVar[AdvisoryKind]
     ADVISORY_KIND_LOW_OBSERVED_HEADROOM: _ClassVar[AdvisoryKind]
     ADVISORY_KIND_MEMORY_GROWTH: _ClassVar[AdvisoryKind]
+    ADVISORY_KIND_CLIENT_CLOCK: _ClassVar[AdvisoryKind]
 
 class Severity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -103,6 +104,7 @@ ADVISORY_KIND_RANK_DIVERGENCE: AdvisoryKind
 ADVISORY_KIND_ALLOCATOR_RETRIES: AdvisoryKind
 ADVISORY_KIND_LOW_OBSERVED_HEADROOM: AdvisoryKind
 ADVISORY_KIND_MEMORY_GROWTH: AdvisoryKind
+ADVISORY_KIND_CLIENT_CLOCK: AdvisoryKind
 SEVERITY_UNSPECIFIED: Severity
 SEVERITY_INFO: Severity
 SEVERITY_WARNING: Severity
