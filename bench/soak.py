@@ -1,17 +1,28 @@
 """Soak: the agent's limits driven at once, by hostile and unlucky clients.
 
-Five loads run together against one agent on fake NVML (loopback only) for
---seconds, while a well-behaved rank trains beside them:
+These loads run together against one agent on fake NVML (loopback only) for
+--seconds, under the chart's memory limit (a memory cgroup of 192 MiB when
+one can be made; --no-cgroup or no permission: RSS is measured against it),
+while a well-behaved rank trains beside them:
 
 1. memory: ranks that send steps with many phases as fast as they can;
 2. silent streams: streams that never say hello, reopened as they are ended;
-3. short jobs: a new job every few milliseconds (the rank table fills);
+3. short jobs: one-step jobs with wide steps, each a new rank that
+   disconnects (91 of them once exhausted the step-history budget);
 4. connection flood: raw Unix connections opened and held;
-5. traces: allocator traces with many segments, some never finished.
+5. traces: allocator traces with many segments, half left unfinished by a
+   stream that then stays silent;
+6. idle channels: gRPC connections that open no stream;
+7. one process, one rank, many streams that each say hello;
+8. HTTP held: keep-alive connections that send one byte a minute;
+9. reports: concurrent GETs of the largest rank's full report;
+10. clock jumps: a rank whose one marker jumps an hour ahead, then goes on.
 
-It records the agent's peak RSS, /healthz latency, the refusals counted by
-reason, and whether the well-behaved rank's steps kept arriving. Prints a
-JSON summary (and writes it to --out). Run it through bench/soak.sh.
+It records the agent's peak RSS (and the cgroup's peak usage), the success
+rate of /healthz and /readyz probes (1 s timeout), the polite rank's longest
+stall (no new completed step in /metrics), and every refusal counted by
+reason. Prints a JSON summary (and writes it to --out). Run it through
+bench/soak.sh.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
@@ -145,16 +157,18 @@ def _silent_connection(sock: str, stop: Stop, counts: Dict[str, int], n: int) ->
 
 
 def short_jobs(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
-    """A new one-step job after another, each with its own job id."""
+    """A new one-step job after another, each with its own job id and a
+    step of 1024 phases: ranks that finish and hold history."""
     n = 0
     with channel(sock) as ch:
         stub = pb_grpc.IngestStub(ch)
         while not stop.done():
             n += 1
             t = [0]
-            msgs = [
-                hello(f"soak-short-{n}", 200_000 + n),
-                pb.ClientMessage(markers=pb.MarkerBatch(markers=step_markers(1, 1, t))),
+            wide = step_markers(1, 510, t)
+            msgs = [hello(f"soak-short-{n}", 200_000 + n)] + [
+                pb.ClientMessage(markers=pb.MarkerBatch(markers=wide[i : i + 1024]))
+                for i in range(0, len(wide), 1024)
             ]
             try:
                 for _ in stub.Stream(iter(msgs), timeout=10):
@@ -232,20 +246,181 @@ def traces(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
                     )
                 )
             if not finish:
-                # Hold the unfinished trace open for a while.
-                end = time.monotonic() + 20
+                # Hold the unfinished trace open, silent, for a while.
+                end = time.monotonic() + 60
                 while time.monotonic() < end and not stop.done():
                     time.sleep(0.2)
 
         try:
             with channel(sock) as ch:
-                for _ in pb_grpc.IngestStub(ch).Stream(messages(), timeout=60):
+                for _ in pb_grpc.IngestStub(ch).Stream(messages(), timeout=90):
                     pass
             counts["traces_sent"] = counts.get("traces_sent", 0) + 1
         except grpc.RpcError as e:
             key = f"traces_{e.code().name}"
             counts[key] = counts.get(key, 0) + 1
         time.sleep(0.2)
+
+
+def idle_channels(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None:
+    """gRPC connections that connect (HTTP/2 preface, settings) and open no
+    stream, reconnected when the agent closes them."""
+    chans: List[grpc.Channel] = []
+    while not stop.done():
+        while len(chans) < n and not stop.done():
+            ch = channel(sock)
+            try:
+                grpc.channel_ready_future(ch).result(timeout=2)
+                counts["idle_channels_opened"] = counts.get("idle_channels_opened", 0) + 1
+                chans.append(ch)
+            except grpc.FutureTimeoutError:
+                counts["idle_channels_refused"] = counts.get("idle_channels_refused", 0) + 1
+                ch.close()
+                break
+        # Channels the agent closed reconnect by themselves when used; drop
+        # and replace them instead.
+        alive = []
+        for ch in chans:
+            try:
+                grpc.channel_ready_future(ch).result(timeout=0.01)
+                alive.append(ch)
+            except grpc.FutureTimeoutError:
+                ch.close()
+        chans = alive
+        time.sleep(1)
+    for ch in chans:
+        ch.close()
+
+
+def one_rank_many_streams(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None:
+    """One process, one rank: n streams that each say hello and then wait,
+    spread over 8 connections."""
+    per = max(1, n // 8)
+
+    def conn() -> None:
+        while not stop.done():
+            _greedy_connection(sock, stop, counts, per)
+
+    threads = [threading.Thread(target=conn, daemon=True) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
+def _greedy_connection(sock: str, stop: Stop, counts: Dict[str, int], per: int) -> None:
+    """One connection's share of the greedy streams, until they end."""
+    with channel(sock) as ch:
+        stub = pb_grpc.IngestStub(ch)
+        gate = threading.Event()
+
+        def said_hello() -> Iterator[pb.ClientMessage]:
+            yield hello("soak-greedy", 777)
+            gate.wait()
+
+        def one() -> None:
+            try:
+                for _ in stub.Stream(said_hello(), timeout=30):
+                    pass
+            except grpc.RpcError as e:
+                key = f"greedy_ended_{e.code().name}"
+                counts[key] = counts.get(key, 0) + 1
+
+        threads = [threading.Thread(target=one, daemon=True) for _ in range(per)]
+        for th in threads:
+            th.start()
+        while not stop.done() and any(th.is_alive() for th in threads):
+            time.sleep(0.2)
+        gate.set()
+
+
+def http_held(port: int, stop: Stop, counts: Dict[str, int], n: int) -> None:
+    """Keep-alive HTTP connections that send one byte of a request a minute."""
+    held: List[socket.socket] = []
+    last_byte = 0.0
+    while not stop.done():
+        held = [s for s in held if _alive(s)]
+        while len(held) < n and not stop.done():
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.settimeout(2)
+            try:
+                s.connect(("127.0.0.1", port))
+                s.setblocking(False)
+                held.append(s)
+                counts["http_held_opened"] = counts.get("http_held_opened", 0) + 1
+            except OSError:
+                s.close()
+                counts["http_held_failed"] = counts.get("http_held_failed", 0) + 1
+                break
+        if time.monotonic() - last_byte > 60:
+            last_byte = time.monotonic()
+            for s in held:
+                try:
+                    s.send(b"G")
+                except OSError:
+                    pass
+        time.sleep(0.5)
+    for s in held:
+        s.close()
+
+
+def report_readers(port: int, stop: Stop, counts: Dict[str, int], n: int) -> None:
+    """n readers at once of a memory rank's report: half ask for all of it
+    (far past the reports budget), half for 3 of its 1024-phase steps (a few
+    fit in the budget at once)."""
+
+    def one(steps: int) -> None:
+        while not stop.done():
+            try:
+                path = f"/api/v1/jobs/soak-mem-0/ranks/0?steps={steps}"
+                body = http(port, path, timeout=30)
+                counts["reports_read"] = counts.get("reports_read", 0) + 1
+                counts["report_bytes_max"] = max(counts.get("report_bytes_max", 0), len(body))
+            except urllib.error.HTTPError as e:
+                key = f"reports_http_{e.code}"
+                counts[key] = counts.get(key, 0) + 1
+                time.sleep(0.2)
+            except Exception:
+                counts["reports_failed"] = counts.get("reports_failed", 0) + 1
+                time.sleep(0.2)
+
+    threads = [
+        threading.Thread(target=one, args=(1000 if i % 2 else 3,), daemon=True) for i in range(n)
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
+def clock_jumper(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
+    """A rank that steps every 100 ms; one marker in 50 steps is an hour
+    ahead. The steps after it must still be taken."""
+    while not stop.done():
+        try:
+            with channel(sock) as ch:
+
+                def messages() -> Iterator[pb.ClientMessage]:
+                    yield hello("soak-clock", 5151)
+                    t = [0]
+                    step = 1
+                    while not stop.done():
+                        ms = step_markers(step, 1, t)
+                        if step % 50 == 25:
+                            # The batch's last marker: the next batch would be
+                            # "older" than it.
+                            ms[-1].monotonic_ns += 3600 * 10**9
+                            counts["clock_jumps_sent"] = counts.get("clock_jumps_sent", 0) + 1
+                        yield pb.ClientMessage(markers=pb.MarkerBatch(markers=ms))
+                        step += 1
+                        time.sleep(0.1)
+
+                for _ in pb_grpc.IngestStub(ch).Stream(messages()):
+                    pass
+        except grpc.RpcError as e:
+            key = f"clock_ended_{e.code().name}"
+            counts[key] = counts.get(key, 0) + 1
+            time.sleep(0.2)
 
 
 def polite_rank(sock: str, stop: Stop, progress: List[float]) -> None:
@@ -291,6 +466,34 @@ def metric_lines(text: str, name: str) -> Dict[str, float]:
     return out
 
 
+CHART_LIMIT_MIB = 192
+
+
+def memory_cgroup(tag: str, limit_mib: int) -> Optional[Path]:
+    """A memory cgroup limited to limit_mib (v2, else v1), or None when
+    none can be made here."""
+    v2 = Path("/sys/fs/cgroup")
+    if (v2 / "cgroup.controllers").exists():
+        group, limit_file = v2 / tag, "memory.max"
+    else:
+        group, limit_file = v2 / "memory" / tag, "memory.limit_in_bytes"
+    try:
+        group.mkdir()
+        (group / limit_file).write_text(str(limit_mib << 20))
+        return group
+    except OSError:
+        return None
+
+
+def cgroup_peak_bytes(group: Path) -> Optional[int]:
+    for name in ("memory.peak", "memory.max_usage_in_bytes"):
+        try:
+            return int((group / name).read_text().split()[0])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -300,6 +503,15 @@ def main() -> int:
     ap.add_argument("--memory-ranks", type=int, default=8)
     ap.add_argument("--silent-streams", type=int, default=256)
     ap.add_argument("--flood", type=int, default=1000, help="raw connections held open")
+    ap.add_argument("--idle-channels", type=int, default=256)
+    ap.add_argument("--greedy-streams", type=int, default=512)
+    ap.add_argument("--http-held", type=int, default=70)
+    ap.add_argument("--report-readers", type=int, default=16)
+    ap.add_argument(
+        "--no-cgroup",
+        action="store_true",
+        help="run without the memory cgroup (RSS still measured)",
+    )
     ap.add_argument("--out", type=Path, help="write the JSON summary here too")
     ap.add_argument("--dir", type=Path, required=True, help="a scratch directory")
     args = ap.parse_args()
@@ -319,8 +531,19 @@ def main() -> int:
     sock = str(d / "agent.sock")
     ready = d / "ready.json"
     env = dict(os.environ, STEPWATCH_FAKE_NVML_DIR=str(d), RUST_LOG="warn")
+    group = (
+        None if args.no_cgroup else memory_cgroup(f"stepwatch-soak-{os.getpid()}", CHART_LIMIT_MIB)
+    )
+    # In the cgroup before it starts, so the agent reads its limit from it.
+    enter = (
+        ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "soak-agent"]
+        if group
+        else []
+    )
+    limit_flag = [] if group else ["--memory-limit-mib", str(CHART_LIMIT_MIB)]
     agent = subprocess.Popen(
-        [
+        enter
+        + [
             args.bin,
             "agent",
             "--socket",
@@ -331,7 +554,8 @@ def main() -> int:
             str(ready),
             "--nvml-lib",
             lib,
-        ],
+        ]
+        + limit_flag,
         env=env,
         stderr=open(d / "agent.log", "w"),
     )
@@ -362,6 +586,21 @@ def main() -> int:
                 target=connection_flood, args=(sock, stop, counts, args.flood), daemon=True
             ),
             threading.Thread(target=traces, args=(sock, stop, counts), daemon=True),
+            threading.Thread(
+                target=idle_channels, args=(sock, stop, counts, args.idle_channels), daemon=True
+            ),
+            threading.Thread(
+                target=one_rank_many_streams,
+                args=(sock, stop, counts, args.greedy_streams),
+                daemon=True,
+            ),
+            threading.Thread(
+                target=http_held, args=(port, stop, counts, args.http_held), daemon=True
+            ),
+            threading.Thread(
+                target=report_readers, args=(port, stop, counts, args.report_readers), daemon=True
+            ),
+            threading.Thread(target=clock_jumper, args=(sock, stop, counts), daemon=True),
         ]
         # The polite rank is its own process, as a training job would be.
         polite = multiprocessing.get_context("spawn").Process(
@@ -371,45 +610,53 @@ def main() -> int:
         for th in loads:
             th.start()
 
-        healthz_ms: List[float] = []
-        healthz_failures = 0
+        probe_ms: List[float] = []
+        probes = {"ok": 0, "failed": 0}
         rss_peak_kib = 0
         polite_steps: List[tuple] = []
         last_report = time.monotonic()
+        polite_metric = "stepwatch_rank_steps_completed_total{"
         while not stop.done():
-            t0 = time.monotonic()
-            try:
-                http(port, "/healthz")
-                healthz_ms.append((time.monotonic() - t0) * 1000)
-            except Exception:
-                healthz_failures += 1
+            for path in ("/healthz", "/readyz"):
+                t0 = time.monotonic()
+                try:
+                    http(port, path, timeout=1.0)
+                    probe_ms.append((time.monotonic() - t0) * 1000)
+                    probes["ok"] += 1
+                except Exception:
+                    probes["failed"] += 1
             status = Path(f"/proc/{agent.pid}/status").read_text()
             for line in status.splitlines():
                 if line.startswith("VmRSS:"):
                     rss_peak_kib = max(rss_peak_kib, int(line.split()[1]))
             try:
-                report = json.loads(http(port, "/api/v1/jobs/soak-polite/ranks/0?steps=1"))
-                polite_steps.append((time.monotonic(), report.get("steps_completed", 0)))
+                text = http(port, "/metrics", timeout=5).decode()
+                done = [
+                    float(line.rpartition(" ")[2])
+                    for line in text.splitlines()
+                    if line.startswith(polite_metric) and 'training_job="soak-polite"' in line
+                ]
+                polite_steps.append((time.monotonic(), done[0] if done else None))
             except Exception:
                 polite_steps.append((time.monotonic(), None))
             if time.monotonic() - last_report > 30:
                 last_report = time.monotonic()
                 elapsed = int(time.monotonic() - (stop.deadline - args.seconds))
-                p50 = sorted(healthz_ms)[len(healthz_ms) // 2] if healthz_ms else float("nan")
+                p50 = sorted(probe_ms)[len(probe_ms) // 2] if probe_ms else float("nan")
                 print(
                     f"soak: {elapsed} s, RSS {rss_peak_kib // 1024} MiB peak, "
-                    f"healthz p50 {p50:.1f} ms",
+                    f"probes {probes}, p50 {p50:.1f} ms",
                     file=sys.stderr,
                 )
-            time.sleep(0.25)
+            time.sleep(0.1)
         stop.event.set()
         metrics = http(port, "/metrics").decode()
         hwm_kib = 0
         for line in Path(f"/proc/{agent.pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 hwm_kib = int(line.split()[1])
-        # The polite rank was served throughout when its completed steps never
-        # stood still for more than 5 s.
+        # The polite rank steps every 100 ms: its longest stall is the
+        # longest time its completed steps in /metrics stood still.
         longest_stall = 0.0
         last_change = polite_steps[0][0] if polite_steps else 0.0
         last_value = None
@@ -417,34 +664,55 @@ def main() -> int:
             if value is not None and value != last_value:
                 last_change, last_value = at, value
             longest_stall = max(longest_stall, at - last_change)
-        healthz_ms.sort()
+        probe_ms.sort()
 
         def pick(q: float) -> Optional[float]:
-            if not healthz_ms:
+            if not probe_ms:
                 return None
-            return healthz_ms[min(len(healthz_ms) - 1, int(q * len(healthz_ms)))]
+            return round(probe_ms[min(len(probe_ms) - 1, int(q * len(probe_ms)))], 1)
 
+        refusals = {}
+        for line in metrics.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if line.startswith("#") or not ("refus" in name or "reject" in name):
+                continue
+            key, _, value = line.rpartition(" ")
+            if float(value) > 0:
+                refusals[key.replace(',node="soak"', "").replace('node="soak",', "")] = float(value)
+        total = probes["ok"] + probes["failed"]
         summary = {
             "seconds": args.seconds,
+            "memory_limit_mib": CHART_LIMIT_MIB,
+            "limit_enforced_by": f"memory cgroup {group}"
+            if group
+            else "none (RSS measured against it)",
             "agent_peak_rss_mib": round(hwm_kib / 1024, 1),
-            "healthz_ms": {
-                "p50": pick(0.5),
-                "p99": pick(0.99),
-                "max": healthz_ms[-1] if healthz_ms else None,
-                "failures": healthz_failures,
+            "cgroup_peak_usage_mib": (
+                round(cgroup_peak_bytes(group) / 2**20, 1)
+                if group and cgroup_peak_bytes(group)
+                else None
+            ),
+            "agent_alive_at_end": agent.poll() is None,
+            "probes": {
+                "success_rate": round(probes["ok"] / total, 4) if total else None,
+                "ok": probes["ok"],
+                "failed": probes["failed"],
+                "p50_ms": pick(0.5),
+                "p99_ms": pick(0.99),
+                "max_ms": round(probe_ms[-1], 1) if probe_ms else None,
             },
             "polite_rank": {
                 "steps_completed": last_value,
                 "longest_stall_s": round(longest_stall, 2),
             },
-            "refused": {
-                k: v
-                for k, v in metric_lines(metrics, "stepwatch_markers_rejected_total").items()
-                if v > 0
-            },
+            "refused": refusals,
             "retained_bytes": metric_lines(metrics, "stepwatch_retained_bytes"),
+            "memory_budget_bytes": metric_lines(metrics, "stepwatch_memory_budget_bytes"),
             "steps_trimmed": metric_lines(metrics, "stepwatch_steps_trimmed_total"),
             "ranks_evicted": metric_lines(metrics, "stepwatch_ranks_evicted_total"),
+            "ranks_evicted_for_memory": metric_lines(
+                metrics, "stepwatch_ranks_evicted_for_memory_total"
+            ),
             "load_counts": counts,
         }
         text = json.dumps(summary, indent=2, sort_keys=True)
@@ -458,6 +726,12 @@ def main() -> int:
             agent.wait(timeout=10)
         except subprocess.TimeoutExpired:
             agent.kill()
+            agent.wait()
+        if group:
+            try:
+                group.rmdir()
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Soak: the agent's limits driven at once (#11): memory (steps of 1024
-# phases), streams that never say hello, a stream of short jobs, a flood of
-# idle connections and allocator traces with thousands of segments (half
-# never finished), beside a well-behaved rank. Loopback only, bounded in
-# time. Prints a JSON summary: peak RSS, /healthz latency, refusals by
-# reason, and whether the polite rank was served throughout.
+# Soak: the agent's limits driven at once by hostile and unlucky clients
+# (memory, silent streams, one-step ranks that disconnect, a connection
+# flood, silent unfinished traces, idle gRPC channels, one process taking
+# every stream, held HTTP connections, concurrent large reports, clock
+# jumps), beside a well-behaved rank, under the chart's 192 MiB memory limit
+# (a memory cgroup when this user can make one; else RSS is measured against
+# it). Loopback only, bounded in time. Prints a JSON summary: peak RSS (and
+# the cgroup's peak), probe success rate, the polite rank's longest stall,
+# refusals by reason.
 #
 #   bench/soak.sh                 # 10 minutes
-#   bench/soak.sh --seconds 60    # shorter; other flags: bench/soak.py --help
+#   bench/soak.sh --seconds 120   # shorter; other flags: bench/soak.py --help
 #   BIN=path bench/soak.sh        # skip the build
 set -euo pipefail
 cd "$(dirname "$0")/.."
