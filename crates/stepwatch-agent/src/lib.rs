@@ -249,6 +249,7 @@ pub async fn run_until(
     // The shared socket's service; the CSI volumes' listeners share its
     // stream budget.
     let uds_service = ingest_service();
+    let mut owned_csi_socket = None;
     let csi_task = match &config.csi_socket {
         Some(path) => {
             let plugin = csi::CsiPlugin::new(
@@ -267,6 +268,7 @@ pub async fn run_until(
             plugin.restore();
             // Only the kubelet (root) and the registrar call it.
             let listener = bind_socket(path, 0o660)?;
+            owned_csi_socket = Some(lifecycle::OwnedSocket::new(path));
             tracing::info!(socket = %path.display(), driver = %config.csi_driver_name, max_volumes = config.csi_max_volumes, "CSI node plugin on: pods get their own ingest socket through an ephemeral inline volume");
             Some(tokio::spawn(
                 tonic::transport::Server::builder()
@@ -448,14 +450,15 @@ pub async fn run_until(
     if !nvml_released.await.unwrap_or(false) {
         tracing::warn!("the NVML sampler did not stop within 2 s (an NVML call hangs); exiting without nvmlShutdown");
     }
-    owned_socket.remove();
-    tracing::debug!(lock = %lock.path().display(), "releasing the socket's lock");
-    drop(lock);
+    // Both before the lock goes: the next agent binds them once it has it.
     // The volumes' sockets stay: their pods still mount them, and the next
     // agent reopens them from the state file.
-    if let Some(path) = &config.csi_socket {
-        let _ = std::fs::remove_file(path);
+    owned_socket.remove();
+    if let Some(csi) = &owned_csi_socket {
+        csi.remove();
     }
+    tracing::debug!(lock = %lock.path().display(), "releasing the socket's lock");
+    drop(lock);
     tracing::info!("stopped");
     Ok(())
 }
