@@ -90,11 +90,7 @@ pub async fn exchange_collect(
 pub fn advisories(
     got: Vec<stepwatch_proto::v1::AgentMessage>,
 ) -> Vec<stepwatch_proto::v1::Advisory> {
-    got.into_iter()
-        .filter_map(|m| match m.kind {
-            Some(stepwatch_proto::v1::agent_message::Kind::Advisory(a)) => Some(a),
-            _ => None,
-        })
+    all_advisories(got)
         .filter(|a| a.kind != stepwatch_proto::v1::AdvisoryKind::ClientClock as i32)
         .collect()
 }
@@ -103,11 +99,16 @@ pub fn advisories(
 pub fn clock_advisories(
     got: Vec<stepwatch_proto::v1::AgentMessage>,
 ) -> Vec<stepwatch_proto::v1::Advisory> {
-    got.into_iter()
-        .filter_map(|m| match m.kind {
-            Some(stepwatch_proto::v1::agent_message::Kind::Advisory(a)) => Some(a),
-            _ => None,
-        })
+    all_advisories(got)
         .filter(|a| a.kind == stepwatch_proto::v1::AdvisoryKind::ClientClock as i32)
         .collect()
+}
+
+fn all_advisories(
+    got: Vec<stepwatch_proto::v1::AgentMessage>,
+) -> impl Iterator<Item = stepwatch_proto::v1::Advisory> {
+    got.into_iter().filter_map(|m| match m.kind {
+        Some(stepwatch_proto::v1::agent_message::Kind::Advisory(a)) => Some(a),
+        _ => None,
+    })
 }

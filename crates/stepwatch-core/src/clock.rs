@@ -100,25 +100,31 @@ pub fn offset_is_far(offset_ns: i64) -> bool {
 pub fn offset_advisory(step: u64, now_ns: u64, offset_ns: i64) -> Advisory {
     let secs = offset_ns.unsigned_abs() as f64 / 1e9;
     let way = if offset_ns < 0 { "behind" } else { "ahead of" };
-    Advisory {
-        kind: AdvisoryKind::ClientClock,
+    clock_advisory(
         step,
-        issued_monotonic_ns: now_ns,
-        predicted_peak_bytes: 0,
-        capacity_bytes: 0,
-        predicted_headroom_bytes: 0,
-        message: format!(
+        now_ns,
+        format!(
             "this process's markers carry a CLOCK_MONOTONIC {secs:.0} s {way} the agent's: GPU \
              samples cannot be matched to its phases, so its per-phase GPU figures stay empty \
              (a client on another host, or in another time namespace, than the agent)"
         ),
-        divergence: None,
-    }
+    )
 }
 
 /// The advisory for a batch refused because it jumped `ahead_ns` ahead.
 pub fn jump_advisory(step: u64, now_ns: u64, ahead_ns: u64) -> Advisory {
     let secs = ahead_ns as f64 / 1e9;
+    clock_advisory(
+        step,
+        now_ns,
+        format!(
+            "a marker batch of step {step} was {secs:.0} s ahead of this process's clock as the \
+             agent knows it and was refused (clock_jumped); later markers are taken as usual"
+        ),
+    )
+}
+
+fn clock_advisory(step: u64, now_ns: u64, message: String) -> Advisory {
     Advisory {
         kind: AdvisoryKind::ClientClock,
         step,
@@ -126,10 +132,7 @@ pub fn jump_advisory(step: u64, now_ns: u64, ahead_ns: u64) -> Advisory {
         predicted_peak_bytes: 0,
         capacity_bytes: 0,
         predicted_headroom_bytes: 0,
-        message: format!(
-            "a marker batch of step {step} was {secs:.0} s ahead of this process's clock as the \
-             agent knows it and was refused (clock_jumped); later markers are taken as usual"
-        ),
+        message,
         divergence: None,
     }
 }

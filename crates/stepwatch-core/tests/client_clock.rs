@@ -3,6 +3,7 @@
 //! once per run.
 
 use stepwatch_core::*;
+use stepwatch_testkit::{solo_rank, step_markers};
 
 const S: u64 = 1_000_000_000;
 
@@ -14,26 +15,12 @@ fn tracker() -> Tracker {
 }
 
 fn info() -> RankInfo {
-    RankInfo {
-        job: "clock".into(),
-        rank: 0,
-        world_size: 1,
-        gpu_uuid: "GPU-a".into(),
-        pid: 1,
-        ..Default::default()
-    }
+    solo_rank("clock", "GPU-a")
 }
 
 /// Step `n`'s markers, 1 ms apart from `t`.
 fn step(n: u64, t: u64) -> Vec<Marker> {
-    MarkerKind::STEP_ORDER
-        .iter()
-        .enumerate()
-        .map(|(i, k)| {
-            let at = t + i as u64 * 1_000_000;
-            Marker::at(*k, n, at, at)
-        })
-        .collect()
+    step_markers(n, 1, t, 1_000_000)
 }
 
 #[test]
