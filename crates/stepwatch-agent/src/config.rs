@@ -253,8 +253,10 @@ pub struct AgentConfig {
     pub slurm_job_mapping_dir: Option<PathBuf>,
 
     /// The kubelet's pod-resources API (v1 PodResourcesLister), which says
-    /// which pod holds which GPU. Without it (outside Kubernetes) clients'
-    /// pods and namespaces are taken as they claim them, logged once.
+    /// which pod holds which GPU (root's socket). Without it pods are still
+    /// found through --pod-logs-dir, their GPUs unchecked; without both
+    /// (outside Kubernetes) clients' pods and namespaces are taken as they
+    /// claim them, logged once.
     #[cfg_attr(
         feature = "cli",
         arg(

@@ -253,14 +253,14 @@ fn gpu_families(
             ("namespace", namespace),
             ("pod", pod),
             ("container", container),
-            // The mapping names whole GPUs; a slice's job is its rank's.
+            // A MIG slice's job is in its own file, `<gpu>.<instance>`.
             (
                 "hpc_job",
-                if g.mig.is_some() {
-                    ""
-                } else {
-                    slurm_jobs.sole_job(g.index).unwrap_or("")
-                },
+                match &g.mig {
+                    Some(m) => slurm_jobs.sole_job_on_instance(g.index, m.gpu_instance_id),
+                    None => slurm_jobs.sole_job(g.index),
+                }
+                .unwrap_or(""),
             ),
         ];
         let mut with_name = labels.to_vec();

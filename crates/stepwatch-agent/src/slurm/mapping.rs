@@ -72,11 +72,22 @@ impl JobMapping {
     /// when none is, or when several share it (no label rather than one of
     /// them, as for pods sharing a GPU by time-slicing).
     pub fn sole_job(&self, index: u32) -> Option<&str> {
-        match self.jobs_on_gpu(index)? {
-            [one] => Some(one),
-            [first, rest @ ..] if rest.iter().all(|j| j == first) => Some(first),
-            _ => None,
-        }
+        sole(self.jobs_on_gpu(index)?)
+    }
+
+    /// [`JobMapping::sole_job`] of the MIG instance `gpu_instance_id` of GPU
+    /// `index` (the file `<index>.<gpu instance id>`).
+    pub fn sole_job_on_instance(&self, index: u32, gpu_instance_id: u32) -> Option<&str> {
+        sole(self.0.get(&format!("{index}.{gpu_instance_id}"))?)
+    }
+}
+
+/// The one job of a GPU's file, or None when several jobs share it.
+fn sole(jobs: &[String]) -> Option<&str> {
+    match jobs {
+        [one] => Some(one),
+        [first, rest @ ..] if rest.iter().all(|j| j == first) => Some(first),
+        _ => None,
     }
 }
 
@@ -141,6 +152,10 @@ mod tests {
         assert_eq!(m.sole_job(1), None);
         assert_eq!(m.sole_job(2), None);
         assert_eq!(m.sole_job(9), None);
+        // A MIG instance's file is its own: GPU 3's slice 1, not GPU 3.
+        assert_eq!(m.sole_job_on_instance(3, 1), Some("45"));
+        assert_eq!(m.sole_job_on_instance(3, 2), None);
+        assert_eq!(m.sole_job(3), None);
         // A job written twice (a prolog run again) is still one job.
         let twice = JobMapping::from_files([("0", "42\n42\n")]);
         assert_eq!(twice.sole_job(0), Some("42"));
