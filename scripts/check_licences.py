@@ -10,9 +10,9 @@ package. Fails when an expression cannot be satisfied with allowed licences, whe
 no `license` field, or when a workspace member is not Apache-2.0.
 
 With --third-party OUT, also writes the licence texts of the crates compiled into the shipped
-agent (`stepwatch --no-default-features`: normal dependencies of the root, no dev or build
-dependencies) into OUT, as binary redistribution of MIT/BSD/ISC code requires. The texts are
-the LICENSE*/COPYING*/NOTICE* files of each crate's source in Cargo's registry.
+agent (`stepwatch --no-default-features --features preflight`: normal dependencies of the root,
+no dev or build dependencies) into OUT, as binary redistribution of MIT/BSD/ISC code requires.
+The texts are the LICENSE*/COPYING*/NOTICE* files of each crate's source in Cargo's registry.
 
 Advisories (RustSec) need their database from the network and are not checked here.
 """
@@ -119,8 +119,9 @@ def shipped(meta: dict, root_name: str) -> set[str]:
     nodes = {n["id"]: n for n in meta["resolve"]["nodes"]}
     root = next(p["id"] for p in meta["packages"] if p["name"] == root_name)
     seen, todo = set(), [root]
-    # Features of the root's default set that the agent image leaves out (dev-tools).
-    dev_tools = {"stepwatch-client", "stepwatch-sim", "fake-nvml", "stepwatch-proto"}
+    # Features of the root's default set that the release binary leaves out (dev-tools beyond
+    # preflight, which ships: fake-nvml is in the binary).
+    dev_tools = {"stepwatch-client", "stepwatch-sim", "stepwatch-proto"}
     while todo:
         pid = todo.pop()
         if pid in seen:

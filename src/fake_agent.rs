@@ -23,6 +23,8 @@ impl Drop for Killed {
 
 /// A running agent on its own fake GPUs; stopped and its dir removed when dropped.
 pub struct FakeAgent {
+    /// The agent process (the benchmarks read its RSS; preflight only holds it).
+    #[cfg_attr(not(feature = "dev-tools"), allow(dead_code))]
     pub child: Killed,
     pub http: SocketAddr,
     /// `unix://` + the marker socket, for `STEPWATCH_ENDPOINT`.

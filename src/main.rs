@@ -6,9 +6,9 @@
 mod bench;
 #[cfg(feature = "dev-tools")]
 mod demo;
-#[cfg(feature = "dev-tools")]
+#[cfg(feature = "preflight")]
 mod fake_agent;
-#[cfg(feature = "dev-tools")]
+#[cfg(feature = "preflight")]
 mod preflight;
 mod replay_record;
 #[cfg(feature = "dev-tools")]
@@ -47,7 +47,7 @@ enum Command {
     #[cfg(feature = "dev-tools")]
     /// Benchmarks that need the whole system (e.g. `bench accuracy`).
     Bench(bench::BenchArgs),
-    #[cfg(feature = "dev-tools")]
+    #[cfg(feature = "preflight")]
     /// Will this training script run out of GPU memory on that GPU? Runs it
     /// for a few steps on fake GPUs of that model (fake CUDA, an agent) and
     /// says, before the job is queued. Needs no GPU.
@@ -79,7 +79,7 @@ fn main() -> anyhow::Result<()> {
         Command::FakeGpu(args) => sim::fake_gpu(args),
         #[cfg(feature = "dev-tools")]
         Command::Bench(args) => bench::run(args),
-        #[cfg(feature = "dev-tools")]
+        #[cfg(feature = "preflight")]
         Command::Preflight(args) => std::process::exit(preflight::main(args)),
         Command::ReplayRecord(args) => replay_record::run(args),
     }

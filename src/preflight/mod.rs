@@ -13,9 +13,9 @@
 //! Exit status: 0 fits (with 5% to spare), 1 runs out of memory or fits with
 //! under 5% to spare, 2 preflight itself failed.
 //!
-//! It is a development tool (feature `dev-tools`): it needs fake-nvml (the crate
-//! and its `libfake_nvml.so` next to the binary) and fake CUDA's sources, none of
-//! which the agent image or the release binary carries.
+//! Fake CUDA's launcher and C sources ship in the Python package
+//! (`stepwatch.fake_cuda`, which builds them for the installed torch on first
+//! use); the fake NVML library ships beside the binary.
 
 mod gpus;
 mod report;
@@ -71,7 +71,8 @@ pub struct PreflightArgs {
     #[arg(long)]
     pub python: Option<PathBuf>,
     /// fake CUDA's launcher (default: $STEPWATCH_FAKE_CUDA, else
-    /// crates/fake-cuda/fake-cuda of the checkout this binary was built in).
+    /// crates/fake-cuda/fake-cuda of the checkout this binary was built in,
+    /// else `python -m stepwatch.fake_cuda` of the installed Python package).
     #[arg(long, env = "STEPWATCH_FAKE_CUDA")]
     pub fake_cuda: Option<PathBuf>,
     /// List the GPU models and exit.
@@ -116,11 +117,16 @@ fn run(args: &PreflightArgs) -> anyhow::Result<i32> {
         .gpus
         .unwrap_or_else(|| nproc_per_node(&args.command).unwrap_or(1));
     anyhow::ensure!((1..=16).contains(&count), "--gpus must be 1 to 16");
-    let fake_cuda = find_fake_cuda(args.fake_cuda.as_deref())?;
     let python = args
         .python
         .clone()
         .or_else(|| command_python(&args.command));
+    let runner = python.clone().unwrap_or_else(|| PathBuf::from("python3"));
+    let fake_cuda = find_fake_cuda(args.fake_cuda.as_deref(), &runner)?;
+    let nvml_lib = fake_nvml::find_cdylib().context(
+        "the fake NVML library (libfake_nvml.so) was not found next to the stepwatch binary \
+         (the release tarball ships it beside the binary, the .deb in /usr/lib/stepwatch)",
+    )?;
 
     // Ctrl-C and SIGTERM stop the run (its process group) and end with status 2.
     let interrupted = Arc::new(AtomicBool::new(false));
@@ -162,8 +168,8 @@ fn run(args: &PreflightArgs) -> anyhow::Result<i32> {
         ),
     );
 
-    let mut cmd = Command::new(python.as_deref().unwrap_or(Path::new("python3")));
-    cmd.arg(&fake_cuda)
+    let mut cmd = Command::new(&runner);
+    cmd.args(fake_cuda.args())
         .args(["run", "--quiet", "--usage-log"])
         .arg(&usage_dir);
     if let Some(py) = &python {
@@ -180,6 +186,7 @@ fn run(args: &PreflightArgs) -> anyhow::Result<i32> {
         .env("STEPWATCH_JOB_ID", &job_id)
         .env("STEPWATCH_STOP_AFTER_STEP", args.steps.to_string())
         .env("STEPWATCH_BIN", std::env::current_exe()?)
+        .env("STEPWATCH_FAKE_NVML_LIB", &nvml_lib)
         .env("PYTHONUNBUFFERED", "1")
         .stdin(Stdio::null())
         .stdout(log_file.try_clone()?)
@@ -188,7 +195,7 @@ fn run(args: &PreflightArgs) -> anyhow::Result<i32> {
         .process_group(0);
     let mut child = cmd
         .spawn()
-        .with_context(|| format!("cannot run fake CUDA's launcher {}", fake_cuda.display()))?;
+        .with_context(|| format!("cannot run fake CUDA's launcher ({fake_cuda:?})"))?;
     let deadline = Instant::now() + Duration::from_secs(args.timeout);
     let status = loop {
         if let Some(status) = child.try_wait()? {
@@ -418,29 +425,61 @@ fn command_python(command: &[String]) -> Option<PathBuf> {
     sibling.is_file().then_some(sibling)
 }
 
-/// fake CUDA's launcher: the flag or $STEPWATCH_FAKE_CUDA, else the checkout's.
-fn find_fake_cuda(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+/// How fake CUDA's launcher is run: a script (the flag, $STEPWATCH_FAKE_CUDA,
+/// or the checkout's `crates/fake-cuda/fake-cuda`), or the installed Python
+/// package's module (`python -m stepwatch.fake_cuda`).
+#[derive(Debug, Clone, PartialEq)]
+enum Launcher {
+    Script(PathBuf),
+    Module,
+}
+
+impl Launcher {
+    /// The arguments that follow the Python.
+    fn args(&self) -> Vec<std::ffi::OsString> {
+        match self {
+            Launcher::Script(path) => vec![path.into()],
+            Launcher::Module => vec!["-m".into(), "stepwatch.fake_cuda".into()],
+        }
+    }
+}
+
+/// The flag or $STEPWATCH_FAKE_CUDA, else the checkout's launcher, else the
+/// module of the stepwatch package installed for `python` (checked here, so
+/// that its absence is said plainly).
+fn find_fake_cuda(given: Option<&Path>, python: &Path) -> anyhow::Result<Launcher> {
     if let Some(p) = given {
         anyhow::ensure!(p.is_file(), "no fake CUDA launcher at {}", p.display());
-        return Ok(p.to_path_buf());
+        return Ok(Launcher::Script(p.to_path_buf()));
     }
     let exe = std::env::current_exe().ok();
-    let candidates = exe
+    // A dev build also knows the checkout it was built in; a release binary
+    // goes by where it is.
+    let built_in = cfg!(feature = "dev-tools").then(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    let checkout = exe
         .iter()
         .flat_map(|e| e.ancestors().skip(1).take(4))
         .map(Path::to_path_buf)
-        .chain([PathBuf::from(env!("CARGO_MANIFEST_DIR"))])
-        .map(|d| d.join("crates/fake-cuda/fake-cuda"));
-    for c in candidates {
-        if c.is_file() {
-            return Ok(c);
-        }
+        .chain(built_in)
+        .map(|d| d.join("crates/fake-cuda/fake-cuda"))
+        .find(|c| c.is_file());
+    if let Some(script) = checkout {
+        return Ok(Launcher::Script(script));
     }
-    anyhow::bail!(
-        "fake CUDA's launcher (crates/fake-cuda/fake-cuda of a stepwatch checkout) was not \
-         found next to this binary; give --fake-cuda PATH or set STEPWATCH_FAKE_CUDA \
-         (preflight does not yet work from the release artifacts alone)"
-    )
+    let found = Command::new(python)
+        .args(["-c", "import stepwatch.fake_cuda"])
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("cannot run {}", python.display()))?;
+    anyhow::ensure!(
+        found.status.success(),
+        "the stepwatch Python package (with its fake CUDA) is not installed for {}: \
+         `{} -m pip install stepwatch`, or name another Python with --python\n{}",
+        python.display(),
+        python.display(),
+        String::from_utf8_lossy(&found.stderr).trim()
+    );
+    Ok(Launcher::Module)
 }
 
 /// The last `n` lines of a file, indented.

@@ -733,14 +733,21 @@ pub fn cdylib_file_name() -> String {
 /// the copied-up file can be stale. Every ancestor of the executable (up to four levels)
 /// and its `deps/` is searched, and the most recently modified candidate wins. Returns
 /// `None` if none is built: a crate's tests need fake-nvml as a (dev-)dependency for cargo
-/// to build it.
+/// to build it. Installed, it is beside the binary (the release tarball) or in
+/// `lib/stepwatch/` of the binary's prefix (the .deb: /usr/lib/stepwatch).
 pub fn find_cdylib() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let name = cdylib_file_name();
     exe.ancestors()
         .skip(1)
         .take(4)
-        .flat_map(|dir| [dir.join(&name), dir.join("deps").join(&name)])
+        .flat_map(|dir| {
+            [
+                dir.join(&name),
+                dir.join("deps").join(&name),
+                dir.join("lib/stepwatch").join(&name),
+            ]
+        })
         .filter_map(|p| {
             let modified = fs::metadata(&p).ok()?.modified().ok()?;
             p.is_file().then_some((modified, p))
