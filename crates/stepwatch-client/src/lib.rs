@@ -242,6 +242,7 @@ impl Client {
             micro_batch,
             layout_segments: Vec::new(),
             device_memory: None,
+            batch: None,
         })
     }
 

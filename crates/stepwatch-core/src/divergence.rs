@@ -432,6 +432,7 @@ mod tests {
             }),
             layout_segments: Vec::new(),
             device_memory: None,
+            batch: None,
         };
         let fb = 10_000 + act;
         let mut t = crate::timeline::RankTimeline::new(10);

@@ -111,6 +111,18 @@ pub enum MarkerError {
         /// The step of the batch's first marker.
         step: u64,
     },
+    /// An evaluation or checkpoint marker where none can be: a pass
+    /// begun inside an open step, or naming a step other than the last
+    /// begun, or an end without its begin.
+    #[error("{kind} for step {step}: {why}")]
+    PassMisplaced {
+        /// The marker received.
+        kind: &'static str,
+        /// The step it named.
+        step: u64,
+        /// What is wrong with it.
+        why: &'static str,
+    },
     /// A step kept opening phases past the bound that keeps memory finite.
     #[error("step {step} has more than {limit} phases")]
     TooManyPhases {
@@ -166,7 +178,7 @@ impl MarkerError {
             MarkerError::UnspecifiedKind => "unspecified_kind",
             MarkerError::StepZero | MarkerError::StepRegressed { .. } => "step_regressed",
             MarkerError::NoOpenStep { .. } => "no_open_step",
-            MarkerError::OutOfOrder { .. } => "out_of_order",
+            MarkerError::OutOfOrder { .. } | MarkerError::PassMisplaced { .. } => "out_of_order",
             MarkerError::ClockRegressed { .. } => "clock_regressed",
             MarkerError::ClockJumped { .. } => "clock_jumped",
             MarkerError::TooManyPhases { .. } => "too_many_phases",

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::batch::BatchFacts;
+
 use crate::error::HelloError;
 use crate::marker::MAX_PLAUSIBLE_BYTES;
 
@@ -124,6 +126,11 @@ pub struct ModelFacts {
     /// replay makes it (`replay`). None: no rebuild to come.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ddp_bucket_rebuild: Option<DdpBucketRebuild>,
+    /// The largest batch the rank's data loader can produce, when the
+    /// client was told it: what the step peaks' relation to their batches
+    /// is extrapolated to (`batch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub largest_batch: Option<BatchFacts>,
 }
 
 /// Most buckets either list of a [`DdpBucketRebuild`] may hold: far above
@@ -208,6 +215,9 @@ impl ModelFacts {
         }
         if update.optimizer_implementation != OptimizerImplementation::Unknown {
             self.optimizer_implementation = update.optimizer_implementation;
+        }
+        if update.largest_batch.is_some() {
+            self.largest_batch.clone_from(&update.largest_batch);
         }
         if update.ddp_bucket_rebuild.is_some() {
             self.ddp_bucket_rebuild
@@ -371,6 +381,14 @@ impl RankInfo {
         }
         if let Some(r) = &self.model.ddp_bucket_rebuild {
             r.validate()?;
+        }
+        if let Some(b) = &self.model.largest_batch {
+            if b.implausible().is_some() {
+                return Err(HelloError::Model(
+                    "largest_batch is beyond any loader's (counts at most 2^48, at most 8 \
+                     dimensions, at most 2^50 elements)",
+                ));
+            }
         }
         Ok(())
     }

@@ -14,6 +14,7 @@
 mod advisory;
 pub mod allocator;
 mod analysis;
+mod batch;
 pub mod clock;
 mod divergence;
 mod downsample;
@@ -42,6 +43,10 @@ pub use analysis::{
     ActivationPlateau, AnalysisConfig, FirstStepAnomaly, RankAnalysis, RankInputs, SteadyNvmlPeak,
     SteadyState,
 };
+pub use batch::{
+    outlook, BatchFacts, BatchOutlook, BatchPoint, BatchRelation, BatchSize, BatchUnit,
+    LargestBatch, MAX_BATCH_DIMS,
+};
 pub use divergence::{
     activation_peak_bytes, divergence, ActivationPeak, Divergence, DivergenceFigure, NamedOutlier,
     Outlier, PeakSource, RankFigures, Spread,
@@ -62,7 +67,7 @@ pub use layout::{
     step2_new_segments, step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS,
 };
 pub use marker::{
-    AllocatorStats, DeviceMemory, Marker, MarkerKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
+    AllocatorStats, DeviceMemory, Marker, MarkerKind, PassKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
 };
 pub use predict::{
     predict, BasisLimit, GradsSource, LayoutSetAside, LiveStep, OverheadSource, PredictConfig,
@@ -82,8 +87,8 @@ pub use replay::{
 };
 pub use sample::GpuSample;
 pub use timeline::{
-    PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome, StepRecord,
-    BEFORE_BEGIN_WINDOW_NS, MAX_PHASES_PER_STEP,
+    PassOutcome, PassRecord, PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome,
+    StepRecord, BEFORE_BEGIN_WINDOW_NS, MAX_PHASES_PER_STEP, MAX_RETAINED_PASSES,
 };
 pub use tracker::{
     Journal, LayoutCounts, OpenError, Opened, RankState, Tracker, TrackerConfig, MAX_ENDED_RUNS,

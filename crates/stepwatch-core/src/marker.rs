@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::allocator::SegmentLayout;
+use crate::batch::BatchFacts;
 
 /// The event a marker records. The order of the variants is the order in
 /// which they occur within one step.
@@ -23,6 +24,14 @@ pub enum MarkerKind {
     StepEnd,
     /// The step died with a CUDA out-of-memory error; ends the step.
     Oom,
+    /// An evaluation pass begins between steps (see [`PassKind`]).
+    EvalBegin,
+    /// The evaluation pass ends.
+    EvalEnd,
+    /// A checkpoint save begins between steps.
+    CheckpointBegin,
+    /// The checkpoint save ends.
+    CheckpointEnd,
 }
 
 impl MarkerKind {
@@ -48,7 +57,24 @@ impl MarkerKind {
             MarkerKind::BackwardBegin => Some(PhaseKind::Backward),
             MarkerKind::OptimizerBegin => Some(PhaseKind::Optimizer),
             MarkerKind::OptimizerEnd => Some(PhaseKind::Epilogue),
-            MarkerKind::StepEnd | MarkerKind::Oom => None,
+            MarkerKind::StepEnd
+            | MarkerKind::Oom
+            | MarkerKind::EvalBegin
+            | MarkerKind::EvalEnd
+            | MarkerKind::CheckpointBegin
+            | MarkerKind::CheckpointEnd => None,
+        }
+    }
+
+    /// The pass this marker begins or ends, as (kind, begins); None for a
+    /// step's markers.
+    pub fn pass(self) -> Option<(PassKind, bool)> {
+        match self {
+            MarkerKind::EvalBegin => Some((PassKind::Evaluation, true)),
+            MarkerKind::EvalEnd => Some((PassKind::Evaluation, false)),
+            MarkerKind::CheckpointBegin => Some((PassKind::Checkpoint, true)),
+            MarkerKind::CheckpointEnd => Some((PassKind::Checkpoint, false)),
+            _ => None,
         }
     }
 
@@ -62,6 +88,36 @@ impl MarkerKind {
             MarkerKind::OptimizerEnd => "optimizer_end",
             MarkerKind::StepEnd => "step_end",
             MarkerKind::Oom => "oom",
+            MarkerKind::EvalBegin => "eval_begin",
+            MarkerKind::EvalEnd => "eval_end",
+            MarkerKind::CheckpointBegin => "checkpoint_begin",
+            MarkerKind::CheckpointEnd => "checkpoint_end",
+        }
+    }
+}
+
+/// Work between training steps that is not a step: its memory has a shape
+/// of its own (no gradients or optimizer, often a larger batch), so its
+/// peaks are kept apart from the steps' and feed no step figure, trend or
+/// prediction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PassKind {
+    /// An evaluation (validation) pass: forwards without gradients.
+    Evaluation,
+    /// A checkpoint save.
+    Checkpoint,
+}
+
+impl PassKind {
+    /// Every pass kind, in the order metrics list them.
+    pub const ALL: [PassKind; 2] = [PassKind::Evaluation, PassKind::Checkpoint];
+
+    /// Stable label value for metrics and JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PassKind::Evaluation => "evaluation",
+            PassKind::Checkpoint => "checkpoint",
         }
     }
 }
@@ -231,6 +287,9 @@ pub struct Marker {
     /// `allocator`, it measures the memory outside the allocator exactly.
     #[serde(default)]
     pub device_memory: Option<DeviceMemory>,
+    /// The micro-batch this marker begins, when the client saw it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchFacts>,
 }
 
 impl Marker {
@@ -248,6 +307,7 @@ impl Marker {
             allocator: None,
             layout_segments: Vec::new(),
             device_memory: None,
+            batch: None,
         }
     }
 }

@@ -4,9 +4,10 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
+use crate::batch::BatchFacts;
 use crate::error::{kind_name, MarkerError};
 use crate::marker::{
-    AllocatorStats, DeviceMemory, Marker, MarkerKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
+    AllocatorStats, DeviceMemory, Marker, MarkerKind, PassKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
     MAX_PLAUSIBLE_MONOTONIC_NS, MAX_PLAUSIBLE_STEP,
 };
 
@@ -173,6 +174,66 @@ pub struct StepRecord {
     /// `allocator_at_end`.
     #[serde(default)]
     pub device_at_end: Option<DeviceMemory>,
+    /// The largest batch the step's markers carried (its micro-batches'),
+    /// when the client saw them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchFacts>,
+}
+
+/// Evaluation passes and checkpoint saves a rank keeps (the latest).
+pub const MAX_RETAINED_PASSES: usize = 64;
+
+/// How a pass ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PassOutcome {
+    /// Still running.
+    Running,
+    /// Its end marker came, or the next step began.
+    Completed,
+    /// An OOM marker ended it.
+    Oom,
+}
+
+/// One evaluation pass or checkpoint save, between two training steps.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PassRecord {
+    /// What it is.
+    pub kind: PassKind,
+    /// The last training step begun before it (0: before the first).
+    pub after_step: u64,
+    /// CLOCK_MONOTONIC ns of its begin marker.
+    pub begin_monotonic_ns: u64,
+    /// Wall-clock ns of that marker.
+    pub begin_wall_ns: u64,
+    /// CLOCK_MONOTONIC ns of its end (its end marker, or the next step's
+    /// first marker); None while running.
+    pub end_monotonic_ns: Option<u64>,
+    /// How it ended.
+    pub outcome: PassOutcome,
+    /// Allocator figures at its begin.
+    pub allocator_at_start: Option<AllocatorStats>,
+    /// Allocator figures at its end (None when the next step's marker
+    /// ended it: that marker's figures are the step's).
+    pub allocator_at_end: Option<AllocatorStats>,
+    /// NVML samples within it.
+    pub nvml: SampleStats,
+    /// Set once it has closed and the sample window was scanned for it.
+    #[serde(skip)]
+    pub(crate) credited: bool,
+}
+
+impl PassRecord {
+    /// Whether a sample at `t` falls in it (half-open, as phases).
+    pub fn contains(&self, t: u64) -> bool {
+        t >= self.begin_monotonic_ns && self.end_monotonic_ns.is_none_or(|end| t < end)
+    }
+
+    /// Duration in ns once it has ended.
+    pub fn duration_ns(&self) -> Option<u64> {
+        self.end_monotonic_ns
+            .map(|end| end.saturating_sub(self.begin_monotonic_ns))
+    }
 }
 
 /// How far before a step's begin a sample may be to count as its
@@ -260,6 +321,8 @@ fn may_follow(prev: MarkerKind, next: MarkerKind) -> bool {
         ),
         OptimizerEnd => matches!(prev, OptimizerBegin),
         StepEnd => !matches!(prev, OptimizerBegin),
+        // Checked apart (`check_pass`): never within a step.
+        EvalBegin | EvalEnd | CheckpointBegin | CheckpointEnd => false,
     }
 }
 
@@ -277,6 +340,12 @@ pub struct RankTimeline {
     last_monotonic_ns: u64,
     steps_completed: u64,
     ooms: u64,
+    /// The latest evaluation passes and checkpoint saves, oldest first.
+    #[serde(default)]
+    passes: VecDeque<PassRecord>,
+    /// Passes begun, per [`PassKind::ALL`] kind.
+    #[serde(default)]
+    passes_begun: [u64; 2],
     /// Moves on every change to the retained steps ([`RankTimeline::revision`]).
     #[serde(skip)]
     revision: u64,
@@ -300,6 +369,8 @@ impl RankTimeline {
             last_monotonic_ns: self.last_monotonic_ns,
             steps_completed: self.steps_completed,
             ooms: self.ooms,
+            passes: self.passes.clone(),
+            passes_begun: self.passes_begun,
             revision: 0,
         };
         trimmed.count_phases();
@@ -329,6 +400,8 @@ impl RankTimeline {
             last_monotonic_ns: 0,
             steps_completed: 0,
             ooms: 0,
+            passes: VecDeque::new(),
+            passes_begun: [0; 2],
             revision: 0,
         }
     }
@@ -345,6 +418,7 @@ impl RankTimeline {
     /// figure the tracker's memory budget is enforced on.
     pub fn approx_bytes(&self) -> u64 {
         approx_bytes(self.steps.len(), self.phases_retained)
+            + (self.passes.len() * std::mem::size_of::<PassRecord>()) as u64
     }
 
     /// Drops the oldest step after step 1, unless only step 1 and the
@@ -409,6 +483,25 @@ impl RankTimeline {
         self.ooms
     }
 
+    /// The latest evaluation passes and checkpoint saves (at most
+    /// [`MAX_RETAINED_PASSES`]), oldest first.
+    pub fn passes(
+        &self,
+    ) -> impl DoubleEndedIterator<Item = &PassRecord> + ExactSizeIterator + Clone {
+        self.passes.iter()
+    }
+
+    /// Mutable access for sample attribution.
+    pub(crate) fn passes_mut(&mut self) -> impl DoubleEndedIterator<Item = &mut PassRecord> {
+        self.revision += 1;
+        self.passes.iter_mut()
+    }
+
+    /// Passes of `kind` begun so far (retained or not).
+    pub fn passes_begun(&self, kind: PassKind) -> u64 {
+        self.passes_begun[kind as usize]
+    }
+
     /// The latest step, open or not.
     pub fn current(&self) -> Option<&StepRecord> {
         self.steps.back()
@@ -436,11 +529,73 @@ impl RankTimeline {
                 .and_then(|s| s.last_kind().or(Some(MarkerKind::StepBegin))),
             phases: current.map_or(0, |s| s.phases.len()),
             last_ns: self.last_monotonic_ns,
+            open_pass: self
+                .passes
+                .back()
+                .filter(|p| p.outcome == PassOutcome::Running)
+                .map(|p| p.kind),
+        }
+    }
+
+    /// Ends the open pass, if any, at marker `m`.
+    fn close_open_pass(&mut self, m: &Marker, outcome: PassOutcome, figures: bool) {
+        if let Some(open) = self
+            .passes
+            .back_mut()
+            .filter(|p| p.outcome == PassOutcome::Running)
+        {
+            open.end_monotonic_ns = Some(m.monotonic_ns);
+            open.outcome = outcome;
+            open.allocator_at_end = m.allocator.filter(|_| figures);
+        }
+    }
+
+    fn apply_pass_marker(&mut self, m: &Marker, kind: PassKind, begins: bool) {
+        self.close_open_pass(m, PassOutcome::Completed, true);
+        if !begins {
+            return;
+        }
+        self.passes_begun[kind as usize] += 1;
+        self.passes.push_back(PassRecord {
+            kind,
+            after_step: m.step,
+            begin_monotonic_ns: m.monotonic_ns,
+            begin_wall_ns: m.wall_ns,
+            end_monotonic_ns: None,
+            outcome: PassOutcome::Running,
+            allocator_at_start: m.allocator,
+            allocator_at_end: None,
+            nvml: SampleStats::default(),
+            credited: false,
+        });
+        if self.passes.len() > MAX_RETAINED_PASSES {
+            self.passes.pop_front();
         }
     }
 
     fn apply_unchecked(&mut self, m: &Marker) {
         self.last_monotonic_ns = m.monotonic_ns;
+        if let Some((kind, begins)) = m.kind.pass() {
+            self.apply_pass_marker(m, kind, begins);
+            return;
+        }
+        let pass_open = self
+            .passes
+            .back()
+            .is_some_and(|p| p.outcome == PassOutcome::Running);
+        let step_open = self
+            .steps
+            .back()
+            .is_some_and(|s| s.outcome == StepOutcome::Running);
+        let last_step = self.steps.back().map_or(0, |s| s.step);
+        if m.kind == MarkerKind::Oom && pass_open && !step_open && m.step == last_step {
+            // The pass died: it is what ran out of memory.
+            self.close_open_pass(m, PassOutcome::Oom, true);
+            self.ooms += 1;
+            return;
+        }
+        // The next step ends a pass its client did not end.
+        self.close_open_pass(m, PassOutcome::Completed, false);
         let opens_new_step = self.steps.back().is_none_or(|s| m.step > s.step);
         if opens_new_step {
             if let Some(prev) = self.steps.back_mut() {
@@ -460,6 +615,7 @@ impl RankTimeline {
                 phases: Vec::new(),
                 nvml_before_begin: None,
                 device_at_end: None,
+                batch: None,
             });
             // Keep the first step; drop the oldest after it.
             if self.steps.len() > self.max_retained_steps {
@@ -468,6 +624,15 @@ impl RankTimeline {
         }
         let step = self.steps.back_mut().expect("a step is open");
         close_open_phase(step, m);
+        if let Some(batch) = m.batch.as_ref().filter(|b| !b.is_empty()) {
+            let larger = step
+                .batch
+                .as_ref()
+                .is_none_or(|kept| batch.size().larger_than(&kept.size()));
+            if larger {
+                step.batch = Some(batch.clone());
+            }
+        }
         match m.kind {
             MarkerKind::StepEnd | MarkerKind::Oom => {
                 step.end_monotonic_ns = Some(m.monotonic_ns);
@@ -522,13 +687,12 @@ struct Cursor {
     open_kind: Option<MarkerKind>,
     phases: usize,
     last_ns: u64,
+    /// The pass that is running, if any.
+    open_pass: Option<PassKind>,
 }
 
 impl Cursor {
     fn check_and_advance(&mut self, m: &Marker) -> Result<(), MarkerError> {
-        if m.step == 0 {
-            return Err(MarkerError::StepZero);
-        }
         let implausible = |field, value, limit| MarkerError::Implausible {
             field,
             value,
@@ -550,6 +714,33 @@ impl Cursor {
         if let Some((field, value, limit)) = m.device_memory.and_then(|d| d.implausible()) {
             return Err(implausible(field, value, limit));
         }
+        if let Some((field, value, limit)) = m.batch.as_ref().and_then(|b| b.implausible()) {
+            return Err(implausible(field, value, limit));
+        }
+        let clock = MarkerError::ClockRegressed {
+            last: self.last_ns,
+            got: m.monotonic_ns,
+        };
+        if let Some((kind, begins)) = m.kind.pass() {
+            if m.monotonic_ns < self.last_ns {
+                return Err(clock);
+            }
+            return self.check_pass(m, kind, begins);
+        }
+        if m.kind == MarkerKind::Oom
+            && self.open_pass.is_some()
+            && self.open_kind.is_none()
+            && m.step == self.last_step
+            && m.monotonic_ns >= self.last_ns
+        {
+            // An OOM in the running pass ends it.
+            self.open_pass = None;
+            self.last_ns = m.monotonic_ns;
+            return Ok(());
+        }
+        if m.step == 0 {
+            return Err(MarkerError::StepZero);
+        }
         // A step that has ended cannot be reopened.
         if m.step < self.last_step || (m.step == self.last_step && self.open_kind.is_none()) {
             return Err(MarkerError::StepRegressed {
@@ -558,10 +749,7 @@ impl Cursor {
             });
         }
         if m.monotonic_ns < self.last_ns {
-            return Err(MarkerError::ClockRegressed {
-                last: self.last_ns,
-                got: m.monotonic_ns,
-            });
+            return Err(clock);
         }
         if m.step > self.last_step {
             // A new step. StepBegin is expected; any other kind opens the step
@@ -595,6 +783,36 @@ impl Cursor {
             self.open_kind = Some(m.kind);
         } else {
             self.open_kind = None;
+        }
+        self.open_pass = None;
+        self.last_ns = m.monotonic_ns;
+        Ok(())
+    }
+
+    /// An evaluation or checkpoint marker: between steps, naming the last
+    /// step begun; an end only for the pass of its kind that runs.
+    fn check_pass(&mut self, m: &Marker, kind: PassKind, begins: bool) -> Result<(), MarkerError> {
+        let misplaced = |why| MarkerError::PassMisplaced {
+            kind: kind_name(m.kind),
+            step: m.step,
+            why,
+        };
+        if self.open_kind.is_some() {
+            return Err(misplaced(
+                "a training step is open; a pass runs between steps",
+            ));
+        }
+        if m.step != self.last_step {
+            return Err(misplaced(
+                "a pass names the last training step begun (0 before the first)",
+            ));
+        }
+        if begins {
+            self.open_pass = Some(kind);
+        } else if self.open_pass == Some(kind) {
+            self.open_pass = None;
+        } else {
+            return Err(misplaced("no pass of this kind is running"));
         }
         self.last_ns = m.monotonic_ns;
         Ok(())

@@ -483,6 +483,7 @@ fn no_figures_no_prediction() {
             phases: vec![],
             nvml_before_begin: None,
             device_at_end: None,
+            batch: None,
         },
         PredictFrom {
             facts: &ModelFacts::default(),

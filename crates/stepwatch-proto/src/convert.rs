@@ -20,8 +20,8 @@ use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::TraceSettings;
 use stepwatch_core::{
     Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace,
-    DdpBucketRebuild, DeviceMemory, Marker, MarkerKind, ModelFacts, OptimizerImplementation,
-    OptimizerKind, PhaseKind, Precision, RankInfo,
+    BatchFacts, DdpBucketRebuild, DeviceMemory, Marker, MarkerKind, ModelFacts,
+    OptimizerImplementation, OptimizerKind, PhaseKind, Precision, RankInfo,
 };
 
 use crate::v1 as pb;
@@ -213,6 +213,7 @@ pub fn model_facts_to_wire(f: &ModelFacts) -> pb::ModelFacts {
         micro_batch_size,
         optimizer_implementation,
         ddp_bucket_rebuild,
+        largest_batch,
     } = f.clone();
     pb::ModelFacts {
         parameter_count,
@@ -227,6 +228,7 @@ pub fn model_facts_to_wire(f: &ModelFacts) -> pb::ModelFacts {
         micro_batch_size,
         optimizer_implementation: optimizer_implementation_to_wire(optimizer_implementation) as i32,
         ddp_bucket_rebuild: ddp_bucket_rebuild.map(ddp_bucket_rebuild_to_wire),
+        largest_batch: largest_batch.as_ref().map(batch_to_wire),
     }
 }
 
@@ -271,6 +273,7 @@ pub fn model_facts_from_wire(f: pb::ModelFacts) -> ModelFacts {
         micro_batch_size,
         optimizer_implementation,
         ddp_bucket_rebuild,
+        largest_batch,
     } = f;
     ModelFacts {
         parameter_count,
@@ -286,6 +289,7 @@ pub fn model_facts_from_wire(f: pb::ModelFacts) -> ModelFacts {
         optimizer_implementation: optimizer_implementation_from_wire(optimizer_implementation)
             .unwrap_or_default(),
         ddp_bucket_rebuild: ddp_bucket_rebuild.map(ddp_bucket_rebuild_from_wire),
+        largest_batch: largest_batch.and_then(batch_from_wire),
     }
 }
 
@@ -326,6 +330,10 @@ enum_pairs!(marker_kind_to_wire, marker_kind_of_wire, MarkerKind => pb::MarkerKi
     OptimizerEnd <=> OptimizerEnd,
     StepEnd <=> StepEnd,
     Oom <=> Oom,
+    EvalBegin <=> EvalBegin,
+    EvalEnd <=> EvalEnd,
+    CheckpointBegin <=> CheckpointBegin,
+    CheckpointEnd <=> CheckpointEnd,
 });
 
 /// A marker kind as sent; unspecified and unknown values are refused.
@@ -346,6 +354,7 @@ pub fn marker_to_wire(m: &Marker) -> pb::Marker {
         allocator,
         layout_segments,
         device_memory,
+        batch,
     } = m;
     pb::Marker {
         kind: marker_kind_to_wire(*kind) as i32,
@@ -356,6 +365,7 @@ pub fn marker_to_wire(m: &Marker) -> pb::Marker {
         allocator: allocator.as_ref().map(allocator_stats_to_wire),
         layout_segments: layout_segments.iter().map(segment_to_wire).collect(),
         device_memory: device_memory.as_ref().map(device_memory_to_wire),
+        batch: batch.as_ref().map(batch_to_wire),
     }
 }
 
@@ -370,6 +380,7 @@ pub fn marker_from_wire(m: pb::Marker) -> Result<Marker, WireError> {
         micro_batch,
         layout_segments,
         device_memory,
+        batch,
     } = m;
     Ok(Marker {
         kind: marker_kind_from_wire(kind)?,
@@ -380,7 +391,20 @@ pub fn marker_from_wire(m: pb::Marker) -> Result<Marker, WireError> {
         allocator: allocator.map(allocator_stats_from_wire),
         layout_segments: layout_segments.into_iter().map(segment_from_wire).collect(),
         device_memory: device_memory.map(device_memory_from_wire),
+        batch: batch.and_then(batch_from_wire),
     })
+}
+
+/// A batch's size, as the client described it.
+pub fn batch_to_wire(b: &BatchFacts) -> pb::BatchFacts {
+    same_fields!(b.clone(), BatchFacts => pb::BatchFacts { samples, tokens, shape })
+}
+
+/// A batch as sent; an empty one says nothing (None). Its plausibility is
+/// the timeline's (or the facts') to check.
+pub fn batch_from_wire(b: pb::BatchFacts) -> Option<BatchFacts> {
+    let b = same_fields!(b, pb::BatchFacts => BatchFacts { samples, tokens, shape });
+    (!b.is_empty()).then_some(b)
 }
 
 /// `cudaMemGetInfo` at a marker.

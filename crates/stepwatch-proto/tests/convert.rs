@@ -6,9 +6,9 @@ use proptest::prelude::*;
 use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::TraceSettings;
 use stepwatch_core::{
-    Advisory, AdvisoryKind, AllocatorEvent, AllocatorStats, AllocatorTrace, DdpBucketRebuild,
-    DeviceMemory, Marker, MarkerKind, ModelFacts, OptimizerImplementation, OptimizerKind,
-    PhaseKind, Precision, RankInfo,
+    Advisory, AdvisoryKind, AllocatorEvent, AllocatorStats, AllocatorTrace, BatchFacts,
+    DdpBucketRebuild, DeviceMemory, Marker, MarkerKind, ModelFacts, OptimizerImplementation,
+    OptimizerKind, PhaseKind, Precision, RankInfo,
 };
 use stepwatch_proto::convert::*;
 use stepwatch_proto::v1 as pb;
@@ -57,27 +57,46 @@ fn model_facts() -> impl Strategy<Value = ModelFacts> {
                 prop::collection::vec(any::<u64>(), 0..20),
             )),
         ),
+        prop::option::of(batch()),
     )
-        .prop_map(|((count, bytes, opt, state, precision, shard), rest)| {
-            let (accum, precreated, to_none, micro, implementation, rebuild) = rest;
-            ModelFacts {
-                parameter_count: count,
-                parameter_bytes: bytes,
-                optimizer: opt,
-                state_bytes_per_parameter: state,
-                precision,
-                sharding_factor: shard,
-                grad_accumulation_steps: accum,
-                state_precreated: precreated,
-                grads_set_to_none: to_none,
-                micro_batch_size: micro,
-                optimizer_implementation: implementation,
-                ddp_bucket_rebuild: rebuild.map(|(old, new)| DdpBucketRebuild {
-                    old_bucket_bytes: old,
-                    new_bucket_bytes: new,
-                }),
-            }
+        .prop_map(
+            |((count, bytes, opt, state, precision, shard), rest, largest)| {
+                let (accum, precreated, to_none, micro, implementation, rebuild) = rest;
+                ModelFacts {
+                    parameter_count: count,
+                    parameter_bytes: bytes,
+                    optimizer: opt,
+                    state_bytes_per_parameter: state,
+                    precision,
+                    sharding_factor: shard,
+                    grad_accumulation_steps: accum,
+                    state_precreated: precreated,
+                    grads_set_to_none: to_none,
+                    micro_batch_size: micro,
+                    optimizer_implementation: implementation,
+                    ddp_bucket_rebuild: rebuild.map(|(old, new)| DdpBucketRebuild {
+                        old_bucket_bytes: old,
+                        new_bucket_bytes: new,
+                    }),
+                    largest_batch: largest,
+                }
+            },
+        )
+}
+
+/// A batch that says something (an empty one reads back as none).
+fn batch() -> impl Strategy<Value = BatchFacts> {
+    (
+        any::<Option<u64>>(),
+        any::<Option<u64>>(),
+        prop::collection::vec(any::<u64>(), 0..10),
+    )
+        .prop_map(|(samples, tokens, shape)| BatchFacts {
+            samples,
+            tokens,
+            shape,
         })
+        .prop_filter("says something", |b| !b.is_empty())
 }
 
 /// What a hello can say: the agent's own findings (container, attested)
@@ -116,7 +135,7 @@ fn rank_info() -> impl Strategy<Value = RankInfo> {
 /// Every marker kind, drawn by its wire value (the exhaustive test below
 /// checks each wire value maps to a kind and back).
 fn marker_kind() -> impl Strategy<Value = MarkerKind> {
-    (1..=7i32).prop_map(|k| marker_kind_from_wire(k).expect("a kind of the contract"))
+    (1..=11i32).prop_map(|k| marker_kind_from_wire(k).expect("a kind of the contract"))
 }
 
 fn allocator_stats() -> impl Strategy<Value = AllocatorStats> {
@@ -141,6 +160,7 @@ fn marker() -> impl Strategy<Value = Marker> {
         prop::option::of(allocator_stats()),
         prop::collection::vec(segment(), 0..3),
         prop::option::of(device_memory()),
+        prop::option::of(batch()),
     )
         .prop_map(
             |(
@@ -152,6 +172,7 @@ fn marker() -> impl Strategy<Value = Marker> {
                 allocator,
                 layout_segments,
                 device_memory,
+                batch,
             )| Marker {
                 kind,
                 step,
@@ -161,6 +182,7 @@ fn marker() -> impl Strategy<Value = Marker> {
                 allocator,
                 layout_segments,
                 device_memory,
+                batch,
             },
         )
 }
@@ -347,7 +369,7 @@ proptest! {
 fn every_wire_enum_value_maps_to_a_core_value_and_back() {
     // The proptest draws core values; this walks the wire's enums, so a
     // value added to the contract without a core counterpart fails here.
-    for kind in 1..=7 {
+    for kind in 1..=11 {
         let core = marker_kind_from_wire(kind).unwrap();
         assert_eq!(marker_kind_to_wire(core) as i32, kind);
     }
@@ -378,7 +400,7 @@ fn every_wire_enum_value_maps_to_a_core_value_and_back() {
         );
     }
     assert!(
-        pb::MarkerKind::try_from(8).is_err(),
+        pb::MarkerKind::try_from(12).is_err(),
         "a new marker kind needs a core kind"
     );
     assert!(
@@ -405,7 +427,7 @@ fn every_wire_enum_value_maps_to_a_core_value_and_back() {
 
 #[test]
 fn an_unspecified_or_unknown_marker_kind_is_refused_by_name() {
-    for kind in [0, 8, -1] {
+    for kind in [0, 12, -1] {
         let m = pb::Marker {
             kind,
             step: 1,

@@ -488,6 +488,7 @@ impl RankSim {
             },
             // The simulated jobs have no DDP buckets.
             ddp_bucket_rebuild: None,
+            largest_batch: None,
         }
     }
 

@@ -164,6 +164,7 @@ fn markers() -> impl Strategy<Value = pb::ClientMessage> {
                     micro_batch,
                     layout_segments: Vec::new(),
                     device_memory,
+                    batch: None,
                 }
             })
             .collect();

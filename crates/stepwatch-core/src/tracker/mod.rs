@@ -1148,6 +1148,15 @@ impl Tracker {
                         step.phases[phase].add_sample(s.monotonic_ns, s.used_bytes);
                     }
                 }
+                let pass = state
+                    .timeline
+                    .passes()
+                    .rposition(|p| p.credited && p.contains(s.monotonic_ns));
+                if let Some(pass) = pass {
+                    if let Some(p) = state.timeline.passes_mut().nth(pass) {
+                        p.nvml.add(s.used_bytes);
+                    }
+                }
                 let first = state.timeline.steps().next();
                 if first.is_some_and(|f| f.takes_before_begin(s.monotonic_ns, s.used_bytes)) {
                     if let Some(first) = state.timeline.steps_mut().next() {
@@ -1239,6 +1248,17 @@ fn credit_newly_closed(timeline: &mut RankTimeline, window: &VecDeque<GpuSample>
         let before = window.partition_point(|s| s.monotonic_ns < first.begin_monotonic_ns);
         if let Some(s) = before.checked_sub(1).map(|i| window[i]) {
             first.offer_before_begin(s.monotonic_ns, s.used_bytes);
+        }
+    }
+    let uncredited = |p: &crate::PassRecord| p.end_monotonic_ns.is_some() && !p.credited;
+    if timeline.passes().any(uncredited) {
+        for pass in timeline.passes_mut().filter(|p| uncredited(p)) {
+            let start = window.partition_point(|s| s.monotonic_ns < pass.begin_monotonic_ns);
+            let end = pass.end_monotonic_ns.unwrap_or(u64::MAX);
+            for s in window.range(start..).take_while(|s| s.monotonic_ns < end) {
+                pass.nvml.add(s.used_bytes);
+            }
+            pass.credited = true;
         }
     }
     for step in timeline.steps_mut().rev() {

@@ -140,6 +140,12 @@ pub struct ModelFacts {
     /// rebuild is still to come; absent when there is none to come.
     #[prost(message, optional, tag = "12")]
     pub ddp_bucket_rebuild: ::core::option::Option<DdpBucketRebuild>,
+    /// The largest batch the data loader can produce (e.g. the batch size times
+    /// the longest sequence it may pad to), when the client is told it. With it
+    /// and batches of several sizes seen, the agent says what that batch would
+    /// need and whether it fits.
+    #[prost(message, optional, tag = "13")]
+    pub largest_batch: ::core::option::Option<BatchFacts>,
 }
 /// DDP's gradient buckets before and after its one rebuild. PyTorch frees the
 /// old buckets' buffers, then allocates the new ones in this order.
@@ -309,6 +315,29 @@ pub struct Marker {
     /// and at an OOM marker only (it costs a driver call).
     #[prost(message, optional, tag = "8")]
     pub device_memory: ::core::option::Option<DeviceMemory>,
+    /// What the micro-batch this marker begins was (FORWARD_BEGIN, or STEP_BEGIN
+    /// before the first forward), when the client can see it. The agent keeps,
+    /// per step, the largest batch its markers carried and relates the step's
+    /// peak to it. Absent (older clients, batches the client cannot see): the
+    /// agent reports the spread of step peaks instead.
+    #[prost(message, optional, tag = "9")]
+    pub batch: ::core::option::Option<BatchFacts>,
+}
+/// The size of a batch, in whichever terms the client knows (all optional;
+/// set at least one). The agent compares batches by tokens when both carry
+/// them, else by the product of their shapes, else by samples.
+#[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct BatchFacts {
+    /// Samples (sequences, images) in the batch.
+    #[prost(uint64, optional, tag = "1")]
+    pub samples: ::core::option::Option<u64>,
+    /// Tokens in the batch (samples times padded sequence length).
+    #[prost(uint64, optional, tag = "2")]
+    pub tokens: ::core::option::Option<u64>,
+    /// The shape of the batch's main input tensor, e.g. \[8, 2048\] for token
+    /// ids or \[16, 3, 512, 512\] for images; at most 8 dimensions.
+    #[prost(uint64, repeated, tag = "3")]
+    pub shape: ::prost::alloc::vec::Vec<u64>,
 }
 /// cudaMemGetInfo (torch.cuda.mem_get_info()) at a marker. Exact at that
 /// instant, unlike NVML samples taken between markers: total - free is the
@@ -519,6 +548,20 @@ pub enum MarkerKind {
     StepEnd = 6,
     /// The step died with a CUDA out-of-memory error.
     Oom = 7,
+    /// An evaluation pass begins between training steps (forwards under
+    /// torch.no_grad() or in eval mode, a trainer's validation loop). Its step
+    /// is the last training step begun (0 before the first); no training step
+    /// may be open. Evaluation passes and checkpoint saves are not training
+    /// steps: the agent keeps their peaks apart and counts them in no step
+    /// figure, trend or prediction. A pass is closed by its END marker, or by
+    /// the next step's first marker (its end is then that marker's time).
+    EvalBegin = 8,
+    /// The evaluation pass ends.
+    EvalEnd = 9,
+    /// A checkpoint save begins (same rules as EVAL_BEGIN).
+    CheckpointBegin = 10,
+    /// The checkpoint save ends.
+    CheckpointEnd = 11,
 }
 impl MarkerKind {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -535,6 +578,10 @@ impl MarkerKind {
             Self::OptimizerEnd => "OPTIMIZER_END",
             Self::StepEnd => "STEP_END",
             Self::Oom => "OOM",
+            Self::EvalBegin => "EVAL_BEGIN",
+            Self::EvalEnd => "EVAL_END",
+            Self::CheckpointBegin => "CHECKPOINT_BEGIN",
+            Self::CheckpointEnd => "CHECKPOINT_END",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -548,6 +595,10 @@ impl MarkerKind {
             "OPTIMIZER_END" => Some(Self::OptimizerEnd),
             "STEP_END" => Some(Self::StepEnd),
             "OOM" => Some(Self::Oom),
+            "EVAL_BEGIN" => Some(Self::EvalBegin),
+            "EVAL_END" => Some(Self::EvalEnd),
+            "CHECKPOINT_BEGIN" => Some(Self::CheckpointBegin),
+            "CHECKPOINT_END" => Some(Self::CheckpointEnd),
             _ => None,
         }
     }

@@ -40,6 +40,10 @@ class MarkerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OPTIMIZER_END: _ClassVar[MarkerKind]
     STEP_END: _ClassVar[MarkerKind]
     OOM: _ClassVar[MarkerKind]
+    EVAL_BEGIN: _ClassVar[MarkerKind]
+    EVAL_END: _ClassVar[MarkerKind]
+    CHECKPOINT_BEGIN: _ClassVar[MarkerKind]
+    CHECKPOINT_END: _ClassVar[MarkerKind]
 
 class AllocatorAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -90,6 +94,10 @@ OPTIMIZER_BEGIN: MarkerKind
 OPTIMIZER_END: MarkerKind
 STEP_END: MarkerKind
 OOM: MarkerKind
+EVAL_BEGIN: MarkerKind
+EVAL_END: MarkerKind
+CHECKPOINT_BEGIN: MarkerKind
+CHECKPOINT_END: MarkerKind
 ALLOCATOR_ACTION_UNSPECIFIED: AllocatorAction
 ALLOCATOR_ACTION_ALLOC: AllocatorAction
 ALLOCATOR_ACTION_FREE: AllocatorAction
@@ -161,7 +169,7 @@ class Identity(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., node_name: _Optional[str] = ..., pod: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class ModelFacts(_message.Message):
-    __slots__ = ("parameter_count", "parameter_bytes", "optimizer", "state_bytes_per_parameter", "precision", "sharding_factor", "grad_accumulation_steps", "state_precreated", "grads_set_to_none", "micro_batch_size", "optimizer_implementation", "ddp_bucket_rebuild")
+    __slots__ = ("parameter_count", "parameter_bytes", "optimizer", "state_bytes_per_parameter", "precision", "sharding_factor", "grad_accumulation_steps", "state_precreated", "grads_set_to_none", "micro_batch_size", "optimizer_implementation", "ddp_bucket_rebuild", "largest_batch")
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     PARAMETER_BYTES_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +182,7 @@ class ModelFacts(_message.Message):
     MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_IMPLEMENTATION_FIELD_NUMBER: _ClassVar[int]
     DDP_BUCKET_REBUILD_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_BATCH_FIELD_NUMBER: _ClassVar[int]
     parameter_count: int
     parameter_bytes: int
     optimizer: OptimizerKind
@@ -186,7 +195,8 @@ class ModelFacts(_message.Message):
     micro_batch_size: int
     optimizer_implementation: OptimizerImplementation
     ddp_bucket_rebuild: DdpBucketRebuild
-    def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ..., micro_batch_size: _Optional[int] = ..., optimizer_implementation: _Optional[_Union[OptimizerImplementation, str]] = ..., ddp_bucket_rebuild: _Optional[_Union[DdpBucketRebuild, _Mapping]] = ...) -> None: ...
+    largest_batch: BatchFacts
+    def __init__(self, parameter_count: _Optional[int] = ..., parameter_bytes: _Optional[int] = ..., optimizer: _Optional[_Union[OptimizerKind, str]] = ..., state_bytes_per_parameter: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., sharding_factor: _Optional[int] = ..., grad_accumulation_steps: _Optional[int] = ..., state_precreated: bool = ..., grads_set_to_none: bool = ..., micro_batch_size: _Optional[int] = ..., optimizer_implementation: _Optional[_Union[OptimizerImplementation, str]] = ..., ddp_bucket_rebuild: _Optional[_Union[DdpBucketRebuild, _Mapping]] = ..., largest_batch: _Optional[_Union[BatchFacts, _Mapping]] = ...) -> None: ...
 
 class DdpBucketRebuild(_message.Message):
     __slots__ = ("old_bucket_bytes", "new_bucket_bytes")
@@ -271,7 +281,7 @@ class MarkerBatch(_message.Message):
     def __init__(self, markers: _Optional[_Iterable[_Union[Marker, _Mapping]]] = ...) -> None: ...
 
 class Marker(_message.Message):
-    __slots__ = ("kind", "step", "monotonic_ns", "wall_ns", "allocator", "micro_batch", "layout_segments", "device_memory")
+    __slots__ = ("kind", "step", "monotonic_ns", "wall_ns", "allocator", "micro_batch", "layout_segments", "device_memory", "batch")
     KIND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MONOTONIC_NS_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +290,7 @@ class Marker(_message.Message):
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     kind: MarkerKind
     step: int
     monotonic_ns: int
@@ -288,7 +299,18 @@ class Marker(_message.Message):
     micro_batch: int
     layout_segments: _containers.RepeatedCompositeFieldContainer[AllocatorSegment]
     device_memory: DeviceMemory
-    def __init__(self, kind: _Optional[_Union[MarkerKind, str]] = ..., step: _Optional[int] = ..., monotonic_ns: _Optional[int] = ..., wall_ns: _Optional[int] = ..., allocator: _Optional[_Union[AllocatorStats, _Mapping]] = ..., micro_batch: _Optional[int] = ..., layout_segments: _Optional[_Iterable[_Union[AllocatorSegment, _Mapping]]] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ...) -> None: ...
+    batch: BatchFacts
+    def __init__(self, kind: _Optional[_Union[MarkerKind, str]] = ..., step: _Optional[int] = ..., monotonic_ns: _Optional[int] = ..., wall_ns: _Optional[int] = ..., allocator: _Optional[_Union[AllocatorStats, _Mapping]] = ..., micro_batch: _Optional[int] = ..., layout_segments: _Optional[_Iterable[_Union[AllocatorSegment, _Mapping]]] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ..., batch: _Optional[_Union[BatchFacts, _Mapping]] = ...) -> None: ...
+
+class BatchFacts(_message.Message):
+    __slots__ = ("samples", "tokens", "shape")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    samples: int
+    tokens: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, samples: _Optional[int] = ..., tokens: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DeviceMemory(_message.Message):
     __slots__ = ("free_bytes", "total_bytes")

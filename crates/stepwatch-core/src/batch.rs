@@ -1,0 +1,381 @@
+//! What a step's batch was, and how a rank's step peaks follow it.
+//!
+//! With variable-length sequences, dynamic resolution or packing, the peak
+//! of a step depends on its batch: the job dies on the first long batch, not
+//! at step 2. Clients that see the batch say so on the marker that begins a
+//! micro-batch ([`BatchFacts`]); a step keeps the largest its markers
+//! carried. The trailing window (`growth`) then relates each step's
+//! allocated peak to its batch ([`BatchRelation`]): the largest batch seen
+//! and the peak it needed, and, from the peaks' rise per unit of batch (a
+//! Theil–Sen slope, as for growth), what the largest batch the loader can
+//! produce would need ([`BatchOutlook`]). Activation memory is linear in
+//! the batch's samples and tokens (quadratic in sequence length only for
+//! attention that materialises its scores, which the line then
+//! underestimates past the longest batch seen: say so where it is shown).
+
+use serde::{Deserialize, Serialize};
+
+use crate::growth::theil_sen;
+use crate::marker::{MAX_PLAUSIBLE_BYTES, MAX_PLAUSIBLE_STEP};
+
+/// Most dimensions a batch's shape may have.
+pub const MAX_BATCH_DIMS: usize = 8;
+
+/// A batch's size as the client knows it; every field optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchFacts {
+    /// Samples (sequences, images).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<u64>,
+    /// Tokens (samples times padded sequence length).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+    /// The shape of the batch's main input tensor.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shape: Vec<u64>,
+}
+
+impl BatchFacts {
+    /// Whether it says nothing (what an empty message on the wire is).
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_none() && self.tokens.is_none() && self.shape.is_empty()
+    }
+
+    /// The first figure that cannot be right, as (field, value, limit): a
+    /// count above 2^48, more than [`MAX_BATCH_DIMS`] dimensions, or a
+    /// shape of more than 2^50 elements.
+    pub fn implausible(&self) -> Option<(&'static str, u64, u64)> {
+        for (field, value) in [
+            ("batch.samples", self.samples),
+            ("batch.tokens", self.tokens),
+        ] {
+            if let Some(v) = value.filter(|&v| v > MAX_PLAUSIBLE_STEP) {
+                return Some((field, v, MAX_PLAUSIBLE_STEP));
+            }
+        }
+        if self.shape.len() > MAX_BATCH_DIMS {
+            return Some((
+                "batch.shape (dimensions)",
+                self.shape.len() as u64,
+                MAX_BATCH_DIMS as u64,
+            ));
+        }
+        let elements = self
+            .shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .unwrap_or(u64::MAX);
+        (elements > MAX_PLAUSIBLE_BYTES).then_some((
+            "batch.shape (elements)",
+            elements,
+            MAX_PLAUSIBLE_BYTES,
+        ))
+    }
+
+    /// Its measures (checked figures: see [`BatchFacts::implausible`]).
+    pub fn size(&self) -> BatchSize {
+        BatchSize {
+            samples: self.samples,
+            tokens: self.tokens,
+            elements: (!self.shape.is_empty()).then(|| self.shape.iter().product()),
+        }
+    }
+
+    /// How a person reads it, e.g. "8 samples, 16384 tokens, shape 8×2048".
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(n) = self.samples {
+            parts.push(format!("{n} samples"));
+        }
+        if let Some(n) = self.tokens {
+            parts.push(format!("{n} tokens"));
+        }
+        if !self.shape.is_empty() {
+            let dims: Vec<String> = self.shape.iter().map(u64::to_string).collect();
+            parts.push(format!("shape {}", dims.join("×")));
+        }
+        parts.join(", ")
+    }
+}
+
+/// The measures batches are compared by.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchSize {
+    /// Samples.
+    pub samples: Option<u64>,
+    /// Tokens.
+    pub tokens: Option<u64>,
+    /// Elements of the shape (its product).
+    pub elements: Option<u64>,
+}
+
+/// Which measure batches are compared by: the first that every batch
+/// compared has, in this order (tokens are what activation memory follows
+/// for sequences; a shape's elements for images; samples otherwise).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BatchUnit {
+    /// Tokens.
+    Tokens,
+    /// Elements of the input's shape.
+    Elements,
+    /// Samples.
+    Samples,
+}
+
+impl BatchUnit {
+    const ALL: [BatchUnit; 3] = [BatchUnit::Tokens, BatchUnit::Elements, BatchUnit::Samples];
+
+    /// Stable name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BatchUnit::Tokens => "tokens",
+            BatchUnit::Elements => "elements",
+            BatchUnit::Samples => "samples",
+        }
+    }
+
+    /// The first unit all of `sizes` have; None when they share none (or
+    /// there are none).
+    pub fn common<'a>(sizes: impl Iterator<Item = &'a BatchSize> + Clone) -> Option<Self> {
+        let mut any = sizes.clone().peekable();
+        any.peek()?;
+        Self::ALL
+            .into_iter()
+            .find(|u| sizes.clone().all(|s| s.measure(*u).is_some()))
+    }
+}
+
+impl BatchSize {
+    /// The measure in `unit`, if the batch has it.
+    pub fn measure(&self, unit: BatchUnit) -> Option<u64> {
+        match unit {
+            BatchUnit::Tokens => self.tokens,
+            BatchUnit::Elements => self.elements,
+            BatchUnit::Samples => self.samples,
+        }
+    }
+
+    /// Whether it is larger than `other`, compared in the first unit both
+    /// have.
+    pub fn larger_than(&self, other: &BatchSize) -> bool {
+        BatchUnit::ALL
+            .into_iter()
+            .find_map(|u| Some((self.measure(u)?, other.measure(u)?)))
+            .is_some_and(|(a, b)| a > b)
+    }
+}
+
+/// One step's batch and peaks, as the relation uses them.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct BatchPoint {
+    /// Step number.
+    pub step: u64,
+    /// The batch's measure in the relation's unit.
+    pub size: u64,
+    /// The step's allocated peak (a lower bound, see `profile`), bytes.
+    pub allocated_peak_bytes: u64,
+}
+
+/// How the window's step peaks follow their batches.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BatchRelation {
+    /// The unit batches are compared in.
+    pub unit: BatchUnit,
+    /// Steps of the window with both a batch and an allocated peak.
+    pub steps: usize,
+    /// Distinct batch sizes among them.
+    pub distinct_sizes: usize,
+    /// Smallest and largest batch of them, in `unit`.
+    pub smallest: u64,
+    /// Largest batch of the window, in `unit`.
+    pub largest: u64,
+    /// The allocated peak's rise per unit of batch (Theil–Sen over the
+    /// steps); None under two distinct sizes.
+    pub bytes_per_unit: Option<f64>,
+}
+
+impl BatchRelation {
+    /// The relation of `points` (in step order); None without any.
+    pub fn of(unit: BatchUnit, points: &[BatchPoint]) -> Option<Self> {
+        let smallest = points.iter().map(|p| p.size).min()?;
+        let largest = points.iter().map(|p| p.size).max()?;
+        let mut sizes: Vec<u64> = points.iter().map(|p| p.size).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        let mut by_size: Vec<(u64, u64)> = points
+            .iter()
+            .map(|p| (p.size, p.allocated_peak_bytes))
+            .collect();
+        by_size.sort_unstable();
+        // The lower peak bound of a repeated size is the tightest it has:
+        // keep each size's highest.
+        let mut per_size: Vec<(u64, u64)> = Vec::with_capacity(sizes.len());
+        for (size, peak) in by_size {
+            match per_size.last_mut() {
+                Some(last) if last.0 == size => last.1 = last.1.max(peak),
+                _ => per_size.push((size, peak)),
+            }
+        }
+        let bytes_per_unit = (per_size.len() >= 2)
+            .then(|| theil_sen(&per_size, 0.0).map(|s| s.bytes_per_step))
+            .flatten();
+        Some(Self {
+            unit,
+            steps: points.len(),
+            distinct_sizes: sizes.len(),
+            smallest,
+            largest,
+            bytes_per_unit,
+        })
+    }
+}
+
+/// The largest batch of the run so far and what its step needed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LargestBatch {
+    /// Its step.
+    pub step: u64,
+    /// The batch as the client described it.
+    pub batch: BatchFacts,
+    /// Its step's allocated peak (a lower bound), bytes.
+    pub allocated_peak_bytes: Option<u64>,
+    /// Its step's device-memory peak (NVML), bytes.
+    pub nvml_peak_bytes: Option<u64>,
+}
+
+/// What the largest batch the loader can produce would need, from the
+/// largest seen and the peaks' rise per unit of batch.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BatchOutlook {
+    /// The loader's largest batch, as the client said it.
+    pub batch: BatchFacts,
+    /// Its measure in the relation's unit.
+    pub size: u64,
+    /// The allocated peak it would need, bytes.
+    pub allocated_peak_bytes: u64,
+    /// The device-memory peak it would need: the allocated peak plus what
+    /// NVML showed beyond the allocated peak at the largest batch seen
+    /// (CUDA context, cache), bytes.
+    pub device_peak_bytes: Option<u64>,
+    /// Capacity minus that; None without capacity or device figure.
+    pub headroom_bytes: Option<i64>,
+}
+
+/// What `loader_largest` would need, from the largest batch seen and the
+/// relation (None when the client did not say it, the relation has no
+/// slope, or the two batches share no unit).
+pub fn outlook(
+    relation: &BatchRelation,
+    largest: &LargestBatch,
+    loader_largest: &BatchFacts,
+    capacity_bytes: u64,
+) -> Option<BatchOutlook> {
+    let rate = relation.bytes_per_unit?;
+    let unit = relation.unit;
+    let size = loader_largest.size().measure(unit)?;
+    let seen = largest.batch.size().measure(unit)?;
+    let base = largest.allocated_peak_bytes?;
+    let extra = (size as f64 - seen as f64) * rate.max(0.0);
+    let allocated = (base as f64 + extra)
+        .max(0.0)
+        .min(MAX_PLAUSIBLE_BYTES as f64) as u64;
+    let device = largest
+        .nvml_peak_bytes
+        .map(|n| allocated.saturating_add(n.saturating_sub(base)));
+    Some(BatchOutlook {
+        batch: loader_largest.clone(),
+        size,
+        allocated_peak_bytes: allocated,
+        device_peak_bytes: device,
+        headroom_bytes: device
+            .filter(|_| capacity_bytes > 0)
+            .map(|d| capacity_bytes as i64 - d as i64),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(step: u64, size: u64, peak: u64) -> BatchPoint {
+        BatchPoint {
+            step,
+            size,
+            allocated_peak_bytes: peak,
+        }
+    }
+
+    #[test]
+    fn tokens_are_compared_first_then_elements_then_samples() {
+        let a = BatchFacts {
+            samples: Some(8),
+            tokens: Some(4096),
+            shape: vec![8, 512],
+        }
+        .size();
+        let b = BatchFacts {
+            samples: Some(8),
+            tokens: None,
+            shape: vec![8, 1024],
+        }
+        .size();
+        assert_eq!(BatchUnit::common([a, b].iter()), Some(BatchUnit::Elements));
+        assert!(b.larger_than(&a));
+        assert_eq!(BatchUnit::common([a].iter()), Some(BatchUnit::Tokens));
+    }
+
+    #[test]
+    fn implausible_batches_are_named() {
+        let too_deep = BatchFacts {
+            shape: vec![1; 9],
+            ..Default::default()
+        };
+        assert_eq!(
+            too_deep.implausible().map(|i| i.0),
+            Some("batch.shape (dimensions)")
+        );
+        let too_big = BatchFacts {
+            shape: vec![1 << 30, 1 << 30],
+            ..Default::default()
+        };
+        assert_eq!(
+            too_big.implausible().map(|i| i.0),
+            Some("batch.shape (elements)")
+        );
+    }
+
+    #[test]
+    fn the_relation_and_the_outlook_by_hand() {
+        // Peaks 1000 + 2 bytes per token: 512 tokens need 2024, 1024 need
+        // 3048, 2048 need 5096 (seen once, at step 9).
+        let points = [
+            point(3, 512, 2024),
+            point(4, 1024, 3048),
+            point(5, 512, 2024),
+            point(9, 2048, 5096),
+        ];
+        let r = BatchRelation::of(BatchUnit::Tokens, &points).unwrap();
+        assert_eq!((r.smallest, r.largest, r.distinct_sizes), (512, 2048, 3));
+        assert_eq!(r.bytes_per_unit, Some(2.0));
+        let largest = LargestBatch {
+            step: 9,
+            batch: BatchFacts {
+                tokens: Some(2048),
+                ..Default::default()
+            },
+            allocated_peak_bytes: Some(5096),
+            nvml_peak_bytes: Some(6000),
+        };
+        let loader = BatchFacts {
+            tokens: Some(4096),
+            ..Default::default()
+        };
+        let o = outlook(&r, &largest, &loader, 10_000).unwrap();
+        // 5096 + 2·2048 = 9192 allocated; plus the 904 NVML showed beyond
+        // the allocated peak at step 9: 10096, 96 over capacity.
+        assert_eq!(o.allocated_peak_bytes, 9192);
+        assert_eq!(o.device_peak_bytes, Some(10_096));
+        assert_eq!(o.headroom_bytes, Some(-96));
+    }
+}
