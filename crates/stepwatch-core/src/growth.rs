@@ -285,6 +285,12 @@ pub struct MemoryTrend {
     pub slopes: [Option<Slope>; 3],
     /// Median time from one step's end to the next's, per step, ns.
     pub step_period_ns: Option<u64>,
+    /// Median of NVML peak − reserved peak over the window's steps that
+    /// have both: the device memory outside the allocator (context,
+    /// workspaces, other processes), to put an allocator level in NVML
+    /// terms when too few steps had a sample for an NVML slope (steps of a
+    /// few ms, between the sampler's ticks).
+    pub nvml_over_reserved_bytes: Option<u64>,
     /// The window's latest step.
     pub last: StepFigures,
 }
@@ -312,7 +318,12 @@ impl MemoryTrend {
                     / (w[1].step - w[0].step)
             })
             .collect();
+        let mut outside: Vec<u64> = window
+            .iter()
+            .filter_map(|s| Some(s.nvml_peak_bytes?.saturating_sub(s.reserved_peak_bytes?)))
+            .collect();
         Some(Self {
+            nvml_over_reserved_bytes: crate::profile::median_u64(&mut outside),
             trailing: TrailingPeaks {
                 steps: window.len(),
                 first_step: first.step,
@@ -383,9 +394,20 @@ pub fn forecast(
         .filter_map(|s| trend.slope(s).map(|sl| (s, sl)))
         .filter(|(_, sl)| grows(sl, capacity_bytes, config))
         .max_by(|a, b| a.1.bytes_per_step.total_cmp(&b.1.bytes_per_step))?;
+    // Without an NVML slope, the reserved level plus what NVML shows
+    // beyond the allocator: the latest step's NVML peak alone may be
+    // missing or short of the level (a step between two samples).
+    let reserved_in_nvml_terms = trend.nvml_over_reserved_bytes.and_then(|outside| {
+        let reserved = trend
+            .slope(GrowthSource::Reserved)
+            .map(|s| s.level_bytes.max(0.0) as u64)
+            .or(trend.last.reserved_peak_bytes)?;
+        Some(reserved.saturating_add(outside))
+    });
     let level = trend
         .slope(GrowthSource::Nvml)
         .map(|s| s.level_bytes.max(0.0) as u64)
+        .or(reserved_in_nvml_terms)
         .or(trend.last.nvml_peak_bytes)
         .or(trend.last.reserved_peak_bytes)
         .or(trend.last.allocated_peak_bytes)?;

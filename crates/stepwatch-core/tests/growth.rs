@@ -334,3 +334,41 @@ fn the_kept_window_is_the_scanned_one() {
         }
     }
 }
+
+/// Steps of a few ms fall between the sampler's ticks: only every 8th has
+/// an NVML peak, too few for an NVML slope. The forecast's level is then
+/// the reserved level plus what NVML shows beyond the allocator (the
+/// context), not the reserved figure alone, so the OOM step stays within
+/// 10% of the true one.
+#[test]
+fn without_an_nvml_slope_the_level_counts_what_nvml_shows_beyond_the_allocator() {
+    let config = GrowthConfig::default();
+    let context = 2_000 * M;
+    let leak = 20 * M;
+    let mut steps = window(
+        &(0..40u64)
+            .map(|i| {
+                let r = 1_000 * M + i * leak;
+                (r - 100 * M, r, r + context)
+            })
+            .collect::<Vec<_>>(),
+    );
+    for (i, s) in steps.iter_mut().enumerate() {
+        s.reserved_peak_bytes = s.reserved_at_end_bytes;
+        if i % 8 != 0 {
+            s.nvml_peak_bytes = None;
+        }
+    }
+    let trend = MemoryTrend::of(&steps, &config).unwrap();
+    assert!(trend.slope(GrowthSource::Nvml).is_none());
+    assert_eq!(trend.nvml_over_reserved_bytes, Some(context));
+    let f = forecast(&trend, CAPACITY, &config).unwrap();
+    let last = trend.last.step;
+    let peak_now = 1_000 * M + 39 * leak + context;
+    assert_eq!(f.level_bytes, peak_now);
+    let truth = last + (CAPACITY - peak_now).div_ceil(leak);
+    assert!(
+        (f.oom_step as f64 - truth as f64).abs() <= 0.1 * truth as f64,
+        "{f:?}"
+    );
+}
