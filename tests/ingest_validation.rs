@@ -879,3 +879,71 @@ fn a_trace_of_a_run_the_process_left_is_refused_and_counted_as_a_rejected_trace(
     );
     assert_eq!(steps_of().0.as_deref(), Some("fit-2"), "fit-2's rank still");
 }
+
+#[test]
+fn an_oom_report_makes_the_post_mortem_and_a_bad_one_is_counted_not_fatal() {
+    use stepwatch_proto::v1::{AllocatorStats, OomReport};
+    const MIB: u64 = 1 << 20;
+    let agent = Agent::start("oom-report", 1);
+    let ep = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let report = |step, segments| ClientMessage {
+        kind: Some(Kind::OomReport(OomReport {
+            step,
+            requested_bytes: 600 * MIB,
+            allocator: Some(AllocatorStats {
+                allocated_bytes: 1_000 * MIB,
+                reserved_bytes: 3_000 * MIB,
+                ..Default::default()
+            }),
+            largest_free_block_bytes: 300 * MIB,
+            segment_count: 4,
+            largest_segments: vec![Default::default(); segments],
+            message: "CUDA out of memory. Tried to allocate 600.00 MiB".into(),
+            ..Default::default()
+        })),
+    };
+    let mut markers = step(1, 1_000);
+    markers.extend([
+        marker(MarkerKind::StepBegin, 2, 10_000),
+        marker(MarkerKind::ForwardBegin, 2, 11_000),
+        marker(MarkerKind::Oom, 2, 12_000),
+    ]);
+    rt.block_on(async {
+        // Over its bounds, then for a step that did not die, then the real one:
+        // the first two are counted and the stream goes on.
+        exchange(
+            &ep,
+            vec![
+                hello("died", 0, 1),
+                batch(markers),
+                report(2, 9),
+                report(1, 0),
+                report(2, 0),
+            ],
+        )
+        .await
+        .expect("the stream goes on");
+    });
+    let m = Metrics(agent.metrics());
+    assert_eq!(
+        m.get(
+            "stepwatch_markers_rejected_total",
+            &[("reason", "invalid_oom_report")]
+        ),
+        Some(2.0)
+    );
+    let (code, body) = agent.get("/api/v1/jobs/died/ranks/0");
+    assert_eq!(code, 200, "{body}");
+    let r: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let pm = &r["post_mortem"];
+    assert_eq!(pm["step"], 2, "{pm:#}");
+    assert_eq!(pm["phase"], "forward", "{pm:#}");
+    assert_eq!(pm["requested_bytes"], 600 * MIB, "{pm:#}");
+    assert_eq!(pm["cached_free_bytes"], 2_000 * MIB, "{pm:#}");
+    let message = pm["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("died of a CUDA out-of-memory error in step 2 (forward)"),
+        "{message}"
+    );
+}

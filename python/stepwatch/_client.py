@@ -50,6 +50,7 @@ COUNTER_NAMES = (
     "allocator_traces_sent",  # step-1 allocator traces written whole to a stream
     "allocator_traces_refused",  # traces not sent: incomplete, too large, failed
     "model_updates_sent",  # facts learnt after the hello (zero_grad) sent to the agent
+    "oom_reports_sent",  # what the allocator knew at an OOM, sent after its marker
     "runs",  # new runs begun after the first (a second watch() or fit): a new stream each
     "layout_snapshots_sent",  # step 1's segment layouts queued on its optimizer markers
 )
@@ -315,6 +316,11 @@ class Client:
         """Queue facts learnt after the hello (ModelFacts fields by name) after
         the markers queued so far; the agent merges them into the hello's."""
         self._enqueue(ModelUpdate(facts))
+
+    def send_oom_report(self, report: Dict[str, Any]) -> None:
+        """Queue what the allocator knew at an OOM (OomReport fields by name)
+        after the markers queued so far: the OOM marker comes first."""
+        self._enqueue(OomReportItem(report))
 
     # --------------------------------------------------------- training side
     def _enqueue(self, item: Any) -> None:
@@ -746,6 +752,9 @@ class Client:
                 if isinstance(trace, ModelUpdate):
                     yield trace.message(pb)
                     self.counters["model_updates_sent"] += 1
+                elif isinstance(trace, OomReportItem):
+                    yield trace.message(pb)
+                    self.counters["oom_reports_sent"] += 1
                 else:
                     yield from self._trace_messages(pb, trace)
                 self._in_flight = 0
@@ -825,6 +834,54 @@ class ModelUpdate:
         m = msg.model_update
         m.SetInParent()
         set_model_facts(m, self.facts)
+        return msg
+
+
+class OomReportItem:
+    """An OomReport, queued in order with the markers (after its OOM marker)."""
+
+    __slots__ = ("report",)
+
+    def __init__(self, report: Dict[str, Any]) -> None:
+        self.report = dict(report)
+
+    def message(self, pb: Any) -> Any:
+        msg = pb.ClientMessage()
+        m = msg.oom_report
+        m.SetInParent()
+        r = self.report
+        for key in (
+            "step",
+            "requested_bytes",
+            "inactive_split_bytes",
+            "segment_count",
+            "largest_free_block_bytes",
+            "message",
+        ):
+            if r.get(key) is not None:
+                setattr(m, key, r[key])
+        alloc = r.get("allocator")
+        if alloc is not None:
+            a = m.allocator
+            (
+                a.allocated_bytes,
+                a.allocated_peak_bytes,
+                a.reserved_bytes,
+                a.reserved_peak_bytes,
+                a.active_bytes,
+                a.active_peak_bytes,
+                a.num_alloc_retries,
+            ) = alloc
+        device = r.get("device_memory")
+        if device is not None:
+            m.device_memory.free_bytes, m.device_memory.total_bytes = device
+        for size, allocated, largest_free, small in r.get("largest_segments") or ():
+            m.largest_segments.add(
+                size_bytes=size,
+                allocated_bytes=allocated,
+                largest_free_block_bytes=largest_free,
+                small_pool=small,
+            )
         return msg
 
 

@@ -572,11 +572,25 @@ class _Runtime:
             pass
         try:
             self.tracker.oom()
+            self._send_oom_report(exc)
             c = self.client
             if c is not None:
                 c.flush(timeout=_oom_flush_timeout())
         except Exception as e:  # the OOM is what matters; never mask it
             log.debug("stepwatch: could not report OOM: %r", e)
+
+    def _send_oom_report(self, exc: BaseException) -> None:
+        """After the OOM marker: what the allocator knew (see _torch.oom_report)."""
+        dev = self.cuda_device if self.allocator_stats else None
+        c = self.client
+        if dev is None or c is None:
+            return
+        try:
+            report = _torch.oom_report(dev, exc, self.tracker.step or 1)
+        except Exception as e:  # the OOM is what matters
+            log.debug("stepwatch: could not read the allocator at the OOM: %r", e)
+            return
+        c.send_oom_report(report)
 
     # ------------------------------------------------------------ excepthook
     def install_excepthook(self) -> None:

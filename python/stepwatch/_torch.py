@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import (
     TYPE_CHECKING,
@@ -61,6 +62,70 @@ def is_oom(exc: BaseException) -> bool:
         if cls is not None and isinstance(exc, cls):
             return True
     return isinstance(exc, RuntimeError) and "CUDA out of memory" in str(exc)
+
+
+# ------------------------------------------------------------- OOM report
+MAX_OOM_SEGMENTS = 8  # the agent's bound (OomReport.largest_segments)
+MAX_OOM_MESSAGE_BYTES = 1024
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_REQUEST = re.compile(r"Tried to allocate ([0-9]+(?:\.[0-9]+)?) ?(B|KiB|MiB|GiB|TiB)")
+
+
+def requested_bytes(message: str) -> int:
+    """The failed request's size from PyTorch's OOM message ("Tried to
+    allocate 20.00 MiB"); 0 when the message has none. PyTorch prints two
+    decimals, so the figure is exact to 1% of its unit."""
+    m = _REQUEST.search(message)
+    return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
+
+
+def oom_report(device: int, exc: BaseException, step: int) -> Dict[str, Any]:
+    """What the caching allocator knows at an OOM, bounded: its statistics,
+    the largest segments with their largest free block, the device's free
+    memory and the request that failed. Figures that cannot be read are left
+    out; the agent reads a missing one as unknown."""
+    torch = sys.modules["torch"]
+    text = str(exc)
+    report: Dict[str, Any] = {
+        "step": step,
+        "requested_bytes": requested_bytes(text),
+        "message": text.encode()[:MAX_OOM_MESSAGE_BYTES].decode(errors="ignore"),
+    }
+    stats = allocator_stats(device)
+    if stats is not None:
+        report["allocator"] = allocator_figures(stats)
+        try:
+            report["inactive_split_bytes"] = int(stats["inactive_split_bytes"]["all"]["current"])
+            report["segment_count"] = int(stats["segment"]["all"]["current"])
+        except Exception:
+            pass
+    try:
+        segments = []
+        largest_free = 0
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device", device) != device:
+                continue
+            free = [b["size"] for b in seg.get("blocks", ()) if b.get("state") == "inactive"]
+            biggest = max(free, default=0)
+            largest_free = max(largest_free, biggest)
+            segments.append(
+                (
+                    int(seg["total_size"]),
+                    int(seg["allocated_size"]),
+                    int(biggest),
+                    seg.get("segment_type") == "small",
+                )
+            )
+        segments.sort(key=lambda s: s[0], reverse=True)
+        report["largest_segments"] = segments[:MAX_OOM_SEGMENTS]
+        report["largest_free_block_bytes"] = largest_free
+    except Exception as e:
+        log.debug("stepwatch: no allocator snapshot at the OOM: %r", e)
+    try:
+        report["device_memory"] = device_memory(device)
+    except Exception:
+        pass
+    return report
 
 
 # ------------------------------------------------------------- devices

@@ -97,8 +97,10 @@ class RecordedStream:
         self.traces: List[pb.AllocatorTraceChunk] = []
         # ModelFacts updates, as received.
         self.model_updates: List[pb.ModelFacts] = []
+        # OOM reports, as received.
+        self.oom_reports: List[pb.OomReport] = []
         # The stream's content in order: ("marker", kind, step) / ("trace", last) /
-        # ("model_update",).
+        # ("model_update",) / ("oom_report", step).
         self.order: List[tuple] = []
         self.sizes: List[int] = []
         self.ended = False  # the client half-closed
@@ -150,6 +152,12 @@ class FakeAgent(pb_grpc.IngestServicer):
                         with self.lock:
                             rec.model_updates.append(msg.model_update)
                             rec.order.append(("model_update",))
+                            self.changed.notify_all()
+                        continue
+                    if kind == "oom_report":
+                        with self.lock:
+                            rec.oom_reports.append(msg.oom_report)
+                            rec.order.append(("oom_report", msg.oom_report.step))
                             self.changed.notify_all()
                         continue
                     if kind != "markers":

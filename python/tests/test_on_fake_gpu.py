@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +164,24 @@ def test_an_out_of_memory_in_step_2_is_reported_as_an_oom_marker(agent, tmp_path
     assert d.total_bytes - d.free_bytes == 512 * MIB + oom.allocator.reserved_bytes
     step2 = [m for m in agent.streams[-1].markers if m.step == 2 and m.kind != pb.OOM]
     assert step2 and not any(m.HasField("device_memory") for m in step2)
+    # Right after the OOM marker: what the allocator knew at the error.
+    stream = agent.streams[-1]
+    assert agent.wait_for(lambda: stream.oom_reports)
+    (report,) = stream.oom_reports
+    assert stream.order[-1] == ("oom_report", 2)
+    assert stream.order[-2] == ("marker", pb.OOM, 2)
+    # The request PyTorch could not serve, from its message, to its two decimals.
+    m = re.search(r"Tried to allocate ([0-9.]+) MiB", proc.stderr)
+    assert m and report.requested_bytes == int(float(m.group(1)) * MIB)
+    assert report.message.startswith("CUDA out of memory. Tried to allocate")
+    assert report.allocator.reserved_bytes > 0
+    assert report.device_memory.total_bytes == d.total_bytes
+    assert 0 < len(report.largest_segments) <= 8 and report.segment_count >= 1
+    sizes = [s.size_bytes for s in report.largest_segments]
+    assert sizes == sorted(sizes, reverse=True)
+    assert report.largest_free_block_bytes == max(
+        s.largest_free_block_bytes for s in report.largest_segments
+    ) or report.segment_count > len(report.largest_segments)
 
 
 # DDP over two ranks (NCCL on fake GPUs): 8 layers of 1024 x 1024, one 32 MiB

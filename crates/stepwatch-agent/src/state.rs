@@ -48,6 +48,7 @@ pub const REJECT_REASONS: &[&str] = &[
     "gpu_not_allocated",
     "slurm_job_not_yours",
     "invalid_model_update",
+    "invalid_oom_report",
     // The wire.
     "decode_error",
     "message_too_large",
@@ -417,6 +418,27 @@ impl AgentState {
             inputs.record(input, true);
             let due = (!applied.late).then_some(applied.advisories);
             Ok((due, ReplayPlan::for_rank(tracker, key)))
+        })
+    }
+
+    /// Keeps what the client sent with its OOM marker (recorded) and
+    /// returns the rank's post-mortem with it.
+    pub fn apply_oom_report(
+        &self,
+        key: &RankKey,
+        run_id: &str,
+        report: stepwatch_core::OomReport,
+    ) -> Result<Option<stepwatch_core::PostMortem>, RecordError> {
+        self.update(Drain::Never, |tracker, inputs| {
+            let input = RecordEntry::OomReport {
+                at_ns: monotonic_ns(),
+                key: key.clone(),
+                report,
+                run_id: run_id.to_string(),
+            };
+            feed::apply(tracker, &input)?;
+            inputs.record(input, true);
+            Ok(tracker.post_mortem(key))
         })
     }
 

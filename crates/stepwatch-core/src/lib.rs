@@ -25,6 +25,7 @@ mod growth;
 mod identity;
 mod layout;
 mod marker;
+mod postmortem;
 mod predict;
 mod profile;
 mod record;
@@ -68,6 +69,10 @@ pub use layout::{
 };
 pub use marker::{
     AllocatorStats, DeviceMemory, Marker, MarkerKind, PassKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
+};
+pub use postmortem::{
+    post_mortem, OomCause, OomReport, OomReportError, OomSegment, PostMortem, PostMortemInputs,
+    MAX_OOM_MESSAGE_BYTES, MAX_OOM_SEGMENTS,
 };
 pub use predict::{
     predict, BasisLimit, GradsSource, LayoutSetAside, LiveStep, OverheadSource, PredictConfig,

@@ -20,8 +20,8 @@ use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::TraceSettings;
 use stepwatch_core::{
     Advisory, AdvisoryKind, AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace,
-    BatchFacts, DdpBucketRebuild, DeviceMemory, Marker, MarkerKind, ModelFacts,
-    OptimizerImplementation, OptimizerKind, PhaseKind, Precision, RankInfo,
+    BatchFacts, DdpBucketRebuild, DeviceMemory, Marker, MarkerKind, ModelFacts, OomReport,
+    OomSegment, OptimizerImplementation, OptimizerKind, PhaseKind, Precision, RankInfo,
 };
 
 use crate::v1 as pb;
@@ -405,6 +405,62 @@ pub fn batch_to_wire(b: &BatchFacts) -> pb::BatchFacts {
 pub fn batch_from_wire(b: pb::BatchFacts) -> Option<BatchFacts> {
     let b = same_fields!(b, pb::BatchFacts => BatchFacts { samples, tokens, shape });
     (!b.is_empty()).then_some(b)
+}
+
+/// What the client sent with an OOM marker.
+pub fn oom_report_to_wire(r: &OomReport) -> pb::OomReport {
+    pb::OomReport {
+        step: r.step,
+        requested_bytes: r.requested_bytes,
+        allocator: r.allocator.as_ref().map(allocator_stats_to_wire),
+        inactive_split_bytes: r.inactive_split_bytes,
+        segment_count: r.segment_count,
+        largest_free_block_bytes: r.largest_free_block_bytes,
+        largest_segments: r
+            .largest_segments
+            .iter()
+            .map(|s| {
+                same_fields!(*s, OomSegment => pb::OomSegment {
+                    size_bytes, allocated_bytes, largest_free_block_bytes, small_pool,
+                })
+            })
+            .collect(),
+        device_memory: r.device_memory.as_ref().map(device_memory_to_wire),
+        message: r.message.clone(),
+    }
+}
+
+/// An OOM report as sent; its bounds are the tracker's to check.
+pub fn oom_report_from_wire(r: pb::OomReport) -> OomReport {
+    let pb::OomReport {
+        step,
+        requested_bytes,
+        allocator,
+        inactive_split_bytes,
+        segment_count,
+        largest_free_block_bytes,
+        largest_segments,
+        device_memory,
+        message,
+    } = r;
+    OomReport {
+        step,
+        requested_bytes,
+        allocator: allocator.map(allocator_stats_from_wire),
+        inactive_split_bytes,
+        segment_count,
+        largest_free_block_bytes,
+        largest_segments: largest_segments
+            .into_iter()
+            .map(|s| {
+                same_fields!(s, pb::OomSegment => OomSegment {
+                    size_bytes, allocated_bytes, largest_free_block_bytes, small_pool,
+                })
+            })
+            .collect(),
+        device_memory: device_memory.map(device_memory_from_wire),
+        message,
+    }
 }
 
 /// `cudaMemGetInfo` at a marker.

@@ -7,8 +7,8 @@ use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::TraceSettings;
 use stepwatch_core::{
     Advisory, AdvisoryKind, AllocatorEvent, AllocatorStats, AllocatorTrace, BatchFacts,
-    DdpBucketRebuild, DeviceMemory, Marker, MarkerKind, ModelFacts, OptimizerImplementation,
-    OptimizerKind, PhaseKind, Precision, RankInfo,
+    DdpBucketRebuild, DeviceMemory, Marker, MarkerKind, ModelFacts, OomReport, OomSegment,
+    OptimizerImplementation, OptimizerKind, PhaseKind, Precision, RankInfo,
 };
 use stepwatch_proto::convert::*;
 use stepwatch_proto::v1 as pb;
@@ -194,6 +194,37 @@ fn device_memory() -> impl Strategy<Value = DeviceMemory> {
     })
 }
 
+fn oom_report() -> impl Strategy<Value = OomReport> {
+    (
+        any::<[u64; 5]>(),
+        prop::option::of(allocator_stats()),
+        prop::collection::vec((any::<[u64; 3]>(), any::<bool>()), 0..9),
+        prop::option::of(device_memory()),
+        text(),
+    )
+        .prop_map(
+            |(v, allocator, segments, device_memory, message)| OomReport {
+                step: v[0],
+                requested_bytes: v[1],
+                inactive_split_bytes: v[2],
+                segment_count: v[3],
+                largest_free_block_bytes: v[4],
+                allocator,
+                largest_segments: segments
+                    .into_iter()
+                    .map(|(s, small_pool)| OomSegment {
+                        size_bytes: s[0],
+                        allocated_bytes: s[1],
+                        largest_free_block_bytes: s[2],
+                        small_pool,
+                    })
+                    .collect(),
+                device_memory,
+                message,
+            },
+        )
+}
+
 fn segment() -> impl Strategy<Value = SegmentLayout> {
     (
         any::<u64>(),
@@ -325,7 +356,9 @@ proptest! {
         m in marker(),
         t in trace(),
         a in advisory(),
+        oom in oom_report(),
     ) {
+        prop_assert_eq!(oom_report_from_wire(oom_report_to_wire(&oom)), oom);
         prop_assert_eq!(hello_from_wire(hello_to_wire(&info, "v")), info.clone());
         prop_assert_eq!(model_facts_from_wire(model_facts_to_wire(&info.model)), info.model);
         prop_assert_eq!(marker_from_wire(marker_to_wire(&m)), Ok(m));

@@ -282,6 +282,9 @@ async fn rank(
                 analysis: tracker.rank_analysis(&key),
                 advisories: r.advisories.clone(),
                 prediction_before_step2: r.prediction_before_step2.clone(),
+                memory_trend: tracker.memory_trend(&key).cloned(),
+                memory_growth: tracker.memory_growth(&key),
+                post_mortem: tracker.post_mortem(&key),
                 steps: r
                     .timeline
                     .steps()
@@ -375,6 +378,12 @@ struct RankBody {
     analysis: Option<stepwatch_core::RankAnalysis>,
     advisories: Vec<stepwatch_core::Advisory>,
     prediction_before_step2: Option<stepwatch_core::Prediction>,
+    /// The trailing window after step 2 and each figure's slope.
+    memory_trend: Option<stepwatch_core::MemoryTrend>,
+    /// When growing memory reaches capacity (after step 2).
+    memory_growth: Option<stepwatch_core::GrowthForecast>,
+    /// Why the rank died, when its latest step died of OOM.
+    post_mortem: Option<stepwatch_core::PostMortem>,
     steps: Vec<StepReport>,
 }
 

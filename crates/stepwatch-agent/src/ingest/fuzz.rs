@@ -257,6 +257,39 @@ fn trace_chunk() -> impl Strategy<Value = pb::ClientMessage> {
         )
 }
 
+/// An OOM report with figures from the edges, for the step of a short stream.
+fn oom_report() -> impl Strategy<Value = pb::OomReport> {
+    (
+        0u64..6,
+        edgy_u64(),
+        edgy_u64(),
+        prop::collection::vec((edgy_u64(), edgy_u64(), edgy_u64()), 0..10),
+        prop::option::of((edgy_u64(), edgy_u64())),
+    )
+        .prop_map(
+            |(step, requested, largest, segments, device)| pb::OomReport {
+                step,
+                requested_bytes: requested,
+                largest_free_block_bytes: largest,
+                segment_count: segments.len() as u64,
+                largest_segments: segments
+                    .into_iter()
+                    .map(|(size, allocated, free)| pb::OomSegment {
+                        size_bytes: size,
+                        allocated_bytes: allocated,
+                        largest_free_block_bytes: free,
+                        small_pool: false,
+                    })
+                    .collect(),
+                device_memory: device.map(|(free, total)| pb::DeviceMemory {
+                    free_bytes: free,
+                    total_bytes: total,
+                }),
+                ..pb::OomReport::default()
+            },
+        )
+}
+
 /// What a stream might carry: messages, or bytes that may not decode.
 #[derive(Debug, Clone)]
 enum Input {
@@ -272,6 +305,9 @@ fn input() -> impl Strategy<Value = Input> {
         2 => trace_chunk().prop_map(|m| Input::Message(Box::new(m))),
         1 => facts().prop_map(|m| Input::Message(Box::new(pb::ClientMessage {
             kind: Some(Kind::ModelUpdate(m)),
+        }))),
+        1 => oom_report().prop_map(|m| Input::Message(Box::new(pb::ClientMessage {
+            kind: Some(Kind::OomReport(m)),
         }))),
         1 => prop::collection::vec(any::<u8>(), 0..200).prop_map(Input::Bytes),
         // A valid message with bytes flipped.
@@ -375,6 +411,16 @@ fn run(inputs: Vec<Input>) {
                 };
                 let _ = feed::apply(&mut tracker, &update);
             }
+            Some(Kind::OomReport(report)) => {
+                let Some(key) = &key else { continue };
+                let report = RecordEntry::OomReport {
+                    at_ns: now,
+                    key: key.clone(),
+                    report: convert::oom_report_from_wire(report),
+                    run_id: String::new(),
+                };
+                let _ = feed::apply(&mut tracker, &report);
+            }
             None => {}
         }
     }
@@ -382,6 +428,7 @@ fn run(inputs: Vec<Input>) {
     let keys: Vec<RankKey> = tracker.ranks().map(|(k, _)| k.clone()).collect();
     for k in &keys {
         let _ = tracker.rank_analysis(k);
+        let _ = tracker.post_mortem(k);
         let _ = tracker.job_divergence(&k.namespace, &k.job);
     }
     let journal = tracker.journal(4);

@@ -469,6 +469,47 @@ async fn receive_markers(
                 }
                 continue;
             }
+            Some(Kind::OomReport(report)) => {
+                if !bucket.take(1.0) {
+                    return Err(refuse(
+                        state,
+                        "rate_limited",
+                        1,
+                        Status::resource_exhausted(format!(
+                            "more than {max_rate} messages/s on one stream (--max-marker-rate)"
+                        )),
+                    ));
+                }
+                let report = convert::oom_report_from_wire(report);
+                match state.apply_oom_report(key, stream.run_id, report) {
+                    Ok(Some(pm)) => tracing::warn!(
+                        namespace = %key.namespace,
+                        job = %key.job,
+                        rank = key.rank,
+                        step = pm.step,
+                        cause = pm.cause.as_str(),
+                        "post-mortem: rank {}",
+                        pm.message
+                    ),
+                    Ok(None) => {}
+                    Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
+                        return Err(run_ended(state, key, &e, 1));
+                    }
+                    // Counted and logged; the stream goes on (a process that
+                    // caught its OOM keeps training).
+                    Err(e) => {
+                        state.ingest.reject(e.reason(), 1);
+                        tracing::warn!(
+                            job = %key.job,
+                            rank = key.rank,
+                            reason = e.reason(),
+                            "OOM report not used ({}); the post-mortem keeps to the OOM marker",
+                            e.refusal()
+                        );
+                    }
+                }
+                continue;
+            }
             Some(Kind::Hello(_)) => {
                 return Err(refuse(
                     state,

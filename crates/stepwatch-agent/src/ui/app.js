@@ -489,7 +489,14 @@
         : pred && pred.low_headroom
           ? el("p", { class: "banner caution" }, "Low headroom: ", signedGb(pred.headroom_bytes))
           : null,
-      rep.ooms > 0 ? el("p", { class: "banner warn", text: `This rank ran out of GPU memory (${rep.ooms}×).` }) : null,
+      rep.post_mortem
+        ? el("div", { class: "banner warn", id: "post-mortem" }, el("strong", { text: `Post-mortem (${rep.post_mortem.cause.replace("_", " ")}): ` }), el("span", { text: rep.post_mortem.message }))
+        : rep.ooms > 0
+          ? el("p", { class: "banner warn", text: `This rank ran out of GPU memory (${rep.ooms}×).` })
+          : null,
+      rep.memory_growth && !rep.post_mortem
+        ? el("p", { class: "banner caution", id: "memory-growth" }, `Memory grows by ${(rep.memory_growth.bytes_per_step / 1e6).toFixed(1)} MB per step (${rep.memory_growth.source}); capacity at about step ${rep.memory_growth.oom_step}.`)
+        : null,
       el(
         "div",
         { class: "cards", style: "grid-template-columns: repeat(auto-fill, minmax(200px, 1fr))" },

@@ -9,6 +9,7 @@ use crate::allocator::SegmentLayout;
 use crate::error::{HelloError, MarkerError};
 use crate::identity::{DdpBucketRebuild, ModelFacts, RankInfo, RankKey};
 use crate::marker::Marker;
+use crate::postmortem::{OomReport, OomReportError};
 use crate::replay::{AllocatorEvent, AllocatorTrace, Gradients, TraceError, TraceSettings};
 use crate::sample::GpuSample;
 use crate::tracker::OpenError;
@@ -75,6 +76,19 @@ pub enum RecordEntry<'a> {
         key: RankKey,
         /// The update as received (its set fields replace the hello's).
         update: ModelFacts,
+        /// The run its stream's hello named, as for [`RecordEntry::Markers`].
+        #[serde(default, skip_serializing_if = "String::is_empty")]
+        run_id: String,
+    },
+    /// What a rank's client sent with its OOM marker
+    /// ([`crate::Tracker::record_oom_report`]).
+    OomReport {
+        /// Monotonic ns passed to the tracker.
+        at_ns: u64,
+        /// The rank.
+        key: RankKey,
+        /// The report as received.
+        report: OomReport,
         /// The run its stream's hello named, as for [`RecordEntry::Markers`].
         #[serde(default, skip_serializing_if = "String::is_empty")]
         run_id: String,
@@ -156,6 +170,17 @@ impl RecordEntry<'_> {
                 update,
                 run_id,
             },
+            RecordEntry::OomReport {
+                at_ns,
+                key,
+                report,
+                run_id,
+            } => RecordEntry::OomReport {
+                at_ns,
+                key,
+                report,
+                run_id,
+            },
             RecordEntry::GpuSamples { gpu, samples } => RecordEntry::GpuSamples { gpu, samples },
             RecordEntry::GpuProcesses { gpu, processes } => {
                 RecordEntry::GpuProcesses { gpu, processes }
@@ -179,6 +204,7 @@ impl RecordEntry<'_> {
             RecordEntry::Markers { key, .. } => Some(key),
             RecordEntry::AllocatorTrace { key, .. }
             | RecordEntry::ModelFacts { key, .. }
+            | RecordEntry::OomReport { key, .. }
             | RecordEntry::Close { key, .. } => Some(key),
             RecordEntry::Open { .. }
             | RecordEntry::GpuSamples { .. }
@@ -233,6 +259,9 @@ pub enum RecordError {
     /// A facts update the tracker refused.
     #[error("model facts refused: {0}")]
     ModelFacts(#[from] HelloError),
+    /// An OOM report the tracker refused.
+    #[error("OOM report refused: {0}")]
+    OomReport(#[from] OomReportError),
     /// A trace that does not replay.
     #[error("allocator trace refused: {0}")]
     Trace(#[from] TraceError),
@@ -246,6 +275,7 @@ impl RecordError {
             RecordError::Open(e) => e.reason(),
             RecordError::Markers(e) => e.reason(),
             RecordError::ModelFacts(_) => "invalid_model_update",
+            RecordError::OomReport(_) => "invalid_oom_report",
             RecordError::Trace(TraceError::UnmodelledSetting(_)) => {
                 "allocator_trace_unmodelled_setting"
             }
@@ -260,6 +290,7 @@ impl RecordError {
             RecordError::Open(e) => e,
             RecordError::Markers(e) => e,
             RecordError::ModelFacts(e) => e,
+            RecordError::OomReport(e) => e,
             RecordError::Trace(e) => e,
         }
     }

@@ -98,6 +98,16 @@ pub fn apply(tracker: &mut Tracker, input: &RecordEntry<'_>) -> Result<Applied, 
             tracker.check_run(key, run_id)?;
             Applied::unless_late(tracker.update_model_facts(key, update, *at_ns)?)
         }
+        RecordEntry::OomReport {
+            at_ns,
+            key,
+            report,
+            run_id,
+        } => {
+            tracker.check_run(key, run_id)?;
+            tracker.record_oom_report(key, report.clone(), *at_ns)?;
+            Applied::default()
+        }
         RecordEntry::GpuSamples { gpu, samples } => {
             tracker.gpu_samples(gpu, samples);
             Applied::default()

@@ -23,6 +23,7 @@ use crate::growth::{forecast, GrowthForecast, MemoryTrend, TrendMemo};
 use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::layout::{step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS};
 use crate::marker::{Marker, MarkerKind};
+use crate::postmortem::{post_mortem, OomReport, OomReportError, PostMortem, PostMortemInputs};
 use crate::predict::StepOneExtras;
 use crate::predict::{LiveStep, Prediction};
 use crate::replay::{Gradients, Step2Replay};
@@ -191,6 +192,10 @@ pub struct RankState {
     /// ([`crate::advisory::retries_due`]).
     #[serde(default)]
     pub allocator_retries: Option<u64>,
+    /// What the client sent with the run's OOM marker (see `postmortem`);
+    /// the first one of the run is kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub oom_report: Option<OomReport>,
     /// The steady profile, kept between reads (see [`SteadyMemo`]).
     #[serde(skip)]
     pub(crate) steady: SteadyMemo,
@@ -403,6 +408,55 @@ impl Tracker {
             .latest_sample(&state.info.gpu_uuid)
             .map_or(0, |s| s.capacity_bytes);
         forecast(state.trend.trend()?, capacity, &self.analysis.growth)
+    }
+
+    /// Keeps what the client sent with its OOM marker for the post-mortem.
+    /// Refused when the report breaks its bounds or the rank's latest step
+    /// is not step `report.step` ended by an OOM marker; a second report for
+    /// the run is ignored. An unknown rank: ignored.
+    pub fn record_oom_report(
+        &mut self,
+        key: &RankKey,
+        report: OomReport,
+        now_ns: u64,
+    ) -> Result<(), OomReportError> {
+        report.check()?;
+        let Some(state) = self.ranks.get_mut(key) else {
+            return Ok(());
+        };
+        let died = state
+            .timeline
+            .current()
+            .is_some_and(|s| s.step == report.step && s.outcome == StepOutcome::Oom);
+        if !died {
+            return Err(OomReportError::NoOomStep(report.step));
+        }
+        state.last_activity_ns = now_ns;
+        if state.oom_report.is_none() {
+            state.oom_report = Some(report);
+        }
+        Ok(())
+    }
+
+    /// The post-mortem of the rank's OOM (see `postmortem`); None for an
+    /// unknown rank or one whose latest step did not die of OOM.
+    pub fn post_mortem(&self, key: &RankKey) -> Option<PostMortem> {
+        let state = self.ranks.get(key)?;
+        let analysis = self.rank_analysis(key)?;
+        let prediction = state
+            .prediction_before_step2
+            .as_ref()
+            .or(analysis.prediction.as_ref());
+        post_mortem(&PostMortemInputs {
+            timeline: &state.timeline,
+            report: state.oom_report.as_ref(),
+            steady: analysis.steady.as_ref(),
+            prediction,
+            trend: state.trend.trend(),
+            capacity_bytes: analysis.capacity_bytes,
+            other_process_bytes: analysis.other_process_bytes,
+            growth: &self.analysis.growth,
+        })
     }
 
     /// The analysis tunables in use, for display.
@@ -701,6 +755,7 @@ impl Tracker {
                 layout_estimate: None,
                 ended_runs: Vec::new(),
                 allocator_retries: None,
+                oom_report: None,
                 steady: SteadyMemo::default(),
                 trend: TrendMemo::default(),
                 clock: Default::default(),
@@ -744,6 +799,7 @@ impl Tracker {
             layout_estimate: r.layout_estimate,
             ended_runs: r.ended_runs.clone(),
             allocator_retries: r.allocator_retries,
+            oom_report: r.oom_report.clone(),
             steady: SteadyMemo::default(),
             trend: TrendMemo::default(),
             clock: Default::default(),

@@ -2,7 +2,7 @@
 /// A message from the training process to the agent.
 #[derive(Clone, PartialEq, ::prost::Message)]
 pub struct ClientMessage {
-    #[prost(oneof = "client_message::Kind", tags = "1, 2, 3, 4")]
+    #[prost(oneof = "client_message::Kind", tags = "1, 2, 3, 4, 5")]
     pub kind: ::core::option::Option<client_message::Kind>,
 }
 /// Nested message and enum types in `ClientMessage`.
@@ -27,6 +27,10 @@ pub mod client_message {
         /// it no longer changes the prediction made before it.
         #[prost(message, tag = "4")]
         ModelUpdate(super::ModelFacts),
+        /// What the allocator knew when a step died of OOM; sent once, right
+        /// after the OOM marker. Older clients send none.
+        #[prost(message, tag = "5")]
+        OomReport(super::OomReport),
     }
 }
 /// Who is talking: sent once at the start of every stream.
@@ -379,6 +383,60 @@ pub struct AllocatorStats {
     /// "num_alloc_retries": allocations that needed a cache flush and retry.
     #[prost(uint64, tag = "7")]
     pub num_alloc_retries: u64,
+}
+/// What PyTorch's caching allocator knew at a CUDA out-of-memory error,
+/// sent once per run right after the OOM marker, for the agent's post-mortem
+/// of the rank. Bounded: at most MAX_OOM_SEGMENTS segments and a message of
+/// at most 1,024 bytes. Every figure is optional in effect (0: unknown).
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct OomReport {
+    /// The step that died; the OOM marker's step.
+    #[prost(uint64, tag = "1")]
+    pub step: u64,
+    /// Bytes of the allocation that failed, parsed from the error's message
+    /// ("Tried to allocate 2.00 GiB"); 0: unknown.
+    #[prost(uint64, tag = "2")]
+    pub requested_bytes: u64,
+    /// torch.cuda.memory_stats() at the error (after the allocator's own
+    /// free-and-retry).
+    #[prost(message, optional, tag = "3")]
+    pub allocator: ::core::option::Option<AllocatorStats>,
+    /// "inactive_split_bytes.all.current": free bytes inside segments that
+    /// also hold live blocks (the cache cannot give them back).
+    #[prost(uint64, tag = "4")]
+    pub inactive_split_bytes: u64,
+    /// "segment.all.current": segments reserved from the driver.
+    #[prost(uint64, tag = "5")]
+    pub segment_count: u64,
+    /// The largest free block in any segment, bytes: the largest request the
+    /// cache could have served without a new cudaMalloc.
+    #[prost(uint64, tag = "6")]
+    pub largest_free_block_bytes: u64,
+    /// The largest segments, largest first (at most 8).
+    #[prost(message, repeated, tag = "7")]
+    pub largest_segments: ::prost::alloc::vec::Vec<OomSegment>,
+    /// cudaMemGetInfo at the error.
+    #[prost(message, optional, tag = "8")]
+    pub device_memory: ::core::option::Option<DeviceMemory>,
+    /// The start of the error's message (at most 1,024 bytes), for people.
+    #[prost(string, tag = "9")]
+    pub message: ::prost::alloc::string::String,
+}
+/// One segment of the caching allocator at an OOM.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, ::prost::Message)]
+pub struct OomSegment {
+    /// Bytes reserved for it from the driver.
+    #[prost(uint64, tag = "1")]
+    pub size_bytes: u64,
+    /// Bytes of it held by live tensors.
+    #[prost(uint64, tag = "2")]
+    pub allocated_bytes: u64,
+    /// Its largest free block, bytes.
+    #[prost(uint64, tag = "3")]
+    pub largest_free_block_bytes: u64,
+    /// Segment of the small pool (requests of 1 MiB or less).
+    #[prost(bool, tag = "4")]
+    pub small_pool: bool,
 }
 /// A message from the agent to the training process.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

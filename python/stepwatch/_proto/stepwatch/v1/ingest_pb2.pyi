@@ -119,16 +119,18 @@ SEVERITY_WARNING: Severity
 SEVERITY_CRITICAL: Severity
 
 class ClientMessage(_message.Message):
-    __slots__ = ("hello", "markers", "allocator_trace", "model_update")
+    __slots__ = ("hello", "markers", "allocator_trace", "model_update", "oom_report")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     MARKERS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATOR_TRACE_FIELD_NUMBER: _ClassVar[int]
     MODEL_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    OOM_REPORT_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     markers: MarkerBatch
     allocator_trace: AllocatorTraceChunk
     model_update: ModelFacts
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., markers: _Optional[_Union[MarkerBatch, _Mapping]] = ..., allocator_trace: _Optional[_Union[AllocatorTraceChunk, _Mapping]] = ..., model_update: _Optional[_Union[ModelFacts, _Mapping]] = ...) -> None: ...
+    oom_report: OomReport
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., markers: _Optional[_Union[MarkerBatch, _Mapping]] = ..., allocator_trace: _Optional[_Union[AllocatorTraceChunk, _Mapping]] = ..., model_update: _Optional[_Union[ModelFacts, _Mapping]] = ..., oom_report: _Optional[_Union[OomReport, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("identity", "gpu_uuid", "pid", "framework", "framework_version", "model", "client_version", "run_id")
@@ -337,6 +339,40 @@ class AllocatorStats(_message.Message):
     active_peak_bytes: int
     num_alloc_retries: int
     def __init__(self, allocated_bytes: _Optional[int] = ..., allocated_peak_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., reserved_peak_bytes: _Optional[int] = ..., active_bytes: _Optional[int] = ..., active_peak_bytes: _Optional[int] = ..., num_alloc_retries: _Optional[int] = ...) -> None: ...
+
+class OomReport(_message.Message):
+    __slots__ = ("step", "requested_bytes", "allocator", "inactive_split_bytes", "segment_count", "largest_free_block_bytes", "largest_segments", "device_memory", "message")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATOR_FIELD_NUMBER: _ClassVar[int]
+    INACTIVE_SPLIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    requested_bytes: int
+    allocator: AllocatorStats
+    inactive_split_bytes: int
+    segment_count: int
+    largest_free_block_bytes: int
+    largest_segments: _containers.RepeatedCompositeFieldContainer[OomSegment]
+    device_memory: DeviceMemory
+    message: str
+    def __init__(self, step: _Optional[int] = ..., requested_bytes: _Optional[int] = ..., allocator: _Optional[_Union[AllocatorStats, _Mapping]] = ..., inactive_split_bytes: _Optional[int] = ..., segment_count: _Optional[int] = ..., largest_free_block_bytes: _Optional[int] = ..., largest_segments: _Optional[_Iterable[_Union[OomSegment, _Mapping]]] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class OomSegment(_message.Message):
+    __slots__ = ("size_bytes", "allocated_bytes", "largest_free_block_bytes", "small_pool")
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SMALL_POOL_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    allocated_bytes: int
+    largest_free_block_bytes: int
+    small_pool: bool
+    def __init__(self, size_bytes: _Optional[int] = ..., allocated_bytes: _Optional[int] = ..., largest_free_block_bytes: _Optional[int] = ..., small_pool: bool = ...) -> None: ...
 
 class AgentMessage(_message.Message):
     __slots__ = ("advisory",)

@@ -1,0 +1,573 @@
+//! The post-mortem of a rank that died of a CUDA out-of-memory error: what
+//! the step needed against what the job needed before and what was
+//! predicted, which cause the figures point to, and what would fit.
+//!
+//! Inputs are the rank's timeline (the step that ended with the OOM marker),
+//! the [`OomReport`] the client sent right after that marker (the caching
+//! allocator at the error: the request that failed, allocated and reserved
+//! bytes, the largest free block, the device's free memory), the steady
+//! profile, the prediction made before step 2 and the memory trend after
+//! step 2. Causes are tried in the order in which one excludes the next:
+//!
+//! 1. **Another process**: the memory outside this process's allocator
+//!    (device used − reserved) grew since step 1 by more than the request.
+//! 2. **Growth** of live memory: allocated bytes at step end grew step
+//!    after step, and the growth since the steady steps used at least half
+//!    of the headroom those steps left.
+//! 3. **Fragmentation**: the allocator held enough free bytes in its
+//!    segments (reserved − allocated, plus the device's free memory) for the
+//!    request, but no free block as large as it; also a cache that ratchets
+//!    up while allocated memory stays flat.
+//! 4. **Growth** of reserved or device memory that used half the headroom.
+//! 5. **The first steps**: the job died before its steady steps; the
+//!    step-2 prediction says why.
+//! 6. **A step unlike the others**: this step needed more than the steady
+//!    peak (a larger batch, an evaluation pass), without growth before it.
+//!
+//! Nothing here reads a clock; the report is computed on read.
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::growth::{grows, GrowthConfig, GrowthSource, MemoryTrend, Slope};
+use crate::marker::{AllocatorStats, DeviceMemory, PhaseKind, MAX_PLAUSIBLE_BYTES};
+use crate::predict::Prediction;
+use crate::profile::{SteadyProfile, StepProfile};
+use crate::timeline::{RankTimeline, StepOutcome};
+use crate::units::gb;
+
+/// Most segments an [`OomReport`] carries.
+pub const MAX_OOM_SEGMENTS: usize = 8;
+/// Longest error message an [`OomReport`] carries, bytes.
+pub const MAX_OOM_MESSAGE_BYTES: usize = 1024;
+
+/// One segment of the caching allocator at an OOM.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OomSegment {
+    /// Bytes reserved for it from the driver.
+    pub size_bytes: u64,
+    /// Bytes of it held by live tensors.
+    pub allocated_bytes: u64,
+    /// Its largest free block, bytes.
+    pub largest_free_block_bytes: u64,
+    /// A segment of the small pool (requests of 1 MiB or less).
+    pub small_pool: bool,
+}
+
+/// What the caching allocator knew at a CUDA OOM, as the client sent it.
+/// A figure of 0 is unknown.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OomReport {
+    /// The step that died.
+    pub step: u64,
+    /// Bytes of the allocation that failed (from the error's message).
+    pub requested_bytes: u64,
+    /// `torch.cuda.memory_stats()` at the error.
+    pub allocator: Option<AllocatorStats>,
+    /// Free bytes in segments that also hold live blocks.
+    pub inactive_split_bytes: u64,
+    /// Segments reserved from the driver.
+    pub segment_count: u64,
+    /// The largest free block of any segment, bytes.
+    pub largest_free_block_bytes: u64,
+    /// The largest segments, largest first.
+    pub largest_segments: Vec<OomSegment>,
+    /// `cudaMemGetInfo` at the error.
+    pub device_memory: Option<DeviceMemory>,
+    /// The start of the error's message.
+    pub message: String,
+}
+
+/// Why an [`OomReport`] is refused.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum OomReportError {
+    /// More segments or a longer message than the contract allows.
+    #[error("{field} has {len}; at most {max} are allowed")]
+    TooLarge {
+        /// The field.
+        field: &'static str,
+        /// Its size.
+        len: usize,
+        /// Its bound.
+        max: usize,
+    },
+    /// A figure no GPU can have.
+    #[error("{0} is {1}, which no GPU has")]
+    Implausible(&'static str, u64),
+    /// The rank has no step of that number that died of OOM.
+    #[error("step {0} of this rank did not end with an OOM marker")]
+    NoOomStep(u64),
+}
+
+impl OomReport {
+    /// Checks the report's bounds and figures (not its step: the tracker does).
+    pub fn check(&self) -> Result<(), OomReportError> {
+        if self.largest_segments.len() > MAX_OOM_SEGMENTS {
+            return Err(OomReportError::TooLarge {
+                field: "largest_segments",
+                len: self.largest_segments.len(),
+                max: MAX_OOM_SEGMENTS,
+            });
+        }
+        if self.message.len() > MAX_OOM_MESSAGE_BYTES {
+            return Err(OomReportError::TooLarge {
+                field: "message",
+                len: self.message.len(),
+                max: MAX_OOM_MESSAGE_BYTES,
+            });
+        }
+        let figures = [
+            ("requested_bytes", self.requested_bytes),
+            ("inactive_split_bytes", self.inactive_split_bytes),
+            ("largest_free_block_bytes", self.largest_free_block_bytes),
+        ];
+        if let Some((name, v)) = figures.into_iter().find(|&(_, v)| v > MAX_PLAUSIBLE_BYTES) {
+            return Err(OomReportError::Implausible(name, v));
+        }
+        if let Some((name, v)) = self.allocator.as_ref().and_then(|a| a.implausible()) {
+            return Err(OomReportError::Implausible(name, v));
+        }
+        if let Some((name, v, _)) = self.device_memory.as_ref().and_then(|d| d.implausible()) {
+            return Err(OomReportError::Implausible(name, v));
+        }
+        for s in &self.largest_segments {
+            if s.size_bytes > MAX_PLAUSIBLE_BYTES {
+                return Err(OomReportError::Implausible(
+                    "segment size_bytes",
+                    s.size_bytes,
+                ));
+            }
+            if s.allocated_bytes > s.size_bytes {
+                return Err(OomReportError::Implausible(
+                    "segment allocated_bytes (above its size)",
+                    s.allocated_bytes,
+                ));
+            }
+            if s.largest_free_block_bytes > s.size_bytes - s.allocated_bytes {
+                return Err(OomReportError::Implausible(
+                    "segment largest_free_block_bytes (above its free bytes)",
+                    s.largest_free_block_bytes,
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What the post-mortem names as the reason a rank ran out of memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OomCause {
+    /// Memory outside this process's allocator grew: another process, or
+    /// this process's non-PyTorch memory (NCCL, cuBLAS workspaces).
+    OtherProcess,
+    /// Memory grew from step to step until it reached capacity.
+    Growth,
+    /// The allocator had the bytes but not in one block.
+    Fragmentation,
+    /// The rank died before its steady steps: what step 2 needs does not fit.
+    FirstSteps,
+    /// One step needed more than the steady ones: a larger batch or an
+    /// evaluation pass.
+    LargerStep,
+    /// The figures name none of the above (e.g. no allocator figures).
+    Unknown,
+}
+
+impl OomCause {
+    /// Stable name for JSON, logs and the runbook.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OomCause::OtherProcess => "other_process",
+            OomCause::Growth => "growth",
+            OomCause::Fragmentation => "fragmentation",
+            OomCause::FirstSteps => "first_steps",
+            OomCause::LargerStep => "larger_step",
+            OomCause::Unknown => "unknown",
+        }
+    }
+}
+
+/// The post-mortem of a rank's OOM.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PostMortem {
+    /// The step that died.
+    pub step: u64,
+    /// The phase it died in (the phase its last marker opened).
+    pub phase: Option<PhaseKind>,
+    /// Its micro-batch.
+    pub micro_batch: u32,
+    /// What the figures point to.
+    pub cause: OomCause,
+    /// Bytes of the allocation that failed; None when unknown.
+    pub requested_bytes: Option<u64>,
+    /// Allocated bytes at the error.
+    pub allocated_bytes: Option<u64>,
+    /// Reserved bytes at the error.
+    pub reserved_bytes: Option<u64>,
+    /// Allocated + requested: the least the step needed at that moment.
+    pub needed_allocated_bytes: Option<u64>,
+    /// The step's NVML peak before it died.
+    pub step_nvml_peak_bytes: Option<u64>,
+    /// The steady steps' NVML and allocated peaks (medians).
+    pub steady_nvml_peak_bytes: Option<u64>,
+    /// See above.
+    pub steady_allocated_peak_bytes: Option<u64>,
+    /// The prediction made before step 2 (NVML terms).
+    pub predicted_peak_bytes: Option<u64>,
+    /// The GPU's capacity (NVML), bytes; 0 when unknown.
+    pub capacity_bytes: u64,
+    /// Memory outside the allocator (context, other processes) at the error
+    /// and its growth since step 1.
+    pub outside_bytes: Option<u64>,
+    /// See above.
+    pub outside_growth_bytes: Option<i64>,
+    /// Reserved − allocated at the error: free bytes the cache kept.
+    pub cached_free_bytes: Option<u64>,
+    /// The largest free block of the cache at the error.
+    pub largest_free_block_bytes: Option<u64>,
+    /// Per-step growth the trend measured (the fastest figure), with its
+    /// source; None without growth.
+    pub growth_bytes_per_step: Option<f64>,
+    /// See above.
+    pub growth_source: Option<GrowthSource>,
+    /// The figures in words, cause and what would fit included.
+    pub message: String,
+    /// What would have fit, in words.
+    pub what_would_fit: String,
+}
+
+/// What [`post_mortem`] reads.
+#[derive(Debug, Clone, Copy)]
+pub struct PostMortemInputs<'a> {
+    /// The rank's steps.
+    pub timeline: &'a RankTimeline,
+    /// What the client sent with the OOM, if anything.
+    pub report: Option<&'a OomReport>,
+    /// The steady profile.
+    pub steady: Option<&'a SteadyProfile>,
+    /// The prediction made before step 2 (else the current one).
+    pub prediction: Option<&'a Prediction>,
+    /// The trailing window's trend.
+    pub trend: Option<&'a MemoryTrend>,
+    /// The GPU's capacity, bytes; 0 when unknown.
+    pub capacity_bytes: u64,
+    /// Bytes other processes hold on the GPU now (NVML's process list).
+    pub other_process_bytes: u64,
+    /// Growth tunables.
+    pub growth: &'a GrowthConfig,
+}
+
+/// The post-mortem of the rank's latest step, when it died of OOM.
+pub fn post_mortem(i: &PostMortemInputs<'_>) -> Option<PostMortem> {
+    let step = i
+        .timeline
+        .current()
+        .filter(|s| s.outcome == StepOutcome::Oom)?;
+    let report = i.report.filter(|r| r.step == step.step);
+    let last_phase = step.phases.last();
+    let profile = StepProfile::of(step);
+    let at_oom = report
+        .and_then(|r| r.allocator)
+        .or_else(|| last_phase.and_then(|p| p.allocator_at_end));
+    let device = report.and_then(|r| r.device_memory).or(step.device_at_end);
+    let requested = report.map(|r| r.requested_bytes).filter(|&b| b > 0);
+    let allocated = at_oom.map(|a| a.allocated_bytes);
+    let reserved = at_oom.map(|a| a.reserved_bytes);
+    let needed = allocated.map(|a| a + requested.unwrap_or(0));
+    let cached_free = at_oom.map(|a| a.reserved_bytes.saturating_sub(a.allocated_bytes));
+    let largest_free = report
+        .filter(|r| r.segment_count > 0 || r.largest_free_block_bytes > 0)
+        .map(|r| r.largest_free_block_bytes);
+    let outside = device
+        .zip(reserved)
+        .map(|(d, r)| d.used_bytes().saturating_sub(r));
+    let outside_at_start = outside_at_step1(i.timeline);
+    let outside_growth = match (outside, outside_at_start) {
+        (Some(now), Some(then)) => Some(now as i64 - then as i64),
+        // Without the driver's figures: NVML's other processes now, against
+        // those the prediction counted.
+        _ => i.prediction.map(|p| {
+            let then = p
+                .predicted_peak_bytes
+                .saturating_sub(p.predicted_rank_peak_bytes);
+            i.other_process_bytes as i64 - then as i64
+        }),
+    };
+    let steady_nvml = i.steady.and_then(|s| s.nvml_peak_bytes);
+    let steady_alloc = i.steady.and_then(|s| s.allocated_peak_bytes);
+    let steady_last_step = i.steady.and_then(|s| s.steps.last().copied());
+    let capacity = i.capacity_bytes;
+    let growing = |source| {
+        i.trend
+            .and_then(|t| t.slope(source))
+            .filter(|s| capacity > 0 && grows(s, capacity, i.growth))
+    };
+    // Headroom the steady steps left, and how much of it growth used by
+    // the step that died.
+    let steady_headroom = steady_nvml.map(|p| capacity.saturating_sub(p));
+    let growth_used = |source| {
+        let slope = growing(source)?;
+        let from = steady_last_step.unwrap_or(slope.first_step);
+        let used = slope.bytes_per_step * step.step.saturating_sub(from) as f64;
+        Some((slope, used))
+    };
+    let used_half = |source| {
+        growth_used(source)
+            .filter(|(_, used)| steady_headroom.is_some_and(|h| h > 0 && *used >= 0.5 * h as f64))
+    };
+    let min_figure = (capacity / 100).max(1);
+
+    let mut words = Vec::new();
+    let mut fit = String::new();
+    let cause;
+    let mut growth_rate = None;
+    if let Some(g) =
+        outside_growth.filter(|&g| g > 0 && g as u64 >= requested.unwrap_or(0).max(min_figure))
+    {
+        cause = OomCause::OtherProcess;
+        words.push(format!(
+            "memory outside this process's PyTorch allocator grew by {} since step 1{}: another \
+             process on the GPU (or this process's non-PyTorch memory: NCCL, cuBLAS workspaces)",
+            gb(g as f64),
+            outside.map_or(String::new(), |o| format!(", to {}", gb(o as f64))),
+        ));
+        fit = format!(
+            "without those {} the step fits as before; keep other processes off this GPU, or \
+             count them in the job's memory budget",
+            gb(g as f64)
+        );
+    } else if let Some((slope, used)) = used_half(GrowthSource::Allocated) {
+        cause = OomCause::Growth;
+        growth_rate = Some((slope.bytes_per_step, GrowthSource::Allocated));
+        words.push(growth_words(
+            slope,
+            GrowthSource::Allocated,
+            used,
+            steady_headroom,
+        ));
+        fit = format!(
+            "without the growth the step peak stays near the steady {}; find what keeps tensors \
+             alive from step to step (a loss summed without .item(), outputs kept in a list, a \
+             cache that grows)",
+            steady_nvml.map_or("peak".into(), |p| gb(p as f64))
+        );
+    } else if let Some((free, req)) = cached_free.zip(requested).filter(|&(free, req)| {
+        free + device.map_or(0, |d| d.free_bytes) >= req
+            && free >= req / 2
+            && largest_free.is_none_or(|l| l < req)
+    }) {
+        cause = OomCause::Fragmentation;
+        words.push(format!(
+            "fragmentation: the allocator held {} free in its segments (reserved {}, allocated \
+             {}), but {} no block of the {} requested",
+            gb(free as f64),
+            gb(reserved.unwrap_or(0) as f64),
+            gb(allocated.unwrap_or(0) as f64),
+            largest_free.map_or("had".to_string(), |l| format!(
+                "its largest free block was {}:",
+                gb(l as f64)
+            )),
+            gb(req as f64),
+        ));
+        if let Some(s) = growing(GrowthSource::Reserved) {
+            if growing(GrowthSource::Allocated)
+                .is_none_or(|a| a.bytes_per_step < s.bytes_per_step / 2.0)
+            {
+                growth_rate = Some((s.bytes_per_step, GrowthSource::Reserved));
+                words.push(format!(
+                    "the cache ratcheted up by {:.1} MB per step (measured over steps {}–{}) while \
+                     allocated memory grew less than half as fast",
+                    s.bytes_per_step / 1e6,
+                    s.first_step,
+                    s.last_step
+                ));
+            }
+        }
+        fit = format!(
+            "allocated memory and the request ({}) fit; PYTORCH_CUDA_ALLOC_CONF=\
+             expandable_segments:True lets freed memory serve larger requests (or free the \
+             cache with torch.cuda.empty_cache() where request sizes change)",
+            gb((allocated.unwrap_or(0) + req) as f64)
+        );
+    } else if let Some((source, (slope, used))) = [GrowthSource::Reserved, GrowthSource::Nvml]
+        .into_iter()
+        .find_map(|s| used_half(s).map(|g| (s, g)))
+    {
+        cause = OomCause::Growth;
+        growth_rate = Some((slope.bytes_per_step, source));
+        words.push(growth_words(slope, source, used, steady_headroom));
+        fit = format!(
+            "without the growth the step peak stays near the steady {}",
+            steady_nvml.map_or("peak".into(), |p| gb(p as f64))
+        );
+    } else if i.steady.is_none() || step.step <= 2 {
+        cause = OomCause::FirstSteps;
+        match i.prediction {
+            Some(p) => {
+                words.push(format!(
+                    "the job died before its steady steps; step 1's prediction was {} of {}{}",
+                    gb(p.predicted_peak_bytes as f64),
+                    gb(capacity as f64),
+                    if p.oom_risk {
+                        ": the OOM was predicted"
+                    } else {
+                        ""
+                    },
+                ));
+                fit = first_steps_fit(p);
+            }
+            None => {
+                words.push("the job died before its steady steps, without a prediction".into());
+                fit = needed.map_or(String::new(), |n| {
+                    format!("at least {} for the allocator at this step", gb(n as f64))
+                });
+            }
+        }
+    } else if let Some((need, base)) = needed.zip(steady_alloc).filter(|&(n, b)| n > b + b / 20) {
+        cause = OomCause::LargerStep;
+        words.push(format!(
+            "this step needed at least {} (allocated {} + the {} requested), {} more than the \
+             steady steps' allocated peak {}, without growth before it: a step of another shape \
+             (a larger batch, an evaluation pass)",
+            gb(need as f64),
+            gb(allocated.unwrap_or(0) as f64),
+            gb(requested.unwrap_or(0) as f64),
+            gb((need - base) as f64),
+            gb(base as f64),
+        ));
+        let room = reserved
+            .zip(device)
+            .map(|(r, d)| r + d.free_bytes)
+            .filter(|&r| r > 0);
+        fit = match room {
+            Some(room) => format!(
+                "steps that need at most {} of allocator memory fit ({} of this one): bound the \
+                 largest batch, or evaluate with a smaller batch under torch.no_grad()",
+                gb(room as f64),
+                format_args!("{:.0}%", 100.0 * room as f64 / need as f64),
+            ),
+            None => {
+                "bound the largest batch, or evaluate with a smaller batch under torch.no_grad()"
+                    .into()
+            }
+        };
+    } else {
+        cause = OomCause::Unknown;
+        words.push("the figures point to no single cause".into());
+    }
+
+    let mut head = format!("died of a CUDA out-of-memory error in step {}", step.step);
+    if let Some(p) = last_phase {
+        head.push_str(&format!(" ({}", p.phase.as_str()));
+        if p.micro_batch > 0 {
+            head.push_str(&format!(", micro-batch {}", p.micro_batch));
+        }
+        head.push(')');
+    }
+    if let Some(r) = requested {
+        head.push_str(&format!(" requesting {}", gb(r as f64)));
+    }
+    if let (Some(a), Some(r)) = (allocated, reserved) {
+        head.push_str(&format!(
+            " with {} allocated and {} reserved",
+            gb(a as f64),
+            gb(r as f64)
+        ));
+    }
+    let mut figures = Vec::new();
+    if let Some(p) = profile.nvml_peak_bytes {
+        figures.push(format!("the step's device peak {}", gb(p as f64)));
+    }
+    if let Some(s) = steady_nvml {
+        figures.push(format!("the steady peak {}", gb(s as f64)));
+    }
+    if let Some(p) = i.prediction {
+        figures.push(format!("predicted {}", gb(p.predicted_peak_bytes as f64)));
+    }
+    if capacity > 0 {
+        figures.push(format!("capacity {}", gb(capacity as f64)));
+    }
+    let mut message = head;
+    if !figures.is_empty() {
+        message.push_str(&format!("; {}", figures.join(", ")));
+    }
+    message.push_str(&format!(". Cause: {}.", words.join("; ")));
+    if !fit.is_empty() {
+        message.push_str(&format!(" What would fit: {fit}."));
+    }
+    Some(PostMortem {
+        step: step.step,
+        phase: last_phase.map(|p| p.phase),
+        micro_batch: last_phase.map_or(0, |p| p.micro_batch),
+        cause,
+        requested_bytes: requested,
+        allocated_bytes: allocated,
+        reserved_bytes: reserved,
+        needed_allocated_bytes: needed,
+        step_nvml_peak_bytes: profile.nvml_peak_bytes,
+        steady_nvml_peak_bytes: steady_nvml,
+        steady_allocated_peak_bytes: steady_alloc,
+        predicted_peak_bytes: i.prediction.map(|p| p.predicted_peak_bytes),
+        capacity_bytes: capacity,
+        outside_bytes: outside,
+        outside_growth_bytes: outside_growth,
+        cached_free_bytes: cached_free,
+        largest_free_block_bytes: largest_free,
+        growth_bytes_per_step: growth_rate.map(|g| g.0),
+        growth_source: growth_rate.map(|g| g.1),
+        message,
+        what_would_fit: fit,
+    })
+}
+
+fn growth_words(
+    slope: &Slope,
+    source: GrowthSource,
+    used: f64,
+    steady_headroom: Option<u64>,
+) -> String {
+    let mut w = format!(
+        "growth: {} grew by {:.1} MB per step (measured over steps {}–{})",
+        source.describe(),
+        slope.bytes_per_step / 1e6,
+        slope.first_step,
+        slope.last_step,
+    );
+    if let Some(h) = steady_headroom {
+        w.push_str(&format!(
+            ", using {} of the {} of headroom the steady steps left",
+            gb(used.min(h as f64)),
+            gb(h as f64)
+        ));
+    }
+    w
+}
+
+/// Memory outside the allocator at step 1's first marker with the
+/// driver's figures: device used − reserved.
+fn outside_at_step1(timeline: &RankTimeline) -> Option<u64> {
+    let first = timeline.steps().next().filter(|s| s.step == 1)?;
+    first.phases.iter().find_map(|p| {
+        let d = p.device_at_start?;
+        let a = p.allocator_at_start?;
+        Some(d.used_bytes().saturating_sub(a.reserved_bytes))
+    })
+}
+
+/// What would fit, from the prediction's own remedies.
+fn first_steps_fit(p: &Prediction) -> String {
+    let mut ways = vec![format!(
+        "a GPU with at least {} for this rank",
+        gb(p.predicted_rank_peak_bytes as f64)
+    )];
+    if let Some(w) = &p.what_would_fit {
+        if let Some(m) = w.fits_with_micro_batch_size {
+            ways.push(format!("a micro-batch of at most {m}"));
+        }
+        if let Some(f) = w.fits_with_sharding_factor {
+            ways.push(format!("optimizer state sharded {f} ways"));
+        }
+    }
+    ways.join(", or ")
+}
