@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
+from test_preflight import binary
 
 HERE = Path(__file__).resolve().parent
 FAKE_CUDA = HERE.parent / "fake-cuda"
@@ -41,13 +42,6 @@ GIB = 1 << 30
 DRIVER_RESERVED = 512 * MIB  # fake-nvml's default driver-reserved memory
 
 pytest.importorskip("torch")
-
-
-def binary() -> Path:
-    b = Path(os.environ.get("STEPWATCH_BIN") or REPO / "target" / "debug" / "stepwatch")
-    if not (b.is_file() and os.access(b, os.X_OK)):
-        pytest.fail(f"no stepwatch binary at {b}: cargo build -p stepwatch (or set STEPWATCH_BIN)")
-    return b
 
 
 def free_port() -> int:

@@ -122,6 +122,22 @@ fn report(step: u64, requested: u64, allocated: u64, reserved: u64, outside: u64
     }
 }
 
+/// Held memory of a job that keeps 40 M more every step from step 2 on.
+fn leaked(n: u64) -> u64 {
+    2_000 + 40 * n.saturating_sub(1)
+}
+
+/// Steps of the leaking job until its NVML peak would pass capacity;
+/// returns the step that will die.
+fn leak_until_full(t: &mut Tracker, key: &RankKey) -> u64 {
+    let mut n = 1;
+    while leaked(n) + 4_000 <= 10_000 {
+        step(t, key, n, leaked(n));
+        n += 1;
+    }
+    n
+}
+
 fn flat(t: &mut Tracker, key: &RankKey, steps: u64) {
     for n in 1..=steps {
         step(t, key, n, 2_000);
@@ -134,13 +150,8 @@ fn flat(t: &mut Tracker, key: &RankKey, steps: u64) {
 fn a_leak_is_named_growth_with_its_rate() {
     let mut t = Tracker::new(TrackerConfig::default());
     let key = open(&mut t);
-    let held = |n: u64| 2_000 + 40 * n.saturating_sub(1);
-    let mut n = 1;
-    while held(n) + 4_000 <= 10_000 {
-        step(&mut t, &key, n, held(n));
-        n += 1;
-    }
-    let allocated = held(n) + 2_900;
+    let n = leak_until_full(&mut t, &key);
+    let allocated = leaked(n) + 2_900;
     let reserved = allocated + 100;
     die(&mut t, &key, n, allocated, reserved);
     t.record_oom_report(&key, report(n, 400, allocated, reserved, CONTEXT), 0)
@@ -236,17 +247,12 @@ fn a_death_in_step_two_points_to_the_first_steps() {
 fn without_a_report_the_oom_markers_figures_are_used() {
     let mut t = Tracker::new(TrackerConfig::default());
     let key = open(&mut t);
-    let held = |n: u64| 2_000 + 40 * n.saturating_sub(1);
-    let mut n = 1;
-    while held(n) + 4_000 <= 10_000 {
-        step(&mut t, &key, n, held(n));
-        n += 1;
-    }
-    die(&mut t, &key, n, held(n) + 2_900, held(n) + 3_000);
+    let n = leak_until_full(&mut t, &key);
+    die(&mut t, &key, n, leaked(n) + 2_900, leaked(n) + 3_000);
     let pm = t.post_mortem(&key).unwrap();
     assert_eq!(pm.cause, OomCause::Growth, "{}", pm.message);
     assert_eq!(pm.requested_bytes, None);
-    assert_eq!(pm.allocated_bytes, Some((held(n) + 2_900) * M));
+    assert_eq!(pm.allocated_bytes, Some((leaked(n) + 2_900) * M));
 }
 
 /// A rank alive, or one whose step completed, has no post-mortem; a

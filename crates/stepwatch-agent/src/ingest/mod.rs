@@ -381,17 +381,7 @@ async fn receive_markers(
         let batch = match message.kind {
             Some(Kind::Markers(batch)) => batch,
             Some(Kind::AllocatorTrace(chunk)) => {
-                // A chunk costs like a marker, so a flood of them is bounded too.
-                if !bucket.take(1.0) {
-                    return Err(refuse(
-                        state,
-                        "rate_limited",
-                        1,
-                        Status::resource_exhausted(format!(
-                            "more than {max_rate} messages/s on one stream (--max-marker-rate)"
-                        )),
-                    ));
-                }
+                take_one_message(state, &mut bucket, max_rate)?;
                 if !trace.skipping && !trace.complete && !held.take(held_bytes(&chunk)) {
                     let last = chunk.last;
                     trace.abandon();
@@ -424,16 +414,7 @@ async fn receive_markers(
                 continue;
             }
             Some(Kind::ModelUpdate(update)) => {
-                if !bucket.take(1.0) {
-                    return Err(refuse(
-                        state,
-                        "rate_limited",
-                        1,
-                        Status::resource_exhausted(format!(
-                            "more than {max_rate} messages/s on one stream (--max-marker-rate)"
-                        )),
-                    ));
-                }
+                take_one_message(state, &mut bucket, max_rate)?;
                 let update = convert::model_facts_from_wire(update);
                 let (due, plan) = match state.update_model_facts(key, stream.run_id, &update) {
                     Ok(applied) => applied,
@@ -470,16 +451,7 @@ async fn receive_markers(
                 continue;
             }
             Some(Kind::OomReport(report)) => {
-                if !bucket.take(1.0) {
-                    return Err(refuse(
-                        state,
-                        "rate_limited",
-                        1,
-                        Status::resource_exhausted(format!(
-                            "more than {max_rate} messages/s on one stream (--max-marker-rate)"
-                        )),
-                    ));
-                }
+                take_one_message(state, &mut bucket, max_rate)?;
                 let report = convert::oom_report_from_wire(report);
                 match state.apply_oom_report(key, stream.run_id, report) {
                     Ok(Some(pm)) => tracing::warn!(
@@ -608,6 +580,26 @@ async fn receive_markers(
         }
     }
     Ok(())
+}
+
+/// A message other than a marker batch costs like one marker, so a flood
+/// of them is bounded too.
+fn take_one_message(
+    state: &AgentState,
+    bucket: &mut TokenBucket,
+    max_rate: f64,
+) -> Result<(), Status> {
+    if bucket.take(1.0) {
+        return Ok(());
+    }
+    Err(refuse(
+        state,
+        "rate_limited",
+        1,
+        Status::resource_exhausted(format!(
+            "more than {max_rate} messages/s on one stream (--max-marker-rate)"
+        )),
+    ))
 }
 
 fn send_advisories(
