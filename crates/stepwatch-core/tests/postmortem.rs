@@ -6,6 +6,7 @@
 //! shows `held + 4000` M at its peak (500 M of context).
 
 use stepwatch_core::*;
+use stepwatch_testkit as kit;
 
 const M: u64 = 1 << 20;
 const GPU: &str = "GPU-0";
@@ -14,27 +15,7 @@ const PERIOD: u64 = 1_000_000;
 const CONTEXT: u64 = 500;
 
 fn open(t: &mut Tracker) -> RankKey {
-    t.open(
-        RankInfo {
-            job: "job".into(),
-            world_size: 1,
-            gpu_uuid: GPU.into(),
-            pid: 1,
-            ..Default::default()
-        },
-        0,
-    )
-    .unwrap()
-}
-
-fn stats(allocated: u64, peak: u64, reserved: u64) -> AllocatorStats {
-    AllocatorStats {
-        allocated_bytes: allocated * M,
-        allocated_peak_bytes: peak * M,
-        reserved_bytes: reserved * M,
-        reserved_peak_bytes: reserved * M,
-        ..Default::default()
-    }
+    kit::open(t, kit::solo_rank("job", GPU))
 }
 
 /// The device as the driver sees it with `reserved` M in the allocator and
@@ -74,14 +55,9 @@ fn step(t: &mut Tracker, key: &RankKey, n: u64, held: u64) {
     .into_iter()
     .enumerate()
     .map(|(i, (kind, allocated))| Marker {
-        kind,
-        step: n,
-        monotonic_ns: at(i as u64),
-        wall_ns: 1_700_000_000_000_000_000 + at(i as u64),
-        micro_batch: 0,
-        allocator: Some(stats(allocated, held + 3_000, reserved)),
-        layout_segments: Vec::new(),
+        allocator: Some(kit::alloc_mib(allocated, held + 3_000, reserved)),
         device_memory: (n == 1).then(|| device(reserved, CONTEXT)),
+        ..kit::marker(kind, n, at(i as u64))
     })
     .collect();
     t.markers(key, &markers, t0).unwrap();
@@ -94,15 +70,13 @@ fn die(t: &mut Tracker, key: &RankKey, n: u64, allocated: u64, reserved: u64) {
     let t0 = n * PERIOD;
     let markers: Vec<Marker> = [(StepBegin, 0), (ForwardBegin, 1), (Oom, 2)]
         .into_iter()
-        .map(|(kind, i)| Marker {
-            kind,
-            step: n,
-            monotonic_ns: t0 + i * PERIOD / 8,
-            wall_ns: 1_700_000_000_000_000_000 + t0,
-            micro_batch: 0,
-            allocator: Some(stats(allocated, allocated, reserved)),
-            layout_segments: Vec::new(),
-            device_memory: None,
+        .map(|(kind, i)| {
+            kit::marker_mib(
+                kind,
+                n,
+                t0 + i * PERIOD / 8,
+                (allocated, allocated, reserved),
+            )
         })
         .collect();
     t.markers(key, &markers, t0).unwrap();
@@ -113,7 +87,7 @@ fn report(step: u64, requested: u64, allocated: u64, reserved: u64, outside: u64
     OomReport {
         step,
         requested_bytes: requested * M,
-        allocator: Some(stats(allocated, allocated, reserved)),
+        allocator: Some(kit::alloc_mib(allocated, allocated, reserved)),
         segment_count: 3,
         largest_free_block_bytes: (reserved - allocated).min(requested / 2) * M,
         device_memory: Some(device(reserved, outside)),
