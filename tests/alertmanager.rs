@@ -181,7 +181,7 @@ struct Observed {
 }
 
 /// Starts one doomed rank of job `job`.
-fn doomed_rank(agent: &Agent, job: &str, speed: f64) -> Child {
+fn doomed_rank(agent: &Agent, job: &str, speed: f64) -> SimRank {
     agent.sim("thin-margin", job, 0, 0, 4, speed)
 }
 

@@ -18,7 +18,6 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -43,15 +42,13 @@ fn repo() -> PathBuf {
 struct World {
     agents: Vec<(&'static str, Agent)>,
     prom: Option<Prometheus>,
-    sims: Vec<(u32, Child)>,
+    sims: Vec<(u32, SimRank)>,
 }
 
 impl Drop for World {
     fn drop(&mut self) {
-        for (_, child) in &mut self.sims {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        // Each rank's process is killed as it is dropped.
+        self.sims.clear();
         if !std::thread::panicking() {
             return;
         }

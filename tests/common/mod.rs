@@ -323,7 +323,7 @@ impl Agent {
         gpu: u32,
         steps: u64,
         speed: f64,
-    ) -> Child {
+    ) -> SimRank {
         self.sim_with(scenario, job, rank, gpu, steps, speed, &[])
     }
 
@@ -338,8 +338,8 @@ impl Agent {
         steps: u64,
         speed: f64,
         extra_args: &[&str],
-    ) -> Child {
-        Command::new(BIN)
+    ) -> SimRank {
+        let child = Command::new(BIN)
             .args(["sim", "--scenario", scenario, "--job", job])
             .args(["--rank", &rank.to_string(), "--gpu", &gpu.to_string()])
             .args(["--steps", &steps.to_string(), "--speed", &speed.to_string()])
@@ -351,7 +351,8 @@ impl Agent {
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
-            .expect("start a simulated rank")
+            .expect("start a simulated rank");
+        SimRank(Some(child))
     }
 
     /// Sends SIGTERM and waits for the exit status.
@@ -385,6 +386,42 @@ impl Drop for Agent {
     }
 }
 
+/// A simulated rank's process, killed when dropped: a test that fails
+/// half-way must not leave it running on a shared CI machine.
+pub struct SimRank(Option<Child>);
+
+impl SimRank {
+    /// Waits for the rank to exit and collects its output, as
+    /// `Child::wait_with_output`.
+    pub fn wait_with_output(mut self) -> std::io::Result<std::process::Output> {
+        self.0.take().expect("a rank's process").wait_with_output()
+    }
+}
+
+impl std::ops::Deref for SimRank {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        self.0.as_ref().expect("a rank's process")
+    }
+}
+
+impl std::ops::DerefMut for SimRank {
+    fn deref_mut(&mut self) -> &mut Child {
+        self.0.as_mut().expect("a rank's process")
+    }
+}
+
+impl Drop for SimRank {
+    fn drop(&mut self) {
+        if let Some(child) = self.0.as_mut() {
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
 /// Polls `f` until it holds, failing the test after `timeout`.
 pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
     poll_every(Duration::from_millis(20), what, timeout, || {
@@ -393,7 +430,7 @@ pub fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
 }
 
 /// Waits for a child and asserts it succeeded.
-pub fn wait_ok(mut child: Child, what: &str) {
+pub fn wait_ok(mut child: SimRank, what: &str) {
     let status = child.wait().unwrap();
     if !status.success() {
         let mut err = String::new();
