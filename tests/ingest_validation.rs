@@ -411,10 +411,10 @@ fn chunk_event() -> AllocatorEvent {
 
 /// Unfinished traces are bounded in bytes across streams and in time; a
 /// trace past either is dropped and counted, and the stream goes on.
-#[test]
-fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
-    let agent = Agent::start_with(
-        "trace-budget",
+/// An agent whose unfinished traces may hold 1 MiB for 1 s.
+fn small_trace_budget_agent(tag: &str) -> Agent {
+    Agent::start_with(
+        tag,
         1,
         &[
             "--max-partial-trace-mib",
@@ -423,18 +423,24 @@ fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
             "1s",
         ],
         |_| {},
-    );
+    )
+}
+
+/// A chunk of 5,000 events (within 64 KiB on the wire), not the last: a
+/// few of them hold the whole 1 MiB budget.
+fn big_chunk() -> ClientMessage {
+    let mut c = trace_chunk(1, false);
+    c.events = vec![chunk_event(); 5_000];
+    trace(c)
+}
+
+#[test]
+fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
+    let agent = small_trace_budget_agent("trace-budget");
     let ep = agent.endpoint();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut step1 = step(1, 1_000);
     step1.pop();
-    // 5,000 events a chunk (within 64 KiB on the wire), never finished:
-    // the budget of 1 MiB runs out after a few chunks.
-    let big_chunk = || {
-        let mut c = trace_chunk(1, false);
-        c.events = vec![chunk_event(); 5_000];
-        trace(c)
-    };
     let mut messages = vec![hello("hoarder", 0, 1), batch(step1.clone())];
     messages.extend((0..12).map(|_| big_chunk()));
     // The stream goes on: step 1 ends normally after the dropped trace.
@@ -452,8 +458,8 @@ fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
             ) == Some(1.0)
     });
 
-    // A trace begun and never finished is dropped after the timeout, on the
-    // stream's next message.
+    // A trace begun and never finished is dropped after the timeout while
+    // its stream goes on.
     rt.block_on(async {
         let (tx, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
         let channel = tonic::transport::Endpoint::from_shared(ep.clone())
@@ -482,6 +488,59 @@ fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
+}
+
+/// Streams that sent part of a trace and then nothing once held the trace
+/// budget for good: the timeout fired only when the holder sent again, and
+/// every other rank's trace was dropped meanwhile. The timeout runs on the
+/// agent's clock.
+#[test]
+fn a_silent_stream_gives_its_unfinished_trace_back_on_the_agents_clock() {
+    let agent = small_trace_budget_agent("trace-silent");
+    let ep = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut step1 = step(1, 1_000);
+    step1.pop();
+    // 4 big chunks hold most of the budget.
+    let (_silent, _inbound) = rt.block_on(async {
+        let (tx, rx) = tokio::sync::mpsc::channel::<ClientMessage>(8);
+        let mut client = stepwatch_proto::v1::ingest_client::IngestClient::new(connect(&ep).await);
+        let inbound = client
+            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .expect("the stream opens")
+            .into_inner();
+        tx.send(hello("silent", 0, 1)).await.unwrap();
+        tx.send(batch(step1.clone())).await.unwrap();
+        for _ in 0..4 {
+            tx.send(big_chunk()).await.unwrap();
+        }
+        (tx, inbound)
+    });
+    // Nothing more comes on that stream, which stays open.
+    agent.wait_metrics(
+        "the timeout, with no message",
+        Duration::from_secs(20),
+        |m| {
+            m.get(
+                "stepwatch_markers_rejected_total",
+                &[("reason", "allocator_trace_timeout")],
+            ) == Some(1.0)
+        },
+    );
+    // The budget is free again: another rank's trace of the same size fits.
+    let mut messages = vec![hello("polite", 0, 1), batch(step1.clone())];
+    messages.extend((0..4).map(|_| big_chunk()));
+    rt.block_on(exchange(&ep, messages))
+        .expect("the stream goes on");
+    let m = Metrics(agent.metrics());
+    assert_eq!(
+        m.get(
+            "stepwatch_markers_rejected_total",
+            &[("reason", "allocator_trace_over_budget")],
+        ),
+        Some(0.0)
+    );
 }
 
 #[test]

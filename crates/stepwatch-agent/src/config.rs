@@ -136,6 +136,25 @@ pub struct AgentConfig {
     )]
     pub max_streams: usize,
 
+    /// Streams that said Hello one peer holds at once (a uid on the Unix
+    /// socket, an address on TCP); further hellos get RESOURCE_EXHAUSTED
+    /// (`peer_stream_limit`).
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_MAX_STREAMS_PER_PEER", default_value_t = 256)
+    )]
+    pub max_streams_per_peer: usize,
+
+    /// Streams that said Hello one process holds at once (its PID from
+    /// SO_PEERCRED, on the Unix socket); further hellos get
+    /// RESOURCE_EXHAUSTED (`process_stream_limit`). A process needs one per
+    /// rank it runs.
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, env = "STEPWATCH_MAX_STREAMS_PER_PROCESS", default_value_t = 64)
+    )]
+    pub max_streams_per_process: usize,
+
     /// Connections each ingest listener (the Unix socket, the TCP port)
     /// holds at once; further ones wait until one closes. Keeps the agent
     /// below its file-descriptor limit whatever clients do.
@@ -152,6 +171,56 @@ pub struct AgentConfig {
         arg(long, env = "STEPWATCH_MAX_HTTP_CONNECTIONS", default_value_t = 64)
     )]
     pub max_http_connections: usize,
+
+    /// Connections one HTTP client address holds at once; its further ones
+    /// are closed at accept (counted as `peer_limit`), so that no one client
+    /// takes every slot from the probes and Prometheus.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long,
+            env = "STEPWATCH_MAX_HTTP_CONNECTIONS_PER_PEER",
+            default_value_t = 16
+        )
+    )]
+    pub max_http_connections_per_peer: usize,
+
+    /// How long an HTTP request's headers may take to arrive; also how long
+    /// a keep-alive connection may wait for its next request.
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_HTTP_HEADER_TIMEOUT", default_value = "5s", value_parser = parse_duration))]
+    pub http_header_timeout: Duration,
+
+    /// Ingest connections one peer holds at once on a listener (a uid on
+    /// the Unix socket, an address on TCP); further ones are closed at
+    /// accept (`peer_limit`).
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long,
+            env = "STEPWATCH_MAX_CONNECTIONS_PER_PEER",
+            default_value_t = 128
+        )
+    )]
+    pub max_connections_per_peer: usize,
+
+    /// Ingest connections one process holds at once on the Unix socket
+    /// (its PID from SO_PEERCRED); further ones are closed at accept
+    /// (`process_limit`). A client needs one.
+    #[cfg_attr(
+        feature = "cli",
+        arg(
+            long,
+            env = "STEPWATCH_MAX_CONNECTIONS_PER_PROCESS",
+            default_value_t = 16
+        )
+    )]
+    pub max_connections_per_process: usize,
+
+    /// An ingest connection that holds no open stream for this long is
+    /// closed (`no_stream`): connections that never open one cannot hold
+    /// the listener's slots. A client reconnects when it next streams.
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_CONNECTION_GRACE", default_value = "10s", value_parser = parse_duration))]
+    pub connection_grace: Duration,
 
     /// A connection (HTTP or ingest) that neither sends nor receives a byte
     /// for this long is closed. Live ingest connections never idle this long:
@@ -170,6 +239,13 @@ pub struct AgentConfig {
         )
     )]
     pub max_streams_per_connection: usize,
+
+    /// How long a rank whose stream broke (rather than ended) stays its
+    /// process's: another process's hello for it is refused (`rank_held`)
+    /// while its own reconnects, so that no one takes it, and resets its
+    /// history, meanwhile. A stream the client closed holds nothing.
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_RECONNECT_WINDOW", default_value = "30s", value_parser = parse_duration))]
+    pub reconnect_window: Duration,
 
     /// How long a new stream may take to send its Hello before it is ended
     /// with DEADLINE_EXCEEDED (counted as `hello_timeout`). A stream takes

@@ -110,6 +110,7 @@ pub async fn run_until(
         max_retained_steps: config.max_steps,
         memory_budget_bytes: budget.history_bytes,
         check_client_clock: true,
+        reconnect_window_ns: config.reconnect_window.as_nanos() as u64,
         ..TrackerConfig::default()
     });
     let gpu_holders = workload::GpuHolders::new(config.pod_resources_refresh);
@@ -147,6 +148,12 @@ pub async fn run_until(
     let http = std::net::TcpListener::bind(config.http_listen)
         .with_context(|| format!("cannot listen for HTTP on {}", config.http_listen))?;
     let http_addr = http.local_addr()?;
+    let http_limits = http::HttpLimits {
+        max_connections: config.max_http_connections,
+        max_connections_per_peer: config.max_http_connections_per_peer,
+        header_timeout: config.http_header_timeout,
+        idle_timeout: idle,
+    };
     let http_task = http::serve_on_own_thread(
         http,
         if config.api_listen.is_some() {
@@ -155,8 +162,7 @@ pub async fn run_until(
             http::Routes::All
         },
         state.clone(),
-        config.max_http_connections,
-        idle,
+        http_limits,
         stopped(stop_rx.clone()),
     )?;
     let (api_addr, api_task) = match config.api_listen {
@@ -168,13 +174,19 @@ pub async fn run_until(
                 api,
                 http::Routes::Api,
                 state.clone(),
-                config.max_http_connections,
-                idle,
+                http_limits,
                 stopped(stop_rx.clone()),
             )?;
             (Some(api_addr), Some(task))
         }
         None => (None, None),
+    };
+    let connections = listen::IngestConnections {
+        idle_timeout: idle,
+        grace: config.connection_grace,
+        per_peer: config.max_connections_per_peer,
+        per_process: config.max_connections_per_process,
+        counter: state.ingest.connections_closed.clone(),
     };
 
     let uds = bind_socket(&config.socket, config.socket_mode)?;
@@ -239,6 +251,8 @@ pub async fn run_until(
             alerter.clone(),
             ingest::IngestLimits {
                 max_streams: config.max_streams,
+                max_streams_per_peer: config.max_streams_per_peer,
+                max_streams_per_process: config.max_streams_per_process,
                 max_marker_rate: config.max_marker_rate,
                 hello_timeout: config.hello_timeout,
             },
@@ -258,7 +272,7 @@ pub async fn run_until(
                     node_id: node.clone(),
                     max_volumes: config.csi_max_volumes,
                     state_file: path.with_file_name("volumes.jsonl"),
-                    idle_timeout: idle,
+                    connections: connections.clone(),
                     streams_per_connection: per_connection,
                 },
                 uds_service.clone(),
@@ -286,7 +300,9 @@ pub async fn run_until(
         grpc_server()
             .add_service(ingest_server(uds_service))
             .serve_with_incoming_shutdown(
-                listen::Limited::new(uds, config.max_connections, idle).into_incoming(),
+                connections
+                    .limit(uds, config.max_connections, "ingest_socket")
+                    .into_incoming(),
                 stopped(stop_rx.clone()),
             ),
     );
@@ -313,7 +329,9 @@ pub async fn run_until(
             grpc_addr = Some(tcp.local_addr()?);
             Some(tokio::spawn(
                 server.add_service(ingest()).serve_with_incoming_shutdown(
-                    listen::Limited::new(tcp, config.max_connections, idle).into_incoming(),
+                    connections
+                        .limit(tcp, config.max_connections, "ingest_tcp")
+                        .into_incoming(),
                     stopped(stop_rx.clone()),
                 ),
             ))

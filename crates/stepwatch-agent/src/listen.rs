@@ -6,14 +6,25 @@
 //! answering (so Kubernetes restarted the agent) and accept errors spun a
 //! core. With a cap below the descriptor limit accept never fails that way,
 //! and a full listener waits for a connection to close instead of failing.
+//!
+//! The caps must not become the lockout themselves: one peer (a uid on a
+//! Unix socket, an address on TCP) and one process hold at most a share of
+//! them, refused at accept so that their surplus never queues ahead of
+//! others; an ingest connection that holds no stream is closed after a short
+//! grace. Every refusal and close is counted by listener and reason.
 
+use std::collections::HashMap;
 use std::future::Future as _;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures_util::task::AtomicWaker;
 use futures_util::Stream;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -26,6 +37,207 @@ pub struct Limited<L> {
     inner: L,
     permits: Arc<Semaphore>,
     idle_timeout: Option<Duration>,
+    /// Per-peer and per-process shares of the cap (None: no shares).
+    quota: Option<Arc<PeerQuota>>,
+    /// How long a connection may hold no stream (ingest listeners only).
+    no_stream_grace: Option<Duration>,
+    closes: Option<Closes>,
+}
+
+/// The listeners `stepwatch_connections_closed_total` names.
+pub const LISTENERS: &[&str] = &[
+    "http",
+    "api",
+    "ingest_socket",
+    "ingest_tcp",
+    "ingest_volume",
+];
+
+/// The reasons `stepwatch_connections_closed_total` counts.
+pub const CLOSE_REASONS: &[&str] = &[
+    "peer_limit",
+    "process_limit",
+    "first_byte_timeout",
+    "idle_timeout",
+    "header_timeout",
+    "no_stream",
+];
+
+/// Counts a listener's refused and closed connections.
+#[derive(Clone)]
+pub struct Closes {
+    pub counter: prometheus::IntCounterVec,
+    pub listener: &'static str,
+}
+
+impl Closes {
+    pub fn count(&self, reason: &'static str) {
+        debug_assert!(CLOSE_REASONS.contains(&reason), "{reason} is not listed");
+        self.counter
+            .with_label_values(&[self.listener, reason])
+            .inc();
+    }
+}
+
+/// Who is on the other end of a connection, for [`PeerQuota`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PeerKey {
+    /// A Unix socket peer's user (SO_PEERCRED).
+    Uid(u32),
+    /// A TCP peer's address.
+    Addr(IpAddr),
+    /// A Unix socket peer's process, when its PID is visible here.
+    Pid(u32),
+}
+
+impl PeerKey {
+    /// The reason a refusal for this key is counted under.
+    pub fn refusal(self) -> &'static str {
+        match self {
+            PeerKey::Pid(_) => "process_limit",
+            _ => "peer_limit",
+        }
+    }
+}
+
+/// The quota keys of an accepted connection: its peer and, on a Unix
+/// socket, its process.
+pub trait PeerOf {
+    fn peer_keys(&self) -> Vec<PeerKey>;
+}
+
+impl PeerOf for tokio::net::UnixStream {
+    fn peer_keys(&self) -> Vec<PeerKey> {
+        let Ok(cred) = self.peer_cred() else {
+            return Vec::new();
+        };
+        let mut keys = vec![PeerKey::Uid(cred.uid())];
+        // PID 0: the peer is outside our PID namespace; its uid still counts.
+        if let Some(pid) = cred.pid().and_then(|p| u32::try_from(p).ok()) {
+            if pid != 0 {
+                keys.push(PeerKey::Pid(pid));
+            }
+        }
+        keys
+    }
+}
+
+impl PeerOf for tokio::net::TcpStream {
+    fn peer_keys(&self) -> Vec<PeerKey> {
+        self.peer_addr()
+            .map(|a| vec![PeerKey::Addr(a.ip())])
+            .unwrap_or_default()
+    }
+}
+
+/// How many connections (or streams) each peer and each process holds,
+/// against a limit for each: one peer or process cannot take every slot of
+/// a cap shared with others.
+pub struct PeerQuota {
+    /// Most held by one peer (a uid or an address).
+    per_peer: usize,
+    /// Most held by one process.
+    per_process: usize,
+    held: Mutex<HashMap<PeerKey, usize>>,
+}
+
+impl PeerQuota {
+    pub fn new(per_peer: usize, per_process: usize) -> Arc<Self> {
+        Arc::new(Self {
+            per_peer,
+            per_process,
+            held: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn limit(&self, key: PeerKey) -> usize {
+        match key {
+            PeerKey::Pid(_) => self.per_process,
+            _ => self.per_peer,
+        }
+    }
+
+    /// Takes one slot under every key, or none: Err names the first key
+    /// at its limit.
+    pub fn try_take(self: &Arc<Self>, keys: Vec<PeerKey>) -> Result<PeerSlot, PeerKey> {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&full) = keys
+            .iter()
+            .find(|&&k| held.get(&k).copied().unwrap_or(0) >= self.limit(k))
+        {
+            return Err(full);
+        }
+        for &k in &keys {
+            *held.entry(k).or_insert(0) += 1;
+        }
+        Ok(PeerSlot {
+            quota: Arc::clone(self),
+            keys,
+        })
+    }
+}
+
+/// One connection's (or stream's) share of a [`PeerQuota`], given back on drop.
+pub struct PeerSlot {
+    quota: Arc<PeerQuota>,
+    keys: Vec<PeerKey>,
+}
+
+impl Drop for PeerSlot {
+    fn drop(&mut self) {
+        let mut held = self.quota.held.lock().unwrap_or_else(|e| e.into_inner());
+        for k in &self.keys {
+            if let Some(n) = held.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    held.remove(k);
+                }
+            }
+        }
+    }
+}
+
+/// The streams open on one connection; the ingest service counts them
+/// (from [`ConnInfo`]) so that the connection can tell when it holds none.
+#[derive(Clone, Default)]
+pub struct ConnStreams(Arc<ConnStreamsInner>);
+
+#[derive(Default)]
+struct ConnStreamsInner {
+    open: AtomicUsize,
+    /// The connection's reader, woken when its last stream ends.
+    waker: AtomicWaker,
+}
+
+impl ConnStreams {
+    /// Counts a stream open until the guard drops.
+    pub fn opened(&self) -> StreamOnConn {
+        self.0.open.fetch_add(1, Ordering::SeqCst);
+        StreamOnConn(self.clone())
+    }
+
+    fn open(&self) -> usize {
+        self.0.open.load(Ordering::SeqCst)
+    }
+}
+
+/// A stream counted on its connection until dropped.
+pub struct StreamOnConn(ConnStreams);
+
+impl Drop for StreamOnConn {
+    fn drop(&mut self) {
+        if self.0 .0.open.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0 .0.waker.wake();
+        }
+    }
+}
+
+/// What tonic puts in a request's extensions for a [`LimitedIo`]: the
+/// underlying connection's info and its stream count.
+#[derive(Clone)]
+pub struct ConnInfo<C> {
+    pub inner: C,
+    pub streams: ConnStreams,
 }
 
 /// How long a new connection may stay silent before its first byte: a
@@ -42,11 +254,37 @@ impl<L> Limited<L> {
             inner,
             permits: Arc::new(Semaphore::new(max)),
             idle_timeout,
+            quota: None,
+            no_stream_grace: None,
+            closes: None,
         }
+    }
+
+    /// Refuses a connection at accept when its peer or process holds its
+    /// share of the cap already.
+    pub fn per_peer(mut self, quota: Arc<PeerQuota>) -> Self {
+        self.quota = Some(quota);
+        self
+    }
+
+    /// Closes a connection that holds no stream for `grace` (ingest).
+    pub fn no_stream_grace(mut self, grace: Duration) -> Self {
+        self.no_stream_grace = Some(grace);
+        self
+    }
+
+    /// Counts refusals and closes under `closes`.
+    pub fn counted(mut self, closes: Closes) -> Self {
+        self.closes = Some(closes);
+        self
     }
 }
 
-impl<L: axum::serve::Listener> axum::serve::Listener for Limited<L> {
+impl<L> axum::serve::Listener for Limited<L>
+where
+    L: axum::serve::Listener,
+    L::Io: PeerOf,
+{
     type Io = LimitedIo<L::Io>;
     type Addr = L::Addr;
 
@@ -57,8 +295,27 @@ impl<L: axum::serve::Listener> axum::serve::Listener for Limited<L> {
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
-        let (io, addr) = self.inner.accept().await;
-        (LimitedIo::new(io, permit, self.idle_timeout), addr)
+        loop {
+            let (io, addr) = self.inner.accept().await;
+            let slot = match &self.quota {
+                None => None,
+                Some(quota) => match quota.try_take(io.peer_keys()) {
+                    Ok(slot) => Some(slot),
+                    // Closed at once: a peer's surplus must not wait in the
+                    // backlog ahead of everyone else's connections.
+                    Err(full) => {
+                        tracing::debug!(peer = ?full, "refused a connection: its peer holds its share of the listener");
+                        if let Some(c) = &self.closes {
+                            c.count(full.refusal());
+                        }
+                        continue;
+                    }
+                },
+            };
+            let io = LimitedIo::new(io, permit, self.idle_timeout, slot)
+                .with_grace(self.no_stream_grace, self.closes.clone());
+            return (io, addr);
+        }
     }
 
     fn local_addr(&self) -> io::Result<Self::Addr> {
@@ -66,7 +323,11 @@ impl<L: axum::serve::Listener> axum::serve::Listener for Limited<L> {
     }
 }
 
-impl<L: axum::serve::Listener> Limited<L> {
+impl<L> Limited<L>
+where
+    L: axum::serve::Listener,
+    L::Io: PeerOf,
+{
     /// The connections as a stream, for tonic's `serve_with_incoming`.
     pub fn into_incoming(self) -> impl Stream<Item = io::Result<LimitedIo<L::Io>>> + Send {
         futures_util::stream::unfold(self, |mut listener| async move {
@@ -80,22 +341,77 @@ impl<L: axum::serve::Listener> Limited<L> {
 pub struct LimitedIo<T> {
     inner: T,
     _permit: OwnedSemaphorePermit,
+    _slot: Option<PeerSlot>,
     idle: Option<(Duration, Pin<Box<Sleep>>)>,
     /// Whether the peer has sent a byte; until then the deadline is
     /// [`FIRST_BYTE_TIMEOUT`] and only its bytes move it.
     heard: bool,
+    streams: ConnStreams,
+    /// The no-stream grace and its timer, armed while no stream is open.
+    grace: Option<(Duration, Pin<Box<Sleep>>, bool)>,
+    closes: Option<Closes>,
+    /// Set once the close was counted (a failed read may be polled again).
+    closed: bool,
 }
 
 impl<T> LimitedIo<T> {
-    fn new(inner: T, permit: OwnedSemaphorePermit, idle_timeout: Option<Duration>) -> Self {
+    fn new(
+        inner: T,
+        permit: OwnedSemaphorePermit,
+        idle_timeout: Option<Duration>,
+        slot: Option<PeerSlot>,
+    ) -> Self {
         let first = idle_timeout.map(|d| d.min(FIRST_BYTE_TIMEOUT));
         Self {
             inner,
             _permit: permit,
+            _slot: slot,
             idle: idle_timeout
                 .zip(first)
                 .map(|(d, f)| (d, Box::pin(tokio::time::sleep(f)))),
             heard: false,
+            streams: ConnStreams::default(),
+            grace: None,
+            closes: None,
+            closed: false,
+        }
+    }
+
+    fn with_grace(mut self, grace: Option<Duration>, closes: Option<Closes>) -> Self {
+        self.grace = grace.map(|g| (g, Box::pin(tokio::time::sleep(g)), false));
+        self.closes = closes;
+        self
+    }
+
+    /// Fails with `reason`, counted once.
+    fn close(&mut self, reason: &'static str, why: &'static str) -> io::Error {
+        if !std::mem::replace(&mut self.closed, true) {
+            if let Some(c) = &self.closes {
+                c.count(reason);
+            }
+        }
+        io::Error::new(io::ErrorKind::TimedOut, why)
+    }
+
+    /// Fails once the connection has held no stream for the grace.
+    fn check_grace(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        let Some((grace, sleep, armed)) = &mut self.grace else {
+            return Ok(());
+        };
+        self.streams.0.waker.register(cx.waker());
+        if self.streams.open() > 0 {
+            *armed = false;
+            return Ok(());
+        }
+        if !*armed {
+            sleep.as_mut().reset(Instant::now() + *grace);
+            *armed = true;
+        }
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                Err(self.close("no_stream", "connection held no stream past the grace"))
+            }
+            Poll::Pending => Ok(()),
         }
     }
 
@@ -115,9 +431,12 @@ impl<T> LimitedIo<T> {
             return Ok(());
         }
         match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "connection idle past the timeout",
+            Poll::Ready(()) if heard => {
+                Err(self.close("idle_timeout", "connection idle past the timeout"))
+            }
+            Poll::Ready(()) => Err(self.close(
+                "first_byte_timeout",
+                "connection sent nothing within the first-byte timeout",
             )),
             Poll::Pending => Ok(()),
         }
@@ -134,6 +453,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for LimitedIo<T> {
         let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
         let got_bytes = matches!(poll, Poll::Ready(Ok(()))) && buf.filled().len() > before;
         self.check_idle(cx, poll.is_ready(), got_bytes)?;
+        self.check_grace(cx)?;
         poll
     }
 }
@@ -159,10 +479,13 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for LimitedIo<T> {
 }
 
 impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected for LimitedIo<T> {
-    type ConnectInfo = T::ConnectInfo;
+    type ConnectInfo = ConnInfo<T::ConnectInfo>;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+        ConnInfo {
+            inner: self.inner.connect_info(),
+            streams: self.streams.clone(),
+        }
     }
 }
 
@@ -188,4 +511,33 @@ pub fn raise_fd_limit() -> io::Result<(u64, u64)> {
         }
     }
     Ok((old, limit.rlim_cur))
+}
+
+/// The bounds every ingest listener's connections share (flags of the same
+/// names); each listener counts its peers apart.
+#[derive(Clone, Debug)]
+pub struct IngestConnections {
+    pub idle_timeout: Option<Duration>,
+    /// `--connection-grace`.
+    pub grace: Duration,
+    /// `--max-connections-per-peer`.
+    pub per_peer: usize,
+    /// `--max-connections-per-process`.
+    pub per_process: usize,
+    /// `stepwatch_connections_closed_total`.
+    pub counter: prometheus::IntCounterVec,
+}
+
+impl IngestConnections {
+    /// `inner` bounded to `max` connections, with the per-peer shares, the
+    /// no-stream grace, and counts under `listener`.
+    pub fn limit<L>(&self, inner: L, max: usize, listener: &'static str) -> Limited<L> {
+        Limited::new(inner, max, self.idle_timeout)
+            .per_peer(PeerQuota::new(self.per_peer, self.per_process))
+            .no_stream_grace(self.grace)
+            .counted(Closes {
+                counter: self.counter.clone(),
+                listener,
+            })
+    }
 }

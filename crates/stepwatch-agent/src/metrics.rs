@@ -619,6 +619,15 @@ pub(crate) const INGEST_STREAMS_OPENED_TOTAL: MetricDef = MetricDef {
     help: "Marker streams opened since start.",
 };
 
+/// `stepwatch_connections_closed_total`
+pub(crate) const CONNECTIONS_CLOSED_TOTAL: MetricDef = MetricDef {
+    name: "stepwatch_connections_closed_total",
+    kind: MetricKind::Counter,
+    labels: "`listener`, `reason`",
+    meaning: "connections the agent refused or closed, by listener (`http`, `api`, `ingest_socket`, `ingest_tcp`, `ingest_volume`) and reason: `peer_limit` (the peer, a uid on a Unix socket or an address on TCP, holds `--max-connections-per-peer` or `--max-http-connections-per-peer`), `process_limit` (the process holds `--max-connections-per-process`), `first_byte_timeout` (nothing sent within 5 s), `idle_timeout` (`--idle-timeout`), `header_timeout` (HTTP request headers not complete within `--http-header-timeout`, which also ends idle keep-alive), `no_stream` (an ingest connection with no open stream for `--connection-grace`). Every pair exists at 0 from the start",
+    help: "Connections the agent refused at accept or closed, by listener and reason (peer_limit, process_limit, first_byte_timeout, idle_timeout, header_timeout, no_stream).",
+};
+
 /// `stepwatch_ranks_evicted_total`
 pub(crate) const RANKS_EVICTED_TOTAL: MetricDef = MetricDef {
     name: "stepwatch_ranks_evicted_total",
@@ -804,6 +813,7 @@ pub(crate) const ALL: &[&MetricDef] = &[
     &CSI_PUBLISH_REFUSALS_TOTAL,
     &INGEST_STREAMS_ACTIVE,
     &INGEST_STREAMS_OPENED_TOTAL,
+    &CONNECTIONS_CLOSED_TOTAL,
     &ADVISORIES_SENT_TOTAL,
     &ALERTMANAGER_POSTS_TOTAL,
     &ALERTMANAGER_ALERTS_DROPPED_TOTAL,

@@ -30,6 +30,9 @@ pub struct IngestMetrics {
     pub journal_restored: IntCounter,
     pub allocator_traces: IntCounterVec,
     pub record_entries: IntCounterVec,
+    /// `stepwatch_connections_closed_total{listener,reason}`, for every
+    /// listener (see [`crate::listen::Closes`]).
+    pub connections_closed: IntCounterVec,
 }
 
 /// Every reason `stepwatch_markers_rejected_total` counts, so that each
@@ -44,6 +47,8 @@ pub const REJECT_REASONS: &[&str] = &[
     "rank_out_of_range",
     "too_many_ranks",
     "too_many_streams",
+    "peer_stream_limit",
+    "process_stream_limit",
     "rank_held",
     "gpu_not_allocated",
     "slurm_job_not_yours",
@@ -113,7 +118,17 @@ impl IngestMetrics {
             )?,
             record_entries: IntCounterVec::new(metrics::RECORD_ENTRIES_TOTAL.opts(), &["result"])?,
             advisories_sent: IntCounterVec::new(metrics::ADVISORIES_SENT_TOTAL.opts(), &["kind"])?,
+            connections_closed: IntCounterVec::new(
+                metrics::CONNECTIONS_CLOSED_TOTAL.opts(),
+                &["listener", "reason"],
+            )?,
         };
+        registry.register(Box::new(m.connections_closed.clone()))?;
+        for listener in crate::listen::LISTENERS {
+            for reason in crate::listen::CLOSE_REASONS {
+                m.connections_closed.with_label_values(&[listener, reason]);
+            }
+        }
         registry.register(Box::new(m.advisories_sent.clone()))?;
         registry.register(Box::new(m.allocator_traces.clone()))?;
         registry.register(Box::new(m.record_entries.clone()))?;
@@ -358,10 +373,11 @@ impl AgentState {
     }
 
     /// Marks one of the rank's streams closed.
-    pub fn close_rank(&self, key: &RankKey) {
+    pub fn close_rank(&self, key: &RankKey, broken: bool) {
         let close = |at_ns| RecordEntry::Close {
             at_ns,
             key: key.clone(),
+            broken,
         };
         // A close is never refused.
         let _ = self.apply(Drain::Never, close, true);

@@ -274,6 +274,12 @@ pub struct RankInfo {
     /// clients that predate it.
     #[serde(default)]
     pub run_id: String,
+    /// Over TCP, who the transport proved the hello is from: the client
+    /// certificate's digest (`tls:<sha256 hex>`) with mutual TLS, empty
+    /// without one (a PID such a hello claims proves nothing). None on a
+    /// Unix socket, where the PID comes from the kernel.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_identity: Option<String>,
 }
 
 impl RankKey {
@@ -297,10 +303,25 @@ impl RankInfo {
         }
     }
 
+    /// Whether a later hello can be told to be from this one's process
+    /// ([`RankInfo::same_claimant`]): false over TCP without a client
+    /// certificate.
+    pub fn identifiable(&self) -> bool {
+        self.tcp_identity.as_deref() != Some("")
+    }
+
     /// Whether `other` comes from the same process as `self`: the same PID
     /// and the same pod. An unknown PID (0) or pod ("") on either side
-    /// cannot tell them apart, and counts as the same.
+    /// cannot tell them apart, and counts as the same. Over TCP the
+    /// transport's identity must match as well, and a hello without one
+    /// (no client certificate) is nobody's: it is the same as no other,
+    /// whatever PID it claims.
     pub fn same_claimant(&self, other: &RankInfo) -> bool {
+        match (&self.tcp_identity, &other.tcp_identity) {
+            (None, None) => {}
+            (Some(a), Some(b)) if !a.is_empty() && a == b => {}
+            _ => return false,
+        }
         let differ = |a: &str, b: &str| !a.is_empty() && !b.is_empty() && a != b;
         let pid_differs = self.pid != 0 && other.pid != 0 && self.pid != other.pid;
         !(pid_differs || differ(&self.pod, &other.pod))

@@ -380,3 +380,76 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_rank_whose_stream_broke_stays_its_process_s_through_the_reconnect_window() {
+    let mut t = Tracker::new(TrackerConfig {
+        reconnect_window_ns: 100,
+        ..TrackerConfig::default()
+    });
+    let key = t.open(info("ns", "j", 0, 10), 0).unwrap();
+    t.markers(&key, &two_steps(0), 1).unwrap();
+    t.disconnect(&key, 1_000);
+    // Another process, within the window: refused, and the history kept.
+    assert!(matches!(
+        t.open(info("ns", "j", 0, 66), 1_050),
+        Err(OpenError::RankHeld {
+            run_left: false,
+            ..
+        })
+    ));
+    assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 2);
+    // Its own process resumes within it.
+    t.open(info("ns", "j", 0, 10), 1_099).unwrap();
+    assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 2);
+    // A clean close holds nothing: a restarted job takes the rank at once.
+    t.close(&key, 2_000);
+    t.open(info("ns", "j", 0, 12), 2_001).unwrap();
+    t.disconnect(&key, 3_000);
+    // Past the window, another process may take it (a new run).
+    t.open(info("ns", "j", 0, 13), 3_100).unwrap();
+    assert_eq!(t.rank(&key).unwrap().info.pid, 13);
+}
+
+#[test]
+fn over_tcp_only_the_client_certificate_identifies_a_process() {
+    let over_tcp = |pid: u32, identity: &str| RankInfo {
+        tcp_identity: Some(identity.into()),
+        ..info("ns", "j", 0, pid)
+    };
+    let mut t = Tracker::new(TrackerConfig {
+        reconnect_window_ns: 100,
+        ..TrackerConfig::default()
+    });
+    // Without a certificate, a hello claiming the holder's PID is nobody:
+    // it can neither join the live rank nor resume it.
+    let key = t.open(over_tcp(10, ""), 0).unwrap();
+    t.markers(&key, &two_steps(0), 1).unwrap();
+    assert!(matches!(
+        t.open(over_tcp(10, ""), 2),
+        Err(OpenError::RankHeld { .. })
+    ));
+    // Nothing identifies the holder, so nothing holds the rank for it once
+    // it is gone: the next claimant starts afresh.
+    t.disconnect(&key, 3);
+    t.open(over_tcp(10, ""), 4).unwrap();
+    assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 0);
+    t.close(&key, 5);
+
+    // With one, the certificate's holder resumes and no one else can.
+    let key = t.open(over_tcp(20, "tls:aa"), 6).unwrap();
+    t.markers(&key, &two_steps(10), 7).unwrap();
+    assert!(matches!(
+        t.open(over_tcp(20, "tls:bb"), 8),
+        Err(OpenError::RankHeld { .. })
+    ));
+    // Nor a Unix socket peer claiming the same PID.
+    assert!(matches!(
+        t.open(info("ns", "j", 0, 20), 8),
+        Err(OpenError::RankHeld { .. })
+    ));
+    t.disconnect(&key, 9);
+    assert!(t.open(over_tcp(20, "tls:bb"), 10).is_err());
+    t.open(over_tcp(20, "tls:aa"), 11).unwrap();
+    assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 2);
+}

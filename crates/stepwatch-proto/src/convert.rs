@@ -132,6 +132,7 @@ pub fn hello_to_wire(info: &RankInfo, client_version: &str) -> pb::Hello {
         framework_version,
         model,
         run_id,
+        tcp_identity: _,
     } = info.clone();
     pb::Hello {
         identity: Some(pb::Identity {
@@ -193,6 +194,8 @@ pub fn hello_from_wire(hello: pb::Hello) -> RankInfo {
         framework_version,
         model: model_facts_from_wire(model.unwrap_or_default()),
         run_id,
+        // The transport's finding, not the hello's.
+        tcp_identity: None,
     }
 }
 

@@ -127,6 +127,7 @@ fn rank_info() -> impl Strategy<Value = RankInfo> {
                     framework_version,
                     model,
                     run_id,
+                    tcp_identity: None,
                 }
             },
         )

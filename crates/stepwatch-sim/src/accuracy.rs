@@ -483,6 +483,7 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
             let close = RecordEntry::Close {
                 at_ns: t,
                 key: keys[p].clone(),
+                broken: false,
             };
             feed(&mut tracker, close);
         }

@@ -27,7 +27,6 @@ use std::collections::HashMap;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use prometheus::{IntCounterVec, IntGauge, Registry};
 use stepwatch_proto::csi::v1 as csi;
@@ -66,8 +65,8 @@ pub struct CsiConfig {
     pub max_volumes: usize,
     /// Where published volumes are recorded, to reopen them at restart.
     pub state_file: PathBuf,
-    /// Idle timeout of the volumes' ingest connections (`--idle-timeout`).
-    pub idle_timeout: Option<Duration>,
+    /// The bounds of the volumes' ingest connections.
+    pub connections: crate::listen::IngestConnections,
     /// HTTP/2 streams per connection (`--max-streams-per-connection`).
     pub streams_per_connection: Option<u32>,
 }
@@ -335,12 +334,9 @@ impl CsiPlugin {
                 _ = unpublished.wait_for(|g| *g) => {}
             }
         };
-        let incoming = crate::listen::Limited::new(
-            listener,
-            MAX_CONNECTIONS_PER_VOLUME,
-            self.0.config.idle_timeout,
-        )
-        .into_incoming();
+        let incoming = (self.0.config.connections)
+            .limit(listener, MAX_CONNECTIONS_PER_VOLUME, "ingest_volume")
+            .into_incoming();
         let server = crate::grpc_server(self.0.config.streams_per_connection)
             .add_service(crate::ingest_server(service))
             .serve_with_incoming_shutdown(incoming, shutdown);

@@ -350,7 +350,7 @@ mod tests {
         assert!(!Arc::ptr_eq(&view(&first, 0), &view(&again, 0)));
         assert_eq!(again.divergence.len(), 1);
 
-        state.close_rank(&a);
+        state.close_rank(&a, false);
         assert_eq!(state.evict_idle(0), 1);
         let empty = state.views.snapshot(&state, &mut || {});
         assert!(empty.ranks.is_empty());

@@ -15,8 +15,23 @@ use stepwatch_core::{GpuSample, RankKey, RankState, StepRecord, Tracker};
 use stepwatch_proto::clock::monotonic_ns;
 
 use crate::export;
-use crate::listen::Limited;
+use crate::listen::{Closes, Limited, PeerQuota};
 use crate::state::AgentState;
+
+/// The HTTP listener's bounds (flags of the same names).
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    /// Connections at once (`--max-http-connections`).
+    pub max_connections: usize,
+    /// Connections one address holds at once
+    /// (`--max-http-connections-per-peer`): a peer cannot take every slot.
+    pub max_connections_per_peer: usize,
+    /// How long a request's headers may take to arrive, and a keep-alive
+    /// connection may wait for its next request (`--http-header-timeout`).
+    pub header_timeout: std::time::Duration,
+    /// A connection silent this long is closed (`--idle-timeout`).
+    pub idle_timeout: Option<std::time::Duration>,
+}
 
 /// Serves HTTP on a thread and runtime of its own until `stop` completes.
 /// Ingest runs on the agent's two async workers and waits there for the
@@ -29,8 +44,7 @@ pub fn serve_on_own_thread(
     listener: std::net::TcpListener,
     routes: Routes,
     state: Arc<AgentState>,
-    max_connections: usize,
-    idle_timeout: Option<std::time::Duration>,
+    limits: HttpLimits,
     stop: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<tokio::sync::oneshot::Receiver<std::io::Result<()>>> {
     listener.set_nonblocking(true)?;
@@ -38,6 +52,13 @@ pub fn serve_on_own_thread(
         .enable_all()
         .build()?;
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    let closes = Closes {
+        counter: state.ingest.connections_closed.clone(),
+        listener: match routes {
+            Routes::Api => "api",
+            _ => "http",
+        },
+    };
     std::thread::Builder::new()
         .name(match routes {
             Routes::Api => "stepwatch-api".into(),
@@ -46,14 +67,65 @@ pub fn serve_on_own_thread(
         .spawn(move || {
             let served = runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener)?;
-                let listener = Limited::new(listener, max_connections, idle_timeout);
-                axum::serve(listener, router(state, routes))
-                    .with_graceful_shutdown(stop)
-                    .await
+                let listener = Limited::new(listener, limits.max_connections, limits.idle_timeout)
+                    .per_peer(PeerQuota::new(limits.max_connections_per_peer, usize::MAX))
+                    .counted(closes.clone());
+                serve(listener, router(state, routes), limits, closes, stop).await;
+                Ok(())
             });
             let _ = done_tx.send(served);
         })?;
     Ok(done_rx)
+}
+
+/// Serves HTTP/1.1 connections until `stop`, then lets them finish.
+/// hyper's own connection settings, which axum's `serve` does not expose:
+/// without a header-read timeout, a client sending a byte a minute, or a
+/// keep-alive connection left open, held its slot for minutes.
+async fn serve(
+    mut listener: Limited<tokio::net::TcpListener>,
+    router: Router,
+    limits: HttpLimits,
+    closes: Closes,
+    stop: impl std::future::Future<Output = ()>,
+) {
+    use axum::serve::Listener as _;
+    let (closing_tx, closing_rx) = tokio::sync::watch::channel(());
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let (io, _) = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = &mut stop => break,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let mut closing = closing_rx.clone();
+        let closes = closes.clone();
+        tokio::spawn(async move {
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(limits.header_timeout);
+            let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+            let mut conn = std::pin::pin!(conn);
+            let served = tokio::select! {
+                served = conn.as_mut() => served,
+                _ = closing.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = served {
+                if e.is_timeout() {
+                    closes.count("header_timeout");
+                }
+                tracing::debug!(error = %e, "an HTTP connection ended with an error");
+            }
+        });
+    }
+    drop(closing_rx);
+    // Connections finish their requests; each holds a receiver until then.
+    let _ = closing_tx.send(());
+    closing_tx.closed().await;
 }
 
 /// What one listener serves. With `--api-listen` the JSON API (which names
@@ -639,6 +711,13 @@ impl From<&StepRecord> for StepReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const TEST_LIMITS: HttpLimits = HttpLimits {
+        max_connections: 16,
+        max_connections_per_peer: 16,
+        header_timeout: std::time::Duration::from_secs(5),
+        idle_timeout: None,
+    };
     use crate::state::{test_marker, test_rank, test_state};
     use std::io::{Read, Write};
     use std::sync::mpsc;
@@ -666,7 +745,7 @@ mod tests {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        serve_on_own_thread(listener, Routes::All, state, 16, None, async {
+        serve_on_own_thread(listener, Routes::All, state, TEST_LIMITS, async {
             let _ = stop_rx.await;
         })
         .unwrap();
@@ -936,7 +1015,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let served = workers.block_on(async {
-            serve_on_own_thread(listener, Routes::All, state.clone(), 16, None, async {
+            serve_on_own_thread(listener, Routes::All, state.clone(), TEST_LIMITS, async {
                 let _ = stop_rx.await;
             })
         });

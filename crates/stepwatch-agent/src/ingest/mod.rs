@@ -36,6 +36,7 @@ pub use traces::TraceBudget;
 use traces::*;
 
 use crate::alerts::{Alerter, RankAlerts};
+use crate::listen::{ConnInfo, ConnStreams, PeerKey, PeerQuota};
 use crate::state::AgentState;
 use crate::workload::{Attestation, VolumePod, WorkloadResolver};
 
@@ -45,6 +46,8 @@ pub struct IngestService {
     state: Arc<AgentState>,
     workload: Arc<WorkloadResolver>,
     streams: Arc<Semaphore>,
+    /// Each peer's and each process's share of `streams`.
+    stream_quota: Arc<PeerQuota>,
     limits: IngestLimits,
     traces: Arc<TraceBudget>,
     /// Posts the advisories' alerts to Alertmanager (`--alertmanager-url`).
@@ -69,6 +72,10 @@ pub struct VolumeBinding {
 pub struct IngestLimits {
     /// Streams that said hello, at once (`--max-streams`).
     pub max_streams: usize,
+    /// Of those, held by one peer: a uid or an address (`--max-streams-per-peer`).
+    pub max_streams_per_peer: usize,
+    /// Of those, held by one process (`--max-streams-per-process`).
+    pub max_streams_per_process: usize,
     /// Markers per second per stream (`--max-marker-rate`).
     pub max_marker_rate: f64,
     /// How long a new stream may take to send its hello (`--hello-timeout`):
@@ -89,6 +96,10 @@ impl IngestService {
             workload,
             alerter,
             streams: Arc::new(Semaphore::new(limits.max_streams)),
+            stream_quota: PeerQuota::new(
+                limits.max_streams_per_peer,
+                limits.max_streams_per_process,
+            ),
             limits,
             traces,
             volume: None,
@@ -115,13 +126,7 @@ impl Ingest for IngestService {
         &self,
         request: Request<Streaming<pb::ClientMessage>>,
     ) -> Result<Response<AgentStream>, Status> {
-        // SO_PEERCRED: the sender's PID in our namespace, when on the Unix socket.
-        let peer_pid = request
-            .extensions()
-            .get::<tonic::transport::server::UdsConnectInfo>()
-            .and_then(|info| info.peer_cred)
-            .and_then(|cred| cred.pid())
-            .and_then(usable_peer_pid);
+        let transport = Transport::of(&request);
         if self.volume.as_ref().is_some_and(|v| *v.gone.borrow()) {
             return Err(Status::unavailable(
                 "this pod's stepwatch volume has been unpublished",
@@ -132,22 +137,32 @@ impl Ingest for IngestService {
         let state = self.state.clone();
         let workload = self.workload.clone();
         let streams = self.streams.clone();
+        let stream_quota = self.stream_quota.clone();
         let limits = self.limits;
         let traces = self.traces.clone();
         let volume = self.volume.clone();
         let alerter = self.alerter.clone();
         tokio::spawn(async move {
+            // Counted on its connection from now: a connection holding
+            // streams is not closed for holding none.
+            let _on_connection = transport.streams.as_ref().map(ConnStreams::opened);
             state.ingest.streams_opened.inc();
             let served = tokio::spawn({
                 let (state, tx) = (state.clone(), tx.clone());
                 async move {
                     let peer = Peer {
-                        pid: peer_pid,
+                        pid: transport.pid,
+                        keys: transport.keys,
+                        tcp_identity: transport.tcp_identity,
                         workload: &workload,
                         volume,
                         alerter: &alerter,
                     };
-                    serve_stream(&state, &streams, &traces, inbound, peer, limits, &tx).await
+                    let slots = Slots {
+                        streams: &streams,
+                        quota: &stream_quota,
+                    };
+                    serve_stream(&state, slots, &traces, inbound, peer, limits, &tx).await
                 }
             })
             .await;
@@ -173,10 +188,95 @@ impl Ingest for IngestService {
     }
 }
 
+/// What the connection a stream came on says of its sender.
+struct Transport {
+    /// SO_PEERCRED's PID, on a Unix socket.
+    pid: Option<u32>,
+    /// Its keys in the per-peer stream quota.
+    keys: Vec<PeerKey>,
+    /// Over TCP, who the hello is from: the client certificate's digest
+    /// with mutual TLS, else the empty string (nobody the agent can tell).
+    tcp_identity: Option<String>,
+    /// The connection's stream count (None: not a [`crate::listen::LimitedIo`]).
+    streams: Option<ConnStreams>,
+}
+
+impl Transport {
+    fn of<T>(request: &Request<T>) -> Self {
+        use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
+        let ext = request.extensions();
+        if let Some(info) = ext.get::<ConnInfo<UdsConnectInfo>>() {
+            let cred = info.inner.peer_cred;
+            let pid = cred.and_then(|c| c.pid()).and_then(usable_peer_pid);
+            let mut keys: Vec<PeerKey> = cred.map(|c| PeerKey::Uid(c.uid())).into_iter().collect();
+            keys.extend(pid.map(PeerKey::Pid));
+            return Self {
+                pid,
+                keys,
+                tcp_identity: None,
+                streams: Some(info.streams.clone()),
+            };
+        }
+        let addr_keys = |info: &TcpConnectInfo| -> Vec<PeerKey> {
+            info.remote_addr()
+                .map(|a| PeerKey::Addr(a.ip()))
+                .into_iter()
+                .collect()
+        };
+        if let Some(info) = ext.get::<TlsConnectInfo<ConnInfo<TcpConnectInfo>>>() {
+            let identity = info
+                .peer_certs()
+                .and_then(|certs| certs.first().map(|c| certificate_identity(c.as_ref())))
+                .unwrap_or_default();
+            return Self {
+                pid: None,
+                keys: addr_keys(&info.get_ref().inner),
+                tcp_identity: Some(identity),
+                streams: Some(info.get_ref().streams.clone()),
+            };
+        }
+        if let Some(info) = ext.get::<ConnInfo<TcpConnectInfo>>() {
+            return Self {
+                pid: None,
+                keys: addr_keys(&info.inner),
+                tcp_identity: Some(String::new()),
+                streams: Some(info.streams.clone()),
+            };
+        }
+        Self {
+            pid: None,
+            keys: Vec::new(),
+            tcp_identity: None,
+            streams: None,
+        }
+    }
+}
+
+/// A TCP client's identity: the SHA-256 of its certificate (DER), which
+/// the TLS handshake proved it holds the key of.
+fn certificate_identity(der: &[u8]) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, der);
+    let hex: String = digest.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+    format!("tls:{hex}")
+}
+
+/// The stream budget a hello takes a slot of.
+#[derive(Clone, Copy)]
+struct Slots<'a> {
+    /// All streams (`--max-streams`).
+    streams: &'a Arc<Semaphore>,
+    /// Each peer's and process's share.
+    quota: &'a Arc<PeerQuota>,
+}
+
 /// Who is on the other end of a stream, as far as the agent can tell.
 struct Peer<'a> {
     /// SO_PEERCRED's PID, on the Unix socket.
     pid: Option<u32>,
+    /// Its keys in the per-peer stream quota.
+    keys: Vec<PeerKey>,
+    /// See [`Transport::tcp_identity`].
+    tcp_identity: Option<String>,
     workload: &'a WorkloadResolver,
     /// The pod's CSI volume the stream came in through, if any.
     volume: Option<VolumeBinding>,
@@ -186,7 +286,7 @@ struct Peer<'a> {
 
 async fn serve_stream(
     state: &AgentState,
-    streams: &Arc<Semaphore>,
+    slots: Slots<'_>,
     traces: &TraceBudget,
     mut inbound: Streaming<pb::ClientMessage>,
     peer: Peer<'_>,
@@ -213,7 +313,7 @@ async fn serve_stream(
     };
     // The stream's slot is taken at the hello: streams that never say one
     // cannot lock well-behaved ranks out.
-    let Ok(_slot) = streams.clone().try_acquire_owned() else {
+    let Ok(_slot) = slots.streams.clone().try_acquire_owned() else {
         return Err(refuse(
             state,
             "too_many_streams",
@@ -222,6 +322,29 @@ async fn serve_stream(
                 "the agent has reached its limit of concurrent streams (--max-streams)",
             ),
         ));
+    };
+    // One peer or process holds only its share: the rest stay for others.
+    let _share = match slots.quota.try_take(peer.keys.clone()) {
+        Ok(share) => share,
+        Err(full) => {
+            let (reason, flag, who) = match full {
+                PeerKey::Pid(_) => (
+                    "process_stream_limit",
+                    "--max-streams-per-process",
+                    "process",
+                ),
+                _ => ("peer_stream_limit", "--max-streams-per-peer", "peer"),
+            };
+            tracing::debug!(peer = ?full, "refused a stream: its {who} holds its share of the streams");
+            return Err(refuse(
+                state,
+                reason,
+                1,
+                Status::resource_exhausted(format!(
+                    "this {who} holds its limit of concurrent streams ({flag})"
+                )),
+            ));
+        }
     };
     state.ingest.streams_active.inc();
     let _active = scopeguard_dec(&state.ingest.streams_active);
@@ -247,6 +370,9 @@ async fn serve_stream(
     if let Some(uuid) = state.sampler.device_uuid(&info.gpu_uuid) {
         info.gpu_uuid = uuid;
     }
+    if let Some(identity) = &peer.tcp_identity {
+        tcp_claimant(&mut info, identity);
+    }
     let attestation = match &peer.volume {
         Some(v) => peer.workload.attest_volume(&v.pod, peer.pid).await,
         None => peer.workload.attest(peer.pid).await,
@@ -266,6 +392,7 @@ async fn serve_stream(
             "this pod's stepwatch volume was unpublished",
         ));
     }
+    release_if_holder_gone(state, peer.workload.proc_root(), &info);
     let key = match state.open_rank(info.clone()) {
         Ok(key) => key,
         Err(e) => {
@@ -324,10 +451,20 @@ async fn serve_stream(
         },
         None => receive.await,
     };
-    state.close_rank(&key);
+    // A stream that did not end cleanly (the connection lost, or ended by a
+    // refusal) leaves the rank to its process for the reconnect window.
+    state.close_rank(&key, result.is_err());
     alerts.close();
     tracing::info!(job = %key.job, rank = key.rank, "rank disconnected");
     result
+}
+
+/// Sleeps until `deadline`; never without one.
+async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Resolves once the volume is unpublished; never when its sender is just
@@ -366,18 +503,29 @@ async fn receive_markers(
         budget: traces,
         held: 0,
     };
-    while let Some(message) = next_message(state, inbound, Retry::Later).await? {
-        // A trace begun too long ago gives its memory back; the prediction
-        // keeps to the markers.
-        if trace.started.is_some_and(|t| t.elapsed() > traces.timeout) {
-            trace.abandon();
-            held.release();
-            let why = format!(
-                "the allocator trace was not finished within {:?} of its first chunk (--partial-trace-timeout)",
-                traces.timeout
-            );
-            reject_trace(state, key, "allocator_trace_timeout", &why);
-        }
+    loop {
+        // A trace begun too long ago gives its memory back, on the agent's
+        // clock: a stream that goes silent must not hold the budget shared
+        // by every rank. The prediction keeps to the markers.
+        let trace_deadline = trace
+            .started
+            .map(|t| tokio::time::Instant::from_std(t + traces.timeout));
+        let message = tokio::select! {
+            message = next_message(state, inbound, Retry::Later) => match message? {
+                Some(message) => message,
+                None => break,
+            },
+            _ = sleep_until_some(trace_deadline) => {
+                trace.abandon();
+                held.release();
+                let why = format!(
+                    "the allocator trace was not finished within {:?} of its first chunk (--partial-trace-timeout)",
+                    traces.timeout
+                );
+                reject_trace(state, key, "allocator_trace_timeout", &why);
+                continue;
+            }
+        };
         let batch = match message.kind {
             Some(Kind::Markers(batch)) => batch,
             Some(Kind::AllocatorTrace(chunk)) => {

@@ -472,6 +472,11 @@ impl WorkloadResolver {
         })
     }
 
+    /// Where the agent reads processes (`--proc-root`).
+    pub fn proc_root(&self) -> &std::path::Path {
+        &self.config.proc_root
+    }
+
     /// Whether the pod-resources API is there to ask: GPU checks and GPU
     /// holder labels.
     pub fn pod_resources(&self) -> bool {

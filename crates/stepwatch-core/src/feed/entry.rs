@@ -120,6 +120,9 @@ pub enum RecordEntry<'a> {
         at_ns: u64,
         /// The rank.
         key: RankKey,
+        /// The stream broke rather than ended ([`crate::Tracker::disconnect`]).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        broken: bool,
     },
 }
 
@@ -192,7 +195,7 @@ impl RecordEntry<'_> {
                 at_ns,
                 retention_ns,
             },
-            RecordEntry::Close { at_ns, key } => RecordEntry::Close { at_ns, key },
+            RecordEntry::Close { at_ns, key, broken } => RecordEntry::Close { at_ns, key, broken },
         }
     }
 

@@ -123,8 +123,12 @@ pub fn apply(tracker: &mut Tracker, input: &RecordEntry<'_>) -> Result<Applied, 
             evicted: tracker.evict_idle(*at_ns, *retention_ns),
             ..Applied::default()
         },
-        RecordEntry::Close { at_ns, key } => {
-            tracker.close(key, *at_ns);
+        RecordEntry::Close { at_ns, key, broken } => {
+            if *broken {
+                tracker.disconnect(key, *at_ns);
+            } else {
+                tracker.close(key, *at_ns);
+            }
             Applied::default()
         }
     })
@@ -287,6 +291,7 @@ mod tests {
             RecordEntry::Close {
                 at_ns: 2,
                 key: first.clone(),
+                broken: false,
             },
         ] {
             apply(&mut t, &entry).unwrap();

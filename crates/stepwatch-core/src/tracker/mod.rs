@@ -63,6 +63,11 @@ pub struct TrackerConfig {
     /// caller's clock is not the markers' (tests and harnesses that pass
     /// made-up times).
     pub check_client_clock: bool,
+    /// How long a rank whose stream broke stays its process's: within it,
+    /// another claimant's hello is refused (`RankHeld`), so that the rank is
+    /// not taken (and its history reset) while its process reconnects. A
+    /// stream that ended cleanly holds nothing.
+    pub reconnect_window_ns: u64,
 }
 
 impl Default for TrackerConfig {
@@ -75,6 +80,7 @@ impl Default for TrackerConfig {
             max_gpus: 64,
             memory_budget_bytes: u64::MAX,
             check_client_clock: false,
+            reconnect_window_ns: 0,
         }
     }
 }
@@ -196,6 +202,10 @@ pub struct RankState {
     /// the first one of the run is kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub oom_report: Option<OomReport>,
+    /// Until when (the tracker's ns) the rank is held for its process
+    /// after its stream broke ([`TrackerConfig::reconnect_window_ns`]).
+    #[serde(default)]
+    pub reconnect_until_ns: u64,
     /// The steady profile, kept between reads (see [`SteadyMemo`]).
     #[serde(skip)]
     pub(crate) steady: SteadyMemo,
@@ -614,6 +624,7 @@ impl Tracker {
     /// | tracked, any                        | the same process, same run   | resume its timeline     |
     /// | tracked, any                        | the same process, a new run  | start it afresh         |
     /// | connected                           | another process or pod       | refused, `RankHeld`     |
+    /// | its stream broke within the reconnect window | another process or pod | refused, `RankHeld` |
     /// | attested by the kubelet             | an unattested claimant       | refused, `RankHeld`     |
     /// | tracked, disconnected               | another process              | a new run (below)       |
     /// | unknown                             | anyone                       | a new rank              |
@@ -651,6 +662,12 @@ impl Tracker {
                 if state.connected_streams > 0 && !same {
                     return Err(held(
                         "its stream is open, from another process or pod",
+                        false,
+                    ));
+                }
+                if now_ns < state.reconnect_until_ns && !same {
+                    return Err(held(
+                        "its process's stream broke moments ago and the rank is kept for it to reconnect (--reconnect-window)",
                         false,
                     ));
                 }
@@ -715,6 +732,7 @@ impl Tracker {
             state.info = info;
             state.connected_streams += 1;
             state.last_activity_ns = now_ns;
+            state.reconnect_until_ns = 0;
             self.recount_retained();
             return Ok(Opened {
                 key,
@@ -756,6 +774,7 @@ impl Tracker {
                 ended_runs: Vec::new(),
                 allocator_retries: None,
                 oom_report: None,
+                reconnect_until_ns: 0,
                 steady: SteadyMemo::default(),
                 trend: TrendMemo::default(),
                 clock: Default::default(),
@@ -800,6 +819,7 @@ impl Tracker {
             ended_runs: r.ended_runs.clone(),
             allocator_retries: r.allocator_retries,
             oom_report: r.oom_report.clone(),
+            reconnect_until_ns: r.reconnect_until_ns,
             steady: SteadyMemo::default(),
             trend: TrendMemo::default(),
             clock: Default::default(),
@@ -831,6 +851,13 @@ impl Tracker {
             {
                 continue;
             }
+            // A rank connected when the journal was written is its process's
+            // while it reconnects to this agent.
+            state.reconnect_until_ns = if state.connected_streams > 0 && state.info.identifiable() {
+                now_ns.saturating_add(self.config.reconnect_window_ns)
+            } else {
+                0
+            };
             state.connected_streams = 0;
             state.last_activity_ns = now_ns;
             state
@@ -844,11 +871,30 @@ impl Tracker {
         restored
     }
 
-    /// Marks one stream of the rank closed.
+    /// Marks one stream of the rank closed; a clean close ends any
+    /// reconnect window (also how a caller ends the window of a process it
+    /// knows is gone).
     pub fn close(&mut self, key: &RankKey, now_ns: u64) {
         if let Some(state) = self.ranks.get_mut(key) {
             state.connected_streams = state.connected_streams.saturating_sub(1);
             state.last_activity_ns = now_ns;
+            state.reconnect_until_ns = 0;
+        }
+    }
+
+    /// Marks one stream of the rank broken (it ended without the client
+    /// closing it): when it was the last, the rank stays its process's for
+    /// [`TrackerConfig::reconnect_window_ns`].
+    pub fn disconnect(&mut self, key: &RankKey, now_ns: u64) {
+        self.close(key, now_ns);
+        let window = self.config.reconnect_window_ns;
+        if let Some(state) = self.ranks.get_mut(key) {
+            // A claimant nothing identifies (TCP without a client
+            // certificate) could not take it back: holding it would only
+            // lock its own reconnect out.
+            if state.connected_streams == 0 && state.info.identifiable() {
+                state.reconnect_until_ns = now_ns.saturating_add(window);
+            }
         }
     }
 
