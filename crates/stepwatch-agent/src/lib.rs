@@ -59,7 +59,11 @@ pub fn init_logging(format: LogFormat) {
 
 /// Runs the agent until SIGTERM or SIGINT.
 pub async fn run(config: AgentConfig) -> anyhow::Result<()> {
-    run_until(config, shutdown_signal()).await
+    // The handlers are installed before anything binds: a SIGTERM that comes
+    // right after the ready file must end the agent cleanly (journal
+    // written, socket unlinked), not by the signal's default action.
+    let shutdown = shutdown_signal()?;
+    run_until(config, shutdown).await
 }
 
 /// Runs the agent until `shutdown` completes.
@@ -591,11 +595,14 @@ fn hostname() -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
-async fn shutdown_signal() {
+fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
-    }
+    let mut term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let mut interrupt = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = interrupt.recv() => {}
+        }
+    })
 }
