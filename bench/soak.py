@@ -550,6 +550,9 @@ def main() -> int:
             sock,
             "--http-listen",
             "127.0.0.1:0",
+            # The chart's probes go to a listener of their own.
+            "--probe-listen",
+            "127.0.0.1:0",
             "--ready-file",
             str(ready),
             "--nvml-lib",
@@ -566,7 +569,9 @@ def main() -> int:
                 print((d / "agent.log").read_text(), file=sys.stderr)
                 return 2
             time.sleep(0.05)
-        port = int(json.loads(ready.read_text())["http"].rsplit(":", 1)[1])
+        listening = json.loads(ready.read_text())
+        port = int(listening["http"].rsplit(":", 1)[1])
+        probe_port = int(listening["probe"].rsplit(":", 1)[1])
         print(
             f"soak: agent pid {agent.pid}, http port {port}, {args.seconds:.0f} s", file=sys.stderr
         )
@@ -620,7 +625,7 @@ def main() -> int:
             for path in ("/healthz", "/readyz"):
                 t0 = time.monotonic()
                 try:
-                    http(port, path, timeout=1.0)
+                    http(probe_port, path, timeout=1.0)
                     probe_ms.append((time.monotonic() - t0) * 1000)
                     probes["ok"] += 1
                 except Exception:

@@ -115,6 +115,51 @@ fn probes_answer_while_one_client_holds_idle_and_slow_http_connections() {
     drop(held);
 }
 
+/// Many addresses together can still fill the HTTP listener (each within
+/// its share); the probes' own listener (`--probe-listen`) answers
+/// throughout, and serves the probes only.
+#[test]
+fn the_probe_listener_answers_while_many_peers_fill_the_http_listener() {
+    let agent = Agent::start_with(
+        "probe-listener",
+        1,
+        &[
+            "--probe-listen",
+            "127.0.0.1:0",
+            "--max-http-connections",
+            "32",
+        ],
+        |_| {},
+    );
+    let probe = agent.probe.expect("the ready file names the probe address");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    // 8 addresses × 16 connections that send one byte: 128 against 32 slots.
+    let held: Vec<TcpStream> = (2..10)
+        .flat_map(|host| (0..16).map(move |_| host))
+        .map(|host| {
+            let mut c = connect_from(&rt, &format!("127.0.0.{host}"), agent.http);
+            let _ = c.write_all(b"G");
+            c
+        })
+        .collect();
+    for _ in 0..10 {
+        for path in ["/healthz", "/readyz"] {
+            let started = Instant::now();
+            let (code, _) = http_get(probe, path).expect("the probe listener answers");
+            assert_eq!(code, 200, "{path}");
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "{path} took {:?}",
+                started.elapsed()
+            );
+        }
+    }
+    // Probes only: the exposition and the API stay on their listeners.
+    assert_eq!(http_get(probe, "/metrics").unwrap().0, 404);
+    assert_eq!(http_get(probe, "/api/v1/jobs").unwrap().0, 404);
+    drop(held);
+}
+
 /// 256 gRPC connections that open no stream once shut every trainer out,
 /// past the idle timeout, with no metric showing it. One process now holds
 /// only its share of the socket's connections, and a connection with no

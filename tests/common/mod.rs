@@ -72,6 +72,8 @@ pub struct Agent {
     pub http: SocketAddr,
     /// The TCP ingest address, when the agent was started with `--grpc-listen`.
     pub grpc: Option<SocketAddr>,
+    /// The probes' own address, when started with `--probe-listen`.
+    pub probe: Option<SocketAddr>,
     pub socket: PathBuf,
     pub child: Option<Child>,
 }
@@ -217,11 +219,13 @@ impl Agent {
             .and_then(|a| a.parse().ok())
             .expect("the ready file names the HTTP address");
         let grpc = ready["grpc"].as_str().and_then(|a| a.parse().ok());
+        let probe = ready["probe"].as_str().and_then(|a| a.parse().ok());
         let agent = Self {
             dir,
             fake,
             http,
             grpc,
+            probe,
             socket,
             child: Some(child),
         };

@@ -69,6 +69,13 @@ pub struct AgentConfig {
     #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_API_LISTEN"))]
     pub api_listen: Option<std::net::SocketAddr>,
 
+    /// Also serve `/healthz` and `/readyz` on this address, on a listener of
+    /// their own with its own connections, so that the liveness and
+    /// readiness probes answer even while clients hold every connection of
+    /// --http-listen. Unset: the probes are on --http-listen only.
+    #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_PROBE_LISTEN"))]
+    pub probe_listen: Option<std::net::SocketAddr>,
+
     /// Node name put on every series as the `node` label (defaults to the hostname).
     #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_NODE_NAME"))]
     pub node_name: Option<String>,

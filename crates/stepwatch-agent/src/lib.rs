@@ -185,6 +185,22 @@ pub async fn run_until(
         }
         None => (None, None),
     };
+    let (probe_addr, probe_task) = match config.probe_listen {
+        Some(addr) => {
+            let probes = std::net::TcpListener::bind(addr)
+                .with_context(|| format!("cannot listen for the probes on {addr}"))?;
+            let probe_addr = probes.local_addr()?;
+            let task = http::serve_on_own_thread(
+                probes,
+                http::Routes::Probes,
+                state.clone(),
+                http_limits,
+                stopped(stop_rx.clone()),
+            )?;
+            (Some(probe_addr), Some(task))
+        }
+        None => (None, None),
+    };
     let connections = listen::IngestConnections {
         idle_timeout: idle,
         grace: config.connection_grace,
@@ -347,6 +363,7 @@ pub async fn run_until(
         let ready = serde_json::json!({
             "http": http_addr.to_string(),
             "api": api_addr.map(|a| a.to_string()),
+            "probe": probe_addr.map(|a| a.to_string()),
             "grpc": grpc_addr.map(|a| a.to_string()),
             "socket": config.socket,
             "csi_socket": config.csi_socket,
@@ -448,7 +465,7 @@ pub async fn run_until(
             let _ = t.await;
         }
         let _ = http_task.await;
-        if let Some(task) = api_task {
+        for task in [api_task, probe_task].into_iter().flatten() {
             let _ = task.await;
         }
         let _ = housekeeping.await;

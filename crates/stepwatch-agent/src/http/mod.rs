@@ -54,16 +54,10 @@ pub fn serve_on_own_thread(
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     let closes = Closes {
         counter: state.ingest.connections_closed.clone(),
-        listener: match routes {
-            Routes::Api => "api",
-            _ => "http",
-        },
+        listener: routes.listener(),
     };
     std::thread::Builder::new()
-        .name(match routes {
-            Routes::Api => "stepwatch-api".into(),
-            _ => "stepwatch-http".into(),
-        })
+        .name(format!("stepwatch-{}", routes.listener()))
         .spawn(move || {
             let served = runtime.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener)?;
@@ -140,17 +134,33 @@ pub enum Routes {
     Monitoring,
     /// `/api/v1` and the page only (`--api-listen`).
     Api,
+    /// `/healthz` and `/readyz` only (`--probe-listen`).
+    Probes,
+}
+
+impl Routes {
+    /// The listener's name in logs, thread names and the
+    /// `listener` label of `stepwatch_connections_closed_total`.
+    pub fn listener(self) -> &'static str {
+        match self {
+            Routes::All | Routes::Monitoring => "http",
+            Routes::Api => "api",
+            Routes::Probes => "probe",
+        }
+    }
 }
 
 pub fn router(state: Arc<AgentState>, routes: Routes) -> Router {
     let mut router = Router::new();
     if routes != Routes::Api {
         router = router
-            .route("/metrics", get(metrics))
             .route("/healthz", get(|| async { "ok\n" }))
             .route("/readyz", get(readyz));
     }
-    if routes != Routes::Monitoring {
+    if matches!(routes, Routes::All | Routes::Monitoring) {
+        router = router.route("/metrics", get(metrics));
+    }
+    if matches!(routes, Routes::All | Routes::Api) {
         router = router
             .route("/api/v1/jobs", get(jobs))
             .route("/api/v1/jobs/{job}", get(job))
