@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step-2 prediction accuracy on real PyTorch jobs, on fake GPUs:
 #
-#   bench/torch-accuracy.sh                    # every job of bench/torch-jobs/jobs.json (44)
+#   bench/torch-accuracy.sh                    # every job of bench/torch-jobs/jobs.json (45)
 #   bench/torch-accuracy.sh --set held_out     # the held-out set (what CI runs), or tuning
 #   bench/torch-accuracy.sh --jobs a,b         # a subset (--list shows them and their sets)
 #   bench/torch-accuracy.sh --check            # missed targets make the exit status 3

@@ -1369,9 +1369,11 @@ fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
                 vec![hello("div", rank, 4), batch(step1(5_000))],
             ))
             .expect("a well-formed stream");
-        assert!(
-            wire::advisories(got.clone()).is_empty(),
-            "rank {rank}: {got:?}"
+        let kinds: Vec<i32> = wire::advisories(got).iter().map(|a| a.kind).collect();
+        assert_eq!(
+            kinds,
+            [AdvisoryKind::PredictionFinal as i32],
+            "rank {rank}: only step 1's prediction being final"
         );
     }
     let got = rt
@@ -1380,7 +1382,7 @@ fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
             vec![hello("div", 3, 4), batch(step1(6_200))],
         ))
         .expect("a well-formed stream");
-    let advisories = wire::advisories(got);
+    let advisories = wire::warnings(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let a = &advisories[0];
     assert_eq!(a.kind, AdvisoryKind::RankDivergence as i32);
@@ -1453,7 +1455,7 @@ fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
             .collect()
     };
     let retries_advisories = |got: Vec<stepwatch_proto::v1::AgentMessage>| -> Vec<_> {
-        wire::advisories(got)
+        wire::warnings(got)
             .into_iter()
             .filter(|a| a.kind == AdvisoryKind::AllocatorRetries as i32)
             .collect()
@@ -1586,7 +1588,7 @@ fn low_observed_headroom_after_step_1_is_advised_on_the_stream_and_counted() {
             ],
         ))
         .expect("a well-formed stream");
-    let advisories = wire::advisories(got);
+    let advisories = wire::warnings(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let advisory = &advisories[0];
     assert_eq!(advisory.kind, AdvisoryKind::LowObservedHeadroom as i32);
@@ -1756,7 +1758,7 @@ fn memory_growth_after_step_2_is_advised_on_the_stream_and_forecast_in_metrics()
     let got = rt
         .block_on(exchange_collect(&agent.endpoint(), messages))
         .expect("a well-formed stream");
-    let advisories = wire::advisories(got);
+    let advisories = wire::warnings(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let a = &advisories[0];
     assert_eq!(a.kind, AdvisoryKind::MemoryGrowth as i32);

@@ -223,6 +223,7 @@ fn trace_chunk(step: u64, last: bool) -> AllocatorTraceChunk {
         }],
         last,
         settings: None,
+        forward_returns: Vec::new(),
     }
 }
 
@@ -594,6 +595,7 @@ fn facts_sent_after_the_hello_replay_step_1_again_and_bad_ones_are_refused() {
         ],
         last: true,
         settings: None,
+        forward_returns: Vec::new(),
     };
     let update = |facts| ClientMessage {
         kind: Some(Kind::ModelUpdate(facts)),
@@ -711,6 +713,7 @@ fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_afte
         ],
         last: true,
         settings: None,
+        forward_returns: Vec::new(),
     };
     let rebuild = |old: Vec<u64>, new: Vec<u64>| ClientMessage {
         kind: Some(Kind::ModelUpdate(stepwatch_proto::v1::ModelFacts {

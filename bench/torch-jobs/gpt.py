@@ -89,6 +89,23 @@ def checkpoint_to_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer)
     return {"model": to_host(model.state_dict()), "optimizer": to_host(optimizer.state_dict())}
 
 
+class LossInModel(torch.nn.Module):
+    """The GPT with the loss inside its forward, as Hugging Face causal LMs and
+    nanoGPT write it: logits shifted by one token, upcast to float32, cross-entropy;
+    returns a dict the loop keeps in ``out`` until the next step's forward returns."""
+
+    def __init__(self, gpt: torch.nn.Module) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+        logits = self.gpt(idx)
+        shifted = logits[:, :-1, :].contiguous().float()
+        labels = targets[:, 1:].contiguous()
+        loss = F.cross_entropy(shifted.view(-1, shifted.size(-1)), labels.view(-1))
+        return {"logits": logits, "loss": loss}
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = parser(__doc__.split("\n\n")[0])
     add_gpt_args(p)
@@ -144,6 +161,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="after step 1, copy model and optimizer state_dict() to the host",
     )
     p.add_argument(
+        "--loss-in-model",
+        action="store_true",
+        help="the loss computed inside the model's forward (shifted, float32), its output"
+        " dict kept in `out` until the next step's forward returns",
+    )
+    p.add_argument(
         "--warmup-batch",
         type=int,
         default=0,
@@ -179,7 +202,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         flush=True,
     )
 
-    stepwatch.watch(model, optimizer)
+    loss_model = LossInModel(model) if args.loss_in_model else model
+    stepwatch.watch(loss_model, optimizer)
 
     # bf16 weights need no autocast; "bf16-autocast" runs fp32 weights under it.
     amp = autocast(device, args.precision)
@@ -189,8 +213,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         for _ in range(args.grad_accum):
             x, y = random_tokens(batch, args.seq_len, args.vocab, device)
             with amp:
-                logits = model(x)
-                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+                if args.loss_in_model:
+                    out = loss_model(x, y)
+                    loss = out["loss"]
+                else:
+                    logits = model(x)
+                    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             (loss / args.grad_accum).backward()
         if args.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)

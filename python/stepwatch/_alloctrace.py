@@ -58,6 +58,8 @@ log = logging.getLogger("stepwatch")
 # The agent's limits (proto/stepwatch/v1/ingest.proto).
 MAX_TRACE_EVENTS = 262_144
 MAX_TRACE_BLOCKS = 262_144
+# Most forward returns a trace carries (one per micro-batch; more are not noted).
+MAX_FORWARD_RETURNS = 1024
 # Ring buffer of the allocator's history: bounds host memory (a c10 TraceEntry
 # is of the order of 100 bytes; the snapshot's dict per entry a few hundred).
 HISTORY_MAX_ENTRIES = 262_144
@@ -176,6 +178,7 @@ class AllocatorTrace:
         "ev_size",
         "ev_phase",
         "ev_stream",
+        "forward_returns",
     )
 
     def __init__(self, step: int = 1) -> None:
@@ -191,6 +194,8 @@ class AllocatorTrace:
         self.ev_size = array("Q")
         self.ev_phase = array("B")
         self.ev_stream = array("Q")
+        # positions in the events where the watched model's forward returned
+        self.forward_returns: List[int] = []
 
     @property
     def num_events(self) -> int:
@@ -228,7 +233,7 @@ class AllocatorTrace:
                 f"the allocator holds {self.num_blocks} blocks; the agent takes at most "
                 f"{MAX_TRACE_BLOCKS}"
             )
-        room = budget - _CHUNK_OVERHEAD - self._settings_bytes()
+        room = budget - _CHUNK_OVERHEAD - self._settings_bytes() - self._returns_bytes()
         for (address, small, blocks), home in zip(self.segments, self.homes()):
             if _segment_bytes(address, small, blocks, home) > room:
                 raise TraceRefused(
@@ -252,6 +257,10 @@ class AllocatorTrace:
                     out.chunk.settings.roundup_power2_divisions.extend(value)
                 else:
                     setattr(out.chunk.settings, key, value)
+        if self.forward_returns:
+            # In the first chunk too (at most MAX_FORWARD_RETURNS: under 11 KiB).
+            out.used += self._returns_bytes()
+            out.chunk.forward_returns.extend(self.forward_returns)
         for (address, small, blocks), home in zip(self.segments, self.homes()):
             full = out.fit(_segment_bytes(address, small, blocks, home))
             if full is not None:
@@ -268,6 +277,12 @@ class AllocatorTrace:
             )
         out.chunk.last = True
         yield out.msg
+
+    def _returns_bytes(self) -> int:
+        """Bytes of the packed forward_returns field, 0 without any."""
+        if not self.forward_returns:
+            return 0
+        return _field(sum(_vlen(r) for r in self.forward_returns))
 
     def _settings_bytes(self) -> int:
         """Bytes of the settings field (an upper bound), 0 without settings."""
@@ -324,6 +339,7 @@ def trace_from_snapshot(
     end_counters: Optional[Tuple[int, int]] = None,
     max_entries: Optional[int] = HISTORY_MAX_ENTRIES,
     step: int = 1,
+    forward_returns: Sequence[Tuple[int, int]] = (),
 ) -> AllocatorTrace:
     """Build step 1's trace from a ``torch.cuda.memory._snapshot()`` dict.
 
@@ -331,8 +347,10 @@ def trace_from_snapshot(
     counters read at it; the first is STEP_BEGIN, read just after recording
     began (the history then starts empty, so its first entries are the first
     events after that point). ``end_counters`` are the counters read right
-    after the snapshot. Raises :class:`TraceRefused` when the history is
-    incomplete or too large.
+    after the snapshot. ``forward_returns`` are the counters read each time the
+    watched model's forward returned; each becomes the position in the trace's
+    events of the first event after it (``AllocatorTrace.forward_returns``).
+    Raises :class:`TraceRefused` when the history is incomplete or too large.
 
     Snapshot fields used (torch/cuda/memory.py, ``_snapshot`` docstring):
     ``Snapshot.segments`` / ``Snapshot.device_traces``; ``Segment.device``,
@@ -371,6 +389,17 @@ def trace_from_snapshot(
 
     trace = AllocatorTrace(step)
     add = trace.add_event
+    # Forward returns relative to the start, in order; each is placed before the
+    # first counted event after it (an allocation or free past its counters).
+    returns = sorted((a - a0, f - f0) for a, f in forward_returns)
+    kr = 0
+
+    def place(allocs: int, frees: int) -> None:
+        nonlocal kr
+        while kr < len(returns) and (allocs > returns[kr][0] or frees > returns[kr][1]):
+            trace.forward_returns.append(trace.num_events)
+            kr += 1
+
     last = len(rel) - 1
     ia = jf = 0  # the marks the next allocation / free follows
     na = nf = 0  # allocations / frees seen so far
@@ -385,12 +414,14 @@ def trace_from_snapshot(
             while ia < last and rel[ia + 1][1] <= na:
                 ia += 1
             na += 1
+            place(na, nf)
             phase = rel[ia][0]
             add(ACTION_ALLOC, int(e["addr"]), int(e["size"]), phase, _stream(e.get("stream")))
         elif action == "free_completed":
             while jf < last and rel[jf + 1][2] <= nf:
                 jf += 1
             nf += 1
+            place(na, nf)
             phase = rel[jf][0]
             add(ACTION_FREE, int(e["addr"]), int(e["size"]), phase, _stream(e.get("stream")))
         elif action in _SEGMENT_ACTIONS:
@@ -409,6 +440,10 @@ def trace_from_snapshot(
         # its cache (a caught OutOfMemoryError). It changes no block; what the
         # allocator did to try (segment_free of the cached segments) is in the
         # history as its own entries, so the replay follows it without it.
+    # Returns after the last event (none in a step that ends with the optimizer).
+    while kr < len(returns) and returns[kr][0] <= na and returns[kr][1] <= nf:
+        trace.forward_returns.append(trace.num_events)
+        kr += 1
     need_a, need_f = rel[-1][1], rel[-1][2]
     if na < need_a or nf < need_f:
         raise TraceRefused(
@@ -656,10 +691,23 @@ class Recorder:
         self.max_entries = max_entries
         self.device = 0
         self.marks: List[Mark] = []
+        # (active.all.allocated, active.all.freed) each time the watched model's
+        # forward returned during step 1
+        self.returns: List[Tuple[int, int]] = []
 
     @property
     def done(self) -> bool:
         return self.state == _DONE
+
+    def forward_returned(self) -> None:
+        """The watched model's forward has returned (its forward hook): note where,
+        in the allocator's counters. Only while step 1 is recording, and at most
+        :data:`MAX_FORWARD_RETURNS` times; a failed read notes nothing."""
+        if self.state != _RECORDING or len(self.returns) >= MAX_FORWARD_RETURNS:
+            return
+        stats = _torch.allocator_stats(self.device)
+        if stats is not None:
+            self.returns.append(_torch.allocator_event_counters(stats))
 
     def on_marker(
         self,
@@ -741,6 +789,7 @@ class Recorder:
             self.state = _RECORDING
             self.device = device
             self.marks = []  # STEP_BEGIN's counters come next, through note()
+            self.returns = []
         except Exception as e:
             self._fail(client, "could not start recording the allocator's history", e)
 
@@ -749,6 +798,7 @@ class Recorder:
         if self.state != _RECORDING:
             return
         marks, self.marks = self.marks, []
+        returns, self.returns = self.returns, []
         try:
             snapshot = _torch.memory_snapshot()
             stats = _torch.allocator_stats(self.device)
@@ -761,7 +811,12 @@ class Recorder:
         self._stop_quietly()
         try:
             trace = trace_from_snapshot(
-                snapshot, self.device, marks, end_counters=end, max_entries=self.max_entries
+                snapshot,
+                self.device,
+                marks,
+                end_counters=end,
+                max_entries=self.max_entries,
+                forward_returns=returns,
             )
         except TraceRefused as e:
             client.counters["allocator_traces_refused"] += 1
@@ -788,6 +843,7 @@ class Recorder:
         was_recording = self.state == _RECORDING
         self.state = _DONE
         self.marks = []
+        self.returns = []
         if not was_recording:
             return
         try:

@@ -46,6 +46,9 @@ STEP1_BACKWARD_DONE = (OPTIMIZER_BEGIN, OPTIMIZER_END, STEP_END)
 OPTIMIZER_MARKERS = (OPTIMIZER_BEGIN, OPTIMIZER_END)
 # Advisory kinds (stepwatch.v1.AdvisoryKind names, as Prediction.kind has them).
 STEP2_OOM_PREDICTED = "ADVISORY_KIND_STEP2_OOM_PREDICTED"
+# Step 1 has ended and the agent's prediction for step 2 is in (sent after any
+# STEP2_OOM_PREDICTED it calls for).
+PREDICTION_FINAL = "ADVISORY_KIND_PREDICTION_FINAL"
 
 
 class _Runtime:
@@ -112,6 +115,9 @@ class _Runtime:
         # Set (on the sender thread) when the agent's step-2 OOM advisory arrives.
         self.oom_predicted = threading.Event()
         self.predicted_oom: Optional[Prediction] = None
+        # Set when step 1's prediction is in: a step-2 OOM advisory, or the
+        # agent's word that the prediction is final (step 2 fits).
+        self.prediction_in = threading.Event()
         # Marker kinds of the run's step 1: whether the agent can predict step 2.
         self.step1_kinds: Set[int] = set()
         self.held = False  # step 2 was held once already (or needed no hold)
@@ -295,6 +301,8 @@ class _Runtime:
         if p.kind == STEP2_OOM_PREDICTED and self.predicted_oom is None:
             self.predicted_oom = p
             self.oom_predicted.set()
+        if p.kind in (STEP2_OOM_PREDICTED, PREDICTION_FINAL):
+            self.prediction_in.set()
         cb = self.on_advisory
         if cb is not None:
             cb(p)
@@ -371,18 +379,20 @@ class _Runtime:
         _exit(0)
 
     def _hold_for_prediction(self, bound: float) -> None:
-        """Wait, at most ``bound`` seconds, until the agent's step-2 OOM advisory
-        has arrived. Never waits for an agent that cannot answer (its socket
+        """Wait, at most ``bound`` seconds, until step 1's prediction is in: the
+        agent's step-2 OOM advisory, or its word that the prediction is final
+        (PREDICTION_FINAL, sent once step 1's end reached it, also when step 2
+        fits). Never waits for an agent that cannot answer (its socket
         missing, a connect attempt that found none, a client that stopped, or
-        an agent gone during the wait). The agent sends no advisory when step 2
-        fits, so then the wait runs to its bound."""
+        an agent gone during the wait); an agent older than that message
+        sends none when step 2 fits, and the wait then runs to its bound."""
         c = self.client
         if c is None or not c.agent_may_answer():
             log.info("stepwatch: step 2 not held for step 1's prediction: no agent to answer")
             return
         t0 = time.monotonic()
         deadline = t0 + bound
-        event = self.oom_predicted
+        event = self.prediction_in
         while not event.is_set():
             left = deadline - time.monotonic()
             if left <= 0 or not c.agent_may_answer():
@@ -393,8 +403,8 @@ class _Runtime:
             log.info("stepwatch: step 2 held %.2f s until step 1's prediction arrived", waited)
         else:
             log.info(
-                "stepwatch: step 2 held %.2f s (at most %.2f s); no step-2 out-of-memory "
-                "advisory arrived",
+                "stepwatch: step 2 held %.2f s (at most %.2f s); step 1's prediction did not "
+                "arrive",
                 waited,
                 bound,
             )
@@ -752,7 +762,7 @@ def watch(
     tls_ca: Optional[str] = None,
     tls_cert: Optional[str] = None,
     tls_key: Optional[str] = None,
-    hold_step2_for_prediction: float = 0.0,
+    hold_step2_for_prediction: Optional[float] = None,
     raise_on_predicted_oom: bool = False,
 ) -> WatchHandle:
     """Hook a PyTorch model (and its optimizer) so every training step is reported.
@@ -798,9 +808,11 @@ def watch(
 
     ``hold_step2_for_prediction`` (seconds, default 0: off): the run's second
     step waits before its first marker, at most this long, until the agent's
-    step-2 out-of-memory advisory has arrived; it never waits for an agent
-    that cannot answer (socket missing, connect failed). The agent sends no
-    advisory when step 2 fits: the wait then runs to its bound, once per run.
+    step-2 prediction is in (its out-of-memory advisory, or its word that the
+    prediction is final, which comes as soon as step 1's end reached the
+    agent, also when step 2 fits); it never waits for an agent that cannot
+    answer (socket missing, connect failed). Once per run. Default
+    ``$STEPWATCH_HOLD_STEP2_FOR_PREDICTION`` (seconds), else 0.
 
     ``raise_on_predicted_oom``: once the agent has predicted that step 2 will
     run out of GPU memory, raise :class:`PredictedOutOfMemoryError` (its
@@ -830,7 +842,10 @@ def watch(
     def options() -> None:
         RT.raise_on_predicted_oom = bool(raise_on_predicted_oom)
         RT.hold_step2_s = 0.0
-        RT.hold_step2_s = _hold_bound(hold_step2_for_prediction)
+        hold = hold_step2_for_prediction
+        if hold is None:
+            hold = _env_float("STEPWATCH_HOLD_STEP2_FOR_PREDICTION", 0.0)
+        RT.hold_step2_s = _hold_bound(hold)
 
     part("read its options", options)
 

@@ -682,6 +682,9 @@ def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
             return
         if not is_training(module):
             return
+        # Step 1's allocator trace notes where the forward returned (a no-op
+        # once it is recorded).
+        rt.guarded(rt.recorder.forward_returned)
         tracker = rt.tracker
         token = (tracker.step, tracker.micro)
         fired = [False]

@@ -340,6 +340,38 @@ def test_phase_tagging_from_counters():
     }
 
 
+def test_forward_returns_become_event_positions_and_go_in_the_first_chunk():
+    """Where the model's forward returned (its counters) is the position of the
+    first event after it: the loss the loop computes after the model comes later."""
+    fake = FakeCuda()
+    marks = start(fake)
+    returns = []
+    for _ in range(2):  # two micro-batches
+        marks.append((FORWARD_BEGIN, *counters(fake)))
+        x = fake.alloc(512, FORWARD_BEGIN)
+        logits = fake.alloc(70_000, FORWARD_BEGIN)
+        fake.free(x, FORWARD_BEGIN)
+        returns.append(counters(fake))  # model(...) returned here
+        loss = fake.alloc(512, FORWARD_BEGIN)
+        marks.append((BACKWARD_BEGIN, *counters(fake)))
+        fake.free(logits, BACKWARD_BEGIN)
+        fake.free(loss, BACKWARD_BEGIN)
+    marks.append((OPTIMIZER_BEGIN, *counters(fake)))
+    marks.append((OPTIMIZER_END, *counters(fake)))
+    trace = at.trace_from_snapshot(
+        fake.snapshot(), 0, marks, end_counters=counters(fake), forward_returns=returns
+    )
+    sizes = [size for _, _, size, _ in trace.events()]
+    # each return sits right before its micro-batch's loss (512 B after the free)
+    assert [sizes[r] for r in trace.forward_returns] == [512, 512]
+    assert [trace.ev_action[r - 1] for r in trace.forward_returns] == [at.ACTION_FREE] * 2
+    assert trace.forward_returns[0] < trace.forward_returns[1] <= trace.num_events
+    msgs = chunks_of(trace)
+    assert list(msgs[0].allocator_trace.forward_returns) == trace.forward_returns
+    assert all(not m.allocator_trace.forward_returns for m in msgs[1:])
+    assert all(m.ByteSize() <= LIMIT for m in msgs)
+
+
 def test_a_phase_without_events_and_frees_counted_apart():
     """Markers with equal counters (an empty phase) hand their events to the later one;
     allocations and frees are placed by their own counters."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -133,11 +134,54 @@ def test_the_hold_runs_to_its_bound_when_no_advisory_comes_once_per_run(agent, c
         one_step(model, opt)
         times.append(time.monotonic() - t0)
     assert times[1] >= 0.5 and times[2] < 0.4, times
-    assert any("no step-2 out-of-memory advisory arrived" in r.getMessage() for r in caplog.records)
+    assert any("prediction did not arrive" in r.getMessage() for r in caplog.records)
     # The held step 2 marked after the hold: its STEP_BEGIN ≥ 0.5 s after step 1's end.
     ms = agent.wait_markers(18)
     by = {(KIND[m.kind], m.step): m.monotonic_ns for m in ms}
     assert by[("STEP_BEGIN", 2)] - by[("STEP_END", 1)] >= 0.5e9
+
+
+FINAL_ADVICE = dict(
+    kind=pb.ADVISORY_KIND_PREDICTION_FINAL,
+    severity=pb.SEVERITY_INFO,
+    message="step 1's prediction is final: steady-state peak 40.00 GB of 80.00 GB, headroom "
+    "40.00 GB; step 2 is predicted to fit",
+    step=1,
+    predicted_peak_bytes=40 * GB,
+    capacity_bytes=80 * GB,
+    predicted_headroom_bytes=40 * GB,
+)
+
+
+@pytest.mark.parametrize("from_env", [False, True])
+def test_the_hold_ends_when_the_prediction_is_final_and_step_2_fits(
+    agent, caplog, monkeypatch, from_env
+):
+    """The agent says step 1's prediction is final (step 2 fits) 0.3 s after
+    step 1's end: step 2 waits that long, not its 30 s bound, and nothing is
+    raised. The bound may come from $STEPWATCH_HOLD_STEP2_FOR_PREDICTION."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+
+    def on_marker(rec, m):
+        if m.kind == pb.STEP_END and m.step == 1:
+            threading.Timer(0.3, lambda: agent.advise(**FINAL_ADVICE)).start()
+
+    agent.on_marker = on_marker
+    if from_env:
+        monkeypatch.setenv("STEPWATCH_HOLD_STEP2_FOR_PREDICTION", "30")
+        stepwatch.watch(model, opt, raise_on_predicted_oom=True)
+    else:
+        stepwatch.watch(model, opt, hold_step2_for_prediction=30, raise_on_predicted_oom=True)
+    assert stepwatch._runtime.RT.client.wait_connected(10)
+    caplog.set_level(logging.INFO, logger="stepwatch")
+    one_step(model, opt)
+    t0 = time.monotonic()
+    one_step(model, opt)  # no PredictedOutOfMemoryError: step 2 fits
+    held = time.monotonic() - t0
+    assert 0.25 < held < 10, held
+    assert any("until step 1's prediction arrived" in r.getMessage() for r in caplog.records)
+    assert stepwatch.last_prediction() is None  # not a step-2 warning
 
 
 def test_the_hold_never_waits_for_an_absent_agent(sock_dir, monkeypatch):
@@ -289,6 +333,22 @@ def test_the_real_agents_oom_prediction_stops_the_job_before_step_2(tight_gpu_ag
     assert int(figures["headroom"]) < 0
     assert "step 2 will likely run out of GPU memory" in line
     assert "until step 1's prediction arrived" in proc.stderr, proc.stderr
+
+
+def test_the_real_agent_ends_the_hold_when_step_2_fits(tmp_path, sock_dir):
+    """On a roomy GPU the same job, held up to 60 s, waits only until the
+    agent's PREDICTION_FINAL (step 1's end reached it): before, the hold ran
+    to its bound whenever step 2 fit."""
+    a = FakeGpuAgent(tmp_path, sock_dir, 80 << 30)
+    try:
+        proc = a.train(hold=60, fail_fast=True)
+    finally:
+        a.stop()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "step 3 done" in proc.stdout, out
+    held = re.search(r"step 2 held ([0-9.]+) s until step 1's prediction arrived", proc.stderr)
+    assert held and float(held.group(1)) < 30, out
+    assert "prediction is final" in proc.stderr and "predicted to fit" in proc.stderr, out
 
 
 def test_without_the_options_step_2_dies_of_the_oom_the_agent_predicted(tight_gpu_agent):

@@ -112,3 +112,11 @@ fn all_advisories(
         _ => None,
     })
 }
+/// The advisories that warn or tell something about the rank, in order:
+/// all but PREDICTION_FINAL, which every rank whose step 1 ends gets.
+pub fn warnings(got: Vec<stepwatch_proto::v1::AgentMessage>) -> Vec<stepwatch_proto::v1::Advisory> {
+    advisories(got)
+        .into_iter()
+        .filter(|a| a.kind != stepwatch_proto::v1::AdvisoryKind::PredictionFinal as i32)
+        .collect()
+}

@@ -687,7 +687,7 @@ pub(crate) const ADVISORIES_SENT_TOTAL: MetricDef = MetricDef {
     name: "stepwatch_advisories_sent_total",
     kind: MetricKind::Counter,
     labels: "`kind`",
-    meaning: "advisories sent to training processes; `kind` is the proto's name: `ADVISORY_KIND_STEP2_OOM_PREDICTED`, `ADVISORY_KIND_LOW_HEADROOM`, `ADVISORY_KIND_RANK_DIVERGENCE`, `ADVISORY_KIND_ALLOCATOR_RETRIES`, `ADVISORY_KIND_LOW_OBSERVED_HEADROOM`, `ADVISORY_KIND_MEMORY_GROWTH`, `ADVISORY_KIND_CLIENT_CLOCK`",
+    meaning: "advisories sent to training processes; `kind` is the proto's name: `ADVISORY_KIND_STEP2_OOM_PREDICTED`, `ADVISORY_KIND_LOW_HEADROOM`, `ADVISORY_KIND_RANK_DIVERGENCE`, `ADVISORY_KIND_ALLOCATOR_RETRIES`, `ADVISORY_KIND_LOW_OBSERVED_HEADROOM`, `ADVISORY_KIND_MEMORY_GROWTH`, `ADVISORY_KIND_CLIENT_CLOCK`, `ADVISORY_KIND_PREDICTION_FINAL`",
     help: "Advisories sent to training processes, by kind (e.g. ADVISORY_KIND_STEP2_OOM_PREDICTED).",
 };
 

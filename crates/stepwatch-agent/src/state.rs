@@ -157,6 +157,7 @@ impl IngestMetrics {
             stepwatch_proto::v1::AdvisoryKind::LowObservedHeadroom,
             stepwatch_proto::v1::AdvisoryKind::MemoryGrowth,
             stepwatch_proto::v1::AdvisoryKind::ClientClock,
+            stepwatch_proto::v1::AdvisoryKind::PredictionFinal,
         ] {
             m.advisories_sent.with_label_values(&[kind.as_str_name()]);
         }

@@ -95,6 +95,7 @@ fn segments_trace(n: u64) -> AllocatorTrace {
         segments: a.layout(),
         events,
         settings: None,
+        forward_returns: Vec::new(),
     }
 }
 
@@ -167,6 +168,7 @@ fn transformer_trace(layers: u64, micro_batches: u64) -> AllocatorTrace {
         segments: a.layout(),
         events,
         settings: None,
+        forward_returns: Vec::new(),
     }
 }
 

@@ -64,6 +64,9 @@ pub enum AdvisoryKind {
     /// The client's monotonic clock disagrees with the agent's (see
     /// `clock`): far from it, or one batch jumped ahead and was refused.
     ClientClock,
+    /// Step 1 has ended: its prediction is final (informational; a client
+    /// holding step 2 for the prediction stops waiting).
+    PredictionFinal,
 }
 
 /// One advisory, as issued.
@@ -163,7 +166,8 @@ pub fn due(
         | AdvisoryKind::AllocatorRetries
         | AdvisoryKind::LowObservedHeadroom
         | AdvisoryKind::MemoryGrowth
-        | AdvisoryKind::ClientClock => {
+        | AdvisoryKind::ClientClock
+        | AdvisoryKind::PredictionFinal => {
             unreachable!("not a prediction advisory")
         }
     };
@@ -206,6 +210,74 @@ fn what_would_fit_words(prediction: &Prediction) -> String {
         return m;
     }
     format!("; predicted to fit: {}", options.join(", or "))
+}
+
+/// The prediction-final advisory, once per rank and run, when step 1 has
+/// ended (the caller checks that, before step 2's first marker is applied):
+/// the prediction as it stands then, after any step-2 OOM or low-headroom
+/// advisory it called for, or word that step 1 left nothing to predict from
+/// (figures 0).
+pub fn final_due(
+    prediction: Option<&Prediction>,
+    capacity_bytes: u64,
+    step: u64,
+    now_ns: u64,
+    issued: &[Advisory],
+) -> Option<Advisory> {
+    if issued
+        .iter()
+        .any(|a| a.kind == AdvisoryKind::PredictionFinal)
+    {
+        return None;
+    }
+    let (peak, headroom, message) = match prediction {
+        Some(p) => {
+            let verdict = if p.oom_risk {
+                "step 2 will likely run out of GPU memory"
+            } else if p.headroom_bytes.is_none() {
+                "the GPU's capacity is unknown"
+            } else if p.low_headroom {
+                "step 2 is predicted to fit, with little to spare"
+            } else {
+                "step 2 is predicted to fit"
+            };
+            let mut m = format!(
+                "step {step}'s prediction is final: steady-state peak {}",
+                gb(p.predicted_peak_bytes as f64)
+            );
+            if let Some(h) = p.headroom_bytes {
+                let _ = std::fmt::Write::write_fmt(
+                    &mut m,
+                    format_args!(
+                        " of {}, headroom {}",
+                        gb(capacity_bytes as f64),
+                        gb(h as f64)
+                    ),
+                );
+            }
+            m.push_str("; ");
+            m.push_str(verdict);
+            (p.predicted_peak_bytes, p.headroom_bytes.unwrap_or(0), m)
+        }
+        None => (
+            0,
+            0,
+            format!(
+                "step {step} ended without what a prediction needs (a forward or backward \
+                 with allocator figures or GPU samples); no step-2 prediction for this run"
+            ),
+        ),
+    };
+    Some(Advisory {
+        kind: AdvisoryKind::PredictionFinal,
+        step,
+        issued_monotonic_ns: now_ns,
+        predicted_peak_bytes: peak,
+        capacity_bytes,
+        predicted_headroom_bytes: headroom,
+        message,
+        divergence: None,
+    })
 }
 
 /// The rank-divergence advisories due to `rank` from its job's divergence:

@@ -217,6 +217,11 @@ pub struct AllocatorTrace {
     /// clients), PyTorch's defaults are assumed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub settings: Option<TraceSettings>,
+    /// Where the watched model's forward returned during the step, as
+    /// positions in `events` (the count of events before it), ascending;
+    /// empty when the client did not say (see `release_points`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub forward_returns: Vec<u64>,
 }
 
 /// A trace that cannot be replayed.
@@ -247,6 +252,18 @@ pub enum TraceError {
         index: usize,
         /// The address.
         address: u64,
+    },
+    /// A forward return out of order or past the events' end.
+    #[error(
+        "allocator trace forward return {index} is at {at}, not ascending within the {events} events"
+    )]
+    ForwardReturn {
+        /// Position in `forward_returns`.
+        index: usize,
+        /// Its value.
+        at: u64,
+        /// The trace's events.
+        events: usize,
     },
     /// An event larger than [`MAX_EVENT_BYTES`].
     #[error("allocator trace event {index} has {size} bytes, more than {MAX_EVENT_BYTES}")]
@@ -285,6 +302,17 @@ impl AllocatorTrace {
         }
         if self.segments.iter().map(|s| s.blocks.len()).sum::<usize>() > MAX_TRACE_BLOCKS {
             return Err(TraceError::TooManyBlocks);
+        }
+        let mut previous = 0;
+        for (index, &at) in self.forward_returns.iter().enumerate() {
+            if at < previous || at > self.events.len() as u64 {
+                return Err(TraceError::ForwardReturn {
+                    index,
+                    at,
+                    events: self.events.len(),
+                });
+            }
+            previous = at;
         }
         for (index, e) in self.events.iter().enumerate() {
             if e.size > MAX_EVENT_BYTES {
@@ -407,6 +435,18 @@ pub struct Step2Replay {
     /// announced one (null otherwise: the API always has the key).
     #[serde(default)]
     pub ddp_bucket_rebuild: Option<ReplayedBucketRebuild>,
+    /// Allocations step 1 made outside backward and its optimizer phase and
+    /// left alive (the training loop's variables: the model's output, the
+    /// logits, the loss), which step 2 frees when it rebinds them. When that
+    /// is the client cannot know (a Python variable's life); see
+    /// `forward_returns_known`.
+    #[serde(default)]
+    pub loop_variable_bytes: u64,
+    /// Whether the trace said where the model's forward returned: the loop's
+    /// variables made by the model are then kept until step 2's forward has
+    /// returned, else freed where the events alone place it.
+    #[serde(default)]
+    pub forward_returns_known: bool,
 }
 
 /// What the replay made of DDP's bucket rebuild (the `ddp_bucket_rebuild`
@@ -499,6 +539,7 @@ pub fn replay_step2_with(
         reserved_at_end,
         state_bytes,
         grad_bytes,
+        loop_bytes,
         rebuild_summary,
     } = prepare(trace, gradients, ddp_bucket_rebuild)?;
     let grads_persistent = gradients == Gradients::Kept;
@@ -555,6 +596,8 @@ pub fn replay_step2_with(
         reserved_limit_bytes: reserved_limit,
         within_limit,
         ddp_bucket_rebuild: rebuild_summary,
+        loop_variable_bytes: loop_bytes,
+        forward_returns_known: !trace.forward_returns.is_empty(),
     })
 }
 
@@ -648,6 +691,7 @@ struct Prepared<'a> {
     reserved_at_end: u64,
     state_bytes: u64,
     grad_bytes: u64,
+    loop_bytes: u64,
     rebuild_summary: Option<ReplayedBucketRebuild>,
 }
 
@@ -730,7 +774,7 @@ fn prepare<'a>(
     // replaced (the training loop's variables, such as the logits and the
     // loss: step 2 makes them again and frees step 1's then).
     let mut keep: HashSet<usize> = HashSet::new();
-    let (mut state_bytes, mut grad_bytes) = (0u64, 0u64);
+    let (mut state_bytes, mut grad_bytes, mut loop_bytes) = (0u64, 0u64, 0u64);
     let mut grads = Vec::new();
     let mut replaced: Vec<(usize, AllocId)> = Vec::new();
     let mut accumulated: Vec<usize> = Vec::new();
@@ -762,7 +806,10 @@ fn prepare<'a>(
                     grads.push(id);
                 }
             }
-            _ => replaced.push((index, id)),
+            _ => {
+                loop_bytes += size;
+                replaced.push((index, id));
+            }
         }
     }
     keep.extend(private_events);
@@ -823,6 +870,7 @@ fn prepare<'a>(
         reserved_at_end,
         state_bytes,
         grad_bytes,
+        loop_bytes,
         rebuild_summary,
     })
 }
@@ -996,6 +1044,32 @@ fn release_points(events: &[AllocatorEvent], anchors: &[usize]) -> Vec<(usize, u
     points
 }
 
+/// Where a training loop's variable made by allocation `by` can be rebound at
+/// the earliest, when `by` is made inside the watched model's forward: once
+/// the forward has returned (the first of the trace's `forward_returns` after
+/// `by`, in its run of forward events). `out = model(**batch)` keeps step
+/// 1's whole output (logits, loss, a cache) alive until then, while the
+/// model goes on allocating after the logits (the loss, label shifting),
+/// where `release_points` alone would free them. 0 (no constraint) for an
+/// allocation the loop made after the model returned, and when the client
+/// sent no forward returns.
+fn model_returned_after(trace: &AllocatorTrace, by: usize) -> usize {
+    let events = &trace.events;
+    if events[by].phase != PhaseKind::Forward {
+        return 0;
+    }
+    let run_end = (by..events.len())
+        .find(|&i| events[i].phase != PhaseKind::Forward)
+        .unwrap_or(events.len());
+    trace
+        .forward_returns
+        .iter()
+        .map(|&r| usize::try_from(r).unwrap_or(usize::MAX))
+        .find(|&r| r > by)
+        .filter(|&r| r <= run_end)
+        .unwrap_or(0)
+}
+
 /// What to replay: the events, those whose allocation step 2 does not make
 /// again, which allocation each free undoes, and where step 2 frees what is
 /// neither freed in the trace nor kept.
@@ -1053,7 +1127,7 @@ impl<'a> Plan<'a> {
         let at: HashMap<usize, usize> = release_points(events, &by).into_iter().collect();
         for (old, by) in pairs {
             releases
-                .entry(at[&by])
+                .entry(at[&by].max(model_returned_after(trace, by)))
                 .or_default()
                 .push(Release::Replaced(old));
         }

@@ -117,13 +117,48 @@ fn a_batch_holding_step_2s_begin_still_gets_the_step_2_warning() {
         "no state yet, no warning"
     );
     let due = tracker.markers(&key, &all[4..], 1).unwrap();
-    assert_eq!(due.len(), 1, "{due:?}");
+    assert_eq!(due.len(), 2, "{due:?}");
     assert_eq!(due[0].kind, AdvisoryKind::Step2OomPredicted);
     assert_eq!(due[0].step, 1);
     assert!(due[0].predicted_headroom_bytes < 0);
+    // Then, step 1 having ended, word that its prediction is final.
+    assert_eq!(due[1].kind, AdvisoryKind::PredictionFinal);
+    assert_eq!(due[1].predicted_peak_bytes, due[0].predicted_peak_bytes);
+    assert!(
+        due[1].message.contains("will likely run out"),
+        "{}",
+        due[1].message
+    );
     let state = tracker.rank(&key).unwrap();
     assert_eq!(state.advisories, due);
     assert!(state.prediction_before_step2.as_ref().unwrap().oom_risk);
+}
+
+#[test]
+fn step_1s_end_makes_the_prediction_final_once_also_when_step_2_fits() {
+    let mut tracker = Tracker::new(TrackerConfig::default());
+    let key = tracker.open(info(), 0).unwrap();
+    tracker.gpu_samples("GPU-a", &samples());
+    let all = markers();
+    // Up to step 1's optimizer end: predicted, not final yet.
+    assert!(tracker.markers(&key, &all[..4], 0).unwrap().is_empty());
+    let end = all
+        .iter()
+        .position(|m| m.kind == MarkerKind::StepEnd)
+        .unwrap();
+    assert_eq!(all[end].step, 1);
+    assert!(tracker.markers(&key, &all[4..end], 1).unwrap().is_empty());
+    let due = tracker.markers(&key, &all[end..=end], 2).unwrap();
+    assert_eq!(due.len(), 1, "{due:?}");
+    let f = &due[0];
+    assert_eq!(f.kind, AdvisoryKind::PredictionFinal);
+    assert_eq!(f.step, 1);
+    let p = tracker.rank_analysis(&key).unwrap().prediction.unwrap();
+    assert_eq!(f.predicted_peak_bytes, p.predicted_peak_bytes);
+    assert!(f.message.contains("predicted to fit"), "{}", f.message);
+    // Once: the rest of the run adds none.
+    let rest = tracker.markers(&key, &all[end + 1..], 3).unwrap();
+    assert!(rest.iter().all(|a| a.kind != AdvisoryKind::PredictionFinal));
 }
 
 #[test]

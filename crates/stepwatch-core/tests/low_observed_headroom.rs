@@ -198,7 +198,7 @@ fn not_when_step_1_already_warned_the_run() {
         let first = step1(&mut t, &key, 100, capacity);
         assert_eq!(
             first.iter().map(|a| a.kind).collect::<Vec<_>>(),
-            [warned],
+            [warned, AdvisoryKind::PredictionFinal],
             "{first:#?}"
         );
         for n in 2..=6 {

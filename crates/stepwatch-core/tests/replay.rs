@@ -72,6 +72,7 @@ impl Recorder {
             segments: self.alloc.layout(),
             events: self.events.clone(),
             settings: None,
+            forward_returns: Vec::new(),
         }
     }
 }
@@ -267,6 +268,18 @@ fn a_variable_alive_at_step_1s_end_is_freed_once_step_2_rebinds_it() {
         replay.allocated_peak_bytes,
         (64 + 30 + 40 + 100 + 100 + 30) * MIB
     );
+
+    // The model itself computed the loss and returned only then (`out =
+    // model(x)`, the client's forward return after B): the loop's variable
+    // holds step 1's logits until there, beside step 2's logits and loss.
+    let mut t = r.trace();
+    let after_loss = t.events.iter().position(|e| e.size == 100 * MIB).unwrap() as u64 + 4;
+    t.forward_returns = vec![after_loss];
+    let replay = replay_step2(&t, false).unwrap();
+    assert_eq!(
+        replay.allocated_peak_bytes,
+        (64 + 30 + 40 + 100 + 100 + 100) * MIB
+    );
 }
 
 #[test]
@@ -356,6 +369,8 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
         reserved_limit_bytes: None,
         within_limit: None,
         ddp_bucket_rebuild: None,
+        loop_variable_bytes: GB / 2,
+        forward_returns_known: true,
     };
     assert!(tracker.allocator_replay(&key, replay, 55).is_some());
     let p = tracker.rank_analysis(&key).unwrap().prediction.unwrap();
@@ -364,6 +379,13 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
     assert_eq!(p.inputs.predicted_reserved_bytes, Some(9 * GB));
     assert_eq!(p.inputs.layout_allowance_bytes, 0);
     assert!(p.explanation.contains("replayed"), "{}", p.explanation);
+    assert!(
+        p.explanation
+            .contains("once step 2's model call has returned")
+            && p.explanation.contains("up to 0.50 GB higher"),
+        "{}",
+        p.explanation
+    );
 
     // Within the GPU's limit the steps fit only by releasing the cache, at a
     // lower steady peak: that is the reserved figure, and the text says so.
@@ -440,6 +462,16 @@ fn bad_traces_are_refused_with_a_reason() {
     let mut t = good.clone();
     t.step = 2;
     assert_eq!(replay_step2(&t, false), Err(TraceError::NotStepOne(2)));
+
+    // Forward returns out of order, or past the events.
+    for returns in [vec![2, 1], vec![good.events.len() as u64 + 1]] {
+        let mut t = good.clone();
+        t.forward_returns = returns;
+        assert!(matches!(
+            replay_step2(&t, false),
+            Err(TraceError::ForwardReturn { .. })
+        ));
+    }
 
     let mut t = good.clone();
     t.events = vec![good.events[0]; MAX_TRACE_EVENTS + 1];
@@ -625,6 +657,7 @@ fn a_private_pool_serves_no_replayed_allocation() {
             event(AllocatorAction::SegmentFree, s, 20 * MIB),
         ],
         settings: None,
+        forward_returns: Vec::new(),
     };
     let replay = replay_step2(&t, false).unwrap();
     assert_eq!(replay.reserved_at_step1_end_bytes, 104 * MIB);
@@ -777,6 +810,7 @@ fn hostile_traces_are_replayed_or_refused_never_a_panic() {
             segments,
             events,
             settings,
+            forward_returns: Vec::new(),
         };
         for gradients in [Gradients::FreedBeforeStep, Gradients::Kept] {
             let limit = Some(next() % (1 << 32));

@@ -96,6 +96,23 @@ fn adamw_step_1s_logits_and_loss_are_freed_when_step_2_rebinds_them() {
 }
 
 #[test]
+fn step_1s_model_output_lives_until_step_2s_forward_returns() {
+    // gpt.py --loss-in-model: the model computes the loss after its logits
+    // (shifted, float32) and the loop keeps its output in `out` until step 2's
+    // forward returns. Placed by the events alone, step 1's logits were freed
+    // as soon as step 2's loss computation freed something: 1,894,455,296
+    // allocated bytes in step 2, 1.87 MB under PyTorch's.
+    let f = fixture("gpt-loss-in-model-small.json");
+    assert_eq!(f.trace.forward_returns.len(), 1);
+    let r = check("gpt-loss-in-model-small.json");
+    assert_eq!(r.allocated_peak_bytes, f.real.step2_allocated_peak_bytes);
+    let mut blind = f.trace.clone();
+    blind.forward_returns.clear();
+    let b = replay_step2_with(&blind, f.gradients, None, None).unwrap();
+    assert_eq!(b.allocated_peak_bytes, 1_894_455_296);
+}
+
+#[test]
 fn with_gradient_accumulation_the_first_micro_batch_rebinds_the_logits() {
     // Freed only when step 2's last micro-batch made its logits, step 1's
     // would have made step 2 take another 413 MB segment.

@@ -502,6 +502,7 @@ pub fn allocator_trace_to_wire(trace: &AllocatorTrace) -> Vec<pb::AllocatorTrace
         trace.settings.as_ref().map(trace_settings_to_wire),
         trace.segments.iter().map(segment_to_wire).collect(),
         trace.events.iter().map(event_to_wire).collect(),
+        trace.forward_returns.clone(),
     )
 }
 
@@ -523,6 +524,7 @@ pub fn allocator_trace_chunk_from_wire(
     trace
         .segments
         .extend(chunk.segments.into_iter().map(segment_from_wire));
+    trace.forward_returns.extend(chunk.forward_returns);
     let first = trace.events.len();
     trace.events.reserve(chunk.events.len());
     for (i, e) in chunk.events.into_iter().enumerate() {
@@ -666,6 +668,7 @@ enum_pairs!(advisory_kind_to_wire, advisory_kind_of_wire, AdvisoryKind => pb::Ad
     LowObservedHeadroom <=> LowObservedHeadroom,
     MemoryGrowth <=> MemoryGrowth,
     ClientClock <=> ClientClock,
+    PredictionFinal <=> PredictionFinal,
 });
 
 /// An advisory kind as sent; unspecified and unknown values are refused.
@@ -690,6 +693,7 @@ pub fn advisory_to_wire(a: &Advisory) -> pb::Advisory {
     } = a.clone();
     let severity = match kind {
         AdvisoryKind::Step2OomPredicted => pb::Severity::Critical,
+        AdvisoryKind::PredictionFinal => pb::Severity::Info,
         AdvisoryKind::LowHeadroom
         | AdvisoryKind::RankDivergence
         | AdvisoryKind::AllocatorRetries

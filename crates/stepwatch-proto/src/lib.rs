@@ -51,12 +51,14 @@ pub const MAX_MESSAGE_BYTES: usize = 64 * 1024;
 /// set on the final chunk (there is always at least one). A single segment
 /// too large for one message (over ~4000 blocks) still goes alone in its
 /// chunk; the agent then rejects the trace. From a core trace, use
-/// `convert::allocator_trace_to_wire` (feature `convert`).
+/// `convert::allocator_trace_to_wire` (feature `convert`). The forward
+/// returns go in the first chunk, with the settings.
 pub fn chunk_allocator_trace(
     step: u64,
     settings: Option<v1::AllocatorSettings>,
     segments: Vec<v1::AllocatorSegment>,
     events: Vec<v1::AllocatorEvent>,
+    forward_returns: Vec<u64>,
 ) -> Vec<v1::AllocatorTraceChunk> {
     use prost::Message;
     // Room for the oneof tag, the chunk's length prefix, step and last.
@@ -70,6 +72,15 @@ pub fn chunk_allocator_trace(
     let mut chunk = new_chunk();
     let mut size = settings.as_ref().map_or(0, |s| framed(s.encoded_len()));
     chunk.settings = settings;
+    // The forward returns go with the settings, packed, in the first chunk.
+    let packed: usize = forward_returns
+        .iter()
+        .map(|&r| prost::encoding::encoded_len_varint(r))
+        .sum();
+    if !forward_returns.is_empty() {
+        size += framed(packed);
+    }
+    chunk.forward_returns = forward_returns;
     for s in segments {
         let n = framed(s.encoded_len());
         if size + n > BUDGET && size > 0 {

@@ -32,7 +32,7 @@ fn chunks_fit_the_message_limit_and_keep_the_order() {
             ..Default::default()
         })
         .collect();
-    let chunks = chunk_allocator_trace(1, None, segments.clone(), events.clone());
+    let chunks = chunk_allocator_trace(1, None, segments.clone(), events.clone(), Vec::new());
     assert!(chunks.len() > 10, "{} chunks", chunks.len());
     for (i, c) in chunks.iter().enumerate() {
         let message = ClientMessage {
@@ -48,7 +48,7 @@ fn chunks_fit_the_message_limit_and_keep_the_order() {
     assert_eq!(all_events, events);
 
     // An empty trace is one final chunk.
-    let empty = chunk_allocator_trace(1, None, Vec::new(), Vec::new());
+    let empty = chunk_allocator_trace(1, None, Vec::new(), Vec::new(), Vec::new());
     assert_eq!(empty.len(), 1);
     assert!(empty[0].last);
 }

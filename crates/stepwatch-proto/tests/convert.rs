@@ -300,12 +300,17 @@ fn trace() -> impl Strategy<Value = AllocatorTrace> {
         prop::collection::vec(segment(), 0..40),
         prop::collection::vec(event(), 0..3000),
         prop::option::of(trace_settings()),
+        prop::collection::vec(0u64..4000, 0..64),
     )
-        .prop_map(|(segments, events, settings)| AllocatorTrace {
-            step: 1,
-            segments,
-            events,
-            settings,
+        .prop_map(|(segments, events, settings, mut forward_returns)| {
+            forward_returns.sort_unstable();
+            AllocatorTrace {
+                step: 1,
+                segments,
+                events,
+                settings,
+                forward_returns,
+            }
         })
 }
 
@@ -321,6 +326,7 @@ fn advisory() -> impl Strategy<Value = Advisory> {
             AdvisoryKind::LowObservedHeadroom,
             AdvisoryKind::MemoryGrowth,
             AdvisoryKind::ClientClock,
+            AdvisoryKind::PredictionFinal,
         ]),
         any::<u64>(),
         any::<u64>(),

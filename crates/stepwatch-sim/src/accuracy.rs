@@ -651,6 +651,7 @@ pub fn render_table(rows: &[AccuracyRow]) -> String {
             }
             (Some(AdvisoryKind::MemoryGrowth), l) => format!("memory_growth ({})", ms(l)),
             (Some(AdvisoryKind::ClientClock), l) => format!("client_clock ({})", ms(l)),
+            (Some(AdvisoryKind::PredictionFinal), l) => format!("prediction_final ({})", ms(l)),
             (None, _) => "—".into(),
         };
         let actual = match r.actual_source {

@@ -565,6 +565,7 @@ impl RankSim {
                         segments: self.alloc.layout(),
                         events: std::mem::take(&mut self.trace_events),
                         settings: None,
+                        forward_returns: Vec::new(),
                     };
                     self.out.push_back(SimEvent::AllocatorTrace {
                         at_ns: self.now_ns,

@@ -88,6 +88,8 @@ pub fn alert_for(advisory: &Advisory) -> Option<(&'static str, &'static str, boo
         AdvisoryKind::MemoryGrowth => None,
         // About the client's clock, not the job's memory.
         AdvisoryKind::ClientClock => None,
+        // Information for the client (step 1's prediction is in), no alert.
+        AdvisoryKind::PredictionFinal => None,
     }
 }
 

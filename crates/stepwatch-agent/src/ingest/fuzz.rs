@@ -243,15 +243,17 @@ fn trace_chunk() -> impl Strategy<Value = pb::ClientMessage> {
         prop::collection::vec(event, 0..30),
         any::<bool>(),
         settings,
+        prop::collection::vec(edgy_u64(), 0..4),
     )
         .prop_map(
-            |(step, segments, events, last, settings)| pb::ClientMessage {
+            |(step, segments, events, last, settings, forward_returns)| pb::ClientMessage {
                 kind: Some(Kind::AllocatorTrace(pb::AllocatorTraceChunk {
                     step,
                     segments,
                     events,
                     last,
                     settings,
+                    forward_returns,
                 })),
             },
         )

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use stepwatch_core::allocator::{BlockLayout, SegmentLayout};
 use stepwatch_core::feed::ReplayPlan;
 use stepwatch_core::{
-    Advisory, AllocatorEvent, AllocatorTrace, MarkerError, MarkerKind, OpenError, RankInfo,
-    RankKey, RecordError,
+    Advisory, AdvisoryKind, AllocatorEvent, AllocatorTrace, MarkerError, MarkerKind, OpenError,
+    RankInfo, RankKey, RecordError,
 };
 use stepwatch_core::{TraceError, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS};
 use stepwatch_proto::convert;
@@ -763,14 +763,17 @@ fn send_advisories(
         // The message carries the figures in GB and, for a step-2 OOM, what
         // would fit; the kind names the advisory for log queries.
         let kind = convert::advisory_kind_to_wire(advisory.kind).as_str_name();
-        tracing::warn!(
-            job = %key.job,
-            rank = key.rank,
-            step = advisory.step,
-            kind,
-            "{}",
-            advisory.message
-        );
+        // Every rank gets PREDICTION_FINAL: counted, not logged.
+        if advisory.kind != AdvisoryKind::PredictionFinal {
+            tracing::warn!(
+                job = %key.job,
+                rank = key.rank,
+                step = advisory.step,
+                kind,
+                "{}",
+                advisory.message
+            );
+        }
         state
             .ingest
             .advisories_sent

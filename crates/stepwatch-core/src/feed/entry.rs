@@ -232,6 +232,8 @@ fn trace_as_recorded<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Allocator
         #[serde(default)]
         settings: Option<TraceSettings>,
         #[serde(default)]
+        forward_returns: Vec<u64>,
+        #[serde(default)]
         ddp_bucket_rebuild: Option<serde::de::IgnoredAny>,
     }
     let r = Recorded::deserialize(d)?;
@@ -247,6 +249,7 @@ fn trace_as_recorded<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Allocator
         segments: r.segments,
         events: r.events,
         settings: r.settings,
+        forward_returns: r.forward_returns,
     })
 }
 

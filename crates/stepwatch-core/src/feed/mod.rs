@@ -377,6 +377,8 @@ mod tests {
             reserved_limit_bytes: None,
             within_limit: None,
             ddp_bucket_rebuild: None,
+            loop_variable_bytes: 0,
+            forward_returns_known: false,
         };
         let e = apply_replay(&mut t, &key, "fit-1", replay, 13).unwrap_err();
         assert_eq!(e.reason(), "run_ended");

@@ -115,6 +115,23 @@ pub(super) fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) 
                     },
                     g(r.steady_reserved_peak_bytes),
                 );
+                if r.loop_variable_bytes > 0 {
+                    let _ = write!(
+                        s,
+                        "; step 1's loop variables still alive at its end ({}: the model's \
+                         output, logits, loss) are taken as freed when step 2 rebinds them, {}; \
+                         a loop that keeps them longer (in a list, or returned from a function \
+                         after more work) makes step 2 peak up to {} higher",
+                        g(r.loop_variable_bytes),
+                        if r.forward_returns_known {
+                            "at the earliest once step 2's model call has returned"
+                        } else {
+                            "where step 2's allocations place that (the client did not say \
+                             where the model's forward returned)"
+                        },
+                        g(r.loop_variable_bytes),
+                    );
+                }
                 match r.ddp_bucket_rebuild {
                     Some(b) if b.modelled => {
                         let _ = write!(

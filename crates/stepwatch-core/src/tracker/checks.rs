@@ -4,11 +4,13 @@
 //! records it as issued. When a check is due and what it says is decided
 //! by the pure functions of `advisory`.
 
+use super::RankState;
 use super::Tracker;
 use crate::advisory::{self, Advisory, RetryGrowth};
 use crate::analysis::steady_nvml_peak;
 use crate::identity::RankKey;
 use crate::marker::Marker;
+use crate::timeline::{StepOutcome, StepRecord};
 
 /// What a check may look at besides the tracker: the batch just applied.
 #[derive(Debug, Clone, Copy)]
@@ -32,7 +34,7 @@ pub(super) trait Check {
 /// Checks that judge step 1: run after step 1's part of a batch, before
 /// step 2's first marker is applied, and when a trace replay or later
 /// facts change the prediction.
-pub(super) const STEP_ONE: &[&dyn Check] = &[&Step2Prediction];
+pub(super) const STEP_ONE: &[&dyn Check] = &[&Step2Prediction, &PredictionFinal];
 
 /// Checks run after the whole batch.
 pub(super) const AFTER_BATCH: &[&dyn Check] = &[
@@ -42,23 +44,25 @@ pub(super) const AFTER_BATCH: &[&dyn Check] = &[
     &MemoryGrowth,
 ];
 
+/// The rank and its first step, while that is its latest step.
+fn first_step_is_latest<'t>(
+    tracker: &'t Tracker,
+    key: &RankKey,
+) -> Option<(&'t RankState, &'t StepRecord)> {
+    let state = tracker.ranks.get(key)?;
+    let first = state.timeline.steps().next()?;
+    (state.timeline.current()?.step == first.step).then_some((state, first))
+}
+
 /// Step-2 OOM predicted, or low headroom: only while the rank's first step
 /// is its latest step, since the point is to warn before step 2 begins.
 pub(super) struct Step2Prediction;
 
 impl Check for Step2Prediction {
     fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
-        let Some(state) = tracker.ranks.get(key) else {
+        let Some((state, first)) = first_step_is_latest(tracker, key) else {
             return Vec::new();
         };
-        let (Some(first), Some(current)) =
-            (state.timeline.steps().next(), state.timeline.current())
-        else {
-            return Vec::new();
-        };
-        if first.step != current.step {
-            return Vec::new();
-        }
         let Some(analysis) = tracker.rank_analysis(key) else {
             return Vec::new();
         };
@@ -72,6 +76,39 @@ impl Check for Step2Prediction {
             batch.now_ns,
             &state.advisories,
         )
+    }
+}
+
+/// Prediction final: once the rank's first step has ended (its step-end
+/// marker applied) and before its next step's first marker, after the
+/// step-2 prediction's own advisories; once per rank and run.
+pub(super) struct PredictionFinal;
+
+impl Check for PredictionFinal {
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
+        let Some((state, first)) = first_step_is_latest(tracker, key) else {
+            return Vec::new();
+        };
+        if first.outcome != StepOutcome::Completed
+            || state
+                .advisories
+                .iter()
+                .any(|a| a.kind == advisory::AdvisoryKind::PredictionFinal)
+        {
+            return Vec::new();
+        }
+        let analysis = tracker.rank_analysis(key);
+        let capacity = analysis.as_ref().map_or(0, |a| a.capacity_bytes);
+        let prediction = analysis.and_then(|a| a.prediction);
+        advisory::final_due(
+            prediction.as_ref(),
+            capacity,
+            first.step,
+            batch.now_ns,
+            &state.advisories,
+        )
+        .into_iter()
+        .collect()
     }
 }
 

@@ -195,6 +195,15 @@ pub struct AllocatorTraceChunk {
     /// clients): PyTorch's defaults are assumed.
     #[prost(message, optional, tag = "5")]
     pub settings: ::core::option::Option<AllocatorSettings>,
+    /// Where the watched model's forward returned during the step (each time),
+    /// as positions in the trace's events: the count of events before it,
+    /// ascending, at most one per event plus one. A training loop's variable
+    /// that holds the model's output (`out = model(**batch)`) is rebound there
+    /// at the earliest, so the replay keeps step 1's output alive until step 2's
+    /// forward has returned. Concatenated over the chunks; empty (older
+    /// clients): the replay places those frees from the events alone.
+    #[prost(uint64, repeated, tag = "6")]
+    pub forward_returns: ::prost::alloc::vec::Vec<u64>,
 }
 /// The caching allocator's settings (PYTORCH_CUDA_ALLOC_CONF as the allocator
 /// parsed it). The agent models max_split_size, roundup_power2_divisions and
@@ -745,6 +754,13 @@ pub enum AdvisoryKind {
     /// of its usual offset and was refused (clock_jumped) while later batches
     /// are taken. Informational.
     ClientClock = 7,
+    /// Step 1 has ended and its prediction is final: nothing the rank sent
+    /// before step 2 (markers, allocator trace, model facts) can change it. Sent
+    /// once per rank and run, after any STEP2_OOM_PREDICTED or LOW_HEADROOM it
+    /// calls for, with the prediction's figures (all 0 when step 1 left nothing
+    /// to predict from), so a client that holds step 2 for the prediction stops
+    /// waiting at once when step 2 fits. Severity INFO.
+    PredictionFinal = 8,
 }
 impl AdvisoryKind {
     /// String value of the enum field names used in the ProtoBuf definition.
@@ -761,6 +777,7 @@ impl AdvisoryKind {
             Self::LowObservedHeadroom => "ADVISORY_KIND_LOW_OBSERVED_HEADROOM",
             Self::MemoryGrowth => "ADVISORY_KIND_MEMORY_GROWTH",
             Self::ClientClock => "ADVISORY_KIND_CLIENT_CLOCK",
+            Self::PredictionFinal => "ADVISORY_KIND_PREDICTION_FINAL",
         }
     }
     /// Creates an enum from field names used in the ProtoBuf definition.
@@ -774,6 +791,7 @@ impl AdvisoryKind {
             "ADVISORY_KIND_LOW_OBSERVED_HEADROOM" => Some(Self::LowObservedHeadroom),
             "ADVISORY_KIND_MEMORY_GROWTH" => Some(Self::MemoryGrowth),
             "ADVISORY_KIND_CLIENT_CLOCK" => Some(Self::ClientClock),
+            "ADVISORY_KIND_PREDICTION_FINAL" => Some(Self::PredictionFinal),
             _ => None,
         }
     }

@@ -65,6 +65,7 @@ class AdvisoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ADVISORY_KIND_LOW_OBSERVED_HEADROOM: _ClassVar[AdvisoryKind]
     ADVISORY_KIND_MEMORY_GROWTH: _ClassVar[AdvisoryKind]
     ADVISORY_KIND_CLIENT_CLOCK: _ClassVar[AdvisoryKind]
+    ADVISORY_KIND_PREDICTION_FINAL: _ClassVar[AdvisoryKind]
 
 class Severity(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -113,6 +114,7 @@ ADVISORY_KIND_ALLOCATOR_RETRIES: AdvisoryKind
 ADVISORY_KIND_LOW_OBSERVED_HEADROOM: AdvisoryKind
 ADVISORY_KIND_MEMORY_GROWTH: AdvisoryKind
 ADVISORY_KIND_CLIENT_CLOCK: AdvisoryKind
+ADVISORY_KIND_PREDICTION_FINAL: AdvisoryKind
 SEVERITY_UNSPECIFIED: Severity
 SEVERITY_INFO: Severity
 SEVERITY_WARNING: Severity
@@ -209,18 +211,20 @@ class DdpBucketRebuild(_message.Message):
     def __init__(self, old_bucket_bytes: _Optional[_Iterable[int]] = ..., new_bucket_bytes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AllocatorTraceChunk(_message.Message):
-    __slots__ = ("step", "segments", "events", "last", "settings")
+    __slots__ = ("step", "segments", "events", "last", "settings", "forward_returns")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_RETURNS_FIELD_NUMBER: _ClassVar[int]
     step: int
     segments: _containers.RepeatedCompositeFieldContainer[AllocatorSegment]
     events: _containers.RepeatedCompositeFieldContainer[AllocatorEvent]
     last: bool
     settings: AllocatorSettings
-    def __init__(self, step: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[AllocatorSegment, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[AllocatorEvent, _Mapping]]] = ..., last: bool = ..., settings: _Optional[_Union[AllocatorSettings, _Mapping]] = ...) -> None: ...
+    forward_returns: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[AllocatorSegment, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[AllocatorEvent, _Mapping]]] = ..., last: bool = ..., settings: _Optional[_Union[AllocatorSettings, _Mapping]] = ..., forward_returns: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AllocatorSettings(_message.Message):
     __slots__ = ("max_split_size_bytes", "roundup_power2_divisions", "garbage_collection_threshold", "expandable_segments", "alloc_conf")
