@@ -758,12 +758,15 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
     // The provisional prediction grows as step 1 goes on: an advisory goes
     // out again each time it has worsened by 1% of capacity, so the last one
     // the client got is within that of the prediction frozen at step 2.
-    let sent = report["advisories"].as_array().unwrap();
-    assert!(!sent.is_empty(), "{body}");
+    let all = report["advisories"].as_array().unwrap();
     assert!(
-        doomed_log.contains(&format!("advisories: {}", sent.len())),
+        doomed_log.contains(&format!("advisories: {}", all.len())),
         "its client got every advisory:\n{doomed_log}"
     );
+    // The warnings, then word that step 1's prediction is final.
+    assert_eq!(all.last().unwrap()["kind"], "prediction_final", "{body}");
+    let sent = &all[..all.len() - 1];
+    assert!(!sent.is_empty(), "{body}");
     let capacity = sent[0]["capacity_bytes"].as_f64().unwrap();
     let peaks: Vec<f64> = sent
         .iter()
@@ -817,7 +820,13 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
 
     let (_, body) = agent.get("/api/v1/jobs/healthy/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(report["advisories"].as_array().unwrap().len(), 0, "{body}");
+    let kinds: Vec<&serde_json::Value> = report["advisories"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| &a["kind"])
+        .collect();
+    assert_eq!(kinds, ["prediction_final"], "no warning: {body}");
 
     let m = Metrics(agent.metrics());
     assert_eq!(
@@ -1522,7 +1531,7 @@ fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
         // Its made-up clock is also told (see `wire::advisories`).
         .filter(|k| *k != "client_clock")
         .collect();
-    assert_eq!(kinds, ["allocator_retries"], "{body}");
+    assert_eq!(kinds, ["prediction_final", "allocator_retries"], "{body}");
 }
 
 /// Step 1 can predict room to spare and later steps still run at the limit
@@ -1634,7 +1643,11 @@ fn low_observed_headroom_after_step_1_is_advised_on_the_stream_and_counted() {
         .iter()
         .map(|a| &a["kind"])
         .collect();
-    assert_eq!(kinds, ["low_observed_headroom"], "{body}");
+    assert_eq!(
+        kinds,
+        ["prediction_final", "low_observed_headroom"],
+        "{body}"
+    );
 }
 
 /// (answer, path) of each row of the HTTP API reference's "JSON paths" table.

@@ -31,13 +31,14 @@ const FIXTURES: &[(&str, &[Expect])] = &[
                 advisories: &[
                     AdvisoryKind::Step2OomPredicted,
                     AdvisoryKind::Step2OomPredicted,
+                    AdvisoryKind::PredictionFinal,
                 ],
                 max_abs_error: None,
             },
             Expect {
                 job: "fits",
                 basis: PredictionBasis::AllocatorReplay,
-                advisories: &[],
+                advisories: &[AdvisoryKind::PredictionFinal],
                 max_abs_error: Some(0.05),
             },
         ],
@@ -53,7 +54,11 @@ const FIXTURES: &[(&str, &[Expect])] = &[
             // cannot show, so the cut figure is a step-2 OOM risk (a job
             // this close died so: `gpt-activation-checkpointing`). With the
             // flags the same job is predicted to +0.15%, under the limit.
-            advisories: &[AdvisoryKind::LowHeadroom, AdvisoryKind::Step2OomPredicted],
+            advisories: &[
+                AdvisoryKind::LowHeadroom,
+                AdvisoryKind::Step2OomPredicted,
+                AdvisoryKind::PredictionFinal,
+            ],
             max_abs_error: Some(0.02),
         }],
     ),
@@ -66,7 +71,7 @@ const FIXTURES: &[(&str, &[Expect])] = &[
             // closure): the layouts' requests come smallest first, and the
             // two 590 MiB logits blocks need new segments (-5.18% when the
             // largest came first).
-            advisories: &[],
+            advisories: &[AdvisoryKind::PredictionFinal],
             max_abs_error: Some(0.02),
         }],
     ),
@@ -78,7 +83,10 @@ const FIXTURES: &[(&str, &[Expect])] = &[
             // It fits only because the allocator releases its cache and
             // retries, step after step (our simulator's allocator): told
             // once, after step 1.
-            advisories: &[AdvisoryKind::AllocatorRetries],
+            advisories: &[
+                AdvisoryKind::PredictionFinal,
+                AdvisoryKind::AllocatorRetries,
+            ],
             max_abs_error: Some(0.05),
         }],
     ),

@@ -121,6 +121,10 @@ class _Runtime:
         # Marker kinds of the run's step 1: whether the agent can predict step 2.
         self.step1_kinds: Set[int] = set()
         self.held = False  # step 2 was held once already (or needed no hold)
+        # (elements, shapes) of the inputs of the run's first forward
+        self.step1_inputs: Optional[Tuple[int, List[Tuple[int, ...]]]] = None
+        # step 2's first forward took more input elements than step 1's
+        self.step2_inputs_larger = False
         self.raised = False  # PredictedOutOfMemoryError was raised once already
 
     # ------------------------------------------------------------ configure
@@ -327,6 +331,36 @@ class _Runtime:
                 "for this run (no step-2 out-of-memory warning will come)",
                 " and ".join(missing),
             )
+
+    def note_forward_inputs(self, args: Any, kwargs: Any) -> None:
+        """Before a training forward of the watched model (its pre hook): keep
+        the size of the run's first forward's inputs, and at the forward that
+        opens step 2, before step 2 allocates or is held, warn once when its
+        inputs are larger (step 1 was a smaller warm-up batch): the agent
+        predicts step 2 from step 1, so its prediction does not cover them."""
+        tr = self.tracker
+        if tr.step == 0:
+            self.step1_inputs = _torch.input_sizes(args, kwargs)
+            return
+        opens_step2 = tr.step == 1 and (not tr.in_step or tr.last == OPTIMIZER_END)
+        first = self.step1_inputs
+        if not opens_step2 or first is None or self.step2_inputs_larger:
+            return
+        now = _torch.input_sizes(args, kwargs)
+        if now[0] <= first[0]:
+            return
+        self.step2_inputs_larger = True
+        log.warning(
+            "stepwatch: step 2's first forward takes larger inputs than step 1's (%d elements, "
+            "shapes %s; step 1: %d, shapes %s): the agent predicted step 2 from step 1, so its "
+            "prediction does not cover this batch and step 2 may need more GPU memory than "
+            "predicted (a smaller warm-up step 1?). For a prediction that covers the run, make "
+            "step 1 as large as the steps after it",
+            now[0],
+            now[1],
+            first[0],
+            first[1],
+        )
 
     # ----------------------------------------------------------- step gate
     def _step_gate(self, number: int) -> None:
@@ -1011,6 +1045,7 @@ def stats() -> Dict[str, Any]:
     else:
         s = c.stats()
     s["watch_errors"] = RT.watch_errors
+    s["step2_inputs_larger"] = RT.step2_inputs_larger
     return s
 
 

@@ -642,6 +642,16 @@ def loader_batch_size(loader: Any) -> Optional[int]:
 
 
 # --------------------------------------------------------------- hooks
+def input_sizes(args: Any, kwargs: Any) -> Tuple[int, List[Tuple[int, ...]]]:
+    """A forward's inputs: the elements of its tensors (positional and keyword,
+    looked into as :func:`_tensors` does) and the first four shapes."""
+    import torch
+
+    seen: Set[int] = set()
+    tensors = list(_tensors(list(args) + list((kwargs or {}).values()), torch.Tensor, seen))
+    return sum(t.numel() for t in tensors), [tuple(t.shape) for t in tensors[:4]]
+
+
 def _tensors(obj: Any, tensor_type: Any, seen: Set[int], depth: int = 0) -> Iterator[Any]:
     """Tensors in a module output: a tensor, tuple/list, dict/ModelOutput (bounded),
     each once (``seen`` holds the ids already yielded)."""
@@ -670,8 +680,9 @@ def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
     def is_training(module: Any) -> bool:
         return bool(getattr(module, "training", True)) and torch.is_grad_enabled()
 
-    def pre_hook(module: Any, args: Any) -> None:
+    def pre_hook(module: Any, args: Any, kwargs: Any = None) -> None:
         if is_training(module):
+            rt.guarded(lambda: rt.note_forward_inputs(args, kwargs))
             rt.guarded(rt.tracker.forward)
 
     def post_hook(module: Any, args: Any, output: Any) -> None:
@@ -711,8 +722,10 @@ def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
         # earlier, itself prepended) all-gathers the root's parameters, so step
         # 1's allocator trace holds what step 2 allocates there too.
         try:
-            handles.append(module.register_forward_pre_hook(pre_hook, prepend=True))
-        except TypeError:  # torch < 2.0: no prepend
+            handles.append(
+                module.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True)
+            )
+        except TypeError:  # torch < 2.0: no prepend, no keyword arguments
             handles.append(module.register_forward_pre_hook(pre_hook))
         try:
             handles.append(module.register_forward_hook(post_hook, always_call=True))

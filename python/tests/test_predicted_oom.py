@@ -184,6 +184,50 @@ def test_the_hold_ends_when_the_prediction_is_final_and_step_2_fits(
     assert stepwatch.last_prediction() is None  # not a step-2 warning
 
 
+@pytest.mark.parametrize("as_kwargs", [False, True])
+def test_a_larger_step_2_batch_than_step_1s_is_told_before_step_2_begins(agent, caplog, as_kwargs):
+    """A warm-up step 1 of 1 sample, then 4: at step 2's first forward, before
+    step 2 is marked, the client says step 1's prediction does not cover it
+    (inputs as `model(x)` or, as Hugging Face loops call, `model(**batch)`)."""
+
+    class KwModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.net(input_ids)
+
+    model = KwModel()
+    opt = torch.optim.AdamW(model.parameters())
+    stepwatch.watch(model, opt)
+    caplog.set_level(logging.INFO, logger="stepwatch")
+    seen_at = []
+    for batch in (1, 4, 4):
+        x = torch.randn(batch, 8)
+        out = model(input_ids=x) if as_kwargs else model(x)
+        seen_at.append(stepwatch.stats()["step2_inputs_larger"])
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert seen_at == [False, True, True]
+    told = [r for r in caplog.records if "larger inputs than step 1's" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.WARNING
+    assert "32 elements, shapes [(4, 8)]; step 1: 8, shapes [(1, 8)]" in told[0].getMessage()
+    assert "does not cover this batch" in told[0].getMessage()
+
+
+def test_the_same_batch_every_step_is_not_told(agent, caplog):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    stepwatch.watch(model, opt)
+    caplog.set_level(logging.INFO, logger="stepwatch")
+    for _ in range(3):
+        one_step(model, opt)
+    assert not stepwatch.stats()["step2_inputs_larger"]
+    assert not any("larger inputs" in r.getMessage() for r in caplog.records)
+
+
 def test_the_hold_never_waits_for_an_absent_agent(sock_dir, monkeypatch):
     monkeypatch.setenv("STEPWATCH_ENDPOINT", "unix://" + os.path.join(sock_dir, "none.sock"))
     model = mlp()
