@@ -332,9 +332,9 @@ def check_daemonset(c, ds, services, allow_root, metrics_proxy=False):
             )
         else:
             c.expect(
-                get.get("path") == path and get.get("port") in ("metrics", 19447),
+                get.get("path") == path and get.get("port") in ("probes", "metrics", 19447),
                 cw,
-                f"{probe} GET {path} on 19447",
+                f"{probe} GET {path} on the probes' port (or 19447)",
             )
     mounts = {m["mountPath"]: m for m in agent.get("volumeMounts", [])}
     c.expect(
