@@ -96,6 +96,7 @@ fn segments_trace(n: u64) -> AllocatorTrace {
         events,
         settings: None,
         forward_returns: Vec::new(),
+        torch_version: String::new(),
     }
 }
 
@@ -169,6 +170,7 @@ fn transformer_trace(layers: u64, micro_batches: u64) -> AllocatorTrace {
         events,
         settings: None,
         forward_returns: Vec::new(),
+        torch_version: String::new(),
     }
 }
 

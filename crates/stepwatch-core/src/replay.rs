@@ -52,8 +52,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use crate::allocator::{
-    AllocId, AllocatorSettings, CachingAllocator, LayoutError, SegmentLayout, Usage, LARGE_BUFFER,
-    ROUNDUP_INTERVALS, SMALL_SIZE,
+    AllocId, AllocatorSettings, CachingAllocator, FreeBlockOrder, LayoutError, SegmentLayout,
+    Usage, LARGE_BUFFER, ROUNDUP_INTERVALS, SMALL_SIZE,
 };
 use crate::identity::{DdpBucketRebuild, RankInfo};
 use crate::marker::PhaseKind;
@@ -200,6 +200,7 @@ impl TraceSettings {
             max_split_size: (self.max_split_size_bytes != 0).then_some(self.max_split_size_bytes),
             roundup_power2_divisions: divisions,
             expandable_segments: self.expandable_segments,
+            free_block_order: FreeBlockOrder::default(),
         })
     }
 }
@@ -222,6 +223,13 @@ pub struct AllocatorTrace {
     /// empty when the client did not say (see `release_points`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub forward_returns: Vec<u64>,
+    /// The traced process's PyTorch version (`torch.__version__`), which
+    /// decides how its allocator breaks ties ([`FreeBlockOrder`]); the
+    /// agent fills it from the rank's hello
+    /// ([`crate::feed::ReplayPlan::torch_version`]). Empty: not known, the
+    /// newest rule is assumed.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub torch_version: String,
 }
 
 /// A trace that cannot be replayed.
@@ -328,8 +336,10 @@ impl AllocatorTrace {
     /// The model's settings for this trace, or why it cannot be replayed
     /// faithfully (an unmodelled setting, expandable segments).
     pub fn model_settings(&self) -> Result<AllocatorSettings, TraceError> {
+        let free_block_order =
+            FreeBlockOrder::of_torch_version(&self.torch_version).unwrap_or_default();
         let expandable = self.segments.iter().any(|s| s.expandable);
-        match &self.settings {
+        let settings = match &self.settings {
             None => Ok(AllocatorSettings {
                 expandable_segments: expandable,
                 ..AllocatorSettings::default()
@@ -340,7 +350,11 @@ impl AllocatorTrace {
                 "expandable_segments turned off while in use".into(),
             )),
             Some(s) => s.model(),
-        }
+        }?;
+        Ok(AllocatorSettings {
+            free_block_order,
+            ..settings
+        })
     }
 }
 

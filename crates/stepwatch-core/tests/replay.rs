@@ -73,6 +73,7 @@ impl Recorder {
             events: self.events.clone(),
             settings: None,
             forward_returns: Vec::new(),
+            torch_version: String::new(),
         }
     }
 }
@@ -658,6 +659,7 @@ fn a_private_pool_serves_no_replayed_allocation() {
         ],
         settings: None,
         forward_returns: Vec::new(),
+        torch_version: String::new(),
     };
     let replay = replay_step2(&t, false).unwrap();
     assert_eq!(replay.reserved_at_step1_end_bytes, 104 * MIB);
@@ -811,6 +813,7 @@ fn hostile_traces_are_replayed_or_refused_never_a_panic() {
             events,
             settings,
             forward_returns: Vec::new(),
+            torch_version: String::new(),
         };
         for gradients in [Gradients::FreedBeforeStep, Gradients::Kept] {
             let limit = Some(next() % (1 << 32));

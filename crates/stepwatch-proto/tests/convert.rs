@@ -310,6 +310,8 @@ fn trace() -> impl Strategy<Value = AllocatorTrace> {
                 events,
                 settings,
                 forward_returns,
+                // Not on the wire: the agent takes it from the hello.
+                torch_version: String::new(),
             }
         })
 }

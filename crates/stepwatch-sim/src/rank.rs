@@ -566,6 +566,8 @@ impl RankSim {
                         events: std::mem::take(&mut self.trace_events),
                         settings: None,
                         forward_returns: Vec::new(),
+                        // The simulator's allocator follows the default rules.
+                        torch_version: String::new(),
                     };
                     self.out.push_back(SimEvent::AllocatorTrace {
                         at_ns: self.now_ns,

@@ -24,8 +24,9 @@
 //! rules and that the model follows are in [`AllocatorSettings`]
 //! (`max_split_size_mb`, `roundup_power2_divisions`).
 //!
-//! Segments have device addresses, and best fit breaks ties by address as
-//! PyTorch's block comparator does, so a layout taken from a real process
+//! Segments have device addresses, and best fit breaks ties as the traced
+//! PyTorch version's block comparator does ([`FreeBlockOrder`]: the oldest
+//! segment from 2.13 on, the lowest address before), so a layout taken from a real process
 //! ([`CachingAllocator::from_layout`]) is reused in PyTorch's order. Where a
 //! new segment lands therefore matters; the model places it as CUDA's
 //! allocator was seen to (see [`CachingAllocator::malloc_on`]): in the
@@ -38,9 +39,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use serde::{Deserialize, Serialize};
 
+mod history;
 mod layouts;
 mod sizes;
 
+pub use history::*;
 pub use layouts::*;
 pub use sizes::*;
 
@@ -130,19 +133,22 @@ struct Segment {
     /// Private pool id; 0: the default pool.
     pool_id: u64,
     /// When it was made, counted from 0: among free blocks of one size the
-    /// oldest segment's serves first.
+    /// oldest segment's serves first ([`FreeBlockOrder::SegmentAge`]); 0 for
+    /// every segment under [`FreeBlockOrder::Address`].
     created: u64,
     /// Sorted by offset, covering the segment without gaps.
     blocks: Vec<Block>,
 }
 
 /// A free block's place in the best-fit order: PyTorch keeps one ordered set
-/// per pool (private pools apart) and orders it by stream, size, then (2.15's
-/// `BlockComparatorSizeCounterAddress`) the age of the block's segment, then
-/// address. Checked on fake CUDA: of three free 394 MiB segments a 12 MiB
-/// request takes the oldest, whatever their addresses or the order they were
-/// freed in (`tests/replay_torch.rs`). Fields: pool id, stream, pool, size,
-/// segment age, segment address, offset.
+/// per pool (private pools apart) and orders it by stream, size, then
+/// ([`FreeBlockOrder`]) the age of the block's segment (2.13 and later), then
+/// address. Checked on fake CUDA with PyTorch 2.15: of three free 394 MiB
+/// segments a 12 MiB request takes the oldest, whatever their addresses or
+/// the order they were freed in (`tests/replay_torch.rs`); checked on
+/// real-GPU snapshots of earlier versions: the lowest address
+/// (`bench/alloc-snapshots.sh`). Fields: pool id, stream, pool, size,
+/// segment age (0 under the address rule), segment address, offset.
 type FreeKey = (u64, u64, Pool, u64, u64, u64, u64);
 
 impl Segment {
@@ -372,7 +378,9 @@ impl CachingAllocator {
         for (i, &address) in made_last.iter().enumerate() {
             last_made.insert(address, i as u64);
         }
+        let by_address = settings.free_block_order == FreeBlockOrder::Address;
         let age = |rank_by_address: usize, address: u64| match last_made.get(&address) {
+            _ if by_address => 0,
             Some(&i) => count + i,
             None => count - 1 - rank_by_address as u64,
         };
@@ -447,7 +455,10 @@ impl CachingAllocator {
     /// The age the next new segment gets.
     fn next_segment_age(&mut self) -> u64 {
         self.segments_made += 1;
-        self.segments_made - 1
+        match self.settings.free_block_order {
+            FreeBlockOrder::SegmentAge => self.segments_made - 1,
+            FreeBlockOrder::Address => 0,
+        }
     }
 
     /// Files segment `id` (after any change to its blocks) where
@@ -741,6 +752,95 @@ impl CachingAllocator {
             }
         };
         Ok(self.hand_out(seg_id, offset, size))
+    }
+
+    /// Where [`CachingAllocator::malloc_on`] would serve `bytes` on `stream`
+    /// from the cache: the address of the free block it would take; None
+    /// when it would make a new segment. Changes nothing.
+    pub fn cached_fit(&self, bytes: u64, stream: u64) -> Option<u64> {
+        let size = self.settings.round_size(bytes);
+        let pool = Pool::of_rounded(size);
+        let (seg, offset) = if self.settings.expandable_segments {
+            self.best_fit_expandable(stream, pool, size)?
+        } else {
+            self.best_fit(stream, pool, size)?
+        };
+        Some(seg + offset)
+    }
+
+    /// Follows a recorded allocation of `bytes` at `address` (a trace's
+    /// `alloc`): takes the free block that starts there, split as PyTorch
+    /// splits it. None, and nothing changes, when no free block that holds
+    /// it starts there.
+    pub fn malloc_at(&mut self, bytes: u64, address: u64) -> Option<AllocId> {
+        let size = self.settings.round_size(bytes);
+        let (&seg_id, seg) = self.segments.range(..=address).next_back()?;
+        let offset = address - seg_id;
+        let i = seg
+            .blocks
+            .binary_search_by_key(&offset, |b| b.offset)
+            .ok()?;
+        let b = seg.blocks[i];
+        if !b.is_free() || b.size < size || Pool::of_rounded(size) != seg.pool {
+            return None;
+        }
+        Some(self.hand_out(seg_id, offset, size))
+    }
+
+    /// Follows a recorded `cudaMalloc` (a trace's `segment_alloc`): a new,
+    /// free segment of `size` bytes at `address` for `stream`'s `pool`,
+    /// the newest. Refused, and nothing changes, when it would overlap one.
+    pub fn add_segment_at(
+        &mut self,
+        address: u64,
+        size: u64,
+        pool: Pool,
+        stream: u64,
+    ) -> Result<(), LayoutError> {
+        let end = address
+            .checked_add(size)
+            .filter(|_| size > 0)
+            .ok_or(LayoutError::AddressOverflow { address })?;
+        if let Some((&first, s)) = self.segments.range(..end).next_back() {
+            if first.saturating_add(s.size) > address {
+                return Err(LayoutError::Overlap {
+                    first,
+                    second: address,
+                });
+            }
+        }
+        let seg = Segment {
+            pool,
+            size,
+            reserved: size,
+            expandable: false,
+            stream,
+            pool_id: 0,
+            created: self.next_segment_age(),
+            blocks: vec![Block::new(0, size, false)],
+        };
+        self.free_blocks
+            .insert(seg.free_key(address, &seg.blocks[0]));
+        self.segments.insert(address, seg);
+        self.usage.reserved += size;
+        if self.lowest_address == 0 || address < self.lowest_address {
+            self.lowest_address = address;
+        }
+        self.note_segment(address);
+        self.bump_peaks();
+        Ok(())
+    }
+
+    /// Follows a recorded segment release (a trace's `segment_free`): the
+    /// segment at `address` goes back to the driver if it is whole and
+    /// free; returns whether it did.
+    pub fn release_segment_at(&mut self, address: u64) -> bool {
+        let Some(seg) = self.segments.get(&address) else {
+            return false;
+        };
+        let key = seg.free_key(address, &seg.blocks[0]);
+        self.release_block(key);
+        !self.segments.contains_key(&address)
     }
 
     /// Takes the free block at (`seg_id`, `offset`) for a request of `size`
@@ -1093,7 +1193,7 @@ impl CachingAllocator {
     }
 
     /// The smallest free block of `stream`'s `pool` (default pool id) that
-    /// holds `size` (ties: the oldest segment, then the lowest address), as PyTorch's `get_free_block`
+    /// holds `size` (ties: [`FreeBlockOrder`]), as PyTorch's `get_free_block`
     /// takes it, `max_split_size` rules included.
     fn best_fit(&self, stream: u64, pool: Pool, size: u64) -> Option<(u64, u64)> {
         let &(_, _, _, block, _, id, off) = self

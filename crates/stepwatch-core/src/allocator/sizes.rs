@@ -42,6 +42,49 @@ pub struct AllocatorSettings {
     /// `empty_cache()` unmaps the whole pages of free blocks.
     #[serde(default)]
     pub expandable_segments: bool,
+    /// Which of equal free blocks serves first: the traced PyTorch
+    /// version's rule ([`FreeBlockOrder::of_torch_version`]).
+    #[serde(default)]
+    pub free_block_order: FreeBlockOrder,
+}
+
+/// How PyTorch's best fit breaks a tie between free blocks of one stream,
+/// pool and size (the comparator of `BlockPool::blocks` in
+/// `CUDACachingAllocator.cpp`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FreeBlockOrder {
+    /// The block of the oldest segment, then the lowest address
+    /// (`BlockComparatorSizeCounterAddress`: each `cudaMalloc` or new
+    /// expandable segment takes the next count, and its blocks inherit it).
+    /// PyTorch 2.13 and later; the default, for a version not known.
+    #[default]
+    SegmentAge,
+    /// The lowest address (`BlockComparatorSize` comparing `ptr`): PyTorch
+    /// up to 2.12.
+    Address,
+}
+
+impl FreeBlockOrder {
+    /// The rule of a PyTorch version string as `torch.__version__` writes
+    /// it ("2.11.0+cu128", "2.13.0a0+git1234", "2.4.1"); None when it is
+    /// not one.
+    pub fn of_torch_version(version: &str) -> Option<Self> {
+        let mut parts = version.trim().split(['.', '+']);
+        let major: u64 = parts.next()?.parse().ok()?;
+        let minor: u64 = parts
+            .next()?
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .ok()?;
+        Some(if (major, minor) >= (2, 13) {
+            FreeBlockOrder::SegmentAge
+        } else {
+            FreeBlockOrder::Address
+        })
+    }
 }
 
 impl AllocatorSettings {

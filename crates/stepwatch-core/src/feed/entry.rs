@@ -233,6 +233,7 @@ fn trace_as_recorded<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Allocator
         settings: Option<TraceSettings>,
         #[serde(default)]
         forward_returns: Vec<u64>,
+        torch_version: String,
         #[serde(default)]
         ddp_bucket_rebuild: Option<serde::de::IgnoredAny>,
     }
@@ -250,6 +251,7 @@ fn trace_as_recorded<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Allocator
         events: r.events,
         settings: r.settings,
         forward_returns: r.forward_returns,
+        torch_version: r.torch_version,
     })
 }
 

@@ -22,6 +22,8 @@ mod entry;
 
 pub use entry::{RecordEntry, RecordError};
 
+use std::borrow::Cow;
+
 use crate::advisory::Advisory;
 use crate::error::MarkerError;
 use crate::identity::{DdpBucketRebuild, RankKey};
@@ -151,6 +153,11 @@ pub struct ReplayPlan {
     /// ([`crate::ModelFacts::ddp_bucket_rebuild`]): the trace's chunks do
     /// not carry it, and it may come after them.
     pub ddp_bucket_rebuild: Option<DdpBucketRebuild>,
+    /// The rank's PyTorch version, from its hello when its framework is
+    /// "pytorch" (others name their own version): the allocator rules the
+    /// replay follows ([`crate::allocator::FreeBlockOrder`]) when the trace
+    /// does not say ([`AllocatorTrace::torch_version`]).
+    pub torch_version: String,
 }
 
 impl ReplayPlan {
@@ -162,6 +169,22 @@ impl ReplayPlan {
             gradients: info.map_or_else(Gradients::default, Gradients::of),
             reserved_limit: tracker.reserved_limit(key),
             ddp_bucket_rebuild: info.and_then(|i| i.model.ddp_bucket_rebuild.clone()),
+            torch_version: info
+                .filter(|i| i.framework.eq_ignore_ascii_case("pytorch"))
+                .map(|i| i.framework_version.clone())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// `trace` with the plan's PyTorch version where it names none.
+    fn versioned<'t>(&self, trace: &'t AllocatorTrace) -> Cow<'t, AllocatorTrace> {
+        if trace.torch_version.is_empty() && !self.torch_version.is_empty() {
+            Cow::Owned(AllocatorTrace {
+                torch_version: self.torch_version.clone(),
+                ..trace.clone()
+            })
+        } else {
+            Cow::Borrowed(trace)
         }
     }
 
@@ -171,7 +194,9 @@ impl ReplayPlan {
     /// all through step 1, and a facts update is not a reason to measure it
     /// again (a replay that is due anyway takes the current one).
     pub fn replays_like(&self, other: &Self) -> bool {
-        self.gradients == other.gradients && self.ddp_bucket_rebuild == other.ddp_bucket_rebuild
+        self.gradients == other.gradients
+            && self.ddp_bucket_rebuild == other.ddp_bucket_rebuild
+            && self.torch_version == other.torch_version
     }
 
     /// The plan an [`RecordEntry::AllocatorTrace`] was replayed with (older
@@ -189,6 +214,8 @@ impl ReplayPlan {
                     .unwrap_or_else(|| Gradients::from_persistent(*grads_persistent)),
                 reserved_limit: *reserved_limit,
                 ddp_bucket_rebuild: ddp_bucket_rebuild.clone(),
+                // The recorded trace carries it ([`ReplayPlan::entry`]).
+                torch_version: String::new(),
             }),
             _ => None,
         }
@@ -198,7 +225,7 @@ impl ReplayPlan {
     /// few hundred ms for the largest traces): run it outside any lock.
     pub fn replay(&self, trace: &AllocatorTrace) -> Result<Step2Replay, TraceError> {
         replay_step2_with(
-            trace,
+            &self.versioned(trace),
             self.gradients,
             self.reserved_limit,
             self.ddp_bucket_rebuild.as_ref(),
@@ -206,14 +233,18 @@ impl ReplayPlan {
     }
 
     /// The record entry of `trace`, sent on a stream of run `run_id`,
-    /// replayed under this plan.
+    /// replayed under this plan (the trace recorded with the plan's PyTorch
+    /// version, so that a replay of the record follows the same rules).
     pub fn entry(
         self,
         at_ns: u64,
         key: RankKey,
         run_id: String,
-        trace: AllocatorTrace,
+        mut trace: AllocatorTrace,
     ) -> RecordEntry<'static> {
+        if trace.torch_version.is_empty() {
+            trace.torch_version = self.torch_version;
+        }
         RecordEntry::AllocatorTrace {
             at_ns,
             key,
@@ -471,11 +502,55 @@ mod tests {
     }
 
     #[test]
+    fn the_hellos_pytorch_version_decides_the_replays_allocator_rules() {
+        use crate::allocator::FreeBlockOrder;
+        let order = |framework: &str, version: &str| {
+            let mut t = Tracker::new(TrackerConfig::default());
+            let info = RankInfo {
+                framework: framework.into(),
+                framework_version: version.into(),
+                ..info(0)
+            };
+            let key = info.key();
+            apply(&mut t, &RecordEntry::Open { at_ns: 1, info }).unwrap();
+            let plan = ReplayPlan::for_rank(&t, &key);
+            let entry = plan.entry(2, key, String::new(), AllocatorTrace::default());
+            let RecordEntry::AllocatorTrace { trace, .. } = entry else {
+                unreachable!()
+            };
+            // The record carries it, so its replay follows the same rules.
+            let line = serde_json::to_string(&trace).unwrap();
+            let back: AllocatorTrace = serde_json::from_str(&line).unwrap();
+            assert_eq!(back.torch_version, trace.torch_version);
+            back.model_settings().unwrap().free_block_order
+        };
+        assert_eq!(order("pytorch", "2.11.0+cu128"), FreeBlockOrder::Address);
+        assert_eq!(order("pytorch", "2.15.0+cu132"), FreeBlockOrder::SegmentAge);
+        // Lightning's hello names Lightning's version, not PyTorch's.
+        assert_eq!(order("lightning", "2.4.0"), FreeBlockOrder::default());
+        // A trace that names its version keeps it.
+        let plan = ReplayPlan {
+            torch_version: "2.11.0".into(),
+            ..ReplayPlan::default()
+        };
+        let named = AllocatorTrace {
+            torch_version: "2.15.0".into(),
+            ..AllocatorTrace::default()
+        };
+        assert_eq!(plan.versioned(&named).torch_version, "2.15.0");
+        assert_eq!(
+            plan.versioned(&AllocatorTrace::default()).torch_version,
+            "2.11.0"
+        );
+    }
+
+    #[test]
     fn a_trace_entry_replays_under_the_plan_it_was_recorded_with() {
         let plan = ReplayPlan {
             gradients: Gradients::FreedBeforeBackward,
             reserved_limit: Some(1 << 30),
             ddp_bucket_rebuild: Some(rebuild()),
+            torch_version: String::new(),
         };
         let key = info(0).key();
         let entry = plan
