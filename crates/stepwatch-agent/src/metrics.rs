@@ -371,8 +371,8 @@ pub(crate) const RANK_FIRST_STEP_PEAK_BYTES: MetricDef = MetricDef {
     name: "stepwatch_rank_first_step_peak_bytes",
     kind: MetricKind::Gauge,
     labels: "rank labels",
-    meaning: "NVML peak of step 1",
-    help: "Peak device memory (NVML) during the rank's first step.",
+    meaning: "device memory peak of step 1: the highest NVML sample, or when higher the allocator's reserved peak plus what NVML shows beside the allocator (samples miss short peaks; the allocator's peak counters do not)",
+    help: "Peak device memory during the rank's first step: the highest NVML sample, or when higher the allocator's reserved peak plus the non-allocator memory NVML shows.",
 };
 
 /// `stepwatch_rank_steady_step_peak_bytes`

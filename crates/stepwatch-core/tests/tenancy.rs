@@ -382,6 +382,7 @@ proptest! {
 }
 
 #[test]
+<<<<<<< HEAD
 fn a_rank_whose_stream_broke_stays_its_process_s_through_the_reconnect_window() {
     let mut t = Tracker::new(TrackerConfig {
         reconnect_window_ns: 100,
@@ -452,4 +453,31 @@ fn over_tcp_only_the_client_certificate_identifies_a_process() {
     assert!(t.open(over_tcp(20, "tls:bb"), 10).is_err());
     t.open(over_tcp(20, "tls:aa"), 11).unwrap();
     assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 2);
+=======
+fn a_dead_ranks_other_processes_do_not_absorb_its_restarted_run() {
+    const GB: u64 = 1_000_000_000;
+    let mut t = Tracker::new(TrackerConfig::default());
+    // The demo's doomed job: its rank 0 on GPU-0 beside a 1 GB process.
+    let dead = t.open(info("", "doomed-llm-1", 0, 10), 0).unwrap();
+    t.markers(&dead, &two_steps(0), 1).unwrap();
+    t.set_gpu_processes("GPU-0", &[(10, 30 * GB), (99, GB)]);
+    assert_eq!(t.other_process_bytes(&dead), GB);
+    t.close(&dead, 2);
+    // It died; its restarted run (another job id, another process) takes
+    // the GPU.
+    let next = t.open(info("", "doomed-llm-2", 0, 11), 3).unwrap();
+    t.set_gpu_processes("GPU-0", &[(11, 42_700_000_000), (99, GB)]);
+    assert_eq!(t.other_process_bytes(&next), GB);
+    assert_eq!(t.other_process_bytes(&dead), GB, "not the successor's 42.7 GB");
+    assert_eq!(t.rank_analysis(&dead).unwrap().other_process_bytes, GB);
+    // Kept in the journal, as a restarted agent reads it back.
+    let journal = t.journal(8);
+    let mut restored = Tracker::new(TrackerConfig::default());
+    restored.restore(journal, 4);
+    restored.set_gpu_processes("GPU-0", &[(11, 42_700_000_000), (99, GB)]);
+    assert_eq!(restored.other_process_bytes(&dead), GB);
+    // A rank whose process comes back reads the live list again.
+    t.open(info("", "doomed-llm-1", 0, 10), 5).unwrap();
+    assert_eq!(t.other_process_bytes(&dead), 42_700_000_000 + GB);
+>>>>>>> a17d934 (divergence: step-1 device peak bounded by the allocator; name no rank from NVML samples)
 }

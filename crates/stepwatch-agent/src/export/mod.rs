@@ -532,7 +532,7 @@ fn analysis_families(
             rank_activation.add(&labels, b as f64);
         }
         if let Some(first) = &a.first_step {
-            if let Some(p) = first.nvml_peak_bytes {
+            if let Some(p) = first.device_peak_bytes {
                 first_peak.add(&labels, p as f64);
             }
             let phases = match phase_series {

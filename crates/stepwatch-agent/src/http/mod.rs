@@ -492,7 +492,7 @@ fn rank_figures(tracker: &Tracker, key: &RankKey, r: &RankState) -> Value {
     let a = analysis.as_ref();
     let prediction = a.and_then(|a| a.prediction.as_ref());
     json!({
-        "first_step_peak_bytes": a.and_then(|a| a.first_step.as_ref()).and_then(|f| f.nvml_peak_bytes),
+        "first_step_peak_bytes": a.and_then(|a| a.first_step.as_ref()).and_then(|f| f.device_peak_bytes),
         "steady_peak_bytes": a.and_then(|a| a.steady.as_ref()).and_then(|s| s.nvml_peak_bytes),
         "steady_reached": a.is_some_and(|a| a.steady_state.reached),
         "predicted_peak_bytes": prediction.map(|p| p.predicted_peak_bytes),

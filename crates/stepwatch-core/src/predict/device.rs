@@ -252,6 +252,15 @@ pub(super) fn client_overhead(step: &StepRecord) -> Option<ClientOverhead> {
     })
 }
 
+/// What the device held beside the allocator in `step`: the client's exact
+/// figures at its markers ([`client_overhead`]), else NVML's estimate
+/// ([`overhead_estimate`]).
+pub(crate) fn step_overhead(step: &StepRecord) -> Option<u64> {
+    client_overhead(step)
+        .map(|c| c.overhead_bytes)
+        .or_else(|| overhead_estimate(step))
+}
+
 /// NVML's device figure minus the allocator's reserved bytes (CUDA context,
 /// workspaces, other processes), from samples next to step 1's markers.
 ///

@@ -156,7 +156,7 @@ mod explain;
 mod outcome;
 mod step1;
 
-pub(crate) use device::jump_across;
+pub(crate) use device::{jump_across, step_overhead};
 use device::*;
 use explain::*;
 pub use outcome::*;

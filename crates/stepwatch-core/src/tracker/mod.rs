@@ -206,6 +206,12 @@ pub struct RankState {
     /// after its stream broke ([`TrackerConfig::reconnect_window_ns`]).
     #[serde(default)]
     pub reconnect_until_ns: u64,
+    /// What other processes held on the rank's GPU when its last stream
+    /// closed (None while one is open): a rank whose process is gone keeps
+    /// this figure, so that what runs on the GPU after it (its job's
+    /// restarted run) is not counted against it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub other_process_bytes_at_close: Option<u64>,
     /// The steady profile, kept between reads (see [`SteadyMemo`]).
     #[serde(skip)]
     pub(crate) steady: SteadyMemo,
@@ -487,11 +493,23 @@ impl Tracker {
     }
 
     /// Bytes held on the rank's GPU by processes other than the rank's own
-    /// PID, from the latest [`Tracker::set_gpu_processes`] list (0 without one).
+    /// PID, from the latest [`Tracker::set_gpu_processes`] list (0 without one);
+    /// for a rank with no stream open, as they were when its last one closed
+    /// ([`RankState::other_process_bytes_at_close`]).
     pub fn other_process_bytes(&self, key: &RankKey) -> u64 {
         let Some(state) = self.ranks.get(key) else {
             return 0;
         };
+        if let Some(at_close) = state
+            .other_process_bytes_at_close
+            .filter(|_| state.connected_streams == 0)
+        {
+            return at_close;
+        }
+        self.live_other_process_bytes(state)
+    }
+
+    fn live_other_process_bytes(&self, state: &RankState) -> u64 {
         self.processes.get(&state.info.gpu_uuid).map_or(0, |list| {
             list.iter()
                 .filter(|(pid, _)| *pid != state.info.pid)
@@ -731,6 +749,7 @@ impl Tracker {
             }
             state.info = info;
             state.connected_streams += 1;
+            state.other_process_bytes_at_close = None;
             state.last_activity_ns = now_ns;
             state.reconnect_until_ns = 0;
             self.recount_retained();
@@ -775,6 +794,7 @@ impl Tracker {
                 allocator_retries: None,
                 oom_report: None,
                 reconnect_until_ns: 0,
+                other_process_bytes_at_close: None,
                 steady: SteadyMemo::default(),
                 trend: TrendMemo::default(),
                 clock: Default::default(),
@@ -820,6 +840,7 @@ impl Tracker {
             allocator_retries: r.allocator_retries,
             oom_report: r.oom_report.clone(),
             reconnect_until_ns: r.reconnect_until_ns,
+            other_process_bytes_at_close: r.other_process_bytes_at_close,
             steady: SteadyMemo::default(),
             trend: TrendMemo::default(),
             clock: Default::default(),
@@ -873,12 +894,17 @@ impl Tracker {
 
     /// Marks one stream of the rank closed; a clean close ends any
     /// reconnect window (also how a caller ends the window of a process it
-    /// knows is gone).
+    /// knows is gone). With the last one, keeps what other processes held on
+    /// its GPU then.
     pub fn close(&mut self, key: &RankKey, now_ns: u64) {
+        let others = self.other_process_bytes(key);
         if let Some(state) = self.ranks.get_mut(key) {
             state.connected_streams = state.connected_streams.saturating_sub(1);
             state.last_activity_ns = now_ns;
             state.reconnect_until_ns = 0;
+            if state.connected_streams == 0 {
+                state.other_process_bytes_at_close = Some(others);
+            }
         }
     }
 
