@@ -269,6 +269,12 @@ NODE_MIN=$(query 'min(count by (node) ({__name__=~"stepwatch_.+", __name__!~".*:
 PHASE_PEAK=$(query 'count(stepwatch_rank_phase_peak_bytes)')
 SHARD_TARGETS=$(for a in "${SHARD_ADDRS[@]}"; do curl -sf "http://$a/api/v1/targets?state=active" | json 'sum(t["labels"]["job"] == "stepwatch" for t in d["data"]["activeTargets"])'; done | paste -sd, -)
 RULES_JSON=$(curl -sf "http://$CENTRAL/api/v1/rules" | json 'json.dumps([{"name": g["name"], "interval": g["interval"], "evaluation_seconds": g["evaluationTime"], "rules": len(g["rules"])} for g in d["data"]["groups"]])')
+# Each job's step-1 peak spread across its ranks ((max - min) / median):
+# every rank of a job runs the same scenario, so any spread is the
+# measurement's, not the ranks'.
+STEP1_SPREAD=$(curl -sf --get "http://$CENTRAL/api/v1/query" --data-urlencode \
+  'query=stepwatch_job:first_step_peak_divergence_ratio' \
+  | json 'json.dumps(sorted(round(float(r["value"][1]), 4) for r in d["data"]["result"]))')
 ALERTS=$(curl -sf "http://$CENTRAL/api/v1/alerts" | json 'json.dumps({n: [a["labels"]["alertname"] for a in d["data"]["alerts"]].count(n) for n in {a["labels"]["alertname"] for a in d["data"]["alerts"]}})')
 # Over the window (the central server scrapes itself): rule evaluations'
 # median and worst, and CPU seconds per second of each Prometheus.
@@ -317,6 +323,7 @@ r = {
   "central_cpu_cores": round(float("$CENTRAL_CPU"), 3),
   "largest_families": json.loads('''$FAMILIES'''),
   "alerts": json.loads('''$ALERTS'''),
+  "first_step_peak_spreads": json.loads('''$STEP1_SPREAD'''),
   "machine": {"cpus": $CPU, "loadavg_at_end": "$LOAD"},
 }
 json.dump(r, open(sys.argv[1], "w"), indent=2)
@@ -345,6 +352,9 @@ for k, v in rows:
     print(f"{k:<{w}}  {v}")
 print(f"largest families: {r['largest_families']}")
 print(f"alerts: {r['alerts']}")
+spreads = r["first_step_peak_spreads"]
+print(f"step-1 peak spread across each job's ranks: max {max(spreads, default=0):.1%}, "
+      f"above 10% (StepwatchFirstStepDivergence) in {sum(x > 0.1 for x in spreads)} of {len(spreads)} jobs")
 print(f"JSON: {sys.argv[1]}")
 EOF
 log "done"

@@ -200,4 +200,3 @@ fn at_2_hz_the_highest_samples_of_identical_ranks_lie_far_apart() {
         );
     }
 }
-

@@ -468,7 +468,11 @@ fn a_dead_ranks_other_processes_do_not_absorb_its_restarted_run() {
     let next = t.open(info("", "doomed-llm-2", 0, 11), 3).unwrap();
     t.set_gpu_processes("GPU-0", &[(11, 42_700_000_000), (99, GB)]);
     assert_eq!(t.other_process_bytes(&next), GB);
-    assert_eq!(t.other_process_bytes(&dead), GB, "not the successor's 42.7 GB");
+    assert_eq!(
+        t.other_process_bytes(&dead),
+        GB,
+        "not the successor's 42.7 GB"
+    );
     assert_eq!(t.rank_analysis(&dead).unwrap().other_process_bytes, GB);
     // Kept in the journal, as a restarted agent reads it back.
     let journal = t.journal(8);

@@ -156,8 +156,8 @@ mod explain;
 mod outcome;
 mod step1;
 
-pub(crate) use device::{jump_across, step_overhead};
 use device::*;
+pub(crate) use device::{jump_across, step_overhead};
 use explain::*;
 pub use outcome::*;
 use step1::*;
