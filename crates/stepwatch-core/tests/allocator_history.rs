@@ -72,31 +72,37 @@ fn tie_history(takes: u64) -> History {
     }
 }
 
-#[test]
-fn up_to_2_12_the_lowest_address_serves_first() {
-    let old = 1u64 << 36;
-    let history = tie_history(old - 40 * MIB);
-    for version in ["2.1.2+cu121", "2.6.0", "2.11.0+cu128", "2.12.1"] {
-        let order = FreeBlockOrder::of_torch_version(version).unwrap();
-        assert_eq!(order, FreeBlockOrder::Address, "{version}");
+/// Each of `versions` follows `order`, which places both allocations of
+/// the tie history where the real allocator did (the second at `takes`);
+/// the other rule misses the second.
+fn versions_follow(versions: &[&str], order: FreeBlockOrder, takes: u64) {
+    let history = tie_history(takes);
+    for version in versions {
+        assert_eq!(
+            FreeBlockOrder::of_torch_version(version),
+            Some(order),
+            "{version}"
+        );
         let c = history.check(settings(order)).unwrap();
         assert_eq!((c.allocations, c.placed_right), (2, 2), "{version}");
     }
-    let c = history.check(settings(FreeBlockOrder::SegmentAge)).unwrap();
-    assert_eq!(c.placed_right, 1, "the age rule takes the older block");
+    let other = match order {
+        FreeBlockOrder::Address => FreeBlockOrder::SegmentAge,
+        FreeBlockOrder::SegmentAge => FreeBlockOrder::Address,
+    };
+    assert_eq!(history.check(settings(other)).unwrap().placed_right, 1);
+}
+
+#[test]
+fn up_to_2_12_the_lowest_address_serves_first() {
+    let versions = ["2.1.2+cu121", "2.6.0", "2.11.0+cu128", "2.12.1"];
+    versions_follow(&versions, FreeBlockOrder::Address, (1u64 << 36) - 40 * MIB);
 }
 
 #[test]
 fn from_2_13_the_oldest_segment_serves_first() {
-    let history = tie_history(1u64 << 36);
-    for version in ["2.13.0", "2.13.0a0+git5f2b1c4", "2.15.0+cu132", "3.0.0"] {
-        let order = FreeBlockOrder::of_torch_version(version).unwrap();
-        assert_eq!(order, FreeBlockOrder::SegmentAge, "{version}");
-        let c = history.check(settings(order)).unwrap();
-        assert_eq!((c.allocations, c.placed_right), (2, 2), "{version}");
-    }
-    let c = history.check(settings(FreeBlockOrder::Address)).unwrap();
-    assert_eq!(c.placed_right, 1, "the address rule takes the lower block");
+    let versions = ["2.13.0", "2.13.0a0+git5f2b1c4", "2.15.0+cu132", "3.0.0"];
+    versions_follow(&versions, FreeBlockOrder::SegmentAge, 1u64 << 36);
 }
 
 #[test]
