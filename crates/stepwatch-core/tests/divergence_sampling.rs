@@ -63,11 +63,6 @@ fn markers(client: Client) -> Vec<Marker> {
             // The peak counters run since the process started.
             let reserved = reserved_at(t);
             Marker {
-                kind,
-                step: 1,
-                monotonic_ns: t,
-                wall_ns: t,
-                micro_batch: 0,
                 allocator: (client != Client::Nothing).then_some(AllocatorStats {
                     allocated_bytes: reserved - reserved / 10,
                     allocated_peak_bytes: reserved - reserved / 10,
@@ -75,11 +70,11 @@ fn markers(client: Client) -> Vec<Marker> {
                     reserved_peak_bytes: reserved,
                     ..Default::default()
                 }),
-                layout_segments: Vec::new(),
                 device_memory: (client == Client::AllocatorAndDevice).then_some(DeviceMemory {
                     free_bytes: 80_000 * MB - OVERHEAD - reserved,
                     total_bytes: 80_000 * MB,
                 }),
+                ..Marker::at(kind, 1, t, t)
             }
         })
         .collect()
