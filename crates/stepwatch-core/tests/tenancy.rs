@@ -382,7 +382,6 @@ proptest! {
 }
 
 #[test]
-<<<<<<< HEAD
 fn a_rank_whose_stream_broke_stays_its_process_s_through_the_reconnect_window() {
     let mut t = Tracker::new(TrackerConfig {
         reconnect_window_ns: 100,
@@ -453,7 +452,9 @@ fn over_tcp_only_the_client_certificate_identifies_a_process() {
     assert!(t.open(over_tcp(20, "tls:bb"), 10).is_err());
     t.open(over_tcp(20, "tls:aa"), 11).unwrap();
     assert_eq!(t.rank(&key).unwrap().timeline.steps_completed(), 2);
-=======
+}
+
+#[test]
 fn a_dead_ranks_other_processes_do_not_absorb_its_restarted_run() {
     const GB: u64 = 1_000_000_000;
     let mut t = Tracker::new(TrackerConfig::default());
@@ -483,5 +484,4 @@ fn a_dead_ranks_other_processes_do_not_absorb_its_restarted_run() {
     // A rank whose process comes back reads the live list again.
     t.open(info("", "doomed-llm-1", 0, 10), 5).unwrap();
     assert_eq!(t.other_process_bytes(&dead), 42_700_000_000 + GB);
->>>>>>> a17d934 (divergence: step-1 device peak bounded by the allocator; name no rank from NVML samples)
 }
