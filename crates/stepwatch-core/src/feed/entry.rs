@@ -233,6 +233,7 @@ fn trace_as_recorded<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Allocator
         settings: Option<TraceSettings>,
         #[serde(default)]
         forward_returns: Vec<u64>,
+        #[serde(default)]
         torch_version: String,
         #[serde(default)]
         ddp_bucket_rebuild: Option<serde::de::IgnoredAny>,
