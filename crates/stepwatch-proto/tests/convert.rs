@@ -423,7 +423,7 @@ fn every_wire_enum_value_maps_to_a_core_value_and_back() {
         };
         assert_eq!(event_to_wire(&event_from_wire(e, 0).unwrap()), e);
     }
-    for kind in 1..=7 {
+    for kind in 1..=8 {
         assert_eq!(
             advisory_kind_to_wire(advisory_kind_from_wire(kind).unwrap()) as i32,
             kind
@@ -450,7 +450,7 @@ fn every_wire_enum_value_maps_to_a_core_value_and_back() {
         "a new action needs a core action"
     );
     assert!(
-        pb::AdvisoryKind::try_from(8).is_err(),
+        pb::AdvisoryKind::try_from(9).is_err(),
         "a new advisory needs a core kind"
     );
     assert!(
