@@ -404,10 +404,16 @@ pub fn forecast(
             .or(trend.last.reserved_peak_bytes)?;
         Some(reserved.saturating_add(outside))
     });
-    let level = trend
+    // The higher of the two where both exist: NVML's samples lag a busy
+    // node's steps, and a level read low puts the forecast late (the safe
+    // side is the earlier step).
+    let nvml_level = trend
         .slope(GrowthSource::Nvml)
-        .map(|s| s.level_bytes.max(0.0) as u64)
-        .or(reserved_in_nvml_terms)
+        .map(|s| s.level_bytes.max(0.0) as u64);
+    let level = nvml_level
+        .into_iter()
+        .chain(reserved_in_nvml_terms)
+        .max()
         .or(trend.last.nvml_peak_bytes)
         .or(trend.last.reserved_peak_bytes)
         .or(trend.last.allocated_peak_bytes)?;
