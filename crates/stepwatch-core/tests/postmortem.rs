@@ -33,16 +33,10 @@ fn step(t: &mut Tracker, key: &RankKey, n: u64, held: u64) {
     use MarkerKind::*;
     let t0 = n * PERIOD;
     let at = |i: u64| t0 + i * PERIOD / 8;
-    let samples: Vec<GpuSample> = [held + 1_000, held + 4_000, held + 3_800, held + 3_600]
-        .iter()
-        .enumerate()
-        .map(|(i, &used)| GpuSample {
-            monotonic_ns: at(i as u64 + 1) + 10,
-            used_bytes: used * M,
-            capacity_bytes: CAPACITY,
-        })
-        .collect();
-    t.gpu_samples(GPU, &samples);
+    t.gpu_samples(
+        GPU,
+        &kit::leaking_step_samples(n, PERIOD, held, CAPACITY / M),
+    );
     let reserved = held + 3_500;
     let markers: Vec<Marker> = [
         (StepBegin, held),

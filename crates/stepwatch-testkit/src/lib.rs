@@ -178,3 +178,17 @@ pub mod base {
         samples_mib(&points, capacity_mib)
     }
 }
+
+/// NVML samples of step `n` of a rank whose steps start every `period` ns
+/// (step `n` at `n × period`) and that holds `held` MiB between steps: one
+/// sample per phase after the first, the highest `held + 4000` MiB in
+/// backward. The growth and post-mortem tests' leaking rank.
+pub fn leaking_step_samples(n: u64, period: u64, held: u64, capacity_mib: u64) -> Vec<GpuSample> {
+    let t0 = n * period;
+    let points: Vec<(u64, u64)> = [held + 1_000, held + 4_000, held + 3_800, held + 3_600]
+        .into_iter()
+        .zip(1u64..)
+        .map(|(used, i)| (t0 + i * period / 8 + 10, used))
+        .collect();
+    samples_mib(&points, capacity_mib)
+}
