@@ -276,7 +276,11 @@ impl Report<'_> {
 fn advice(fit: &Value) -> Vec<String> {
     let mut out = Vec::new();
     if let Some(mb) = fit["fits_with_micro_batch_size"].as_u64() {
-        out.push(format!("micro-batch {mb}"));
+        // The size it was computed from is always there beside it.
+        out.push(format!(
+            "micro-batch {mb} (now {})",
+            fit["micro_batch_size"]
+        ));
     }
     if let Some(sf) = fit["fits_with_sharding_factor"].as_u64() {
         out.push(format!("optimizer state sharded {sf} ways"));

@@ -25,8 +25,11 @@
 //! * **Micro-batch.** `activation` is step 1's forward/backward peak above
 //!   the memory at step begin ([`crate::divergence::activation_peak_bytes`],
 //!   in the prediction's basis units); per sample it is
-//!   `floor(activation / micro_batch_size)` (the client reports the
-//!   micro-batch size). Activation memory is linear in the micro-batch, so
+//!   `floor(activation / micro_batch_size)`. The micro-batch size is the
+//!   one the client stated, else the samples of step 1's largest
+//!   micro-batch as its forward markers carried them
+//!   ([`micro_batch_size`]: a plain `watch(model, optimizer)` loop states
+//!   none). Activation memory is linear in the micro-batch, so
 //!   `k = ceil(need / per_sample)` fewer samples remove at least `need`:
 //!   `fits_with_micro_batch_size = micro_batch_size − k` when that is at
 //!   least 1. Only when the binding term of the prediction is a
@@ -43,6 +46,8 @@
 //!   term holds the state (a forward/backward term).
 
 use serde::{Deserialize, Serialize};
+
+use crate::batch::BatchFacts;
 
 /// The term of the max that set the prediction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -66,7 +71,8 @@ pub enum BindingTerm {
 /// What the prediction knew about fitting, and what would fit.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WhatWouldFit {
-    /// The micro-batch size the client reported (samples per forward).
+    /// The micro-batch size (samples per forward) the client stated, else
+    /// step 1's as its markers said ([`micro_batch_size`]).
     pub micro_batch_size: Option<u32>,
     /// Step 1's forward/backward peak above the memory at step begin, in the
     /// prediction's basis units.
@@ -105,8 +111,19 @@ pub struct FitInputs {
     pub sharding_factor: u32,
     /// Step 1's activation peak, basis units.
     pub activation_bytes: Option<u64>,
-    /// Reported micro-batch size.
+    /// Micro-batch size ([`micro_batch_size`]).
     pub micro_batch_size: Option<u32>,
+}
+
+/// The micro-batch size the advice works from: the client's statement,
+/// else the samples of step 1's batch (the largest of its micro-batches).
+pub fn micro_batch_size(stated: Option<u32>, step1_batch: Option<&BatchFacts>) -> Option<u32> {
+    stated.or_else(|| {
+        step1_batch
+            .and_then(|b| b.samples)
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|&n| n > 0)
+    })
 }
 
 /// Applies the rules of the module documentation.
@@ -197,6 +214,22 @@ mod tests {
             ..base()
         });
         assert_eq!(f.fits_with_micro_batch_size, Some(6));
+    }
+
+    #[test]
+    fn the_stated_micro_batch_wins_else_step_1s_samples() {
+        let batch = |samples| BatchFacts {
+            samples,
+            tokens: Some(4096),
+            shape: vec![8, 512],
+        };
+        assert_eq!(micro_batch_size(Some(4), Some(&batch(Some(8)))), Some(4));
+        assert_eq!(micro_batch_size(None, Some(&batch(Some(8)))), Some(8));
+        // Tokens and a shape alone do not say the samples.
+        assert_eq!(micro_batch_size(None, Some(&batch(None))), None);
+        assert_eq!(micro_batch_size(None, Some(&batch(Some(0)))), None);
+        assert_eq!(micro_batch_size(None, Some(&batch(Some(1 << 40)))), None);
+        assert_eq!(micro_batch_size(None, None), None);
     }
 
     #[test]

@@ -145,6 +145,48 @@ fn step_2_that_does_not_fit_names_the_micro_batch_and_the_sharding_that_would() 
         .contains("lower the micro-batch"));
 }
 
+#[test]
+fn step_1s_batch_names_the_micro_batch_when_the_client_stated_none() {
+    // The figures of the test above, the 4 samples now from the forward's
+    // inputs (a plain `watch(model, optimizer)` loop) instead of the hello.
+    let predict = |facts: ModelFacts, samples: u64| {
+        let mut t = Tracker::new(TrackerConfig::default());
+        let key = kit::open(
+            &mut t,
+            RankInfo {
+                model: facts,
+                ..kit::solo_rank("job", GPU)
+            },
+        );
+        t.gpu_samples(GPU, &kit::base::step1_samples(100, 7550));
+        let markers = kit::with_batch_samples(kit::base::step1_markers(100, true), samples);
+        t.markers(&key, &markers, 0).unwrap();
+        t.rank_analysis(&key).unwrap().prediction.unwrap()
+    };
+    let p = predict(ModelFacts::default(), 4);
+    let f = p.what_would_fit.unwrap();
+    assert_eq!(f.micro_batch_size, Some(4));
+    assert_eq!(f.activation_bytes_per_sample, Some(1250 * M));
+    assert_eq!(f.fits_with_micro_batch_size, Some(2));
+    let a = due(&p, 7550 * M, 1, 0, &[]);
+    assert!(
+        a[0].message
+            .ends_with("; predicted to fit: a micro-batch of 2 instead of 4"),
+        "{}",
+        a[0].message
+    );
+    // What the client states wins over what it saw (8 samples of 625 M).
+    let stated = ModelFacts {
+        micro_batch_size: Some(8),
+        ..Default::default()
+    };
+    let f = predict(stated, 4).what_would_fit.unwrap();
+    assert_eq!(
+        (f.micro_batch_size, f.activation_bytes_per_sample),
+        (Some(8), Some(625 * M))
+    );
+}
+
 /// Step 1 of a rank on its own GPU, in MB: 10 000 allocated at step begin,
 /// `act` of activations, 2 000 of gradients, 8 000 of optimizer state.
 fn step1_markers(act: u64, t0: u64) -> Vec<Marker> {

@@ -6,7 +6,9 @@
 //! wall clock reads the same as the monotonic one), as in the hand-made
 //! scenarios of `stepwatch-core/tests`.
 
-use stepwatch_core::{AllocatorStats, GpuSample, Marker, MarkerKind, RankInfo, RankKey, Tracker};
+use stepwatch_core::{
+    AllocatorStats, BatchFacts, GpuSample, Marker, MarkerKind, RankInfo, RankKey, Tracker,
+};
 
 /// One MiB, the unit of the kit's byte figures.
 pub const MIB: u64 = 1 << 20;
@@ -44,6 +46,24 @@ pub fn marker_mib(
         allocator: Some(alloc_mib(allocated, peak, reserved)),
         ..marker(kind, step, t)
     }
+}
+
+/// `markers` with each forward-begin marker saying its micro-batch had
+/// `samples` samples, as a client that sees the forward's inputs sends them.
+pub fn with_batch_samples(markers: Vec<Marker>, samples: u64) -> Vec<Marker> {
+    markers
+        .into_iter()
+        .map(|m| match m.kind {
+            MarkerKind::ForwardBegin => Marker {
+                batch: Some(BatchFacts {
+                    samples: Some(samples),
+                    ..Default::default()
+                }),
+                ..m
+            },
+            _ => m,
+        })
+        .collect()
 }
 
 /// The kinds of one step's markers with `micro_batches` forward/backward

@@ -141,7 +141,7 @@ use std::fmt::Write as _;
 use serde::{Deserialize, Serialize};
 
 use crate::divergence::activation_peak_bytes;
-use crate::fit::{what_would_fit, BindingTerm, FitInputs, WhatWouldFit};
+use crate::fit::{micro_batch_size, what_would_fit, BindingTerm, FitInputs, WhatWouldFit};
 use crate::identity::{ModelFacts, OptimizerImplementation, OptimizerKind, Precision};
 use crate::layout::LayoutEstimate;
 use crate::marker::{AllocatorStats, PhaseKind};
@@ -423,7 +423,7 @@ pub fn predict(step1: &StepRecord, from: PredictFrom<'_>) -> Option<Prediction> 
                 _ => a.allocated_bytes,
             }
         },
-        micro_batch_size: facts.micro_batch_size,
+        micro_batch_size: micro_batch_size(facts.micro_batch_size, step1.batch.as_ref()),
     });
     Some(Prediction {
         what_would_fit: Some(what_would_fit),
