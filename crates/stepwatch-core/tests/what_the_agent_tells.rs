@@ -14,6 +14,11 @@ const GPU: &str = "GPU-0";
 
 /// The prediction of the base scenario on a GPU of `capacity` M.
 fn predict_base(facts: ModelFacts, capacity: u64) -> Prediction {
+    predict_with_batch(facts, capacity, None)
+}
+
+/// [`predict_base`], step 1's forward markers saying their batch's samples.
+fn predict_with_batch(facts: ModelFacts, capacity: u64, samples: Option<u64>) -> Prediction {
     let mut t = Tracker::new(TrackerConfig::default());
     let info = RankInfo {
         model: facts,
@@ -21,8 +26,11 @@ fn predict_base(facts: ModelFacts, capacity: u64) -> Prediction {
     };
     let key = kit::open(&mut t, info);
     t.gpu_samples(GPU, &kit::base::step1_samples(100, capacity));
-    t.markers(&key, &kit::base::step1_markers(100, true), 0)
-        .unwrap();
+    let mut markers = kit::base::step1_markers(100, true);
+    if let Some(n) = samples {
+        markers = kit::with_batch_samples(markers, n);
+    }
+    t.markers(&key, &markers, 0).unwrap();
     t.rank_analysis(&key).unwrap().prediction.unwrap()
 }
 
@@ -147,40 +155,26 @@ fn step_2_that_does_not_fit_names_the_micro_batch_and_the_sharding_that_would() 
 
 #[test]
 fn step_1s_batch_names_the_micro_batch_when_the_client_stated_none() {
-    // The figures of the test above, the 4 samples now from the forward's
-    // inputs (a plain `watch(model, optimizer)` loop) instead of the hello.
-    let predict = |facts: ModelFacts, samples: u64| {
-        let mut t = Tracker::new(TrackerConfig::default());
-        let key = kit::open(
-            &mut t,
-            RankInfo {
-                model: facts,
-                ..kit::solo_rank("job", GPU)
-            },
-        );
-        t.gpu_samples(GPU, &kit::base::step1_samples(100, 7550));
-        let markers = kit::with_batch_samples(kit::base::step1_markers(100, true), samples);
-        t.markers(&key, &markers, 0).unwrap();
-        t.rank_analysis(&key).unwrap().prediction.unwrap()
-    };
-    let p = predict(ModelFacts::default(), 4);
-    let f = p.what_would_fit.unwrap();
-    assert_eq!(f.micro_batch_size, Some(4));
-    assert_eq!(f.activation_bytes_per_sample, Some(1250 * M));
-    assert_eq!(f.fits_with_micro_batch_size, Some(2));
-    let a = due(&p, 7550 * M, 1, 0, &[]);
-    assert!(
-        a[0].message
-            .ends_with("; predicted to fit: a micro-batch of 2 instead of 4"),
-        "{}",
-        a[0].message
-    );
-    // What the client states wins over what it saw (8 samples of 625 M).
-    let stated = ModelFacts {
-        micro_batch_size: Some(8),
+    // A plain `watch(model, optimizer)` loop: the 4 samples come from the
+    // forward's inputs, not the hello. The advice is the one a stated 4 gets.
+    let stated = |n| ModelFacts {
+        micro_batch_size: Some(n),
         ..Default::default()
     };
-    let f = predict(stated, 4).what_would_fit.unwrap();
+    let seen = predict_with_batch(ModelFacts::default(), 7550, Some(4));
+    let told = predict_base(stated(4), 7550);
+    assert_eq!(seen.what_would_fit, told.what_would_fit);
+    assert_eq!(
+        seen.what_would_fit.unwrap().fits_with_micro_batch_size,
+        Some(2)
+    );
+    let message = |p: &Prediction| due(p, 7550 * M, 1, 0, &[])[0].message.clone();
+    assert!(message(&seen).ends_with("a micro-batch of 2 instead of 4"));
+    assert_eq!(message(&seen), message(&told));
+    // What the client states wins over what it saw (8 samples of 625 M).
+    let f = predict_with_batch(stated(8), 7550, Some(4))
+        .what_would_fit
+        .unwrap();
     assert_eq!(
         (f.micro_batch_size, f.activation_bytes_per_sample),
         (Some(8), Some(625 * M))
