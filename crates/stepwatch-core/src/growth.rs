@@ -18,6 +18,15 @@
 //!   ranks of the pair slopes, as in the Mann–Kendall test, without the
 //!   correction for ties, which only widens it). Nothing is said before
 //!   [`GrowthConfig::min_steps`] steps.
+//! * **Batches that ratchet up** (curriculum, variable lengths): a step
+//!   larger than every earlier one of the window grows the allocator's
+//!   cache for good, which a slope over the window would read as a leak.
+//!   Steps are therefore blocked by their running-max batch (a step
+//!   without batch facts stays in the block before it), and pair slopes
+//!   are taken only within a block: a seasonal Sen slope, whose interval
+//!   sums the blocks' Mann–Kendall variances. The level is fitted on the
+//!   last block, the batch the job runs at now. Without batch facts the
+//!   window is one block.
 //! * **Forecast** ([`forecast`]): growth counts when the interval's lower
 //!   end is above 0 *and* the slope adds at least
 //!   [`GrowthConfig::min_window_growth_fraction`] of the GPU's capacity over
@@ -41,6 +50,7 @@ use std::collections::VecDeque;
 
 use serde::Serialize;
 
+use crate::batch::BatchSize;
 use crate::profile::phase_allocator_peaks;
 use crate::timeline::{RankTimeline, StepOutcome, StepRecord};
 
@@ -135,6 +145,9 @@ pub struct StepFigures {
     pub allocated_at_end_bytes: Option<u64>,
     /// Reserved bytes at the step-end marker.
     pub reserved_at_end_bytes: Option<u64>,
+    /// The step's largest batch, when the client said it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchSize>,
 }
 
 impl StepFigures {
@@ -160,6 +173,7 @@ impl StepFigures {
             reserved_peak_bytes: reserved_peak,
             allocated_at_end_bytes: at_end.map(|a| a.allocated_bytes),
             reserved_at_end_bytes: at_end.map(|a| a.reserved_bytes),
+            batch: step.batch.as_ref().map(|b| b.size()),
         })
     }
 
@@ -182,10 +196,14 @@ pub struct Slope {
     pub low_bytes_per_step: f64,
     /// Upper end of Sen's interval, bytes per step.
     pub high_bytes_per_step: f64,
-    /// The fitted figure at `last_step` (median intercept), bytes.
+    /// The fitted figure at `last_step` (median intercept of the last
+    /// block), bytes.
     pub level_bytes: f64,
     /// Steps the slope is over.
     pub steps: usize,
+    /// Blocks of steps pairs were taken within (running-max batches; 1
+    /// without batch facts).
+    pub blocks: usize,
     /// First step of them.
     pub first_step: u64,
     /// Last step of them.
@@ -196,22 +214,36 @@ pub struct Slope {
 /// distinct) with Sen's interval at normal quantile `z`; None under two
 /// points.
 pub fn theil_sen(points: &[(u64, u64)], z: f64) -> Option<Slope> {
-    let n = points.len();
-    if n < 2 {
-        return None;
-    }
-    let x0 = points[0].0;
-    let xy: Vec<(f64, f64)> = points
-        .iter()
-        .map(|&(x, y)| ((x - x0) as f64, y as f64))
-        .collect();
-    let mut slopes = Vec::with_capacity(n * (n - 1) / 2);
-    for (i, &(xi, yi)) in xy.iter().enumerate() {
-        for &(xj, yj) in &xy[i + 1..] {
-            if xj != xi {
-                slopes.push((yj - yi) / (xj - xi));
+    seasonal_theil_sen(&[points], z)
+}
+
+/// The Theil–Sen slope over `blocks` (each as [`theil_sen`] takes it, in
+/// step order), pair slopes taken within each block only and pooled, with
+/// Sen's interval from the blocks' summed Mann–Kendall variances; the
+/// level is the last non-empty block's. None without a pair of distinct
+/// steps in any block.
+pub fn seasonal_theil_sen(blocks: &[&[(u64, u64)]], z: f64) -> Option<Slope> {
+    let blocks: Vec<&[(u64, u64)]> = blocks.iter().copied().filter(|b| !b.is_empty()).collect();
+    let (first, last) = (*blocks.first()?.first()?, *blocks.last()?.last()?);
+    let x0 = first.0;
+    let xy = |b: &[(u64, u64)]| -> Vec<(f64, f64)> {
+        b.iter()
+            .map(|&(x, y)| ((x - x0) as f64, y as f64))
+            .collect()
+    };
+    let mut slopes = Vec::new();
+    let mut variance = 0.0;
+    for block in &blocks {
+        let points = xy(block);
+        for (i, &(xi, yi)) in points.iter().enumerate() {
+            for &(xj, yj) in &points[i + 1..] {
+                if xj != xi {
+                    slopes.push((yj - yi) / (xj - xi));
+                }
             }
         }
+        let nf = points.len() as f64;
+        variance += nf * (nf - 1.0) * (2.0 * nf + 5.0) / 18.0;
     }
     if slopes.is_empty() {
         return None;
@@ -229,8 +261,7 @@ pub fn theil_sen(points: &[(u64, u64)], z: f64) -> Option<Slope> {
     let slope = median(&slopes);
     // Sen (1968): the interval's ends are the pair slopes of ranks
     // (N − C)/2 and (N + C)/2 + 1 (1-based), C = z·sqrt(Var S).
-    let nf = n as f64;
-    let c = z * (nf * (nf - 1.0) * (2.0 * nf + 5.0) / 18.0).sqrt();
+    let c = z * variance.sqrt();
     let lo_rank = ((count as f64 - c) / 2.0).floor();
     let hi_rank = ((count as f64 + c) / 2.0).ceil() + 1.0;
     let low = if lo_rank >= 1.0 {
@@ -243,18 +274,40 @@ pub fn theil_sen(points: &[(u64, u64)], z: f64) -> Option<Slope> {
     } else {
         f64::INFINITY
     };
-    let mut intercepts: Vec<f64> = xy.iter().map(|&(x, y)| y - slope * x).collect();
+    let current = xy(blocks.last()?);
+    let mut intercepts: Vec<f64> = current.iter().map(|&(x, y)| y - slope * x).collect();
     intercepts.sort_unstable_by(f64::total_cmp);
-    let last_x = xy[n - 1].0;
+    let last_x = (last.0 - x0) as f64;
     Some(Slope {
         bytes_per_step: slope,
         low_bytes_per_step: low,
         high_bytes_per_step: high,
         level_bytes: median(&intercepts) + slope * last_x,
-        steps: n,
-        first_step: points[0].0,
-        last_step: points[n - 1].0,
+        steps: blocks.iter().map(|b| b.len()).sum(),
+        blocks: blocks.len(),
+        first_step: first.0,
+        last_step: last.0,
     })
+}
+
+/// Where each step of `window` starts a new running-max batch block: a
+/// step whose batch is larger than every earlier one of the window.
+fn batch_block_starts(window: &[StepFigures]) -> Vec<bool> {
+    let mut largest: Option<BatchSize> = None;
+    window
+        .iter()
+        .map(|s| match (s.batch, largest) {
+            (Some(b), None) => {
+                largest = Some(b);
+                false
+            }
+            (Some(b), Some(l)) if b.larger_than(&l) => {
+                largest = Some(b);
+                true
+            }
+            _ => false,
+        })
+        .collect()
 }
 
 /// The highest step peaks of the trailing window.
@@ -300,15 +353,25 @@ impl MemoryTrend {
     pub fn of(window: &[StepFigures], config: &GrowthConfig) -> Option<Self> {
         let (first, last) = (window.first()?, *window.last()?);
         let max_of = |f: fn(&StepFigures) -> Option<u64>| window.iter().filter_map(f).max();
+        let starts = batch_block_starts(window);
         let slopes = GrowthSource::ALL.map(|source| {
-            let points: Vec<(u64, u64)> = window
-                .iter()
-                .filter_map(|s| s.growth_figure(source).map(|b| (s.step, b)))
-                .collect();
-            if points.len() < config.min_steps.max(2) {
+            let mut blocks: Vec<Vec<(u64, u64)>> = vec![Vec::new()];
+            for (s, &new_block) in window.iter().zip(&starts) {
+                if new_block {
+                    blocks.push(Vec::new());
+                }
+                if let Some(b) = s.growth_figure(source) {
+                    blocks
+                        .last_mut()
+                        .expect("one block at least")
+                        .push((s.step, b));
+                }
+            }
+            if blocks.iter().map(Vec::len).sum::<usize>() < config.min_steps.max(2) {
                 return None;
             }
-            theil_sen(&points, config.confidence_z)
+            let blocks: Vec<&[(u64, u64)]> = blocks.iter().map(Vec::as_slice).collect();
+            seasonal_theil_sen(&blocks, config.confidence_z)
         });
         let mut periods: Vec<u64> = window
             .windows(2)

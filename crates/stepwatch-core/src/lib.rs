@@ -57,8 +57,8 @@ pub use error::{HelloError, MarkerError};
 pub use feed::{RecordEntry, RecordError};
 pub use fit::{BindingTerm, WhatWouldFit};
 pub use growth::{
-    forecast, grows, theil_sen, GrowthConfig, GrowthForecast, GrowthSource, MemoryTrend, Slope,
-    StepFigures, TrailingPeaks, RECHECK_STEPS,
+    forecast, grows, seasonal_theil_sen, theil_sen, GrowthConfig, GrowthForecast, GrowthSource,
+    MemoryTrend, Slope, StepFigures, TrailingPeaks, RECHECK_STEPS,
 };
 pub use identity::{
     DdpBucketRebuild, ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo,

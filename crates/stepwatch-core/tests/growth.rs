@@ -27,6 +27,40 @@ fn window(values: &[(u64, u64, u64)]) -> Vec<StepFigures> {
             reserved_peak_bytes: Some(r),
             allocated_at_end_bytes: Some(a),
             reserved_at_end_bytes: Some(r),
+            batch: None,
+        })
+        .collect()
+}
+
+/// [`window`] with each step's batch (tokens) from `tokens`.
+fn window_with_batches(values: &[(u64, u64, u64)], tokens: &[u64]) -> Vec<StepFigures> {
+    let mut steps = window(values);
+    for (s, &t) in steps.iter_mut().zip(tokens) {
+        s.batch = Some(BatchSize {
+            tokens: Some(t),
+            ..Default::default()
+        });
+    }
+    steps
+}
+
+/// What a batch schedule's running maximum raises the cache by: `jumps[k]`
+/// M more for each new largest batch, cumulated, per step.
+fn ratchet(tokens: &[u64], jumps: &[u64]) -> Vec<u64> {
+    let mut largest = 0;
+    let mut raised = 0;
+    let mut records = 0;
+    tokens
+        .iter()
+        .map(|&t| {
+            if t > largest {
+                if largest > 0 {
+                    raised += jumps[records % jumps.len()] * M;
+                    records += 1;
+                }
+                largest = t;
+            }
+            raised
         })
         .collect()
 }
@@ -132,6 +166,85 @@ proptest! {
     }
 }
 
+proptest! {
+    /// Batches that ratchet up (any schedule of sizes, each new largest
+    /// one growing the cache by up to 30% of capacity for good) with
+    /// nothing leaking: the slope is taken within running-max batch
+    /// blocks, so no growth is read, and the level is the current block's.
+    #[test]
+    fn a_ratcheting_batch_is_not_read_as_growth(
+        tokens in prop::collection::vec(1u64..=8, 16..=64),
+        jumps in prop::collection::vec(1u64..=3_000, 1..8),
+    ) {
+        let raised = ratchet(&tokens, &jumps);
+        let values: Vec<(u64, u64, u64)> = raised
+            .iter()
+            .map(|&r| (2_000 * M, 3_000 * M + r, 4_000 * M + r))
+            .collect();
+        let config = GrowthConfig::default();
+        let trend = MemoryTrend::of(&window_with_batches(&values, &tokens), &config).unwrap();
+        prop_assert!(forecast(&trend, CAPACITY, &config).is_none(), "{trend:?}");
+        if let Some(nvml) = trend.slope(GrowthSource::Nvml) {
+            prop_assert_eq!(nvml.bytes_per_step, 0.0);
+            prop_assert_eq!(nvml.level_bytes, (4_000 * M + raised[raised.len() - 1]) as f64);
+        }
+    }
+
+    /// A leak of 0.1% to 2% of capacity per step under the same
+    /// ratcheting batches, with noise of up to a twentieth of the leak, is
+    /// found with its slope within 10%, whenever some block holds two
+    /// steps.
+    #[test]
+    fn a_leak_under_ratcheting_batches_is_found(
+        tokens in prop::collection::vec(1u64..=4, 16..=64),
+        jumps in prop::collection::vec(1u64..=1_000, 1..4),
+        leak in 10u64..=200,
+        seed in any::<u64>(),
+    ) {
+        let e = noise(seed, tokens.len());
+        let raised = ratchet(&tokens, &jumps);
+        let leak_bytes = leak * M;
+        let values: Vec<(u64, u64, u64)> = raised
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| {
+                let held = 2_000 * M + i as u64 * leak_bytes;
+                let n = (held as f64 + (2_000 * M + r) as f64 + e[i] * leak_bytes as f64 / 20.0) as u64;
+                (held, held + 1_000 * M + r, n)
+            })
+            .collect();
+        let config = GrowthConfig::default();
+        let trend = MemoryTrend::of(&window_with_batches(&values, &tokens), &config).unwrap();
+        let f = forecast(&trend, CAPACITY, &config);
+        let records = raised.windows(2).filter(|w| w[1] > w[0]).count();
+        prop_assume!(records + 1 < tokens.len());
+        let f = f.expect("a leak is found");
+        prop_assert!((f.bytes_per_step - leak_bytes as f64).abs() <= 0.1 * leak_bytes as f64, "{f:?}");
+    }
+}
+
+/// A staircase (a batch that grows every 8 steps) is one block per stair:
+/// no pair crosses a stair, so the slope is 0 and the interval holds it.
+#[test]
+fn the_slope_is_taken_within_batch_blocks() {
+    let tokens: Vec<u64> = (0..48u64).map(|i| 1_024 * (1 + i / 8)).collect();
+    let values: Vec<(u64, u64, u64)> = tokens
+        .iter()
+        .map(|&t| (2_000 * M, 2_000 * M + t * M / 8, 3_000 * M + t * M / 8))
+        .collect();
+    let config = GrowthConfig::default();
+    let blocked = MemoryTrend::of(&window_with_batches(&values, &tokens), &config).unwrap();
+    let nvml = blocked.slope(GrowthSource::Nvml).unwrap();
+    assert_eq!((nvml.bytes_per_step, nvml.blocks, nvml.steps), (0.0, 6, 48));
+    assert!(nvml.low_bytes_per_step <= 0.0 && nvml.high_bytes_per_step >= 0.0);
+    assert_eq!(nvml.level_bytes, (3_000 + 6 * 128) as f64 * M as f64);
+    // The same steps without batch facts are one block, read as growth.
+    let unblocked = MemoryTrend::of(&window(&values), &config).unwrap();
+    assert_eq!(unblocked.slope(GrowthSource::Nvml).unwrap().blocks, 1);
+    assert!(forecast(&unblocked, CAPACITY, &config).is_some());
+    assert!(forecast(&blocked, CAPACITY, &config).is_none());
+}
+
 /// Noise of ±5% of capacity (varying batches), 50 times the materiality
 /// bound: Sen's interval keeps it silent, on every one of 200 fixed seeds
 /// and every window length.
@@ -177,22 +290,44 @@ fn open(t: &mut Tracker) -> RankKey {
     kit::open(t, kit::solo_rank("job", GPU))
 }
 
+/// M a leaking rank's steps add to what it holds.
+const LEAK: u64 = 8;
+
+/// What a rank leaking [`LEAK`] M a step from step 2 on holds between
+/// steps.
+fn leaking_held(n: u64) -> u64 {
+    2_000 + LEAK * n.saturating_sub(1)
+}
+
 /// Step `n` from `n × PERIOD`: allocated `held` M between steps (what a leak
 /// adds to) and 3000 M more during backward; reserved `held + 3500` M; one
 /// NVML sample per phase, the highest `held + 4000` M in backward.
 fn step(t: &mut Tracker, key: &RankKey, n: u64, held: u64) -> Vec<Advisory> {
+    batch_step(t, key, n, held, None)
+}
+
+/// [`step`] with a batch of `tokens` on its forward marker, whose largest
+/// so far has grown the cache (reserved and NVML) by `cache` M for good.
+fn batch_step(
+    t: &mut Tracker,
+    key: &RankKey,
+    n: u64,
+    held: u64,
+    batch: Option<(u64, u64)>,
+) -> Vec<Advisory> {
     use MarkerKind::*;
     let t0 = n * PERIOD;
     let at = |i: u64| t0 + i * PERIOD / 8;
+    let cache = batch.map_or(0, |(_, c)| c);
     t.gpu_samples(
         GPU,
-        &kit::leaking_step_samples(n, PERIOD, held, CAPACITY / M),
+        &kit::leaking_step_samples(n, PERIOD, held + cache, CAPACITY / M),
     );
     let stats = |allocated: u64| AllocatorStats {
         allocated_bytes: allocated * M,
         allocated_peak_bytes: (held + 3_000) * M,
-        reserved_bytes: (held + 3_500) * M,
-        reserved_peak_bytes: (held + 3_500) * M,
+        reserved_bytes: (held + cache + 3_500) * M,
+        reserved_peak_bytes: (held + cache + 3_500) * M,
         ..Default::default()
     };
     let markers: Vec<Marker> = [
@@ -208,6 +343,12 @@ fn step(t: &mut Tracker, key: &RankKey, n: u64, held: u64) -> Vec<Advisory> {
     .map(|(i, (kind, allocated))| Marker {
         wall_ns: 1_700_000_000_000_000_000 + at(i as u64),
         allocator: Some(stats(allocated)),
+        batch: batch
+            .filter(|_| kind == ForwardBegin)
+            .map(|(tokens, _)| BatchFacts {
+                tokens: Some(tokens),
+                ..Default::default()
+            }),
         ..kit::marker(kind, n, at(i as u64))
     })
     .collect();
@@ -229,8 +370,7 @@ fn growth(advisories: &[Advisory]) -> Vec<&Advisory> {
 fn a_leaking_job_is_told_once_with_its_forecast() {
     let mut t = Tracker::new(TrackerConfig::default());
     let key = open(&mut t);
-    let leak = 8;
-    let held = |n: u64| 2_000 + leak * n.saturating_sub(1);
+    let (leak, held) = (LEAK, leaking_held);
     let mut told = Vec::new();
     for n in 1..=200 {
         for a in step(&mut t, &key, n, held(n)) {
@@ -288,6 +428,72 @@ fn a_flat_job_is_never_told() {
     let trend = t.memory_trend(&key).unwrap();
     assert_eq!(trend.trailing.steps, 64);
     assert_eq!(trend.trailing.last_step, 300);
+}
+
+/// A curriculum: the sequence length grows every 10 steps, and each new
+/// longest batch grows the cache by 100 M for good. Nothing leaks: no
+/// advisory, no forecast over 200 steps (read as a leak when the slope
+/// ignored batches).
+#[test]
+fn a_ratcheting_batch_without_a_leak_is_never_told() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = open(&mut t);
+    for n in 1..=200 {
+        let stair = n / 10;
+        let told = batch_step(
+            &mut t,
+            &key,
+            n,
+            2_000,
+            Some((512 * (1 + stair), 100 * stair)),
+        );
+        assert!(growth(&told).is_empty(), "step {n}: {told:?}");
+    }
+    assert!(t.memory_growth(&key).is_none());
+    let nvml = *t
+        .memory_trend(&key)
+        .unwrap()
+        .slope(GrowthSource::Nvml)
+        .unwrap();
+    assert_eq!(nvml.bytes_per_step, 0.0);
+    assert!(nvml.blocks > 1, "{nvml:?}");
+}
+
+/// A leak of 8 M per step under batches that vary (short, long, the
+/// longest now and then, which grew the cache by 600 M the first time):
+/// told once, with the leak's slope and the forecast within 10% of the
+/// true OOM step.
+#[test]
+fn a_leak_under_varying_batches_is_still_told() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = open(&mut t);
+    let held = leaking_held;
+    let tokens = |n: u64| [1_024, 2_048, 1_024, 512, 4_096, 1_024, 2_048][n as usize % 7];
+    let mut largest = 0;
+    let mut cache = |n: u64| {
+        largest = largest.max(tokens(n));
+        match largest {
+            4_096 => 600,
+            2_048 => 200,
+            _ => 0,
+        }
+    };
+    let mut told = Vec::new();
+    let mut true_oom = 0;
+    for n in 1..=1_000 {
+        let c = cache(n);
+        if held(n) + c + 4_000 > 10_000 {
+            true_oom = n;
+            break;
+        }
+        let advisories = batch_step(&mut t, &key, n, held(n), Some((tokens(n), c)));
+        told.extend(growth(&advisories).into_iter().cloned());
+    }
+    assert_eq!(told.len(), 1, "{told:?}");
+    let f = t.memory_growth(&key).expect("still growing");
+    assert_eq!(f.bytes_per_step, (LEAK * M) as f64);
+    let err = (f.oom_step as f64 - true_oom as f64).abs() / true_oom as f64;
+    assert!(err <= 0.1, "forecast {} vs {true_oom}", f.oom_step);
 }
 
 /// The kept window is the window a scan of the retained steps gives:
