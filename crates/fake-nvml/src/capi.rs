@@ -90,6 +90,15 @@ static INIT: Mutex<InitState> = Mutex::new(InitState {
 
 static WARNED: AtomicBool = AtomicBool::new(false);
 
+/// Writes `value` through `out`, or `INVALID_ARGUMENT` when `out` is NULL.
+unsafe fn put<T>(out: *mut T, value: T) -> Result<(), NvmlReturn> {
+    if out.is_null() {
+        return Err(INVALID_ARGUMENT);
+    }
+    out.write(value);
+    Ok(())
+}
+
 /// Applies the delay, unavailable and injected-failure switches for one call class.
 #[inline]
 fn faults(st: &State, call: Call) -> Result<(), NvmlReturn> {
@@ -310,32 +319,18 @@ pub extern "C" fn nvmlErrorString(result: NvmlReturn) -> *const c_char {
 
 /// `nvmlSystemGetDriverVersion`.
 #[no_mangle]
-pub unsafe extern "C" fn nvmlSystemGetDriverVersion(
-    version: *mut c_char,
-    length: c_uint,
-) -> NvmlReturn {
-    ret(enter(Call::DriverVersion)
-        .and_then(|st| copy_cstr(&st.header.driver_version, version, length)))
+pub unsafe extern "C" fn nvmlSystemGetDriverVersion(out: *mut c_char, len: c_uint) -> NvmlReturn {
+    ret(enter(Call::DriverVersion).and_then(|st| copy_cstr(&st.header.driver_version, out, len)))
 }
 
 /// `nvmlSystemGetNVMLVersion`.
 #[no_mangle]
-pub unsafe extern "C" fn nvmlSystemGetNVMLVersion(
-    version: *mut c_char,
-    length: c_uint,
-) -> NvmlReturn {
-    ret(enter(Call::DriverVersion)
-        .and_then(|st| copy_cstr(&st.header.nvml_version, version, length)))
+pub unsafe extern "C" fn nvmlSystemGetNVMLVersion(out: *mut c_char, len: c_uint) -> NvmlReturn {
+    ret(enter(Call::DriverVersion).and_then(|st| copy_cstr(&st.header.nvml_version, out, len)))
 }
 
 unsafe fn get_count(count: *mut c_uint) -> NvmlReturn {
-    ret(enter(Call::Count).and_then(|st| {
-        if count.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        *count = st.header.gpu_count;
-        Ok(())
-    }))
+    ret(enter(Call::Count).and_then(|st| put(count, st.header.gpu_count)))
 }
 
 /// `nvmlDeviceGetCount_v2`: every GPU in the state, lost ones included.
@@ -380,25 +375,33 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex(
     handle_by_index(index, dev)
 }
 
+/// A handle looked up by a C string: `INVALID_ARGUMENT` for a NULL, `NOT_FOUND` when
+/// `find` finds no device, `GPU_IS_LOST` for a lost one.
+unsafe fn handle_by_key(
+    key: *const c_char,
+    dev: *mut NvmlDevice,
+    find: impl FnOnce(&'static State, &CStr) -> Option<&'static Gpu>,
+) -> NvmlReturn {
+    ret(enter(Call::Handle).and_then(|st| {
+        if key.is_null() || dev.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        let g = find(st, CStr::from_ptr(key)).ok_or(NOT_FOUND)?;
+        put(dev, handle_of(gpu_of(st, handle_of(g))?))
+    }))
+}
+
 /// `nvmlDeviceGetHandleByUUID`: `NOT_FOUND` if no GPU or MIG device has that UUID.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
     uuid: *const c_char,
     dev: *mut NvmlDevice,
 ) -> NvmlReturn {
-    ret(enter(Call::Handle).and_then(|st| {
-        if uuid.is_null() || dev.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        let want = CStr::from_ptr(uuid).to_bytes();
-        let g = st
-            .devices()
+    handle_by_key(uuid, dev, |st, want| {
+        st.devices()
             .iter()
-            .find(|g| cstr_bytes(&g.uuid) == want)
-            .ok_or(NOT_FOUND)?;
-        *dev = handle_of(gpu_of(st, handle_of(g))?);
-        Ok(())
-    }))
+            .find(|g| cstr_bytes(&g.uuid) == want.to_bytes())
+    })
 }
 
 /// The PCI bus id of GPU `index`: bus `index + 1`, as fake-cuda's
@@ -414,34 +417,20 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
     bus_id: *const c_char,
     dev: *mut NvmlDevice,
 ) -> NvmlReturn {
-    ret(enter(Call::Handle).and_then(|st| {
-        if bus_id.is_null() || dev.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        let want = CStr::from_ptr(bus_id)
-            .to_string_lossy()
-            .to_ascii_uppercase();
+    handle_by_key(bus_id, dev, |st, want| {
+        let want = want.to_string_lossy().to_ascii_uppercase();
         // The domain may be written with 4 or 8 digits.
         let want = want.trim_start_matches('0');
-        let g = st.gpus[..st.header.gpu_count as usize]
+        st.gpus[..st.header.gpu_count as usize]
             .iter()
             .find(|g| pci_bus_id(g.index).trim_start_matches('0') == want)
-            .ok_or(NOT_FOUND)?;
-        *dev = handle_of(gpu_of(st, handle_of(g))?);
-        Ok(())
-    }))
+    })
 }
 
 /// `nvmlSystemGetCudaDriverVersion_v2`: CUDA 13.2, the runtime fake-cuda stands in for.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(version: *mut c_int) -> NvmlReturn {
-    ret(enter(Call::DriverVersion).and_then(|_| {
-        if version.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        *version = 13020;
-        Ok(())
-    }))
+    ret(enter(Call::DriverVersion).and_then(|_| put(version, 13020)))
 }
 
 /// `nvmlDeviceGetNvLinkRemoteDeviceType`: fake GPUs have no NVLink.
@@ -467,13 +456,7 @@ pub extern "C" fn nvmlDeviceGetNvLinkRemotePciInfo_v2(
 /// `nvmlDeviceGetIndex`.
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetIndex(dev: NvmlDevice, index: *mut c_uint) -> NvmlReturn {
-    ret(device(Call::Handle, dev).and_then(|g| {
-        if index.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        *index = g.index;
-        Ok(())
-    }))
+    ret(device(Call::Handle, dev).and_then(|g| put(index, g.index)))
 }
 
 /// `nvmlDeviceGetName`.
@@ -503,16 +486,15 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     memory: *mut NvmlMemoryV1,
 ) -> NvmlReturn {
     ret(device(Call::MemoryInfo, dev).and_then(|g| {
-        if memory.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
         let (total, reserved, free, used) = current()?.memory(g);
-        *memory = NvmlMemoryV1 {
-            total,
-            free,
-            used: used.saturating_add(reserved),
-        };
-        Ok(())
+        put(
+            memory,
+            NvmlMemoryV1 {
+                total,
+                free,
+                used: used.saturating_add(reserved),
+            },
+        )
     }))
 }
 
@@ -549,14 +531,13 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
     util: *mut NvmlUtilization,
 ) -> NvmlReturn {
     ret(device(Call::Utilization, dev).and_then(|g| {
-        if util.is_null() {
-            return Err(INVALID_ARGUMENT);
-        }
-        *util = NvmlUtilization {
-            gpu: g.util_gpu.load(Ordering::Relaxed),
-            memory: g.util_mem.load(Ordering::Relaxed),
-        };
-        Ok(())
+        put(
+            util,
+            NvmlUtilization {
+                gpu: g.util_gpu.load(Ordering::Relaxed),
+                memory: g.util_mem.load(Ordering::Relaxed),
+            },
+        )
     }))
 }
 
@@ -616,80 +597,42 @@ fn info_v2(g: &Gpu, pid: u32, used: u64) -> NvmlProcessInfo {
     }
 }
 
-/// `nvmlDeviceGetComputeRunningProcesses_v3`: every claimed slot of the device; a MIG
-/// device's entries carry its instance ids, a GPU's `0xFFFFFFFF`.
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
-    dev: NvmlDevice,
-    count: *mut c_uint,
-    infos: *mut NvmlProcessInfo,
-) -> NvmlReturn {
-    ret(device(Call::Processes, dev).and_then(|g| process_list(g, count, infos, info_v2)))
+fn info_v1(_: &Gpu, pid: u32, used: u64) -> NvmlProcessInfoV1 {
+    NvmlProcessInfoV1 {
+        pid,
+        used_gpu_memory: used,
+    }
 }
 
-/// `nvmlDeviceGetComputeRunningProcesses_v2`: same entries as `_v3`.
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(
-    dev: NvmlDevice,
-    count: *mut c_uint,
-    infos: *mut NvmlProcessInfo,
-) -> NvmlReturn {
-    ret(device(Call::Processes, dev).and_then(|g| process_list(g, count, infos, info_v2)))
-}
-
-/// `nvmlDeviceGetComputeRunningProcesses` (v1 ABI): `{pid, usedGpuMemory}` entries.
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses(
-    dev: NvmlDevice,
-    count: *mut c_uint,
-    infos: *mut NvmlProcessInfoV1,
-) -> NvmlReturn {
-    ret(device(Call::Processes, dev).and_then(|g| {
-        process_list(g, count, infos, |_, pid, used| NvmlProcessInfoV1 {
-            pid,
-            used_gpu_memory: used,
-        })
-    }))
-}
-
-unsafe fn no_graphics(dev: NvmlDevice, count: *mut c_uint) -> NvmlReturn {
-    ret(device(Call::Processes, dev).and_then(|_| {
-        if count.is_null() {
-            return Err(INVALID_ARGUMENT);
+/// The process-list entry points: one signature, the list each answers.
+macro_rules! process_list_fns {
+    ($($(#[$doc:meta])* $name:ident($info:ty) = |$g:ident, $count:ident, $infos:ident| $body:expr;)*) => {$(
+        $(#[$doc])*
+        #[no_mangle]
+        pub unsafe extern "C" fn $name(
+            dev: NvmlDevice,
+            $count: *mut c_uint,
+            $infos: *mut $info,
+        ) -> NvmlReturn {
+            ret(device(Call::Processes, dev).and_then(|$g| $body))
         }
-        *count = 0;
-        Ok(())
-    }))
+    )*};
 }
 
-/// `nvmlDeviceGetGraphicsRunningProcesses_v3`: a compute node, so always none.
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
-    dev: NvmlDevice,
-    count: *mut c_uint,
-    _infos: *mut NvmlProcessInfo,
-) -> NvmlReturn {
-    no_graphics(dev, count)
-}
-
-/// `nvmlDeviceGetGraphicsRunningProcesses_v2`: always none.
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v2(
-    dev: NvmlDevice,
-    count: *mut c_uint,
-    _infos: *mut NvmlProcessInfo,
-) -> NvmlReturn {
-    no_graphics(dev, count)
-}
-
-/// `nvmlDeviceGetGraphicsRunningProcesses`: always none.
-#[no_mangle]
-pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses(
-    dev: NvmlDevice,
-    count: *mut c_uint,
-    _infos: *mut NvmlProcessInfoV1,
-) -> NvmlReturn {
-    no_graphics(dev, count)
+process_list_fns! {
+    /// `nvmlDeviceGetComputeRunningProcesses_v3`: every claimed slot of the device; a MIG
+    /// device's entries carry its instance ids, a GPU's `0xFFFFFFFF`.
+    nvmlDeviceGetComputeRunningProcesses_v3(NvmlProcessInfo) = |g, count, infos| process_list(g, count, infos, info_v2);
+    /// `nvmlDeviceGetComputeRunningProcesses_v2`: same entries as `_v3`.
+    nvmlDeviceGetComputeRunningProcesses_v2(NvmlProcessInfo) = |g, count, infos| process_list(g, count, infos, info_v2);
+    /// `nvmlDeviceGetComputeRunningProcesses` (v1 ABI): `{pid, usedGpuMemory}` entries.
+    nvmlDeviceGetComputeRunningProcesses(NvmlProcessInfoV1) = |g, count, infos| process_list(g, count, infos, info_v1);
+    /// `nvmlDeviceGetGraphicsRunningProcesses_v3`: a compute node, so always none.
+    nvmlDeviceGetGraphicsRunningProcesses_v3(NvmlProcessInfo) = |_g, count, _infos| put(count, 0);
+    /// `nvmlDeviceGetGraphicsRunningProcesses_v2`: always none.
+    nvmlDeviceGetGraphicsRunningProcesses_v2(NvmlProcessInfo) = |_g, count, _infos| put(count, 0);
+    /// `nvmlDeviceGetGraphicsRunningProcesses`: always none.
+    nvmlDeviceGetGraphicsRunningProcesses(NvmlProcessInfoV1) = |_g, count, _infos| put(count, 0);
 }
 
 /// `nvmlDeviceGetGpuFabricInfoV`: succeeds and leaves the caller's struct as it was
@@ -700,13 +643,8 @@ pub unsafe extern "C" fn nvmlDeviceGetGpuFabricInfoV(
     dev: NvmlDevice,
     info: *mut c_void,
 ) -> NvmlReturn {
-    ret(device(Call::Handle, dev).and_then(|_| {
-        if info.is_null() {
-            Err(INVALID_ARGUMENT)
-        } else {
-            Ok(())
-        }
-    }))
+    let info_given = (!info.is_null()).then_some(()).ok_or(INVALID_ARGUMENT);
+    ret(device(Call::Handle, dev).and(info_given))
 }
 
 /// Most MIG devices one GPU can hold (an A100's or H100's seven 1g slices).
@@ -728,15 +666,6 @@ fn mig(dev: NvmlDevice) -> Result<&'static Gpu, NvmlReturn> {
         return Err(INVALID_ARGUMENT);
     }
     Ok(g)
-}
-
-/// Writes `value` through `out`, or `INVALID_ARGUMENT` when `out` is NULL.
-unsafe fn put<T>(out: *mut T, value: T) -> Result<(), NvmlReturn> {
-    if out.is_null() {
-        return Err(INVALID_ARGUMENT);
-    }
-    out.write(value);
-    Ok(())
 }
 
 /// `nvmlDeviceGetMigMode`: current and pending mode are the same, 1 on a GPU with MIG

@@ -756,6 +756,51 @@ pub fn find_cdylib() -> Option<PathBuf> {
         .map(|(_, p)| p)
 }
 
+/// One test's private fake in a process that loads the cdylib: a fresh state
+/// directory with `n` H100s (and MIG devices), [`STATE_DIR_ENV`] pointing at
+/// it, and a process-wide lock held for its life, since the variable and the
+/// library's globals are one per process. Drop it only after every NVML user
+/// of the test has shut down; the directory goes with it.
+pub struct LockedFake {
+    /// The fake's state, to set figures and faults through.
+    pub fake: FakeNvml,
+    _guard: std::sync::MutexGuard<'static, ()>,
+}
+
+static LOCKED_FAKE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+impl LockedFake {
+    /// `n` H100 80GB GPUs; `tag` names the directory.
+    pub fn new(tag: &str, n: u32) -> Self {
+        Self::with_mig(tag, n, &[])
+    }
+
+    /// `n` H100 80GB GPUs and `migs` carved from them.
+    pub fn with_mig(tag: &str, n: u32, migs: &[MigSpec]) -> Self {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let guard = LOCKED_FAKE.lock().unwrap_or_else(|e| e.into_inner());
+        let dir = std::env::temp_dir().join(format!(
+            "fake-nvml-{tag}-{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = fs::remove_dir_all(&dir);
+        let specs: Vec<_> = (0..n).map(GpuSpec::h100_80gb).collect();
+        let fake = FakeNvml::create_with_mig(&dir, &specs, migs).expect("create the fake's state");
+        std::env::set_var(STATE_DIR_ENV, &dir);
+        LockedFake {
+            fake,
+            _guard: guard,
+        }
+    }
+}
+
+impl Drop for LockedFake {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(self.fake.dir());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,20 +2,19 @@
 //!
 //! The cdylib is `dlopen`ed (via `Nvml::builder().lib_path(..)`), so its globals are shared
 //! by every test in this process, and `nvmlInit` reads `STEPWATCH_FAKE_NVML_DIR`, a process
-//! global too. Each test therefore holds `LOCK` for its whole life, points the variable at
-//! its own state directory, and drops every `Nvml` before it returns (bringing the init
-//! count back to 0 so the next test's init reads the variable afresh).
+//! global too. Each test therefore holds a `LockedFake` for its whole life (the lock, and
+//! the variable at its own state directory), and drops every `Nvml` before it returns
+//! (bringing the init count back to 0 so the next test's init reads the variable afresh).
 
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fake_nvml::{codes, Call, FakeNvml, GpuSpec, MigSpec, DEFAULT_RESERVED_BYTES, STATE_DIR_ENV};
+use fake_nvml::{
+    codes, Call, FakeNvml, GpuSpec, LockedFake, MigSpec, DEFAULT_RESERVED_BYTES, STATE_DIR_ENV,
+};
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
-
-static LOCK: Mutex<()> = Mutex::new(());
 
 /// The cdylib cargo built alongside this test binary. A plain `cargo test` leaves it in
 /// `target/<profile>/deps/` (next to the test binary); only `cargo build` copies it up to
@@ -24,48 +23,9 @@ fn lib_path() -> PathBuf {
     fake_nvml::find_cdylib().expect("libfake_nvml.so not found near the test binary")
 }
 
-/// One test's private world: the lock, a state dir with `n` H100s, and the env var set.
-struct World {
-    fake: FakeNvml,
-    dir: PathBuf,
-    _guard: MutexGuard<'static, ()>,
-}
-
-impl World {
-    fn new(tag: &str, n: u32) -> World {
-        World::with_mig(tag, n, &[])
-    }
-
-    fn with_mig(tag: &str, n: u32, migs: &[MigSpec]) -> World {
-        let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-        let dir = std::env::temp_dir().join(format!(
-            "fake-nvml-it-{tag}-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        let specs: Vec<_> = (0..n).map(GpuSpec::h100_80gb).collect();
-        let fake = FakeNvml::create_with_mig(&dir, &specs, migs).unwrap();
-        std::env::set_var(STATE_DIR_ENV, &dir);
-        World {
-            fake,
-            dir,
-            _guard: guard,
-        }
-    }
-
-    fn init(&self) -> Result<Nvml, NvmlError> {
-        Nvml::builder().lib_path(lib_path().as_os_str()).init()
-    }
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// nvml-wrapper over the cdylib, with the environment of the test's [`LockedFake`].
+fn init() -> Result<Nvml, NvmlError> {
+    Nvml::builder().lib_path(lib_path().as_os_str()).init()
 }
 
 fn used(m: &UsedGpuMemory) -> u64 {
@@ -77,7 +37,7 @@ fn used(m: &UsedGpuMemory) -> u64 {
 
 #[test]
 fn reads_match_the_state() {
-    let w = World::new("reads", 2);
+    let w = LockedFake::new("reads", 2);
     let f = &w.fake;
     f.set_base_used(0, 300 << 20);
     f.set_process_memory(0, 4242, 10 << 30).unwrap();
@@ -85,7 +45,7 @@ fn reads_match_the_state() {
     f.set_process_memory(1, 4242, 1 << 30).unwrap();
     f.set_utilization(0, 87, 41);
 
-    let nvml = w.init().unwrap();
+    let nvml = init().unwrap();
     assert_eq!(nvml.device_count().unwrap(), 2);
     assert_eq!(
         nvml.sys_driver_version().unwrap(),
@@ -154,7 +114,7 @@ fn reads_match_the_state() {
 fn mig_devices_are_reached_through_nvml_mig_calls() {
     // GPU 0 whole; GPU 1 in MIG mode with two 1g.10gb slices (instances 9 and 13).
     let migs = [MigSpec::h100_1g_10gb(1, 9), MigSpec::h100_1g_10gb(1, 13)];
-    let w = World::with_mig("mig", 2, &migs);
+    let w = LockedFake::with_mig("mig", 2, &migs);
     let f = &w.fake;
     let slice = f.mig_device(1, 1).unwrap();
     assert_eq!(f.mig_device(1, 2), None);
@@ -162,7 +122,7 @@ fn mig_devices_are_reached_through_nvml_mig_calls() {
     f.set_process_memory(slice, 777, 3 << 30).unwrap();
     f.set_process_memory(1, 888, 1 << 30).unwrap();
 
-    let nvml = w.init().unwrap();
+    let nvml = init().unwrap();
     // MIG devices are not GPUs of their own in the count.
     assert_eq!(nvml.device_count().unwrap(), 2);
     let whole = nvml.device_by_index(0).unwrap();
@@ -232,13 +192,13 @@ fn mig_layouts_that_do_not_fit_are_refused() {
 
 #[test]
 fn a_full_gpu_lists_all_64_processes() {
-    let w = World::new("full", 1);
+    let w = LockedFake::new("full", 1);
     for pid in 1..=64 {
         w.fake
             .set_process_memory(0, 1000 + pid, pid as u64)
             .unwrap();
     }
-    let nvml = w.init().unwrap();
+    let nvml = init().unwrap();
     let d = nvml.device_by_index(0).unwrap();
     let procs = d.running_compute_processes().unwrap();
     assert_eq!(procs.len(), 64);
@@ -249,13 +209,13 @@ fn a_full_gpu_lists_all_64_processes() {
 
 #[test]
 fn writes_from_another_process_are_seen() {
-    let w = World::new("xproc", 1);
-    let nvml = w.init().unwrap();
+    let w = LockedFake::new("xproc", 1);
+    let nvml = init().unwrap();
     let d = nvml.device_by_index(0).unwrap();
     // A real second process writes the state: this test binary re-run as a helper.
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "helper_writer", "--ignored"])
-        .env("FAKE_NVML_HELPER_DIR", &w.dir)
+        .env("FAKE_NVML_HELPER_DIR", w.fake.dir())
         .output()
         .unwrap();
     assert!(
@@ -282,8 +242,8 @@ fn helper_writer() {
 
 #[test]
 fn unavailable_fails_init_and_live_calls_then_recovers() {
-    let w = World::new("unavail", 1);
-    let nvml = w.init().unwrap();
+    let w = LockedFake::new("unavail", 1);
+    let nvml = init().unwrap();
     let d = nvml.device_by_index(0).unwrap();
     assert!(d.memory_info().is_ok());
 
@@ -295,13 +255,13 @@ fn unavailable_fails_init_and_live_calls_then_recovers() {
     ));
     assert!(matches!(nvml.device_count(), Err(NvmlError::Uninitialized)));
     // A fresh init (what a recovering agent does) fails while the driver is "gone"...
-    assert!(matches!(w.init(), Err(NvmlError::DriverNotLoaded)));
+    assert!(matches!(init(), Err(NvmlError::DriverNotLoaded)));
     drop(nvml); // shutdown still succeeds; the init count is back to 0
-    assert!(matches!(w.init(), Err(NvmlError::DriverNotLoaded)));
+    assert!(matches!(init(), Err(NvmlError::DriverNotLoaded)));
 
     // ...and succeeds once it is back.
     w.fake.set_unavailable(false);
-    let nvml = w.init().unwrap();
+    let nvml = init().unwrap();
     let d = nvml.device_by_index(0).unwrap();
     w.fake.set_process_memory(0, 9, 99).unwrap();
     assert_eq!(d.memory_info().unwrap().used, 99);
@@ -309,8 +269,8 @@ fn unavailable_fails_init_and_live_calls_then_recovers() {
 
 #[test]
 fn lost_gpu_reports_gpu_lost_and_others_work() {
-    let w = World::new("lost", 2);
-    let nvml = w.init().unwrap();
+    let w = LockedFake::new("lost", 2);
+    let nvml = init().unwrap();
     let d1 = nvml.device_by_index(1).unwrap();
     w.fake.set_gpu_lost(1, true);
     assert!(matches!(d1.memory_info(), Err(NvmlError::GpuLost)));
@@ -330,14 +290,14 @@ fn lost_gpu_reports_gpu_lost_and_others_work() {
 
 #[test]
 fn injected_call_failures() {
-    let w = World::new("fail", 1);
+    let w = LockedFake::new("fail", 1);
     let f = &w.fake;
 
     f.set_call_failure(Call::Init, Some(codes::DRIVER_NOT_LOADED));
-    assert!(matches!(w.init(), Err(NvmlError::DriverNotLoaded)));
+    assert!(matches!(init(), Err(NvmlError::DriverNotLoaded)));
     f.set_call_failure(Call::Init, None);
 
-    let nvml = w.init().unwrap();
+    let nvml = init().unwrap();
     let d = nvml.device_by_index(0).unwrap();
     f.set_call_failure(Call::MemoryInfo, Some(codes::UNKNOWN));
     assert!(matches!(d.memory_info(), Err(NvmlError::Unknown)));
@@ -375,8 +335,8 @@ fn injected_call_failures() {
 
 #[test]
 fn delays_slow_only_their_class() {
-    let w = World::new("delay", 1);
-    let nvml = w.init().unwrap();
+    let w = LockedFake::new("delay", 1);
+    let nvml = init().unwrap();
     let d = nvml.device_by_index(0).unwrap();
     w.fake.set_process_memory(0, 5, 5).unwrap();
     w.fake
@@ -406,20 +366,20 @@ fn delays_slow_only_their_class() {
 
 #[test]
 fn init_without_state_is_library_not_found() {
-    let w = World::new("nostate", 1);
+    let w = LockedFake::new("nostate", 1);
     std::env::remove_var(STATE_DIR_ENV);
-    assert!(matches!(w.init(), Err(NvmlError::LibraryNotFound)));
-    std::env::set_var(STATE_DIR_ENV, w.dir.join("does-not-exist"));
-    assert!(matches!(w.init(), Err(NvmlError::LibraryNotFound)));
-    std::env::set_var(STATE_DIR_ENV, &w.dir);
-    assert!(w.init().is_ok());
+    assert!(matches!(init(), Err(NvmlError::LibraryNotFound)));
+    std::env::set_var(STATE_DIR_ENV, w.fake.dir().join("does-not-exist"));
+    assert!(matches!(init(), Err(NvmlError::LibraryNotFound)));
+    std::env::set_var(STATE_DIR_ENV, w.fake.dir());
+    assert!(init().is_ok());
 }
 
 #[test]
 fn init_is_reference_counted() {
-    let w = World::new("refcount", 1);
-    let a = w.init().unwrap();
-    let b = w.init().unwrap();
+    let _world = LockedFake::new("refcount", 1);
+    let a = init().unwrap();
+    let b = init().unwrap();
     drop(a);
     let d = b.device_by_index(0).unwrap();
     assert!(
@@ -434,13 +394,13 @@ fn init_is_reference_counted() {
 #[test]
 #[ignore = "timing, run by hand"]
 fn bench_call_costs() {
-    let w = World::new("bench", 8);
+    let w = LockedFake::new("bench", 8);
     for g in 0..8 {
         for p in 0..4 {
             w.fake.set_process_memory(g, 100 + p, 1 << 30).unwrap();
         }
     }
-    let nvml = w.init().unwrap();
+    let nvml = init().unwrap();
     let d = nvml.device_by_index(3).unwrap();
     let time = |label: &str, iters: u32, f: &mut dyn FnMut()| {
         for _ in 0..iters / 10 {

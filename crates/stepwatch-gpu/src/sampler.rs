@@ -350,6 +350,27 @@ struct Shared {
 }
 
 impl Shared {
+    /// Before the first init, with room for `lag_capacity` tick lags.
+    fn new(lag_capacity: usize) -> Self {
+        Shared {
+            state: Mutex::new(State {
+                nvml_up: false,
+                status: "NVML not initialised yet".into(),
+                gpus: Vec::new(),
+                lag_ring: TimedRing::new(lag_capacity),
+                lag_hist: LagHistogram::default(),
+                ticks_total: 0,
+                late_ticks_total: 0,
+                init_attempts_total: 0,
+                pending_dropped_total: 0,
+            }),
+            errors: Default::default(),
+            stop: AtomicBool::new(false),
+            wake: (Mutex::new(()), Condvar::new()),
+            finished: (Mutex::new(false), Condvar::new()),
+        }
+    }
+
     fn count_error(&self, call: NvmlCall) {
         self.errors[call as usize].fetch_add(1, Ordering::Relaxed);
     }
@@ -384,23 +405,7 @@ impl SamplerHandle {
     pub fn start(config: SamplerConfig) -> Self {
         let window_ticks = config.max_window.as_nanos() / config.memory_interval.as_nanos().max(1);
         let lag_capacity = (window_ticks as usize + 16).min(1 << 20);
-        let shared = Arc::new(Shared {
-            state: Mutex::new(State {
-                nvml_up: false,
-                status: "NVML not initialised yet".into(),
-                gpus: Vec::new(),
-                lag_ring: TimedRing::new(lag_capacity),
-                lag_hist: LagHistogram::default(),
-                ticks_total: 0,
-                late_ticks_total: 0,
-                init_attempts_total: 0,
-                pending_dropped_total: 0,
-            }),
-            errors: Default::default(),
-            stop: AtomicBool::new(false),
-            wake: (Mutex::new(()), Condvar::new()),
-            finished: (Mutex::new(false), Condvar::new()),
-        });
+        let shared = Arc::new(Shared::new(lag_capacity));
         let config = Arc::new(config);
         let thread = {
             let shared = shared.clone();
@@ -1095,23 +1100,7 @@ mod tests {
 
     #[test]
     fn sleep_until_waits_for_an_absolute_deadline() {
-        let shared = Shared {
-            state: Mutex::new(State {
-                nvml_up: false,
-                status: String::new(),
-                gpus: Vec::new(),
-                lag_ring: TimedRing::new(1),
-                lag_hist: LagHistogram::default(),
-                ticks_total: 0,
-                late_ticks_total: 0,
-                init_attempts_total: 0,
-                pending_dropped_total: 0,
-            }),
-            errors: Default::default(),
-            stop: AtomicBool::new(false),
-            wake: (Mutex::new(()), Condvar::new()),
-            finished: (Mutex::new(false), Condvar::new()),
-        };
+        let shared = Shared::new(1);
         let start = monotonic_ns();
         assert!(!sleep_until(&shared, start + 20_000_000, 10_000_000));
         assert!(monotonic_ns() >= start + 20_000_000);

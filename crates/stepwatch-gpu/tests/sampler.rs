@@ -1,84 +1,17 @@
 //! The sampler thread against fake-nvml (the real nvml-wrapper path).
 //!
 //! The fake reads `STEPWATCH_FAKE_NVML_DIR` on its first init and its
-//! globals are shared by the whole process, so each test holds `LOCK` and
+//! globals are shared by the whole process, so each test holds a `LockedFake` and
 //! stops its sampler (shutting NVML down) before it returns.
 
-use std::path::PathBuf;
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use fake_nvml::{codes, Call, FakeNvml, GpuSpec, MigSpec, STATE_DIR_ENV};
+use fake_nvml::{codes, Call, LockedFake, MigSpec};
 use stepwatch_clock::monotonic_ns;
 use stepwatch_gpu::{MigSlice, NvmlCall, SamplerConfig, SamplerHandle, SamplerSnapshot};
 
-static LOCK: Mutex<()> = Mutex::new(());
-
-struct World {
-    fake: FakeNvml,
-    dir: PathBuf,
-    _guard: MutexGuard<'static, ()>,
-}
-
-impl World {
-    fn new(tag: &str, gpus: u32) -> World {
-        World::with_mig(tag, gpus, &[])
-    }
-
-    fn with_mig(tag: &str, gpus: u32, migs: &[MigSpec]) -> World {
-        let guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-        let dir = std::env::temp_dir().join(format!(
-            "stepwatch-gpu-it-{tag}-{}-{}",
-            std::process::id(),
-            monotonic_ns()
-        ));
-        let specs: Vec<_> = (0..gpus).map(GpuSpec::h100_80gb).collect();
-        let fake = FakeNvml::create_with_mig(&dir, &specs, migs).unwrap();
-        std::env::set_var(STATE_DIR_ENV, &dir);
-        World {
-            fake,
-            dir,
-            _guard: guard,
-        }
-    }
-
-    fn config(&self) -> SamplerConfig {
-        SamplerConfig {
-            lib_path: Some(fake_nvml::find_cdylib().expect("libfake_nvml.so near the test")),
-            memory_interval: Duration::from_millis(5),
-            process_interval: Duration::from_millis(200),
-            retry_min: Duration::from_millis(50),
-            retry_max: Duration::from_millis(200),
-            ..SamplerConfig::default()
-        }
-    }
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn wait_for(
-    sampler: &SamplerHandle,
-    what: &str,
-    timeout: Duration,
-    f: impl Fn(&SamplerSnapshot) -> bool,
-) -> SamplerSnapshot {
-    let start = Instant::now();
-    loop {
-        let snap = sampler.snapshot(monotonic_ns());
-        if f(&snap) {
-            return snap;
-        }
-        assert!(
-            start.elapsed() < timeout,
-            "timed out waiting for {what}: {snap:#?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
+mod common;
+use common::{config, wait_for};
 
 fn errors(snap: &SamplerSnapshot, call: NvmlCall) -> u64 {
     snap.errors.iter().find(|(c, _)| *c == call).unwrap().1
@@ -86,9 +19,9 @@ fn errors(snap: &SamplerSnapshot, call: NvmlCall) -> u64 {
 
 #[test]
 fn samples_every_gpu_each_tick_with_monotonic_timestamps_and_a_lag_histogram() {
-    let world = World::new("rate", 2);
+    let world = LockedFake::new("rate", 2);
     world.fake.set_base_used(1, 3 << 30);
-    let sampler = SamplerHandle::start(world.config());
+    let sampler = SamplerHandle::start(config());
     let snap = wait_for(&sampler, "20 ticks", Duration::from_secs(10), |s| {
         s.ticks_total >= 20
     });
@@ -145,10 +78,10 @@ fn samples_every_gpu_each_tick_with_monotonic_timestamps_and_a_lag_histogram() {
 fn each_mig_slice_is_sampled_as_a_device_with_its_own_memory() {
     // GPU 0 whole; GPU 1 cut into two 1g.10gb slices (GPU instances 7 and 8).
     let migs = [MigSpec::h100_1g_10gb(1, 7), MigSpec::h100_1g_10gb(1, 8)];
-    let w = World::with_mig("mig", 2, &migs);
+    let w = LockedFake::with_mig("mig", 2, &migs);
     let slice = w.fake.mig_device(1, 1).unwrap();
     w.fake.set_process_memory(slice, 4242, 6 << 30).unwrap();
-    let sampler = SamplerHandle::start(w.config());
+    let sampler = SamplerHandle::start(config());
     let snap = wait_for(
         &sampler,
         "samples of the slices",
@@ -213,9 +146,9 @@ fn each_mig_slice_is_sampled_as_a_device_with_its_own_memory() {
 
 #[test]
 fn a_gpu_whose_mig_calls_fail_is_sampled_whole_and_the_failure_counted() {
-    let w = World::with_mig("mig-fail", 1, &[MigSpec::h100_1g_10gb(0, 7)]);
+    let w = LockedFake::with_mig("mig-fail", 1, &[MigSpec::h100_1g_10gb(0, 7)]);
     w.fake.set_call_failure(Call::Mig, Some(codes::UNKNOWN));
-    let sampler = SamplerHandle::start(w.config());
+    let sampler = SamplerHandle::start(config());
     let snap = wait_for(&sampler, "a sample", Duration::from_secs(10), |s| {
         s.gpus.first().is_some_and(|g| g.last.is_some())
     });
@@ -226,10 +159,10 @@ fn a_gpu_whose_mig_calls_fail_is_sampled_whole_and_the_failure_counted() {
 
 #[test]
 fn pending_samples_are_bounded_and_drops_counted() {
-    let world = World::new("pending", 1);
+    let _world = LockedFake::new("pending", 1);
     let sampler = SamplerHandle::start(SamplerConfig {
         pending_capacity: 4,
-        ..world.config()
+        ..config()
     });
     let snap = wait_for(&sampler, "drops", Duration::from_secs(10), |s| {
         s.pending_dropped_total >= 3
@@ -249,8 +182,8 @@ fn pending_samples_are_bounded_and_drops_counted() {
 
 #[test]
 fn a_lost_gpu_is_retried_once_per_process_interval_while_others_keep_sampling() {
-    let world = World::new("lost", 2);
-    let sampler = SamplerHandle::start(world.config());
+    let world = LockedFake::new("lost", 2);
+    let sampler = SamplerHandle::start(config());
     wait_for(&sampler, "sampling", Duration::from_secs(10), |s| {
         s.nvml_up && s.gpus.iter().all(|g| g.samples_total > 0)
     });
@@ -293,8 +226,8 @@ fn a_lost_gpu_is_retried_once_per_process_interval_while_others_keep_sampling() 
 
 #[test]
 fn nvml_gone_is_detected_and_reinitialised() {
-    let world = World::new("gone", 2);
-    let sampler = SamplerHandle::start(world.config());
+    let world = LockedFake::new("gone", 2);
+    let sampler = SamplerHandle::start(config());
     wait_for(&sampler, "up", Duration::from_secs(10), |s| s.nvml_up);
     // One GPU lost first: its skipped reads must not hide NVML going away.
     world.fake.set_gpu_lost(1, true);
@@ -331,38 +264,33 @@ fn nvml_gone_is_detected_and_reinitialised() {
     sampler.stop();
 }
 
+fn assert_stops_promptly(sampler: SamplerHandle) {
+    let t = Instant::now();
+    sampler.stop();
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(500), "{took:?}");
+}
+
 #[test]
 fn stop_returns_promptly_while_sampling_and_during_backoff() {
-    let world = World::new("stop", 1);
+    let world = LockedFake::new("stop", 1);
     let sampler = SamplerHandle::start(SamplerConfig {
         memory_interval: Duration::from_secs(5),
-        ..world.config()
+        ..config()
     });
     wait_for(&sampler, "first tick", Duration::from_secs(10), |s| {
         s.ticks_total >= 1
     });
-    let t = Instant::now();
-    sampler.stop();
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "{:?}",
-        t.elapsed()
-    );
+    assert_stops_promptly(sampler);
 
     world.fake.set_unavailable(true);
     let sampler = SamplerHandle::start(SamplerConfig {
         retry_min: Duration::from_secs(30),
         retry_max: Duration::from_secs(30),
-        ..world.config()
+        ..config()
     });
     wait_for(&sampler, "init failed", Duration::from_secs(10), |s| {
         s.init_attempts_total >= 1 && !s.nvml_up && s.status.contains("initialised:")
     });
-    let t = Instant::now();
-    sampler.stop();
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "{:?}",
-        t.elapsed()
-    );
+    assert_stops_promptly(sampler);
 }

@@ -5,41 +5,18 @@
 
 use std::time::{Duration, Instant};
 
-use fake_nvml::{Call, FakeNvml, GpuSpec, STATE_DIR_ENV};
-use stepwatch_clock::monotonic_ns;
-use stepwatch_gpu::{SamplerConfig, SamplerHandle, SamplerSnapshot};
+use fake_nvml::{Call, LockedFake};
+use stepwatch_gpu::{SamplerConfig, SamplerHandle};
 
-fn wait_for(
-    sampler: &SamplerHandle,
-    what: &str,
-    timeout: Duration,
-    f: impl Fn(&SamplerSnapshot) -> bool,
-) -> SamplerSnapshot {
-    let start = Instant::now();
-    loop {
-        let snap = sampler.snapshot(monotonic_ns());
-        if f(&snap) {
-            return snap;
-        }
-        assert!(
-            start.elapsed() < timeout,
-            "timed out waiting for {what}: {snap:#?}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
+mod common;
+use common::{config, wait_for};
 
 #[test]
 fn a_hung_memory_read_marks_the_gpu_stale_and_stop_does_not_wait_for_it() {
-    let dir = std::env::temp_dir().join(format!("stepwatch-gpu-hang-{}", std::process::id()));
-    let fake = FakeNvml::create(&dir, &[GpuSpec::h100_80gb(0)]).unwrap();
-    std::env::set_var(STATE_DIR_ENV, &dir);
+    let world = LockedFake::new("hang", 1);
     let sampler = SamplerHandle::start(SamplerConfig {
-        lib_path: Some(fake_nvml::find_cdylib().expect("libfake_nvml.so near the test")),
-        memory_interval: Duration::from_millis(5),
-        process_interval: Duration::from_millis(200),
         stale_after: Duration::from_millis(300),
-        ..SamplerConfig::default()
+        ..config()
     });
     let snap = wait_for(&sampler, "sampling", Duration::from_secs(10), |s| {
         s.gpus.first().is_some_and(|g| g.samples_total > 0)
@@ -47,7 +24,9 @@ fn a_hung_memory_read_marks_the_gpu_stale_and_stop_does_not_wait_for_it() {
     assert!(snap.gpus[0].up && !snap.gpus[0].stale);
 
     // The read hangs: no error, no new sample, the last figures stay.
-    fake.set_call_delay(Call::MemoryInfo, Duration::from_secs(3600));
+    world
+        .fake
+        .set_call_delay(Call::MemoryInfo, Duration::from_secs(3600));
     let snap = wait_for(&sampler, "stale", Duration::from_secs(10), |s| {
         s.gpus[0].stale
     });
@@ -61,5 +40,4 @@ fn a_hung_memory_read_marks_the_gpu_stale_and_stop_does_not_wait_for_it() {
     let t = Instant::now();
     assert!(!sampler.stop_within(Duration::from_millis(200)));
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
-    let _ = std::fs::remove_dir_all(&dir);
 }
