@@ -249,13 +249,7 @@ fn retention_keeps_step_one_and_the_newest_steps() {
     });
     let key = tracker.open(info("j", 0, "GPU-a"), 0).unwrap();
     tracker.markers(&key, &markers(20, 1, &[10]), 0).unwrap();
-    let steps: Vec<u64> = tracker
-        .rank(&key)
-        .unwrap()
-        .timeline
-        .steps()
-        .map(|s| s.step)
-        .collect();
+    let steps = kit::step_numbers(&tracker, &key);
     assert_eq!(steps, [1, 17, 18, 19, 20]);
 }
 

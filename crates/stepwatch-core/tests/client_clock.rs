@@ -39,13 +39,7 @@ fn a_jumped_batch_is_refused_and_the_rank_goes_on() {
     );
     t.markers(&key, &step(3, now + 3 * S), now + 4 * S)
         .expect("the next step is taken");
-    let steps: Vec<u64> = t
-        .rank(&key)
-        .unwrap()
-        .timeline
-        .steps()
-        .map(|s| s.step)
-        .collect();
+    let steps = stepwatch_testkit::step_numbers(&t, &key);
     assert_eq!(steps, [1, 3]);
 }
 

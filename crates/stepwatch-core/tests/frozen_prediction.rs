@@ -5,12 +5,8 @@ use stepwatch_testkit as kit;
 
 fn info() -> RankInfo {
     RankInfo {
-        job: "j".into(),
-        rank: 0,
-        world_size: 1,
-        gpu_uuid: "GPU-a".into(),
         pid: 7,
-        ..Default::default()
+        ..kit::solo_rank("j", "GPU-a")
     }
 }
 

@@ -7,11 +7,10 @@ use proptest::prelude::*;
 use stepwatch_core::*;
 use stepwatch_testkit as kit;
 
+use kit::leaking::GPU;
+
 const M: u64 = 1 << 20;
-const GPU: &str = "GPU-0";
-const CAPACITY: u64 = 10_000 * M;
-/// Step period of the tracker tests: 1 ms of CLOCK_MONOTONIC per step.
-const PERIOD: u64 = 1_000_000;
+const CAPACITY: u64 = kit::leaking::CAPACITY_MIB * M;
 
 /// The window of steps `3..3 + values.len()`, each figure (allocated and
 /// reserved at step end, the NVML peak) from `values`, a step every second.
@@ -299,9 +298,8 @@ fn leaking_held(n: u64) -> u64 {
     2_000 + LEAK * n.saturating_sub(1)
 }
 
-/// Step `n` from `n × PERIOD`: allocated `held` M between steps (what a leak
-/// adds to) and 3000 M more during backward; reserved `held + 3500` M; one
-/// NVML sample per phase, the highest `held + 4000` M in backward.
+/// Step `n` of the leaking rank (see `kit::leaking`), allocating `held` M
+/// between steps (what a leak adds to).
 fn step(t: &mut Tracker, key: &RankKey, n: u64, held: u64) -> Vec<Advisory> {
     batch_step(t, key, n, held, None)
 }
@@ -315,44 +313,17 @@ fn batch_step(
     held: u64,
     batch: Option<(u64, u64)>,
 ) -> Vec<Advisory> {
-    use MarkerKind::*;
-    let t0 = n * PERIOD;
-    let at = |i: u64| t0 + i * PERIOD / 8;
     let cache = batch.map_or(0, |(_, c)| c);
-    t.gpu_samples(
-        GPU,
-        &kit::leaking_step_samples(n, PERIOD, held + cache, CAPACITY / M),
-    );
-    let stats = |allocated: u64| AllocatorStats {
-        allocated_bytes: allocated * M,
-        allocated_peak_bytes: (held + 3_000) * M,
-        reserved_bytes: (held + cache + 3_500) * M,
-        reserved_peak_bytes: (held + cache + 3_500) * M,
-        ..Default::default()
-    };
-    let markers: Vec<Marker> = [
-        (StepBegin, held),
-        (ForwardBegin, held),
-        (BackwardBegin, held + 3_000),
-        (OptimizerBegin, held + 500),
-        (OptimizerEnd, held),
-        (StepEnd, held),
-    ]
-    .into_iter()
-    .enumerate()
-    .map(|(i, (kind, allocated))| Marker {
-        wall_ns: 1_700_000_000_000_000_000 + at(i as u64),
-        allocator: Some(stats(allocated)),
+    kit::leaking::step(t, key, (n, held, cache), |m| Marker {
+        wall_ns: 1_700_000_000_000_000_000 + m.monotonic_ns,
         batch: batch
-            .filter(|_| kind == ForwardBegin)
+            .filter(|_| m.kind == MarkerKind::ForwardBegin)
             .map(|(tokens, _)| BatchFacts {
                 tokens: Some(tokens),
                 ..Default::default()
             }),
-        ..kit::marker(kind, n, at(i as u64))
+        ..m
     })
-    .collect();
-    t.markers(key, &markers, t0).unwrap()
 }
 
 fn growth(advisories: &[Advisory]) -> Vec<&Advisory> {

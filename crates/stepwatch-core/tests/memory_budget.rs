@@ -34,6 +34,14 @@ fn step_bytes(micro_batches: u32) -> u64 {
     timeline.approx_bytes()
 }
 
+/// A tracker that may hold `bytes` of steps.
+fn budgeted(bytes: u64) -> Tracker {
+    Tracker::new(TrackerConfig {
+        memory_budget_bytes: bytes,
+        ..Default::default()
+    })
+}
+
 fn sum_of_ranks(tracker: &Tracker) -> u64 {
     tracker
         .ranks()
@@ -44,10 +52,7 @@ fn sum_of_ranks(tracker: &Tracker) -> u64 {
 #[test]
 fn the_rank_holding_most_gives_up_its_oldest_steps_first() {
     let one = step_bytes(1);
-    let mut tracker = Tracker::new(TrackerConfig {
-        memory_budget_bytes: 10 * one,
-        ..Default::default()
-    });
+    let mut tracker = budgeted(10 * one);
     let big = tracker.open(info("big"), 0).unwrap();
     let small = tracker.open(info("small"), 0).unwrap();
     let mut t = 0;
@@ -61,25 +66,16 @@ fn the_rank_holding_most_gives_up_its_oldest_steps_first() {
     assert_eq!(tracker.retained_bytes(), 10 * one);
     assert_eq!(tracker.retained_bytes(), sum_of_ranks(&tracker));
     assert_eq!(tracker.steps_trimmed_total(), 13);
-    let steps = |key| -> Vec<u64> {
-        tracker
-            .rank(key)
-            .unwrap()
-            .timeline
-            .steps()
-            .map(|s| s.step)
-            .collect()
-    };
-    assert_eq!(steps(&small), vec![1, 2, 3]);
-    assert_eq!(steps(&big), vec![1, 15, 16, 17, 18, 19, 20]);
+    assert_eq!(kit::step_numbers(&tracker, &small), vec![1, 2, 3]);
+    assert_eq!(
+        kit::step_numbers(&tracker, &big),
+        vec![1, 15, 16, 17, 18, 19, 20]
+    );
 }
 
 #[test]
 fn with_nothing_left_to_give_batches_that_add_phases_are_refused() {
-    let mut tracker = Tracker::new(TrackerConfig {
-        memory_budget_bytes: 3 * step_bytes(2),
-        ..Default::default()
-    });
+    let mut tracker = budgeted(3 * step_bytes(2));
     let key = tracker.open(info("wide"), 0).unwrap();
     let mut t = 0;
     tracker.markers(&key, &step(1, 2, &mut t), t).unwrap();
@@ -129,10 +125,7 @@ fn ranks_that_finished_give_way_before_anyone_is_refused() {
     // 91 one-step ranks that disconnect filled the budget and every other
     // rank's markers were refused until they aged out (an hour).
     let wide = step_bytes(200);
-    let mut tracker = Tracker::new(TrackerConfig {
-        memory_budget_bytes: 90 * wide,
-        ..Default::default()
-    });
+    let mut tracker = budgeted(90 * wide);
     let mut t = 0;
     for r in 0..91 {
         let key = tracker.open(tenant_rank("", "burst", r), t).unwrap();
@@ -159,10 +152,7 @@ fn one_namespace_cannot_lock_the_others_out() {
     // have nothing to give (each only a wide step 1).
     let wide = step_bytes(200);
     let budget = 8 * wide;
-    let mut tracker = Tracker::new(TrackerConfig {
-        memory_budget_bytes: budget,
-        ..Default::default()
-    });
+    let mut tracker = budgeted(budget);
     let mut t = 0;
     let mut refused = None;
     for r in 0..20 {

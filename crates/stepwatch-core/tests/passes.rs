@@ -3,22 +3,7 @@
 
 use stepwatch_core::*;
 
-const M: u64 = 1 << 20;
-
-fn marker(kind: MarkerKind, step: u64, t: u64) -> Marker {
-    Marker::at(kind, step, t, t)
-}
-
-fn with_allocated(mut m: Marker, allocated: u64, peak: u64) -> Marker {
-    m.allocator = Some(AllocatorStats {
-        allocated_bytes: allocated * M,
-        allocated_peak_bytes: peak * M,
-        reserved_bytes: peak * M,
-        reserved_peak_bytes: peak * M,
-        ..Default::default()
-    });
-    m
-}
+use stepwatch_testkit::{marker, marker_mib, MIB as M};
 
 fn full_step(n: u64, t0: u64) -> Vec<Marker> {
     MarkerKind::STEP_ORDER
@@ -34,8 +19,8 @@ fn a_pass_between_steps_is_kept_apart_from_the_steps() {
     let mut tl = RankTimeline::new(100);
     tl.apply_batch(&full_step(1, 0)).unwrap();
     tl.apply_batch(&[
-        with_allocated(marker(EvalBegin, 1, 100), 500, 800),
-        with_allocated(marker(EvalEnd, 1, 150), 500, 1_300),
+        marker_mib(EvalBegin, 1, 100, (500, 800, 800)),
+        marker_mib(EvalEnd, 1, 150, (500, 1_300, 1_300)),
     ])
     .unwrap();
     tl.apply_batch(&full_step(2, 200)).unwrap();

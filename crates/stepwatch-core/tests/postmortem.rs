@@ -8,10 +8,10 @@
 use stepwatch_core::*;
 use stepwatch_testkit as kit;
 
+use kit::leaking::{GPU, PERIOD};
+
 const M: u64 = 1 << 20;
-const GPU: &str = "GPU-0";
-const CAPACITY: u64 = 10_000 * M;
-const PERIOD: u64 = 1_000_000;
+const CAPACITY: u64 = kit::leaking::CAPACITY_MIB * M;
 const CONTEXT: u64 = 500;
 
 fn open(t: &mut Tracker) -> RankKey {
@@ -30,31 +30,10 @@ fn device(reserved: u64, outside: u64) -> DeviceMemory {
 /// Step `n`, completed, holding `held` M between steps. Step 1's markers
 /// carry the driver's figures (500 M of context), as the client sends them.
 fn step(t: &mut Tracker, key: &RankKey, n: u64, held: u64) {
-    use MarkerKind::*;
-    let t0 = n * PERIOD;
-    let at = |i: u64| t0 + i * PERIOD / 8;
-    t.gpu_samples(
-        GPU,
-        &kit::leaking_step_samples(n, PERIOD, held, CAPACITY / M),
-    );
-    let reserved = held + 3_500;
-    let markers: Vec<Marker> = [
-        (StepBegin, held),
-        (ForwardBegin, held),
-        (BackwardBegin, held + 3_000),
-        (OptimizerBegin, held + 500),
-        (OptimizerEnd, held),
-        (StepEnd, held),
-    ]
-    .into_iter()
-    .enumerate()
-    .map(|(i, (kind, allocated))| Marker {
-        allocator: Some(kit::alloc_mib(allocated, held + 3_000, reserved)),
-        device_memory: (n == 1).then(|| device(reserved, CONTEXT)),
-        ..kit::marker(kind, n, at(i as u64))
-    })
-    .collect();
-    t.markers(key, &markers, t0).unwrap();
+    kit::leaking::step(t, key, (n, held, 0), |m| Marker {
+        device_memory: (n == 1).then(|| device(held + 3_500, CONTEXT)),
+        ..m
+    });
 }
 
 /// Step `n` dies in its forward with `allocated` and `reserved` M in the

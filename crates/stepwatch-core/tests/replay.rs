@@ -5,6 +5,7 @@
 use stepwatch_core::allocator::{BlockLayout, CachingAllocator, Pool, SegmentLayout};
 use stepwatch_core::MAX_TRACE_EVENTS;
 use stepwatch_core::*;
+use stepwatch_testkit as kit;
 
 const MIB: u64 = 1 << 20;
 
@@ -313,19 +314,11 @@ fn kept_gradients_are_made_again_in_step_2_and_added_in() {
 fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
     const GB: u64 = 1_000_000_000;
     let mut tracker = Tracker::new(TrackerConfig::default());
-    let key = tracker
-        .open(
-            RankInfo {
-                job: "j".into(),
-                rank: 0,
-                world_size: 1,
-                gpu_uuid: "GPU-a".into(),
-                pid: 7,
-                ..Default::default()
-            },
-            0,
-        )
-        .unwrap();
+    let info = RankInfo {
+        pid: 7,
+        ..kit::solo_rank("j", "GPU-a")
+    };
+    let key = kit::open(&mut tracker, info);
     let stats = |allocated: u64, reserved: u64| AllocatorStats {
         allocated_bytes: allocated,
         allocated_peak_bytes: allocated,

@@ -181,26 +181,6 @@ fn step_1s_batch_names_the_micro_batch_when_the_client_stated_none() {
     );
 }
 
-/// Step 1 of a rank on its own GPU, in MB: 10 000 allocated at step begin,
-/// `act` of activations, 2 000 of gradients, 8 000 of optimizer state.
-fn step1_markers(act: u64, t0: u64) -> Vec<Marker> {
-    use MarkerKind::*;
-    const MB: u64 = 1_000_000;
-    let m = |kind, t: u64, allocated: u64, peak: u64| Marker {
-        allocator: Some(kit::alloc_bytes(allocated * MB, peak * MB, peak * MB)),
-        ..kit::marker(kind, 1, t0 + t)
-    };
-    let fb = 10_000 + act;
-    vec![
-        m(StepBegin, 100, 10_000, 10_000),
-        m(ForwardBegin, 200, 10_000, 10_000),
-        m(BackwardBegin, 300, fb, fb),
-        m(OptimizerBegin, 400, 12_000, fb),
-        m(OptimizerEnd, 500, 20_000, 20_000),
-        m(StepEnd, 600, 20_000, 20_000),
-    ]
-}
-
 #[test]
 fn the_rank_heavier_in_forward_is_advised_once_on_its_own_stream() {
     let mut t = Tracker::new(TrackerConfig::default());
@@ -223,7 +203,7 @@ fn the_rank_heavier_in_forward_is_advised_once_on_its_own_stream() {
     // Ranks 0-2 end step 1 first: nothing to compare with yet.
     for (rank, key) in keys.iter().enumerate().take(3) {
         let due = t
-            .markers(key, &step1_markers(5_000, 0), rank as u64)
+            .markers(key, &kit::activation_step1(5_000, 0), rank as u64)
             .unwrap();
         assert_eq!(
             due.iter().map(|a| a.kind).collect::<Vec<_>>(),
@@ -233,7 +213,7 @@ fn the_rank_heavier_in_forward_is_advised_once_on_its_own_stream() {
     // Rank 3, 24% heavier in forward, ends step 1: it is named and told
     // (besides its prediction being final).
     let due: Vec<Advisory> = t
-        .markers(&keys[3], &step1_markers(6_200, 0), 10)
+        .markers(&keys[3], &kit::activation_step1(6_200, 0), 10)
         .unwrap()
         .into_iter()
         .filter(|a| a.kind != AdvisoryKind::PredictionFinal)
@@ -254,11 +234,57 @@ fn the_rank_heavier_in_forward_is_advised_once_on_its_own_stream() {
         a.message
     );
     // Its next step boundary does not repeat it; the other ranks get none.
-    let mut step2 = step1_markers(6_200, 1_000);
+    let mut step2 = kit::activation_step1(6_200, 1_000);
     for m in &mut step2 {
         m.step = 2;
     }
     assert!(t.markers(&keys[3], &step2[..1], 20).unwrap().is_empty());
     assert!(t.markers(&keys[0], &step2[..1], 21).unwrap().is_empty());
     assert_eq!(t.rank(&keys[3]).unwrap().advisories.len(), 2);
+}
+
+#[test]
+fn a_rank_heavier_in_forward_is_named_although_its_step1_peak_is_not_off() {
+    const MB: u64 = 1_000_000;
+    // Activations 5 000, 5 000, 5 000 and 6 200 MB (rank 3 is 24% heavier);
+    // every rank's step-1 peak is its 20 000 MB after the optimizer made
+    // its state, so the step-1 peaks do not diverge at all.
+    let timelines: Vec<RankTimeline> = [5_000, 5_000, 5_000, 6_200]
+        .into_iter()
+        .map(|act| {
+            let mut t = RankTimeline::new(10);
+            t.apply_batch(&kit::activation_step1(act, 0)).unwrap();
+            t
+        })
+        .collect();
+    let figures: Vec<RankFigures> = timelines
+        .iter()
+        .enumerate()
+        .map(|(r, t)| RankFigures::of(r as u32, t.steps().next(), None))
+        .collect();
+    assert_eq!(figures[3].activation_allocated_bytes, Some(6_200 * MB));
+    let d = divergence("j", &figures, 0.10).unwrap();
+    let peak = d.peak.as_ref().unwrap();
+    assert_eq!(d.peak_source, Some(PeakSource::Allocated));
+    assert_eq!(
+        (peak.min, peak.max, peak.spread),
+        (20_000 * MB, 20_000 * MB, 0.0)
+    );
+    assert!(peak.outliers.is_empty());
+    // Activation: median 5 000, rank 3 at (6 200 − 5 000) / 5 000 = +24%.
+    let act = d.activation.as_ref().unwrap();
+    assert_eq!(act.median, 5_000.0 * MB as f64);
+    assert!((act.spread - 0.24).abs() < 1e-12);
+    assert_eq!(
+        d.named,
+        [NamedOutlier {
+            rank: 3,
+            figure: DivergenceFigure::ActivationPeak,
+            source: PeakSource::Allocated,
+            value_bytes: 6_200 * MB,
+            median_bytes: 5_000.0 * MB as f64,
+            deviation: 1_200.0 / 5_000.0,
+            ranks: 4,
+        }]
+    );
 }

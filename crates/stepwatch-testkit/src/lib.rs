@@ -7,7 +7,7 @@
 //! scenarios of `stepwatch-core/tests`.
 
 use stepwatch_core::{
-    AllocatorStats, BatchFacts, GpuSample, Marker, MarkerKind, RankInfo, RankKey, Tracker,
+    Advisory, AllocatorStats, BatchFacts, GpuSample, Marker, MarkerKind, RankInfo, RankKey, Tracker,
 };
 
 /// One MiB, the unit of the kit's byte figures.
@@ -199,16 +199,88 @@ pub mod base {
     }
 }
 
-/// NVML samples of step `n` of a rank whose steps start every `period` ns
-/// (step `n` at `n × period`) and that holds `held` MiB between steps: one
-/// sample per phase after the first, the highest `held + 4000` MiB in
-/// backward. The growth and post-mortem tests' leaking rank.
-pub fn leaking_step_samples(n: u64, period: u64, held: u64, capacity_mib: u64) -> Vec<GpuSample> {
-    let t0 = n * period;
-    let points: Vec<(u64, u64)> = [held + 1_000, held + 4_000, held + 3_800, held + 3_600]
+/// The growth and post-mortem tests' leaking rank: alone on [`leaking::GPU`]
+/// of [`leaking::CAPACITY_MIB`], step `n` from `n ×` [`leaking::PERIOD`] ns. A
+/// step holds `held` MiB allocated between steps and 3000 MiB more in
+/// backward, reserves `held + 3500` MiB, and NVML shows one sample per phase
+/// after the first, the highest `held + 4000` MiB in backward. A cache
+/// grown beyond that for good (by a larger batch) adds `cached` MiB to the
+/// reserved figures and the samples.
+pub mod leaking {
+    use super::*;
+
+    /// The rank's GPU.
+    pub const GPU: &str = "GPU-0";
+    /// The GPU's memory, MiB.
+    pub const CAPACITY_MIB: u64 = 10_000;
+    /// Nanoseconds from one step's begin to the next's: 1 ms.
+    pub const PERIOD: u64 = 1_000_000;
+
+    /// Feeds step `n`: its samples, then its markers (one every
+    /// `PERIOD / 8` ns) as `edit` makes them; the tracker's advisories.
+    pub fn step(
+        tracker: &mut Tracker,
+        key: &RankKey,
+        (n, held, cached): (u64, u64, u64),
+        edit: impl Fn(Marker) -> Marker,
+    ) -> Vec<Advisory> {
+        use MarkerKind::*;
+        let t0 = n * PERIOD;
+        let sampled = held + cached;
+        let points: Vec<(u64, u64)> = [1_000, 4_000, 3_800, 3_600]
+            .map(|above| sampled + above)
+            .into_iter()
+            .zip(1u64..)
+            .map(|(used, i)| (t0 + i * PERIOD / 8 + 10, used))
+            .collect();
+        tracker.gpu_samples(GPU, &samples_mib(&points, CAPACITY_MIB));
+        let markers: Vec<Marker> = [
+            (StepBegin, held),
+            (ForwardBegin, held),
+            (BackwardBegin, held + 3_000),
+            (OptimizerBegin, held + 500),
+            (OptimizerEnd, held),
+            (StepEnd, held),
+        ]
         .into_iter()
-        .zip(1u64..)
-        .map(|(used, i)| (t0 + i * period / 8 + 10, used))
+        .zip(0u64..)
+        .map(|((kind, allocated), i)| {
+            let figures = (allocated, held + 3_000, held + cached + 3_500);
+            edit(marker_mib(kind, n, t0 + i * PERIOD / 8, figures))
+        })
         .collect();
-    samples_mib(&points, capacity_mib)
+        match tracker.markers(key, &markers, t0) {
+            Ok(advisories) => advisories,
+            Err(refusal) => panic!("the tracker refused step {n}: {refusal:?}"),
+        }
+    }
+}
+
+/// Step 1 of a rank from `t0`, in MB (10^6 bytes): 10 000 allocated at
+/// step begin, `act` of activations in forward, 2 000 of gradients left
+/// after backward, 8 000 of optimizer state made in the optimizer phase
+/// (peak 20 000). Ranks that differ only in `act` diverge in activations,
+/// not in their step-1 peak.
+pub fn activation_step1(act: u64, t0: u64) -> Vec<Marker> {
+    use MarkerKind::*;
+    const MB: u64 = 1_000_000;
+    let m = |kind, t: u64, allocated: u64, peak: u64| Marker {
+        allocator: Some(alloc_bytes(allocated * MB, peak * MB, peak * MB)),
+        ..marker(kind, 1, t0 + t)
+    };
+    let fb = 10_000 + act;
+    vec![
+        m(StepBegin, 100, 10_000, 10_000),
+        m(ForwardBegin, 200, 10_000, 10_000),
+        m(BackwardBegin, 300, fb, fb),
+        m(OptimizerBegin, 400, 12_000, fb),
+        m(OptimizerEnd, 500, 20_000, 20_000),
+        m(StepEnd, 600, 20_000, 20_000),
+    ]
+}
+
+/// The step numbers `key`'s timeline holds, oldest first.
+pub fn step_numbers(tracker: &Tracker, key: &RankKey) -> Vec<u64> {
+    let rank = tracker.rank(key).expect("the rank is tracked");
+    rank.timeline.steps().map(|s| s.step).collect()
 }
