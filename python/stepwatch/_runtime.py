@@ -464,6 +464,9 @@ class _Runtime:
             pid=os.getpid(),
             framework=self.framework,
             framework_version=sanitize_id(str(fw_version)),
+            # Whatever the framework: the agent's replay follows this
+            # version's allocator rules.
+            torch_version=sanitize_id(_torch.torch_version()),
             client_version=__version__,
             run_id=self.run_id,
         )

@@ -81,6 +81,8 @@ def test_lightning_callback(agent, tmp_path, monkeypatch, accumulate, step_hooks
     assert summary(ms) == expected(steps, accumulate)
     h = agent.streams[0].hello
     assert h.framework == "lightning" and h.model.optimizer == 1
+    # PyTorch's version, not Lightning's: the agent's replay follows its allocator rules.
+    assert h.torch_version == torch.__version__
     assert h.model.grad_accumulation_steps == accumulate
     assert h.model.micro_batch_size == 4  # the DataLoader's batch_size
     assert len(installed) == (1 if step_hooks else 0)
@@ -144,6 +146,7 @@ def test_transformers_callback(agent, tmp_path, accumulate):
     assert summary(ms) == expected(steps, accumulate)
     h = agent.streams[0].hello
     assert h.framework == "transformers" and h.model.grad_accumulation_steps == accumulate
+    assert h.torch_version == sys.modules["torch"].__version__
     assert h.model.micro_batch_size == 4  # per_device_train_batch_size
     assert stepwatch.flush(FLUSH_S)
 

@@ -112,6 +112,7 @@ def test_hello_model_facts(agent):
     agent.wait_markers(6)
     h = agent.streams[0].hello
     assert h.framework == "pytorch" and h.framework_version.startswith(torch.__version__[:3])
+    assert h.torch_version == torch.__version__
     assert h.gpu_uuid == ""  # CPU
     m = h.model
     assert (m.parameter_count, m.parameter_bytes) == (n, 4 * n)

@@ -265,6 +265,12 @@ pub struct RankInfo {
     pub framework: String,
     /// Its version string, e.g. "2.5.1".
     pub framework_version: String,
+    /// The process's PyTorch version whatever the framework (Lightning and
+    /// Hugging Face name their own in `framework_version`): the allocator
+    /// rules of its trace's replay ([`crate::feed::ReplayPlan::torch_version`]).
+    /// Empty for clients that predate it.
+    #[serde(default)]
+    pub torch_version: String,
     /// Optional facts that sharpen the step-2 prediction.
     pub model: ModelFacts,
     /// The training run of the process the hello is from (a fresh id per
@@ -300,6 +306,19 @@ impl RankInfo {
             namespace: self.namespace.clone(),
             job: self.job.clone(),
             rank: self.rank,
+        }
+    }
+
+    /// The PyTorch version the rank runs: the hello's `torch_version`, else
+    /// (clients that predate it) the framework's version when the framework
+    /// is PyTorch itself; empty when neither says.
+    pub fn pytorch_version(&self) -> &str {
+        if !self.torch_version.is_empty() {
+            &self.torch_version
+        } else if self.framework.eq_ignore_ascii_case("pytorch") {
+            &self.framework_version
+        } else {
+            ""
         }
     }
 
@@ -339,6 +358,7 @@ impl RankInfo {
         check_identifier("container", &self.container, true, id)?;
         check_identifier("framework", &self.framework, true, id)?;
         check_identifier("framework_version", &self.framework_version, true, id)?;
+        check_identifier("torch_version", &self.torch_version, true, id)?;
         check_identifier("gpu_uuid", &self.gpu_uuid, true, id)?;
         check_identifier("run_id", &self.run_id, true, id)?;
         if self.world_size == 0 || self.world_size > MAX_WORLD_SIZE {
@@ -577,6 +597,16 @@ mod tests {
         assert!(matches!(i.validate(), Err(HelloError::TooLong { .. })));
         i.job = String::new();
         assert_eq!(i.validate(), Err(HelloError::Empty("job_id")));
+        let mut i = info();
+        i.torch_version = "2.11.0 cu128".into();
+        assert!(matches!(
+            i.validate(),
+            Err(HelloError::Charset {
+                field: "torch_version",
+                bad: ' ',
+                ..
+            })
+        ));
     }
 
     #[test]

@@ -130,6 +130,7 @@ pub fn hello_to_wire(info: &RankInfo, client_version: &str) -> pb::Hello {
         pid,
         framework,
         framework_version,
+        torch_version,
         model,
         run_id,
         tcp_identity: _,
@@ -151,6 +152,7 @@ pub fn hello_to_wire(info: &RankInfo, client_version: &str) -> pb::Hello {
         model: Some(model_facts_to_wire(&model)),
         client_version: client_version.to_owned(),
         run_id,
+        torch_version,
     }
 }
 
@@ -168,6 +170,7 @@ pub fn hello_from_wire(hello: pb::Hello) -> RankInfo {
         model,
         client_version: _,
         run_id,
+        torch_version,
     } = hello;
     let pb::Identity {
         job_id,
@@ -192,6 +195,7 @@ pub fn hello_from_wire(hello: pb::Hello) -> RankInfo {
         pid,
         framework,
         framework_version,
+        torch_version,
         model: model_facts_from_wire(model.unwrap_or_default()),
         run_id,
         // The transport's finding, not the hello's.

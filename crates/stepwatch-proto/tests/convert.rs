@@ -106,10 +106,11 @@ fn rank_info() -> impl Strategy<Value = RankInfo> {
         (text(), any::<u32>(), any::<u32>(), any::<u32>(), text()),
         (text(), text(), text(), any::<u32>(), text(), text()),
         model_facts(),
-        text(),
+        (text(), text()),
     )
         .prop_map(
-            |((job, rank, local_rank, world_size, node_name), rest, model, run_id)| {
+            |((job, rank, local_rank, world_size, node_name), rest, model, versions)| {
+                let (run_id, torch_version) = versions;
                 let (pod, namespace, gpu_uuid, pid, framework, framework_version) = rest;
                 RankInfo {
                     job,
@@ -125,6 +126,7 @@ fn rank_info() -> impl Strategy<Value = RankInfo> {
                     pid,
                     framework,
                     framework_version,
+                    torch_version,
                     model,
                     run_id,
                     tcp_identity: None,

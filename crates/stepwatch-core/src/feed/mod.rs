@@ -153,8 +153,8 @@ pub struct ReplayPlan {
     /// ([`crate::ModelFacts::ddp_bucket_rebuild`]): the trace's chunks do
     /// not carry it, and it may come after them.
     pub ddp_bucket_rebuild: Option<DdpBucketRebuild>,
-    /// The rank's PyTorch version, from its hello when its framework is
-    /// "pytorch" (others name their own version): the allocator rules the
+    /// The rank's PyTorch version, from its hello ([`crate::RankInfo::pytorch_version`]):
+    /// the allocator rules the
     /// replay follows ([`crate::allocator::FreeBlockOrder`]) when the trace
     /// does not say ([`AllocatorTrace::torch_version`]).
     pub torch_version: String,
@@ -170,8 +170,7 @@ impl ReplayPlan {
             reserved_limit: tracker.reserved_limit(key),
             ddp_bucket_rebuild: info.and_then(|i| i.model.ddp_bucket_rebuild.clone()),
             torch_version: info
-                .filter(|i| i.framework.eq_ignore_ascii_case("pytorch"))
-                .map(|i| i.framework_version.clone())
+                .map(|i| i.pytorch_version().to_owned())
                 .unwrap_or_default(),
         }
     }
@@ -504,11 +503,12 @@ mod tests {
     #[test]
     fn the_hellos_pytorch_version_decides_the_replays_allocator_rules() {
         use crate::allocator::FreeBlockOrder;
-        let order = |framework: &str, version: &str| {
+        let order = |framework: &str, version: &str, torch_version: &str| {
             let mut t = Tracker::new(TrackerConfig::default());
             let info = RankInfo {
                 framework: framework.into(),
                 framework_version: version.into(),
+                torch_version: torch_version.into(),
                 ..info(0)
             };
             let key = info.key();
@@ -524,10 +524,26 @@ mod tests {
             assert_eq!(back.torch_version, trace.torch_version);
             back.model_settings().unwrap().free_block_order
         };
-        assert_eq!(order("pytorch", "2.11.0+cu128"), FreeBlockOrder::Address);
-        assert_eq!(order("pytorch", "2.15.0+cu132"), FreeBlockOrder::SegmentAge);
-        // Lightning's hello names Lightning's version, not PyTorch's.
-        assert_eq!(order("lightning", "2.4.0"), FreeBlockOrder::default());
+        use FreeBlockOrder::{Address, SegmentAge};
+        for (framework, version, torch_version, rule) in [
+            // The hello's torch_version, whatever the framework.
+            ("lightning", "2.4.0", "2.11.0+cu128", Address),
+            ("transformers", "4.46.0", "2.11.0", Address),
+            ("lightning", "2.4.0", "2.15.0", SegmentAge),
+            ("pytorch", "2.15.0", "2.11.0", Address),
+            // Clients that predate the field: PyTorch's hello names its
+            // version as the framework's; Lightning's names Lightning's,
+            // which says nothing of PyTorch's (the newest rules).
+            ("pytorch", "2.11.0+cu128", "", Address),
+            ("pytorch", "2.15.0+cu132", "", SegmentAge),
+            ("lightning", "2.4.0", "", FreeBlockOrder::default()),
+        ] {
+            assert_eq!(
+                order(framework, version, torch_version),
+                rule,
+                "{framework} {version}, torch {torch_version:?}"
+            );
+        }
         // A trace that names its version keeps it.
         let plan = ReplayPlan {
             torch_version: "2.11.0".into(),

@@ -69,6 +69,12 @@ pub struct Hello {
     /// identifiers; may be empty.
     #[prost(string, tag = "8")]
     pub run_id: ::prost::alloc::string::String,
+    /// The PyTorch version of the process (torch.__version__, e.g. "2.11.0"),
+    /// whatever the framework: the allocator rules the agent's replay of step
+    /// 1's trace follows. Empty (older clients): the framework version stands
+    /// for it when the framework is "pytorch", else the newest rules apply.
+    #[prost(string, tag = "9")]
+    pub torch_version: ::prost::alloc::string::String,
 }
 /// A rank's identity within its job.
 #[derive(Clone, PartialEq, Eq, Hash, ::prost::Message)]

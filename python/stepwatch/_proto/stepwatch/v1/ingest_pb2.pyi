@@ -135,7 +135,7 @@ class ClientMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., markers: _Optional[_Union[MarkerBatch, _Mapping]] = ..., allocator_trace: _Optional[_Union[AllocatorTraceChunk, _Mapping]] = ..., model_update: _Optional[_Union[ModelFacts, _Mapping]] = ..., oom_report: _Optional[_Union[OomReport, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("identity", "gpu_uuid", "pid", "framework", "framework_version", "model", "client_version", "run_id")
+    __slots__ = ("identity", "gpu_uuid", "pid", "framework", "framework_version", "model", "client_version", "run_id", "torch_version")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class Hello(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
     identity: Identity
     gpu_uuid: str
     pid: int
@@ -152,7 +153,8 @@ class Hello(_message.Message):
     model: ModelFacts
     client_version: str
     run_id: str
-    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., gpu_uuid: _Optional[str] = ..., pid: _Optional[int] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., model: _Optional[_Union[ModelFacts, _Mapping]] = ..., client_version: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    torch_version: str
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., gpu_uuid: _Optional[str] = ..., pid: _Optional[int] = ..., framework: _Optional[str] = ..., framework_version: _Optional[str] = ..., model: _Optional[_Union[ModelFacts, _Mapping]] = ..., client_version: _Optional[str] = ..., run_id: _Optional[str] = ..., torch_version: _Optional[str] = ...) -> None: ...
 
 class Identity(_message.Message):
     __slots__ = ("job_id", "rank", "local_rank", "world_size", "node_name", "pod", "namespace")
