@@ -74,14 +74,55 @@ pub async fn run_until(
     // First of all: a restarted agent waits here for the old one to exit,
     // so it reads the old one's last journal and the old one's exit cannot
     // unlink the new socket.
-    let lock = {
-        let (socket, wait) = (config.socket.clone(), config.lock_wait);
-        tokio::task::spawn_blocking(move || lifecycle::SocketLock::acquire(&socket, wait)).await??
-    };
+    let lock = acquire_socket_lock(&config).await?;
     // SIGHUP's default action ends the process with no final journal; a
     // terminal closing or a supervisor's reload must not do that.
-    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
+    let hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())
         .context("cannot handle SIGHUP")?;
+    let budget = memory_budget(&config);
+    let node = config.node_name.clone().unwrap_or_else(hostname);
+    let sampler = start_sampler(&config);
+    let state = agent_state(&config, &budget, sampler.clone(), &node)?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    raise_fd_limit();
+    // HTTP first, so /healthz answers while everything else starts.
+    let http = serve_http(&config, &state, &stop_rx)?;
+    let components = Components::start(&config, &state, &node, &stop_rx)?;
+    let ingest = serve_ingest(&config, &state, &budget, &components, &node, &stop_rx).await?;
+    state.ingest_listening.store(true, Ordering::Relaxed);
+    write_ready_file(&config, &http, &ingest)?;
+    tracing::info!(
+        node = %node,
+        http = %http.addr,
+        socket = %config.socket.display(),
+        sample_hz = config.sample_hz,
+        "stepwatch agent running; metrics at http://{}/metrics", http.addr
+    );
+    let housekeeping = spawn_housekeeping(&config, &state, hangup, stop_rx);
+
+    shutdown.await;
+    let running = Running {
+        http,
+        ingest,
+        components,
+        housekeeping,
+    };
+    shut_down(&config, &state, &sampler, stop_tx, running).await;
+    tracing::debug!(lock = %lock.path().display(), "releasing the socket's lock");
+    drop(lock);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Takes the socket's lock (`--lock-wait`), off the runtime: it may wait.
+async fn acquire_socket_lock(config: &AgentConfig) -> anyhow::Result<lifecycle::SocketLock> {
+    let (socket, wait) = (config.socket.clone(), config.lock_wait);
+    tokio::task::spawn_blocking(move || lifecycle::SocketLock::acquire(&socket, wait)).await?
+}
+
+/// The memory budget from `--memory-limit-mib` (or the cgroup's limit) and
+/// the flags that carve it; logged.
+fn memory_budget(config: &AgentConfig) -> memory::MemoryBudget {
     let mib = |m: u64| m.saturating_mul(1 << 20);
     let (limit, source) = memory::MemoryBudget::limit(config.memory_limit_mib.map(mib));
     let budget = memory::MemoryBudget::split(
@@ -98,17 +139,30 @@ pub async fn run_until(
         reports_bytes = budget.reports_bytes,
         "memory budget"
     );
-    let node = config.node_name.clone().unwrap_or_else(hostname);
-    let sampler = SamplerHandle::start(SamplerConfig {
+    budget
+}
+
+/// The NVML sampler, on its own thread.
+fn start_sampler(config: &AgentConfig) -> SamplerHandle {
+    let memory_interval = Duration::from_secs_f64(1.0 / config.sample_hz);
+    SamplerHandle::start(SamplerConfig {
         lib_path: config.nvml_lib.clone(),
-        memory_interval: Duration::from_secs_f64(1.0 / config.sample_hz),
+        memory_interval,
         process_interval: config.process_interval,
         max_window: config.max_window,
-        stale_after: SamplerConfig::stale_after_for(Duration::from_secs_f64(
-            1.0 / config.sample_hz,
-        )),
+        stale_after: SamplerConfig::stale_after_for(memory_interval),
         ..SamplerConfig::default()
-    });
+    })
+}
+
+/// The step model and what feeds it besides ingest: Slurm's job checks,
+/// the record, and the journal's history restored.
+fn agent_state(
+    config: &AgentConfig,
+    budget: &memory::MemoryBudget,
+    sampler: SamplerHandle,
+    node: &str,
+) -> anyhow::Result<Arc<state::AgentState>> {
     let tracker = Tracker::new(TrackerConfig {
         max_ranks: config.max_ranks,
         max_retained_steps: config.max_steps,
@@ -118,8 +172,8 @@ pub async fn run_until(
         ..TrackerConfig::default()
     });
     let gpu_holders = workload::GpuHolders::new(config.pod_resources_refresh);
-    let state = state::AgentState::new(tracker, sampler.clone(), node.clone(), gpu_holders)?;
-    state.set_memory_budget(&budget)?;
+    let state = state::AgentState::new(tracker, sampler, node.to_owned(), gpu_holders)?;
+    state.set_memory_budget(budget)?;
     state.set_rank_phase_series(config.rank_phase_series);
     if let Some(dir) = &config.slurm_job_mapping_dir {
         let slurm = slurm::Slurm::new(dir.clone(), config.proc_root.clone(), &state.registry)?;
@@ -133,12 +187,11 @@ pub async fn run_until(
         create_parent_dir(path, "journal")?;
         state.restore_journal(path);
     }
+    Ok(state)
+}
 
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let stopped = |mut rx: watch::Receiver<bool>| async move {
-        let _ = rx.changed().await;
-    };
-
+/// Raises the open-file limit to its hard limit; a failure is logged.
+fn raise_fd_limit() {
     match listen::raise_fd_limit() {
         Ok((old, new)) if new > old => {
             tracing::info!(from = old, to = new, "raised the open-file limit")
@@ -146,99 +199,136 @@ pub async fn run_until(
         Ok(_) => {}
         Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit"),
     }
-    let idle = Some(config.idle_timeout);
+}
 
-    // HTTP first, so /healthz answers while everything else starts.
-    let http = std::net::TcpListener::bind(config.http_listen)
-        .with_context(|| format!("cannot listen for HTTP on {}", config.http_listen))?;
-    let http_addr = http.local_addr()?;
-    let http_limits = http::HttpLimits {
+/// Resolves once `stop` turns true (or its sender is gone).
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.changed().await;
+}
+
+/// An HTTP listener's task: its server runs on a thread of its own.
+type HttpTask = tokio::sync::oneshot::Receiver<std::io::Result<()>>;
+
+/// The exporter's listeners: HTTP, and the API and probes where they have
+/// their own.
+struct HttpListeners {
+    addr: std::net::SocketAddr,
+    api_addr: Option<std::net::SocketAddr>,
+    probe_addr: Option<std::net::SocketAddr>,
+    tasks: Vec<HttpTask>,
+}
+
+/// Binds and serves `--http-listen`, `--api-listen` and `--probe-listen`.
+fn serve_http(
+    config: &AgentConfig,
+    state: &Arc<state::AgentState>,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<HttpListeners> {
+    let limits = http::HttpLimits {
         max_connections: config.max_http_connections,
         max_connections_per_peer: config.max_http_connections_per_peer,
         header_timeout: config.http_header_timeout,
-        idle_timeout: idle,
+        idle_timeout: Some(config.idle_timeout),
     };
-    let http_task = http::serve_on_own_thread(
-        http,
-        if config.api_listen.is_some() {
-            http::Routes::Monitoring
-        } else {
-            http::Routes::All
-        },
-        state.clone(),
-        http_limits,
-        stopped(stop_rx.clone()),
-    )?;
-    let (api_addr, api_task) = match config.api_listen {
-        Some(addr) => {
-            let api = std::net::TcpListener::bind(addr)
-                .with_context(|| format!("cannot listen for the API on {addr}"))?;
-            let api_addr = api.local_addr()?;
-            let task = http::serve_on_own_thread(
-                api,
-                http::Routes::Api,
-                state.clone(),
-                http_limits,
-                stopped(stop_rx.clone()),
-            )?;
-            (Some(api_addr), Some(task))
-        }
-        None => (None, None),
+    let serve = |addr: std::net::SocketAddr, routes: http::Routes, what: &str| {
+        let listener = std::net::TcpListener::bind(addr)
+            .with_context(|| format!("cannot listen for {what} on {addr}"))?;
+        let bound = listener.local_addr()?;
+        let task = http::serve_on_own_thread(
+            listener,
+            routes,
+            state.clone(),
+            limits,
+            stopped(stop.clone()),
+        )?;
+        anyhow::Ok((bound, task))
     };
-    let (probe_addr, probe_task) = match config.probe_listen {
-        Some(addr) => {
-            let probes = std::net::TcpListener::bind(addr)
-                .with_context(|| format!("cannot listen for the probes on {addr}"))?;
-            let probe_addr = probes.local_addr()?;
-            let task = http::serve_on_own_thread(
-                probes,
-                http::Routes::Probes,
-                state.clone(),
-                http_limits,
-                stopped(stop_rx.clone()),
-            )?;
-            (Some(probe_addr), Some(task))
-        }
-        None => (None, None),
+    let main_routes = if config.api_listen.is_some() {
+        http::Routes::Monitoring
+    } else {
+        http::Routes::All
     };
-    let connections = listen::IngestConnections {
-        idle_timeout: idle,
-        grace: config.connection_grace,
-        per_peer: config.max_connections_per_peer,
-        per_process: config.max_connections_per_process,
-        counter: state.ingest.connections_closed.clone(),
+    let (addr, task) = serve(config.http_listen, main_routes, "HTTP")?;
+    let mut tasks = vec![task];
+    let mut serve_apart = |addr: Option<std::net::SocketAddr>, routes, what| {
+        addr.map(|addr| {
+            let (bound, task) = serve(addr, routes, what)?;
+            tasks.push(task);
+            anyhow::Ok(bound)
+        })
+        .transpose()
     };
+    let api_addr = serve_apart(config.api_listen, http::Routes::Api, "the API")?;
+    let probe_addr = serve_apart(config.probe_listen, http::Routes::Probes, "the probes")?;
+    Ok(HttpListeners {
+        addr,
+        api_addr,
+        probe_addr,
+        tasks,
+    })
+}
 
-    let uds = bind_socket(&config.socket, config.socket_mode)?;
-    let owned_socket = lifecycle::OwnedSocket::new(&config.socket);
-    // HTTP/2 streams per connection: one client process holds one per rank.
-    let per_connection = u32::try_from(config.max_streams_per_connection).ok();
-    let grpc_server = || grpc_server(per_connection);
-    // One budget for traces across both ingest listeners.
-    let traces = Arc::new(ingest::TraceBudget::new(
-        budget.traces_bytes,
-        config.partial_trace_timeout,
-        std::thread::available_parallelism().map_or(1, |n| n.get()),
-    ));
+/// The optional components ingest hands hellos and advisories to: pod
+/// attestation (with its GPU holders' refresh) and the Alertmanager sender.
+struct Components {
+    workload: Arc<workload::WorkloadResolver>,
+    holders_task: Option<tokio::task::JoinHandle<()>>,
+    alerter: alerts::Alerter,
+}
 
-    let workload = std::sync::Arc::new(workload::WorkloadResolver::new(
-        workload::WorkloadConfig {
-            proc_root: config.proc_root.clone(),
-            pod_resources_socket: config.pod_resources_socket.clone(),
-            pod_logs_dir: config.pod_logs_dir.clone(),
-            timeout: config.pod_resources_timeout,
-            cache_ttl: Duration::from_secs(5),
-            holders_refresh: config.pod_resources_refresh,
-        },
-        &state.registry,
-        state.gpu_holders.clone(),
-    )?);
-    // Which pod holds which GPU, for the GPU series' pod labels: one List
-    // call per --pod-resources-refresh, bounded by its timeout.
-    let holders_task = workload.pod_resources().then(|| {
+impl Components {
+    fn start(
+        config: &AgentConfig,
+        state: &Arc<state::AgentState>,
+        node: &str,
+        stop: &watch::Receiver<bool>,
+    ) -> anyhow::Result<Self> {
+        let workload = Arc::new(workload::WorkloadResolver::new(
+            workload::WorkloadConfig {
+                proc_root: config.proc_root.clone(),
+                pod_resources_socket: config.pod_resources_socket.clone(),
+                pod_logs_dir: config.pod_logs_dir.clone(),
+                timeout: config.pod_resources_timeout,
+                cache_ttl: Duration::from_secs(5),
+                holders_refresh: config.pod_resources_refresh,
+            },
+            &state.registry,
+            state.gpu_holders.clone(),
+        )?);
+        let holders_task = spawn_holders_refresh(&workload, config.pod_resources_refresh, stop);
+        let alerter = alerts::Alerter::start(
+            alerts::AlertmanagerConfig {
+                urls: config.alertmanager_urls.clone(),
+                extra_labels: config.alertmanager_labels.clone(),
+                resend_interval: config.alertmanager_resend_interval,
+                runbook_base_url: config.alertmanager_runbook_base_url.clone(),
+                node: node.to_owned(),
+            },
+            &state.registry,
+            stop.clone(),
+        )?;
+        if !config.alertmanager_urls.is_empty() {
+            tracing::info!(urls = ?config.alertmanager_urls, "posting step-2 OOM, low-headroom and divergence alerts to Alertmanager");
+        }
+        Ok(Self {
+            workload,
+            holders_task,
+            alerter,
+        })
+    }
+}
+
+/// Which pod holds which GPU, for the GPU series' pod labels: one List
+/// call per --pod-resources-refresh, bounded by its timeout. None without
+/// the pod-resources API.
+fn spawn_holders_refresh(
+    workload: &Arc<workload::WorkloadResolver>,
+    period: Duration,
+    stop: &watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    workload.pod_resources().then(|| {
         let workload = workload.clone();
-        let mut stop = stop_rx.clone();
-        let period = config.pod_resources_refresh;
+        let mut stop = stop.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -249,26 +339,53 @@ pub async fn run_until(
                 }
             }
         })
-    });
-    let alerter = alerts::Alerter::start(
-        alerts::AlertmanagerConfig {
-            urls: config.alertmanager_urls.clone(),
-            extra_labels: config.alertmanager_labels.clone(),
-            resend_interval: config.alertmanager_resend_interval,
-            runbook_base_url: config.alertmanager_runbook_base_url.clone(),
-            node: node.clone(),
-        },
-        &state.registry,
-        stop_rx.clone(),
-    )?;
-    if !config.alertmanager_urls.is_empty() {
-        tracing::info!(urls = ?config.alertmanager_urls, "posting step-2 OOM, low-headroom and divergence alerts to Alertmanager");
-    }
+    })
+}
+
+/// A gRPC listener's task.
+type GrpcTask = tokio::task::JoinHandle<Result<(), tonic::transport::Error>>;
+
+/// The ingest listeners: the Unix socket, TCP, and the CSI plugin's socket.
+struct IngestListeners {
+    grpc_addr: Option<std::net::SocketAddr>,
+    /// In the order they are drained: the socket's, TCP's, CSI's.
+    tasks: Vec<GrpcTask>,
+    /// Removed at exit, while they are still the files this agent bound.
+    sockets: Vec<lifecycle::OwnedSocket>,
+}
+
+/// Binds the marker socket (and `--grpc-listen`, `--csi-socket`) and serves
+/// the ingest service on each.
+async fn serve_ingest(
+    config: &AgentConfig,
+    state: &Arc<state::AgentState>,
+    budget: &memory::MemoryBudget,
+    components: &Components,
+    node: &str,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<IngestListeners> {
+    let connections = listen::IngestConnections {
+        idle_timeout: Some(config.idle_timeout),
+        grace: config.connection_grace,
+        per_peer: config.max_connections_per_peer,
+        per_process: config.max_connections_per_process,
+        counter: state.ingest.connections_closed.clone(),
+    };
+    let uds = bind_socket(&config.socket, config.socket_mode)?;
+    let mut sockets = vec![lifecycle::OwnedSocket::new(&config.socket)];
+    // HTTP/2 streams per connection: one client process holds one per rank.
+    let per_connection = u32::try_from(config.max_streams_per_connection).ok();
+    // One budget for traces across both ingest listeners.
+    let traces = Arc::new(ingest::TraceBudget::new(
+        budget.traces_bytes,
+        config.partial_trace_timeout,
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+    ));
     let ingest_service = || {
         ingest::IngestService::new(
             state.clone(),
-            workload.clone(),
-            alerter.clone(),
+            components.workload.clone(),
+            components.alerter.clone(),
             ingest::IngestLimits {
                 max_streams: config.max_streams,
                 max_streams_per_peer: config.max_streams_per_peer,
@@ -279,201 +396,259 @@ pub async fn run_until(
             traces.clone(),
         )
     };
-    let ingest = || ingest_server(ingest_service());
     // The shared socket's service; the CSI volumes' listeners share its
     // stream budget.
     let uds_service = ingest_service();
-    let mut owned_csi_socket = None;
-    let csi_task = match &config.csi_socket {
-        Some(path) => {
-            let plugin = csi::CsiPlugin::new(
-                csi::CsiConfig {
-                    driver_name: config.csi_driver_name.clone(),
-                    node_id: node.clone(),
-                    max_volumes: config.csi_max_volumes,
-                    state_file: path.with_file_name("volumes.jsonl"),
-                    connections: connections.clone(),
-                    streams_per_connection: per_connection,
-                },
-                uds_service.clone(),
-                stop_rx.clone(),
-                &state.registry,
-            )?;
-            plugin.restore();
-            // Only the kubelet (root) and the registrar call it.
-            let listener = bind_socket(path, 0o660)?;
-            owned_csi_socket = Some(lifecycle::OwnedSocket::new(path));
-            tracing::info!(socket = %path.display(), driver = %config.csi_driver_name, max_volumes = config.csi_max_volumes, "CSI node plugin on: pods get their own ingest socket through an ephemeral inline volume");
-            Some(tokio::spawn(
-                tonic::transport::Server::builder()
-                    .add_service(IdentityServer::new(plugin.clone()))
-                    .add_service(NodeServer::new(plugin))
-                    .serve_with_incoming_shutdown(
-                        listen::Limited::new(listener, 16, idle).into_incoming(),
-                        stopped(stop_rx.clone()),
-                    ),
-            ))
-        }
-        None => None,
-    };
-    let uds_task = tokio::spawn(
-        grpc_server()
+    let csi = serve_csi(
+        config,
+        state,
+        node,
+        &connections,
+        per_connection,
+        &uds_service,
+        stop,
+    )?;
+    let mut tasks = vec![tokio::spawn(
+        grpc_server(per_connection)
             .add_service(ingest_server(uds_service))
             .serve_with_incoming_shutdown(
                 connections
                     .limit(uds, config.max_connections, "ingest_socket")
                     .into_incoming(),
-                stopped(stop_rx.clone()),
+                stopped(stop.clone()),
+            ),
+    )];
+    let mut grpc_addr = None;
+    if let Some(addr) = config.grpc_listen {
+        let (bound, task) = serve_tcp_ingest(
+            config,
+            addr,
+            &connections,
+            grpc_server(per_connection),
+            ingest_server(ingest_service()),
+            stop,
+        )
+        .await?;
+        grpc_addr = Some(bound);
+        tasks.push(task);
+    }
+    if let Some((task, socket)) = csi {
+        tasks.push(task);
+        sockets.push(socket);
+    }
+    Ok(IngestListeners {
+        grpc_addr,
+        tasks,
+        sockets,
+    })
+}
+
+/// The TCP ingest (`--grpc-listen`), with TLS where its flags are given.
+async fn serve_tcp_ingest(
+    config: &AgentConfig,
+    addr: std::net::SocketAddr,
+    connections: &listen::IngestConnections,
+    mut server: tonic::transport::Server,
+    service: IngestServer<ingest::IngestService>,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<(std::net::SocketAddr, GrpcTask)> {
+    match tls_config(config)? {
+        Some(tls) => {
+            server = server
+                .tls_config(tls)
+                .context("invalid TLS configuration")?;
+            tracing::info!(%addr, mutual = config.grpc_tls_client_ca.is_some(), "TCP ingest enabled with TLS");
+        }
+        None => tracing::warn!(
+            %addr,
+            "TCP ingest enabled WITHOUT TLS or authentication; keep it on a private interface \
+             or pass --grpc-tls-cert and --grpc-tls-key"
+        ),
+    }
+    let tcp = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen for gRPC on {addr}"))?;
+    let bound = tcp.local_addr()?;
+    let task = tokio::spawn(
+        server.add_service(service).serve_with_incoming_shutdown(
+            connections
+                .limit(tcp, config.max_connections, "ingest_tcp")
+                .into_incoming(),
+            stopped(stop.clone()),
+        ),
+    );
+    Ok((bound, task))
+}
+
+/// The CSI node plugin on `--csi-socket`, if given: its task and its socket.
+fn serve_csi(
+    config: &AgentConfig,
+    state: &Arc<state::AgentState>,
+    node: &str,
+    connections: &listen::IngestConnections,
+    streams_per_connection: Option<u32>,
+    uds_service: &ingest::IngestService,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<Option<(GrpcTask, lifecycle::OwnedSocket)>> {
+    let Some(path) = &config.csi_socket else {
+        return Ok(None);
+    };
+    let plugin = csi::CsiPlugin::new(
+        csi::CsiConfig {
+            driver_name: config.csi_driver_name.clone(),
+            node_id: node.to_owned(),
+            max_volumes: config.csi_max_volumes,
+            state_file: path.with_file_name("volumes.jsonl"),
+            connections: connections.clone(),
+            streams_per_connection,
+        },
+        uds_service.clone(),
+        stop.clone(),
+        &state.registry,
+    )?;
+    plugin.restore();
+    // Only the kubelet (root) and the registrar call it.
+    let listener = bind_socket(path, 0o660)?;
+    let socket = lifecycle::OwnedSocket::new(path);
+    tracing::info!(socket = %path.display(), driver = %config.csi_driver_name, max_volumes = config.csi_max_volumes, "CSI node plugin on: pods get their own ingest socket through an ephemeral inline volume");
+    let task = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(IdentityServer::new(plugin.clone()))
+            .add_service(NodeServer::new(plugin))
+            .serve_with_incoming_shutdown(
+                listen::Limited::new(listener, 16, Some(config.idle_timeout)).into_incoming(),
+                stopped(stop.clone()),
             ),
     );
-    let mut grpc_addr = None;
-    let tcp_task = match config.grpc_listen {
-        Some(addr) => {
-            let mut server = grpc_server();
-            match tls_config(&config)? {
-                Some(tls) => {
-                    server = server
-                        .tls_config(tls)
-                        .context("invalid TLS configuration")?;
-                    tracing::info!(%addr, mutual = config.grpc_tls_client_ca.is_some(), "TCP ingest enabled with TLS");
-                }
-                None => tracing::warn!(
-                    %addr,
-                    "TCP ingest enabled WITHOUT TLS or authentication; keep it on a private interface \
-                     or pass --grpc-tls-cert and --grpc-tls-key"
-                ),
-            }
-            let tcp = TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for gRPC on {addr}"))?;
-            grpc_addr = Some(tcp.local_addr()?);
-            Some(tokio::spawn(
-                server.add_service(ingest()).serve_with_incoming_shutdown(
-                    connections
-                        .limit(tcp, config.max_connections, "ingest_tcp")
-                        .into_incoming(),
-                    stopped(stop_rx.clone()),
-                ),
-            ))
-        }
-        None => None,
-    };
-    state.ingest_listening.store(true, Ordering::Relaxed);
-    if let Some(path) = &config.ready_file {
-        let ready = serde_json::json!({
-            "http": http_addr.to_string(),
-            "api": api_addr.map(|a| a.to_string()),
-            "probe": probe_addr.map(|a| a.to_string()),
-            "grpc": grpc_addr.map(|a| a.to_string()),
-            "socket": config.socket,
-            "csi_socket": config.csi_socket,
-        });
-        write_atomically(path, ready.to_string().as_bytes())
-            .with_context(|| format!("cannot write the ready file {}", path.display()))?;
-    }
-    tracing::info!(
-        node = %node,
-        http = %http_addr,
-        socket = %config.socket.display(),
-        sample_hz = config.sample_hz,
-        "stepwatch agent running; metrics at http://{http_addr}/metrics"
-    );
+    Ok(Some((task, socket)))
+}
 
-    // Moves samples into the step model and evicts finished ranks.
-    let housekeeping = tokio::spawn({
-        let state = state.clone();
-        let retention = config.retention;
-        let journal = config.journal.clone();
-        let journal_steps = config.journal_steps;
-        let journal_interval = config.journal_interval;
-        let mut stop = stop_rx.clone();
-        async move {
-            // Samples wait in the sampler's bounded buffer between drains;
-            // 100 ms keeps the live step-1 view fresh at little cost.
-            let mut attribute = tokio::time::interval(Duration::from_millis(100));
-            let mut processes = tokio::time::interval(Duration::from_secs(1));
-            let mut evict = tokio::time::interval(Duration::from_secs(10));
-            let mut journal_tick = tokio::time::interval(journal_interval);
-            let mut stale = StaleGpus::default();
-            journal_tick.tick().await;
-            loop {
-                tokio::select! {
-                    _ = attribute.tick() => {
-                        state.attribute_samples();
-                        // Off the runtime: a refresh after many changes analyses many ranks.
+/// `--ready-file`: every listener's address, written once all are bound.
+fn write_ready_file(
+    config: &AgentConfig,
+    http: &HttpListeners,
+    ingest: &IngestListeners,
+) -> anyhow::Result<()> {
+    let Some(path) = &config.ready_file else {
+        return Ok(());
+    };
+    let ready = serde_json::json!({
+        "http": http.addr.to_string(),
+        "api": http.api_addr.map(|a| a.to_string()),
+        "probe": http.probe_addr.map(|a| a.to_string()),
+        "grpc": ingest.grpc_addr.map(|a| a.to_string()),
+        "socket": config.socket,
+        "csi_socket": config.csi_socket,
+    });
+    write_atomically(path, ready.to_string().as_bytes())
+        .with_context(|| format!("cannot write the ready file {}", path.display()))
+}
+
+/// Moves samples into the step model, refreshes the views, writes the
+/// journal (on its interval and on SIGHUP) and evicts finished ranks.
+fn spawn_housekeeping(
+    config: &AgentConfig,
+    state: &Arc<state::AgentState>,
+    mut hangup: tokio::signal::unix::Signal,
+    mut stop: watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    let state = state.clone();
+    let retention = config.retention;
+    let journal = config.journal.clone();
+    let journal_steps = config.journal_steps;
+    let journal_interval = config.journal_interval;
+    tokio::spawn(async move {
+        // Samples wait in the sampler's bounded buffer between drains;
+        // 100 ms keeps the live step-1 view fresh at little cost.
+        let mut attribute = tokio::time::interval(Duration::from_millis(100));
+        let mut processes = tokio::time::interval(Duration::from_secs(1));
+        let mut evict = tokio::time::interval(Duration::from_secs(10));
+        let mut journal_tick = tokio::time::interval(journal_interval);
+        let mut stale = StaleGpus::default();
+        journal_tick.tick().await;
+        loop {
+            tokio::select! {
+                _ = attribute.tick() => {
+                    state.attribute_samples();
+                    // Off the runtime: a refresh after many changes analyses many ranks.
+                    let state = state.clone();
+                    let _ = tokio::task::spawn_blocking(move || state.views.refresh(&state)).await;
+                }
+                _ = processes.tick() => {
+                    state.update_processes();
+                    state.flush_record();
+                    stale.log_changes(&state.sampler.snapshot(monotonic_ns()));
+                }
+                _ = journal_tick.tick(), if journal.is_some() => {
+                    let state = state.clone();
+                    let path = journal.clone().expect("checked by the guard");
+                    let _ = tokio::task::spawn_blocking(move || state.write_journal(&path, journal_steps)).await;
+                }
+                _ = hangup.recv() => {
+                    if let Some(path) = journal.clone() {
                         let state = state.clone();
-                        let _ = tokio::task::spawn_blocking(move || state.views.refresh(&state)).await;
-                    }
-                    _ = processes.tick() => {
-                        state.update_processes();
-                        state.flush_record();
-                        stale.log_changes(&state.sampler.snapshot(monotonic_ns()));
-                    }
-                    _ = journal_tick.tick(), if journal.is_some() => {
-                        let state = state.clone();
-                        let path = journal.clone().expect("checked by the guard");
                         let _ = tokio::task::spawn_blocking(move || state.write_journal(&path, journal_steps)).await;
                     }
-                    _ = hangup.recv() => {
-                        if let Some(path) = journal.clone() {
-                            let state = state.clone();
-                            let _ = tokio::task::spawn_blocking(move || state.write_journal(&path, journal_steps)).await;
-                        }
-                        tracing::info!(journal_written = journal.is_some(), "SIGHUP: flags are not reloaded (restart the agent to change them); still running");
-                    }
-                    _ = evict.tick() => {
-                        let n = state.evict_idle(retention.as_nanos() as u64);
-                        if n > 0 {
-                            state.ingest.ranks_evicted.inc_by(n as u64);
-                            tracing::info!(ranks = n, "evicted finished ranks after the retention window");
-                        }
-                    }
-                    _ = stop.changed() => break,
+                    tracing::info!(journal_written = journal.is_some(), "SIGHUP: flags are not reloaded (restart the agent to change them); still running");
                 }
+                _ = evict.tick() => {
+                    let n = state.evict_idle(retention.as_nanos() as u64);
+                    if n > 0 {
+                        state.ingest.ranks_evicted.inc_by(n as u64);
+                        tracing::info!(ranks = n, "evicted finished ranks after the retention window");
+                    }
+                }
+                _ = stop.changed() => break,
             }
         }
-    });
+    })
+}
 
-    shutdown.await;
+/// Everything that runs until shutdown.
+struct Running {
+    http: HttpListeners,
+    ingest: IngestListeners,
+    components: Components,
+    housekeeping: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Waits for every task to end (they have been told to stop).
+    async fn drain(self) {
+        for task in self.ingest.tasks {
+            let _ = task.await;
+        }
+        for task in self.http.tasks {
+            let _ = task.await;
+        }
+        let _ = self.housekeeping.await;
+        if let Some(t) = self.components.holders_task {
+            let _ = t.await;
+        }
+    }
+}
+
+/// Stops everything in order: NVML first, then the listeners (drained for
+/// at most 3 s), the final journal and record, and the sockets.
+async fn shut_down(
+    config: &AgentConfig,
+    state: &state::AgentState,
+    sampler: &SamplerHandle,
+    stop: watch::Sender<bool>,
+    mut running: Running,
+) {
     tracing::info!("shutting down");
     // NVML first: a driver upgrade (the GPU Operator's) waits for the driver's
     // clients to let go, and the drain below may take seconds.
-    let signalled = std::time::Instant::now();
-    let nvml_released = tokio::task::spawn_blocking({
-        let sampler = sampler.clone();
-        move || {
-            let stopped = sampler.stop_within(Duration::from_secs(2));
-            if stopped {
-                let ms = signalled.elapsed().as_secs_f64() * 1e3;
-                tracing::info!(
-                    after_ms = format_args!("{ms:.1}"),
-                    "NVML released (nvmlShutdown)"
-                );
-            }
-            stopped
-        }
-    });
+    let nvml_released = release_nvml(sampler.clone());
     state.ingest_listening.store(false, Ordering::Relaxed);
-    let _ = stop_tx.send(true);
+    let _ = stop.send(true);
+    // Both before the lock goes: the next agent binds them once it has it.
+    // The volumes' sockets stay: their pods still mount them, and the next
+    // agent reopens them from the state file.
+    let sockets = std::mem::take(&mut running.ingest.sockets);
     // Streams from live trainers never end by themselves; don't wait forever.
-    let drain = async {
-        let _ = uds_task.await;
-        if let Some(t) = tcp_task {
-            let _ = t.await;
-        }
-        if let Some(t) = csi_task {
-            let _ = t.await;
-        }
-        let _ = http_task.await;
-        for task in [api_task, probe_task].into_iter().flatten() {
-            let _ = task.await;
-        }
-        let _ = housekeeping.await;
-        if let Some(t) = holders_task {
-            let _ = t.await;
-        }
-    };
-    if tokio::time::timeout(Duration::from_secs(3), drain)
+    if tokio::time::timeout(Duration::from_secs(3), running.drain())
         .await
         .is_err()
     {
@@ -489,17 +664,26 @@ pub async fn run_until(
     if !nvml_released.await.unwrap_or(false) {
         tracing::warn!("the NVML sampler did not stop within 2 s (an NVML call hangs); exiting without nvmlShutdown");
     }
-    // Both before the lock goes: the next agent binds them once it has it.
-    // The volumes' sockets stay: their pods still mount them, and the next
-    // agent reopens them from the state file.
-    owned_socket.remove();
-    if let Some(csi) = &owned_csi_socket {
-        csi.remove();
+    for socket in &sockets {
+        socket.remove();
     }
-    tracing::debug!(lock = %lock.path().display(), "releasing the socket's lock");
-    drop(lock);
-    tracing::info!("stopped");
-    Ok(())
+}
+
+/// Stops the sampler (nvmlShutdown) off the runtime; true once it stopped
+/// within 2 s.
+fn release_nvml(sampler: SamplerHandle) -> tokio::task::JoinHandle<bool> {
+    let signalled = std::time::Instant::now();
+    tokio::task::spawn_blocking(move || {
+        let stopped = sampler.stop_within(Duration::from_secs(2));
+        if stopped {
+            let ms = signalled.elapsed().as_secs_f64() * 1e3;
+            tracing::info!(
+                after_ms = format_args!("{ms:.1}"),
+                "NVML released (nvmlShutdown)"
+            );
+        }
+        stopped
+    })
 }
 
 /// GPUs whose samples are stale, so the log says so once per change.
