@@ -5,7 +5,8 @@ One line in a PyTorch training script::
     import stepwatch
     stepwatch.watch(model, optimizer)
 
-Markers (step begin, forward, backward, optimizer, step end, OOM) go to the
+Markers (step begin, forward, backward, optimizer, step end, OOM, evaluation
+passes, checkpoint saves) and each step's batch size go to the
 agent over gRPC (``STEPWATCH_ENDPOINT``, default
 ``unix:///run/stepwatch/stepwatch.sock``) from a background thread. Marking
 never blocks training; with no agent, markers are buffered up to a bound and
@@ -16,7 +17,10 @@ from ._client import PredictedOutOfMemoryError, Prediction, StepwatchError
 from ._identity import DEFAULT_ENDPOINT, Identity, resolve_identity
 from ._runtime import (
     WatchHandle,
+    batch,
+    checkpoint,
     configure,
+    evaluation,
     flush,
     last_prediction,
     oom_guard,
@@ -37,7 +41,10 @@ __all__ = [
     "StepwatchError",
     "WatchHandle",
     "__version__",
+    "batch",
+    "checkpoint",
     "configure",
+    "evaluation",
     "flush",
     "last_prediction",
     "oom_guard",

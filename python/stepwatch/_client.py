@@ -33,6 +33,10 @@ OPTIMIZER_BEGIN = 4
 OPTIMIZER_END = 5
 STEP_END = 6
 OOM = 7
+EVAL_BEGIN = 8
+EVAL_END = 9
+CHECKPOINT_BEGIN = 10
+CHECKPOINT_END = 11
 
 # stats() counters, in the order they are listed (see Client._reset_state).
 COUNTER_NAMES = (
@@ -72,9 +76,13 @@ RUN_OVER_REFUSALS = ("run_ended", "rank_held")
 STOPPED_FORKED = "forked"
 
 # (kind, step, monotonic_ns, wall_ns, micro_batch, allocator 7-tuple or None,
-#  device memory (free, total) or None), and on step 1's optimizer markers
-# without a trace an 8th item: the segment layout (_alloctrace.Layout).
+#  device memory (free, total) or None, batch facts or None), and on step 1's
+# optimizer markers without a trace a 9th item: the segment layout
+# (_alloctrace.Layout).
 MarkerTuple = Tuple[Any, ...]
+# BatchFacts as the client queues them: (samples or None, tokens or None,
+# shape as a tuple of ints, possibly empty).
+Batch = Tuple[Optional[int], Optional[int], Tuple[int, ...]]
 
 _monotonic_ns = time.monotonic_ns
 _time_ns = time.time_ns
@@ -315,12 +323,12 @@ class Client:
     def send_model_update(self, facts: Dict[str, Any]) -> None:
         """Queue facts learnt after the hello (ModelFacts fields by name) after
         the markers queued so far; the agent merges them into the hello's."""
-        self._enqueue(ModelUpdate(facts))
+        self._enqueue(QueuedMessage("model_update", facts, "model_updates_sent"))
 
     def send_oom_report(self, report: Dict[str, Any]) -> None:
         """Queue what the allocator knew at an OOM (OomReport fields by name)
         after the markers queued so far: the OOM marker comes first."""
-        self._enqueue(OomReportItem(report))
+        self._enqueue(QueuedMessage("oom_report", report, "oom_reports_sent"))
 
     # --------------------------------------------------------- training side
     def _enqueue(self, item: Any) -> None:
@@ -340,17 +348,18 @@ class Client:
         allocator: Optional[Tuple[int, ...]] = None,
         device: Optional[Tuple[int, int]] = None,
         layout: Any = None,
+        batch: Optional[Batch] = None,
     ) -> None:
         """Queue one marker. Never blocks; counts a drop when the queue is full.
         ``device`` is (free, total) from cudaMemGetInfo, sent at step 1's
         markers; ``layout`` (an ``_alloctrace.Layout``) step 1's segment
-        layout, on its optimizer markers."""
+        layout, on its optimizer markers; ``batch`` the micro-batch's size."""
         # _enqueue inlined: this is the training thread's per-marker path, and
         # the extra call costs about a quarter of it.
         q = self._q
         if len(q) >= self.maxlen:
             self._dropping_oldest()
-        t = (kind, step, _monotonic_ns(), _time_ns(), micro_batch, allocator, device)
+        t = (kind, step, _monotonic_ns(), _time_ns(), micro_batch, allocator, device, batch)
         q.append(t if layout is None else t + (layout,))
         if self._thread is None:
             self._start()
@@ -749,12 +758,9 @@ class Client:
                     self._in_flight = 0
                     return
                 self._in_flight = 1
-                if isinstance(trace, ModelUpdate):
+                if isinstance(trace, QueuedMessage):
                     yield trace.message(pb)
-                    self.counters["model_updates_sent"] += 1
-                elif isinstance(trace, OomReportItem):
-                    yield trace.message(pb)
-                    self.counters["oom_reports_sent"] += 1
+                    self.counters[trace.counter] += 1
                 else:
                     yield from self._trace_messages(pb, trace)
                 self._in_flight = 0
@@ -821,68 +827,63 @@ class Client:
             yield msg
 
 
-class ModelUpdate:
-    """ModelFacts learnt after the hello, queued in order with the markers."""
+class QueuedMessage:
+    """A ClientMessage other than markers (facts learnt after the hello, an OOM
+    report), queued in order with the markers: ``kind`` is its field of
+    ClientMessage, ``fields`` fills it by name, ``counter`` counts it sent."""
 
-    __slots__ = ("facts",)
+    __slots__ = ("kind", "fields", "counter")
 
-    def __init__(self, facts: Dict[str, Any]) -> None:
-        self.facts = dict(facts)
-
-    def message(self, pb: Any) -> Any:
-        msg = pb.ClientMessage()
-        m = msg.model_update
-        m.SetInParent()
-        set_model_facts(m, self.facts)
-        return msg
-
-
-class OomReportItem:
-    """An OomReport, queued in order with the markers (after its OOM marker)."""
-
-    __slots__ = ("report",)
-
-    def __init__(self, report: Dict[str, Any]) -> None:
-        self.report = dict(report)
+    def __init__(self, kind: str, fields: Dict[str, Any], counter: str) -> None:
+        self.kind = kind
+        self.fields = dict(fields)
+        self.counter = counter
 
     def message(self, pb: Any) -> Any:
         msg = pb.ClientMessage()
-        m = msg.oom_report
+        m = getattr(msg, self.kind)
         m.SetInParent()
-        r = self.report
-        for key in (
-            "step",
-            "requested_bytes",
-            "inactive_split_bytes",
-            "segment_count",
-            "largest_free_block_bytes",
-            "message",
-        ):
-            if r.get(key) is not None:
-                setattr(m, key, r[key])
-        alloc = r.get("allocator")
-        if alloc is not None:
-            a = m.allocator
-            (
-                a.allocated_bytes,
-                a.allocated_peak_bytes,
-                a.reserved_bytes,
-                a.reserved_peak_bytes,
-                a.active_bytes,
-                a.active_peak_bytes,
-                a.num_alloc_retries,
-            ) = alloc
-        device = r.get("device_memory")
-        if device is not None:
-            m.device_memory.free_bytes, m.device_memory.total_bytes = device
-        for size, allocated, largest_free, small in r.get("largest_segments") or ():
-            m.largest_segments.add(
-                size_bytes=size,
-                allocated_bytes=allocated,
-                largest_free_block_bytes=largest_free,
-                small_pool=small,
-            )
+        _FILL[self.kind](m, self.fields)
         return msg
+
+
+def _fill_oom_report(m: Any, r: Dict[str, Any]) -> None:
+    for key in (
+        "step",
+        "requested_bytes",
+        "inactive_split_bytes",
+        "segment_count",
+        "largest_free_block_bytes",
+        "message",
+    ):
+        if r.get(key) is not None:
+            setattr(m, key, r[key])
+    alloc = r.get("allocator")
+    if alloc is not None:
+        _fill_allocator(m.allocator, alloc)
+    device = r.get("device_memory")
+    if device is not None:
+        m.device_memory.free_bytes, m.device_memory.total_bytes = device
+    for size, allocated, largest_free, small in r.get("largest_segments") or ():
+        m.largest_segments.add(
+            size_bytes=size,
+            allocated_bytes=allocated,
+            largest_free_block_bytes=largest_free,
+            small_pool=small,
+        )
+
+
+def _fill_allocator(a: Any, alloc: Tuple[int, ...]) -> None:
+    """AllocatorStats from the 7-tuple of ``_torch.allocator_figures``."""
+    (
+        a.allocated_bytes,
+        a.allocated_peak_bytes,
+        a.reserved_bytes,
+        a.reserved_peak_bytes,
+        a.active_bytes,
+        a.active_peak_bytes,
+        a.num_alloc_retries,
+    ) = alloc
 
 
 def set_model_facts(m: Any, facts: Dict[str, Any]) -> None:
@@ -895,9 +896,18 @@ def set_model_facts(m: Any, facts: Dict[str, Any]) -> None:
             sub = getattr(m, key)
             sub.SetInParent()
             for k, v in value.items():
-                getattr(sub, k).extend(v)
+                if isinstance(v, (list, tuple)):
+                    getattr(sub, k).extend(v)
+                elif v is not None:
+                    setattr(sub, k, v)
         else:
             setattr(m, key, value)
+
+
+_FILL: Dict[str, Callable[[Any, Dict[str, Any]], None]] = {
+    "model_update": set_model_facts,
+    "oom_report": _fill_oom_report,
+}
 
 
 class NewRun:
@@ -948,27 +958,29 @@ def _refusal_of(e: Any) -> Tuple[str, bool]:
 def _tuple_bytes(t: MarkerTuple) -> int:
     """An upper bound on a queued marker's encoded bytes."""
     n = (40 if t[5] is None else 120) + (0 if t[6] is None else 30)
-    return n if len(t) == 7 else n + t[7].nbytes
+    if t[7] is not None:
+        n += 30 + 10 * len(t[7][2])
+    return n if len(t) == 8 else n + t[8].nbytes
 
 
 def _to_pb(pb: Any, t: MarkerTuple) -> Any:
-    kind, step, mono, wall, micro, alloc, device = t[:7]
+    kind, step, mono, wall, micro, alloc, device, batch = t[:8]
     m = pb.Marker(kind=kind, step=step, monotonic_ns=mono, wall_ns=wall, micro_batch=micro)
     if device is not None:
         m.device_memory.free_bytes, m.device_memory.total_bytes = device
-    if len(t) > 7:
-        t[7].fill(m)
+    if batch is not None:
+        b = m.batch
+        b.SetInParent()
+        samples, tokens, shape = batch
+        if samples is not None:
+            b.samples = samples
+        if tokens is not None:
+            b.tokens = tokens
+        b.shape.extend(shape)
+    if len(t) > 8:
+        t[8].fill(m)
     if alloc is not None:
-        a = m.allocator
-        (
-            a.allocated_bytes,
-            a.allocated_peak_bytes,
-            a.reserved_bytes,
-            a.reserved_peak_bytes,
-            a.active_bytes,
-            a.active_peak_bytes,
-            a.num_alloc_retries,
-        ) = alloc
+        _fill_allocator(m.allocator, alloc)
     return m
 
 

@@ -13,10 +13,12 @@ import uuid
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
-from . import _torch
+from . import _batch, _torch
 from ._alloctrace import LayoutSnapshots, Recorder
 from ._client import (
+    CHECKPOINT_BEGIN,
     COUNTER_NAMES,
+    EVAL_BEGIN,
     FORWARD_BEGIN,
     OOM,
     OPTIMIZER_BEGIN,
@@ -104,6 +106,13 @@ class _Runtime:
         # This process's current training run (see begin_run); every hello
         # carries it, so the agent tells a second fit from a reconnect.
         self.run_id = _new_run_id()
+        # The batch of the training forward being marked, read from its
+        # inputs, for its FORWARD_BEGIN.
+        self.forward_batch: Optional[_batch.Batch] = None
+        # stepwatch.batch(): for the next marker of a step. Once it has been
+        # called, batches are no longer read from forward inputs.
+        self.stated_batch: Optional[_batch.Batch] = None
+        self.batch_stated = False
 
     def _new_tracker(self) -> StepTracker:
         tracker = StepTracker(self._emit)
@@ -230,6 +239,7 @@ class _Runtime:
         sharding_factor: Optional[int] = None,
         grads_set_to_none: Optional[bool] = None,
         micro_batch_size: Optional[int] = None,
+        largest_batch: Optional[Dict[str, Any]] = None,
         **configure: Any,
     ) -> Client:
         """What watch() and the integrations share: the model's device and facts
@@ -250,6 +260,7 @@ class _Runtime:
                         sharding_factor=sharding_factor,
                         grads_set_to_none=grads_set_to_none,
                         micro_batch_size=micro_batch_size,
+                        largest_batch=largest_batch,
                     )
                 except Exception as e:
                     # Raised once the client is configured: the markers still go out.
@@ -361,6 +372,24 @@ class _Runtime:
             first[0],
             first[1],
         )
+
+    def training_forward(self, args: Any, kwargs: Any) -> None:
+        """A training forward (or a framework's training batch) begins: its
+        FORWARD_BEGIN carries the batch read from its inputs' shapes, unless
+        the script states its batches (:func:`batch`)."""
+        if not self.batch_stated:
+            try:
+                self.forward_batch = _torch.batch_of(args, kwargs)
+            except Exception as e:  # an input torch cannot describe: no batch
+                log.debug("stepwatch: could not read the forward's batch: %r", e)
+        try:
+            self.guarded(self.tracker.forward)
+        finally:
+            self.forward_batch = None
+
+    def state_batch(self, b: _batch.Batch) -> None:
+        self.batch_stated = True
+        self.stated_batch = b
 
     # ----------------------------------------------------------- step gate
     def _step_gate(self, number: int) -> None:
@@ -489,6 +518,11 @@ class _Runtime:
         return self.allocator_stats and _env_flag("STEPWATCH_LAYOUT_SNAPSHOTS", True)
 
     def _emit(self, kind: int, step: int, micro: int) -> None:
+        batch = None
+        if kind == FORWARD_BEGIN:
+            batch = self.forward_batch
+        if self.stated_batch is not None and kind <= STEP_END:
+            batch, self.stated_batch = self.stated_batch, None
         if step == 1:
             self.step1_kinds.add(kind)
             if kind == STEP_END:
@@ -531,7 +565,7 @@ class _Runtime:
                 layout = self.layouts.take(c, kind, dev, self.watched_parameters)
             if self.device_memory and (step == 1 or kind == OOM):
                 device = self._device_memory(dev)
-        c.mark(kind, step, micro, alloc, device, layout)
+        c.mark(kind, step, micro, alloc, device, layout, batch)
         if finish:
             rec.finish(c)
 
@@ -574,7 +608,7 @@ class _Runtime:
         if rebuild is not None:
             self.get_client().send_model_update({"ddp_bucket_rebuild": rebuild})
 
-    def guarded(self, fn: Callable[[], None]) -> None:
+    def guarded(self, fn: Callable[[], Any]) -> None:
         """Run a marking action from a hook: never raise into training unless strict
         (or asked to: ``raise_on_predicted_oom``)."""
         try:
@@ -801,6 +835,7 @@ def watch(
     tls_key: Optional[str] = None,
     hold_step2_for_prediction: Optional[float] = None,
     raise_on_predicted_oom: bool = False,
+    largest_batch: Optional[Dict[str, Any]] = None,
 ) -> WatchHandle:
     """Hook a PyTorch model (and its optimizer) so every training step is reported.
 
@@ -830,6 +865,19 @@ def watch(
     ``micro_batch_size``: samples per forward on this rank. With it the agent
     sizes step 1's activation memory per sample and, when step 2 will not fit,
     names the largest micro-batch that would.
+
+    Batches: each training forward's FORWARD_BEGIN carries the size of its
+    batch, read from the shape of its main input (``input_ids``-like keyword
+    arguments, else the first tensor): dimension 0 as samples, and for an
+    integer (token id) tensor its elements as tokens. :func:`batch` states
+    them instead. ``largest_batch`` (a dict of ``samples``, ``tokens``,
+    ``shape``): the largest batch the data loader can produce; the agent then
+    says what it would need and whether it fits.
+
+    Evaluation: forwards in eval mode or without gradients outside a training
+    step are an evaluation pass (EVAL_BEGIN, and EVAL_END before the next
+    step or :func:`checkpoint`); the agent keeps its memory apart from the
+    steps'.
 
     ``allocator_trace`` (default ``$STEPWATCH_ALLOCATOR_TRACE``, on): on CUDA,
     record the caching allocator's history during step 1 (no stacks) and send
@@ -895,6 +943,7 @@ def watch(
             sharding_factor=sharding_factor,
             grads_set_to_none=grads_set_to_none,
             micro_batch_size=micro_batch_size,
+            largest_batch=largest_batch,
             endpoint=endpoint,
             job_id=job_id,
             rank=rank,
@@ -1017,6 +1066,61 @@ def phase(name: str) -> Iterator[None]:
     else:
         if name == "optimizer":
             RT.guarded(tr.optimizer_end)
+
+
+def batch(samples: Any = None, tokens: Any = None, shape: Any = None) -> None:
+    """Say what the current step's batch is: ``stepwatch.batch(samples=8,
+    tokens=8 * 2048)``, before or during the step (a step keeps the largest it
+    was told). ``shape`` is its main input's shape. From the first call on,
+    batches are no longer read from forward inputs. A figure that cannot be
+    right (not a whole number >= 1, more than 8 dimensions) is left out with
+    one warning (``strict=True``: ValueError)."""
+    try:
+        b = _batch.stated(samples, tokens, shape)
+    except ValueError as e:
+        if RT.strict:
+            raise
+        c = RT.client
+        if c is not None:
+            c.counters["hook_errors"] += 1
+        if str(e) not in _WARNED_BATCHES:
+            _WARNED_BATCHES.add(str(e))
+            log.warning("stepwatch: stepwatch.batch() ignored: %s", e)
+        return
+    RT.state_batch(b)
+
+
+_WARNED_BATCHES: Set[str] = set()
+
+
+@contextlib.contextmanager
+def _pass(kind: int) -> Iterator[None]:
+    """An evaluation pass or checkpoint save between steps (see the tracker);
+    an OOM escaping it ends it (reported first), any other error too."""
+    tr = RT.tracker
+    RT.guarded(lambda: tr.begin_pass(kind))
+    try:
+        with oom_guard():
+            yield
+    finally:
+        RT.guarded(lambda: tr.end_pass(kind))
+
+
+def checkpoint() -> contextlib.AbstractContextManager[None]:
+    """Mark a checkpoint save: ``with stepwatch.checkpoint(): torch.save(...)``.
+
+    Between training steps only (inside a step it marks nothing): the agent
+    keeps the save's memory (a gathered state dict, serialisation buffers)
+    apart from the steps' and reports its headroom. An OOM escaping the block
+    is reported, then propagates."""
+    return _pass(CHECKPOINT_BEGIN)
+
+
+def evaluation() -> contextlib.AbstractContextManager[None]:
+    """Mark an evaluation pass by hand: ``with stepwatch.evaluation(): ...``
+    (``watch()`` marks forwards in eval mode or without gradients outside a
+    step by itself; this is for a model it does not watch)."""
+    return _pass(EVAL_BEGIN)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,8 @@ from typing import (
     Tuple,
 )
 
+from . import _batch
+
 if TYPE_CHECKING:  # pragma: no cover
     from ._runtime import _Runtime
 
@@ -552,11 +554,14 @@ def model_facts(
     sharding_factor: Optional[int] = None,
     grads_set_to_none: Optional[bool] = None,
     micro_batch_size: Optional[int] = None,
+    largest_batch: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """ModelFacts fields (unknown ones left out) from a model and its optimizer.
 
     ``micro_batch_size`` (samples per forward on this rank) lets the agent size
-    step 1's activations per sample and say which micro-batch would fit."""
+    step 1's activations per sample and say which micro-batch would fit;
+    ``largest_batch`` (samples, tokens, shape) the largest batch the loader can
+    produce, whose need the agent then foresees."""
     facts: Dict[str, Any] = {}
     count = 0
     nbytes = 0
@@ -614,6 +619,8 @@ def model_facts(
         if isinstance(micro_batch_size, bool) or int(micro_batch_size) < 1:
             raise ValueError(f"micro_batch_size must be at least 1, not {micro_batch_size!r}")
         facts["micro_batch_size"] = int(micro_batch_size)
+    if largest_batch is not None:
+        facts["largest_batch"] = _batch.as_fields(_batch.from_mapping(largest_batch))
     return facts
 
 
@@ -642,6 +649,44 @@ def loader_batch_size(loader: Any) -> Optional[int]:
 
 
 # --------------------------------------------------------------- hooks
+# Keyword arguments that hold a model's main input (Hugging Face's names),
+# looked for before the first tensor.
+_MAIN_INPUT_KEYS = ("input_ids", "pixel_values", "input_values", "input_features")
+
+
+def batch_of(args: Any, kwargs: Any) -> Optional[_batch.Batch]:
+    """The batch a forward (or a framework's training batch) takes, from the
+    shape of its main input (:func:`_batch.of_shape`): a keyword argument
+    named like a Hugging Face model's input, else the first tensor of its
+    arguments. Shapes only: nothing is read from the device. None when it
+    takes no tensor."""
+    import torch
+
+    tensor_type = torch.Tensor
+    main = None
+    for named in (kwargs or {}, args[0] if len(args) == 1 else None):
+        if isinstance(named, dict):
+            main = next(
+                (named[k] for k in _MAIN_INPUT_KEYS if isinstance(named.get(k), tensor_type)),
+                None,
+            )
+            if main is not None:
+                break
+    if main is None:
+        main = next(
+            (
+                t
+                for t in _tensors(list(args) + list((kwargs or {}).values()), tensor_type, set())
+                if t.dim() > 0
+            ),
+            None,
+        )
+    if main is None:
+        return None
+    integer = not (main.is_floating_point() or main.is_complex() or main.dtype == torch.bool)
+    return _batch.of_shape(tuple(int(d) for d in main.shape), integer)
+
+
 def input_sizes(args: Any, kwargs: Any) -> Tuple[int, List[Tuple[int, ...]]]:
     """A forward's inputs: the elements of its tensors (positional and keyword,
     looked into as :func:`_tensors` does) and the first four shapes."""
@@ -671,8 +716,10 @@ def _tensors(obj: Any, tensor_type: Any, seen: Set[int], depth: int = 0) -> Iter
 
 
 def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
-    """FORWARD_BEGIN on the top module's forward pre hook; BACKWARD_BEGIN when the
-    gradient reaches the model's output; OOM when a CUDA OOM escapes forward."""
+    """FORWARD_BEGIN (with the batch's size) on the top module's forward pre
+    hook; BACKWARD_BEGIN when the gradient reaches the model's output; OOM when
+    a CUDA OOM escapes forward. A forward in eval mode or without gradients
+    outside a step begins an evaluation pass (EVAL_BEGIN)."""
     import torch
 
     tensor_type = torch.Tensor
@@ -683,7 +730,9 @@ def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
     def pre_hook(module: Any, args: Any, kwargs: Any = None) -> None:
         if is_training(module):
             rt.guarded(lambda: rt.note_forward_inputs(args, kwargs))
-            rt.guarded(rt.tracker.forward)
+            rt.training_forward(args, kwargs)
+        else:
+            rt.guarded(rt.tracker.evaluation_forward)
 
     def post_hook(module: Any, args: Any, output: Any) -> None:
         exc = sys.exc_info()[1]

@@ -7,6 +7,11 @@ and step numbers that never go backwards. Hooks from several sources (module
 hooks, optimizer hooks, framework callbacks, manual ``step()``/``phase()``) may
 report the same event twice or in an order the agent would refuse; the tracker
 drops duplicates and never emits an out-of-order marker.
+
+Evaluation passes and checkpoint saves (EVAL_BEGIN/END, CHECKPOINT_BEGIN/END)
+run between steps: one at a time, named by the last step begun (0 before the
+first), never while a step is open. Beginning one ends the one that runs, and
+the next step's first marker is preceded by the end of the pass that runs.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from typing import Callable, Optional, Set
 
 from ._client import (
     BACKWARD_BEGIN,
+    CHECKPOINT_BEGIN,
+    EVAL_BEGIN,
     FORWARD_BEGIN,
     OOM,
     OPTIMIZER_BEGIN,
@@ -54,11 +61,17 @@ class StepTracker:
         self.stepped: Set[int] = set()  # the optimizers that stepped in this step
         self.optimizer_steps = 0  # optimizer steps in this step
         self.gate: Optional[Gate] = None
+        # The BEGIN kind of the evaluation pass or checkpoint save that runs.
+        self.open_pass: Optional[int] = None
+        # A step died without an end (an exception in ``stepwatch.step()``):
+        # the agent holds it open, so no pass may begin until the next step.
+        self.abandoned = False
 
     # ---------------------------------------------------------------- steps
     def begin_step(self, number: Optional[int] = None, manual: bool = False) -> int:
         if self.in_step:
             self.end_step()
+        self.end_pass()
         gate = self.gate
         if gate is not None:
             gate(self.step + 1 if number is None or number <= self.step else number)
@@ -74,6 +87,7 @@ class StepTracker:
             number = self.step + 1
         self.step = number
         self.in_step = True
+        self.abandoned = False
         self.manual = manual
         self.micro = 0
         self.stepped = set()
@@ -92,9 +106,38 @@ class StepTracker:
 
     def abandon_step(self) -> None:
         """The step died (exception): no STEP_END, the next marker opens a new step."""
+        self.abandoned = self.in_step
         self.in_step = False
         self.manual = False
         self.last = None
+
+    # --------------------------------------------------------------- passes
+    def begin_pass(self, kind: int) -> bool:
+        """Begin an evaluation pass (EVAL_BEGIN) or checkpoint save
+        (CHECKPOINT_BEGIN), ending the other one if it runs. False, and
+        nothing sent, while a step is open: a pass runs between steps."""
+        if self.in_step or self.abandoned:
+            return False
+        if self.open_pass == kind:
+            return True
+        self.end_pass()
+        self.open_pass = kind
+        self.emit(kind, self.step, 0)
+        return True
+
+    def end_pass(self, kind: Optional[int] = None) -> None:
+        """End the pass that runs (only if it is of ``kind``, when given)."""
+        running = self.open_pass
+        if running is None or (kind is not None and kind != running):
+            return
+        self.open_pass = None
+        self.emit(running + 1, self.step, 0)  # EVAL_END, CHECKPOINT_END
+
+    def evaluation_forward(self) -> None:
+        """A forward without gradients or in eval mode: outside a step, it
+        runs in an evaluation pass (inside one, it is part of the step)."""
+        if not self.in_step and self.open_pass != CHECKPOINT_BEGIN:
+            self.begin_pass(EVAL_BEGIN)
 
     # --------------------------------------------------------------- phases
     def forward(self) -> None:
@@ -174,9 +217,15 @@ class StepTracker:
             self.end_step()
 
     def oom(self) -> None:
-        """The current step died with CUDA OOM. OOM is last in the order, so always valid."""
+        """The current step, or the pass that runs, died with CUDA OOM. OOM is
+        last in a step's order, and ends a pass, so always valid."""
+        if self.open_pass is not None and not self.in_step:
+            self.open_pass = None
+            self.emit(OOM, self.step, 0)
+            return
         step = self.step if self.step > 0 else 1
         if self.step == 0:
             self.step = 1
         self.emit(OOM, step, self.micro)
         self.abandon_step()
+        self.abandoned = False  # the OOM marker ended the step

@@ -9,12 +9,16 @@ with automatic optimisation Lightning runs forward and backward *inside*
 ``on_before_optimizer_step`` (after the closure) and ends with the optimizer's
 post-step hook, which also closes the step (OPTIMIZER_END, STEP_END). For an
 optimizer without step hooks, ``on_train_batch_end`` sends both instead.
-``accumulate_grad_batches`` becomes micro-batches.
+``accumulate_grad_batches`` becomes micro-batches, and each training batch's
+size (read from its first tensor's shape) goes with its FORWARD_BEGIN.
+Validation loops (not the sanity check before training) are evaluation
+passes; ``trainer.save_checkpoint`` (ModelCheckpoint's saves) checkpoint
+saves.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -29,8 +33,9 @@ except ImportError:  # pragma: no cover - depends on what is installed
         raise ImportError("stepwatch.lightning needs Lightning (pip install lightning)") from e
 
 from . import _torch
-from ._client import OPTIMIZER_BEGIN, OPTIMIZER_END, Prediction
-from ._runtime import RT, WatchHandle
+from ._client import CHECKPOINT_BEGIN, EVAL_BEGIN, OPTIMIZER_BEGIN, OPTIMIZER_END
+from ._integration import TrainerCallbackBase
+from ._runtime import RT
 
 
 def _version() -> str:
@@ -43,70 +48,48 @@ def _version() -> str:
     return ""
 
 
-class StepwatchCallback(Callback):
-    """Reports each optimizer step of a Lightning ``Trainer`` to the stepwatch agent."""
+class StepwatchCallback(TrainerCallbackBase, Callback):
+    """Reports each optimizer step of a Lightning ``Trainer`` to the stepwatch agent,
+    with its validation loops (evaluation passes) and checkpoint saves.
 
-    def __init__(
-        self,
-        *,
-        job_id: Optional[str] = None,
-        endpoint: Optional[str] = None,
-        on_advisory: Optional[Callable[[Prediction], None]] = None,
-        precision: Optional[str] = None,
-        sharding_factor: Optional[int] = None,
-        micro_batch_size: Optional[int] = None,
-        strict: bool = False,
-    ) -> None:
-        super().__init__()
-        self.job_id = job_id
-        self.endpoint = endpoint
-        self.on_advisory = on_advisory
-        self.precision = precision
-        self.sharding_factor = sharding_factor
-        # None: taken from the trainer (its per-device batch size).
-        self.micro_batch_size = micro_batch_size
-        self.strict = strict
-        self._handle = WatchHandle()
+    Options as :func:`stepwatch.watch`'s; ``micro_batch_size`` defaults to the
+    training loader's batch size."""
 
     # ------------------------------------------------------------- set-up
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         optimizers = list(getattr(trainer, "optimizers", []) or [])
-        gas = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-        world = int(getattr(trainer, "world_size", 1) or 1)
-        precision = self.precision or _precision_name(getattr(trainer, "precision", None))
-        mbs = self.micro_batch_size or _torch.loader_batch_size(
-            getattr(trainer, "train_dataloader", None)
-        )
-        RT.attach(
+        if not self._attach(
             pl_module,
             optimizers,
-            grad_accumulation_steps=gas,
-            precision=precision,
-            sharding_factor=self.sharding_factor,
-            micro_batch_size=mbs,
-            endpoint=self.endpoint,
-            job_id=self.job_id,
-            rank=int(getattr(trainer, "global_rank", 0)) if world > 1 else None,
-            local_rank=int(getattr(trainer, "local_rank", 0)) if world > 1 else None,
-            world_size=world if world > 1 else None,
-            on_advisory=self.on_advisory,
-            strict=self.strict,
+            grad_accumulation_steps=int(getattr(trainer, "accumulate_grad_batches", 1) or 1),
+            precision=_precision_name(getattr(trainer, "precision", None)),
+            micro_batch_size=_torch.loader_batch_size(getattr(trainer, "train_dataloader", None)),
+            world_size=int(getattr(trainer, "world_size", 1) or 1),
+            rank=int(getattr(trainer, "global_rank", 0)),
+            local_rank=int(getattr(trainer, "local_rank", 0)),
             framework="lightning",
             framework_version=_version(),
-        ).start()
-        # OPTIMIZER_END from the optimizer itself (the update has finished).
-        for opt in optimizers:
-            self._handle._handles += _torch.install_optimizer_hooks(RT, opt, begin=False)
+        ):
+            return
+
+        def hooks() -> None:
+            # OPTIMIZER_END from the optimizer itself (the update has finished).
+            for opt in optimizers:
+                self._handle._handles += _torch.install_optimizer_hooks(RT, opt, begin=False)
+            # Checkpoint saves (ModelCheckpoint's and the script's own) all
+            # go through trainer.save_checkpoint.
+            self._handle._handles.append(_SaveCheckpointWatch(trainer))
+
+        RT.guarded(hooks)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._handle.remove()
-        RT.guarded(RT.tracker.end_step)
+        self._end_training()
 
     # ------------------------------------------------------------ markers
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
     ) -> None:
-        RT.guarded(RT.tracker.forward)
+        RT.training_forward((batch,), None)
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         RT.guarded(RT.tracker.backward)
@@ -123,9 +106,41 @@ class StepwatchCallback(Callback):
         # that hides them): close the optimizer phase and the step here.
         RT.guarded(_end_of_batch)
 
+    # -------------------------------------------------------------- passes
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        # The sanity check runs before on_train_start: nothing is attached yet.
+        self._begin_pass(EVAL_BEGIN)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._end_pass(EVAL_BEGIN)
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if _torch.is_oom(exception):
             RT.report_oom(exception)
+
+
+class _SaveCheckpointWatch:
+    """Wraps ``trainer.save_checkpoint`` on the instance with CHECKPOINT_BEGIN
+    and CHECKPOINT_END; ``remove()`` puts it back."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        original = trainer.save_checkpoint
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            tr = RT.tracker
+            RT.guarded(lambda: tr.begin_pass(CHECKPOINT_BEGIN))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                RT.guarded(lambda: tr.end_pass(CHECKPOINT_BEGIN))
+
+        self.wrapper = save_checkpoint
+        trainer.save_checkpoint = save_checkpoint
+
+    def remove(self) -> None:
+        if self.trainer.__dict__.get("save_checkpoint") is self.wrapper:
+            del self.trainer.save_checkpoint
 
 
 def _end_of_batch() -> None:

@@ -5,12 +5,16 @@
 
 Step and optimizer boundaries come from the Trainer's callback events
 (on_step_begin, on_pre_optimizer_step, on_optimizer_step, on_step_end);
-forward and backward from hooks on the model (as in ``stepwatch.watch``).
+forward and backward from hooks on the model (as in ``stepwatch.watch``),
+with each micro-batch's size read from its inputs. The evaluation's forwards
+(no gradients, eval mode) are an evaluation pass that ``on_evaluate`` ends;
+a checkpoint save runs from the decision to save (``on_step_end``, or after
+the evaluation) to ``on_save``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any
 
 try:
     from transformers import TrainerCallback
@@ -18,71 +22,48 @@ except ImportError as e:  # pragma: no cover - depends on what is installed
     raise ImportError("stepwatch.transformers needs transformers (pip install transformers)") from e
 
 from . import _torch
-from ._client import Prediction
-from ._runtime import RT, WatchHandle
+from ._client import CHECKPOINT_BEGIN, EVAL_BEGIN
+from ._integration import TrainerCallbackBase
+from ._runtime import RT
 
 
-class StepwatchCallback(TrainerCallback):
-    """Reports each optimizer step of a ``transformers.Trainer`` to the stepwatch agent."""
+class StepwatchCallback(TrainerCallbackBase, TrainerCallback):
+    """Reports each optimizer step of a ``transformers.Trainer`` to the stepwatch
+    agent, with its evaluations (evaluation passes) and checkpoint saves.
 
-    def __init__(
-        self,
-        *,
-        job_id: Optional[str] = None,
-        endpoint: Optional[str] = None,
-        on_advisory: Optional[Callable[[Prediction], None]] = None,
-        precision: Optional[str] = None,
-        sharding_factor: Optional[int] = None,
-        micro_batch_size: Optional[int] = None,
-        strict: bool = False,
-    ) -> None:
-        self.job_id = job_id
-        self.endpoint = endpoint
-        self.on_advisory = on_advisory
-        self.precision = precision
-        self.sharding_factor = sharding_factor
-        # None: taken from the trainer (its per-device batch size).
-        self.micro_batch_size = micro_batch_size
-        self.strict = strict
-        self._handle = WatchHandle()
+    Options as :func:`stepwatch.watch`'s; ``micro_batch_size`` defaults to
+    ``per_device_train_batch_size``."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         import transformers
 
         model = kwargs.get("model")
-        optimizer = kwargs.get("optimizer")
-        gas = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
-        world = int(getattr(args, "world_size", 1) or 1)
-        mbs = self.micro_batch_size or getattr(args, "per_device_train_batch_size", None)
-        precision = self.precision
-        if precision is None:
-            if getattr(args, "bf16", False):
-                precision = "bf16-mixed"
-            elif getattr(args, "fp16", False):
-                precision = "fp16-mixed"
-        RT.attach(
+        precision = None
+        if getattr(args, "bf16", False):
+            precision = "bf16-mixed"
+        elif getattr(args, "fp16", False):
+            precision = "fp16-mixed"
+        attached = self._attach(
             model,
-            optimizer,
-            grad_accumulation_steps=gas,
+            kwargs.get("optimizer"),
+            grad_accumulation_steps=int(getattr(args, "gradient_accumulation_steps", 1) or 1),
             precision=precision,
-            sharding_factor=self.sharding_factor,
-            micro_batch_size=mbs,
-            endpoint=self.endpoint,
-            job_id=self.job_id,
-            rank=int(getattr(args, "process_index", 0)) if world > 1 else None,
-            local_rank=int(getattr(args, "local_process_index", 0)) if world > 1 else None,
-            world_size=world if world > 1 else None,
-            on_advisory=self.on_advisory,
-            strict=self.strict,
+            micro_batch_size=getattr(args, "per_device_train_batch_size", None),
+            world_size=int(getattr(args, "world_size", 1) or 1),
+            rank=int(getattr(args, "process_index", 0)),
+            local_rank=int(getattr(args, "local_process_index", 0)),
             framework="transformers",
             framework_version=getattr(transformers, "__version__", ""),
-        ).start()
-        if model is not None and not self._handle._handles:
-            self._handle._handles = _torch.install_module_hooks(RT, model)
+        )
+        if attached and model is not None and not self._handle._handles:
+
+            def hooks() -> None:
+                self._handle._handles = _torch.install_module_hooks(RT, model)
+
+            RT.guarded(hooks)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._handle.remove()
-        RT.guarded(RT.tracker.end_step)
+        self._end_training()
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         tr = RT.tracker
@@ -101,3 +82,30 @@ class StepwatchCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         RT.guarded(RT.tracker.end_step)
+        self._save_without_evaluation(args, control)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._save_without_evaluation(args, control)
+
+    def _save_without_evaluation(self, args: Any, control: Any) -> None:
+        # After this callback the Trainer evaluates (the model's hooks see its
+        # forwards without gradients: an evaluation pass), then saves.
+        if getattr(control, "should_save", False) and not getattr(
+            control, "should_evaluate", False
+        ):
+            self._begin_save(args)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end_pass(EVAL_BEGIN)
+        if getattr(control, "should_save", False):
+            self._begin_save(args)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end_pass(CHECKPOINT_BEGIN)
+
+    def _begin_save(self, args: Any) -> None:
+        # With save_strategy "best" the Trainer decides after the evaluation
+        # whether it saves; the save is then not marked.
+        strategy = getattr(args, "save_strategy", None)
+        if getattr(strategy, "value", strategy) != "best":
+            self._begin_pass(CHECKPOINT_BEGIN)

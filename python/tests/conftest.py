@@ -73,6 +73,29 @@ def small_model() -> Any:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 
 
+def tiny_lightning_module():
+    """A LightningModule class: one linear layer on (x, y) batches, AdamW."""
+    import lightning as L
+    import torch
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.lin(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            self.log("val", self.training_step(batch, batch_idx))
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    return Tiny
+
+
 def agent_binary() -> Path:
     """The real agent (``$STEPWATCH_BIN`` or ``target/debug/stepwatch``); skips the
     test when STEPWATCH_SKIP_AGENT_TESTS=1, fails it when the binary is missing."""

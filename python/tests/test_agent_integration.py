@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
-from conftest import FLUSH_S, agent_binary, mark_steps
+from conftest import FLUSH_S, agent_binary, mark_steps, tiny_lightning_module
 
 import stepwatch
 
@@ -315,18 +315,7 @@ def test_a_second_lightning_fit_is_a_new_run_from_step_1(real_agent, tmp_path):
 
     from stepwatch.lightning import StepwatchCallback
 
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.lin(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
+    Tiny = tiny_lightning_module()
     job = f"pytest-{uuid.uuid4().hex[:8]}"
     ds = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
     callback = StepwatchCallback(job_id=job)

@@ -908,10 +908,10 @@ def test_a_trace_is_not_resent_on_a_new_stream():
     fake = FakeCuda()
     trace = big_trace(fake, n_pairs=6000)
     c = Client("unix:///nonexistent/stepwatch.sock", lambda: pb.Hello())
-    c._q.append((OPTIMIZER_END, 1, 1, 1, 0, None, None))
+    c._q.append((OPTIMIZER_END, 1, 1, 1, 0, None, None, None))
     c._q.append(trace)
-    c._q.append((STEP_END, 1, 2, 2, 0, None, None))
-    c._q.append((STEP_BEGIN, 2, 3, 3, 0, None, None))
+    c._q.append((STEP_END, 1, 2, 2, 0, None, None, None))
+    c._q.append((STEP_BEGIN, 2, 3, 3, 0, None, None, None))
     stream = _StreamState()
     gen = c._requests(stream)
     assert next(gen).WhichOneof("kind") == "hello"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FLUSH_S, expected, summary
+from conftest import FLUSH_S, expected, summary, tiny_lightning_module
 
 import stepwatch
 
@@ -17,6 +17,21 @@ def test_base_package_needs_no_frameworks():
         "assert not {'torch','lightning','transformers'} & set(sys.modules), sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def passes(markers):
+    """(kind, step) of the evaluation and checkpoint markers."""
+    return [(k, s) for k, s, _ in summary(markers) if k.startswith(("EVAL", "CHECKPOINT"))]
+
+
+def each_of(kinds, after):
+    """Passes of ``kinds`` in this order after each of the steps ``after``."""
+    return [(f"{k}_{edge}", s) for s in after for k in kinds for edge in ("BEGIN", "END")]
+
+
+def forward_batches(markers):
+    """(samples, shape) of each FORWARD_BEGIN's batch."""
+    return [(m.batch.samples, list(m.batch.shape)) for m in markers if m.kind == 2]
 
 
 @pytest.mark.parametrize("step_hooks", [True, False], ids=["step-hooks", "no-step-hooks"])
@@ -51,18 +66,7 @@ def test_lightning_callback(agent, tmp_path, monkeypatch, accumulate, step_hooks
 
     monkeypatch.setattr(stepwatch._runtime.RT.tracker, "end_step", end_step)
 
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.lin(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
+    Tiny = tiny_lightning_module()
     ds = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
     steps = 3
     trainer = L.Trainer(
@@ -90,10 +94,12 @@ def test_lightning_callback(agent, tmp_path, monkeypatch, accumulate, step_hooks
     assert sources[:steps] == ["optimizer_end" if step_hooks else "_end_of_batch"] * steps
 
 
-def hf_trainer(tmp_path, steps, accumulate=1):
+def hf_trainer(tmp_path, steps, accumulate=1, **arguments):
     """A tiny HF Trainer on the CPU with stepwatch's callback: ``steps``
-    optimizer steps of 4 samples times ``accumulate`` micro-batches.
-    Returns ``(make_trainer, callback)``; each call makes a fresh model."""
+    optimizer steps of 4 samples times ``accumulate`` micro-batches, and
+    ``arguments`` for its TrainingArguments (with an evaluation strategy, the
+    training set is its evaluation set too). Returns ``make_trainer``; each
+    call makes a fresh model."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     import torch
@@ -118,7 +124,7 @@ def hf_trainer(tmp_path, steps, accumulate=1):
             g = torch.Generator().manual_seed(i)
             return {"x": torch.randn(4, generator=g), "labels": torch.randn(1, generator=g)}
 
-    args = TrainingArguments(
+    options = dict(
         output_dir=str(tmp_path),
         max_steps=steps,
         per_device_train_batch_size=4,
@@ -130,10 +136,18 @@ def hf_trainer(tmp_path, steps, accumulate=1):
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    args = TrainingArguments(**{**options, **arguments})
     callback = StepwatchCallback()
 
     def make_trainer():
-        return Trainer(model=Tiny(), args=args, train_dataset=DS(), callbacks=[callback])
+        evaluated = DS() if "eval_strategy" in arguments else None
+        return Trainer(
+            model=Tiny(),
+            args=args,
+            train_dataset=DS(),
+            eval_dataset=evaluated,
+            callbacks=[callback],
+        )
 
     return make_trainer
 
@@ -170,3 +184,62 @@ def test_a_second_transformers_train_is_a_new_run_on_a_new_stream(agent, tmp_pat
     assert summary(first.markers) == expected(2)
     assert summary(second.markers) == expected(2)
     assert stepwatch.stats()["runs"] == 1
+
+
+def test_lightning_validation_and_checkpoints_are_passes(agent, tmp_path):
+    """Validation loops during fit are evaluation passes (the sanity check
+    before training is not marked), ModelCheckpoint's saves checkpoint saves,
+    and each training batch's size goes with its forward."""
+    pytest.importorskip("lightning")
+    import lightning as L
+    import torch
+
+    from stepwatch.lightning import StepwatchCallback
+
+    Tiny = tiny_lightning_module()
+
+    def loader(n):
+        ds = torch.utils.data.TensorDataset(torch.randn(n, 4), torch.randn(n, 1))
+        return torch.utils.data.DataLoader(ds, batch_size=4)
+
+    trainer = L.Trainer(
+        max_steps=4,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        callbacks=[
+            StepwatchCallback(),
+            L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2),
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(Tiny(), loader(16), loader(4))
+    assert stepwatch.flush(FLUSH_S)
+    ms = agent.wait_markers(4 * 6 + 2 * 4)
+    # ModelCheckpoint(every_n_train_steps) saves at the end of the training
+    # batch, before that step's validation.
+    assert passes(ms) == each_of(["CHECKPOINT", "EVAL"], after=[2, 4]), summary(ms)
+    assert forward_batches(ms) == [(4, [4, 4])] * 4
+
+
+def test_transformers_evaluation_and_save_are_passes(agent, tmp_path):
+    """The Trainer's evaluation every 2 steps is an evaluation pass (its
+    forwards under no_grad seen by the model's hooks, ended by on_evaluate),
+    and the save after it a checkpoint save (ended by on_save)."""
+    hf_trainer(
+        tmp_path,
+        4,
+        per_device_eval_batch_size=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+    )().train()
+    assert stepwatch.flush(FLUSH_S)
+    ms = agent.wait_markers(4 * 6 + 2 * 4)
+    assert passes(ms) == each_of(["EVAL", "CHECKPOINT"], after=[2, 4]), summary(ms)
+    assert forward_batches(ms) == [(4, [4, 4])] * 4

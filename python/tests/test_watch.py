@@ -53,7 +53,7 @@ def test_gradient_accumulation_micro_batches(agent):
     assert agent.streams[0].hello.model.grad_accumulation_steps == 3
 
 
-def test_eval_and_no_grad_forwards_are_not_steps(agent):
+def test_eval_and_no_grad_forwards_are_an_evaluation_pass_not_steps(agent):
     model = small_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stepwatch.watch(model, opt)
@@ -64,8 +64,12 @@ def test_eval_and_no_grad_forwards_are_not_steps(agent):
     model(torch.randn(2, 8))
     model.train()
     train(model, opt, 1)
-    ms = agent.wait_markers(12)
-    assert summary(ms) == [(k, s, 0) for s in (1, 2) for k in STEP]
+    ms = agent.wait_markers(14)
+    assert summary(ms) == (
+        [(k, 1, 0) for k in STEP]
+        + [("EVAL_BEGIN", 1, 0), ("EVAL_END", 1, 0)]
+        + [(k, 2, 0) for k in STEP]
+    )
 
 
 def test_output_structures_dict_and_tuple(agent):

@@ -673,6 +673,9 @@ struct StepReport {
     begin_wall_ns: u64,
     duration_seconds: Option<f64>,
     nvml_peak_bytes: Option<u64>,
+    /// The largest batch the step's markers carried, when the client said.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    batch: Option<stepwatch_core::BatchFacts>,
     phases: Vec<PhaseReport>,
 }
 
@@ -699,6 +702,7 @@ impl From<&StepRecord> for StepReport {
             begin_wall_ns: s.begin_wall_ns,
             duration_seconds: s.duration_ns().map(|ns| ns as f64 / 1e9),
             nvml_peak_bytes: s.nvml_peak_bytes(),
+            batch: s.batch.clone(),
             phases: s
                 .phases
                 .iter()
