@@ -20,6 +20,7 @@
 mod gpus;
 mod report;
 mod truth;
+mod verify;
 
 use std::io::Write as _;
 use std::os::unix::process::CommandExt as _;
@@ -34,8 +35,9 @@ use fake_nvml::GpuSpec;
 use serde_json::Value;
 
 use crate::fake_agent::{self, FakeAgent};
-use report::{RankResult, Report};
+use report::{RankResult, Report, Verification};
 use stepwatch::http_get;
+use verify::BatchSetting;
 
 #[derive(Debug, Clone, clap::Args)]
 #[command(
@@ -75,6 +77,27 @@ pub struct PreflightArgs {
     /// else `python -m stepwatch.fake_cuda` of the installed Python package).
     #[arg(long, env = "STEPWATCH_FAKE_CUDA")]
     pub fake_cuda: Option<PathBuf>,
+    /// When the verdict is step-2 OOM and the agent names a micro-batch that
+    /// would fit, run the command again at that micro-batch and report
+    /// whether it fits. Needs --batch-arg or --batch-env.
+    #[arg(long)]
+    pub verify_advice: bool,
+    /// How --verify-advice sets the micro-batch: the command's argument that
+    /// holds it, rewritten in place (`--batch` for `--batch 8` or
+    /// `--batch=8`; `data.batch_size` for a `data.batch_size=8` override).
+    /// Its value must be the samples per forward on each rank.
+    #[arg(
+        long,
+        value_name = "NAME",
+        allow_hyphen_values = true,
+        conflicts_with = "batch_env",
+        requires = "verify_advice"
+    )]
+    pub batch_arg: Option<String>,
+    /// How --verify-advice sets the micro-batch: an environment variable the
+    /// script reads it from, set for the second run.
+    #[arg(long, value_name = "NAME", requires = "verify_advice")]
+    pub batch_env: Option<String>,
     /// List the GPU models and exit.
     #[arg(long)]
     pub list_gpus: bool,
@@ -108,195 +131,286 @@ fn run(args: &PreflightArgs) -> anyhow::Result<i32> {
         !args.command.is_empty(),
         "nothing to run: stepwatch preflight --gpu MODEL -- python train.py ..."
     );
-    let gpu = match (args.gpu_capacity, &args.gpu) {
-        (Some(bytes), _) => gpus::with_capacity(bytes),
-        (None, Some(key)) => gpus::lookup(key)?,
-        (None, None) => unreachable!("clap requires --gpu or --gpu-capacity"),
-    };
-    let count = args
-        .gpus
-        .unwrap_or_else(|| nproc_per_node(&args.command).unwrap_or(1));
-    anyhow::ensure!((1..=16).contains(&count), "--gpus must be 1 to 16");
-    let python = args
-        .python
-        .clone()
-        .or_else(|| command_python(&args.command));
-    let runner = python.clone().unwrap_or_else(|| PathBuf::from("python3"));
-    let fake_cuda = find_fake_cuda(args.fake_cuda.as_deref(), &runner)?;
-    let nvml_lib = fake_nvml::find_cdylib().context(
-        "the fake NVML library (libfake_nvml.so) was not found next to the stepwatch binary \
-         (the release tarball ships it beside the binary, the .deb in /usr/lib/stepwatch)",
-    )?;
-
-    // Ctrl-C and SIGTERM stop the run (its process group) and end with status 2.
-    let interrupted = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        signal_hook::flag::register(signal, Arc::clone(&interrupted))
-            .context("cannot handle Ctrl-C")?;
-    }
-
-    let started = Instant::now();
-    let specs: Vec<GpuSpec> = (0..count)
-        .map(|i| GpuSpec {
-            name: gpu.name.clone(),
-            total_bytes: gpu.total_bytes,
-            ..GpuSpec::h100_80gb(i)
-        })
-        .collect();
-    let agent = FakeAgent::start(
-        "preflight",
-        &specs,
-        &fake_agent::Options {
-            node_name: Some("preflight"),
-            reserved_bytes: Some(gpu.reserved_bytes),
-            ..Default::default()
-        },
-    )
-    .context("cannot start the agent on fake GPUs")?;
-    let usage_dir = agent.dir.join("usage");
-    std::fs::create_dir(&usage_dir)?;
-    let output = agent.dir.join("job.log");
-    let job_id = format!("preflight-{}", std::process::id());
-    say(
-        args,
-        &format!(
-            "preflight: {} on {count} fake {} ({} usable), {} steps",
-            args.command.join(" "),
-            gpu.name,
-            gpus::gib(gpu.usable_bytes()),
-            args.steps
-        ),
-    );
-
-    let mut cmd = Command::new(&runner);
-    cmd.args(fake_cuda.args())
-        .args(["run", "--quiet", "--usage-log"])
-        .arg(&usage_dir);
-    if let Some(py) = &python {
-        cmd.arg("--python").arg(py);
-    }
-    if let Some(n) = args.nccl_bytes {
-        cmd.args(["--nccl-bytes", &n.to_string()]);
-    }
-    let log_file = std::fs::File::create(&output)?;
-    cmd.arg("--")
-        .args(&args.command)
-        .env(fake_nvml::STATE_DIR_ENV, &agent.dir)
-        .env("STEPWATCH_ENDPOINT", &agent.endpoint)
-        .env("STEPWATCH_JOB_ID", &job_id)
-        .env("STEPWATCH_STOP_AFTER_STEP", args.steps.to_string())
-        .env("STEPWATCH_BIN", std::env::current_exe()?)
-        .env("STEPWATCH_FAKE_NVML_LIB", &nvml_lib)
-        .env("PYTHONUNBUFFERED", "1")
-        .stdin(Stdio::null())
-        .stdout(log_file.try_clone()?)
-        .stderr(log_file)
-        // Its own process group: a timeout or Ctrl-C stops torchrun's workers too.
-        .process_group(0);
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("cannot run fake CUDA's launcher ({fake_cuda:?})"))?;
-    let deadline = Instant::now() + Duration::from_secs(args.timeout);
-    let status = loop {
-        if let Some(status) = child.try_wait()? {
-            break status;
-        }
-        let why = if interrupted.load(Ordering::Relaxed) {
-            Some("interrupted".to_string())
-        } else if Instant::now() > deadline {
-            Some(format!(
-                "the run took more than --timeout {} s",
-                args.timeout
-            ))
-        } else {
-            None
-        };
-        if let Some(why) = why {
-            // SAFETY: kill(2) on the process group this function created.
-            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
-            let _ = child.wait();
-            anyhow::bail!("{why}; its output:\n{}", tail(&output, 30));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let text = std::fs::read_to_string(&output).unwrap_or_default();
-    let said_oom = text.contains("OutOfMemoryError") || text.contains("CUDA out of memory");
-    if !status.success() && !said_oom {
-        anyhow::bail!(
-            "the command failed ({status}) without running out of memory; its output:\n{}",
-            tail(&output, 30)
-        );
-    }
-
-    let reports = rank_reports(&agent, &job_id, args.steps)?;
-    let usage = truth::Usage::read(&usage_dir)?;
+    let setting = BatchSetting::from_args(args.batch_arg.as_deref(), args.batch_env.as_deref())?;
     anyhow::ensure!(
-        reports.is_empty() || !usage.is_empty(),
-        "fake CUDA wrote no usage log (in {}): is the command's torch the one fake CUDA \
-         built for? Its output:\n{}",
-        usage_dir.display(),
-        tail(&output, 30)
+        !args.verify_advice || setting.is_some(),
+        "--verify-advice needs to know how the micro-batch size reaches the script:          --batch-arg NAME (the command's `--NAME N` or `NAME=N`) or --batch-env NAME"
     );
-    let mut ranks = Vec::new();
-    for report in &reports {
-        ranks.push(judge(report, &usage));
-    }
-    if ranks.is_empty() {
-        anyhow::ensure!(
-            said_oom,
-            "no stepwatch client reached the agent: does the script call \
-             stepwatch.watch(model, optimizer) (or use the Lightning / Hugging Face \
-             callback), and is stepwatch installed for its Python? Its output:\n{}",
-            tail(&output, 30)
-        );
-        // Out of memory before the client said hello (building the model).
-        ranks.push(RankResult {
-            oom_step: Some(0),
-            ..Default::default()
-        });
-    }
-    let any_oom = ranks.iter().any(|r| r.oom_step.is_some());
-    for r in &mut ranks {
-        if r.oom_step.is_none() && r.steps_completed < args.steps {
-            anyhow::ensure!(
-                any_oom,
-                "rank {} ended after {} step(s), before step {}: run the script for more \
-                 steps, or lower --steps (at least 2)",
-                r.rank,
-                r.steps_completed,
-                args.steps
-            );
-            r.aborted = true;
-        }
-    }
-    if said_oom && !any_oom {
-        anyhow::bail!(
-            "the command ran out of memory but no rank's client reported it; its output:\n{}",
-            tail(&output, 30)
-        );
-    }
+    // Checked now, not after the first run.
+    let current = match &setting {
+        Some(s) => s.current(&args.command)?,
+        None => None,
+    };
+    let setup = Setup::new(args)?;
+    let started = Instant::now();
+    say(&format!(
+        "preflight: {} on {} fake {} ({} usable), {} steps",
+        args.command.join(" "),
+        setup.count,
+        setup.gpu.name,
+        gpus::gib(setup.gpu.usable_bytes()),
+        args.steps
+    ));
+    let run = setup.measure(args, &args.command, None)?;
+    let verification = setting.map(|s| verify(args, &setup, &run.ranks, &s, current));
+    anyhow::ensure!(!setup.interrupted.load(Ordering::Relaxed), "interrupted");
     let report = Report {
         command: &args.command,
-        gpu: &gpu,
-        gpus: count,
+        gpu: &setup.gpu,
+        gpus: setup.count,
         steps: args.steps,
         seconds: started.elapsed().as_secs_f64(),
-        ranks: &ranks,
+        ranks: &run.ranks,
+        verification: verification.as_ref(),
     };
     if args.json {
         println!("{:#}", report.json());
     } else {
         print!("{}", report.text());
-        if any_oom {
-            println!("\nthe command's last lines:\n{}", tail(&output, 8));
+        if run.ranks.iter().any(|r| r.oom_step.is_some()) {
+            println!("\nthe command's last lines:\n{}", run.last_lines);
         }
     }
     std::io::stdout().flush()?;
     Ok(report.exit_status())
 }
 
+/// `--verify-advice`: the command again at the advised micro-batch, when
+/// there is one to verify.
+fn verify(
+    args: &PreflightArgs,
+    setup: &Setup,
+    ranks: &[RankResult],
+    setting: &BatchSetting,
+    current: Option<u64>,
+) -> Verification {
+    let advice = match verify::advised(ranks, setup.gpu.usable_bytes(), current) {
+        Ok(advice) => advice,
+        Err(reason) => return Verification::NotRun(reason),
+    };
+    let described = setting.describe(advice.micro_batch_size);
+    say(&format!("preflight: verifying the advice, {described}"));
+    let started = Instant::now();
+    let run = setting
+        .apply(&args.command, advice.micro_batch_size)
+        .and_then(|applied| {
+            let run = setup.measure(args, &applied.command, applied.env.as_ref())?;
+            Ok((applied, run))
+        });
+    match run {
+        Ok((applied, run)) => Verification::Ran {
+            advice,
+            setting: described,
+            applied,
+            ranks: run.ranks,
+            seconds: started.elapsed().as_secs_f64(),
+        },
+        Err(e) => Verification::NotRun(format!("the run with {described} failed: {e:#}")),
+    }
+}
+
+/// What every run of a preflight shares: the GPUs, and how to run the command.
+struct Setup {
+    gpu: gpus::GpuModel,
+    count: u32,
+    python: Option<PathBuf>,
+    runner: PathBuf,
+    fake_cuda: Launcher,
+    nvml_lib: PathBuf,
+    interrupted: Arc<AtomicBool>,
+}
+
+/// One run of the command, judged.
+struct Run {
+    ranks: Vec<RankResult>,
+    /// The command's last lines, indented.
+    last_lines: String,
+}
+
+impl Setup {
+    fn new(args: &PreflightArgs) -> anyhow::Result<Self> {
+        let gpu = match (args.gpu_capacity, &args.gpu) {
+            (Some(bytes), _) => gpus::with_capacity(bytes),
+            (None, Some(key)) => gpus::lookup(key)?,
+            (None, None) => unreachable!("clap requires --gpu or --gpu-capacity"),
+        };
+        let count = args
+            .gpus
+            .unwrap_or_else(|| nproc_per_node(&args.command).unwrap_or(1));
+        anyhow::ensure!((1..=16).contains(&count), "--gpus must be 1 to 16");
+        let python = args
+            .python
+            .clone()
+            .or_else(|| command_python(&args.command));
+        let runner = python.clone().unwrap_or_else(|| PathBuf::from("python3"));
+        let fake_cuda = find_fake_cuda(args.fake_cuda.as_deref(), &runner)?;
+        let nvml_lib = fake_nvml::find_cdylib().context(
+            "the fake NVML library (libfake_nvml.so) was not found next to the stepwatch binary \
+             (the release tarball ships it beside the binary, the .deb in /usr/lib/stepwatch)",
+        )?;
+        // Ctrl-C and SIGTERM stop the run (its process group) and end with status 2.
+        let interrupted = Arc::new(AtomicBool::new(false));
+        for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+            signal_hook::flag::register(signal, Arc::clone(&interrupted))
+                .context("cannot handle Ctrl-C")?;
+        }
+        Ok(Setup {
+            gpu,
+            count,
+            python,
+            runner,
+            fake_cuda,
+            nvml_lib,
+            interrupted,
+        })
+    }
+
+    /// Runs `command` (with `env` set) on fresh fake GPUs and an agent of
+    /// their own, and judges each rank.
+    fn measure(
+        &self,
+        args: &PreflightArgs,
+        command: &[String],
+        env: Option<&(String, String)>,
+    ) -> anyhow::Result<Run> {
+        let specs: Vec<GpuSpec> = (0..self.count)
+            .map(|i| GpuSpec {
+                name: self.gpu.name.clone(),
+                total_bytes: self.gpu.total_bytes,
+                ..GpuSpec::h100_80gb(i)
+            })
+            .collect();
+        let agent = FakeAgent::start(
+            "preflight",
+            &specs,
+            &fake_agent::Options {
+                node_name: Some("preflight"),
+                reserved_bytes: Some(self.gpu.reserved_bytes),
+                ..Default::default()
+            },
+        )
+        .context("cannot start the agent on fake GPUs")?;
+        let usage_dir = agent.dir.join("usage");
+        std::fs::create_dir(&usage_dir)?;
+        let output = agent.dir.join("job.log");
+        let job_id = format!("preflight-{}", std::process::id());
+
+        let mut cmd = Command::new(&self.runner);
+        cmd.args(self.fake_cuda.args())
+            .args(["run", "--quiet", "--usage-log"])
+            .arg(&usage_dir);
+        if let Some(py) = &self.python {
+            cmd.arg("--python").arg(py);
+        }
+        if let Some(n) = args.nccl_bytes {
+            cmd.args(["--nccl-bytes", &n.to_string()]);
+        }
+        if let Some((name, value)) = env {
+            cmd.env(name, value);
+        }
+        let log_file = std::fs::File::create(&output)?;
+        cmd.arg("--")
+            .args(command)
+            .env(fake_nvml::STATE_DIR_ENV, &agent.dir)
+            .env("STEPWATCH_ENDPOINT", &agent.endpoint)
+            .env("STEPWATCH_JOB_ID", &job_id)
+            .env("STEPWATCH_STOP_AFTER_STEP", args.steps.to_string())
+            .env("STEPWATCH_BIN", std::env::current_exe()?)
+            .env("STEPWATCH_FAKE_NVML_LIB", &self.nvml_lib)
+            .env("PYTHONUNBUFFERED", "1")
+            .stdin(Stdio::null())
+            .stdout(log_file.try_clone()?)
+            .stderr(log_file)
+            // Its own process group: a timeout or Ctrl-C stops torchrun's workers too.
+            .process_group(0);
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("cannot run fake CUDA's launcher ({:?})", self.fake_cuda))?;
+        let deadline = Instant::now() + Duration::from_secs(args.timeout);
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            let why = if self.interrupted.load(Ordering::Relaxed) {
+                Some("interrupted".to_string())
+            } else if Instant::now() > deadline {
+                Some(format!(
+                    "the run took more than --timeout {} s",
+                    args.timeout
+                ))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                // SAFETY: kill(2) on the process group this function created.
+                unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+                let _ = child.wait();
+                anyhow::bail!("{why}; its output:\n{}", tail(&output, 30));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let text = std::fs::read_to_string(&output).unwrap_or_default();
+        let said_oom = text.contains("OutOfMemoryError") || text.contains("CUDA out of memory");
+        if !status.success() && !said_oom {
+            anyhow::bail!(
+                "the command failed ({status}) without running out of memory; its output:\n{}",
+                tail(&output, 30)
+            );
+        }
+
+        let reports = rank_reports(&agent, &job_id, args.steps)?;
+        let usage = truth::Usage::read(&usage_dir)?;
+        anyhow::ensure!(
+            reports.is_empty() || !usage.is_empty(),
+            "fake CUDA wrote no usage log (in {}): is the command's torch the one fake CUDA \
+             built for? Its output:\n{}",
+            usage_dir.display(),
+            tail(&output, 30)
+        );
+        let mut ranks: Vec<RankResult> = reports.iter().map(|r| judge(r, &usage)).collect();
+        if ranks.is_empty() {
+            anyhow::ensure!(
+                said_oom,
+                "no stepwatch client reached the agent: does the script call \
+                 stepwatch.watch(model, optimizer) (or use the Lightning / Hugging Face \
+                 callback), and is stepwatch installed for its Python? Its output:\n{}",
+                tail(&output, 30)
+            );
+            // Out of memory before the client said hello (building the model).
+            ranks.push(RankResult {
+                oom_step: Some(0),
+                ..Default::default()
+            });
+        }
+        let any_oom = ranks.iter().any(|r| r.oom_step.is_some());
+        for r in &mut ranks {
+            if r.oom_step.is_none() && r.steps_completed < args.steps {
+                anyhow::ensure!(
+                    any_oom,
+                    "rank {} ended after {} step(s), before step {}: run the script for more \
+                     steps, or lower --steps (at least 2)",
+                    r.rank,
+                    r.steps_completed,
+                    args.steps
+                );
+                r.aborted = true;
+            }
+        }
+        if said_oom && !any_oom {
+            anyhow::bail!(
+                "the command ran out of memory but no rank's client reported it; its output:\n{}",
+                tail(&output, 30)
+            );
+        }
+        Ok(Run {
+            ranks,
+            last_lines: tail(&output, 8),
+        })
+    }
+}
+
 /// A progress line on stderr (never on stdout: `--json` owns it).
-fn say(_args: &PreflightArgs, line: &str) {
+fn say(line: &str) {
     eprintln!("{line}");
 }
 

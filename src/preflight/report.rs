@@ -3,6 +3,7 @@
 use serde_json::{json, Value};
 
 use super::gpus::{gib, GpuModel};
+use super::verify::{Advice, Applied};
 
 /// Below this share of the usable memory to spare, a fit is not good enough:
 /// the agent's `low_observed_headroom` advisory and the accuracy bench's false-alarm
@@ -114,6 +115,27 @@ impl RankResult {
     }
 }
 
+/// What `--verify-advice` found.
+#[derive(Debug, Clone)]
+pub enum Verification {
+    /// The command ran again at the advised micro-batch.
+    Ran {
+        advice: Advice,
+        /// How it was set, e.g. `--batch 2`.
+        setting: String,
+        applied: Applied,
+        ranks: Vec<RankResult>,
+        seconds: f64,
+    },
+    /// Why it did not run.
+    NotRun(String),
+}
+
+/// Every rank's worst verdict: the job's.
+fn job_fits(ranks: &[RankResult], usable: u64) -> bool {
+    !ranks.is_empty() && ranks.iter().all(|r| r.verdict(usable).ok())
+}
+
 /// Everything the report says.
 pub struct Report<'a> {
     pub command: &'a [String],
@@ -122,13 +144,14 @@ pub struct Report<'a> {
     pub steps: u64,
     pub seconds: f64,
     pub ranks: &'a [RankResult],
+    /// With `--verify-advice`.
+    pub verification: Option<&'a Verification>,
 }
 
 impl Report<'_> {
     /// The job's verdict: the worst rank's.
     pub fn exit_status(&self) -> i32 {
-        let usable = self.gpu.usable_bytes();
-        if !self.ranks.is_empty() && self.ranks.iter().all(|r| r.verdict(usable).ok()) {
+        if job_fits(self.ranks, self.gpu.usable_bytes()) {
             0
         } else {
             1
@@ -170,16 +193,7 @@ impl Report<'_> {
             };
             let _ = writeln!(o, "  predicted in step 1  {pred}");
             match (r.steady_peak_bytes, r.oom_step) {
-                (_, None) if r.aborted => {
-                    let _ = writeln!(o, "  steady peak          - (stopped with the job)");
-                }
-                (_, Some(step)) => {
-                    let _ = writeln!(
-                        o,
-                        "  steady peak          - (ran out of memory in step {step})"
-                    );
-                }
-                (Some(p), None) => {
+                (Some(p), None) if !r.aborted => {
                     let err = r
                         .prediction_error()
                         .map(|e| format!(", prediction {:+.2}%", e * 100.0))
@@ -190,15 +204,10 @@ impl Report<'_> {
                         gib(p),
                         r.steps_completed
                     );
-                    let _ = writeln!(
-                        o,
-                        "  headroom             {} ({:.1}%)",
-                        gib(usable.saturating_sub(p)),
-                        r.headroom(usable).unwrap_or(0.0) * 100.0
-                    );
+                    let _ = writeln!(o, "  headroom             {}", headroom(r, usable));
                 }
-                (None, None) => {
-                    let _ = writeln!(o, "  steady peak          - (no step after step 1)");
+                _ => {
+                    let _ = writeln!(o, "  steady peak          - ({})", no_steady_peak(r));
                 }
             }
             let fit = advice(&r.what_would_fit);
@@ -211,6 +220,9 @@ impl Report<'_> {
                     let _ = writeln!(o, "  advisory {kind}: {message}");
                 }
             }
+        }
+        if let Some(v) = self.verification {
+            o.push_str(&verification_text(v, usable));
         }
         o.push_str("\nWhat the fake GPU cannot see (real runs need more than this):\n");
         for s in BLIND_SPOTS {
@@ -245,30 +257,135 @@ impl Report<'_> {
             "seconds": (self.seconds * 100.0).round() / 100.0,
             "exit_status": self.exit_status(),
             "fits": self.exit_status() == 0,
-            "ranks": self.ranks.iter().map(|r| {
-                let v = r.verdict(usable);
-                json!({
-                    "rank": r.rank,
-                    "gpu_uuid": r.gpu_uuid,
-                    "verdict": v.key(),
-                    "verdict_text": v.text(),
-                    "oom_step": r.oom_step,
-                    "steps_completed": r.steps_completed,
-                    "step1_peak_bytes": r.step1_peak_bytes,
-                    "predicted_peak_bytes": r.predicted_peak_bytes,
-                    "prediction_basis": r.prediction_basis,
-                    "predicted_oom": r.predicted_oom,
-                    "prediction_error": r.prediction_error(),
-                    "explanation": r.explanation,
-                    "steady_peak_bytes": r.steady_peak_bytes,
-                    "headroom_bytes": r.steady_peak_bytes.map(|p| usable as i64 - p as i64),
-                    "headroom_fraction": r.headroom(usable),
-                    "what_would_fit": r.what_would_fit,
-                    "advisories": r.advisories.iter().map(|(k, m)| json!({"kind": k, "message": m})).collect::<Vec<_>>(),
-                })
-            }).collect::<Vec<_>>(),
+            "ranks": ranks_json(self.ranks, usable),
+            "verify_advice": self.verification.map(|v| verification_json(v, usable)),
             "cannot_see": BLIND_SPOTS,
         })
+    }
+}
+
+/// The headroom the steady peak left, in GiB and percent.
+fn headroom(r: &RankResult, usable: u64) -> String {
+    let p = r.steady_peak_bytes.unwrap_or(0);
+    format!(
+        "{} ({:.1}%)",
+        gib(usable.saturating_sub(p)),
+        r.headroom(usable).unwrap_or(0.0) * 100.0
+    )
+}
+
+/// Why a rank has no steady peak.
+fn no_steady_peak(r: &RankResult) -> String {
+    match r.oom_step {
+        Some(step) => format!("ran out of memory in step {step}"),
+        None if r.aborted => "stopped with the job".into(),
+        None => "no step after step 1".into(),
+    }
+}
+
+fn ranks_json(ranks: &[RankResult], usable: u64) -> Vec<Value> {
+    ranks
+        .iter()
+        .map(|r| {
+            let v = r.verdict(usable);
+            json!({
+                "rank": r.rank,
+                "gpu_uuid": r.gpu_uuid,
+                "verdict": v.key(),
+                "verdict_text": v.text(),
+                "oom_step": r.oom_step,
+                "steps_completed": r.steps_completed,
+                "step1_peak_bytes": r.step1_peak_bytes,
+                "predicted_peak_bytes": r.predicted_peak_bytes,
+                "prediction_basis": r.prediction_basis,
+                "predicted_oom": r.predicted_oom,
+                "prediction_error": r.prediction_error(),
+                "explanation": r.explanation,
+                "steady_peak_bytes": r.steady_peak_bytes,
+                "headroom_bytes": r.steady_peak_bytes.map(|p| usable as i64 - p as i64),
+                "headroom_fraction": r.headroom(usable),
+                "what_would_fit": r.what_would_fit,
+                "advisories": r.advisories.iter().map(|(k, m)| json!({"kind": k, "message": m})).collect::<Vec<_>>(),
+            })
+        })
+        .collect()
+}
+
+/// No rank ran out of memory: every one ran every step.
+fn none_ran_out(ranks: &[RankResult]) -> bool {
+    !ranks.is_empty() && ranks.iter().all(|r| r.oom_step.is_none() && !r.aborted)
+}
+
+fn verification_text(v: &Verification, usable: u64) -> String {
+    use std::fmt::Write as _;
+    let (advice, setting, ranks, seconds) = match v {
+        Verification::NotRun(why) => return format!("\nadvice not checked: {why}\n"),
+        Verification::Ran {
+            advice,
+            setting,
+            ranks,
+            seconds,
+            ..
+        } => (advice, setting, ranks, seconds),
+    };
+    let outcome = if job_fits(ranks, usable) {
+        "FITS"
+    } else if none_ran_out(ranks) {
+        "FITS WITH UNDER 5% TO SPARE"
+    } else {
+        "STILL RUNS OUT OF MEMORY"
+    };
+    let mut o = format!(
+        "\nadvice checked: micro-batch {} instead of {} ({setting}, run again, {seconds:.0} s): \
+         {outcome}\n",
+        advice.micro_batch_size, advice.from_micro_batch_size
+    );
+    for r in ranks {
+        let _ = match r
+            .steady_peak_bytes
+            .filter(|_| r.oom_step.is_none() && !r.aborted)
+        {
+            Some(p) => writeln!(
+                o,
+                "  rank {}: {}, steady peak {}, headroom {}",
+                r.rank,
+                r.verdict(usable).text(),
+                gib(p),
+                headroom(r, usable)
+            ),
+            None => writeln!(
+                o,
+                "  rank {}: {} ({})",
+                r.rank,
+                r.verdict(usable).text(),
+                no_steady_peak(r)
+            ),
+        };
+    }
+    o
+}
+
+fn verification_json(v: &Verification, usable: u64) -> Value {
+    match v {
+        Verification::NotRun(why) => json!({"ran": false, "reason": why}),
+        Verification::Ran {
+            advice,
+            setting,
+            applied,
+            ranks,
+            seconds,
+        } => json!({
+            "ran": true,
+            "micro_batch_size": advice.micro_batch_size,
+            "from_micro_batch_size": advice.from_micro_batch_size,
+            "setting": setting,
+            "command": applied.command,
+            "env": applied.env.as_ref().map(|(k, v)| json!({k: v})),
+            "fits": none_ran_out(ranks),
+            "fits_with_5_percent_to_spare": job_fits(ranks, usable),
+            "seconds": (seconds * 100.0).round() / 100.0,
+            "ranks": ranks_json(ranks, usable),
+        }),
     }
 }
 
@@ -328,6 +445,7 @@ mod tests {
             steps: 3,
             seconds: 1.0,
             ranks: &ranks,
+            verification: None,
         };
         assert_eq!(report.exit_status(), 1);
         let text = report.text();
@@ -342,5 +460,83 @@ mod tests {
         };
         assert_eq!(fits.exit_status(), 0);
         assert!(fits.text().contains("cuDNN workspaces"));
+    }
+
+    #[test]
+    fn the_verification_says_whether_the_advice_fits() {
+        let gpu = super::super::gpus::with_capacity(100 * GIB);
+        let command = vec![
+            "python".to_string(),
+            "t.py".into(),
+            "--batch".into(),
+            "4".into(),
+        ];
+        let checked = |ranks: Vec<RankResult>| Verification::Ran {
+            advice: Advice {
+                micro_batch_size: 2,
+                from_micro_batch_size: 4,
+            },
+            setting: "--batch 2".into(),
+            applied: Applied {
+                command: vec!["python".into(), "t.py".into(), "--batch".into(), "2".into()],
+                env: None,
+            },
+            ranks,
+            seconds: 1.0,
+        };
+        let ranks = [rank(None, Some(2))];
+        let report = |v: &Verification| {
+            let r = Report {
+                command: &command,
+                gpu: &gpu,
+                gpus: 1,
+                steps: 3,
+                seconds: 1.0,
+                ranks: &ranks,
+                verification: Some(v),
+            };
+            (r.exit_status(), r.text(), r.json())
+        };
+        let fits = checked(vec![rank(Some(60 * GIB), None)]);
+        let (status, text, j) = report(&fits);
+        // The command as given still does not fit.
+        assert_eq!(status, 1);
+        assert!(
+            text.contains(
+                "advice checked: micro-batch 2 instead of 4 (--batch 2, run again, 1 s): FITS"
+            ),
+            "{text}"
+        );
+        let v = &j["verify_advice"];
+        assert_eq!(v["ran"], true);
+        assert_eq!(v["micro_batch_size"], 2);
+        assert_eq!(v["command"][3], "2");
+        assert_eq!(
+            (
+                v["fits"].as_bool(),
+                v["fits_with_5_percent_to_spare"].as_bool()
+            ),
+            (Some(true), Some(true))
+        );
+        assert_eq!(v["ranks"][0]["verdict"], "fits");
+        let tight = checked(vec![rank(Some(98 * GIB), None)]);
+        let (_, text, j) = report(&tight);
+        assert!(text.contains("FITS WITH UNDER 5% TO SPARE"), "{text}");
+        assert_eq!(j["verify_advice"]["fits_with_5_percent_to_spare"], false);
+        let still = checked(vec![rank(None, Some(2))]);
+        let (_, text, j) = report(&still);
+        assert!(text.contains("STILL RUNS OUT OF MEMORY"), "{text}");
+        assert!(text.contains("rank 0: step-2 OOM"), "{text}");
+        assert_eq!(j["verify_advice"]["fits"], false);
+        let not_run = Verification::NotRun("the agent's advice names no micro-batch size".into());
+        let (_, text, j) = report(&not_run);
+        assert!(
+            text.contains("advice not checked: the agent's advice names no micro-batch size"),
+            "{text}"
+        );
+        assert_eq!(
+            j["verify_advice"],
+            serde_json::json!({"ran": false, "reason": "the agent's advice names no micro-batch size"})
+        );
     }
 }

@@ -159,6 +159,18 @@ def test_under_5_percent_to_spare_is_not_a_fit():
     assert truth.returncode == 0 and "step 3 done" in truth.stdout, truth.stderr[-2000:]
 
 
+def test_verify_advice_says_at_once_when_it_cannot_set_the_micro_batch():
+    cmd = [PY, "gpt.py"]
+    rc, report, err = preflight(["--gpu", "h100-80gb", "--verify-advice"], cmd)
+    assert rc == 2 and "--batch-arg NAME" in report["error"], (report, err)
+    rc, report, err = preflight(
+        ["--gpu", "h100-80gb", "--verify-advice", "--batch-arg", "--batch"], cmd
+    )
+    assert rc == 2, (report, err)
+    assert "the command has no `--batch N` or `--batch=N` to rewrite" in report["error"]
+    assert " fake " not in err  # nothing ran
+
+
 def test_a_script_without_stepwatch_is_a_failed_preflight(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import torch\nprint(torch.zeros(4, device='cuda').sum().item())\n")
