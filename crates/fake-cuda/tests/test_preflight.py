@@ -159,6 +159,38 @@ def test_under_5_percent_to_spare_is_not_a_fit():
     assert truth.returncode == 0 and "step 3 done" in truth.stdout, truth.stderr[-2000:]
 
 
+def test_the_advised_micro_batch_fits_when_verified():
+    # gpt.py is a plain `stepwatch.watch(model, optimizer)` loop: the client reads the
+    # micro-batch (4, gpt.py's default --batch) from the forward's inputs.
+    rc, fits, _ = roomy(CASES[0][1])
+    assert rc == 0
+    (r,) = fits["ranks"]
+    assert r["what_would_fit"]["micro_batch_size"] == 4, r["what_would_fit"]
+    usable = r["step1_peak_bytes"] + (r["steady_peak_bytes"] - r["step1_peak_bytes"]) // 4
+    cmd = [PY, "gpt.py", "--batch", "4"]
+    rc, oom, err = preflight(
+        ["--gpu-capacity", str(usable), "--verify-advice", "--batch-arg", "--batch"], cmd
+    )
+    assert rc == 1, (oom, err)  # the command as given still does not fit
+    (r,) = oom["ranks"]
+    assert r["verdict"] == "step2_oom", r
+    fit = r["what_would_fit"]
+    n = fit["fits_with_micro_batch_size"]
+    assert fit["micro_batch_size"] == 4 and 1 <= n < 4, fit
+    advised = [m["message"] for m in r["advisories"] if m["kind"] == "step2_oom_predicted"]
+    assert advised and f"a micro-batch of {n} instead of 4" in advised[-1], advised
+    v = oom["verify_advice"]
+    assert v["ran"] is True and v["micro_batch_size"] == n, v
+    assert v["command"] == [PY, "gpt.py", "--batch", str(n)], v
+    assert v["fits"] is True, v
+    (checked,) = v["ranks"]
+    assert checked["verdict"] in ("fits", "under_5_percent") and checked["oom_step"] is None
+    assert checked["steady_peak_bytes"] < usable, checked
+    # The truth without preflight: at that micro-batch the script runs every step.
+    truth = plain_run(usable, v["command"])
+    assert truth.returncode == 0 and "step 3 done" in truth.stdout, truth.stderr[-2000:]
+
+
 def test_verify_advice_says_at_once_when_it_cannot_set_the_micro_batch():
     cmd = [PY, "gpt.py"]
     rc, report, err = preflight(["--gpu", "h100-80gb", "--verify-advice"], cmd)
