@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import tempfile
 import threading
 import time
@@ -25,6 +26,8 @@ KIND = {v: k for k, v in pb.MarkerKind.items()}
 FLUSH_S = 60.0
 
 REPO = Path(__file__).resolve().parents[2]
+# The real agent on fake GPUs (fake_gpu_agent), shared with the fake CUDA tests.
+sys.path.insert(0, str(REPO / "crates" / "fake-cuda" / "tests"))
 
 # One optimizer step's markers, in order.
 STEP = [

@@ -7,20 +7,17 @@ with two optimizers also gets its prediction."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
-import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
-from conftest import KIND, REPO, STEP, agent_binary, summary
+from conftest import KIND, STEP, summary
+from fake_gpu_agent import FakeGpuAgent, fake_gpu_agent
 
 import stepwatch
 from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
@@ -241,7 +238,6 @@ def test_the_hold_never_waits_for_an_absent_agent(sock_dir, monkeypatch):
 
 
 # ------------------------------------------------- the real agent, fake GPUs
-FAKE_CUDA = REPO / "crates" / "fake-cuda" / "fake-cuda"
 MIB = 1 << 20
 
 TRAIN = r"""
@@ -265,87 +261,17 @@ except stepwatch.PredictedOutOfMemoryError as e:
 """
 
 
-class FakeGpuAgent:
-    """The real agent on a fake-NVML GPU of ``capacity`` bytes, which fake CUDA
-    trains on (both read the same fake-NVML state)."""
+def train(agent: FakeGpuAgent, hold: float, fail_fast: bool) -> subprocess.CompletedProcess:
+    """TRAIN on ``agent``'s fake GPU."""
+    return run(agent, TRAIN, [str(hold), "1" if fail_fast else "0"])
 
-    def __init__(self, tmp_path: Path, sock_dir: str, capacity: int, mig_slices: int = 0) -> None:
-        self.binary = agent_binary()
-        self.nvml = tmp_path / "nvml"
-        self.tmp = tmp_path
-        self.socket = os.path.join(sock_dir, "a.sock")
-        self.log = tmp_path / "agent.log"
-        init = subprocess.run(
-            [str(self.binary), "fake-gpu", "--dir", str(self.nvml), "init", "--gpus", "1"]
-            + ["--total-gib", repr(capacity / (1 << 30))]
-            + (["--mig-slices", str(mig_slices)] if mig_slices else []),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert init.returncode == 0, init.stderr
-        lib = subprocess.run(
-            [str(self.binary), "fake-gpu", "lib-path"], capture_output=True, text=True, timeout=60
-        ).stdout.strip()
-        ready = tmp_path / "ready.json"
-        env = dict(os.environ, STEPWATCH_FAKE_NVML_DIR=str(self.nvml))
-        self.proc = subprocess.Popen(
-            [str(self.binary), "agent", "--nvml-lib", lib, "--socket", self.socket]
-            + ["--http-listen", "127.0.0.1:0", "--ready-file", str(ready)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.log, "wb"),
-            env=env,
-        )
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.05)
-        self.http = json.loads(ready.read_text())["http"]
-        while b"nvml: up" not in self._get("/readyz"):
-            assert time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.1)
 
-    def _get(self, path: str) -> bytes:
-        with urllib.request.urlopen(f"http://{self.http}{path}", timeout=5) as r:
-            return r.read()
-
-    def rank_report(self, job: str) -> dict:
-        return json.loads(self._get(f"/api/v1/jobs/{job}/ranks/0"))
-
-    def train(self, hold: float, fail_fast: bool) -> subprocess.CompletedProcess:
-        return self.run(TRAIN, [str(hold), "1" if fail_fast else "0"])
-
-    def run(
-        self, script: str, args=(), job: str = "", device: str = ""
-    ) -> subprocess.CompletedProcess:
-        """``python -c script args`` on the fake GPU under fake CUDA, reporting to the
-        agent; on ``device`` (CUDA_VISIBLE_DEVICES) when given."""
-        if not FAKE_CUDA.exists():
-            pytest.fail(f"{FAKE_CUDA} is missing")
-        env = dict(
-            os.environ,
-            STEPWATCH_ENDPOINT="unix://" + self.socket,
-            STEPWATCH_JOB_ID=job or f"pytest-{uuid.uuid4().hex[:8]}",
-            STEPWATCH_FAKE_NVML_DIR=str(self.nvml),
-        )
-        if device:
-            env["CUDA_VISIBLE_DEVICES"] = device
-        return subprocess.run(
-            [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
-            + ["--", sys.executable, "-c", script, *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def run(
+    agent: FakeGpuAgent, script: str, args=(), job: str = "", device: str = ""
+) -> subprocess.CompletedProcess:
+    """``python -c script args`` on the fake GPU, reporting to the agent; on
+    ``device`` (CUDA_VISIBLE_DEVICES) when given."""
+    return agent.run(["-c", script, *args], job or f"pytest-{uuid.uuid4().hex[:8]}", device=device)
 
 
 # What this job reserves in step 1 on fake CUDA (PyTorch 2.15): 282 MiB; step 2
@@ -356,17 +282,16 @@ TIGHT = 512 * MIB + 512 * MIB + STEP1_RESERVED + 24 * MIB
 
 
 @pytest.fixture
-def tight_gpu_agent(tmp_path, sock_dir):
-    a = FakeGpuAgent(tmp_path, sock_dir, TIGHT)
-    yield a
-    a.stop()
+def tight_gpu_agent(tmp_path):
+    with fake_gpu_agent(tmp_path, TIGHT) as a:
+        yield a
 
 
 def test_the_real_agents_oom_prediction_stops_the_job_before_step_2(tight_gpu_agent):
     """Held for step 1's prediction, the job gets the agent's step-2 OOM
     advisory before step 2 and stops with PredictedOutOfMemoryError (its
     figures and advice) instead of dying of a CUDA OOM in step 2."""
-    proc = tight_gpu_agent.train(hold=60, fail_fast=True)
+    proc = train(tight_gpu_agent, hold=60, fail_fast=True)
     out = proc.stdout + proc.stderr
     assert f"step 1 done reserved {STEP1_RESERVED}" in proc.stdout, out
     assert proc.returncode == 3, out
@@ -379,15 +304,12 @@ def test_the_real_agents_oom_prediction_stops_the_job_before_step_2(tight_gpu_ag
     assert "until step 1's prediction arrived" in proc.stderr, proc.stderr
 
 
-def test_the_real_agent_ends_the_hold_when_step_2_fits(tmp_path, sock_dir):
+def test_the_real_agent_ends_the_hold_when_step_2_fits(tmp_path):
     """On a roomy GPU the same job, held up to 60 s, waits only until the
     agent's PREDICTION_FINAL (step 1's end reached it): before, the hold ran
     to its bound whenever step 2 fit."""
-    a = FakeGpuAgent(tmp_path, sock_dir, 80 << 30)
-    try:
-        proc = a.train(hold=60, fail_fast=True)
-    finally:
-        a.stop()
+    with fake_gpu_agent(tmp_path, 80 << 30) as a:
+        proc = train(a, hold=60, fail_fast=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "step 3 done" in proc.stdout, out
     held = re.search(r"step 2 held ([0-9.]+) s until step 1's prediction arrived", proc.stderr)
@@ -398,7 +320,7 @@ def test_the_real_agent_ends_the_hold_when_step_2_fits(tmp_path, sock_dir):
 def test_without_the_options_step_2_dies_of_the_oom_the_agent_predicted(tight_gpu_agent):
     """The same job without them: the advisory comes (logged), but step 2
     dies of a CUDA OOM, as predicted."""
-    proc = tight_gpu_agent.train(hold=0, fail_fast=False)
+    proc = train(tight_gpu_agent, hold=0, fail_fast=False)
     out = proc.stdout + proc.stderr
     assert "step 1 done" in proc.stdout and "step 2 done" not in proc.stdout, out
     assert proc.returncode == 1 and "OutOfMemoryError" in out, out
@@ -436,10 +358,9 @@ assert stepwatch.flush(60)
 
 
 @pytest.fixture
-def roomy_gpu_agent(tmp_path, sock_dir):
-    a = FakeGpuAgent(tmp_path, sock_dir, 80 << 30)
-    yield a
-    a.stop()
+def roomy_gpu_agent(tmp_path):
+    with fake_gpu_agent(tmp_path, 80 << 30) as a:
+        yield a
 
 
 def test_a_gan_with_two_optimizers_gets_a_prediction_from_the_real_agent(roomy_gpu_agent):
@@ -448,7 +369,7 @@ def test_a_gan_with_two_optimizers_gets_a_prediction_from_the_real_agent(roomy_g
     CUDA context). Before, the client sent no forward and split the steps, and
     the rank's report had no prediction."""
     job = f"pytest-gan-{uuid.uuid4().hex[:8]}"
-    proc = roomy_gpu_agent.run(GAN, job=job)
+    proc = run(roomy_gpu_agent, GAN, job=job)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steady = int(proc.stdout.split("steady reserved ")[1].split()[0])
     deadline = time.monotonic() + 30
@@ -488,10 +409,9 @@ SLICE_UUID = "MIG-00000000-0000-0000-0000-000000000009"
 
 
 @pytest.fixture
-def mig_gpu_agent(tmp_path, sock_dir):
-    a = FakeGpuAgent(tmp_path, sock_dir, 81559 * MIB, mig_slices=7)
-    yield a
-    a.stop()
+def mig_gpu_agent(tmp_path):
+    with fake_gpu_agent(tmp_path, 81559 * MIB, mig_slices=7) as a:
+        yield a
 
 
 def test_a_job_on_a_mig_slice_is_stopped_before_step_2_by_the_slices_prediction(mig_gpu_agent):
@@ -500,7 +420,7 @@ def test_a_job_on_a_mig_slice_is_stopped_before_step_2_by_the_slices_prediction(
     to the slice and predicts against the slice's 9,984 MiB, and the job stops
     before step 2 instead of dying in it."""
     job = f"pytest-mig-{uuid.uuid4().hex[:8]}"
-    proc = mig_gpu_agent.run(SLICED, job=job, device=SLICE_UUID)
+    proc = run(mig_gpu_agent, SLICED, job=job, device=SLICE_UUID)
     out = proc.stdout + proc.stderr
     assert "step 1 done" in proc.stdout and "step 2 done" not in proc.stdout, out
     assert proc.returncode == 3, out

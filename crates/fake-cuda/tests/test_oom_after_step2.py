@@ -18,142 +18,54 @@ where no growth may be reported. Run with the test venv (scripts/test does); nee
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
+from subprocess import CompletedProcess
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
-from test_preflight import binary
+from fake_gpu_agent import (
+    DRIVER_RESERVED,
+    GIB,
+    HERE,
+    MIB,
+    REPO,
+    FakeGpuAgent,
+    fake_gpu_agent,
+    wait_for,
+)
 
-HERE = Path(__file__).resolve().parent
-FAKE_CUDA = HERE.parent / "fake-cuda"
-REPO = HERE.parents[2]
 JOBS = REPO / "bench" / "torch-jobs"
 LOOPS = HERE / "oom_loops.py"
-MIB = 1 << 20
-GIB = 1 << 30
-DRIVER_RESERVED = 512 * MIB  # fake-nvml's default driver-reserved memory
 
 pytest.importorskip("torch")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Agent:
-    """`stepwatch agent` on a fresh fake GPU of `usable` bytes (CUDA's total)."""
-
-    def __init__(self, tmp: Path, usable: int) -> None:
-        self.dir = tmp
-        self.nvml = tmp / "nvml"
-        self.sock = tmp / "a.sock"
-        self.log = tmp / "agent.log"
-        self.usable = usable
-        b = binary()
-        subprocess.run(
-            [str(b), "fake-gpu", "--dir", str(self.nvml), "init", "--gpus", "1"]
-            + ["--total-gib", repr((usable + DRIVER_RESERVED) / GIB)],
-            check=True,
-            capture_output=True,
-        )
-        lib = subprocess.run(
-            [str(b), "fake-gpu", "lib-path"], check=True, capture_output=True, text=True
-        ).stdout.strip()
-        self.port = free_port()
-        env = dict(os.environ, STEPWATCH_FAKE_NVML_DIR=str(self.nvml), RUST_LOG="info")
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [str(b), "agent", "--nvml-lib", lib, "--socket", str(self.sock)]
-                + ["--http-listen", f"127.0.0.1:{self.port}", "--node-name", "oom-test"]
-                + ["--process-interval", "250ms"],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"the agent exited:\n{self.log.read_text()}")
-            try:
-                if b"nvml: up" in self.get("/readyz"):
-                    return
-            except OSError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"the agent did not come up:\n{self.log.read_text()}")
-
-    def get(self, path: str) -> bytes:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as r:
-            return bytes(r.read())
-
-    def rank(self, job: str) -> Dict[str, Any]:
-        return dict(json.loads(self.get(f"/api/v1/jobs/{job}/ranks/0?steps=1")))
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 @contextlib.contextmanager
-def agent_on(tmp: Path, usable: int) -> Iterator[Agent]:
-    a = Agent(tmp, usable)
-    try:
+def agent_on(tmp: Path, usable: int) -> Iterator[FakeGpuAgent]:
+    """The agent on a fresh fake GPU of which CUDA can use `usable` bytes."""
+    with fake_gpu_agent(
+        tmp, usable + DRIVER_RESERVED, agent_args=["--process-interval", "250ms"]
+    ) as a:
         yield a
-    finally:
-        a.stop()
 
 
-def train(agent: Agent, job: str, cmd: List[str], usage: Path) -> subprocess.CompletedProcess:
-    """`cmd` (a python script and its flags) on the agent's fake GPU, watched by stepwatch."""
-    usage.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPWATCH_")}
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-    env.update(
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "python"), env.get("PYTHONPATH")])),
-        STEPWATCH_ENDPOINT=f"unix://{agent.sock}",
-        STEPWATCH_JOB_ID=job,
-        STEPWATCH_FAKE_NVML_DIR=str(agent.nvml),
-    )
-    return subprocess.run(
-        [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
-        + ["--state-dir", str(agent.nvml), "--usage-log", str(usage), "--"]
-        + [sys.executable, *cmd],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(JOBS),
-        timeout=300,
-    )
+def rank(agent: FakeGpuAgent, job: str) -> Dict[str, Any]:
+    return agent.rank_report(job, steps=1)
 
 
-def wait_for(what: str, fn: Any, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v or time.monotonic() > deadline:
-            assert v, f"timed out waiting for {what}"
-            return v
-        time.sleep(0.1)
+def train(agent: FakeGpuAgent, job: str, cmd: List[str], usage: Path) -> CompletedProcess:
+    """`cmd` (a python script and its flags) on the agent's fake GPU, watched by
+    stepwatch (this tree's client), with fake CUDA's usage log in `usage`."""
+    python = os.pathsep.join(filter(None, [str(REPO / "python"), os.environ.get("PYTHONPATH")]))
+    return agent.run(cmd, job, usage_log=usage, cwd=JOBS, env={"PYTHONPATH": python})
 
 
 class Truth:
     """What happened, from the job's output and fake CUDA's usage log."""
 
-    def __init__(self, proc: subprocess.CompletedProcess, usage: Path, usable: int) -> None:
+    def __init__(self, proc: CompletedProcess, usage: Path, usable: int) -> None:
         self.step_end_ns = {
             int(m.group(1)): int(m.group(2))
             for m in re.finditer(r"^step (\d+) done (\d+)$", proc.stdout, re.M)
@@ -201,7 +113,7 @@ def test_a_leak_is_reported_early_forecast_within_ten_percent_and_named(
         assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
         truth = Truth(proc, tmp_path / "usage", usable)
         report = wait_for(
-            "the post-mortem", lambda: (r := agent.rank(job)).get("post_mortem") and r
+            "the post-mortem", lambda: (r := rank(agent, job)).get("post_mortem") and r
         )
         # The leak is at least 0.1% of the GPU per step (else this test proves less).
         per_step = (truth.used_by_end_of(truth.oom_step - 1) - truth.used_by_end_of(11)) / (
@@ -247,7 +159,7 @@ def test_a_fragmentation_ratchet_is_named_as_fragmentation(tmp_path: Path) -> No
         assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
         truth = Truth(proc, tmp_path / "usage", usable)
         report = wait_for(
-            "the post-mortem", lambda: (r := agent.rank("oom-ratchet")).get("post_mortem") and r
+            "the post-mortem", lambda: (r := rank(agent, "oom-ratchet")).get("post_mortem") and r
         )
         pm = report["post_mortem"]
         assert pm["step"] == truth.oom_step
@@ -282,7 +194,9 @@ def test_no_growth_is_reported_on_jobs_that_do_not_grow(
         job = f"steady-{name}"
         proc = train(agent, job, [*cmd, "--steps", "50"], tmp_path / "usage")
         assert proc.returncode == 0, proc.stderr[-3000:]
-        report = wait_for("50 steps", lambda: (r := agent.rank(job))["steps_completed"] >= 50 and r)
+        report = wait_for(
+            "50 steps", lambda: (r := rank(agent, job))["steps_completed"] >= 50 and r
+        )
         assert growth_advisory(report) is None, report["advisories"]
         assert report["memory_growth"] is None, report["memory_growth"]
         assert report["post_mortem"] is None
