@@ -18,11 +18,19 @@ while a well-behaved rank trains beside them:
 9. reports: concurrent GETs of the largest rank's full report;
 10. clock jumps: a rank whose one marker jumps an hour ahead, then goes on.
 
+The attacks come as other pods' would: each attack is a process of its
+own, on the Unix socket as another uid (nobody's, when the soak runs as
+root; --same-identity to share the polite rank's), over HTTP from 127.0.0.2
+and 127.0.0.3; the polite rank is a process of its own, and the soak's
+probes and scrapes come from 127.0.0.1.
+
 It records the agent's peak RSS (and the cgroup's peak usage), the success
-rate of /healthz and /readyz probes (1 s timeout), the polite rank's longest
-stall (no new completed step in /metrics), and every refusal counted by
-reason. Prints a JSON summary (and writes it to --out). Run it through
-bench/soak.sh.
+rate of /healthz and /readyz probes (1 s timeout), how long the polite
+rank's steps waited to be counted in /metrics (longest_wait_s, from the time
+the rank sent each; and longest_stall_s, the longest time its count stood
+still, from its first step), what the polite rank itself saw (streams ended
+and why), and every refusal counted by reason. Prints a JSON summary (and
+writes it to --out). Run it through bench/soak.sh.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
@@ -344,6 +353,7 @@ def http_held(port: int, stop: Stop, counts: Dict[str, int], n: int) -> None:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.settimeout(2)
             try:
+                s.bind((HTTP_HELD_ADDR, 0))
                 s.connect(("127.0.0.1", port))
                 s.setblocking(False)
                 held.append(s)
@@ -373,15 +383,16 @@ def report_readers(port: int, stop: Stop, counts: Dict[str, int], n: int) -> Non
         while not stop.done():
             try:
                 path = f"/api/v1/jobs/soak-mem-0/ranks/0?steps={steps}"
-                body = http(port, path, timeout=30)
+                body = http(port, path, timeout=30, source=REPORTS_ADDR)
                 counts["reports_read"] = counts.get("reports_read", 0) + 1
                 counts["report_bytes_max"] = max(counts.get("report_bytes_max", 0), len(body))
             except urllib.error.HTTPError as e:
                 key = f"reports_http_{e.code}"
                 counts[key] = counts.get(key, 0) + 1
                 time.sleep(0.2)
-            except Exception:
-                counts["reports_failed"] = counts.get("reports_failed", 0) + 1
+            except Exception as e:
+                key = f"reports_failed_{type(e).__name__}"
+                counts[key] = counts.get(key, 0) + 1
                 time.sleep(0.2)
 
     threads = [
@@ -423,38 +434,53 @@ def clock_jumper(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
             time.sleep(0.2)
 
 
-def polite_rank(sock: str, stop: Stop, progress: List[float]) -> None:
-    """A normal rank: one small step every 100 ms, for the whole soak."""
+def polite_rank(sock: str, stop: Stop, events) -> None:
+    """A normal rank: one small step every 100 ms, for the whole soak. Puts
+    ("sent", step, time) once a step's batch was taken by gRPC, and
+    ("ended", code, time) when a stream ends with an error, on `events`."""
+    step = 1
     while not stop.done():
         try:
             with channel(sock) as ch:
 
                 def messages() -> Iterator[pb.ClientMessage]:
+                    nonlocal step
                     yield hello("soak-polite", 4242)
                     t = [0]
-                    step = 1
                     while not stop.done():
                         yield pb.ClientMessage(
                             markers=pb.MarkerBatch(markers=step_markers(step, 1, t))
                         )
+                        events.put(("sent", step, time.monotonic()))
                         step += 1
                         time.sleep(0.1)
 
                 for _ in pb_grpc.IngestStub(ch).Stream(messages()):
                     pass
-        except grpc.RpcError:
-            progress.append(-time.monotonic())
+        except grpc.RpcError as e:
+            events.put(("ended", e.code().name, time.monotonic()))
             time.sleep(0.2)
 
 
-def _polite_process(sock: str, seconds: float) -> None:
-    errors: List[float] = []
-    polite_rank(sock, Stop(seconds), errors)
+def _polite_process(sock: str, seconds: float, events) -> None:
+    polite_rank(sock, Stop(seconds), events)
 
 
-def http(port: int, path: str, timeout: float = 10.0) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
-        return r.read()
+def http(port: int, path: str, timeout: float = 10.0, source: Optional[str] = None) -> bytes:
+    """GET path from the agent; from the address `source` when given."""
+    if source is None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.read()
+    conn = HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
+    try:
+        conn.request("GET", path)
+        r = conn.getresponse()
+        body = r.read()
+        if r.status != 200:
+            raise urllib.error.HTTPError(path, r.status, r.reason, r.headers, None)
+        return body
+    finally:
+        conn.close()
 
 
 def metric_lines(text: str, name: str) -> Dict[str, float]:
@@ -464,6 +490,155 @@ def metric_lines(text: str, name: str) -> Dict[str, float]:
             key, _, value = line.rpartition(" ")
             out[key] = float(value)
     return out
+
+
+# Attackers are other pods: another uid on the socket (when the soak runs
+# as root; nobody's), other addresses over HTTP; the soak's own probes and
+# scrapes come from 127.0.0.1.
+ATTACKER_UID = 65534
+HTTP_HELD_ADDR = "127.0.0.2"
+REPORTS_ADDR = "127.0.0.3"
+
+
+def _attack_loads(name: str, args: dict, sock: str, port: int, stop: Stop, counts: dict) -> list:
+    """The threads of one attack."""
+    if name == "memory":
+        return [
+            threading.Thread(target=memory_load, args=(sock, stop, r, counts))
+            for r in range(args["memory_ranks"])
+        ]
+    one = {
+        "silent_streams": (silent_streams, (sock, stop, counts, args["silent_streams"])),
+        "short_jobs": (short_jobs, (sock, stop, counts)),
+        "flood": (connection_flood, (sock, stop, counts, args["flood"])),
+        "traces": (traces, (sock, stop, counts)),
+        "idle_channels": (idle_channels, (sock, stop, counts, args["idle_channels"])),
+        "greedy": (one_rank_many_streams, (sock, stop, counts, args["greedy_streams"])),
+        "http_held": (http_held, (port, stop, counts, args["http_held"])),
+        "reports": (report_readers, (port, stop, counts, args["report_readers"])),
+        "clock": (clock_jumper, (sock, stop, counts)),
+    }[name]
+    return [threading.Thread(target=one[0], args=one[1])]
+
+
+ATTACKS = (
+    "memory",
+    "silent_streams",
+    "short_jobs",
+    "flood",
+    "traces",
+    "idle_channels",
+    "greedy",
+    "http_held",
+    "reports",
+    "clock",
+)
+
+
+def _attack_process(
+    name: str, args: dict, sock: str, port: int, counts_out, uid: Optional[int]
+) -> None:
+    """One attack for args["seconds"], in a process of its own (as the
+    processes of another pod), as `uid` when given; puts its counts on
+    `counts_out` at the end."""
+    if uid is not None:
+        # What grpc imports lazily must be loaded while the venv is readable.
+        import encodings.idna  # noqa: F401
+
+        from grpc import _channel, _interceptor, _utilities  # noqa: F401
+
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    stop = Stop(args["seconds"])
+    counts: Dict[str, int] = {}
+    for th in _attack_loads(name, args, sock, port, stop, counts):
+        th.daemon = True
+        th.start()
+    while not stop.done():
+        time.sleep(0.2)
+    while True:
+        try:
+            # The attack's threads may still be counting.
+            counts_out.put(dict(counts))
+            return
+        except RuntimeError:
+            time.sleep(0.01)
+
+
+def polite_progress(port: int) -> tuple:
+    """(time, the polite rank's completed steps in /metrics or None when the
+    scrape failed, the scrape's seconds)."""
+    t0 = time.monotonic()
+    try:
+        text = http(port, "/metrics", timeout=5).decode()
+    except Exception:
+        return (time.monotonic(), None, time.monotonic() - t0)
+    done = [
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("stepwatch_rank_steps_completed_total{")
+        and 'training_job="soak-polite"' in line
+    ]
+    return (time.monotonic(), done[0] if done else None, time.monotonic() - t0)
+
+
+STALL_BUCKETS_S = (0.5, 1, 2, 5, 10, 30)
+
+
+def polite_stalls(observed: List[tuple]) -> dict:
+    """The polite rank steps every 100 ms: a stall is a time its completed
+    steps in /metrics stood still. Failed scrapes count as no progress, and
+    are counted apart so that a blind observer is not read as a stall."""
+    longest, stalls = 0.0, []
+    # From its first step in /metrics: the process takes seconds to start.
+    seen = [i for i, (_, value, _) in enumerate(observed) if value is not None]
+    observed = observed[seen[0] :] if seen else []
+    last_change, last_value = (observed[0][0] if observed else 0.0), None
+    for at, value, _ in observed:
+        if value is not None and value != last_value:
+            if last_value is not None:
+                stalls.append(at - last_change)
+            last_change, last_value = at, value
+        longest = max(longest, at - last_change)
+    scrape_s = sorted(s for _, v, s in observed if v is not None)
+    histogram = {f"le_{b}s": sum(1 for x in stalls if x <= b) for b in STALL_BUCKETS_S}
+    histogram["over"] = sum(1 for x in stalls if x > STALL_BUCKETS_S[-1])
+    return {
+        "steps_completed": last_value,
+        "longest_stall_s": round(longest, 2),
+        "stalls_over_1s": sum(1 for x in stalls if x > 1),
+        "gap_histogram": histogram,
+        "scrapes_failed": sum(1 for _, v, _ in observed if v is None),
+        "scrape_p50_s": round(scrape_s[len(scrape_s) // 2], 3) if scrape_s else None,
+        "scrape_max_s": round(scrape_s[-1], 3) if scrape_s else None,
+    }
+
+
+def polite_client(events: List[tuple], observed: List[tuple]) -> dict:
+    """What the polite rank itself saw (its streams' errors), and how long
+    its steps waited to show in /metrics: at each scrape, the oldest step
+    sent and not yet counted has waited since it was sent. Steps are
+    numbered on from 1 across reconnects, so completed steps n means step
+    n + 1 is the next one due (while no stream broke)."""
+    ended: Dict[str, int] = {}
+    sent_at = {e[1]: e[2] for e in events if e[0] == "sent"}
+    for e in events:
+        if e[0] == "ended":
+            ended[e[1]] = ended.get(e[1], 0) + 1
+    waits = []
+    for at, value, _ in observed:
+        due = int(value) + 1 if value is not None else None
+        if due is not None and due in sent_at and sent_at[due] < at:
+            waits.append(at - sent_at[due])
+    waits.sort()
+    return {
+        "steps_sent": len(sent_at),
+        "streams_ended": ended,
+        "longest_wait_s": round(waits[-1], 2) if waits else None,
+        "wait_p50_s": round(waits[len(waits) // 2], 2) if waits else None,
+        "scrapes_seeing_a_wait_over_1s": sum(1 for w in waits if w > 1),
+    }
 
 
 CHART_LIMIT_MIB = 192
@@ -508,6 +683,11 @@ def main() -> int:
     ap.add_argument("--http-held", type=int, default=70)
     ap.add_argument("--report-readers", type=int, default=16)
     ap.add_argument(
+        "--same-identity",
+        action="store_true",
+        help="attack as the soak's own uid even when root (another uid by default)",
+    )
+    ap.add_argument(
         "--no-cgroup",
         action="store_true",
         help="run without the memory cgroup (RSS still measured)",
@@ -541,6 +721,12 @@ def main() -> int:
         else []
     )
     limit_flag = [] if group else ["--memory-limit-mib", str(CHART_LIMIT_MIB)]
+    attack_uid = ATTACKER_UID if os.geteuid() == 0 and not args.same_identity else None
+    if attack_uid is not None:
+        # The attackers' uid must reach the socket: through the scratch
+        # dir, and the socket's mode (as a pod's group would).
+        os.chmod(d, 0o755)
+        limit_flag += ["--socket-mode", "0666"]
     agent = subprocess.Popen(
         enter
         + [
@@ -577,50 +763,32 @@ def main() -> int:
         )
 
         stop = Stop(args.seconds)
-        counts: Dict[str, int] = {}
-        loads = [
-            threading.Thread(target=memory_load, args=(sock, stop, r, counts), daemon=True)
-            for r in range(args.memory_ranks)
-        ]
-        loads += [
-            threading.Thread(
-                target=silent_streams, args=(sock, stop, counts, args.silent_streams), daemon=True
-            ),
-            threading.Thread(target=short_jobs, args=(sock, stop, counts), daemon=True),
-            threading.Thread(
-                target=connection_flood, args=(sock, stop, counts, args.flood), daemon=True
-            ),
-            threading.Thread(target=traces, args=(sock, stop, counts), daemon=True),
-            threading.Thread(
-                target=idle_channels, args=(sock, stop, counts, args.idle_channels), daemon=True
-            ),
-            threading.Thread(
-                target=one_rank_many_streams,
-                args=(sock, stop, counts, args.greedy_streams),
+        ctx = multiprocessing.get_context("spawn")
+        # The polite rank is its own process, as a training job would be;
+        # the attacks are another, on an identity of their own (see
+        # _attack_process), as another pod's would be.
+        events = ctx.Queue()
+        polite = ctx.Process(target=_polite_process, args=(sock, args.seconds, events), daemon=True)
+        counts_out = ctx.Queue()
+        attacks = [
+            ctx.Process(
+                target=_attack_process,
+                args=(name, vars(args), sock, port, counts_out, attack_uid),
                 daemon=True,
-            ),
-            threading.Thread(
-                target=http_held, args=(port, stop, counts, args.http_held), daemon=True
-            ),
-            threading.Thread(
-                target=report_readers, args=(port, stop, counts, args.report_readers), daemon=True
-            ),
-            threading.Thread(target=clock_jumper, args=(sock, stop, counts), daemon=True),
+            )
+            for name in ATTACKS
         ]
-        # The polite rank is its own process, as a training job would be.
-        polite = multiprocessing.get_context("spawn").Process(
-            target=_polite_process, args=(sock, args.seconds), daemon=True
-        )
         polite.start()
-        for th in loads:
-            th.start()
+        for a in attacks:
+            a.start()
 
         probe_ms: List[float] = []
         probes = {"ok": 0, "failed": 0}
         rss_peak_kib = 0
+        # (time, the polite rank's completed steps or None, the scrape's seconds)
         polite_steps: List[tuple] = []
+        polite_events: List[tuple] = []
         last_report = time.monotonic()
-        polite_metric = "stepwatch_rank_steps_completed_total{"
         while not stop.done():
             for path in ("/healthz", "/readyz"):
                 t0 = time.monotonic()
@@ -634,23 +802,17 @@ def main() -> int:
             for line in status.splitlines():
                 if line.startswith("VmRSS:"):
                     rss_peak_kib = max(rss_peak_kib, int(line.split()[1]))
-            try:
-                text = http(port, "/metrics", timeout=5).decode()
-                done = [
-                    float(line.rpartition(" ")[2])
-                    for line in text.splitlines()
-                    if line.startswith(polite_metric) and 'training_job="soak-polite"' in line
-                ]
-                polite_steps.append((time.monotonic(), done[0] if done else None))
-            except Exception:
-                polite_steps.append((time.monotonic(), None))
+            polite_steps.append(polite_progress(port))
+            while not events.empty():
+                polite_events.append(events.get())
             if time.monotonic() - last_report > 30:
                 last_report = time.monotonic()
                 elapsed = int(time.monotonic() - (stop.deadline - args.seconds))
                 p50 = sorted(probe_ms)[len(probe_ms) // 2] if probe_ms else float("nan")
                 print(
                     f"soak: {elapsed} s, RSS {rss_peak_kib // 1024} MiB peak, "
-                    f"probes {probes}, p50 {p50:.1f} ms",
+                    f"probes {probes}, p50 {p50:.1f} ms, polite rank's longest stall "
+                    f"{polite_stalls(polite_steps)['longest_stall_s']} s",
                     file=sys.stderr,
                 )
             time.sleep(0.1)
@@ -660,15 +822,16 @@ def main() -> int:
         for line in Path(f"/proc/{agent.pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 hwm_kib = int(line.split()[1])
-        # The polite rank steps every 100 ms: its longest stall is the
-        # longest time its completed steps in /metrics stood still.
-        longest_stall = 0.0
-        last_change = polite_steps[0][0] if polite_steps else 0.0
-        last_value = None
-        for at, value in polite_steps:
-            if value is not None and value != last_value:
-                last_change, last_value = at, value
-            longest_stall = max(longest_stall, at - last_change)
+        counts: Dict[str, int] = {}
+        until = time.monotonic() + 30
+        for _ in attacks:
+            try:
+                counts.update(counts_out.get(timeout=max(0.1, until - time.monotonic())))
+            except Exception:
+                counts["attacks_without_counts"] = counts.get("attacks_without_counts", 0) + 1
+        polite.join(timeout=10)
+        while not events.empty():
+            polite_events.append(events.get())
         probe_ms.sort()
 
         def pick(q: float) -> Optional[float]:
@@ -706,10 +869,14 @@ def main() -> int:
                 "p99_ms": pick(0.99),
                 "max_ms": round(probe_ms[-1], 1) if probe_ms else None,
             },
-            "polite_rank": {
-                "steps_completed": last_value,
-                "longest_stall_s": round(longest_stall, 2),
-            },
+            "attackers": (
+                f"uid {attack_uid if attack_uid is not None else os.geteuid()} on the socket "
+                f"(the polite rank's: {os.geteuid()}), {HTTP_HELD_ADDR} and {REPORTS_ADDR} "
+                "over HTTP, a process per attack"
+            ),
+            "polite_rank": dict(
+                polite_stalls(polite_steps), **polite_client(polite_events, polite_steps)
+            ),
             "refused": refusals,
             "retained_bytes": metric_lines(metrics, "stepwatch_retained_bytes"),
             "memory_budget_bytes": metric_lines(metrics, "stepwatch_memory_budget_bytes"),

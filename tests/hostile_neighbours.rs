@@ -405,3 +405,124 @@ fn a_restarted_worker_takes_the_rank_of_its_dead_predecessor_at_once() {
     );
     first.wait().unwrap();
 }
+
+/// One wide step (1,024 markers: 510 micro-batches) of `step` from `t`,
+/// as a flooding client sends it.
+fn wide_step(step: u64, t: &mut u64) -> Vec<stepwatch_proto::v1::Marker> {
+    use stepwatch_proto::v1::MarkerKind as K;
+    let mut kinds = vec![K::StepBegin];
+    for _ in 0..510 {
+        kinds.extend([K::ForwardBegin, K::BackwardBegin]);
+    }
+    kinds.extend([K::OptimizerBegin, K::OptimizerEnd, K::StepEnd]);
+    kinds
+        .into_iter()
+        .enumerate()
+        .map(|(i, k)| {
+            *t = (*t + 1000).max(stepwatch_proto::clock::monotonic_ns());
+            let mut m = marker(k, step, *t);
+            m.micro_batch = i as u32 / 2;
+            m
+        })
+        .collect()
+}
+
+/// Streams that flood the agent with wide steps held the tracker for one
+/// batch after another, and a polite rank's small batch waited its turn
+/// behind each: it got one batch in per turn, fell further behind every
+/// second (the soak's polite rank stood still for 23 s), and its steps
+/// showed up long after they ended. A stream's waiting batches now go in
+/// together in its turn, and turns are handed over in order.
+#[test]
+fn a_polite_rank_keeps_up_while_other_streams_flood_the_tracker() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    let agent = Agent::start("flooded", 1);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let endpoint = agent.endpoint();
+    let stop = Arc::new(AtomicBool::new(false));
+    // Four streams, each sending 100 wide steps a second (half the default
+    // --max-marker-rate): more than the agent gets through.
+    for i in 0..4 {
+        let (endpoint, stop) = (endpoint.clone(), stop.clone());
+        rt.spawn(async move {
+            let mut client = IngestClient::new(connect(&endpoint).await);
+            let (tx, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
+            tx.send(hello(&format!("flood-{i}"), 0, 1)).await.unwrap();
+            tokio::spawn(async move {
+                let _ = client
+                    .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                    .await;
+            });
+            let mut tick = tokio::time::interval(Duration::from_millis(10));
+            let (mut step, mut t) = (1, 0);
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                if tx.send(batch(wide_step(step, &mut t))).await.is_err() {
+                    break;
+                }
+                step += 1;
+            }
+        });
+    }
+    agent.wait_metrics("the flood applied", Duration::from_secs(60), |m| {
+        m.get("stepwatch_markers_received_total", &[])
+            .unwrap_or(0.0)
+            > 50_000.0
+    });
+    // The polite rank: one small step every 100 ms, each sent time kept.
+    let sent: Arc<Mutex<Vec<Instant>>> = Arc::default();
+    {
+        let (endpoint, stop, sent) = (endpoint.clone(), stop.clone(), sent.clone());
+        rt.spawn(async move {
+            let mut client = IngestClient::new(connect(&endpoint).await);
+            let (tx, rx) = tokio::sync::mpsc::channel::<ClientMessage>(64);
+            tx.send(hello("polite", 0, 1)).await.unwrap();
+            tokio::spawn(async move {
+                let _ = client
+                    .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                    .await;
+            });
+            let mut n = 1;
+            while !stop.load(Ordering::Relaxed) {
+                let t0 = stepwatch_proto::clock::monotonic_ns();
+                if tx.send(batch(step(n, t0))).await.is_err() {
+                    break;
+                }
+                sent.lock().unwrap().push(Instant::now());
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+    }
+    // For 20 s: at each look, the oldest step sent and not yet counted has
+    // waited since it was sent. Before, that wait grew the whole time
+    // (5.5 s after 15 s); now it is one turn. The soak holds the release
+    // build to 1 s; this debug build, beside other tests on a loaded
+    // machine, gets 2.5 s.
+    let started = Instant::now();
+    let mut longest = Duration::ZERO;
+    let mut completed = 0;
+    while started.elapsed() < Duration::from_secs(20) {
+        let (code, body) = agent.get("/api/v1/jobs/polite");
+        if code == 200 {
+            let job: serde_json::Value = serde_json::from_str(&body).unwrap();
+            completed = job["ranks"][0]["steps_completed"].as_u64().unwrap_or(0) as usize;
+            if let Some(due) = sent.lock().unwrap().get(completed) {
+                longest = longest.max(due.elapsed());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let sent = sent.lock().unwrap().len();
+    // Some steps were seen (the client's own pace varies with the load).
+    assert!(
+        completed >= 30,
+        "{completed} of {sent} polite steps counted"
+    );
+    assert!(
+        longest < Duration::from_millis(2500),
+        "a polite step waited {longest:?} to be counted ({completed} of {sent} counted)"
+    );
+}

@@ -3,7 +3,9 @@
 use crate::metrics;
 use std::borrow::Cow;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Mutex, MutexGuard};
 
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Registry};
 use std::path::Path;
@@ -178,6 +180,7 @@ impl IngestMetrics {
 
 /// Everything the servers share.
 pub struct AgentState {
+    /// Handed over fairly (see [`AgentState::update`]).
     tracker: Mutex<Tracker>,
     pub sampler: SamplerHandle,
     pub registry: Registry,
@@ -263,23 +266,22 @@ impl AgentState {
         }
     }
 
-    /// Reads the tracker under its lock. The one way to see the tracker:
-    /// the guard never leaves this type, so no caller can hold it across
-    /// I/O, an await or another lock. Keep `f` short (copy out what you
-    /// need; analyse one rank, not every rank) and do not call back into
-    /// this state from it (the lock is not reentrant).
     /// A number that moves whenever the tracker may have changed (every
     /// update takes it under the lock): equal numbers, nothing changed.
     pub(crate) fn generation(&self) -> u64 {
         self.generation.load(Ordering::Relaxed)
     }
 
+    /// Reads the tracker under its lock. The one way to see the tracker:
+    /// the guard never leaves this type, so no caller can hold it across
+    /// I/O, an await or another lock. Keep `f` short (copy out what you
+    /// need; analyse one rank, not every rank) and do not call back into
+    /// this state from it (the lock is not reentrant).
     pub fn read_tracker<R>(&self, f: impl FnOnce(&Tracker) -> R) -> R {
-        f(&self.lock())
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Tracker> {
-        self.tracker.lock().unwrap_or_else(|e| e.into_inner())
+        let tracker = self.tracker.lock();
+        let read = f(&tracker);
+        MutexGuard::unlock_fair(tracker);
+        read
     }
 
     /// Changes the tracker under its lock: the only place that does. With
@@ -289,8 +291,13 @@ impl AgentState {
     /// to [`Inputs::record`] is queued for `--record` before the lock is
     /// released (so the record keeps the tracker's order) and written by the
     /// recorder's thread after.
+    ///
+    /// The lock is handed over fairly, to the thread that waited longest:
+    /// released plainly, the thread that just let go (a stream looping over
+    /// a flood of large batches) took it again before a woken waiter ran,
+    /// and a polite rank's small batch waited seconds behind it.
     fn update<R>(&self, drain: Drain<'_>, f: impl FnOnce(&mut Tracker, &mut Inputs<'_>) -> R) -> R {
-        let mut tracker = self.lock();
+        let mut tracker = self.tracker.lock();
         // Under the lock: a reader that sees the new number sees the change.
         self.generation.fetch_add(1, Ordering::Relaxed);
         let mut inputs = Inputs {
@@ -304,7 +311,9 @@ impl AgentState {
         if feed {
             feed_samples(&mut tracker, &mut inputs, self.sampler.drain_samples());
         }
-        f(&mut tracker, &mut inputs)
+        let updated = f(&mut tracker, &mut inputs);
+        MutexGuard::unlock_fair(tracker);
+        updated
     }
 
     /// Applies one input through the step model's input path
@@ -391,27 +400,45 @@ impl AgentState {
         self.update(Drain::Always, |_, _| {})
     }
 
-    /// Applies a rank's marker batch under one tracker lock and returns the
-    /// advisories it made due. During step 1 the freshest samples go in
-    /// first, because the step-2 prediction is decided on this batch. The
-    /// batch is borrowed: copied only for `--record`. `run_id` is the run
-    /// the stream's hello named: a batch of a run the rank has since left
-    /// is refused ([`stepwatch_core::Tracker::run_markers`]).
-    pub fn apply_markers(
+    /// Applies marker batches of one stream's rank, in order, under one
+    /// tracker lock, and returns each batch's advisories: one result per
+    /// batch applied, up to the first that ends the stream (a clock jump
+    /// refuses its batch alone). During step 1 the freshest samples go in
+    /// first, because the step-2 prediction is decided on these batches.
+    /// The batches are borrowed: copied only for `--record`. `run_id` is
+    /// the run the stream's hello named: a batch of a run the rank has
+    /// since left is refused ([`stepwatch_core::Tracker::run_markers`]).
+    pub fn apply_marker_batches(
         &self,
         key: &RankKey,
         run_id: &str,
-        markers: &[stepwatch_core::Marker],
-    ) -> Result<Vec<stepwatch_core::Advisory>, RecordError> {
-        let batch = |at_ns| RecordEntry::Markers {
-            at_ns,
-            key: Cow::Borrowed(key),
-            markers: Cow::Borrowed(markers),
-            run_id: Cow::Borrowed(run_id),
-        };
-        // Ordered, not flushed: housekeeping flushes every second.
-        let applied = self.apply(Drain::IfInFirstStep(key), batch, false)?;
-        Ok(applied.advisories)
+        batches: &[Vec<stepwatch_core::Marker>],
+    ) -> Vec<Result<Vec<stepwatch_core::Advisory>, RecordError>> {
+        self.update(Drain::IfInFirstStep(key), |tracker, inputs| {
+            let mut results = Vec::with_capacity(batches.len());
+            for markers in batches {
+                let input = RecordEntry::Markers {
+                    at_ns: monotonic_ns(),
+                    key: Cow::Borrowed(key),
+                    markers: Cow::Borrowed(markers),
+                    run_id: Cow::Borrowed(run_id),
+                };
+                let applied = feed::apply(tracker, &input);
+                let ends = matches!(
+                    applied,
+                    Err(ref e) if !matches!(e, RecordError::Markers(MarkerError::ClockJumped { .. }))
+                );
+                if applied.is_ok() {
+                    // Ordered, not flushed: housekeeping flushes every second.
+                    inputs.record_with(|| input.into_owned(), false);
+                }
+                results.push(applied.map(|a| a.advisories));
+                if ends {
+                    break;
+                }
+            }
+            results
+        })
     }
 
     /// Merges facts a rank sent after its hello (recorded) and returns the
@@ -693,6 +720,20 @@ pub(crate) fn test_rank(state: &AgentState, job: &str, rank: u32) -> RankKey {
         )
         .unwrap();
     key
+}
+
+#[cfg(test)]
+impl AgentState {
+    /// One batch through [`AgentState::apply_marker_batches`] (test helper).
+    pub(crate) fn apply_markers(
+        &self,
+        key: &RankKey,
+        run_id: &str,
+        markers: &[stepwatch_core::Marker],
+    ) -> Result<Vec<stepwatch_core::Advisory>, RecordError> {
+        let mut results = self.apply_marker_batches(key, run_id, &[markers.to_vec()]);
+        results.pop().expect("one result per batch")
+    }
 }
 
 /// A marker without allocator figures (test helper).

@@ -8,6 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
 use stepwatch_core::allocator::{BlockLayout, SegmentLayout};
 use stepwatch_core::feed::ReplayPlan;
 use stepwatch_core::{
@@ -497,7 +498,8 @@ async fn receive_markers(
     // step 2 begins: facts that arrive after it (gradients kept, DDP's
     // bucket rebuild) change how it replays.
     let mut step1_trace: Option<(Arc<AllocatorTrace>, ReplayPlan)> = None;
-    let mut markers = Vec::new();
+    // A message read ahead while gathering marker batches, handled next.
+    let mut read_ahead = None;
     let mut trace = TraceAssembly::default();
     let mut held = HeldTraceBytes {
         budget: traces,
@@ -510,8 +512,17 @@ async fn receive_markers(
         let trace_deadline = trace
             .started
             .map(|t| tokio::time::Instant::from_std(t + traces.timeout));
+        let next = match read_ahead.take() {
+            Some(message) => Ok(message),
+            None => Err(next_message(state, inbound, Retry::Later)),
+        };
         let message = tokio::select! {
-            message = next_message(state, inbound, Retry::Later) => match message? {
+            message = async move {
+                match next {
+                    Ok(message) => message,
+                    Err(reading) => reading.await,
+                }
+            } => match message? {
                 Some(message) => message,
                 None => break,
             },
@@ -570,17 +581,7 @@ async fn receive_markers(
                         return Err(run_ended(state, key, &e, 1));
                     }
                     Err(e) => {
-                        return Err(refuse(
-                            state,
-                            e.reason(),
-                            1,
-                            Status::invalid_argument(format!(
-                                "model facts update refused for job {} rank {}: {}",
-                                key.job,
-                                key.rank,
-                                e.refusal()
-                            )),
-                        ));
+                        return Err(not_taken(state, key, &e, 1, "model facts update refused"));
                     }
                 };
                 tracing::info!(job = %key.job, rank = key.rank, update = ?update, "model facts updated after the hello");
@@ -647,87 +648,140 @@ async fn receive_markers(
                 ));
             }
         };
-        let n = batch.markers.len() as u64;
-        if batch.markers.len() > MAX_MARKERS_PER_BATCH {
-            return Err(refuse(
-                state,
-                "batch_too_large",
-                n,
-                Status::invalid_argument(format!(
-                    "a MarkerBatch holds {} markers; at most {MAX_MARKERS_PER_BATCH} are allowed",
-                    batch.markers.len()
-                )),
-            ));
-        }
-        // An empty batch costs one, so a flood of them is bounded too.
-        if !bucket.take(n.max(1) as f64) {
-            return Err(refuse(
-                state,
-                "rate_limited",
-                n,
-                Status::resource_exhausted(format!(
-                    "more than {max_rate} markers/s on one stream (--max-marker-rate)"
-                )),
-            ));
-        }
-        markers.clear();
-        for m in batch.markers {
-            match convert::marker_from_wire(m) {
-                Ok(m) => markers.push(m),
-                Err(e) => {
-                    let status = Status::invalid_argument(e.to_string());
-                    return Err(refuse(state, e.reason(), n, status));
+        // The batches already waiting on this stream go in under one
+        // tracker lock, up to a batch's worth of markers: a rank that fell
+        // behind (its batches waited while others held the lock) catches up
+        // in one turn, and no turn holds the lock longer than one full batch.
+        let mut batches = vec![checked_batch(state, &mut bucket, max_rate, batch)?];
+        let mut held = batches[0].len();
+        let mut refused = None;
+        while held < MAX_MARKERS_PER_BATCH && refused.is_none() {
+            let Some(next) = next_message(state, inbound, Retry::Later).now_or_never() else {
+                break;
+            };
+            match next {
+                Ok(Some(pb::ClientMessage {
+                    kind: Some(Kind::Markers(batch)),
+                })) if held + batch.markers.len() <= MAX_MARKERS_PER_BATCH => {
+                    match checked_batch(state, &mut bucket, max_rate, batch) {
+                        Ok(markers) => {
+                            held += markers.len();
+                            batches.push(markers);
+                        }
+                        // After the batches before it, as if read in turn.
+                        Err(status) => refused = Some(status),
+                    }
+                }
+                other => {
+                    read_ahead = Some(other);
+                    break;
                 }
             }
         }
-        if markers.iter().any(|m| m.step > 1) {
+        if batches.iter().flatten().any(|m| m.step > 1) {
             step1_trace = None;
         }
-        let applied = state.apply_markers(key, stream.run_id, &markers);
-        match applied {
-            Ok(advisories) => {
-                state.ingest.markers_received.inc_by(n);
-                // The one thing about a rank an operator reads the log for.
-                for m in markers.iter().filter(|m| m.kind == MarkerKind::Oom) {
-                    tracing::warn!(
-                        namespace = %key.namespace,
-                        job = %key.job,
-                        rank = key.rank,
-                        step = m.step,
-                        "rank died of a CUDA out-of-memory error in step {}",
-                        m.step
-                    );
+        for (markers, applied) in
+            batches
+                .iter()
+                .zip(state.apply_marker_batches(key, stream.run_id, &batches))
+        {
+            let n = markers.len() as u64;
+            match applied {
+                Ok(advisories) => {
+                    state.ingest.markers_received.inc_by(n);
+                    // The one thing about a rank an operator reads the log for.
+                    for m in markers.iter().filter(|m| m.kind == MarkerKind::Oom) {
+                        tracing::warn!(
+                            namespace = %key.namespace,
+                            job = %key.job,
+                            rank = key.rank,
+                            step = m.step,
+                            "rank died of a CUDA out-of-memory error in step {}",
+                            m.step
+                        );
+                    }
+                    send_advisories(state, key, advisories, tx, alerts);
+                    alerts.markers(markers);
                 }
-                send_advisories(state, key, advisories, tx, alerts);
-                alerts.markers(&markers);
-            }
-            Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
-                return Err(run_ended(state, key, &e, n));
-            }
-            // One jumped batch is refused alone: the stream goes on, and
-            // the client hears why on its advisory channel.
-            Err(RecordError::Markers(MarkerError::ClockJumped { ahead_ns, step })) => {
-                state.ingest.reject("clock_jumped", n);
-                let now = stepwatch_proto::clock::monotonic_ns();
-                let advisory = stepwatch_core::clock::jump_advisory(step, now, ahead_ns);
-                send_advisories(state, key, vec![advisory], tx, alerts);
-            }
-            Err(e) => {
-                return Err(refuse(
-                    state,
-                    e.reason(),
-                    n,
-                    Status::invalid_argument(format!(
-                        "marker rejected for job {} rank {}: {}",
-                        key.job,
-                        key.rank,
-                        e.refusal()
-                    )),
-                ));
+                Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
+                    return Err(run_ended(state, key, &e, n));
+                }
+                // One jumped batch is refused alone: the stream goes on, and
+                // the client hears why on its advisory channel.
+                Err(RecordError::Markers(MarkerError::ClockJumped { ahead_ns, step })) => {
+                    state.ingest.reject("clock_jumped", n);
+                    let now = stepwatch_proto::clock::monotonic_ns();
+                    let advisory = stepwatch_core::clock::jump_advisory(step, now, ahead_ns);
+                    send_advisories(state, key, vec![advisory], tx, alerts);
+                }
+                Err(e) => return Err(not_taken(state, key, &e, n, "marker rejected")),
             }
         }
+        if let Some(status) = refused {
+            return Err(status);
+        }
+        // A turn at a time: a stream whose client floods batches would
+        // otherwise keep its worker, and the streams queued behind it on
+        // that worker waited for as long as the flood lasted.
+        tokio::task::yield_now().await;
     }
     Ok(())
+}
+
+/// The refusal, counted, of `n` markers (or a message) of the rank the
+/// tracker would not take: `what` and why.
+fn not_taken(state: &AgentState, key: &RankKey, e: &RecordError, n: u64, what: &str) -> Status {
+    let why = format!(
+        "{what} for job {} rank {}: {}",
+        key.job,
+        key.rank,
+        e.refusal()
+    );
+    refuse(state, e.reason(), n, Status::invalid_argument(why))
+}
+
+/// A marker batch's markers, once its size, the stream's rate and every
+/// marker's fields are checked; a refusal ends the stream.
+fn checked_batch(
+    state: &AgentState,
+    bucket: &mut TokenBucket,
+    max_rate: f64,
+    batch: pb::MarkerBatch,
+) -> Result<Vec<stepwatch_core::Marker>, Status> {
+    let n = batch.markers.len() as u64;
+    if batch.markers.len() > MAX_MARKERS_PER_BATCH {
+        return Err(refuse(
+            state,
+            "batch_too_large",
+            n,
+            Status::invalid_argument(format!(
+                "a MarkerBatch holds {} markers; at most {MAX_MARKERS_PER_BATCH} are allowed",
+                batch.markers.len()
+            )),
+        ));
+    }
+    // An empty batch costs one, so a flood of them is bounded too.
+    if !bucket.take(n.max(1) as f64) {
+        return Err(refuse(
+            state,
+            "rate_limited",
+            n,
+            Status::resource_exhausted(format!(
+                "more than {max_rate} markers/s on one stream (--max-marker-rate)"
+            )),
+        ));
+    }
+    batch
+        .markers
+        .into_iter()
+        .map(|m| {
+            convert::marker_from_wire(m).map_err(|e| {
+                let status = Status::invalid_argument(e.to_string());
+                refuse(state, e.reason(), n, status)
+            })
+        })
+        .collect()
 }
 
 /// A message other than a marker batch costs like one marker, so a flood
