@@ -12,44 +12,26 @@ optimizer step.
 
 from __future__ import annotations
 
-import sys
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import stepwatch
 import torch
 from accelerate import Accelerator
-from torch.utils.data import DataLoader, Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
+from torch.utils.data import DataLoader
+from transformers import get_linear_schedule_with_warmup
 
-from common import parser
-
-
-class RandomTokens(Dataset):
-    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
-        self.n, self.seq_len, self.vocab = n, seq_len, vocab
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        ids = torch.randint(self.vocab, (self.seq_len,))
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+import common
+import hf_models
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=8, help="transformer blocks")
-    p.add_argument("--hidden", type=int, default=768, help="model width")
-    p.add_argument("--heads", type=int, default=12, help="attention heads")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--vocab", type=int, default=50257, help="vocabulary size")
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.parser(__doc__.split("\n\n")[0])
+    common.add_gpt_args(p, layers=8, batch=8, vocab=50257)
     p.add_argument(
         "--mixed-precision", choices=["no", "bf16"], default="bf16", help="Accelerator's"
     )
     args = p.parse_args(argv)
-    if min(args.steps, args.layers, args.hidden, args.batch) < 1 or args.hidden % args.heads:
-        p.error("sizes must be at least 1, --hidden a multiple of --heads")
+    common.check_args(p, args)
 
     if args.device == "cuda":
         # The fake CUDA stack has no working cuDNN: keep SDPA on flash / memory-efficient.
@@ -57,19 +39,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=args.device == "cpu")
     torch.manual_seed(args.seed)
     with accelerator.device:
-        model = GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=args.vocab,
-                n_positions=args.seq_len,
-                n_embd=args.hidden,
-                n_layer=args.layers,
-                n_head=args.heads,
-                attn_implementation="sdpa",
-            )
-        )
+        model = hf_models.gpt2(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr or 3e-4, weight_decay=0.01)
     loader = DataLoader(
-        RandomTokens(args.steps * args.batch, args.seq_len, args.vocab), batch_size=args.batch
+        common.RandomTokens(args.steps * args.batch, args.seq_len, args.vocab, attention_mask=True),
+        batch_size=args.batch,
     )
     scheduler = get_linear_schedule_with_warmup(optimizer, 1, args.steps)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
@@ -92,8 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         scheduler.step()
         optimizer.zero_grad()
         print(f"step {step} done", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

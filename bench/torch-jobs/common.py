@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
+import stepwatch
 import torch
 import torch.distributed as dist
+from torch.utils.data import Dataset
 
-from models import GPTConfig
+from models import GPT, GPTConfig
 
 OPTIMIZERS = (
     "adamw",
@@ -43,23 +45,51 @@ def parser(description: str, *, steps: int = 6) -> argparse.ArgumentParser:
     return p
 
 
+def gpt_parser(description: str, **sizes: Any) -> argparse.ArgumentParser:
+    """The flags of the jobs that train the shared GPT: ``parser``'s, the size knobs
+    (``sizes``: other defaults) and ``--optimizer``."""
+    p = parser(description)
+    add_gpt_args(p, **sizes)
+    add_optimizer_arg(p)
+    return p
+
+
 def add_gpt_args(
     p: argparse.ArgumentParser,
     *,
     layers: int = 12,
     hidden: int = 768,
-    heads: int = 12,
+    heads: Optional[int] = 12,
     seq_len: int = 512,
     batch: int = 4,
     vocab: int = 50304,
 ) -> None:
-    """Size knobs of the GPT-like model (defaults: GPT-2 small, 124M parameters)."""
-    p.add_argument("--layers", type=int, default=layers, help="transformer blocks")
+    """Size knobs of a language model (defaults: GPT-2 small, 124M parameters);
+    ``heads=None``: a model without attention, no ``--heads``."""
+    p.add_argument("--layers", type=int, default=layers, help="blocks (layers)")
     p.add_argument("--hidden", type=int, default=hidden, help="model width")
-    p.add_argument("--heads", type=int, default=heads, help="attention heads")
+    if heads is not None:
+        p.add_argument("--heads", type=int, default=heads, help="attention heads")
     p.add_argument("--seq-len", type=int, default=seq_len, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=batch, help="sequences per micro-batch")
     p.add_argument("--vocab", type=int, default=vocab, help="vocabulary size")
+
+
+def add_image_args(
+    p: argparse.ArgumentParser,
+    *,
+    batch: int,
+    image_size: int,
+    width: int,
+    classes: Optional[int] = None,
+    image_size_help: str = "height and width",
+) -> None:
+    """Size knobs of the convolution jobs; ``classes=None``: no ``--classes``."""
+    p.add_argument("--batch", type=int, default=batch, help="images per step")
+    p.add_argument("--image-size", type=int, default=image_size, help=image_size_help)
+    if classes is not None:
+        p.add_argument("--classes", type=int, default=classes, help="output classes")
+    p.add_argument("--width", type=int, default=width, help="channels of the first stage")
 
 
 def add_optimizer_arg(
@@ -84,12 +114,22 @@ def add_precision_arg(p: argparse.ArgumentParser, default: str = "fp32") -> None
     )
 
 
+def add_mixed_precision_arg(p: argparse.ArgumentParser, policy: str) -> None:
+    """The sharded jobs' ``--precision fp32|bf16-mixed``; ``policy``: what bf16-mixed sets."""
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16-mixed"],
+        default="bf16-mixed",
+        help=f"bf16-mixed: {policy}",
+    )
+
+
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """At least 1 for every integer size knob present; hidden a multiple of heads."""
     for name in ("steps", "layers", "hidden", "heads", "seq_len", "batch", "vocab", "grad_accum"):
         if getattr(args, name, 1) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if hasattr(args, "heads") and args.hidden % args.heads:
+    if getattr(args, "heads", None) and args.hidden % args.heads:
         p.error("--hidden must be a multiple of --heads")
 
 
@@ -102,6 +142,13 @@ def gpt_config(args: argparse.Namespace, **extra: Any) -> GPTConfig:
         heads=args.heads,
         **extra,
     )
+
+
+def gpt_model(args: argparse.Namespace, device: torch.device, **extra: Any) -> GPT:
+    """The GPT of the size flags, seeded with ``args.seed`` and built directly on ``device``."""
+    torch.manual_seed(args.seed)
+    with device:
+        return GPT(gpt_config(args, **extra))
 
 
 def setup_device(name: str, index: Optional[int] = None) -> torch.device:
@@ -207,6 +254,26 @@ def build_model(
     return model, optimizer
 
 
+def start_job(
+    name: str, args: argparse.Namespace, make_model: Any, detail: str
+) -> Tuple[torch.nn.Module, torch.optim.Optimizer, torch.device]:
+    """What a one-GPU job does before its loop: the device (``args.device``), the
+    model and optimizer of ``build_model`` on it, and ``stepwatch.watch`` on both."""
+    device = setup_device(args.device)
+    model, optimizer = build_model(name, args, device, make_model, detail)
+    stepwatch.watch(model, optimizer)
+    return model, optimizer, device
+
+
+def steps(n: int, rank: int = 0) -> Iterator[int]:
+    """Step numbers 1..n for the training loop; after each step's body, rank 0 prints
+    ``step N done`` (the line the harness counts)."""
+    for step in range(1, n + 1):
+        yield step
+        if rank == 0:
+            print(f"step {step} done", flush=True)
+
+
 def autocast(device: torch.device, precision: str) -> torch.autocast:
     """bf16 autocast for ``bf16-autocast``, a disabled one for ``fp32``."""
     return torch.autocast(
@@ -220,3 +287,31 @@ def random_tokens(
     """A batch of random token ids and its next-token targets."""
     t = torch.randint(vocab, (batch, seq_len + 1), device=device)
     return t[:, :-1], t[:, 1:]
+
+
+def random_images(
+    batch: int, size: int, classes: int, device: torch.device, *, per_pixel: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random images and class labels (one per image, or one per pixel), made on the
+    host and copied to ``device``, as a data loader hands them over."""
+    images = torch.randn(batch, 3, size, size)
+    labels = torch.randint(classes, (batch, size, size) if per_pixel else (batch,))
+    return images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+
+class RandomTokens(Dataset):
+    """``n`` random token sequences as Hugging Face batches: ``input_ids``, ``labels``
+    (the same ids) and, with ``attention_mask``, a mask of ones."""
+
+    def __init__(self, n: int, seq_len: int, vocab: int, *, attention_mask: bool = False) -> None:
+        self.n, self.seq_len, self.vocab = n, seq_len, vocab
+        self.attention_mask = attention_mask
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+        ids = torch.randint(self.vocab, (self.seq_len,))
+        if self.attention_mask:
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+        return {"input_ids": ids, "labels": ids}

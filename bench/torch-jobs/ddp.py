@@ -13,7 +13,6 @@ all-reduce). Rank 0 prints ``step N done`` after each optimizer step.
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import List, Optional
 
 import stepwatch
@@ -23,26 +22,12 @@ import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
-from common import (
-    add_gpt_args,
-    add_optimizer_arg,
-    add_precision_arg,
-    autocast,
-    check_args,
-    gpt_config,
-    init_distributed,
-    make_optimizer,
-    parser,
-    random_tokens,
-)
-from models import GPT
+import common
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    add_gpt_args(p)
-    add_optimizer_arg(p)
-    add_precision_arg(p)
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.gpt_parser(__doc__.split("\n\n")[0])
+    common.add_precision_arg(p)
     p.add_argument("--uneven", action="store_true", help="the last rank's batch is twice --batch")
     p.add_argument(
         "--zero",
@@ -59,14 +44,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.no_sync < 1:
         p.error("--no-sync must be at least 1")
-    check_args(p, args)
+    common.check_args(p, args)
 
-    rank, world, device = init_distributed(args.device)
+    rank, world, device = common.init_distributed(args.device)
     last_batch = args.batch * 2 if args.uneven else args.batch
     batch = last_batch if rank == world - 1 else args.batch
-    torch.manual_seed(args.seed)
-    with device:
-        model = GPT(gpt_config(args))
+    model = common.gpt_model(args, device)
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if args.zero:
         optimizer: torch.optim.Optimizer = ZeroRedundancyOptimizer(
@@ -76,7 +59,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             weight_decay=0.1,
         )
     else:
-        optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+        optimizer = common.make_optimizer(args.optimizer, model.parameters(), args.lr)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(
@@ -90,25 +73,22 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     stepwatch.watch(model, optimizer)
 
-    amp = autocast(device, args.precision)
+    amp = common.autocast(device, args.precision)
     model.train()
-    for step in range(1, args.steps + 1):
+    for _ in common.steps(args.steps, rank):
         for micro in range(args.no_sync):
             last = micro == args.no_sync - 1
             with contextlib.nullcontext() if last else model.no_sync():
-                x, y = random_tokens(batch, args.seq_len, args.vocab, device)
+                x, y = common.random_tokens(batch, args.seq_len, args.vocab, device)
                 with amp:
                     logits = model(x)
                     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
                 (loss / args.no_sync).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if rank == 0:
-            print(f"step {step} done", flush=True)
 
     dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

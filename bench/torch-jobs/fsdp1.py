@@ -13,7 +13,6 @@ optimizer step.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from typing import List, Optional
 
@@ -25,39 +24,23 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N81
 from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from common import (
-    add_gpt_args,
-    add_optimizer_arg,
-    check_args,
-    gpt_config,
-    init_distributed,
-    make_optimizer,
-    parser,
-    random_tokens,
-)
-from models import GPT, Block
+import common
+from models import Block
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    add_gpt_args(p, layers=8, hidden=768)
-    add_optimizer_arg(p)
-    p.add_argument(
-        "--precision",
-        choices=["fp32", "bf16-mixed"],
-        default="bf16-mixed",
-        help="bf16-mixed: MixedPrecision(param_dtype=bf16, reduce_dtype=fp32, buffer_dtype=bf16)",
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.gpt_parser(__doc__.split("\n\n")[0], layers=8, hidden=768)
+    common.add_mixed_precision_arg(
+        p, "MixedPrecision(param_dtype=bf16, reduce_dtype=fp32, buffer_dtype=bf16)"
     )
     args = p.parse_args(argv)
-    check_args(p, args)
+    common.check_args(p, args)
     # FSDP v1 is deprecated in favour of fully_shard; the job is here because it is
     # still what many scripts run.
     warnings.filterwarnings("ignore", category=FutureWarning)
 
-    rank, world, device = init_distributed(args.device)
-    torch.manual_seed(args.seed)
-    with device:
-        model = GPT(gpt_config(args))
+    rank, world, device = common.init_distributed(args.device)
+    model = common.gpt_model(args, device)
     mp = None
     if args.precision == "bf16-mixed":
         mp = MixedPrecision(
@@ -69,7 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         mixed_precision=mp,
         device_id=device,
     )
-    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    optimizer = common.make_optimizer(args.optimizer, model.parameters(), args.lr)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters()) * world
         print(
@@ -81,19 +64,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     stepwatch.watch(model, optimizer)
 
     model.train()
-    for step in range(1, args.steps + 1):
-        x, y = random_tokens(args.batch, args.seq_len, args.vocab, device)
+    for _ in common.steps(args.steps, rank):
+        x, y = common.random_tokens(args.batch, args.seq_len, args.vocab, device)
         logits = model(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if rank == 0:
-            print(f"step {step} done", flush=True)
 
     dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

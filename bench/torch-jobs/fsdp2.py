@@ -12,7 +12,6 @@ prints ``step N done`` after each optimizer step.
 
 from __future__ import annotations
 
-import sys
 from typing import List, Optional
 
 import stepwatch
@@ -22,42 +21,23 @@ import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from common import (
-    add_gpt_args,
-    add_optimizer_arg,
-    check_args,
-    gpt_config,
-    init_distributed,
-    make_optimizer,
-    parser,
-    random_tokens,
-)
-from models import GPT
+import common
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    add_gpt_args(p)
-    add_optimizer_arg(p)
-    p.add_argument(
-        "--precision",
-        choices=["fp32", "bf16-mixed"],
-        default="bf16-mixed",
-        help="bf16-mixed: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
-    )
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.gpt_parser(__doc__.split("\n\n")[0])
+    common.add_mixed_precision_arg(p, "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
     p.add_argument(
         "--no-reshard-after-forward",
         action="store_true",
         help="keep each block's gathered parameters from forward to backward",
     )
     args = p.parse_args(argv)
-    check_args(p, args)
+    common.check_args(p, args)
 
-    rank, world, device = init_distributed(args.device)
+    rank, world, device = common.init_distributed(args.device)
     mesh = init_device_mesh(device.type, (world,))
-    torch.manual_seed(args.seed)
-    with device:
-        model = GPT(gpt_config(args))
+    model = common.gpt_model(args, device)
     if args.precision == "bf16-mixed":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
@@ -66,7 +46,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    optimizer = common.make_optimizer(args.optimizer, model.parameters(), args.lr)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(
@@ -78,19 +58,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     stepwatch.watch(model, optimizer)
 
     model.train()
-    for step in range(1, args.steps + 1):
-        x, y = random_tokens(args.batch, args.seq_len, args.vocab, device)
+    for _ in common.steps(args.steps, rank):
+        x, y = common.random_tokens(args.batch, args.seq_len, args.vocab, device)
         logits = model(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        if rank == 0:
-            print(f"step {step} done", flush=True)
 
     dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

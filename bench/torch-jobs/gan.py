@@ -12,7 +12,6 @@ has none). Prints ``step N done`` after each generator step.
 
 from __future__ import annotations
 
-import sys
 from typing import List, Optional
 
 import stepwatch
@@ -20,7 +19,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch import nn
 
-from common import parser, setup_device
+import common
 
 
 def generator(latent: int, width: int, size: int) -> nn.Sequential:
@@ -53,19 +52,19 @@ def discriminator(width: int, size: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=64, help="images per step")
-    p.add_argument("--image-size", type=int, default=128, help="a power of 2, at least 16")
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.parser(__doc__.split("\n\n")[0])
+    common.add_image_args(
+        p, batch=64, image_size=128, width=64, image_size_help="a power of 2, at least 16"
+    )
     p.add_argument("--latent", type=int, default=128, help="latent vector size")
-    p.add_argument("--width", type=int, default=64, help="base channels of both models")
     args = p.parse_args(argv)
     s = args.image_size
     if s < 16 or s & (s - 1) or min(args.steps, args.batch, args.latent, args.width) < 1:
         p.error("--image-size must be a power of 2 >= 16, sizes at least 1")
 
     torch.backends.cudnn.enabled = False
-    device = setup_device(args.device)
+    device = common.setup_device(args.device)
     torch.manual_seed(args.seed)
     with device:
         gan = nn.ModuleDict(
@@ -86,7 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     g, d = gan["g"], gan["d"]
     gan.train()
-    for step in range(1, args.steps + 1):
+    for _ in common.steps(args.steps):
         real = torch.randn(args.batch, 3, s, s).to(device, non_blocking=True)
         ones = torch.ones(args.batch, 1, device=device)
         zeros = torch.zeros(args.batch, 1, device=device)
@@ -102,9 +101,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         opt_g.zero_grad(set_to_none=True)
         loss_g.backward()
         opt_g.step()
-        print(f"step {step} done", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -13,25 +13,13 @@ Prints ``step N done`` after each optimizer step.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Dict, List, Optional
 
 import stepwatch
 import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 
-from common import (
-    add_gpt_args,
-    add_optimizer_arg,
-    autocast,
-    check_args,
-    gpt_config,
-    make_optimizer,
-    parser,
-    random_tokens,
-    setup_device,
-)
-from models import GPT
+import common
 
 
 def precreate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -106,10 +94,8 @@ class LossInModel(torch.nn.Module):
         return {"logits": logits, "loss": loss}
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    add_gpt_args(p)
-    add_optimizer_arg(p)
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.gpt_parser(__doc__.split("\n\n")[0])
     p.add_argument(
         "--precision",
         choices=["fp32", "bf16-autocast", "bf16"],
@@ -173,13 +159,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="step 1 runs this many sequences (a warm-up), later steps --batch",
     )
     args = p.parse_args(argv)
-    check_args(p, args)
+    common.check_args(p, args)
 
-    device = setup_device(args.device)
-    torch.manual_seed(args.seed)
-    cfg = gpt_config(args, activation_checkpointing=args.activation_checkpointing)
-    with device:
-        model = GPT(cfg)
+    device = common.setup_device(args.device)
+    model = common.gpt_model(args, device, activation_checkpointing=args.activation_checkpointing)
     if args.precision == "bf16":
         model.to(torch.bfloat16)
     if args.freeze_layers:
@@ -191,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         params: Any = param_groups(model)
     else:
         params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(args.optimizer, params, args.lr)
+    optimizer = common.make_optimizer(args.optimizer, params, args.lr)
     scheduler = cosine_with_warmup(optimizer, 2, args.steps) if args.scheduler else None
     if args.precreate_state:
         precreate_optimizer_state(optimizer)
@@ -206,12 +189,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     stepwatch.watch(loss_model, optimizer)
 
     # bf16 weights need no autocast; "bf16-autocast" runs fp32 weights under it.
-    amp = autocast(device, args.precision)
+    amp = common.autocast(device, args.precision)
     model.train()
-    for step in range(1, args.steps + 1):
+    for step in common.steps(args.steps):
         batch = args.warmup_batch if step == 1 and args.warmup_batch else args.batch
         for _ in range(args.grad_accum):
-            x, y = random_tokens(batch, args.seq_len, args.vocab, device)
+            x, y = common.random_tokens(batch, args.seq_len, args.vocab, device)
             with amp:
                 if args.loss_in_model:
                     out = loss_model(x, y)
@@ -233,14 +216,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.eval_every and step % args.eval_every == 0:
             model.eval()
             with torch.no_grad(), amp:
-                x, y = random_tokens(args.batch, args.seq_len, args.vocab, device)
+                x, y = common.random_tokens(args.batch, args.seq_len, args.vocab, device)
                 logits = model(x)
                 val = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
             print(f"eval after step {step}: loss {val.item():.3f}", flush=True)
             model.train()
-        print(f"step {step} done", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

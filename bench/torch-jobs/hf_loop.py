@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from typing import Any, Dict, List, Optional
 
 import stepwatch
@@ -31,10 +30,6 @@ from transformers import (
     BertConfig,
     BertForMaskedLM,
     BertForSequenceClassification,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
     T5Config,
     T5ForConditionalGeneration,
@@ -44,7 +39,8 @@ from transformers import (
 )
 from transformers.optimization import Adafactor
 
-from common import OPTIMIZERS, autocast, make_optimizer, parser, setup_device
+import common
+import hf_models
 
 MODELS = ("gpt2", "llama", "t5", "bert-mlm", "bert-cls", "vit")
 # The projections LoRA adapts, per architecture (PEFT's default target modules).
@@ -97,29 +93,9 @@ def add_lora(model: nn.Module, targets: tuple, r: int) -> int:
 def make_model(args: argparse.Namespace) -> PreTrainedModel:
     attn = {"attn_implementation": "sdpa"}
     if args.model == "gpt2":
-        return GPT2LMHeadModel(
-            GPT2Config(
-                vocab_size=args.vocab,
-                n_positions=args.seq_len,
-                n_embd=args.hidden,
-                n_layer=args.layers,
-                n_head=args.heads,
-                **attn,
-            )
-        )
+        return hf_models.gpt2(args)
     if args.model == "llama":
-        return LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=args.vocab,
-                hidden_size=args.hidden,
-                intermediate_size=(8 * args.hidden // 3 + 63) // 64 * 64,
-                num_hidden_layers=args.layers,
-                num_attention_heads=args.heads,
-                num_key_value_heads=args.heads,
-                max_position_embeddings=args.seq_len,
-                **attn,
-            )
-        )
+        return hf_models.llama(args)
     if args.model == "t5":
         return T5ForConditionalGeneration(
             T5Config(
@@ -202,20 +178,16 @@ def evaluate(model: nn.Module, args: argparse.Namespace, device: torch.device, a
     return float(out.loss)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=MODELS, default="gpt2", help="architecture")
-    p.add_argument("--layers", type=int, default=6, help="blocks (each of encoder and decoder)")
-    p.add_argument("--hidden", type=int, default=768, help="model width")
-    p.add_argument("--heads", type=int, default=12, help="attention heads")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence")
+    # --layers: t5 has that many in each of encoder and decoder; --batch: vit's are images.
+    common.add_gpt_args(p, layers=6, batch=8, vocab=50257)
     p.add_argument("--target-len", type=int, default=128, help="t5: label tokens")
     p.add_argument("--image-size", type=int, default=224, help="vit: height and width")
-    p.add_argument("--batch", type=int, default=8, help="sequences (images) per step")
-    p.add_argument("--vocab", type=int, default=50257, help="vocabulary size")
     p.add_argument(
         "--optimizer",
-        choices=[*OPTIMIZERS, "adafactor-hf"],
+        choices=[*common.OPTIMIZERS, "adafactor-hf"],
         default="adamw",
         help="as the other jobs; adafactor-hf: transformers' Adafactor (relative step)",
     )
@@ -236,13 +208,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ to this norm")
     p.add_argument("--eval-every", type=int, default=0, help="evaluate after every K-th step")
     args = p.parse_args(argv)
-    sizes = [args.steps, args.layers, args.hidden, args.heads, args.seq_len, args.batch]
-    if min(sizes) < 1 or args.hidden % args.heads:
-        p.error("sizes must be at least 1, --hidden a multiple of --heads")
+    common.check_args(p, args)
 
     # The fake CUDA stack has no working cuDNN (ViT's patch embedding is a convolution).
     torch.backends.cudnn.enabled = False
-    device = setup_device(args.device)
+    device = common.setup_device(args.device)
     torch.manual_seed(args.seed)
     with device:
         model = make_model(args)
@@ -275,7 +245,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             params, lr=None, scale_parameter=True, relative_step=True, warmup_init=False
         )
     else:
-        optimizer = make_optimizer(args.optimizer, params, args.lr)
+        optimizer = common.make_optimizer(args.optimizer, params, args.lr)
     scheduler = None
     if args.scheduler:
         scheduler = get_linear_schedule_with_warmup(optimizer, 1, args.steps)
@@ -289,9 +259,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     stepwatch.watch(model, optimizer)
 
-    amp = autocast(device, args.precision)
+    amp = common.autocast(device, args.precision)
     model.train()
-    for step in range(1, args.steps + 1):
+    for step in common.steps(args.steps):
         batch = make_batch(args, args.batch, device)
         with amp:
             out = model(**batch)
@@ -304,9 +274,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         optimizer.zero_grad(set_to_none=True)
         if args.eval_every and step % args.eval_every == 0:
             print(f"eval after step {step}: loss {evaluate(model, args, device, amp):.3f}")
-        print(f"step {step} done", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

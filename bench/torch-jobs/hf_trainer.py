@@ -12,37 +12,20 @@ after each optimizer step.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import torch
 from stepwatch.transformers import StepwatchCallback
-from torch.utils.data import Dataset
 from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
     Trainer,
     TrainerCallback,
     TrainingArguments,
 )
 
-from common import check_args, parser
-
-
-class RandomTokens(Dataset):
-    def __init__(self, n: int, seq_len: int, vocab: int) -> None:
-        self.n, self.seq_len, self.vocab = n, seq_len, vocab
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
-        ids = torch.randint(self.vocab, (self.seq_len,))
-        return {"input_ids": ids, "labels": ids}
+import common
+import hf_models
 
 
 class PrintSteps(TrainerCallback):
@@ -52,32 +35,12 @@ class PrintSteps(TrainerCallback):
 
 def make_model(args: argparse.Namespace) -> PreTrainedModel:
     if args.model == "gpt2":
-        config = GPT2Config(
-            vocab_size=args.vocab,
-            n_positions=args.seq_len,
-            n_embd=args.hidden,
-            n_layer=args.layers,
-            n_head=args.heads,
-            bos_token_id=args.vocab - 1,
-            eos_token_id=args.vocab - 1,
-            attn_implementation="sdpa",
-        )
-        return GPT2LMHeadModel(config)
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate or (8 * args.hidden // 3 + 63) // 64 * 64,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=args.seq_len,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
+        return hf_models.gpt2(args, bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1)
+    return hf_models.llama(args, args.intermediate)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["llama", "gpt2"], default="llama", help="architecture")
     p.add_argument("--layers", type=int, default=8, help="decoder layers")
     p.add_argument("--hidden", type=int, default=512, help="model width")
@@ -90,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: bf16=True")
     p.add_argument("--optim", default="adamw_torch_fused", help="TrainingArguments.optim")
     args = p.parse_args(argv)
-    check_args(p, args)
+    common.check_args(p, args)
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -127,14 +90,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         trainer = Trainer(
             model=model,
             args=training_args,
-            train_dataset=RandomTokens(
+            train_dataset=common.RandomTokens(
                 args.steps * args.grad_accum * args.batch, args.seq_len, args.vocab
             ),
             callbacks=[StepwatchCallback(), PrintSteps()],
         )
         trainer.train()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -10,7 +10,6 @@ after each optimizer step.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, List, Optional, Tuple
 
 import lightning as L  # noqa: N812 (the usual spelling)
@@ -19,7 +18,7 @@ import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from stepwatch.lightning import StepwatchCallback
 from torch.utils.data import DataLoader, Dataset
 
-from common import add_gpt_args, add_optimizer_arg, check_args, gpt_config, make_optimizer, parser
+import common
 from models import GPT
 
 
@@ -39,7 +38,7 @@ class LitGPT(L.LightningModule):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.args = args
-        self.model = GPT(gpt_config(args))
+        self.model = GPT(common.gpt_config(args))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -47,7 +46,7 @@ class LitGPT(L.LightningModule):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.args.optimizer, self.parameters(), self.args.lr)
+        return common.make_optimizer(self.args.optimizer, self.parameters(), self.args.lr)
 
 
 class PrintSteps(L.Callback):
@@ -64,16 +63,14 @@ class PrintSteps(L.Callback):
             print(f"step {self.last} done", flush=True)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    add_gpt_args(p)
-    add_optimizer_arg(p)
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.gpt_parser(__doc__.split("\n\n")[0])
     p.add_argument(
         "--precision", choices=["32-true", "bf16-mixed"], default="bf16-mixed", help="Trainer"
     )
     p.add_argument("--grad-accum", type=int, default=1, help="accumulate_grad_batches")
     args = p.parse_args(argv)
-    check_args(p, args)
+    common.check_args(p, args)
 
     if args.device == "cuda":
         # The fake CUDA stack has no working cuDNN: keep SDPA on flash / memory-efficient.
@@ -106,8 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         flush=True,
     )
     trainer.fit(module, data)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

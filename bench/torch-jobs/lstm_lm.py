@@ -10,15 +10,13 @@ PyTorch's native LSTM cells. Prints ``step N done`` after each optimizer step.
 
 from __future__ import annotations
 
-import sys
 from typing import List, Optional, Tuple
 
-import stepwatch
 import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch import nn
 
-from common import add_optimizer_arg, build_model, parser, setup_device
+import common
 
 
 class LSTMLM(nn.Module):
@@ -37,35 +35,27 @@ class LSTMLM(nn.Module):
         return self.decoder(self.drop(y)), state
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=2, help="LSTM layers")
-    p.add_argument("--hidden", type=int, default=1024, help="embedding and LSTM width")
-    p.add_argument("--seq-len", type=int, default=128, help="BPTT length")
-    p.add_argument("--batch", type=int, default=32, help="sequences per step")
-    p.add_argument("--vocab", type=int, default=33278, help="vocabulary (WikiText-103's is 267k)")
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.parser(__doc__.split("\n\n")[0])
+    # --seq-len: the BPTT length; --vocab: WikiText-2's (WikiText-103's is 267k).
+    common.add_gpt_args(p, layers=2, hidden=1024, heads=None, seq_len=128, batch=32, vocab=33278)
     p.add_argument("--clip", type=float, default=0.25, help="clip_grad_norm_ (0: none)")
-    add_optimizer_arg(p, default="sgd-nesterov")
+    common.add_optimizer_arg(p, default="sgd-nesterov")
     args = p.parse_args(argv)
-    if min(args.steps, args.layers, args.hidden, args.seq_len, args.batch, args.vocab) < 1:
-        p.error("sizes must be at least 1")
+    common.check_args(p, args)
 
     torch.backends.cudnn.enabled = False
-    device = setup_device(args.device)
-    model, optimizer = build_model(
+    model, optimizer, device = common.start_job(
         "lstm_lm",
         args,
-        device,
         lambda: LSTMLM(args.vocab, args.hidden, args.layers),
         f"{args.optimizer}, batch {args.batch} x {args.seq_len}",
     )
 
-    stepwatch.watch(model, optimizer)
-
     zeros = torch.zeros(args.layers, args.batch, args.hidden, device=device)
     state = (zeros, zeros.clone())
     model.train()
-    for step in range(1, args.steps + 1):
+    for _ in common.steps(args.steps):
         t = torch.randint(args.vocab, (args.batch, args.seq_len + 1)).to(device)
         state = (state[0].detach(), state[1].detach())
         logits, state = model(t[:, :-1], state)
@@ -75,9 +65,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        print(f"step {step} done", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -13,7 +13,6 @@ prediction error was traced to DDP's bucket rebuild (BENCHMARKS.md).
 from __future__ import annotations
 
 import collections
-import sys
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -21,39 +20,23 @@ import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 
-from common import (
-    add_gpt_args,
-    add_optimizer_arg,
-    add_precision_arg,
-    autocast,
-    check_args,
-    gpt_config,
-    init_distributed,
-    make_optimizer,
-    parser,
-    random_tokens,
-)
-from models import GPT
+import common
 
 PHASES = ["begin", "fwd", "bwd", "opt", "zero"]
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    add_gpt_args(p)
-    add_optimizer_arg(p)
-    add_precision_arg(p)
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.gpt_parser(__doc__.split("\n\n")[0])
+    common.add_precision_arg(p)
     p.add_argument("--uneven", action="store_true", help="the last rank's batch is twice --batch")
     args = p.parse_args(argv)
-    check_args(p, args)
-    rank, world, device = init_distributed(args.device)
+    common.check_args(p, args)
+    rank, world, device = common.init_distributed(args.device)
     batch = args.batch * 2 if (args.uneven and rank == world - 1) else args.batch
-    torch.manual_seed(args.seed)
-    with device:
-        model = GPT(gpt_config(args))
+    model = common.gpt_model(args, device)
     model = DDP(model, device_ids=[device.index])
-    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
-    amp = autocast(device, args.precision)
+    optimizer = common.make_optimizer(args.optimizer, model.parameters(), args.lr)
+    amp = common.autocast(device, args.precision)
 
     torch.cuda.memory._record_memory_history(
         enabled="all", context=None, stacks="python", max_entries=1_000_000
@@ -67,7 +50,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     for step in range(1, 4):
         mark(f"s{step}.begin")
-        x, y = random_tokens(batch, args.seq_len, args.vocab, device)
+        x, y = common.random_tokens(batch, args.seq_len, args.vocab, device)
         mark(f"s{step}.fwd")
         with amp:
             logits = model(x)
@@ -103,8 +86,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             only_1 = sorted((sizes(1, phase) - sizes(2, phase)).items())
             print(f"{phase}: (size, count) only in step 2: {only_2}; only in step 1: {only_1}")
     dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

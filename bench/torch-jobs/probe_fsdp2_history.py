@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -28,17 +27,7 @@ import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from common import (
-    add_gpt_args,
-    add_optimizer_arg,
-    check_args,
-    gpt_config,
-    init_distributed,
-    make_optimizer,
-    parser,
-    random_tokens,
-)
-from models import GPT
+import common
 
 
 def step_peaks(marks: List[Dict[str, Any]], events: List[List[Any]]) -> List[str]:
@@ -63,23 +52,19 @@ def step_peaks(marks: List[Dict[str, Any]], events: List[List[Any]]) -> List[str
     return lines
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    add_gpt_args(p)
-    add_optimizer_arg(p)
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.gpt_parser(__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for history-<rank>.json")
     args = p.parse_args(argv)
-    check_args(p, args)
-    rank, world, device = init_distributed(args.device)
+    common.check_args(p, args)
+    rank, world, device = common.init_distributed(args.device)
     mesh = init_device_mesh(device.type, (world,))
-    torch.manual_seed(args.seed)
-    with device:
-        model = GPT(gpt_config(args))
+    model = common.gpt_model(args, device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    optimizer = common.make_optimizer(args.optimizer, model.parameters(), args.lr)
 
     marks: List[Dict[str, Any]] = []
     segments_after_step1: List[Any] = []
@@ -104,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     for step in range(1, args.steps + 1):
         mark(f"s{step}.begin")
-        x, y = random_tokens(args.batch, args.seq_len, args.vocab, device)
+        x, y = common.random_tokens(args.batch, args.seq_len, args.vocab, device)
         mark(f"s{step}.fwd")
         logits = model(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
@@ -142,8 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for line in step_peaks(marks, out["events"]):
             print(line, flush=True)
     dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

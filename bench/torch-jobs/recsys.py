@@ -11,15 +11,13 @@ state (one accumulator per parameter) is made in its constructor, before step
 
 from __future__ import annotations
 
-import sys
 from typing import List, Optional
 
-import stepwatch
 import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch import nn
 
-from common import add_optimizer_arg, build_model, parser, setup_device
+import common
 
 
 def mlp(sizes: List[int]) -> nn.Sequential:
@@ -49,32 +47,28 @@ class DLRM(nn.Module):
         return self.top(torch.cat([x, inter[:, i, j]], dim=1)).squeeze(1)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--tables", type=int, default=8, help="categorical features (tables)")
     p.add_argument("--rows", type=int, default=400_000, help="rows per embedding table")
     p.add_argument("--dim", type=int, default=128, help="embedding width")
     p.add_argument("--dense", type=int, default=13, help="dense features")
     p.add_argument("--ids", type=int, default=4, help="ids per categorical feature")
     p.add_argument("--batch", type=int, default=8192, help="interactions per step")
-    add_optimizer_arg(p, default="adagrad")
+    common.add_optimizer_arg(p, default="adagrad")
     args = p.parse_args(argv)
     if min(args.steps, args.tables, args.rows, args.dim, args.dense, args.ids, args.batch) < 1:
         p.error("sizes must be at least 1")
 
-    device = setup_device(args.device)
-    model, optimizer = build_model(
+    model, optimizer, device = common.start_job(
         "recsys",
         args,
-        device,
         lambda: DLRM(args.tables, args.rows, args.dim, args.dense),
         f"{args.tables} tables of {args.rows} rows, {args.optimizer}, batch {args.batch}",
     )
 
-    stepwatch.watch(model, optimizer)
-
     model.train()
-    for step in range(1, args.steps + 1):
+    for _ in common.steps(args.steps):
         dense = torch.randn(args.batch, args.dense).to(device, non_blocking=True)
         ids = torch.randint(args.rows, (args.batch, args.tables, args.ids)).to(device)
         clicks = torch.randint(2, (args.batch,)).float().to(device)
@@ -82,9 +76,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        print(f"step {step} done", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

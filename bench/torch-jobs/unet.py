@@ -11,22 +11,13 @@ convolution kernels. Prints ``step N done`` after each optimizer step.
 
 from __future__ import annotations
 
-import sys
 from typing import List, Optional
 
-import stepwatch
 import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch import nn
 
-from common import (
-    add_optimizer_arg,
-    add_precision_arg,
-    autocast,
-    build_model,
-    parser,
-    setup_device,
-)
+import common
 
 
 def double_conv(cin: int, cout: int) -> nn.Sequential:
@@ -69,15 +60,12 @@ class UNet(nn.Module):
         return self.head(x)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    p = parser(__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=8, help="images per step")
-    p.add_argument("--image-size", type=int, default=256, help="height and width")
-    p.add_argument("--classes", type=int, default=21, help="segmentation classes")
-    p.add_argument("--width", type=int, default=32, help="channels of the first level")
+def main(argv: Optional[List[str]] = None) -> None:
+    p = common.parser(__doc__.split("\n\n")[0])
+    common.add_image_args(p, batch=8, image_size=256, classes=21, width=32)
     p.add_argument("--depth", type=int, default=4, help="down-sampling levels")
-    add_optimizer_arg(p, default="adamw")
-    add_precision_arg(p)
+    common.add_optimizer_arg(p, default="adamw")
+    common.add_precision_arg(p)
     args = p.parse_args(argv)
     if min(args.steps, args.batch, args.classes, args.width, args.depth) < 1:
         p.error("sizes must be at least 1")
@@ -85,31 +73,25 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error("--image-size must be a multiple of 2**--depth")
 
     torch.backends.cudnn.enabled = False
-    device = setup_device(args.device)
-    model, optimizer = build_model(
+    model, optimizer, device = common.start_job(
         "unet",
         args,
-        device,
         lambda: UNet(args.classes, args.width, args.depth),
         f"{args.optimizer}, {args.precision}, batch {args.batch} x 3 x {args.image_size}^2",
     )
 
-    stepwatch.watch(model, optimizer)
-
-    amp = autocast(device, args.precision)
+    amp = common.autocast(device, args.precision)
     model.train()
-    for step in range(1, args.steps + 1):
-        s = args.image_size
-        images = torch.randn(args.batch, 3, s, s).to(device, non_blocking=True)
-        masks = torch.randint(args.classes, (args.batch, s, s)).to(device, non_blocking=True)
+    for _ in common.steps(args.steps):
+        images, masks = common.random_images(
+            args.batch, args.image_size, args.classes, device, per_pixel=True
+        )
         with amp:
             loss = F.cross_entropy(model(images), masks)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        print(f"step {step} done", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
