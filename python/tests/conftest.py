@@ -99,6 +99,30 @@ def tiny_lightning_module():
     return Tiny
 
 
+def train(
+    model: Any,
+    opt: Any,
+    steps: int,
+    accumulate: int = 1,
+    batch: int = 4,
+    on_step_end: Optional[Callable[[], None]] = None,
+) -> None:
+    """``steps`` optimizer steps of ``model`` (a Sequential whose first layer is a Linear) on
+    random regression batches: ``accumulate`` micro-batches of ``batch`` rows each, MSE loss
+    divided by ``accumulate``; ``opt.zero_grad()`` after each step, then ``on_step_end``."""
+    import torch
+
+    inputs = model[0].in_features
+    for _ in range(steps):
+        for _ in range(accumulate):
+            x, y = torch.randn(batch, inputs), torch.randn(batch, 1)
+            (torch.nn.functional.mse_loss(model(x), y) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()
+        if on_step_end is not None:
+            on_step_end()
+
+
 def agent_binary() -> Path:
     """The real agent (``$STEPWATCH_BIN`` or ``target/debug/stepwatch``); skips the
     test when STEPWATCH_SKIP_AGENT_TESTS=1, fails it when the binary is missing."""
@@ -301,3 +325,16 @@ def clean_stepwatch(monkeypatch):
     stepwatch.reset()
     yield
     stepwatch.reset()
+
+
+@pytest.fixture
+def gloo_group():
+    """A one-rank gloo process group (DDP on CPU), torn down after the test."""
+    import torch
+
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("torch without distributed")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
-from conftest import FLUSH_S, agent_binary, mark_steps, tiny_lightning_module
+from conftest import FLUSH_S, agent_binary, mark_steps, tiny_lightning_module, train
 
 import stepwatch
 
@@ -124,12 +124,7 @@ def _train(steps: int, accumulate: int, **watch_opts) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     handle = stepwatch.watch(model, opt, grad_accumulation_steps=accumulate, **watch_opts)
     try:
-        for _ in range(steps):
-            for _ in range(accumulate):
-                x, y = torch.randn(8, 16), torch.randn(8, 1)
-                (torch.nn.functional.mse_loss(model(x), y) / accumulate).backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, steps, accumulate, batch=8)
     finally:
         handle.remove()
 

@@ -9,7 +9,7 @@ import os
 from array import array
 
 import pytest
-from conftest import FLUSH_S, small_model, summary
+from conftest import FLUSH_S, small_model, summary, train
 from fake_cuda import FakeCuda, FakeWorkload
 
 import stepwatch
@@ -583,13 +583,7 @@ def run(monkeypatch, steps=3, accumulate=1, fake=None, **watch_opts):
     handle = stepwatch.watch(model, opt, grad_accumulation_steps=accumulate, **watch_opts)
     work.install_optimizer_hooks()
     try:
-        for _ in range(steps):
-            for _ in range(accumulate):
-                x, y = torch.randn(4, 8), torch.randn(4, 1)
-                (torch.nn.functional.mse_loss(model(x), y) / accumulate).backward()
-            opt.step()
-            opt.zero_grad()
-            work.zero_grad()
+        train(model, opt, steps, accumulate, on_step_end=work.zero_grad)
     finally:
         handle.remove()
         work.remove()

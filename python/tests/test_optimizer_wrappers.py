@@ -48,17 +48,6 @@ class _StepThrough:
         return optimizer.step(closure)
 
 
-@pytest.fixture
-def gloo_group():
-    """A one-rank gloo process group, torn down after the test."""
-    dist = torch.distributed
-    if not dist.is_available():
-        pytest.skip("torch without distributed")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist
-    dist.destroy_process_group()
-
-
 def _accelerate(model):
     accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed")
     accelerator = accelerate.Accelerator(cpu=True)

@@ -128,40 +128,30 @@ def _wait_refused_twice(timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture
-def tls_agent(certs, sock_dir, tmp_path):
-    a = _start_tls_agent(
-        sock_dir,
-        tmp_path,
-        [
-            "--grpc-tls-cert",
-            str(certs / "server.pem"),
-            "--grpc-tls-key",
-            str(certs / "server.key"),
-        ],
-    )
+def _tls_agent(certs: Path, sock_dir: str, tmp_path: Path, extra: List[str]):
+    """The agent with the server certificate and ``extra`` flags; stopped after the test."""
+    tls = [
+        "--grpc-tls-cert",
+        str(certs / "server.pem"),
+        "--grpc-tls-key",
+        str(certs / "server.key"),
+    ]
+    a = _start_tls_agent(sock_dir, tmp_path, tls + extra)
     yield a
     stepwatch.reset()
     a.agent.stop()
+
+
+@pytest.fixture
+def tls_agent(certs, sock_dir, tmp_path):
+    yield from _tls_agent(certs, sock_dir, tmp_path, [])
 
 
 @pytest.fixture
 def mtls_agent(certs, sock_dir, tmp_path):
-    a = _start_tls_agent(
-        sock_dir,
-        tmp_path,
-        [
-            "--grpc-tls-cert",
-            str(certs / "server.pem"),
-            "--grpc-tls-key",
-            str(certs / "server.key"),
-            "--grpc-tls-client-ca",
-            str(certs / "ca.pem"),
-        ],
+    yield from _tls_agent(
+        certs, sock_dir, tmp_path, ["--grpc-tls-client-ca", str(certs / "ca.pem")]
     )
-    yield a
-    stepwatch.reset()
-    a.agent.stop()
 
 
 def _train(steps: int, **watch_opts) -> float:

@@ -1,4 +1,4 @@
-from conftest import KIND
+from conftest import KIND, STEP, expected
 
 from stepwatch._tracker import StepTracker
 
@@ -14,20 +14,7 @@ def test_plain_steps_numbered_from_one():
     t, out = make()
     for _ in range(2):
         t.forward(), t.backward(), t.optimizer_begin(), t.optimizer_end()
-    assert out == [
-        ("STEP_BEGIN", 1, 0),
-        ("FORWARD_BEGIN", 1, 0),
-        ("BACKWARD_BEGIN", 1, 0),
-        ("OPTIMIZER_BEGIN", 1, 0),
-        ("OPTIMIZER_END", 1, 0),
-        ("STEP_END", 1, 0),
-        ("STEP_BEGIN", 2, 0),
-        ("FORWARD_BEGIN", 2, 0),
-        ("BACKWARD_BEGIN", 2, 0),
-        ("OPTIMIZER_BEGIN", 2, 0),
-        ("OPTIMIZER_END", 2, 0),
-        ("STEP_END", 2, 0),
-    ]
+    assert out == expected(2)
 
 
 def test_gradient_accumulation_counts_micro_batches():
@@ -50,14 +37,7 @@ def test_duplicates_and_out_of_order_reports_are_dropped():
     t.forward(), t.forward(), t.backward(), t.backward(), t.optimizer_begin()
     t.backward()  # after the optimizer: would break the agent's order
     t.optimizer_begin(), t.optimizer_end(), t.optimizer_end()
-    assert [o[0] for o in out] == [
-        "STEP_BEGIN",
-        "FORWARD_BEGIN",
-        "BACKWARD_BEGIN",
-        "OPTIMIZER_BEGIN",
-        "OPTIMIZER_END",
-        "STEP_END",
-    ]
+    assert [o[0] for o in out] == STEP
 
 
 def test_skipped_optimizer_step_closes_step_when_accumulation_is_known():

@@ -5,21 +5,11 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from conftest import STEP, small_model, summary
+from conftest import STEP, expected, small_model, summary, train
 
 import stepwatch
 
 torch = pytest.importorskip("torch")
-
-
-def train(model, opt, steps, accumulate=1):
-    for _ in range(steps):
-        for _ in range(accumulate):
-            x, y = torch.randn(4, 8), torch.randn(4, 1)
-            loss = torch.nn.functional.mse_loss(model(x), y) / accumulate
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def test_steps_and_phases(agent):
@@ -37,18 +27,7 @@ def test_gradient_accumulation_micro_batches(agent):
     stepwatch.watch(model, opt, grad_accumulation_steps=3)
     train(model, opt, 2, accumulate=3)
     ms = agent.wait_markers(2 * 10)
-    assert summary(ms)[:10] == [
-        ("STEP_BEGIN", 1, 0),
-        ("FORWARD_BEGIN", 1, 0),
-        ("BACKWARD_BEGIN", 1, 0),
-        ("FORWARD_BEGIN", 1, 1),
-        ("BACKWARD_BEGIN", 1, 1),
-        ("FORWARD_BEGIN", 1, 2),
-        ("BACKWARD_BEGIN", 1, 2),
-        ("OPTIMIZER_BEGIN", 1, 2),
-        ("OPTIMIZER_END", 1, 2),
-        ("STEP_END", 1, 2),
-    ]
+    assert summary(ms)[:10] == expected(1, micro=3)
     assert summary(ms)[10] == ("STEP_BEGIN", 2, 0)
     assert agent.streams[0].hello.model.grad_accumulation_steps == 3
 
@@ -363,17 +342,6 @@ def test_the_step_begins_before_pre_hooks_registered_earlier(agent):
     assert seen == [1, 2], seen
     ms = agent.wait_markers(12)
     assert summary(ms) == [(k, s, 0) for s in (1, 2) for k in STEP]
-
-
-@pytest.fixture
-def gloo_group():
-    """A one-rank gloo process group (DDP on CPU), torn down after the test."""
-    dist = torch.distributed
-    if not dist.is_available():
-        pytest.skip("torch without distributed")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist
-    dist.destroy_process_group()
 
 
 def ddp_rebuilds(agent):
