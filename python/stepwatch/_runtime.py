@@ -181,20 +181,18 @@ class _Runtime:
             )
             self.identity_overrides.update({k: v for k, v in overrides.items() if v is not None})
             self.identity = None
-            if on_advisory is not None:
-                self.on_advisory = on_advisory
-            if strict is not None:
-                self.strict = strict
-            if queue_size is not None:
-                self.queue_size = queue_size
-            if framework is not None:
-                self.framework = framework
-            if framework_version is not None:
-                self.framework_version = framework_version
-            if allocator_stats is not None:
-                self.allocator_stats = allocator_stats
-            if allocator_trace is not None:
-                self.allocator_trace = allocator_trace
+            settings = {
+                "on_advisory": on_advisory,
+                "strict": strict,
+                "queue_size": queue_size,
+                "framework": framework,
+                "framework_version": framework_version,
+                "allocator_stats": allocator_stats,
+                "allocator_trace": allocator_trace,
+            }
+            for name, value in settings.items():
+                if value is not None:
+                    setattr(self, name, value)
             paths = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
             self.tls_paths.update({k: str(v) for k, v in paths.items() if v is not None})
             target = endpoint_target(endpoint or self.endpoint)
