@@ -11,12 +11,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPUS="${1:-8}"; HZ="${2:-100}"; SECS="${3:-60}"
+. bench/fake-agent.sh
 
 # CARGO_TARGET_DIR is honoured; BIN=path skips the build (to compare two binaries).
-if [ -z "${BIN:-}" ]; then
-  cargo build --release --locked -p stepwatch >/dev/null 2>&1 || cargo build --release --locked -p stepwatch
-  BIN="${CARGO_TARGET_DIR:-target}/release/stepwatch"
-fi
+release_agent
 DIR="$(mktemp -d)"
 PID=
 cleanup() {
@@ -26,12 +24,7 @@ cleanup() {
   kill "$PID" 2>/dev/null || true; rm -rf "$DIR"
 }
 trap cleanup EXIT
-"$BIN" fake-gpu --dir "$DIR" init --gpus "$GPUS" >/dev/null
-LIB="$("$BIN" fake-gpu --dir "$DIR" lib-path)"
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-STEPWATCH_FAKE_NVML_DIR="$DIR" "$BIN" agent --socket "$DIR/s.sock" --http-listen "127.0.0.1:$PORT" \
-  --nvml-lib "$LIB" --sample-hz "$HZ" 2>"$DIR/agent.log" &
-PID=$!
+start_fake_agent "$DIR" "$GPUS" "$HZ"
 
 cpu_ns() { # whole process, and the sampler thread
   local all=0 sampler=0 t v

@@ -68,6 +68,17 @@ die() {
   exit 1
 }
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# Both processes' CPU ns (cpu_ns), then the agent's samples, the peer's samples,
+# loops and update CPU ns (device, host), on one line.
+counters() {
+  echo "$(cpu_ns "$APID" agent) $(cpu_ns "$PPID_" peer)" \
+    "$(metric_sum "$APORT" stepwatch_gpu_samples_total)" \
+    "$(metric_sum "$PPORT" stepwatch_bench_peer_gpu_samples_total)" \
+    "$(metric_sum "$PPORT" stepwatch_bench_peer_loops_total)" \
+    "$(metric_sum "$PPORT" stepwatch_bench_peer_update_device_cpu_ns_total)" \
+    "$(metric_sum "$PPORT" stepwatch_bench_peer_update_host_cpu_ns_total)"
+}
+
 cpu_ns() { # $1 pid, $2 agent|peer; prints "whole-process sampler-or-main-thread"
   local all=0 one=0 t v
   for t in /proc/"$1"/task/*; do
@@ -123,20 +134,10 @@ for HZ in $RATES; do
       MISSING=$(grep -o 'undefined symbol: [A-Za-z0-9_]*' "$DIR/peer.log" | awk '{print $3}' | sort -u | tr '\n' ' ' || true)
       say "peer runs; NVML symbols it calls that the fake lacks (read as N/A): ${MISSING:-none}"
     fi
-    read -r ac0 as0 < <(cpu_ns "$APID" agent); read -r pc0 pm0 < <(cpu_ns "$PPID_" peer)
-    an0=$(metric_sum "$APORT" stepwatch_gpu_samples_total)
-    pn0=$(metric_sum "$PPORT" stepwatch_bench_peer_gpu_samples_total)
-    pl0=$(metric_sum "$PPORT" stepwatch_bench_peer_loops_total)
-    pd0=$(metric_sum "$PPORT" stepwatch_bench_peer_update_device_cpu_ns_total)
-    ph0=$(metric_sum "$PPORT" stepwatch_bench_peer_update_host_cpu_ns_total)
+    read -r ac0 as0 pc0 pm0 an0 pn0 pl0 pd0 ph0 < <(counters)
     say "$HZ Hz, run $REP/$REPS: measuring for ${SECS}s (load average $(cut -d' ' -f1-3 /proc/loadavg))"
     sleep "$SECS"
-    read -r ac1 as1 < <(cpu_ns "$APID" agent); read -r pc1 pm1 < <(cpu_ns "$PPID_" peer)
-    an1=$(metric_sum "$APORT" stepwatch_gpu_samples_total)
-    pn1=$(metric_sum "$PPORT" stepwatch_bench_peer_gpu_samples_total)
-    pl1=$(metric_sum "$PPORT" stepwatch_bench_peer_loops_total)
-    pd1=$(metric_sum "$PPORT" stepwatch_bench_peer_update_device_cpu_ns_total)
-    ph1=$(metric_sum "$PPORT" stepwatch_bench_peer_update_host_cpu_ns_total)
+    read -r ac1 as1 pc1 pm1 an1 pn1 pl1 pd1 ph1 < <(counters)
     say "$HZ Hz, run $REP/$REPS: done (load average $(cut -d' ' -f1-3 /proc/loadavg))"
     kill -0 "$APID" 2>/dev/null || die "agent died during the window"
     kill -0 "$PPID_" 2>/dev/null || die "nvitop-exporter died during the window"

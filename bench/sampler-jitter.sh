@@ -22,10 +22,8 @@ HIST="${HIST:-stepwatch_sampler_tick_lateness_seconds}"
 
 cargo build --release --locked -p stepwatch-gpu --example sampler_bench >/dev/null 2>&1 ||
   cargo build --release --locked -p stepwatch-gpu --example sampler_bench
-if [ -z "${BIN:-}" ]; then
-  cargo build --release --locked -p stepwatch >/dev/null 2>&1 || cargo build --release --locked -p stepwatch
-  BIN="$TARGET/release/stepwatch"
-fi
+. bench/fake-agent.sh
+release_agent
 
 BUSY_PIDS=(); PID=; DIR="$(mktemp -d)"
 cleanup() {
@@ -44,12 +42,7 @@ echo "== sampler alone"
 "$TARGET/release/examples/sampler_bench" "$GPUS" "$HZ" "$SECS"
 
 echo "== whole agent"
-"$BIN" fake-gpu --dir "$DIR" init --gpus "$GPUS" >/dev/null
-LIB="$("$BIN" fake-gpu --dir "$DIR" lib-path)"
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-STEPWATCH_FAKE_NVML_DIR="$DIR" "$BIN" agent --socket "$DIR/s.sock" --http-listen "127.0.0.1:$PORT" \
-  --nvml-lib "$LIB" --sample-hz "$HZ" 2>"$DIR/agent.log" &
-PID=$!
+start_fake_agent "$DIR" "$GPUS" "$HZ"
 sleep 5
 curl -s "127.0.0.1:$PORT/metrics" >"$DIR/m0"
 max=0; left="$SECS"
