@@ -93,13 +93,19 @@ def pod_label_rules():
     return [{camel(k): v for k, v in r.items()} for r in rules]
 
 
-def check_service_monitor(c, obj, services):
+def expect_monitoring_v1(c, obj):
+    """Checks that a Prometheus Operator object is monitoring.coreos.com/v1; its name."""
     where = name_of(obj)
     c.expect(
         obj["apiVersion"] == "monitoring.coreos.com/v1",
         where,
         "apiVersion must be monitoring.coreos.com/v1",
     )
+    return where
+
+
+def check_service_monitor(c, obj, services):
+    where = expect_monitoring_v1(c, obj)
     spec = obj.get("spec", {})
     endpoints = spec.get("endpoints") or []
     c.expect(endpoints, where, "no endpoints")
@@ -152,12 +158,7 @@ def check_service_monitor(c, obj, services):
 
 
 def check_prometheus_rule(c, obj, promtool):
-    where = name_of(obj)
-    c.expect(
-        obj["apiVersion"] == "monitoring.coreos.com/v1",
-        where,
-        "apiVersion must be monitoring.coreos.com/v1",
-    )
+    where = expect_monitoring_v1(c, obj)
     groups = obj.get("spec", {}).get("groups")
     c.expect(groups, where, "spec.groups is empty")
     if not groups:
