@@ -40,6 +40,17 @@ STEP = [
 ]
 
 
+def wait_until(pred: Callable[[], Any], timeout: float = 5.0) -> bool:
+    """Polls ``pred`` every 10 ms until it is true or ``timeout`` seconds have passed;
+    whether it came true (the test's own assertions say what it needed)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def mark_steps(n: int, start: int = 1) -> None:
     """Marks steps start..start+n-1 with stepwatch's module API, each with its
     forward, backward and optimizer phases (no work inside)."""

@@ -15,7 +15,7 @@ from typing import Optional
 
 import grpc
 import pytest
-from conftest import FakeAgent, expected, mark_steps, summary
+from conftest import FakeAgent, expected, mark_steps, summary, wait_until
 
 import stepwatch
 from stepwatch._client import MAX_MARKERS_PER_BATCH, OPTIMIZER_BEGIN, STEP_BEGIN, STEP_END, Client
@@ -129,6 +129,16 @@ def test_strict_raises_when_agent_rejects(agent):
             time.sleep(0.01)
 
 
+@pytest.fixture
+def got(agent):
+    """What on_advisory receives, as rank 3 of 4 whose step 1 the agent has seen."""
+    got = []
+    stepwatch.configure(on_advisory=got.append, rank=3, world_size=4)
+    mark_steps(1)
+    agent.wait_markers(6)
+    return got
+
+
 def test_not_strict_never_raises(sock_dir, monkeypatch):
     monkeypatch.setenv("STEPWATCH_ENDPOINT", "unix://" + os.path.join(sock_dir, "none.sock"))
     mark_steps(3)
@@ -138,11 +148,7 @@ def test_not_strict_never_raises(sock_dir, monkeypatch):
     assert stepwatch.stats()["enqueued"] == 19
 
 
-def test_advisory_logged_callback_and_last_prediction(agent, caplog):
-    got = []
-    stepwatch.configure(on_advisory=got.append, rank=3, world_size=4)
-    mark_steps(1)
-    agent.wait_markers(6)
+def test_advisory_logged_callback_and_last_prediction(agent, got, caplog):
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
         agent.advise(
             kind=1,
@@ -154,9 +160,7 @@ def test_advisory_logged_callback_and_last_prediction(agent, caplog):
             capacity_bytes=80_000_000_000,
             predicted_headroom_bytes=-1_200_000_000,
         )
-        deadline = time.monotonic() + 5
-        while not got and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: got)
     assert got and got[0].kind == "ADVISORY_KIND_STEP2_OOM_PREDICTED"
     p = stepwatch.last_prediction()
     assert p is got[0] and p.predicted_headroom_bytes == -1_200_000_000
@@ -165,17 +169,11 @@ def test_advisory_logged_callback_and_last_prediction(agent, caplog):
     assert stepwatch.stats()["advisories"] == 1
 
 
-def test_rank_divergence_is_logged_but_last_prediction_keeps_the_step2_one(agent, caplog):
-    got = []
-    stepwatch.configure(on_advisory=got.append, rank=3, world_size=4)
-    mark_steps(1)
-    agent.wait_markers(6)
+def test_rank_divergence_is_logged_but_last_prediction_keeps_the_step2_one(agent, got, caplog):
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
         agent.advise(kind=1, severity=3, step=1, message="step 2 will not fit")
         agent.advise(kind=3, severity=2, step=1, message="rank 3: its activation peak is off")
-        deadline = time.monotonic() + 5
-        while len(got) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(got) >= 2)
     assert [p.kind for p in got] == [
         "ADVISORY_KIND_STEP2_OOM_PREDICTED",
         "ADVISORY_KIND_RANK_DIVERGENCE",
@@ -186,12 +184,8 @@ def test_rank_divergence_is_logged_but_last_prediction_keeps_the_step2_one(agent
 
 
 def test_observations_after_step_1_and_unknown_kinds_are_logged_but_keep_the_step2_prediction(
-    agent, caplog
+    agent, got, caplog
 ):
-    got = []
-    stepwatch.configure(on_advisory=got.append, rank=3, world_size=4)
-    mark_steps(1)
-    agent.wait_markers(6)
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
         agent.advise(kind=2, severity=2, step=1, message="leaves only 0.50 GB free")
         agent.advise(
@@ -215,9 +209,7 @@ def test_observations_after_step_1_and_unknown_kinds_are_logged_but_keep_the_ste
         )
         # A kind newer than this client: logged with its number, not dropped.
         agent.advise(kind=99, severity=2, step=4, message="something new")
-        deadline = time.monotonic() + 5
-        while len(got) < 5 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: len(got) >= 5)
     assert [p.kind for p in got] == [
         "ADVISORY_KIND_LOW_HEADROOM",
         "ADVISORY_KIND_ALLOCATOR_RETRIES",
@@ -249,9 +241,7 @@ def test_failing_callback_does_not_break_the_stream(agent, caplog):
     mark_steps(1)
     agent.wait_markers(6)
     agent.advise(kind=2, severity=1, message="low headroom", step=1)
-    deadline = time.monotonic() + 5
-    while stepwatch.stats()["advisories"] < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: stepwatch.stats()["advisories"] >= 1)
     mark_steps(1, start=2)
     agent.wait_markers(12)
     assert len(calls) == 1 and calls[0].message == "low headroom"
@@ -439,9 +429,7 @@ def test_an_unusable_protobuf_is_logged_once_and_training_goes_on(sock_dir, monk
     _break_the_stubs(monkeypatch)
     caplog.set_level(logging.ERROR, logger="stepwatch")
     mark_steps(3)  # never raises
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not caplog.records:
-        time.sleep(0.01)
+    wait_until(lambda: caplog.records, 10)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1, errors
     assert "stepwatch needs grpcio >= 1.51.3 and protobuf >= 4.21.6, < 8" in errors[0]
