@@ -589,6 +589,19 @@ class Harness:
         shutil.copy2(lib, dst / lib.name)
         return dst / "stepwatch", dst / lib.name
 
+    def init_fake_gpus(self, nvml_dir: Path, gpus: int, total: int) -> None:
+        """``gpus`` fake-NVML GPUs of ``total`` bytes each in ``nvml_dir``."""
+        # --total-gib is parsed as f64 and multiplied by 2^30: exact in bytes.
+        init = subprocess.run(
+            [str(self.bin), "fake-gpu", "--dir", str(nvml_dir), "init"]
+            + ["--gpus", str(gpus), "--total-gib", repr(total / GIB)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if init.returncode != 0:
+            raise HarnessError(f"fake-gpu init failed: {init.stderr.strip()}")
+
     def run(self, job: Job, variant: str, plan: Plan, label: str) -> List[Dict[str, Any]]:
         """One run: a fresh agent on fresh fake GPUs; the job under fake CUDA. Rows per rank."""
         with self.lock:
@@ -602,16 +615,7 @@ class Harness:
         usage_dir = rundir / "usage"
         usage_dir.mkdir()
         total = plan.usable + DRIVER_RESERVED_BYTES
-        # --total-gib is parsed as f64 and multiplied by 2^30: exact in bytes.
-        init = subprocess.run(
-            [str(self.bin), "fake-gpu", "--dir", str(nvml_dir), "init"]
-            + ["--gpus", str(job.nproc), "--total-gib", repr(total / GIB)],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if init.returncode != 0:
-            raise HarnessError(f"fake-gpu init failed: {init.stderr.strip()}")
+        self.init_fake_gpus(nvml_dir, job.nproc, total)
         t_run = time.monotonic()
         agent = Agent(self, rundir, nvml_dir)
         phases: Dict[str, float] = {}
@@ -684,34 +688,62 @@ class Harness:
         usage_dir: Path,
         rundir: Path,
     ) -> Tuple[int, bool]:
-        env = dict(os.environ)
-        for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "STEPWATCH_ALLOCATOR_TRACE"):
-            env.pop(v, None)  # the jobs' own env decides these
-        pythonpath = str(self.repo / "python")
-        if env.get("PYTHONPATH"):
-            pythonpath += os.pathsep + env["PYTHONPATH"]
-        env.update(
-            PYTHONPATH=pythonpath,
-            PYTHONUNBUFFERED="1",
+        env = self.job_env(
+            job,
+            [self.repo / "python"],
             STEPWATCH_ENDPOINT=f"unix://{agent.sock}",
             STEPWATCH_JOB_ID=job_id,
             STEPWATCH_FAKE_NVML_DIR=str(nvml_dir),
             STEPWATCH_FAKE_CUDA_USAGE_LOG=str(usage_dir),
         )
-        env.update(job.env)
         if variant == "markers":
             env["STEPWATCH_ALLOCATOR_TRACE"] = "0"
+        cmd = self.job_command(job)
+        if self.opts.launcher == "fake-cuda":
+            cmd = self.on_fake_cuda(cmd, job.nproc, usage_dir)
+        rc, timed_out = self.run_logged(rundir, cmd, env)
+        return (rc if rc is not None else -1), timed_out
+
+    def job_env(self, job: Job, paths: List[Path], **settings: str) -> Dict[str, str]:
+        """This process's environment for a job: without the allocator settings (the job's
+        own env decides them), ``paths`` first on PYTHONPATH, unbuffered, ``settings``,
+        then the job's env."""
+        env = dict(os.environ)
+        for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "STEPWATCH_ALLOCATOR_TRACE"):
+            env.pop(v, None)
+        pythonpath = os.pathsep.join(str(p) for p in paths)
+        if env.get("PYTHONPATH"):
+            pythonpath += os.pathsep + env["PYTHONPATH"]
+        env.update(PYTHONPATH=pythonpath, PYTHONUNBUFFERED="1", **settings)
+        env.update(job.env)
+        return env
+
+    def job_command(self, job: Job, *extra: str) -> List[str]:
+        """The job's command line (under torchrun when it has several ranks), ``extra``
+        flags last."""
         cmd = [str(self.python)]
         if job.nproc > 1:
             cmd += ["-m", "torch.distributed.run", "--standalone"]
             cmd += ["--nproc-per-node", str(job.nproc)]
-        cmd += [str(job.script)] + job.args
-        if self.opts.launcher == "fake-cuda":
-            wrap = [str(self.fake_cuda), "run", "--python", str(self.python)]
-            wrap += ["--gpus", str(job.nproc), "--usage-log", str(usage_dir), "--quiet"]
-            if self.opts.kernel_time != "0":
-                wrap += ["--kernel-time", self.opts.kernel_time]
-            cmd = wrap + ["--"] + cmd
+        return cmd + [str(job.script)] + job.args + list(extra)
+
+    def on_fake_cuda(
+        self, cmd: List[str], gpus: int, usage_dir: Optional[Path] = None
+    ) -> List[str]:
+        """``cmd`` under ``fake-cuda run`` on ``gpus`` GPUs, its usage log in ``usage_dir``."""
+        wrap = [str(self.fake_cuda), "run", "--python", str(self.python), "--gpus", str(gpus)]
+        if usage_dir is not None:
+            wrap += ["--usage-log", str(usage_dir)]
+        wrap += ["--quiet"]
+        if self.opts.kernel_time != "0":
+            wrap += ["--kernel-time", self.opts.kernel_time]
+        return wrap + ["--"] + cmd
+
+    def run_logged(
+        self, rundir: Path, cmd: List[str], env: Dict[str, str]
+    ) -> Tuple[Optional[int], bool]:
+        """Runs ``cmd`` (written to ``rundir``/cmd; its output to job.out and job.err) until
+        it ends or --run-timeout passes; its exit status and whether it timed out."""
         (rundir / "cmd").write_text(" ".join(cmd) + "\n")
         with open(rundir / "job.out", "wb") as out, open(rundir / "job.err", "wb") as err:
             p = start(cmd, group=True, stdout=out, stderr=err, env=env, cwd=str(self.repo))
@@ -720,8 +752,7 @@ class Harness:
                 timed_out = False
             except subprocess.TimeoutExpired:
                 timed_out = True
-            rc = stop(p)
-        return (rc if rc is not None else -1), timed_out
+            return stop(p), timed_out
 
     def peer_run(self, job: Job) -> Dict[int, Dict[str, Any]]:
         """The peer estimators on one run of the job on a roomy fake GPU, without an agent
@@ -734,51 +765,20 @@ class Harness:
         nvml_dir = rundir / "nvml"
         out_dir = rundir / "peers"
         out_dir.mkdir()
-        total = int(self.opts.calibration_gib * GIB) + DRIVER_RESERVED_BYTES
-        init = subprocess.run(
-            [str(self.bin), "fake-gpu", "--dir", str(nvml_dir), "init"]
-            + ["--gpus", str(job.nproc), "--total-gib", repr(total / GIB)],
-            capture_output=True,
-            text=True,
-            timeout=60,
+        self.init_fake_gpus(
+            nvml_dir, job.nproc, int(self.opts.calibration_gib * GIB) + DRIVER_RESERVED_BYTES
         )
-        if init.returncode != 0:
-            raise HarnessError(f"fake-gpu init failed: {init.stderr.strip()}")
-        env = dict(os.environ)
-        for v in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "STEPWATCH_ALLOCATOR_TRACE"):
-            env.pop(v, None)
-        pythonpath = os.pathsep.join([str(self.repo / "bench/peers"), str(self.repo / "python")])
-        if env.get("PYTHONPATH"):
-            pythonpath += os.pathsep + env["PYTHONPATH"]
-        env.update(
-            PYTHONPATH=pythonpath,
-            PYTHONUNBUFFERED="1",
+        env = self.job_env(
+            job,
+            [self.repo / "bench/peers", self.repo / "python"],
             STEPWATCH_ENDPOINT=f"unix://{rundir / 'no-agent.sock'}",
             STEPWATCH_ALLOCATOR_TRACE="0",
             STEPWATCH_FAKE_NVML_DIR=str(nvml_dir),
             STEPWATCH_PEER_OUT=str(out_dir),
         )
-        env.update(job.env)
-        cmd = [str(self.python)]
-        if job.nproc > 1:
-            cmd += ["-m", "torch.distributed.run", "--standalone"]
-            cmd += ["--nproc-per-node", str(job.nproc)]
-        cmd += [str(job.script)] + job.args + ["--steps", "2"]
-        wrap = [str(self.fake_cuda), "run", "--python", str(self.python)]
-        wrap += ["--gpus", str(job.nproc), "--quiet"]
-        if self.opts.kernel_time != "0":
-            wrap += ["--kernel-time", self.opts.kernel_time]
-        cmd = wrap + ["--"] + cmd
-        (rundir / "cmd").write_text(" ".join(cmd) + "\n")
+        cmd = self.on_fake_cuda(self.job_command(job, "--steps", "2"), job.nproc)
         t0 = time.monotonic()
-        with open(rundir / "job.out", "wb") as out, open(rundir / "job.err", "wb") as err:
-            p = start(cmd, group=True, stdout=out, stderr=err, env=env, cwd=str(self.repo))
-            try:
-                p.wait(self.opts.run_timeout)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            rc = stop(p)
+        rc, timed_out = self.run_logged(rundir, cmd, env)
         seconds = time.monotonic() - t0
         with self.lock:
             self.phase_totals["peers"] = self.phase_totals.get("peers", 0.0) + seconds
