@@ -329,7 +329,15 @@ def test_a_process_placed_on_a_mig_slice_sees_the_slices_memory(tmp_path):
     assert max(b for _, _, _, b in rows) == CONTEXT + (1 << 30)
 
 
-DDP = r"""
+# Two optimizer steps of ``model`` (four 512-wide layers) on random batches.
+TWO_STEPS = """opt = torch.optim.AdamW(model.parameters())
+for step in range(2):
+    model(torch.randn(64, 512, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()"""
+
+DDP = (
+    r"""
 import os, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 local = int(os.environ["LOCAL_RANK"])
@@ -342,16 +350,16 @@ dist.all_reduce(t)
 g = [torch.zeros(1, dtype=torch.long, device="cuda") for _ in range(dist.get_world_size())]
 dist.all_gather(g, torch.tensor([10 * (dist.get_rank() + 1)], device="cuda"))
 model = DDP(model, device_ids=[local])
-opt = torch.optim.AdamW(model.parameters())
-for step in range(2):
-    model(torch.randn(64, 512, device="cuda")).sum().backward()
-    opt.step()
-    opt.zero_grad()
+"""
+    + TWO_STEPS
+    + r"""
 print(f"RANK {dist.get_rank()} sum={t.item()} gathered={[int(x.item()) for x in g]}", flush=True)
 dist.destroy_process_group()
 """
+)
 
-FSDP2 = r"""
+FSDP2 = (
+    r"""
 import os, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -361,14 +369,13 @@ with torch.device("cuda"):
 for layer in model:
     fully_shard(layer)
 fully_shard(model)
-opt = torch.optim.AdamW(model.parameters())
-for step in range(2):
-    model(torch.randn(64, 512, device="cuda")).sum().backward()
-    opt.step()
-    opt.zero_grad()
+"""
+    + TWO_STEPS
+    + r"""
 print(f"RANK {dist.get_rank()} done", flush=True)
 dist.destroy_process_group()
 """
+)
 
 
 def torchrun(n: int, script: str, tmp_path: Path) -> subprocess.CompletedProcess:
