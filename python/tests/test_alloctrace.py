@@ -643,14 +643,19 @@ def test_trace_sent_once_after_step1_optimizer_end(agent, monkeypatch, accumulat
     ]
 
 
+def opt_out(monkeypatch, how, env, option):
+    """Turns a recorder off: by ``env=0`` when ``how`` is "env", else by the watch()
+    option ``option=False`` (returned as watch()'s options)."""
+    if how == "env":
+        monkeypatch.setenv(env, "0")
+        return {}
+    return {option: False}
+
+
 @needs_torch
 @pytest.mark.parametrize("how", ["kwarg", "env"])
 def test_opt_out(agent, monkeypatch, how):
-    opts = {}
-    if how == "env":
-        monkeypatch.setenv("STEPWATCH_ALLOCATOR_TRACE", "0")
-    else:
-        opts["allocator_trace"] = False
+    opts = opt_out(monkeypatch, how, "STEPWATCH_ALLOCATOR_TRACE", "allocator_trace")
     fake = run(monkeypatch, steps=2, **opts)
     agent.wait_markers(12)
     assert stepwatch.flush(FLUSH_S)
@@ -1101,11 +1106,7 @@ def test_no_layouts_while_the_trace_is_recorded(agent, monkeypatch):
 @pytest.mark.parametrize("how", ["env", "allocator_stats"])
 def test_layouts_opt_out(agent, monkeypatch, how):
     monkeypatch.setenv("STEPWATCH_ALLOCATOR_TRACE", "0")
-    opts = {}
-    if how == "env":
-        monkeypatch.setenv("STEPWATCH_LAYOUT_SNAPSHOTS", "0")
-    else:
-        opts["allocator_stats"] = False
+    opts = opt_out(monkeypatch, how, "STEPWATCH_LAYOUT_SNAPSHOTS", "allocator_stats")
     fake = run(monkeypatch, steps=2, **opts)
     ms = agent.wait_markers(12)
     assert stepwatch.flush(5)
