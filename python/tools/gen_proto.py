@@ -9,8 +9,8 @@ Why two generators. Protobuf supports code generated for major version V on
 runtimes V and V+1 only, and never on a runtime older than the protoc that
 made it (https://protobuf.dev/support/cross-version-runtime-guarantee/). ML
 environments pin anything from protobuf 4.21 to 6.x, which no one gencode
-covers, so two are checked in and ``ingest_pb2.py`` (written here) imports the
-one made for the runtime in use:
+covers, so two are checked in and ``ingest_pb2.py`` (written by hand, copied
+into an OUT_DIR) imports the one made for the runtime in use:
 
     ingest_pb2_v4.py  grpcio-tools 1.51.3 (protoc 3.21): protobuf 4.21.6 .. 5.x
     ingest_pb2_v6.py  grpcio-tools 1.72.1 (protoc 30):   protobuf 6.30 .. 7.x
@@ -46,32 +46,6 @@ DEFAULT_OUT = PY_ROOT / "stepwatch" / "_proto"
 # The generators, by the gencode suffix they make (see the module docstring).
 OLD_TOOLS = "1.51.3"  # gencode for protobuf 4.x (runs on 4.21.6 .. 5.x); the gRPC stub
 NEW_TOOLS = "1.72.1"  # gencode for protobuf 6.30 (runs on 6.x .. 7.x); the .pyi
-
-DISPATCHER = '''\
-# Written by python/tools/gen_proto.py from stepwatch/v1/ingest.proto. DO NOT EDIT!
-"""The stepwatch.v1 messages, from the gencode made for the protobuf runtime in use.
-
-Protobuf supports gencode of major version V on runtimes V and V+1 only, never
-on a runtime older than the protoc that made it
-(https://protobuf.dev/support/cross-version-runtime-guarantee/): ingest_pb2_v4
-(protoc 3.21) serves protobuf 4.21.6 to 5.x, ingest_pb2_v6 (protoc 30) 6.30 on.
-"""
-import re as _re
-
-from google.protobuf import __version__ as _runtime
-
-_version = tuple(int(n) for n in _re.findall(r"\\d+", _runtime)[:3])
-if _version >= (6, 30, 0):
-    from .ingest_pb2_v6 import *  # noqa: F401,F403
-elif (4, 21, 6) <= _version < (6,):
-    from .ingest_pb2_v4 import *  # noqa: F401,F403
-else:
-    raise ImportError(
-        f"stepwatch needs protobuf >= 4.21.6 (not 6.0 to 6.29, which were never "
-        f"released), and this environment has protobuf {_runtime}: "
-        f"pip install 'protobuf>=4.21.6'"
-    )
-'''
 
 
 class VenvUnavailable(RuntimeError):
@@ -166,7 +140,6 @@ def generate(out_dir: Path) -> list[Path]:
             dest / f"{stem}_pb2_v4.py": (old / pkg / f"{stem}_pb2.py").read_text(),
             dest / f"{stem}_pb2_v6.py": (new / pkg / f"{stem}_pb2.py").read_text(),
             dest / f"{stem}_pb2.pyi": (new / pkg / f"{stem}_pb2.pyi").read_text(),
-            dest / f"{stem}_pb2.py": DISPATCHER,
         }
         grpc_text = (old / pkg / f"{stem}_pb2_grpc.py").read_text()
     # "from stepwatch.v1 import ingest_pb2 as ..." -> "from . import ingest_pb2 as ..."
@@ -177,6 +150,9 @@ def generate(out_dir: Path) -> list[Path]:
     written[dest / f"{stem}_pb2_grpc.py"] = grpc_text
     for path, text in written.items():
         path.write_text(text)
+    dispatcher = DEFAULT_OUT / pkg / f"{stem}_pb2.py"
+    if dest / dispatcher.name != dispatcher:
+        shutil.copyfile(dispatcher, dest / dispatcher.name)
     return sorted(written)
 
 

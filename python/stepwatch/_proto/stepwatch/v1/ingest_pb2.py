@@ -1,4 +1,4 @@
-# Written by python/tools/gen_proto.py from stepwatch/v1/ingest.proto. DO NOT EDIT!
+# Written by hand beside the gencode of python/tools/gen_proto.py.
 """The stepwatch.v1 messages, from the gencode made for the protobuf runtime in use.
 
 Protobuf supports gencode of major version V on runtimes V and V+1 only, never
