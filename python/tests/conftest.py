@@ -110,6 +110,27 @@ def tiny_lightning_module():
     return Tiny
 
 
+def fit_tiny_lightning(root: Path, callback: Any, **trainer_args: Any) -> None:
+    """``lightning.Trainer(**trainer_args).fit`` of ``tiny_lightning_module()`` on 24
+    random samples in batches of 4, on the CPU, with ``callback``; the logger,
+    checkpoints, progress bar and model summary off."""
+    import lightning as L  # noqa: N812 (the usual spelling)
+    import torch
+
+    ds = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
+    trainer = L.Trainer(
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=root,
+        **trainer_args,
+    )
+    trainer.fit(tiny_lightning_module()(), torch.utils.data.DataLoader(ds, batch_size=4))
+
+
 def train(
     model: Any,
     opt: Any,

@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import pytest
-from conftest import FLUSH_S, agent_binary, mark_steps, tiny_lightning_module, train
+from conftest import (
+    FLUSH_S,
+    agent_binary,
+    fit_tiny_lightning,
+    mark_steps,
+    train,
+)
 
 import stepwatch
 
@@ -306,27 +312,14 @@ def test_a_second_lightning_fit_is_a_new_run_from_step_1(real_agent, tmp_path):
     """``trainer.fit()`` twice in one process (e.g. a sweep, or fit after a
     learning-rate finder): the agent reports the second fit from its step 1."""
     pytest.importorskip("lightning")
-    import lightning as L
 
     from stepwatch.lightning import StepwatchCallback
 
-    Tiny = tiny_lightning_module()
     job = f"pytest-{uuid.uuid4().hex[:8]}"
-    ds = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
     callback = StepwatchCallback(job_id=job)
     runs = []
     for steps in (3, 2):
-        trainer = L.Trainer(
-            max_steps=steps,
-            callbacks=[callback],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            accelerator="cpu",
-            default_root_dir=tmp_path,
-        )
-        trainer.fit(Tiny(), torch.utils.data.DataLoader(ds, batch_size=4))
+        fit_tiny_lightning(tmp_path, callback, max_steps=steps)
         runs.append(stepwatch._runtime.RT.run_id)
     assert runs[0] != runs[1]
     assert stepwatch.flush(FLUSH_S), stepwatch.stats()

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FLUSH_S, expected, summary, tiny_lightning_module
+from conftest import FLUSH_S, expected, fit_tiny_lightning, summary, tiny_lightning_module
 
 import stepwatch
 
@@ -40,7 +40,6 @@ def test_lightning_callback(agent, tmp_path, monkeypatch, accumulate, step_hooks
     """With the optimizer's step hooks, its post-step hook sends OPTIMIZER_END and
     STEP_END; without them (an optimizer that has none), on_train_batch_end does."""
     pytest.importorskip("lightning")
-    import lightning as L
     import torch
 
     from stepwatch import _torch
@@ -66,21 +65,10 @@ def test_lightning_callback(agent, tmp_path, monkeypatch, accumulate, step_hooks
 
     monkeypatch.setattr(stepwatch._runtime.RT.tracker, "end_step", end_step)
 
-    Tiny = tiny_lightning_module()
-    ds = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.randn(24, 1))
     steps = 3
-    trainer = L.Trainer(
-        max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        callbacks=[StepwatchCallback()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        default_root_dir=tmp_path,
+    fit_tiny_lightning(
+        tmp_path, StepwatchCallback(), max_steps=steps, accumulate_grad_batches=accumulate
     )
-    trainer.fit(Tiny(), torch.utils.data.DataLoader(ds, batch_size=4))
     ms = agent.wait_markers(len(expected(steps, accumulate)))
     assert summary(ms) == expected(steps, accumulate)
     h = agent.streams[0].hello
