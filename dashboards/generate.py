@@ -39,35 +39,23 @@ def rule_alerts():
 
 AGENT_ALERTS = "|".join(rule_alerts())
 
-RED_BELOW_ZERO = {
-    "mode": "absolute",
-    "steps": [{"color": "red", "value": None}, {"color": "green", "value": 0}],
-}
-HEADROOM_RATIO = {
-    "mode": "absolute",
-    "steps": [
-        {"color": "red", "value": None},
-        {"color": "orange", "value": 0},
-        {"color": "green", "value": 0.05},
-    ],
-}
-DIVERGENCE = {
-    "mode": "absolute",
-    "steps": [
-        {"color": "green", "value": None},
-        {"color": "orange", "value": 0.1},
-        {"color": "red", "value": 0.25},
-    ],
-}
-GOOD_IS_ONE = {
-    "mode": "absolute",
-    "steps": [{"color": "red", "value": None}, {"color": "green", "value": 1}],
-}
-ZERO_IS_GOOD = {
-    "mode": "absolute",
-    "steps": [{"color": "green", "value": None}, {"color": "red", "value": 1}],
-}
-PLAIN = {"mode": "absolute", "steps": [{"color": "green", "value": None}]}
+
+def thresholds(base, *steps):
+    """Grafana's absolute thresholds: ``base`` below the first step, then each step's
+    colour from its value up."""
+    return {
+        "mode": "absolute",
+        "steps": [{"color": base, "value": None}]
+        + [{"color": color, "value": value} for value, color in steps],
+    }
+
+
+RED_BELOW_ZERO = thresholds("red", (0, "green"))
+HEADROOM_RATIO = thresholds("red", (0, "orange"), (0.05, "green"))
+DIVERGENCE = thresholds("green", (0.1, "orange"), (0.25, "red"))
+GOOD_IS_ONE = thresholds("red", (1, "green"))
+ZERO_IS_GOOD = thresholds("green", (1, "red"))
+PLAIN = thresholds("green")
 
 
 # ------------------------------------------------------------------------------------ variables
