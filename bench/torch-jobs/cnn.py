@@ -30,11 +30,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         p.error("sizes must be at least 1")
 
     torch.backends.cudnn.enabled = False
+    detail = f"{args.optimizer}, {args.precision}, batch {args.batch} x 3 x {args.image_size}^2"
     model, optimizer, device = common.start_job(
-        "cnn",
-        args,
-        lambda: ResNet(classes=args.classes, width=args.width, blocks=blocks),
-        f"{args.optimizer}, {args.precision}, batch {args.batch} x 3 x {args.image_size}^2",
+        "cnn", args, lambda: ResNet(classes=args.classes, width=args.width, blocks=blocks), detail
     )
 
     amp = common.autocast(device, args.precision)

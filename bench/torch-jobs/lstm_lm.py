@@ -45,11 +45,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     common.check_args(p, args)
 
     torch.backends.cudnn.enabled = False
+    detail = f"{args.optimizer}, batch {args.batch} x {args.seq_len}"
     model, optimizer, device = common.start_job(
-        "lstm_lm",
-        args,
-        lambda: LSTMLM(args.vocab, args.hidden, args.layers),
-        f"{args.optimizer}, batch {args.batch} x {args.seq_len}",
+        "lstm_lm", args, lambda: LSTMLM(args.vocab, args.hidden, args.layers), detail
     )
 
     zeros = torch.zeros(args.layers, args.batch, args.hidden, device=device)

@@ -60,11 +60,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if min(args.steps, args.tables, args.rows, args.dim, args.dense, args.ids, args.batch) < 1:
         p.error("sizes must be at least 1")
 
+    detail = f"{args.tables} tables of {args.rows} rows, {args.optimizer}, batch {args.batch}"
     model, optimizer, device = common.start_job(
-        "recsys",
-        args,
-        lambda: DLRM(args.tables, args.rows, args.dim, args.dense),
-        f"{args.tables} tables of {args.rows} rows, {args.optimizer}, batch {args.batch}",
+        "recsys", args, lambda: DLRM(args.tables, args.rows, args.dim, args.dense), detail
     )
 
     model.train()

@@ -73,11 +73,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         p.error("--image-size must be a multiple of 2**--depth")
 
     torch.backends.cudnn.enabled = False
+    detail = f"{args.optimizer}, {args.precision}, batch {args.batch} x 3 x {args.image_size}^2"
     model, optimizer, device = common.start_job(
-        "unet",
-        args,
-        lambda: UNet(args.classes, args.width, args.depth),
-        f"{args.optimizer}, {args.precision}, batch {args.batch} x 3 x {args.image_size}^2",
+        "unet", args, lambda: UNet(args.classes, args.width, args.depth), detail
     )
 
     amp = common.autocast(device, args.precision)
