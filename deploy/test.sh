@@ -147,6 +147,18 @@ render() { # render OUT [--set-json JSON]...
   "$PY" "$SCRIPTS/helm_chart.py" render "$CHART" --name stepwatch --namespace stepwatch "$@" >"$out"
 }
 
+refused() { # refused NAME LINES JSON...: the chart must refuse each values JSON; shows the
+  # last LINES of each refusal (tail -n LINES; +1: all of it, 0: none)
+  local name="$1" lines="$2" json
+  shift 2
+  for json in "$@"; do
+    if render "$WORK/$name-refused.yaml" --set-json "$json" 2>"$WORK/$name-refused.err"; then
+      echo "  rendered although refused: $json"; return 1
+    fi
+    [ "$lines" = 0 ] || tail -n "$lines" "$WORK/$name-refused.err" | sed 's/^/  /'
+  done
+}
+
 helm_variants() {
   render "$WORK/root.yaml" --set-json '{"securityContext":{"runAsRoot":true}}'
   echo "runAsRoot=true:"
@@ -227,14 +239,8 @@ assert f"--kubelet-registration-path={sock}" in reg["args"], reg["args"]
 assert {m["mountPath"] for m in reg["volumeMounts"]} == {"/csi", "/registration"}, reg
 print("  CSIDriver, registrar and kubelet mounts as expected")
 EOF
-  local refused
-  for refused in '{"csi":{"enabled":true,"registrar":{"image":{"repository":"r/x"}}}}' \
-                 '{"csi":{"enabled":true},"securityContext":{"runAsRoot":true}}'; do
-    if render "$WORK/csi-refused.yaml" --set-json "$refused" 2>"$WORK/csi-refused.err"; then
-      echo "  rendered although refused: $refused"; return 1
-    fi
-    sed 's/^/  /' "$WORK/csi-refused.err"
-  done
+  refused csi +1 '{"csi":{"enabled":true,"registrar":{"image":{"repository":"r/x"}}}}' \
+    '{"csi":{"enabled":true},"securityContext":{"runAsRoot":true}}' || return 1
   "$PY" "$SCRIPTS/check_manifests.py" validate "$DEPLOY/examples/training-pod-csi.yaml" --require Pod
 }
 
@@ -272,10 +278,8 @@ print("  default: pod logs read-only, as a non-root user with no capabilities; p
       " kubelet socket read-only (root); podAttribution.enabled=false mounts neither")
 PYEOF
   "$PY" "$SCRIPTS/check_manifests.py" validate "$DEPLOY/examples/training-pod.yaml" --require Pod
-  if render "$WORK/attest-refused.yaml" --set-json '{"podAttribution":{"podResources":true}}' 2>"$WORK/attest-refused.err"; then
-    echo "  rendered podAttribution.podResources without root"; return 1
-  fi
-  sed 's/^/  /' "$WORK/attest-refused.err"
+  # podAttribution.podResources needs root.
+  refused attest +1 '{"podAttribution":{"podResources":true}}'
 }
 
 # gpuOperator.clientLabel (leave the node during the GPU Operator's driver upgrades and MIG
@@ -347,12 +351,8 @@ assert "runtimeClassName" not in pod("gpuop-cdi")
 print("  clientLabel: affinity (default; label true or absent), nodeSelector, none, merged with user terms;"
       " deviceListStrategy: envvar (default), volume-mounts (/dev/null mounts), cdi-annotations")
 PYEOF
-  local refused
-  for refused in '{"gpuOperator":{"clientLabel":"always"}}' '{"nvidia":{"deviceListStrategy":"mounts"}}'; do
-    if render "$WORK/gpuop-refused.yaml" --set-json "$refused" 2>"$WORK/gpuop-refused.err"; then
-      echo "  rendered $refused"; return 1
-    fi
-  done
+  refused gpuop 0 '{"gpuOperator":{"clientLabel":"always"}}' \
+    '{"nvidia":{"deviceListStrategy":"mounts"}}' || return 1
   echo "  an unknown clientLabel or deviceListStrategy is refused by the schema"
 }
 
@@ -432,17 +432,11 @@ for name, a in alerts.items():
     assert "runbook" not in a["annotations"], a["annotations"]
 print("  disabled, severity, for, threshold, labels, alertLabels and runbookBaseURL applied")
 PYEOF
-  local refused
-  for refused in '{"prometheusRule":{"alerts":{"StepwatchNoSuchAlert":{"enabled":false}}}}' \
-                 '{"prometheusRule":{"alerts":{"StepwatchAgentDown":{"threshold":3}}}}' \
-                 '{"alertmanager":{"urls":["http://am:9093"]},"prometheusRule":{"alerts":{"StepwatchStep2OOMPredicted":{"severity":"critical"}}}}' \
-                 '{"alertmanager":{"urls":["http://am:9093"]},"prometheusRule":{"alerts":{"StepwatchFirstStepDivergence":{"enabled":false}}}}' \
-                 '{"prometheusRule":{"alerts":{"StepwatchJobStalled":{"severity":"page"}}}}'; do
-    if render "$WORK/alerts-refused.yaml" --set-json "$refused" 2>"$WORK/alerts-refused.err"; then
-      echo "  rendered although refused: $refused"; return 1
-    fi
-    sed 's/^/  /' "$WORK/alerts-refused.err" | tail -n 2
-  done
+  refused alerts 2 '{"prometheusRule":{"alerts":{"StepwatchNoSuchAlert":{"enabled":false}}}}' \
+    '{"prometheusRule":{"alerts":{"StepwatchAgentDown":{"threshold":3}}}}' \
+    '{"alertmanager":{"urls":["http://am:9093"]},"prometheusRule":{"alerts":{"StepwatchStep2OOMPredicted":{"severity":"critical"}}}}' \
+    '{"alertmanager":{"urls":["http://am:9093"]},"prometheusRule":{"alerts":{"StepwatchFirstStepDivergence":{"enabled":false}}}}' \
+    '{"prometheusRule":{"alerts":{"StepwatchJobStalled":{"severity":"page"}}}}'
 }
 
 # The production values: priorityClassName, tolerations (widened), image digest, resources,
@@ -517,14 +511,8 @@ assert {r["resources"][0] for r in rules} == {"tokenreviews", "subjectaccessrevi
 assert roles["stepwatch-reader"]["rules"][0]["nonResourceURLs"][0] == "/metrics"
 print("  proxy on 19447 (TLS from the Secret), agent on 127.0.0.1:19448, probes over HTTPS, RBAC, ServiceMonitor https + token")
 PYEOF
-  local refused
-  for refused in '{"metricsProxy":{"enabled":true}}' \
-                 '{"apiPort":19449,"metricsProxy":{"enabled":true,"image":{"repository":"r/p"}}}'; do
-    if render "$WORK/proxy-refused.yaml" --set-json "$refused" 2>"$WORK/proxy-refused.err"; then
-      echo "  rendered although refused: $refused"; return 1
-    fi
-    sed 's/^/  /' "$WORK/proxy-refused.err" | tail -n 1
-  done
+  refused proxy 1 '{"metricsProxy":{"enabled":true}}' \
+    '{"apiPort":19449,"metricsProxy":{"enabled":true,"image":{"repository":"r/p"}}}' || return 1
   # apiPort: the API on a listener (and Service port) of its own.
   render "$WORK/api.yaml" --set-json '{"apiPort":19449}'
   "$PY" "$SCRIPTS/check_manifests.py" validate "$WORK/api.yaml" --require DaemonSet --require Service || return 1
