@@ -8,20 +8,6 @@ use std::time::Duration;
 
 use common::*;
 use stepwatch_client::{Client, ClientOptions};
-use stepwatch_proto::v1::{Hello, Identity};
-
-fn hello(job: &str) -> Hello {
-    Hello {
-        identity: Some(Identity {
-            job_id: job.into(),
-            rank: 0,
-            world_size: 1,
-            ..Default::default()
-        }),
-        pid: std::process::id(),
-        ..Default::default()
-    }
-}
 
 fn mark_step(client: &Client, step: u64) -> usize {
     stepwatch_core::MarkerKind::STEP_ORDER
@@ -35,8 +21,10 @@ fn mark_step(client: &Client, step: u64) -> usize {
 fn markers_survive_an_absent_then_restarted_agent() {
     let dir = TempDir::new("client");
     let socket = dir.0.join("late.sock");
-    let mut options =
-        ClientOptions::new(format!("unix://{}", socket.display()), hello("resilient"));
+    let mut options = ClientOptions::new(
+        format!("unix://{}", socket.display()),
+        wire::solo_hello("resilient"),
+    );
     options.queue_capacity = 60;
     options.reconnect_max = Duration::from_millis(300);
     let client = Client::start(options);
@@ -96,7 +84,7 @@ fn a_client_whose_run_another_client_in_the_process_replaced_stops_for_good() {
 
     let agent = Agent::start("client-replaced", 1);
     let start = || {
-        let mut options = ClientOptions::new(agent.endpoint(), hello("replaced"));
+        let mut options = ClientOptions::new(agent.endpoint(), wire::solo_hello("replaced"));
         options.reconnect_max = Duration::from_millis(300);
         Client::start(options)
     };

@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use common::*;
 use stepwatch_client::{Client, ClientOptions};
-use stepwatch_proto::v1::{Hello, Identity};
 
 /// A CA, a server certificate for 127.0.0.1 and a client certificate, made by
 /// tests/make-test-certs.sh (shared with the Python TLS tests).
@@ -28,18 +27,6 @@ fn make_certs(dir: &Path) {
     );
 }
 
-fn hello(job: &str) -> Hello {
-    Hello {
-        identity: Some(Identity {
-            job_id: job.into(),
-            rank: 0,
-            world_size: 1,
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
 fn one_step(client: &Client) {
     for kind in
         stepwatch_core::MarkerKind::STEP_ORDER.map(stepwatch_proto::convert::marker_kind_to_wire)
@@ -48,139 +35,110 @@ fn one_step(client: &Client) {
     }
 }
 
+/// An agent with TCP ingest over TLS, and the certificates it was given.
+struct TlsAgent {
+    agent: Agent,
+    certs: TempDir,
+    port: u16,
+}
+
+impl TlsAgent {
+    /// With `--grpc-tls-client-ca` when `mutual`.
+    fn start(tag: &str, mutual: bool) -> Self {
+        let certs = TempDir::new(tag);
+        make_certs(&certs.0);
+        let path = |name: &str| certs.0.join(name).to_str().unwrap().to_owned();
+        let mut args = vec![
+            "--grpc-listen".to_owned(),
+            "127.0.0.1:0".to_owned(),
+            "--grpc-tls-cert".to_owned(),
+            path("server.pem"),
+            "--grpc-tls-key".to_owned(),
+            path("server.key"),
+        ];
+        if mutual {
+            args.extend(["--grpc-tls-client-ca".to_owned(), path("ca.pem")]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let agent = Agent::start_with(tag, 1, &args, |_| {});
+        let grpc = agent.grpc.expect("the agent reports its gRPC address");
+        TlsAgent {
+            agent,
+            certs,
+            port: grpc.port(),
+        }
+    }
+
+    fn cert(&self, name: &str) -> Vec<u8> {
+        std::fs::read(self.certs.0.join(name)).unwrap()
+    }
+
+    /// Client options for `job` at `scheme://` the agent's port, trusting its
+    /// CA over https; reconnecting every 200 ms at most, so that refusals show soon.
+    fn options(&self, scheme: &str, job: &str) -> ClientOptions {
+        let mut options = ClientOptions::new(
+            format!("{scheme}://127.0.0.1:{}", self.port),
+            wire::solo_hello(job),
+        );
+        if scheme == "https" {
+            options.tls_ca_pem = Some(self.cert("ca.pem"));
+        }
+        options.reconnect_max = Duration::from_millis(200);
+        options
+    }
+
+    /// A client with `options` sends one step, and the agent counts it.
+    fn admits(&self, options: ClientOptions, job: &str) {
+        let client = Client::start(options);
+        one_step(&client);
+        self.agent
+            .wait_metrics(&format!("{job}'s step"), Duration::from_secs(15), |m| {
+                steps_of(m, job) == Some(1.0)
+            });
+        client.close(Duration::from_secs(2));
+    }
+
+    /// A client with `options` tries, and tries again, and nothing of its
+    /// step gets in: a refusal, not a client that never called.
+    fn refuses(&self, options: ClientOptions, job: &str) {
+        let client = Client::start(options);
+        one_step(&client);
+        wait_until(&format!("{job}'s retries"), Duration::from_secs(20), || {
+            client.stats().reconnects >= 2
+        });
+        assert!(!client.connected());
+        assert_eq!(client.stats().sent, 0);
+        assert_eq!(steps_of(&Metrics(self.agent.metrics()), job), None);
+    }
+}
+
+fn steps_of(m: &Metrics, job: &str) -> Option<f64> {
+    m.get(
+        "stepwatch_rank_steps_completed_total",
+        &[("training_job", job)],
+    )
+}
+
 #[test]
 fn tcp_ingest_with_tls_accepts_trusting_clients_only() {
-    let certs = TempDir::new("tls");
-    make_certs(&certs.0);
-    let cert = certs.0.join("server.pem");
-    let key = certs.0.join("server.key");
-    let agent = Agent::start_with(
-        "tls",
-        1,
-        &[
-            "--grpc-listen",
-            "127.0.0.1:0",
-            "--grpc-tls-cert",
-            cert.to_str().unwrap(),
-            "--grpc-tls-key",
-            key.to_str().unwrap(),
-        ],
-        |_| {},
-    );
-    let grpc = agent.grpc.expect("the agent reports its gRPC address");
-    assert!(
-        agent.log().contains("TCP ingest enabled with TLS"),
-        "{}",
-        agent.log()
-    );
-
+    let tls = TlsAgent::start("tls", false);
+    let log = tls.agent.log();
+    assert!(log.contains("TCP ingest enabled with TLS"), "{log}");
     // Trusting the CA: markers arrive.
-    let mut options = ClientOptions::new(
-        format!("https://127.0.0.1:{}", grpc.port()),
-        hello("tls-ok"),
-    );
-    options.tls_ca_pem = Some(std::fs::read(certs.0.join("ca.pem")).unwrap());
-    let client = Client::start(options);
-    one_step(&client);
-    agent.wait_metrics("the TLS client's step", Duration::from_secs(15), |m| {
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "tls-ok")],
-        ) == Some(1.0)
-    });
-    client.close(Duration::from_secs(2));
-
+    tls.admits(tls.options("https", "tls-ok"), "tls-ok");
     // Plaintext to the TLS port: nothing gets in.
-    let mut options =
-        ClientOptions::new(format!("http://127.0.0.1:{}", grpc.port()), hello("plain"));
-    options.reconnect_max = Duration::from_millis(200);
-    let plain = Client::start(options);
-    one_step(&plain);
-    // It tried, and tried again: a refusal, not a client that never called.
-    wait_until(
-        "the plaintext client's retries",
-        Duration::from_secs(20),
-        || plain.stats().reconnects >= 2,
-    );
-    assert!(!plain.connected());
-    assert_eq!(plain.stats().sent, 0);
-    let m = Metrics(agent.metrics());
-    assert_eq!(
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "plain")]
-        ),
-        None
-    );
+    tls.refuses(tls.options("http", "plain"), "plain");
 }
 
 #[test]
 fn mutual_tls_admits_only_clients_with_a_signed_certificate() {
-    let certs = TempDir::new("mtls");
-    make_certs(&certs.0);
-    let (cert, key, ca) = (
-        certs.0.join("server.pem"),
-        certs.0.join("server.key"),
-        certs.0.join("ca.pem"),
-    );
-    let agent = Agent::start_with(
-        "mtls",
-        1,
-        &[
-            "--grpc-listen",
-            "127.0.0.1:0",
-            "--grpc-tls-cert",
-            cert.to_str().unwrap(),
-            "--grpc-tls-key",
-            key.to_str().unwrap(),
-            "--grpc-tls-client-ca",
-            ca.to_str().unwrap(),
-        ],
-        |_| {},
-    );
-    let grpc = agent.grpc.expect("the agent reports its gRPC address");
-    let mut options = ClientOptions::new(
-        format!("https://127.0.0.1:{}", grpc.port()),
-        hello("anonymous"),
-    );
-    options.tls_ca_pem = Some(std::fs::read(&ca).unwrap());
-    options.reconnect_max = Duration::from_millis(200);
-    let client = Client::start(options);
-    one_step(&client);
-    wait_until(
-        "the anonymous client's retries",
-        Duration::from_secs(20),
-        || client.stats().reconnects >= 2,
-    );
-    assert_eq!(client.stats().sent, 0);
-    let m = Metrics(agent.metrics());
-    assert_eq!(
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "anonymous")]
-        ),
-        None
-    );
-    assert!(!client.connected());
-
+    let tls = TlsAgent::start("mtls", true);
+    // Trusting the CA is not enough: the agent asks for a certificate.
+    tls.refuses(tls.options("https", "anonymous"), "anonymous");
     // A client with a certificate the CA signed gets in.
-    let mut options = ClientOptions::new(
-        format!("https://127.0.0.1:{}", grpc.port()),
-        hello("signed"),
-    );
-    options.tls_ca_pem = Some(std::fs::read(&ca).unwrap());
-    options.tls_identity_pem = Some((
-        std::fs::read(certs.0.join("client.pem")).unwrap(),
-        std::fs::read(certs.0.join("client.key")).unwrap(),
-    ));
-    let signed = Client::start(options);
-    one_step(&signed);
-    agent.wait_metrics("the signed client's step", Duration::from_secs(15), |m| {
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "signed")],
-        ) == Some(1.0)
-    });
+    let mut options = tls.options("https", "signed");
+    options.tls_identity_pem = Some((tls.cert("client.pem"), tls.cert("client.key")));
+    tls.admits(options, "signed");
 }
 
 #[test]

@@ -5,19 +5,32 @@ use stepwatch_proto::v1::{
     MarkerBatch, MarkerKind,
 };
 
+fn identity(job: &str, rank: u32, world: u32) -> Option<Identity> {
+    Some(Identity {
+        job_id: job.into(),
+        rank,
+        world_size: world,
+        ..Default::default()
+    })
+}
+
 pub fn hello(job: &str, rank: u32, world: u32) -> ClientMessage {
     ClientMessage {
         kind: Some(Kind::Hello(Hello {
-            identity: Some(Identity {
-                job_id: job.into(),
-                rank,
-                world_size: world,
-                ..Default::default()
-            }),
+            identity: identity(job, rank, world),
             gpu_uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
             pid: 1,
             ..Default::default()
         })),
+    }
+}
+
+/// A client's hello for the one rank of `job`, from this process.
+pub fn solo_hello(job: &str) -> Hello {
+    Hello {
+        identity: identity(job, 0, 1),
+        pid: std::process::id(),
+        ..Default::default()
     }
 }
 
