@@ -45,24 +45,24 @@ pub fn wait_ready_file(
     child: &mut Child,
     log: &std::path::Path,
 ) -> serde_json::Value {
-    let start = Instant::now();
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            return serde_json::from_str(&text).expect("the ready file is JSON");
-        }
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!(
-                "the agent exited ({status}) before it was ready; log:\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "the agent wrote no ready file within 30 s; log:\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let log = || std::fs::read_to_string(log).unwrap_or_default();
+    poll_or(
+        Duration::from_millis(20),
+        Duration::from_secs(30),
+        || {
+            if let Ok(text) = std::fs::read_to_string(path) {
+                return Some(serde_json::from_str(&text).expect("the ready file is JSON"));
+            }
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!(
+                    "the agent exited ({status}) before it was ready; log:\n{}",
+                    log()
+                );
+            }
+            None
+        },
+        || format!("the agent wrote no ready file within 30 s; log:\n{}", log()),
+    )
 }
 
 /// An agent process on its own fake NVML state.
@@ -242,20 +242,21 @@ impl Agent {
     /// Waits until the agent is ready (ingest listening) and NVML answers:
     /// `/readyz` no longer waits for NVML, and most tests need GPU samples.
     pub fn wait_ready_with_nvml(&self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok((200, body)) = http_get(self.http, "/readyz") {
-                if body.lines().any(|l| l == "nvml: up") {
-                    return;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "not ready with NVML up within 20 s; agent log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        poll_or(
+            Duration::from_millis(100),
+            Duration::from_secs(20),
+            || {
+                let ready = http_get(self.http, "/readyz");
+                matches!(ready, Ok((200, body)) if body.lines().any(|l| l == "nvml: up"))
+                    .then_some(())
+            },
+            || {
+                format!(
+                    "not ready with NVML up within 20 s; agent log:\n{}",
+                    self.log()
+                )
+            },
+        )
     }
 
     pub fn endpoint(&self) -> String {
@@ -279,20 +280,15 @@ impl Agent {
 
     /// Polls `path` until it answers `code`.
     pub fn wait_for(&self, path: &str, code: u16, timeout: Duration) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Ok((c, body)) = http_get(self.http, path) {
-                if c == code {
-                    return body;
-                }
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{path} never answered {code}; agent log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        poll_or(
+            Duration::from_millis(100),
+            timeout,
+            || match http_get(self.http, path) {
+                Ok((c, body)) if c == code => Some(body),
+                _ => None,
+            },
+            || format!("{path} never answered {code}; agent log:\n{}", self.log()),
+        )
     }
 
     /// Polls /metrics until `pred` holds.
@@ -302,20 +298,26 @@ impl Agent {
         timeout: Duration,
         pred: impl Fn(&Metrics) -> bool,
     ) -> Metrics {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let m = Metrics(self.metrics());
-            if pred(&m) {
-                return m;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "timed out waiting for {what}; last /metrics:\n{}\nagent log:\n{}",
-                m.0,
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let last = std::cell::RefCell::new(String::new());
+        poll_or(
+            Duration::from_millis(100),
+            timeout,
+            || {
+                let m = Metrics(self.metrics());
+                if pred(&m) {
+                    return Some(m);
+                }
+                *last.borrow_mut() = m.0;
+                None
+            },
+            || {
+                format!(
+                    "timed out waiting for {what}; last /metrics:\n{}\nagent log:\n{}",
+                    last.borrow(),
+                    self.log()
+                )
+            },
+        )
     }
 
     /// Starts one rank of a simulated scenario as its own process.
@@ -580,36 +582,37 @@ impl Prometheus {
                 addr,
                 child: Some(child),
             };
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                if let Ok((200, _)) = http_get(addr, "/-/ready") {
-                    // Ready may come from another test's Prometheus that took
-                    // the port between free_port() and our bind: only ours
-                    // runs our config file.
-                    let flags = prom.api("/api/v1/status/flags").unwrap_or_default();
-                    if flags["config.file"] == config_path.display().to_string() {
-                        return prom;
+            let log_path = prom.dir.0.join("prometheus.log");
+            let ours = poll_or(
+                Duration::from_millis(100),
+                Duration::from_secs(30),
+                || {
+                    if let Ok((200, _)) = http_get(addr, "/-/ready") {
+                        // Ready may come from another test's Prometheus that took
+                        // the port between free_port() and our bind: only ours
+                        // runs our config file.
+                        let flags = prom.api("/api/v1/status/flags").unwrap_or_default();
+                        return Some(flags["config.file"] == config_path.display().to_string());
                     }
-                    let child = prom.child.as_mut().unwrap();
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    break;
-                }
-                if let Some(status) = prom.child.as_mut().unwrap().try_wait().unwrap() {
+                    let status = prom.child.as_mut().unwrap().try_wait().unwrap()?;
                     let log = prom.log();
                     assert!(
                         log.contains("address already in use"),
                         "prometheus exited ({status}); log:\n{log}"
                     );
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "prometheus not ready within 30 s; log:\n{}",
-                    prom.log()
-                );
-                std::thread::sleep(Duration::from_millis(100));
+                    Some(false)
+                },
+                || {
+                    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                    format!("prometheus not ready within 30 s; log:\n{log}")
+                },
+            );
+            if ours {
+                return prom;
             }
+            let child = prom.child.as_mut().unwrap();
+            let _ = child.kill();
+            let _ = child.wait();
             prom.child = None;
             // Prometheus is Drop, so its dir is swapped out (for a new, empty one).
             dir = Some(std::mem::replace(&mut prom.dir, TempDir::new(tag)));
@@ -692,23 +695,34 @@ pub fn poll<T>(what: &str, timeout: Duration, f: impl FnMut() -> Option<T>) -> T
     poll_every(Duration::from_millis(200), what, timeout, f)
 }
 
-/// The one wait loop of the tests: `f` every `interval` until it returns
-/// Some, or a panic naming `what` after `timeout`.
+/// [`poll_or`], panicking with a message naming `what`.
 fn poll_every<T>(
     interval: Duration,
     what: &str,
     timeout: Duration,
+    f: impl FnMut() -> Option<T>,
+) -> T {
+    poll_or(interval, timeout, f, || {
+        format!("timed out after {timeout:?} waiting for {what}")
+    })
+}
+
+/// The one wait loop of the tests: `f` every `interval` until it returns
+/// Some, or a panic with `failure()` after `timeout`.
+fn poll_or<T>(
+    interval: Duration,
+    timeout: Duration,
     mut f: impl FnMut() -> Option<T>,
+    failure: impl FnOnce() -> String,
 ) -> T {
     let deadline = Instant::now() + timeout;
     loop {
         if let Some(v) = f() {
             return v;
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {timeout:?} waiting for {what}"
-        );
+        if Instant::now() >= deadline {
+            panic!("{}", failure());
+        }
         std::thread::sleep(interval);
     }
 }
