@@ -211,26 +211,27 @@ mod tests {
         }
     }
 
+    /// The entries the record file at `path` holds.
+    fn read_back(path: &std::path::Path) -> Vec<RecordEntry<'static>> {
+        let text = std::fs::read_to_string(path).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
     #[test]
     fn entries_reach_the_file_in_order_after_a_flush() {
-        let dir = std::env::temp_dir().join(format!("stepwatch-rec-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("order.jsonl");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("order.jsonl");
         let entries = counter();
         let r = Recorder::create(&path, 1 << 20, entries.clone()).unwrap();
         for i in 0..100 {
             r.write(evict(i), false);
         }
         assert!(r.flush_and_wait());
-        let text = std::fs::read_to_string(&path).unwrap();
-        let got: Vec<RecordEntry> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        assert_eq!(got, (0..100).map(evict).collect::<Vec<_>>());
+        assert_eq!(read_back(&path), (0..100).map(evict).collect::<Vec<_>>());
         assert_eq!(entries.with_label_values(&["written"]).get(), 100);
         assert_eq!(entries.with_label_values(&["dropped"]).get(), 0);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -238,9 +239,8 @@ mod tests {
         // A queue of one with the writer held up: the record must stay a
         // prefix of what the tracker saw, so after the first refused entry
         // every later one is dropped (and counted) too.
-        let dir = std::env::temp_dir().join(format!("stepwatch-recq-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("full.jsonl");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("full.jsonl");
         let entries = counter();
         let r = Recorder::with_queue(&path, 1 << 20, entries.clone(), 1).unwrap();
         // Fill the queue faster than the writer can drain it; writes never block.
@@ -257,12 +257,9 @@ mod tests {
         let dropped = entries.with_label_values(&["dropped"]).get();
         assert_eq!(written + dropped, sent + 10);
         assert!(dropped >= 11, "{dropped}");
-        let text = std::fs::read_to_string(&path).unwrap();
-        let got: Vec<RecordEntry> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        assert_eq!(got, (0..written).map(evict).collect::<Vec<_>>());
-        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            read_back(&path),
+            (0..written).map(evict).collect::<Vec<_>>()
+        );
     }
 }

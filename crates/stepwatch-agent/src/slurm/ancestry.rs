@@ -35,14 +35,7 @@ pub fn parse_stepd_title(cmdline: &str) -> Option<SlurmStep> {
     let title = cmdline.split('\0').next()?.trim_end();
     let inner = title.strip_prefix("slurmstepd: [")?.strip_suffix(']')?;
     let (job, step) = inner.split_once('.')?;
-    let job_ok = !job.is_empty() && job.bytes().all(|b| b.is_ascii_digit());
-    let step_ok = !step.is_empty()
-        && (step.bytes().all(|b| b.is_ascii_digit())
-            || matches!(step, "batch" | "extern" | "interactive"));
-    (job_ok && step_ok).then(|| SlurmStep {
-        job: job.to_owned(),
-        step: step.to_owned(),
-    })
+    SlurmStep::parse(job, step)
 }
 
 /// The step of the nearest root-owned slurmstepd above `pid` (its

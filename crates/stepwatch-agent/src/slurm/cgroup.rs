@@ -9,6 +9,21 @@ pub struct SlurmStep {
     pub step: String,
 }
 
+impl SlurmStep {
+    /// A job id of digits and a step that is a number, `batch`, `extern` or
+    /// `interactive`; None for anything else.
+    pub fn parse(job: &str, step: &str) -> Option<SlurmStep> {
+        let job_ok = !job.is_empty() && job.bytes().all(|b| b.is_ascii_digit());
+        let step_ok = !step.is_empty()
+            && (step.bytes().all(|b| b.is_ascii_digit())
+                || matches!(step, "batch" | "extern" | "interactive"));
+        (job_ok && step_ok).then(|| SlurmStep {
+            job: job.to_owned(),
+            step: step.to_owned(),
+        })
+    }
+}
+
 /// The job and step of a process, or None for a process in no Slurm job.
 ///
 /// proctrack/cgroup puts every task of a step under `job_<id>/step_<id>`:
@@ -30,14 +45,7 @@ fn parse_path(path: &str) -> Option<SlurmStep> {
     segments.windows(2).find_map(|pair| {
         let job = pair[0].strip_prefix("job_")?;
         let step = pair[1].strip_prefix("step_")?;
-        let job_ok = !job.is_empty() && job.bytes().all(|b| b.is_ascii_digit());
-        let step_ok = !step.is_empty()
-            && (step.bytes().all(|b| b.is_ascii_digit())
-                || matches!(step, "batch" | "extern" | "interactive"));
-        (job_ok && step_ok).then(|| SlurmStep {
-            job: job.to_owned(),
-            step: step.to_owned(),
-        })
+        SlurmStep::parse(job, step)
     })
 }
 

@@ -95,21 +95,24 @@ impl Slurm {
     /// The mapping directory as it is now; empty when it cannot be read
     /// (logged once).
     pub fn mapping(&self) -> JobMapping {
-        match JobMapping::read(&self.dir) {
-            Ok(m) => m,
-            Err(e) => {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    self.tell_once(
-                        "mapping_unreadable",
-                        &format!(
-                            "cannot read the Slurm job mapping directory {}: {e}",
-                            self.dir.display()
-                        ),
-                    );
-                }
-                JobMapping::default()
+        self.mapping_or_empty(JobMapping::read(&self.dir))
+    }
+
+    /// A read mapping, or an empty one when the directory could not be read
+    /// (logged once; a directory that is not there is no fault).
+    fn mapping_or_empty(&self, read: std::io::Result<JobMapping>) -> JobMapping {
+        read.unwrap_or_else(|e| {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                self.tell_once(
+                    "mapping_unreadable",
+                    &format!(
+                        "cannot read the Slurm job mapping directory {}: {e}",
+                        self.dir.display()
+                    ),
+                );
             }
-        }
+            JobMapping::default()
+        })
     }
 
     /// Checks a hello's Slurm job claim from the process `pid` (SO_PEERCRED;
@@ -141,18 +144,7 @@ impl Slurm {
             self.results.with_label_values(&["proc_unreadable"]).inc();
             return Ok(());
         };
-        let mapping = mapping.unwrap_or_else(|e| {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                self.tell_once(
-                    "mapping_unreadable",
-                    &format!(
-                        "cannot read the Slurm job mapping directory {}: {e}",
-                        self.dir.display()
-                    ),
-                );
-            }
-            JobMapping::default()
-        });
+        let mapping = self.mapping_or_empty(mapping);
         let peer = match &step {
             None => PeerView::NoPid,
             Some(Err(e)) => {
