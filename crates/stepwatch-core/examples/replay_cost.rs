@@ -56,39 +56,20 @@ fn segments_trace(n: u64) -> AllocatorTrace {
         phase,
         stream: 0,
     };
+    use AllocatorAction::*;
     for _ in 0..n {
         let t = a.malloc(20 * MIB, u64::MAX).unwrap();
         let at = a.address_of(t).unwrap();
-        events.push(event(
-            AllocatorAction::Alloc,
-            at,
-            20 * MIB,
-            PhaseKind::Forward,
-        ));
-        events.push(event(
-            AllocatorAction::Free,
-            at,
-            20 * MIB,
-            PhaseKind::Forward,
-        ));
         a.free(t);
         a.release_free_segments();
-        events.push(event(
-            AllocatorAction::SegmentFree,
-            at,
-            20 * MIB,
-            PhaseKind::Forward,
-        ));
+        for action in [Alloc, Free, SegmentFree] {
+            events.push(event(action, at, 20 * MIB, PhaseKind::Forward));
+        }
     }
     for _ in 0..n {
         let s = a.malloc(12 * MIB, u64::MAX).unwrap();
         let at = a.address_of(s).unwrap();
-        events.push(event(
-            AllocatorAction::Alloc,
-            at,
-            12 * MIB,
-            PhaseKind::Optimizer,
-        ));
+        events.push(event(Alloc, at, 12 * MIB, PhaseKind::Optimizer));
     }
     AllocatorTrace {
         step: 1,

@@ -97,13 +97,17 @@ fn a_restart_after_the_old_stream_closed_starts_afresh_and_a_reconnect_resumes()
     assert_eq!((r.info.pid, r.timeline.steps_completed()), (12, 0));
 }
 
+/// Process 10's rank 0 of job `j` in `ns`, in the run `id`.
+fn run(id: &str) -> RankInfo {
+    RankInfo {
+        run_id: id.into(),
+        ..info("ns", "j", 0, 10)
+    }
+}
+
 #[test]
 fn a_new_run_id_from_the_same_process_starts_the_rank_afresh() {
     let mut t = Tracker::new(TrackerConfig::default());
-    let run = |id: &str| RankInfo {
-        run_id: id.into(),
-        ..info("ns", "j", 0, 10)
-    };
     let key = t.open(run("fit-1"), 0).unwrap();
     t.markers(&key, &two_steps(0), 1).unwrap();
     // A reconnect within the run, and a hello without a run id (an older
@@ -128,10 +132,6 @@ fn a_new_run_id_from_the_same_process_starts_the_rank_afresh() {
 #[test]
 fn a_stream_of_a_run_the_process_left_cannot_reopen_or_reset_the_rank() {
     let mut t = Tracker::new(TrackerConfig::default());
-    let run = |id: &str| RankInfo {
-        run_id: id.into(),
-        ..info("ns", "j", 0, 10)
-    };
     let key = t.open(run("fit-1"), 0).unwrap();
     t.close(&key, 1);
     t.open(run("fit-2"), 2).unwrap();
@@ -172,10 +172,6 @@ fn a_stream_of_a_run_the_process_left_cannot_reopen_or_reset_the_rank() {
 #[test]
 fn batches_of_a_still_open_stream_of_a_run_the_process_left_are_refused() {
     let mut t = Tracker::new(TrackerConfig::default());
-    let run = |id: &str| RankInfo {
-        run_id: id.into(),
-        ..info("ns", "j", 0, 10)
-    };
     let steps = two_steps(0);
     // fit-1's stream is open and half way through its step 1 when fit-2's
     // opens (connected_streams 2), and fit-2 begins its own step 1.
@@ -221,10 +217,6 @@ fn batches_of_a_still_open_stream_of_a_run_the_process_left_are_refused() {
 #[test]
 fn a_new_run_forgets_the_last_runs_step_1_segment_layout() {
     let mut t = Tracker::new(TrackerConfig::default());
-    let run = |id: &str| RankInfo {
-        run_id: id.into(),
-        ..info("ns", "j", 0, 10)
-    };
     let key = t.open(run("fit-1"), 0).unwrap();
     // Step 1 up to its optimizer begin, which carries a layout; the run
     // ends there (say, an exception) and the process starts another.
@@ -249,14 +241,10 @@ fn a_new_run_forgets_the_last_runs_step_1_segment_layout() {
 #[test]
 fn a_process_remembers_at_most_max_ended_runs_of_its_own() {
     let mut t = Tracker::new(TrackerConfig::default());
-    let run = |i: usize| RankInfo {
-        run_id: format!("fit-{i}"),
-        ..info("ns", "j", 0, 10)
-    };
-    let key = t.open(run(0), 0).unwrap();
+    let key = t.open(run("fit-0"), 0).unwrap();
     for i in 1..=MAX_ENDED_RUNS + 2 {
         t.close(&key, i as u64);
-        t.open(run(i), i as u64).unwrap();
+        t.open(run(&format!("fit-{i}")), i as u64).unwrap();
     }
     let ended = &t.rank(&key).unwrap().ended_runs;
     assert_eq!(ended.len(), MAX_ENDED_RUNS);

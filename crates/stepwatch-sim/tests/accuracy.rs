@@ -79,14 +79,7 @@ fn median_error_is_at_most_two_percent() {
 
 #[test]
 fn max_error_is_at_most_five_percent_with_the_allocator_trace() {
-    let s = summarize(rows());
-    assert!(
-        s.max_abs_error_pct <= 5.0,
-        "max |error| {:.2}% at {:?}\n{}",
-        s.max_abs_error_pct,
-        s.max_error_at,
-        render_table(rows())
-    );
+    assert_max_error_at_most(5.0, rows());
     // The trace is what meets it: every rank's frozen prediction used it.
     for r in rows() {
         let explanation = r.explanation.as_deref().unwrap_or_default();
@@ -106,13 +99,17 @@ fn max_error_is_at_most_five_percent_with_the_allocator_trace() {
             figures (example fragmentation_probe); the allocator trace closes it. Run with \
             --ignored to see the table"]
 fn max_error_is_at_most_five_percent_from_markers_alone() {
-    let s = summarize(markers_only_rows());
+    assert_max_error_at_most(5.0, markers_only_rows());
+}
+
+fn assert_max_error_at_most(pct: f64, rows: &[AccuracyRow]) {
+    let s = summarize(rows);
     assert!(
-        s.max_abs_error_pct <= 5.0,
+        s.max_abs_error_pct <= pct,
         "max |error| {:.2}% at {:?}\n{}",
         s.max_abs_error_pct,
         s.max_error_at,
-        render_table(markers_only_rows())
+        render_table(rows)
     );
 }
 

@@ -3,7 +3,7 @@
 mod common;
 
 use common::{allocated_at, marker, run, scenario};
-use stepwatch_core::{Marker, MarkerKind, OptimizerKind, Precision};
+use stepwatch_core::{Marker, MarkerKind, ModelFacts, OptimizerKind, Precision};
 use stepwatch_sim::allocator::{round_size, segment_size};
 use stepwatch_sim::{
     run_realtime, simulate, PeakMode, RankSim, Scenario, ScenarioError, SimEvent, SimOutcome, Sink,
@@ -259,29 +259,26 @@ fn zero_sharding_divides_state_by_ranks() {
     assert!(within(jump, p * 8 / 8, 0.001), "{jump}");
 }
 
+/// The model facts rank 0 of scenario `name` says in its hello.
+fn facts(name: &str) -> ModelFacts {
+    RankSim::new(&scenario(name), 0).unwrap().model_facts()
+}
+
 #[test]
 fn precision_sets_bytes_per_parameter() {
-    let f32 = RankSim::new(&scenario("fp32-adam"), 0)
-        .unwrap()
-        .model_facts();
-    let b16 = RankSim::new(&scenario("bf16-adam"), 0)
-        .unwrap()
-        .model_facts();
-    let mix = RankSim::new(&scenario("adam-fits"), 0)
-        .unwrap()
-        .model_facts();
-    assert_eq!(
-        (f32.precision, f32.state_bytes_per_parameter),
-        (Precision::Fp32, Some(8))
-    );
-    assert_eq!(
-        (b16.precision, b16.state_bytes_per_parameter),
-        (Precision::Bf16, Some(4))
-    );
-    assert_eq!(
-        (mix.precision, mix.state_bytes_per_parameter),
-        (Precision::MixedBf16, Some(8))
-    );
+    for (name, precision, state) in [
+        ("fp32-adam", Precision::Fp32, 8),
+        ("bf16-adam", Precision::Bf16, 4),
+        ("adam-fits", Precision::MixedBf16, 8),
+    ] {
+        let f = facts(name);
+        assert_eq!(
+            (f.precision, f.state_bytes_per_parameter),
+            (precision, Some(state)),
+            "{name}"
+        );
+    }
+    let (f32, b16) = (facts("fp32-adam"), facts("bf16-adam"));
     assert_eq!(f32.parameter_count, b16.parameter_count);
     assert_eq!(
         f32.parameter_bytes.unwrap(),
@@ -314,9 +311,7 @@ fn model_facts_describe_the_scenario() {
         Ok(()),
         "the hello the lead builds is valid"
     );
-    let sgd = RankSim::new(&scenario("sgd-no-state"), 0)
-        .unwrap()
-        .model_facts();
+    let sgd = facts("sgd-no-state");
     assert_eq!(
         (sgd.optimizer, sgd.state_bytes_per_parameter),
         (OptimizerKind::Sgd, Some(0))

@@ -108,32 +108,37 @@ fn oom_retry_releases_cache_then_fails_cleanly() {
     assert_eq!(a.num_alloc_retries(), 2);
 }
 
-#[test]
-fn bookkeeping_holds_over_a_random_workload() {
-    let mut a = CachingAllocator::new();
+/// 3000 random frees and mallocs from `seed` (sizes from bytes to tens of
+/// MiB, log-uniform-ish) on `streams` streams, the invariants checked after
+/// each and `each(a, round)` called; then everything is freed and the cache
+/// released, which leaves nothing.
+fn random_workload(
+    a: &mut CachingAllocator,
+    seed: u64,
+    streams: u64,
+    mut each: impl FnMut(&mut CachingAllocator, usize),
+) {
     let mut live = Vec::new();
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut x = seed;
     let mut next = || {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
         x
     };
-    let mut last_reserved = 0;
-    for _ in 0..3000 {
+    for round in 0..3000 {
         let r = next();
         if r % 3 == 0 && !live.is_empty() {
             let i = (next() % live.len() as u64) as usize;
             a.free(live.swap_remove(i));
         } else {
-            // Sizes from bytes to tens of MiB, log-uniform-ish.
             let bytes = 1 + next() % (1u64 << (next() % 26));
-            live.push(a.malloc(bytes, u64::MAX).unwrap());
+            let stream = if streams > 1 { next() % streams } else { 0 };
+            live.push(a.malloc_on(bytes, stream, u64::MAX).unwrap());
         }
         a.check_invariants();
         assert!(a.reserved() >= a.allocated());
-        assert!(a.reserved() >= last_reserved, "reserved never shrinks");
-        last_reserved = a.reserved();
+        each(a, round);
     }
     for id in live.drain(..) {
         a.free(id);
@@ -143,6 +148,20 @@ fn bookkeeping_holds_over_a_random_workload() {
     a.release_free_segments();
     a.check_invariants();
     assert_eq!(a.reserved(), 0);
+}
+
+#[test]
+fn bookkeeping_holds_over_a_random_workload() {
+    let mut last_reserved = 0;
+    random_workload(
+        &mut CachingAllocator::new(),
+        0x9E37_79B9_7F4A_7C15,
+        1,
+        |a, _| {
+            assert!(a.reserved() >= last_reserved, "reserved never shrinks");
+            last_reserved = a.reserved();
+        },
+    );
 }
 
 #[test]
@@ -322,14 +341,18 @@ fn max_split_size_keeps_oversize_blocks_whole_and_releases_them_first() {
     assert_eq!(a.num_alloc_retries(), 0);
     a.check_invariants();
 }
+fn expandable() -> AllocatorSettings {
+    AllocatorSettings {
+        expandable_segments: true,
+        ..AllocatorSettings::default()
+    }
+}
+
 #[test]
 fn expandable_segments_grow_by_pages_and_unmap_them_like_pytorch() {
     // PyTorch 2.15 on fake CUDA, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     // (memory_reserved() after each step; see the test's steps).
-    let s = AllocatorSettings {
-        expandable_segments: true,
-        ..AllocatorSettings::default()
-    };
+    let s = expandable();
     let mut a = CachingAllocator::with_settings(s);
     // 3 MiB maps one 20 MiB page of the large pool's segment.
     let x = a.malloc(3 * MIB, u64::MAX).unwrap();
@@ -393,10 +416,7 @@ fn a_failed_expandable_growth_holds_the_pages_that_fit_for_an_instant() {
     // retries (seen on fake CUDA: gpt-expandable-segments on a 4.769 GiB
     // GPU peaked, to the byte, 9 pages (180 MiB) above what its replay
     // had reserved when the growth failed).
-    let s = AllocatorSettings {
-        expandable_segments: true,
-        ..AllocatorSettings::default()
-    };
+    let s = expandable();
     let mut a = CachingAllocator::with_settings(s);
     let limit = 110 * MIB;
     // Pages [0, 40) for x, [40, 60) for y.
@@ -420,40 +440,12 @@ fn a_failed_expandable_growth_holds_the_pages_that_fit_for_an_instant() {
 
 #[test]
 fn expandable_bookkeeping_holds_over_a_random_workload() {
-    let s = AllocatorSettings {
-        expandable_segments: true,
-        ..AllocatorSettings::default()
-    };
-    let mut a = CachingAllocator::with_settings(s);
-    let mut live = Vec::new();
-    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    for round in 0..3000 {
-        let r = next();
-        if r % 3 == 0 && !live.is_empty() {
-            let i = (next() % live.len() as u64) as usize;
-            a.free(live.swap_remove(i));
-        } else {
-            let bytes = 1 + next() % (1u64 << (next() % 26));
-            live.push(a.malloc_on(bytes, next() % 2, u64::MAX).unwrap());
-        }
+    let mut a = CachingAllocator::with_settings(expandable());
+    random_workload(&mut a, 0x2545_F491_4F6C_DD1D, 2, |a, round| {
         if round % 500 == 499 {
             a.release_free_segments();
         }
-        a.check_invariants();
-        assert!(a.reserved() >= a.allocated());
-    }
-    for id in live.drain(..) {
-        a.free(id);
-    }
-    a.release_free_segments();
-    a.check_invariants();
-    assert_eq!((a.allocated(), a.reserved()), (0, 0));
+    });
 }
 
 #[test]
