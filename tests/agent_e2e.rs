@@ -452,10 +452,7 @@ fn streams_that_never_say_hello_are_ended_and_do_not_lock_ranks_out() {
         }
     });
     agent.wait_metrics("silent streams counted", Duration::from_secs(5), |m| {
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "hello_timeout")],
-        ) == Some(8.0)
+        m.rejected("hello_timeout") == Some(8.0)
     });
     assert_eq!(agent.get("/api/v1/jobs/polite").0, 200);
 }
@@ -517,10 +514,9 @@ fn undecodable_oversized_and_empty_floods_are_refused_and_counted() {
         );
     });
     agent.wait_metrics("every refusal counted", Duration::from_secs(5), |m| {
-        let reason = |r| m.get("stepwatch_markers_rejected_total", &[("reason", r)]);
-        reason("decode_error") == Some(1.0)
-            && reason("message_too_large") == Some(1.0)
-            && reason("rate_limited") == Some(1.0)
+        m.rejected("decode_error") == Some(1.0)
+            && m.rejected("message_too_large") == Some(1.0)
+            && m.rejected("rate_limited") == Some(1.0)
     });
 }
 
@@ -1145,10 +1141,7 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
             Some("never")
         );
         agent.wait_metrics("the refused batch counted", Duration::from_secs(5), |m| {
-            m.get(
-                "stepwatch_markers_rejected_total",
-                &[("reason", "run_ended")],
-            ) == Some(n as f64)
+            m.rejected("run_ended") == Some(n as f64)
         });
     });
     let (rank, body) = report();

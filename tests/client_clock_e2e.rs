@@ -39,10 +39,7 @@ fn one_batch_an_hour_ahead_is_refused_alone_and_the_next_steps_are_taken() {
     let job = [("training_job", "jumpy")];
     agent.wait_metrics("steps 1, 3 and 4 taken", Duration::from_secs(10), |m| {
         m.get("stepwatch_rank_steps_completed_total", &job) == Some(3.0)
-            && m.get(
-                "stepwatch_markers_rejected_total",
-                &[("reason", "clock_jumped")],
-            ) == Some(6.0)
+            && m.rejected("clock_jumped") == Some(6.0)
             && m.get(
                 "stepwatch_advisories_sent_total",
                 &[("kind", "ADVISORY_KIND_CLIENT_CLOCK")],
@@ -70,11 +67,5 @@ fn a_client_clock_far_behind_the_agents_is_told_once() {
     assert_eq!(told.len(), 1, "{told:?}");
     assert!(told[0].message.contains("behind the agent's"), "{told:?}");
     let m = Metrics(agent.metrics());
-    assert_eq!(
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "behind")]
-        ),
-        Some(2.0)
-    );
+    assert_eq!(m.steps_completed("behind"), Some(2.0));
 }

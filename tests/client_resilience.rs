@@ -46,10 +46,7 @@ fn markers_survive_an_absent_then_restarted_agent() {
     // The agent appears: the buffered steps arrive.
     let mut agent = Agent::start_full("client-late", 1, Some(socket.clone()), &[], |_| {});
     agent.wait_metrics("buffered steps delivered", Duration::from_secs(15), |m| {
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "resilient")],
-        ) == Some(10.0)
+        m.steps_completed("resilient") == Some(10.0)
     });
     assert!(client.flush(Duration::from_secs(5)));
 
@@ -64,10 +61,7 @@ fn markers_survive_an_absent_then_restarted_agent() {
         mark_step(&client, s);
     }
     agent.wait_metrics("steps after the restart", Duration::from_secs(15), |m| {
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "resilient")],
-        ) == Some(4.0)
+        m.steps_completed("resilient") == Some(4.0)
     });
     let stats = client.close(Duration::from_secs(5));
     assert_eq!(stats.sent, stats.enqueued, "{stats:?}");
@@ -127,9 +121,8 @@ fn a_client_whose_run_another_client_in_the_process_replaced_stops_for_good() {
     );
     assert_eq!(stats.dropped, 1, "{stats:?}");
     let m = Metrics(agent.metrics());
-    let rejected = |reason| m.get("stepwatch_markers_rejected_total", &[("reason", reason)]);
-    assert_eq!(rejected("run_ended"), Some(1.0));
-    assert_eq!(rejected("rank_held"), Some(0.0));
+    assert_eq!(m.rejected("run_ended"), Some(1.0));
+    assert_eq!(m.rejected("rank_held"), Some(0.0));
     let stats = second.close(Duration::from_secs(5));
     assert!(!stats.stopped && stats.rejected_streams == 0, "{stats:?}");
 }

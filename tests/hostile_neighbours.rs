@@ -253,10 +253,7 @@ fn one_process_cannot_take_every_stream() {
         (refused, (held, kept))
     });
     agent.wait_metrics("the surplus refused", Duration::from_secs(10), |m| {
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "process_stream_limit")],
-        ) == Some(512.0 - 64.0)
+        m.rejected("process_stream_limit") == Some(512.0 - 64.0)
             && m.get("stepwatch_ingest_streams_active", &[]) == Some(64.0)
     });
     assert!(refused > 0);
@@ -264,10 +261,7 @@ fn one_process_cannot_take_every_stream() {
     let rank = agent.sim("demo-small", "polite", 0, 0, 3, 50.0);
     wait_ok(rank, "the polite rank");
     agent.wait_metrics("the polite rank's steps", Duration::from_secs(10), |m| {
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "polite")],
-        ) == Some(3.0)
+        m.steps_completed("polite") == Some(3.0)
     });
     drop(held);
 }
@@ -292,11 +286,7 @@ fn a_rank_stays_its_process_s_while_it_reconnects() {
     // Another process asks for the rank meanwhile: refused.
     let other = agent.sim("demo-small", "victim", 0, 0, 2, 50.0);
     agent.wait_metrics("the other process refused", Duration::from_secs(30), |m| {
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "rank_held")],
-        )
-        .is_some_and(|n| n >= 1.0)
+        m.rejected("rank_held").is_some_and(|n| n >= 1.0)
     });
     let mut other = other;
     let _ = other.kill();
@@ -310,10 +300,7 @@ fn a_rank_stays_its_process_s_while_it_reconnects() {
     ))
     .expect("the process resumes its rank");
     agent.wait_metrics("five steps", Duration::from_secs(10), |m| {
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "victim")],
-        ) == Some(5.0)
+        m.steps_completed("victim") == Some(5.0)
     });
 }
 
@@ -364,10 +351,7 @@ fn over_tcp_a_claimed_pid_does_not_join_a_live_rank() {
         while inbound.message().await.expect("ends cleanly").is_some() {}
     });
     agent.wait_metrics("the victim's four steps", Duration::from_secs(10), |m| {
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "live")],
-        ) == Some(4.0)
+        m.steps_completed("live") == Some(4.0)
     });
 }
 
@@ -396,13 +380,7 @@ fn a_restarted_worker_takes_the_rank_of_its_dead_predecessor_at_once() {
     let report = rank_report(&agent, "restarted", 0).unwrap();
     assert_eq!(report["info"]["pid"], second_pid, "{report}");
     let m = Metrics(agent.metrics());
-    assert_eq!(
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "rank_held")]
-        ),
-        Some(0.0)
-    );
+    assert_eq!(m.rejected("rank_held"), Some(0.0));
     first.wait().unwrap();
 }
 

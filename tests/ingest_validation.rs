@@ -109,10 +109,7 @@ fn malformed_and_out_of_range_input_is_refused_and_counted() {
 
     let m = agent.metrics();
     let m = Metrics(m);
-    let rejected = |reason| {
-        m.get("stepwatch_markers_rejected_total", &[("reason", reason)])
-            .unwrap_or(0.0)
-    };
+    let rejected = |reason| m.rejected(reason).unwrap_or(0.0);
     assert_eq!(rejected("rank_out_of_range"), 1.0);
     assert_eq!(rejected("bad_identity"), 1.0);
     assert_eq!(rejected("no_hello"), 1.0);
@@ -174,14 +171,7 @@ fn a_marker_flood_on_one_stream_is_refused_with_resource_exhausted() {
         );
     });
     let m = Metrics(agent.metrics());
-    assert!(
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "rate_limited")]
-        )
-        .unwrap()
-            > 0.0
-    );
+    assert!(m.rejected("rate_limited").unwrap() > 0.0);
     let accepted = m.get("stepwatch_markers_received_total", &[]).unwrap();
     // The burst (100 markers) admits 16 batches of 6, 17 if the bucket
     // refilled a little meanwhile; the rest was refused.
@@ -325,10 +315,7 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
         );
     });
     let m = Metrics(agent.metrics());
-    let rejected = |reason| {
-        m.get("stepwatch_markers_rejected_total", &[("reason", reason)])
-            .unwrap_or(0.0)
-    };
+    let rejected = |reason| m.rejected(reason).unwrap_or(0.0);
     assert_eq!(rejected("allocator_trace_not_step_one"), 1.0);
     assert_eq!(rejected("allocator_trace_bad_event"), 2.0);
     assert_eq!(rejected("allocator_trace_invalid"), 1.0);
@@ -449,14 +436,8 @@ fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
     rt.block_on(exchange(&ep, messages))
         .expect("a trace over the budget is dropped, not the stream");
     agent.wait_metrics("the budget refusal", Duration::from_secs(5), |m| {
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "allocator_trace_over_budget")],
-        ) == Some(1.0)
-            && m.get(
-                "stepwatch_rank_steps_completed_total",
-                &[("training_job", "hoarder")],
-            ) == Some(1.0)
+        m.rejected("allocator_trace_over_budget") == Some(1.0)
+            && m.steps_completed("hoarder") == Some(1.0)
     });
 
     // A trace begun and never finished is dropped after the timeout while
@@ -522,12 +503,7 @@ fn a_silent_stream_gives_its_unfinished_trace_back_on_the_agents_clock() {
     agent.wait_metrics(
         "the timeout, with no message",
         Duration::from_secs(20),
-        |m| {
-            m.get(
-                "stepwatch_markers_rejected_total",
-                &[("reason", "allocator_trace_timeout")],
-            ) == Some(1.0)
-        },
+        |m| m.rejected("allocator_trace_timeout") == Some(1.0),
     );
     // The budget is free again: another rank's trace of the same size fits.
     let mut messages = vec![hello("polite", 0, 1), batch(step1.clone())];
@@ -535,13 +511,7 @@ fn a_silent_stream_gives_its_unfinished_trace_back_on_the_agents_clock() {
     rt.block_on(exchange(&ep, messages))
         .expect("the stream goes on");
     let m = Metrics(agent.metrics());
-    assert_eq!(
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "allocator_trace_over_budget")],
-        ),
-        Some(0.0)
-    );
+    assert_eq!(m.rejected("allocator_trace_over_budget"), Some(0.0));
 }
 
 #[test]
@@ -655,13 +625,7 @@ fn facts_sent_after_the_hello_replay_step_1_again_and_bad_ones_are_refused() {
         );
     });
     let m = Metrics(agent.metrics());
-    assert_eq!(
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "invalid_model_update")]
-        ),
-        Some(1.0)
-    );
+    assert_eq!(m.rejected("invalid_model_update"), Some(1.0));
     assert_eq!(replay("bad")["grads_persistent"], false);
 }
 
@@ -790,13 +754,7 @@ fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_afte
         );
     });
     let m = Metrics(agent.metrics());
-    assert_eq!(
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "invalid_model_update")]
-        ),
-        Some(1.0)
-    );
+    assert_eq!(m.rejected("invalid_model_update"), Some(1.0));
 
     // The record holds each replay's plan: the rebuild next to the trace.
     assert!(agent.terminate().success());
@@ -829,11 +787,7 @@ fn every_refusal_reason_and_known_result_exists_at_zero_from_the_start() {
     let agent = Agent::start("zero-reasons", 1);
     let m = Metrics(agent.metrics());
     for reason in stepwatch_agent::REJECT_REASONS {
-        assert_eq!(
-            m.get("stepwatch_markers_rejected_total", &[("reason", reason)]),
-            Some(0.0),
-            "{reason}"
-        );
+        assert_eq!(m.rejected(reason), Some(0.0), "{reason}");
     }
     assert_eq!(
         m.count("stepwatch_markers_rejected_total"),
@@ -932,13 +886,7 @@ fn a_trace_of_a_run_the_process_left_is_refused_and_counted_as_a_rejected_trace(
         ),
         Some(0.0)
     );
-    assert_eq!(
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "run_ended")]
-        ),
-        Some(1.0)
-    );
+    assert_eq!(m.rejected("run_ended"), Some(1.0));
     assert_eq!(steps_of().0.as_deref(), Some("fit-2"), "fit-2's rank still");
 }
 
@@ -988,13 +936,7 @@ fn an_oom_report_makes_the_post_mortem_and_a_bad_one_is_counted_not_fatal() {
         .expect("the stream goes on");
     });
     let m = Metrics(agent.metrics());
-    assert_eq!(
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "invalid_oom_report")]
-        ),
-        Some(2.0)
-    );
+    assert_eq!(m.rejected("invalid_oom_report"), Some(2.0));
     let (code, body) = agent.get("/api/v1/jobs/died/ranks/0");
     assert_eq!(code, 200, "{body}");
     let r: serde_json::Value = serde_json::from_str(&body).unwrap();

@@ -20,10 +20,7 @@ fn step_history_survives_an_agent_restart() {
     let mut first = Agent::start_with("journal-1", 1, &args, |_| {});
     wait_ok(first.sim("rank0-skew", "kept", 1, 0, 3, 4.0), "sim");
     first.wait_metrics("3 steps", Duration::from_secs(10), |m| {
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "kept")],
-        ) == Some(3.0)
+        m.steps_completed("kept") == Some(3.0)
     });
     let (_, before) = first.get("/api/v1/jobs/kept/ranks/1");
     assert!(first.terminate().success());
@@ -43,13 +40,7 @@ fn step_history_survives_an_agent_restart() {
         m.get("stepwatch_journal_restored_ranks_total", &[]),
         Some(1.0)
     );
-    assert_eq!(
-        m.get(
-            "stepwatch_rank_steps_completed_total",
-            &[("training_job", "kept")]
-        ),
-        Some(3.0)
-    );
+    assert_eq!(m.steps_completed("kept"), Some(3.0));
     assert_eq!(
         m.get("stepwatch_rank_connected", &[("training_job", "kept")]),
         Some(0.0)

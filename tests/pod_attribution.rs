@@ -146,6 +146,22 @@ impl Node {
 
     /// [`Node::place`], and the mounts of container `container`, with the
     /// termination-log bind mount the kubelet makes for each container.
+    /// A client of `claim` in pod `uid` (cgroup `layout`), connected.
+    fn client(&self, claim: &Claim, uid: &str, layout: &str) -> Client {
+        let mut client = Client::spawn(&self.agent, claim);
+        self.place(client.pid(), uid, layout);
+        client.go();
+        client
+    }
+
+    /// [`Node::client`] in the pod's `container`.
+    fn client_in(&self, claim: &Claim, uid: &str, layout: &str, container: &str) -> Client {
+        let mut client = Client::spawn(&self.agent, claim);
+        self.place_in(client.pid(), uid, layout, container);
+        client.go();
+        client
+    }
+
     fn place_in(&self, pid: u32, uid: &str, layout: &str, container: &str) {
         self.place(pid, uid, layout);
         let mountinfo = format!(
@@ -387,9 +403,7 @@ fn the_kubelets_pod_and_namespace_label_the_rank_for_every_runtime_and_cgroup_la
         claim.pod = "somebody-else";
         claim.job = ["llm-0", "llm-1", "llm-2", "llm-3", "llm-4"][i];
         claim.world = 1;
-        let mut client = Client::spawn(&node.agent, &claim);
-        node.place(client.pid(), UID_A, layout);
-        client.go();
+        let client = node.client(&claim, UID_A, layout);
         // Connected shows at the hello; the client's two steps follow it.
         let m = node.agent.wait_metrics(layout, WAIT, |m| {
             connected(m, "team-a", claim.job, "0")
@@ -475,9 +489,7 @@ fn unprivileged_a_client_that_names_no_namespace_gets_its_pods_from_the_node() {
     node.add_pod("team-a", "trainer-0", UID_A, &[("trainer", &[gpu(0)])]);
     let mut claim = Claim::new("hardened", 0, gpu(1));
     claim.world = 1;
-    let mut client = Client::spawn(&node.agent, &claim);
-    node.place_in(client.pid(), UID_A, "v2-systemd-containerd", "trainer");
-    client.go();
+    let client = node.client_in(&claim, UID_A, "v2-systemd-containerd", "trainer");
     let m = node
         .agent
         .wait_metrics("the rank in its pod's namespace", WAIT, |m| {
@@ -513,9 +525,7 @@ fn unprivileged_a_client_that_names_no_namespace_gets_its_pods_from_the_node() {
     let mut claim = Claim::new("hostjob", 0, gpu(0));
     claim.namespace = "claimed";
     claim.world = 1;
-    let mut client = Client::spawn(&node.agent, &claim);
-    node.place(client.pid(), UID_A, "not-kubernetes");
-    client.go();
+    let client = node.client(&claim, UID_A, "not-kubernetes");
     node.agent
         .wait_metrics("the host process's rank", WAIT, |m| {
             connected(m, "claimed", "hostjob", "0")
@@ -533,9 +543,7 @@ fn a_process_outside_any_pod_keeps_its_claim_unattested() {
     let mut claim = Claim::new("hostjob", 0, gpu(0));
     claim.namespace = "claimed";
     claim.world = 1;
-    let mut client = Client::spawn(&node.agent, &claim);
-    node.place(client.pid(), UID_A, "not-kubernetes");
-    client.go();
+    let client = node.client(&claim, UID_A, "not-kubernetes");
     // A scrape gathers the agent's counters before it copies the ranks, so
     // it can show the rank connected and the attestation (counted just
     // before the rank opened) not yet: wait for both.
@@ -565,18 +573,10 @@ fn a_spoofed_gpu_uuid_is_refused() {
     let node = Node::start("podattr-gpu");
     node.add_pod("team-a", "trainer-0", UID_A, &[("trainer", &[gpu(0)])]);
     // GPU 1 belongs to no container of this pod.
-    let mut client = Client::spawn(&node.agent, &Claim::new("j", 0, gpu(1)));
-    node.place(client.pid(), UID_A, "v2-systemd-containerd");
-    client.go();
+    let mut client = node.client(&Claim::new("j", 0, gpu(1)), UID_A, "v2-systemd-containerd");
     assert_eq!(client.result(), "PermissionDenied");
     let m = Metrics(node.agent.metrics());
-    assert_eq!(
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "gpu_not_allocated")]
-        ),
-        Some(1.0)
-    );
+    assert_eq!(m.rejected("gpu_not_allocated"), Some(1.0));
     assert_eq!(m.count("stepwatch_rank_info"), 0, "{}", m.0);
     let _ = client.finish();
 }
@@ -590,15 +590,21 @@ fn a_gpu_of_a_sibling_container_is_refused_once_the_container_is_known() {
         UID_A,
         &[("trainer", &[gpu(0)]), ("helper", &[gpu(1)])],
     );
-    let mut client = Client::spawn(&node.agent, &Claim::new("j", 0, gpu(1)));
-    node.place_in(client.pid(), UID_A, "v2-systemd-containerd", "trainer");
-    client.go();
+    let mut client = node.client_in(
+        &Claim::new("j", 0, gpu(1)),
+        UID_A,
+        "v2-systemd-containerd",
+        "trainer",
+    );
     assert_eq!(client.result(), "PermissionDenied");
     let _ = client.finish();
     // Its own GPU is fine, and the container is named from its mounts.
-    let mut client = Client::spawn(&node.agent, &Claim::new("j", 0, gpu(0)));
-    node.place_in(client.pid(), UID_A, "v2-systemd-containerd", "trainer");
-    client.go();
+    let client = node.client_in(
+        &Claim::new("j", 0, gpu(0)),
+        UID_A,
+        "v2-systemd-containerd",
+        "trainer",
+    );
     let m = node.agent.wait_metrics("the trainer's rank", WAIT, |m| {
         connected(m, "team-a", "j", "0")
     });
@@ -618,9 +624,7 @@ fn a_second_process_claiming_a_live_rank_is_refused_and_the_first_keeps_its_hist
     node.add_pod("team-a", "trainer-0", UID_A, &[("trainer", &[gpu(0)])]);
     node.add_pod("team-a", "intruder", UID_B, &[("x", &[gpu(1)])]);
     let first = Claim::new("j", 0, gpu(0));
-    let mut a = Client::spawn(&node.agent, &first);
-    node.place(a.pid(), UID_A, "v2-systemd-containerd");
-    a.go();
+    let a = node.client(&first, UID_A, "v2-systemd-containerd");
     node.agent.wait_metrics("rank 0's two steps", WAIT, |m| {
         m.get(
             "stepwatch_rank_steps_completed_total",
@@ -660,13 +664,7 @@ fn a_second_process_claiming_a_live_rank_is_refused_and_the_first_keeps_its_hist
     assert_eq!(rank["steps_completed"], 2);
     assert_eq!(rank["connected"], true);
     let m = Metrics(node.agent.metrics());
-    assert_eq!(
-        m.get(
-            "stepwatch_markers_rejected_total",
-            &[("reason", "rank_held")]
-        ),
-        Some(2.0)
-    );
+    assert_eq!(m.rejected("rank_held"), Some(2.0));
     assert_eq!(a.finish(), "Ok");
 }
 
@@ -717,9 +715,11 @@ fn a_resubmitted_job_does_not_double_its_ranks() {
     node.add_pod("team-a", "run-1", UID_A, &[("trainer", &[gpu(0), gpu(1)])]);
     // Run 1: two ranks, finished.
     for rank in 0..2 {
-        let mut r = Client::spawn(&node.agent, &Claim::new("nightly", rank, gpu(rank)));
-        node.place(r.pid(), UID_A, "v2-systemd-containerd");
-        r.go();
+        let r = node.client(
+            &Claim::new("nightly", rank, gpu(rank)),
+            UID_A,
+            "v2-systemd-containerd",
+        );
         node.agent.wait_metrics("run 1's rank", WAIT, |m| {
             m.get(
                 "stepwatch_rank_steps_completed_total",
@@ -732,9 +732,7 @@ fn a_resubmitted_job_does_not_double_its_ranks() {
     node.add_pod("team-a", "run-2", UID_B, &[("trainer", &[gpu(0)])]);
     let mut again = Claim::new("nightly", 0, gpu(0));
     again.world = 1;
-    let mut r = Client::spawn(&node.agent, &again);
-    node.place(r.pid(), UID_B, "v2-systemd-containerd");
-    r.go();
+    let r = node.client(&again, UID_B, "v2-systemd-containerd");
     let m = node.agent.wait_metrics("run 2's rank", WAIT, |m| {
         connected(m, "team-a", "nightly", "0")
     });

@@ -93,7 +93,7 @@ impl TlsAgent {
         one_step(&client);
         self.agent
             .wait_metrics(&format!("{job}'s step"), Duration::from_secs(15), |m| {
-                steps_of(m, job) == Some(1.0)
+                m.steps_completed(job) == Some(1.0)
             });
         client.close(Duration::from_secs(2));
     }
@@ -108,15 +108,8 @@ impl TlsAgent {
         });
         assert!(!client.connected());
         assert_eq!(client.stats().sent, 0);
-        assert_eq!(steps_of(&Metrics(self.agent.metrics()), job), None);
+        assert_eq!(Metrics(self.agent.metrics()).steps_completed(job), None);
     }
-}
-
-fn steps_of(m: &Metrics, job: &str) -> Option<f64> {
-    m.get(
-        "stepwatch_rank_steps_completed_total",
-        &[("training_job", job)],
-    )
 }
 
 #[test]

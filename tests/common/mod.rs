@@ -460,6 +460,19 @@ impl Metrics {
         stepwatch::http_get::metric_value(&self.0, name, labels)
     }
 
+    /// Markers and streams refused for `reason`.
+    pub fn rejected(&self, reason: &str) -> Option<f64> {
+        self.get("stepwatch_markers_rejected_total", &[("reason", reason)])
+    }
+
+    /// Steps completed by the ranks of `job` (the first rank's series).
+    pub fn steps_completed(&self, job: &str) -> Option<f64> {
+        self.get(
+            "stepwatch_rank_steps_completed_total",
+            &[("training_job", job)],
+        )
+    }
+
     pub fn count(&self, name: &str) -> usize {
         self.0
             .lines()
