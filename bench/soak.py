@@ -36,6 +36,7 @@ writes it to --out). Run it through bench/soak.sh.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -48,7 +49,7 @@ import urllib.error
 import urllib.request
 from http.client import HTTPConnection
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import grpc
 from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
@@ -112,57 +113,38 @@ def memory_load(sock: str, stop: Stop, rank: int, counts: Dict[str, int]) -> Non
                         ms = step_markers(step, 510, t)
                         for i in range(0, len(ms), 1024):
                             yield pb.ClientMessage(markers=pb.MarkerBatch(markers=ms[i : i + 1024]))
-                        counts["memory_steps"] = counts.get("memory_steps", 0) + 1
+                        count(counts, "memory_steps")
                         step += 1
 
                 for _ in stub.Stream(messages()):
                     pass
         except grpc.RpcError as e:
-            counts[f"memory_ended_{e.code().name}"] = (
-                counts.get(f"memory_ended_{e.code().name}", 0) + 1
-            )
+            count(counts, f"memory_ended_{e.code().name}")
             time.sleep(0.05)
+
+
+def count(counts: Dict[str, int], key: str) -> None:
+    """One more ``key`` in ``counts``."""
+    counts[key] = counts.get(key, 0) + 1
+
+
+def start_threads(targets: List[Callable[[], None]]) -> List[threading.Thread]:
+    """A started daemon thread for each target."""
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]
+    for th in threads:
+        th.start()
+    return threads
 
 
 def silent_streams(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None:
     """Streams that never send a message, reopened when the agent ends them;
     32 to a connection, below the agent's per-connection cap."""
-    threads = []
-    for first in range(0, n, 32):
-        th = threading.Thread(
-            target=_silent_connection, args=(sock, stop, counts, min(32, n - first)), daemon=True
-        )
-        th.start()
-        threads.append(th)
-    for th in threads:
+    connections = [
+        functools.partial(_waiting_streams, sock, stop, counts, min(32, n - first), "silent")
+        for first in range(0, n, 32)
+    ]
+    for th in start_threads(connections):
         th.join()
-
-
-def _silent_connection(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None:
-    with channel(sock) as ch:
-        stub = pb_grpc.IngestStub(ch)
-        gate = threading.Event()
-
-        def nothing() -> Iterator[pb.ClientMessage]:
-            gate.wait()
-            return
-            yield  # pragma: no cover
-
-        def one() -> None:
-            while not stop.done():
-                try:
-                    for _ in stub.Stream(nothing(), timeout=60):
-                        pass
-                except grpc.RpcError as e:
-                    key = f"silent_ended_{e.code().name}"
-                    counts[key] = counts.get(key, 0) + 1
-
-        threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
-        for th in threads:
-            th.start()
-        while not stop.done():
-            time.sleep(0.2)
-        gate.set()
 
 
 def short_jobs(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
@@ -182,10 +164,9 @@ def short_jobs(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
             try:
                 for _ in stub.Stream(iter(msgs), timeout=10):
                     pass
-                counts["short_jobs_served"] = counts.get("short_jobs_served", 0) + 1
+                count(counts, "short_jobs_served")
             except grpc.RpcError as e:
-                key = f"short_jobs_{e.code().name}"
-                counts[key] = counts.get(key, 0) + 1
+                count(counts, f"short_jobs_{e.code().name}")
             time.sleep(0.005)
 
 
@@ -203,10 +184,10 @@ def connection_flood(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> N
                 pass
             except OSError:
                 s.close()
-                counts["flood_connect_failed"] = counts.get("flood_connect_failed", 0) + 1
+                count(counts, "flood_connect_failed")
                 break
             held.append(s)
-            counts["flood_opened"] = counts.get("flood_opened", 0) + 1
+            count(counts, "flood_opened")
         time.sleep(0.5)
     for s in held:
         s.close()
@@ -264,10 +245,9 @@ def traces(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
             with channel(sock) as ch:
                 for _ in pb_grpc.IngestStub(ch).Stream(messages(), timeout=90):
                     pass
-            counts["traces_sent"] = counts.get("traces_sent", 0) + 1
+            count(counts, "traces_sent")
         except grpc.RpcError as e:
-            key = f"traces_{e.code().name}"
-            counts[key] = counts.get(key, 0) + 1
+            count(counts, f"traces_{e.code().name}")
         time.sleep(0.2)
 
 
@@ -280,10 +260,10 @@ def idle_channels(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None
             ch = channel(sock)
             try:
                 grpc.channel_ready_future(ch).result(timeout=2)
-                counts["idle_channels_opened"] = counts.get("idle_channels_opened", 0) + 1
+                count(counts, "idle_channels_opened")
                 chans.append(ch)
             except grpc.FutureTimeoutError:
-                counts["idle_channels_refused"] = counts.get("idle_channels_refused", 0) + 1
+                count(counts, "idle_channels_refused")
                 ch.close()
                 break
         # Channels the agent closed reconnect by themselves when used; drop
@@ -308,36 +288,47 @@ def one_rank_many_streams(sock: str, stop: Stop, counts: Dict[str, int], n: int)
 
     def conn() -> None:
         while not stop.done():
-            _greedy_connection(sock, stop, counts, per)
+            _waiting_streams(
+                sock, stop, counts, per, "greedy", hello("soak-greedy", 777), 30, reopen=False
+            )
 
-    threads = [threading.Thread(target=conn, daemon=True) for _ in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
+    for th in start_threads([conn] * 8):
         th.join()
 
 
-def _greedy_connection(sock: str, stop: Stop, counts: Dict[str, int], per: int) -> None:
-    """One connection's share of the greedy streams, until they end."""
+def _waiting_streams(
+    sock: str,
+    stop: Stop,
+    counts: Dict[str, int],
+    n: int,
+    label: str,
+    first: Optional[pb.ClientMessage] = None,
+    timeout: float = 60,
+    reopen: bool = True,
+) -> None:
+    """``n`` streams on one connection that send ``first`` (if any), then nothing until
+    the agent ends them: reopened until the soak ends (``reopen``), else opened once.
+    Each end is counted as ``<label>_ended_<gRPC code>``."""
     with channel(sock) as ch:
         stub = pb_grpc.IngestStub(ch)
         gate = threading.Event()
 
-        def said_hello() -> Iterator[pb.ClientMessage]:
-            yield hello("soak-greedy", 777)
+        def messages() -> Iterator[pb.ClientMessage]:
+            if first is not None:
+                yield first
             gate.wait()
 
         def one() -> None:
-            try:
-                for _ in stub.Stream(said_hello(), timeout=30):
-                    pass
-            except grpc.RpcError as e:
-                key = f"greedy_ended_{e.code().name}"
-                counts[key] = counts.get(key, 0) + 1
+            while not stop.done():
+                try:
+                    for _ in stub.Stream(messages(), timeout=timeout):
+                        pass
+                except grpc.RpcError as e:
+                    count(counts, f"{label}_ended_{e.code().name}")
+                if not reopen:
+                    return
 
-        threads = [threading.Thread(target=one, daemon=True) for _ in range(per)]
-        for th in threads:
-            th.start()
+        threads = start_threads([one] * n)
         while not stop.done() and any(th.is_alive() for th in threads):
             time.sleep(0.2)
         gate.set()
@@ -357,10 +348,10 @@ def http_held(port: int, stop: Stop, counts: Dict[str, int], n: int) -> None:
                 s.connect(("127.0.0.1", port))
                 s.setblocking(False)
                 held.append(s)
-                counts["http_held_opened"] = counts.get("http_held_opened", 0) + 1
+                count(counts, "http_held_opened")
             except OSError:
                 s.close()
-                counts["http_held_failed"] = counts.get("http_held_failed", 0) + 1
+                count(counts, "http_held_failed")
                 break
         if time.monotonic() - last_byte > 60:
             last_byte = time.monotonic()
@@ -384,15 +375,13 @@ def report_readers(port: int, stop: Stop, counts: Dict[str, int], n: int) -> Non
             try:
                 path = f"/api/v1/jobs/soak-mem-0/ranks/0?steps={steps}"
                 body = http(port, path, timeout=30, source=REPORTS_ADDR)
-                counts["reports_read"] = counts.get("reports_read", 0) + 1
+                count(counts, "reports_read")
                 counts["report_bytes_max"] = max(counts.get("report_bytes_max", 0), len(body))
             except urllib.error.HTTPError as e:
-                key = f"reports_http_{e.code}"
-                counts[key] = counts.get(key, 0) + 1
+                count(counts, f"reports_http_{e.code}")
                 time.sleep(0.2)
             except Exception as e:
-                key = f"reports_failed_{type(e).__name__}"
-                counts[key] = counts.get(key, 0) + 1
+                count(counts, f"reports_failed_{type(e).__name__}")
                 time.sleep(0.2)
 
     threads = [
@@ -421,7 +410,7 @@ def clock_jumper(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
                             # The batch's last marker: the next batch would be
                             # "older" than it.
                             ms[-1].monotonic_ns += 3600 * 10**9
-                            counts["clock_jumps_sent"] = counts.get("clock_jumps_sent", 0) + 1
+                            count(counts, "clock_jumps_sent")
                         yield pb.ClientMessage(markers=pb.MarkerBatch(markers=ms))
                         step += 1
                         time.sleep(0.1)
@@ -429,8 +418,7 @@ def clock_jumper(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
                 for _ in pb_grpc.IngestStub(ch).Stream(messages()):
                     pass
         except grpc.RpcError as e:
-            key = f"clock_ended_{e.code().name}"
-            counts[key] = counts.get(key, 0) + 1
+            count(counts, f"clock_ended_{e.code().name}")
             time.sleep(0.2)
 
 
@@ -828,7 +816,7 @@ def main() -> int:
             try:
                 counts.update(counts_out.get(timeout=max(0.1, until - time.monotonic())))
             except Exception:
-                counts["attacks_without_counts"] = counts.get("attacks_without_counts", 0) + 1
+                count(counts, "attacks_without_counts")
         polite.join(timeout=10)
         while not events.empty():
             polite_events.append(events.get())
