@@ -55,6 +55,16 @@ fn kinds(advisories: &[Advisory]) -> Vec<AdvisoryKind> {
     advisories.iter().map(|a| a.kind).collect()
 }
 
+/// Retries grown in `step`: `retries` more, `total` since the process
+/// started.
+fn grew(step: u64, retries: u64, total: u64) -> Option<RetryGrowth> {
+    Some(RetryGrowth {
+        step,
+        retries,
+        total,
+    })
+}
+
 #[test]
 fn growth_is_counted_from_step_2_on_in_the_step_of_its_marker() {
     use MarkerKind::*;
@@ -69,31 +79,14 @@ fn growth_is_counted_from_step_2_on_in_the_step_of_its_marker() {
         marker(BackwardBegin, 2, 120, None),
         marker(OptimizerBegin, 2, 130, Some(6)),
     ];
-    assert_eq!(
-        retry_growth(Some(3), &batch),
-        (
-            Some(6),
-            Some(RetryGrowth {
-                step: 2,
-                retries: 3,
-                total: 6
-            })
-        )
-    );
+    assert_eq!(retry_growth(Some(3), &batch), (Some(6), grew(2, 3, 6)));
     // Step 1's end and step 2's begin in one batch: 0 → 1 between them is
     // step 2's (it happened after step 1 ended).
     let across = [
         marker(StepEnd, 1, 50, Some(0)),
         marker(StepBegin, 2, 60, Some(1)),
     ];
-    assert_eq!(
-        retry_growth(None, &across).1,
-        Some(RetryGrowth {
-            step: 2,
-            retries: 1,
-            total: 1
-        })
-    );
+    assert_eq!(retry_growth(None, &across).1, grew(2, 1, 1));
     // The first count seen (a late client) is a baseline, even at step 7.
     assert_eq!(
         retry_growth(None, &step(7, 0, [5, 5, 5, 5])),
@@ -102,11 +95,7 @@ fn growth_is_counted_from_step_2_on_in_the_step_of_its_marker() {
     // A reset of PyTorch's counters (5 → 0) starts afresh; 0 → 2 is growth.
     assert_eq!(
         retry_growth(Some(5), &step(3, 0, [0, 0, 2, 2])).1,
-        Some(RetryGrowth {
-            step: 3,
-            retries: 2,
-            total: 2
-        })
+        grew(3, 2, 2)
     );
     // An OOM marker's retry is the failed allocation's: the figure follows,
     // but it is not growth; growth before it in the step still is.
@@ -119,14 +108,7 @@ fn growth_is_counted_from_step_2_on_in_the_step_of_its_marker() {
         marker(ForwardBegin, 2, 0, Some(1)),
         marker(Oom, 2, 10, Some(2)),
     ];
-    assert_eq!(
-        retry_growth(Some(0), &warned).1,
-        Some(RetryGrowth {
-            step: 2,
-            retries: 1,
-            total: 2
-        })
-    );
+    assert_eq!(retry_growth(Some(0), &warned).1, grew(2, 1, 2));
     // Markers without allocator figures change nothing.
     let bare = [marker(StepBegin, 4, 0, None), marker(StepEnd, 4, 10, None)];
     assert_eq!(retry_growth(Some(2), &bare), (Some(2), None));
@@ -134,11 +116,7 @@ fn growth_is_counted_from_step_2_on_in_the_step_of_its_marker() {
 
 #[test]
 fn the_message_says_which_step_how_many_what_it_means_and_what_to_do() {
-    let growth = RetryGrowth {
-        step: 3,
-        retries: 2,
-        total: 5,
-    };
+    let growth = grew(3, 2, 5).unwrap();
     let a = retries_due(growth, None, 42, &[]).unwrap();
     assert_eq!(a.kind, AdvisoryKind::AllocatorRetries);
     assert_eq!((a.step, a.issued_monotonic_ns), (3, 42));
@@ -163,11 +141,7 @@ fn the_message_says_which_step_how_many_what_it_means_and_what_to_do() {
         assert!(m.contains(words), "{words:?} not in {m}");
     }
     // One retry is "1 time"; no prediction, none quoted.
-    let one = RetryGrowth {
-        step: 2,
-        retries: 1,
-        total: 1,
-    };
+    let one = grew(2, 1, 1).unwrap();
     let m = retries_due(one, None, 0, &[]).unwrap().message;
     assert!(m.contains("retry 1 time (1 since"), "{m}");
     assert!(!m.contains("predicted"), "{m}");

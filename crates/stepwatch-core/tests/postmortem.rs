@@ -118,17 +118,24 @@ fn a_leak_is_named_growth_with_its_rate() {
     }
 }
 
+/// The post-mortem of a rank flat for 30 steps that dies in step 31 with
+/// `allocated` and `reserved` M, its client reporting a request of
+/// `requested` M and `outside` M beyond the allocator.
+fn dies_after_30_flat(requested: u64, allocated: u64, reserved: u64, outside: u64) -> PostMortem {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = open(&mut t);
+    flat(&mut t, &key, 30);
+    die(&mut t, &key, 31, allocated, reserved);
+    let report = report(31, requested, allocated, reserved, outside);
+    t.record_oom_report(&key, report, 0).unwrap();
+    t.post_mortem(&key).unwrap()
+}
+
 /// Flat, then a request that 4000 M of free cache could hold in total but
 /// in no block: fragmentation, and expandable segments in what would fit.
 #[test]
 fn free_cache_in_no_block_large_enough_is_fragmentation() {
-    let mut t = Tracker::new(TrackerConfig::default());
-    let key = open(&mut t);
-    flat(&mut t, &key, 30);
-    die(&mut t, &key, 31, 5_000, 9_000);
-    t.record_oom_report(&key, report(31, 1_000, 5_000, 9_000, CONTEXT), 0)
-        .unwrap();
-    let pm = t.post_mortem(&key).unwrap();
+    let pm = dies_after_30_flat(1_000, 5_000, 9_000, CONTEXT);
     assert_eq!(pm.cause, OomCause::Fragmentation, "{}", pm.message);
     assert_eq!(pm.cached_free_bytes, Some(4_000 * M));
     assert_eq!(pm.largest_free_block_bytes, Some(500 * M));
@@ -139,13 +146,7 @@ fn free_cache_in_no_block_large_enough_is_fragmentation() {
 /// process, though the allocator also held some free cache.
 #[test]
 fn memory_outside_the_allocator_that_grew_is_another_process() {
-    let mut t = Tracker::new(TrackerConfig::default());
-    let key = open(&mut t);
-    flat(&mut t, &key, 30);
-    die(&mut t, &key, 31, 5_000, 5_500);
-    t.record_oom_report(&key, report(31, 1_000, 5_000, 5_500, 3_000), 0)
-        .unwrap();
-    let pm = t.post_mortem(&key).unwrap();
+    let pm = dies_after_30_flat(1_000, 5_000, 5_500, 3_000);
     assert_eq!(pm.cause, OomCause::OtherProcess, "{}", pm.message);
     assert_eq!(pm.outside_growth_bytes, Some((2_500 * M) as i64));
     assert!(pm.message.contains("another process"), "{}", pm.message);
@@ -155,18 +156,8 @@ fn memory_outside_the_allocator_that_grew_is_another_process() {
 /// free cache to speak of: a step of another shape.
 #[test]
 fn a_step_that_needs_more_than_the_steady_ones_is_a_larger_step() {
-    let mut t = Tracker::new(TrackerConfig::default());
-    let key = open(&mut t);
-    flat(&mut t, &key, 30);
     let allocated = 2_000 + 3_000 + 2_000;
-    die(&mut t, &key, 31, allocated, allocated + 100);
-    t.record_oom_report(
-        &key,
-        report(31, 2_500, allocated, allocated + 100, CONTEXT),
-        0,
-    )
-    .unwrap();
-    let pm = t.post_mortem(&key).unwrap();
+    let pm = dies_after_30_flat(2_500, allocated, allocated + 100, CONTEXT);
     assert_eq!(pm.cause, OomCause::LargerStep, "{}", pm.message);
     assert_eq!(pm.needed_allocated_bytes, Some((allocated + 2_500) * M));
     assert!(pm.message.contains("larger batch"), "{}", pm.message);
