@@ -61,6 +61,8 @@ fn the_agent_image_build_has_no_development_tools() {
         .find(|l| l.contains("cargo build"))
         .expect("deploy/Dockerfile runs cargo build");
     assert!(build.contains("--no-default-features"), "{build}");
+    // With every optional component of the agent, as the default build.
+    assert!(build.contains("--features components"), "{build}");
     assert!(
         dockerfile.contains("CARGO_PROFILE_RELEASE_STRIP=symbols"),
         "the image's binary is not stripped"

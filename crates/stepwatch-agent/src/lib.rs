@@ -5,8 +5,16 @@
 //! Unix socket (and optionally TCP), an HTTP server for `/metrics`, health
 //! and the JSON API, and a task that moves GPU samples into the step model.
 
+// The optional components (cargo features, all default): a build without
+// one has a stand-in that does nothing, and refuses the flags that ask for it
+// (`refuse_unbuilt_components`).
+#[cfg(feature = "alerts")]
+mod alerts;
+#[cfg(not(feature = "alerts"))]
+#[path = "alerts/off.rs"]
 mod alerts;
 pub mod config;
+#[cfg(feature = "csi")]
 mod csi;
 mod export;
 mod http;
@@ -35,7 +43,6 @@ use anyhow::Context;
 use stepwatch_core::{Tracker, TrackerConfig};
 use stepwatch_gpu::{SamplerConfig, SamplerHandle};
 use stepwatch_proto::clock::monotonic_ns;
-use stepwatch_proto::csi::v1::{identity_server::IdentityServer, node_server::NodeServer};
 use stepwatch_proto::v1::ingest_server::IngestServer;
 use stepwatch_proto::MAX_MESSAGE_BYTES;
 use tokio::net::{TcpListener, UnixListener};
@@ -71,6 +78,7 @@ pub async fn run_until(
     config: AgentConfig,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
+    refuse_unbuilt_components(&config)?;
     // First of all: a restarted agent waits here for the old one to exit,
     // so it reads the old one's last journal and the old one's exit cannot
     // unlink the new socket.
@@ -112,6 +120,51 @@ pub async fn run_until(
     drop(lock);
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Refuses to start when the flags ask for an optional component this build
+/// was compiled without (`alerts`, `csi`, `workload` cargo features): the
+/// flags stay in every build, so a missing component is a clear error at
+/// start, never a flag that silently does nothing.
+fn refuse_unbuilt_components(config: &AgentConfig) -> anyhow::Result<()> {
+    match unbuilt_components(config).as_slice() {
+        [] => Ok(()),
+        missing => anyhow::bail!("{}", missing.join("; ")),
+    }
+}
+
+/// One sentence per component the flags ask for and this build lacks.
+fn unbuilt_components(config: &AgentConfig) -> Vec<String> {
+    let mut missing = Vec::new();
+    if !cfg!(feature = "alerts") && !config.alertmanager_urls.is_empty() {
+        missing.push(
+            "--alertmanager-url is given, but this build has no Alertmanager support; \
+             rebuild with --features alerts"
+                .to_owned(),
+        );
+    }
+    if !cfg!(feature = "csi") && config.csi_socket.is_some() {
+        missing.push(
+            "--csi-socket is given, but this build has no CSI support; rebuild with --features csi"
+                .to_owned(),
+        );
+    }
+    // Attestation has no on/off flag: it is on wherever the kubelet's
+    // sources exist. A build without it would take tenants' pods as they
+    // claim them there, so it does not start.
+    if !cfg!(feature = "workload") {
+        let sources = [&config.pod_logs_dir, &config.pod_resources_socket];
+        if let Some(found) = sources.into_iter().find(|p| p.exists()) {
+            missing.push(format!(
+                "{} exists (a Kubernetes node), but this build has no workload attestation, \
+                 so clients' pods would be taken as they claim; rebuild with --features workload, \
+                 or point --pod-logs-dir and --pod-resources-socket at paths that do not exist \
+                 to run without attestation",
+                found.display()
+            ));
+        }
+    }
+    missing
 }
 
 /// Takes the socket's lock (`--lock-wait`), off the runtime: it may wait.
@@ -277,6 +330,7 @@ struct Components {
 }
 
 impl Components {
+    #[cfg_attr(not(feature = "alerts"), allow(unused_variables))]
     fn start(
         config: &AgentConfig,
         state: &Arc<state::AgentState>,
@@ -296,26 +350,42 @@ impl Components {
             state.gpu_holders.clone(),
         )?);
         let holders_task = spawn_holders_refresh(&workload, config.pod_resources_refresh, stop);
-        let alerter = alerts::Alerter::start(
-            alerts::AlertmanagerConfig {
-                urls: config.alertmanager_urls.clone(),
-                extra_labels: config.alertmanager_labels.clone(),
-                resend_interval: config.alertmanager_resend_interval,
-                runbook_base_url: config.alertmanager_runbook_base_url.clone(),
-                node: node.to_owned(),
-            },
-            &state.registry,
-            stop.clone(),
-        )?;
-        if !config.alertmanager_urls.is_empty() {
-            tracing::info!(urls = ?config.alertmanager_urls, "posting step-2 OOM, low-headroom and divergence alerts to Alertmanager");
-        }
+        #[cfg(feature = "alerts")]
+        let alerter = start_alerter(config, state, node, stop)?;
+        // No alert task in this build (`--alertmanager-url` was refused).
+        #[cfg(not(feature = "alerts"))]
+        let alerter = alerts::Alerter::disabled();
         Ok(Self {
             workload,
             holders_task,
             alerter,
         })
     }
+}
+
+/// The alert task when `--alertmanager-url` is given.
+#[cfg(feature = "alerts")]
+fn start_alerter(
+    config: &AgentConfig,
+    state: &state::AgentState,
+    node: &str,
+    stop: &watch::Receiver<bool>,
+) -> anyhow::Result<alerts::Alerter> {
+    let alerter = alerts::Alerter::start(
+        alerts::AlertmanagerConfig {
+            urls: config.alertmanager_urls.clone(),
+            extra_labels: config.alertmanager_labels.clone(),
+            resend_interval: config.alertmanager_resend_interval,
+            runbook_base_url: config.alertmanager_runbook_base_url.clone(),
+            node: node.to_owned(),
+        },
+        &state.registry,
+        stop.clone(),
+    )?;
+    if !config.alertmanager_urls.is_empty() {
+        tracing::info!(urls = ?config.alertmanager_urls, "posting step-2 OOM, low-headroom and divergence alerts to Alertmanager");
+    }
+    Ok(alerter)
 }
 
 /// Which pod holds which GPU, for the GPU series' pod labels: one List
@@ -356,6 +426,7 @@ struct IngestListeners {
 
 /// Binds the marker socket (and `--grpc-listen`, `--csi-socket`) and serves
 /// the ingest service on each.
+#[cfg_attr(not(feature = "csi"), allow(unused_variables))]
 async fn serve_ingest(
     config: &AgentConfig,
     state: &Arc<state::AgentState>,
@@ -399,6 +470,7 @@ async fn serve_ingest(
     // The shared socket's service; the CSI volumes' listeners share its
     // stream budget.
     let uds_service = ingest_service();
+    #[cfg(feature = "csi")]
     let csi = serve_csi(
         config,
         state,
@@ -408,6 +480,9 @@ async fn serve_ingest(
         &uds_service,
         stop,
     )?;
+    // No CSI plugin in this build (`--csi-socket` was refused at start).
+    #[cfg(not(feature = "csi"))]
+    let csi: Option<(GrpcTask, lifecycle::OwnedSocket)> = None;
     let mut tasks = vec![tokio::spawn(
         grpc_server(per_connection)
             .add_service(ingest_server(uds_service))
@@ -481,6 +556,7 @@ async fn serve_tcp_ingest(
 }
 
 /// The CSI node plugin on `--csi-socket`, if given: its task and its socket.
+#[cfg(feature = "csi")]
 fn serve_csi(
     config: &AgentConfig,
     state: &Arc<state::AgentState>,
@@ -511,6 +587,7 @@ fn serve_csi(
     let listener = bind_socket(path, 0o660)?;
     let socket = lifecycle::OwnedSocket::new(path);
     tracing::info!(socket = %path.display(), driver = %config.csi_driver_name, max_volumes = config.csi_max_volumes, "CSI node plugin on: pods get their own ingest socket through an ephemeral inline volume");
+    use stepwatch_proto::csi::v1::{identity_server::IdentityServer, node_server::NodeServer};
     let task = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(IdentityServer::new(plugin.clone()))
@@ -806,4 +883,65 @@ fn shutdown_signal() -> anyhow::Result<impl Future<Output = ()>> {
             _ = interrupt.recv() => {}
         }
     })
+}
+
+#[cfg(all(test, feature = "cli"))]
+mod tests {
+    use super::*;
+
+    fn config(args: &[&str]) -> AgentConfig {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            agent: AgentConfig,
+        }
+        let argv = std::iter::once("stepwatch").chain(args.iter().copied());
+        <Cli as clap::Parser>::try_parse_from(argv).unwrap().agent
+    }
+
+    /// A flag that asks for a component this build lacks names the cargo
+    /// feature to rebuild with; a build with every component accepts them.
+    #[test]
+    fn a_component_this_build_lacks_is_refused_with_its_feature() {
+        let kubelet = tempfile::tempdir().unwrap();
+        let asks_for_all = config(&[
+            "--alertmanager-url",
+            "http://127.0.0.1:9093",
+            "--csi-socket",
+            "/run/stepwatch-csi/csi.sock",
+            "--pod-logs-dir",
+            kubelet.path().to_str().unwrap(),
+            "--pod-resources-socket",
+            "/nonexistent/kubelet.sock",
+        ]);
+        let missing = unbuilt_components(&asks_for_all);
+        for (feature, flag) in [
+            ("alerts", "--alertmanager-url"),
+            ("csi", "--csi-socket"),
+            ("workload", kubelet.path().to_str().unwrap()),
+        ] {
+            let refused = missing
+                .iter()
+                .find(|m| m.contains(&format!("rebuild with --features {feature}")));
+            let built = match feature {
+                "alerts" => cfg!(feature = "alerts"),
+                "csi" => cfg!(feature = "csi"),
+                _ => cfg!(feature = "workload"),
+            };
+            assert_eq!(refused.is_none(), built, "{feature}: {missing:?}");
+            if let Some(m) = refused {
+                assert!(m.starts_with(flag), "{m}");
+            }
+        }
+        let err = refuse_unbuilt_components(&asks_for_all);
+        assert_eq!(err.is_ok(), missing.is_empty());
+        // Asking for none of them starts in any build.
+        let asks_for_none = config(&[
+            "--pod-logs-dir",
+            "/nonexistent/pods",
+            "--pod-resources-socket",
+            "/nonexistent/kubelet.sock",
+        ]);
+        assert!(unbuilt_components(&asks_for_none).is_empty());
+    }
 }

@@ -109,6 +109,7 @@ impl IngestService {
 
     /// The same service (sharing its stream budget) for the socket in one
     /// pod's CSI volume: the pod is taken from `volume`, not from the peer.
+    #[cfg_attr(not(feature = "csi"), allow(dead_code))]
     pub fn bound_to(&self, volume: VolumeBinding) -> Self {
         Self {
             volume: Some(volume),
