@@ -80,7 +80,8 @@ Definitions (per rank and run):
   step 2 (the client sends markers in batches from a background thread and
   the training loop runs ahead of the GPU, so step 1's end and step 2's begin
   often arrive in one batch). ``advisories`` lists every advisory with the
-  same ``at`` and lead.
+  same ``at`` and lead. ``step1_ms``: step 1's wall time, from its begin
+  marker to its end marker (``--kernel-time`` stretches it).
 - ``false_alarm``: such an advisory, and the run fit with a true headroom of
   5% or more.
 
@@ -871,6 +872,7 @@ class Harness:
             "low_headroom_warned": False,
             "advisories": [],
             "step1_peak_bytes": None,
+            "step1_ms": None,
             "agent_capacity_bytes": None,
             "agent_steady_allocated_peak_bytes": None,
             "agent_steady_reserved_peak_bytes": None,
@@ -923,6 +925,10 @@ class Harness:
 
         # Advisories.
         step2_begin = rec.marker_ns("step_begin", 2)
+        s1_begin = rec.marker_ns("step_begin", 1)
+        s1_end = rec.marker_ns("step_end", 1)
+        if s1_begin is not None and s1_end is not None:
+            row["step1_ms"] = round((s1_end - s1_begin) / 1e6, 1)
         for a in rep.get("advisories") or []:
             issued = int(a["issued_monotonic_ns"])
             at = rec.applied_before(issued, int(a.get("step", 1))) or (
@@ -954,8 +960,6 @@ class Harness:
                     f"{job_id}: rank {rank}'s GPU ({rec.gpu_uuid or 'no UUID'}, device"
                     f" {rec.local_rank}) is not in the usage log"
                 )
-            s1_begin = rec.marker_ns("step_begin", 1)
-            s1_end = rec.marker_ns("step_end", 1)
             if s1_begin is not None and s1_end is not None:
                 row["step1_peak_bytes"] = usage.peak(uuid, s1_begin, s1_end)
             if row["outcome"] == "fit":
@@ -1098,12 +1102,15 @@ def summarize(rows: List[Dict[str, Any]], variants: List[str]) -> Tuple[List[str
         ooms2 = [r for r in vr if r["outcome"] == "oom" and r["oom_step"] == 2]
         warned = [r for r in ooms2 if r["warned_before_step2"]]
         late = [r for r in warned if (r["warning_lead_ms"] or 0) < 0]
+        step1_ms = [r["step1_ms"] for r in warned if r["step1_ms"] is not None]
         lines.append(
             f"  step-2 OOMs warned before step 2: {len(warned)}/{len(ooms2)}"
             f" (target all: {'met' if len(warned) == len(ooms2) else 'MISSED'})"
             + (
-                f"; {len(late)} of them sent after the process had begun step 2 (wall clock)"
-                if late
+                f"; {len(warned) - len(late)} of them sent before the process began step 2"
+                f" by the wall clock (step 1 lasted median {statistics.median(step1_ms):.0f} ms,"
+                f" min {min(step1_ms):.0f})"
+                if step1_ms
                 else ""
             )
         )
