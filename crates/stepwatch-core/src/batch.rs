@@ -256,7 +256,8 @@ pub struct BatchOutlook {
     pub allocated_peak_bytes: u64,
     /// The device-memory peak it would need: the allocated peak plus what
     /// NVML showed beyond the allocated peak at the largest batch seen
-    /// (CUDA context, cache), bytes.
+    /// (CUDA context, cache), or on the window's steps when that step had
+    /// no sample, bytes.
     pub device_peak_bytes: Option<u64>,
     /// Capacity minus that; None without capacity or device figure.
     pub headroom_bytes: Option<i64>,
@@ -264,12 +265,16 @@ pub struct BatchOutlook {
 
 /// What `loader_largest` would need, from the largest batch seen and the
 /// relation (None when the client did not say it, the relation has no
-/// slope, or the two batches share no unit).
+/// slope, or the two batches share no unit). `device_over_allocated` is
+/// what the device needs beyond a step's allocated peak on the window's
+/// steps (`MemoryTrend::nvml_over_allocated_bytes`), for a largest step
+/// without an NVML sample.
 pub fn outlook(
     relation: &BatchRelation,
     largest: &LargestBatch,
     loader_largest: &BatchFacts,
     capacity_bytes: u64,
+    device_over_allocated: Option<u64>,
 ) -> Option<BatchOutlook> {
     let rate = relation.bytes_per_unit?;
     let unit = relation.unit;
@@ -282,7 +287,9 @@ pub fn outlook(
         .min(MAX_PLAUSIBLE_BYTES as f64) as u64;
     let device = largest
         .nvml_peak_bytes
-        .map(|n| allocated.saturating_add(n.saturating_sub(base)));
+        .map(|n| n.saturating_sub(base))
+        .or(device_over_allocated)
+        .map(|over| allocated.saturating_add(over));
     Some(BatchOutlook {
         batch: loader_largest.clone(),
         size,
@@ -292,6 +299,57 @@ pub fn outlook(
             .filter(|_| capacity_bytes > 0)
             .map(|d| capacity_bytes as i64 - d as i64),
     })
+}
+
+/// What a rank's steps say about their batches (see the module
+/// documentation); the report's `batches`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StepBatches {
+    /// How the trailing window's step peaks follow their batches.
+    pub relation: Option<BatchRelation>,
+    /// The largest batch of the run's steps from the third on.
+    pub largest: Option<LargestBatch>,
+    /// The largest batch the loader can produce, when the client said it.
+    pub loader_largest: Option<BatchFacts>,
+    /// What that batch would need.
+    pub outlook: Option<BatchOutlook>,
+    /// Capacity minus the device peak of the largest batch's step, bytes.
+    pub largest_headroom_bytes: Option<i64>,
+}
+
+impl StepBatches {
+    /// The batches of a rank; None when neither its steps nor its client
+    /// said anything of batches.
+    pub fn of(
+        relation: Option<&BatchRelation>,
+        largest: Option<&LargestBatch>,
+        loader_largest: Option<&BatchFacts>,
+        capacity_bytes: u64,
+        device_over_allocated: Option<u64>,
+    ) -> Option<Self> {
+        if relation.is_none() && largest.is_none() && loader_largest.is_none() {
+            return None;
+        }
+        let outlook = relation
+            .zip(largest)
+            .zip(loader_largest)
+            .and_then(|((r, l), loader)| {
+                outlook(r, l, loader, capacity_bytes, device_over_allocated)
+            });
+        let largest_device = largest.and_then(|l| {
+            l.nvml_peak_bytes
+                .or_else(|| l.allocated_peak_bytes?.checked_add(device_over_allocated?))
+        });
+        Some(Self {
+            relation: relation.cloned(),
+            largest: largest.cloned(),
+            loader_largest: loader_largest.cloned(),
+            outlook,
+            largest_headroom_bytes: largest_device
+                .filter(|_| capacity_bytes > 0)
+                .map(|d| capacity_bytes as i64 - d as i64),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -371,7 +429,7 @@ mod tests {
             tokens: Some(4096),
             ..Default::default()
         };
-        let o = outlook(&r, &largest, &loader, 10_000).unwrap();
+        let o = outlook(&r, &largest, &loader, 10_000, None).unwrap();
         // 5096 + 2·2048 = 9192 allocated; plus the 904 NVML showed beyond
         // the allocated peak at step 9: 10096, 96 over capacity.
         assert_eq!(o.allocated_peak_bytes, 9192);

@@ -50,7 +50,7 @@ use std::collections::VecDeque;
 
 use serde::Serialize;
 
-use crate::batch::BatchSize;
+use crate::batch::{BatchFacts, BatchPoint, BatchRelation, BatchSize, BatchUnit, LargestBatch};
 use crate::profile::phase_allocator_peaks;
 use crate::timeline::{RankTimeline, StepOutcome, StepRecord};
 
@@ -325,6 +325,13 @@ pub struct TrailingPeaks {
     pub allocated_max_bytes: Option<u64>,
     /// Highest reserved step peak (lower bounds), bytes.
     pub reserved_max_bytes: Option<u64>,
+    /// Lowest NVML step peak, bytes: with the highest, the spread of the
+    /// step peaks (batches that vary).
+    pub nvml_min_bytes: Option<u64>,
+    /// Lowest allocated step peak, bytes.
+    pub allocated_min_bytes: Option<u64>,
+    /// Lowest reserved step peak, bytes.
+    pub reserved_min_bytes: Option<u64>,
 }
 
 /// What the trailing window says: its peaks, and each figure's slope.
@@ -344,6 +351,12 @@ pub struct MemoryTrend {
     /// terms when too few steps had a sample for an NVML slope (steps of a
     /// few ms, between the sampler's ticks).
     pub nvml_over_reserved_bytes: Option<u64>,
+    /// Median of NVML peak − allocated peak, likewise: what a step's
+    /// allocated peak needs of the device besides itself.
+    pub nvml_over_allocated_bytes: Option<u64>,
+    /// How the window's step peaks follow their batches; None without
+    /// batch facts in a unit all of them share.
+    pub batches: Option<BatchRelation>,
     /// The window's latest step.
     pub last: StepFigures,
 }
@@ -353,6 +366,7 @@ impl MemoryTrend {
     pub fn of(window: &[StepFigures], config: &GrowthConfig) -> Option<Self> {
         let (first, last) = (window.first()?, *window.last()?);
         let max_of = |f: fn(&StepFigures) -> Option<u64>| window.iter().filter_map(f).max();
+        let min_of = |f: fn(&StepFigures) -> Option<u64>| window.iter().filter_map(f).min();
         let starts = batch_block_starts(window);
         let slopes = GrowthSource::ALL.map(|source| {
             let mut blocks: Vec<Vec<(u64, u64)>> = vec![Vec::new()];
@@ -381,12 +395,17 @@ impl MemoryTrend {
                     / (w[1].step - w[0].step)
             })
             .collect();
-        let mut outside: Vec<u64> = window
-            .iter()
-            .filter_map(|s| Some(s.nvml_peak_bytes?.saturating_sub(s.reserved_peak_bytes?)))
-            .collect();
+        let median_over = |f: fn(&StepFigures) -> Option<u64>| {
+            let mut over: Vec<u64> = window
+                .iter()
+                .filter_map(|s| Some(s.nvml_peak_bytes?.saturating_sub(f(s)?)))
+                .collect();
+            crate::profile::median_u64(&mut over)
+        };
         Some(Self {
-            nvml_over_reserved_bytes: crate::profile::median_u64(&mut outside),
+            nvml_over_reserved_bytes: median_over(|s| s.reserved_peak_bytes),
+            nvml_over_allocated_bytes: median_over(|s| s.allocated_peak_bytes),
+            batches: batch_relation(window),
             trailing: TrailingPeaks {
                 steps: window.len(),
                 first_step: first.step,
@@ -394,6 +413,9 @@ impl MemoryTrend {
                 nvml_max_bytes: max_of(|s| s.nvml_peak_bytes),
                 allocated_max_bytes: max_of(|s| s.allocated_peak_bytes),
                 reserved_max_bytes: max_of(|s| s.reserved_peak_bytes),
+                nvml_min_bytes: min_of(|s| s.nvml_peak_bytes),
+                allocated_min_bytes: min_of(|s| s.allocated_peak_bytes),
+                reserved_min_bytes: min_of(|s| s.reserved_peak_bytes),
             },
             slopes,
             step_period_ns: crate::profile::median_u64(&mut periods),
@@ -406,6 +428,24 @@ impl MemoryTrend {
         let i = GrowthSource::ALL.iter().position(|s| *s == source)?;
         self.slopes[i].as_ref()
     }
+}
+
+/// The relation of the window's allocated step peaks to their batches, in
+/// the first unit every step with a batch has.
+fn batch_relation(window: &[StepFigures]) -> Option<BatchRelation> {
+    let with_batch = window.iter().filter_map(|s| s.batch.as_ref());
+    let unit = BatchUnit::common(with_batch)?;
+    let points: Vec<BatchPoint> = window
+        .iter()
+        .filter_map(|s| {
+            Some(BatchPoint {
+                step: s.step,
+                size: s.batch?.measure(unit)?,
+                allocated_peak_bytes: s.allocated_peak_bytes?,
+            })
+        })
+        .collect();
+    BatchRelation::of(unit, &points)
 }
 
 /// When memory that grows will reach the GPU's capacity.
@@ -513,6 +553,8 @@ pub(crate) struct TrendMemo {
     sized_for: Option<(usize, usize, u64, u64)>,
     window: VecDeque<StepFigures>,
     trend: Option<MemoryTrend>,
+    /// The largest batch of the run's steps from the third on.
+    largest_batch: Option<LargestBatch>,
 }
 
 impl TrendMemo {
@@ -530,6 +572,42 @@ impl TrendMemo {
         self.trend.as_ref()
     }
 
+    /// The largest batch of the run's steps from the third on, with its
+    /// step's peaks, as of the last refresh.
+    pub(crate) fn largest_batch(&self) -> Option<&LargestBatch> {
+        self.largest_batch.as_ref()
+    }
+
+    /// Keeps `step` as the largest batch if it is larger than the kept one
+    /// (or as large, with a higher allocated peak: the tighter bound), or
+    /// is the kept one with figures that changed.
+    fn offer_largest(&mut self, batch: Option<&BatchFacts>, f: &StepFigures) {
+        let Some(batch) = batch else {
+            return;
+        };
+        let replace = match &self.largest_batch {
+            None => true,
+            Some(kept) if kept.step == f.step => {
+                kept.allocated_peak_bytes != f.allocated_peak_bytes
+                    || kept.nvml_peak_bytes != f.nvml_peak_bytes
+            }
+            Some(kept) => {
+                let (new, old) = (batch.size(), kept.batch.size());
+                new.larger_than(&old)
+                    || (!old.larger_than(&new)
+                        && f.allocated_peak_bytes > kept.allocated_peak_bytes)
+            }
+        };
+        if replace {
+            self.largest_batch = Some(LargestBatch {
+                step: f.step,
+                batch: batch.clone(),
+                allocated_peak_bytes: f.allocated_peak_bytes,
+                nvml_peak_bytes: f.nvml_peak_bytes,
+            });
+        }
+    }
+
     /// Brings the window up to date with the timeline: visits the steps
     /// completed since the last refresh and the last [`RECHECK_STEPS`]
     /// kept, never the whole history.
@@ -544,6 +622,7 @@ impl TrendMemo {
             // New tunables, or a new run on the rank: start again.
             self.window.clear();
             self.trend = None;
+            self.largest_batch = None;
             self.sized_for = Some(sized);
             changed = true;
         }
@@ -551,6 +630,7 @@ impl TrendMemo {
         let Some(first) = timeline.steps().next().map(|s| s.step) else {
             self.window.clear();
             self.trend = None;
+            self.largest_batch = None;
             self.revision = Some(timeline.revision());
             return;
         };
@@ -565,6 +645,7 @@ impl TrendMemo {
             let Some(f) = StepFigures::of(s) else {
                 continue;
             };
+            self.offer_largest(s.batch.as_ref(), &f);
             if f.step > newest {
                 fresh.push(f);
             } else if let Some(kept) = self.window.iter_mut().rev().find(|k| k.step == f.step) {

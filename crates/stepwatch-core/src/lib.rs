@@ -25,6 +25,7 @@ mod growth;
 mod identity;
 mod layout;
 mod marker;
+mod pass;
 mod postmortem;
 mod predict;
 mod profile;
@@ -46,7 +47,7 @@ pub use analysis::{
 };
 pub use batch::{
     outlook, BatchFacts, BatchOutlook, BatchPoint, BatchRelation, BatchSize, BatchUnit,
-    LargestBatch, MAX_BATCH_DIMS,
+    LargestBatch, StepBatches, MAX_BATCH_DIMS,
 };
 pub use divergence::{
     activation_peak_bytes, divergence, ActivationPeak, Divergence, DivergenceFigure, NamedOutlier,
@@ -70,6 +71,7 @@ pub use layout::{
 pub use marker::{
     AllocatorStats, DeviceMemory, Marker, MarkerKind, PassKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
 };
+pub use pass::{pass_peaks, PassFigures, PassPeaks};
 pub use postmortem::{
     post_mortem, OomCause, OomReport, OomReportError, OomSegment, PostMortem, PostMortemInputs,
     MAX_OOM_MESSAGE_BYTES, MAX_OOM_SEGMENTS,

@@ -97,8 +97,16 @@ fn max_bounds(a: Option<PeakBounds>, b: Option<PeakBounds>) -> Option<PeakBounds
 /// Bounds of the allocated and reserved peaks of one phase instance, by the
 /// rule in the module documentation. `None` without allocator figures.
 pub fn phase_allocator_peak_bounds(phase: &PhaseRecord) -> Option<(PeakBounds, PeakBounds)> {
-    let start = phase.allocator_at_start;
-    let end = phase.allocator_at_end;
+    allocator_peak_bounds(phase.allocator_at_start, phase.allocator_at_end)
+}
+
+/// Bounds of the allocated and reserved peaks between two markers' allocator
+/// figures (a phase's, a pass's), by the rule in the module documentation.
+/// `None` without figures.
+pub fn allocator_peak_bounds(
+    start: Option<AllocatorStats>,
+    end: Option<AllocatorStats>,
+) -> Option<(PeakBounds, PeakBounds)> {
     let bounds = |current: fn(&AllocatorStats) -> u64, peak: fn(&AllocatorStats) -> u64| {
         match (start, end) {
             (Some(s), Some(e)) => {

@@ -304,25 +304,50 @@ fn step(t: &mut Tracker, key: &RankKey, n: u64, held: u64) -> Vec<Advisory> {
     batch_step(t, key, n, held, None)
 }
 
-/// [`step`] with a batch of `tokens` on its forward marker, whose largest
-/// so far has grown the cache (reserved and NVML) by `cache` M for good.
+/// A step's batch in [`batch_step`].
+#[derive(Debug, Clone, Copy)]
+struct Batch {
+    /// Its tokens, said on the forward marker.
+    tokens: u64,
+    /// M the largest batch so far has grown the cache (reserved and NVML)
+    /// by, for good.
+    cache: u64,
+    /// M its activations add to the allocated peak.
+    activations: u64,
+}
+
+/// [`step`] with a batch on its forward marker.
 fn batch_step(
     t: &mut Tracker,
     key: &RankKey,
     n: u64,
     held: u64,
-    batch: Option<(u64, u64)>,
+    batch: Option<Batch>,
 ) -> Vec<Advisory> {
-    let cache = batch.map_or(0, |(_, c)| c);
-    kit::leaking::step(t, key, (n, held, cache), |m| Marker {
-        wall_ns: 1_700_000_000_000_000_000 + m.monotonic_ns,
-        batch: batch
-            .filter(|_| m.kind == MarkerKind::ForwardBegin)
-            .map(|(tokens, _)| BatchFacts {
-                tokens: Some(tokens),
-                ..Default::default()
-            }),
-        ..m
+    let cache = batch.map_or(0, |b| b.cache);
+    let activations = batch.map_or(0, |b| b.activations) * M;
+    kit::leaking::step(t, key, (n, held, cache), |m| {
+        let allocator = m.allocator.map(|a| AllocatorStats {
+            allocated_bytes: a.allocated_bytes
+                + if m.kind == MarkerKind::BackwardBegin {
+                    activations
+                } else {
+                    0
+                },
+            allocated_peak_bytes: a.allocated_peak_bytes + activations,
+            ..a
+        });
+        Marker {
+            wall_ns: 1_700_000_000_000_000_000 + m.monotonic_ns,
+            allocator,
+            batch: batch
+                .filter(|_| m.kind == MarkerKind::ForwardBegin)
+                .map(|b| BatchFacts {
+                    tokens: Some(b.tokens),
+                    ..Default::default()
+                }),
+            ..m
+        }
     })
 }
 
@@ -416,7 +441,11 @@ fn a_ratcheting_batch_without_a_leak_is_never_told() {
             &key,
             n,
             2_000,
-            Some((512 * (1 + stair), 100 * stair)),
+            Some(Batch {
+                tokens: 512 * (1 + stair),
+                cache: 100 * stair,
+                activations: 0,
+            }),
         );
         assert!(growth(&told).is_empty(), "step {n}: {told:?}");
     }
@@ -457,7 +486,12 @@ fn a_leak_under_varying_batches_is_still_told() {
             true_oom = n;
             break;
         }
-        let advisories = batch_step(&mut t, &key, n, held(n), Some((tokens(n), c)));
+        let batch = Batch {
+            tokens: tokens(n),
+            cache: c,
+            activations: 0,
+        };
+        let advisories = batch_step(&mut t, &key, n, held(n), Some(batch));
         told.extend(growth(&advisories).into_iter().cloned());
     }
     assert_eq!(told.len(), 1, "{told:?}");
@@ -465,6 +499,65 @@ fn a_leak_under_varying_batches_is_still_told() {
     assert_eq!(f.bytes_per_step, (LEAK * M) as f64);
     let err = (f.oom_step as f64 - true_oom as f64).abs() / true_oom as f64;
     assert!(err <= 0.1, "forecast {} vs {true_oom}", f.oom_step);
+}
+
+/// Variable lengths: a step's activations are 250 M per 512 tokens, the
+/// cache holds the largest batch's, nothing leaks. The report relates the
+/// peaks to the batches, names the largest batch seen with its peaks, and
+/// says what the loader's largest batch (4096 tokens, twice the longest
+/// seen) would need: 2048 tokens × 250/512 M more allocated, plus what
+/// NVML showed beyond the allocated peak at the longest batch.
+#[test]
+fn the_batches_the_loader_may_give_are_foreseen() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let mut info = kit::solo_rank("job", GPU);
+    info.model.largest_batch = Some(BatchFacts {
+        tokens: Some(4_096),
+        ..Default::default()
+    });
+    let key = kit::open(&mut t, info);
+    let tokens = |n: u64| [512, 1_024, 2_048, 1_024, 512][n as usize % 5];
+    let mut largest = 0;
+    for n in 1..=40 {
+        largest = largest.max(tokens(n));
+        let batch = Batch {
+            tokens: tokens(n),
+            cache: largest / 512 * 250,
+            activations: tokens(n) / 512 * 250,
+        };
+        let told = batch_step(&mut t, &key, n, 2_000, Some(batch));
+        assert!(growth(&told).is_empty(), "step {n}: {told:?}");
+    }
+    let b = t.step_batches(&key).expect("batches were said");
+    let relation = b.relation.as_ref().unwrap();
+    assert_eq!(relation.unit, BatchUnit::Tokens);
+    assert_eq!((relation.smallest, relation.largest), (512, 2_048));
+    assert_eq!(relation.bytes_per_unit, Some(250.0 * M as f64 / 512.0));
+    let seen = b.largest.as_ref().unwrap();
+    assert_eq!(seen.batch.tokens, Some(2_048));
+    // held 2000 + 3000 + 1000 of activations; NVML: held + cache + 4000.
+    assert_eq!(seen.allocated_peak_bytes, Some(6_000 * M));
+    assert_eq!(seen.nvml_peak_bytes, Some(7_000 * M));
+    assert_eq!(b.largest_headroom_bytes, Some(3_000 * M as i64));
+    let o = b.outlook.as_ref().unwrap();
+    assert_eq!(o.allocated_peak_bytes, 7_000 * M);
+    assert_eq!(o.device_peak_bytes, Some(8_000 * M));
+    assert_eq!(o.headroom_bytes, Some(2_000 * M as i64));
+    // The spread of the step peaks: allocated 5,250 to 6,000 M.
+    let trailing = t.memory_trend(&key).unwrap().trailing;
+    assert_eq!(trailing.allocated_min_bytes, Some(5_250 * M));
+    assert_eq!(trailing.allocated_max_bytes, Some(6_000 * M));
+}
+
+/// A rank whose client says nothing of batches has no batch report.
+#[test]
+fn without_batch_facts_there_is_no_batch_report() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = open(&mut t);
+    for n in 1..=20 {
+        step(&mut t, &key, n, 2_000);
+    }
+    assert_eq!(t.step_batches(&key), None);
 }
 
 /// The kept window is the window a scan of the retained steps gives:

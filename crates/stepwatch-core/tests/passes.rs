@@ -162,3 +162,101 @@ fn an_implausible_batch_is_refused() {
     assert!(e.to_string().contains("batch.shape"), "{e}");
     assert_eq!(tl.steps().len(), 0);
 }
+
+// ---- The tracker: passes kept apart from the prediction and the steps ----
+
+use stepwatch_testkit as kit;
+
+const GPU: &str = "GPU-0";
+/// Each step of the pass scenario starts `STEP_NS` after the one before.
+const STEP_NS: u64 = 1_000;
+
+/// The base scenario's step `n` from `(n − 1) × STEP_NS` (markers with
+/// allocator figures, then its samples), and, when `passes`, an evaluation
+/// pass after steps 1 and 6 that needs more than any step (NVML 9,900 of
+/// 10,000 M; allocated 9,000 and reserved 9,400 M at its peak), the same
+/// pass before step 1 (a sanity check, its sample 1 µs before step 1), and a
+/// checkpoint after step 8 that the next step ends. Returns the tracker,
+/// the rank and every advisory issued.
+fn pass_scenario(passes: bool, steps: u64) -> (Tracker, RankKey, Vec<Advisory>) {
+    use MarkerKind::*;
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = kit::open(&mut t, kit::solo_rank("job", GPU));
+    let mut told = Vec::new();
+    let eval = |after: u64, t0: u64| {
+        vec![
+            kit::marker_mib(EvalBegin, after, t0, (2_200, 2_200, 7_500)),
+            kit::marker_mib(EvalEnd, after, t0 + 200, (2_200, 9_000, 9_400)),
+        ]
+    };
+    if passes {
+        t.gpu_samples(GPU, &kit::samples_mib(&[(2, 9_900)], 10_000));
+        told.extend(t.markers(&key, &eval(0, 1), 1).unwrap());
+    }
+    for n in 1..=steps {
+        let t0 = 1_000 + (n - 1) * STEP_NS;
+        let markers: Vec<Marker> = kit::base::step1_markers(t0, true)
+            .into_iter()
+            .map(|m| Marker { step: n, ..m })
+            .collect();
+        told.extend(t.markers(&key, &markers, t0).unwrap());
+        t.gpu_samples(GPU, &kit::base::step1_samples(t0, 10_000));
+        let after = t0 + 600;
+        if passes && (n == 1 || n == 6) {
+            t.gpu_samples(
+                GPU,
+                &kit::samples_mib(&[(after + 50, 9_900), (after + 150, 9_900)], 10_000),
+            );
+            told.extend(t.markers(&key, &eval(n, after), after).unwrap());
+        }
+        if passes && n == 8 {
+            let begin = kit::marker_mib(CheckpointBegin, n, after, (2_200, 2_200, 7_500));
+            told.extend(t.markers(&key, &[begin], after).unwrap());
+        }
+    }
+    (t, key, told)
+}
+
+/// The step-2 prediction, the steady profile, the trend and the advisories
+/// are those of the same job without its passes, although every pass
+/// needed more than any step: the passes are reported apart, with their
+/// own headroom.
+#[test]
+fn passes_move_no_step_figure_and_warn_of_nothing() {
+    let (with, key, told_with) = pass_scenario(true, 30);
+    let (without, key_without, told_without) = pass_scenario(false, 30);
+    let rank = |t: &Tracker, k: &RankKey| t.rank(k).unwrap().prediction_before_step2.clone();
+    assert!(rank(&with, &key).is_some());
+    assert_eq!(rank(&with, &key), rank(&without, &key_without));
+    let analysis = with.rank_analysis(&key).unwrap();
+    let analysis_without = without.rank_analysis(&key_without).unwrap();
+    assert_eq!(analysis.prediction, analysis_without.prediction);
+    assert_eq!(analysis.steady, analysis_without.steady);
+    assert_eq!(with.memory_trend(&key), without.memory_trend(&key_without));
+    let kinds = |told: &[Advisory]| told.iter().map(|a| a.kind).collect::<Vec<_>>();
+    assert_eq!(kinds(&told_with), kinds(&told_without));
+    assert!(
+        !kinds(&told_with).contains(&AdvisoryKind::Step2OomPredicted),
+        "{told_with:?}"
+    );
+
+    let peaks = with.pass_peaks(&key);
+    assert!(without.pass_peaks(&key_without).is_empty());
+    let kinds: Vec<PassKind> = peaks.iter().map(|p| p.kind).collect();
+    assert_eq!(kinds, [PassKind::Evaluation, PassKind::Checkpoint]);
+    let eval = &peaks[0];
+    assert_eq!((eval.begun, eval.ended), (3, 3));
+    assert_eq!(eval.latest.after_step, 6);
+    assert_eq!(eval.highest.nvml_peak_bytes, Some(9_900 * M));
+    assert_eq!(eval.highest.allocated_peak_bytes, Some(9_000 * M));
+    assert_eq!(eval.highest.device_peak_bytes, Some(9_900 * M));
+    assert_eq!(eval.headroom_bytes, Some(100 * M as i64));
+    // The checkpoint the next step ended: no sample and no end figures;
+    // its device peak is its reserved peak plus what NVML shows beyond
+    // the allocator on the steps (8,000 − 7,500 M).
+    let checkpoint = &peaks[1];
+    assert_eq!(checkpoint.latest.after_step, 8);
+    assert_eq!(checkpoint.latest.nvml_peak_bytes, None);
+    assert_eq!(checkpoint.latest.device_peak_bytes, Some(8_000 * M));
+    assert_eq!(checkpoint.headroom_bytes, Some(2_000 * M as i64));
+}

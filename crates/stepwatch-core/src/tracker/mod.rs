@@ -17,12 +17,14 @@ use crate::advisory::{self, Advisory, AdvisoryKind};
 use crate::allocator::SegmentLayout;
 use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
 use crate::analysis::{RankInputs, SteadyMemo};
+use crate::batch::StepBatches;
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::growth::{forecast, GrowthForecast, MemoryTrend, TrendMemo};
 use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::layout::{step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS};
 use crate::marker::{Marker, MarkerKind};
+use crate::pass::{pass_peaks, PassPeaks};
 use crate::postmortem::{post_mortem, OomReport, OomReportError, PostMortem, PostMortemInputs};
 use crate::predict::StepOneExtras;
 use crate::predict::{LiveStep, Prediction};
@@ -420,10 +422,43 @@ impl Tracker {
     /// or memory that does not grow (see [`crate::forecast`]).
     pub fn memory_growth(&self, key: &RankKey) -> Option<GrowthForecast> {
         let state = self.ranks.get(key)?;
-        let capacity = self
-            .latest_sample(&state.info.gpu_uuid)
-            .map_or(0, |s| s.capacity_bytes);
-        forecast(state.trend.trend()?, capacity, &self.analysis.growth)
+        forecast(
+            state.trend.trend()?,
+            self.capacity_of(state),
+            &self.analysis.growth,
+        )
+    }
+
+    /// The rank's evaluation passes and checkpoint saves, per kind: their
+    /// peaks and own headroom (see `pass`); empty for an unknown rank or
+    /// one that ran none.
+    pub fn pass_peaks(&self, key: &RankKey) -> Vec<PassPeaks> {
+        let Some(state) = self.ranks.get(key) else {
+            return Vec::new();
+        };
+        let outside = state.trend.trend().and_then(|t| t.nvml_over_reserved_bytes);
+        pass_peaks(&state.timeline, self.capacity_of(state), outside)
+    }
+
+    /// What the rank's steps say about their batches, and what the largest
+    /// batch its loader can produce would need (see `batch`); None for an
+    /// unknown rank or one that said nothing of batches.
+    pub fn step_batches(&self, key: &RankKey) -> Option<StepBatches> {
+        let state = self.ranks.get(key)?;
+        let trend = state.trend.trend();
+        StepBatches::of(
+            trend.and_then(|t| t.batches.as_ref()),
+            state.trend.largest_batch(),
+            state.info.model.largest_batch.as_ref(),
+            self.capacity_of(state),
+            trend.and_then(|t| t.nvml_over_allocated_bytes),
+        )
+    }
+
+    /// The capacity of the rank's GPU from its latest sample (0 without).
+    fn capacity_of(&self, state: &RankState) -> u64 {
+        self.latest_sample(&state.info.gpu_uuid)
+            .map_or(0, |s| s.capacity_bytes)
     }
 
     /// Keeps what the client sent with its OOM marker for the post-mortem.
@@ -1286,7 +1321,9 @@ impl Tracker {
                     }
                 }
                 let first = state.timeline.steps().next();
-                if first.is_some_and(|f| f.takes_before_begin(s.monotonic_ns, s.used_bytes)) {
+                if first.is_some_and(|f| f.takes_before_begin(s.monotonic_ns, s.used_bytes))
+                    && !in_a_pass(&state.timeline, s.monotonic_ns)
+                {
                     if let Some(first) = state.timeline.steps_mut().next() {
                         first.offer_before_begin(s.monotonic_ns, s.used_bytes);
                     }
@@ -1371,10 +1408,19 @@ fn check_clock(
 /// may have closed the step before it.)
 fn credit_newly_closed(timeline: &mut RankTimeline, window: &VecDeque<GpuSample>) {
     // The first step's sample before it began (the prediction uses it; later
-    // steps' would be unused). Late samples are offered in `gpu_samples`.
-    if let Some(first) = timeline.steps_mut().next() {
-        let before = window.partition_point(|s| s.monotonic_ns < first.begin_monotonic_ns);
-        if let Some(s) = before.checked_sub(1).map(|i| window[i]) {
+    // steps' would be unused), outside any pass (a sanity-check evaluation
+    // before step 1 is no measure of what step 1 starts from). Late samples
+    // are offered in `gpu_samples`.
+    let first_begin = timeline.steps().next().map(|f| f.begin_monotonic_ns);
+    if let Some(begin) = first_begin {
+        let before = window.partition_point(|s| s.monotonic_ns < begin);
+        let quiet = window
+            .range(..before)
+            .rev()
+            .take_while(|s| begin - s.monotonic_ns <= crate::timeline::BEFORE_BEGIN_WINDOW_NS)
+            .find(|s| !in_a_pass(timeline, s.monotonic_ns))
+            .copied();
+        if let (Some(s), Some(first)) = (quiet, timeline.steps_mut().next()) {
             first.offer_before_begin(s.monotonic_ns, s.used_bytes);
         }
     }
@@ -1407,6 +1453,11 @@ fn credit_newly_closed(timeline: &mut RankTimeline, window: &VecDeque<GpuSample>
             break;
         }
     }
+}
+
+/// Whether time `t` falls in one of the timeline's passes.
+fn in_a_pass(timeline: &RankTimeline, t: u64) -> bool {
+    timeline.passes().any(|p| p.contains(t))
 }
 
 /// The closed, already scanned phase holding time `t`, if any, as (step,
