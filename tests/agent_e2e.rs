@@ -1829,3 +1829,168 @@ fn memory_growth_after_step_2_is_advised_on_the_stream_and_forecast_in_metrics()
         Some(1.0)
     );
 }
+
+/// After step 2 with batches that vary and passes between steps: 40 steps
+/// of 50 ms on the real clock, each batch (512 to 2048 tokens) said on its
+/// forward marker and needing 1 GiB of activations per 512 tokens, an
+/// evaluation pass after steps 10 and 30 that reserves 3 GiB more than any
+/// step, and a checkpoint after step 20; the client says its loader's
+/// largest batch is 65536 tokens. The rank report (`passes`, `batches`)
+/// and `/metrics` give the passes' peaks and headroom apart from the
+/// steps, the largest batch seen with its peak, and the loader's largest
+/// batch's outlook, which does not fit the 80 GB GPU. Wiring: the figures
+/// are made up, NVML's is the fake GPU's constant use.
+#[test]
+fn passes_and_batches_are_reported_apart_from_the_steps() {
+    use common::wire::*;
+    use stepwatch_proto::v1::client_message::Kind;
+    use stepwatch_proto::v1::{AllocatorStats, BatchFacts, MarkerKind, ModelFacts};
+
+    const GIB: u64 = 1 << 30;
+    const MS: u64 = 1_000_000;
+    const STEPS: u64 = 40;
+    let agent = Agent::start("passes", 1);
+    let used = 40 * GIB;
+    agent.fake.set_process_memory(0, 4242, used).unwrap();
+    let t0 = stepwatch_proto::clock::monotonic_ns();
+    let held = 20 * GIB;
+    let tokens = |n: u64| [512, 1_024, 2_048, 1_024][n as usize % 4];
+    let stats = |allocated: u64, reserved: u64| AllocatorStats {
+        allocated_bytes: allocated,
+        allocated_peak_bytes: allocated,
+        reserved_bytes: reserved,
+        reserved_peak_bytes: reserved,
+        ..Default::default()
+    };
+    let step_at = |n: u64| t0 + (n - 1) * 50 * MS;
+    let mut messages = vec![hello("passes", 0, 1)];
+    if let Some(Kind::Hello(h)) = messages[0].kind.as_mut() {
+        h.model = Some(ModelFacts {
+            largest_batch: Some(BatchFacts {
+                tokens: Some(65_536),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+    }
+    for n in 1..=STEPS {
+        let b = step_at(n);
+        let activations = tokens(n) / 512 * GIB;
+        let mut markers = step(n, b);
+        for (i, m) in markers.iter_mut().enumerate() {
+            m.monotonic_ns = b + i as u64 * 6 * MS;
+            m.wall_ns = m.monotonic_ns;
+            let kind = MarkerKind::try_from(m.kind).unwrap();
+            let allocated = if kind == MarkerKind::BackwardBegin {
+                held + activations
+            } else {
+                held
+            };
+            m.allocator = Some(stats(allocated, held + 5 * GIB));
+            if kind == MarkerKind::ForwardBegin {
+                m.batch = Some(BatchFacts {
+                    tokens: Some(tokens(n)),
+                    ..Default::default()
+                });
+            }
+        }
+        let end = b + 35 * MS;
+        if n == 10 || n == 30 {
+            let mut begin = marker(MarkerKind::EvalBegin, n, end);
+            begin.allocator = Some(stats(held, held + 5 * GIB));
+            let mut finish = marker(MarkerKind::EvalEnd, n, end + 10 * MS);
+            finish.allocator = Some(AllocatorStats {
+                allocated_peak_bytes: held + 7 * GIB,
+                reserved_peak_bytes: held + 8 * GIB,
+                ..stats(held, held + 8 * GIB)
+            });
+            markers.extend([begin, finish]);
+        }
+        if n == 20 {
+            let mut begin = marker(MarkerKind::CheckpointBegin, n, end);
+            begin.allocator = Some(stats(held, held + 5 * GIB));
+            markers.push(begin);
+        }
+        messages.push(batch(markers));
+    }
+    // Send once the sampler has read the GPU through the steps' span, so
+    // that their samples are in the agent's window when the markers come.
+    let span_end = step_at(STEPS) + 50 * MS;
+    agent.wait_metrics("samples past the steps", Duration::from_secs(30), |m| {
+        m.get("stepwatch_gpu_memory_used_bytes", &[("gpu", "0")]) == Some(used as f64)
+            && stepwatch_proto::clock::monotonic_ns() > span_end
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(exchange(&agent.endpoint(), messages))
+        .expect("a well-formed stream");
+
+    let report = poll("the rank's batches", Duration::from_secs(10), || {
+        common::rank_report(&agent, "passes", 0).filter(|r| r["batches"]["largest"].is_object())
+    });
+    let batches = &report["batches"];
+    assert_eq!(batches["largest"]["batch"]["tokens"], 2_048, "{batches}");
+    assert_eq!(batches["largest"]["allocated_peak_bytes"], held + 4 * GIB);
+    assert_eq!(batches["relation"]["unit"], "tokens");
+    assert_eq!(batches["relation"]["bytes_per_unit"], (GIB / 512) as f64);
+    assert_eq!(batches["loader_largest"]["tokens"], 65_536);
+    let outlook = &batches["outlook"];
+    // 2048 → 65536 tokens: 124 GiB more allocated than the 24 GiB seen.
+    assert_eq!(outlook["allocated_peak_bytes"], held + 128 * GIB);
+    let outlook_peak = outlook["device_peak_bytes"]
+        .as_u64()
+        .expect("a device peak");
+    assert!(outlook_peak >= held + 128 * GIB, "{outlook}");
+    assert!(outlook["headroom_bytes"].as_i64().unwrap() < 0, "{outlook}");
+    // The spread of the step peaks (allocated: 21 to 24 GiB).
+    let trailing = &report["memory_trend"]["trailing"];
+    assert_eq!(trailing["allocated_min_bytes"], held + GIB);
+    assert_eq!(trailing["allocated_max_bytes"], held + 4 * GIB);
+
+    let passes = report["passes"].as_array().unwrap();
+    assert_eq!(passes.len(), 2, "{passes:?}");
+    let eval = &passes[0];
+    assert_eq!(eval["kind"], "evaluation");
+    assert_eq!(eval["begun"], 2);
+    assert_eq!(eval["highest"]["allocated_peak_bytes"], held + 7 * GIB);
+    assert_eq!(eval["highest"]["reserved_peak_bytes"], held + 8 * GIB);
+    let eval_peak = eval["highest"]["device_peak_bytes"].as_u64().unwrap();
+    assert!(eval_peak >= held + 8 * GIB, "{eval}");
+    assert_eq!(passes[1]["kind"], "checkpoint");
+    assert_eq!(passes[1]["latest"]["after_step"], 20);
+    // The steps' figures know nothing of the passes: the reserved max is a
+    // step's.
+    assert_eq!(trailing["reserved_max_bytes"], held + 5 * GIB);
+
+    let labels = [("training_job", "passes"), ("rank", "0")];
+    let m = agent.wait_metrics("the outlook", Duration::from_secs(10), |m| {
+        m.get("stepwatch_rank_batch_outlook_headroom_bytes", &labels)
+            .is_some()
+    });
+    let capacity = m
+        .get("stepwatch_rank_gpu_capacity_bytes", &labels)
+        .expect("capacity");
+    assert_eq!(
+        m.get("stepwatch_rank_batch_outlook_peak_bytes", &labels),
+        Some(outlook_peak as f64)
+    );
+    assert_eq!(
+        m.get("stepwatch_rank_batch_outlook_headroom_bytes", &labels),
+        Some(capacity - outlook_peak as f64)
+    );
+    let eval_labels = [
+        ("training_job", "passes"),
+        ("rank", "0"),
+        ("kind", "evaluation"),
+    ];
+    assert_eq!(
+        m.get("stepwatch_rank_pass_peak_bytes", &eval_labels),
+        Some(eval_peak as f64)
+    );
+    assert_eq!(
+        m.get("stepwatch_rank_pass_headroom_bytes", &eval_labels),
+        Some(capacity - eval_peak as f64)
+    );
+    assert!(m
+        .get("stepwatch_rank_batch_largest_peak_bytes", &labels)
+        .is_some());
+}

@@ -538,6 +538,61 @@ pub(crate) const RANK_MEMORY_FORECAST_OOM_STEP: MetricDef = MetricDef {
     help: "The step at which the rank's growing step peak reaches the GPU's capacity, at the measured growth; absent when memory does not grow.",
 };
 
+/// `stepwatch_rank_trailing_step_peak_min_bytes`
+pub(crate) const RANK_TRAILING_STEP_PEAK_MIN_BYTES: MetricDef = MetricDef {
+    name: "stepwatch_rank_trailing_step_peak_min_bytes",
+    kind: MetricKind::Gauge,
+    labels: "rank labels, `source`",
+    meaning: "lowest step peak of the trailing window, by `source` as the max: with it, the spread of the step peaks (batches that vary)",
+    help: "Lowest step peak of the trailing window, by source as stepwatch_rank_trailing_step_peak_max_bytes; the two give the spread of the step peaks.",
+};
+
+/// `stepwatch_rank_pass_peak_bytes`
+pub(crate) const RANK_PASS_PEAK_BYTES: MetricDef = MetricDef {
+    name: "stepwatch_rank_pass_peak_bytes",
+    kind: MetricKind::Gauge,
+    labels: "rank labels, `kind` (`evaluation`, `checkpoint`)",
+    meaning: "device peak of the highest retained evaluation pass or checkpoint save (its NVML peak, or its reserved peak plus what NVML shows beyond the allocator on the steps); kept apart from the steps' figures and the prediction",
+    help: "Device-memory peak of the highest retained pass of the kind (evaluation, checkpoint), kept apart from training steps.",
+};
+
+/// `stepwatch_rank_pass_headroom_bytes`
+pub(crate) const RANK_PASS_HEADROOM_BYTES: MetricDef = MetricDef {
+    name: "stepwatch_rank_pass_headroom_bytes",
+    kind: MetricKind::Gauge,
+    labels: "rank labels, `kind`",
+    meaning: "capacity − `stepwatch_rank_pass_peak_bytes`",
+    help: "GPU capacity minus the device peak of the highest retained pass of the kind.",
+};
+
+/// `stepwatch_rank_batch_largest_peak_bytes`
+pub(crate) const RANK_BATCH_LARGEST_PEAK_BYTES: MetricDef = MetricDef {
+    name: "stepwatch_rank_batch_largest_peak_bytes",
+    kind: MetricKind::Gauge,
+    labels: "rank labels",
+    meaning: "device peak of the step with the largest batch the client said (from step 3 on)",
+    help:
+        "Device-memory peak of the step with the largest batch seen (batch facts on the markers).",
+};
+
+/// `stepwatch_rank_batch_outlook_peak_bytes`
+pub(crate) const RANK_BATCH_OUTLOOK_PEAK_BYTES: MetricDef = MetricDef {
+    name: "stepwatch_rank_batch_outlook_peak_bytes",
+    kind: MetricKind::Gauge,
+    labels: "rank labels",
+    meaning: "device peak the loader's largest batch (`largest_batch=` of the client) would need: the largest batch seen's peak plus the peaks' rise per unit of batch (a straight line; attention that materialises its scores grows faster)",
+    help: "Device-memory peak the largest batch the loader can produce would need, from the peaks' rise per unit of batch; absent unless the client said that batch.",
+};
+
+/// `stepwatch_rank_batch_outlook_headroom_bytes`
+pub(crate) const RANK_BATCH_OUTLOOK_HEADROOM_BYTES: MetricDef = MetricDef {
+    name: "stepwatch_rank_batch_outlook_headroom_bytes",
+    kind: MetricKind::Gauge,
+    labels: "rank labels",
+    meaning: "capacity − `stepwatch_rank_batch_outlook_peak_bytes`: below 0 the loader's largest batch will not fit",
+    help: "GPU capacity minus the peak the loader's largest batch would need; below 0 it will not fit.",
+};
+
 /// `stepwatch_job_first_step_peak_divergence_ratio`
 pub(crate) const JOB_FIRST_STEP_PEAK_DIVERGENCE_RATIO: MetricDef = MetricDef {
     name: "stepwatch_job_first_step_peak_divergence_ratio",
@@ -858,6 +913,12 @@ pub(crate) const ALL: &[&MetricDef] = &[
     &RANK_MEMORY_GROWTH_BYTES_PER_STEP,
     &RANK_MEMORY_FORECAST_OOM_SECONDS,
     &RANK_MEMORY_FORECAST_OOM_STEP,
+    &RANK_TRAILING_STEP_PEAK_MIN_BYTES,
+    &RANK_PASS_PEAK_BYTES,
+    &RANK_PASS_HEADROOM_BYTES,
+    &RANK_BATCH_LARGEST_PEAK_BYTES,
+    &RANK_BATCH_OUTLOOK_PEAK_BYTES,
+    &RANK_BATCH_OUTLOOK_HEADROOM_BYTES,
     &RANK_OOMS_TOTAL,
     &RANK_ALLOCATOR_RETRIES_TOTAL,
     &JOB_FIRST_STEP_PEAK_DIVERGENCE_RATIO,

@@ -313,7 +313,11 @@ pub struct StepBatches {
     pub loader_largest: Option<BatchFacts>,
     /// What that batch would need.
     pub outlook: Option<BatchOutlook>,
-    /// Capacity minus the device peak of the largest batch's step, bytes.
+    /// The device peak of the largest batch's step: its NVML peak, else its
+    /// allocated peak plus what the device needs beyond it on the window's
+    /// steps, bytes.
+    pub largest_device_peak_bytes: Option<u64>,
+    /// Capacity minus that, bytes.
     pub largest_headroom_bytes: Option<i64>,
 }
 
@@ -345,6 +349,7 @@ impl StepBatches {
             largest: largest.cloned(),
             loader_largest: loader_largest.cloned(),
             outlook,
+            largest_device_peak_bytes: largest_device,
             largest_headroom_bytes: largest_device
                 .filter(|_| capacity_bytes > 0)
                 .map(|d| capacity_bytes as i64 - d as i64),

@@ -453,6 +453,12 @@ fn analysis_families(
     let mut growth = Family::of(node, &metrics::RANK_MEMORY_GROWTH_BYTES_PER_STEP);
     let mut oom_seconds = Family::of(node, &metrics::RANK_MEMORY_FORECAST_OOM_SECONDS);
     let mut oom_step = Family::of(node, &metrics::RANK_MEMORY_FORECAST_OOM_STEP);
+    let mut trailing_min = Family::of(node, &metrics::RANK_TRAILING_STEP_PEAK_MIN_BYTES);
+    let mut pass_peak = Family::of(node, &metrics::RANK_PASS_PEAK_BYTES);
+    let mut pass_headroom = Family::of(node, &metrics::RANK_PASS_HEADROOM_BYTES);
+    let mut batch_largest = Family::of(node, &metrics::RANK_BATCH_LARGEST_PEAK_BYTES);
+    let mut outlook_peak = Family::of(node, &metrics::RANK_BATCH_OUTLOOK_PEAK_BYTES);
+    let mut outlook_headroom = Family::of(node, &metrics::RANK_BATCH_OUTLOOK_HEADROOM_BYTES);
     for (key, div) in &tracker.divergence {
         let job = [
             ("namespace", key.namespace.as_str()),
@@ -494,13 +500,17 @@ fn analysis_families(
         };
         if let Some(trend) = &rank.trend {
             let t = &trend.trailing;
-            for (source, max) in [
-                ("nvml", t.nvml_max_bytes),
-                ("allocated", t.allocated_max_bytes),
-                ("reserved", t.reserved_max_bytes),
+            for (source, max, min) in [
+                ("nvml", t.nvml_max_bytes, t.nvml_min_bytes),
+                ("allocated", t.allocated_max_bytes, t.allocated_min_bytes),
+                ("reserved", t.reserved_max_bytes, t.reserved_min_bytes),
             ] {
+                let labels = with(&labels, ("source", source));
                 if let Some(b) = max {
-                    trailing_max.add(&with(&labels, ("source", source)), b as f64);
+                    trailing_max.add(&labels, b as f64);
+                }
+                if let Some(b) = min {
+                    trailing_min.add(&labels, b as f64);
                 }
             }
             if let (Some(max), true) = (t.nvml_max_bytes, a.capacity_bytes > 0) {
@@ -512,6 +522,28 @@ fn analysis_families(
                         &with(&labels, ("source", source.as_str())),
                         s.bytes_per_step,
                     );
+                }
+            }
+        }
+        for p in &rank.passes {
+            let labels = with(&labels, ("kind", p.kind.as_str()));
+            if let Some(b) = p.highest.device_peak_bytes {
+                pass_peak.add(&labels, b as f64);
+            }
+            if let Some(h) = p.headroom_bytes {
+                pass_headroom.add(&labels, h as f64);
+            }
+        }
+        if let Some(b) = &rank.batches {
+            if let Some(p) = b.largest_device_peak_bytes {
+                batch_largest.add(&labels, p as f64);
+            }
+            if let Some(o) = &b.outlook {
+                if let Some(p) = o.device_peak_bytes {
+                    outlook_peak.add(&labels, p as f64);
+                }
+                if let Some(h) = o.headroom_bytes {
+                    outlook_headroom.add(&labels, h as f64);
                 }
             }
         }
@@ -618,6 +650,12 @@ fn analysis_families(
         growth,
         oom_seconds,
         oom_step,
+        trailing_min,
+        pass_peak,
+        pass_headroom,
+        batch_largest,
+        outlook_peak,
+        outlook_headroom,
     ] {
         f.done(out);
     }

@@ -12,8 +12,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use stepwatch_core::{
-    Divergence, GrowthForecast, LayoutCounts, MemoryTrend, PhaseKind, RankAnalysis, RankInfo,
-    RankKey, StepOutcome, Tracker,
+    Divergence, GrowthForecast, LayoutCounts, MemoryTrend, PassPeaks, PhaseKind, RankAnalysis,
+    RankInfo, RankKey, StepBatches, StepOutcome, Tracker,
 };
 
 use crate::state::AgentState;
@@ -50,6 +50,10 @@ pub(crate) struct RankSnapshot {
     pub(crate) trend: Option<MemoryTrend>,
     /// When growing memory reaches capacity; None when it does not grow.
     pub(crate) growth: Option<GrowthForecast>,
+    /// Evaluation passes and checkpoint saves, per kind.
+    pub(crate) passes: Vec<PassPeaks>,
+    /// What the steps say of their batches.
+    pub(crate) batches: Option<StepBatches>,
 }
 
 pub(crate) struct LastCompleted {
@@ -250,6 +254,8 @@ fn rank_snapshot(tracker: &Tracker, key: RankKey) -> Option<RankSnapshot> {
         analysis: tracker.rank_analysis(&key),
         trend: tracker.memory_trend(&key).cloned(),
         growth: tracker.memory_growth(&key),
+        passes: tracker.pass_peaks(&key),
+        batches: tracker.step_batches(&key),
         key,
     })
 }

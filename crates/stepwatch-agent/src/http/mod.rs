@@ -367,6 +367,8 @@ async fn rank(
                 memory_trend: tracker.memory_trend(&key).cloned(),
                 memory_growth: tracker.memory_growth(&key),
                 post_mortem: tracker.post_mortem(&key),
+                passes: tracker.pass_peaks(&key),
+                batches: tracker.step_batches(&key),
                 steps: r
                     .timeline
                     .steps()
@@ -466,6 +468,11 @@ struct RankBody {
     memory_growth: Option<stepwatch_core::GrowthForecast>,
     /// Why the rank died, when its latest step died of OOM.
     post_mortem: Option<stepwatch_core::PostMortem>,
+    /// Evaluation passes and checkpoint saves per kind: peaks and their
+    /// own headroom, apart from the steps.
+    passes: Vec<stepwatch_core::PassPeaks>,
+    /// The steps' batches: relation, largest seen, the loader's outlook.
+    batches: Option<stepwatch_core::StepBatches>,
     steps: Vec<StepReport>,
 }
 

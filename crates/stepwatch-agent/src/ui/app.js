@@ -482,6 +482,16 @@
       ? [fit.fits_with_micro_batch_size ? `micro-batch ${fit.fits_with_micro_batch_size} (now ${fit.micro_batch_size})` : null, fit.fits_with_sharding_factor ? `sharding over ${fit.fits_with_sharding_factor} ranks` : null].filter(Boolean).join(" or ")
       : "";
     const figure = (label, value, cls) => el("div", {}, el("span", { class: "muted", text: label + " " }), el("strong", { class: "figure " + (cls || ""), text: value }));
+    // After step 2: passes apart from the steps, batches, the spread of step peaks.
+    const batchText = (x) => [x.tokens != null ? `${x.tokens} tokens` : null, x.samples != null ? `${x.samples} samples` : null, x.shape && x.shape.length ? `shape ${x.shape.join("×")}` : null].filter(Boolean).join(", ");
+    const bt = rep.batches;
+    const trailing = rep.memory_trend && rep.memory_trend.trailing;
+    const after = [
+      ...(rep.passes || []).map((p) => el("li", { id: `pass-${p.kind}` }, `${p.kind === "evaluation" ? "Evaluation passes" : "Checkpoint saves"} (${p.begun}): highest peak ${gb(p.highest.device_peak_bytes)} after step ${p.highest.after_step}, headroom ${signedGb(p.headroom_bytes)}.`)),
+      bt && bt.largest ? el("li", { id: "batch-largest" }, `Largest batch seen: ${batchText(bt.largest.batch)} at step ${bt.largest.step}, peak ${gb(bt.largest_device_peak_bytes)}, headroom ${signedGb(bt.largest_headroom_bytes)}.`) : null,
+      bt && bt.outlook ? el("li", { id: "batch-outlook", class: bt.outlook.headroom_bytes < 0 ? "warn" : "" }, `The loader's largest batch (${batchText(bt.outlook.batch)}) would need about ${gb(bt.outlook.device_peak_bytes)}: headroom ${signedGb(bt.outlook.headroom_bytes)}.`) : null,
+      trailing && trailing.nvml_max_bytes != null ? el("li", { id: "step-spread" }, `Step peaks of the last ${trailing.steps} steps: ${gb(trailing.nvml_min_bytes)} to ${gb(trailing.nvml_max_bytes)}.`) : null,
+    ].filter(Boolean);
     return [
       el("h1", {}, `${rep.job} · rank ${rep.rank}`, el("span", { class: "muted", text: ` on ${gpu || "an unknown GPU"}` })),
       risk
@@ -507,6 +517,7 @@
         figure("headroom", signedGb(pred && pred.headroom_bytes), "headroom"),
         figure("step", `${rep.last_step === null ? "–" : rep.last_step}${running ? " (running)" : ""} · ${rep.steps_completed} done`),
       ),
+      after.length ? [el("h2", {}, "After step 2"), el("ul", { id: "after-step2" }, after)] : null,
       el("h2", {}, `Step anatomy: step 1 (dashed) over ${laterLabel}`),
       anatomy,
       legend([
