@@ -10,6 +10,10 @@ on a fake GPU sized so that it dies within a few hundred steps:
   OutOfMemoryError in, and the post-mortem names growth;
 - a fragmentation ratchet: the post-mortem names fragmentation;
 
+loops whose memory after step 2 has a shape of its own (batch_pass_loops.py): a
+variable-length loop whose longest batch comes late, named with its step's peak,
+and an evaluation every 5 steps with a checkpoint, kept apart from the steps;
+
 and three jobs of the accuracy corpus (bench/torch-jobs) run for 50 steps on a roomy GPU,
 where no growth may be reported. Run with the test venv (scripts/test does); needs
 `target/debug/stepwatch` and fake NVML built (`cargo build -p stepwatch -p fake-nvml`).
@@ -68,8 +72,17 @@ class Truth:
     def __init__(self, proc: CompletedProcess, usage: Path, usable: int) -> None:
         self.step_end_ns = {
             int(m.group(1)): int(m.group(2))
-            for m in re.finditer(r"^step (\d+) done (\d+)$", proc.stdout, re.M)
+            for m in re.finditer(r"^step (\d+) done (\d+)\b", proc.stdout, re.M)
         }
+        # (begin, end) ns of each pass a loop printed, by kind ("eval", "checkpoint").
+        self.passes: Dict[str, List[Tuple[int, int]]] = {}
+        begun: Dict[str, int] = {}
+        for m in re.finditer(r"^(eval|checkpoint) (begin|end) (\d+)$", proc.stdout, re.M):
+            kind, edge, t = m.group(1), m.group(2), int(m.group(3))
+            if edge == "begin":
+                begun[kind] = t
+            else:
+                self.passes.setdefault(kind, []).append((begun.pop(kind), t))
         (log,) = usage.glob("*.tsv")
         self.rows = self._rows(log)
         self.usable = usable
@@ -90,6 +103,19 @@ class Truth:
 
     def headroom_at(self, step: int) -> int:
         return self.usable - self.used_by_end_of(step)
+
+    def peak_between(self, t0: int, t1: int) -> int:
+        """The most device memory the process held from `t0` to `t1`."""
+        level = 0
+        for t, b in self.rows:
+            if t <= t0:
+                level = b  # the level when the window opens
+        return max([level] + [b for t, b in self.rows if t0 < t <= t1])
+
+    def step_peak(self, step: int) -> int:
+        """The most device memory the process held in `step` (from the end of
+        the step before it)."""
+        return self.peak_between(self.step_end_ns[step - 1], self.step_end_ns[step])
 
 
 def growth_advisory(report: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -200,3 +226,97 @@ def test_no_growth_is_reported_on_jobs_that_do_not_grow(
         assert growth_advisory(report) is None, report["advisories"]
         assert report["memory_growth"] is None, report["memory_growth"]
         assert report["post_mortem"] is None
+
+
+PASS_LOOPS = HERE / "batch_pass_loops.py"
+
+
+def test_a_long_batch_late_is_named_with_the_peak_it_needed(tmp_path: Path) -> None:
+    """Variable-length batches with the loader's longest in step 30: the report
+    names that step's batch as the largest seen with its step's peak and
+    headroom (fake CUDA's usage log says what the step held), the loader's
+    largest as the client said it, and reads the cache it left as no growth."""
+    usable = 4 * GIB
+    long_step, tokens = 30, 8 * 1024
+    with agent_on(tmp_path, usable) as agent:
+        job = "batch-varlen"
+        proc = train(agent, job, [str(PASS_LOOPS), "varlen"], tmp_path / "usage")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        truth = Truth(proc, tmp_path / "usage", usable)
+        report = wait_for(
+            "40 steps and their batches",
+            lambda: (
+                (r := rank(agent, job))["steps_completed"] >= 40
+                and (r.get("batches") or {}).get("largest")
+                and r
+            ),
+        )
+    peak = truth.step_peak(long_step)
+    others = max(truth.step_peak(s) for s in range(3, long_step))  # the cache keeps it after
+    assert peak > 1.3 * others, (peak, others)  # else this test proves less
+    batches = report["batches"]
+    largest = batches["largest"]
+    assert largest["step"] == long_step, batches
+    assert largest["batch"] == {"samples": 8, "tokens": tokens, "shape": [8, 1024]}, batches
+    assert largest["allocated_peak_bytes"] <= peak, (largest, peak)
+    assert batches["loader_largest"] == {"samples": 8, "tokens": tokens}
+    assert batches["relation"]["unit"] == "tokens", batches["relation"]
+    assert growth_advisory(report) is None, report["advisories"]
+    assert report["memory_growth"] is None, report["memory_growth"]
+    device = batches["largest_device_peak_bytes"]
+    headroom = batches["largest_headroom_bytes"]
+    assert headroom == usable - device, batches
+    if abs(device - peak) > 0.05 * peak:
+        # Known miss: the figure is the step's sampled NVML peak, which misses
+        # a step of ~10 ms on fake CUDA, when reserved + outside is higher.
+        pytest.xfail(f"largest batch's device peak {device}, the usage log says {peak}")
+    print(
+        f"varlen: step {long_step} ({tokens} tokens) needed {peak / MIB:.0f} MiB by the usage "
+        f"log, the agent says {device / MIB:.0f} MiB; other steps at most {others / MIB:.0f} MiB"
+    )
+
+
+def test_evaluations_and_checkpoints_are_passes_with_their_own_headroom(tmp_path: Path) -> None:
+    """An evaluation (2048 times the training batch, no gradients) before step 1
+    and every 5 steps, each followed by a checkpoint: no growth, no warning;
+    the report keeps the passes apart (their counts, peaks and headroom, the
+    evaluation's against fake CUDA's usage log) and the steps' trailing peak
+    below the evaluation's."""
+    usable = 2 * GIB
+    with agent_on(tmp_path, usable) as agent:
+        job = "passes"
+        proc = train(agent, job, [str(PASS_LOOPS), "passes"], tmp_path / "usage")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        truth = Truth(proc, tmp_path / "usage", usable)
+        evals, saves = len(truth.passes["eval"]), len(truth.passes["checkpoint"])
+        assert (evals, saves) == (9, 8), truth.passes
+
+        def counted(r: Dict[str, Any]) -> bool:
+            begun = {p["kind"]: p["begun"] for p in r.get("passes") or []}
+            return begun == {"evaluation": evals, "checkpoint": saves}
+
+        report = wait_for(
+            "40 steps and their passes",
+            lambda: (r := rank(agent, job))["steps_completed"] >= 40 and counted(r) and r,
+        )
+    # PREDICTION_FINAL (info) only: no OOM, headroom or growth warning.
+    assert [a["kind"] for a in report["advisories"]] == ["prediction_final"], report["advisories"]
+    assert report["memory_growth"] is None, report["memory_growth"]
+    passes = {p["kind"]: p for p in report["passes"]}
+    evaluation = passes["evaluation"]
+    eval_peak = max(truth.peak_between(t0, t1) for t0, t1 in truth.passes["eval"])
+    device = evaluation["highest"]["device_peak_bytes"]
+    assert abs(device - eval_peak) <= 0.05 * eval_peak, (evaluation, eval_peak)
+    assert abs(evaluation["headroom_bytes"] - (usable - eval_peak)) <= 0.05 * usable, evaluation
+    assert passes["checkpoint"]["highest"]["allocated_peak_bytes"] > 0, passes["checkpoint"]
+    # The evaluation's activations (2048 batches' worth) are in no step's figure.
+    trailing = report["memory_trend"]["trailing"]
+    assert trailing["allocated_max_bytes"] < evaluation["highest"]["allocated_peak_bytes"], (
+        trailing,
+        evaluation,
+    )
+    print(
+        f"passes: {evals} evaluations, highest {eval_peak / MIB:.0f} MiB by the usage log, "
+        f"the agent says {device / MIB:.0f} MiB (headroom {evaluation['headroom_bytes'] / MIB:.0f}"
+        f" MiB); steps' allocated peak {trailing['allocated_max_bytes'] / MIB:.0f} MiB"
+    )
