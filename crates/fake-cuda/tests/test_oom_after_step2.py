@@ -266,10 +266,10 @@ def test_a_long_batch_late_is_named_with_the_peak_it_needed(tmp_path: Path) -> N
     device = batches["largest_device_peak_bytes"]
     headroom = batches["largest_headroom_bytes"]
     assert headroom == usable - device, batches
-    if abs(device - peak) > 0.05 * peak:
-        # Known miss: the figure is the step's sampled NVML peak, which misses
-        # a step of ~10 ms on fake CUDA, when reserved + outside is higher.
-        pytest.xfail(f"largest batch's device peak {device}, the usage log says {peak}")
+    # NVML's samples can miss a step of ~10 ms: the figure is the higher of
+    # the sampled peak and the step's reserved peak plus what NVML shows
+    # beyond the pool on the other steps.
+    assert abs(device - peak) <= 0.05 * peak, (device, peak, batches)
     print(
         f"varlen: step {long_step} ({tokens} tokens) needed {peak / MIB:.0f} MiB by the usage "
         f"log, the agent says {device / MIB:.0f} MiB; other steps at most {others / MIB:.0f} MiB"

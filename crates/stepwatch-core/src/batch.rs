@@ -240,8 +240,57 @@ pub struct LargestBatch {
     pub batch: BatchFacts,
     /// Its step's allocated peak (a lower bound), bytes.
     pub allocated_peak_bytes: Option<u64>,
+    /// Its step's reserved peak (a lower bound), bytes.
+    pub reserved_peak_bytes: Option<u64>,
     /// Its step's device-memory peak (NVML), bytes.
     pub nvml_peak_bytes: Option<u64>,
+}
+
+/// What the device holds beyond the allocator on a rank's steps (medians
+/// over the trailing window, `MemoryTrend`): the figures that turn an
+/// allocator peak into a device peak when NVML missed the moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BeyondAllocator {
+    /// NVML above the reserved peak (CUDA context, other libraries).
+    pub over_reserved_bytes: Option<u64>,
+    /// NVML above the allocated peak (the above plus the cache).
+    pub over_allocated_bytes: Option<u64>,
+}
+
+/// The device memory a step or pass needed: the higher of its NVML peak and
+/// its reserved peak plus what NVML shows beyond the pool, since a short
+/// step can fall between NVML samples; with neither, its allocated peak
+/// plus what the device needs beyond that.
+pub fn device_peak_bytes(
+    nvml_peak: Option<u64>,
+    reserved_peak: Option<u64>,
+    allocated_peak: Option<u64>,
+    beyond: BeyondAllocator,
+) -> Option<u64> {
+    let from_reserved = reserved_peak
+        .zip(beyond.over_reserved_bytes)
+        .map(|(r, o)| r.saturating_add(o));
+    nvml_peak
+        .into_iter()
+        .chain(from_reserved)
+        .max()
+        .or_else(|| {
+            allocated_peak
+                .zip(beyond.over_allocated_bytes)
+                .map(|(a, o)| a.saturating_add(o))
+        })
+}
+
+impl LargestBatch {
+    /// The device memory its step needed (see [`device_peak_bytes`]).
+    pub fn device_peak_bytes(&self, beyond: BeyondAllocator) -> Option<u64> {
+        device_peak_bytes(
+            self.nvml_peak_bytes,
+            self.reserved_peak_bytes,
+            self.allocated_peak_bytes,
+            beyond,
+        )
+    }
 }
 
 /// What the largest batch the loader can produce would need, from the
@@ -255,9 +304,8 @@ pub struct BatchOutlook {
     /// The allocated peak it would need, bytes.
     pub allocated_peak_bytes: u64,
     /// The device-memory peak it would need: the allocated peak plus what
-    /// NVML showed beyond the allocated peak at the largest batch seen
-    /// (CUDA context, cache), or on the window's steps when that step had
-    /// no sample, bytes.
+    /// the largest batch seen needed beyond its allocated peak (CUDA
+    /// context, cache; see [`device_peak_bytes`]), bytes.
     pub device_peak_bytes: Option<u64>,
     /// Capacity minus that; None without capacity or device figure.
     pub headroom_bytes: Option<i64>,
@@ -265,16 +313,14 @@ pub struct BatchOutlook {
 
 /// What `loader_largest` would need, from the largest batch seen and the
 /// relation (None when the client did not say it, the relation has no
-/// slope, or the two batches share no unit). `device_over_allocated` is
-/// what the device needs beyond a step's allocated peak on the window's
-/// steps (`MemoryTrend::nvml_over_allocated_bytes`), for a largest step
-/// without an NVML sample.
+/// slope, or the two batches share no unit). `beyond` turns the largest
+/// step's allocator peaks into its device peak.
 pub fn outlook(
     relation: &BatchRelation,
     largest: &LargestBatch,
     loader_largest: &BatchFacts,
     capacity_bytes: u64,
-    device_over_allocated: Option<u64>,
+    beyond: BeyondAllocator,
 ) -> Option<BatchOutlook> {
     let rate = relation.bytes_per_unit?;
     let unit = relation.unit;
@@ -286,10 +332,8 @@ pub fn outlook(
         .max(0.0)
         .min(MAX_PLAUSIBLE_BYTES as f64) as u64;
     let device = largest
-        .nvml_peak_bytes
-        .map(|n| n.saturating_sub(base))
-        .or(device_over_allocated)
-        .map(|over| allocated.saturating_add(over));
+        .device_peak_bytes(beyond)
+        .map(|d| allocated.saturating_add(d.saturating_sub(base)));
     Some(BatchOutlook {
         batch: loader_largest.clone(),
         size,
@@ -313,9 +357,8 @@ pub struct StepBatches {
     pub loader_largest: Option<BatchFacts>,
     /// What that batch would need.
     pub outlook: Option<BatchOutlook>,
-    /// The device peak of the largest batch's step: its NVML peak, else its
-    /// allocated peak plus what the device needs beyond it on the window's
-    /// steps, bytes.
+    /// The device peak of the largest batch's step (see
+    /// [`device_peak_bytes`]), bytes.
     pub largest_device_peak_bytes: Option<u64>,
     /// Capacity minus that, bytes.
     pub largest_headroom_bytes: Option<i64>,
@@ -329,7 +372,7 @@ impl StepBatches {
         largest: Option<&LargestBatch>,
         loader_largest: Option<&BatchFacts>,
         capacity_bytes: u64,
-        device_over_allocated: Option<u64>,
+        beyond: BeyondAllocator,
     ) -> Option<Self> {
         if relation.is_none() && largest.is_none() && loader_largest.is_none() {
             return None;
@@ -337,13 +380,8 @@ impl StepBatches {
         let outlook = relation
             .zip(largest)
             .zip(loader_largest)
-            .and_then(|((r, l), loader)| {
-                outlook(r, l, loader, capacity_bytes, device_over_allocated)
-            });
-        let largest_device = largest.and_then(|l| {
-            l.nvml_peak_bytes
-                .or_else(|| l.allocated_peak_bytes?.checked_add(device_over_allocated?))
-        });
+            .and_then(|((r, l), loader)| outlook(r, l, loader, capacity_bytes, beyond));
+        let largest_device = largest.and_then(|l| l.device_peak_bytes(beyond));
         Some(Self {
             relation: relation.cloned(),
             largest: largest.cloned(),
@@ -428,17 +466,47 @@ mod tests {
                 ..Default::default()
             },
             allocated_peak_bytes: Some(5096),
+            reserved_peak_bytes: Some(5200),
             nvml_peak_bytes: Some(6000),
         };
         let loader = BatchFacts {
             tokens: Some(4096),
             ..Default::default()
         };
-        let o = outlook(&r, &largest, &loader, 10_000, None).unwrap();
+        let beyond = BeyondAllocator {
+            over_reserved_bytes: Some(500),
+            over_allocated_bytes: Some(700),
+        };
+        let o = outlook(&r, &largest, &loader, 10_000, beyond).unwrap();
         // 5096 + 2·2048 = 9192 allocated; plus the 904 NVML showed beyond
         // the allocated peak at step 9: 10096, 96 over capacity.
         assert_eq!(o.allocated_peak_bytes, 9192);
         assert_eq!(o.device_peak_bytes, Some(10_096));
         assert_eq!(o.headroom_bytes, Some(-96));
+    }
+
+    #[test]
+    fn a_step_that_nvml_sampled_low_is_judged_by_its_pool() {
+        // NVML's highest sample of a short step (4000) is below its reserved
+        // peak plus what NVML shows beyond the pool on the other steps.
+        let beyond = BeyondAllocator {
+            over_reserved_bytes: Some(500),
+            over_allocated_bytes: Some(700),
+        };
+        assert_eq!(
+            device_peak_bytes(Some(4000), Some(5200), Some(5096), beyond),
+            Some(5700)
+        );
+        // A sample above that wins; without NVML or reserved figures, the
+        // allocated peak plus what the device needs beyond it.
+        assert_eq!(
+            device_peak_bytes(Some(6000), Some(5200), Some(5096), beyond),
+            Some(6000)
+        );
+        assert_eq!(
+            device_peak_bytes(None, None, Some(5096), beyond),
+            Some(5796)
+        );
+        assert_eq!(device_peak_bytes(None, None, None, beyond), None);
     }
 }

@@ -589,6 +589,7 @@ impl TrendMemo {
             None => true,
             Some(kept) if kept.step == f.step => {
                 kept.allocated_peak_bytes != f.allocated_peak_bytes
+                    || kept.reserved_peak_bytes != f.reserved_peak_bytes
                     || kept.nvml_peak_bytes != f.nvml_peak_bytes
             }
             Some(kept) => {
@@ -603,6 +604,7 @@ impl TrendMemo {
                 step: f.step,
                 batch: batch.clone(),
                 allocated_peak_bytes: f.allocated_peak_bytes,
+                reserved_peak_bytes: f.reserved_peak_bytes,
                 nvml_peak_bytes: f.nvml_peak_bytes,
             });
         }

@@ -47,7 +47,7 @@ pub use analysis::{
 };
 pub use batch::{
     outlook, BatchFacts, BatchOutlook, BatchPoint, BatchRelation, BatchSize, BatchUnit,
-    LargestBatch, StepBatches, MAX_BATCH_DIMS,
+    BeyondAllocator, LargestBatch, StepBatches, MAX_BATCH_DIMS,
 };
 pub use divergence::{
     activation_peak_bytes, divergence, ActivationPeak, Divergence, DivergenceFigure, NamedOutlier,

@@ -12,6 +12,7 @@
 
 use serde::Serialize;
 
+use crate::batch::{device_peak_bytes, BeyondAllocator};
 use crate::marker::PassKind;
 use crate::profile::allocator_peak_bounds;
 use crate::timeline::{PassOutcome, PassRecord, RankTimeline};
@@ -46,9 +47,10 @@ impl PassFigures {
         let (allocated, reserved) =
             bounds.map_or((None, None), |(a, r)| (Some(a.at_least), Some(r.at_least)));
         let nvml = (pass.nvml.samples > 0).then_some(pass.nvml.peak_bytes);
-        let from_reserved = reserved
-            .zip(outside_bytes)
-            .map(|(r, o)| r.saturating_add(o));
+        let beyond = BeyondAllocator {
+            over_reserved_bytes: outside_bytes,
+            over_allocated_bytes: None,
+        };
         Self {
             after_step: pass.after_step,
             outcome: pass.outcome,
@@ -57,7 +59,7 @@ impl PassFigures {
             nvml_peak_bytes: nvml,
             allocated_peak_bytes: allocated,
             reserved_peak_bytes: reserved,
-            device_peak_bytes: nvml.into_iter().chain(from_reserved).max(),
+            device_peak_bytes: device_peak_bytes(nvml, reserved, None, beyond),
         }
     }
 

@@ -17,7 +17,7 @@ use crate::advisory::{self, Advisory, AdvisoryKind};
 use crate::allocator::SegmentLayout;
 use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
 use crate::analysis::{RankInputs, SteadyMemo};
-use crate::batch::StepBatches;
+use crate::batch::{BeyondAllocator, StepBatches};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::growth::{forecast, GrowthForecast, MemoryTrend, TrendMemo};
@@ -451,7 +451,10 @@ impl Tracker {
             state.trend.largest_batch(),
             state.info.model.largest_batch.as_ref(),
             self.capacity_of(state),
-            trend.and_then(|t| t.nvml_over_allocated_bytes),
+            BeyondAllocator {
+                over_reserved_bytes: trend.and_then(|t| t.nvml_over_reserved_bytes),
+                over_allocated_bytes: trend.and_then(|t| t.nvml_over_allocated_bytes),
+            },
         )
     }
 
