@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use stepwatch_core::{
-    AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace, Marker, MarkerKind,
-    ModelFacts, OptimizerImplementation, OptimizerKind, PhaseKind, Precision, RankInfo,
+    AllocatorAction, AllocatorEvent, AllocatorStats, AllocatorTrace, BatchFacts, Marker,
+    MarkerKind, ModelFacts, OptimizerImplementation, OptimizerKind, PhaseKind, Precision, RankInfo,
 };
 
 use crate::allocator::{AllocId, CachingAllocator, OutOfMemory, Usage};
@@ -681,9 +681,15 @@ impl RankSim {
     fn emit_marker(&mut self, kind: MarkerKind, micro_batch: u32) {
         let wall_ns = self.start_wall_ns + (self.now_ns - self.start_ns);
         // No device memory: the simulator leaves the overhead to NVML's samples.
+        // A forward says its batch, as the Python client's forward hooks do.
+        let batch = (kind == MarkerKind::ForwardBegin).then(|| BatchFacts {
+            samples: Some(self.scenario.model.micro_batch),
+            ..BatchFacts::default()
+        });
         let marker = Marker {
             micro_batch,
             allocator: Some(self.stats()),
+            batch,
             ..Marker::at(kind, self.step, self.now_ns, wall_ns)
         };
         self.alloc.reset_phase_peak();
