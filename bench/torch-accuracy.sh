@@ -40,6 +40,9 @@
 # default target/debug/stepwatch, built with `cargo build -p stepwatch` when
 # missing), FAKE_CUDA (default crates/fake-cuda/fake-cuda).
 #
+# bench/steady-growth.sh runs its own harness (bench/steady_growth.py) through
+# this script's set-up: --steady-growth, first, selects it.
+#
 # Exit status: 0; 1 on a harness error (a job failed other than by OOM, the
 # agent did not come up, truth could not be read); 2 on bad usage; 3 with
 # --check when a target is missed.
@@ -56,6 +59,12 @@ command -v "$PYTHON" >/dev/null || {
   echo "torch-accuracy: no python at '$PYTHON' (set PYTHON=...)" >&2
   exit 1
 }
+
+HARNESS=torch_accuracy.py
+if [ "${1:-}" = --steady-growth ]; then
+  HARNESS=steady_growth.py
+  shift
+fi
 
 want_build=1
 for arg in "$@"; do
@@ -79,4 +88,4 @@ fi
 
 # The harness owns its children (agents, jobs) and stops them on exit and on
 # SIGINT/SIGTERM; exec so that signals reach it directly.
-exec "$PYTHON" "$REPO/bench/torch_accuracy.py" --bin "$BIN" --python "$PYTHON" "$@"
+exec "$PYTHON" "$REPO/bench/$HARNESS" --bin "$BIN" --python "$PYTHON" "$@"

@@ -689,13 +689,8 @@ class Harness:
         usage_dir: Path,
         rundir: Path,
     ) -> Tuple[int, bool]:
-        env = self.job_env(
-            job,
-            [self.repo / "python"],
-            STEPWATCH_ENDPOINT=f"unix://{agent.sock}",
-            STEPWATCH_JOB_ID=job_id,
-            STEPWATCH_FAKE_NVML_DIR=str(nvml_dir),
-            STEPWATCH_FAKE_CUDA_USAGE_LOG=str(usage_dir),
+        env = self.agent_env(
+            job, job_id, agent, nvml_dir, STEPWATCH_FAKE_CUDA_USAGE_LOG=str(usage_dir)
         )
         if variant == "markers":
             env["STEPWATCH_ALLOCATOR_TRACE"] = "0"
@@ -704,6 +699,20 @@ class Harness:
             cmd = self.on_fake_cuda(cmd, job.nproc, usage_dir)
         rc, timed_out = self.run_logged(rundir, cmd, env)
         return (rc if rc is not None else -1), timed_out
+
+    def agent_env(
+        self, job: Job, job_id: str, agent: Agent, nvml_dir: Path, **settings: str
+    ) -> Dict[str, str]:
+        """A job's environment (`job_env`) reporting to ``agent`` as ``job_id``, on the
+        fake GPUs of ``nvml_dir``."""
+        return self.job_env(
+            job,
+            [self.repo / "python"],
+            STEPWATCH_ENDPOINT=f"unix://{agent.sock}",
+            STEPWATCH_JOB_ID=job_id,
+            STEPWATCH_FAKE_NVML_DIR=str(nvml_dir),
+            **settings,
+        )
 
     def job_env(self, job: Job, paths: List[Path], **settings: str) -> Dict[str, str]:
         """This process's environment for a job: without the allocator settings (the job's
@@ -1398,6 +1407,26 @@ def table(rows: List[Dict[str, Any]]) -> str:
 
 
 # ------------------------------------------------------------------ main ----
+def add_harness_args(ap: argparse.ArgumentParser, repo: Path, out: str) -> None:
+    """The flags of what the jobs run with (shared with bench/steady_growth.py);
+    the results in target/``out``.json."""
+    ap.add_argument(
+        "--jobs-file", default=str(repo / "bench/torch-jobs/jobs.json"), help="%(default)s"
+    )
+    ap.add_argument("--out", default=str(repo / f"target/{out}.json"), help="%(default)s")
+    ap.add_argument(
+        "--bin",
+        default=os.environ.get("STEPWATCH_BIN") or str(repo / "target/debug/stepwatch"),
+        help="the agent (default: $STEPWATCH_BIN, else %(default)s)",
+    )
+    ap.add_argument(
+        "--fake-cuda",
+        default=os.environ.get("FAKE_CUDA") or str(repo / "crates/fake-cuda/fake-cuda"),
+        help="the fake CUDA launcher (default: $FAKE_CUDA, else %(default)s)",
+    )
+    ap.add_argument("--python", default=sys.executable, help="Python of the jobs (%(default)s)")
+
+
 def parse_args(argv: Optional[List[str]], repo: Path) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="bench/torch-accuracy.sh",
@@ -1435,21 +1464,7 @@ def parse_args(argv: Optional[List[str]], repo: Path) -> argparse.Namespace:
         default=",".join(ALL_CASES),
         help="comma-separated subset of " + ",".join(ALL_CASES).replace("%", "%%"),
     )
-    ap.add_argument(
-        "--jobs-file", default=str(repo / "bench/torch-jobs/jobs.json"), help="%(default)s"
-    )
-    ap.add_argument("--out", default=str(repo / "target/torch-accuracy.json"), help="%(default)s")
-    ap.add_argument(
-        "--bin",
-        default=os.environ.get("STEPWATCH_BIN") or str(repo / "target/debug/stepwatch"),
-        help="the agent (default: $STEPWATCH_BIN, else %(default)s)",
-    )
-    ap.add_argument(
-        "--fake-cuda",
-        default=os.environ.get("FAKE_CUDA") or str(repo / "crates/fake-cuda/fake-cuda"),
-        help="the fake CUDA launcher (default: $FAKE_CUDA, else %(default)s)",
-    )
-    ap.add_argument("--python", default=sys.executable, help="Python of the jobs (%(default)s)")
+    add_harness_args(ap, repo, "torch-accuracy")
     ap.add_argument(
         "--calibration-gib",
         type=float,
