@@ -10,8 +10,9 @@ package. Fails when an expression cannot be satisfied with allowed licences, whe
 no `license` field, or when a workspace member is not Apache-2.0.
 
 With --third-party OUT, also writes the licence texts of the crates compiled into the shipped
-agent (`stepwatch --no-default-features --features preflight,components`: normal dependencies of the root,
-no dev or build dependencies) into OUT, as binary redistribution of MIT/BSD/ISC code requires.
+agent (`stepwatch --no-default-features --features preflight,components`: normal dependencies
+of the root, no dev or build dependencies) into OUT, as binary redistribution of MIT/BSD/ISC
+code requires.
 The texts are the LICENSE*/COPYING*/NOTICE* files of each crate's source in Cargo's registry.
 
 Advisories (RustSec) need their database from the network and are not checked here.
