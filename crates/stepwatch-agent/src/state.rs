@@ -444,7 +444,7 @@ impl AgentState {
     /// Merges facts a rank sent after its hello (recorded) and returns the
     /// advisories that became due (None once step 2 began) and how the
     /// rank's allocator trace replays under the merged facts. Refused when
-    /// the rank has left the stream's run `run_id` (see [`Self::apply_markers`]).
+    /// the rank has left the stream's run `run_id` (see [`Self::apply_marker_batches`]).
     pub fn update_model_facts(
         &self,
         key: &RankKey,
@@ -494,7 +494,7 @@ impl AgentState {
     /// Hands a rank's step-2 replay (of `trace` under `plan`, recorded with
     /// them) to the tracker and returns the advisories it made due; None
     /// when step 2 had already begun. Refused when the rank has left the
-    /// stream's run `run_id` (see [`Self::apply_markers`]).
+    /// stream's run `run_id` (see [`Self::apply_marker_batches`]).
     pub fn apply_allocator_replay(
         &self,
         key: &RankKey,

@@ -654,19 +654,19 @@ async fn receive_markers(
         // behind (its batches waited while others held the lock) catches up
         // in one turn, and no turn holds the lock longer than one full batch.
         let mut batches = vec![checked_batch(state, &mut bucket, max_rate, batch)?];
-        let mut held = batches[0].len();
+        let mut markers_taken = batches[0].len();
         let mut refused = None;
-        while held < MAX_MARKERS_PER_BATCH && refused.is_none() {
+        while markers_taken < MAX_MARKERS_PER_BATCH && refused.is_none() {
             let Some(next) = next_message(state, inbound, Retry::Later).now_or_never() else {
                 break;
             };
             match next {
                 Ok(Some(pb::ClientMessage {
                     kind: Some(Kind::Markers(batch)),
-                })) if held + batch.markers.len() <= MAX_MARKERS_PER_BATCH => {
+                })) if markers_taken + batch.markers.len() <= MAX_MARKERS_PER_BATCH => {
                     match checked_batch(state, &mut bucket, max_rate, batch) {
                         Ok(markers) => {
-                            held += markers.len();
+                            markers_taken += markers.len();
                             batches.push(markers);
                         }
                         // After the batches before it, as if read in turn.
