@@ -27,7 +27,7 @@ fn event(action: RecordedAction, address: u64, size: u64) -> RecordedEvent {
 #[test]
 fn torch_2_15_on_fake_cuda_takes_the_oldest_segments_block() {
     // Real PyTorch 2.15 on fake CUDA (history.py in the fixtures folder).
-    let text = include_str!("fixtures/torch-fake-cuda/history-adamw-2.15.json");
+    let text = include_str!("../fixtures/torch-fake-cuda/history-adamw-2.15.json");
     let history: History = serde_json::from_str(text).unwrap();
     let order = FreeBlockOrder::of_torch_version("2.15.0+cu132").unwrap();
     assert_eq!(order, FreeBlockOrder::SegmentAge);

@@ -9,7 +9,7 @@ use stepwatch_core::*;
 
 // Step 1's layout at its optimizer begin, rebuilt from a trace: one copy
 // with the diagnostic examples.
-#[path = "../examples/common/mod.rs"]
+#[path = "../../examples/common/mod.rs"]
 mod trace_layout;
 use trace_layout::layout_at_optimizer_begin;
 
