@@ -213,12 +213,12 @@ pub fn analyze_rank<'a>(
             first_step: step.step,
             nvml_peak_ratio: ratio(st.and_then(|s| s.nvml_peak_bytes), fp.nvml_peak_bytes),
             allocated_peak_ratio: ratio(
-                st.and_then(|s| s.allocated_peak_bytes),
-                fp.allocated_peak_bytes,
+                st.and_then(|s| s.peaks.allocated_peak_bytes),
+                fp.peaks.allocated_peak_bytes,
             ),
             reserved_peak_ratio: ratio(
-                st.and_then(|s| s.reserved_peak_bytes),
-                fp.reserved_peak_bytes,
+                st.and_then(|s| s.peaks.reserved_peak_bytes),
+                fp.peaks.reserved_peak_bytes,
             ),
             optimizer_allocated_jump_bytes: opt_jump(PredictionBasis::Allocator),
             optimizer_nvml_jump_bytes: opt_jump(PredictionBasis::NvmlOnly),

@@ -282,7 +282,7 @@ pub fn device_peak_bytes(
 }
 
 impl LargestBatch {
-    /// The device memory its step needed (see [`device_peak_bytes`]).
+    /// The device memory its step needed (see `device_peak_bytes`).
     pub fn device_peak_bytes(&self, beyond: BeyondAllocator) -> Option<u64> {
         device_peak_bytes(
             self.nvml_peak_bytes,
@@ -305,7 +305,7 @@ pub struct BatchOutlook {
     pub allocated_peak_bytes: u64,
     /// The device-memory peak it would need: the allocated peak plus what
     /// the largest batch seen needed beyond its allocated peak (CUDA
-    /// context, cache; see [`device_peak_bytes`]), bytes.
+    /// context, cache; see `device_peak_bytes`), bytes.
     pub device_peak_bytes: Option<u64>,
     /// Capacity minus that; None without capacity or device figure.
     pub headroom_bytes: Option<i64>,
@@ -358,7 +358,7 @@ pub struct StepBatches {
     /// What that batch would need.
     pub outlook: Option<BatchOutlook>,
     /// The device peak of the largest batch's step (see
-    /// [`device_peak_bytes`]), bytes.
+    /// `device_peak_bytes`), bytes.
     pub largest_device_peak_bytes: Option<u64>,
     /// Capacity minus that, bytes.
     pub largest_headroom_bytes: Option<i64>,

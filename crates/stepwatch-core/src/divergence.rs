@@ -136,7 +136,7 @@ impl RankFigures {
             activation_nvml_bytes: activation.and_then(|a| a.nvml_bytes),
             activation_allocated_bytes: activation.and_then(|a| a.allocated_bytes),
             steady_nvml_peak_bytes: steady.and_then(|s| s.nvml_peak_bytes),
-            steady_allocated_peak_bytes: steady.and_then(|s| s.allocated_peak_bytes),
+            steady_allocated_peak_bytes: steady.and_then(|s| s.peaks.allocated_peak_bytes),
         }
     }
 }

@@ -72,7 +72,7 @@ pub enum BindingTerm {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WhatWouldFit {
     /// The micro-batch size (samples per forward) the client stated, else
-    /// step 1's as its markers said ([`micro_batch_size`]).
+    /// step 1's as its markers said (`micro_batch_size`).
     pub micro_batch_size: Option<u32>,
     /// Step 1's forward/backward peak above the memory at step begin, in the
     /// prediction's basis units.

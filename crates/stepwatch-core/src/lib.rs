@@ -82,8 +82,8 @@ pub use predict::{
     WarningRevision,
 };
 pub use profile::{
-    median_f64, median_u64, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds,
-    PhaseProfile, SteadyPhaseProfile, SteadyProfile, StepProfile,
+    median_f64, median_u64, phase_allocator_peak_bounds, phase_allocator_peaks, AllocatorPeaks,
+    PeakBounds, PhaseProfile, SteadyPhaseProfile, SteadyProfile, StepProfile,
 };
 pub use record::{PredictionCheck, Replayer};
 pub use replay::{

@@ -295,7 +295,7 @@ pub fn post_mortem(i: &PostMortemInputs<'_>) -> Option<PostMortem> {
         }),
     };
     let steady_nvml = i.steady.and_then(|s| s.nvml_peak_bytes);
-    let steady_alloc = i.steady.and_then(|s| s.allocated_peak_bytes);
+    let steady_alloc = i.steady.and_then(|s| s.peaks.allocated_peak_bytes);
     let steady_last_step = i.steady.and_then(|s| s.steps.last().copied());
     let capacity = i.capacity_bytes;
     let growing = |source| {

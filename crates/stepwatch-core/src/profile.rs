@@ -86,6 +86,63 @@ impl PeakBounds {
     }
 }
 
+/// A profile's allocated and reserved peaks, each a lower bound with the
+/// most it can have been ([`PeakBounds`] as the profiles hold them).
+/// Serialized flat into the profile that holds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct AllocatorPeaks {
+    /// Highest allocated bytes, a lower bound (see [`phase_allocator_peaks`]).
+    pub allocated_peak_bytes: Option<u64>,
+    /// The most the allocated peak can have been; equal to
+    /// `allocated_peak_bytes` when the counters pin it, None when nothing
+    /// bounds it.
+    pub allocated_peak_at_most_bytes: Option<u64>,
+    /// Highest reserved (caching pool) bytes, by the same rule.
+    pub reserved_peak_bytes: Option<u64>,
+    /// The most the reserved peak can have been, by the same rule.
+    pub reserved_peak_at_most_bytes: Option<u64>,
+}
+
+impl AllocatorPeaks {
+    /// The peaks of the given bounds.
+    pub fn of(allocated: Option<PeakBounds>, reserved: Option<PeakBounds>) -> Self {
+        Self {
+            allocated_peak_bytes: allocated.map(|b| b.at_least),
+            allocated_peak_at_most_bytes: allocated.and_then(|b| b.at_most),
+            reserved_peak_bytes: reserved.map(|b| b.at_least),
+            reserved_peak_at_most_bytes: reserved.and_then(|b| b.at_most),
+        }
+    }
+
+    /// Bounds of the allocated peak; None without allocator figures.
+    pub fn allocated_bounds(&self) -> Option<PeakBounds> {
+        PeakBounds::from_parts(self.allocated_peak_bytes, self.allocated_peak_at_most_bytes)
+    }
+
+    /// Bounds of the reserved peak; None without allocator figures.
+    pub fn reserved_bounds(&self) -> Option<PeakBounds> {
+        PeakBounds::from_parts(self.reserved_peak_bytes, self.reserved_peak_at_most_bytes)
+    }
+
+    /// The steady figures of each peak over the given bounds (see
+    /// [`SteadyProfile`]).
+    fn steady<T>(items: &[T], peaks: impl Fn(&T) -> &AllocatorPeaks) -> Self {
+        let steady = |f: fn(&AllocatorPeaks) -> Option<PeakBounds>| {
+            steady_peak(&items.iter().filter_map(|i| f(peaks(i))).collect::<Vec<_>>())
+        };
+        let ((allocated, allocated_most), (reserved, reserved_most)) = (
+            steady(AllocatorPeaks::allocated_bounds),
+            steady(AllocatorPeaks::reserved_bounds),
+        );
+        Self {
+            allocated_peak_bytes: allocated,
+            allocated_peak_at_most_bytes: allocated_most,
+            reserved_peak_bytes: reserved,
+            reserved_peak_at_most_bytes: reserved_most,
+        }
+    }
+}
+
 fn max_bounds(a: Option<PeakBounds>, b: Option<PeakBounds>) -> Option<PeakBounds> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.max(b)),
@@ -153,28 +210,10 @@ pub struct PhaseProfile {
     pub nvml_peak_bytes: Option<u64>,
     /// Mean over all their samples (sample-weighted across instances).
     pub nvml_mean_bytes: Option<u64>,
-    /// Highest allocated bytes, a lower bound (see [`phase_allocator_peaks`]).
-    pub allocated_peak_bytes: Option<u64>,
-    /// The most the allocated peak can have been; equal to
-    /// `allocated_peak_bytes` when the counters pin it, None when nothing
-    /// bounds it (see [`PeakBounds`]).
-    pub allocated_peak_at_most_bytes: Option<u64>,
-    /// Highest reserved (caching pool) bytes, by the same rule.
-    pub reserved_peak_bytes: Option<u64>,
-    /// The most the reserved peak can have been, by the same rule.
-    pub reserved_peak_at_most_bytes: Option<u64>,
-}
-
-impl PhaseProfile {
-    /// Bounds of the allocated peak; None without allocator figures.
-    pub fn allocated_bounds(&self) -> Option<PeakBounds> {
-        PeakBounds::from_parts(self.allocated_peak_bytes, self.allocated_peak_at_most_bytes)
-    }
-
-    /// Bounds of the reserved peak; None without allocator figures.
-    pub fn reserved_bounds(&self) -> Option<PeakBounds> {
-        PeakBounds::from_parts(self.reserved_peak_bytes, self.reserved_peak_at_most_bytes)
-    }
+    /// Highest allocated and reserved bytes over its instances, with their
+    /// upper bounds.
+    #[serde(flatten)]
+    pub peaks: AllocatorPeaks,
 }
 
 /// One step, phase kind by phase kind.
@@ -196,14 +235,10 @@ pub struct StepProfile {
     /// highest step-1 samples lay 10% and more apart); the allocator's peak
     /// counters miss none. The NVML peak without allocator figures.
     pub device_peak_bytes: Option<u64>,
-    /// Highest allocated bytes over all phases, a lower bound.
-    pub allocated_peak_bytes: Option<u64>,
-    /// The most the step's allocated peak can have been (see [`PeakBounds`]).
-    pub allocated_peak_at_most_bytes: Option<u64>,
-    /// Highest reserved bytes over all phases, a lower bound.
-    pub reserved_peak_bytes: Option<u64>,
-    /// The most the step's reserved peak can have been.
-    pub reserved_peak_at_most_bytes: Option<u64>,
+    /// Highest allocated and reserved bytes over all phases, with their
+    /// upper bounds.
+    #[serde(flatten)]
+    pub peaks: AllocatorPeaks,
     /// Micro-batches seen (forward phases).
     pub micro_batches: u32,
     /// The phase kinds present, in step order.
@@ -223,10 +258,7 @@ impl StepProfile {
                 nvml_samples: 0,
                 nvml_peak_bytes: None,
                 nvml_mean_bytes: None,
-                allocated_peak_bytes: None,
-                allocated_peak_at_most_bytes: None,
-                reserved_peak_bytes: None,
-                reserved_peak_at_most_bytes: None,
+                peaks: AllocatorPeaks::default(),
             };
             let (mut allocated, mut reserved) = (None, None);
             let mut sum: u128 = 0;
@@ -249,10 +281,7 @@ impl StepProfile {
             if prof.count == 0 {
                 continue;
             }
-            prof.allocated_peak_bytes = allocated.map(|b| b.at_least);
-            prof.allocated_peak_at_most_bytes = allocated.and_then(|b| b.at_most);
-            prof.reserved_peak_bytes = reserved.map(|b| b.at_least);
-            prof.reserved_peak_at_most_bytes = reserved.and_then(|b| b.at_most);
+            prof.peaks = AllocatorPeaks::of(allocated, reserved);
             if prof.nvml_samples > 0 {
                 prof.nvml_mean_bytes = Some((sum / u128::from(prof.nvml_samples)) as u64);
             }
@@ -262,8 +291,8 @@ impl StepProfile {
         let fold_bounds = |f: fn(&PhaseProfile) -> Option<PeakBounds>| {
             phases.iter().map(f).fold(None, max_bounds)
         };
-        let allocated = fold_bounds(PhaseProfile::allocated_bounds);
-        let reserved = fold_bounds(PhaseProfile::reserved_bounds);
+        let allocated = fold_bounds(|p| p.peaks.allocated_bounds());
+        let reserved = fold_bounds(|p| p.peaks.reserved_bounds());
         let nvml_peak_bytes = fold(|p| p.nvml_peak_bytes);
         let bounded = reserved
             .zip(crate::predict::step_overhead(step))
@@ -274,10 +303,7 @@ impl StepProfile {
             duration_ns: step.duration_ns(),
             nvml_peak_bytes,
             device_peak_bytes: max_opt(nvml_peak_bytes, bounded),
-            allocated_peak_bytes: allocated.map(|b| b.at_least),
-            allocated_peak_at_most_bytes: allocated.and_then(|b| b.at_most),
-            reserved_peak_bytes: reserved.map(|b| b.at_least),
-            reserved_peak_at_most_bytes: reserved.and_then(|b| b.at_most),
+            peaks: AllocatorPeaks::of(allocated, reserved),
             micro_batches: phases
                 .iter()
                 .find(|p| p.phase == PhaseKind::Forward)
@@ -289,16 +315,6 @@ impl StepProfile {
     /// The profile of one phase kind, if the step had it.
     pub fn phase(&self, kind: PhaseKind) -> Option<&PhaseProfile> {
         self.phases.iter().find(|p| p.phase == kind)
-    }
-
-    /// Bounds of the step's allocated peak; None without allocator figures.
-    pub fn allocated_bounds(&self) -> Option<PeakBounds> {
-        PeakBounds::from_parts(self.allocated_peak_bytes, self.allocated_peak_at_most_bytes)
-    }
-
-    /// Bounds of the step's reserved peak; None without allocator figures.
-    pub fn reserved_bounds(&self) -> Option<PeakBounds> {
-        PeakBounds::from_parts(self.reserved_peak_bytes, self.reserved_peak_at_most_bytes)
     }
 }
 
@@ -385,15 +401,12 @@ pub struct SteadyPhaseProfile {
     pub nvml_peak_bytes: Option<u64>,
     /// Median of the phase's NVML mean, bytes.
     pub nvml_mean_bytes: Option<u64>,
-    /// Median of the phase's allocated peak, bytes, with steps whose counters
-    /// only bound it filled in from those that pin it (see [`SteadyProfile`]).
-    pub allocated_peak_bytes: Option<u64>,
-    /// The most that median can be (median of the upper bounds).
-    pub allocated_peak_at_most_bytes: Option<u64>,
-    /// Median of the phase's reserved peak, bytes, by the same rule.
-    pub reserved_peak_bytes: Option<u64>,
-    /// The most that median can be.
-    pub reserved_peak_at_most_bytes: Option<u64>,
+    /// Medians of the phase's allocated and reserved peaks, with steps whose
+    /// counters only bound them filled in from those that pin them (see
+    /// [`SteadyProfile`]), and the most each median can be (median of the
+    /// upper bounds).
+    #[serde(flatten)]
+    pub peaks: AllocatorPeaks,
 }
 
 /// The steady-state profile: the median of each figure over the completed
@@ -414,14 +427,10 @@ pub struct SteadyProfile {
     pub duration_ns: Option<u64>,
     /// Median step NVML peak, bytes; what step 1 is compared against.
     pub nvml_peak_bytes: Option<u64>,
-    /// Median step allocated peak, bytes (see above).
-    pub allocated_peak_bytes: Option<u64>,
-    /// The most that median can be.
-    pub allocated_peak_at_most_bytes: Option<u64>,
-    /// Median step reserved peak, bytes (see above).
-    pub reserved_peak_bytes: Option<u64>,
-    /// The most that median can be.
-    pub reserved_peak_at_most_bytes: Option<u64>,
+    /// Median step allocated and reserved peaks (see above), and the most
+    /// each median can be.
+    #[serde(flatten)]
+    pub peaks: AllocatorPeaks,
     /// Per phase kind, in step order.
     pub phases: Vec<SteadyPhaseProfile>,
 }
@@ -433,43 +442,25 @@ impl SteadyProfile {
         if profiles.is_empty() || profiles.len() < min_steps {
             return None;
         }
-        fn peak<T>(
-            items: &[T],
-            f: impl Fn(&T) -> Option<PeakBounds>,
-        ) -> (Option<u64>, Option<u64>) {
-            steady_peak(&items.iter().filter_map(f).collect::<Vec<_>>())
-        }
         let phases = PhaseKind::ALL
             .iter()
             .filter_map(|&kind| {
                 let ps: Vec<&PhaseProfile> =
                     profiles.iter().filter_map(|s| s.phase(kind)).collect();
-                (!ps.is_empty()).then(|| {
-                    let allocated = peak(&ps, |p| p.allocated_bounds());
-                    let reserved = peak(&ps, |p| p.reserved_bounds());
-                    SteadyPhaseProfile {
-                        phase: kind,
-                        duration_ns: median_of(&ps, |p| (!p.open).then_some(p.duration_ns)),
-                        nvml_peak_bytes: median_of(&ps, |p| p.nvml_peak_bytes),
-                        nvml_mean_bytes: median_of(&ps, |p| p.nvml_mean_bytes),
-                        allocated_peak_bytes: allocated.0,
-                        allocated_peak_at_most_bytes: allocated.1,
-                        reserved_peak_bytes: reserved.0,
-                        reserved_peak_at_most_bytes: reserved.1,
-                    }
+                (!ps.is_empty()).then(|| SteadyPhaseProfile {
+                    phase: kind,
+                    duration_ns: median_of(&ps, |p| (!p.open).then_some(p.duration_ns)),
+                    nvml_peak_bytes: median_of(&ps, |p| p.nvml_peak_bytes),
+                    nvml_mean_bytes: median_of(&ps, |p| p.nvml_mean_bytes),
+                    peaks: AllocatorPeaks::steady(&ps, |p| &p.peaks),
                 })
             })
             .collect();
-        let allocated = peak(profiles, StepProfile::allocated_bounds);
-        let reserved = peak(profiles, StepProfile::reserved_bounds);
         Some(SteadyProfile {
             steps: profiles.iter().map(|p| p.step).collect(),
             duration_ns: median_of(profiles, |p| p.duration_ns),
             nvml_peak_bytes: median_of(profiles, |p| p.nvml_peak_bytes),
-            allocated_peak_bytes: allocated.0,
-            allocated_peak_at_most_bytes: allocated.1,
-            reserved_peak_bytes: reserved.0,
-            reserved_peak_at_most_bytes: reserved.1,
+            peaks: AllocatorPeaks::steady(profiles, |p| &p.peaks),
             phases,
         })
     }
@@ -587,6 +578,32 @@ mod tests {
         let steps = [PeakBounds::exact(500), bounds(300, None), bounds(300, None)];
         assert_eq!(steady_peak(&steps), (Some(300), None));
         assert_eq!(steady_peak(&[]), (None, None));
+    }
+
+    #[test]
+    fn allocator_peaks_serialize_flat_in_their_profile() {
+        let profile = PhaseProfile {
+            phase: PhaseKind::Forward,
+            count: 1,
+            duration_ns: 10,
+            open: false,
+            nvml_samples: 0,
+            nvml_peak_bytes: None,
+            nvml_mean_bytes: None,
+            peaks: AllocatorPeaks::of(Some(bounds(100, Some(150))), Some(bounds(200, None))),
+        };
+        let json = serde_json::to_string(&profile).unwrap();
+        assert!(
+            json.ends_with(
+                r#""nvml_mean_bytes":null,"allocated_peak_bytes":100,"allocated_peak_at_most_bytes":150,"reserved_peak_bytes":200,"reserved_peak_at_most_bytes":null}"#
+            ),
+            "{json}"
+        );
+        assert_eq!(
+            profile.peaks.allocated_bounds(),
+            Some(bounds(100, Some(150)))
+        );
+        assert_eq!(profile.peaks.reserved_bounds(), Some(bounds(200, None)));
     }
 
     #[test]

@@ -578,7 +578,7 @@ fn analysis_families(
                     ph.phase,
                     "first",
                     ph.nvml_peak_bytes,
-                    ph.allocated_peak_bytes,
+                    ph.peaks.allocated_peak_bytes,
                 );
             }
         }
@@ -600,7 +600,7 @@ fn analysis_families(
                     ph.phase,
                     "steady",
                     ph.nvml_peak_bytes,
-                    ph.allocated_peak_bytes,
+                    ph.peaks.allocated_peak_bytes,
                 );
             }
         }

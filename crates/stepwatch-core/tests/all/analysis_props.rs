@@ -365,7 +365,7 @@ proptest! {
                 .map(|k| h.peaks[k])
                 .max();
             let Some(truth) = truth else { continue };
-            let b = first.phase(kind).unwrap().allocated_bounds().unwrap();
+            let b = first.phase(kind).unwrap().peaks.allocated_bounds().unwrap();
             prop_assert!(b.at_least <= truth, "{:?}: {:?} vs {}", kind, b, truth);
             prop_assert!(b.at_most.is_none_or(|m| truth <= m), "{:?}: {:?} vs {}", kind, b, truth);
         }
@@ -409,8 +409,8 @@ proptest! {
         // high-water mark (the optimizer state of step 1 on top of step 1's
         // activations, say).
         prop_assert!(peaks[1..].iter().all(|&p| p == peaks[1]));
-        let most = s.allocated_peak_at_most_bytes.unwrap();
-        let figure = s.allocated_peak_bytes.unwrap();
+        let most = s.peaks.allocated_peak_at_most_bytes.unwrap();
+        let figure = s.peaks.allocated_peak_bytes.unwrap();
         prop_assert!(peaks[1] <= most && figure <= most);
         if peaks[1] > h.before.max(peaks[0]) {
             prop_assert_eq!((figure, most), (peaks[1], peaks[1]));
@@ -422,8 +422,8 @@ proptest! {
                 .map(|k| h.peaks[k])
                 .max()
                 .unwrap();
-            prop_assert!(truth <= sp.allocated_peak_at_most_bytes.unwrap());
-            prop_assert!(sp.allocated_peak_bytes.unwrap() <= sp.allocated_peak_at_most_bytes.unwrap());
+            prop_assert!(truth <= sp.peaks.allocated_peak_at_most_bytes.unwrap());
+            prop_assert!(sp.peaks.allocated_peak_bytes.unwrap() <= sp.peaks.allocated_peak_at_most_bytes.unwrap());
         }
     }
 
