@@ -737,13 +737,7 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
     agent.wait_ready_with_nvml();
     let doomed = agent.sim("thin-margin", "doomed", 0, 0, 4, 1.0);
     let healthy = agent.sim("precreated-state", "healthy", 0, 1, 4, 1.0);
-    let doomed = doomed.wait_with_output().unwrap();
-    let doomed_log = String::from_utf8_lossy(&doomed.stderr);
-    assert_eq!(
-        doomed.status.code(),
-        Some(3),
-        "the doomed rank dies of a simulated OOM:\n{doomed_log}"
-    );
+    let doomed_log = doomed.wait_oom("the doomed rank dies of a simulated OOM");
     wait_ok(healthy, "healthy sim");
     // The agent's log says it too, for whoever reads only that.
     wait_until(
@@ -996,15 +990,12 @@ fn the_prediction_names_the_client_device_memory_as_the_overhead_source() {
 #[test]
 fn a_second_run_in_the_same_process_gets_its_own_step_1_and_prediction() {
     use common::wire::*;
-    use stepwatch_proto::v1::{client_message::Kind, AllocatorStats};
+    use stepwatch_proto::v1::AllocatorStats;
 
     const MIB: u64 = 1 << 20;
     let agent = Agent::start("second-run", 1);
     let run = |run_id: &str, first_step: u64, steps: u64, allocated: u64| {
-        let mut hello = hello("refit", 0, 1);
-        if let Some(Kind::Hello(h)) = hello.kind.as_mut() {
-            h.run_id = run_id.into();
-        }
+        let hello = hello_of_run("refit", run_id);
         let stats = AllocatorStats {
             allocated_bytes: allocated,
             allocated_peak_bytes: allocated,
@@ -1067,17 +1058,10 @@ fn a_second_run_in_the_same_process_gets_its_own_step_1_and_prediction() {
 #[test]
 fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_1() {
     use common::wire::*;
-    use stepwatch_proto::v1::{client_message::Kind, ingest_client::IngestClient, ClientMessage};
 
     let agent = Agent::start("stale-run", 1);
     let endpoint = agent.endpoint();
-    let hello_of = |run_id: &str| {
-        let mut hello = hello("stale", 0, 1);
-        if let Some(Kind::Hello(h)) = hello.kind.as_mut() {
-            h.run_id = run_id.into();
-        }
-        hello
-    };
+    let hello_of = |run_id: &str| hello_of_run("stale", run_id);
     let report = || {
         let (_, body) = agent.get("/api/v1/jobs/stale/ranks/0");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
@@ -1090,13 +1074,7 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
     let fit2 = step(1, t0);
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let channel = connect(&endpoint).await;
-        let (old, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
-        let mut old_inbound = IngestClient::new(channel)
-            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .expect("the stream opens")
-            .into_inner();
+        let (old, mut old_inbound) = open_stream(&endpoint).await;
         old.send(hello_of("fit-1")).await.unwrap();
         old.send(batch(fit1[..2].to_vec())).await.unwrap();
         common::wait_until("fit-1's step 1 began", Duration::from_secs(10), || {
@@ -1114,18 +1092,7 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
         late.push(step(2, t0 + 20_000)[0].clone());
         let n = late.len();
         old.send(batch(late)).await.unwrap();
-        let refusal = async {
-            loop {
-                match old_inbound.message().await {
-                    Ok(Some(_)) => continue,
-                    Ok(None) => panic!("fit-1's stream ended without a refusal"),
-                    Err(status) => break status,
-                }
-            }
-        };
-        let ended = tokio::time::timeout(Duration::from_secs(30), refusal)
-            .await
-            .expect("fit-1's stream was refused (it was left open)");
+        let ended = refusal(&mut old_inbound, "fit-1's stream (it was left open)").await;
         assert_eq!(ended.code(), tonic::Code::FailedPrecondition, "{ended:?}");
         assert!(
             ended.message().contains("\"fit-1\"") && ended.message().contains("\"fit-2\""),
@@ -1133,18 +1100,14 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
         );
         // The refusal names itself, and tells the client that no retry of
         // fit-1 can pass (a client that retried would loop on rank_held).
-        let named = |status: &tonic::Status, key: &str| {
-            status
-                .metadata()
-                .get(key)
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned)
-        };
         assert_eq!(
-            named(&ended, "stepwatch-refusal").as_deref(),
+            metadata(&ended, "stepwatch-refusal").as_deref(),
             Some("run_ended")
         );
-        assert_eq!(named(&ended, "stepwatch-retry").as_deref(), Some("never"));
+        assert_eq!(
+            metadata(&ended, "stepwatch-retry").as_deref(),
+            Some("never")
+        );
         let reconnect = exchange(&endpoint, vec![hello_of("fit-1")])
             .await
             .expect_err("fit-1 cannot come back");
@@ -1154,11 +1117,11 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
             "{reconnect:?}"
         );
         assert_eq!(
-            named(&reconnect, "stepwatch-refusal").as_deref(),
+            metadata(&reconnect, "stepwatch-refusal").as_deref(),
             Some("rank_held")
         );
         assert_eq!(
-            named(&reconnect, "stepwatch-retry").as_deref(),
+            metadata(&reconnect, "stepwatch-retry").as_deref(),
             Some("never")
         );
         agent.wait_metrics("the refused batch counted", Duration::from_secs(5), |m| {
@@ -1204,9 +1167,7 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
 #[test]
 fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass_is_not() {
     use common::wire::*;
-    use stepwatch_proto::v1::{
-        client_message::Kind, ingest_client::IngestClient, ClientMessage, Hello,
-    };
+    use stepwatch_proto::v1::{client_message::Kind, ClientMessage, Hello};
 
     // Over TCP the agent takes the PID from the hello: two "processes".
     let agent = Agent::start_with("retry-never", 1, &["--grpc-listen", "127.0.0.1:0"], |_| {});
@@ -1214,13 +1175,6 @@ fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass
         "http://{}",
         agent.grpc.expect("the agent reports its gRPC address")
     );
-    let named = |status: &tonic::Status, key: &str| {
-        status
-            .metadata()
-            .get(key)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
-    };
     let hello_with = |job: &str, pid: u32, edit: &dyn Fn(&mut Hello)| {
         let mut hello = hello(job, 0, 1);
         if let Some(Kind::Hello(h)) = hello.kind.as_mut() {
@@ -1272,24 +1226,19 @@ fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass
                 .await
                 .expect_err(&format!("{what} is refused"));
             assert_eq!(
-                named(&refused, "stepwatch-refusal").as_deref(),
+                metadata(&refused, "stepwatch-refusal").as_deref(),
                 Some(reason),
                 "{what}: {refused:?}"
             );
             assert_eq!(
-                named(&refused, "stepwatch-retry").as_deref(),
+                metadata(&refused, "stepwatch-retry").as_deref(),
                 Some("never"),
                 "{what}: no reconnect of the process can pass: {refused:?}"
             );
         }
 
         // Process 1 holds rank 0 of "held" on an open stream.
-        let (holder, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
-        let mut holder_inbound = IngestClient::new(connect(&tcp).await)
-            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .expect("the stream opens")
-            .into_inner();
+        let (holder, mut holder_inbound) = open_stream(&tcp).await;
         holder.send(hello_with("held", 1, &|_| {})).await.unwrap();
         holder.send(batch(step(1, t0))).await.unwrap();
         common::wait_until("the holder's step 1", Duration::from_secs(10), || {
@@ -1299,12 +1248,12 @@ fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass
             .await
             .expect_err("the rank is held");
         assert_eq!(
-            named(&held, "stepwatch-refusal").as_deref(),
+            metadata(&held, "stepwatch-refusal").as_deref(),
             Some("rank_held"),
             "{held:?}"
         );
         assert_eq!(
-            named(&held, "stepwatch-retry"),
+            metadata(&held, "stepwatch-retry"),
             None,
             "the holder may go away: {held:?}"
         );
@@ -1316,11 +1265,15 @@ fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass
         .await
         .expect_err("step 0 is refused");
         assert_eq!(
-            named(&regressed, "stepwatch-refusal").as_deref(),
+            metadata(&regressed, "stepwatch-refusal").as_deref(),
             Some("step_regressed"),
             "{regressed:?}"
         );
-        assert_eq!(named(&regressed, "stepwatch-retry"), None, "{regressed:?}");
+        assert_eq!(
+            metadata(&regressed, "stepwatch-retry"),
+            None,
+            "{regressed:?}"
+        );
 
         // Once the holder's stream has closed, process 2's retry takes the rank.
         drop(holder);

@@ -261,13 +261,7 @@ fn a_predicted_step2_oom_reaches_alertmanager_at_once_and_resolves_when_the_rank
     // Firing, with an end a few resend intervals ahead.
     assert!(unix_seconds(seen.alert["endsAt"].as_str().unwrap()) > now_s() + 60.0);
 
-    let out = sim.wait_with_output().unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(3),
-        "the rank dies of its step-2 OOM:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    sim.wait_oom("the rank dies of its step-2 OOM");
     // The rank is gone: the agent resolves its alert (endsAt now), which
     // Alertmanager then no longer lists.
     wait_until("the alert resolved", Duration::from_secs(30), || {
@@ -312,13 +306,7 @@ fn a_job_that_fits_its_gpu_but_not_its_mig_slice_is_warned_before_step_2_and_ale
     let seen = wait_alert(&agent, &am, "sliced", &mut sliced);
     let description = seen.alert["annotations"]["description"].as_str().unwrap();
     assert!(description.contains("capacity 10.47 GB"), "{description}");
-    let out = sliced.wait_with_output().unwrap();
-    let log = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(
-        out.status.code(),
-        Some(3),
-        "the slice runs out in step 2:\n{log}"
-    );
+    let log = sliced.wait_oom("the slice runs out in step 2");
     assert!(
         !log.contains("advisories: 0"),
         "its client was warned:\n{log}"
@@ -406,9 +394,7 @@ fn an_alertmanager_that_never_answers_or_refuses_slows_no_ingest_and_is_counted(
     let agent = start_agent("am-down", &[silent.clone(), refused.clone()], &[]);
     let started = Instant::now();
     let sim = agent.sim("thin-margin", "doomed", 0, 0, 4, 1.0);
-    let out = sim.wait_with_output().unwrap();
-    let log = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(3), "{log}");
+    let log = sim.wait_oom("the rank dies of its step-2 OOM");
     assert!(
         log.contains("advisories: ") && !log.contains("advisories: 0"),
         "the client got its advisories:\n{log}"
@@ -443,10 +429,20 @@ fn an_alertmanager_that_never_answers_or_refuses_slows_no_ingest_and_is_counted(
     drop(blackhole);
 }
 
+/// The benches' agent, posting to `urls`, that records its inputs
+/// (`--record`) into `record.jsonl` of the dir it returns with it.
+fn start_recording_agent(tag: &str, urls: &[String]) -> (Agent, TempDir) {
+    let records = TempDir::new(&format!("{tag}-record"));
+    let record = records.0.join("record.jsonl");
+    let agent = start_agent(tag, urls, &["--record", record.to_str().unwrap()]);
+    (agent, records)
+}
+
 /// Wall time (s) of the newest marker in the batch that made the rank's
-/// first step-2 OOM advisory: the batch the agent's `--record` holds at the
-/// advisory's monotonic time.
-fn marker_wall_s(agent: &Agent, record: &std::path::Path, job: &str) -> f64 {
+/// first step-2 OOM advisory: the batch the agent's record (in `records`,
+/// see [`start_recording_agent`]) holds at the advisory's monotonic time.
+fn marker_wall_s(agent: &Agent, records: &TempDir, job: &str) -> f64 {
+    let record = records.0.join("record.jsonl");
     let (_, body) = agent.get(&format!("/api/v1/jobs/{job}/ranks/0"));
     let report: Value = serde_json::from_str(&body).unwrap();
     let issued = report["advisories"]
@@ -463,7 +459,7 @@ fn marker_wall_s(agent: &Agent, record: &std::path::Path, job: &str) -> f64 {
         "the advisory's batch in the record",
         Duration::from_secs(10),
         || {
-            let text = std::fs::read_to_string(record).unwrap_or_default();
+            let text = std::fs::read_to_string(&record).unwrap_or_default();
             wall = text
                 .lines()
                 .filter_map(|l| serde_json::from_str::<Value>(l).ok())
@@ -498,13 +494,7 @@ fn bench_runs(name: &str, default: usize) -> usize {
 fn alert_latency_bench() {
     let runs = bench_runs("STEPWATCH_ALERT_BENCH_RUNS", 20);
     let am = Alertmanager::start("am-bench");
-    let files = TempDir::new("am-bench-record");
-    let record = files.0.join("record.jsonl");
-    let agent = start_agent(
-        "am-bench",
-        &[am.url()],
-        &["--record", record.to_str().unwrap()],
-    );
+    let (agent, records) = start_recording_agent("am-bench", &[am.url()]);
     let (mut from_marker, mut from_advisory, mut listed) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..runs {
         let job = format!("bench-{i}");
@@ -513,7 +503,7 @@ fn alert_latency_bench() {
         let starts = unix_seconds(obs.alert["startsAt"].as_str().unwrap());
         let received = unix_seconds(obs.alert["updatedAt"].as_str().unwrap());
         let _ = sim.wait_with_output();
-        from_marker.push(received - marker_wall_s(&agent, &record, &job));
+        from_marker.push(received - marker_wall_s(&agent, &records, &job));
         from_advisory.push(received - starts);
         listed.push(obs.seen_s - starts);
     }
@@ -562,6 +552,22 @@ fn slow_optimizer_thin_margin(dir: &std::path::Path) -> std::path::PathBuf {
     path
 }
 
+/// A Prometheus config with the shipped rules, posting to `am`, scraping
+/// `agent`; `global` is the body of its `global:` section.
+fn prometheus_config(global: &str, am: &Alertmanager, agent: &Agent) -> String {
+    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/prometheus/stepwatch-rules.yml");
+    format!(
+        "global:\n  {global}\n\
+         rule_files:\n  - {}\n\
+         alerting:\n  alertmanagers:\n    - static_configs:\n        - targets: [\"{}\"]\n\
+         scrape_configs:\n  - job_name: stepwatch\n    honor_labels: false\n    static_configs:\n      - targets: [\"{}\"]\n",
+        rules.display(),
+        am.addr,
+        agent.http
+    )
+}
+
 /// The rule's alert and the agent's are one alert in Alertmanager: a real
 /// Prometheus scrapes the agent with the shipped rules (external label
 /// `cluster`, as the agent's `--alertmanager-label`) and posts to the same
@@ -574,19 +580,10 @@ fn slow_optimizer_thin_margin(dir: &std::path::Path) -> std::path::PathBuf {
 fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
     let am = Alertmanager::start("am-dedup");
     let agent = start_agent("am-dedup", &[am.url()], &[]);
-    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("deploy/prometheus/stepwatch-rules.yml");
-    let config = format!(
-        "global:\n  scrape_interval: 500ms\n  scrape_timeout: 400ms\n  evaluation_interval: 500ms\n  \
-         external_labels: {{cluster: test-cluster}}\n\
-         rule_files:\n  - {}\n\
-         alerting:\n  alertmanagers:\n    - static_configs:\n        - targets: [\"{}\"]\n\
-         scrape_configs:\n  - job_name: stepwatch\n    honor_labels: false\n    static_configs:\n      - targets: [\"{}\"]\n",
-        rules.display(),
-        am.addr,
-        agent.http
-    );
-    let prom = Prometheus::start("am-dedup", &config);
+    let global =
+        "scrape_interval: 500ms\n  scrape_timeout: 400ms\n  evaluation_interval: 500ms\n  \
+                  external_labels: {cluster: test-cluster}";
+    let prom = Prometheus::start("am-dedup", &prometheus_config(global, &am, &agent));
     // The rule holds only while the rank lives, so the rank's step-1
     // optimizer phase (between the prediction and the OOM) lasts 4 s: time
     // for a scrape and an evaluation (500 ms each) on a busy machine.
@@ -627,8 +624,7 @@ fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
             rules_alert.is_some()
         },
     );
-    let out = sim.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(3));
+    sim.wait_oom("the rank dies of its step-2 OOM");
     let rules_alert = rules_alert.unwrap();
     assert_eq!(
         rules_alert["fingerprint"],
@@ -703,21 +699,9 @@ fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
 fn prometheus_path_latency_bench() {
     let runs = bench_runs("STEPWATCH_PROM_BENCH_RUNS", 10);
     let am = Alertmanager::start("prom-bench");
-    let files = TempDir::new("prom-bench-record");
-    let record = files.0.join("record.jsonl");
-    let agent = start_agent("prom-bench", &[], &["--record", record.to_str().unwrap()]);
-    let rules = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("deploy/prometheus/stepwatch-rules.yml");
-    let config = format!(
-        "global:\n  scrape_interval: 30s\n  scrape_timeout: 10s\n  evaluation_interval: 30s\n\
-         rule_files:\n  - {}\n\
-         alerting:\n  alertmanagers:\n    - static_configs:\n        - targets: [\"{}\"]\n\
-         scrape_configs:\n  - job_name: stepwatch\n    honor_labels: false\n    static_configs:\n      - targets: [\"{}\"]\n",
-        rules.display(),
-        am.addr,
-        agent.http
-    );
-    let _prom = Prometheus::start("prom-bench", &config);
+    let (agent, records) = start_recording_agent("prom-bench", &[]);
+    let global = "scrape_interval: 30s\n  scrape_timeout: 10s\n  evaluation_interval: 30s";
+    let _prom = Prometheus::start("prom-bench", &prometheus_config(global, &am, &agent));
     let jobs: Vec<String> = (0..runs).map(|i| format!("prom-{i}")).collect();
     let mut received = std::collections::BTreeMap::new();
     let poll = |received: &mut std::collections::BTreeMap<String, f64>| {
@@ -748,7 +732,7 @@ fn prometheus_path_latency_bench() {
     });
     let mut latency: Vec<f64> = jobs
         .iter()
-        .map(|job| received[job] - marker_wall_s(&agent, &record, job))
+        .map(|job| received[job] - marker_wall_s(&agent, &records, job))
         .collect();
     latency.sort_by(f64::total_cmp);
     let q = |p: f64| latency[((latency.len() - 1) as f64 * p).round() as usize];

@@ -814,17 +814,9 @@ fn every_refusal_reason_and_known_result_exists_at_zero_from_the_start() {
 /// stream, and counted with the traces the prediction did not use.
 #[test]
 fn a_trace_of_a_run_the_process_left_is_refused_and_counted_as_a_rejected_trace() {
-    use stepwatch_proto::v1::ingest_client::IngestClient;
-
     let agent = Agent::start("trace-run-ended", 1);
     let ep = agent.endpoint();
-    let hello_of = |run_id: &str| {
-        let mut hello = hello("left", 0, 1);
-        if let Some(Kind::Hello(h)) = hello.kind.as_mut() {
-            h.run_id = run_id.into();
-        }
-        hello
-    };
+    let hello_of = |run_id: &str| hello_of_run("left", run_id);
     let steps_of = || {
         let (_, body) = agent.get("/api/v1/jobs/left/ranks/0");
         let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
@@ -835,12 +827,7 @@ fn a_trace_of_a_run_the_process_left_is_refused_and_counted_as_a_rejected_trace(
     };
     let rt = tokio::runtime::Runtime::new().unwrap();
     let refusal = rt.block_on(async {
-        let (old, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
-        let mut old_inbound = IngestClient::new(connect(&ep).await)
-            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .expect("the stream opens")
-            .into_inner();
+        let (old, mut old_inbound) = open_stream(&ep).await;
         old.send(hello_of("fit-1")).await.unwrap();
         old.send(batch(step1_to_optimizer_end(1_000)))
             .await
@@ -855,18 +842,7 @@ fn a_trace_of_a_run_the_process_left_is_refused_and_counted_as_a_rejected_trace(
         .await
         .expect("the second run starts");
         old.send(trace(trace_chunk(1, true))).await.unwrap();
-        let ended = async {
-            loop {
-                match old_inbound.message().await {
-                    Ok(Some(_)) => continue,
-                    Ok(None) => panic!("fit-1's stream ended without a refusal"),
-                    Err(status) => break status,
-                }
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(30), ended)
-            .await
-            .expect("fit-1's trace was refused")
+        refusal(&mut old_inbound, "fit-1's trace").await
     });
     assert_eq!(refusal.code(), Code::FailedPrecondition, "{refusal:?}");
     assert!(refusal.message().contains("\"fit-1\""), "{refusal:?}");

@@ -34,43 +34,6 @@ const STEPS: u64 = 4;
 /// Resolution of the dashboards' range queries.
 const RANGE_STEP_S: f64 = 1.0;
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-/// Agents and Prometheus; prints every log when the test fails.
-struct World {
-    agents: Vec<(&'static str, Agent)>,
-    prom: Option<Prometheus>,
-    sims: Vec<(u32, SimRank)>,
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        // Each rank's process is killed as it is dropped.
-        self.sims.clear();
-        if !std::thread::panicking() {
-            return;
-        }
-        if let Some(prom) = &self.prom {
-            eprintln!("===== prometheus log =====\n{}", prom.log());
-        }
-        for (node, agent) in &self.agents {
-            eprintln!("===== agent {node} log =====\n{}", agent.log());
-        }
-    }
-}
-
-impl World {
-    fn prom(&self) -> &Prometheus {
-        self.prom.as_ref().unwrap()
-    }
-
-    fn agent(&self, node: &str) -> &Agent {
-        &self.agents.iter().find(|(n, _)| *n == node).unwrap().1
-    }
-}
-
 /// The `metric_relabel_configs` of the Kubernetes scrape job in
 /// deploy/prometheus/prometheus-example.yml, as its YAML lines (indented
 /// for a scrape job's keys). deploy/test.sh checks that the chart's
@@ -107,14 +70,6 @@ fn kubernetes_scrape_config(rules: &std::path::Path, targets: &[(String, &str)])
         );
     }
     config + &shipped_metric_relabel_configs()
-}
-
-fn label<'a>(series: &'a Value, name: &str) -> &'a str {
-    series["metric"][name].as_str().unwrap_or("")
-}
-
-fn sample(series: &Value) -> f64 {
-    series["value"][1].as_str().unwrap().parse().unwrap()
 }
 
 /// Wall-clock begin and (once complete) end of `step` in a rank report, in seconds.
@@ -265,11 +220,7 @@ fn result_len(data: &Value) -> usize {
 fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
     Prometheus::require();
     let t0 = Instant::now();
-    let mut world = World {
-        agents: Vec::new(),
-        prom: None,
-        sims: Vec::new(),
-    };
+    let mut world = Cluster::default();
 
     // Three nodes: node-a has two GPUs (ranks 0 and 1), node-b and node-c one each.
     for (node, gpus) in [("node-a", 2), ("node-b", 1), ("node-c", 1)] {
@@ -297,14 +248,12 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
     // as the chart's ServiceMonitor does (target labels of the agent pods,
     // honor_labels: false, the shipped metric relabelling).
     let rules = repo().join("deploy/prometheus/stepwatch-rules.yml");
-    let targets: Vec<(String, &str)> = world
-        .agents
-        .iter()
-        .map(|(node, a)| (a.http.to_string(), *node))
-        .collect();
-    let config = kubernetes_scrape_config(&rules, &targets);
-    world.prom = Some(Prometheus::start("prom-multinode", &config));
-    let prom = world.prom();
+    let config = kubernetes_scrape_config(&rules, &world.targets());
+    world.proms.push((
+        "server".into(),
+        Prometheus::start("prom-multinode", &config),
+    ));
+    let prom = world.prom("server");
     poll(
         "Prometheus to scrape all three agents",
         Duration::from_secs(15),
@@ -324,7 +273,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         (2, "node-b", 0),
         (3, "node-c", 0),
     ];
-    let release = world.prom().dir.0.join("release-step-2");
+    let release = world.prom("server").dir.0.join("release-step-2");
     let hold = [
         "--hold-before-step",
         "2",
@@ -337,7 +286,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
             .sim_with("rank0-skew", JOB, rank, gpu, STEPS, SPEED, &hold);
         world.sims.push((rank, child));
     }
-    let prom = world.prom();
+    let prom = world.prom("server");
     let node_a = world.agent("node-a");
 
     // (a) The step-2 OOM alert fires for rank 0 while every rank is held
@@ -422,7 +371,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
     // (b) Cross-node recording rules: wait for an evaluation (group
     // interval 30 s) that saw every rank's final step-1 peak, then check that
     // they name rank 0 as the outlier.
-    let prom = world.prom();
+    let prom = world.prom("server");
     let evaluated_at = poll(
         "a recording-rule evaluation after every rank's step 1",
         Duration::from_secs(45),
@@ -449,11 +398,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
     let max = peaks.values().cloned().fold(f64::MIN, f64::max);
     let min = peaks.values().cloned().fold(f64::MAX, f64::min);
     let job_sel = format!(r#"{{training_job="{JOB}"}}"#);
-    let recorded = |name: &str| -> f64 {
-        let v = prom.vector(&format!("{name}{job_sel}"));
-        assert_eq!(v.len(), 1, "{name}: {v:?}");
-        sample(&v[0])
-    };
+    let recorded = |name: &str| prom.single(&format!("{name}{job_sel}"));
     assert_eq!(recorded("stepwatch_job:first_step_peak_bytes:max"), max);
     assert_eq!(recorded("stepwatch_job:first_step_peak_bytes:min"), min);
     assert_eq!(peaks["0"], max, "rank 0 holds the most memory: {peaks:?}");
@@ -466,13 +411,9 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         .map(|s| (label(s, "rank").to_owned(), sample(s)))
         .collect();
     eprintln!("divergence {divergence:.4}, deviation per rank {deviations:?}");
-    let outliers: Vec<(String, String)> = prom
-        .vector(&format!(
-            "stepwatch_job_rank:first_step_peak_outlier{job_sel} == 1"
-        ))
-        .iter()
-        .map(|s| (label(s, "rank").to_owned(), label(s, "node").to_owned()))
-        .collect();
+    let outliers = prom.ranks_and_nodes(&format!(
+        "stepwatch_job_rank:first_step_peak_outlier{job_sel} == 1"
+    ));
     assert_eq!(
         outliers,
         [("0".to_owned(), "node-a".to_owned())],

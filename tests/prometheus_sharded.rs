@@ -32,7 +32,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use fake_nvml::GpuSpec;
-use serde_json::Value;
 
 /// Capacity of the scenario's GPU (a 48 GB card).
 const CAPACITY: u64 = 48_305_799_168;
@@ -42,18 +41,6 @@ const SHARDS: usize = 2;
 /// node-a and node-c land on shard 0, node-b and node-d on shard 1. The test
 /// checks the split from each shard's target list rather than trusting it.
 const NODES: [(&str, usize); 4] = [("node-a", 0), ("node-b", 1), ("node-c", 0), ("node-d", 1)];
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
-fn label<'a>(series: &'a Value, name: &str) -> &'a str {
-    series["metric"][name].as_str().unwrap_or("")
-}
-
-fn sample(series: &Value) -> f64 {
-    series["value"][1].as_str().unwrap().parse().unwrap()
-}
 
 /// The shipped rule file with every group evaluated each second.
 fn fast_rules(dir: &std::path::Path) -> PathBuf {
@@ -76,33 +63,6 @@ fn fast_rules(dir: &std::path::Path) -> PathBuf {
     let path = dir.join("stepwatch-rules-1s.yml");
     std::fs::write(&path, text.join("\n") + "\n").unwrap();
     path
-}
-
-/// Agents, shards, the central server and the ranks; prints logs on failure.
-struct World {
-    agents: Vec<(&'static str, Agent)>,
-    shards: Vec<Prometheus>,
-    central: Option<Prometheus>,
-    sims: Vec<(u32, SimRank)>,
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        // Each rank's process is killed as it is dropped.
-        self.sims.clear();
-        if !std::thread::panicking() {
-            return;
-        }
-        if let Some(c) = &self.central {
-            eprintln!("===== central prometheus log =====\n{}", c.log());
-        }
-        for (i, s) in self.shards.iter().enumerate() {
-            eprintln!("===== shard {i} log =====\n{}", s.log());
-        }
-        for (node, agent) in &self.agents {
-            eprintln!("===== agent {node} log =====\n{}", agent.log());
-        }
-    }
 }
 
 /// Agent-mode config of shard `shard`: every agent listed, each target with
@@ -141,35 +101,35 @@ fn median(values: &[f64]) -> f64 {
     v[lo] + (v[hi] - v[lo]) * (rank - lo as f64)
 }
 
-/// Alerts named `name` in `state`, as their label maps.
-fn alerts(prom: &Prometheus, name: &str, state: &str) -> Vec<BTreeMap<String, String>> {
-    let data = prom.api("/api/v1/alerts").expect("GET /api/v1/alerts");
-    data["alerts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|a| a["labels"]["alertname"] == name && a["state"] == state)
-        .map(|a| {
-            a["labels"]
-                .as_object()
-                .unwrap()
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_owned()))
-                .collect()
-        })
-        .collect()
+/// The alerts named `name` in `state`, as their label maps, once there is
+/// one (within 20 s).
+fn wait_alerts(prom: &Prometheus, name: &str, state: &str) -> Vec<BTreeMap<String, String>> {
+    let what = format!("{name} {state}");
+    poll(&what, Duration::from_secs(20), || {
+        let data = prom.api("/api/v1/alerts").expect("GET /api/v1/alerts");
+        let alerts: Vec<BTreeMap<String, String>> = data["alerts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|a| a["labels"]["alertname"] == name && a["state"] == state)
+            .map(|a| {
+                a["labels"]
+                    .as_object()
+                    .unwrap()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or("").to_owned()))
+                    .collect()
+            })
+            .collect();
+        (!alerts.is_empty()).then_some(alerts)
+    })
 }
 
 #[test]
 fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
     Prometheus::require();
     let t0 = Instant::now();
-    let mut world = World {
-        agents: Vec::new(),
-        shards: Vec::new(),
-        central: None,
-        sims: Vec::new(),
-    };
+    let mut world = Cluster::default();
     for (node, _) in NODES {
         let spec = GpuSpec {
             total_bytes: CAPACITY,
@@ -189,29 +149,28 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
         "global:\n  evaluation_interval: 1s\nrule_files:\n  - {}\n",
         rules.display()
     );
-    world.central = Some(Prometheus::start_as(
+    let central = Prometheus::start_as(
         "prom-central",
         &central_config,
         PrometheusRole::RemoteWriteReceiver,
-    ));
-    let central_addr = world.central.as_ref().unwrap().addr;
-    let targets: Vec<(String, &str)> = world
-        .agents
-        .iter()
-        .map(|(node, a)| (a.http.to_string(), *node))
-        .collect();
+    );
+    let central_addr = central.addr;
+    world.proms.push(("central".into(), central));
+    let targets = world.targets();
     for shard in 0..SHARDS {
         let config = shard_config(shard, central_addr, &targets);
-        world.shards.push(Prometheus::start_as(
+        let prom = Prometheus::start_as(
             &format!("prom-shard-{shard}"),
             &config,
             PrometheusRole::Agent,
-        ));
+        );
+        world.proms.push((format!("shard {shard}"), prom));
     }
 
     // Each shard scrapes the agents hashmod gives it, and only those.
     let address_node: BTreeMap<String, &str> = targets.iter().cloned().collect();
-    for (shard, prom) in world.shards.iter().enumerate() {
+    for shard in 0..SHARDS {
+        let prom = world.prom(&format!("shard {shard}"));
         let scraped: BTreeSet<&str> = poll(
             "each shard's targets to be up",
             Duration::from_secs(20),
@@ -240,7 +199,7 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
     // short of step 2 while the central server evaluates its alerts (the
     // step-2 alert ends when the rank is gone or its step 2 passed).
     let scenario = repo().join("crates/stepwatch-sim/scenarios/rank0-skew.json");
-    let release = world.central.as_ref().unwrap().dir.0.join("release-step-2");
+    let release = world.prom("central").dir.0.join("release-step-2");
     let hold = [
         "--hold-before-step",
         "2",
@@ -302,7 +261,7 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
 
     // Wait until the central server holds every rank's final figures, then
     // for a rule evaluation after that.
-    let central = world.central.as_ref().unwrap();
+    let central = world.prom("central");
     poll(
         "the agents' step-1 peaks in the central server, through both shards",
         Duration::from_secs(30),
@@ -335,15 +294,8 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
             (sample(v.first()?) > arrived).then_some(())
         },
     );
-    let recorded = |name: &str| -> f64 {
-        let v = central.vector(&format!("{name}{job_sel}"));
-        assert_eq!(
-            v.len(),
-            1,
-            "one series of {name} for the job, whatever the shard: {v:?}"
-        );
-        sample(&v[0])
-    };
+    // One series for the job, whatever the shard.
+    let recorded = |name: &str| central.single(&format!("{name}{job_sel}"));
     assert_eq!(recorded("stepwatch_job:ranks_reporting:count"), 4.0);
     assert_eq!(recorded("stepwatch_job:first_step_peak_bytes:max"), max);
     assert_eq!(recorded("stepwatch_job:first_step_peak_bytes:min"), min);
@@ -363,13 +315,9 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
         recorded("stepwatch_job:oom_risk_ranks:sum"),
         risks.iter().sum::<f64>()
     );
-    let outliers: Vec<(String, String)> = central
-        .vector(&format!(
-            "stepwatch_job_rank:first_step_peak_outlier{job_sel} == 1"
-        ))
-        .iter()
-        .map(|s| (label(s, "rank").to_owned(), label(s, "node").to_owned()))
-        .collect();
+    let outliers = central.ranks_and_nodes(&format!(
+        "stepwatch_job_rank:first_step_peak_outlier{job_sel} == 1"
+    ));
     let expected_outliers: Vec<(String, String)> = peaks
         .iter()
         .enumerate()
@@ -381,28 +329,14 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
 
     // Alerts: step-2 OOM firing for rank 0 alone, on node-a; the job's
     // divergence alert pending (its `for` is 10 m) exactly once.
-    let oom = poll(
-        "StepwatchStep2OOMPredicted firing for rank 0",
-        Duration::from_secs(20),
-        || {
-            let a = alerts(central, "StepwatchStep2OOMPredicted", "firing");
-            (!a.is_empty()).then_some(a)
-        },
-    );
+    let oom = wait_alerts(central, "StepwatchStep2OOMPredicted", "firing");
     let oom: Vec<(&str, &str)> = oom
         .iter()
         .filter(|l| l["training_job"] == JOB)
         .map(|l| (l["rank"].as_str(), l["node"].as_str()))
         .collect();
     assert_eq!(oom, [("0", "node-a")]);
-    let divergence_alerts = poll(
-        "StepwatchFirstStepDivergence pending for the job",
-        Duration::from_secs(20),
-        || {
-            let a = alerts(central, "StepwatchFirstStepDivergence", "pending");
-            (!a.is_empty()).then_some(a)
-        },
-    );
+    let divergence_alerts = wait_alerts(central, "StepwatchFirstStepDivergence", "pending");
     assert_eq!(divergence_alerts.len(), 1, "{divergence_alerts:?}");
     assert_eq!(divergence_alerts[0]["training_job"], JOB);
     assert!(

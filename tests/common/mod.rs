@@ -402,6 +402,16 @@ impl SimRank {
     pub fn wait_with_output(mut self) -> std::io::Result<std::process::Output> {
         self.0.take().expect("a rank's process").wait_with_output()
     }
+
+    /// Waits for the rank to die of its simulated OOM (`stepwatch sim`
+    /// exits with 3 then) and returns its log; fails the test, naming
+    /// `what`, when it ends otherwise.
+    pub fn wait_oom(self, what: &str) -> String {
+        let out = self.wait_with_output().expect("wait for a rank");
+        let log = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(3), "{what}:\n{log}");
+        log
+    }
 }
 
 impl std::ops::Deref for SimRank {
@@ -424,6 +434,53 @@ impl Drop for SimRank {
                 let _ = child.kill();
                 let _ = child.wait();
             }
+        }
+    }
+}
+
+/// Agents of several nodes, the Prometheus servers over them and the ranks
+/// they run: the ranks are killed when it is dropped, and every log is
+/// printed when the test fails.
+#[derive(Default)]
+pub struct Cluster {
+    pub agents: Vec<(&'static str, Agent)>,
+    /// The servers, each under the name its log is printed with.
+    pub proms: Vec<(String, Prometheus)>,
+    pub sims: Vec<(u32, SimRank)>,
+}
+
+impl Cluster {
+    /// The agent of `node`.
+    pub fn agent(&self, node: &str) -> &Agent {
+        &self.agents.iter().find(|(n, _)| *n == node).unwrap().1
+    }
+
+    /// The server named `name`.
+    pub fn prom(&self, name: &str) -> &Prometheus {
+        &self.proms.iter().find(|(n, _)| n == name).unwrap().1
+    }
+
+    /// Each agent's HTTP address, the scrape target, with its node.
+    pub fn targets(&self) -> Vec<(String, &'static str)> {
+        self.agents
+            .iter()
+            .map(|(node, agent)| (agent.http.to_string(), *node))
+            .collect()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // Each rank's process is killed as it is dropped.
+        self.sims.clear();
+        if !std::thread::panicking() {
+            return;
+        }
+        for (name, prom) in &self.proms {
+            eprintln!("===== prometheus {name} log =====\n{}", prom.log());
+        }
+        for (node, agent) in &self.agents {
+            eprintln!("===== agent {node} log =====\n{}", agent.log());
         }
     }
 }
@@ -679,6 +736,21 @@ impl Prometheus {
             Err(e) => panic!("query {expr}: {e}"),
         }
     }
+
+    /// The value of an instant query that must answer one series.
+    pub fn single(&self, expr: &str) -> f64 {
+        let v = self.vector(expr);
+        assert_eq!(v.len(), 1, "one series of {expr}: {v:?}");
+        sample(&v[0])
+    }
+
+    /// The `(rank, node)` labels of each series an instant query answers.
+    pub fn ranks_and_nodes(&self, expr: &str) -> Vec<(String, String)> {
+        self.vector(expr)
+            .iter()
+            .map(|s| (label(s, "rank").to_owned(), label(s, "node").to_owned()))
+            .collect()
+    }
 }
 
 impl Drop for Prometheus {
@@ -688,6 +760,21 @@ impl Drop for Prometheus {
             let _ = child.wait();
         }
     }
+}
+
+/// A label of a series in a Prometheus query result ("" when it has none).
+pub fn label<'a>(series: &'a serde_json::Value, name: &str) -> &'a str {
+    series["metric"][name].as_str().unwrap_or("")
+}
+
+/// The value of a series in an instant query's result.
+pub fn sample(series: &serde_json::Value) -> f64 {
+    series["value"][1].as_str().unwrap().parse().unwrap()
+}
+
+/// The repository's root, where the shipped files are.
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
 /// Percent-encodes a query-string value.

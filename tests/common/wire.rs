@@ -1,9 +1,13 @@
 //! Raw wire messages for tests that speak the protocol directly (no client).
 
+use std::time::Duration;
+
 use stepwatch_proto::v1::{
-    client_message::Kind, ingest_client::IngestClient, ClientMessage, Hello, Identity, Marker,
-    MarkerBatch, MarkerKind,
+    client_message::Kind, ingest_client::IngestClient, AgentMessage, ClientMessage, Hello,
+    Identity, Marker, MarkerBatch, MarkerKind,
 };
+use tokio::sync::mpsc::Sender;
+use tonic::Streaming;
 
 fn identity(job: &str, rank: u32, world: u32) -> Option<Identity> {
     Some(Identity {
@@ -23,6 +27,16 @@ pub fn hello(job: &str, rank: u32, world: u32) -> ClientMessage {
             ..Default::default()
         })),
     }
+}
+
+/// [`hello`] for rank 0 of a one-rank `job`, naming the process's run (a
+/// new `fit()` in the same process is a new run).
+pub fn hello_of_run(job: &str, run_id: &str) -> ClientMessage {
+    let mut message = hello(job, 0, 1);
+    if let Some(Kind::Hello(h)) = message.kind.as_mut() {
+        h.run_id = run_id.into();
+    }
+    message
 }
 
 /// A client's hello for the one rank of `job`, from this process.
@@ -66,6 +80,45 @@ pub async fn connect(endpoint: &str) -> tonic::transport::Channel {
         .connect()
         .await
         .expect("connect to the agent")
+}
+
+/// A stream held open: what is sent on the sender goes out as it is sent,
+/// and the agent's answers come in on the receiver.
+pub async fn open_stream(endpoint: &str) -> (Sender<ClientMessage>, Streaming<AgentMessage>) {
+    let (sender, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
+    let inbound = IngestClient::new(connect(endpoint).await)
+        .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .expect("the stream opens")
+        .into_inner();
+    (sender, inbound)
+}
+
+/// The status that ends `inbound`, past the messages before it; fails the
+/// test if the stream ends cleanly or nothing ends it within 30 s.
+pub async fn refusal(inbound: &mut Streaming<AgentMessage>, what: &str) -> tonic::Status {
+    let ended = async {
+        loop {
+            match inbound.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("{what}: the stream ended without a refusal"),
+                Err(status) => break status,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), ended)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no refusal within 30 s"))
+}
+
+/// The value of `key` in a status's metadata (the agent's
+/// `stepwatch-refusal` and `stepwatch-retry`), when it is there.
+pub fn metadata(status: &tonic::Status, key: &str) -> Option<String> {
+    status
+        .metadata()
+        .get(key)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
 }
 
 /// Sends `messages` on one stream, then half-closes; returns how it ended.
