@@ -3,7 +3,11 @@
 //! tools (simulator, fake NVML, the Rust client the simulator talks through,
 //! the HTTP client the demo reads the agent with).
 
+mod common;
+
 use std::process::Command;
+
+use common::stdout_of;
 
 const DEV_ONLY: [&str; 5] = [
     "stepwatch-sim",
@@ -15,28 +19,23 @@ const DEV_ONLY: [&str; 5] = [
 
 /// The crates the binary is built from with these cargo flags.
 fn normal_dependencies(features: &[&str]) -> Vec<String> {
-    let out = Command::new(env!("CARGO"))
-        .args([
-            "tree",
-            "-p",
-            "stepwatch",
-            "-e",
-            "normal",
-            "--prefix",
-            "none",
-        ])
-        .args(["--offline", "--locked"])
-        .args(features)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .expect("run cargo tree");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let tree = stdout_of(
+        Command::new(env!("CARGO"))
+            .args([
+                "tree",
+                "-p",
+                "stepwatch",
+                "-e",
+                "normal",
+                "--prefix",
+                "none",
+            ])
+            .args(["--offline", "--locked"])
+            .args(features)
+            .current_dir(env!("CARGO_MANIFEST_DIR")),
+        "cargo tree",
     );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
+    tree.lines()
         .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
         .collect()
 }

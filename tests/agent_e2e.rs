@@ -392,17 +392,15 @@ fn sigterm_releases_nvml_at_once_while_a_rank_is_still_connected() {
 #[test]
 fn a_second_agent_on_the_same_socket_refuses_to_start() {
     let agent = Agent::start("double", 1);
-    let out = std::process::Command::new(BIN)
-        .arg("agent")
-        .arg("--socket")
-        .arg(&agent.socket)
-        .args(["--http-listen", "127.0.0.1:0", "--lock-wait", "200ms"])
-        .arg("--nvml-lib")
-        .arg("/nonexistent/libnvidia-ml.so.1")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr_of_failure(
+        std::process::Command::new(BIN)
+            .arg("agent")
+            .arg("--socket")
+            .arg(&agent.socket)
+            .args(["--http-listen", "127.0.0.1:0", "--lock-wait", "200ms"])
+            .arg("--nvml-lib")
+            .arg("/nonexistent/libnvidia-ml.so.1"),
+    );
     let pid = agent.child.as_ref().unwrap().id();
     assert!(
         err.contains(&format!("another stepwatch agent (pid {pid}) holds")),
@@ -594,17 +592,15 @@ fn a_socket_path_that_is_a_regular_file_is_refused_and_kept() {
     let dir = TempDir::new("socket-file");
     let path = dir.0.join("not-a-socket");
     std::fs::write(&path, "precious").unwrap();
-    let out = std::process::Command::new(BIN)
-        .arg("agent")
-        .arg("--socket")
-        .arg(&path)
-        .args(["--http-listen", "127.0.0.1:0"])
-        .arg("--nvml-lib")
-        .arg("/nonexistent/libnvidia-ml.so.1")
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr_of_failure(
+        std::process::Command::new(BIN)
+            .arg("agent")
+            .arg("--socket")
+            .arg(&path)
+            .args(["--http-listen", "127.0.0.1:0"])
+            .arg("--nvml-lib")
+            .arg("/nonexistent/libnvidia-ml.so.1"),
+    );
     assert!(err.contains("is not a socket"), "{err}");
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "precious");
 }
@@ -1667,28 +1663,21 @@ fn json_path_exists(v: &serde_json::Value, path: &str) -> bool {
 /// clearly that they do.
 #[test]
 fn fake_gpu_lib_path_needs_no_dir_and_the_others_say_they_do() {
-    let out = std::process::Command::new(BIN)
-        .args(["fake-gpu", "lib-path"])
-        .env_remove(fake_nvml::STATE_DIR_ENV)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of(
+        std::process::Command::new(BIN)
+            .args(["fake-gpu", "lib-path"])
+            .env_remove(fake_nvml::STATE_DIR_ENV),
+        "fake-gpu lib-path",
     );
     assert!(
         std::path::Path::new(stdout.trim()).is_file(),
         "not a file: {stdout}"
     );
-    let out = std::process::Command::new(BIN)
-        .args(["fake-gpu", "show"])
-        .env_remove(fake_nvml::STATE_DIR_ENV)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = stderr_of_failure(
+        std::process::Command::new(BIN)
+            .args(["fake-gpu", "show"])
+            .env_remove(fake_nvml::STATE_DIR_ENV),
+    );
     assert!(
         stderr.contains("--dir (or STEPWATCH_FAKE_NVML_DIR) is required"),
         "{stderr}"

@@ -274,12 +274,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
         (3, "node-c", 0),
     ];
     let release = world.prom("server").dir.0.join("release-step-2");
-    let hold = [
-        "--hold-before-step",
-        "2",
-        "--release-file",
-        release.to_str().unwrap(),
-    ];
+    let hold = hold_before_step_2(&release);
     for (rank, node, gpu) in placement {
         let child = world
             .agent(node)

@@ -200,12 +200,7 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
     // step-2 alert ends when the rank is gone or its step 2 passed).
     let scenario = repo().join("crates/stepwatch-sim/scenarios/rank0-skew.json");
     let release = world.prom("central").dir.0.join("release-step-2");
-    let hold = [
-        "--hold-before-step",
-        "2",
-        "--release-file",
-        release.to_str().unwrap(),
-    ];
+    let hold = hold_before_step_2(&release);
     for (rank, (_, agent)) in world.agents.iter().enumerate() {
         let child = agent.sim_with(
             scenario.to_str().unwrap(),

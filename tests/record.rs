@@ -63,16 +63,11 @@ fn a_record_replays_to_the_agents_own_prediction_and_steady_peak() {
     );
     assert!(agent.terminate().success());
 
-    let out = Command::new(BIN)
-        .args(["replay-record", "--json"])
-        .arg(&path)
-        .output()
-        .expect("run replay-record");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let stdout = stdout_of(
+        Command::new(BIN)
+            .args(["replay-record", "--json"])
+            .arg(&path),
+        "replay-record --json",
     );
     let checks: Vec<serde_json::Value> = serde_json::from_str(&stdout).unwrap();
     assert_eq!(checks.len(), 2, "{stdout}");
@@ -95,25 +90,17 @@ fn a_record_replays_to_the_agents_own_prediction_and_steady_peak() {
     }
 
     // The table form names the file's ranks; a broken line names its number.
-    let table = Command::new(BIN)
-        .arg("replay-record")
-        .arg(&path)
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&table.stdout);
+    let table = stdout_of(
+        Command::new(BIN).arg("replay-record").arg(&path),
+        "replay-record",
+    );
     assert!(table.contains("| rec | 1 | allocator_replay |"), "{table}");
     let broken = records.0.join("broken.jsonl");
     let mut text = std::fs::read_to_string(&path).unwrap();
     text.push_str("{\"not\": \"an entry\"}\n");
     let lines = text.lines().count();
     std::fs::write(&broken, text).unwrap();
-    let out = Command::new(BIN)
-        .arg("replay-record")
-        .arg(&broken)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = stderr_of_failure(Command::new(BIN).arg("replay-record").arg(&broken));
     assert!(
         stderr.contains(&format!("broken.jsonl:{lines}: not a record entry")),
         "{stderr}"
@@ -130,12 +117,10 @@ fn the_timeline_ends_with_the_frozen_prediction() {
         env!("CARGO_MANIFEST_DIR"),
         "/tests/fixtures/torch-gpt-fp32-markers-fit2pct.jsonl"
     );
-    let out = Command::new(BIN)
-        .args(["replay-record", "--timeline", fixture])
-        .output()
-        .expect("run replay-record");
-    assert!(out.status.success());
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = stdout_of(
+        Command::new(BIN).args(["replay-record", "--timeline", fixture]),
+        "replay-record --timeline",
+    );
     let timeline: Vec<&str> = stdout.lines().filter(|l| l.starts_with("line ")).collect();
     let last = timeline.last().expect("a timeline");
     assert!(

@@ -15,15 +15,9 @@ use stepwatch_client::{Client, ClientOptions};
 /// tests/make-test-certs.sh (shared with the Python TLS tests).
 fn make_certs(dir: &Path) {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/make-test-certs.sh");
-    let out = Command::new("bash")
-        .arg(script)
-        .arg(dir)
-        .output()
-        .expect("run make-test-certs.sh");
-    assert!(
-        out.status.success(),
-        "make-test-certs.sh (needs the openssl CLI): {}",
-        String::from_utf8_lossy(&out.stderr)
+    stdout_of(
+        Command::new("bash").arg(script).arg(dir),
+        "make-test-certs.sh (needs the openssl CLI)",
     );
 }
 
@@ -136,17 +130,12 @@ fn mutual_tls_admits_only_clients_with_a_signed_certificate() {
 
 #[test]
 fn a_tls_key_without_a_certificate_is_a_clear_error() {
-    let out = Command::new(BIN)
-        .args([
-            "agent",
-            "--grpc-tls-key",
-            "/tmp/k.pem",
-            "--socket",
-            "/tmp/never.sock",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = stderr_of_failure(Command::new(BIN).args([
+        "agent",
+        "--grpc-tls-key",
+        "/tmp/k.pem",
+        "--socket",
+        "/tmp/never.sock",
+    ]));
     assert!(err.contains("--grpc-tls-cert"), "{err}");
 }

@@ -126,6 +126,16 @@ fn json(agent: &Agent, path: &str) -> Value {
     serde_json::from_str(&body).unwrap()
 }
 
+/// Fails the test unless `html` has an element of each class in `classes`.
+fn assert_classes(html: &str, classes: &[&str]) {
+    for class in classes {
+        assert!(
+            html.contains(&format!(r#"class="{class}""#)),
+            "no {class}:\n{html}"
+        );
+    }
+}
+
 #[test]
 fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
     let browser = Browser::new();
@@ -320,21 +330,19 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
     assert!(rank.contains(r#"id="oom-warning""#), "{rank}");
     assert!(rank.contains("Step-2 OOM predicted"), "{rank}");
     assert!(rank.contains("step 2 (oom)"), "{rank}");
-    for class in [
-        "band band-forward",
-        "band band-backward",
-        "band band-optimizer",
-        "nvml step1",
-        "allocated step1",
-        "allocated steady",
-        "capacity",
-        "predicted",
-    ] {
-        assert!(
-            rank.contains(&format!(r#"class="{class}""#)),
-            "no {class}:\n{rank}"
-        );
-    }
+    assert_classes(
+        &rank,
+        &[
+            "band band-forward",
+            "band band-backward",
+            "band band-optimizer",
+            "nvml step1",
+            "allocated step1",
+            "allocated steady",
+            "capacity",
+            "predicted",
+        ],
+    );
     let predicted = format!(
         r#"class="figure predicted-peak">{}<"#,
         gb(&prediction["predicted_peak_bytes"])
@@ -350,18 +358,16 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
     // The healthy job's rank, training: step 1 over a completed steady step,
     // both with NVML and allocator curves, and no warning.
     let healthy_rank = browser.dom(&format!("{base}#/jobs/healthy-llm/ranks/0"), "rank");
-    for class in [
-        "nvml step1",
-        "nvml steady",
-        "allocated step1",
-        "allocated steady",
-        "reserved",
-    ] {
-        assert!(
-            healthy_rank.contains(&format!(r#"class="{class}""#)),
-            "no {class}:\n{healthy_rank}"
-        );
-    }
+    assert_classes(
+        &healthy_rank,
+        &[
+            "nvml step1",
+            "nvml steady",
+            "allocated step1",
+            "allocated steady",
+            "reserved",
+        ],
+    );
     assert!(!healthy_rank.contains("oom-warning"), "{healthy_rank}");
 
     // Current screenshots, for the README.

@@ -438,6 +438,17 @@ impl Drop for SimRank {
     }
 }
 
+/// `stepwatch sim`'s arguments that hold a rank before its step 2 until
+/// the file `release` exists.
+pub fn hold_before_step_2(release: &std::path::Path) -> [&str; 4] {
+    [
+        "--hold-before-step",
+        "2",
+        "--release-file",
+        release.to_str().unwrap(),
+    ]
+}
+
 /// Agents of several nodes, the Prometheus servers over them and the ranks
 /// they run: the ranks are killed when it is dropped, and every log is
 /// printed when the test fails.
@@ -483,6 +494,30 @@ impl Drop for Cluster {
             eprintln!("===== agent {node} log =====\n{}", agent.log());
         }
     }
+}
+
+/// Runs `command` to its end and returns its stdout; fails the test,
+/// naming `what` and showing both outputs, when it fails.
+pub fn stdout_of(command: &mut Command, what: &str) -> String {
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {what}: {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+/// Runs `command`, which must fail, and returns what it said on stderr.
+pub fn stderr_of_failure(command: &mut Command) -> String {
+    let out = command.output().expect("run the command");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "it did not fail:\n{stderr}");
+    stderr
 }
 
 /// Polls `f` until it holds, failing the test after `timeout`.
