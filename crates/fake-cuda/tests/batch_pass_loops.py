@@ -3,10 +3,13 @@ stepwatch as a user would (``stepwatch.watch``, ``stepwatch.checkpoint``):
 
     python batch_pass_loops.py varlen     # variable-length batches, one long one late
     python batch_pass_loops.py passes     # an evaluation every 5 steps, then a checkpoint
+    python batch_pass_loops.py warmup     # step 1 a smaller warm-up batch than the rest
 
 Prints ``step N done <CLOCK_MONOTONIC ns>`` after each step, and
 ``eval begin|end <ns>`` / ``checkpoint begin|end <ns>`` around each pass, for
-the test to read fake CUDA's usage log by.
+the test to read fake CUDA's usage log by; ``warmup`` also prints ``step N
+backward <ns>`` before each backward and ``advisory <kind> <ns> <predicted
+peak bytes>`` when an advisory reaches the process.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ BATCH = 8  # samples per training step
 LONG_STEP, LONG_LENGTH = 30, 1024  # varlen: the loader's longest batch, late
 EVERY, EVAL_BATCH = 5, 16384  # passes: an evaluation every 5 steps, on 16384 samples
 
+WARMUP_STEPS, WARMUP_BATCH, FULL_BATCH = 4, 256, 4096  # warmup: step 1's batch, the rest's
+
 mode = sys.argv[1]
-assert mode in ("varlen", "passes"), mode
+assert mode in ("varlen", "passes", "warmup"), mode
 
 
 def now() -> int:
@@ -54,6 +59,30 @@ if mode == "varlen":
         opt.step()
         opt.zero_grad()
         print(f"step {step} done {now()} tokens {ids.numel()}", flush=True)
+elif mode == "warmup":
+    # An MLP whose step 1 is a warm-up on WARMUP_BATCH samples, the steps
+    # after it on FULL_BATCH; each logs its loss after the forward (which
+    # waits for the forward's kernels), as loops do, before its backward.
+    width = 1024
+    with torch.device("cuda"):
+        model = torch.nn.Sequential(
+            *[m for _ in range(4) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+        )
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+
+    def told(p: stepwatch.Prediction) -> None:
+        print(f"advisory {p.kind} {now()} {p.predicted_peak_bytes}", flush=True)
+
+    stepwatch.watch(model, opt, on_advisory=told)
+    for step in range(1, WARMUP_STEPS + 1):
+        x = torch.randn(WARMUP_BATCH if step == 1 else FULL_BATCH, width, device="cuda")
+        loss = torch.nn.functional.mse_loss(model(x), x)
+        print(f"step {step} loss {loss.item():.4f}", flush=True)
+        print(f"step {step} backward {now()}", flush=True)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"step {step} done {now()}", flush=True)
 else:
     # An MLP; before step 1 and after every EVERY steps an evaluation on a
     # large batch (EVAL_BATCH) under torch.no_grad(), then a checkpoint of a

@@ -320,3 +320,107 @@ def test_evaluations_and_checkpoints_are_passes_with_their_own_headroom(tmp_path
         f"the agent says {device / MIB:.0f} MiB (headroom {evaluation['headroom_bytes'] / MIB:.0f}"
         f" MiB); steps' allocated peak {trailing['allocated_max_bytes'] / MIB:.0f} MiB"
     )
+
+
+def advisories_told(stdout: str) -> List[Tuple[str, int, int]]:
+    """(kind, CLOCK_MONOTONIC ns, predicted peak bytes) of each advisory the
+    process printed as it reached it (batch_pass_loops.py warmup)."""
+    return [
+        (m.group(1), int(m.group(2)), int(m.group(3)))
+        for m in re.finditer(r"^advisory (\S+) (\d+) (\d+)$", stdout, re.M)
+    ]
+
+
+def backward_ns(stdout: str, step: int) -> Optional[int]:
+    """When the loop began `step`'s backward; None if it never did."""
+    m = re.search(rf"^step {step} backward (\d+)$", stdout, re.M)
+    return int(m.group(1)) if m else None
+
+
+def test_a_warm_up_step_1_gets_the_step_2_warning_at_step_2s_first_forward(
+    tmp_path: Path,
+) -> None:
+    """Step 1 a warm-up on 256 samples, the steps after it on 4096: on a roomy GPU
+    the prediction is revised at step 2's first forward to within 10% of step 2's
+    peak by fake CUDA's usage log (step 1 alone said far less); on a GPU where
+    step 1 and step 2's forward fit and step 2's backward does not, the step-2 OOM
+    advisory reaches the process before step 2's backward begins."""
+    cmd = [str(PASS_LOOPS), "warmup"]
+    # Each kernel takes 20 ms: step 2's forward (8 kernels), which the loop waits
+    # for when it reads the loss, lasts long enough for the agent's answer to its
+    # first forward marker to come back before the backward begins, as on a GPU.
+    env = {"STEPWATCH_FAKE_CUDA_KERNEL_NS": str(20_000_000)}
+    roomy = 4 * GIB
+    with agent_on(tmp_path / "roomy", roomy) as agent:
+        job = "warmup-roomy"
+        proc = agent.run(
+            cmd,
+            job,
+            usage_log=tmp_path / "roomy-usage",
+            env={**env, "PYTHONPATH": str(REPO / "python")},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        truth = Truth(proc, tmp_path / "roomy-usage", roomy)
+        report = wait_for("4 steps", lambda: (r := rank(agent, job))["steps_completed"] >= 4 and r)
+    pred = report["prediction_before_step2"]
+    revision = pred["inputs"]["batch_revision"]
+    # The input's elements: the first unit both batches have after tokens.
+    assert (revision["unit"], revision["step1_size"], revision["step2_size"]) == (
+        "elements",
+        256 * 1024,
+        4096 * 1024,
+    ), revision
+    assert "revised for step 2's larger batch" in pred["explanation"], pred["explanation"]
+    step1, step2 = truth.peak_between(0, truth.step_end_ns[1]), truth.step_peak(2)
+    assert step2 > 1.2 * step1, (step2, step1)  # else this test proves less
+    revised, unrevised = pred["predicted_peak_bytes"], revision["unrevised_peak_bytes"]
+    # The one figure the report shows, and the analysis with it.
+    assert report["analysis"]["prediction"]["predicted_peak_bytes"] == revised
+    assert unrevised < step2 < 1.1 * revised and revised < 1.1 * step2, (
+        unrevised,
+        revised,
+        step2,
+    )
+    # Usable memory where step 1 and its prediction fit (with 5% to spare), and a
+    # step like step 2 fits its forward (with room for the cache's layout) but not
+    # its backward even once PyTorch has released its cache: 4 MiB under the
+    # backward's allocated peak (the last step's, as the report keeps it), plus
+    # what the device holds beyond the allocator.
+    phases = {p["phase"]: p for p in report["steps"][-1]["phases"]}
+    backward = phases["backward"]["allocator_at_end"]["allocated_peak_bytes"]
+    beyond = pred["inputs"]["overhead_bytes"]
+    usable = (beyond + backward) // MIB * MIB - 4 * MIB
+    assert unrevised < 0.95 * usable and step1 < usable < step2, (unrevised, usable, step2)
+    with agent_on(tmp_path / "tight", usable) as agent:
+        job = "warmup-tight"
+        proc = agent.run(
+            cmd,
+            job,
+            usage_log=tmp_path / "tight-usage",
+            env={**env, "PYTHONPATH": str(REPO / "python")},
+        )
+        assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
+        assert "step 1 done" in proc.stdout and "step 2 done" not in proc.stdout, proc.stdout
+        report = wait_for("the OOM", lambda: (r := rank(agent, job)).get("post_mortem") and r)
+    told = [a for a in advisories_told(proc.stdout) if a[0].endswith("STEP2_OOM_PREDICTED")]
+    assert told, proc.stdout
+    kind, at_ns, peak = told[0]
+    # Before step 2's backward began, or when its forward died first (PyTorch
+    # releases its cache and retries, then raises), before the OOM.
+    step2_record = next(s for s in report["steps"] if s["step"] == 2)
+    assert step2_record["outcome"] == "oom", step2_record
+    oom_ns = step2_record["begin_monotonic_ns"] + int(step2_record["duration_seconds"] * 1e9)
+    deadline = backward_ns(proc.stdout, 2) or oom_ns
+    assert at_ns < deadline, (at_ns, deadline, proc.stdout)
+    assert peak > usable, (peak, usable)
+    # Given at step 2, from the revised prediction; none before (step 1 fits).
+    warned = [a for a in report["advisories"] if a["kind"] == "step2_oom_predicted"]
+    assert [a["step"] for a in warned] == [2], report["advisories"]
+    assert "smaller warm-up batch" in warned[0]["message"], warned[0]["message"]
+    print(
+        f"warmup: step 2 peak {step2 / MIB:.0f} MiB by the usage log, predicted "
+        f"{revised / MIB:.0f} MiB revised at its first forward ({unrevised / MIB:.0f} MiB "
+        f"from step 1 alone); on {usable / MIB:.0f} MiB the warning came "
+        f"{(deadline - at_ns) / 1e6:.0f} ms before step 2's "
+        f"{'backward' if backward_ns(proc.stdout, 2) else 'OOM'}"
+    )

@@ -171,6 +171,16 @@ pub fn due(
             unreachable!("not a prediction advisory")
         }
     };
+    let message = match &prediction.inputs.batch_revision {
+        Some(r) => format!(
+            "{message} (revised at step 2's first forward: {} {unit} where step 1 took {}, \
+             a smaller warm-up batch)",
+            r.step2_size,
+            r.step1_size,
+            unit = r.unit.as_str(),
+        ),
+        None => message,
+    };
     vec![Advisory {
         kind,
         step,

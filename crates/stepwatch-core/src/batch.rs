@@ -112,7 +112,7 @@ pub struct BatchSize {
 /// Which measure batches are compared by: the first that every batch
 /// compared has, in this order (tokens are what activation memory follows
 /// for sequences; a shape's elements for images; samples otherwise).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BatchUnit {
     /// Tokens.

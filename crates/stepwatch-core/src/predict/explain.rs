@@ -261,6 +261,9 @@ pub(super) fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) 
             }
         }
     }
+    if let Some(r) = &i.batch_revision {
+        let _ = write!(s, "; {}", r.describe());
+    }
     let _ = write!(s, "; predicted device peak {}", g(device));
     if let Some(h) = headroom {
         let sign = if h < 0 { "−" } else { "" };

@@ -128,6 +128,15 @@
 //! so other processes are subtracted exactly once (this assumes they used
 //! about the same memory during step 1 as now).
 //!
+//! # A larger batch in step 2
+//!
+//! A prediction made during step 1 cannot know that step 2's batch is
+//! larger (a smaller warm-up step 1, variable-length sequences). Once step
+//! 2's first forward has said its batch ([`StepOneExtras::step2_batch`]),
+//! a larger one than step 1's adds step 1's activations scaled by the
+//! extra batch to the device peak, before step 2's backward; the
+//! explanation says so and by how much ([`BatchRevision`]).
+//!
 //! # Revising a warning
 //!
 //! A rank already warned of a step-2 OOM keeps `oom_risk` when a later
@@ -140,6 +149,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use crate::batch::BatchFacts;
 use crate::divergence::activation_peak_bytes;
 use crate::fit::{micro_batch_size, what_would_fit, BindingTerm, FitInputs, WhatWouldFit};
 use crate::identity::{ModelFacts, OptimizerImplementation, OptimizerKind, Precision};
@@ -153,12 +163,14 @@ use crate::units::gb;
 
 mod device;
 mod explain;
+mod larger_batch;
 mod outcome;
 mod step1;
 
 use device::*;
 pub(crate) use device::{jump_across, step_overhead};
 use explain::*;
+pub use larger_batch::{revise_for_batch, BatchRevision};
 pub use outcome::*;
 use step1::*;
 
@@ -253,6 +265,9 @@ pub struct StepOneExtras<'a> {
     pub layout: Option<&'a LayoutEstimate>,
     /// What becomes of step 1's gradients between steps ([`Gradients::of`]).
     pub gradients: Gradients,
+    /// Step 2's first forward's batch, once it began: a larger one than
+    /// step 1's revises the prediction (see `larger_batch`).
+    pub step2_batch: Option<&'a BatchFacts>,
 }
 
 /// Predicts the steady-state peak from step 1, complete or running. None
@@ -268,6 +283,7 @@ pub fn predict(step1: &StepRecord, from: PredictFrom<'_>) -> Option<Prediction> 
                 replay,
                 layout,
                 gradients,
+                step2_batch,
             },
         config,
     } = from;
@@ -323,7 +339,28 @@ pub fn predict(step1: &StepRecord, from: PredictFrom<'_>) -> Option<Prediction> 
         other_process_bytes,
         config,
     });
-    let predicted = device.device_bytes;
+    let activation = {
+        let a = activation_peak_bytes(&step);
+        match basis {
+            PredictionBasis::NvmlOnly => a.nvml_bytes,
+            _ => a.allocated_bytes,
+        }
+    };
+    let batch_revision = step2_batch
+        .zip(step1.batch.as_ref())
+        .zip(view.first_forward_growth(step.nvml_before_begin))
+        .and_then(|((step2, step1), a)| {
+            revise_for_batch(
+                step1,
+                step2,
+                a,
+                device.reserved_ratio.unwrap_or(1.0),
+                device.device_bytes,
+            )
+        });
+    let predicted = device
+        .device_bytes
+        .saturating_add(batch_revision.as_ref().map_or(0, |r| r.extra_device_bytes));
     let rank_peak = predicted.saturating_sub(other_process_bytes);
     // capacity − rank's share − other processes, i.e. capacity − device peak
     // (also when the device figure is below what other processes hold).
@@ -405,6 +442,7 @@ pub fn predict(step1: &StepRecord, from: PredictFrom<'_>) -> Option<Prediction> 
         ),
         gradients,
         forward_grad_bytes: forward_grads,
+        batch_revision: batch_revision.clone(),
     };
     let what_would_fit = what_would_fit(&FitInputs {
         binding,
@@ -416,14 +454,16 @@ pub fn predict(step1: &StepRecord, from: PredictFrom<'_>) -> Option<Prediction> 
             .ceil() as u64,
         state_bytes: state.bytes,
         sharding_factor: state.inferred_sharding_factor.unwrap_or(state.sharding),
-        activation_bytes: {
-            let a = activation_peak_bytes(&step);
-            match basis {
-                PredictionBasis::NvmlOnly => a.nvml_bytes,
-                _ => a.allocated_bytes,
-            }
-        },
-        micro_batch_size: micro_batch_size(facts.micro_batch_size, step1.batch.as_ref()),
+        // Revised for step 2's larger batch: its activations and batch.
+        activation_bytes: activation
+            .map(|a| a.saturating_add(batch_revision.as_ref().map_or(0, |r| r.extra_basis_bytes))),
+        micro_batch_size: micro_batch_size(
+            facts.micro_batch_size,
+            batch_revision
+                .as_ref()
+                .map(|r| &r.step2_batch)
+                .or(step1.batch.as_ref()),
+        ),
     });
     Some(Prediction {
         what_would_fit: Some(what_would_fit),

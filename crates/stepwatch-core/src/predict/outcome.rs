@@ -335,6 +335,11 @@ pub struct PredictionInputs {
     /// added to the first forward's peak; 0 otherwise.
     #[serde(default)]
     pub forward_grad_bytes: u64,
+    /// Set when step 2's first forward took a larger batch than step 1's:
+    /// what its extra batch adds (see `larger_batch`); the prediction's
+    /// peak and headroom include it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_revision: Option<BatchRevision>,
 }
 
 /// The predicted steady-state peak and headroom.

@@ -114,6 +114,31 @@ impl<'a> Step1View<'a> {
         self.phases.iter().find(|p| p.phase == PhaseKind::Forward)
     }
 
+    /// What step 1's first forward made (its peak above its begin), in
+    /// basis units: the activations step 2's batch scales (see
+    /// `larger_batch`). On NVML, above the last sample before it (of the
+    /// phase before, else `nvml_before_begin`: (ns, used bytes)).
+    pub(super) fn first_forward_growth(
+        &self,
+        nvml_before_begin: Option<(u64, u64)>,
+    ) -> Option<u64> {
+        let i = self
+            .phases
+            .iter()
+            .position(|p| p.phase == PhaseKind::Forward)?;
+        let forward = &self.phases[i];
+        let before = match self.basis {
+            PredictionBasis::Allocator | PredictionBasis::AllocatorReplay => {
+                forward.allocator_at_start?.allocated_bytes
+            }
+            PredictionBasis::NvmlOnly => i
+                .checked_sub(1)
+                .and_then(|j| self.phases[j].nvml_edges.last_bytes())
+                .or(nvml_before_begin.map(|(_, used)| used))?,
+        };
+        Some(self.figure(forward)?.saturating_sub(before))
+    }
+
     /// Allocator figures when step 1's first optimizer phase began.
     pub(super) fn allocator_at_optimizer_begin(&self) -> Option<AllocatorStats> {
         self.optimizer_indices()

@@ -79,6 +79,41 @@ impl Check for Step2Prediction {
     }
 }
 
+/// Step-2 OOM predicted, or low headroom, from the prediction revised for
+/// step 2's larger batch (see `predict`'s `larger_batch`): run once, just
+/// after step 2's first forward that said its batch, while the rank's
+/// second step is its latest; through the same rules as the prediction
+/// made from step 1 (once per kind, again when it worsened).
+pub(super) struct Step2LargerBatch;
+
+impl Check for Step2LargerBatch {
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
+        let Some(state) = tracker.ranks.get(key) else {
+            return Vec::new();
+        };
+        let Some(prediction) = state
+            .prediction_before_step2
+            .as_ref()
+            .filter(|p| p.inputs.batch_revision.is_some())
+        else {
+            return Vec::new();
+        };
+        let Some(second) = state.timeline.steps().nth(1).map(|s| s.step) else {
+            return Vec::new();
+        };
+        if state.timeline.current().map(|s| s.step) != Some(second) {
+            return Vec::new();
+        }
+        advisory::due(
+            prediction,
+            prediction.inputs.capacity_bytes,
+            second,
+            batch.now_ns,
+            &state.advisories,
+        )
+    }
+}
+
 /// Prediction final: once the rank's first step has ended (its step-end
 /// marker applied) and before its next step's first marker, after the
 /// step-2 prediction's own advisories; once per rank and run.

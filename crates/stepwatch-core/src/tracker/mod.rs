@@ -17,7 +17,7 @@ use crate::advisory::{self, Advisory, AdvisoryKind};
 use crate::allocator::SegmentLayout;
 use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
 use crate::analysis::{RankInputs, SteadyMemo};
-use crate::batch::{BeyondAllocator, StepBatches};
+use crate::batch::{BatchFacts, BeyondAllocator, StepBatches};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::growth::{forecast, GrowthForecast, MemoryTrend, TrendMemo};
@@ -174,6 +174,12 @@ pub struct RankState {
     /// Step 2 replayed from the allocator trace the client sent during step 1.
     #[serde(default)]
     pub allocator_replay: Option<Step2Replay>,
+    /// The batch of the second step's first forward that carried one
+    /// (kept here: the timeline may trim that step later). A larger one
+    /// than step 1's revises the prediction and `prediction_before_step2`
+    /// (see `predict`'s `larger_batch`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step2_batch: Option<BatchFacts>,
     /// Step 1's segment layout at its optimizer begin (clients without a
     /// trace send it on that marker), kept until the one at its end arrives.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -594,6 +600,7 @@ impl Tracker {
                 replay: state.allocator_replay.as_ref(),
                 layout: state.layout_estimate.as_ref(),
                 gradients: Gradients::of(&state.info),
+                step2_batch: state.step2_batch.as_ref(),
             },
             samples,
             &self.analysis,
@@ -777,6 +784,7 @@ impl Tracker {
                 state.advisories.clear();
                 state.prediction_before_step2 = None;
                 state.allocator_replay = None;
+                state.step2_batch = None;
                 state.optimizer_begin_layout.clear();
                 state.optimizer_begin_allocator = None;
                 state.layout_estimate = None;
@@ -825,6 +833,7 @@ impl Tracker {
                 advisories: Vec::new(),
                 prediction_before_step2: None,
                 allocator_replay: None,
+                step2_batch: None,
                 optimizer_begin_layout: Vec::new(),
                 optimizer_begin_allocator: None,
                 layout_estimate: None,
@@ -871,6 +880,7 @@ impl Tracker {
             advisories: r.advisories.clone(),
             prediction_before_step2: r.prediction_before_step2.clone(),
             allocator_replay: r.allocator_replay,
+            step2_batch: r.step2_batch.clone(),
             optimizer_begin_layout: r.optimizer_begin_layout.clone(),
             optimizer_begin_allocator: r.optimizer_begin_allocator,
             layout_estimate: r.layout_estimate,
@@ -1063,7 +1073,12 @@ impl Tracker {
                     MarkerKind::StepBegin | MarkerKind::StepEnd | MarkerKind::Oom
                 )
             });
-        let at = split.unwrap_or(markers.len());
+        // Step 2's first forward that says its batch: applied on its own
+        // after what precedes it, so that a warning from the prediction
+        // revised for a larger batch comes before step 2's backward in the
+        // agent's order, whatever the batching.
+        let forward2 = self.step2_forward(key, markers, split);
+        let mut at = split.unwrap_or(forward2.map_or(markers.len(), |f| f + 1));
         self.apply_and_credit(key, &markers[..at]);
         let batch = checks::Batch {
             markers,
@@ -1080,8 +1095,15 @@ impl Tracker {
             if let Some(state) = self.ranks.get_mut(key) {
                 state.prediction_before_step2 = frozen;
             }
-            self.apply_and_credit(key, &markers[at..]);
+            let upto = forward2.map_or(markers.len(), |f| f + 1);
+            self.apply_and_credit(key, &markers[at..upto]);
+            at = upto;
         }
+        if let Some(f) = forward2 {
+            self.take_step2_batch(key, &markers[f]);
+            advisories.extend(self.run_checks(&[&checks::Step2LargerBatch], key, &batch));
+        }
+        self.apply_and_credit(key, &markers[at..]);
         let retry_growth = self.ranks.get_mut(key).and_then(|state| {
             let (seen, growth) = advisory::retry_growth(state.allocator_retries, markers);
             state.allocator_retries = seen;
@@ -1099,6 +1121,51 @@ impl Tracker {
             advisories.push(a);
         }
         Ok(advisories)
+    }
+
+    /// Where in `markers` the rank's second step's first forward that
+    /// says its batch is, while none was taken yet; `split`: where the
+    /// second step begins in `markers`, when it does.
+    fn step2_forward(
+        &self,
+        key: &RankKey,
+        markers: &[Marker],
+        split: Option<usize>,
+    ) -> Option<usize> {
+        let state = self.ranks.get(key)?;
+        if state.step2_batch.is_some() {
+            return None;
+        }
+        let second = match split {
+            Some(i) => markers[i].step,
+            None => state.timeline.steps().nth(1)?.step,
+        };
+        markers.iter().position(|m| {
+            m.step == second
+                && m.kind == MarkerKind::ForwardBegin
+                && m.batch.as_ref().is_some_and(|b| !b.is_empty())
+        })
+    }
+
+    /// Keeps the batch `forward` (the rank's second step's first forward
+    /// that said one, applied) carried ([`RankState::step2_batch`]); when
+    /// it is larger than step 1's, the prediction step 2 is judged on
+    /// becomes the one revised for it.
+    fn take_step2_batch(&mut self, key: &RankKey, forward: &Marker) {
+        let Some(state) = self.ranks.get_mut(key) else {
+            return;
+        };
+        state.step2_batch = forward.batch.clone();
+        if state.prediction_before_step2.is_none() {
+            return;
+        }
+        let revised = self
+            .rank_analysis(key)
+            .and_then(|a| a.prediction)
+            .filter(|p| p.inputs.batch_revision.is_some());
+        if let (Some(p), Some(state)) = (revised, self.ranks.get_mut(key)) {
+            state.prediction_before_step2 = Some(p);
+        }
     }
 
     /// The most the rank's allocator may reserve on its GPU, for replaying
