@@ -82,6 +82,11 @@ Definitions (per rank and run):
   often arrive in one batch). ``advisories`` lists every advisory with the
   same ``at`` and lead. ``step1_ms``: step 1's wall time, from its begin
   marker to its end marker (``--kernel-time`` stretches it).
+- ``warned_at_step2_forward``: the ``step2_oom_predicted`` advisory was issued
+  in step 2, from the prediction revised at step 2's first forward for a larger
+  batch than step 1's (``batch_revision``; the agent judges it before step 2's
+  backward in its order of events). A step-2 OOM warned either way counts as
+  warned; the summary says how many were warned at step 2's first forward.
 - ``false_alarm``: such an advisory, and the run fit with a true headroom of
   5% or more.
 
@@ -426,6 +431,12 @@ class RankRecord:
                     return f"model facts update (after {name})"
                 return name
         return None
+
+
+def oom_warned(row: Dict[str, Any]) -> bool:
+    """A step-2 OOM advisory before step 2, or at step 2's first forward from the
+    prediction revised for its larger batch (see the definitions above)."""
+    return bool(row["warned_before_step2"] or row.get("warned_at_step2_forward"))
 
 
 def fmt_marker(m: Dict[str, Any]) -> str:
@@ -875,6 +886,7 @@ class Harness:
             "error": None,
             "true_headroom": None,
             "warned_before_step2": False,
+            "warned_at_step2_forward": False,
             "warning_at": None,
             "warning_lead_ms": None,
             "false_alarm": False,
@@ -958,6 +970,9 @@ class Harness:
             if a.get("kind") != OOM_ADVISORY or row["warning_at"] is not None:
                 continue
             row["warned_before_step2"] = int(a.get("step", 0)) <= 1
+            row["warned_at_step2_forward"] = int(a.get("step", 0)) == 2 and bool(
+                (pred.get("inputs") or {}).get("batch_revision")
+            )
             row["warning_at"] = at
             row["warning_lead_ms"] = lead
 
@@ -1004,7 +1019,7 @@ def progress_line(row: Dict[str, Any]) -> str:
         what = str(row["outcome"])
     warn = f"warned at {row['warning_at']}" if row["warning_at"] else "no OOM warning"
     flags = " FALSE ALARM" if row["false_alarm"] else ""
-    if row["outcome"] == "oom" and row["oom_step"] == 2 and not row["warned_before_step2"]:
+    if row["outcome"] == "oom" and row["oom_step"] == 2 and not oom_warned(row):
         flags += " UNWARNED OOM"
     return (
         f"{row['job']} {row['variant']} {row['case']} rank {row['rank']}"
@@ -1109,16 +1124,25 @@ def summarize(rows: List[Dict[str, Any]], variants: List[str]) -> Tuple[List[str
             lines.append(f"  runs that fit without a prediction before step 2: {len(no_pred)}")
             missed.append(f"{v}: {len(no_pred)} run(s) that fit had no prediction before step 2")
         ooms2 = [r for r in vr if r["outcome"] == "oom" and r["oom_step"] == 2]
-        warned = [r for r in ooms2 if r["warned_before_step2"]]
-        late = [r for r in warned if (r["warning_lead_ms"] or 0) < 0]
-        step1_ms = [r["step1_ms"] for r in warned if r["step1_ms"] is not None]
+        warned = [r for r in ooms2 if oom_warned(r)]
+        at_forward = [r for r in warned if not r["warned_before_step2"]]
+        late = [r for r in warned if r["warned_before_step2"] and (r["warning_lead_ms"] or 0) < 0]
+        step1_ms = [
+            r["step1_ms"] for r in warned if r["warned_before_step2"] and r["step1_ms"] is not None
+        ]
         lines.append(
             f"  step-2 OOMs warned before step 2: {len(warned)}/{len(ooms2)}"
             f" (target all: {'met' if len(warned) == len(ooms2) else 'MISSED'})"
             + (
-                f"; {len(warned) - len(late)} of them sent before the process began step 2"
-                f" by the wall clock (step 1 lasted median {statistics.median(step1_ms):.0f} ms,"
-                f" min {min(step1_ms):.0f})"
+                f"; {len(at_forward)} of them at step 2's first forward (a larger batch"
+                " than step 1's), before step 2's backward"
+                if at_forward
+                else ""
+            )
+            + (
+                f"; {len(warned) - len(at_forward) - len(late)} sent before the process began"
+                f" step 2 by the wall clock (step 1 lasted median"
+                f" {statistics.median(step1_ms):.0f} ms, min {min(step1_ms):.0f})"
                 if step1_ms
                 else ""
             )
@@ -1211,7 +1235,7 @@ def estimator_stats(rows: List[Dict[str, Any]], who: str) -> Dict[str, Any]:
             return r["error"]
 
         def warned(r: Dict[str, Any]) -> bool:
-            return bool(r["warned_before_step2"])
+            return oom_warned(r)
 
         def alarm(r: Dict[str, Any]) -> bool:
             return bool(r["false_alarm"])
@@ -1376,7 +1400,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
         flags = []
         if r["false_alarm"]:
             flags.append("FALSE-ALARM")
-        if r["outcome"] == "oom" and r["oom_step"] == 2 and not r["warned_before_step2"]:
+        if r["outcome"] == "oom" and r["oom_step"] == 2 and not oom_warned(r):
             flags.append("UNWARNED")
         if r["low_headroom_warned"]:
             flags.append("low-headroom")

@@ -346,7 +346,8 @@ class _Runtime:
         the size of the run's first forward's inputs, and at the forward that
         opens step 2, before step 2 allocates or is held, warn once when its
         inputs are larger (step 1 was a smaller warm-up batch): the agent
-        predicts step 2 from step 1, so its prediction does not cover them."""
+        predicts step 2 from step 1, so its prediction does not cover them
+        until it revises it from this forward's batch (during step 2)."""
         tr = self.tracker
         if tr.step == 0:
             self.step1_inputs = _torch.input_sizes(args, kwargs)
@@ -363,8 +364,9 @@ class _Runtime:
             "stepwatch: step 2's first forward takes larger inputs than step 1's (%d elements, "
             "shapes %s; step 1: %d, shapes %s): the agent predicted step 2 from step 1, so its "
             "prediction does not cover this batch and step 2 may need more GPU memory than "
-            "predicted (a smaller warm-up step 1?). For a prediction that covers the run, make "
-            "step 1 as large as the steps after it",
+            "predicted (a smaller warm-up step 1?); the agent revises it from this forward's "
+            "batch and warns during step 2 if it does not fit. For a prediction during step 1 "
+            "that covers the run, make step 1 as large as the steps after it",
             now[0],
             now[1],
             first[0],
