@@ -13,6 +13,7 @@ mod divergence_sampling;
 mod frozen_prediction;
 mod growth;
 mod journal;
+mod larger_step2_batch;
 mod low_observed_headroom;
 mod memory_budget;
 mod passes;
