@@ -59,11 +59,18 @@ def rank(agent: FakeGpuAgent, job: str) -> Dict[str, Any]:
     return agent.rank_report(job, steps=1)
 
 
-def train(agent: FakeGpuAgent, job: str, cmd: List[str], usage: Path) -> CompletedProcess:
+def train(
+    agent: FakeGpuAgent,
+    job: str,
+    cmd: List[str],
+    usage: Path,
+    env: Optional[Dict[str, str]] = None,
+) -> CompletedProcess:
     """`cmd` (a python script and its flags) on the agent's fake GPU, watched by
-    stepwatch (this tree's client), with fake CUDA's usage log in `usage`."""
+    stepwatch (this tree's client), with fake CUDA's usage log in `usage` and
+    `env` added to its environment."""
     python = os.pathsep.join(filter(None, [str(REPO / "python"), os.environ.get("PYTHONPATH")]))
-    return agent.run(cmd, job, usage_log=usage, cwd=JOBS, env={"PYTHONPATH": python})
+    return agent.run(cmd, job, usage_log=usage, cwd=JOBS, env={"PYTHONPATH": python, **(env or {})})
 
 
 class Truth:
@@ -353,12 +360,7 @@ def test_a_warm_up_step_1_gets_the_step_2_warning_at_step_2s_first_forward(
     roomy = 4 * GIB
     with agent_on(tmp_path / "roomy", roomy) as agent:
         job = "warmup-roomy"
-        proc = agent.run(
-            cmd,
-            job,
-            usage_log=tmp_path / "roomy-usage",
-            env={**env, "PYTHONPATH": str(REPO / "python")},
-        )
+        proc = train(agent, job, cmd, tmp_path / "roomy-usage", env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         truth = Truth(proc, tmp_path / "roomy-usage", roomy)
         report = wait_for("4 steps", lambda: (r := rank(agent, job))["steps_completed"] >= 4 and r)
@@ -393,12 +395,7 @@ def test_a_warm_up_step_1_gets_the_step_2_warning_at_step_2s_first_forward(
     assert unrevised < 0.95 * usable and step1 < usable < step2, (unrevised, usable, step2)
     with agent_on(tmp_path / "tight", usable) as agent:
         job = "warmup-tight"
-        proc = agent.run(
-            cmd,
-            job,
-            usage_log=tmp_path / "tight-usage",
-            env={**env, "PYTHONPATH": str(REPO / "python")},
-        )
+        proc = train(agent, job, cmd, tmp_path / "tight-usage", env)
         assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
         assert "step 1 done" in proc.stdout and "step 2 done" not in proc.stdout, proc.stdout
         report = wait_for("the OOM", lambda: (r := rank(agent, job)).get("post_mortem") and r)

@@ -2,7 +2,6 @@
 //! prediction is revised at that forward, before step 2's backward, and
 //! warns through the same advisories when the revised figure does not fit.
 
-use proptest::prelude::*;
 use stepwatch_core::*;
 use stepwatch_testkit as kit;
 
@@ -26,18 +25,11 @@ fn samples(n: u64) -> BatchFacts {
 /// `PER_SAMPLE` per sample. `batch` None: the client said nothing of it.
 fn step(step: u64, size: u64, batch: Option<BatchFacts>, t: &mut u64) -> [Vec<Marker>; 2] {
     let state = if step == 1 { 0 } else { STATE };
-    let alloc = |allocated: u64| AllocatorStats {
-        allocated_bytes: allocated,
-        allocated_peak_bytes: allocated,
-        reserved_bytes: allocated,
-        reserved_peak_bytes: allocated,
-        ..Default::default()
-    };
     let activations = size * PER_SAMPLE;
     let mut at = |kind, allocated| {
         *t += 10_000_000;
         Marker {
-            allocator: Some(alloc(allocated)),
+            allocator: Some(kit::alloc_bytes(allocated, allocated, allocated)),
             ..kit::marker(kind, step, *t)
         }
     };
@@ -214,34 +206,32 @@ fn the_same_or_a_smaller_batch_or_unknown_batches_change_nothing() {
     }
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
-
-    /// Never a fit that the scaled activations contradict, never a change
-    /// when step 2's batch is not larger.
-    #[test]
-    fn the_revised_prediction_covers_the_scaled_activations(
-        s1 in 1u64..32,
-        s2 in 1u64..64,
-        capacity_gb in 4u64..24,
-    ) {
-        let capacity = capacity_gb * GB;
-        let unrevised = from_step1(s1, capacity);
-        let r = run((s1, true), (s2, true), capacity);
-        let p = frozen(&r);
-        if s2 <= s1 {
-            prop_assert_eq!(&p, &unrevised);
-            prop_assert!(r.due[1].is_empty());
-        } else {
-            let scaled = unrevised.predicted_peak_bytes + (s2 - s1) * PER_SAMPLE;
-            prop_assert!(p.predicted_peak_bytes >= scaled);
-            if scaled > capacity {
-                prop_assert!(p.oom_risk);
-                let told = r.due[..2]
-                    .iter()
-                    .flatten()
-                    .any(|a| a.kind == AdvisoryKind::Step2OomPredicted);
-                prop_assert!(told, "{:?}", r.due);
+/// Never a fit that the scaled activations contradict, never a change when
+/// step 2's batch is not larger: over a grid of batches and capacities.
+#[test]
+fn the_revised_prediction_covers_the_scaled_activations() {
+    for s1 in [1, 2, 3, 5, 8, 13, 21] {
+        for capacity in [4, 6, 9, 14, 20].map(|c| c * GB) {
+            let unrevised = from_step1(s1, capacity);
+            for s2 in (1..=40).step_by(3) {
+                let r = run((s1, true), (s2, true), capacity);
+                let p = frozen(&r);
+                let case = format!("{s1} then {s2} samples on {capacity} B");
+                if s2 <= s1 {
+                    assert_eq!(p, unrevised, "{case}");
+                    assert!(r.due[1].is_empty(), "{case}");
+                    continue;
+                }
+                let scaled = unrevised.predicted_peak_bytes + (s2 - s1) * PER_SAMPLE;
+                assert!(p.predicted_peak_bytes >= scaled, "{case}");
+                if scaled > capacity {
+                    assert!(p.oom_risk, "{case}");
+                    let told = r.due[..2]
+                        .iter()
+                        .flatten()
+                        .any(|a| a.kind == AdvisoryKind::Step2OomPredicted);
+                    assert!(told, "{case}: {:?}", r.due);
+                }
             }
         }
     }
