@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import random
+import sys
 import threading
 import time
 import weakref
@@ -178,6 +179,29 @@ _wire: Optional[Tuple[Any, Any, Any]] = None
 SUPPORTED_RUNTIMES = "grpcio >= 1.51.3 and protobuf >= 4.21.6, < 8"
 
 
+# gRPC reads it once, when it is first imported.
+_GRPC_FORK_SUPPORT = "GRPC_ENABLE_FORK_SUPPORT"
+
+
+def _import_grpc_without_fork_support() -> None:
+    """Import grpc with its fork support off, unless the process imported it
+    already or its environment chose. With it on, grpcio's fork handlers
+    restart gRPC's threads in every forked child (each DataLoader worker), and
+    they run the parent's pending gRPC work on the child's copy of gRPC, which
+    a fork taken while a thread was inside gRPC left broken: the worker aborts
+    in ev_epoll1 ("next_worker->state == KICKED") or crashes. Off, a forked
+    child's gRPC stays idle, which is what stepwatch needs there (a forked
+    child sends nothing). The variable is set only for the import, so that
+    the processes this one starts do not inherit it."""
+    if "grpc" in sys.modules or _GRPC_FORK_SUPPORT in os.environ:
+        return
+    os.environ[_GRPC_FORK_SUPPORT] = "false"
+    try:
+        import grpc  # noqa: F401 (imported for its side effect: gRPC reads the setting)
+    finally:
+        os.environ.pop(_GRPC_FORK_SUPPORT, None)
+
+
 def load_wire() -> Tuple[Any, Any, Any]:
     """grpc, ingest_pb2 and ingest_pb2_grpc, imported once. An environment whose
     grpcio or protobuf the stubs cannot use (e.g. protobuf 3.20, pinned by old
@@ -187,6 +211,7 @@ def load_wire() -> Tuple[Any, Any, Any]:
     global _wire
     if _wire is None:
         try:
+            _import_grpc_without_fork_support()
             import grpc
 
             from ._proto.stepwatch.v1 import ingest_pb2, ingest_pb2_grpc

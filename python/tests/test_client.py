@@ -3,7 +3,6 @@ advisories, fork and shutdown."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import select
@@ -292,16 +291,32 @@ def test_fork_child_gets_fresh_sender(agent):
     assert ms[-1].step == 2
 
 
-class _Cycle:
-    """An object in a reference cycle: only the garbage collector frees it."""
+# A training script as users write it: the agent is another process, and the
+# script uses no gRPC of its own before stepwatch does. Each DataLoader worker
+# checks that no thread runs in it besides Python's own (gRPC's fork handlers
+# would restart gRPC's threads there, which then run the parent's gRPC work
+# on the child's broken copy of gRPC: the ev_epoll1 abort), then runs the
+# collector over gRPC garbage it inherited (a channel with a call on it, in a
+# cycle), which stepwatch's gc.freeze() in the child keeps it from freeing.
+DATALOADER_SCRIPT = textwrap.dedent("""
+    import gc, os, sys, threading
+    import torch
+    import stepwatch
+    from stepwatch._runtime import RT
 
+    def check_worker(worker_id):
+        python_threads = {t.native_id for t in threading.enumerate()}
+        others = [
+            open(f"/proc/self/task/{tid}/comm").read().strip()
+            for tid in os.listdir("/proc/self/task")
+            if int(tid) not in python_threads
+        ]
+        assert not others, f"threads besides Python's in a forked worker: {others}"
+        gc.collect()
 
-def _collect_garbage_in_worker(worker_id: int) -> None:
-    gc.collect()
+    class Cycle:
+        pass
 
-
-def test_dataloader_workers_do_not_deadlock(agent):
-    torch = pytest.importorskip("torch")
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stepwatch.watch(model, opt)
@@ -312,36 +327,44 @@ def test_dataloader_workers_do_not_deadlock(agent):
         opt.step()
         opt.zero_grad()
 
-    train_step(*ds[:8])  # step 1: the sender is connected before the fork
-    agent.wait_markers(6)
-    # gRPC garbage the workers inherit (a process that reconnected has some):
-    # a channel with a call on it, in a cycle, left for the collector. Each
-    # worker runs the collector at once, as its own allocations would later.
-    # Without stepwatch's gc.freeze() in the child, a worker freeing it hangs
-    # or aborts in gRPC, because this process's gRPC threads (the sender, the
-    # fake agent's server) were inside gRPC at the fork.
-    # Whether a fork catches a thread inside gRPC is chance: try several epochs.
-    epochs = 20
+    train_step(*ds[:8])
+    assert RT.get_client().wait_connected(60), "no stream to the agent in 60 s"
+    import grpc  # after stepwatch imported it
+
     gc.disable()
-    try:
-        for _ in range(epochs):
-            garbage = _Cycle()
-            garbage.self = garbage
-            garbage.channel = grpc.insecure_channel(agent.endpoint)
-            garbage.call = garbage.channel.unary_unary("/no.Such/Method").future(b"")
-            del garbage
-            dl = torch.utils.data.DataLoader(
-                ds,
-                batch_size=8,
-                num_workers=2,
-                multiprocessing_context="fork",
-                worker_init_fn=_collect_garbage_in_worker,
-                timeout=120,  # a hung worker fails the test instead of hanging it
-            )
-            for x, y in dl:
-                train_step(x, y)
-    finally:
-        gc.enable()
+    for _ in range(int(sys.argv[1])):
+        garbage = Cycle()
+        garbage.self = garbage
+        garbage.channel = grpc.insecure_channel(os.environ["STEPWATCH_ENDPOINT"])
+        garbage.call = garbage.channel.unary_unary("/no.Such/Method").future(b"")
+        del garbage
+        dl = torch.utils.data.DataLoader(
+            ds,
+            batch_size=8,
+            num_workers=2,
+            multiprocessing_context="fork",
+            worker_init_fn=check_worker,
+            timeout=120,  # a hung worker fails the script instead of hanging it
+        )
+        for x, y in dl:
+            train_step(x, y)
+""")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads from /proc")
+def test_dataloader_workers_run_no_grpc(agent):
+    pytest.importorskip("torch")
+    epochs = 10
+    env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint, STEPWATCH_EXIT_FLUSH_S="60")
+    env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
+    out = subprocess.run(
+        [sys.executable, "-c", DATALOADER_SCRIPT, str(epochs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
     steps = 1 + 4 * epochs
     assert agent.wait_markers(6 * steps)[-1].step == steps
 
