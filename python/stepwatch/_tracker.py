@@ -218,14 +218,17 @@ class StepTracker:
 
     def oom(self) -> None:
         """The current step, or the pass that runs, died with CUDA OOM. OOM is
-        last in a step's order, and ends a pass, so always valid."""
+        last in a step's order, and ends a pass, so always valid. Between
+        steps outside a pass (the next batch moved to the device, code before
+        the next forward) it is the next step's only marker: the agent
+        refuses a marker of a step that has ended."""
         if self.open_pass is not None and not self.in_step:
             self.open_pass = None
             self.emit(OOM, self.step, 0)
             return
-        step = self.step if self.step > 0 else 1
-        if self.step == 0:
-            self.step = 1
-        self.emit(OOM, step, self.micro)
+        if not self.in_step and not self.abandoned:
+            self.step += 1
+            self.micro = 0
+        self.emit(OOM, self.step, self.micro)
         self.abandon_step()
         self.abandoned = False  # the OOM marker ended the step

@@ -265,3 +265,27 @@ def test_the_agent_keeps_each_steps_batch_and_takes_passes(real_agent):  # noqa:
         {"samples": 4, "tokens": 4 * n, "shape": [4, n]} for n in (8, 8, 8, 64, 8, 16)
     ]
     assert report["info"]["model"]["largest_batch"] == {"samples": 4, "tokens": 256}
+
+
+def test_an_oom_between_steps_is_recorded_as_the_next_steps(real_agent):  # noqa: F811
+    """An OOM after a step ended and outside a pass (the next batch moved to
+    the device) is sent as the next step's: the real agent records it (a
+    marker of the step that ended would be refused) and post-mortems it."""
+    from stepwatch._runtime import RT
+
+    job = f"pytest-{uuid.uuid4().hex[:8]}"
+    model = TinyLm()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = stepwatch.watch(model, opt, job_id=job)
+    try:
+        lm_steps(model, opt, [8, 8, 8])
+        RT.report_oom(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB"))
+    finally:
+        handle.remove()
+    assert stepwatch.flush(FLUSH_S), stepwatch.stats()
+    report = real_agent.rank_report(job, 0, 3)
+    st = stepwatch.stats()
+    assert st["rejections"] == 0, (st, real_agent.log.read_text()[-3000:])
+    pm = report["post_mortem"]
+    assert pm is not None and (pm["step"], pm["phase"]) == (4, None), report
+    assert "in step 4 (before its first forward, between steps)" in pm["message"], pm

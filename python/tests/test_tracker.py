@@ -75,3 +75,12 @@ def test_oom_abandons_step_and_next_forward_opens_next():
         ("STEP_BEGIN", 2, 0),
         ("FORWARD_BEGIN", 2, 0),
     ]
+    # Between steps, outside a pass, an OOM is the next step's: the agent
+    # refuses a marker of a step that ended.
+    t.backward(), t.optimizer_begin(), t.optimizer_end()
+    t.oom()
+    t.forward()
+    assert out[-3:] == [("OOM", 3, 0), ("STEP_BEGIN", 4, 0), ("FORWARD_BEGIN", 4, 0)]
+    fresh, first = make()
+    fresh.oom()  # before the first step: step 1's
+    assert first == [("OOM", 1, 0)]

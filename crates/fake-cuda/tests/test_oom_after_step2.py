@@ -9,6 +9,10 @@ on a fake GPU sized so that it dies within a few hundred steps:
   step 11, its forecast OOM step is within 10% of the step PyTorch raised
   OutOfMemoryError in, and the post-mortem names growth;
 - a fragmentation ratchet: the post-mortem names fragmentation;
+- a variable-length loop whose long batch late does not fit: a larger batch, with
+  the largest batch before it and what the long one needs at least;
+- an evaluation of a larger batch after step 15 that does not fit: the evaluation
+  pass, with its need against the training steps';
 
 loops whose memory after step 2 has a shape of its own (batch_pass_loops.py): a
 variable-length loop whose longest batch comes late, named with its step's peak,
@@ -129,6 +133,17 @@ def growth_advisory(report: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return next((a for a in report["advisories"] if a["kind"] == "memory_growth"), None)
 
 
+def dies(
+    agent: FakeGpuAgent, job: str, cmd: List[str], usage: Path, usable: int
+) -> Tuple[CompletedProcess, Truth, Dict[str, Any]]:
+    """`cmd` until PyTorch raises OutOfMemoryError; what happened, and the rank's
+    report once its post-mortem is in."""
+    proc = train(agent, job, cmd, usage)
+    assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
+    report = wait_for("the post-mortem", lambda: (r := rank(agent, job)).get("post_mortem") and r)
+    return proc, Truth(proc, usage, usable), report
+
+
 # (mode, flags, usable bytes): each dies within about 400 steps.
 LEAKS = [
     ("leak", ["--batch", "512"], 5 * GIB // 4),
@@ -142,12 +157,8 @@ def test_a_leak_is_reported_early_forecast_within_ten_percent_and_named(
 ) -> None:
     with agent_on(tmp_path, usable) as agent:
         job = f"oom-{mode}"
-        proc = train(agent, job, [str(LOOPS), mode, *flags], tmp_path / "usage")
-        assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
-        truth = Truth(proc, tmp_path / "usage", usable)
-        report = wait_for(
-            "the post-mortem", lambda: (r := rank(agent, job)).get("post_mortem") and r
-        )
+        cmd = [str(LOOPS), mode, *flags]
+        _, truth, report = dies(agent, job, cmd, tmp_path / "usage", usable)
         # The leak is at least 0.1% of the GPU per step (else this test proves less).
         per_step = (truth.used_by_end_of(truth.oom_step - 1) - truth.used_by_end_of(11)) / (
             truth.oom_step - 1 - 11
@@ -188,12 +199,8 @@ def test_a_leak_is_reported_early_forecast_within_ten_percent_and_named(
 def test_a_fragmentation_ratchet_is_named_as_fragmentation(tmp_path: Path) -> None:
     usable = 2 * GIB
     with agent_on(tmp_path, usable) as agent:
-        proc = train(agent, "oom-ratchet", [str(LOOPS), "ratchet"], tmp_path / "usage")
-        assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
-        truth = Truth(proc, tmp_path / "usage", usable)
-        report = wait_for(
-            "the post-mortem", lambda: (r := rank(agent, "oom-ratchet")).get("post_mortem") and r
-        )
+        cmd = [str(LOOPS), "ratchet"]
+        _, truth, report = dies(agent, "oom-ratchet", cmd, tmp_path / "usage", usable)
         pm = report["post_mortem"]
         assert pm["step"] == truth.oom_step
         assert pm["cause"] == "fragmentation", pm["message"]
@@ -420,4 +427,86 @@ def test_a_warm_up_step_1_gets_the_step_2_warning_at_step_2s_first_forward(
         f"from step 1 alone); on {usable / MIB:.0f} MiB the warning came "
         f"{(deadline - at_ns) / 1e6:.0f} ms before step 2's "
         f"{'backward' if backward_ns(proc.stdout, 2) else 'OOM'}"
+    )
+
+
+def test_a_long_batch_late_that_does_not_fit_is_named_a_larger_batch(tmp_path: Path) -> None:
+    """Batches of 8 sequences of 64-256 tokens, then one of 1024 in step 30
+    (batch_pass_loops.py varlen) that does not fit: the post-mortem names a
+    larger batch, with the largest batch before it (its device peak against
+    fake CUDA's usage log), what the long one needs at least by the steps'
+    peaks against their batches (below what it took on a GPU where it fitted,
+    above this GPU's capacity), and the largest batch that can fit."""
+    usable, long_step = 5 * GIB // 4, 30
+    roomy = tmp_path / "roomy"
+    roomy.mkdir()
+    with agent_on(roomy, 4 * GIB) as agent:
+        fitted = train(agent, "varlen-roomy", [str(PASS_LOOPS), "varlen"], roomy / "usage")
+        assert fitted.returncode == 0, fitted.stderr[-3000:]
+        took = Truth(fitted, roomy / "usage", 4 * GIB).step_peak(long_step)
+    with agent_on(tmp_path, usable) as agent:
+        job = "oom-longbatch"
+        cmd = [str(PASS_LOOPS), "varlen"]
+        proc, truth, report = dies(agent, job, cmd, tmp_path / "usage", usable)
+    assert truth.oom_step == long_step
+    assert took > usable, (took, usable)  # else this test proves less
+    pm = report["post_mortem"]
+    assert pm["step"] == long_step, pm["message"]
+    assert pm["cause"] == "larger_batch", pm["message"]
+    batch = pm["batch"]
+    assert batch["batch"] == {"samples": 8, "tokens": 8 * 1024, "shape": [8, 1024]}, batch
+    tokens = {
+        int(m.group(1)): int(m.group(2))
+        for m in re.finditer(r"^step (\d+) done \d+ tokens (\d+)$", proc.stdout, re.M)
+    }
+    before = batch["largest_before"]
+    assert before["batch"]["tokens"] == max(t for s, t in tokens.items() if s >= 3), before
+    # Its step's device peak, as the agent figures it, against the usage log.
+    seen = truth.step_peak(before["step"])
+    device_before = usable - report["batches"]["largest_headroom_bytes"]
+    assert abs(device_before - seen) <= 0.05 * seen, (device_before, seen)
+    needs = batch["needs"]
+    assert usable < needs["device_peak_bytes"] <= took, (needs, took)
+    can_fit = batch["largest_that_can_fit"]
+    assert before["batch"]["tokens"] < can_fit < 8 * 1024, batch
+    assert f"none above {can_fit} tokens can" in pm["what_would_fit"], pm["what_would_fit"]
+    print(
+        f"longbatch: step {long_step} (8192 tokens) took {took / MIB:.0f} MiB where it fitted; "
+        f"the post-mortem says at least {needs['device_peak_bytes'] / MIB:.0f} MiB; the largest "
+        f"before ({before['batch']['tokens']} tokens, step {before['step']}) "
+        f"{seen / MIB:.0f} MiB by the usage log, the agent says {device_before / MIB:.0f} MiB. "
+        f"{pm['message']}"
+    )
+
+
+def test_an_evaluation_on_a_larger_batch_is_named_evaluation(tmp_path: Path) -> None:
+    """Training on 256 samples, then after step 15 an evaluation of the whole
+    validation set (65536 samples) in one batch under torch.no_grad(), which
+    does not fit: the post-mortem names the evaluation pass, its need against
+    the training steps' (fake CUDA's usage log says what they held), and the
+    share of the evaluation batch that at most fits."""
+    usable = 1 * GIB
+    with agent_on(tmp_path, usable) as agent:
+        job = "oom-evalbatch"
+        cmd = [str(LOOPS), "evalbatch"]
+        proc, truth, report = dies(agent, job, cmd, tmp_path / "usage", usable)
+        text = wait_for("the log line", lambda: "post-mortem" in (t := agent.log.read_text()) and t)
+    assert max(truth.step_end_ns) == 15 and "eval begin" in proc.stdout
+    pm = report["post_mortem"]
+    assert pm["cause"] == "evaluation", pm["message"]
+    assert pm["pass"]["kind"] == "evaluation" and pm["pass"]["after_step"] == 15, pm["pass"]
+    # The steps' device peaks by the usage log, against the allocator's figures
+    # plus what the device held beyond the allocator (the CUDA context).
+    steps_peak = max(truth.step_peak(s) for s in range(2, 16))
+    outside = pm["outside_bytes"]
+    assert pm["pass"]["steps_allocated_peak_bytes"] + outside <= steps_peak, (pm, steps_peak)
+    assert pm["needed_allocated_bytes"] + outside > usable > steps_peak, (pm, steps_peak)
+    assert "in an evaluation pass after step 15" in pm["message"], pm["message"]
+    assert "evaluation" in text[text.index("post-mortem") :], text[-2000:]
+    share = int(re.search(r"evaluation batch of at most (\d+)%", pm["what_would_fit"]).group(1))
+    assert 0 < share < 100, pm["what_would_fit"]
+    print(
+        f"evalbatch: the evaluation needed {pm['needed_allocated_bytes'] / MIB:.0f} MiB of "
+        f"allocator memory, the steps at most {steps_peak / MIB:.0f} MiB of the device by the "
+        f"usage log; at most {share}% of its batch fits. {pm['message']}"
     )

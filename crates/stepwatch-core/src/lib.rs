@@ -73,8 +73,9 @@ pub use marker::{
 };
 pub use pass::{pass_peaks, PassFigures, PassPeaks};
 pub use postmortem::{
-    post_mortem, OomCause, OomReport, OomReportError, OomSegment, PostMortem, PostMortemInputs,
-    MAX_OOM_MESSAGE_BYTES, MAX_OOM_SEGMENTS,
+    post_mortem, AllocatorAtOom, BatchAtOom, Died, GrowthAtOom, OomCause, OomReport,
+    OomReportError, OomSegment, OutsideAllocator, PassAtOom, PeaksBefore, PostMortem,
+    PostMortemInputs, MAX_OOM_MESSAGE_BYTES, MAX_OOM_SEGMENTS,
 };
 pub use predict::{
     predict, BasisLimit, GradsSource, LayoutSetAside, LiveStep, OverheadSource, PredictConfig,

@@ -13,6 +13,14 @@ use stepwatch_core::{
 /// One MiB, the unit of the kit's byte figures.
 pub const MIB: u64 = 1 << 20;
 
+/// Asserts that `text` says each of `words`, naming the first it lacks.
+#[track_caller]
+pub fn assert_says(text: &str, words: &[&str]) {
+    for w in words {
+        assert!(text.contains(w), "{w:?} not in {text}");
+    }
+}
+
 /// A marker at `t` ns on both clocks, first micro-batch, no allocator figures.
 pub fn marker(kind: MarkerKind, step: u64, t: u64) -> Marker {
     Marker::at(kind, step, t, t)

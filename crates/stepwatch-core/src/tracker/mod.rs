@@ -25,7 +25,9 @@ use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::layout::{step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS};
 use crate::marker::{Marker, MarkerKind};
 use crate::pass::{pass_peaks, PassPeaks};
-use crate::postmortem::{post_mortem, OomReport, OomReportError, PostMortem, PostMortemInputs};
+use crate::postmortem::{
+    post_mortem, Died, OomReport, OomReportError, PostMortem, PostMortemInputs,
+};
 use crate::predict::StepOneExtras;
 use crate::predict::{LiveStep, Prediction};
 use crate::replay::{Gradients, Step2Replay};
@@ -471,9 +473,9 @@ impl Tracker {
     }
 
     /// Keeps what the client sent with its OOM marker for the post-mortem.
-    /// Refused when the report breaks its bounds or the rank's latest step
-    /// is not step `report.step` ended by an OOM marker; a second report for
-    /// the run is ignored. An unknown rank: ignored.
+    /// Refused when the report breaks its bounds or the rank's latest OOM
+    /// (see [`Died`]) is not in step `report.step` or a pass after it; a
+    /// second report for the run is ignored. An unknown rank: ignored.
     pub fn record_oom_report(
         &mut self,
         key: &RankKey,
@@ -484,10 +486,7 @@ impl Tracker {
         let Some(state) = self.ranks.get_mut(key) else {
             return Ok(());
         };
-        let died = state
-            .timeline
-            .current()
-            .is_some_and(|s| s.step == report.step && s.outcome == StepOutcome::Oom);
+        let died = Died::of(&state.timeline).is_some_and(|d| d.step() == report.step);
         if !died {
             return Err(OomReportError::NoOomStep(report.step));
         }
@@ -513,6 +512,7 @@ impl Tracker {
             steady: analysis.steady.as_ref(),
             prediction,
             trend: state.trend.trend(),
+            largest_batch: state.trend.largest_batch(),
             capacity_bytes: analysis.capacity_bytes,
             other_process_bytes: analysis.other_process_bytes,
             growth: &self.analysis.growth,

@@ -129,17 +129,18 @@ fn the_message_says_which_step_how_many_what_it_means_and_what_to_do() {
         (0, 0, 0)
     );
     let m = &a.message;
-    for words in [
-        "in step 3",
-        "retry 2 times (5 since the process started)",
-        "at the GPU's memory limit",
-        "full cache flush",
-        "out-of-memory",
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-        "smaller micro-batch",
-    ] {
-        assert!(m.contains(words), "{words:?} not in {m}");
-    }
+    kit::assert_says(
+        m,
+        &[
+            "in step 3",
+            "retry 2 times (5 since the process started)",
+            "at the GPU's memory limit",
+            "full cache flush",
+            "out-of-memory",
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+            "smaller micro-batch",
+        ],
+    );
     // One retry is "1 time"; no prediction, none quoted.
     let one = grew(2, 1, 1).unwrap();
     let m = retries_due(one, None, 0, &[]).unwrap().message;

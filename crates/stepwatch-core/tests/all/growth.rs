@@ -398,9 +398,10 @@ fn a_leaking_job_is_told_once_with_its_forecast() {
         f.last_step
     );
     assert!(err <= 0.1, "forecast {} vs {true_oom}", f.oom_step);
-    for words in ["8.4 MB per step", "total_loss += loss", "at about step"] {
-        assert!(advisory.message.contains(words), "{}", advisory.message);
-    }
+    kit::assert_says(
+        &advisory.message,
+        &["8.4 MB per step", "total_loss += loss", "at about step"],
+    );
     // The trailing window's NVML max is the latest step's peak.
     let trend = t.memory_trend(&key).unwrap();
     assert_eq!(

@@ -124,20 +124,21 @@ fn fires_once_when_the_steps_after_the_first_leave_under_5_percent() {
     // 9.49 GB leaving 950 M = 9.5%.
     assert_eq!(gb((9600 * M) as f64), "10.07 GB");
     let m = &a.message;
-    for words in [
-        "steps 2–4 peak at 10.07 GB of 10.49 GB usable on the GPU (4.0% to spare)",
-        "memory grew after step 2, which peaked at 9.54 GB",
-        "the prediction made during step 1 was 9.49 GB (9.5% to spare)",
-        "may run out of GPU memory",
-        "smaller micro-batch",
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-        // Allocator figures without a replay: markers only.
-        "no allocator trace",
-        "unset STEPWATCH_ALLOCATOR_TRACE=0",
-        "what step 2 does to PyTorch's cache",
-    ] {
-        assert!(m.contains(words), "{words:?} not in {m}");
-    }
+    kit::assert_says(
+        m,
+        &[
+            "steps 2–4 peak at 10.07 GB of 10.49 GB usable on the GPU (4.0% to spare)",
+            "memory grew after step 2, which peaked at 9.54 GB",
+            "the prediction made during step 1 was 9.49 GB (9.5% to spare)",
+            "may run out of GPU memory",
+            "smaller micro-batch",
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+            // Allocator figures without a replay: markers only.
+            "no allocator trace",
+            "unset STEPWATCH_ALLOCATOR_TRACE=0",
+            "what step 2 does to PyTorch's cache",
+        ],
+    );
     // Words a person reads: no Rust names or raw byte counts.
     for jargon in ["Prediction", "nvml_peak", "_bytes", "LowObservedHeadroom"] {
         assert!(!m.contains(jargon), "{jargon:?} in {m}");
