@@ -129,6 +129,7 @@ pub fn due(
             if headroom >= 0
                 && prediction
                     .inputs
+                    .layout
                     .layout_snapshots
                     .is_some_and(|l| l.capped_at_reserved_limit) =>
         {

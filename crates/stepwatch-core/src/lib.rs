@@ -78,8 +78,9 @@ pub use postmortem::{
     PostMortemInputs, MAX_OOM_MESSAGE_BYTES, MAX_OOM_SEGMENTS,
 };
 pub use predict::{
-    predict, BasisLimit, GradsSource, LayoutSetAside, LiveStep, OverheadSource, PredictConfig,
-    PredictFrom, Prediction, PredictionBasis, PredictionInputs, StateSource, StepOneExtras,
+    predict, BasisLimit, GradInputs, GradsSource, LayoutInputs, LayoutSetAside, LiveStep,
+    OverheadInputs, OverheadSource, PredictConfig, PredictFrom, Prediction, PredictionBasis,
+    PredictionInputs, ReservedInputs, StateInputs, StateSource, StepOneExtras, StepOnePeaks,
     WarningRevision,
 };
 pub use profile::{

@@ -588,15 +588,18 @@ pub fn evaluate_as(
         oom_warned_before_step2: seen.oom_warned_before_step2,
         false_alarm,
         binding: seen.prediction.as_ref().map(|p| p.inputs.binding),
-        state_source: seen.prediction.as_ref().map(|p| p.inputs.state_source),
+        state_source: seen
+            .prediction
+            .as_ref()
+            .map(|p| p.inputs.state.state_source),
         layout_allowance_bytes: seen
             .prediction
             .as_ref()
-            .map(|p| p.inputs.layout_allowance_bytes),
+            .map(|p| p.inputs.layout.layout_allowance_bytes),
         state_from_cache_bytes: seen
             .prediction
             .as_ref()
-            .map(|p| p.inputs.state_from_cache_bytes),
+            .map(|p| p.inputs.reserved.state_from_cache_bytes),
         explanation: seen.prediction.map(|p| p.explanation),
     })
 }

@@ -66,22 +66,22 @@ pub(super) fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) 
     };
     let mut s = format!(
         "{unit} peak = max(first micro-batch {} + optimizer state {} ({}) + gradients {} ({})",
-        g(i.first_micro_batch_peak_bytes),
-        g(i.state_bytes),
-        state_words(i.state_source),
-        g(i.grad_bytes),
-        grads_words(i.grads_source),
+        g(i.peaks.first_micro_batch_peak_bytes),
+        g(i.state.state_bytes),
+        state_words(i.state.state_source),
+        g(i.grads.grad_bytes),
+        grads_words(i.grads.grads_source),
     );
-    if let Some(l) = i.later_micro_batches_peak_bytes {
+    if let Some(l) = i.peaks.later_micro_batches_peak_bytes {
         let _ = write!(s, ", later micro-batches {} + state", g(l));
     }
-    if let Some(o) = i.optimizer_phase_peak_bytes {
+    if let Some(o) = i.peaks.optimizer_phase_peak_bytes {
         let _ = write!(s, ", optimizer phase {}", g(o));
     }
     let _ = write!(
         s,
         ", step-1 peak {}) = {}, {}",
-        g(i.step1_peak_bytes),
+        g(i.peaks.step1_peak_bytes),
         g(i.basis_peak_bytes),
         binding_words(i.binding)
     );
@@ -96,7 +96,7 @@ pub(super) fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) 
             g(most)
         );
     }
-    if let (Some(ratio), Some(res)) = (i.reserved_ratio, i.predicted_reserved_bytes) {
+    if let (Some(ratio), Some(res)) = (i.reserved.reserved_ratio, i.predicted_reserved_bytes) {
         match &i.allocator_replay {
             Some(r) => {
                 let _ = write!(
@@ -174,7 +174,7 @@ pub(super) fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) 
                 }
                 let _ = write!(s, "; at least the step-1 reserved peak: {}", g(res));
             }
-            None => match &i.layout_snapshots {
+            None => match &i.layout.layout_snapshots {
                 Some(l) => {
                     let _ = write!(
                         s,
@@ -184,8 +184,8 @@ pub(super) fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) 
                          the allocator's segment snapshots at step 1's optimizer begin and \
                          end{}), × {ratio:.4} (step 1's reserved / allocated), step-1 reserved \
                          peak) = {}",
-                        g(i.reserved_at_optimizer_end_bytes.unwrap_or(0)),
-                        g(i.layout_allowance_bytes),
+                        g(i.layout.reserved_at_optimizer_end_bytes.unwrap_or(0)),
+                        g(i.layout.layout_allowance_bytes),
                         match l.blocks_needing_new_segments {
                             1 => "1 block".to_string(),
                             n => format!("{n} blocks"),
@@ -207,12 +207,12 @@ pub(super) fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) 
                         "; reserved = max(× {ratio:.4} (step 1's reserved / allocated) + layout \
                          allowance {} ({:.1}% of the state made from cached blocks, {}), step-1 \
                          reserved peak) = {}",
-                        g(i.layout_allowance_bytes),
-                        100.0 * i.layout_allowance_fraction,
-                        g(i.state_from_cache_bytes),
+                        g(i.layout.layout_allowance_bytes),
+                        100.0 * i.layout.layout_allowance_fraction,
+                        g(i.reserved.state_from_cache_bytes),
                         g(res)
                     );
-                    if let Some(why) = i.layout_snapshots_set_aside {
+                    if let Some(why) = i.layout.layout_snapshots_set_aside {
                         let _ = write!(
                             s,
                             " (the allocator's segment snapshots were set aside: {})",
@@ -231,7 +231,7 @@ pub(super) fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) 
                 }
             },
         }
-        match (i.overhead_bytes, i.overhead_source) {
+        match (i.overhead.overhead_bytes, i.overhead.overhead_source) {
             (Some(oh), Some(OverheadSource::ClientDeviceMemory)) => {
                 let _ = write!(
                     s,

@@ -97,7 +97,7 @@
 //! that send no allocator trace send them on those two markers), the layout
 //! is no longer guessed: `allowance` is the bytes `layout` finds
 //! step 2 must reserve anew for the cached blocks the state split
-//! ([`PredictionInputs::layout_snapshots`]), and the fraction is not used.
+//! ([`LayoutInputs::layout_snapshots`]), and the fraction is not used.
 //!
 //! `overhead` is the device's view minus the allocator's (CUDA context, NCCL
 //! and cuBLAS workspaces) *and other processes on the GPU*, because both
@@ -318,7 +318,7 @@ pub fn predict(step1: &StepRecord, from: PredictFrom<'_>) -> Option<Prediction> 
     let layout_set_aside = layout.filter(|_| layout_usable).and_then(|_| {
         if facts.ddp_bucket_rebuild.is_some() {
             Some(LayoutSetAside::DdpBucketRebuild)
-        } else if peaks.later.is_some() {
+        } else if peaks.later_micro_batches_peak_bytes.is_some() {
             Some(LayoutSetAside::GradientAccumulation)
         } else {
             None
@@ -329,7 +329,7 @@ pub fn predict(step1: &StepRecord, from: PredictFrom<'_>) -> Option<Prediction> 
         step1,
         step: &step,
         view: &view,
-        step1_peak: peaks.step1,
+        step1_peak: peaks.step1_peak_bytes,
         basis_peak,
         binding,
         state: &state,
@@ -391,45 +391,52 @@ pub fn predict(step1: &StepRecord, from: PredictFrom<'_>) -> Option<Prediction> 
             .filter(|p| p.end_monotonic_ns.is_none())
             .map(|p| p.phase),
         optimizer_phase_closed,
-        first_micro_batch_peak_bytes: peaks.first,
-        later_micro_batches_peak_bytes: peaks.later,
-        optimizer_phase_peak_bytes: peaks.optimizer,
-        step1_peak_bytes: peaks.step1,
-        state_bytes: state.bytes,
-        state_source: state.source,
-        measured_jump_bytes: measured_jump,
-        facts_state_bytes: state.facts,
-        state_bytes_per_parameter: state.bytes_per_parameter,
-        sharding_factor: state.sharding,
-        inferred_sharding_factor: state.inferred_sharding_factor,
-        grads_persistent: grads.persistent,
-        grad_bytes: grads.bytes,
-        grads_source: grads.source,
+        peaks,
+        state: StateInputs {
+            state_bytes: state.bytes,
+            state_source: state.source,
+            measured_jump_bytes: measured_jump,
+            facts_state_bytes: state.facts,
+            state_bytes_per_parameter: state.bytes_per_parameter,
+            sharding_factor: state.sharding,
+            inferred_sharding_factor: state.inferred_sharding_factor,
+        },
+        grads: GradInputs {
+            grads_persistent: grads.persistent,
+            grad_bytes: grads.bytes,
+            grads_source: grads.source,
+        },
         binding,
         basis_peak_bytes: basis_peak,
         basis_peak_at_most_bytes: basis_peak_at_most,
-        reserved_ratio: device.reserved_ratio,
-        step1_reserved_peak_bytes: device.step1_reserved_peak,
-        cache_at_optimizer_begin_bytes: device.cache_at_optimizer_begin,
-        state_from_cache_bytes: device.state_from_cache,
-        layout_allowance_fraction: config.layout_allowance_fraction,
-        layout_allowance_bytes: if layout_added {
-            device.layout_allowance
-        } else {
-            0
+        reserved: ReservedInputs {
+            reserved_ratio: device.reserved_ratio,
+            step1_reserved_peak_bytes: device.step1_reserved_peak,
+            cache_at_optimizer_begin_bytes: device.cache_at_optimizer_begin,
+            state_from_cache_bytes: device.state_from_cache,
         },
-        layout_snapshots: layout.copied(),
-        layout_snapshots_set_aside: layout_set_aside,
-        reserved_at_optimizer_end_bytes: device.reserved_at_optimizer_end,
+        layout: LayoutInputs {
+            layout_allowance_fraction: config.layout_allowance_fraction,
+            layout_allowance_bytes: if layout_added {
+                device.layout_allowance
+            } else {
+                0
+            },
+            layout_snapshots: layout.copied(),
+            layout_snapshots_set_aside: layout_set_aside,
+            reserved_at_optimizer_end_bytes: device.reserved_at_optimizer_end,
+        },
         predicted_reserved_bytes: device.predicted_reserved,
         allocator_replay: replay.copied(),
-        overhead_bytes: device.overhead,
-        overhead_source: device.overhead_source,
-        process_overhead_bytes: device
-            .overhead
-            .map(|o| o.saturating_sub(other_process_bytes)),
-        nvml_overhead_bytes: device.nvml_overhead,
-        device_total_bytes: device.device_total,
+        overhead: OverheadInputs {
+            overhead_bytes: device.overhead,
+            overhead_source: device.overhead_source,
+            process_overhead_bytes: device
+                .overhead
+                .map(|o| o.saturating_sub(other_process_bytes)),
+            nvml_overhead_bytes: device.nvml_overhead,
+            device_total_bytes: device.device_total,
+        },
         step1_nvml_peak_bytes: device.step1_nvml_peak,
         capacity_bytes,
         other_process_bytes,
@@ -447,7 +454,7 @@ pub fn predict(step1: &StepRecord, from: PredictFrom<'_>) -> Option<Prediction> 
     let what_would_fit = what_would_fit(&FitInputs {
         binding,
         basis_peak_bytes: basis_peak,
-        optimizer_phase_peak_bytes: peaks.optimizer,
+        optimizer_phase_peak_bytes: peaks.optimizer_phase_peak_bytes,
         predicted_peak_bytes: predicted,
         capacity_bytes,
         target_headroom_bytes: (config.low_headroom_fraction.max(0.0) * capacity_bytes as f64)

@@ -73,7 +73,7 @@ pub enum BasisLimit {
     /// logits, say), step 2 reserves a new segment of that block's size
     /// (seen in the traces of `tests/fixtures/torch-fake-cuda`). The layout
     /// allowance is a guess at that. Not set when step 1's segment
-    /// snapshots arrived ([`PredictionInputs::layout_snapshots`]).
+    /// snapshots arrived ([`LayoutInputs::layout_snapshots`]).
     AllocatorFiguresCannotSeeLayout,
 }
 
@@ -198,38 +198,15 @@ pub struct PredictionInputs {
     /// Whether step 1's optimizer phase has closed, i.e. the state jump was
     /// measured rather than estimated.
     pub optimizer_phase_closed: bool,
-    /// Peaks of step 1 in basis units (allocated or device bytes).
-    pub first_micro_batch_peak_bytes: u64,
-    /// Peak of the forward/backward phases after the first backward, basis
-    /// units; None without gradient accumulation.
-    pub later_micro_batches_peak_bytes: Option<u64>,
-    /// Peak of step 1's optimizer phase(s), basis units.
-    pub optimizer_phase_peak_bytes: Option<u64>,
-    /// Peak over all of step 1's phases, basis units; the floor of the prediction.
-    pub step1_peak_bytes: u64,
-    /// Optimizer state added to the forward/backward peaks.
-    pub state_bytes: u64,
-    /// Where `state_bytes` came from; says how much to trust it.
-    pub state_source: StateSource,
-    /// Jump across the optimizer phase(s), basis units; None until closed.
-    pub measured_jump_bytes: Option<i64>,
-    /// State computed from model facts, when they allow it.
-    pub facts_state_bytes: Option<u64>,
-    /// Bytes per parameter used for the facts estimate: reported or the
-    /// optimizer's default.
-    pub state_bytes_per_parameter: Option<u32>,
-    /// Sharding factor used (1 when not reported).
-    pub sharding_factor: u32,
-    /// round(unsharded facts state / measured jump) when that is 2 or more.
-    pub inferred_sharding_factor: Option<u32>,
-    /// Whether gradients were taken to survive into step 2
-    /// (`grads_set_to_none == Some(false)`).
-    pub grads_persistent: bool,
-    /// Persistent gradient bytes added to the first micro-batch term; 0 when not
-    /// persistent.
-    pub grad_bytes: u64,
-    /// Where `grad_bytes` came from.
-    pub grads_source: GradsSource,
+    /// Step 1's peaks by phase group, in basis units.
+    #[serde(flatten)]
+    pub peaks: StepOnePeaks,
+    /// The optimizer state added to the forward/backward peaks, and the figures it was chosen from.
+    #[serde(flatten)]
+    pub state: StateInputs,
+    /// Gradients that survive into step 2's forward.
+    #[serde(flatten)]
+    pub grads: GradInputs,
     /// Which term of the max set the prediction: the phase to shrink to fit.
     pub binding: BindingTerm,
     /// The max above, in basis units.
@@ -244,68 +221,20 @@ pub struct PredictionInputs {
     /// still open, or when a counter was reset inside a phase.
     #[serde(default)]
     pub basis_peak_at_most_bytes: Option<u64>,
-    /// Allocator basis only.
-    pub reserved_ratio: Option<f64>,
-    /// Allocator reserved peak of step 1, bytes; a floor for the reserved figure.
-    pub step1_reserved_peak_bytes: Option<u64>,
-    /// Reserved − allocated when step 1's optimizer phase began (the cache
-    /// backward freed); None before that phase or without allocator figures.
-    pub cache_at_optimizer_begin_bytes: Option<u64>,
-    /// Lazily created state that can have landed in that cache:
-    /// min(state, cache), or the state while the cache is unknown; 0 when
-    /// the state is not created lazily (or on the NVML basis).
-    pub state_from_cache_bytes: u64,
-    /// [`PredictConfig::layout_allowance_fraction`] as used.
-    pub layout_allowance_fraction: f64,
-    /// Added for the cached blocks the state split: from step 1's segment
-    /// snapshots when they arrived (`layout_snapshots`; added to
-    /// `reserved_at_optimizer_end_bytes`), else layout_allowance_fraction ×
-    /// state_from_cache (added to the ratio figure).
-    pub layout_allowance_bytes: u64,
-    /// What step 1's segment snapshots at its optimizer begin and end showed
-    /// (see `layout`); set when both arrived and the prediction
-    /// used them (allocator basis, no replay). None: the layout allowance,
-    /// if any, is the guessed fraction.
-    #[serde(default)]
-    pub layout_snapshots: Option<LayoutEstimate>,
-    /// With `layout_snapshots`: reserved bytes when step 1's optimizer phase
-    /// ended, to which the layout allowance is added (reserved memory does
-    /// not shrink between steps); the ratio figure is then only a floor.
-    #[serde(default)]
-    pub reserved_at_optimizer_end_bytes: Option<u64>,
-    /// Why step 1's segment snapshots arrived but were not used (the
-    /// layout allowance is then the guessed fraction); None otherwise.
-    #[serde(default)]
-    pub layout_snapshots_set_aside: Option<LayoutSetAside>,
+    /// What sets the reserved (caching pool) figure on the allocator basis.
+    #[serde(flatten)]
+    pub reserved: ReservedInputs,
+    /// The allowance for the cached blocks the state split, and the segment snapshots behind it.
+    #[serde(flatten)]
+    pub layout: LayoutInputs,
     /// Predicted reserved (caching pool) bytes at the peak; allocator basis only.
     pub predicted_reserved_bytes: Option<u64>,
     /// The replay of step 2 from step 1's allocator trace, when the client
     /// sent one; it sets the reserved figure.
     pub allocator_replay: Option<Step2Replay>,
-    /// Device used minus reserved (includes other processes); None when
-    /// unmeasured. See `overhead_source` for how it was measured.
-    pub overhead_bytes: Option<u64>,
-    /// Where `overhead_bytes` came from; None on the NVML-only basis (no
-    /// conversion to device bytes) and in predictions made before it was
-    /// recorded.
-    #[serde(default)]
-    pub overhead_source: Option<OverheadSource>,
-    /// The rank's own share of the overhead (its CUDA context, workspaces,
-    /// NCCL buffers): `overhead_bytes − other_process_bytes`, floored at 0.
-    /// Only as right as NVML's process list, which is read seconds apart;
-    /// the device prediction does not depend on it.
-    #[serde(default)]
-    pub process_overhead_bytes: Option<u64>,
-    /// The NVML-sample estimate of the overhead, also when the client's
-    /// device figures set `overhead_bytes`, to compare the two.
-    #[serde(default)]
-    pub nvml_overhead_bytes: Option<u64>,
-    /// The device's total as the CUDA driver reported it at step 1's latest
-    /// marker that carried it (`cudaMemGetInfo`: what processes can use, the
-    /// driver's reserved memory excluded). Shown next to `capacity_bytes`
-    /// (NVML total − reserved), which it should match; not used for headroom.
-    #[serde(default)]
-    pub device_total_bytes: Option<u64>,
+    /// The memory the device holds beside the allocator, and how it was measured.
+    #[serde(flatten)]
+    pub overhead: OverheadInputs,
     /// Highest NVML sample of step 1, bytes; a floor for the device prediction.
     pub step1_nvml_peak_bytes: Option<u64>,
     /// GPU capacity, bytes (0 when unknown: no headroom then).
@@ -340,6 +269,133 @@ pub struct PredictionInputs {
     /// peak and headroom include it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_revision: Option<BatchRevision>,
+}
+
+/// Step 1's peaks by phase group, in basis units. Part of [`PredictionInputs`], serialized flat
+/// into it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepOnePeaks {
+    /// Peak of the first micro-batch group's forward/backward phases (up to
+    /// and including the first backward), basis units (allocated or device
+    /// bytes); 0 without a figure.
+    pub first_micro_batch_peak_bytes: u64,
+    /// Peak of the forward/backward phases after the first backward, basis
+    /// units; None without gradient accumulation.
+    pub later_micro_batches_peak_bytes: Option<u64>,
+    /// Peak of step 1's optimizer phase(s), basis units.
+    pub optimizer_phase_peak_bytes: Option<u64>,
+    /// Peak over all of step 1's phases, basis units; the floor of the prediction.
+    pub step1_peak_bytes: u64,
+}
+
+/// The optimizer state added to the forward/backward peaks, and the figures it was chosen from.
+/// Part of [`PredictionInputs`], serialized flat into it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StateInputs {
+    /// Optimizer state added to the forward/backward peaks.
+    pub state_bytes: u64,
+    /// Where `state_bytes` came from; says how much to trust it.
+    pub state_source: StateSource,
+    /// Jump across the optimizer phase(s), basis units; None until closed.
+    pub measured_jump_bytes: Option<i64>,
+    /// State computed from model facts, when they allow it.
+    pub facts_state_bytes: Option<u64>,
+    /// Bytes per parameter used for the facts estimate: reported or the
+    /// optimizer's default.
+    pub state_bytes_per_parameter: Option<u32>,
+    /// Sharding factor used (1 when not reported).
+    pub sharding_factor: u32,
+    /// round(unsharded facts state / measured jump) when that is 2 or more.
+    pub inferred_sharding_factor: Option<u32>,
+}
+
+/// Gradients that survive into step 2's forward. Part of [`PredictionInputs`], serialized flat into
+/// it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GradInputs {
+    /// Whether gradients were taken to survive into step 2
+    /// (`grads_set_to_none == Some(false)`).
+    pub grads_persistent: bool,
+    /// Persistent gradient bytes added to the first micro-batch term; 0 when not
+    /// persistent.
+    pub grad_bytes: u64,
+    /// Where `grad_bytes` came from.
+    pub grads_source: GradsSource,
+}
+
+/// What sets the reserved (caching pool) figure on the allocator basis. Part of
+/// [`PredictionInputs`], serialized flat into it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReservedInputs {
+    /// Allocator basis only.
+    pub reserved_ratio: Option<f64>,
+    /// Allocator reserved peak of step 1, bytes; a floor for the reserved figure.
+    pub step1_reserved_peak_bytes: Option<u64>,
+    /// Reserved − allocated when step 1's optimizer phase began (the cache
+    /// backward freed); None before that phase or without allocator figures.
+    pub cache_at_optimizer_begin_bytes: Option<u64>,
+    /// Lazily created state that can have landed in that cache:
+    /// min(state, cache), or the state while the cache is unknown; 0 when
+    /// the state is not created lazily (or on the NVML basis).
+    pub state_from_cache_bytes: u64,
+}
+
+/// The allowance for the cached blocks the state split, and the segment snapshots behind it. Part
+/// of [`PredictionInputs`], serialized flat into it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LayoutInputs {
+    /// [`PredictConfig::layout_allowance_fraction`] as used.
+    pub layout_allowance_fraction: f64,
+    /// Added for the cached blocks the state split: from step 1's segment
+    /// snapshots when they arrived (`layout_snapshots`; added to
+    /// `reserved_at_optimizer_end_bytes`), else layout_allowance_fraction ×
+    /// state_from_cache (added to the ratio figure).
+    pub layout_allowance_bytes: u64,
+    /// What step 1's segment snapshots at its optimizer begin and end showed
+    /// (see `layout`); set when both arrived and the prediction
+    /// used them (allocator basis, no replay). None: the layout allowance,
+    /// if any, is the guessed fraction.
+    #[serde(default)]
+    pub layout_snapshots: Option<LayoutEstimate>,
+    /// With `layout_snapshots`: reserved bytes when step 1's optimizer phase
+    /// ended, to which the layout allowance is added (reserved memory does
+    /// not shrink between steps); the ratio figure is then only a floor.
+    #[serde(default)]
+    pub reserved_at_optimizer_end_bytes: Option<u64>,
+    /// Why step 1's segment snapshots arrived but were not used (the
+    /// layout allowance is then the guessed fraction); None otherwise.
+    #[serde(default)]
+    pub layout_snapshots_set_aside: Option<LayoutSetAside>,
+}
+
+/// The memory the device holds beside the allocator, and how it was measured. Part of
+/// [`PredictionInputs`], serialized flat into it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OverheadInputs {
+    /// Device used minus reserved (includes other processes); None when
+    /// unmeasured. See `overhead_source` for how it was measured.
+    pub overhead_bytes: Option<u64>,
+    /// Where `overhead_bytes` came from; None on the NVML-only basis (no
+    /// conversion to device bytes) and in predictions made before it was
+    /// recorded.
+    #[serde(default)]
+    pub overhead_source: Option<OverheadSource>,
+    /// The rank's own share of the overhead (its CUDA context, workspaces,
+    /// NCCL buffers): `overhead_bytes − other_process_bytes`, floored at 0.
+    /// Only as right as NVML's process list, which is read seconds apart;
+    /// the device prediction does not depend on it.
+    #[serde(default)]
+    pub process_overhead_bytes: Option<u64>,
+    /// The NVML-sample estimate of the overhead, also when the client's
+    /// device figures set `overhead_bytes`, to compare the two.
+    #[serde(default)]
+    pub nvml_overhead_bytes: Option<u64>,
+    /// The device's total as the CUDA driver reported it at step 1's latest
+    /// marker that carried it (`cudaMemGetInfo`: what processes can use, the
+    /// driver's reserved memory excluded). Shown next to `capacity_bytes`
+    /// (NVML total − reserved), which it should match; not used for headroom.
+    #[serde(default)]
+    pub device_total_bytes: Option<u64>,
 }
 
 /// The predicted steady-state peak and headroom.
@@ -381,7 +437,7 @@ impl Prediction {
         i.basis == PredictionBasis::AllocatorReplay
             || (i.optimizer_phase_closed
                 && !matches!(
-                    i.state_source,
+                    i.state.state_source,
                     StateSource::ModelFacts | StateSource::Unknown | StateSource::UnseenOnNvml
                 ))
     }

@@ -80,14 +80,15 @@ impl<'a> Step1View<'a> {
             .reduce(PeakBounds::max)
     }
 
-    pub(super) fn peaks(&self) -> Step1Peaks {
-        Step1Peaks {
-            first: self
+    pub(super) fn peaks(&self) -> StepOnePeaks {
+        StepOnePeaks {
+            first_micro_batch_peak_bytes: self
                 .max_where(&|i, p| self.is_first_group_forward_backward(i, p))
                 .unwrap_or(0),
-            later: self.max_where(&|i, p| self.is_later_forward_backward(i, p)),
-            optimizer: self.max_where(&|_, p| p.phase == PhaseKind::Optimizer),
-            step1: self.max_where(&|_, _| true).unwrap_or(0),
+            later_micro_batches_peak_bytes: self
+                .max_where(&|i, p| self.is_later_forward_backward(i, p)),
+            optimizer_phase_peak_bytes: self.max_where(&|_, p| p.phase == PhaseKind::Optimizer),
+            step1_peak_bytes: self.max_where(&|_, _| true).unwrap_or(0),
         }
     }
 
@@ -164,18 +165,6 @@ pub(super) fn allocator_peak(p: &PhaseRecord) -> Option<u64> {
 
 pub(super) fn nvml_peak(p: &PhaseRecord) -> Option<u64> {
     (p.nvml.samples > 0).then_some(p.nvml.peak_bytes)
-}
-
-/// Step 1's peaks by phase group, in basis units.
-pub(super) struct Step1Peaks {
-    /// The first micro-batch group's forward/backward phases; 0 without a figure.
-    pub(super) first: u64,
-    /// The forward/backward phases after the first backward.
-    pub(super) later: Option<u64>,
-    /// The optimizer phases.
-    pub(super) optimizer: Option<u64>,
-    /// Every phase; 0 without a figure.
-    pub(super) step1: u64,
 }
 
 /// The optimizer state and the figures it was chosen from.
@@ -378,7 +367,7 @@ pub(super) struct Terms {
 impl Terms {
     pub(super) fn of(
         view: &Step1View<'_>,
-        peaks: &Step1Peaks,
+        peaks: &StepOnePeaks,
         state: &StateFigures,
         grads: &GradFigures,
         optimizer: &OptimizerEstimate,
@@ -392,12 +381,14 @@ impl Terms {
             .map(|f| f.saturating_add(state.bytes).saturating_add(forward_grads));
         Self {
             first_micro_batch: peaks
-                .first
+                .first_micro_batch_peak_bytes
                 .saturating_add(state.bytes)
                 .saturating_add(grads.bytes),
-            later_micro_batches: peaks.later.map(|p| p.saturating_add(state.bytes)),
-            optimizer_phase: max_opt(peaks.optimizer, optimizer.estimate),
-            step1_peak: peaks.step1,
+            later_micro_batches: peaks
+                .later_micro_batches_peak_bytes
+                .map(|p| p.saturating_add(state.bytes)),
+            optimizer_phase: max_opt(peaks.optimizer_phase_peak_bytes, optimizer.estimate),
+            step1_peak: peaks.step1_peak_bytes,
             first_forward_beside_gradients,
             optimizer_estimate: optimizer.estimate,
         }

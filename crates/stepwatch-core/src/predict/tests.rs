@@ -40,7 +40,7 @@ fn the_basis_is_the_allocator_when_forward_or_backward_has_its_figures() {
     ];
     let view = Step1View::of(&with_allocator).unwrap();
     assert_eq!(view.basis, PredictionBasis::Allocator);
-    assert_eq!(view.peaks().first, 400);
+    assert_eq!(view.peaks().first_micro_batch_peak_bytes, 400);
 
     let nvml_only = [
         phase(PhaseKind::Forward, None, Some(900)),
@@ -49,7 +49,7 @@ fn the_basis_is_the_allocator_when_forward_or_backward_has_its_figures() {
     ];
     let view = Step1View::of(&nvml_only).unwrap();
     assert_eq!(view.basis, PredictionBasis::NvmlOnly);
-    assert_eq!(view.peaks().first, 900);
+    assert_eq!(view.peaks().first_micro_batch_peak_bytes, 900);
 
     let nothing = [phase(PhaseKind::Optimizer, Some((0, 50)), Some(70))];
     assert!(Step1View::of(&nothing).is_none());
@@ -67,10 +67,10 @@ fn micro_batches_after_the_first_backward_are_the_later_group() {
         phase(PhaseKind::Optimizer, Some((300, 650)), None),
     ];
     let peaks = Step1View::of(&phases).unwrap().peaks();
-    assert_eq!(peaks.first, 600);
-    assert_eq!(peaks.later, Some(800));
-    assert_eq!(peaks.optimizer, Some(650));
-    assert_eq!(peaks.step1, 800);
+    assert_eq!(peaks.first_micro_batch_peak_bytes, 600);
+    assert_eq!(peaks.later_micro_batches_peak_bytes, Some(800));
+    assert_eq!(peaks.optimizer_phase_peak_bytes, Some(650));
+    assert_eq!(peaks.step1_peak_bytes, 800);
 }
 
 fn adam(parameters: u64, sharding: u32) -> ModelFacts {
@@ -142,4 +142,91 @@ fn the_binding_term_is_the_largest_and_ties_go_to_the_earlier_one() {
         ..terms
     };
     assert_eq!(terms.binding_max(), (701, BindingTerm::LaterMicroBatches));
+}
+
+#[test]
+fn the_inputs_serialize_flat_in_their_order_and_read_back() {
+    let step1 = StepRecord {
+        step: 1,
+        begin_monotonic_ns: 0,
+        begin_wall_ns: 0,
+        end_monotonic_ns: Some(10),
+        end_wall_ns: None,
+        outcome: StepOutcome::Completed,
+        phases: vec![
+            phase(PhaseKind::Forward, Some((100, 300)), Some(900)),
+            phase(PhaseKind::Backward, Some((300, 400)), None),
+            phase(PhaseKind::Optimizer, Some((400, 450)), None),
+        ],
+        nvml_before_begin: None,
+        device_at_end: None,
+        batch: None,
+    };
+    let from = PredictFrom {
+        facts: &ModelFacts::default(),
+        capacity_bytes: 10_000,
+        other_process_bytes: 0,
+        extras: StepOneExtras::default(),
+        config: &PredictConfig::default(),
+    };
+    let prediction = predict(&step1, from).unwrap();
+    let json = serde_json::to_string(&prediction.inputs).unwrap();
+    // The HTTP API's `inputs`: one flat object, in this order.
+    let keys = [
+        "basis",
+        "step",
+        "step_outcome",
+        "open_phase",
+        "optimizer_phase_closed",
+        "first_micro_batch_peak_bytes",
+        "later_micro_batches_peak_bytes",
+        "optimizer_phase_peak_bytes",
+        "step1_peak_bytes",
+        "state_bytes",
+        "state_source",
+        "measured_jump_bytes",
+        "facts_state_bytes",
+        "state_bytes_per_parameter",
+        "sharding_factor",
+        "inferred_sharding_factor",
+        "grads_persistent",
+        "grad_bytes",
+        "grads_source",
+        "binding",
+        "basis_peak_bytes",
+        "basis_peak_at_most_bytes",
+        "reserved_ratio",
+        "step1_reserved_peak_bytes",
+        "cache_at_optimizer_begin_bytes",
+        "state_from_cache_bytes",
+        "layout_allowance_fraction",
+        "layout_allowance_bytes",
+        "layout_snapshots",
+        "reserved_at_optimizer_end_bytes",
+        "layout_snapshots_set_aside",
+        "predicted_reserved_bytes",
+        "allocator_replay",
+        "overhead_bytes",
+        "overhead_source",
+        "process_overhead_bytes",
+        "nvml_overhead_bytes",
+        "device_total_bytes",
+        "step1_nvml_peak_bytes",
+        "capacity_bytes",
+        "other_process_bytes",
+        "optimizer_temporaries_bytes",
+        "optimizer_phase_estimate_bytes",
+        "basis_limits",
+        "gradients",
+        "forward_grad_bytes",
+    ];
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(value.as_object().unwrap().len(), keys.len(), "{json}");
+    let mut at = 0;
+    for key in keys {
+        let found = json[at..].find(&format!("\"{key}\":"));
+        at += found.unwrap_or_else(|| panic!("{key} out of order in {json}")) + 1;
+    }
+    let back: PredictionInputs = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, prediction.inputs);
 }

@@ -1174,7 +1174,7 @@ impl Tracker {
     /// rank's current prediction measured it. None while either is unknown.
     pub fn reserved_limit(&self, key: &RankKey) -> Option<u64> {
         let p = self.rank_analysis(key)?.prediction?;
-        let overhead = p.inputs.overhead_bytes?;
+        let overhead = p.inputs.overhead.overhead_bytes?;
         (p.inputs.capacity_bytes > 0).then(|| p.inputs.capacity_bytes.saturating_sub(overhead))
     }
 

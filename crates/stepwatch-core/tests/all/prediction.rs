@@ -96,15 +96,15 @@ fn adam_lazy_state_measured_across_the_optimizer_phase() {
     );
     let i = &p.inputs;
     assert_eq!(i.basis, PredictionBasis::Allocator);
-    assert_eq!(i.first_micro_batch_peak_bytes, 6000 * M);
-    assert_eq!(i.later_micro_batches_peak_bytes, None);
-    assert_eq!(i.optimizer_phase_peak_bytes, Some(2200 * M));
-    assert_eq!(i.measured_jump_bytes, Some(800 * M as i64));
+    assert_eq!(i.peaks.first_micro_batch_peak_bytes, 6000 * M);
+    assert_eq!(i.peaks.later_micro_batches_peak_bytes, None);
+    assert_eq!(i.peaks.optimizer_phase_peak_bytes, Some(2200 * M));
+    assert_eq!(i.state.measured_jump_bytes, Some(800 * M as i64));
     assert_eq!(
-        (i.state_bytes, i.state_source),
+        (i.state.state_bytes, i.state.state_source),
         (800 * M, StateSource::MeasuredJump)
     );
-    assert_eq!(i.grads_source, GradsSource::NotPersistent);
+    assert_eq!(i.grads.grads_source, GradsSource::NotPersistent);
     // max(6000 + 800, 2200, 6000) = 6800 allocated.
     assert_eq!(
         (i.basis_peak_bytes, i.binding),
@@ -116,13 +116,13 @@ fn adam_lazy_state_measured_across_the_optimizer_phase() {
     assert_eq!(i.basis_peak_at_most_bytes, Some(6800 * M));
     assert!(!p.explanation.contains("at most"), "{}", p.explanation);
     // reserved/allocated = 7500 / 6000 = 1.25 → 8500, + allowance 50.
-    assert_eq!(i.reserved_ratio, Some(1.25));
-    assert_eq!(i.cache_at_optimizer_begin_bytes, Some(6100 * M));
-    assert_eq!(i.state_from_cache_bytes, 800 * M);
-    assert_eq!(i.layout_allowance_bytes, 50 * M);
+    assert_eq!(i.reserved.reserved_ratio, Some(1.25));
+    assert_eq!(i.reserved.cache_at_optimizer_begin_bytes, Some(6100 * M));
+    assert_eq!(i.reserved.state_from_cache_bytes, 800 * M);
+    assert_eq!(i.layout.layout_allowance_bytes, 50 * M);
     assert_eq!(i.predicted_reserved_bytes, Some(8550 * M));
     // overhead = min(1700−1200, 3500−1200, 7000−6250, 8000−7500, 8000−7500) = 500.
-    assert_eq!(i.overhead_bytes, Some(500 * M));
+    assert_eq!(i.overhead.overhead_bytes, Some(500 * M));
     assert_eq!(i.step1_nvml_peak_bytes, Some(8000 * M));
     // device = max(8550 + 500, 8000) = 9050; own share 9050 − 300.
     assert_eq!(p.predicted_peak_bytes, 9050 * M);
@@ -165,19 +165,19 @@ fn adam_state_from_model_facts_while_backward_runs() {
     assert_eq!(i.open_phase, Some(PhaseKind::Backward));
     assert!(!i.optimizer_phase_closed);
     // Forward closed at 5000; the open backward has only its start figure.
-    assert_eq!(i.first_micro_batch_peak_bytes, 5000 * M);
+    assert_eq!(i.peaks.first_micro_batch_peak_bytes, 5000 * M);
     assert_eq!(
-        (i.state_bytes, i.state_source),
+        (i.state.state_bytes, i.state.state_source),
         (800 * M, StateSource::ModelFacts)
     );
     assert_eq!(i.basis_peak_bytes, 5800 * M);
     // 6250 / 5000 = 1.25 → 7250, + allowance 800 / 16 = 50 (the cache at
     // optimizer begin is not known yet: the whole state counts);
     // overhead min(500, 2300, 7000−6250 live) = 500.
-    assert_eq!(i.cache_at_optimizer_begin_bytes, None);
-    assert_eq!(i.layout_allowance_bytes, 50 * M);
+    assert_eq!(i.reserved.cache_at_optimizer_begin_bytes, None);
+    assert_eq!(i.layout.layout_allowance_bytes, 50 * M);
     assert_eq!(i.predicted_reserved_bytes, Some(7300 * M));
-    assert_eq!(i.overhead_bytes, Some(500 * M));
+    assert_eq!(i.overhead.overhead_bytes, Some(500 * M));
     // The floor is the NVML peak of closed phases: the open backward's live
     // sample (7000) is left out, since with lagging markers it may be of step 2.
     assert_eq!(i.step1_nvml_peak_bytes, Some(3500 * M));
@@ -185,7 +185,7 @@ fn adam_state_from_model_facts_while_backward_runs() {
 
     // Without facts the state is unknown until the optimizer phase ends.
     let p = run(ModelFacts::default(), markers, &BASE_SAMPLES[..3], 10_000);
-    assert_eq!(p.inputs.state_source, StateSource::Unknown);
+    assert_eq!(p.inputs.state.state_source, StateSource::Unknown);
     // max(6250 + 500, the closed phases' NVML peak 3500).
     assert_eq!(p.inputs.predicted_reserved_bytes, Some(6250 * M));
     assert_eq!(p.predicted_peak_bytes, 6750 * M);
@@ -208,8 +208,8 @@ fn a_high_water_mark_from_before_step_one_bounds_what_it_hides() {
     let p = run(ModelFacts::default(), &markers, &BASE_SAMPLES, 10_000);
     let i = &p.inputs;
     // The boundary figures: forward and backward at least 5000, + state 800.
-    assert_eq!(i.first_micro_batch_peak_bytes, 5000 * M);
-    assert_eq!(i.state_bytes, 800 * M);
+    assert_eq!(i.peaks.first_micro_batch_peak_bytes, 5000 * M);
+    assert_eq!(i.state.state_bytes, 800 * M);
     assert_eq!(i.basis_peak_bytes, 5800 * M);
     // At most the old mark, + state.
     assert_eq!(i.basis_peak_at_most_bytes, Some(9800 * M));
@@ -249,7 +249,7 @@ fn sgd_keeps_no_state() {
     };
     let p = run(sgd.clone(), &no_jump_markers(), &BASE_SAMPLES, 10_000);
     assert_eq!(
-        (p.inputs.state_bytes, p.inputs.state_source),
+        (p.inputs.state.state_bytes, p.inputs.state.state_source),
         (0, StateSource::Stateless)
     );
     // max(6000, 1400, 6000) = 6000 → reserved max(7500, 7500) → + 500.
@@ -257,8 +257,8 @@ fn sgd_keeps_no_state() {
     assert_eq!(p.predicted_peak_bytes, 8000 * M);
     // Before the optimizer phase: the facts already say stateless.
     let early = run(sgd, &base_markers(true)[..3], &BASE_SAMPLES[..3], 10_000);
-    assert_eq!(early.inputs.state_source, StateSource::Stateless);
-    assert_eq!(early.inputs.state_bytes, 0);
+    assert_eq!(early.inputs.state.state_source, StateSource::Stateless);
+    assert_eq!(early.inputs.state.state_bytes, 0);
 }
 
 #[test]
@@ -275,7 +275,7 @@ fn pre_created_state_declared_or_detected() {
         10_000,
     );
     assert_eq!(
-        (p.inputs.state_bytes, p.inputs.state_source),
+        (p.inputs.state.state_bytes, p.inputs.state.state_source),
         (0, StateSource::DeclaredPrecreated)
     );
     // max(6250 + 500, the closed phases' NVML peak 3500).
@@ -283,9 +283,9 @@ fn pre_created_state_declared_or_detected() {
 
     // Detected: Adam, but nothing appeared across the optimizer phase.
     let p = run(adam(100 * M), &no_jump_markers(), &BASE_SAMPLES, 10_000);
-    assert_eq!(p.inputs.measured_jump_bytes, Some(0));
+    assert_eq!(p.inputs.state.measured_jump_bytes, Some(0));
     assert_eq!(
-        (p.inputs.state_bytes, p.inputs.state_source),
+        (p.inputs.state.state_bytes, p.inputs.state.state_source),
         (0, StateSource::DetectedPrecreated)
     );
     assert_eq!(p.predicted_peak_bytes, 8000 * M);
@@ -297,7 +297,7 @@ fn pre_created_state_declared_or_detected() {
         &BASE_SAMPLES,
         10_000,
     );
-    assert_eq!(p.inputs.state_source, StateSource::NoJump);
+    assert_eq!(p.inputs.state.state_source, StateSource::NoJump);
 }
 
 #[test]
@@ -313,14 +313,14 @@ fn sharded_state_from_facts_and_inferred_from_the_jump() {
         &BASE_SAMPLES[..3],
         10_000,
     );
-    assert_eq!(early.inputs.facts_state_bytes, Some(800 * M));
-    assert_eq!(early.inputs.sharding_factor, 4);
+    assert_eq!(early.inputs.state.facts_state_bytes, Some(800 * M));
+    assert_eq!(early.inputs.state.sharding_factor, 4);
     assert_eq!(early.predicted_peak_bytes, 7800 * M);
 
     // Unsharded facts, but the measured jump is a quarter of the facts state.
     let p = run(adam(400 * M), &base_markers(true), &BASE_SAMPLES, 10_000);
-    assert_eq!(p.inputs.state_source, StateSource::MeasuredJump);
-    assert_eq!(p.inputs.inferred_sharding_factor, Some(4));
+    assert_eq!(p.inputs.state.state_source, StateSource::MeasuredJump);
+    assert_eq!(p.inputs.state.inferred_sharding_factor, Some(4));
     assert_eq!(p.predicted_peak_bytes, 9050 * M);
 }
 
@@ -333,7 +333,7 @@ fn persistent_grads_are_added_unless_set_to_none() {
     let p = run(keep, &base_markers(true), &BASE_SAMPLES, 10_000);
     // grads = allocated after the first backward 1400 − before the first forward 1000.
     assert_eq!(
-        (p.inputs.grad_bytes, p.inputs.grads_source),
+        (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source),
         (400 * M, GradsSource::Measured)
     );
     // max(6000 + 800 + 400, …) = 7200 → × 1.25 = 9000 → + 50 → + 500.
@@ -346,7 +346,7 @@ fn persistent_grads_are_added_unless_set_to_none() {
     };
     let p = run(none, &base_markers(true), &BASE_SAMPLES, 10_000);
     assert_eq!(
-        (p.inputs.grad_bytes, p.inputs.grads_source),
+        (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source),
         (0, GradsSource::NotPersistent)
     );
     assert_eq!(p.predicted_peak_bytes, 9050 * M);
@@ -379,9 +379,9 @@ fn accumulation_adds_grads_only_to_the_first_micro_batch() {
         12_000,
     );
     let i = &p.inputs;
-    assert_eq!(i.first_micro_batch_peak_bytes, 6000 * M);
+    assert_eq!(i.peaks.first_micro_batch_peak_bytes, 6000 * M);
     // Forward 1: max(1400, 5400), high-water mark unmoved; backward 1: 6400.
-    assert_eq!(i.later_micro_batches_peak_bytes, Some(6400 * M));
+    assert_eq!(i.peaks.later_micro_batches_peak_bytes, Some(6400 * M));
     // max(6000 + 800, 6400 + 800) = 7200 → × 8000/6400 = 9000 → + 50
     // (cache at optimizer begin 8000 − 1400 ≥ state) → + 500.
     assert_eq!(
@@ -434,11 +434,11 @@ fn nvml_only_uses_the_level_jump_across_the_optimizer() {
     );
     let i = &p.inputs;
     assert_eq!(i.basis, PredictionBasis::NvmlOnly);
-    assert_eq!(i.first_micro_batch_peak_bytes, 7100 * M);
+    assert_eq!(i.peaks.first_micro_batch_peak_bytes, 7100 * M);
     // After (epilogue's first sample 7600) − before (backward's last 7000).
-    assert_eq!(i.measured_jump_bytes, Some(600 * M as i64));
-    assert_eq!(i.optimizer_phase_peak_bytes, Some(7500 * M));
-    assert_eq!(i.step1_peak_bytes, 7600 * M);
+    assert_eq!(i.state.measured_jump_bytes, Some(600 * M as i64));
+    assert_eq!(i.peaks.optimizer_phase_peak_bytes, Some(7500 * M));
+    assert_eq!(i.peaks.step1_peak_bytes, 7600 * M);
     // max(7100 + 600, 7500, 7600) = 7700; device samples include the other 300.
     assert_eq!(p.predicted_peak_bytes, 7700 * M);
     assert_eq!(p.predicted_rank_peak_bytes, 7400 * M);
@@ -450,7 +450,7 @@ fn nvml_only_uses_the_level_jump_across_the_optimizer() {
     // from the cache, so the facts win.
     let p = run(adam(125 * M), &base_markers(false), &NVML_SAMPLES, 8_000);
     assert_eq!(
-        (p.inputs.state_bytes, p.inputs.state_source),
+        (p.inputs.state.state_bytes, p.inputs.state.state_source),
         (1000 * M, StateSource::ModelFacts)
     );
     assert_eq!(p.predicted_peak_bytes, 8100 * M);
@@ -464,7 +464,7 @@ fn nvml_only_uses_the_level_jump_across_the_optimizer() {
     };
     let p = run(keep, &base_markers(false), &NVML_SAMPLES, 8_000);
     assert_eq!(
-        (p.inputs.grad_bytes, p.inputs.grads_source),
+        (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source),
         (200 * M, GradsSource::ModelFacts)
     );
     assert_eq!(p.predicted_peak_bytes, 7900 * M);
@@ -694,10 +694,10 @@ fn layout_allowance_covers_only_lazily_created_state_from_the_cache() {
     ms[3].allocator = stats(Some((1400, 6000, 1700)));
     let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
     let i = &p.inputs;
-    assert_eq!(i.cache_at_optimizer_begin_bytes, Some(300 * M));
-    assert_eq!(i.state_from_cache_bytes, 300 * M);
+    assert_eq!(i.reserved.cache_at_optimizer_begin_bytes, Some(300 * M));
+    assert_eq!(i.reserved.state_from_cache_bytes, 300 * M);
     // round(300 / 16) M, in bytes.
-    assert_eq!(i.layout_allowance_bytes, 300 * M / 16);
+    assert_eq!(i.layout.layout_allowance_bytes, 300 * M / 16);
     assert!(
         p.explanation.contains("layout allowance"),
         "{}",
@@ -706,11 +706,11 @@ fn layout_allowance_covers_only_lazily_created_state_from_the_cache() {
 
     // Pre-created or absent state strands nothing.
     let p = run(adam(100 * M), &no_jump_markers(), &BASE_SAMPLES, 10_000);
-    assert_eq!(p.inputs.state_source, StateSource::DetectedPrecreated);
+    assert_eq!(p.inputs.state.state_source, StateSource::DetectedPrecreated);
     assert_eq!(
         (
-            p.inputs.state_from_cache_bytes,
-            p.inputs.layout_allowance_bytes
+            p.inputs.reserved.state_from_cache_bytes,
+            p.inputs.layout.layout_allowance_bytes
         ),
         (0, 0)
     );
@@ -727,7 +727,7 @@ fn layout_allowance_covers_only_lazily_created_state_from_the_cache() {
     t.gpu_samples(GPU, &samples(&BASE_SAMPLES, 10_000));
     t.markers(&key, &base_markers(true), 0).unwrap();
     let p = t.rank_analysis(&key).unwrap().prediction.unwrap();
-    assert_eq!(p.inputs.layout_allowance_bytes, 0);
+    assert_eq!(p.inputs.layout.layout_allowance_bytes, 0);
     assert_eq!(p.predicted_peak_bytes, 9000 * M);
 
     // NVML only: no cache figure, no allowance.
@@ -738,7 +738,7 @@ fn layout_allowance_covers_only_lazily_created_state_from_the_cache() {
         10_000,
     );
     assert_eq!(p.inputs.basis, PredictionBasis::NvmlOnly);
-    assert_eq!(p.inputs.layout_allowance_bytes, 0);
+    assert_eq!(p.inputs.layout.layout_allowance_bytes, 0);
 }
 
 #[test]
@@ -751,11 +751,21 @@ fn overhead_comes_from_the_tightest_bounds_not_a_late_first_sample() {
     let points = [(90, 1700), (290, 6700)];
     let p = run(adam(100 * M), markers, &points, 10_000);
     // Bounds: lower max(1700 − 1200, 6700 − 6250) = 500; upper 6700 − 1200.
-    assert_eq!(p.inputs.overhead_bytes, Some(500 * M), "{}", p.explanation);
+    assert_eq!(
+        p.inputs.overhead.overhead_bytes,
+        Some(500 * M),
+        "{}",
+        p.explanation
+    );
 
     // Without the sample before the step, the forward's own lower bound.
     let p = run(adam(100 * M), markers, &points[1..], 10_000);
-    assert_eq!(p.inputs.overhead_bytes, Some(450 * M), "{}", p.explanation);
+    assert_eq!(
+        p.inputs.overhead.overhead_bytes,
+        Some(450 * M),
+        "{}",
+        p.explanation
+    );
 }
 
 /// A model whose parameters outweigh its activations (units M), step 1 up
@@ -806,7 +816,7 @@ fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
     let i = &p.inputs;
     assert_eq!(i.open_phase, Some(PhaseKind::Optimizer));
     assert_eq!(
-        (i.state_bytes, i.state_source),
+        (i.state.state_bytes, i.state.state_source),
         (8000 * M, StateSource::ModelFacts)
     );
     assert_eq!(i.optimizer_temporaries_bytes, 4000 * M);
@@ -819,8 +829,8 @@ fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
     );
     // Ratio 1; the cache when the optimizer began, 9600 − 8000 = 1600, caps
     // the state from cache: allowance 1600 / 16 = 100; overhead 500.
-    assert_eq!(i.layout_allowance_bytes, 100 * M);
-    assert_eq!(i.overhead_bytes, Some(500 * M));
+    assert_eq!(i.layout.layout_allowance_bytes, 100 * M);
+    assert_eq!(i.overhead.overhead_bytes, Some(500 * M));
     assert_eq!(p.predicted_peak_bytes, 20_600 * M, "{}", p.explanation);
     assert_eq!(p.headroom_bytes, Some(-600 * M as i64));
     assert!(p.oom_risk);
@@ -879,8 +889,8 @@ fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
         20_000,
     );
     assert_eq!(p.inputs.optimizer_phase_estimate_bytes, None);
-    assert_eq!(p.inputs.optimizer_phase_peak_bytes, Some(20_000 * M));
-    assert_eq!(p.inputs.state_source, StateSource::MeasuredJump);
+    assert_eq!(p.inputs.peaks.optimizer_phase_peak_bytes, Some(20_000 * M));
+    assert_eq!(p.inputs.state.state_source, StateSource::MeasuredJump);
 }
 
 /// The base scenario, but backward reuses forward's cache: reserved stays at
@@ -948,7 +958,7 @@ fn a_step2_oom_warning_is_withdrawn_only_on_a_measurement() {
     // The optimizer's end: the state is the measured jump, 800; the same
     // figure now withdraws the warning, and says so.
     let (_, p) = feed(&mut t, 4..5, 4..5);
-    assert_eq!(p.inputs.state_source, StateSource::MeasuredJump);
+    assert_eq!(p.inputs.state.state_source, StateSource::MeasuredJump);
     assert!(p.rests_on_measurement());
     assert!(!p.oom_risk, "{}", p.explanation);
     assert_eq!(
@@ -989,9 +999,9 @@ fn nvml_only_says_it_cannot_see_cache_reuse_and_sizes_state_from_the_optimizer_k
     );
     let i = &p.inputs;
     assert_eq!(i.basis, PredictionBasis::NvmlOnly);
-    assert_eq!(i.measured_jump_bytes, Some(0));
+    assert_eq!(i.state.measured_jump_bytes, Some(0));
     assert_eq!(
-        (i.state_bytes, i.state_source),
+        (i.state.state_bytes, i.state.state_source),
         (0, StateSource::UnseenOnNvml)
     );
     assert_eq!(
@@ -1014,7 +1024,7 @@ fn nvml_only_says_it_cannot_see_cache_reuse_and_sizes_state_from_the_optimizer_k
     let p = run(facts, &base_markers(false), &NVML_FLAT_SAMPLES, 8_000);
     let i = &p.inputs;
     assert_eq!(
-        (i.state_bytes, i.state_source),
+        (i.state.state_bytes, i.state.state_source),
         (1000 * M, StateSource::ModelFacts)
     );
     assert_eq!(
@@ -1030,7 +1040,7 @@ fn nvml_only_says_it_cannot_see_cache_reuse_and_sizes_state_from_the_optimizer_k
         ..Default::default()
     };
     let p = run(sgd, &base_markers(false), &NVML_FLAT_SAMPLES, 8_000);
-    assert_eq!(p.inputs.state_source, StateSource::Stateless);
+    assert_eq!(p.inputs.state.state_source, StateSource::Stateless);
     assert_eq!(
         p.inputs.basis_limits,
         vec![BasisLimit::NvmlOnlyCannotSeeCacheReuse]
@@ -1164,7 +1174,7 @@ fn the_optimizer_estimate_takes_its_new_tensors_at_their_own_size() {
     // allocated at the first forward 1000 + gradients 1000 + 2000 + 1000.
     assert_eq!(i.optimizer_phase_estimate_bytes, Some(5000 * M));
     assert_eq!(i.binding, BindingTerm::OptimizerPhase);
-    assert_eq!(i.reserved_ratio, Some(3.0));
+    assert_eq!(i.reserved.reserved_ratio, Some(3.0));
     // What step 1 had allocated (1000 + gradients 1000) at the ratio, the new
     // state and temporaries (3000) as they are, + allowance 2000 / 16 = 125:
     // 6000 + 3000 + 125, not 5000 × 3 + 125.
@@ -1216,7 +1226,10 @@ fn facts_learnt_after_the_hello_revise_the_prediction_until_step_2() {
     assert_eq!(due[0].predicted_peak_bytes, 9550 * M);
     let after = t.rank_analysis(&key).unwrap().prediction.unwrap();
     assert_eq!(
-        (after.inputs.grad_bytes, after.inputs.grads_source),
+        (
+            after.inputs.grads.grad_bytes,
+            after.inputs.grads.grads_source
+        ),
         (400 * M, GradsSource::Measured)
     );
 
@@ -1250,7 +1263,7 @@ fn kept_gradients_are_no_larger_than_the_parameters() {
     };
     let p = run(keep, &base_markers(true), &BASE_SAMPLES, 10_000);
     assert_eq!(
-        (p.inputs.grad_bytes, p.inputs.grads_source),
+        (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source),
         (300 * M, GradsSource::ModelFacts)
     );
     assert_eq!(p.inputs.basis_peak_bytes, 7100 * M);
@@ -1264,7 +1277,7 @@ fn kept_gradients_are_no_larger_than_the_parameters() {
     };
     let p = run(keep, &base_markers(true), &BASE_SAMPLES, 10_000);
     assert_eq!(
-        (p.inputs.grad_bytes, p.inputs.grads_source),
+        (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source),
         (400 * M, GradsSource::Measured)
     );
 }
@@ -1326,13 +1339,13 @@ fn segment_layouts_replace_the_guessed_layout_allowance() {
     );
     let i = &p.inputs;
     assert_eq!(i.basis, PredictionBasis::Allocator);
-    assert_eq!(i.layout_allowance_bytes, 2100 * M);
-    let l = i.layout_snapshots.expect("both layouts arrived");
+    assert_eq!(i.layout.layout_allowance_bytes, 2100 * M);
+    let l = i.layout.layout_snapshots.expect("both layouts arrived");
     assert_eq!(l.new_segment_bytes, 2100 * M);
     assert_eq!(l.cached_at_begin_bytes, 6100 * M);
     assert_eq!(l.blocks_needing_new_segments, 1);
     assert_eq!(l.reserved_at_end_bytes, 7500 * M);
-    assert_eq!(i.reserved_at_optimizer_end_bytes, Some(7500 * M));
+    assert_eq!(i.layout.reserved_at_optimizer_end_bytes, Some(7500 * M));
     assert_eq!(i.predicted_reserved_bytes, Some(9600 * M));
     assert_eq!(p.predicted_peak_bytes, 10_100 * M, "{}", p.explanation);
     assert!(
@@ -1357,7 +1370,7 @@ fn segment_layouts_replace_the_guessed_layout_allowance() {
         &BASE_SAMPLES,
         10_000,
     );
-    assert_eq!(p.inputs.layout_allowance_bytes, 4000 * M);
+    assert_eq!(p.inputs.layout.layout_allowance_bytes, 4000 * M);
     assert_eq!(p.predicted_peak_bytes, (7500 + 4000 + 500) * M);
 
     // The state in a segment of its own: nothing new, and the ratio figure
@@ -1366,7 +1379,7 @@ fn segment_layouts_replace_the_guessed_layout_allowance() {
     ms[4].layout_segments = ms[3].layout_segments.clone();
     ms[4].layout_segments.push(seg(30_000, &[(800, true)]));
     let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
-    assert_eq!(p.inputs.layout_allowance_bytes, 0);
+    assert_eq!(p.inputs.layout.layout_allowance_bytes, 0);
     assert_eq!(p.predicted_peak_bytes, 9000 * M);
 }
 
@@ -1389,7 +1402,11 @@ fn layout_new_segments_stop_at_the_reserved_limit_known_before_the_optimizer_end
     t.markers(&key, &ms[..4], 0).unwrap();
     t.markers(&key, &ms[4..], 0).unwrap();
     let p = t.rank_analysis(&key).unwrap().prediction.unwrap();
-    let l = p.inputs.layout_snapshots.expect("both layouts arrived");
+    let l = p
+        .inputs
+        .layout
+        .layout_snapshots
+        .expect("both layouts arrived");
     assert_eq!(l.new_segment_bytes, 2000 * M);
     assert!(l.capped_at_reserved_limit);
     assert_eq!(p.inputs.predicted_reserved_bytes, Some(9500 * M));
@@ -1410,7 +1427,13 @@ fn layout_new_segments_stop_at_the_reserved_limit_known_before_the_optimizer_end
     );
     // One batch: the limit is not known when the end layout arrives.
     let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
-    assert!(!p.inputs.layout_snapshots.unwrap().capped_at_reserved_limit);
+    assert!(
+        !p.inputs
+            .layout
+            .layout_snapshots
+            .unwrap()
+            .capped_at_reserved_limit
+    );
     assert!(p.oom_risk, "{}", p.explanation);
 }
 
@@ -1436,7 +1459,11 @@ fn layouts_with_the_gradients_on_a_side_stream_cascade_to_the_largest_request() 
         ..Default::default()
     };
     let p = run(facts, &ms, &BASE_SAMPLES, 20_000);
-    let l = p.inputs.layout_snapshots.expect("both layouts arrived");
+    let l = p
+        .inputs
+        .layout
+        .layout_snapshots
+        .expect("both layouts arrived");
     assert_eq!(l.new_segment_bytes, 4000 * M);
     assert_eq!(l.blocks_needing_new_segments, 1);
     assert_eq!(p.predicted_peak_bytes, 12_000 * M, "{}", p.explanation);
@@ -1447,7 +1474,7 @@ fn layouts_with_the_gradients_on_a_side_stream_cascade_to_the_largest_request() 
         ..Default::default()
     };
     let p = run(facts, &ms, &BASE_SAMPLES, 20_000);
-    assert_eq!(p.inputs.layout_allowance_bytes, 2100 * M);
+    assert_eq!(p.inputs.layout.layout_allowance_bytes, 2100 * M);
 }
 
 #[test]
@@ -1474,13 +1501,21 @@ fn flagged_gradients_are_freed_and_requests_stay_within_step_1s_peak_plus_state(
         ms
     };
     let p = run(ModelFacts::default(), &flagged(6000), &BASE_SAMPLES, 20_000);
-    let l = p.inputs.layout_snapshots.expect("both layouts arrived");
+    let l = p
+        .inputs
+        .layout
+        .layout_snapshots
+        .expect("both layouts arrived");
     assert_eq!(l.new_segment_bytes, 0);
     assert_eq!(l.cached_at_begin_bytes, 6100 * M);
     // Had step 1 held 8000 at once, both fit under 8800: the 4000 request
     // finds its block split, one new 4000 segment.
     let p = run(ModelFacts::default(), &flagged(8000), &BASE_SAMPLES, 20_000);
-    let l = p.inputs.layout_snapshots.expect("both layouts arrived");
+    let l = p
+        .inputs
+        .layout
+        .layout_snapshots
+        .expect("both layouts arrived");
     assert_eq!(l.new_segment_bytes, 4000 * M);
     assert_eq!(l.blocks_needing_new_segments, 1);
 }
@@ -1492,7 +1527,7 @@ fn layouts_count_only_on_step_1s_optimizer_begin_and_end() {
     let mut ms = markers_with_layouts(2100);
     ms[3].layout_segments.clear();
     let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
-    assert_eq!(p.inputs.layout_snapshots, None);
+    assert_eq!(p.inputs.layout.layout_snapshots, None);
     assert_eq!(p.predicted_peak_bytes, guessed);
     assert!(p
         .inputs
@@ -1504,7 +1539,7 @@ fn layouts_count_only_on_step_1s_optimizer_begin_and_end() {
     ms[2].layout_segments = std::mem::take(&mut ms[3].layout_segments);
     let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
     assert_eq!(
-        (p.inputs.layout_snapshots, p.predicted_peak_bytes),
+        (p.inputs.layout.layout_snapshots, p.predicted_peak_bytes),
         (None, guessed)
     );
 
@@ -1513,14 +1548,14 @@ fn layouts_count_only_on_step_1s_optimizer_begin_and_end() {
     ms[4].layout_segments.push(seg(10_001, &[(10, true)]));
     let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
     assert_eq!(
-        (p.inputs.layout_snapshots, p.predicted_peak_bytes),
+        (p.inputs.layout.layout_snapshots, p.predicted_peak_bytes),
         (None, guessed)
     );
 
     // Before step 1's optimizer phase closes the begin alone changes nothing.
     let ms = markers_with_layouts(2100);
     let p = run(ModelFacts::default(), &ms[..4], &BASE_SAMPLES, 10_000);
-    assert_eq!(p.inputs.layout_snapshots, None);
+    assert_eq!(p.inputs.layout.layout_snapshots, None);
 }
 
 #[test]
@@ -1583,7 +1618,10 @@ fn a_replay_wins_over_layouts() {
     let p = t.rank_analysis(&key).unwrap().prediction.unwrap();
     assert_eq!(p.inputs.basis, PredictionBasis::AllocatorReplay);
     assert_eq!(
-        (p.inputs.layout_snapshots, p.inputs.layout_allowance_bytes),
+        (
+            p.inputs.layout.layout_snapshots,
+            p.inputs.layout.layout_allowance_bytes
+        ),
         (None, 0)
     );
 }
@@ -1603,10 +1641,10 @@ fn layouts_are_set_aside_under_gradient_accumulation_and_ddps_bucket_rebuild() {
     }
     let without = run(ModelFacts::default(), &ms, &ACC_SAMPLES, 10_000);
     assert_eq!(
-        with.inputs.layout_snapshots_set_aside,
+        with.inputs.layout.layout_snapshots_set_aside,
         Some(LayoutSetAside::GradientAccumulation)
     );
-    assert_eq!(with.inputs.layout_snapshots, None);
+    assert_eq!(with.inputs.layout.layout_snapshots, None);
     assert_eq!(with.predicted_peak_bytes, without.predicted_peak_bytes);
     assert!(with
         .inputs
@@ -1618,7 +1656,7 @@ fn layouts_are_set_aside_under_gradient_accumulation_and_ddps_bucket_rebuild() {
         "{}",
         with.explanation
     );
-    assert_eq!(without.inputs.layout_snapshots_set_aside, None);
+    assert_eq!(without.inputs.layout.layout_snapshots_set_aside, None);
 
     let ddp = ModelFacts {
         ddp_bucket_rebuild: Some(DdpBucketRebuild {
@@ -1629,7 +1667,7 @@ fn layouts_are_set_aside_under_gradient_accumulation_and_ddps_bucket_rebuild() {
     };
     let p = run(ddp, &layouts, &BASE_SAMPLES, 10_000);
     assert_eq!(
-        p.inputs.layout_snapshots_set_aside,
+        p.inputs.layout.layout_snapshots_set_aside,
         Some(LayoutSetAside::DdpBucketRebuild)
     );
     assert_eq!(p.predicted_peak_bytes, 9050 * M);
@@ -1687,10 +1725,18 @@ fn the_client_device_memory_pins_the_overhead_an_nvml_sample_missed() {
     );
     let i = &nvml.inputs;
     assert_eq!(i.predicted_reserved_bytes, Some(7500 * M));
-    assert_eq!(i.overhead_source, Some(OverheadSource::NvmlSamples));
-    assert_eq!(i.overhead_bytes, Some(312 * M), "{}", nvml.explanation);
-    assert_eq!(i.nvml_overhead_bytes, Some(312 * M));
-    assert_eq!(i.device_total_bytes, None);
+    assert_eq!(
+        i.overhead.overhead_source,
+        Some(OverheadSource::NvmlSamples)
+    );
+    assert_eq!(
+        i.overhead.overhead_bytes,
+        Some(312 * M),
+        "{}",
+        nvml.explanation
+    );
+    assert_eq!(i.overhead.nvml_overhead_bytes, Some(312 * M));
+    assert_eq!(i.overhead.device_total_bytes, None);
     // 7500 + 312: the context is lost.
     assert_eq!(nvml.predicted_peak_bytes, 7812 * M);
 
@@ -1701,14 +1747,22 @@ fn the_client_device_memory_pins_the_overhead_an_nvml_sample_missed() {
         10_000,
     );
     let i = &p.inputs;
-    assert_eq!(i.overhead_source, Some(OverheadSource::ClientDeviceMemory));
-    assert_eq!(i.overhead_bytes, Some(812 * M), "{}", p.explanation);
+    assert_eq!(
+        i.overhead.overhead_source,
+        Some(OverheadSource::ClientDeviceMemory)
+    );
+    assert_eq!(
+        i.overhead.overhead_bytes,
+        Some(812 * M),
+        "{}",
+        p.explanation
+    );
     // The rank's own: 812 − the other process's 300 (NVML's process list).
-    assert_eq!(i.process_overhead_bytes, Some(512 * M));
+    assert_eq!(i.overhead.process_overhead_bytes, Some(512 * M));
     assert_eq!(i.other_process_bytes, 300 * M);
     // The NVML estimate is still shown, to compare.
-    assert_eq!(i.nvml_overhead_bytes, Some(312 * M));
-    assert_eq!(i.device_total_bytes, Some(10_000 * M));
+    assert_eq!(i.overhead.nvml_overhead_bytes, Some(312 * M));
+    assert_eq!(i.overhead.device_total_bytes, Some(10_000 * M));
     // 7500 + 812 = 8312; the rank's share 8312 − 300; headroom 10000 − 8312.
     assert_eq!(p.predicted_peak_bytes, 8312 * M);
     assert_eq!(p.predicted_rank_peak_bytes, 8012 * M);
@@ -1722,7 +1776,7 @@ fn the_client_device_memory_pins_the_overhead_an_nvml_sample_missed() {
     let json = serde_json::to_value(&p).unwrap();
     assert_eq!(json["inputs"]["overhead_source"], "client_device_memory");
     assert_eq!(
-        serde_json::to_value(i.overhead_source).unwrap(),
+        serde_json::to_value(i.overhead.overhead_source).unwrap(),
         OverheadSource::ClientDeviceMemory.as_str()
     );
 }
@@ -1740,7 +1794,7 @@ fn a_stale_process_list_changes_the_split_not_the_device_prediction() {
     let p = t.rank_analysis(&key).unwrap().prediction.unwrap();
     assert_eq!(p.predicted_peak_bytes, 8312 * M);
     assert_eq!(p.inputs.other_process_bytes, 0);
-    assert_eq!(p.inputs.process_overhead_bytes, Some(812 * M));
+    assert_eq!(p.inputs.overhead.process_overhead_bytes, Some(812 * M));
 }
 
 /// Memory outside the allocator made during step 1 (cuBLAS workspaces,
@@ -1755,7 +1809,12 @@ fn the_overhead_is_the_highest_at_any_marker_the_step_end_included() {
         d.free_bytes -= 200 * M;
     }
     let p = run(ModelFacts::default(), &markers, &[], 10_000);
-    assert_eq!(p.inputs.overhead_bytes, Some(1012 * M), "{}", p.explanation);
+    assert_eq!(
+        p.inputs.overhead.overhead_bytes,
+        Some(1012 * M),
+        "{}",
+        p.explanation
+    );
     assert_eq!(p.predicted_peak_bytes, 8512 * M);
 
     // Only the step-end marker carries the higher figure: still counted,
@@ -1763,7 +1822,7 @@ fn the_overhead_is_the_highest_at_any_marker_the_step_end_included() {
     let mut markers = precreated_markers(true);
     markers[5].device_memory.as_mut().unwrap().free_bytes -= 200 * M;
     let p = run(ModelFacts::default(), &markers, &[], 10_000);
-    assert_eq!(p.inputs.overhead_bytes, Some(1012 * M));
+    assert_eq!(p.inputs.overhead.overhead_bytes, Some(1012 * M));
 
     // Markers without allocator figures give no reading: the overhead is
     // then NVML's, or assumed.
@@ -1775,8 +1834,11 @@ fn the_overhead_is_the_highest_at_any_marker_the_step_end_included() {
         m.allocator = None;
     }
     let p = run(ModelFacts::default(), &markers, &[], 10_000);
-    assert_eq!(p.inputs.overhead_source, Some(OverheadSource::Assumed));
-    assert_eq!(p.inputs.overhead_bytes, None);
+    assert_eq!(
+        p.inputs.overhead.overhead_source,
+        Some(OverheadSource::Assumed)
+    );
+    assert_eq!(p.inputs.overhead.overhead_bytes, None);
 }
 
 #[test]

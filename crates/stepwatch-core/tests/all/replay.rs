@@ -371,7 +371,7 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
     assert_eq!(p.inputs.basis, PredictionBasis::AllocatorReplay);
     assert_eq!(p.inputs.allocator_replay, Some(replay));
     assert_eq!(p.inputs.predicted_reserved_bytes, Some(9 * GB));
-    assert_eq!(p.inputs.layout_allowance_bytes, 0);
+    assert_eq!(p.inputs.layout.layout_allowance_bytes, 0);
     assert!(p.explanation.contains("replayed"), "{}", p.explanation);
     assert!(
         p.explanation
