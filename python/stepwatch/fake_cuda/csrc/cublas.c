@@ -12,79 +12,49 @@
 
 static void *new_handle(void) { return calloc(1, 64); }
 
+/* A handle type's Destroy, and its Create when that takes no settings. */
+#define HANDLE_DESTROY(destroy, type)                                    \
+  EXPORT cublasStatus_t destroy(type h) {                                \
+    free(h);                                                             \
+    return CUBLAS_STATUS_SUCCESS;                                        \
+  }
+#define HANDLE_CREATE_DESTROY(create, destroy, type)                     \
+  EXPORT cublasStatus_t create(type *h) {                                \
+    if (!h) return CUBLAS_STATUS_INVALID_VALUE;                          \
+    *h = (type)new_handle();                                             \
+    return CUBLAS_STATUS_SUCCESS;                                        \
+  }                                                                      \
+  HANDLE_DESTROY(destroy, type)
+
 #ifndef FAKE_CUBLASLT
 #include <cublas_v2.h>
 
-EXPORT cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
-  if (!h) return CUBLAS_STATUS_INVALID_VALUE;
-  *h = (cublasHandle_t)new_handle();
-  return CUBLAS_STATUS_SUCCESS;
-}
+HANDLE_CREATE_DESTROY(cublasCreate_v2, cublasDestroy_v2, cublasHandle_t)
 
-EXPORT cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
-  free(h);
-  return CUBLAS_STATUS_SUCCESS;
-}
+/* A handle's setting: `value` is written to the one out-parameter. */
+#define GETTER(name, type, value)                                        \
+  EXPORT cublasStatus_t name(cublasHandle_t h, type *out) {              \
+    (void)h;                                                             \
+    if (out) *out = (value);                                             \
+    return CUBLAS_STATUS_SUCCESS;                                        \
+  }
 
-EXPORT cublasStatus_t cublasGetMathMode(cublasHandle_t h, cublasMath_t *mode) {
-  (void)h;
-  if (mode) *mode = CUBLAS_DEFAULT_MATH;
-  return CUBLAS_STATUS_SUCCESS;
-}
-
-EXPORT cublasStatus_t cublasGetPointerMode_v2(cublasHandle_t h, cublasPointerMode_t *mode) {
-  (void)h;
-  if (mode) *mode = CUBLAS_POINTER_MODE_HOST;
-  return CUBLAS_STATUS_SUCCESS;
-}
-
-EXPORT cublasStatus_t cublasGetStream_v2(cublasHandle_t h, cudaStream_t *s) {
-  (void)h;
-  if (s) *s = NULL;
-  return CUBLAS_STATUS_SUCCESS;
-}
-
-EXPORT cublasStatus_t cublasGetEmulationSpecialValuesSupport(cublasHandle_t h,
-                                                             cudaEmulationSpecialValuesSupport *m) {
-  (void)h;
-  if (m) memset(m, 0, sizeof *m);
-  return CUBLAS_STATUS_SUCCESS;
-}
-
-EXPORT cublasStatus_t cublasGetFixedPointEmulationMantissaControl(cublasHandle_t h,
-                                                                  cudaEmulationMantissaControl *c) {
-  (void)h;
-  if (c) memset(c, 0, sizeof *c);
-  return CUBLAS_STATUS_SUCCESS;
-}
-
-EXPORT cublasStatus_t cublasGetFixedPointEmulationMaxMantissaBitCount(cublasHandle_t h, int *n) {
-  (void)h;
-  if (n) *n = 0;
-  return CUBLAS_STATUS_SUCCESS;
-}
-
-EXPORT cublasStatus_t cublasGetFixedPointEmulationMantissaBitOffset(cublasHandle_t h, int *n) {
-  (void)h;
-  if (n) *n = 0;
-  return CUBLAS_STATUS_SUCCESS;
-}
+GETTER(cublasGetMathMode, cublasMath_t, CUBLAS_DEFAULT_MATH)
+GETTER(cublasGetPointerMode_v2, cublasPointerMode_t, CUBLAS_POINTER_MODE_HOST)
+GETTER(cublasGetStream_v2, cudaStream_t, NULL)
+GETTER(cublasGetEmulationSpecialValuesSupport, cudaEmulationSpecialValuesSupport,
+       (cudaEmulationSpecialValuesSupport){0})
+GETTER(cublasGetFixedPointEmulationMantissaControl, cudaEmulationMantissaControl,
+       (cudaEmulationMantissaControl){0})
+GETTER(cublasGetFixedPointEmulationMaxMantissaBitCount, int, 0)
+GETTER(cublasGetFixedPointEmulationMantissaBitOffset, int, 0)
 
 #else
 #include <cublasLt.h>
 
 EXPORT size_t cublasLtGetVersion(void) { return CUBLAS_VERSION; }
 
-EXPORT cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
-  if (!h) return CUBLAS_STATUS_INVALID_VALUE;
-  *h = (cublasLtHandle_t)new_handle();
-  return CUBLAS_STATUS_SUCCESS;
-}
-
-EXPORT cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
-  free(h);
-  return CUBLAS_STATUS_SUCCESS;
-}
+HANDLE_CREATE_DESTROY(cublasLtCreate, cublasLtDestroy, cublasLtHandle_t)
 
 EXPORT cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t c,
                                                cudaDataType_t s) {
@@ -95,10 +65,7 @@ EXPORT cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasCo
   return CUBLAS_STATUS_SUCCESS;
 }
 
-EXPORT cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t d) {
-  free(d);
-  return CUBLAS_STATUS_SUCCESS;
-}
+HANDLE_DESTROY(cublasLtMatmulDescDestroy, cublasLtMatmulDesc_t)
 
 EXPORT cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *l, cudaDataType t,
                                                  uint64_t rows, uint64_t cols, int64_t ld) {
@@ -111,21 +78,10 @@ EXPORT cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *l, cuda
   return CUBLAS_STATUS_SUCCESS;
 }
 
-EXPORT cublasStatus_t cublasLtMatrixLayoutDestroy(const cublasLtMatrixLayout_t l) {
-  free(l);
-  return CUBLAS_STATUS_SUCCESS;
-}
+HANDLE_DESTROY(cublasLtMatrixLayoutDestroy, cublasLtMatrixLayout_t)
 
-EXPORT cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t *p) {
-  if (!p) return CUBLAS_STATUS_INVALID_VALUE;
-  *p = (cublasLtMatmulPreference_t)new_handle();
-  return CUBLAS_STATUS_SUCCESS;
-}
-
-EXPORT cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t p) {
-  free(p);
-  return CUBLAS_STATUS_SUCCESS;
-}
+HANDLE_CREATE_DESTROY(cublasLtMatmulPreferenceCreate, cublasLtMatmulPreferenceDestroy,
+                      cublasLtMatmulPreference_t)
 
 EXPORT cublasStatus_t cublasLtMatmulAlgoGetHeuristic(
     cublasLtHandle_t h, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t a,

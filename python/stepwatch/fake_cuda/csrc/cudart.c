@@ -1057,23 +1057,16 @@ EXPORT cudaError_t cudaLaunchCooperativeKernel(const void *fn, dim3 grid, dim3 b
   return cudaLaunchKernel(fn, grid, block, args, smem, stream);
 }
 
-EXPORT cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *fn,
-                                       void **args) {
-  (void)config; (void)fn; (void)args;
-  stepwatchFakeCudaKernel();
-  return cudaSuccess;
-}
-
 /* The CUDA 13 kernel-stub ABI (__cudaGetKernel, then this); arguments unused. */
 EXPORT cudaError_t __cudaLaunchKernel(void) {
   stepwatchFakeCudaKernel();
   return cudaSuccess;
 }
 
-EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-  (void)s;
-  wait_idle();
-  return cudaSuccess;
+EXPORT cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *fn,
+                                       void **args) {
+  (void)config; (void)fn; (void)args;
+  return __cudaLaunchKernel();
 }
 
 EXPORT cudaError_t cudaDeviceSynchronize(void) {
@@ -1081,10 +1074,15 @@ EXPORT cudaError_t cudaDeviceSynchronize(void) {
   return cudaSuccess;
 }
 
+/* Each device runs one queue: a stream or an event is done when its device is idle. */
+EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  (void)s;
+  return cudaDeviceSynchronize();
+}
+
 EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   (void)e;
-  wait_idle();
-  return cudaSuccess;
+  return cudaDeviceSynchronize();
 }
 
 EXPORT cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes *a, const void *fn) {
