@@ -18,6 +18,9 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "scripts"))
+import generated_files  # noqa: E402 (found through the path above)
+
 DS = {"type": "prometheus", "uid": "${datasource}"}
 C = 'cluster=~"$cluster"'
 # A device in legends: a MIG slice shares its GPU's index and adds its profile and GPU instance
@@ -1366,24 +1369,11 @@ def main():
     )
     p.add_argument("--check", action="store_true")
     args = p.parse_args()
-    stale = []
-    for name, fn in DASHBOARDS.items():
-        path = os.path.join(HERE, name)
-        text = render(fn)
-        have = open(path).read() if os.path.exists(path) else None
-        if have != text:
-            stale.append(name)
-            if not args.check:
-                with open(path, "w") as f:
-                    f.write(text)
-    if args.check:
-        if stale:
-            print(f"stale dashboards: {', '.join(stale)}; run python3 dashboards/generate.py")
-            return 1
-        print(f"  {len(DASHBOARDS)} dashboards up to date")
-        return 0
-    print(f"wrote {len(stale)} of {len(DASHBOARDS)} dashboards")
-    return 0
+    want = {name: render(fn) for name, fn in DASHBOARDS.items()}
+    stale = generated_files.sync(HERE, want, args.check, "dashboards/")
+    return generated_files.report(
+        args.check, "dashboards", len(want), stale, "python3 dashboards/generate.py"
+    )
 
 
 if __name__ == "__main__":
