@@ -45,26 +45,7 @@ MIB = 1 << 20
 # during step 1. Here the job then waits to be released, so that it is still running
 # while another user claims its id.
 TIGHT = 512 * MIB + 512 * MIB + 282 * MIB + 24 * MIB
-TRAIN = r"""
-import os, sys, time, torch, stepwatch
-release = sys.argv[1]
-with torch.device("cuda"):
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
-opt = torch.optim.AdamW(model.parameters())
-stepwatch.watch(model, opt, hold_step2_for_prediction=120, raise_on_predicted_oom=True)
-try:
-    for step in (1, 2, 3):
-        model(torch.randn(4096, 1024, device="cuda")).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        print(f"step {step} done", flush=True)
-except stepwatch.PredictedOutOfMemoryError as e:
-    print(f"PREDICTED_OOM headroom={e.predicted_headroom_bytes}", flush=True)
-deadline = time.monotonic() + 300
-while not os.path.exists(release) and time.monotonic() < deadline:
-    time.sleep(0.05)
-print("released", flush=True)
-"""
+JOB = REPO / "python" / "tests" / "predicted_oom_job.py"
 
 
 def wait_for(what: str, cond: Callable[[], object], timeout: float = 60) -> object:
@@ -340,12 +321,11 @@ def cluster():
 def test_a_slurm_job_is_attributed_refused_to_others_and_unmapped_after_its_epilog(cluster):
     c = cluster
     script = c.dir / "train.py"
-    script.write_text(TRAIN)
+    script.write_text(JOB.read_text())
     release = c.dir / "release"
     batch = c.dir / "job.sh"
-    batch.write_text(
-        f"#!/bin/sh\nexec {PY} {FAKE_CUDA} run --quiet --python {PY} -- {PY} {script} {release}\n"
-    )
+    train = f"{PY} {script} --hold 120 --fail-fast --wait-for {release}"
+    batch.write_text(f"#!/bin/sh\nexec {PY} {FAKE_CUDA} run --quiet --python {PY} -- {train}\n")
     job_env = dict(
         c.env,
         STEPWATCH_ENDPOINT=f"unix://{c.socket}",

@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from conftest import KIND, STEP, summary
@@ -240,30 +241,14 @@ def test_the_hold_never_waits_for_an_absent_agent(sock_dir, monkeypatch):
 # ------------------------------------------------- the real agent, fake GPUs
 MIB = 1 << 20
 
-TRAIN = r"""
-import logging, sys, time, torch, stepwatch
-logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
-hold, fail_fast = float(sys.argv[1]), sys.argv[2] == "1"
-with torch.device("cuda"):
-    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
-opt = torch.optim.AdamW(model.parameters())
-stepwatch.watch(model, opt, hold_step2_for_prediction=hold, raise_on_predicted_oom=fail_fast)
-try:
-    for step in (1, 2, 3):
-        model(torch.randn(4096, 1024, device="cuda")).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        print(f"step {step} done reserved {torch.cuda.max_memory_reserved()}", flush=True)
-except stepwatch.PredictedOutOfMemoryError as e:
-    print(f"PREDICTED_OOM peak={e.predicted_peak_bytes} capacity={e.capacity_bytes} "
-          f"headroom={e.predicted_headroom_bytes} advice={e.advice!r}", flush=True)
-    sys.exit(3)
-"""
+# The job (one file, shared with the Slurm test): 8 layers of 1024, AdamW.
+JOB = str(Path(__file__).with_name("predicted_oom_job.py"))
 
 
 def train(agent: FakeGpuAgent, hold: float, fail_fast: bool) -> subprocess.CompletedProcess:
-    """TRAIN on ``agent``'s fake GPU."""
-    return run(agent, TRAIN, [str(hold), "1" if fail_fast else "0"])
+    """JOB on ``agent``'s fake GPU."""
+    args = ["--hold", str(hold), *(["--fail-fast"] if fail_fast else [])]
+    return agent.run([JOB, *args], f"pytest-{uuid.uuid4().hex[:8]}")
 
 
 def run(
@@ -389,22 +374,8 @@ def test_a_gan_with_two_optimizers_gets_a_prediction_from_the_real_agent(roomy_g
 # On a 1g.10gb slice (9,984 MiB of its own) this job's step 1 reserves about
 # 7.7 GiB and its step 2 does not fit (SGD's momentum is made in step 1's
 # optimizer step); the whole 80 GB GPU holds it many times over.
-SLICED = r"""
-import sys, torch, stepwatch
-with torch.device("cuda"):
-    model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192, bias=False) for _ in range(8)])
-opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-stepwatch.watch(model, opt, hold_step2_for_prediction=60, raise_on_predicted_oom=True)
-try:
-    for step in (1, 2, 3):
-        model(torch.randn(12288, 8192, device="cuda")).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        print(f"step {step} done", flush=True)
-except stepwatch.PredictedOutOfMemoryError as e:
-    print(f"PREDICTED_OOM capacity={e.capacity_bytes} peak={e.predicted_peak_bytes}", flush=True)
-    sys.exit(3)
-"""
+SLICED = [JOB, "--width", "8192", "--no-bias", "--sgd-momentum", "--batch", "12288"]
+SLICED += ["--hold", "60", "--fail-fast"]
 SLICE_UUID = "MIG-00000000-0000-0000-0000-000000000009"
 
 
@@ -420,12 +391,12 @@ def test_a_job_on_a_mig_slice_is_stopped_before_step_2_by_the_slices_prediction(
     to the slice and predicts against the slice's 9,984 MiB, and the job stops
     before step 2 instead of dying in it."""
     job = f"pytest-mig-{uuid.uuid4().hex[:8]}"
-    proc = run(mig_gpu_agent, SLICED, job=job, device=SLICE_UUID)
+    proc = mig_gpu_agent.run(SLICED, job, device=SLICE_UUID)
     out = proc.stdout + proc.stderr
     assert "step 1 done" in proc.stdout and "step 2 done" not in proc.stdout, out
     assert proc.returncode == 3, out
     line = next(x for x in proc.stdout.splitlines() if x.startswith("PREDICTED_OOM"))
-    figures = dict(f.split("=", 1) for f in line.split()[1:])
+    figures = dict(f.split("=", 1) for f in line.split()[1:4])
     assert int(figures["capacity"]) == 9984 * MIB, line
     assert int(figures["peak"]) > int(figures["capacity"]), line
     report = mig_gpu_agent.rank_report(job)
