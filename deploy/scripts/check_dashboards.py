@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from report import report_errors
+
 DS_REF = "${datasource}"
 
 
@@ -93,12 +95,10 @@ def main(argv):
     total = sum(check(f, uids, errors) for f in files)
     if not files:
         errors.append("no dashboards found")
-    for e in errors:
-        print(f"  FAIL {e}")
-    print(
-        f"  {len(files)} dashboards, {total} panel expressions: " + ("FAILED" if errors else "ok")
+    return report_errors(
+        errors,
+        f"{len(files)} dashboards, {total} panel expressions: " + ("FAILED" if errors else "ok"),
     )
-    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import tempfile
 
 import kubernetes_validate
 import yaml
+from report import report_errors
 
 KUBE_VERSIONS = ("1.25.0", "1.37.0")
 HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
@@ -396,13 +397,12 @@ def cmd_validate(args):
         c.expect(kind in kinds, "render", f"no {kind} object")
     for kind in args.forbid or []:
         c.expect(kind not in kinds, "render", f"unexpected {kind} object")
-    for e in c.errors:
-        print(f"  FAIL {e}")
-    print(
-        f"  {len(objects)} objects ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}): "
-        f"{c.checked - len(c.errors)}/{c.checked} checks ok"
+    return report_errors(
+        c.errors,
+        f"{len(objects)} objects ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}): "
+        f"{c.checked - len(c.errors)}/{c.checked} checks ok",
+        failed=not objects,
     )
-    return 1 if c.errors or not objects else 0
 
 
 def strip(obj):
@@ -428,13 +428,12 @@ def cmd_compare(args):
             errors.append(f"{key[0]}/{key[1]} only in the kustomize build")
         elif helm_objs[key] != kust_objs[key]:
             errors.append(f"{key[0]}/{key[1]} differs between Helm and kustomize")
-    for e in errors:
-        print(f"  FAIL {e}")
-    print(
-        f"  {len(helm_objs)} Helm objects, {len(kust_objs)} kustomize objects (Namespace aside): "
-        + ("differ" if errors else "identical")
+    return report_errors(
+        errors,
+        f"{len(helm_objs)} Helm objects, {len(kust_objs)} kustomize objects (Namespace aside): "
+        + ("differ" if errors else "identical"),
+        failed=not helm_objs,
     )
-    return 1 if errors or not helm_objs else 0
 
 
 def main():

@@ -22,6 +22,7 @@ import re
 import sys
 
 import yaml
+from report import report_errors
 
 DEPLOY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNBOOKS = os.path.join(DEPLOY, "runbooks")
@@ -98,13 +99,11 @@ def main(argv):
         errors.append(f"alert {name}: not in the chart's values schema (prometheusRule.alerts)")
     for name in sorted(configurable - set(alerts)):
         errors.append(f"values schema: prometheusRule.alerts.{name} names no alert")
-    for e in errors:
-        print(f"  FAIL {e}")
-    print(
-        f"  {len(alerts)} alerts (each fires and stays silent in a test), {len(records)} recording rules asserted: "
-        + ("FAILED" if errors else "ok")
+    return report_errors(
+        errors,
+        f"{len(alerts)} alerts (each fires and stays silent in a test), {len(records)} recording rules asserted: "
+        + ("FAILED" if errors else "ok"),
     )
-    return 1 if errors else 0
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import urllib.parse
 import urllib.request
 
 import yaml
+from report import report_errors
 
 GRAFANA_DURATIONS = {
     "__interval": "1m",
@@ -192,13 +193,11 @@ def main():
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
-    for e in errors:
-        print(f"  FAIL {e}")
-    print(
-        f"  Prometheus {build}: {len(exprs) - rejected} of {len(exprs)} expressions "
-        f"accepted ({n_rules} from rules, {len(exprs) - n_rules} from dashboards); {len(errors)} error(s)"
+    return report_errors(
+        errors,
+        f"Prometheus {build}: {len(exprs) - rejected} of {len(exprs)} expressions "
+        f"accepted ({n_rules} from rules, {len(exprs) - n_rules} from dashboards); {len(errors)} error(s)",
     )
-    return 1 if errors else 0
 
 
 if __name__ == "__main__":
