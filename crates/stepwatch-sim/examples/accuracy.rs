@@ -17,7 +17,9 @@ fn main() {
                 "- {}/{}: {}",
                 r.scenario,
                 r.rank,
-                r.explanation.as_deref().unwrap_or("no prediction")
+                r.prediction
+                    .as_ref()
+                    .map_or("no prediction", |p| &p.explanation)
             );
         }
     }

@@ -49,12 +49,12 @@ fn main() {
     for s in &all {
         for rank in ranks_to_evaluate(s) {
             let row = evaluate_with(s, rank, &all, false).expect("built-in scenario simulates");
-            let allowance = i128::from(row.layout_allowance_bytes.unwrap_or(0));
-            let from_cache = i128::from(row.state_from_cache_bytes.unwrap_or(0));
-            let (Some(pred), Some(actual)) = (row.predicted_peak_bytes, row.actual_peak_bytes)
-            else {
+            let (Some(prediction), Some(actual)) = (&row.prediction, row.actual.peak_bytes) else {
                 continue;
             };
+            let pred = prediction.predicted_peak_bytes;
+            let allowance = i128::from(prediction.inputs.layout.layout_allowance_bytes);
+            let from_cache = i128::from(prediction.inputs.reserved.state_from_cache_bytes);
             let shortfall = i128::from(actual) - i128::from(pred) + allowance;
 
             // The same rank alone on twice the memory, so that it runs to the end.

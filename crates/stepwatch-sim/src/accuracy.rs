@@ -41,8 +41,8 @@ use std::fmt::Write as _;
 
 use stepwatch_core::feed::{self, Applied, ReplayPlan};
 use stepwatch_core::{
-    Advisory, AdvisoryKind, BindingTerm, Marker, MarkerKind, Prediction, RankKey, RecordEntry,
-    StateSource, Tracker, TrackerConfig,
+    Advisory, AdvisoryKind, Marker, MarkerKind, Prediction, RankKey, RecordEntry, Tracker,
+    TrackerConfig,
 };
 
 use crate::rank::{PeakMode, RankSim, SimEvent, SimOutcome};
@@ -76,6 +76,32 @@ pub enum ActualSource {
     RaisedCapacity,
 }
 
+/// The steady peak a rank actually reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActualPeak {
+    /// Median of the per-step device peaks over steps 2..k.
+    pub peak_bytes: Option<u64>,
+    /// Whether it comes from the real run or a raised-capacity rerun.
+    pub source: ActualSource,
+    /// Steps it is the median of.
+    pub steps: usize,
+}
+
+/// The step-2 memory warnings a rank got, and when.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Warnings {
+    /// The first warning advise returned during step 1, if any.
+    pub first: Option<AdvisoryKind>,
+    /// Simulated ms from that warning to step 2's begin (≥ 0 when before).
+    pub lead_ms: Option<f64>,
+    /// Simulated ms from the first step-2 OOM advisory to step 2's begin.
+    pub oom_lead_ms: Option<f64>,
+    /// A step-2 OOM advisory was issued before step 2 began.
+    pub oom_before_step2: bool,
+    /// Warned although the true headroom is at least 5%.
+    pub false_alarm: bool,
+}
+
 /// One evaluated rank.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AccuracyRow {
@@ -85,15 +111,12 @@ pub struct AccuracyRow {
     pub rank: u32,
     /// GPU capacity of the real run, bytes.
     pub capacity_bytes: u64,
-    /// The prediction just before step 2 began (None: step 2 never began,
-    /// or the tracker could not predict).
-    pub predicted_peak_bytes: Option<u64>,
-    /// Median of the per-step device peaks over steps 2..k.
-    pub actual_peak_bytes: Option<u64>,
-    /// Whether the actual peak comes from the real run or a raised-capacity rerun.
-    pub actual_source: ActualSource,
-    /// Steps the actual peak is the median of.
-    pub actual_steps: usize,
+    /// The prediction just before step 2 began, with its inputs and
+    /// explanation for reading a bad row (None: step 2 never began, or the
+    /// tracker could not predict).
+    pub prediction: Option<Prediction>,
+    /// The steady peak the rank reached.
+    pub actual: ActualPeak,
     /// 100 × (predicted − actual) / actual.
     pub error_pct: Option<f64>,
     /// 100 × (capacity − actual) / capacity.
@@ -104,32 +127,24 @@ pub struct AccuracyRow {
     pub expected_oom_step: Option<u64>,
     /// How the real run ended.
     pub outcome: SimOutcome,
-    /// The first warning advise returned during step 1, if any.
-    pub warned: Option<AdvisoryKind>,
-    /// Simulated ms from that warning to step 2's begin (≥ 0 when before).
-    pub lead_ms: Option<f64>,
-    /// Simulated ms from the first step-2 OOM advisory to step 2's begin.
-    pub oom_lead_ms: Option<f64>,
-    /// A step-2 OOM advisory was issued before step 2 began.
-    pub oom_warned_before_step2: bool,
-    /// Warned although the true headroom is at least 5%.
-    pub false_alarm: bool,
-    /// Term of the prediction's max that bound it; shows which phase drove errors.
-    pub binding: Option<BindingTerm>,
-    /// Where the prediction's optimizer-state figure came from.
-    pub state_source: Option<StateSource>,
-    /// The prediction's layout allowance, bytes (see `stepwatch_core::predict`).
-    pub layout_allowance_bytes: Option<u64>,
-    /// The lazily created state that can have landed in cached blocks, bytes.
-    pub state_from_cache_bytes: Option<u64>,
-    /// The prediction's own explanation, for reading a bad row.
-    pub explanation: Option<String>,
+    /// The warnings it got before step 2.
+    pub warnings: Warnings,
 }
 
 impl AccuracyRow {
     /// An OOM rank without a step-2 OOM advisory before step 2 began.
     pub fn missed(&self) -> bool {
-        self.expected == OutcomeKind::Oom && !self.oom_warned_before_step2
+        self.expected == OutcomeKind::Oom && !self.warnings.oom_before_step2
+    }
+
+    /// The predicted device peak, bytes.
+    pub fn predicted_peak_bytes(&self) -> Option<u64> {
+        self.prediction.as_ref().map(|p| p.predicted_peak_bytes)
+    }
+
+    /// The prediction's explanation; empty without a prediction.
+    pub fn explanation(&self) -> &str {
+        self.prediction.as_ref().map_or("", |p| &p.explanation)
     }
 }
 
@@ -573,34 +588,24 @@ pub fn evaluate_as(
         scenario: s.name.clone(),
         rank,
         capacity_bytes: capacity,
-        predicted_peak_bytes: predicted,
-        actual_peak_bytes: actual,
-        actual_source: source,
-        actual_steps,
+        prediction: seen.prediction,
+        actual: ActualPeak {
+            peak_bytes: actual,
+            source,
+            steps: actual_steps,
+        },
         error_pct,
         true_headroom_pct,
         expected: expectation.outcome,
         expected_oom_step: expectation.oom_step,
         outcome,
-        warned,
-        lead_ms,
-        oom_lead_ms,
-        oom_warned_before_step2: seen.oom_warned_before_step2,
-        false_alarm,
-        binding: seen.prediction.as_ref().map(|p| p.inputs.binding),
-        state_source: seen
-            .prediction
-            .as_ref()
-            .map(|p| p.inputs.state.state_source),
-        layout_allowance_bytes: seen
-            .prediction
-            .as_ref()
-            .map(|p| p.inputs.layout.layout_allowance_bytes),
-        state_from_cache_bytes: seen
-            .prediction
-            .as_ref()
-            .map(|p| p.inputs.reserved.state_from_cache_bytes),
-        explanation: seen.prediction.map(|p| p.explanation),
+        warnings: Warnings {
+            first: warned,
+            lead_ms,
+            oom_lead_ms,
+            oom_before_step2: seen.oom_warned_before_step2,
+            false_alarm,
+        },
     })
 }
 
@@ -625,7 +630,11 @@ pub fn summarize(rows: &[AccuracyRow]) -> AccuracySummary {
         max_abs_error_pct: errs.last().map_or(0.0, |e| e.0),
         max_error_at: errs.last().map(|e| e.1.clone()),
         misses: rows.iter().filter(|r| r.missed()).map(label).collect(),
-        false_alarms: rows.iter().filter(|r| r.false_alarm).map(label).collect(),
+        false_alarms: rows
+            .iter()
+            .filter(|r| r.warnings.false_alarm)
+            .map(label)
+            .collect(),
     }
 }
 
@@ -644,7 +653,7 @@ pub fn render_table(rows: &[AccuracyRow]) -> String {
             (OutcomeKind::Oom, None) => "oom".into(),
             (OutcomeKind::Fits, _) => "fits".into(),
         };
-        let warned = match (r.warned, r.lead_ms) {
+        let warned = match (r.warnings.first, r.warnings.lead_ms) {
             (Some(AdvisoryKind::Step2OomPredicted), l) => format!("oom_risk ({})", ms(l)),
             (Some(AdvisoryKind::LowHeadroom), l) => format!("low_headroom ({})", ms(l)),
             (Some(AdvisoryKind::RankDivergence), l) => format!("rank_divergence ({})", ms(l)),
@@ -657,24 +666,24 @@ pub fn render_table(rows: &[AccuracyRow]) -> String {
             (Some(AdvisoryKind::PredictionFinal), l) => format!("prediction_final ({})", ms(l)),
             (None, _) => "—".into(),
         };
-        let actual = match r.actual_source {
-            ActualSource::RealRun => gb(r.actual_peak_bytes),
-            ActualSource::RaisedCapacity => format!("{}*", gb(r.actual_peak_bytes)),
+        let actual = match r.actual.source {
+            ActualSource::RealRun => gb(r.actual.peak_bytes),
+            ActualSource::RaisedCapacity => format!("{}*", gb(r.actual.peak_bytes)),
         };
         let _ = writeln!(
             s,
             "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.scenario,
             r.rank,
-            gb(r.predicted_peak_bytes),
+            gb(r.predicted_peak_bytes()),
             actual,
             pct(r.error_pct),
             r.true_headroom_pct
                 .map_or("—".into(), |h| format!("{h:.2}")),
             expected,
             warned,
-            ms(r.oom_lead_ms),
-            if r.false_alarm { "yes" } else { "no" },
+            ms(r.warnings.oom_lead_ms),
+            if r.warnings.false_alarm { "yes" } else { "no" },
         );
     }
     let sum = summarize(rows);

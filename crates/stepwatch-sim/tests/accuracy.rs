@@ -40,13 +40,13 @@ fn every_scenario_is_evaluated_and_predicted_before_step_2() {
     assert!(rows.len() >= 17, "{table}");
     for r in rows {
         assert!(
-            r.predicted_peak_bytes.is_some() && r.actual_peak_bytes.is_some(),
+            r.predicted_peak_bytes().is_some() && r.actual.peak_bytes.is_some(),
             "{}/{} has no prediction or no actual peak\n{table}",
             r.scenario,
             r.rank
         );
         assert!(
-            r.actual_steps >= 2,
+            r.actual.steps >= 2,
             "{}/{}: steps 2..k, k ≥ 3",
             r.scenario,
             r.rank
@@ -82,7 +82,7 @@ fn max_error_is_at_most_five_percent_with_the_allocator_trace() {
     assert_max_error_at_most(5.0, rows());
     // The trace is what meets it: every rank's frozen prediction used it.
     for r in rows() {
-        let explanation = r.explanation.as_deref().unwrap_or_default();
+        let explanation = r.explanation();
         assert!(
             explanation.contains("replayed from step 1's allocator trace"),
             "{}/{}: {explanation}",
@@ -123,7 +123,7 @@ fn every_oom_rank_is_warned_before_its_step_2() {
         assert!(ooms.len() >= 6);
         for r in ooms {
             assert!(
-                r.oom_warned_before_step2 && r.oom_lead_ms.is_some_and(|l| l >= 0.0),
+                r.warnings.oom_before_step2 && r.warnings.oom_lead_ms.is_some_and(|l| l >= 0.0),
                 "{}/{} not warned before step 2\n{}",
                 r.scenario,
                 r.rank,
@@ -158,7 +158,8 @@ fn no_rank_that_fits_is_told_it_will_run_out() {
     for rows in [rows(), markers_only_rows()] {
         for r in rows.iter().filter(|r| r.expected == OutcomeKind::Fits) {
             assert!(
-                r.oom_lead_ms.is_none() && r.warned != Some(AdvisoryKind::Step2OomPredicted),
+                r.warnings.oom_lead_ms.is_none()
+                    && r.warnings.first != Some(AdvisoryKind::Step2OomPredicted),
                 "{}/{} fits but was told it would run out\n{}",
                 r.scenario,
                 r.rank,
@@ -181,14 +182,22 @@ fn predictions_do_not_depend_on_whether_the_client_resets_peak_counters() {
         for (a, b) in since_start.iter().zip(&per_phase) {
             let ctx = format!("{}/{} (trace: {trace})", a.scenario, a.rank);
             assert_eq!(
-                (a.predicted_peak_bytes, a.warned, a.oom_warned_before_step2),
-                (b.predicted_peak_bytes, b.warned, b.oom_warned_before_step2),
+                (
+                    a.predicted_peak_bytes(),
+                    a.warnings.first,
+                    a.warnings.oom_before_step2
+                ),
+                (
+                    b.predicted_peak_bytes(),
+                    b.warnings.first,
+                    b.warnings.oom_before_step2
+                ),
                 "{ctx}\n{}\n{}",
                 render_table(since_start),
                 render_table(&per_phase)
             );
-            assert_eq!(a.actual_peak_bytes, b.actual_peak_bytes, "{ctx}");
-            let explanation = a.explanation.as_deref().unwrap_or_default();
+            assert_eq!(a.actual.peak_bytes, b.actual.peak_bytes, "{ctx}");
+            let explanation = a.explanation();
             assert!(!explanation.contains(", at most"), "{ctx}: {explanation}");
         }
     }
