@@ -37,8 +37,9 @@
 #
 # Knobs: PYTHON (default: the test venv ~/.cache/stepwatch/py-venv, else
 # python3; it runs the harness and the jobs), STEPWATCH_BIN (the agent;
-# default target/debug/stepwatch, built with `cargo build -p stepwatch` when
-# missing), FAKE_CUDA (default crates/fake-cuda/fake-cuda).
+# default target/debug/stepwatch, brought up to date with `cargo build -p
+# stepwatch` first, so that a run never measures a stale build; a named
+# STEPWATCH_BIN is used as it is), FAKE_CUDA (default crates/fake-cuda/fake-cuda).
 #
 # bench/steady-growth.sh runs its own harness (bench/steady_growth.py) through
 # this script's set-up: --steady-growth, first, selects it.
@@ -74,12 +75,13 @@ for arg in "$@"; do
 done
 
 BIN="${STEPWATCH_BIN:-$REPO/target/debug/stepwatch}"
-if [ "$want_build" = 1 ] && [ ! -x "$BIN" ]; then
-  if [ -n "${STEPWATCH_BIN:-}" ]; then
+if [ -n "${STEPWATCH_BIN:-}" ]; then
+  if [ "$want_build" = 1 ] && [ ! -x "$BIN" ]; then
     echo "torch-accuracy: STEPWATCH_BIN=$BIN is not an executable" >&2
     exit 1
   fi
-  echo "torch-accuracy: no agent at $BIN; cargo build -p stepwatch" >&2
+elif [ "$want_build" = 1 ]; then
+  echo "torch-accuracy: cargo build -p stepwatch (the agent at $BIN)" >&2
   timeout -k 10 3600 cargo build -p stepwatch || {
     echo "torch-accuracy: cargo build -p stepwatch failed" >&2
     exit 1
