@@ -11,7 +11,7 @@ pub mod v1 {
     include!("generated/stepwatch.v1.rs");
 }
 
-/// The kubelet's pod-resources API, v1 (`proto/kubelet/podresources/v1`,
+/// The kubelet's pod-resources API, v1 (`proto/third_party/kubelet/podresources/v1`,
 /// vendored from Kubernetes): which pod and container hold which device.
 /// The agent is a client of it, to tell whose GPUs a connecting process may
 /// claim; the tests serve it from a fake kubelet.
@@ -23,7 +23,7 @@ pub mod podresources {
     }
 }
 
-/// The Container Storage Interface, v1 (`proto/csi/v1/csi.proto`, vendored
+/// The Container Storage Interface, v1 (`proto/third_party/csi/v1/csi.proto`, vendored
 /// from the CSI spec). With `--csi-socket` the agent serves its Identity and
 /// Node services, so a pod that may not mount hostPath gets its own ingest
 /// socket as an ephemeral inline volume; the tests play the kubelet.

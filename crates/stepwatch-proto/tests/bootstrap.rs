@@ -28,9 +28,13 @@ fn generated_csi_code_is_up_to_date() {
 
 fn regenerate(proto: &str, generated: &str) {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let proto_dir = root.join("../../proto");
+    // Upstream APIs, copied verbatim, live apart in proto/third_party/.
+    let include = [
+        root.join("../../proto"),
+        root.join("../../proto/third_party"),
+    ];
     let out_dir = root.join("src/generated");
-    let fds = protox::compile([proto], [&proto_dir]).expect("proto compiles");
+    let fds = protox::compile([proto], include).expect("proto compiles");
 
     let before = std::fs::read_to_string(out_dir.join(generated)).unwrap_or_default();
     tonic_prost_build::configure()
