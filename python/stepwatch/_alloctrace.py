@@ -73,6 +73,9 @@ ACTION_SEGMENT_ALLOC = 3
 ACTION_SEGMENT_FREE = 4
 ACTION_SEGMENT_MAP = 5
 ACTION_SEGMENT_UNMAP = 6
+# The history's counted events: the trace's action code, and which of the
+# allocator's counters (0: allocations, 1: frees) counts them.
+_COUNTED_ACTIONS = {"alloc": (ACTION_ALLOC, 0), "free_completed": (ACTION_FREE, 1)}
 _SEGMENT_ACTIONS = {
     "segment_alloc": ACTION_SEGMENT_ALLOC,
     "segment_free": ACTION_SEGMENT_FREE,
@@ -401,8 +404,19 @@ def trace_from_snapshot(
             kr += 1
 
     last = len(rel) - 1
-    ia = jf = 0  # the marks the next allocation / free follows
-    na = nf = 0  # allocations / frees seen so far
+    # Per counted kind (0: allocations, 1: frees): the mark the next event of the
+    # kind follows, and the events of the kind seen so far.
+    at = [0, 0]
+    seen = [0, 0]
+
+    def mark_before(kind: int) -> int:
+        """The mark the next event of ``kind`` follows (its counter, rel[.][1 + kind])."""
+        i = at[kind]
+        while i < last and rel[i + 1][1 + kind] <= seen[kind]:
+            i += 1
+        at[kind] = i
+        return i
+
     # Segment events are not counted: a segment_alloc takes the phase of the
     # allocation it is made for (the next), a segment_free that of the latest event
     # (empty_cache() between events; a release before an allocation rarely changes
@@ -410,25 +424,17 @@ def trace_from_snapshot(
     phase = rel[0][0]
     for e in entries:
         action = e.get("action")
-        if action == "alloc":
-            while ia < last and rel[ia + 1][1] <= na:
-                ia += 1
-            na += 1
-            place(na, nf)
-            phase = rel[ia][0]
-            add(ACTION_ALLOC, int(e["addr"]), int(e["size"]), phase, _stream(e.get("stream")))
-        elif action == "free_completed":
-            while jf < last and rel[jf + 1][2] <= nf:
-                jf += 1
-            nf += 1
-            place(na, nf)
-            phase = rel[jf][0]
-            add(ACTION_FREE, int(e["addr"]), int(e["size"]), phase, _stream(e.get("stream")))
+        counted = _COUNTED_ACTIONS.get(action)
+        if counted is not None:
+            code, kind = counted
+            i = mark_before(kind)
+            seen[kind] += 1
+            place(seen[0], seen[1])
+            phase = rel[i][0]
+            add(code, int(e["addr"]), int(e["size"]), phase, _stream(e.get("stream")))
         elif action in _SEGMENT_ACTIONS:
             if action in ("segment_alloc", "segment_map"):
-                while ia < last and rel[ia + 1][1] <= na:
-                    ia += 1
-                phase = rel[ia][0]
+                phase = rel[mark_before(0)][0]
             add(
                 _SEGMENT_ACTIONS[action],
                 int(e["addr"]),
@@ -441,6 +447,7 @@ def trace_from_snapshot(
         # allocator did to try (segment_free of the cached segments) is in the
         # history as its own entries, so the replay follows it without it.
     # Returns after the last event (none in a step that ends with the optimizer).
+    na, nf = seen
     while kr < len(returns) and returns[kr][0] <= na and returns[kr][1] <= nf:
         trace.forward_returns.append(trace.num_events)
         kr += 1
