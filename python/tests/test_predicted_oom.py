@@ -26,15 +26,28 @@ from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
 torch = pytest.importorskip("torch")
 
 GB = 10**9
-OOM_ADVICE = dict(
-    kind=pb.ADVISORY_KIND_STEP2_OOM_PREDICTED,
-    severity=pb.SEVERITY_CRITICAL,
-    message="predicted steady-state peak 81.20 GB exceeds capacity 80.00 GB by 1.20 GB; "
+
+
+def step1_advice(kind: int, severity: int, message: str, peak: int) -> dict:
+    """The fields of an advisory on step 1's prediction for an 80 GB GPU."""
+    capacity = 80 * GB
+    return dict(
+        kind=kind,
+        severity=severity,
+        message=message,
+        step=1,
+        predicted_peak_bytes=peak,
+        capacity_bytes=capacity,
+        predicted_headroom_bytes=capacity - peak,
+    )
+
+
+OOM_ADVICE = step1_advice(
+    pb.ADVISORY_KIND_STEP2_OOM_PREDICTED,
+    pb.SEVERITY_CRITICAL,
+    "predicted steady-state peak 81.20 GB exceeds capacity 80.00 GB by 1.20 GB; "
     "step 2 will likely run out of GPU memory; predicted to fit: a micro-batch of 4 instead of 8",
-    step=1,
-    predicted_peak_bytes=int(81.2 * GB),
-    capacity_bytes=80 * GB,
-    predicted_headroom_bytes=-int(1.2 * GB),
+    peak=int(81.2 * GB),
 )
 
 
@@ -139,15 +152,12 @@ def test_the_hold_runs_to_its_bound_when_no_advisory_comes_once_per_run(agent, c
     assert by[("STEP_BEGIN", 2)] - by[("STEP_END", 1)] >= 0.5e9
 
 
-FINAL_ADVICE = dict(
-    kind=pb.ADVISORY_KIND_PREDICTION_FINAL,
-    severity=pb.SEVERITY_INFO,
-    message="step 1's prediction is final: steady-state peak 40.00 GB of 80.00 GB, headroom "
+FINAL_ADVICE = step1_advice(
+    pb.ADVISORY_KIND_PREDICTION_FINAL,
+    pb.SEVERITY_INFO,
+    "step 1's prediction is final: steady-state peak 40.00 GB of 80.00 GB, headroom "
     "40.00 GB; step 2 is predicted to fit",
-    step=1,
-    predicted_peak_bytes=40 * GB,
-    capacity_bytes=80 * GB,
-    predicted_headroom_bytes=40 * GB,
+    peak=40 * GB,
 )
 
 
