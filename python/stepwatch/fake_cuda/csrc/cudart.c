@@ -885,12 +885,16 @@ static void *new_handle(void) {
   return h;
 }
 
-EXPORT cudaError_t cudaStreamCreate(cudaStream_t *s) {
-  if (!s) return fail(cudaErrorInvalidValue);
-  ensure_context(current_device);
-  *s = (cudaStream_t)new_handle();
-  return cudaSuccess;
-}
+/* A stream's or an event's Create: a fresh handle, in the current device's context. */
+#define CREATE_IN_CONTEXT(create, type)            \
+  EXPORT cudaError_t create(type *out) {          \
+    if (!out) return fail(cudaErrorInvalidValue); \
+    ensure_context(current_device);               \
+    *out = (type)new_handle();                    \
+    return cudaSuccess;                           \
+  }
+
+CREATE_IN_CONTEXT(cudaStreamCreate, cudaStream_t)
 
 EXPORT cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
   (void)flags;
@@ -909,12 +913,7 @@ EXPORT cudaError_t cudaStreamGetPriority(cudaStream_t s, int *priority) {
   return cudaSuccess;
 }
 
-EXPORT cudaError_t cudaEventCreate(cudaEvent_t *e) {
-  if (!e) return fail(cudaErrorInvalidValue);
-  ensure_context(current_device);
-  *e = (cudaEvent_t)new_handle();
-  return cudaSuccess;
-}
+CREATE_IN_CONTEXT(cudaEventCreate, cudaEvent_t)
 
 EXPORT cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
   (void)flags;
