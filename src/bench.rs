@@ -3,7 +3,7 @@
 //! prediction did.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use fake_nvml::GpuSpec;
@@ -927,26 +927,10 @@ struct SimSpec<'a> {
 }
 
 fn spawn_sim(exe: &Path, spec: &SimSpec, endpoint: &str, dir: &Path) -> anyhow::Result<Child> {
-    let mut command = Command::new(exe);
-    command
-        .args(["sim", "--scenario", spec.scenario])
-        .args([
-            "--rank",
-            &spec.rank.to_string(),
-            "--gpu",
-            &spec.gpu.to_string(),
-            "--speed",
-            &spec.speed.to_string(),
-        ])
-        .arg("--endpoint")
-        .arg(endpoint)
-        .arg("--fake-nvml-dir")
-        .arg(dir);
+    let mut command = crate::sim::command(exe, spec.scenario, spec.gpu, spec.speed, endpoint, dir);
+    command.args(["--rank", &spec.rank.to_string()]);
     if !spec.allocator_trace {
         command.arg("--no-allocator-trace");
     }
-    Ok(command
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?)
+    Ok(command.spawn()?)
 }

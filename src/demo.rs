@@ -72,20 +72,8 @@ impl DemoJob {
 
     fn start(&mut self, exe: &Path, endpoint: &str, dir: &Path) -> anyhow::Result<()> {
         self.run += 1;
-        let mut cmd = Command::new(exe);
-        cmd.args(["sim", "--scenario", self.scenario, "--job", &self.job_id()])
-            .args([
-                "--gpu",
-                &self.gpu.to_string(),
-                "--speed",
-                &self.speed.to_string(),
-            ])
-            .arg("--endpoint")
-            .arg(endpoint)
-            .arg("--fake-nvml-dir")
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
+        let mut cmd = crate::sim::command(exe, self.scenario, self.gpu, self.speed, endpoint, dir);
+        cmd.args(["--job", &self.job_id()]);
         if let Some(steps) = self.steps {
             cmd.args(["--steps", &steps.to_string()]);
         }

@@ -1,7 +1,8 @@
 //! `stepwatch sim` (one simulated training rank, as its own process) and
 //! `stepwatch fake-gpu` (manage a fake NVML state directory).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -15,6 +16,30 @@ const GIB: u64 = 1 << 30;
 
 /// Exit code of a rank that ran out of (simulated) GPU memory.
 pub const OOM_EXIT_CODE: i32 = 3;
+
+/// `stepwatch sim` as a process of its own, quiet: `scenario` on fake GPU
+/// `gpu` at `speed`, its markers to `endpoint`, its memory written into the
+/// fake NVML state in `fake_nvml_dir`. The caller adds its own arguments.
+pub fn command(
+    exe: &Path,
+    scenario: &str,
+    gpu: u32,
+    speed: f64,
+    endpoint: &str,
+    fake_nvml_dir: &Path,
+) -> Command {
+    let mut command = Command::new(exe);
+    command
+        .args(["sim", "--scenario", scenario])
+        .args(["--gpu", &gpu.to_string(), "--speed", &speed.to_string()])
+        .arg("--endpoint")
+        .arg(endpoint)
+        .arg("--fake-nvml-dir")
+        .arg(fake_nvml_dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    command
+}
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimArgs {

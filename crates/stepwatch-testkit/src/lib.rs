@@ -7,7 +7,8 @@
 //! scenarios of `stepwatch-core/tests`.
 
 use stepwatch_core::{
-    Advisory, AllocatorStats, BatchFacts, GpuSample, Marker, MarkerKind, RankInfo, RankKey, Tracker,
+    Advisory, AdvisoryKind, AllocatorStats, BatchFacts, GpuSample, Marker, MarkerKind, RankInfo,
+    RankKey, Tracker,
 };
 
 /// One MiB, the unit of the kit's byte figures.
@@ -101,6 +102,29 @@ pub fn step_markers(step: u64, micro_batches: u32, t0: u64, gap: u64) -> Vec<Mar
         .map(|((kind, micro), i)| Marker {
             micro_batch: micro,
             ..marker(kind, step, t0 + i * gap)
+        })
+        .collect()
+}
+
+/// The markers of steps 1 to `steps`, each with `micro_batches`
+/// forward/backward pairs, the first at 1,000 ns plus the first gap and
+/// each next one a gap later, the gaps (ns) taken from `gaps` in turn: the
+/// runs the property tests draw.
+pub fn markers_spaced(steps: u64, micro_batches: u32, gaps: &[u64]) -> Vec<Marker> {
+    let mut gap = gaps.iter().cycle();
+    let mut t = 1_000;
+    (1..=steps)
+        .flat_map(|step| {
+            step_kinds(micro_batches)
+                .into_iter()
+                .map(move |k| (step, k))
+        })
+        .map(|(step, (kind, micro))| {
+            t += gap.next().expect("at least one gap");
+            Marker {
+                micro_batch: micro,
+                ..marker(kind, step, t)
+            }
         })
         .collect()
 }
@@ -285,6 +309,21 @@ pub fn activation_step1(act: u64, t0: u64) -> Vec<Marker> {
         m(OptimizerEnd, 500, 20_000, 20_000),
         m(StepEnd, 600, 20_000, 20_000),
     ]
+}
+
+/// The one advisory of `kind` among `advisories`, which must be about
+/// `step` and say `says`; panics with what came otherwise.
+pub fn the_advisory<'a>(
+    advisories: &'a [Advisory],
+    kind: AdvisoryKind,
+    step: u64,
+    says: &str,
+) -> &'a Advisory {
+    let of_kind: Vec<&Advisory> = advisories.iter().filter(|a| a.kind == kind).collect();
+    match of_kind[..] {
+        [one] if one.step == step && one.message.contains(says) => one,
+        _ => panic!("not one {kind:?} advisory at step {step} saying {says:?}: {advisories:#?}"),
+    }
 }
 
 /// The step numbers `key`'s timeline holds, oldest first.

@@ -202,26 +202,20 @@ mod tests {
         let v = decide("42.0", PeerView::Outside, &map, None);
         assert_eq!(refused(&v), Some("slurm_job_not_yours"));
         // A job that is not here, or a name that is no Slurm id, stands unverified.
-        assert_eq!(
-            decide("41", PeerView::Outside, &map, Some(0)),
-            Verdict::Unverified("not_in_job")
-        );
-        assert_eq!(
-            decide("my-run", PeerView::Outside, &map, Some(0)),
-            Verdict::Unverified("not_in_job")
-        );
+        for job in ["41", "my-run"] {
+            let v = decide(job, PeerView::Outside, &map, Some(0));
+            assert_eq!(v, Verdict::Unverified("not_in_job"), "{job}");
+        }
     }
 
     #[test]
     fn without_a_readable_peer_nothing_is_checked() {
         let map = JobMapping::from_files([("0", "42\n")]);
-        assert_eq!(
-            decide("42", PeerView::NoPid, &map, Some(0)),
-            Verdict::Unverified("no_peer_pid")
-        );
-        assert_eq!(
-            decide("42", PeerView::Unreadable, &map, Some(0)),
-            Verdict::Unverified("proc_unreadable")
-        );
+        for (peer, why) in [
+            (PeerView::NoPid, "no_peer_pid"),
+            (PeerView::Unreadable, "proc_unreadable"),
+        ] {
+            assert_eq!(decide("42", peer, &map, Some(0)), Verdict::Unverified(why));
+        }
     }
 }

@@ -171,18 +171,11 @@ fn the_tracker_advises_once_per_run_when_retries_grow_after_step_1() {
     );
     // Step 3: 2 → 3 at its optimizer begin: advised, in step 3, 1 retry.
     let a = t.markers(&key, &step(3, 300, [2, 2, 3, 3]), 3).unwrap();
-    let retries: Vec<&Advisory> = a
-        .iter()
-        .filter(|a| a.kind == AdvisoryKind::AllocatorRetries)
-        .collect();
-    assert_eq!(retries.len(), 1, "{a:?}");
-    assert_eq!(retries[0].step, 3);
-    assert!(
-        retries[0]
-            .message
-            .contains("retry 1 time (3 since the process started)"),
-        "{}",
-        retries[0].message
+    kit::the_advisory(
+        &a,
+        AdvisoryKind::AllocatorRetries,
+        3,
+        "retry 1 time (3 since the process started)",
     );
     // Step 4 grows again (3 → 5): not again for this run; the figure follows.
     let a = t.markers(&key, &step(4, 400, [4, 5, 5, 5]), 4).unwrap();

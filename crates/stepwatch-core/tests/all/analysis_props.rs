@@ -37,37 +37,66 @@ fn facts_strategy() -> impl Strategy<Value = ModelFacts> {
         })
 }
 
-/// Markers of `steps` steps with `micro` forward/backward pairs; allocator
-/// figures drawn from `levels` when `with_alloc`.
-fn markers(steps: u64, micro: u32, gaps: &[u64], levels: &[u64], with_alloc: bool) -> Vec<Marker> {
-    use MarkerKind::*;
-    let mut t = 1_000;
-    let mut out = Vec::new();
-    let (mut peak, mut reserved) = (0u64, 0u64);
-    let mut i = 0usize;
-    let mut push = |kind, step, mb| {
-        t += gaps[i % gaps.len()];
-        let allocated = levels[i % levels.len()];
-        peak = peak.max(allocated + levels[(i + 1) % levels.len()] / 2);
-        reserved = reserved.max(peak + peak / 8);
-        i += 1;
-        out.push(Marker {
-            micro_batch: mb,
-            allocator: with_alloc.then(|| kit::alloc_bytes(allocated, peak, reserved)),
-            ..kit::marker(kind, step, t)
-        });
-    };
-    for step in 1..=steps {
-        push(StepBegin, step, 0);
-        for mb in 0..micro {
-            push(ForwardBegin, step, mb);
-            push(BackwardBegin, step, mb);
-        }
-        push(OptimizerBegin, step, 0);
-        push(OptimizerEnd, step, 0);
-        push(StepEnd, step, 0);
+/// A rank's run as the properties draw it: `steps` steps of `micro`
+/// micro-batches, marker gaps and allocator levels taken in turn, and NVML
+/// samples at `(ns after 900, used bytes)` points.
+#[derive(Debug, Clone)]
+struct Run {
+    steps: u64,
+    micro: u32,
+    gaps: Vec<u64>,
+    levels: Vec<u64>,
+    sample_points: Vec<(u64, u64)>,
+}
+
+impl Run {
+    /// [`kit::markers_spaced`], with allocator figures drawn from `levels`
+    /// when `with_alloc`.
+    fn markers(&self, with_alloc: bool) -> Vec<Marker> {
+        let levels = &self.levels;
+        let (mut peak, mut reserved) = (0u64, 0u64);
+        kit::markers_spaced(self.steps, self.micro, &self.gaps)
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let allocated = levels[i % levels.len()];
+                peak = peak.max(allocated + levels[(i + 1) % levels.len()] / 2);
+                reserved = reserved.max(peak + peak / 8);
+                Marker {
+                    allocator: with_alloc.then(|| kit::alloc_bytes(allocated, peak, reserved)),
+                    ..m
+                }
+            })
+            .collect()
     }
-    out
+
+    fn samples(&self) -> Vec<GpuSample> {
+        samples_at(&self.sample_points)
+    }
+}
+
+/// Runs of `steps` steps and `micro` micro-batches, with up to
+/// `max_samples` samples within `sample_span` ns.
+fn run_strategy(
+    steps: std::ops::Range<u64>,
+    micro: std::ops::Range<u32>,
+    sample_span: u64,
+    max_samples: usize,
+) -> impl Strategy<Value = Run> {
+    (
+        steps,
+        micro,
+        prop::collection::vec(1u64..60, 1..8),
+        prop::collection::vec(0u64..50_000_000, 1..12),
+        prop::collection::vec((0..sample_span, 0u64..60_000_000), 0..max_samples),
+    )
+        .prop_map(|(steps, micro, gaps, levels, sample_points)| Run {
+            steps,
+            micro,
+            gaps,
+            levels,
+            sample_points,
+        })
 }
 
 /// A rank's allocator history: `levels[k]` is the allocated bytes at marker
@@ -273,27 +302,20 @@ proptest! {
 
     #[test]
     fn prediction_does_not_depend_on_arrival_order(
-        steps in 1u64..3,
-        micro in 1u32..4,
-        gaps in prop::collection::vec(1u64..60, 1..8),
-        levels in prop::collection::vec(0u64..50_000_000, 1..12),
+        run in run_strategy(1..3, 1..4, 1_500, 120),
         with_alloc in any::<bool>(),
         cut_frac in 0.1f64..1.0,
-        sample_points in prop::collection::vec((0u64..1_500, 0u64..60_000_000), 0..120),
         marker_chunk in 1usize..5,
         sample_chunk in 1usize..16,
         seed in any::<u64>(),
         facts in facts_strategy(),
     ) {
-        let all = markers(steps, micro, &gaps, &levels, with_alloc);
+        let all = run.markers(with_alloc);
         // Cut the stream anywhere: step 1 may still be running.
         let cut = ((all.len() as f64 * cut_frac).ceil() as usize).clamp(1, all.len());
         let ms = &all[..cut];
         let mut next = xorshift(seed);
-        let mut samples: Vec<GpuSample> = sample_points
-            .iter()
-            .map(|&(t, used)| GpuSample { monotonic_ns: 900 + t, used_bytes: used, capacity_bytes: 80_000_000 })
-            .collect();
+        let mut samples = run.samples();
         // Samples may arrive in any order, in any batches.
         for i in (1..samples.len()).rev() {
             let j = (next() % (i as u64 + 1)) as usize;
@@ -507,14 +529,7 @@ fn one_rank_tracker(config: AnalysisConfig) -> (Tracker, RankKey) {
         ..Default::default()
     });
     tracker.set_analysis_config(config);
-    let info = RankInfo {
-        job: "job".into(),
-        world_size: 1,
-        gpu_uuid: GPU.into(),
-        pid: 1,
-        ..Default::default()
-    };
-    let key = tracker.open(info, 0).unwrap();
+    let key = kit::open(&mut tracker, kit::solo_rank("job", GPU));
     (tracker, key)
 }
 
@@ -539,18 +554,13 @@ proptest! {
     /// over one window, for any window, minimum, steps and samples.
     #[test]
     fn the_cheap_steady_nvml_peak_is_the_steady_profiles(
-        steps in 1u64..15,
-        micro in 1u32..3,
-        gaps in prop::collection::vec(1u64..60, 1..8),
-        levels in prop::collection::vec(0u64..50_000_000, 1..12),
-        sample_points in prop::collection::vec((0u64..7_000, 0u64..60_000_000), 0..200),
+        run in run_strategy(1..15, 1..3, 7_000, 200),
         steady_window in 1usize..12,
         min_steady_steps in 1usize..4,
     ) {
         let (mut tracker, key) = one_rank_tracker(AnalysisConfig::default());
-        let samples = samples_at(&sample_points);
-        tracker.gpu_samples(GPU, &samples);
-        tracker.markers(&key, &markers(steps, micro, &gaps, &levels, true), 0).unwrap();
+        tracker.gpu_samples(GPU, &run.samples());
+        tracker.markers(&key, &run.markers(true), 0).unwrap();
         let config = AnalysisConfig { steady_window, min_steady_steps, ..Default::default() };
         let timeline = &tracker.rank(&key).unwrap().timeline;
         let full = steady_profile(timeline, &config);
@@ -564,28 +574,20 @@ proptest! {
             prop_assert_eq!(c.first_step_peak_bytes, StepProfile::of(first).nvml_peak_bytes);
         }
     }
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
 
     /// The tracker keeps each rank's steady profile between reads; whatever
     /// order markers and samples (late ones included) arrive in, the kept
     /// profile is the one computed afresh from the timeline.
     #[test]
     fn the_kept_steady_profile_is_the_fresh_one(
-        steps in 1u64..16,
-        micro in 1u32..3,
-        gaps in prop::collection::vec(1u64..60, 1..8),
-        levels in prop::collection::vec(0u64..50_000_000, 1..12),
-        sample_points in prop::collection::vec((0u64..9_000, 0u64..60_000_000), 0..200),
+        run in run_strategy(1..16, 1..3, 9_000, 200),
         batch in 1usize..9,
         steady_window in 1usize..12,
     ) {
         let config = AnalysisConfig { steady_window, ..Default::default() };
         let (mut tracker, key) = one_rank_tracker(config);
-        let samples = samples_at(&sample_points);
-        let all = markers(steps, micro, &gaps, &levels, true);
+        let samples = run.samples();
+        let all = run.markers(true);
         let mut fed = 0;
         for chunk in all.chunks(batch) {
             tracker.markers(&key, chunk, 0).unwrap();

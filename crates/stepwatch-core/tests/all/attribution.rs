@@ -17,30 +17,11 @@ fn info(job: &str, rank: u32, gpu: &str) -> RankInfo {
     }
 }
 
-/// Markers of `steps` steps with `micro` forward/backward pairs each,
-/// spaced by the given gaps (ns).
-fn markers(steps: u64, micro: u32, gaps: &[u64]) -> Vec<Marker> {
-    let mut t = 1_000;
-    let mut gap = gaps.iter().cycle();
-    let mut out = Vec::new();
-    let mut push = |kind, step, mb, t: &mut u64| {
-        *t += gap.next().unwrap();
-        out.push(Marker {
-            micro_batch: mb,
-            ..kit::marker(kind, step, *t)
-        });
-    };
-    for step in 1..=steps {
-        push(MarkerKind::StepBegin, step, 0, &mut t);
-        for mb in 0..micro {
-            push(MarkerKind::ForwardBegin, step, mb, &mut t);
-            push(MarkerKind::BackwardBegin, step, mb, &mut t);
-        }
-        push(MarkerKind::OptimizerBegin, step, 0, &mut t);
-        push(MarkerKind::OptimizerEnd, step, 0, &mut t);
-        push(MarkerKind::StepEnd, step, 0, &mut t);
-    }
-    out
+/// A tracker with `config` and rank 0 of job `j` open on GPU-a.
+fn one_rank(config: TrackerConfig) -> (Tracker, RankKey) {
+    let mut tracker = Tracker::new(config);
+    let key = kit::open(&mut tracker, info("j", 0, "GPU-a"));
+    (tracker, key)
 }
 
 fn config() -> TrackerConfig {
@@ -87,7 +68,7 @@ proptest! {
     ) {
         let gpus = ["GPU-a", if same_gpu { "GPU-a" } else { "GPU-b" }];
         let rank_markers: Vec<Vec<Marker>> = (0..2)
-            .map(|r| markers(steps, micro, &gaps.iter().map(|g| g + r as u64).collect::<Vec<_>>()))
+            .map(|r| kit::markers_spaced(steps, micro, &gaps.iter().map(|g| g + r as u64).collect::<Vec<_>>()))
             .collect();
         let samples: Vec<(String, GpuSample)> = sample_times
             .iter()
@@ -176,9 +157,8 @@ proptest! {
 
 #[test]
 fn step_and_phase_durations_follow_markers() {
-    let mut tracker = Tracker::new(TrackerConfig::default());
-    let key = tracker.open(info("j", 0, "GPU-a"), 0).unwrap();
-    let ms = markers(3, 2, &[10]);
+    let (mut tracker, key) = one_rank(TrackerConfig::default());
+    let ms = kit::markers_spaced(3, 2, &[10]);
     tracker.markers(&key, &ms, 0).unwrap();
     let tl = &tracker.rank(&key).unwrap().timeline;
     assert_eq!(tl.steps_completed(), 3);
@@ -193,9 +173,8 @@ fn step_and_phase_durations_follow_markers() {
 
 #[test]
 fn a_bad_marker_rejects_its_whole_batch_and_changes_nothing() {
-    let mut tracker = Tracker::new(TrackerConfig::default());
-    let key = tracker.open(info("j", 0, "GPU-a"), 0).unwrap();
-    let mut ms = markers(2, 1, &[10]);
+    let (mut tracker, key) = one_rank(TrackerConfig::default());
+    let mut ms = kit::markers_spaced(2, 1, &[10]);
     tracker.markers(&key, &ms[..6], 0).unwrap();
     // A backward that follows a step begin is out of order.
     ms[7].kind = MarkerKind::BackwardBegin;
@@ -219,9 +198,8 @@ fn a_bad_marker_rejects_its_whole_batch_and_changes_nothing() {
 
 #[test]
 fn lost_markers_do_not_lock_a_rank_out() {
-    let mut tracker = Tracker::new(TrackerConfig::default());
-    let key = tracker.open(info("j", 0, "GPU-a"), 0).unwrap();
-    let ms = markers(3, 1, &[10]);
+    let (mut tracker, key) = one_rank(TrackerConfig::default());
+    let ms = kit::markers_spaced(3, 1, &[10]);
     // Step 1 loses its step end, step 2 loses its step begin.
     let kept: Vec<Marker> = ms
         .into_iter()
@@ -243,20 +221,20 @@ fn lost_markers_do_not_lock_a_rank_out() {
 
 #[test]
 fn retention_keeps_step_one_and_the_newest_steps() {
-    let mut tracker = Tracker::new(TrackerConfig {
+    let (mut tracker, key) = one_rank(TrackerConfig {
         max_retained_steps: 5,
         ..Default::default()
     });
-    let key = tracker.open(info("j", 0, "GPU-a"), 0).unwrap();
-    tracker.markers(&key, &markers(20, 1, &[10]), 0).unwrap();
+    tracker
+        .markers(&key, &kit::markers_spaced(20, 1, &[10]), 0)
+        .unwrap();
     let steps = kit::step_numbers(&tracker, &key);
     assert_eq!(steps, [1, 17, 18, 19, 20]);
 }
 
 #[test]
 fn idle_ranks_are_evicted_after_retention() {
-    let mut tracker = Tracker::new(TrackerConfig::default());
-    let key = tracker.open(info("j", 0, "GPU-a"), 0).unwrap();
+    let (mut tracker, key) = one_rank(TrackerConfig::default());
     assert_eq!(tracker.evict_idle(1_000, 10), 0, "a connected rank stays");
     tracker.close(&key, 1_000);
     assert_eq!(tracker.evict_idle(1_005, 10), 0);

@@ -319,13 +319,7 @@ fn the_tracker_predicts_from_the_replay_until_step_2_begins() {
         ..kit::solo_rank("j", "GPU-a")
     };
     let key = kit::open(&mut tracker, info);
-    let stats = |allocated: u64, reserved: u64| AllocatorStats {
-        allocated_bytes: allocated,
-        allocated_peak_bytes: allocated,
-        reserved_bytes: reserved,
-        reserved_peak_bytes: reserved,
-        ..Default::default()
-    };
+    let stats = |allocated: u64, reserved: u64| kit::alloc_bytes(allocated, allocated, reserved);
     let marker = |kind, step, t, a| Marker {
         allocator: Some(a),
         ..stepwatch_testkit::marker(kind, step, t)
