@@ -440,7 +440,6 @@ fn judge(rep: &Value, usage: &truth::Usage) -> RankResult {
     let completed = rep["steps_completed"].as_u64().unwrap_or(0);
     let oom_step =
         (rep["ooms"].as_u64().unwrap_or(0) > 0).then(|| rep["last_step"].as_u64().unwrap_or(0));
-    let pred = &rep["prediction_before_step2"];
     RankResult {
         rank: rep["rank"].as_u64().unwrap_or(0) as u32,
         gpu_uuid: uuid.clone(),
@@ -453,11 +452,7 @@ fn judge(rep: &Value, usage: &truth::Usage) -> RankResult {
         } else {
             None
         },
-        predicted_peak_bytes: pred["predicted_peak_bytes"].as_u64(),
-        prediction_basis: pred["inputs"]["basis"].as_str().map(String::from),
-        predicted_oom: pred["oom_risk"].as_bool().unwrap_or(false),
-        explanation: pred["explanation"].as_str().map(String::from),
-        what_would_fit: pred["what_would_fit"].clone(),
+        prediction: rep["prediction_before_step2"].clone(),
         advisories: rep["advisories"]
             .as_array()
             .map(|a| {

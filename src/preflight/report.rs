@@ -75,18 +75,39 @@ pub struct RankResult {
     pub step1_peak_bytes: Option<u64>,
     /// The GPU's peak from step 2's begin to the last step's end (fake CUDA's usage log).
     pub steady_peak_bytes: Option<u64>,
-    /// The agent's prediction, frozen before step 2 began.
-    pub predicted_peak_bytes: Option<u64>,
-    pub prediction_basis: Option<String>,
-    pub predicted_oom: bool,
-    pub explanation: Option<String>,
-    /// `what_would_fit` of the prediction.
-    pub what_would_fit: Value,
+    /// The agent's prediction, frozen before step 2 began, as the rank's
+    /// report gave it (null: none); read through the accessors below.
+    pub prediction: Value,
     /// (kind, message) of every advisory the agent sent the rank.
     pub advisories: Vec<(String, String)>,
 }
 
 impl RankResult {
+    /// The predicted device peak, bytes.
+    pub fn predicted_peak_bytes(&self) -> Option<u64> {
+        self.prediction["predicted_peak_bytes"].as_u64()
+    }
+
+    /// The prediction's basis (`allocator`, `nvml_only`, …).
+    pub fn prediction_basis(&self) -> Option<&str> {
+        self.prediction["inputs"]["basis"].as_str()
+    }
+
+    /// Whether the prediction said step 2 runs out of memory.
+    pub fn predicted_oom(&self) -> bool {
+        self.prediction["oom_risk"].as_bool().unwrap_or(false)
+    }
+
+    /// The prediction's explanation.
+    pub fn explanation(&self) -> Option<&str> {
+        self.prediction["explanation"].as_str()
+    }
+
+    /// `what_would_fit` of the prediction (null without one).
+    pub fn what_would_fit(&self) -> &Value {
+        &self.prediction["what_would_fit"]
+    }
+
     pub fn verdict(&self, usable: u64) -> Verdict {
         if let Some(step) = self.oom_step {
             return Verdict::Oom(step);
@@ -108,7 +129,7 @@ impl RankResult {
 
     /// The prediction's error against the steady peak.
     pub fn prediction_error(&self) -> Option<f64> {
-        match (self.predicted_peak_bytes, self.steady_peak_bytes) {
+        match (self.predicted_peak_bytes(), self.steady_peak_bytes) {
             (Some(p), Some(a)) if a > 0 => Some((p as f64 - a as f64) / a as f64),
             _ => None,
         }
@@ -178,11 +199,11 @@ impl Report<'_> {
             let v = r.verdict(usable);
             let _ = writeln!(o, "\nrank {}: {}", r.rank, v.text().to_uppercase());
             let _ = writeln!(o, "  step-1 peak          {}", opt(r.step1_peak_bytes));
-            let pred = match (r.predicted_peak_bytes, &r.prediction_basis) {
+            let pred = match (r.predicted_peak_bytes(), r.prediction_basis()) {
                 (Some(p), Some(b)) => format!(
                     "{} ({b}{})",
                     gib(p),
-                    if r.predicted_oom {
+                    if r.predicted_oom() {
                         ", step-2 OOM predicted"
                     } else {
                         ""
@@ -210,7 +231,7 @@ impl Report<'_> {
                     let _ = writeln!(o, "  steady peak          - ({})", no_steady_peak(r));
                 }
             }
-            let fit = advice(&r.what_would_fit);
+            let fit = advice(r.what_would_fit());
             if !fit.is_empty() {
                 let _ = writeln!(o, "  would fit            {}", fit.join("; "));
             }
@@ -296,15 +317,15 @@ fn ranks_json(ranks: &[RankResult], usable: u64) -> Vec<Value> {
                 "oom_step": r.oom_step,
                 "steps_completed": r.steps_completed,
                 "step1_peak_bytes": r.step1_peak_bytes,
-                "predicted_peak_bytes": r.predicted_peak_bytes,
-                "prediction_basis": r.prediction_basis,
-                "predicted_oom": r.predicted_oom,
+                "predicted_peak_bytes": r.predicted_peak_bytes(),
+                "prediction_basis": r.prediction_basis(),
+                "predicted_oom": r.predicted_oom(),
                 "prediction_error": r.prediction_error(),
-                "explanation": r.explanation,
+                "explanation": r.explanation(),
                 "steady_peak_bytes": r.steady_peak_bytes,
                 "headroom_bytes": r.steady_peak_bytes.map(|p| usable as i64 - p as i64),
                 "headroom_fraction": r.headroom(usable),
-                "what_would_fit": r.what_would_fit,
+                "what_would_fit": r.what_would_fit(),
                 "advisories": r.advisories.iter().map(|(k, m)| json!({"kind": k, "message": m})).collect::<Vec<_>>(),
             })
         })

@@ -178,7 +178,7 @@ pub fn advised(ranks: &[RankResult], usable: u64, current: Option<u64>) -> Resul
     let named: Vec<(u32, u64, u64)> = step2
         .iter()
         .filter_map(|r| {
-            let fit = &r.what_would_fit;
+            let fit = r.what_would_fit();
             Some((
                 r.rank,
                 fit["fits_with_micro_batch_size"].as_u64()?,
@@ -297,7 +297,7 @@ mod tests {
             oom_step: oom,
             steps_completed: 3,
             steady_peak_bytes: Some(1),
-            what_would_fit: fit,
+            prediction: serde_json::json!({ "what_would_fit": fit }),
             ..Default::default()
         }
     }
