@@ -51,10 +51,13 @@ pytest.importorskip("torch")
 
 
 @contextlib.contextmanager
-def agent_on(tmp: Path, usable: int) -> Iterator[FakeGpuAgent]:
-    """The agent on a fresh fake GPU of which CUDA can use `usable` bytes."""
+def agent_on(tmp: Path, usable: int, sample_hz: int = 100) -> Iterator[FakeGpuAgent]:
+    """The agent on a fresh fake GPU of which CUDA can use `usable` bytes,
+    sampling its memory `sample_hz` times a second."""
     with fake_gpu_agent(
-        tmp, usable + DRIVER_RESERVED, agent_args=["--process-interval", "250ms"]
+        tmp,
+        usable + DRIVER_RESERVED,
+        agent_args=["--process-interval", "250ms", "--sample-hz", str(sample_hz)],
     ) as a:
         yield a
 
@@ -145,17 +148,25 @@ def dies(
 
 
 # (mode, flags, usable bytes): each dies within about 400 steps.
+# With a sampler at 1 Hz NVML sees none of these few-ms steps, as on a busy node
+# (where the forecast once said step 300 for an OOM in step 168: the reserved
+# level without the CUDA context); the driver's figures at step 1 stand in.
 LEAKS = [
-    ("leak", ["--batch", "512"], 5 * GIB // 4),
-    ("list", ["--batch", "1024"], 5 * GIB // 4),
+    ("leak", ["--batch", "512"], 5 * GIB // 4, 100),
+    ("list", ["--batch", "1024"], 5 * GIB // 4, 100),
+    ("leak", ["--batch", "512"], 5 * GIB // 4, 1),
 ]
 
 
-@pytest.mark.parametrize("mode,flags,usable", LEAKS, ids=[m for m, *_ in LEAKS])
+@pytest.mark.parametrize(
+    "mode,flags,usable,sample_hz",
+    LEAKS,
+    ids=[f"{m}" if hz == 100 else f"{m}-unsampled" for m, _, _, hz in LEAKS],
+)
 def test_a_leak_is_reported_early_forecast_within_ten_percent_and_named(
-    tmp_path: Path, mode: str, flags: List[str], usable: int
+    tmp_path: Path, mode: str, flags: List[str], usable: int, sample_hz: int
 ) -> None:
-    with agent_on(tmp_path, usable) as agent:
+    with agent_on(tmp_path, usable, sample_hz) as agent:
         job = f"oom-{mode}"
         cmd = [str(LOOPS), mode, *flags]
         _, truth, report = dies(agent, job, cmd, tmp_path / "usage", usable)
@@ -177,19 +188,13 @@ def test_a_leak_is_reported_early_forecast_within_ten_percent_and_named(
         assert pm["cause"] == "growth", pm["message"]
         assert pm["growth_source"] == "allocated", pm
         assert pm["requested_bytes"] and pm["requested_bytes"] > 0
-        # The forecast OOM step, as the advisory said it, within 10%. Known
-        # miss: in the full scripts/test run the `leak` loop's forecast said
-        # step 299-300 for an OOM in step 168 (twice), while run alone it is
-        # within 2 steps; the cause is not found yet. Marked, not hidden.
-        if abs(forecast - truth.oom_step) > 0.1 * truth.oom_step:
-            pytest.xfail(
-                f"{mode}: forecast step {forecast}, OOM in step {truth.oom_step} "
-                "(known miss in the full suite, cause not found)"
-            )
+        # The forecast OOM step, as the advisory said it, within 10%.
+        assert abs(forecast - truth.oom_step) <= 0.1 * truth.oom_step, (adv, truth.oom_step)
         print(
-            f"{mode}: leak {per_step / MIB:.2f} MiB/step ({100 * per_step / usable:.2f}% of the "
-            f"GPU); told at step {adv['step']} with {100 * used / headroom:.1f}% of step 11's "
-            f"headroom used; forecast step {forecast}, OOM in step {truth.oom_step}"
+            f"{mode} at {sample_hz} Hz: leak {per_step / MIB:.2f} MiB/step "
+            f"({100 * per_step / usable:.2f}% of the GPU); told at step {adv['step']} with "
+            f"{100 * used / headroom:.1f}% of step 11's headroom used; forecast step "
+            f"{forecast}, OOM in step {truth.oom_step}"
         )
         # The agent's log has the post-mortem.
         log = wait_for("the log line", lambda: "post-mortem" in agent.log.read_text())

@@ -354,6 +354,11 @@ pub struct MemoryTrend {
     /// Median of NVML peak − allocated peak, likewise: what a step's
     /// allocated peak needs of the device besides itself.
     pub nvml_over_allocated_bytes: Option<u64>,
+    /// Device memory outside the allocator at step 1, by the driver's
+    /// figures the client sent (see `RankTimeline::outside_allocator_at_step1`):
+    /// stands in for `nvml_over_reserved_bytes` when NVML sampled none of the
+    /// window's steps (short steps on a busy node).
+    pub outside_at_step1_bytes: Option<u64>,
     /// How the window's step peaks follow their batches; None without
     /// batch facts in a unit all of them share.
     pub batches: Option<BatchRelation>,
@@ -405,6 +410,7 @@ impl MemoryTrend {
         Some(Self {
             nvml_over_reserved_bytes: median_over(|s| s.reserved_peak_bytes),
             nvml_over_allocated_bytes: median_over(|s| s.allocated_peak_bytes),
+            outside_at_step1_bytes: None,
             batches: batch_relation(window),
             trailing: TrailingPeaks {
                 steps: window.len(),
@@ -499,8 +505,14 @@ pub fn forecast(
         .max_by(|a, b| a.1.bytes_per_step.total_cmp(&b.1.bytes_per_step))?;
     // Without an NVML slope, the reserved level plus what NVML shows
     // beyond the allocator: the latest step's NVML peak alone may be
-    // missing or short of the level (a step between two samples).
-    let reserved_in_nvml_terms = trend.nvml_over_reserved_bytes.and_then(|outside| {
+    // missing or short of the level (a step between two samples). When
+    // NVML sampled none of the window's steps, what the driver showed
+    // beyond the allocator at step 1: the reserved level alone leaves out
+    // the CUDA context, and the forecast comes far too late.
+    let outside = trend
+        .nvml_over_reserved_bytes
+        .or(trend.outside_at_step1_bytes);
+    let reserved_in_nvml_terms = outside.and_then(|outside| {
         let reserved = trend
             .slope(GrowthSource::Reserved)
             .map(|s| s.level_bytes.max(0.0) as u64)
@@ -665,7 +677,11 @@ impl TrendMemo {
             }
         }
         if changed {
-            self.trend = MemoryTrend::of(self.window.make_contiguous(), config);
+            self.trend =
+                MemoryTrend::of(self.window.make_contiguous(), config).map(|t| MemoryTrend {
+                    outside_at_step1_bytes: timeline.outside_allocator_at_step1(),
+                    ..t
+                });
         }
         self.revision = Some(timeline.revision());
     }

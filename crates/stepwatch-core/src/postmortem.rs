@@ -431,7 +431,7 @@ pub fn post_mortem(i: &PostMortemInputs<'_>) -> Option<PostMortem> {
     let outside = device
         .zip(reserved)
         .map(|(d, r)| d.used_bytes().saturating_sub(r));
-    let outside_at_start = outside_at_step1(i.timeline);
+    let outside_at_start = i.timeline.outside_allocator_at_step1();
     let outside_growth = match (outside, outside_at_start) {
         (Some(now), Some(then)) => Some(now as i64 - then as i64),
         // Without the driver's figures: NVML's other processes now, against
@@ -454,7 +454,18 @@ pub fn post_mortem(i: &PostMortemInputs<'_>) -> Option<PostMortem> {
     };
     // Headroom the steady steps left, and how much of it growth used by
     // the step that died.
-    let steady_headroom = steady_nvml.map(|p| capacity.saturating_sub(p));
+    // The steady steps' device peak: NVML's, else (NVML sampled none of
+    // those short steps) their reserved peak plus what the device holds
+    // beyond the allocator.
+    let beyond_reserved = i
+        .trend
+        .and_then(|t| t.nvml_over_reserved_bytes.or(t.outside_at_step1_bytes))
+        .or(outside_at_start);
+    let steady_device = steady_nvml.or_else(|| {
+        let reserved = i.steady.and_then(|s| s.peaks.reserved_peak_bytes)?;
+        Some(reserved + beyond_reserved?)
+    });
+    let steady_headroom = steady_device.map(|p| capacity.saturating_sub(p));
     let growth_used = |source| {
         let slope = growing(source)?;
         let from = steady_last_step.unwrap_or(slope.first_step);
@@ -526,7 +537,7 @@ pub fn post_mortem(i: &PostMortemInputs<'_>) -> Option<PostMortem> {
             "without the growth the step peak stays near the steady {}; find what keeps tensors \
              alive from step to step (a loss summed without .item(), outputs kept in a list, a \
              cache that grows)",
-            steady_nvml.map_or("peak".into(), |p| gb(p as f64))
+            steady_device.map_or("peak".into(), |p| gb(p as f64))
         );
     } else if let Some((free, req)) = cached_free.zip(requested).filter(|&(free, req)| {
         free + device.map_or(0, |d| d.free_bytes) >= req
@@ -575,7 +586,7 @@ pub fn post_mortem(i: &PostMortemInputs<'_>) -> Option<PostMortem> {
         words.push(growth_words(slope, source, used, steady_headroom));
         fit = format!(
             "without the growth the step peak stays near the steady {}",
-            steady_nvml.map_or("peak".into(), |p| gb(p as f64))
+            steady_device.map_or("peak".into(), |p| gb(p as f64))
         );
     } else if let Some(p) = &died_in_pass {
         let (w, f) = pass_words(p, needed, room);
@@ -689,7 +700,7 @@ pub fn post_mortem(i: &PostMortemInputs<'_>) -> Option<PostMortem> {
             gb(p as f64)
         ));
     }
-    if let Some(s) = steady_nvml {
+    if let Some(s) = steady_device {
         figures.push(format!("the steady peak {}", gb(s as f64)));
     }
     if let Some(p) = i.prediction {
@@ -911,17 +922,6 @@ fn growth_words(
         ));
     }
     w
-}
-
-/// Memory outside the allocator at step 1's first marker with the
-/// driver's figures: device used − reserved.
-fn outside_at_step1(timeline: &RankTimeline) -> Option<u64> {
-    let first = timeline.steps().next().filter(|s| s.step == 1)?;
-    first.phases.iter().find_map(|p| {
-        let d = p.device_at_start?;
-        let a = p.allocator_at_start?;
-        Some(d.used_bytes().saturating_sub(a.reserved_bytes))
-    })
 }
 
 /// What would fit, from the prediction's own remedies.

@@ -515,6 +515,18 @@ impl RankTimeline {
             .find(|s| s.outcome == StepOutcome::Completed)
     }
 
+    /// Device memory outside the allocator at step 1's first marker with
+    /// the driver's figures (device used − reserved): the CUDA context and
+    /// other libraries' memory, as the client saw it.
+    pub fn outside_allocator_at_step1(&self) -> Option<u64> {
+        let first = self.steps.front().filter(|s| s.step == 1)?;
+        first.phases.iter().find_map(|p| {
+            let d = p.device_at_start?;
+            let a = p.allocator_at_start?;
+            Some(d.used_bytes().saturating_sub(a.reserved_bytes))
+        })
+    }
+
     /// Timestamp of the latest marker.
     pub fn last_monotonic_ns(&self) -> u64 {
         self.last_monotonic_ns

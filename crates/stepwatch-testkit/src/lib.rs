@@ -256,7 +256,6 @@ pub mod leaking {
         (n, held, cached): (u64, u64, u64),
         edit: impl Fn(Marker) -> Marker,
     ) -> Vec<Advisory> {
-        use MarkerKind::*;
         let t0 = n * PERIOD;
         let sampled = held + cached;
         let points: Vec<(u64, u64)> = [1_000, 4_000, 3_800, 3_600]
@@ -266,7 +265,18 @@ pub mod leaking {
             .map(|(used, i)| (t0 + i * PERIOD / 8 + 10, used))
             .collect();
         tracker.gpu_samples(GPU, &samples_mib(&points, CAPACITY_MIB));
-        let markers: Vec<Marker> = [
+        match tracker.markers(key, &markers(n, held, cached, edit), t0) {
+            Ok(advisories) => advisories,
+            Err(refusal) => panic!("the tracker refused step {n}: {refusal:?}"),
+        }
+    }
+
+    /// The markers of [`step`], without its samples: a step NVML did not
+    /// see (shorter than the sampler's period).
+    pub fn markers(n: u64, held: u64, cached: u64, edit: impl Fn(Marker) -> Marker) -> Vec<Marker> {
+        use MarkerKind::*;
+        let t0 = n * PERIOD;
+        [
             (StepBegin, held),
             (ForwardBegin, held),
             (BackwardBegin, held + 3_000),
@@ -280,11 +290,7 @@ pub mod leaking {
             let figures = (allocated, held + 3_000, held + cached + 3_500);
             edit(marker_mib(kind, n, t0 + i * PERIOD / 8, figures))
         })
-        .collect();
-        match tracker.markers(key, &markers, t0) {
-            Ok(advisories) => advisories,
-            Err(refusal) => panic!("the tracker refused step {n}: {refusal:?}"),
-        }
+        .collect()
     }
 }
 

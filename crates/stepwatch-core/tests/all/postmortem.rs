@@ -519,3 +519,48 @@ fn the_json_keeps_its_flat_figures() {
     assert_eq!(json["batch"]["needs"]["allocated_peak_bytes"], 10_000 * M);
     assert!(json["pass"].is_null());
 }
+
+/// A leak of 40 M per step whose steps NVML never sampled (steps shorter
+/// than the sampler's period, on a busy node), with 2000 M outside the
+/// allocator by the driver's figures at step 1: each step reserves
+/// `held + 3500` M, so the device is full once `held + 5500` M pass
+/// 10000 M, at step 64. The forecast counts the 2000 M (the reserved level
+/// alone put it 50 steps late), and the post-mortem names the growth
+/// against the steady steps' reserved peak plus those 2000 M.
+#[test]
+fn a_leak_nvml_never_sampled_is_forecast_and_named_by_step_1s_driver_figures() {
+    const OUTSIDE: u64 = 2_000;
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = open(&mut t);
+    // One sample, before step 1: the GPU's capacity, and no step's peak.
+    t.gpu_samples(
+        GPU,
+        &kit::samples_mib(&[(PERIOD / 2, OUTSIDE)], kit::leaking::CAPACITY_MIB),
+    );
+    let dies_at = (1..)
+        .find(|&n| leaked(n) + 3_500 + OUTSIDE > 10_000)
+        .unwrap();
+    assert_eq!(dies_at, 64);
+    for n in 1..dies_at {
+        let markers = kit::leaking::markers(n, leaked(n), 0, |m| Marker {
+            device_memory: (n == 1).then(|| device(leaked(1) + 3_500, OUTSIDE)),
+            ..m
+        });
+        t.markers(&key, &markers, n * PERIOD).unwrap();
+        if n == 30 {
+            let f = t.memory_growth(&key).expect("a forecast by step 30");
+            assert!(f.oom_step.abs_diff(dies_at) <= 2, "{f:?}");
+        }
+    }
+    let allocated = leaked(dies_at) + 2_900;
+    die(&mut t, &key, dies_at, allocated, allocated + 100);
+    t.record_oom_report(
+        &key,
+        report(dies_at, 400, allocated, allocated + 100, OUTSIDE),
+        0,
+    )
+    .unwrap();
+    let pm = t.post_mortem(&key).unwrap();
+    assert_eq!(pm.before.steady_nvml_peak_bytes, None);
+    assert_eq!(pm.cause, OomCause::Growth, "{}", pm.message);
+}
