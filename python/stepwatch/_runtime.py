@@ -667,7 +667,8 @@ class _Runtime:
         if dev is None or c is None:
             return
         try:
-            report = _torch.oom_report(dev, exc, self.tracker.step or 1)
+            # The OOM marker's step: 0 only for a pass before the first step.
+            report = _torch.oom_report(dev, exc, self.tracker.step)
         except Exception as e:  # the OOM is what matters
             log.debug("stepwatch: could not read the allocator at the OOM: %r", e)
             return

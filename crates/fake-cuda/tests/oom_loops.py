@@ -5,7 +5,7 @@ reason, watched by stepwatch as a user would (``stepwatch.watch``):
     python oom_loops.py list     # predictions kept in a Python list of device tensors
     python oom_loops.py ratchet  # a growing buffer beside a small tensor kept each step
     python oom_loops.py steady   # none of it: the control
-    python oom_loops.py evalbatch  # an evaluation on a larger batch after step 15 does not fit
+    python oom_loops.py evalbatch  # an evaluation on a larger batch before step 16 does not fit
 
 ``--steps`` bounds the loop (default: until it dies). Prints ``step N done
 <CLOCK_MONOTONIC ns>`` after each step; nothing catches the OOM.
@@ -20,6 +20,7 @@ import stepwatch
 import torch
 
 MIB = 1 << 20
+EVAL_BATCH = 65536  # evalbatch: the whole validation set in one batch
 
 p = argparse.ArgumentParser()
 p.add_argument("mode", choices=["leak", "list", "ratchet", "steady", "evalbatch"])
@@ -27,7 +28,7 @@ p.add_argument("--steps", type=int, default=1_000_000)
 p.add_argument("--width", type=int, default=1024)
 p.add_argument("--batch", type=int, default=256)
 p.add_argument("--ratchet-base-mib", type=int, default=32)
-p.add_argument("--eval-batch", type=int, default=65536)
+p.add_argument("--eval-before-step", type=int, default=16)
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -43,9 +44,9 @@ x_val = torch.randn(args.batch, w, device="cuda")
 total_loss = torch.zeros((), device="cuda")
 kept = []
 pins = []
-x_eval = torch.randn(args.eval_batch, w, device="cuda") if args.mode == "evalbatch" else None
+x_eval = torch.randn(EVAL_BATCH, w, device="cuda") if args.mode == "evalbatch" else None
 for step in range(1, args.steps + 1):
-    if x_eval is not None and step == 16:
+    if x_eval is not None and step == args.eval_before_step:
         # The whole validation set in one batch under torch.no_grad(): its
         # activations do not fit beside the training state.
         print(f"eval begin {time.monotonic_ns()}", flush=True)

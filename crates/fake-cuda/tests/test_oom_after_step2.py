@@ -515,3 +515,26 @@ def test_an_evaluation_on_a_larger_batch_is_named_evaluation(tmp_path: Path) -> 
         f"allocator memory, the steps at most {steps_peak / MIB:.0f} MiB of the device by the "
         f"usage log; at most {share}% of its batch fits. {pm['message']}"
     )
+
+
+def test_a_sanity_check_evaluation_before_step_1_that_dies_is_post_mortemed(
+    tmp_path: Path,
+) -> None:
+    """The same evaluation before step 1 (a sanity check): the pass after step 0
+    dies, and the allocator's report at the error is kept with it."""
+    usable = 1 * GIB
+    with agent_on(tmp_path, usable) as agent:
+        cmd = [str(LOOPS), "evalbatch", "--eval-before-step", "1"]
+        proc = train(agent, "oom-sanity", cmd, tmp_path / "usage")
+        assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
+        report = wait_for(
+            "the post-mortem with its report",
+            lambda: (
+                ((r := rank(agent, "oom-sanity")).get("post_mortem") or {}).get("requested_bytes")
+                and r
+            ),
+        )
+    pm = report["post_mortem"]
+    assert (pm["step"], pm["cause"]) == (0, "evaluation"), pm["message"]
+    assert pm["pass"]["after_step"] == 0, pm["pass"]
+    assert "in an evaluation pass after step 0" in pm["message"], pm["message"]
