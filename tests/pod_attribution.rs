@@ -41,6 +41,14 @@ impl Node {
         Self::start_with_socket(tag, true)
     }
 
+    /// A node whose one pod, team-a/trainer-0 (UID_A), has a container
+    /// `trainer` holding GPU 0.
+    fn with_trainer(tag: &str) -> Self {
+        let node = Self::start(tag);
+        node.add_pod("team-a", "trainer-0", UID_A, &[("trainer", &[gpu(0)])]);
+        node
+    }
+
     /// The chart's default install: the agent runs unprivileged, so the
     /// kubelet's pod-resources socket (root's) is not mounted; it has /proc
     /// (hostPID) and the pod log directories.
@@ -385,8 +393,7 @@ const UID_B: &str = "1a2b3c4d-5e6f-7081-92a3-b4c5d6e7f809";
 
 #[test]
 fn the_kubelets_pod_and_namespace_label_the_rank_for_every_runtime_and_cgroup_layout() {
-    let node = Node::start("podattr-labels");
-    node.add_pod("team-a", "trainer-0", UID_A, &[("trainer", &[gpu(0)])]);
+    let node = Node::with_trainer("podattr-labels");
     for (i, layout) in [
         "v2-systemd-containerd",
         "v2-cgroupfs-containerd",
@@ -570,8 +577,7 @@ fn a_process_outside_any_pod_keeps_its_claim_unattested() {
 
 #[test]
 fn a_spoofed_gpu_uuid_is_refused() {
-    let node = Node::start("podattr-gpu");
-    node.add_pod("team-a", "trainer-0", UID_A, &[("trainer", &[gpu(0)])]);
+    let node = Node::with_trainer("podattr-gpu");
     // GPU 1 belongs to no container of this pod.
     let mut client = node.client(&Claim::new("j", 0, gpu(1)), UID_A, "v2-systemd-containerd");
     assert_eq!(client.result(), "PermissionDenied");
@@ -620,8 +626,7 @@ fn a_gpu_of_a_sibling_container_is_refused_once_the_container_is_known() {
 
 #[test]
 fn a_second_process_claiming_a_live_rank_is_refused_and_the_first_keeps_its_history() {
-    let node = Node::start("podattr-held");
-    node.add_pod("team-a", "trainer-0", UID_A, &[("trainer", &[gpu(0)])]);
+    let node = Node::with_trainer("podattr-held");
     node.add_pod("team-a", "intruder", UID_B, &[("x", &[gpu(1)])]);
     let first = Claim::new("j", 0, gpu(0));
     let a = node.client(&first, UID_A, "v2-systemd-containerd");

@@ -443,30 +443,23 @@ fn every_wire_enum_value_maps_to_a_core_value_and_back() {
             facts
         );
     }
-    assert!(
-        pb::MarkerKind::try_from(12).is_err(),
-        "a new marker kind needs a core kind"
-    );
-    assert!(
-        pb::AllocatorAction::try_from(7).is_err(),
-        "a new action needs a core action"
-    );
-    assert!(
-        pb::AdvisoryKind::try_from(9).is_err(),
-        "a new advisory needs a core kind"
-    );
-    assert!(
-        pb::OptimizerKind::try_from(5).is_err(),
-        "a new optimizer needs a core kind"
-    );
-    assert!(
-        pb::Precision::try_from(5).is_err(),
-        "a new precision needs a core one"
-    );
-    assert!(
-        pb::OptimizerImplementation::try_from(4).is_err(),
-        "a new implementation needs a core one"
-    );
+    // The first value past each enum's last: a new one needs a core value.
+    for (past_the_last, what) in [
+        (pb::MarkerKind::try_from(12).is_err(), "marker kind"),
+        (
+            pb::AllocatorAction::try_from(7).is_err(),
+            "allocator action",
+        ),
+        (pb::AdvisoryKind::try_from(9).is_err(), "advisory kind"),
+        (pb::OptimizerKind::try_from(5).is_err(), "optimizer"),
+        (pb::Precision::try_from(5).is_err(), "precision"),
+        (
+            pb::OptimizerImplementation::try_from(4).is_err(),
+            "optimizer implementation",
+        ),
+    ] {
+        assert!(past_the_last, "a new {what} needs a core one");
+    }
 }
 
 #[test]

@@ -332,6 +332,12 @@ pub fn the_advisory<'a>(
     }
 }
 
+/// How many advisories of `kind` the tracker has issued to `key`'s rank.
+pub fn issued(tracker: &Tracker, key: &RankKey, kind: AdvisoryKind) -> usize {
+    let rank = tracker.rank(key).expect("the rank is tracked");
+    rank.advisories.iter().filter(|a| a.kind == kind).count()
+}
+
 /// The step numbers `key`'s timeline holds, oldest first.
 pub fn step_numbers(tracker: &Tracker, key: &RankKey) -> Vec<u64> {
     let rank = tracker.rank(key).expect("the rank is tracked");

@@ -185,12 +185,7 @@ fn the_tracker_advises_once_per_run_when_retries_grow_after_step_1() {
     );
     let state = t.rank(&key).unwrap();
     assert_eq!(state.allocator_retries, Some(5));
-    let issued = state
-        .advisories
-        .iter()
-        .filter(|a| a.kind == AdvisoryKind::AllocatorRetries)
-        .count();
-    assert_eq!(issued, 1);
+    assert_eq!(kit::issued(&t, &key, AdvisoryKind::AllocatorRetries), 1);
     // A new run of the same process (a second fit()): the count is the
     // process's, so the new run starts from a baseline and is advised anew.
     t.close(&key, 5);

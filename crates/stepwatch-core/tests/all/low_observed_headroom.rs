@@ -143,12 +143,7 @@ fn fires_once_when_the_steps_after_the_first_leave_under_5_percent() {
     for jargon in ["Prediction", "nvml_peak", "_bytes", "LowObservedHeadroom"] {
         assert!(!m.contains(jargon), "{jargon:?} in {m}");
     }
-    let issued = state
-        .advisories
-        .iter()
-        .filter(|a| a.kind == AdvisoryKind::LowObservedHeadroom)
-        .count();
-    assert_eq!(issued, 1);
+    assert_eq!(kit::issued(&t, &key, AdvisoryKind::LowObservedHeadroom), 1);
 }
 
 #[test]
