@@ -107,6 +107,18 @@ pub struct FirstStepAnomaly {
     /// Steady reserved peak / first-step reserved peak; shows cache fragmentation
     /// that only appears after step 1.
     pub reserved_peak_ratio: Option<f64>,
+    /// What step 1's optimizer phase did to memory.
+    #[serde(flatten)]
+    pub optimizer: OptimizerJumps,
+    /// How long memory sat near the forward peak in step 1; None once the
+    /// samples have left the tracker's window.
+    pub activation_plateau: Option<ActivationPlateau>,
+}
+
+/// What step 1's optimizer phase did to memory: the state it created shows
+/// as a jump across it, its temporaries as a peak above backward's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct OptimizerJumps {
     /// Allocated at optimizer end − at optimizer begin, summed over the
     /// step's closed optimizer phases.
     pub optimizer_allocated_jump_bytes: Option<i64>,
@@ -114,9 +126,36 @@ pub struct FirstStepAnomaly {
     pub optimizer_nvml_jump_bytes: Option<i64>,
     /// NVML optimizer-phase peak − backward peak.
     pub optimizer_nvml_peak_over_backward_bytes: Option<i64>,
-    /// How long memory sat near the forward peak in step 1; None once the
-    /// samples have left the tracker's window.
-    pub activation_plateau: Option<ActivationPlateau>,
+}
+
+impl OptimizerJumps {
+    /// The jumps of `step`, whose profile is `profile`; None each until
+    /// its optimizer phases have closed (or without the figure).
+    fn of(step: &StepRecord, profile: &StepProfile) -> Self {
+        let jump = |basis| {
+            let idx: Vec<usize> = (0..step.phases.len())
+                .filter(|&i| step.phases[i].phase == PhaseKind::Optimizer)
+                .collect();
+            let closed = !idx.is_empty()
+                && idx
+                    .iter()
+                    .all(|&i| step.phases[i].end_monotonic_ns.is_some());
+            if !closed {
+                return None;
+            }
+            idx.iter()
+                .map(|&i| jump_across(&step.phases, i, basis))
+                .sum::<Option<i64>>()
+        };
+        let nvml_peak = |k| profile.phase(k).and_then(|p| p.nvml_peak_bytes);
+        Self {
+            optimizer_allocated_jump_bytes: jump(PredictionBasis::Allocator),
+            optimizer_nvml_jump_bytes: jump(PredictionBasis::NvmlOnly),
+            optimizer_nvml_peak_over_backward_bytes: nvml_peak(PhaseKind::Optimizer)
+                .zip(nvml_peak(PhaseKind::Backward))
+                .map(|(o, b)| (i128::from(o) - i128::from(b)) as i64),
+        }
+    }
 }
 
 /// Whether step peaks have settled.
@@ -193,22 +232,6 @@ pub fn analyze_rank<'a>(
     };
     let anomaly = first.zip(first_profile.as_ref()).map(|(step, fp)| {
         let st = steady.as_ref();
-        let opt_jump = |basis| {
-            let idx: Vec<usize> = (0..step.phases.len())
-                .filter(|&i| step.phases[i].phase == PhaseKind::Optimizer)
-                .collect();
-            let closed = !idx.is_empty()
-                && idx
-                    .iter()
-                    .all(|&i| step.phases[i].end_monotonic_ns.is_some());
-            if !closed {
-                return None;
-            }
-            idx.iter()
-                .map(|&i| jump_across(&step.phases, i, basis))
-                .sum::<Option<i64>>()
-        };
-        let nvml_peak = |k| fp.phase(k).and_then(|p| p.nvml_peak_bytes);
         FirstStepAnomaly {
             first_step: step.step,
             nvml_peak_ratio: ratio(st.and_then(|s| s.nvml_peak_bytes), fp.nvml_peak_bytes),
@@ -220,11 +243,7 @@ pub fn analyze_rank<'a>(
                 st.and_then(|s| s.peaks.reserved_peak_bytes),
                 fp.peaks.reserved_peak_bytes,
             ),
-            optimizer_allocated_jump_bytes: opt_jump(PredictionBasis::Allocator),
-            optimizer_nvml_jump_bytes: opt_jump(PredictionBasis::NvmlOnly),
-            optimizer_nvml_peak_over_backward_bytes: nvml_peak(PhaseKind::Optimizer)
-                .zip(nvml_peak(PhaseKind::Backward))
-                .map(|(o, b)| (i128::from(o) - i128::from(b)) as i64),
+            optimizer: OptimizerJumps::of(step, fp),
             activation_plateau: activation_plateau(step, samples, config.plateau_tolerance),
         }
     });

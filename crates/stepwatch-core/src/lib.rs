@@ -42,8 +42,8 @@ pub use advisory::{
 };
 pub use analysis::{
     activation_plateau, analyze_rank, steady_nvml_peak, steady_profile, steady_state,
-    ActivationPlateau, AnalysisConfig, FirstStepAnomaly, RankAnalysis, RankInputs, SteadyNvmlPeak,
-    SteadyState,
+    ActivationPlateau, AnalysisConfig, FirstStepAnomaly, OptimizerJumps, RankAnalysis, RankInputs,
+    SteadyNvmlPeak, SteadyState,
 };
 pub use batch::{
     outlook, BatchFacts, BatchOutlook, BatchPoint, BatchRelation, BatchSize, BatchUnit,

@@ -546,8 +546,8 @@ fn first_step_anomaly_steady_profile_and_steady_state() {
     let anomaly = a.anomaly.unwrap();
     // Neither the optimizer phase nor the epilogue has a sample: no level
     // after the optimizer, so no NVML jump; no allocator figures either.
-    assert_eq!(anomaly.optimizer_nvml_jump_bytes, None);
-    assert_eq!(anomaly.optimizer_allocated_jump_bytes, None);
+    assert_eq!(anomaly.optimizer.optimizer_nvml_jump_bytes, None);
+    assert_eq!(anomaly.optimizer.optimizer_allocated_jump_bytes, None);
 
     // Two completed steps after the first make a steady profile, not a steady state.
     let (ms, ss) = steps_with_peaks(&[6000, 8000, 8100]);
@@ -581,12 +581,21 @@ fn optimizer_jumps_and_activation_plateau_of_step_one() {
         ),
     );
     let anomaly = t.rank_analysis(&key).unwrap().anomaly.unwrap();
-    assert_eq!(anomaly.optimizer_allocated_jump_bytes, Some(800 * M as i64));
+    assert_eq!(
+        anomaly.optimizer.optimizer_allocated_jump_bytes,
+        Some(800 * M as i64)
+    );
     // 5300 (epilogue's first) − 4600 (backward's last).
-    assert_eq!(anomaly.optimizer_nvml_jump_bytes, Some(700 * M as i64));
+    assert_eq!(
+        anomaly.optimizer.optimizer_nvml_jump_bytes,
+        Some(700 * M as i64)
+    );
+    // Serialized flat into the anomaly, as the HTTP API shows it.
+    let json = serde_json::to_value(&anomaly).unwrap();
+    assert_eq!(json["optimizer_nvml_jump_bytes"], 700 * M);
     // Optimizer-phase peak 5200 − backward peak 4900.
     assert_eq!(
-        anomaly.optimizer_nvml_peak_over_backward_bytes,
+        anomaly.optimizer.optimizer_nvml_peak_over_backward_bytes,
         Some(300 * M as i64)
     );
     assert_eq!(
