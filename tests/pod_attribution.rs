@@ -38,7 +38,7 @@ struct Node {
 
 impl Node {
     fn start(tag: &str) -> Self {
-        Self::start_with_socket(tag, true)
+        Self::start_with_socket(tag, true, &[])
     }
 
     /// A node whose one pod, team-a/trainer-0 (UID_A), has a container
@@ -53,10 +53,11 @@ impl Node {
     /// kubelet's pod-resources socket (root's) is not mounted; it has /proc
     /// (hostPID) and the pod log directories.
     fn start_unprivileged(tag: &str) -> Self {
-        Self::start_with_socket(tag, false)
+        Self::start_with_socket(tag, false, &[])
     }
 
-    fn start_with_socket(tag: &str, pod_resources: bool) -> Self {
+    /// `extra` are more agent flags.
+    fn start_with_socket(tag: &str, pod_resources: bool, extra: &[&str]) -> Self {
         let root = common::TempDir::new(&format!("{tag}-node"));
         for dir in ["proc", "pods"] {
             std::fs::create_dir_all(root.0.join(dir)).unwrap();
@@ -97,7 +98,11 @@ impl Node {
             "--pod-resources-refresh".to_string(),
             "200ms".to_string(),
         ];
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let args: Vec<&str> = args
+            .iter()
+            .map(String::as_str)
+            .chain(extra.iter().copied())
+            .collect();
         let agent = Agent::start_with(tag, 2, &args, |_| {});
         Node {
             root,
@@ -836,4 +841,34 @@ fn gpu_series_name_the_pod_and_container_holding_the_gpu() {
         "{}",
         node.agent.log()
     );
+}
+
+/// Pods that run as one uid (root, in many clusters) each hold their own
+/// share of the Unix socket's per-peer caps: one pod at its share leaves
+/// every other pod theirs, and is itself still held to it.
+#[test]
+fn pods_of_one_uid_each_get_their_own_share_of_the_per_peer_caps() {
+    let node = Node::start_with_socket("podattr-quota", true, &["--max-streams-per-peer", "1"]);
+    node.add_pod("team-a", "trainer-a", UID_A, &[("trainer", &[gpu(0)])]);
+    node.add_pod("team-b", "trainer-b", UID_B, &[("trainer", &[gpu(1)])]);
+    let layout = "v2-systemd-containerd";
+    let a = node.client(&Claim::new("quota-a", 0, gpu(0)), UID_A, layout);
+    node.agent.wait_metrics("pod A's rank", WAIT, |m| {
+        connected(m, "team-a", "quota-a", "0")
+    });
+    // Another pod, the same uid as pod A's process (this test's).
+    let b = node.client(&Claim::new("quota-b", 0, gpu(1)), UID_B, layout);
+    node.agent
+        .wait_metrics("pod B's rank beside pod A's", WAIT, |m| {
+            connected(m, "team-b", "quota-b", "0")
+        });
+    // A second process of pod A is past its pod's share.
+    let a2 = node.client(&Claim::new("quota-a", 1, gpu(0)), UID_A, layout);
+    let m = node.agent.wait_metrics("the refusal counted", WAIT, |m| {
+        m.rejected("peer_stream_limit") == Some(1.0)
+    });
+    assert!(connected(&m, "team-a", "quota-a", "0") && connected(&m, "team-b", "quota-b", "0"));
+    assert_eq!(a2.finish(), "ResourceExhausted");
+    assert_eq!(a.finish(), "Ok");
+    assert_eq!(b.finish(), "Ok");
 }

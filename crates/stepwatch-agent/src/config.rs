@@ -143,9 +143,9 @@ pub struct AgentConfig {
     )]
     pub max_streams: usize,
 
-    /// Streams that said Hello one peer holds at once (a uid on the Unix
-    /// socket, an address on TCP); further hellos get RESOURCE_EXHAUSTED
-    /// (`peer_stream_limit`).
+    /// Streams that said Hello one peer holds at once (on the Unix socket
+    /// its pod, from the cgroup of its PID, else its uid; on TCP its
+    /// address); further hellos get RESOURCE_EXHAUSTED (`peer_stream_limit`).
     #[cfg_attr(
         feature = "cli",
         arg(long, env = "STEPWATCH_MAX_STREAMS_PER_PEER", default_value_t = 256)
@@ -197,9 +197,9 @@ pub struct AgentConfig {
     #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_HTTP_HEADER_TIMEOUT", default_value = "5s", value_parser = parse_duration))]
     pub http_header_timeout: Duration,
 
-    /// Ingest connections one peer holds at once on a listener (a uid on
-    /// the Unix socket, an address on TCP); further ones are closed at
-    /// accept (`peer_limit`).
+    /// Ingest connections one peer holds at once on a listener (on the Unix
+    /// socket its pod, from the cgroup of its PID, else its uid; on TCP its
+    /// address); further ones are closed at accept (`peer_limit`).
     #[cfg_attr(
         feature = "cli",
         arg(

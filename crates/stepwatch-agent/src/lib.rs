@@ -440,6 +440,7 @@ async fn serve_ingest(
         grace: config.connection_grace,
         per_peer: config.max_connections_per_peer,
         per_process: config.max_connections_per_process,
+        proc_root: config.proc_root.clone(),
         counter: state.ingest.connections_closed.clone(),
     };
     let uds = bind_socket(&config.socket, config.socket_mode)?;

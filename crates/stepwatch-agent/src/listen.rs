@@ -7,16 +7,18 @@
 //! core. With a cap below the descriptor limit accept never fails that way,
 //! and a full listener waits for a connection to close instead of failing.
 //!
-//! The caps must not become the lockout themselves: one peer (a uid on a
-//! Unix socket, an address on TCP) and one process hold at most a share of
-//! them, refused at accept so that their surplus never queues ahead of
-//! others; an ingest connection that holds no stream is closed after a short
-//! grace. Every refusal and close is counted by listener and reason.
+//! The caps must not become the lockout themselves: one peer (on a Unix
+//! socket its pod, or its uid outside any pod; on TCP its address) and one
+//! process hold at most a share of them, refused at accept so that their
+//! surplus never queues ahead of others; an ingest connection that holds no
+//! stream is closed after a short grace. Every refusal and close is counted
+//! by listener and reason.
 
 use std::collections::HashMap;
 use std::future::Future as _;
 use std::io;
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -39,6 +41,9 @@ pub struct Limited<L> {
     idle_timeout: Option<Duration>,
     /// Per-peer and per-process shares of the cap (None: no shares).
     quota: Option<Arc<PeerQuota>>,
+    /// Where a Unix socket peer's pod is looked up (`--proc-root`; None:
+    /// peers are told apart by uid).
+    proc_root: Option<PathBuf>,
     /// How long a connection may hold no stream (ingest listeners only).
     no_stream_grace: Option<Duration>,
     closes: Option<Closes>,
@@ -80,9 +85,14 @@ impl Closes {
 }
 
 /// Who is on the other end of a connection, for [`PeerQuota`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum PeerKey {
-    /// A Unix socket peer's user (SO_PEERCRED).
+    /// A Unix socket peer's pod (its UID), from the cgroup of the peer's
+    /// PID (SO_PEERCRED) as pod attribution reads it: pods that all run as
+    /// root must not share one share.
+    Pod(Arc<str>),
+    /// A Unix socket peer's user (SO_PEERCRED), when its pod is not known
+    /// (a process in no pod, or outside the agent's PID namespace).
     Uid(u32),
     /// A TCP peer's address.
     Addr(IpAddr),
@@ -92,7 +102,7 @@ pub enum PeerKey {
 
 impl PeerKey {
     /// The reason a refusal for this key is counted under.
-    pub fn refusal(self) -> &'static str {
+    pub fn refusal(&self) -> &'static str {
         match self {
             PeerKey::Pid(_) => "process_limit",
             _ => "peer_limit",
@@ -103,27 +113,35 @@ impl PeerKey {
 /// The quota keys of an accepted connection: its peer and, on a Unix
 /// socket, its process.
 pub trait PeerOf {
-    fn peer_keys(&self) -> Vec<PeerKey>;
+    /// `proc_root` is where a Unix socket peer's pod is looked up (None:
+    /// by uid only).
+    fn peer_keys(&self, proc_root: Option<&Path>) -> Vec<PeerKey>;
 }
 
 impl PeerOf for tokio::net::UnixStream {
-    fn peer_keys(&self) -> Vec<PeerKey> {
+    fn peer_keys(&self, proc_root: Option<&Path>) -> Vec<PeerKey> {
         let Ok(cred) = self.peer_cred() else {
             return Vec::new();
         };
-        let mut keys = vec![PeerKey::Uid(cred.uid())];
         // PID 0: the peer is outside our PID namespace; its uid still counts.
-        if let Some(pid) = cred.pid().and_then(|p| u32::try_from(p).ok()) {
-            if pid != 0 {
-                keys.push(PeerKey::Pid(pid));
-            }
-        }
+        let pid = cred
+            .pid()
+            .and_then(|p| u32::try_from(p).ok())
+            .filter(|&p| p != 0);
+        let pod = proc_root
+            .zip(pid)
+            .and_then(|(root, pid)| crate::workload::pod_uid_of(root, pid));
+        let mut keys = vec![match pod {
+            Some(uid) => PeerKey::Pod(uid.into()),
+            None => PeerKey::Uid(cred.uid()),
+        }];
+        keys.extend(pid.map(PeerKey::Pid));
         keys
     }
 }
 
 impl PeerOf for tokio::net::TcpStream {
-    fn peer_keys(&self) -> Vec<PeerKey> {
+    fn peer_keys(&self, _proc_root: Option<&Path>) -> Vec<PeerKey> {
         self.peer_addr()
             .map(|a| vec![PeerKey::Addr(a.ip())])
             .unwrap_or_default()
@@ -150,7 +168,7 @@ impl PeerQuota {
         })
     }
 
-    fn limit(&self, key: PeerKey) -> usize {
+    fn limit(&self, key: &PeerKey) -> usize {
         match key {
             PeerKey::Pid(_) => self.per_process,
             _ => self.per_peer,
@@ -161,14 +179,14 @@ impl PeerQuota {
     /// at its limit.
     pub fn try_take(self: &Arc<Self>, keys: Vec<PeerKey>) -> Result<PeerSlot, PeerKey> {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&full) = keys
+        if let Some(full) = keys
             .iter()
-            .find(|&&k| held.get(&k).copied().unwrap_or(0) >= self.limit(k))
+            .find(|k| held.get(*k).copied().unwrap_or(0) >= self.limit(k))
         {
-            return Err(full);
+            return Err(full.clone());
         }
-        for &k in &keys {
-            *held.entry(k).or_insert(0) += 1;
+        for k in &keys {
+            *held.entry(k.clone()).or_insert(0) += 1;
         }
         Ok(PeerSlot {
             quota: Arc::clone(self),
@@ -233,11 +251,13 @@ impl Drop for StreamOnConn {
 }
 
 /// What tonic puts in a request's extensions for a [`LimitedIo`]: the
-/// underlying connection's info and its stream count.
+/// underlying connection's info, its stream count and its quota keys.
 #[derive(Clone)]
 pub struct ConnInfo<C> {
     pub inner: C,
     pub streams: ConnStreams,
+    /// Who the connection is from, as its listener's quota counted it.
+    pub keys: Vec<PeerKey>,
 }
 
 /// How long a new connection may stay silent before its first byte: a
@@ -255,6 +275,7 @@ impl<L> Limited<L> {
             permits: Arc::new(Semaphore::new(max)),
             idle_timeout,
             quota: None,
+            proc_root: None,
             no_stream_grace: None,
             closes: None,
         }
@@ -264,6 +285,13 @@ impl<L> Limited<L> {
     /// share of the cap already.
     pub fn per_peer(mut self, quota: Arc<PeerQuota>) -> Self {
         self.quota = Some(quota);
+        self
+    }
+
+    /// Tells Unix socket peers apart by their pod, looked up under
+    /// `proc_root`, where they are in one.
+    pub fn pods_under(mut self, proc_root: PathBuf) -> Self {
+        self.proc_root = Some(proc_root);
         self
     }
 
@@ -297,9 +325,10 @@ where
             .expect("the semaphore is never closed");
         loop {
             let (io, addr) = self.inner.accept().await;
+            let keys = io.peer_keys(self.proc_root.as_deref());
             let slot = match &self.quota {
                 None => None,
-                Some(quota) => match quota.try_take(io.peer_keys()) {
+                Some(quota) => match quota.try_take(keys.clone()) {
                     Ok(slot) => Some(slot),
                     // Closed at once: a peer's surplus must not wait in the
                     // backlog ahead of everyone else's connections.
@@ -312,7 +341,7 @@ where
                     }
                 },
             };
-            let io = LimitedIo::new(io, permit, self.idle_timeout, slot)
+            let io = LimitedIo::new(io, permit, self.idle_timeout, slot, keys)
                 .with_grace(self.no_stream_grace, self.closes.clone());
             return (io, addr);
         }
@@ -342,6 +371,7 @@ pub struct LimitedIo<T> {
     inner: T,
     _permit: OwnedSemaphorePermit,
     _slot: Option<PeerSlot>,
+    keys: Vec<PeerKey>,
     idle: Option<(Duration, Pin<Box<Sleep>>)>,
     /// Whether the peer has sent a byte; until then the deadline is
     /// [`FIRST_BYTE_TIMEOUT`] and only its bytes move it.
@@ -360,12 +390,14 @@ impl<T> LimitedIo<T> {
         permit: OwnedSemaphorePermit,
         idle_timeout: Option<Duration>,
         slot: Option<PeerSlot>,
+        keys: Vec<PeerKey>,
     ) -> Self {
         let first = idle_timeout.map(|d| d.min(FIRST_BYTE_TIMEOUT));
         Self {
             inner,
             _permit: permit,
             _slot: slot,
+            keys,
             idle: idle_timeout
                 .zip(first)
                 .map(|(d, f)| (d, Box::pin(tokio::time::sleep(f)))),
@@ -485,6 +517,7 @@ impl<T: tonic::transport::server::Connected> tonic::transport::server::Connected
         ConnInfo {
             inner: self.inner.connect_info(),
             streams: self.streams.clone(),
+            keys: self.keys.clone(),
         }
     }
 }
@@ -524,6 +557,8 @@ pub struct IngestConnections {
     pub per_peer: usize,
     /// `--max-connections-per-process`.
     pub per_process: usize,
+    /// `--proc-root`: where peers' pods are looked up.
+    pub proc_root: PathBuf,
     /// `stepwatch_connections_closed_total`.
     pub counter: prometheus::IntCounterVec,
 }
@@ -534,6 +569,7 @@ impl IngestConnections {
     pub fn limit<L>(&self, inner: L, max: usize, listener: &'static str) -> Limited<L> {
         Limited::new(inner, max, self.idle_timeout)
             .per_peer(PeerQuota::new(self.per_peer, self.per_process))
+            .pods_under(self.proc_root.clone())
             .no_stream_grace(self.grace)
             .counted(Closes {
                 counter: self.counter.clone(),

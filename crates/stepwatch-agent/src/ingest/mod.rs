@@ -73,7 +73,8 @@ pub struct VolumeBinding {
 pub struct IngestLimits {
     /// Streams that said hello, at once (`--max-streams`).
     pub max_streams: usize,
-    /// Of those, held by one peer: a uid or an address (`--max-streams-per-peer`).
+    /// Of those, held by one peer: a pod, else a uid, or an address
+    /// (`--max-streams-per-peer`).
     pub max_streams_per_peer: usize,
     /// Of those, held by one process (`--max-streams-per-process`).
     pub max_streams_per_process: usize,
@@ -207,24 +208,16 @@ impl Transport {
     fn of<T>(request: &Request<T>) -> Self {
         use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo, UdsConnectInfo};
         let ext = request.extensions();
+        // The stream quota counts a peer as its connection's did.
         if let Some(info) = ext.get::<ConnInfo<UdsConnectInfo>>() {
             let cred = info.inner.peer_cred;
-            let pid = cred.and_then(|c| c.pid()).and_then(usable_peer_pid);
-            let mut keys: Vec<PeerKey> = cred.map(|c| PeerKey::Uid(c.uid())).into_iter().collect();
-            keys.extend(pid.map(PeerKey::Pid));
             return Self {
-                pid,
-                keys,
+                pid: cred.and_then(|c| c.pid()).and_then(usable_peer_pid),
+                keys: info.keys.clone(),
                 tcp_identity: None,
                 streams: Some(info.streams.clone()),
             };
         }
-        let addr_keys = |info: &TcpConnectInfo| -> Vec<PeerKey> {
-            info.remote_addr()
-                .map(|a| PeerKey::Addr(a.ip()))
-                .into_iter()
-                .collect()
-        };
         if let Some(info) = ext.get::<TlsConnectInfo<ConnInfo<TcpConnectInfo>>>() {
             let identity = info
                 .peer_certs()
@@ -232,7 +225,7 @@ impl Transport {
                 .unwrap_or_default();
             return Self {
                 pid: None,
-                keys: addr_keys(&info.get_ref().inner),
+                keys: info.get_ref().keys.clone(),
                 tcp_identity: Some(identity),
                 streams: Some(info.get_ref().streams.clone()),
             };
@@ -240,7 +233,7 @@ impl Transport {
         if let Some(info) = ext.get::<ConnInfo<TcpConnectInfo>>() {
             return Self {
                 pid: None,
-                keys: addr_keys(&info.inner),
+                keys: info.keys.clone(),
                 tcp_identity: Some(String::new()),
                 streams: Some(info.streams.clone()),
             };

@@ -49,6 +49,13 @@ pub fn parse_cgroup(text: &str) -> Option<CgroupIdentity> {
     best
 }
 
+/// The UID of the pod process `pid` runs in, from its cgroup under
+/// `proc_root`; None for a process in no pod, or one gone or unreadable.
+pub fn pod_uid_of(proc_root: &Path, pid: u32) -> Option<String> {
+    let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok()?;
+    parse_cgroup(&text).map(|c| c.pod_uid)
+}
+
 fn parse_cgroup_path(path: &str) -> Option<CgroupIdentity> {
     if !path.contains("kubepods") {
         return None;

@@ -35,7 +35,7 @@ pub use kubelet::*;
 #[cfg(not(feature = "workload"))]
 mod off;
 #[cfg(not(feature = "workload"))]
-pub use off::WorkloadResolver;
+pub use off::{pod_uid_of, WorkloadResolver};
 
 /// The container holding a GPU, as the kubelet's pod-resources `List`
 /// says: the `namespace`, `pod` and `container` labels of that GPU's
