@@ -424,10 +424,7 @@ impl AgentState {
                     run_id: Cow::Borrowed(run_id),
                 };
                 let applied = feed::apply(tracker, &input);
-                let ends = matches!(
-                    applied,
-                    Err(ref e) if !matches!(e, RecordError::Markers(MarkerError::ClockJumped { .. }))
-                );
+                let ends = applied.as_ref().is_err_and(RecordError::ends_stream);
                 if applied.is_ok() {
                     // Ordered, not flushed: housekeeping flushes every second.
                     inputs.record_with(|| input.into_owned(), false);

@@ -571,11 +571,18 @@ async fn receive_markers(
                 let update = convert::model_facts_from_wire(update);
                 let (due, plan) = match state.update_model_facts(key, stream.run_id, &update) {
                     Ok(applied) => applied,
-                    Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
-                        return Err(run_ended(state, key, &e, 1));
+                    Err(e) if e.ends_stream() => {
+                        return Err(stream_ended(
+                            state,
+                            key,
+                            &e,
+                            1,
+                            "model facts update refused",
+                        ));
                     }
                     Err(e) => {
-                        return Err(not_taken(state, key, &e, 1, "model facts update refused"));
+                        refused_alone(state, key, &e, 1, tx, alerts);
+                        continue;
                     }
                 };
                 tracing::info!(job = %key.job, rank = key.rank, update = ?update, "model facts updated after the hello");
@@ -607,21 +614,10 @@ async fn receive_markers(
                         pm.message
                     ),
                     Ok(None) => {}
-                    Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
-                        return Err(run_ended(state, key, &e, 1));
+                    Err(e) if e.ends_stream() => {
+                        return Err(stream_ended(state, key, &e, 1, "OOM report refused"));
                     }
-                    // Counted and logged; the stream goes on (a process that
-                    // caught its OOM keeps training).
-                    Err(e) => {
-                        state.ingest.reject(e.reason(), 1);
-                        tracing::warn!(
-                            job = %key.job,
-                            rank = key.rank,
-                            reason = e.reason(),
-                            "OOM report not used ({}); the post-mortem keeps to the OOM marker",
-                            e.refusal()
-                        );
-                    }
+                    Err(e) => refused_alone(state, key, &e, 1, tx, alerts),
                 }
                 continue;
             }
@@ -698,18 +694,10 @@ async fn receive_markers(
                     send_advisories(state, key, advisories, tx, alerts);
                     alerts.markers(markers);
                 }
-                Err(RecordError::Markers(e @ MarkerError::RunEnded { .. })) => {
-                    return Err(run_ended(state, key, &e, n));
+                Err(e) if e.ends_stream() => {
+                    return Err(stream_ended(state, key, &e, n, "marker rejected"));
                 }
-                // One jumped batch is refused alone: the stream goes on, and
-                // the client hears why on its advisory channel.
-                Err(RecordError::Markers(MarkerError::ClockJumped { ahead_ns, step })) => {
-                    state.ingest.reject("clock_jumped", n);
-                    let now = stepwatch_proto::clock::monotonic_ns();
-                    let advisory = stepwatch_core::clock::jump_advisory(step, now, ahead_ns);
-                    send_advisories(state, key, vec![advisory], tx, alerts);
-                }
-                Err(e) => return Err(not_taken(state, key, &e, n, "marker rejected")),
+                Err(e) => refused_alone(state, key, &e, n, tx, alerts),
             }
         }
         if let Some(status) = refused {
@@ -721,6 +709,52 @@ async fn receive_markers(
         tokio::task::yield_now().await;
     }
     Ok(())
+}
+
+/// The status, counted, that ends a stream on a refusal of `n` markers (or
+/// a message) that ends it ([`RecordError::ends_stream`], the one rule the
+/// tracker's batch loop stops on too): `what` and why.
+fn stream_ended(state: &AgentState, key: &RankKey, e: &RecordError, n: u64, what: &str) -> Status {
+    match e {
+        RecordError::Markers(e @ MarkerError::RunEnded { .. }) => run_ended(state, key, e, n),
+        e => not_taken(state, key, e, n, what),
+    }
+}
+
+/// Counts a refusal of `n` markers (or a message) that leaves the stream
+/// open, and says why: a jumped clock to the client on its advisory
+/// channel, anything else to the log.
+fn refused_alone(
+    state: &AgentState,
+    key: &RankKey,
+    e: &RecordError,
+    n: u64,
+    tx: &mpsc::Sender<Result<pb::AgentMessage, Status>>,
+    alerts: &mut RankAlerts,
+) {
+    state.ingest.reject(e.reason(), n);
+    match e {
+        RecordError::Markers(MarkerError::ClockJumped { ahead_ns, step }) => {
+            let now = stepwatch_proto::clock::monotonic_ns();
+            let advisory = stepwatch_core::clock::jump_advisory(*step, now, *ahead_ns);
+            send_advisories(state, key, vec![advisory], tx, alerts);
+        }
+        // A process that caught its OOM keeps training.
+        RecordError::OomReport(_) => tracing::warn!(
+            job = %key.job,
+            rank = key.rank,
+            reason = e.reason(),
+            "OOM report not used ({}); the post-mortem keeps to the OOM marker",
+            e.refusal()
+        ),
+        e => tracing::warn!(
+            job = %key.job,
+            rank = key.rank,
+            reason = e.reason(),
+            "input refused ({}); the stream goes on",
+            e.refusal()
+        ),
+    }
 }
 
 /// The refusal, counted, of `n` markers (or a message) of the rank the

@@ -292,6 +292,19 @@ impl RecordError {
         }
     }
 
+    /// Whether the refusal ends the stream the input came on, so that
+    /// nothing it sends after is applied. A clock jump refuses its batch
+    /// alone (the later batches are taken), and an OOM report the tracker
+    /// cannot use refuses itself alone (a process that caught its OOM
+    /// trains on); every other refusal breaks the rank's contract, or
+    /// ends the stream's run, and what follows it would be refused too.
+    pub fn ends_stream(&self) -> bool {
+        !matches!(
+            self,
+            RecordError::Markers(MarkerError::ClockJumped { .. }) | RecordError::OomReport(_)
+        )
+    }
+
     /// What the tracker said, without naming the kind of input: for a
     /// message that names the input itself (the agent's gRPC statuses).
     pub fn refusal(&self) -> &(dyn std::error::Error + 'static) {

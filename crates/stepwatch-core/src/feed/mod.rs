@@ -292,6 +292,31 @@ mod tests {
         }
     }
 
+    #[test]
+    fn only_a_jumped_clock_and_an_unusable_oom_report_leave_the_stream_open() {
+        let alone = [
+            RecordError::Markers(MarkerError::ClockJumped {
+                ahead_ns: 1,
+                step: 2,
+            }),
+            RecordError::OomReport(crate::postmortem::OomReportError::TooLarge {
+                field: "segments",
+                len: 2,
+                max: 1,
+            }),
+        ];
+        let ending = [
+            RecordError::Markers(MarkerError::StepZero),
+            RecordError::Markers(MarkerError::RunEnded {
+                stream_run: "a".into(),
+                rank_run: "b".into(),
+            }),
+            RecordError::ModelFacts(crate::error::HelloError::Empty("job")),
+        ];
+        assert!(alone.iter().all(|e| !e.ends_stream()));
+        assert!(ending.iter().all(RecordError::ends_stream));
+    }
+
     /// A batch of one step-begin marker at `t`, as a record holds it.
     fn step_begins(key: &RankKey, step: u64, t: u64) -> RecordEntry<'static> {
         let marker: Marker = serde_json::from_str(&format!(
