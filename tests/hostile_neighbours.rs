@@ -266,6 +266,64 @@ fn one_process_cannot_take_every_stream() {
     drop(held);
 }
 
+/// Each ingest connection and stream holds buffers (the HTTP/2 window, the
+/// decoder's buffer) that no budget counted: one peer could open them up to
+/// the count caps, far past the pod's memory limit. They now draw from the
+/// agent's one memory budget, one peer at most half of it: past that they
+/// are refused and counted, and another peer is served.
+#[test]
+fn connections_and_streams_draw_from_the_memory_budget() {
+    // 16 MiB: 2 MiB for connections and streams, 1 MiB of it for one peer,
+    // about a connection and 11 streams.
+    let args = ["--memory-limit-mib", "16", "--grpc-listen", "127.0.0.1:0"];
+    let agent = Agent::start_with("conn-memory", 1, &args, |_| {});
+    let tcp = format!("http://{}", agent.grpc.expect("TCP ingest"));
+    let endpoint = agent.endpoint();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    const STREAMS: u32 = 32;
+    let held = rt.block_on(async {
+        let channel = connect(&endpoint).await;
+        let mut held = Vec::new();
+        for rank in 0..STREAMS {
+            let (tx, rx) = tokio::sync::mpsc::channel::<ClientMessage>(2);
+            tx.send(hello("memhog", rank, STREAMS)).await.unwrap();
+            let inbound = IngestClient::new(channel.clone())
+                .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await;
+            held.push((inbound, tx));
+        }
+        (channel, held)
+    });
+    let m = agent.wait_metrics(
+        "every stream taken or refused",
+        Duration::from_secs(30),
+        |m| {
+            let active = m.get("stepwatch_ingest_streams_active", &[]).unwrap_or(0.0);
+            active + m.rejected("stream_memory").unwrap_or(0.0) == f64::from(STREAMS)
+        },
+    );
+    let active = m.get("stepwatch_ingest_streams_active", &[]).unwrap();
+    assert!((1.0..=12.0).contains(&active), "{active} streams held");
+    // A new connection of the same peer is refused at accept.
+    let _raw = std::os::unix::net::UnixStream::connect(&agent.socket).unwrap();
+    agent.wait_metrics("the connection refused", Duration::from_secs(30), |m| {
+        m.get(
+            "stepwatch_connections_closed_total",
+            &[("listener", "ingest_socket"), ("reason", "memory_budget")],
+        ) >= Some(1.0)
+    });
+    // Another peer (over TCP, by its address) is served meanwhile.
+    rt.block_on(exchange(
+        &tcp,
+        vec![hello("other", 0, 1), batch(step(1, 1_000_000))],
+    ))
+    .expect("another peer's stream");
+    agent.wait_metrics("the other peer's step", Duration::from_secs(10), |m| {
+        m.steps_completed("other") == Some(1.0)
+    });
+    drop(held);
+}
+
 /// While a rank's process reconnects, another process took the rank (its
 /// history 1–4 became 1). A stream that broke now leaves the rank to its
 /// process for the reconnect window.

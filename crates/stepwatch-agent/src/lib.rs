@@ -190,6 +190,7 @@ fn memory_budget(config: &AgentConfig) -> memory::MemoryBudget {
         history_bytes = budget.history_bytes,
         traces_bytes = budget.traces_bytes,
         reports_bytes = budget.reports_bytes,
+        connections_bytes = budget.connections_bytes,
         "memory budget"
     );
     budget
@@ -441,6 +442,7 @@ async fn serve_ingest(
         per_peer: config.max_connections_per_peer,
         per_process: config.max_connections_per_process,
         proc_root: config.proc_root.clone(),
+        memory: listen::ConnectionMemory::new(budget.connections_bytes),
         counter: state.ingest.connections_closed.clone(),
     };
     let uds = bind_socket(&config.socket, config.socket_mode)?;
@@ -466,6 +468,7 @@ async fn serve_ingest(
                 hello_timeout: config.hello_timeout,
             },
             traces.clone(),
+            connections.memory.clone(),
         )
     };
     // The shared socket's service; the CSI volumes' listeners share its
@@ -807,6 +810,10 @@ fn tls_config(config: &AgentConfig) -> anyhow::Result<Option<tonic::transport::S
 pub(crate) fn grpc_server(streams_per_connection: Option<u32>) -> tonic::transport::Server {
     tonic::transport::Server::builder()
         .max_concurrent_streams(streams_per_connection)
+        // What `listen::CONNECTION_BYTES` and `ingest::STREAM_BYTES` count.
+        .initial_connection_window_size(listen::CONNECTION_WINDOW)
+        .initial_stream_window_size(ingest::STREAM_WINDOW)
+        .max_frame_size(listen::MAX_FRAME)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
 }

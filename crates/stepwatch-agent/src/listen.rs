@@ -13,6 +13,11 @@
 //! surplus never queues ahead of others; an ingest connection that holds no
 //! stream is closed after a short grace. Every refusal and close is counted
 //! by listener and reason.
+//!
+//! An ingest connection, and each of its streams, also holds an estimate of
+//! the buffers its peer can make the agent fill, drawn from the agent's one
+//! memory budget ([`ConnectionMemory`]); one the budget cannot cover is
+//! refused like one over a share.
 
 use std::collections::HashMap;
 use std::future::Future as _;
@@ -44,6 +49,8 @@ pub struct Limited<L> {
     /// Where a Unix socket peer's pod is looked up (`--proc-root`; None:
     /// peers are told apart by uid).
     proc_root: Option<PathBuf>,
+    /// The memory budget each connection draws its buffers from (ingest).
+    memory: Option<Arc<ConnectionMemory>>,
     /// How long a connection may hold no stream (ingest listeners only).
     no_stream_grace: Option<Duration>,
     closes: Option<Closes>,
@@ -66,6 +73,7 @@ pub const CLOSE_REASONS: &[&str] = &[
     "idle_timeout",
     "header_timeout",
     "no_stream",
+    "memory_budget",
 ];
 
 /// Counts a listener's refused and closed connections.
@@ -215,6 +223,101 @@ impl Drop for PeerSlot {
     }
 }
 
+/// HTTP/2's connection window on ingest connections: the most its peer
+/// may send that the agent has not read.
+pub const CONNECTION_WINDOW: u32 = 64 << 10;
+
+/// HTTP/2's largest frame on ingest connections.
+pub const MAX_FRAME: u32 = 16 << 10;
+
+/// What one ingest connection can make the agent hold, whatever its peer
+/// does: the connection window (data sent and not yet read, on all its
+/// streams together), the codec's read and write buffers (a frame each),
+/// and as much again for HTTP/2's and TLS's connection state.
+pub const CONNECTION_BYTES: u64 = CONNECTION_WINDOW as u64 + 4 * MAX_FRAME as u64;
+
+/// The connections' and streams' share of the agent's memory budget
+/// (`crate::memory::MemoryBudget::connections_bytes`): each open one holds
+/// an estimate of its buffers. A new one is refused when the budget cannot
+/// cover it, or when its peer (keyed as by [`PeerQuota`]) would hold more
+/// than half the budget, so that a peer at its caps leaves others room.
+#[derive(Debug)]
+pub struct ConnectionMemory {
+    budget: u64,
+    held: Mutex<MemoryHolders>,
+}
+
+#[derive(Debug, Default)]
+struct MemoryHolders {
+    total: u64,
+    by_peer: HashMap<PeerKey, u64>,
+}
+
+impl ConnectionMemory {
+    pub fn new(budget: u64) -> Arc<Self> {
+        Arc::new(Self {
+            budget,
+            held: Mutex::default(),
+        })
+    }
+
+    /// `bytes` for the peer of `keys` (the first key, its pod, uid or
+    /// address), or None when the budget or the peer's half of it cannot
+    /// cover them.
+    pub fn try_take(self: &Arc<Self>, keys: &[PeerKey], bytes: u64) -> Option<MemoryTaken> {
+        let peer = keys
+            .first()
+            .filter(|k| !matches!(k, PeerKey::Pid(_)))
+            .cloned();
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let peer_held = peer
+            .as_ref()
+            .and_then(|p| held.by_peer.get(p))
+            .copied()
+            .unwrap_or(0);
+        if held.total + bytes > self.budget || peer_held + bytes > self.budget / 2 {
+            return None;
+        }
+        held.total += bytes;
+        if let Some(p) = &peer {
+            *held.by_peer.entry(p.clone()).or_insert(0) += bytes;
+        }
+        Some(MemoryTaken {
+            memory: Arc::clone(self),
+            peer,
+            bytes,
+        })
+    }
+
+    #[cfg(test)]
+    fn held(&self) -> u64 {
+        self.held.lock().unwrap_or_else(|e| e.into_inner()).total
+    }
+}
+
+/// A connection's (or stream's) bytes of a [`ConnectionMemory`], given back
+/// on drop.
+pub struct MemoryTaken {
+    memory: Arc<ConnectionMemory>,
+    peer: Option<PeerKey>,
+    bytes: u64,
+}
+
+impl Drop for MemoryTaken {
+    fn drop(&mut self) {
+        let mut held = self.memory.held.lock().unwrap_or_else(|e| e.into_inner());
+        held.total -= self.bytes;
+        if let Some(p) = &self.peer {
+            if let Some(n) = held.by_peer.get_mut(p) {
+                *n -= self.bytes;
+                if *n == 0 {
+                    held.by_peer.remove(p);
+                }
+            }
+        }
+    }
+}
+
 /// The streams open on one connection; the ingest service counts them
 /// (from [`ConnInfo`]) so that the connection can tell when it holds none.
 #[derive(Clone, Default)]
@@ -276,6 +379,7 @@ impl<L> Limited<L> {
             idle_timeout,
             quota: None,
             proc_root: None,
+            memory: None,
             no_stream_grace: None,
             closes: None,
         }
@@ -292,6 +396,13 @@ impl<L> Limited<L> {
     /// `proc_root`, where they are in one.
     pub fn pods_under(mut self, proc_root: PathBuf) -> Self {
         self.proc_root = Some(proc_root);
+        self
+    }
+
+    /// Draws each connection's [`CONNECTION_BYTES`] from `memory`, and
+    /// refuses one it cannot cover.
+    pub fn drawing_from(mut self, memory: Arc<ConnectionMemory>) -> Self {
+        self.memory = Some(memory);
         self
     }
 
@@ -341,7 +452,20 @@ where
                     }
                 },
             };
-            let io = LimitedIo::new(io, permit, self.idle_timeout, slot, keys)
+            let memory = match &self.memory {
+                None => None,
+                Some(memory) => match memory.try_take(&keys, CONNECTION_BYTES) {
+                    Some(held) => Some(held),
+                    None => {
+                        tracing::debug!(peer = ?keys.first(), "refused a connection: the memory budget for connections cannot cover it");
+                        if let Some(c) = &self.closes {
+                            c.count("memory_budget");
+                        }
+                        continue;
+                    }
+                },
+            };
+            let io = LimitedIo::new(io, permit, self.idle_timeout, (slot, memory), keys)
                 .with_grace(self.no_stream_grace, self.closes.clone());
             return (io, addr);
         }
@@ -370,7 +494,8 @@ where
 pub struct LimitedIo<T> {
     inner: T,
     _permit: OwnedSemaphorePermit,
-    _slot: Option<PeerSlot>,
+    /// Its share of the peer quota and of the memory budget.
+    _held: (Option<PeerSlot>, Option<MemoryTaken>),
     keys: Vec<PeerKey>,
     idle: Option<(Duration, Pin<Box<Sleep>>)>,
     /// Whether the peer has sent a byte; until then the deadline is
@@ -389,14 +514,14 @@ impl<T> LimitedIo<T> {
         inner: T,
         permit: OwnedSemaphorePermit,
         idle_timeout: Option<Duration>,
-        slot: Option<PeerSlot>,
+        held: (Option<PeerSlot>, Option<MemoryTaken>),
         keys: Vec<PeerKey>,
     ) -> Self {
         let first = idle_timeout.map(|d| d.min(FIRST_BYTE_TIMEOUT));
         Self {
             inner,
             _permit: permit,
-            _slot: slot,
+            _held: held,
             keys,
             idle: idle_timeout
                 .zip(first)
@@ -559,6 +684,8 @@ pub struct IngestConnections {
     pub per_process: usize,
     /// `--proc-root`: where peers' pods are looked up.
     pub proc_root: PathBuf,
+    /// What connections and streams draw their buffers from.
+    pub memory: Arc<ConnectionMemory>,
     /// `stepwatch_connections_closed_total`.
     pub counter: prometheus::IntCounterVec,
 }
@@ -570,10 +697,38 @@ impl IngestConnections {
         Limited::new(inner, max, self.idle_timeout)
             .per_peer(PeerQuota::new(self.per_peer, self.per_process))
             .pods_under(self.proc_root.clone())
+            .drawing_from(Arc::clone(&self.memory))
             .no_stream_grace(self.grace)
             .counted(Closes {
                 counter: self.counter.clone(),
                 listener,
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_peer_holds_at_most_half_the_connection_memory_and_gives_it_back() {
+        let memory = ConnectionMemory::new(1000);
+        let pod = |uid: &str| vec![PeerKey::Pod(uid.into()), PeerKey::Pid(7)];
+        let a = memory.try_take(&pod("a"), 300).expect("room");
+        let a2 = memory.try_take(&pod("a"), 200).expect("half, exactly");
+        assert!(memory.try_take(&pod("a"), 1).is_none(), "past its half");
+        let b = memory.try_take(&pod("b"), 500).expect("another pod's half");
+        assert!(
+            memory.try_take(&[PeerKey::Uid(0)], 1).is_none(),
+            "the budget is spent"
+        );
+        drop(a);
+        let c = memory
+            .try_take(&[PeerKey::Uid(0)], 300)
+            .expect("room given back");
+        assert_eq!(memory.held(), 1000);
+        drop((a2, b, c));
+        assert_eq!(memory.held(), 0);
+        assert!(memory.held.lock().unwrap().by_peer.is_empty());
     }
 }

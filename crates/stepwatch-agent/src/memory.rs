@@ -1,9 +1,9 @@
 //! One memory budget for the whole agent: the container's memory limit
 //! (cgroup `memory.max` of the agent's own cgroup and its ancestors),
 //! or `--memory-limit-mib`, split into the budgets of what clients make
-//! grow: the ranks' step history, allocator traces in flight, and rank
-//! reports in flight. The rest of the limit is the agent's base: runtime,
-//! sampler rings, connections at their caps, a `/metrics` render.
+//! grow: the ranks' step history, allocator traces in flight, rank
+//! reports in flight, and ingest connections and streams. The rest of the
+//! limit is the agent's base: runtime, sampler rings, a `/metrics` render.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -45,6 +45,10 @@ pub struct MemoryBudget {
     /// Rank reports being built and sent at once (their estimated size): a
     /// twelfth of the limit.
     pub reports_bytes: u64,
+    /// Ingest connections' and streams' buffers, as
+    /// `crate::listen::ConnectionMemory` estimates them: an eighth of the
+    /// limit.
+    pub connections_bytes: u64,
 }
 
 impl MemoryBudget {
@@ -62,6 +66,7 @@ impl MemoryBudget {
             history_bytes: history.unwrap_or(limit_bytes / 8),
             traces_bytes: traces.unwrap_or((limit_bytes / 16).max(largest_trace_bytes())),
             reports_bytes: limit_bytes / 12,
+            connections_bytes: limit_bytes / 8,
         }
     }
 
@@ -231,6 +236,7 @@ pub fn register(budget: &MemoryBudget, registry: &Registry) -> prometheus::Resul
         ("history", budget.history_bytes),
         ("traces", budget.traces_bytes),
         ("reports", budget.reports_bytes),
+        ("connections", budget.connections_bytes),
     ] {
         budgets
             .with_label_values(&[name])
@@ -325,9 +331,12 @@ mod tests {
         assert_eq!(b.history_bytes, 24 << 20);
         assert_eq!(b.traces_bytes, (12 << 20).max(largest_trace_bytes()));
         assert_eq!(b.reports_bytes, 16 << 20);
+        assert_eq!(b.connections_bytes, 24 << 20);
         // Traces count twice (their accounting undercounts): the budgets
-        // take under half the limit, the rest is the agent's base.
-        assert!(b.history_bytes + 2 * b.traces_bytes + b.reports_bytes <= b.limit_bytes / 2);
+        // take under five eighths of the limit, the rest (72 MiB at 192) is
+        // the agent's base.
+        let drawn = b.history_bytes + 2 * b.traces_bytes + b.reports_bytes + b.connections_bytes;
+        assert!(drawn <= b.limit_bytes / 8 * 5, "{drawn}");
         // One largest trace fits whatever the limit.
         let small = MemoryBudget::split(64 << 20, LimitSource::Flag, None, None);
         assert_eq!(small.traces_bytes, largest_trace_bytes());

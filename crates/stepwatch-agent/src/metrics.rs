@@ -236,8 +236,8 @@ pub(crate) const MEMORY_BUDGET_BYTES: MetricDef = MetricDef {
     name: "stepwatch_memory_budget_bytes",
     kind: MetricKind::Gauge,
     labels: "`budget`",
-    meaning: "each budget drawn from the memory limit: `history` (retained steps), `traces` (allocator traces in flight, as accounted), `reports` (rank reports in flight)",
-    help: "Budgets drawn from the memory limit: history (retained steps), traces (allocator traces in flight, as accounted), reports (rank reports in flight).",
+    meaning: "each budget drawn from the memory limit: `history` (retained steps), `traces` (allocator traces in flight, as accounted), `reports` (rank reports in flight), `connections` (ingest connections' and streams' buffers, as estimated)",
+    help: "Budgets drawn from the memory limit: history (retained steps), traces (allocator traces in flight, as accounted), reports (rank reports in flight), connections (ingest connections' and streams' buffers, as estimated).",
 };
 
 /// `stepwatch_ranks_evicted_for_memory_total`
@@ -679,8 +679,8 @@ pub(crate) const CONNECTIONS_CLOSED_TOTAL: MetricDef = MetricDef {
     name: "stepwatch_connections_closed_total",
     kind: MetricKind::Counter,
     labels: "`listener`, `reason`",
-    meaning: "connections the agent refused or closed, by listener (`http`, `api`, `ingest_socket`, `ingest_tcp`, `ingest_volume`) and reason: `peer_limit` (the peer, a uid on a Unix socket or an address on TCP, holds `--max-connections-per-peer` or `--max-http-connections-per-peer`), `process_limit` (the process holds `--max-connections-per-process`), `first_byte_timeout` (nothing sent within 5 s), `idle_timeout` (`--idle-timeout`), `header_timeout` (HTTP request headers not complete within `--http-header-timeout`, which also ends idle keep-alive), `no_stream` (an ingest connection with no open stream for `--connection-grace`). Every pair exists at 0 from the start",
-    help: "Connections the agent refused at accept or closed, by listener and reason (peer_limit, process_limit, first_byte_timeout, idle_timeout, header_timeout, no_stream).",
+    meaning: "connections the agent refused or closed, by listener (`http`, `api`, `ingest_socket`, `ingest_tcp`, `ingest_volume`) and reason: `peer_limit` (the peer, on a Unix socket its pod or else its uid, on TCP its address, holds `--max-connections-per-peer` or `--max-http-connections-per-peer`), `process_limit` (the process holds `--max-connections-per-process`), `first_byte_timeout` (nothing sent within 5 s), `idle_timeout` (`--idle-timeout`), `header_timeout` (HTTP request headers not complete within `--http-header-timeout`, which also ends idle keep-alive), `no_stream` (an ingest connection with no open stream for `--connection-grace`), `memory_budget` (the memory budget's share for ingest connections and streams, or the peer's half of it, cannot cover another connection). Every pair exists at 0 from the start",
+    help: "Connections the agent refused at accept or closed, by listener and reason (peer_limit, process_limit, first_byte_timeout, idle_timeout, header_timeout, no_stream, memory_budget).",
 };
 
 /// `stepwatch_ranks_evicted_total`

@@ -51,6 +51,7 @@ pub const REJECT_REASONS: &[&str] = &[
     "too_many_streams",
     "peer_stream_limit",
     "process_stream_limit",
+    "stream_memory",
     "rank_held",
     "gpu_not_allocated",
     "slurm_job_not_yours",

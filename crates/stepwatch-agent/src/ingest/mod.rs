@@ -37,9 +37,26 @@ pub use traces::TraceBudget;
 use traces::*;
 
 use crate::alerts::{Alerter, RankAlerts};
-use crate::listen::{ConnInfo, ConnStreams, PeerKey, PeerQuota};
+use crate::listen::{ConnInfo, ConnStreams, ConnectionMemory, PeerKey, PeerQuota};
 use crate::state::AgentState;
 use crate::workload::{Attestation, VolumePod, WorkloadResolver};
+
+/// HTTP/2's window of one ingest stream: the most its peer may send on it
+/// that the agent has not read (within the connection's window).
+pub const STREAM_WINDOW: u32 = 64 << 10;
+
+/// What one open stream can make the agent hold beyond its connection's
+/// window: the decoder's buffer, which grows to the largest message (the
+/// contract's limit) and keeps that size, and the advisories queued for a
+/// client that does not read them. A batch being decoded and applied
+/// (up to 1,024 markers, about 400 KiB) is not held between messages and
+/// is not counted.
+pub const STREAM_BYTES: u64 =
+    (stepwatch_proto::MAX_MESSAGE_BYTES + ADVISORY_QUEUE * (1 << 10)) as u64;
+
+/// Advisories queued for a stream's client before more are dropped (each
+/// well under 1 KiB).
+const ADVISORY_QUEUE: usize = 16;
 
 /// The `Ingest` service.
 #[derive(Clone)]
@@ -51,6 +68,9 @@ pub struct IngestService {
     stream_quota: Arc<PeerQuota>,
     limits: IngestLimits,
     traces: Arc<TraceBudget>,
+    /// What each stream's buffers ([`STREAM_BYTES`]) are drawn from, with
+    /// the connections'.
+    memory: Arc<ConnectionMemory>,
     /// Posts the advisories' alerts to Alertmanager (`--alertmanager-url`).
     alerter: Alerter,
     /// The pod whose CSI volume this service listens in (None: the shared
@@ -92,6 +112,7 @@ impl IngestService {
         alerter: Alerter,
         limits: IngestLimits,
         traces: Arc<TraceBudget>,
+        memory: Arc<ConnectionMemory>,
     ) -> Self {
         Self {
             state,
@@ -104,6 +125,7 @@ impl IngestService {
             ),
             limits,
             traces,
+            memory,
             volume: None,
         }
     }
@@ -136,11 +158,12 @@ impl Ingest for IngestService {
             ));
         }
         let inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel(16);
+        let (tx, rx) = mpsc::channel(ADVISORY_QUEUE);
         let state = self.state.clone();
         let workload = self.workload.clone();
         let streams = self.streams.clone();
         let stream_quota = self.stream_quota.clone();
+        let memory = self.memory.clone();
         let limits = self.limits;
         let traces = self.traces.clone();
         let volume = self.volume.clone();
@@ -164,6 +187,7 @@ impl Ingest for IngestService {
                     let slots = Slots {
                         streams: &streams,
                         quota: &stream_quota,
+                        memory: &memory,
                     };
                     serve_stream(&state, slots, &traces, inbound, peer, limits, &tx).await
                 }
@@ -262,6 +286,8 @@ struct Slots<'a> {
     streams: &'a Arc<Semaphore>,
     /// Each peer's and process's share.
     quota: &'a Arc<PeerQuota>,
+    /// The memory its buffers are drawn from.
+    memory: &'a Arc<ConnectionMemory>,
 }
 
 /// Who is on the other end of a stream, as far as the agent can tell.
@@ -340,6 +366,18 @@ async fn serve_stream(
                 )),
             ));
         }
+    };
+    // Its buffers from the agent's memory budget, beside its connection's.
+    let Some(_memory) = slots.memory.try_take(&peer.keys, STREAM_BYTES) else {
+        tracing::debug!(peer = ?peer.keys.first(), "refused a stream: the memory budget for connections and streams cannot cover it");
+        return Err(refuse(
+            state,
+            "stream_memory",
+            1,
+            Status::resource_exhausted(
+                "the agent's memory budget for connections and streams (an eighth of --memory-limit-mib), or this peer's half of it, cannot cover another stream",
+            ),
+        ));
     };
     state.ingest.streams_active.inc();
     let _active = scopeguard_dec(&state.ingest.streams_active);
