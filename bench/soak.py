@@ -365,10 +365,11 @@ def http_held(port: int, stop: Stop, counts: Dict[str, int], n: int) -> None:
         s.close()
 
 
-def report_readers(port: int, stop: Stop, counts: Dict[str, int], n: int) -> None:
-    """n readers at once of a memory rank's report: half ask for all of it
-    (far past the reports budget), half for 3 of its 1024-phase steps (a few
-    fit in the budget at once)."""
+def report_readers(port: int, stop: Stop, counts: Dict[str, int], n: int, steps: List[int]) -> None:
+    """n readers at once of a memory rank's report, reader i asking for
+    steps[i % len(steps)] of its 1024-phase steps; by default half ask for
+    all of it (far past the reports budget), half for 3 (a few fit in the
+    budget at once)."""
 
     def one(steps: int) -> None:
         while not stop.done():
@@ -385,7 +386,7 @@ def report_readers(port: int, stop: Stop, counts: Dict[str, int], n: int) -> Non
                 time.sleep(0.2)
 
     threads = [
-        threading.Thread(target=one, args=(1000 if i % 2 else 3,), daemon=True) for i in range(n)
+        threading.Thread(target=one, args=(steps[i % len(steps)],), daemon=True) for i in range(n)
     ]
     for th in threads:
         th.start()
@@ -503,7 +504,10 @@ def _attack_loads(name: str, args: dict, sock: str, port: int, stop: Stop, count
         "idle_channels": (idle_channels, (sock, stop, counts, args["idle_channels"])),
         "greedy": (one_rank_many_streams, (sock, stop, counts, args["greedy_streams"])),
         "http_held": (http_held, (port, stop, counts, args["http_held"])),
-        "reports": (report_readers, (port, stop, counts, args["report_readers"])),
+        "reports": (
+            report_readers,
+            (port, stop, counts, args["report_readers"], args["report_steps"]),
+        ),
         "clock": (clock_jumper, (sock, stop, counts)),
     }[name]
     return [threading.Thread(target=one[0], args=one[1])]
@@ -671,6 +675,26 @@ def main() -> int:
     ap.add_argument("--http-held", type=int, default=70)
     ap.add_argument("--report-readers", type=int, default=16)
     ap.add_argument(
+        "--report-steps",
+        type=int,
+        nargs="+",
+        default=[3, 1000],
+        help="the steps= each report reader asks for, in turn (default 3 1000)",
+    )
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=ATTACKS,
+        default=list(ATTACKS),
+        help="run only these attacks (default: all)",
+    )
+    ap.add_argument(
+        "--memory-limit-mib",
+        type=int,
+        default=CHART_LIMIT_MIB,
+        help=f"the agent's memory limit (default the chart's, {CHART_LIMIT_MIB})",
+    )
+    ap.add_argument(
         "--same-identity",
         action="store_true",
         help="attack as the soak's own uid even when root (another uid by default)",
@@ -700,7 +724,9 @@ def main() -> int:
     ready = d / "ready.json"
     env = dict(os.environ, STEPWATCH_FAKE_NVML_DIR=str(d), RUST_LOG="warn")
     group = (
-        None if args.no_cgroup else memory_cgroup(f"stepwatch-soak-{os.getpid()}", CHART_LIMIT_MIB)
+        None
+        if args.no_cgroup
+        else memory_cgroup(f"stepwatch-soak-{os.getpid()}", args.memory_limit_mib)
     )
     # In the cgroup before it starts, so the agent reads its limit from it.
     enter = (
@@ -708,7 +734,7 @@ def main() -> int:
         if group
         else []
     )
-    limit_flag = [] if group else ["--memory-limit-mib", str(CHART_LIMIT_MIB)]
+    limit_flag = [] if group else ["--memory-limit-mib", str(args.memory_limit_mib)]
     attack_uid = ATTACKER_UID if os.geteuid() == 0 and not args.same_identity else None
     if attack_uid is not None:
         # The attackers' uid must reach the socket: through the scratch
@@ -764,7 +790,7 @@ def main() -> int:
                 args=(name, vars(args), sock, port, counts_out, attack_uid),
                 daemon=True,
             )
-            for name in ATTACKS
+            for name in args.only
         ]
         polite.start()
         for a in attacks:
@@ -838,7 +864,8 @@ def main() -> int:
         total = probes["ok"] + probes["failed"]
         summary = {
             "seconds": args.seconds,
-            "memory_limit_mib": CHART_LIMIT_MIB,
+            "memory_limit_mib": args.memory_limit_mib,
+            "attacks": args.only,
             "limit_enforced_by": f"memory cgroup {group}"
             if group
             else "none (RSS measured against it)",

@@ -143,10 +143,10 @@ fn tightest(top: &Path, path: &str, file: &str) -> Option<(u64, String)> {
     best
 }
 
-/// Rank reports being built and sent at once, by their estimated size:
-/// a report waits for room up to [`ReportBudget::WAIT`], then is refused
-/// (503), and one larger than the whole budget is refused at once. 16
-/// concurrent requests for one 19 MB report once took the agent to 0.67 GB.
+/// Rank reports being built and sent at once, by their estimated size
+/// (their copy of the steps and their JSON chunks in flight): a report
+/// waits for room up to [`ReportBudget::WAIT`], then is refused (503), and
+/// one larger than the whole budget is refused at once.
 pub struct ReportBudget {
     /// One permit per KiB.
     permits: Arc<Semaphore>,

@@ -292,8 +292,8 @@ struct RankQuery {
 
 /// Steps a rank report holds unless `?steps=` says otherwise.
 const DEFAULT_REPORT_STEPS: usize = 100;
-/// Most steps one rank report may hold: the report is built in memory, and
-/// many concurrent large ones once took the agent past a gigabyte.
+/// Most steps one rank report may hold: the report's steps are copied out
+/// of the tracker whole (its JSON is streamed).
 const MAX_REPORT_STEPS: usize = 1000;
 
 async fn rank(
@@ -379,7 +379,7 @@ async fn rank(
             })
         });
         match body {
-            Some(body) => json_holding(&body, permit),
+            Some(body) => json_streamed(body, permit),
             None => not_found(format!(
                 "no rank {} of job {:?} in namespace {:?} on this node",
                 key.rank, key.job, key.namespace
@@ -390,44 +390,85 @@ async fn rank(
 }
 
 /// What building and sending a report of steps holding `held` bytes (as
-/// `StepRecord::approx_bytes` counts) costs at its peak: its JSON is up to
-/// about 3 times that, in a buffer that grows by doubling, beside the copy.
+/// `StepRecord::approx_bytes` counts) costs at its peak: the copy taken
+/// under the tracker lock, about twice that, and the chunks of its JSON on
+/// their way (the JSON is never whole, see [`json_streamed`]).
 fn report_cost(held: u64) -> u64 {
-    held.saturating_mul(8) + (64 << 10)
+    held.saturating_mul(2) + (JSON_CHUNKS_IN_FLIGHT * JSON_CHUNK) as u64
 }
 
-/// A JSON response whose bytes hold `permit` until the last chunk was
-/// taken for sending, so that slow readers keep counting against the
-/// reports budget.
-fn json_holding(
-    body: &impl Serialize,
+/// The size of a streamed JSON response's chunks.
+const JSON_CHUNK: usize = 64 << 10;
+
+/// A streamed response's chunks that exist at once: the one being written,
+/// those queued ([`json_streamed`]'s channel), the one being sent.
+const JSON_CHUNKS_IN_FLIGHT: usize = 4;
+
+/// A JSON response serialised as it is sent, a chunk at a time, on the
+/// blocking pool: a large report is never held whole, and 16 readers of it
+/// do not hold 16 copies of its JSON. The serialiser waits for the reader
+/// (a slow one holds its chunks, not the document); `permit` is held until
+/// the last chunk is queued, so slow readers keep counting against the
+/// reports budget. A client that goes away stops the serialiser.
+fn json_streamed(
+    body: impl Serialize + Send + 'static,
     permit: Option<tokio::sync::OwnedSemaphorePermit>,
 ) -> Response {
-    let bytes = match serde_json::to_vec(body) {
-        Ok(v) => axum::body::Bytes::from(v),
-        Err(e) => {
-            return (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response();
+    let (tx, rx) = tokio::sync::mpsc::channel(JSON_CHUNKS_IN_FLIGHT - 2);
+    tokio::task::spawn_blocking(move || {
+        let mut out = ChunkSender {
+            chunk: Vec::with_capacity(JSON_CHUNK),
+            tx,
+        };
+        let written = serde_json::to_writer(&mut out, &body)
+            .map_err(std::io::Error::from)
+            .and_then(|()| out.send_chunk());
+        if let Err(e) = written {
+            // Gone, or (never seen) a value JSON cannot hold: the response
+            // ends short, which its reader sees.
+            tracing::debug!(error = %e, "a streamed JSON response ended early");
+            let _ = out.tx.blocking_send(Err(e));
         }
-    };
-    const CHUNK: usize = 64 << 10;
-    let chunks =
-        futures_util::stream::unfold((bytes, 0, permit), |(bytes, at, permit)| async move {
-            if at >= bytes.len() {
-                drop(permit);
-                return None;
-            }
-            let end = (at + CHUNK).min(bytes.len());
-            let chunk = bytes.slice(at..end);
-            Some((
-                Ok::<_, std::convert::Infallible>(chunk),
-                (bytes, end, permit),
-            ))
-        });
+        drop(permit);
+    });
     (
         [(header::CONTENT_TYPE, "application/json")],
-        axum::body::Body::from_stream(chunks),
+        axum::body::Body::from_stream(tokio_stream::wrappers::ReceiverStream::new(rx)),
     )
         .into_response()
+}
+
+/// Where [`json_streamed`] writes: full chunks go to the response body.
+struct ChunkSender {
+    chunk: Vec<u8>,
+    tx: tokio::sync::mpsc::Sender<std::io::Result<axum::body::Bytes>>,
+}
+
+impl ChunkSender {
+    /// Hands the chunk written so far to the body, waiting for room.
+    fn send_chunk(&mut self) -> std::io::Result<()> {
+        if self.chunk.is_empty() {
+            return Ok(());
+        }
+        let full = std::mem::replace(&mut self.chunk, Vec::with_capacity(JSON_CHUNK));
+        self.tx.blocking_send(Ok(full.into())).map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::BrokenPipe, "the reader went away")
+        })
+    }
+}
+
+impl std::io::Write for ChunkSender {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.chunk.extend_from_slice(buf);
+        if self.chunk.len() >= JSON_CHUNK {
+            self.send_chunk()?;
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 /// The 503 of a report the reports budget has no room for.
@@ -829,7 +870,7 @@ mod tests {
     }
 
     #[test]
-    fn a_reports_estimated_cost_covers_its_json_and_its_copy() {
+    fn a_reports_estimated_cost_covers_its_copy_and_its_chunks_in_flight() {
         let state = test_state();
         let key = wide_rank(&state, 3);
         let held = state.read_tracker(|t| t.rank(&key).unwrap().timeline.approx_bytes());
@@ -839,9 +880,11 @@ mod tests {
         let json = response.split("\r\n\r\n").nth(1).unwrap().len() as u64;
         let copy = held * std::mem::size_of::<PhaseReport>() as u64
             / std::mem::size_of::<stepwatch_core::PhaseRecord>() as u64;
-        // A buffer grown by doubling holds up to twice its bytes.
+        // The JSON is larger than one chunk, so it was never held whole.
+        let chunks = (JSON_CHUNKS_IN_FLIGHT * JSON_CHUNK) as u64;
+        assert!(json > chunks, "json {json}");
         assert!(
-            2 * json + copy <= report_cost(held),
+            copy + chunks <= report_cost(held),
             "json {json} copy {copy} estimate {}",
             report_cost(held)
         );
@@ -850,10 +893,10 @@ mod tests {
     #[test]
     fn a_report_larger_than_the_reports_budget_is_refused_with_what_to_do() {
         let state = test_state();
-        // A 32 MiB limit: 2.7 MiB for reports, room for the wide step 1
-        // alone (2.3 MB estimated) but not for three steps.
+        // A 16 MiB limit: 1.3 MiB for reports, room for the wide step 1
+        // alone (0.8 MB estimated) but not for three steps (1.9 MB).
         let budget = crate::memory::MemoryBudget::split(
-            32 << 20,
+            16 << 20,
             crate::memory::LimitSource::Flag,
             None,
             None,
