@@ -588,11 +588,13 @@ def polite_stalls(observed: List[tuple]) -> dict:
     observed = observed[seen[0] :] if seen else []
     last_change, last_value = (observed[0][0] if observed else 0.0), None
     for at, value, _ in observed:
+        # Taken before a change resets the clock: a gap that ends in
+        # progress (a slow scrape) counts as long as one that does not.
+        longest = max(longest, at - last_change)
         if value is not None and value != last_value:
             if last_value is not None:
                 stalls.append(at - last_change)
             last_change, last_value = at, value
-        longest = max(longest, at - last_change)
     scrape_s = sorted(s for _, v, s in observed if v is not None)
     histogram = {f"le_{b}s": sum(1 for x in stalls if x <= b) for b in STALL_BUCKETS_S}
     histogram["over"] = sum(1 for x in stalls if x > STALL_BUCKETS_S[-1])
