@@ -1124,8 +1124,10 @@ impl Tracker {
     }
 
     /// Where in `markers` the rank's second step's first forward that
-    /// says its batch is, while none was taken yet; `split`: where the
-    /// second step begins in `markers`, when it does.
+    /// says its batch is, while none was taken yet and the second step has
+    /// not ended (the retained steps' second is a later step once the
+    /// history is trimmed); `split`: where the second step begins in
+    /// `markers`, when it does.
     fn step2_forward(
         &self,
         key: &RankKey,
@@ -1133,7 +1135,7 @@ impl Tracker {
         split: Option<usize>,
     ) -> Option<usize> {
         let state = self.ranks.get(key)?;
-        if state.step2_batch.is_some() {
+        if state.step2_batch.is_some() || state.timeline.steps_completed() > 1 {
             return None;
         }
         let second = match split {

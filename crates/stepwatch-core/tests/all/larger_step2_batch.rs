@@ -64,7 +64,17 @@ fn run(step1: (u64, bool), step2: (u64, bool), capacity: u64) -> Run {
 /// `one_batch`: every marker of both steps in one batch (a client that
 /// flushes late); else step 1, step 2's begin and forward, step 2's rest.
 fn run_batched(step1: (u64, bool), step2: (u64, bool), capacity: u64, one_batch: bool) -> Run {
-    let mut tracker = Tracker::new(TrackerConfig::default());
+    run_with(TrackerConfig::default(), step1, step2, capacity, one_batch)
+}
+
+fn run_with(
+    config: TrackerConfig,
+    step1: (u64, bool),
+    step2: (u64, bool),
+    capacity: u64,
+    one_batch: bool,
+) -> Run {
+    let mut tracker = Tracker::new(config);
     let key = tracker
         .open(
             RankInfo {
@@ -235,4 +245,36 @@ fn the_revised_prediction_covers_the_scaled_activations() {
             }
         }
     }
+}
+
+/// Step 2 said no batch; once the history is trimmed to step 1 and the
+/// step at hand, a later step's larger batch is not step 2's: the frozen
+/// step-2 prediction stays as it was and no step-2 warning comes then.
+#[test]
+fn a_later_steps_batch_never_revises_step_2_after_the_history_is_trimmed() {
+    let capacity = 7 * GB;
+    let config = TrackerConfig {
+        max_retained_steps: 2,
+        ..TrackerConfig::default()
+    };
+    let mut r = run_with(config, (4, true), (4, false), capacity, false);
+    let before = frozen(&r);
+    let mut t = 10_000_000_000;
+    for n in 3..6 {
+        let [head, tail] = step(n, 4, None, &mut t);
+        r.tracker
+            .markers(&r.key, &[head, tail].concat(), n)
+            .unwrap();
+    }
+    // Its begin and its forward in batches of their own.
+    let [head, tail] = step(6, 16, Some(samples(16)), &mut t);
+    let mut due = r.tracker.markers(&r.key, &head[..1], 6).unwrap();
+    due.extend(r.tracker.markers(&r.key, &head[1..], 7).unwrap());
+    r.tracker.markers(&r.key, &tail, 8).unwrap();
+    assert_eq!(frozen(&r), before);
+    assert!(
+        !due.iter()
+            .any(|a| a.kind == AdvisoryKind::Step2OomPredicted),
+        "{due:?}"
+    );
 }
