@@ -367,6 +367,14 @@ pub struct MemoryTrend {
 }
 
 impl MemoryTrend {
+    /// What the device holds beyond the allocator's reserved bytes: the
+    /// window's NVML figure, else step 1's driver figure (NVML sampled none
+    /// of the window's short steps).
+    pub fn beyond_reserved_bytes(&self) -> Option<u64> {
+        self.nvml_over_reserved_bytes
+            .or(self.outside_at_step1_bytes)
+    }
+
     /// The trend of a window (steps in order); None when it is empty.
     pub fn of(window: &[StepFigures], config: &GrowthConfig) -> Option<Self> {
         let (first, last) = (window.first()?, *window.last()?);
@@ -509,9 +517,7 @@ pub fn forecast(
     // NVML sampled none of the window's steps, what the driver showed
     // beyond the allocator at step 1: the reserved level alone leaves out
     // the CUDA context, and the forecast comes far too late.
-    let outside = trend
-        .nvml_over_reserved_bytes
-        .or(trend.outside_at_step1_bytes);
+    let outside = trend.beyond_reserved_bytes();
     let reserved_in_nvml_terms = outside.and_then(|outside| {
         let reserved = trend
             .slope(GrowthSource::Reserved)

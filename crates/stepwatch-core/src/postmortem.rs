@@ -459,7 +459,7 @@ pub fn post_mortem(i: &PostMortemInputs<'_>) -> Option<PostMortem> {
     // beyond the allocator.
     let beyond_reserved = i
         .trend
-        .and_then(|t| t.nvml_over_reserved_bytes.or(t.outside_at_step1_bytes))
+        .and_then(MemoryTrend::beyond_reserved_bytes)
         .or(outside_at_start);
     let steady_device = steady_nvml.or_else(|| {
         let reserved = i.steady.and_then(|s| s.peaks.reserved_peak_bytes)?;
