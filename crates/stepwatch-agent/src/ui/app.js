@@ -500,7 +500,7 @@
           ? el("p", { class: "banner caution" }, "Low headroom: ", signedGb(pred.headroom_bytes))
           : null,
       rep.post_mortem
-        ? el("div", { class: "banner warn", id: "post-mortem" }, el("strong", { text: `Post-mortem (${rep.post_mortem.cause.replace("_", " ")}): ` }), el("span", { text: rep.post_mortem.message }))
+        ? el("div", { class: "banner warn", id: "post-mortem" }, el("strong", { text: `Post-mortem (${rep.post_mortem.cause.replace(/_/g, " ")}): ` }), el("span", { text: rep.post_mortem.message }))
         : rep.ooms > 0
           ? el("p", { class: "banner warn", text: `This rank ran out of GPU memory (${rep.ooms}×).` })
           : null,
