@@ -64,11 +64,13 @@ class TrainerCallbackBase:
             RT.attach(
                 model,
                 optimizers,
-                grad_accumulation_steps=grad_accumulation_steps,
-                precision=self.precision or precision,
-                sharding_factor=self.sharding_factor,
-                micro_batch_size=self.micro_batch_size or micro_batch_size,
-                largest_batch=self.largest_batch,
+                dict(
+                    grad_accumulation_steps=grad_accumulation_steps,
+                    precision=self.precision or precision,
+                    sharding_factor=self.sharding_factor,
+                    micro_batch_size=self.micro_batch_size or micro_batch_size,
+                    largest_batch=self.largest_batch,
+                ),
                 endpoint=self.endpoint,
                 job_id=self.job_id,
                 rank=rank if distributed else None,

@@ -231,17 +231,14 @@ class _Runtime:
         self,
         model: Any,
         optimizer: Any = None,
-        *,
-        grad_accumulation_steps: Optional[int] = None,
-        precision: Optional[str] = None,
-        sharding_factor: Optional[int] = None,
-        grads_set_to_none: Optional[bool] = None,
-        micro_batch_size: Optional[int] = None,
-        largest_batch: Optional[Dict[str, Any]] = None,
+        stated: Optional[Dict[str, Any]] = None,
         **configure: Any,
     ) -> Client:
         """What watch() and the integrations share: the model's device and facts
-        (when ``model`` is not None), then :meth:`configure`; one lock held."""
+        (when ``model`` is not None), then :meth:`configure`; one lock held.
+        ``stated``: what the caller was told about the training, the keyword
+        arguments of :func:`_torch.model_facts`."""
+        stated = stated or {}
         with self.lock:
             self.begin_run()
             if model is not None:
@@ -250,16 +247,7 @@ class _Runtime:
                 self.cuda_device = _torch.model_cuda_device(model)
                 self.cuda_checked = self.cuda_device is not None
                 try:
-                    self.facts = _torch.model_facts(
-                        model,
-                        optimizer,
-                        grad_accumulation_steps=grad_accumulation_steps,
-                        precision=precision,
-                        sharding_factor=sharding_factor,
-                        grads_set_to_none=grads_set_to_none,
-                        micro_batch_size=micro_batch_size,
-                        largest_batch=largest_batch,
-                    )
+                    self.facts = _torch.model_facts(model, optimizer, **stated)
                 except Exception as e:
                     # Raised once the client is configured: the markers still go out.
                     self.facts = {}
@@ -268,7 +256,7 @@ class _Runtime:
                     facts_error = None
             else:
                 facts_error = None
-            self.tracker.grad_accumulation_steps = grad_accumulation_steps
+            self.tracker.grad_accumulation_steps = stated.get("grad_accumulation_steps")
             client = self.configure(**configure)
             if facts_error is not None:
                 raise facts_error
@@ -939,12 +927,14 @@ def watch(
         return RT.attach(
             model,
             optimizer,
-            grad_accumulation_steps=grad_accumulation_steps,
-            precision=precision,
-            sharding_factor=sharding_factor,
-            grads_set_to_none=grads_set_to_none,
-            micro_batch_size=micro_batch_size,
-            largest_batch=largest_batch,
+            dict(
+                grad_accumulation_steps=grad_accumulation_steps,
+                precision=precision,
+                sharding_factor=sharding_factor,
+                grads_set_to_none=grads_set_to_none,
+                micro_batch_size=micro_batch_size,
+                largest_batch=largest_batch,
+            ),
             endpoint=endpoint,
             job_id=job_id,
             rank=rank,
