@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import os
 import re
 import subprocess
@@ -74,7 +75,7 @@ def satisfiable(expr: str, allowed: set[str]) -> bool:
     def primary() -> bool:
         t = take()
         if t == "(":
-            v = or_expr()
+            v = chain()
             if take() != ")":
                 raise ValueError(f"unbalanced parentheses in {expr!r}")
             return v
@@ -88,21 +89,20 @@ def satisfiable(expr: str, allowed: set[str]) -> bool:
             return ident in allowed or t in allowed
         return ident in allowed
 
-    def and_expr() -> bool:
-        v = primary()
-        while peek() == "AND":
+    # Binary operators, loosest first: OR joins AND-chains, AND joins primaries.
+    operators = (("OR", operator.or_), ("AND", operator.and_))
+
+    def chain(level: int = 0) -> bool:
+        if level == len(operators):
+            return primary()
+        op, join = operators[level]
+        v = chain(level + 1)
+        while peek() == op:
             take()
-            v = primary() and v
+            v = join(chain(level + 1), v)
         return v
 
-    def or_expr() -> bool:
-        v = and_expr()
-        while peek() == "OR":
-            take()
-            v = and_expr() or v
-        return v
-
-    result = or_expr()
+    result = chain()
     if pos != len(toks):
         raise ValueError(f"trailing tokens in {expr!r}")
     return result
