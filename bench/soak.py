@@ -97,29 +97,39 @@ def channel(socket_path: str) -> grpc.Channel:
     return grpc.insecure_channel(f"unix://{socket_path}", options=options)
 
 
+def drain(
+    stub: pb_grpc.IngestStub, messages: Iterator[pb.ClientMessage], timeout: Optional[float] = None
+) -> Optional[str]:
+    """Streams ``messages`` and reads the agent's answers until the stream ends:
+    None when it ends well, else the name of the gRPC code it ended with."""
+    try:
+        for _ in stub.Stream(messages, timeout=timeout):
+            pass
+    except grpc.RpcError as e:
+        return e.code().name
+    return None
+
+
 def memory_load(sock: str, stop: Stop, rank: int, counts: Dict[str, int]) -> None:
     """Steps of 510 micro-batches (1024 phases) as fast as one stream goes."""
     pid = 100_000 + rank
     while not stop.done():
-        try:
-            with channel(sock) as ch:
-                stub = pb_grpc.IngestStub(ch)
 
-                def messages() -> Iterator[pb.ClientMessage]:
-                    yield hello(f"soak-mem-{rank}", pid)
-                    t = [0]
-                    step = 1
-                    while not stop.done():
-                        ms = step_markers(step, 510, t)
-                        for i in range(0, len(ms), 1024):
-                            yield pb.ClientMessage(markers=pb.MarkerBatch(markers=ms[i : i + 1024]))
-                        count(counts, "memory_steps")
-                        step += 1
+        def messages() -> Iterator[pb.ClientMessage]:
+            yield hello(f"soak-mem-{rank}", pid)
+            t = [0]
+            step = 1
+            while not stop.done():
+                ms = step_markers(step, 510, t)
+                for i in range(0, len(ms), 1024):
+                    yield pb.ClientMessage(markers=pb.MarkerBatch(markers=ms[i : i + 1024]))
+                count(counts, "memory_steps")
+                step += 1
 
-                for _ in stub.Stream(messages()):
-                    pass
-        except grpc.RpcError as e:
-            count(counts, f"memory_ended_{e.code().name}")
+        with channel(sock) as ch:
+            ended = drain(pb_grpc.IngestStub(ch), messages())
+        if ended is not None:
+            count(counts, f"memory_ended_{ended}")
             time.sleep(0.05)
 
 
@@ -161,12 +171,8 @@ def short_jobs(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
                 pb.ClientMessage(markers=pb.MarkerBatch(markers=wide[i : i + 1024]))
                 for i in range(0, len(wide), 1024)
             ]
-            try:
-                for _ in stub.Stream(iter(msgs), timeout=10):
-                    pass
-                count(counts, "short_jobs_served")
-            except grpc.RpcError as e:
-                count(counts, f"short_jobs_{e.code().name}")
+            ended = drain(stub, iter(msgs), timeout=10)
+            count(counts, f"short_jobs_{ended or 'served'}")
             time.sleep(0.005)
 
 
@@ -241,13 +247,9 @@ def traces(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
                 while time.monotonic() < end and not stop.done():
                     time.sleep(0.2)
 
-        try:
-            with channel(sock) as ch:
-                for _ in pb_grpc.IngestStub(ch).Stream(messages(), timeout=90):
-                    pass
-            count(counts, "traces_sent")
-        except grpc.RpcError as e:
-            count(counts, f"traces_{e.code().name}")
+        with channel(sock) as ch:
+            ended = drain(pb_grpc.IngestStub(ch), messages(), timeout=90)
+        count(counts, f"traces_{ended or 'sent'}")
         time.sleep(0.2)
 
 
@@ -320,11 +322,9 @@ def _waiting_streams(
 
         def one() -> None:
             while not stop.done():
-                try:
-                    for _ in stub.Stream(messages(), timeout=timeout):
-                        pass
-                except grpc.RpcError as e:
-                    count(counts, f"{label}_ended_{e.code().name}")
+                ended = drain(stub, messages(), timeout=timeout)
+                if ended is not None:
+                    count(counts, f"{label}_ended_{ended}")
                 if not reopen:
                     return
 
@@ -398,28 +398,26 @@ def clock_jumper(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
     """A rank that steps every 100 ms; one marker in 50 steps is an hour
     ahead. The steps after it must still be taken."""
     while not stop.done():
-        try:
-            with channel(sock) as ch:
 
-                def messages() -> Iterator[pb.ClientMessage]:
-                    yield hello("soak-clock", 5151)
-                    t = [0]
-                    step = 1
-                    while not stop.done():
-                        ms = step_markers(step, 1, t)
-                        if step % 50 == 25:
-                            # The batch's last marker: the next batch would be
-                            # "older" than it.
-                            ms[-1].monotonic_ns += 3600 * 10**9
-                            count(counts, "clock_jumps_sent")
-                        yield pb.ClientMessage(markers=pb.MarkerBatch(markers=ms))
-                        step += 1
-                        time.sleep(0.1)
+        def messages() -> Iterator[pb.ClientMessage]:
+            yield hello("soak-clock", 5151)
+            t = [0]
+            step = 1
+            while not stop.done():
+                ms = step_markers(step, 1, t)
+                if step % 50 == 25:
+                    # The batch's last marker: the next batch would be
+                    # "older" than it.
+                    ms[-1].monotonic_ns += 3600 * 10**9
+                    count(counts, "clock_jumps_sent")
+                yield pb.ClientMessage(markers=pb.MarkerBatch(markers=ms))
+                step += 1
+                time.sleep(0.1)
 
-                for _ in pb_grpc.IngestStub(ch).Stream(messages()):
-                    pass
-        except grpc.RpcError as e:
-            count(counts, f"clock_ended_{e.code().name}")
+        with channel(sock) as ch:
+            ended = drain(pb_grpc.IngestStub(ch), messages())
+        if ended is not None:
+            count(counts, f"clock_ended_{ended}")
             time.sleep(0.2)
 
 
@@ -429,25 +427,21 @@ def polite_rank(sock: str, stop: Stop, events) -> None:
     ("ended", code, time) when a stream ends with an error, on `events`."""
     step = 1
     while not stop.done():
-        try:
-            with channel(sock) as ch:
 
-                def messages() -> Iterator[pb.ClientMessage]:
-                    nonlocal step
-                    yield hello("soak-polite", 4242)
-                    t = [0]
-                    while not stop.done():
-                        yield pb.ClientMessage(
-                            markers=pb.MarkerBatch(markers=step_markers(step, 1, t))
-                        )
-                        events.put(("sent", step, time.monotonic()))
-                        step += 1
-                        time.sleep(0.1)
+        def messages() -> Iterator[pb.ClientMessage]:
+            nonlocal step
+            yield hello("soak-polite", 4242)
+            t = [0]
+            while not stop.done():
+                yield pb.ClientMessage(markers=pb.MarkerBatch(markers=step_markers(step, 1, t)))
+                events.put(("sent", step, time.monotonic()))
+                step += 1
+                time.sleep(0.1)
 
-                for _ in pb_grpc.IngestStub(ch).Stream(messages()):
-                    pass
-        except grpc.RpcError as e:
-            events.put(("ended", e.code().name, time.monotonic()))
+        with channel(sock) as ch:
+            ended = drain(pb_grpc.IngestStub(ch), messages())
+        if ended is not None:
+            events.put(("ended", ended, time.monotonic()))
             time.sleep(0.2)
 
 
