@@ -379,6 +379,17 @@ def regex_override(pattern, props):
     return {"matcher": {"id": "byRegexp", "options": pattern}, "properties": props}
 
 
+def label_table(title, query, hide=("Time", "Value", "__name__", "instance"), **kw):
+    """A table of the series one instant ``query`` returns, a row each, its labels the
+    columns but those in ``hide``."""
+    return table(
+        title,
+        targets((query, ""), instant=True, table=True),
+        transformations=[organize(exclude=hide)],
+        **kw,
+    )
+
+
 def organize(exclude=(), rename=None):
     return {
         "id": "organize",
@@ -687,10 +698,10 @@ def node_gpu_memory():
         7,
     )
     L.add(
-        table(
+        label_table(
             "Agent versions",
-            targets((f"stepwatch_build_info{{{sel}}}", ""), instant=True, table=True),
-            transformations=[organize(exclude=("Time", "Value", "__name__", "instance", "job"))],
+            f"stepwatch_build_info{{{sel}}}",
+            hide=("Time", "Value", "__name__", "instance", "job"),
         ),
         12,
         7,
@@ -940,12 +951,7 @@ def step_anatomy():
         8,
     )
     L.add(
-        table(
-            "Ranks",
-            targets((f"stepwatch_rank_info{{{jsel}}}", ""), instant=True, table=True),
-            transformations=[organize(exclude=("Time", "Value", "__name__", "instance"))],
-            sort_by=("rank", False),
-        ),
+        label_table("Ranks", f"stepwatch_rank_info{{{jsel}}}", sort_by=("rank", False)),
         10,
         8,
     )
@@ -1129,11 +1135,7 @@ def first_step_anomaly():
         8,
     )
     L.add(
-        table(
-            "Outliers named by the agents",
-            targets((f"stepwatch_job_rank_outlier{{{jsel}}} == 1", ""), instant=True, table=True),
-            transformations=[organize(exclude=("Time", "Value", "__name__", "instance"))],
-        ),
+        label_table("Outliers named by the agents", f"stepwatch_job_rank_outlier{{{jsel}}} == 1"),
         12,
         8,
     )
@@ -1265,10 +1267,10 @@ def cluster_oom_risk():
         9,
     )
     L.add(
-        table(
+        label_table(
             "stepwatch alerts (firing and pending)",
-            targets((f'ALERTS{{alertname=~"{AGENT_ALERTS}", {C}}}', ""), instant=True, table=True),
-            transformations=[organize(exclude=("Time", "Value", "__name__"))],
+            f'ALERTS{{alertname=~"{AGENT_ALERTS}", {C}}}',
+            hide=("Time", "Value", "__name__"),
             sort_by=("alertstate", False),
         ),
         24,
