@@ -139,33 +139,20 @@ fn main() {
                 *b.borrow_mut() =
                     layout_before(&trace, &[PhaseKind::Optimizer, PhaseKind::Backward])
             });
+            let probe = Probe {
+                begin: &begin,
+                end: &end,
+                roles: &roles,
+                grads_freed: g == Gradients::FreedBeforeStep,
+                var: &variant,
+                verbose,
+            };
             let cand = if variant.starts_with("v3") {
-                v3(
-                    &begin,
-                    &end,
-                    &roles,
-                    g == Gradients::FreedBeforeStep,
-                    &variant,
-                    verbose,
-                )
+                v3(&probe)
             } else if variant.starts_with("v2") {
-                v2(
-                    &begin,
-                    &end,
-                    &roles,
-                    g == Gradients::FreedBeforeStep,
-                    &variant,
-                    verbose,
-                )
+                v2(&probe)
             } else {
-                candidate(
-                    &begin,
-                    &end,
-                    &roles,
-                    g == Gradients::FreedBeforeStep,
-                    &variant,
-                    verbose,
-                )
+                candidate(&probe)
             };
             let r_end = truth.reserved_at_step1_end_bytes as f64;
             let t = truth.new_segment_bytes as f64;
@@ -240,22 +227,55 @@ fn freed(
     s.freeing(|a, b| b.allocated && which(role(roles, a, b)))
 }
 
-fn candidate(
-    begin: &[SegmentLayout],
-    end: &[SegmentLayout],
-    roles: &HashMap<u64, Role>,
+/// What a candidate rule runs on: the two snapshots, what each allocated
+/// block is, and the `VAR` flags.
+struct Probe<'a> {
+    begin: &'a [SegmentLayout],
+    end: &'a [SegmentLayout],
+    roles: &'a HashMap<u64, Role>,
     grads_freed: bool,
-    var: &str,
+    var: &'a str,
     verbose: bool,
-) -> u64 {
-    let has = |f: &str| var.split(',').any(|v| v == f);
-    let ordinary = |s: &&SegmentLayout| s.pool == Pool::Large && s.pool_id == 0;
-    let gr = |r: Role| grads_freed && !has("keepgrads") && r == Role::Gradient;
+}
+
+impl Probe<'_> {
+    fn has(&self, flag: &str) -> bool {
+        self.var.split(',').any(|v| v == flag)
+    }
+
+    /// The end layout with the blocks `which` picks freed: what the
+    /// requests are served from.
+    fn serving(&self, which: &dyn Fn(Role) -> bool) -> Vec<SegmentLayout> {
+        self.end
+            .iter()
+            .map(|e| freed(e, self.roles, which))
+            .collect()
+    }
+}
+
+/// A segment of the default large pool: the ones the candidates re-request.
+fn ordinary(s: &&SegmentLayout) -> bool {
+    s.pool == Pool::Large && s.pool_id == 0
+}
+
+/// Where the last request went: "NEW" and the reserved bytes it added to
+/// `before`, or "ok" when it was served from the cache.
+fn served(alloc: &CachingAllocator, before: u64) -> String {
+    if alloc.reserved() > before {
+        format!("NEW {:.2}", (alloc.reserved() - before) as f64 / M)
+    } else {
+        "ok".into()
+    }
+}
+
+fn candidate(probe: &Probe) -> u64 {
+    let has = |f: &str| probe.has(f);
+    let gr = |r: Role| probe.grads_freed && !has("keepgrads") && r == Role::Gradient;
     // untouched: compare with gradients freed on both sides
-    let untouched = |s: &SegmentLayout| !s.expandable && end.iter().any(|e| e == s);
+    let untouched = |s: &SegmentLayout| !s.expandable && probe.end.iter().any(|e| e == s);
     let mut requests: Vec<(u64, u64)> = Vec::new();
     let mut left: Vec<(u64, u64)> = Vec::new();
-    for s in begin.iter().filter(ordinary) {
+    for s in probe.begin.iter().filter(ordinary) {
         let addrs = block_addresses(s);
         let free: Vec<u64> = s
             .blocks
@@ -267,14 +287,14 @@ fn candidate(
             .blocks
             .iter()
             .zip(&addrs)
-            .filter(|(b, a)| gr(role(roles, **a, b)))
+            .filter(|(b, a)| gr(role(probe.roles, **a, b)))
             .map(|(b, _)| b.size)
             .collect();
         let repl: Vec<u64> = s
             .blocks
             .iter()
             .zip(&addrs)
-            .filter(|(b, a)| role(roles, **a, b) == Role::Replaced)
+            .filter(|(b, a)| role(probe.roles, **a, b) == Role::Replaced)
             .map(|(b, _)| b.size)
             .collect();
         let whole = !s.expandable && s.size() != LARGE_BUFFER && !free.is_empty();
@@ -317,14 +337,17 @@ fn candidate(
     }
     left.sort();
     requests.extend(left);
-    let serving: Vec<SegmentLayout> = end
+    let serving: Vec<SegmentLayout> = probe
+        .end
         .iter()
         .filter(|e| {
-            has("nountouched") || has("fsdporder") || !begin.iter().any(|s| s == *e && untouched(s))
+            has("nountouched")
+                || has("fsdporder")
+                || !probe.begin.iter().any(|s| s == *e && untouched(s))
         })
-        .map(|e| freed(e, roles, &gr))
+        .map(|e| freed(e, probe.roles, &gr))
         .collect();
-    if verbose {
+    if probe.verbose {
         let mut fr: Vec<u64> = serving
             .iter()
             .filter(|s| s.pool == Pool::Large)
@@ -352,41 +375,25 @@ fn candidate(
     for &(size, stream) in &requests {
         let b = alloc.reserved();
         alloc.malloc_on(size, stream, u64::MAX).unwrap();
-        if verbose {
-            eprintln!(
-                "  req {:.2} {}",
-                size as f64 / M,
-                if alloc.reserved() > b {
-                    format!("NEW {:.2}", (alloc.reserved() - b) as f64 / M)
-                } else {
-                    "ok".into()
-                }
-            );
+        if probe.verbose {
+            eprintln!("  req {:.2} {}", size as f64 / M, served(&alloc, b));
         }
     }
     alloc.peaks().step.reserved - before
 }
 
 /// Forward order (smallest first), gradients freed, replaced blocks freed once their new copy is made.
-fn v2(
-    begin: &[SegmentLayout],
-    end: &[SegmentLayout],
-    roles: &HashMap<u64, Role>,
-    grads_freed: bool,
-    var: &str,
-    verbose: bool,
-) -> u64 {
-    let has = |f: &str| var.split(',').any(|v| v == f);
-    let ordinary = |s: &&SegmentLayout| s.pool == Pool::Large && s.pool_id == 0;
-    let gr = |r: Role| grads_freed && r == Role::Gradient;
+fn v2(probe: &Probe) -> u64 {
+    let has = |f: &str| probe.has(f);
+    let gr = |r: Role| probe.grads_freed && r == Role::Gradient;
     // (size, is_copy_of_replaced (0 first), stream, old address)
     let mut requests: Vec<(u64, u8, u64, u64)> = Vec::new();
-    for s in begin.iter().filter(ordinary) {
+    for s in probe.begin.iter().filter(ordinary) {
         let addrs = block_addresses(s);
         let mut any_free_or_grad = false;
         let mut small_reqs = Vec::new();
         for (b, &a) in s.blocks.iter().zip(&addrs) {
-            let r = role(roles, a, b);
+            let r = role(probe.roles, a, b);
             if !b.allocated {
                 any_free_or_grad = true;
                 small_reqs.push(b.size);
@@ -406,7 +413,7 @@ fn v2(
             .blocks
             .iter()
             .zip(&addrs)
-            .any(|(b, &a)| b.allocated && role(roles, a, b) == Role::Persistent);
+            .any(|(b, &a)| b.allocated && role(probe.roles, a, b) == Role::Persistent);
         if s.expandable || s.size() == LARGE_BUFFER || (has("persist") && holds_persistent) {
             requests.extend(small_reqs.into_iter().map(|z| (z, 1, s.stream, 0)));
         } else {
@@ -417,7 +424,7 @@ fn v2(
     if has("largefirst") {
         requests.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     }
-    let serving: Vec<SegmentLayout> = end.iter().map(|e| freed(e, roles, &gr)).collect();
+    let serving = probe.serving(&gr);
     let (mut alloc, live) = CachingAllocator::from_layout(&serving).unwrap();
     let live: HashMap<u64, _> = live.into_iter().collect();
     let before = alloc.reserved();
@@ -425,16 +432,12 @@ fn v2(
     for &(size, kind, stream, old) in &requests {
         let b = alloc.reserved();
         alloc.malloc_on(size, stream, u64::MAX).unwrap();
-        if verbose {
+        if probe.verbose {
             eprintln!(
                 "  req {:.2}{} {}",
                 size as f64 / M,
                 if kind == 0 { " (copy)" } else { "" },
-                if alloc.reserved() > b {
-                    format!("NEW {:.2}", (alloc.reserved() - b) as f64 / M)
-                } else {
-                    "ok".into()
-                }
+                served(&alloc, b)
             );
         }
         if kind == 0 && !has("keepold") {
@@ -447,21 +450,13 @@ fn v2(
 }
 
 /// The chain model with requests in segment age order (highest address first: CUDA hands out new segments below old ones).
-fn v3(
-    begin: &[SegmentLayout],
-    end: &[SegmentLayout],
-    roles: &HashMap<u64, Role>,
-    grads_freed: bool,
-    var: &str,
-    verbose: bool,
-) -> u64 {
-    let has = |f: &str| var.split(',').any(|v| v == f);
-    let ordinary = |s: &&SegmentLayout| s.pool == Pool::Large && s.pool_id == 0;
-    let gr = |r: Role| grads_freed && !has("keepgrads") && r == Role::Gradient;
-    let untouched = |s: &SegmentLayout| !s.expandable && end.iter().any(|e| e == s);
+fn v3(probe: &Probe) -> u64 {
+    let has = |f: &str| probe.has(f);
+    let gr = |r: Role| probe.grads_freed && !has("keepgrads") && r == Role::Gradient;
+    let untouched = |s: &SegmentLayout| !s.expandable && probe.end.iter().any(|e| e == s);
     // (address, size, stream, left_alone)
     let mut requests: Vec<(u64, u64, u64, bool)> = Vec::new();
-    for s in begin.iter().filter(ordinary) {
+    for s in probe.begin.iter().filter(ordinary) {
         let addrs = block_addresses(s);
         if s.blocks.iter().all(|b| b.allocated) {
             continue;
@@ -476,7 +471,7 @@ fn v3(
                     s.blocks
                         .iter()
                         .zip(&addrs)
-                        .filter(|(b, a)| gr(role(roles, **a, b)))
+                        .filter(|(b, a)| gr(role(probe.roles, **a, b)))
                         .map(|(b, &a)| (a, b.size, s.stream, false)),
                 );
             }
@@ -490,11 +485,12 @@ fn v3(
     } else {
         requests.sort_by_key(|r| std::cmp::Reverse(r.0));
     }
-    let serving: Vec<SegmentLayout> = end.iter().map(|e| freed(e, roles, &gr)).collect();
+    let serving = probe.serving(&gr);
     let (mut alloc, _) = CachingAllocator::from_layout(&serving).unwrap();
     let before = alloc.reserved();
     alloc.reset_step_peak();
-    let large_end: u64 = end
+    let large_end: u64 = probe
+        .end
         .iter()
         .filter(|s| s.pool == Pool::Large)
         .flat_map(|s| s.blocks.iter().filter(|b| b.allocated))
@@ -529,7 +525,7 @@ fn v3(
         } else {
             stack.push(id);
         }
-        if verbose {
+        if probe.verbose {
             eprintln!(
                 "  req {:x} -> {:x} {:.2}{}{} {}",
                 addr,
@@ -537,11 +533,7 @@ fn v3(
                 size as f64 / M,
                 if alone { " (alone)" } else { "" },
                 if transient { " (transient)" } else { "" },
-                if alloc.reserved() > b {
-                    format!("NEW {:.2}", (alloc.reserved() - b) as f64 / M)
-                } else {
-                    "ok".into()
-                }
+                served(&alloc, b)
             );
         }
     }
@@ -610,7 +602,14 @@ fn markers_mode(text: &str, var: &str, verbose: bool) {
         return;
     };
     let base = step2_new_segments(begin, end).unwrap();
-    let cand = v3(begin, end, roles, true, var, verbose);
+    let cand = v3(&Probe {
+        begin,
+        end,
+        roles,
+        grads_freed: true,
+        var,
+        verbose,
+    });
     println!(
         "{job:55} base {:7.1} cand {:7.1}",
         base.new_segment_bytes as f64 / M,

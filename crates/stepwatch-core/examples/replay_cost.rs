@@ -49,13 +49,6 @@ fn main() {
 fn segments_trace(n: u64) -> AllocatorTrace {
     let mut a = CachingAllocator::new();
     let mut events = Vec::new();
-    let event = |action, address, size, phase| AllocatorEvent {
-        action,
-        address,
-        size,
-        phase,
-        stream: 0,
-    };
     use AllocatorAction::*;
     for _ in 0..n {
         let t = a.malloc(20 * MIB, u64::MAX).unwrap();
@@ -71,14 +64,7 @@ fn segments_trace(n: u64) -> AllocatorTrace {
         let at = a.address_of(s).unwrap();
         events.push(event(Alloc, at, 12 * MIB, PhaseKind::Optimizer));
     }
-    AllocatorTrace {
-        step: 1,
-        segments: a.layout(),
-        events,
-        settings: None,
-        forward_returns: Vec::new(),
-        torch_version: String::new(),
-    }
+    step1_trace(&a, events)
 }
 
 /// A transformer-like step 1 (see the module documentation).
@@ -86,13 +72,7 @@ fn transformer_trace(layers: u64, micro_batches: u64) -> AllocatorTrace {
     let mut a = CachingAllocator::new();
     let mut events = Vec::new();
     let mut record = |a: &CachingAllocator, action, id, size, phase| {
-        events.push(AllocatorEvent {
-            action,
-            address: a.address_of(id).unwrap(),
-            size,
-            phase,
-            stream: 0,
-        });
+        events.push(event(action, a.address_of(id).unwrap(), size, phase));
     };
     // Weights: 6 tensors per layer.
     let params: Vec<u64> = (0..layers * 6).map(|i| (4 + i % 5) * 3 * MIB).collect();
@@ -145,6 +125,22 @@ fn transformer_trace(layers: u64, micro_batches: u64) -> AllocatorTrace {
             record(&a, AllocatorAction::Alloc, s, p * 2, PhaseKind::Optimizer);
         }
     }
+    step1_trace(&a, events)
+}
+
+/// An event on the default stream.
+fn event(action: AllocatorAction, address: u64, size: u64, phase: PhaseKind) -> AllocatorEvent {
+    AllocatorEvent {
+        action,
+        address,
+        size,
+        phase,
+        stream: 0,
+    }
+}
+
+/// The step-1 trace of `events`, ending with `a`'s layout.
+fn step1_trace(a: &CachingAllocator, events: Vec<AllocatorEvent>) -> AllocatorTrace {
     AllocatorTrace {
         step: 1,
         segments: a.layout(),

@@ -545,23 +545,13 @@ pub fn replay_step2_with(
     reserved_limit: Option<u64>,
     ddp_bucket_rebuild: Option<&DdpBucketRebuild>,
 ) -> Result<Step2Replay, TraceError> {
-    let Prepared {
-        plan,
-        alloc,
-        previous,
-        grads,
-        reserved_at_end,
-        state_bytes,
-        grad_bytes,
-        loop_bytes,
-        rebuild_summary,
-    } = prepare(trace, gradients, ddp_bucket_rebuild)?;
+    let p = prepare(trace, gradients, ddp_bucket_rebuild)?;
     let grads_persistent = gradients == Gradients::Kept;
     let limited = reserved_limit.map(|limit| {
-        plan.run_steps(
-            alloc.clone(),
-            previous.clone(),
-            grads.clone(),
+        p.plan.run_steps(
+            p.alloc.clone(),
+            p.previous.clone(),
+            p.grads.clone(),
             limit,
             REPLAYED_STEPS,
             &mut |_, _, _, _| {},
@@ -577,10 +567,10 @@ pub fn replay_step2_with(
         {
             runs.clone()
         }
-        _ => plan.run_steps(
-            alloc,
-            previous,
-            grads,
+        _ => p.plan.run_steps(
+            p.alloc,
+            p.previous,
+            p.grads,
             u64::MAX,
             REPLAYED_STEPS,
             &mut |_, _, _, _| {},
@@ -597,20 +587,20 @@ pub fn replay_step2_with(
     });
     let step2 = &unlimited[0];
     Ok(Step2Replay {
-        reserved_at_step1_end_bytes: reserved_at_end,
+        reserved_at_step1_end_bytes: p.reserved_at_end,
         reserved_peak_bytes: step2.peak.reserved,
         allocated_peak_bytes: step2.peak.allocated,
-        new_segment_bytes: step2.peak.reserved.saturating_sub(reserved_at_end),
-        state_bytes,
-        grad_bytes,
+        new_segment_bytes: step2.peak.reserved.saturating_sub(p.reserved_at_end),
+        state_bytes: p.state_bytes,
+        grad_bytes: p.grad_bytes,
         grads_persistent,
         grads_freed_before_backward: gradients == Gradients::FreedBeforeBackward,
         events_replayed: step2.events_replayed,
         steady_reserved_peak_bytes: steady_peak(&unlimited),
         reserved_limit_bytes: reserved_limit,
         within_limit,
-        ddp_bucket_rebuild: rebuild_summary,
-        loop_variable_bytes: loop_bytes,
+        ddp_bucket_rebuild: p.rebuild_summary,
+        loop_variable_bytes: p.loop_bytes,
         forward_returns_known: !trace.forward_returns.is_empty(),
     })
 }

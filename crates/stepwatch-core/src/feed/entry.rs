@@ -130,73 +130,58 @@ impl RecordEntry<'_> {
     /// The entry with nothing borrowed, to keep (the agent's record): the
     /// one place a borrowed marker batch is copied.
     pub fn into_owned(self) -> RecordEntry<'static> {
-        match self {
-            RecordEntry::Markers {
-                at_ns,
-                key,
-                markers,
-                run_id,
-            } => RecordEntry::Markers {
-                at_ns,
-                key: Cow::Owned(key.into_owned()),
-                markers: Cow::Owned(markers.into_owned()),
-                run_id: Cow::Owned(run_id.into_owned()),
-            },
-            RecordEntry::Open { at_ns, info } => RecordEntry::Open { at_ns, info },
-            RecordEntry::AllocatorTrace {
-                at_ns,
-                key,
-                grads_persistent,
-                gradients,
-                reserved_limit,
-                ddp_bucket_rebuild,
-                trace,
-                run_id,
-            } => RecordEntry::AllocatorTrace {
-                at_ns,
-                key,
-                grads_persistent,
-                gradients,
-                reserved_limit,
-                ddp_bucket_rebuild,
-                trace,
-                run_id,
-            },
-            RecordEntry::ModelFacts {
-                at_ns,
-                key,
-                update,
-                run_id,
-            } => RecordEntry::ModelFacts {
-                at_ns,
-                key,
-                update,
-                run_id,
-            },
-            RecordEntry::OomReport {
-                at_ns,
-                key,
-                report,
-                run_id,
-            } => RecordEntry::OomReport {
-                at_ns,
-                key,
-                report,
-                run_id,
-            },
-            RecordEntry::GpuSamples { gpu, samples } => RecordEntry::GpuSamples { gpu, samples },
-            RecordEntry::GpuProcesses { gpu, processes } => {
-                RecordEntry::GpuProcesses { gpu, processes }
-            }
-            RecordEntry::Evict {
-                at_ns,
-                retention_ns,
-            } => RecordEntry::Evict {
-                at_ns,
-                retention_ns,
-            },
-            RecordEntry::Close { at_ns, key, broken } => RecordEntry::Close { at_ns, key, broken },
+        // Every other variant owns its fields: each is moved across as it is.
+        macro_rules! moved {
+            ($entry:expr, $($variant:ident { $($field:ident),* }),* $(,)?) => {
+                match $entry {
+                    RecordEntry::Markers {
+                        at_ns,
+                        key,
+                        markers,
+                        run_id,
+                    } => RecordEntry::Markers {
+                        at_ns,
+                        key: Cow::Owned(key.into_owned()),
+                        markers: Cow::Owned(markers.into_owned()),
+                        run_id: Cow::Owned(run_id.into_owned()),
+                    },
+                    $(RecordEntry::$variant { $($field),* } => RecordEntry::$variant { $($field),* },)*
+                }
+            };
         }
+        moved!(
+            self,
+            Open { at_ns, info },
+            AllocatorTrace {
+                at_ns,
+                key,
+                grads_persistent,
+                gradients,
+                reserved_limit,
+                ddp_bucket_rebuild,
+                trace,
+                run_id
+            },
+            ModelFacts {
+                at_ns,
+                key,
+                update,
+                run_id
+            },
+            OomReport {
+                at_ns,
+                key,
+                report,
+                run_id
+            },
+            GpuSamples { gpu, samples },
+            GpuProcesses { gpu, processes },
+            Evict {
+                at_ns,
+                retention_ns
+            },
+            Close { at_ns, key, broken },
+        )
     }
 
     /// The rank an entry is about, for its advisories; None for a hello
