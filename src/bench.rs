@@ -893,12 +893,8 @@ fn run_group(
             let issued = a["issued_monotonic_ns"].as_u64().unwrap_or(0);
             (kind, step2_begin.map(|b| (b as f64 - issued as f64) / 1e6))
         });
-        let expected_oom = scenario
-            .expected
-            .ranks
-            .get(&rank)
-            .map_or(scenario.expected.outcome, |e| e.outcome)
-            == stepwatch_sim::scenario::OutcomeKind::Oom;
+        let expected_oom =
+            scenario.expected.for_rank(rank).outcome == stepwatch_sim::scenario::OutcomeKind::Oom;
         rows.push(Row {
             scenario: name.clone(),
             rank,

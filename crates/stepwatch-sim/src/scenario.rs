@@ -173,37 +173,32 @@ pub struct Gpu {
 
 /// Phase durations in milliseconds. Forward and backward are per micro-batch.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct Timing {
     /// Before step 1: loading weights (and pre-creating state).
-    #[serde(default = "init_ms")]
     pub init_ms: f64,
     /// Step begin to the first forward.
-    #[serde(default = "prologue_ms")]
     pub prologue_ms: f64,
     /// One forward pass.
-    #[serde(default = "forward_ms")]
     pub forward_ms: f64,
     /// One backward pass.
-    #[serde(default = "backward_ms")]
     pub backward_ms: f64,
     /// `optimizer.step()`.
-    #[serde(default = "optimizer_ms")]
     pub optimizer_ms: f64,
     /// Optimizer end to step end.
-    #[serde(default = "epilogue_ms")]
     pub epilogue_ms: f64,
 }
 
+/// The durations a scenario's `timing` leaves out.
 impl Default for Timing {
     fn default() -> Self {
         Self {
-            init_ms: init_ms(),
-            prologue_ms: prologue_ms(),
-            forward_ms: forward_ms(),
-            backward_ms: backward_ms(),
-            optimizer_ms: optimizer_ms(),
-            epilogue_ms: epilogue_ms(),
+            init_ms: 200.0,
+            prologue_ms: 5.0,
+            forward_ms: 60.0,
+            backward_ms: 120.0,
+            optimizer_ms: 30.0,
+            epilogue_ms: 5.0,
         }
     }
 }
@@ -241,17 +236,10 @@ pub struct Expectation {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Expected {
-    /// Default outcome of every rank.
-    pub outcome: OutcomeKind,
-    /// Default OOM step; required when `outcome` is `oom`.
-    #[serde(default)]
-    pub oom_step: Option<u64>,
-    /// Default lower bound on headroom (see [`Expectation::headroom_min`]).
-    #[serde(default)]
-    pub headroom_min: Option<f64>,
-    /// Default upper bound on headroom.
-    #[serde(default)]
-    pub headroom_max: Option<f64>,
+    /// What every rank is expected to do unless `ranks` names it: its
+    /// fields stand at this object's top level.
+    #[serde(flatten)]
+    pub default: Expectation,
     /// Exceptions, keyed by rank.
     #[serde(default)]
     pub ranks: BTreeMap<u32, Expectation>,
@@ -260,12 +248,7 @@ pub struct Expected {
 impl Expected {
     /// What `rank` is expected to do.
     pub fn for_rank(&self, rank: u32) -> Expectation {
-        self.ranks.get(&rank).cloned().unwrap_or(Expectation {
-            outcome: self.outcome,
-            oom_step: self.oom_step,
-            headroom_min: self.headroom_min,
-            headroom_max: self.headroom_max,
-        })
+        self.ranks.get(&rank).unwrap_or(&self.default).clone()
     }
 }
 
@@ -307,24 +290,6 @@ fn yes() -> bool {
 }
 fn one() -> u32 {
     1
-}
-fn init_ms() -> f64 {
-    200.0
-}
-fn prologue_ms() -> f64 {
-    5.0
-}
-fn forward_ms() -> f64 {
-    60.0
-}
-fn backward_ms() -> f64 {
-    120.0
-}
-fn optimizer_ms() -> f64 {
-    30.0
-}
-fn epilogue_ms() -> f64 {
-    5.0
 }
 
 impl Scenario {
@@ -476,7 +441,7 @@ impl Scenario {
                 return bad(format!("{field} must be between 0 and one hour"));
             }
         }
-        let mut expectations = vec![("expected".to_string(), self.expected.for_rank(u32::MAX))];
+        let mut expectations = vec![("expected".to_string(), self.expected.default.clone())];
         for (&rank, e) in &self.expected.ranks {
             if rank >= self.ranks.count {
                 return bad(format!(

@@ -395,6 +395,18 @@ fn peak_modes() {
 }
 
 #[test]
+fn timing_a_scenario_leaves_out_takes_the_defaults() {
+    let good = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scenarios/demo-small.json"
+    ))
+    .unwrap();
+    let s = Scenario::from_json(&good.replacen("\"init_ms\": 500,", "", 1), "x").unwrap();
+    assert_eq!(s.timing.init_ms, 200.0);
+    assert_eq!(s.timing.forward_ms, 150.0);
+}
+
+#[test]
 fn bad_scenarios_get_clear_errors() {
     let good = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -409,6 +421,12 @@ fn bad_scenarios_get_clear_errors() {
             .to_string()
     };
     assert!(edit("\"layers\"", "\"layerz\"").contains("unknown field"));
+    // The default expectation's keys stand at `expected`'s top level.
+    assert!(edit("\"outcome\": \"fits\"", "\"outcom\": \"fits\"").contains("outcome"));
+    assert!(
+        edit("\"outcome\": \"fits\"", "\"outcome\": \"fits\", \"oom\": 2")
+            .contains("unknown field `oom`")
+    );
     assert!(edit("\"optimizer\": \"adam\"", "\"optimizer\": \"lion\"").contains("unknown variant"));
     assert!(edit("\"steps\": 30", "\"steps\": 0").contains("training.steps must be at least 1"));
     assert!(edit("\"outcome\": \"fits\"", "\"outcome\": \"oom\"").contains("oom needs oom_step"));

@@ -130,10 +130,10 @@ fn required_situations_are_covered() {
     let s = all();
     let has = |f: &dyn Fn(&Scenario) -> bool| s.iter().any(f);
     use stepwatch_sim::{SimOptimizer::*, SimPrecision::*};
-    let oom2 = |x: &Scenario| x.expected.oom_step == Some(2);
+    let oom2 = |x: &Scenario| x.expected.default.oom_step == Some(2);
     assert!(has(&|x| x.training.optimizer == Adam && oom2(x)));
     assert!(has(
-        &|x| x.training.optimizer == Sgd && x.expected.outcome == OutcomeKind::Fits
+        &|x| x.training.optimizer == Sgd && x.expected.default.outcome == OutcomeKind::Fits
     ));
     assert!(has(&|x| x.training.state_precreated));
     assert!(has(&|x| x.training.grad_accumulation_steps == 4));
@@ -144,8 +144,12 @@ fn required_situations_are_covered() {
     assert!(has(&|x| x.training.precision == Fp32));
     assert!(has(&|x| x.training.precision == Bf16));
     assert!(has(&|x| x.colocated_with.is_some()));
-    assert!(has(&|x| x.expected.headroom_min.is_some_and(|h| h <= 0.10)
-        && x.expected.headroom_max.is_some_and(|h| h >= 0.10)));
+    assert!(has(&|x| x
+        .expected
+        .default
+        .headroom_min
+        .is_some_and(|h| h <= 0.10)
+        && x.expected.default.headroom_max.is_some_and(|h| h >= 0.10)));
 }
 
 #[test]
