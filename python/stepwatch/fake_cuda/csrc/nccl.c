@@ -174,47 +174,99 @@ static void trace(const char *what, size_t bytes) {
   if (debug_level() >= 2) fprintf(stderr, "fake-nccl: %s %zu bytes\n", what, bytes);
 }
 
-EXPORT ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t t,
-                                  ncclComm_t comm, cudaStream_t stream) {
-  (void)stream;
-  if (!comm) return ncclInvalidArgument;
-  size_t bytes = count * type_size(t);
-  trace("allgather", bytes);
+/* One collective call: its arguments, and what it does with every rank's offer. */
+struct collective {
+  const char *name;
+  const void *send;
+  void *recv;
+  size_t count; /* elements of each rank's part */
+  ncclDataType_t type;
+  ncclRedOp_t op;
+  int root;
+  size_t parts;      /* parts each rank offers: 1, or nranks when it sends each its own */
+  const void *offer; /* what this rank offers: send, unless said otherwise */
+  /* Into recv, from every rank's offer (pointers into shared memory). */
+  void (*combine)(ncclComm_t, const struct collective *, const unsigned char *const *all);
+  size_t bytes; /* of each part: set by run() */
+};
+
+/* Exchanges this rank's offer and, when the data could be exchanged, combines every rank's
+ * into recv. */
+static ncclResult_t run(ncclComm_t comm, struct collective *op) {
+  op->bytes = op->count * type_size(op->type);
+  trace(op->name, op->bytes);
   const unsigned char *buf[MAX_RANKS];
-  const unsigned char *const *all = exchange(comm, send, bytes, buf);
+  const void *offer = op->offer ? op->offer : op->send;
+  const unsigned char *const *all = exchange(comm, offer, op->bytes * op->parts, buf);
   if (!all) return ncclSuccess;
-  for (int r = 0; r < comm->nranks; r++) memmove((char *)recv + (size_t)r * bytes, all[r], bytes);
+  op->combine(comm, op, all);
   done_reading(comm);
   return ncclSuccess;
 }
 
-EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t t,
-                                  ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+static void gather(ncclComm_t comm, const struct collective *op,
+                   const unsigned char *const *all) {
+  for (int r = 0; r < comm->nranks; r++)
+    memmove((char *)op->recv + (size_t)r * op->bytes, all[r], op->bytes);
+}
+
+static void reduce_all(ncclComm_t comm, const struct collective *op,
+                       const unsigned char *const *all) {
+  reduce(op->recv, all, comm->nranks, op->count, op->type, op->op, op->send);
+}
+
+static void from_root(ncclComm_t comm, const struct collective *op,
+                      const unsigned char *const *all) {
+  (void)comm;
+  memmove(op->recv, all[op->root], op->bytes);
+}
+
+/* Each rank reduces every rank's part for it. */
+static void reduce_mine(ncclComm_t comm, const struct collective *op,
+                        const unsigned char *const *all) {
+  size_t at = (size_t)comm->rank * op->bytes;
+  const unsigned char *mine[MAX_RANKS];
+  for (int r = 0; r < comm->nranks; r++) mine[r] = all[r] + at;
+  reduce(op->recv, mine, comm->nranks, op->count, op->type, op->op, (const char *)op->send + at);
+}
+
+/* Each rank gathers every rank's part for it. */
+static void gather_mine(ncclComm_t comm, const struct collective *op,
+                        const unsigned char *const *all) {
+  size_t at = (size_t)comm->rank * op->bytes;
+  for (int r = 0; r < comm->nranks; r++)
+    memmove((char *)op->recv + (size_t)r * op->bytes, all[r] + at, op->bytes);
+}
+
+EXPORT ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t t,
+                                  ncclComm_t comm, cudaStream_t stream) {
   (void)stream;
   if (!comm) return ncclInvalidArgument;
-  size_t bytes = count * type_size(t);
-  trace("allreduce", bytes);
-  const unsigned char *buf[MAX_RANKS];
-  const unsigned char *const *all = exchange(comm, send, bytes, buf);
-  if (!all) return ncclSuccess;
-  reduce(recv, all, comm->nranks, count, t, op, send);
-  done_reading(comm);
-  return ncclSuccess;
+  struct collective op = {
+      .name = "allgather", .send = send, .recv = recv, .count = count, .type = t, .parts = 1,
+      .combine = gather};
+  return run(comm, &op);
+}
+
+EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t t,
+                                  ncclRedOp_t redop, ncclComm_t comm, cudaStream_t stream) {
+  (void)stream;
+  if (!comm) return ncclInvalidArgument;
+  struct collective op = {
+      .name = "allreduce", .send = send, .recv = recv, .count = count, .type = t, .op = redop,
+      .parts = 1, .combine = reduce_all};
+  return run(comm, &op);
 }
 
 EXPORT ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t t,
                                   int root, ncclComm_t comm, cudaStream_t stream) {
   (void)stream;
   if (!comm || root < 0 || root >= comm->nranks) return ncclInvalidArgument;
-  size_t bytes = count * type_size(t);
-  trace("broadcast", bytes);
-  const unsigned char *buf[MAX_RANKS];
   /* Non-root ranks may pass no send buffer: they offer their receive buffer. */
-  const unsigned char *const *all = exchange(comm, send ? send : recv, bytes, buf);
-  if (!all) return ncclSuccess;
-  memmove(recv, all[root], bytes);
-  done_reading(comm);
-  return ncclSuccess;
+  struct collective op = {
+      .name = "broadcast", .send = send, .recv = recv, .count = count, .type = t, .root = root,
+      .parts = 1, .offer = send ? send : recv, .combine = from_root};
+  return run(comm, &op);
 }
 
 EXPORT ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t t, int root,
@@ -223,35 +275,24 @@ EXPORT ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t t, int ro
 }
 
 EXPORT ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count,
-                                      ncclDataType_t t, ncclRedOp_t op, ncclComm_t comm,
+                                      ncclDataType_t t, ncclRedOp_t redop, ncclComm_t comm,
                                       cudaStream_t stream) {
   (void)stream;
   if (!comm) return ncclInvalidArgument;
-  size_t bytes = count * type_size(t);
-  trace("reduce-scatter", bytes);
-  const unsigned char *buf[MAX_RANKS];
-  const unsigned char *const *all = exchange(comm, send, bytes * (size_t)comm->nranks, buf);
-  if (!all) return ncclSuccess;
-  const unsigned char *mine[MAX_RANKS];
-  for (int r = 0; r < comm->nranks; r++) mine[r] = all[r] + (size_t)comm->rank * bytes;
-  reduce(recv, mine, comm->nranks, count, t, op, (const char *)send + (size_t)comm->rank * bytes);
-  done_reading(comm);
-  return ncclSuccess;
+  struct collective op = {
+      .name = "reduce-scatter", .send = send, .recv = recv, .count = count, .type = t,
+      .op = redop, .parts = (size_t)comm->nranks, .combine = reduce_mine};
+  return run(comm, &op);
 }
 
 EXPORT ncclResult_t ncclAlltoAll(const void *send, void *recv, size_t count, ncclDataType_t t,
                                  ncclComm_t comm, cudaStream_t stream) {
   (void)stream;
   if (!comm) return ncclInvalidArgument;
-  size_t bytes = count * type_size(t);
-  trace("all-to-all", bytes);
-  const unsigned char *buf[MAX_RANKS];
-  const unsigned char *const *all = exchange(comm, send, bytes * (size_t)comm->nranks, buf);
-  if (!all) return ncclSuccess;
-  for (int r = 0; r < comm->nranks; r++)
-    memmove((char *)recv + (size_t)r * bytes, all[r] + (size_t)comm->rank * bytes, bytes);
-  done_reading(comm);
-  return ncclSuccess;
+  struct collective op = {
+      .name = "all-to-all", .send = send, .recv = recv, .count = count, .type = t,
+      .parts = (size_t)comm->nranks, .combine = gather_mine};
+  return run(comm, &op);
 }
 
 EXPORT ncclResult_t ncclGetVersion(int *version) {
