@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 
 import common
 from models import ResNet
@@ -35,15 +34,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "cnn", args, lambda: ResNet(classes=args.classes, width=args.width, blocks=blocks), detail
     )
 
-    amp = common.autocast(device, args.precision)
-    model.train()
-    for _ in common.steps(args.steps):
-        images, labels = common.random_images(args.batch, args.image_size, args.classes, device)
-        with amp:
-            loss = F.cross_entropy(model(images), labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    common.train_on_images(args, model, optimizer, device)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 import stepwatch
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch.utils.data import Dataset
 
 from models import GPT, GPTConfig
@@ -272,6 +273,67 @@ def steps(n: int, rank: int = 0) -> Iterator[int]:
         yield step
         if rank == 0:
             print(f"step {step} done", flush=True)
+
+
+def train_sharded_gpt(
+    name: str,
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    rank: int,
+    world: int,
+    device: torch.device,
+    *,
+    local_shards: bool,
+) -> None:
+    """What the sharded GPT jobs do once their model is wrapped: the optimizer over its
+    (sharded) parameters, one line from rank 0 saying what runs, ``stepwatch.watch``, the
+    loop on random tokens, and the process group's end. ``local_shards``: the parameters
+    are this rank's shards (FSDP v1's flat ones), so the line counts ``world`` times them."""
+    optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        size = f"about {n_params * world / 1e6:.1f}M" if local_shards else f"{n_params / 1e6:.1f}M"
+        print(
+            f"{name}: {world} ranks, {size} parameters, {args.optimizer}, "
+            f"{args.precision}, batch {args.batch} x {args.seq_len} per rank",
+            flush=True,
+        )
+
+    stepwatch.watch(model, optimizer)
+
+    model.train()
+    for _ in steps(args.steps, rank):
+        x, y = random_tokens(args.batch, args.seq_len, args.vocab, device)
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    dist.destroy_process_group()
+
+
+def train_on_images(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    *,
+    per_pixel: bool = False,
+) -> None:
+    """The image jobs' loop: random images with a label per image (or per pixel), the
+    cross-entropy of the model's output under ``--precision``'s autocast."""
+    amp = autocast(device, args.precision)
+    model.train()
+    for _ in steps(args.steps):
+        images, labels = random_images(
+            args.batch, args.image_size, args.classes, device, per_pixel=per_pixel
+        )
+        with amp:
+            loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
 
 
 def autocast(device: torch.device, precision: str) -> torch.autocast:

@@ -16,10 +16,7 @@ from __future__ import annotations
 import warnings
 from typing import List, Optional
 
-import stepwatch
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F  # noqa: N812 (the usual spelling)
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
 from torch.distributed.fsdp import MixedPrecision
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -52,27 +49,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         mixed_precision=mp,
         device_id=device,
     )
-    optimizer = common.make_optimizer(args.optimizer, model.parameters(), args.lr)
-    if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters()) * world
-        print(
-            f"fsdp1: {world} ranks, about {n_params / 1e6:.1f}M parameters, {args.optimizer}, "
-            f"{args.precision}, batch {args.batch} x {args.seq_len} per rank",
-            flush=True,
-        )
-
-    stepwatch.watch(model, optimizer)
-
-    model.train()
-    for _ in common.steps(args.steps, rank):
-        x, y = common.random_tokens(args.batch, args.seq_len, args.vocab, device)
-        logits = model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    dist.destroy_process_group()
+    common.train_sharded_gpt("fsdp1", args, model, rank, world, device, local_shards=True)
 
 
 if __name__ == "__main__":

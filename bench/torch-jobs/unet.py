@@ -78,17 +78,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "unet", args, lambda: UNet(args.classes, args.width, args.depth), detail
     )
 
-    amp = common.autocast(device, args.precision)
-    model.train()
-    for _ in common.steps(args.steps):
-        images, masks = common.random_images(
-            args.batch, args.image_size, args.classes, device, per_pixel=True
-        )
-        with amp:
-            loss = F.cross_entropy(model(images), masks)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    common.train_on_images(args, model, optimizer, device, per_pixel=True)
 
 
 if __name__ == "__main__":
