@@ -5,9 +5,10 @@
         [--vocab 50304] [--device cuda|cpu] [--dtype bf16|fp32] [--job-id ID]
         [--endpoint unix:///run/stepwatch/stepwatch.sock]
 
-The model is written out here (token and position embeddings, pre-norm
-transformer blocks with causal self-attention and a 4x GELU MLP, a final norm
-and an LM head tied to the token embedding); the data are random tokens. The
+The model is the accuracy jobs' GPT (bench/torch-jobs/models.py: token and
+position embeddings, pre-norm transformer blocks with causal self-attention
+and a 4x GELU MLP, a final norm and an LM head tied to the token embedding);
+the data are random tokens. The
 defaults (~355M parameters, 8 x 1024 tokens, bf16 autocast, AdamW) take a
 few seconds for 12 steps on an H200 and about 20 GB of GPU memory, enough for
 the optimizer state made in step 1 and the caching allocator's fragmentation
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -43,54 +43,13 @@ except ImportError:  # run from a checkout without `pip install ./python`
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
-from torch import nn
+
+# The accuracy jobs' GPT and optimizers (bench/torch-jobs), which travel with the checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "torch-jobs"))
+from common import make_optimizer  # noqa: E402
+from models import GPT, GPTConfig  # noqa: E402
 
 GIB = 1024**3
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.fc = nn.Linear(hidden, 4 * hidden)
-        self.out = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, seq_len: int, layers: int, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, hidden)
-        self.pos = nn.Embedding(seq_len, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied, as in GPT-2
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue
-            std = 0.02
-            if name.endswith(("proj.weight", "out.weight")):  # GPT-2's residual scaling
-                std /= math.sqrt(2 * layers)
-            nn.init.normal_(p, mean=0.0, std=std)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -119,14 +78,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.hidden % args.heads:
         p.error("--hidden must be a multiple of --heads")
     return args
-
-
-def make_optimizer(name: str, params: Any, lr: Optional[float]) -> torch.optim.Optimizer:
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr or 3e-4, weight_decay=0.1)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr or 1e-2, momentum=0.9)
-    return torch.optim.SGD(params, lr=lr or 1e-2)
 
 
 def memory(device: torch.device) -> Dict[str, int]:
@@ -168,7 +119,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.manual_seed(args.seed)
 
     with device:  # parameters made (and initialised) on the device
-        model = GPT(args.vocab, args.seq_len, args.layers, args.hidden, args.heads)
+        model = GPT(GPTConfig(args.vocab, args.seq_len, args.layers, args.hidden, args.heads))
     model.train()
     optimizer = make_optimizer(args.optimizer, model.parameters(), args.lr)
     n_params = sum(p.numel() for p in model.parameters())
