@@ -177,6 +177,12 @@ impl IngestMetrics {
             .with_label_values(&[reason])
             .inc_by(markers.max(1));
     }
+
+    /// Counts an allocator trace under `result`: `replayed`, `late` or
+    /// `rejected`.
+    pub fn count_trace(&self, result: &str) {
+        self.allocator_traces.with_label_values(&[result]).inc();
+    }
 }
 
 /// Everything the servers share.

@@ -475,24 +475,27 @@ impl csi::identity_server::Identity for CsiPlugin {
     }
 }
 
+/// What a call needing a capability this driver does not offer gets.
+fn not_offered<T>(capability: &str) -> Result<T, Status> {
+    Err(Status::unimplemented(format!(
+        "{capability} is not a capability of this driver"
+    )))
+}
+
 #[tonic::async_trait]
 impl csi::node_server::Node for CsiPlugin {
     async fn node_stage_volume(
         &self,
         _: Request<csi::NodeStageVolumeRequest>,
     ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
-        Err(Status::unimplemented(
-            "STAGE_UNSTAGE_VOLUME is not a capability of this driver",
-        ))
+        not_offered("STAGE_UNSTAGE_VOLUME")
     }
 
     async fn node_unstage_volume(
         &self,
         _: Request<csi::NodeUnstageVolumeRequest>,
     ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
-        Err(Status::unimplemented(
-            "STAGE_UNSTAGE_VOLUME is not a capability of this driver",
-        ))
+        not_offered("STAGE_UNSTAGE_VOLUME")
     }
 
     async fn node_publish_volume(
@@ -515,9 +518,7 @@ impl csi::node_server::Node for CsiPlugin {
         &self,
         _: Request<csi::NodeGetVolumeStatsRequest>,
     ) -> Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
-        Err(Status::unimplemented(
-            "GET_VOLUME_STATS is not a capability of this driver",
-        ))
+        not_offered("GET_VOLUME_STATS")
     }
 
     /// No capability: publish and unpublish only.

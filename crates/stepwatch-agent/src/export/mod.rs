@@ -79,6 +79,15 @@ impl<'a> Family<'a> {
         Self::new(node, def.name, def.help, kind)
     }
 
+    /// Families of one unlabelled series each: (declaration, value).
+    fn singles(node: &'a str, families: &[(&'a MetricDef, f64)], out: &mut Vec<TextFamily>) {
+        for &(def, value) in families {
+            let mut family = Self::of(node, def);
+            family.add(&[], value);
+            family.done(out);
+        }
+    }
+
     /// One series. A label with an empty value is left out, which is what
     /// Prometheus makes of it anyway: ranks outside Kubernetes have no
     /// `namespace`, and their series read as before.
@@ -214,9 +223,11 @@ fn gpu_families(
     f.add(&[("version", env!("CARGO_PKG_VERSION"))], 1.0);
     f.done(out);
 
-    let mut f = Family::of(node, &metrics::NVML_UP);
-    f.add(&[], if snap.nvml_up { 1.0 } else { 0.0 });
-    f.done(out);
+    Family::singles(
+        node,
+        &[(&metrics::NVML_UP, if snap.nvml_up { 1.0 } else { 0.0 })],
+        out,
+    );
 
     let mut info = Family::of(node, &metrics::GPU_INFO);
     let mut up = Family::of(node, &metrics::GPU_UP);
@@ -288,24 +299,33 @@ fn gpu_families(
         f.done(out);
     }
 
-    let mut f = Family::of(node, &metrics::SAMPLER_LAG_SECONDS);
-    f.add(&[], snap.lag_max_seconds);
-    f.done(out);
+    Family::singles(
+        node,
+        &[(&metrics::SAMPLER_LAG_SECONDS, snap.lag_max_seconds)],
+        out,
+    );
     let mut f = Family::of(node, &metrics::SAMPLER_TICK_LATENESS_SECONDS);
     f.add_histogram(&snap.lag_histogram, snap.lag_count, snap.lag_sum_seconds);
     f.done(out);
-    let mut f = Family::of(node, &metrics::SAMPLER_TICKS_TOTAL);
-    f.add(&[], snap.ticks_total as f64);
-    f.done(out);
-    let mut f = Family::of(node, &metrics::SAMPLER_LATE_TICKS_TOTAL);
-    f.add(&[], snap.late_ticks_total as f64);
-    f.done(out);
-    let mut f = Family::of(node, &metrics::SAMPLER_SAMPLES_DROPPED_TOTAL);
-    f.add(&[], snap.pending_dropped_total as f64);
-    f.done(out);
-    let mut f = Family::of(node, &metrics::NVML_INIT_ATTEMPTS_TOTAL);
-    f.add(&[], snap.init_attempts_total as f64);
-    f.done(out);
+    Family::singles(
+        node,
+        &[
+            (&metrics::SAMPLER_TICKS_TOTAL, snap.ticks_total as f64),
+            (
+                &metrics::SAMPLER_LATE_TICKS_TOTAL,
+                snap.late_ticks_total as f64,
+            ),
+            (
+                &metrics::SAMPLER_SAMPLES_DROPPED_TOTAL,
+                snap.pending_dropped_total as f64,
+            ),
+            (
+                &metrics::NVML_INIT_ATTEMPTS_TOTAL,
+                snap.init_attempts_total as f64,
+            ),
+        ],
+        out,
+    );
     let mut f = Family::of(node, &metrics::NVML_ERRORS_TOTAL);
     for (call, n) in &snap.errors {
         f.add(&[("call", call.as_str())], *n as f64);
@@ -324,21 +344,22 @@ fn rank_families(
     phase_series: RankPhaseSeries,
     out: &mut Vec<TextFamily>,
 ) {
-    let mut tracked = Family::of(node, &metrics::RANKS_TRACKED);
-    tracked.add(&[], tracker.rank_count as f64);
-    tracked.done(out);
-
-    let mut f = Family::of(node, &metrics::RETAINED_BYTES);
-    f.add(&[], tracker.retained_bytes as f64);
-    f.done(out);
-
-    let mut f = Family::of(node, &metrics::STEPS_TRIMMED_TOTAL);
-    f.add(&[], tracker.steps_trimmed_total as f64);
-    f.done(out);
-
-    let mut f = Family::of(node, &metrics::RANKS_EVICTED_FOR_MEMORY_TOTAL);
-    f.add(&[], tracker.ranks_evicted_for_memory_total as f64);
-    f.done(out);
+    Family::singles(
+        node,
+        &[
+            (&metrics::RANKS_TRACKED, tracker.rank_count as f64),
+            (&metrics::RETAINED_BYTES, tracker.retained_bytes as f64),
+            (
+                &metrics::STEPS_TRIMMED_TOTAL,
+                tracker.steps_trimmed_total as f64,
+            ),
+            (
+                &metrics::RANKS_EVICTED_FOR_MEMORY_TOTAL,
+                tracker.ranks_evicted_for_memory_total as f64,
+            ),
+        ],
+        out,
+    );
 
     let mut f = Family::of(node, &metrics::LAYOUT_SNAPSHOTS_TOTAL);
     let c = tracker.layout_counts;

@@ -559,13 +559,11 @@ async fn receive_markers(
                 None => break,
             },
             _ = sleep_until_some(trace_deadline) => {
-                trace.abandon();
-                held.release();
                 let why = format!(
                     "the allocator trace was not finished within {:?} of its first chunk (--partial-trace-timeout)",
                     traces.timeout
                 );
-                reject_trace(state, key, "allocator_trace_timeout", &why);
+                abandon_trace(state, key, &mut trace, &mut held, "allocator_trace_timeout", &why);
                 continue;
             }
         };
@@ -574,15 +572,19 @@ async fn receive_markers(
             Some(Kind::AllocatorTrace(chunk)) => {
                 take_one_message(state, &mut bucket, max_rate)?;
                 if !trace.skipping && !trace.complete && !held.take(held_bytes(&chunk)) {
-                    let last = chunk.last;
-                    trace.abandon();
-                    trace.complete = last;
-                    held.release();
                     let why = format!(
                         "unfinished allocator traces of all streams would hold more than {} bytes (--max-partial-trace-mib)",
                         traces.max_partial_bytes
                     );
-                    reject_trace(state, key, "allocator_trace_over_budget", &why);
+                    abandon_trace(
+                        state,
+                        key,
+                        &mut trace,
+                        &mut held,
+                        "allocator_trace_over_budget",
+                        &why,
+                    );
+                    trace.complete = chunk.last;
                     continue;
                 }
                 match trace.add(chunk) {

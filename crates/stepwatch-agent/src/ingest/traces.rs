@@ -167,14 +167,25 @@ impl TraceAssembly {
     }
 }
 
+/// Drops a stream's unfinished trace, gives back the bytes it held, and
+/// counts and logs why ([`reject_trace`]).
+pub(super) fn abandon_trace(
+    state: &AgentState,
+    key: &RankKey,
+    trace: &mut TraceAssembly,
+    held: &mut HeldTraceBytes<'_>,
+    reason: &'static str,
+    why: &str,
+) {
+    trace.abandon();
+    held.release();
+    reject_trace(state, key, reason, why);
+}
+
 /// Counts and logs a trace the prediction cannot use; the stream goes on.
 pub(super) fn reject_trace(state: &AgentState, key: &RankKey, reason: &'static str, why: &str) {
     state.ingest.reject(reason, 1);
-    state
-        .ingest
-        .allocator_traces
-        .with_label_values(&["rejected"])
-        .inc();
+    state.ingest.count_trace("rejected");
     tracing::warn!(
         job = %key.job,
         rank = key.rank,
@@ -230,20 +241,12 @@ pub(super) async fn replay_trace(
     // A trace of a run its process has left is refused like its markers,
     // and counted with the other traces the prediction did not use.
     let applied = applied.map_err(|e| {
-        state
-            .ingest
-            .allocator_traces
-            .with_label_values(&["rejected"])
-            .inc();
+        state.ingest.count_trace("rejected");
         run_ended(state, key, &e, 1)
     })?;
     match applied {
         Some(advisories) => {
-            state
-                .ingest
-                .allocator_traces
-                .with_label_values(&["replayed"])
-                .inc();
+            state.ingest.count_trace("replayed");
             tracing::info!(
                 job = %key.job,
                 rank = key.rank,
@@ -255,11 +258,7 @@ pub(super) async fn replay_trace(
             send_advisories(state, key, advisories, tx, alerts);
         }
         None => {
-            state
-                .ingest
-                .allocator_traces
-                .with_label_values(&["late"])
-                .inc();
+            state.ingest.count_trace("late");
             tracing::info!(job = %key.job, rank = key.rank, "allocator trace arrived after step 2 began; ignored");
         }
     }

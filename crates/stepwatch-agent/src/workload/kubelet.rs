@@ -607,51 +607,25 @@ mod tests {
     }
 
     #[test]
-    fn cgroup_v2_systemd_containerd() {
-        let line = format!(
-            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/cri-containerd-{ID}.scope\n",
-            uid_underscored()
-        );
-        assert_eq!(parse_cgroup(&line), found(Some(ID)));
-        // Guaranteed QoS has no QoS slice.
-        let line = format!(
-            "0::/kubepods.slice/kubepods-pod{}.slice/cri-containerd-{ID}.scope",
-            uid_underscored()
-        );
-        assert_eq!(parse_cgroup(&line), found(Some(ID)));
-    }
-
-    #[test]
-    fn cgroupfs_driver() {
-        let line = format!("0::/kubepods/burstable/pod{UID}/{ID}");
-        assert_eq!(parse_cgroup(&line), found(Some(ID)));
-        let line = format!("0::/kubepods/pod{UID}/{ID}");
-        assert_eq!(parse_cgroup(&line), found(Some(ID)));
-    }
-
-    #[test]
-    fn cri_o_and_docker_scopes() {
-        let crio = format!(
-            "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{}.slice/crio-{ID}.scope",
-            uid_underscored()
-        );
-        assert_eq!(parse_cgroup(&crio), found(Some(ID)));
-        let crio_fs = format!("0::/kubepods/besteffort/pod{UID}/crio-{ID}");
-        assert_eq!(parse_cgroup(&crio_fs), found(Some(ID)));
-        let docker = format!(
-            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{}.slice/docker-{ID}.scope",
-            uid_underscored()
-        );
-        assert_eq!(parse_cgroup(&docker), found(Some(ID)));
-    }
-
-    #[test]
-    fn containerd_systemd_form_under_kind() {
-        let line = format!(
-            "0::/system.slice/containerd.service/kubepods-burstable-pod{}.slice:cri-containerd:{ID}",
-            uid_underscored()
-        );
-        assert_eq!(parse_cgroup(&line), found(Some(ID)));
+    fn each_cgroup_driver_and_runtime_names_pod_and_container() {
+        let uid = uid_underscored();
+        for line in [
+            // cgroup v2, systemd driver, containerd.
+            format!("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid}.slice/cri-containerd-{ID}.scope\n"),
+            // Guaranteed QoS has no QoS slice.
+            format!("0::/kubepods.slice/kubepods-pod{uid}.slice/cri-containerd-{ID}.scope"),
+            // The cgroupfs driver.
+            format!("0::/kubepods/burstable/pod{UID}/{ID}"),
+            format!("0::/kubepods/pod{UID}/{ID}"),
+            // CRI-O and Docker scopes.
+            format!("0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{uid}.slice/crio-{ID}.scope"),
+            format!("0::/kubepods/besteffort/pod{UID}/crio-{ID}"),
+            format!("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{uid}.slice/docker-{ID}.scope"),
+            // containerd's systemd form, as under kind.
+            format!("0::/system.slice/containerd.service/kubepods-burstable-pod{uid}.slice:cri-containerd:{ID}"),
+        ] {
+            assert_eq!(parse_cgroup(&line), found(Some(ID)), "{line}");
+        }
     }
 
     #[test]
