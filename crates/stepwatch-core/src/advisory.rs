@@ -91,6 +91,23 @@ pub struct Advisory {
     pub divergence: Option<NamedOutlier>,
 }
 
+impl Advisory {
+    /// An advisory that reports what was seen, not a prediction: its
+    /// prediction fields stay 0.
+    pub(crate) fn observation(kind: AdvisoryKind, step: u64, now_ns: u64, message: String) -> Self {
+        Self {
+            kind,
+            step,
+            issued_monotonic_ns: now_ns,
+            predicted_peak_bytes: 0,
+            capacity_bytes: 0,
+            predicted_headroom_bytes: 0,
+            message,
+            divergence: None,
+        }
+    }
+}
+
 /// The advisories `prediction` calls for that are not in `issued` yet.
 /// The caller calls this only while the rank is in its first step: after
 /// that, the steps speak for themselves. Each kind is issued once, and again
@@ -223,6 +240,24 @@ fn what_would_fit_words(prediction: &Prediction) -> String {
     format!("; predicted to fit: {}", options.join(", or "))
 }
 
+/// Whether `issued` holds an advisory of `kind`: the ones given once per
+/// rank and run.
+pub(crate) fn already_issued(issued: &[Advisory], kind: AdvisoryKind) -> bool {
+    issued.iter().any(|a| a.kind == kind)
+}
+
+/// An observation of `kind` with the message `message` makes, unless
+/// `issued` holds one: once per rank and run.
+fn observed_once(
+    kind: AdvisoryKind,
+    step: u64,
+    now_ns: u64,
+    issued: &[Advisory],
+    message: impl FnOnce() -> String,
+) -> Option<Advisory> {
+    (!already_issued(issued, kind)).then(|| Advisory::observation(kind, step, now_ns, message()))
+}
+
 /// The prediction-final advisory, once per rank and run, when step 1 has
 /// ended (the caller checks that, before step 2's first marker is applied):
 /// the prediction as it stands then, after any step-2 OOM or low-headroom
@@ -235,10 +270,7 @@ pub fn final_due(
     now_ns: u64,
     issued: &[Advisory],
 ) -> Option<Advisory> {
-    if issued
-        .iter()
-        .any(|a| a.kind == AdvisoryKind::PredictionFinal)
-    {
+    if already_issued(issued, AdvisoryKind::PredictionFinal) {
         return None;
     }
     let (peak, headroom, message) = match prediction {
@@ -312,14 +344,13 @@ pub fn divergence_due(
             })
         })
         .map(|n| Advisory {
-            kind: AdvisoryKind::RankDivergence,
-            step,
-            issued_monotonic_ns: now_ns,
-            predicted_peak_bytes: 0,
-            capacity_bytes: 0,
-            predicted_headroom_bytes: 0,
-            message: divergence_message(n),
             divergence: Some(n.clone()),
+            ..Advisory::observation(
+                AdvisoryKind::RankDivergence,
+                step,
+                now_ns,
+                divergence_message(n),
+            )
         })
         .collect()
 }
@@ -417,22 +448,13 @@ pub fn retries_due(
     now_ns: u64,
     issued: &[Advisory],
 ) -> Option<Advisory> {
-    if issued
-        .iter()
-        .any(|a| a.kind == AdvisoryKind::AllocatorRetries)
-    {
-        return None;
-    }
-    Some(Advisory {
-        kind: AdvisoryKind::AllocatorRetries,
-        step: growth.step,
-        issued_monotonic_ns: now_ns,
-        predicted_peak_bytes: 0,
-        capacity_bytes: 0,
-        predicted_headroom_bytes: 0,
-        message: retries_message(growth, frozen),
-        divergence: None,
-    })
+    observed_once(
+        AdvisoryKind::AllocatorRetries,
+        growth.step,
+        now_ns,
+        issued,
+        || retries_message(growth, frozen),
+    )
 }
 
 fn retries_message(growth: RetryGrowth, frozen: Option<&Prediction>) -> String {
@@ -520,16 +542,12 @@ pub fn observed_headroom_due(
     if spare >= low_headroom_fraction * capacity as f64 {
         return None;
     }
-    Some(Advisory {
-        kind: AdvisoryKind::LowObservedHeadroom,
-        step: observed.step,
-        issued_monotonic_ns: now_ns,
-        predicted_peak_bytes: 0,
-        capacity_bytes: 0,
-        predicted_headroom_bytes: 0,
-        message: observed_headroom_message(observed, frozen),
-        divergence: None,
-    })
+    Some(Advisory::observation(
+        AdvisoryKind::LowObservedHeadroom,
+        observed.step,
+        now_ns,
+        observed_headroom_message(observed, frozen),
+    ))
 }
 
 /// "(1.5% to spare)" of `capacity` at `peak`; "(nothing to spare)" at or
@@ -610,18 +628,8 @@ pub fn growth_due(
     now_ns: u64,
     issued: &[Advisory],
 ) -> Option<Advisory> {
-    if issued.iter().any(|a| a.kind == AdvisoryKind::MemoryGrowth) {
-        return None;
-    }
-    Some(Advisory {
-        kind: AdvisoryKind::MemoryGrowth,
-        step,
-        issued_monotonic_ns: now_ns,
-        predicted_peak_bytes: 0,
-        capacity_bytes: 0,
-        predicted_headroom_bytes: 0,
-        message: growth_message(forecast, trend),
-        divergence: None,
+    observed_once(AdvisoryKind::MemoryGrowth, step, now_ns, issued, || {
+        growth_message(forecast, trend)
     })
 }
 

@@ -125,16 +125,7 @@ pub fn jump_advisory(step: u64, now_ns: u64, ahead_ns: u64) -> Advisory {
 }
 
 fn clock_advisory(step: u64, now_ns: u64, message: String) -> Advisory {
-    Advisory {
-        kind: AdvisoryKind::ClientClock,
-        step,
-        issued_monotonic_ns: now_ns,
-        predicted_peak_bytes: 0,
-        capacity_bytes: 0,
-        predicted_headroom_bytes: 0,
-        message,
-        divergence: None,
-    }
+    Advisory::observation(AdvisoryKind::ClientClock, step, now_ns, message)
 }
 
 #[cfg(test)]

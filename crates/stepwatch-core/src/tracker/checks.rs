@@ -54,6 +54,17 @@ fn first_step_is_latest<'t>(
     (state.timeline.current()?.step == first.step).then_some((state, first))
 }
 
+/// The rank and the step of the batch's last marker; None outside a
+/// marker batch.
+fn rank_at_last_marker<'t>(
+    tracker: &'t Tracker,
+    key: &RankKey,
+    batch: &Batch<'_>,
+) -> Option<(&'t RankState, u64)> {
+    let step = batch.markers.last()?.step;
+    Some((tracker.ranks.get(key)?, step))
+}
+
 /// Step-2 OOM predicted, or low headroom: only while the rank's first step
 /// is its latest step, since the point is to warn before step 2 begins.
 pub(super) struct Step2Prediction;
@@ -125,10 +136,7 @@ impl Check for PredictionFinal {
             return Vec::new();
         };
         if first.outcome != StepOutcome::Completed
-            || state
-                .advisories
-                .iter()
-                .any(|a| a.kind == advisory::AdvisoryKind::PredictionFinal)
+            || advisory::already_issued(&state.advisories, advisory::AdvisoryKind::PredictionFinal)
         {
             return Vec::new();
         }
@@ -203,10 +211,7 @@ pub(super) struct ObservedHeadroom;
 
 impl Check for ObservedHeadroom {
     fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
-        let Some(step) = batch.markers.last().map(|m| m.step) else {
-            return Vec::new();
-        };
-        let Some(state) = tracker.ranks.get(key) else {
+        let Some((state, step)) = rank_at_last_marker(tracker, key, batch) else {
             return Vec::new();
         };
         if !advisory::observed_headroom_open(&state.advisories) {
@@ -251,17 +256,10 @@ pub(super) struct MemoryGrowth;
 
 impl Check for MemoryGrowth {
     fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
-        let Some(step) = batch.markers.last().map(|m| m.step) else {
+        let Some((state, step)) = rank_at_last_marker(tracker, key, batch) else {
             return Vec::new();
         };
-        let Some(state) = tracker.ranks.get(key) else {
-            return Vec::new();
-        };
-        if state
-            .advisories
-            .iter()
-            .any(|a| a.kind == advisory::AdvisoryKind::MemoryGrowth)
-        {
+        if advisory::already_issued(&state.advisories, advisory::AdvisoryKind::MemoryGrowth) {
             return Vec::new();
         }
         let (Some(trend), Some(forecast)) = (state.trend.trend(), tracker.memory_growth(key))

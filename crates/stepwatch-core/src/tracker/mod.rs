@@ -606,10 +606,7 @@ impl Tracker {
             &self.analysis,
         );
         // A step-2 OOM warning already given is withdrawn only on a measurement.
-        let warned = state
-            .advisories
-            .iter()
-            .any(|a| a.kind == AdvisoryKind::Step2OomPredicted);
+        let warned = advisory::already_issued(&state.advisories, AdvisoryKind::Step2OomPredicted);
         if let Some(p) = analysis.prediction.as_mut() {
             p.revise_after_warning(warned);
         }
@@ -810,13 +807,7 @@ impl Tracker {
         }
         let mut evicted = None;
         if self.ranks.len() >= self.config.max_ranks {
-            let longest_gone = self
-                .ranks
-                .iter()
-                .filter(|(_, r)| r.connected_streams == 0)
-                .min_by_key(|(_, r)| r.last_activity_ns)
-                .map(|(k, _)| k.clone());
-            let Some(gone) = longest_gone else {
+            let Some(gone) = self.longest_finished() else {
                 return Err(OpenError::TooManyRanks(self.config.max_ranks));
             };
             self.ranks.remove(&gone);
@@ -1284,19 +1275,23 @@ impl Tracker {
         held
     }
 
+    /// The rank with no stream left that was active longest ago: the
+    /// first to give way.
+    fn longest_finished(&self) -> Option<RankKey> {
+        self.ranks
+            .iter()
+            .filter(|(_, r)| r.connected_streams == 0)
+            .min_by_key(|(_, r)| r.last_activity_ns)
+            .map(|(k, _)| k.clone())
+    }
+
     /// Frees retained steps until they fit the budget: finished ranks go
     /// first, the one that finished longest ago first; then the namespace
     /// holding the most (among those with a step to give) drops its
     /// largest rank's oldest step; until nothing is left to give.
     fn enforce_budget(&mut self) {
         while self.retained_bytes > self.config.memory_budget_bytes {
-            let finished = self
-                .ranks
-                .iter()
-                .filter(|(_, r)| r.connected_streams == 0)
-                .min_by_key(|(_, r)| r.last_activity_ns)
-                .map(|(k, _)| k.clone());
-            if let Some(key) = finished {
+            if let Some(key) = self.longest_finished() {
                 if let Some(gone) = self.ranks.remove(&key) {
                     let freed = gone.timeline.approx_bytes();
                     self.retained_bytes = self.retained_bytes.saturating_sub(freed);
@@ -1462,10 +1457,7 @@ fn check_clock(
         ClockVerdict::Ok => Ok(None),
         ClockVerdict::Jumped { ahead_ns } => Err(MarkerError::ClockJumped { ahead_ns, step }),
         ClockVerdict::New { offset_ns } => {
-            let told = state
-                .advisories
-                .iter()
-                .any(|a| a.kind == AdvisoryKind::ClientClock);
+            let told = advisory::already_issued(&state.advisories, AdvisoryKind::ClientClock);
             Ok((offset_is_far(offset_ns) && !told)
                 .then(|| offset_advisory(step, now_ns, offset_ns)))
         }
