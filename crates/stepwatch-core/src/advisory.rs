@@ -29,6 +29,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::analysis::SteadyNvmlPeak;
 use crate::divergence::{Divergence, DivergenceFigure, NamedOutlier, PeakSource};
 use crate::growth::{GrowthForecast, GrowthSource, MemoryTrend};
 use crate::marker::{Marker, MarkerKind};
@@ -488,18 +489,11 @@ fn retries_message(growth: RetryGrowth, frozen: Option<&Prediction>) -> String {
 pub struct ObservedPeak {
     /// The step of the batch that made the check; the advisory's step.
     pub step: u64,
-    /// The first of the steps the steady peak is the median of (normally 2).
-    pub first_step: u64,
-    /// The last of them.
-    pub last_step: u64,
-    /// How many steps the median is over.
-    pub steps: usize,
     /// The steady NVML peak (`stepwatch_rank_steady_step_peak_bytes`:
-    /// device memory, other processes included), bytes.
-    pub peak_bytes: u64,
-    /// The NVML peak of `first_step` alone, to say whether memory grew after
-    /// it; None when it had no samples.
-    pub first_step_peak_bytes: Option<u64>,
+    /// device memory, other processes included), the steps it is the
+    /// median of (normally from step 2), and the first one's own peak, to
+    /// say whether memory grew after it.
+    pub steady: SteadyNvmlPeak,
     /// What processes can use on the GPU (total less the driver's reserve),
     /// as the prediction uses it, bytes; 0 when unknown.
     pub capacity_bytes: u64,
@@ -538,7 +532,7 @@ pub fn observed_headroom_due(
     if capacity == 0 || !observed_headroom_open(issued) {
         return None;
     }
-    let spare = capacity as f64 - observed.peak_bytes as f64;
+    let spare = capacity as f64 - observed.steady.peak_bytes as f64;
     if spare >= low_headroom_fraction * capacity as f64 {
         return None;
     }
@@ -563,6 +557,7 @@ fn to_spare(peak: f64, capacity: f64) -> String {
 
 fn observed_headroom_message(o: ObservedPeak, frozen: Option<&Prediction>) -> String {
     let capacity = o.capacity_bytes as f64;
+    let o = o.steady;
     let peak = o.peak_bytes as f64;
     let steps = if o.last_step == o.first_step {
         format!("step {}", o.first_step)

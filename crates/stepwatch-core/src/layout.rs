@@ -357,6 +357,16 @@ mod tests {
         )
     }
 
+    /// (new segment bytes, blocks needing new segments, cached bytes at
+    /// begin): the estimate's figures, asserted together.
+    fn figures(e: &LayoutEstimate) -> (u64, u32, u64) {
+        (
+            e.new_segment_bytes,
+            e.blocks_needing_new_segments,
+            e.cached_at_begin_bytes,
+        )
+    }
+
     /// Begin: a 400 MiB activation segment, wholly free, and a 100 MiB
     /// segment holding the weights. End: 64 MiB of state carved from the
     /// front of the activation block.
@@ -378,9 +388,7 @@ mod tests {
         // largest): one new 400 MiB segment.
         let (begin, end) = state_carved_from_a_cached_block();
         let e = step2_new_segments(&begin, &end).unwrap();
-        assert_eq!(e.new_segment_bytes, 400 * M);
-        assert_eq!(e.cached_at_begin_bytes, 400 * M);
-        assert_eq!(e.blocks_needing_new_segments, 1);
+        assert_eq!(figures(&e), (400 * M, 1, 400 * M));
         assert_eq!(e.reserved_at_end_bytes, 500 * M);
     }
 
@@ -413,9 +421,7 @@ mod tests {
             seg(1 << 33, &[(150 * M, false)]),
         ];
         let e = step2_new_segments(&begin, &end).unwrap();
-        assert_eq!(e.new_segment_bytes, 200 * M);
-        assert_eq!(e.blocks_needing_new_segments, 1);
-        assert_eq!(e.cached_at_begin_bytes, 600 * M);
+        assert_eq!(figures(&e), (200 * M, 1, 600 * M));
     }
 
     #[test]
@@ -436,9 +442,7 @@ mod tests {
             seg(1 << 32, &[(64 * M, true), (236 * M, false)]),
         ];
         let e = step2_new_segments(&begin, &end).unwrap();
-        assert_eq!(e.new_segment_bytes, 300 * M);
-        assert_eq!(e.blocks_needing_new_segments, 1);
-        assert_eq!(e.cached_at_begin_bytes, 694 * M);
+        assert_eq!(figures(&e), (300 * M, 1, 694 * M));
         assert_eq!(e.reserved_at_end_bytes, 694 * M);
         let alone = step2_new_segments(&begin[..1], &end[..1]).unwrap();
         assert_eq!(alone.new_segment_bytes, 0);
@@ -461,9 +465,7 @@ mod tests {
             seg(1 << 32, &[(9 * M, true), (11 * M, false)]),
         ];
         let e = step2_new_segments(&begin, &end).unwrap();
-        assert_eq!(e.cached_at_begin_bytes, 405 * M);
-        assert_eq!(e.new_segment_bytes, 394 * M);
-        assert_eq!(e.blocks_needing_new_segments, 1);
+        assert_eq!(figures(&e), (394 * M, 1, 405 * M));
     }
 
     /// The FSDP2 case in small: on the default stream a 400 MiB logits
@@ -510,9 +512,7 @@ mod tests {
             ..LayoutContext::default()
         };
         let e = step2_new_segments_with(&begin, &end, &context).unwrap();
-        assert_eq!(e.new_segment_bytes, 400 * M);
-        assert_eq!(e.cached_at_begin_bytes, 436 * M);
-        assert_eq!(e.blocks_needing_new_segments, 1);
+        assert_eq!(figures(&e), (400 * M, 1, 436 * M));
         assert_eq!(e.reserved_at_end_bytes, 500 * M);
         assert!(!e.capped_at_reserved_limit);
     }
@@ -536,9 +536,7 @@ mod tests {
             ..LayoutContext::default()
         };
         let e = step2_new_segments_with(&begin, &end, &context).unwrap();
-        assert_eq!(e.new_segment_bytes, 400 * M);
-        assert_eq!(e.blocks_needing_new_segments, 1);
-        assert_eq!(e.cached_at_begin_bytes, 436 * M);
+        assert_eq!(figures(&e), (400 * M, 1, 436 * M));
     }
 
     #[test]
@@ -565,9 +563,7 @@ mod tests {
             ..LayoutContext::default()
         };
         let e = step2_new_segments_with(&begin, &end, &alive).unwrap();
-        assert_eq!(e.new_segment_bytes, 800 * M);
-        assert_eq!(e.blocks_needing_new_segments, 2);
-        assert_eq!(e.cached_at_begin_bytes, 820 * M);
+        assert_eq!(figures(&e), (800 * M, 2, 820 * M));
         // The same with the gradients (64 MiB) on a side stream instead.
         let mut grads = seg(3 << 32, &[(64 * M, true)]);
         grads.stream = 7;
@@ -639,9 +635,7 @@ mod tests {
         // left); the logits' 400 MiB request then its own block: nothing new.
         let (begin, end) = flagged_gradient_layouts(128);
         let e = step2_new_segments(&begin, &end).unwrap();
-        assert_eq!(e.new_segment_bytes, 0);
-        assert_eq!(e.blocks_needing_new_segments, 0);
-        assert_eq!(e.cached_at_begin_bytes, 424 * M);
+        assert_eq!(figures(&e), (0, 0, 424 * M));
         assert_eq!(e.reserved_at_end_bytes, 552 * M);
         // Without the flag (kept records, older clients) the rule before
         // them: the gradient stays, the left-alone segments serve only
@@ -662,9 +656,7 @@ mod tests {
         // flags: 24 MiB.)
         let (begin, end) = flagged_gradient_layouts(16);
         let e = step2_new_segments(&begin, &end).unwrap();
-        assert_eq!(e.new_segment_bytes, 400 * M);
-        assert_eq!(e.blocks_needing_new_segments, 1);
-        assert_eq!(e.cached_at_begin_bytes, 424 * M);
+        assert_eq!(figures(&e), (400 * M, 1, 424 * M));
         // Gradients alive through the forward: the flags change nothing,
         // the chain as before (smallest first, the same outcome here).
         let alive = LayoutContext {
@@ -704,9 +696,7 @@ mod tests {
             step2_new_segments_with(&begin, &end, &context).unwrap()
         };
         let e = within(80 * M);
-        assert_eq!(e.new_segment_bytes, 0);
-        assert_eq!(e.blocks_needing_new_segments, 0);
-        assert_eq!(e.cached_at_begin_bytes, 64 * M);
+        assert_eq!(figures(&e), (0, 0, 64 * M));
         // Room for both at once: as without a limit.
         assert_eq!(within(96 * M).new_segment_bytes, 32 * M);
     }

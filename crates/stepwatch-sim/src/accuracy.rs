@@ -258,17 +258,23 @@ fn run_sims(sims: &mut [RankSim]) -> Vec<Vec<SimEvent>> {
     }
 }
 
+/// (time, process, index) of every process's events, earliest first (ties
+/// by process, then index).
+fn in_time_order(events: &[Vec<SimEvent>]) -> Vec<(u64, usize, usize)> {
+    let mut order: Vec<(u64, usize, usize)> = events
+        .iter()
+        .enumerate()
+        .flat_map(|(p, ev)| ev.iter().enumerate().map(move |(i, e)| (e.at_ns(), p, i)))
+        .collect();
+    order.sort();
+    order
+}
+
 /// Device use over time on one GPU: at each event of any process, the sum
 /// of every running process's latest NVML figure plus `base` other bytes.
 /// A process holds nothing before its first and after its last event.
 fn device_timeline(events: &[Vec<SimEvent>], base: u64) -> Vec<(u64, u64)> {
-    let mut all: Vec<(u64, usize, usize)> = Vec::new();
-    for (p, ev) in events.iter().enumerate() {
-        for (i, e) in ev.iter().enumerate() {
-            all.push((e.at_ns(), p, i));
-        }
-    }
-    all.sort();
+    let all = in_time_order(events);
     let mut latest = vec![0u64; events.len()];
     let mut out = Vec::with_capacity(all.len());
     for (t, p, i) in all {
@@ -347,13 +353,7 @@ fn replay(s: &Scenario, sims: &[RankSim], events: &[Vec<SimEvent>]) -> Replay {
         .iter()
         .map(|sim| RankKey::new("", &sim.scenario().name, sim.rank()))
         .collect();
-    let mut order: Vec<(u64, usize, usize)> = Vec::new();
-    for (p, ev) in events.iter().enumerate() {
-        for (i, e) in ev.iter().enumerate() {
-            order.push((e.at_ns(), p, i));
-        }
-    }
-    order.sort();
+    let order = in_time_order(events);
     let mut latest = vec![0u64; events.len()];
     let mut opened = vec![false; events.len()];
     let mut ended = vec![false; events.len()];

@@ -228,11 +228,7 @@ impl Check for ObservedHeadroom {
         };
         let observed = advisory::ObservedPeak {
             step,
-            first_step: steady.first_step,
-            last_step: steady.last_step,
-            steps: steady.steps,
-            peak_bytes: steady.peak_bytes,
-            first_step_peak_bytes: steady.first_step_peak_bytes,
+            steady,
             capacity_bytes: capacity,
         };
         advisory::observed_headroom_due(

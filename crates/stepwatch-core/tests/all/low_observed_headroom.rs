@@ -11,7 +11,7 @@
 //! step-1 advisory. Each later step's NVML peak is set by its samples.
 
 use stepwatch_core::*;
-use stepwatch_core::{gb, observed_headroom_due, ObservedPeak};
+use stepwatch_core::{gb, observed_headroom_due, ObservedPeak, SteadyNvmlPeak};
 use stepwatch_testkit::{self as kit, marker_mib as marker, MIB as M};
 
 const GPU: &str = "GPU-0";
@@ -236,11 +236,13 @@ fn once_per_run_and_again_in_a_new_run_of_the_process() {
 fn the_message_without_a_prediction_or_a_contiguous_window() {
     let o = ObservedPeak {
         step: 9,
-        first_step: 2,
-        last_step: 6,
-        steps: 4,
-        peak_bytes: 79_200_000_000,
-        first_step_peak_bytes: Some(79_100_000_000),
+        steady: SteadyNvmlPeak {
+            first_step: 2,
+            last_step: 6,
+            steps: 4,
+            peak_bytes: 79_200_000_000,
+            first_step_peak_bytes: Some(79_100_000_000),
+        },
         capacity_bytes: 80_000_000_000,
     };
     let a = observed_headroom_due(o, 0.05, None, 7, &[]).unwrap();
@@ -264,7 +266,10 @@ fn the_message_without_a_prediction_or_a_contiguous_window() {
     assert!(m.contains("expandable_segments:True"), "{m}");
     // Past capacity there is nothing to spare; capacity unknown, nothing said.
     let over = ObservedPeak {
-        peak_bytes: 81_000_000_000,
+        steady: SteadyNvmlPeak {
+            peak_bytes: 81_000_000_000,
+            ..o.steady
+        },
         ..o
     };
     let m = observed_headroom_due(over, 0.05, None, 0, &[])
@@ -278,7 +283,10 @@ fn the_message_without_a_prediction_or_a_contiguous_window() {
     assert_eq!(observed_headroom_due(unknown, 0.05, None, 0, &[]), None);
     // 6% to spare: nothing.
     let roomy = ObservedPeak {
-        peak_bytes: 75_200_000_000,
+        steady: SteadyNvmlPeak {
+            peak_bytes: 75_200_000_000,
+            ..o.steady
+        },
         ..o
     };
     assert_eq!(observed_headroom_due(roomy, 0.05, None, 0, &[]), None);
