@@ -164,7 +164,7 @@ pub struct MigSlice {
 }
 
 /// The profile in a MIG device's NVML name, which drivers write as
-/// "<GPU name> MIG <profile>" (e.g. "NVIDIA H100 80GB HBM3 MIG 1g.10gb").
+/// `"<GPU name> MIG <profile>"` (e.g. "NVIDIA H100 80GB HBM3 MIG 1g.10gb").
 pub fn mig_profile_of_name(name: &str) -> &str {
     name.rsplit_once(" MIG ").map_or("", |(_, p)| p.trim())
 }
