@@ -12,46 +12,18 @@
 # and the shared venv's torch (PY=path overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REPO="$PWD"
+. bench/fake-agent.sh
 BATCH="${1:-4096}"; HEAVY="${2:-3}"
 PY="${PY:-$HOME/.cache/stepwatch/py-venv/bin/python}"
 BIN="${BIN:-${CARGO_TARGET_DIR:-target}/debug/stepwatch}"
-D="$(mktemp -d)"; APID=
-cleanup() { [ -n "$APID" ] && kill "$APID" 2>/dev/null; rm -rf "$D"; }
+D="$(mktemp -d)"; PID=
+cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null; rm -rf "$D"; }
 trap cleanup EXIT
-cat >"$D/train.py" <<'PY'
-import os, sys, torch, torch.distributed as dist, stepwatch
-from torch.nn.parallel import DistributedDataParallel as DDP
-width, layers, batch, heavy, steps = (int(a) for a in sys.argv[1:6])
-dist.init_process_group("nccl")
-rank = dist.get_rank()
-torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-b = batch * 124 // 100 if rank == heavy else batch
-with torch.device("cuda"):
-    mods = []
-    for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    model = DDP(torch.nn.Sequential(*mods))
-opt = torch.optim.AdamW(model.parameters())
-stepwatch.watch(model, opt, micro_batch_size=b)
-for step in range(1, steps + 1):
-    model(torch.randn(b, width, device="cuda")).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-stepwatch.flush(5)
-dist.destroy_process_group()
-PY
-"$BIN" fake-gpu --dir "$D/nvml" init --gpus 4 --total-gib 20 >/dev/null
-LIB="$("$BIN" fake-gpu --dir "$D/probe" lib-path)"
-PORT="$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-STEPWATCH_FAKE_NVML_DIR="$D/nvml" "$BIN" agent --nvml-lib "$LIB" --socket "$D/a.sock" \
-  --http-listen "127.0.0.1:$PORT" --node-name div >"$D/agent.log" 2>&1 &
-APID=$!
-for _ in $(seq 200); do curl -sf \"127.0.0.1:$PORT/readyz\" | grep -qx 'nvml: up' && break; sleep 0.1; done
-STEPWATCH_FAKE_NVML_DIR="$D/nvml" STEPWATCH_ENDPOINT="unix://$D/a.sock" STEPWATCH_JOB_ID=div \
-  PYTHONPATH="$REPO/python" timeout 300 crates/fake-cuda/fake-cuda run --quiet --python "$PY" \
-  --gpus 4 -- "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 \
-  "$D/train.py" 4096 8 "$BATCH" "$HEAVY" 3 >"$D/job.out" 2>"$D/job.err" ||
+"$BIN" fake-gpu --dir "$D" init --gpus 4 --total-gib 20 >/dev/null
+agent_on_fake_gpus "$D" 100 --node-name div
+wait_nvml_up || { echo "the agent did not sample the fake GPUs:"; tail -20 "$D/agent.log"; exit 1; }
+fake_cuda_job "$D" 4 div "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 \
+  bench/mlp_job.py 4096 8 "$BATCH" 3 "$HEAVY" ||
   { echo "the job failed:"; tail -20 "$D/job.err"; exit 1; }
 curl -sf "127.0.0.1:$PORT/api/v1/jobs/div" >"$D/job.json"
 for r in 0 1 2 3; do curl -sf "127.0.0.1:$PORT/api/v1/jobs/div/ranks/$r" >"$D/r$r.json"; done

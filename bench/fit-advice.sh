@@ -12,47 +12,24 @@
 # overrides) and the shared venv's torch (PY=path overrides).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-REPO="$PWD"
+. bench/fake-agent.sh
 TOTAL="${1:-5.16}"; shift || true
 BATCHES=("$@"); [ ${#BATCHES[@]} -gt 0 ] || BATCHES=(16384 14516 13243 11533 11000)
 PY="${PY:-$HOME/.cache/stepwatch/py-venv/bin/python}"
 BIN="${BIN:-${CARGO_TARGET_DIR:-target}/debug/stepwatch}"
-WORK="$(mktemp -d)"; APID=
-cleanup() { [ -n "$APID" ] && kill "$APID" 2>/dev/null; rm -rf "$WORK"; }
+WORK="$(mktemp -d)"; PID=
+cleanup() { [ -n "$PID" ] && kill "$PID" 2>/dev/null; rm -rf "$WORK"; }
 trap cleanup EXIT
-cat >"$WORK/train.py" <<'PY'
-import sys, torch, stepwatch
-width, layers, batch, steps = (int(a) for a in sys.argv[1:5])
-with torch.device("cuda"):
-    mods = []
-    for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*mods)
-opt = torch.optim.AdamW(model.parameters())
-stepwatch.watch(model, opt, micro_batch_size=batch)
-for step in range(1, steps + 1):
-    model(torch.randn(batch, width, device="cuda")).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-    print(f"step {step} done", flush=True)
-stepwatch.flush(5)
-PY
-LIB="$("$BIN" fake-gpu --dir "$WORK/probe" lib-path)"
 for B in "${BATCHES[@]}"; do
   D="$WORK/b$B"; mkdir -p "$D"
-  "$BIN" fake-gpu --dir "$D/nvml" init --gpus 1 --total-gib "$TOTAL" >/dev/null
-  PORT="$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"
-  STEPWATCH_FAKE_NVML_DIR="$D/nvml" "$BIN" agent --nvml-lib "$LIB" --socket "$D/a.sock" \
-    --http-listen "127.0.0.1:$PORT" --node-name fit >"$D/agent.log" 2>&1 &
-  APID=$!
-  for _ in $(seq 200); do curl -sf \"127.0.0.1:$PORT/readyz\" | grep -qx 'nvml: up' && break; sleep 0.1; done
+  "$BIN" fake-gpu --dir "$D" init --gpus 1 --total-gib "$TOTAL" >/dev/null
+  agent_on_fake_gpus "$D" 100 --node-name fit
+  wait_nvml_up || { echo "the agent did not sample the fake GPU:"; tail -20 "$D/agent.log"; exit 1; }
   rc=0
-  STEPWATCH_FAKE_NVML_DIR="$D/nvml" STEPWATCH_ENDPOINT="unix://$D/a.sock" STEPWATCH_JOB_ID=fit \
-    PYTHONPATH="$REPO/python" timeout 300 crates/fake-cuda/fake-cuda run --quiet --python "$PY" \
-    --gpus 1 -- "$PY" "$WORK/train.py" 4096 8 "$B" 3 >"$D/job.out" 2>"$D/job.err" || rc=$?
+  fake_cuda_job "$D" 1 fit "$PY" bench/mlp_job.py 4096 8 "$B" 3 || rc=$?
   # The stream has closed when the job exits; the report is complete.
   curl -sf "127.0.0.1:$PORT/api/v1/jobs/fit/ranks/0" >"$D/report.json" || echo '{}' >"$D/report.json"
-  kill "$APID"; wait "$APID" 2>/dev/null || true; APID=
+  kill "$PID"; wait "$PID" 2>/dev/null || true; PID=
   "$PY" - "$B" "$rc" "$D/report.json" "$D/job.out" <<'PY'
 import json, sys
 batch, rc, report, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]

@@ -10,14 +10,12 @@ if [ -z "${BIN:-}" ]; then
   cargo build --locked -p stepwatch >/dev/null 2>&1 || cargo build --locked -p stepwatch
   BIN=target/debug/stepwatch
 fi
-DIR="$(mktemp -d)"
+. bench/fake-agent.sh
+DIR="$(mktemp -d)"; PID=
 trap 'kill "$PID" 2>/dev/null || true; rm -rf "$DIR"' EXIT
-"$BIN" fake-gpu --dir "$DIR" init --gpus 8 >/dev/null
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-STEPWATCH_FAKE_NVML_DIR="$DIR" "$BIN" agent --socket "$DIR/s.sock" --http-listen "127.0.0.1:$PORT" \
-  --nvml-lib "$("$BIN" fake-gpu --dir "$DIR" lib-path)" ${AGENT_ARGS:-} 2>"$DIR/agent.log" &
-PID=$!
-for _ in $(seq 100); do curl -sf \"127.0.0.1:$PORT/readyz\" | grep -qx 'nvml: up' && break; sleep 0.1; done
+# shellcheck disable=SC2086 # AGENT_ARGS: flags, split on spaces
+start_fake_agent "$DIR" 8 100 ${AGENT_ARGS:-}
+wait_nvml_up || { echo "the agent did not sample the fake GPUs:" >&2; tail -20 "$DIR/agent.log" >&2; exit 1; }
 for r in 0 1 2 3 4 5 6 7; do
   "$BIN" sim --scenario zero-sharded-8 --rank "$r" --steps 12 --speed 4 \
     --endpoint "unix://$DIR/s.sock" --fake-nvml-dir "$DIR" >/dev/null 2>&1 &
