@@ -209,6 +209,20 @@ fn wait_alert(agent: &Agent, am: &Alertmanager, job: &str, sim: &mut Child) -> O
     }
 }
 
+/// The labels the shipped rule `alert` aggregates to (its `max by (...)`).
+fn rule_labels<'a>(rules: &'a str, alert: &str) -> impl Iterator<Item = &'a str> {
+    let rule = rules
+        .split_once(&format!("- alert: {alert}\n"))
+        .map(|(_, rule)| rule)
+        .unwrap_or_else(|| panic!("no rule {alert} in the shipped rules"));
+    let by = rule
+        .split_once("max by (")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .map(|(by, _)| by)
+        .unwrap_or_else(|| panic!("{alert}'s rule aggregates with `max by (...)`"));
+    by.split(',').map(str::trim)
+}
+
 #[test]
 fn a_predicted_step2_oom_reaches_alertmanager_at_once_and_resolves_when_the_rank_ends() {
     let am = Alertmanager::start("am-e2e");
@@ -220,19 +234,14 @@ fn a_predicted_step2_oom_reaches_alertmanager_at_once_and_resolves_when_the_rank
     // instance), so the rule's alert and this one are one in Alertmanager.
     let labels = seen.alert["labels"].as_object().unwrap();
     let names: BTreeSet<&str> = labels.keys().map(String::as_str).collect();
-    let allowed: BTreeSet<&str> = [
-        "alertname",
-        "severity",
-        "cluster",
-        "namespace",
-        "training_job",
-        "rank",
-        "pod",
-        "container",
-        "node",
-    ]
-    .into();
-    assert!(names.is_subset(&allowed), "{labels:?}");
+    let rules = std::fs::read_to_string(repo().join("deploy/prometheus/stepwatch-rules.yml"))
+        .expect("the shipped rules");
+    let allowed: BTreeSet<&str> = ["alertname", "severity"]
+        .into_iter()
+        .chain(rule_labels(&rules, "StepwatchStep2OOMPredicted"))
+        .collect();
+    assert!(allowed.contains("rank"), "{allowed:?}");
+    assert!(names.is_subset(&allowed), "{labels:?} beside {allowed:?}");
     for (k, v) in [
         ("severity", "warning"),
         ("cluster", "test-cluster"),
