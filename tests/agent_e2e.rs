@@ -15,7 +15,7 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
     let agent = Agent::start("steps", 2);
     // Ranks 1 and 2 of a 4-rank GPT 1.3B job, one per GPU (rank N runs on GPU N-1).
     let ranks: Vec<_> = (0..2)
-        .map(|r| agent.sim("rank0-skew", "train-a", r + 1, r, 3, 2.0))
+        .map(|r| agent.sim("rank0-skew", "train-a", r + 1, r, 3, 2.0, &[]))
         .collect();
     for (r, child) in ranks.into_iter().enumerate() {
         wait_ok(child, &format!("sim rank {r}"));
@@ -359,7 +359,7 @@ fn sigterm_releases_nvml_at_once_while_a_rank_is_still_connected() {
     // a connected trainer keeps the agent draining for up to 3 s, so NVML goes first.
     let mut agent = Agent::start("nvml-release", 1);
     agent.wait_ready_with_nvml();
-    let mut rank = agent.sim("demo-small", "held", 0, 0, 30, 0.2);
+    let mut rank = agent.sim("demo-small", "held", 0, 0, 30, 0.2, &[]);
     agent.wait_metrics("the rank connected", Duration::from_secs(30), |m| {
         m.get("stepwatch_rank_connected", &[("training_job", "held")]) == Some(1.0)
     });
@@ -536,7 +536,7 @@ fn an_ingest_connection_flood_hits_the_cap_not_the_descriptor_limit() {
     assert_eq!(agent.get("/metrics").0, 200);
     // With the flood still held, a rank gets in: a silent connection loses
     // its slot 5 s after it opened, not after the 60 s idle timeout.
-    let rank = agent.sim("demo-small", "during-flood", 0, 0, 2, 50.0);
+    let rank = agent.sim("demo-small", "during-flood", 0, 0, 2, 50.0, &[]);
     wait_until(
         "the rank served during the flood",
         Duration::from_secs(50),
@@ -568,7 +568,7 @@ fn finished_jobs_give_their_slots_to_new_ones_when_the_rank_table_is_full() {
     let agent = Agent::start_with("rank-room", 1, &["--max-ranks", "2"], |_| {});
     // Two short jobs fill the table and finish.
     for job in ["short-a", "short-b"] {
-        wait_ok(agent.sim("demo-small", job, 0, 0, 2, 50.0), job);
+        wait_ok(agent.sim("demo-small", job, 0, 0, 2, 50.0, &[]), job);
     }
     agent.wait_metrics("both finished", Duration::from_secs(10), |m| {
         ["short-a", "short-b"]
@@ -576,7 +576,10 @@ fn finished_jobs_give_their_slots_to_new_ones_when_the_rank_table_is_full() {
             .all(|job| m.get("stepwatch_rank_connected", &[("training_job", job)]) == Some(0.0))
     });
     // A third job is let in (the default retention is an hour).
-    wait_ok(agent.sim("demo-small", "short-c", 0, 0, 2, 50.0), "short-c");
+    wait_ok(
+        agent.sim("demo-small", "short-c", 0, 0, 2, 50.0, &[]),
+        "short-c",
+    );
     agent.wait_metrics("one rank evicted", Duration::from_secs(5), |m| {
         m.get("stepwatch_ranks_evicted_total", &[]) == Some(1.0)
     });
@@ -653,10 +656,10 @@ fn the_metrics_reference_matches_what_the_agent_exports() {
     );
     agent.wait_ready_with_nvml();
     let ranks: Vec<_> = (0..3)
-        .map(|r| agent.sim("rank0-skew", "doc", r, r, 3, 4.0))
+        .map(|r| agent.sim("rank0-skew", "doc", r, r, 3, 4.0, &[]))
         .collect();
     // A job id the agent refuses: the client is turned away, the run goes on.
-    let refused = agent.sim("demo-small", "bad job!", 0, 2, 1, 50.0);
+    let refused = agent.sim("demo-small", "bad job!", 0, 2, 1, 50.0, &[]);
     for child in ranks {
         let _ = child.wait_with_output();
     }
@@ -731,8 +734,8 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
         f.set_reserved_bytes(1, 0);
     });
     agent.wait_ready_with_nvml();
-    let doomed = agent.sim("thin-margin", "doomed", 0, 0, 4, 1.0);
-    let healthy = agent.sim("precreated-state", "healthy", 0, 1, 4, 1.0);
+    let doomed = agent.sim("thin-margin", "doomed", 0, 0, 4, 1.0, &[]);
+    let healthy = agent.sim("precreated-state", "healthy", 0, 1, 4, 1.0, &[]);
     let doomed_log = doomed.wait_oom("the doomed rank dies of a simulated OOM");
     wait_ok(healthy, "healthy sim");
     // The agent's log says it too, for whoever reads only that.

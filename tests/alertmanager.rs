@@ -182,7 +182,7 @@ struct Observed {
 
 /// Starts one doomed rank of job `job`.
 fn doomed_rank(agent: &Agent, job: &str, speed: f64) -> SimRank {
-    agent.sim("thin-margin", job, 0, 0, 4, speed)
+    agent.sim("thin-margin", job, 0, 0, 4, speed, &[])
 }
 
 /// Waits for the step-2 OOM alert of `job`'s rank `sim`.
@@ -308,8 +308,8 @@ fn a_job_that_fits_its_gpu_but_not_its_mig_slice_is_warned_before_step_2_and_ale
     let slice = agent.fake.mig_device(1, 2).unwrap();
     let slice_uuid = migs[2].uuid.as_str();
     let slice_bytes = (9984u64 << 20) as f64;
-    let mut sliced = agent.sim("mig-slice-oom", "sliced", 0, slice, 4, 0.5);
-    let whole = agent.sim("mig-slice-oom", "whole", 0, 0, 4, 0.5);
+    let mut sliced = agent.sim("mig-slice-oom", "sliced", 0, slice, 4, 0.5, &[]);
+    let whole = agent.sim("mig-slice-oom", "whole", 0, 0, 4, 0.5, &[]);
 
     // NVML -> prediction -> alert: judged against the slice's memory.
     let seen = wait_alert(&agent, &am, "sliced", &mut sliced);
@@ -402,7 +402,7 @@ fn an_alertmanager_that_never_answers_or_refuses_slows_no_ingest_and_is_counted(
     let refused = format!("http://{}", free_port());
     let agent = start_agent("am-down", &[silent.clone(), refused.clone()], &[]);
     let started = Instant::now();
-    let sim = agent.sim("thin-margin", "doomed", 0, 0, 4, 1.0);
+    let sim = agent.sim("thin-margin", "doomed", 0, 0, 4, 1.0, &[]);
     let log = sim.wait_oom("the rank dies of its step-2 OOM");
     assert!(
         log.contains("advisories: ") && !log.contains("advisories: 0"),
@@ -602,7 +602,7 @@ fn the_rules_alert_and_the_agents_are_one_alert_in_alertmanager() {
         || !prom.vector("stepwatch_nvml_up == 1").is_empty(),
     );
     let scenario = slow_optimizer_thin_margin(&agent.dir.0);
-    let mut sim = agent.sim(scenario.to_str().unwrap(), "dedup", 0, 0, 4, 1.0);
+    let mut sim = agent.sim(scenario.to_str().unwrap(), "dedup", 0, 0, 4, 1.0, &[]);
     let agents = wait_alert(&agent, &am, "dedup", &mut sim);
     assert!(
         agents.alert["annotations"]["source"]

@@ -185,7 +185,7 @@ fn ingest_connections_that_open_no_stream_do_not_shut_trainers_out() {
         channels
     });
     // Another process trains meanwhile, and is served.
-    let rank = agent.sim("demo-small", "polite", 0, 0, 3, 50.0);
+    let rank = agent.sim("demo-small", "polite", 0, 0, 3, 50.0, &[]);
     wait_until("the polite rank served", Duration::from_secs(60), || {
         agent.get("/api/v1/jobs/polite").0 == 200
     });
@@ -258,7 +258,7 @@ fn one_process_cannot_take_every_stream() {
     });
     assert!(refused > 0);
     // Another process's rank is served while the 64 stay open.
-    let rank = agent.sim("demo-small", "polite", 0, 0, 3, 50.0);
+    let rank = agent.sim("demo-small", "polite", 0, 0, 3, 50.0, &[]);
     wait_ok(rank, "the polite rank");
     agent.wait_metrics("the polite rank's steps", Duration::from_secs(10), |m| {
         m.steps_completed("polite") == Some(3.0)
@@ -342,7 +342,7 @@ fn a_rank_stays_its_process_s_while_it_reconnects() {
     ));
     assert!(ended.is_err());
     // Another process asks for the rank meanwhile: refused.
-    let other = agent.sim("demo-small", "victim", 0, 0, 2, 50.0);
+    let other = agent.sim("demo-small", "victim", 0, 0, 2, 50.0, &[]);
     agent.wait_metrics("the other process refused", Duration::from_secs(30), |m| {
         m.rejected("rank_held").is_some_and(|n| n >= 1.0)
     });
@@ -421,7 +421,7 @@ fn a_restarted_worker_takes_the_rank_of_its_dead_predecessor_at_once() {
     let agent = Agent::start_with("restarted", 1, &["--reconnect-window", "10m"], |_| {});
     let connected =
         |m: &Metrics| m.get("stepwatch_rank_connected", &[("training_job", "restarted")]);
-    let mut first = agent.sim("demo-small", "restarted", 0, 0, 100_000, 1.0);
+    let mut first = agent.sim("demo-small", "restarted", 0, 0, 100_000, 1.0, &[]);
     agent.wait_metrics(
         "the first process connected",
         Duration::from_secs(30),
@@ -432,7 +432,7 @@ fn a_restarted_worker_takes_the_rank_of_its_dead_predecessor_at_once() {
     agent.wait_metrics("its stream broke", Duration::from_secs(30), |m| {
         connected(m) == Some(0.0)
     });
-    let second = agent.sim("demo-small", "restarted", 0, 0, 2, 50.0);
+    let second = agent.sim("demo-small", "restarted", 0, 0, 2, 50.0, &[]);
     let second_pid = second.id();
     wait_ok(second, "the restarted worker");
     let report = rank_report(&agent, "restarted", 0).unwrap();

@@ -18,7 +18,7 @@ fn step_history_survives_an_agent_restart() {
         "1h",
     ];
     let mut first = Agent::start_with("journal-1", 1, &args, |_| {});
-    wait_ok(first.sim("rank0-skew", "kept", 1, 0, 3, 4.0), "sim");
+    wait_ok(first.sim("rank0-skew", "kept", 1, 0, 3, 4.0, &[]), "sim");
     first.wait_metrics("3 steps", Duration::from_secs(10), |m| {
         m.steps_completed("kept") == Some(3.0)
     });

@@ -22,7 +22,7 @@ fn an_agent_started_while_the_old_one_shuts_down_keeps_its_socket() {
     old.wait_ready_with_nvml();
     // A connected trainer keeps the old agent draining for seconds after
     // SIGTERM, its listener already closed: the window a restart fell in.
-    let mut rank = old.sim("demo-small", "held", 0, 0, 1000, 0.2);
+    let mut rank = old.sim("demo-small", "held", 0, 0, 1000, 0.2, &[]);
     old.wait_metrics("the rank connected", Duration::from_secs(30), |m| {
         m.get("stepwatch_rank_connected", &[("training_job", "held")]) == Some(1.0)
     });
@@ -62,7 +62,7 @@ fn sighup_writes_the_journal_and_the_agent_keeps_running() {
         ],
         |_| {},
     );
-    wait_ok(agent.sim("rank0-skew", "hup", 0, 0, 2, 4.0), "sim");
+    wait_ok(agent.sim("rank0-skew", "hup", 0, 0, 2, 4.0, &[]), "sim");
     signal(&agent, libc::SIGHUP);
     wait_until(
         "the journal written on SIGHUP",

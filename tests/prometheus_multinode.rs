@@ -278,7 +278,7 @@ fn multinode_job_alerts_before_step2_and_rules_and_dashboards_answer() {
     for (rank, node, gpu) in placement {
         let child = world
             .agent(node)
-            .sim_with("rank0-skew", JOB, rank, gpu, STEPS, SPEED, &hold);
+            .sim("rank0-skew", JOB, rank, gpu, STEPS, SPEED, &hold);
         world.sims.push((rank, child));
     }
     let prom = world.prom("server");

@@ -202,7 +202,7 @@ fn a_job_across_shards_gets_its_job_figures_and_alerts_centrally() {
     let release = world.prom("central").dir.0.join("release-step-2");
     let hold = hold_before_step_2(&release);
     for (rank, (_, agent)) in world.agents.iter().enumerate() {
-        let child = agent.sim_with(
+        let child = agent.sim(
             scenario.to_str().unwrap(),
             JOB,
             rank as u32,

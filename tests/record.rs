@@ -18,7 +18,7 @@ fn a_record_replays_to_the_agents_own_prediction_and_steady_peak() {
     agent.wait_ready_with_nvml();
     // Two ranks of a 4-rank job that fits, 4 steps each, with allocator traces.
     let ranks: Vec<_> = (0..2)
-        .map(|r| agent.sim("rank0-skew", "rec", r + 1, r, 4, 2.0))
+        .map(|r| agent.sim("rank0-skew", "rec", r + 1, r, 4, 2.0, &[]))
         .collect();
     for (r, child) in ranks.into_iter().enumerate() {
         wait_ok(child, &format!("sim rank {r}"));

@@ -173,8 +173,8 @@ fn the_page_shows_the_node_a_job_and_a_rank_in_headless_chromium() {
             .spawn()
             .expect("start healthy-llm"),
     );
-    let mut sims = vec![agent.sim("adam-step2-oom", "doomed-llm", 0, 1, 3, 1.0)];
-    sims.extend((0..3).map(|r| agent.sim("rank0-skew", "skew", r, 2 + r, 3, 4.0)));
+    let mut sims = vec![agent.sim("adam-step2-oom", "doomed-llm", 0, 1, 3, 1.0, &[])];
+    sims.extend((0..3).map(|r| agent.sim("rank0-skew", "skew", r, 2 + r, 3, 4.0, &[])));
     // doomed-llm and skew's rank 0 die of their step-2 OOM, as they should;
     // what the sims said is shown should the jobs not settle.
     let said: Vec<String> = sims

@@ -320,22 +320,10 @@ impl Agent {
         )
     }
 
-    /// Starts one rank of a simulated scenario as its own process.
-    pub fn sim(
-        &self,
-        scenario: &str,
-        job: &str,
-        rank: u32,
-        gpu: u32,
-        steps: u64,
-        speed: f64,
-    ) -> SimRank {
-        self.sim_with(scenario, job, rank, gpu, steps, speed, &[])
-    }
-
-    /// Like `sim`, with more `stepwatch sim` arguments.
+    /// Starts one rank of a simulated scenario as its own process, with
+    /// `extra_args` for `stepwatch sim`.
     #[allow(clippy::too_many_arguments)]
-    pub fn sim_with(
+    pub fn sim(
         &self,
         scenario: &str,
         job: &str,
