@@ -6,9 +6,9 @@ use proptest::prelude::*;
 use stepwatch_core::allocator::{BlockLayout, Pool, SegmentLayout};
 use stepwatch_core::TraceSettings;
 use stepwatch_core::{
-    Advisory, AdvisoryKind, AllocatorEvent, AllocatorStats, AllocatorTrace, BatchFacts,
-    DdpBucketRebuild, DeviceMemory, Marker, MarkerKind, ModelFacts, OomReport, OomSegment,
-    OptimizerImplementation, OptimizerKind, PhaseKind, Precision, RankInfo,
+    Advisory, AllocatorEvent, AllocatorStats, AllocatorTrace, BatchFacts, DdpBucketRebuild,
+    DeviceMemory, Marker, ModelFacts, OomReport, OomSegment, OptimizerImplementation,
+    OptimizerKind, PhaseKind, Precision, RankInfo,
 };
 use stepwatch_proto::convert::*;
 use stepwatch_proto::v1 as pb;
@@ -19,126 +19,78 @@ fn text() -> impl Strategy<Value = String> {
     "[a-zA-Z0-9._/-]{0,12}"
 }
 
-fn model_facts() -> impl Strategy<Value = ModelFacts> {
-    (
-        (
-            any::<Option<u64>>(),
-            any::<Option<u64>>(),
-            prop::sample::select(vec![
-                OptimizerKind::Unknown,
-                OptimizerKind::Adam,
-                OptimizerKind::SgdMomentum,
-                OptimizerKind::Sgd,
-                OptimizerKind::Other,
-            ]),
-            any::<Option<u32>>(),
-            prop::sample::select(vec![
-                Precision::Unknown,
-                Precision::Fp32,
-                Precision::MixedBf16,
-                Precision::MixedFp16,
-                Precision::Bf16,
-            ]),
-            any::<Option<u32>>(),
-        ),
-        (
-            any::<Option<u32>>(),
-            any::<Option<bool>>(),
-            any::<Option<bool>>(),
-            any::<Option<u32>>(),
-            prop::sample::select(vec![
-                OptimizerImplementation::Unknown,
-                OptimizerImplementation::Foreach,
-                OptimizerImplementation::Fused,
-                OptimizerImplementation::ForLoop,
-            ]),
-            prop::option::of((
-                prop::collection::vec(any::<u64>(), 0..20),
-                prop::collection::vec(any::<u64>(), 0..20),
-            )),
-        ),
-        prop::option::of(batch()),
-    )
-        .prop_map(
-            |((count, bytes, opt, state, precision, shard), rest, largest)| {
-                let (accum, precreated, to_none, micro, implementation, rebuild) = rest;
-                ModelFacts {
-                    parameter_count: count,
-                    parameter_bytes: bytes,
-                    optimizer: opt,
-                    state_bytes_per_parameter: state,
-                    precision,
-                    sharding_factor: shard,
-                    grad_accumulation_steps: accum,
-                    state_precreated: precreated,
-                    grads_set_to_none: to_none,
-                    micro_batch_size: micro,
-                    optimizer_implementation: implementation,
-                    ddp_bucket_rebuild: rebuild.map(|(old, new)| DdpBucketRebuild {
-                        old_bucket_bytes: old,
-                        new_bucket_bytes: new,
-                    }),
-                    largest_batch: largest,
-                }
-            },
-        )
+/// Every value of a wire enum, drawn by its wire value (the exhaustive
+/// test below checks each maps to a core value and back).
+fn by_wire_value<T: std::fmt::Debug>(
+    values: std::ops::RangeInclusive<i32>,
+    from_wire: fn(i32) -> Option<T>,
+) -> impl Strategy<Value = T> {
+    values.prop_map(move |v| from_wire(v).expect("a value of the contract"))
+}
+
+prop_compose! {
+    fn model_facts()(
+        parameter_count in any::<Option<u64>>(),
+        parameter_bytes in any::<Option<u64>>(),
+        optimizer in by_wire_value(0..=4, optimizer_from_wire),
+        state_bytes_per_parameter in any::<Option<u32>>(),
+        precision in by_wire_value(0..=4, precision_from_wire),
+        (sharding_factor, grad_accumulation_steps) in any::<(Option<u32>, Option<u32>)>(),
+        (state_precreated, grads_set_to_none) in any::<(Option<bool>, Option<bool>)>(),
+        micro_batch_size in any::<Option<u32>>(),
+        optimizer_implementation in by_wire_value(0..=3, optimizer_implementation_from_wire),
+        ddp_bucket_rebuild in prop::option::of(ddp_bucket_rebuild()),
+        largest_batch in prop::option::of(batch()),
+    ) -> ModelFacts {
+        ModelFacts {
+            parameter_count, parameter_bytes, optimizer, state_bytes_per_parameter, precision,
+            sharding_factor, grad_accumulation_steps, state_precreated, grads_set_to_none,
+            micro_batch_size, optimizer_implementation, ddp_bucket_rebuild, largest_batch,
+        }
+    }
+}
+
+prop_compose! {
+    fn ddp_bucket_rebuild()(
+        old_bucket_bytes in prop::collection::vec(any::<u64>(), 0..20),
+        new_bucket_bytes in prop::collection::vec(any::<u64>(), 0..20),
+    ) -> DdpBucketRebuild {
+        DdpBucketRebuild { old_bucket_bytes, new_bucket_bytes }
+    }
+}
+
+prop_compose! {
+    fn batch_facts()(
+        samples in any::<Option<u64>>(),
+        tokens in any::<Option<u64>>(),
+        shape in prop::collection::vec(any::<u64>(), 0..10),
+    ) -> BatchFacts {
+        BatchFacts { samples, tokens, shape }
+    }
 }
 
 /// A batch that says something (an empty one reads back as none).
 fn batch() -> impl Strategy<Value = BatchFacts> {
-    (
-        any::<Option<u64>>(),
-        any::<Option<u64>>(),
-        prop::collection::vec(any::<u64>(), 0..10),
-    )
-        .prop_map(|(samples, tokens, shape)| BatchFacts {
-            samples,
-            tokens,
-            shape,
-        })
-        .prop_filter("says something", |b| !b.is_empty())
+    batch_facts().prop_filter("says something", |b| !b.is_empty())
 }
 
-/// What a hello can say: the agent's own findings (container, attested)
-/// are not on the wire.
-fn rank_info() -> impl Strategy<Value = RankInfo> {
-    (
-        (text(), any::<u32>(), any::<u32>(), any::<u32>(), text()),
-        (text(), text(), text(), any::<u32>(), text(), text()),
-        model_facts(),
-        (text(), text()),
-    )
-        .prop_map(
-            |((job, rank, local_rank, world_size, node_name), rest, model, versions)| {
-                let (run_id, torch_version) = versions;
-                let (pod, namespace, gpu_uuid, pid, framework, framework_version) = rest;
-                RankInfo {
-                    job,
-                    rank,
-                    local_rank,
-                    world_size,
-                    node_name,
-                    pod,
-                    namespace,
-                    container: String::new(),
-                    attested: false,
-                    gpu_uuid,
-                    pid,
-                    framework,
-                    framework_version,
-                    torch_version,
-                    model,
-                    run_id,
-                    tcp_identity: None,
-                }
-            },
-        )
-}
-
-/// Every marker kind, drawn by its wire value (the exhaustive test below
-/// checks each wire value maps to a kind and back).
-fn marker_kind() -> impl Strategy<Value = MarkerKind> {
-    (1..=11i32).prop_map(|k| marker_kind_from_wire(k).expect("a kind of the contract"))
+prop_compose! {
+    /// What a hello can say: the agent's own findings (container, attested,
+    /// the TCP peer) are not on the wire.
+    fn rank_info()(
+        (job, node_name, gpu_uuid) in (text(), text(), text()),
+        (rank, local_rank, world_size, pid) in any::<(u32, u32, u32, u32)>(),
+        (pod, namespace) in (text(), text()),
+        (framework, framework_version, torch_version) in (text(), text(), text()),
+        model in model_facts(),
+        run_id in text(),
+    ) -> RankInfo {
+        RankInfo {
+            job, rank, local_rank, world_size, node_name, pod, namespace, gpu_uuid, pid,
+            framework, framework_version, torch_version, model, run_id,
+            container: String::new(), attested: false, tcp_identity: None,
+        }
+    }
 }
 
 fn allocator_stats() -> impl Strategy<Value = AllocatorStats> {
@@ -153,41 +105,21 @@ fn allocator_stats() -> impl Strategy<Value = AllocatorStats> {
     })
 }
 
-fn marker() -> impl Strategy<Value = Marker> {
-    (
-        marker_kind(),
-        any::<u64>(),
-        any::<u64>(),
-        any::<u64>(),
-        any::<u32>(),
-        prop::option::of(allocator_stats()),
-        prop::collection::vec(segment(), 0..3),
-        prop::option::of(device_memory()),
-        prop::option::of(batch()),
-    )
-        .prop_map(
-            |(
-                kind,
-                step,
-                monotonic_ns,
-                wall_ns,
-                micro_batch,
-                allocator,
-                layout_segments,
-                device_memory,
-                batch,
-            )| Marker {
-                kind,
-                step,
-                monotonic_ns,
-                wall_ns,
-                micro_batch,
-                allocator,
-                layout_segments,
-                device_memory,
-                batch,
-            },
-        )
+prop_compose! {
+    fn marker()(
+        kind in by_wire_value(1..=11, marker_kind_of_wire),
+        (step, monotonic_ns, wall_ns) in any::<(u64, u64, u64)>(),
+        micro_batch in any::<u32>(),
+        allocator in prop::option::of(allocator_stats()),
+        layout_segments in prop::collection::vec(segment(), 0..3),
+        device_memory in prop::option::of(device_memory()),
+        batch in prop::option::of(batch()),
+    ) -> Marker {
+        Marker {
+            kind, step, monotonic_ns, wall_ns, micro_batch, allocator, layout_segments,
+            device_memory, batch,
+        }
+    }
 }
 
 fn device_memory() -> impl Strategy<Value = DeviceMemory> {
@@ -228,126 +160,82 @@ fn oom_report() -> impl Strategy<Value = OomReport> {
         )
 }
 
-fn segment() -> impl Strategy<Value = SegmentLayout> {
-    (
-        any::<u64>(),
-        any::<bool>(),
-        prop::collection::vec((any::<u64>(), any::<bool>(), any::<bool>()), 0..4),
-        any::<u64>(),
-        any::<u64>(),
-        any::<bool>(),
-    )
-        .prop_map(
-            |(address, small, blocks, stream, pool_id, expandable)| SegmentLayout {
-                address,
-                pool: if small { Pool::Small } else { Pool::Large },
-                blocks: blocks
-                    .into_iter()
-                    .map(|(size, allocated, gradient)| BlockLayout {
-                        size,
-                        allocated,
-                        gradient,
-                    })
-                    .collect(),
-                stream,
-                pool_id,
-                expandable,
-            },
-        )
+prop_compose! {
+    fn segment()(
+        address in any::<u64>(),
+        small in any::<bool>(),
+        blocks in prop::collection::vec(any::<(u64, bool, bool)>(), 0..4),
+        (stream, pool_id) in any::<(u64, u64)>(),
+        expandable in any::<bool>(),
+    ) -> SegmentLayout {
+        let blocks = blocks
+            .into_iter()
+            .map(|(size, allocated, gradient)| BlockLayout { size, allocated, gradient })
+            .collect();
+        let pool = if small { Pool::Small } else { Pool::Large };
+        SegmentLayout { address, pool, blocks, stream, pool_id, expandable }
+    }
 }
 
-/// Every action, in every phase, drawn by its wire value.
-fn event() -> impl Strategy<Value = AllocatorEvent> {
-    (
-        1..=6i32,
-        any::<u64>(),
-        any::<u64>(),
-        prop::sample::select(PhaseKind::ALL.to_vec()),
-        any::<u64>(),
-    )
-        .prop_map(|(action, address, size, phase, stream)| {
-            let wire = pb::AllocatorEvent {
-                action,
-                address,
-                size,
-                phase: phase_to_wire(phase) as i32,
-                stream,
-            };
-            event_from_wire(wire, 0).expect("an action of the contract")
-        })
+prop_compose! {
+    /// Every action, in every phase, drawn by its wire value.
+    fn event()(
+        action in 1..=6i32,
+        (address, size, stream) in any::<(u64, u64, u64)>(),
+        phase in prop::sample::select(PhaseKind::ALL.to_vec()),
+    ) -> AllocatorEvent {
+        let phase = phase_to_wire(phase) as i32;
+        let wire = pb::AllocatorEvent { action, address, size, phase, stream };
+        event_from_wire(wire, 0).expect("an action of the contract")
+    }
 }
 
-fn trace_settings() -> impl Strategy<Value = TraceSettings> {
-    (
-        any::<u64>(),
-        prop::collection::vec(any::<u32>(), 0..5),
+prop_compose! {
+    fn trace_settings()(
+        max_split_size_bytes in any::<u64>(),
+        roundup_power2_divisions in prop::collection::vec(any::<u32>(), 0..5),
         // Finite: NaN is equal to nothing, itself included.
-        -1e6f64..1e6,
-        any::<bool>(),
-        "[a-z_:,0-9]{0,30}",
-    )
-        .prop_map(|(split, divisions, gc, expandable, conf)| TraceSettings {
-            max_split_size_bytes: split,
-            roundup_power2_divisions: divisions,
-            garbage_collection_threshold: gc,
-            expandable_segments: expandable,
-            alloc_conf: conf,
-        })
+        garbage_collection_threshold in -1e6f64..1e6,
+        expandable_segments in any::<bool>(),
+        alloc_conf in "[a-z_:,0-9]{0,30}",
+    ) -> TraceSettings {
+        TraceSettings {
+            max_split_size_bytes, roundup_power2_divisions, garbage_collection_threshold,
+            expandable_segments, alloc_conf,
+        }
+    }
 }
 
-/// Step 1's trace (the only step the wire carries), large enough at times
-/// to need several chunks.
-fn trace() -> impl Strategy<Value = AllocatorTrace> {
-    (
-        prop::collection::vec(segment(), 0..40),
-        prop::collection::vec(event(), 0..3000),
-        prop::option::of(trace_settings()),
-        prop::collection::vec(0u64..4000, 0..64),
-    )
-        .prop_map(|(segments, events, settings, mut forward_returns)| {
-            forward_returns.sort_unstable();
-            AllocatorTrace {
-                step: 1,
-                segments,
-                events,
-                settings,
-                forward_returns,
-                // Not on the wire: the agent takes it from the hello.
-                torch_version: String::new(),
-            }
-        })
+prop_compose! {
+    /// Step 1's trace (the only step the wire carries), large enough at
+    /// times to need several chunks.
+    fn trace()(
+        segments in prop::collection::vec(segment(), 0..40),
+        events in prop::collection::vec(event(), 0..3000),
+        settings in prop::option::of(trace_settings()),
+        mut forward_returns in prop::collection::vec(0u64..4000, 0..64),
+    ) -> AllocatorTrace {
+        forward_returns.sort_unstable();
+        // The torch version is not on the wire: the agent takes it from the hello.
+        let torch_version = String::new();
+        AllocatorTrace { step: 1, segments, events, settings, forward_returns, torch_version }
+    }
 }
 
-/// An advisory as the wire carries it: the agent's bookkeeping (when it
-/// was issued, the divergence figure) stays in the agent.
-fn advisory() -> impl Strategy<Value = Advisory> {
-    (
-        prop::sample::select(vec![
-            AdvisoryKind::Step2OomPredicted,
-            AdvisoryKind::LowHeadroom,
-            AdvisoryKind::RankDivergence,
-            AdvisoryKind::AllocatorRetries,
-            AdvisoryKind::LowObservedHeadroom,
-            AdvisoryKind::MemoryGrowth,
-            AdvisoryKind::ClientClock,
-            AdvisoryKind::PredictionFinal,
-        ]),
-        any::<u64>(),
-        any::<u64>(),
-        any::<u64>(),
-        any::<i64>(),
-        text(),
-    )
-        .prop_map(|(kind, step, peak, capacity, headroom, message)| Advisory {
-            kind,
-            step,
-            issued_monotonic_ns: 0,
-            predicted_peak_bytes: peak,
-            capacity_bytes: capacity,
-            predicted_headroom_bytes: headroom,
-            message,
-            divergence: None,
-        })
+prop_compose! {
+    /// An advisory as the wire carries it: the agent's bookkeeping (when it
+    /// was issued, the divergence figure) stays in the agent.
+    fn advisory()(
+        kind in by_wire_value(1..=8, advisory_kind_of_wire),
+        (step, predicted_peak_bytes, capacity_bytes) in any::<(u64, u64, u64)>(),
+        predicted_headroom_bytes in any::<i64>(),
+        message in text(),
+    ) -> Advisory {
+        Advisory {
+            kind, step, predicted_peak_bytes, capacity_bytes, predicted_headroom_bytes, message,
+            issued_monotonic_ns: 0, divergence: None,
+        }
+    }
 }
 
 fn trace_from_chunks(chunks: Vec<pb::AllocatorTraceChunk>) -> Result<AllocatorTrace, WireError> {
