@@ -174,35 +174,30 @@ fn markers() -> impl Strategy<Value = pb::ClientMessage> {
     })
 }
 
+prop_compose! {
+    /// A segment of mostly plausible addresses and block sizes.
+    fn segment()(
+        address in prop_oneof![3 => (1u64..16).prop_map(|k| k << 21), 1 => edgy_u64()],
+        small_pool in any::<bool>(),
+        blocks in prop::collection::vec(block(), 0..5),
+        stream in 0u64..3,
+        pool_id in prop_oneof![3 => Just(0u64), 1 => edgy_u64()],
+        expandable in any::<bool>(),
+    ) -> pb::AllocatorSegment {
+        pb::AllocatorSegment { address, small_pool, blocks, stream, pool_id, expandable }
+    }
+}
+
+prop_compose! {
+    fn block()(
+        size in prop_oneof![3 => (1u64..8).prop_map(|k| k * 512), 1 => edgy_u64()],
+        (allocated, gradient) in any::<(bool, bool)>(),
+    ) -> pb::AllocatorBlock {
+        pb::AllocatorBlock { size, allocated, gradient }
+    }
+}
+
 fn trace_chunk() -> impl Strategy<Value = pb::ClientMessage> {
-    let block = (
-        prop_oneof![3 => (1u64..8).prop_map(|k| k * 512), 1 => edgy_u64()],
-        any::<bool>(),
-        any::<bool>(),
-    )
-        .prop_map(|(size, allocated, gradient)| pb::AllocatorBlock {
-            size,
-            allocated,
-            gradient,
-        });
-    let segment = (
-        prop_oneof![3 => (1u64..16).prop_map(|k| k << 21), 1 => edgy_u64()],
-        any::<bool>(),
-        prop::collection::vec(block, 0..5),
-        0u64..3,
-        prop_oneof![3 => Just(0u64), 1 => edgy_u64()],
-        any::<bool>(),
-    )
-        .prop_map(
-            |(address, small_pool, blocks, stream, pool_id, expandable)| pb::AllocatorSegment {
-                address,
-                small_pool,
-                blocks,
-                stream,
-                pool_id,
-                expandable,
-            },
-        );
     let event = (
         0i32..8,
         prop_oneof![3 => (1u64..16).prop_map(|k| k << 21), 1 => edgy_u64()],
@@ -239,7 +234,7 @@ fn trace_chunk() -> impl Strategy<Value = pb::ClientMessage> {
     );
     (
         prop_oneof![4 => Just(1u64), 1 => edgy_u64()],
-        prop::collection::vec(segment, 0..6),
+        prop::collection::vec(segment(), 0..6),
         prop::collection::vec(event, 0..30),
         any::<bool>(),
         settings,
@@ -403,25 +398,25 @@ fn run(inputs: Vec<Input>) {
                     }
                 }
             }
-            Some(Kind::ModelUpdate(update)) => {
-                let Some(key) = &key else { continue };
-                let update = RecordEntry::ModelFacts {
-                    at_ns: now,
-                    key: key.clone(),
-                    update: convert::model_facts_from_wire(update),
-                    run_id: String::new(),
+            Some(kind @ (Kind::ModelUpdate(_) | Kind::OomReport(_))) => {
+                let Some(key) = key.clone() else { continue };
+                let (at_ns, run_id) = (now, String::new());
+                let entry = match kind {
+                    Kind::ModelUpdate(update) => RecordEntry::ModelFacts {
+                        update: convert::model_facts_from_wire(update),
+                        at_ns,
+                        key,
+                        run_id,
+                    },
+                    Kind::OomReport(report) => RecordEntry::OomReport {
+                        report: convert::oom_report_from_wire(report),
+                        at_ns,
+                        key,
+                        run_id,
+                    },
+                    _ => unreachable!("the arm takes model updates and OOM reports"),
                 };
-                let _ = feed::apply(&mut tracker, &update);
-            }
-            Some(Kind::OomReport(report)) => {
-                let Some(key) = &key else { continue };
-                let report = RecordEntry::OomReport {
-                    at_ns: now,
-                    key: key.clone(),
-                    report: convert::oom_report_from_wire(report),
-                    run_id: String::new(),
-                };
-                let _ = feed::apply(&mut tracker, &report);
+                let _ = feed::apply(&mut tracker, &entry);
             }
             None => {}
         }
