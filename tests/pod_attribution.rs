@@ -385,6 +385,24 @@ fn client_process() {
     println!("RESULT {result}");
 }
 
+/// The attestations of `result` the agent has counted.
+fn attestations(m: &Metrics, result: &str) -> Option<f64> {
+    m.get(
+        "stepwatch_workload_attestations_total",
+        &[("result", result)],
+    )
+}
+
+/// A process on the host, in no pod, that claims to be the one rank of
+/// `hostjob` in namespace `claimed`.
+fn host_claim() -> Claim {
+    Claim {
+        namespace: "claimed",
+        world: 1,
+        ..Claim::new("hostjob", 0, gpu(0))
+    }
+}
+
 fn connected(m: &Metrics, namespace: &str, job: &str, rank: &str) -> bool {
     let mut labels = vec![("training_job", job), ("rank", rank)];
     if !namespace.is_empty() {
@@ -483,13 +501,7 @@ fn the_kubelets_pod_and_namespace_label_the_rank_for_every_runtime_and_cgroup_la
         ),
         Some(5.0)
     );
-    assert_eq!(
-        m.get(
-            "stepwatch_workload_attestations_total",
-            &[("result", "kubelet")]
-        ),
-        Some(5.0)
-    );
+    assert_eq!(attestations(&m, "kubelet"), Some(5.0));
 }
 
 #[test]
@@ -505,11 +517,7 @@ fn unprivileged_a_client_that_names_no_namespace_gets_its_pods_from_the_node() {
     let m = node
         .agent
         .wait_metrics("the rank in its pod's namespace", WAIT, |m| {
-            connected(m, "team-a", "hardened", "0")
-                && m.get(
-                    "stepwatch_workload_attestations_total",
-                    &[("result", "pod_logs")],
-                ) == Some(1.0)
+            connected(m, "team-a", "hardened", "0") && attestations(m, "pod_logs") == Some(1.0)
         });
     assert_eq!(
         m.get(
@@ -534,17 +542,10 @@ fn unprivileged_a_client_that_names_no_namespace_gets_its_pods_from_the_node() {
     );
     assert_eq!(client.finish(), "Ok");
     // A process in no pod keeps its claim, unattested, as with the socket.
-    let mut claim = Claim::new("hostjob", 0, gpu(0));
-    claim.namespace = "claimed";
-    claim.world = 1;
-    let client = node.client(&claim, UID_A, "not-kubernetes");
+    let client = node.client(&host_claim(), UID_A, "not-kubernetes");
     node.agent
         .wait_metrics("the host process's rank", WAIT, |m| {
-            connected(m, "claimed", "hostjob", "0")
-                && m.get(
-                    "stepwatch_workload_attestations_total",
-                    &[("result", "not_in_pod")],
-                ) == Some(1.0)
+            connected(m, "claimed", "hostjob", "0") && attestations(m, "not_in_pod") == Some(1.0)
         });
     assert_eq!(client.finish(), "Ok");
 }
@@ -552,23 +553,14 @@ fn unprivileged_a_client_that_names_no_namespace_gets_its_pods_from_the_node() {
 #[test]
 fn a_process_outside_any_pod_keeps_its_claim_unattested() {
     let node = Node::start("podattr-host");
-    let mut claim = Claim::new("hostjob", 0, gpu(0));
-    claim.namespace = "claimed";
-    claim.world = 1;
-    let client = node.client(&claim, UID_A, "not-kubernetes");
+    let client = node.client(&host_claim(), UID_A, "not-kubernetes");
     // A scrape gathers the agent's counters before it copies the ranks, so
     // it can show the rank connected and the attestation (counted just
     // before the rank opened) not yet: wait for both.
     let m = node.agent.wait_metrics(
         "the host process's rank, counted as not in a pod",
         WAIT,
-        |m| {
-            connected(m, "claimed", "hostjob", "0")
-                && m.get(
-                    "stepwatch_workload_attestations_total",
-                    &[("result", "not_in_pod")],
-                ) == Some(1.0)
-        },
+        |m| connected(m, "claimed", "hostjob", "0") && attestations(m, "not_in_pod") == Some(1.0),
     );
     assert_eq!(
         m.get(
