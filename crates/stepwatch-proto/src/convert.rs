@@ -3,7 +3,8 @@
 //!
 //! One pair of functions per message, `<message>_to_wire` and
 //! `<message>_from_wire`, side by side. Each names every field of what it
-//! reads (a destructuring without `..`), so a field added to the contract
+//! reads and of what it builds, once (`fields!`: a destructuring without
+//! `..` and a struct literal, from one list), so a field added to the contract
 //! or to the core type does not compile until both functions of its message
 //! take it, and the round-trip test in `tests/convert.rs` then checks that
 //! they agree. The agent reads with the `_from_wire` half; `stepwatch sim`
@@ -26,13 +27,27 @@ use stepwatch_core::{
 
 use crate::v1 as pb;
 
-/// `$to` from `$value` (a `$from`) for messages whose fields have the same
-/// names and types on both sides. Both are named in full: a field added to
-/// either side and not listed here fails to compile.
-macro_rules! same_fields {
-    ($value:expr, $from:path => $to:path { $($field:ident),+ $(,)? }) => {{
-        let $from { $($field),+ } = $value;
-        $to { $($field),+ }
+/// `$to` from `$value` (a `$from`), each side's fields named in full: a
+/// field added to either and not taken here fails to compile. The fields
+/// listed first move across as they are; then, each section optional and
+/// in this order, `map: f => expr` converts field `f` (the expression reads
+/// it by its name), `read: f` binds a source field for the expressions
+/// only, `drop: f` leaves one out, and `set: f = expr` (or `set: f`, a
+/// variable of that name) fills a target field the source lacks.
+/// `fields!(let $from { ... } = $value)` only binds the source's fields.
+macro_rules! fields {
+    (let $from:path { $($bound:ident),* $(,)? $(; drop: $($dropped:ident),+ $(,)?)? } = $value:expr) => {
+        let $from { $($bound,)* $($($dropped: _,)+)? } = $value;
+    };
+    ($value:expr, $from:path => $to:path {
+        $($moved:ident),* $(,)?
+        $(; map: $($mapped:ident => $conv:expr),+ $(,)?)?
+        $(; read: $($read:ident),+ $(,)?)?
+        $(; drop: $($dropped:ident),+ $(,)?)?
+        $(; set: $($set:ident $(= $val:expr)?),+ $(,)?)?
+    }) => {{
+        let $from { $($moved,)* $($($mapped,)+)? $($($read,)+)? $($($dropped: _,)+)? } = $value;
+        $to { $($moved,)* $($($mapped: $conv,)+)? $($($set $(: $val)?,)+)? }
     }};
 }
 
@@ -116,188 +131,77 @@ impl WireError {
 /// A rank's hello. The agent's own findings (`container`, `attested`) are
 /// not on the wire, and a client's version is not in [`RankInfo`].
 pub fn hello_to_wire(info: &RankInfo, client_version: &str) -> pb::Hello {
-    let RankInfo {
-        job,
-        rank,
-        local_rank,
-        world_size,
-        node_name,
-        pod,
-        namespace,
-        container: _,
-        attested: _,
-        gpu_uuid,
-        pid,
-        framework,
-        framework_version,
-        torch_version,
-        model,
-        run_id,
-        tcp_identity: _,
-    } = info.clone();
-    pb::Hello {
-        identity: Some(pb::Identity {
-            job_id: job,
-            rank,
-            local_rank,
-            world_size,
-            node_name,
-            pod,
-            namespace,
-        }),
-        gpu_uuid,
-        pid,
-        framework,
-        framework_version,
-        model: Some(model_facts_to_wire(&model)),
-        client_version: client_version.to_owned(),
-        run_id,
-        torch_version,
-    }
+    fields!(info.clone(), RankInfo => pb::Hello {
+        gpu_uuid, pid, framework, framework_version, torch_version, run_id;
+        map: model => Some(model_facts_to_wire(&model));
+        read: job, rank, local_rank, world_size, node_name, pod, namespace;
+        drop: container, attested, tcp_identity;
+        set: client_version = client_version.to_owned(),
+            identity = Some(pb::Identity {
+                job_id: job, rank, local_rank, world_size, node_name, pod, namespace,
+            })
+    })
 }
 
 /// The rank a hello claims to be, as sent: the PID is the hello's (the
 /// agent puts the socket's peer PID in its place where it has one), and it
 /// is neither attested nor placed in a container yet. Content is checked by
 /// the tracker ([`RankInfo::validate`]), not here.
-pub fn hello_from_wire(hello: pb::Hello) -> RankInfo {
-    let pb::Hello {
-        identity,
-        gpu_uuid,
-        pid,
-        framework,
-        framework_version,
-        model,
-        client_version: _,
-        run_id,
-        torch_version,
-    } = hello;
-    let pb::Identity {
-        job_id,
-        rank,
-        local_rank,
-        world_size,
-        node_name,
-        pod,
-        namespace,
-    } = identity.unwrap_or_default();
-    RankInfo {
-        job: job_id,
-        rank,
-        local_rank,
-        world_size,
-        node_name,
-        pod,
-        namespace,
-        container: String::new(),
-        attested: false,
-        gpu_uuid,
-        pid,
-        framework,
-        framework_version,
-        torch_version,
-        model: model_facts_from_wire(model.unwrap_or_default()),
-        run_id,
-        // The transport's finding, not the hello's.
-        tcp_identity: None,
-    }
+pub fn hello_from_wire(mut hello: pb::Hello) -> RankInfo {
+    fields!(let pb::Identity {
+        job_id, rank, local_rank, world_size, node_name, pod, namespace
+    } = hello.identity.take().unwrap_or_default());
+    fields!(hello, pb::Hello => RankInfo {
+        gpu_uuid, pid, framework, framework_version, torch_version, run_id;
+        map: model => model_facts_from_wire(model.unwrap_or_default());
+        drop: identity, client_version;
+        set: job = job_id, rank, local_rank, world_size, node_name, pod, namespace,
+            container = String::new(), attested = false,
+            // The transport's finding, not the hello's.
+            tcp_identity = None
+    })
 }
 
 // ---- ModelFacts -------------------------------------------------------------
 
 /// A hello's model facts, or a later update's.
 pub fn model_facts_to_wire(f: &ModelFacts) -> pb::ModelFacts {
-    let ModelFacts {
-        parameter_count,
-        parameter_bytes,
-        optimizer,
-        state_bytes_per_parameter,
-        precision,
-        sharding_factor,
-        grad_accumulation_steps,
-        state_precreated,
-        grads_set_to_none,
-        micro_batch_size,
-        optimizer_implementation,
-        ddp_bucket_rebuild,
-        largest_batch,
-    } = f.clone();
-    pb::ModelFacts {
-        parameter_count,
-        parameter_bytes,
-        optimizer: optimizer_to_wire(optimizer) as i32,
-        state_bytes_per_parameter,
-        precision: precision_to_wire(precision) as i32,
-        sharding_factor,
-        grad_accumulation_steps,
-        state_precreated,
-        grads_set_to_none,
-        micro_batch_size,
-        optimizer_implementation: optimizer_implementation_to_wire(optimizer_implementation) as i32,
-        ddp_bucket_rebuild: ddp_bucket_rebuild.map(ddp_bucket_rebuild_to_wire),
-        largest_batch: largest_batch.as_ref().map(batch_to_wire),
-    }
+    fields!(f.clone(), ModelFacts => pb::ModelFacts {
+        parameter_count, parameter_bytes, state_bytes_per_parameter, sharding_factor,
+        grad_accumulation_steps, state_precreated, grads_set_to_none, micro_batch_size;
+        map: optimizer => optimizer_to_wire(optimizer) as i32,
+            precision => precision_to_wire(precision) as i32,
+            optimizer_implementation =>
+                optimizer_implementation_to_wire(optimizer_implementation) as i32,
+            ddp_bucket_rebuild => ddp_bucket_rebuild.map(ddp_bucket_rebuild_to_wire),
+            largest_batch => largest_batch.as_ref().map(batch_to_wire)
+    })
 }
 
 /// DDP's bucket rebuild, as the client learnt it in step 1.
 pub fn ddp_bucket_rebuild_to_wire(r: DdpBucketRebuild) -> pb::DdpBucketRebuild {
-    let DdpBucketRebuild {
-        old_bucket_bytes,
-        new_bucket_bytes,
-    } = r;
-    pb::DdpBucketRebuild {
-        old_bucket_bytes,
-        new_bucket_bytes,
-    }
+    fields!(r, DdpBucketRebuild => pb::DdpBucketRebuild { old_bucket_bytes, new_bucket_bytes })
 }
 
 /// DDP's bucket rebuild as sent; checked by the tracker
 /// ([`DdpBucketRebuild::validate`] through the facts), not here.
 pub fn ddp_bucket_rebuild_from_wire(r: pb::DdpBucketRebuild) -> DdpBucketRebuild {
-    let pb::DdpBucketRebuild {
-        old_bucket_bytes,
-        new_bucket_bytes,
-    } = r;
-    DdpBucketRebuild {
-        old_bucket_bytes,
-        new_bucket_bytes,
-    }
+    fields!(r, pb::DdpBucketRebuild => DdpBucketRebuild { old_bucket_bytes, new_bucket_bytes })
 }
 
 /// Model facts as sent; unknown enum values read as unknown (see the
 /// module's note).
 pub fn model_facts_from_wire(f: pb::ModelFacts) -> ModelFacts {
-    let pb::ModelFacts {
-        parameter_count,
-        parameter_bytes,
-        optimizer,
-        state_bytes_per_parameter,
-        precision,
-        sharding_factor,
-        grad_accumulation_steps,
-        state_precreated,
-        grads_set_to_none,
-        micro_batch_size,
-        optimizer_implementation,
-        ddp_bucket_rebuild,
-        largest_batch,
-    } = f;
-    ModelFacts {
-        parameter_count,
-        parameter_bytes,
-        optimizer: optimizer_from_wire(optimizer).unwrap_or_default(),
-        state_bytes_per_parameter,
-        precision: precision_from_wire(precision).unwrap_or_default(),
-        sharding_factor,
-        grad_accumulation_steps,
-        state_precreated,
-        grads_set_to_none,
-        micro_batch_size,
-        optimizer_implementation: optimizer_implementation_from_wire(optimizer_implementation)
-            .unwrap_or_default(),
-        ddp_bucket_rebuild: ddp_bucket_rebuild.map(ddp_bucket_rebuild_from_wire),
-        largest_batch: largest_batch.and_then(batch_from_wire),
-    }
+    fields!(f, pb::ModelFacts => ModelFacts {
+        parameter_count, parameter_bytes, state_bytes_per_parameter, sharding_factor,
+        grad_accumulation_steps, state_precreated, grads_set_to_none, micro_batch_size;
+        map: optimizer => optimizer_from_wire(optimizer).unwrap_or_default(),
+            precision => precision_from_wire(precision).unwrap_or_default(),
+            optimizer_implementation =>
+                optimizer_implementation_from_wire(optimizer_implementation).unwrap_or_default(),
+            ddp_bucket_rebuild => ddp_bucket_rebuild.map(ddp_bucket_rebuild_from_wire),
+            largest_batch => largest_batch.and_then(batch_from_wire)
+    })
 }
 
 // Unknown values read as unknown (see the module's note).
@@ -352,137 +256,89 @@ pub fn marker_kind_from_wire(value: i32) -> Result<MarkerKind, WireError> {
 
 /// A marker, with its allocator figures when it has them.
 pub fn marker_to_wire(m: &Marker) -> pb::Marker {
-    let Marker {
-        kind,
-        step,
-        monotonic_ns,
-        wall_ns,
-        micro_batch,
-        allocator,
-        layout_segments,
-        device_memory,
-        batch,
-    } = m;
-    pb::Marker {
-        kind: marker_kind_to_wire(*kind) as i32,
-        step: *step,
-        monotonic_ns: *monotonic_ns,
-        wall_ns: *wall_ns,
-        micro_batch: *micro_batch,
-        allocator: allocator.as_ref().map(allocator_stats_to_wire),
-        layout_segments: layout_segments.iter().map(segment_to_wire).collect(),
-        device_memory: device_memory.as_ref().map(device_memory_to_wire),
-        batch: batch.as_ref().map(batch_to_wire),
-    }
+    fields!(m.clone(), Marker => pb::Marker {
+        step, monotonic_ns, wall_ns, micro_batch;
+        map: kind => marker_kind_to_wire(kind) as i32,
+            allocator => allocator.as_ref().map(allocator_stats_to_wire),
+            layout_segments => layout_segments.iter().map(segment_to_wire).collect(),
+            device_memory => device_memory.as_ref().map(device_memory_to_wire),
+            batch => batch.as_ref().map(batch_to_wire)
+    })
 }
 
 /// A marker as sent; its plausibility is the timeline's to check.
 pub fn marker_from_wire(m: pb::Marker) -> Result<Marker, WireError> {
-    let pb::Marker {
-        kind,
-        step,
-        monotonic_ns,
-        wall_ns,
-        allocator,
-        micro_batch,
-        layout_segments,
-        device_memory,
-        batch,
-    } = m;
-    Ok(Marker {
-        kind: marker_kind_from_wire(kind)?,
-        step,
-        monotonic_ns,
-        wall_ns,
-        micro_batch,
-        allocator: allocator.map(allocator_stats_from_wire),
-        layout_segments: layout_segments.into_iter().map(segment_from_wire).collect(),
-        device_memory: device_memory.map(device_memory_from_wire),
-        batch: batch.and_then(batch_from_wire),
-    })
+    Ok(fields!(m, pb::Marker => Marker {
+        step, monotonic_ns, wall_ns, micro_batch;
+        map: kind => marker_kind_from_wire(kind)?,
+            allocator => allocator.map(allocator_stats_from_wire),
+            layout_segments => layout_segments.into_iter().map(segment_from_wire).collect(),
+            device_memory => device_memory.map(device_memory_from_wire),
+            batch => batch.and_then(batch_from_wire)
+    }))
 }
 
 /// A batch's size, as the client described it.
 pub fn batch_to_wire(b: &BatchFacts) -> pb::BatchFacts {
-    same_fields!(b.clone(), BatchFacts => pb::BatchFacts { samples, tokens, shape })
+    fields!(b.clone(), BatchFacts => pb::BatchFacts { samples, tokens, shape })
 }
 
 /// A batch as sent; an empty one says nothing (None). Its plausibility is
 /// the timeline's (or the facts') to check.
 pub fn batch_from_wire(b: pb::BatchFacts) -> Option<BatchFacts> {
-    let b = same_fields!(b, pb::BatchFacts => BatchFacts { samples, tokens, shape });
+    let b = fields!(b, pb::BatchFacts => BatchFacts { samples, tokens, shape });
     (!b.is_empty()).then_some(b)
 }
 
 /// What the client sent with an OOM marker.
 pub fn oom_report_to_wire(r: &OomReport) -> pb::OomReport {
-    pb::OomReport {
-        step: r.step,
-        requested_bytes: r.requested_bytes,
-        allocator: r.allocator.as_ref().map(allocator_stats_to_wire),
-        inactive_split_bytes: r.inactive_split_bytes,
-        segment_count: r.segment_count,
-        largest_free_block_bytes: r.largest_free_block_bytes,
-        largest_segments: r
-            .largest_segments
-            .iter()
-            .map(|s| {
-                same_fields!(*s, OomSegment => pb::OomSegment {
-                    size_bytes, allocated_bytes, largest_free_block_bytes, small_pool,
+    fields!(r.clone(), OomReport => pb::OomReport {
+        step, requested_bytes, inactive_split_bytes, segment_count, largest_free_block_bytes,
+        message;
+        map: allocator => allocator.as_ref().map(allocator_stats_to_wire),
+            largest_segments => largest_segments
+                .into_iter()
+                .map(|s| {
+                    fields!(s, OomSegment => pb::OomSegment {
+                        size_bytes, allocated_bytes, largest_free_block_bytes, small_pool,
+                    })
                 })
-            })
-            .collect(),
-        device_memory: r.device_memory.as_ref().map(device_memory_to_wire),
-        message: r.message.clone(),
-    }
+                .collect(),
+            device_memory => device_memory.as_ref().map(device_memory_to_wire)
+    })
 }
 
 /// An OOM report as sent; its bounds are the tracker's to check.
 pub fn oom_report_from_wire(r: pb::OomReport) -> OomReport {
-    let pb::OomReport {
-        step,
-        requested_bytes,
-        allocator,
-        inactive_split_bytes,
-        segment_count,
-        largest_free_block_bytes,
-        largest_segments,
-        device_memory,
-        message,
-    } = r;
-    OomReport {
-        step,
-        requested_bytes,
-        allocator: allocator.map(allocator_stats_from_wire),
-        inactive_split_bytes,
-        segment_count,
-        largest_free_block_bytes,
-        largest_segments: largest_segments
-            .into_iter()
-            .map(|s| {
-                same_fields!(s, pb::OomSegment => OomSegment {
-                    size_bytes, allocated_bytes, largest_free_block_bytes, small_pool,
+    fields!(r, pb::OomReport => OomReport {
+        step, requested_bytes, inactive_split_bytes, segment_count, largest_free_block_bytes,
+        message;
+        map: allocator => allocator.map(allocator_stats_from_wire),
+            largest_segments => largest_segments
+                .into_iter()
+                .map(|s| {
+                    fields!(s, pb::OomSegment => OomSegment {
+                        size_bytes, allocated_bytes, largest_free_block_bytes, small_pool,
+                    })
                 })
-            })
-            .collect(),
-        device_memory: device_memory.map(device_memory_from_wire),
-        message,
-    }
+                .collect(),
+            device_memory => device_memory.map(device_memory_from_wire)
+    })
 }
 
 /// `cudaMemGetInfo` at a marker.
 pub fn device_memory_to_wire(d: &DeviceMemory) -> pb::DeviceMemory {
-    same_fields!(*d, DeviceMemory => pb::DeviceMemory { free_bytes, total_bytes })
+    fields!(*d, DeviceMemory => pb::DeviceMemory { free_bytes, total_bytes })
 }
 
 /// The device's memory as sent; its plausibility is the timeline's to check.
 pub fn device_memory_from_wire(d: pb::DeviceMemory) -> DeviceMemory {
-    same_fields!(d, pb::DeviceMemory => DeviceMemory { free_bytes, total_bytes })
+    fields!(d, pb::DeviceMemory => DeviceMemory { free_bytes, total_bytes })
 }
 
 /// `torch.cuda.memory_stats()` figures at a marker.
 pub fn allocator_stats_to_wire(a: &AllocatorStats) -> pb::AllocatorStats {
-    same_fields!(*a, AllocatorStats => pb::AllocatorStats {
+    fields!(*a, AllocatorStats => pb::AllocatorStats {
         allocated_bytes, allocated_peak_bytes, reserved_bytes, reserved_peak_bytes,
         active_bytes, active_peak_bytes, num_alloc_retries,
     })
@@ -490,7 +346,7 @@ pub fn allocator_stats_to_wire(a: &AllocatorStats) -> pb::AllocatorStats {
 
 /// Allocator figures as sent.
 pub fn allocator_stats_from_wire(a: pb::AllocatorStats) -> AllocatorStats {
-    same_fields!(a, pb::AllocatorStats => AllocatorStats {
+    fields!(a, pb::AllocatorStats => AllocatorStats {
         allocated_bytes, allocated_peak_bytes, reserved_bytes, reserved_peak_bytes,
         active_bytes, active_peak_bytes, num_alloc_retries,
     })
@@ -539,7 +395,7 @@ pub fn allocator_trace_chunk_from_wire(
 
 /// The allocator settings the traced process ran with.
 pub fn trace_settings_to_wire(s: &TraceSettings) -> pb::AllocatorSettings {
-    same_fields!(s.clone(), TraceSettings => pb::AllocatorSettings {
+    fields!(s.clone(), TraceSettings => pb::AllocatorSettings {
         max_split_size_bytes, roundup_power2_divisions, garbage_collection_threshold,
         expandable_segments, alloc_conf,
     })
@@ -548,7 +404,7 @@ pub fn trace_settings_to_wire(s: &TraceSettings) -> pb::AllocatorSettings {
 /// Allocator settings as sent; whether the replay models them is
 /// [`TraceSettings::model`]'s to say.
 pub fn trace_settings_from_wire(s: pb::AllocatorSettings) -> TraceSettings {
-    same_fields!(s, pb::AllocatorSettings => TraceSettings {
+    fields!(s, pb::AllocatorSettings => TraceSettings {
         max_split_size_bytes, roundup_power2_divisions, garbage_collection_threshold,
         expandable_segments, alloc_conf,
     })
@@ -556,48 +412,28 @@ pub fn trace_settings_from_wire(s: pb::AllocatorSettings) -> TraceSettings {
 
 /// A segment of the layout after step 1's optimizer phase.
 pub fn segment_to_wire(s: &SegmentLayout) -> pb::AllocatorSegment {
-    let SegmentLayout {
-        address,
-        pool,
-        blocks,
-        stream,
-        pool_id,
-        expandable,
-    } = s;
-    pb::AllocatorSegment {
-        address: *address,
-        small_pool: *pool == Pool::Small,
-        blocks: blocks
-            .iter()
-            .map(|b| same_fields!(*b, BlockLayout => pb::AllocatorBlock { size, allocated, gradient }))
-            .collect(),
-        stream: *stream,
-        pool_id: *pool_id,
-        expandable: *expandable,
-    }
+    fields!(s.clone(), SegmentLayout => pb::AllocatorSegment {
+        address, stream, pool_id, expandable;
+        map: blocks => blocks
+            .into_iter()
+            .map(|b| fields!(b, BlockLayout => pb::AllocatorBlock { size, allocated, gradient }))
+            .collect();
+        read: pool;
+        set: small_pool = pool == Pool::Small
+    })
 }
 
 /// A segment as sent; its consistency is the replay's to check.
 pub fn segment_from_wire(s: pb::AllocatorSegment) -> SegmentLayout {
-    let pb::AllocatorSegment {
-        address,
-        small_pool,
-        blocks,
-        stream,
-        pool_id,
-        expandable,
-    } = s;
-    SegmentLayout {
-        address,
-        pool: if small_pool { Pool::Small } else { Pool::Large },
-        blocks: blocks
+    fields!(s, pb::AllocatorSegment => SegmentLayout {
+        address, stream, pool_id, expandable;
+        map: blocks => blocks
             .into_iter()
-            .map(|b| same_fields!(b, pb::AllocatorBlock => BlockLayout { size, allocated, gradient }))
-            .collect(),
-        stream,
-        pool_id,
-        expandable,
-    }
+            .map(|b| fields!(b, pb::AllocatorBlock => BlockLayout { size, allocated, gradient }))
+            .collect();
+        read: small_pool;
+        set: pool = if small_pool { Pool::Small } else { Pool::Large }
+    })
 }
 
 /// The marker that opens a phase: how the wire names an event's phase.
@@ -616,50 +452,25 @@ enum_pairs!(action_to_wire, action_from_wire, AllocatorAction => pb::AllocatorAc
 
 /// One allocation, free or segment event of the traced step.
 pub fn event_to_wire(e: &AllocatorEvent) -> pb::AllocatorEvent {
-    let AllocatorEvent {
-        action,
-        address,
-        size,
-        phase,
-        stream,
-    } = *e;
-    pb::AllocatorEvent {
-        action: action_to_wire(action) as i32,
-        address,
-        size,
-        phase: phase_to_wire(phase) as i32,
-        stream,
-    }
+    fields!(*e, AllocatorEvent => pb::AllocatorEvent {
+        address, size, stream;
+        map: action => action_to_wire(action) as i32,
+            phase => phase_to_wire(phase) as i32
+    })
 }
 
 /// An event as sent, `index` being its place in the whole trace (for the
 /// error); an unknown action or a phase no marker opens is refused.
 pub fn event_from_wire(e: pb::AllocatorEvent, index: usize) -> Result<AllocatorEvent, WireError> {
-    let pb::AllocatorEvent {
-        action,
-        address,
-        size,
-        phase,
-        stream,
-    } = e;
-    let action = action_from_wire(action).ok_or(WireError::EventAction {
-        index,
-        value: action,
-    })?;
-    let phase = marker_kind_from_wire(phase)
-        .ok()
-        .and_then(MarkerKind::opens)
-        .ok_or(WireError::EventPhase {
-            index,
-            value: phase,
-        })?;
-    Ok(AllocatorEvent {
-        action,
-        address,
-        size,
-        phase,
-        stream,
-    })
+    Ok(fields!(e, pb::AllocatorEvent => AllocatorEvent {
+        address, size, stream;
+        map: action => action_from_wire(action)
+                .ok_or(WireError::EventAction { index, value: action })?,
+            phase => marker_kind_from_wire(phase)
+                .ok()
+                .and_then(MarkerKind::opens)
+                .ok_or(WireError::EventPhase { index, value: phase })?
+    }))
 }
 
 // ---- Advisory ---------------------------------------------------------------
@@ -685,17 +496,7 @@ pub fn advisory_kind_from_wire(value: i32) -> Result<AdvisoryKind, WireError> {
 /// the rest are warnings). When it was
 /// issued and which divergence figure named the rank stay in the agent.
 pub fn advisory_to_wire(a: &Advisory) -> pb::Advisory {
-    let Advisory {
-        kind,
-        step,
-        issued_monotonic_ns: _,
-        predicted_peak_bytes,
-        capacity_bytes,
-        predicted_headroom_bytes,
-        message,
-        divergence: _,
-    } = a.clone();
-    let severity = match kind {
+    let severity = match a.kind {
         AdvisoryKind::Step2OomPredicted => pb::Severity::Critical,
         AdvisoryKind::PredictionFinal => pb::Severity::Info,
         AdvisoryKind::LowHeadroom
@@ -705,37 +506,21 @@ pub fn advisory_to_wire(a: &Advisory) -> pb::Advisory {
         | AdvisoryKind::MemoryGrowth => pb::Severity::Warning,
         AdvisoryKind::ClientClock => pb::Severity::Info,
     };
-    pb::Advisory {
-        kind: advisory_kind_to_wire(kind) as i32,
-        severity: severity as i32,
-        message,
-        step,
-        predicted_peak_bytes,
-        capacity_bytes,
-        predicted_headroom_bytes,
-    }
+    fields!(a.clone(), Advisory => pb::Advisory {
+        step, predicted_peak_bytes, capacity_bytes, predicted_headroom_bytes, message;
+        map: kind => advisory_kind_to_wire(kind) as i32;
+        drop: issued_monotonic_ns, divergence;
+        set: severity = severity as i32
+    })
 }
 
 /// An advisory as a client receives it. The agent's own bookkeeping reads
 /// as 0 and None; the severity is implied by the kind.
 pub fn advisory_from_wire(a: pb::Advisory) -> Result<Advisory, WireError> {
-    let pb::Advisory {
-        kind,
-        severity: _,
-        message,
-        step,
-        predicted_peak_bytes,
-        capacity_bytes,
-        predicted_headroom_bytes,
-    } = a;
-    Ok(Advisory {
-        kind: advisory_kind_from_wire(kind)?,
-        step,
-        issued_monotonic_ns: 0,
-        predicted_peak_bytes,
-        capacity_bytes,
-        predicted_headroom_bytes,
-        message,
-        divergence: None,
-    })
+    Ok(fields!(a, pb::Advisory => Advisory {
+        step, predicted_peak_bytes, capacity_bytes, predicted_headroom_bytes, message;
+        map: kind => advisory_kind_from_wire(kind)?;
+        drop: severity;
+        set: issued_monotonic_ns = 0, divergence = None
+    }))
 }
