@@ -13,99 +13,63 @@ use stepwatch_proto::v1::{
 };
 use tonic::Code;
 
-fn expect(result: Result<(), tonic::Status>, code: Code, says: &str) {
-    let status = result.expect_err("the agent should refuse this");
-    assert_eq!(status.code(), code, "{status:?}");
-    assert!(
-        status.message().contains(says),
-        "status {:?} should mention {says:?}",
-        status.message()
-    );
-}
-
 #[test]
 fn malformed_and_out_of_range_input_is_refused_and_counted() {
     let agent = Agent::start("validation", 1);
-    let ep = agent.endpoint();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        expect(
-            exchange(&ep, vec![hello("j", 5, 2)]).await,
+    for (messages, code, says) in [
+        (
+            vec![hello("j", 5, 2)],
             Code::InvalidArgument,
             "rank 5 is not below world_size 2",
-        );
-        expect(
-            exchange(&ep, vec![hello("bad job!", 0, 1)]).await,
+        ),
+        (
+            vec![hello("bad job!", 0, 1)],
             Code::InvalidArgument,
             "job_id",
-        );
-        expect(
-            exchange(&ep, vec![batch(step(1, 1))]).await,
-            Code::FailedPrecondition,
-            "Hello",
-        );
+        ),
+        (vec![batch(step(1, 1))], Code::FailedPrecondition, "Hello"),
+    ] {
+        agent.refuses(messages, code, says);
+    }
 
-        // A good rank with 3 steps, then a batch that goes back to step 2.
-        exchange(
-            &ep,
-            vec![
-                hello("j", 0, 1),
-                batch(step(1, 1_000)),
-                batch(step(2, 10_000)),
-                batch(step(3, 20_000)),
-            ],
-        )
-        .await
-        .expect("valid markers are accepted");
-        expect(
-            exchange(&ep, vec![hello("j", 0, 1), batch(step(2, 30_000))]).await,
-            Code::InvalidArgument,
-            "step 2 does not follow step 3",
-        );
-        let mut unspecified = step(4, 40_000);
-        unspecified[2].kind = 0;
-        expect(
-            exchange(&ep, vec![hello("j", 0, 1), batch(unspecified)]).await,
-            Code::InvalidArgument,
-            "unspecified",
-        );
-        let mut out_of_order = step(4, 40_000);
-        out_of_order.swap(1, 2);
-        expect(
-            exchange(&ep, vec![hello("j", 0, 1), batch(out_of_order)]).await,
-            Code::InvalidArgument,
-            "backward_begin cannot follow step_begin",
-        );
-        // Numbers no client sends: a step near 2^64 (it once ended the
-        // real rank's stream), a size no GPU has.
-        let mut far_step = step(4, 40_000);
-        for m in &mut far_step {
-            m.step = u64::MAX;
-        }
-        expect(
-            exchange(&ep, vec![hello("j", 0, 1), batch(far_step)]).await,
-            Code::InvalidArgument,
-            "step = 18446744073709551615 is beyond what any client sends",
-        );
-        let mut huge_size = step(4, 40_000);
-        huge_size[1].allocator = Some(stepwatch_proto::v1::AllocatorStats {
-            allocated_bytes: u64::MAX - 7,
-            ..Default::default()
-        });
-        expect(
-            exchange(&ep, vec![hello("j", 0, 1), batch(huge_size)]).await,
-            Code::InvalidArgument,
-            "allocated_bytes",
-        );
-        let huge: Vec<Marker> = (0..1025)
-            .map(|i| marker(MarkerKind::ForwardBegin, 4, 50_000 + i))
-            .collect();
-        expect(
-            exchange(&ep, vec![hello("j", 0, 1), batch(huge)]).await,
-            Code::InvalidArgument,
-            "at most 1024",
-        );
+    // A good rank with 3 steps, then batches it must refuse.
+    let steps = [(1, 1_000), (2, 10_000), (3, 20_000)].map(|(n, t0)| batch(step(n, t0)));
+    agent.accepts(
+        "valid markers",
+        [vec![hello("j", 0, 1)], steps.to_vec()].concat(),
+    );
+    let mut unspecified = step(4, 40_000);
+    unspecified[2].kind = 0;
+    let mut out_of_order = step(4, 40_000);
+    out_of_order.swap(1, 2);
+    // Numbers no client sends: a step near 2^64 (it once ended the real
+    // rank's stream), a size no GPU has.
+    let mut far_step = step(4, 40_000);
+    for m in &mut far_step {
+        m.step = u64::MAX;
+    }
+    let mut huge_size = step(4, 40_000);
+    huge_size[1].allocator = Some(stepwatch_proto::v1::AllocatorStats {
+        allocated_bytes: u64::MAX - 7,
+        ..Default::default()
     });
+    let huge: Vec<Marker> = (0..1025)
+        .map(|i| marker(MarkerKind::ForwardBegin, 4, 50_000 + i))
+        .collect();
+    for (markers, says) in [
+        (step(2, 30_000), "step 2 does not follow step 3"),
+        (unspecified, "unspecified"),
+        (out_of_order, "backward_begin cannot follow step_begin"),
+        (
+            far_step,
+            "step = 18446744073709551615 is beyond what any client sends",
+        ),
+        (huge_size, "allocated_bytes"),
+        (huge, "at most 1024"),
+    ] {
+        let messages = vec![hello("j", 0, 1), batch(markers)];
+        agent.refuses(messages, Code::InvalidArgument, says);
+    }
 
     let m = agent.metrics();
     let m = Metrics(m);
@@ -140,11 +104,7 @@ fn malformed_and_out_of_range_input_is_refused_and_counted() {
     );
 
     // And the agent keeps serving: the same rank continues with step 4.
-    rt.block_on(async {
-        exchange(&ep, vec![hello("j", 0, 1), batch(step(4, 60_000))])
-            .await
-            .expect("step 4 is accepted");
-    });
+    agent.accepts("step 4", vec![hello("j", 0, 1), batch(step(4, 60_000))]);
     agent.wait_metrics("step 4 counted", Duration::from_secs(5), |m| {
         m.get(
             "stepwatch_rank_steps_completed_total",
@@ -157,19 +117,9 @@ fn malformed_and_out_of_range_input_is_refused_and_counted() {
 #[test]
 fn a_marker_flood_on_one_stream_is_refused_with_resource_exhausted() {
     let agent = Agent::start_with("flood", 1, &["--max-marker-rate", "100"], |_| {});
-    let ep = agent.endpoint();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        let mut messages = vec![hello("flood", 0, 1)];
-        for s in 1..=40u64 {
-            messages.push(batch(step(s, s * 10_000)));
-        }
-        expect(
-            exchange(&ep, messages).await,
-            Code::ResourceExhausted,
-            "markers/s",
-        );
-    });
+    let mut messages = vec![hello("flood", 0, 1)];
+    messages.extend((1..=40u64).map(|s| batch(step(s, s * 10_000))));
+    agent.refuses(messages, Code::ResourceExhausted, "markers/s");
     let m = Metrics(agent.metrics());
     assert!(m.rejected("rate_limited").unwrap() > 0.0);
     let accepted = m.get("stepwatch_markers_received_total", &[]).unwrap();
@@ -181,6 +131,56 @@ fn a_marker_flood_on_one_stream_is_refused_with_resource_exhausted() {
     );
 }
 
+/// A block of a traced segment, not a gradient.
+fn block(size: u64, allocated: bool) -> AllocatorBlock {
+    AllocatorBlock {
+        size,
+        allocated,
+        gradient: false,
+    }
+}
+
+/// Step 1's whole trace in one chunk: one segment at 4 GiB of `blocks`
+/// (MiB, allocated), where backward made an 8 MiB gradient `gradient_at`
+/// MiB into it and the optimizer 16 MiB of state `state_at` MiB into it.
+fn one_segment_trace(
+    blocks: &[(u64, bool)],
+    gradient_at: u64,
+    state_at: u64,
+) -> AllocatorTraceChunk {
+    const MIB: u64 = 1 << 20;
+    let base = 1u64 << 32;
+    AllocatorTraceChunk {
+        step: 1,
+        segments: vec![AllocatorSegment {
+            address: base,
+            blocks: blocks
+                .iter()
+                .map(|&(mib, allocated)| block(mib * MIB, allocated))
+                .collect(),
+            ..Default::default()
+        }],
+        events: vec![
+            alloc(base + gradient_at * MIB, 8 * MIB, MarkerKind::BackwardBegin),
+            alloc(base + state_at * MIB, 16 * MIB, MarkerKind::OptimizerBegin),
+        ],
+        last: true,
+        settings: None,
+        forward_returns: Vec::new(),
+    }
+}
+
+/// An allocation of `size` bytes at `address` in the phase `phase` opens.
+fn alloc(address: u64, size: u64, phase: MarkerKind) -> AllocatorEvent {
+    AllocatorEvent {
+        action: AllocatorAction::Alloc as i32,
+        address,
+        size,
+        phase: phase as i32,
+        ..Default::default()
+    }
+}
+
 /// One 64 MiB segment whose first 16 MiB block holds the state allocated in
 /// step 1's optimizer phase, as a client would send it.
 fn trace_chunk(step: u64, last: bool) -> AllocatorTraceChunk {
@@ -190,27 +190,10 @@ fn trace_chunk(step: u64, last: bool) -> AllocatorTraceChunk {
         segments: vec![AllocatorSegment {
             address: 1 << 32,
             small_pool: false,
-            blocks: vec![
-                AllocatorBlock {
-                    size: 16 * MIB,
-                    allocated: true,
-                    gradient: false,
-                },
-                AllocatorBlock {
-                    size: 48 * MIB,
-                    allocated: false,
-                    gradient: false,
-                },
-            ],
+            blocks: vec![block(16 * MIB, true), block(48 * MIB, false)],
             ..Default::default()
         }],
-        events: vec![AllocatorEvent {
-            action: AllocatorAction::Alloc as i32,
-            address: 1 << 32,
-            size: 16 * MIB,
-            phase: MarkerKind::OptimizerBegin as i32,
-            ..Default::default()
-        }],
+        events: vec![alloc(1 << 32, 16 * MIB, MarkerKind::OptimizerBegin)],
         last,
         settings: None,
         forward_returns: Vec::new(),
@@ -243,77 +226,59 @@ fn step1_to_optimizer_end(t0: u64) -> Vec<Marker> {
 #[test]
 fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
     let agent = Agent::start("trace-validation", 1);
-    let ep = agent.endpoint();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        // Unusable traces are counted and logged; the stream goes on, so the
-        // markers behind them still count. Each goes on a stream of its own
-        // (a second trace on one stream is refused), with a marker after it.
-        let mut no_phase = trace_chunk(1, false);
-        no_phase.events[0].phase = MarkerKind::StepEnd as i32;
-        let mut rest = trace_chunk(1, true);
-        rest.segments.clear();
-        let mut no_action = trace_chunk(1, true);
-        no_action.events[0].action = 0;
-        // The event says 16 MiB stayed allocated where the layout has a free block.
-        let mut mismatch = trace_chunk(1, true);
-        mismatch.segments[0].blocks[0].allocated = false;
-        // Made under a setting the model does not follow (from the snapshot).
-        let mut unmodelled = trace_chunk(1, true);
-        unmodelled.settings = Some(stepwatch_proto::v1::AllocatorSettings {
-            garbage_collection_threshold: 0.6,
-            ..Default::default()
-        });
-        let unusable = [
-            vec![trace(trace_chunk(2, true))],
-            // Refused in its first chunk; the second is skipped.
-            vec![trace(no_phase), trace(rest)],
-            vec![trace(no_action)],
-            vec![trace(mismatch)],
-            vec![trace(unmodelled)],
-        ];
-        for (i, traces) in unusable.into_iter().enumerate() {
-            let job = format!("u{i}");
-            let mut messages = vec![hello(&job, 0, 1), batch(step1_to_optimizer_end(1_000))];
-            messages.extend(traces);
-            messages.push(batch(vec![marker(MarkerKind::StepEnd, 1, 9_000)]));
-            exchange(&ep, messages)
-                .await
-                .unwrap_or_else(|e| panic!("unusable trace {i} ended the stream: {e:?}"));
-        }
-        // 70 chunks of 4000 events: over the 262144-event bound.
-        let mut big = vec![hello("t", 0, 1)];
-        for _ in 0..70 {
-            let mut chunk = trace_chunk(1, false);
-            chunk.segments.clear();
-            chunk.events = vec![chunk_event(); 4000];
-            big.push(trace(chunk));
-        }
-        expect(
-            exchange(&ep, big).await,
-            Code::ResourceExhausted,
-            "at most 262144 events",
-        );
-
-        // A good trace during step 1, split over two chunks, is replayed once.
-        let mut first = trace_chunk(1, false);
-        let events = std::mem::take(&mut first.events);
-        let mut second = trace_chunk(1, true);
-        second.segments.clear();
-        second.events = events;
-        let mut messages = vec![hello("t", 0, 1), batch(step1_to_optimizer_end(1_000))];
-        messages.extend([trace(first), trace(second.clone())]);
-        expect(
-            exchange(&ep, {
-                let mut m = messages.clone();
-                m.push(trace(second.clone()));
-                m
-            })
-            .await,
-            Code::FailedPrecondition,
-            "once per stream",
-        );
+    // Unusable traces are counted and logged; the stream goes on, so the
+    // markers behind them still count. Each goes on a stream of its own
+    // (a second trace on one stream is refused), with a marker after it.
+    let mut no_phase = trace_chunk(1, false);
+    no_phase.events[0].phase = MarkerKind::StepEnd as i32;
+    let mut rest = trace_chunk(1, true);
+    rest.segments.clear();
+    let mut no_action = trace_chunk(1, true);
+    no_action.events[0].action = 0;
+    // The event says 16 MiB stayed allocated where the layout has a free block.
+    let mut mismatch = trace_chunk(1, true);
+    mismatch.segments[0].blocks[0].allocated = false;
+    // Made under a setting the model does not follow (from the snapshot).
+    let mut unmodelled = trace_chunk(1, true);
+    unmodelled.settings = Some(stepwatch_proto::v1::AllocatorSettings {
+        garbage_collection_threshold: 0.6,
+        ..Default::default()
     });
+    let unusable = [
+        vec![trace(trace_chunk(2, true))],
+        // Refused in its first chunk; the second is skipped.
+        vec![trace(no_phase), trace(rest)],
+        vec![trace(no_action)],
+        vec![trace(mismatch)],
+        vec![trace(unmodelled)],
+    ];
+    for (i, traces) in unusable.into_iter().enumerate() {
+        let job = format!("u{i}");
+        let mut messages = vec![hello(&job, 0, 1), batch(step1_to_optimizer_end(1_000))];
+        messages.extend(traces);
+        messages.push(batch(vec![marker(MarkerKind::StepEnd, 1, 9_000)]));
+        agent.accepts(&format!("the stream of unusable trace {i}"), messages);
+    }
+    // 70 chunks of 4000 events: over the 262144-event bound.
+    let mut big = vec![hello("t", 0, 1)];
+    for _ in 0..70 {
+        let mut chunk = trace_chunk(1, false);
+        chunk.segments.clear();
+        chunk.events = vec![chunk_event(); 4000];
+        big.push(trace(chunk));
+    }
+    agent.refuses(big, Code::ResourceExhausted, "at most 262144 events");
+
+    // A good trace during step 1, split over two chunks, is replayed once.
+    let mut first = trace_chunk(1, false);
+    let events = std::mem::take(&mut first.events);
+    let mut second = trace_chunk(1, true);
+    second.segments.clear();
+    second.events = events;
+    let mut messages = vec![hello("t", 0, 1), batch(step1_to_optimizer_end(1_000))];
+    messages.extend([trace(first), trace(second.clone())]);
+    let twice = [messages.clone(), vec![trace(second.clone())]].concat();
+    agent.refuses(twice, Code::FailedPrecondition, "once per stream");
     let m = Metrics(agent.metrics());
     let rejected = |reason| m.rejected(reason).unwrap_or(0.0);
     assert_eq!(rejected("allocator_trace_not_step_one"), 1.0);
@@ -364,20 +329,14 @@ fn allocator_traces_are_checked_counted_and_used_only_during_step_1() {
     );
 
     // Once step 2 has begun a trace is counted as late and changes nothing.
-    rt.block_on(async {
-        exchange(
-            &ep,
-            vec![
-                hello("t", 0, 1),
-                batch(vec![marker(MarkerKind::StepEnd, 1, 9_000)]),
-                batch(step(2, 10_000)),
-                trace(trace_chunk(1, true)),
-                batch(step(3, 20_000)),
-            ],
-        )
-        .await
-        .expect("a late trace does not end the stream");
-    });
+    let late = vec![
+        hello("t", 0, 1),
+        batch(vec![marker(MarkerKind::StepEnd, 1, 9_000)]),
+        batch(step(2, 10_000)),
+        trace(trace_chunk(1, true)),
+        batch(step(3, 20_000)),
+    ];
+    agent.accepts("a stream with a late trace", late);
     agent.wait_metrics("late trace counted", Duration::from_secs(5), |m| {
         m.get("stepwatch_allocator_traces_total", &[("result", "late")]) == Some(1.0)
             && m.get(
@@ -425,16 +384,13 @@ fn big_chunk() -> ClientMessage {
 #[test]
 fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
     let agent = small_trace_budget_agent("trace-budget");
-    let ep = agent.endpoint();
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let mut step1 = step(1, 1_000);
     step1.pop();
     let mut messages = vec![hello("hoarder", 0, 1), batch(step1.clone())];
     messages.extend((0..12).map(|_| big_chunk()));
     // The stream goes on: step 1 ends normally after the dropped trace.
     messages.push(batch(vec![marker(MarkerKind::StepEnd, 1, 9_000)]));
-    rt.block_on(exchange(&ep, messages))
-        .expect("a trace over the budget is dropped, not the stream");
+    agent.accepts("a stream whose trace is over the budget", messages);
     agent.wait_metrics("the budget refusal", Duration::from_secs(5), |m| {
         m.rejected("allocator_trace_over_budget") == Some(1.0)
             && m.steps_completed("hoarder") == Some(1.0)
@@ -442,18 +398,9 @@ fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
 
     // A trace begun and never finished is dropped after the timeout while
     // its stream goes on.
+    let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
-        let (tx, rx) = tokio::sync::mpsc::channel::<ClientMessage>(4);
-        let channel = tonic::transport::Endpoint::from_shared(ep.clone())
-            .unwrap()
-            .connect()
-            .await
-            .expect("connect");
-        let mut client = stepwatch_proto::v1::ingest_client::IngestClient::new(channel);
-        let _response = client
-            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .expect("the stream opens");
+        let (tx, _inbound) = open_stream(&agent.endpoint()).await;
         tx.send(hello("slow-trace", 0, 1)).await.unwrap();
         tx.send(batch(step1.clone())).await.unwrap();
         tx.send(trace(trace_chunk(1, false))).await.unwrap();
@@ -479,19 +426,12 @@ fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
 #[test]
 fn a_silent_stream_gives_its_unfinished_trace_back_on_the_agents_clock() {
     let agent = small_trace_budget_agent("trace-silent");
-    let ep = agent.endpoint();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut step1 = step(1, 1_000);
     step1.pop();
     // 4 big chunks hold most of the budget.
     let (_silent, _inbound) = rt.block_on(async {
-        let (tx, rx) = tokio::sync::mpsc::channel::<ClientMessage>(8);
-        let mut client = stepwatch_proto::v1::ingest_client::IngestClient::new(connect(&ep).await);
-        let inbound = client
-            .stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .expect("the stream opens")
-            .into_inner();
+        let (tx, inbound) = open_stream(&agent.endpoint()).await;
         tx.send(hello("silent", 0, 1)).await.unwrap();
         tx.send(batch(step1.clone())).await.unwrap();
         for _ in 0..4 {
@@ -508,8 +448,7 @@ fn a_silent_stream_gives_its_unfinished_trace_back_on_the_agents_clock() {
     // The budget is free again: another rank's trace of the same size fits.
     let mut messages = vec![hello("polite", 0, 1), batch(step1.clone())];
     messages.extend((0..4).map(|_| big_chunk()));
-    rt.block_on(exchange(&ep, messages))
-        .expect("the stream goes on");
+    agent.accepts("another rank's trace", messages);
     let m = Metrics(agent.metrics());
     assert_eq!(m.rejected("allocator_trace_over_budget"), Some(0.0));
 }
@@ -518,81 +457,33 @@ fn a_silent_stream_gives_its_unfinished_trace_back_on_the_agents_clock() {
 fn facts_sent_after_the_hello_replay_step_1_again_and_bad_ones_are_refused() {
     const MIB: u64 = 1 << 20;
     let agent = Agent::start("model-update", 1);
-    let ep = agent.endpoint();
-    let rt = tokio::runtime::Runtime::new().unwrap();
     // Step 1 to its optimizer end, then its trace: backward made an 8 MiB
     // gradient, the optimizer 16 MiB of state.
     let step1 = step1_to_optimizer_end(1_000);
-    let base = 1u64 << 32;
-    let chunk = AllocatorTraceChunk {
-        step: 1,
-        segments: vec![AllocatorSegment {
-            address: base,
-            blocks: vec![
-                AllocatorBlock {
-                    size: 16 * MIB,
-                    allocated: true,
-                    gradient: false,
-                },
-                AllocatorBlock {
-                    size: 8 * MIB,
-                    allocated: true,
-                    gradient: false,
-                },
-                AllocatorBlock {
-                    size: 40 * MIB,
-                    allocated: false,
-                    gradient: false,
-                },
-            ],
-            ..Default::default()
-        }],
-        events: vec![
-            AllocatorEvent {
-                action: AllocatorAction::Alloc as i32,
-                address: base + 16 * MIB,
-                size: 8 * MIB,
-                phase: MarkerKind::BackwardBegin as i32,
-                ..Default::default()
-            },
-            AllocatorEvent {
-                action: AllocatorAction::Alloc as i32,
-                address: base,
-                size: 16 * MIB,
-                phase: MarkerKind::OptimizerBegin as i32,
-                ..Default::default()
-            },
-        ],
-        last: true,
-        settings: None,
-        forward_returns: Vec::new(),
-    };
-    let update = |facts| ClientMessage {
-        kind: Some(Kind::ModelUpdate(facts)),
-    };
+    let chunk = one_segment_trace(&[(16, true), (8, true), (40, false)], 16, 0);
     let replay = |job: &str| {
         let (code, body) = agent.get(&format!("/api/v1/jobs/{job}/ranks/0"));
         assert_eq!(code, 200, "{body}");
         let report: serde_json::Value = serde_json::from_str(&body).unwrap();
         report["analysis"]["prediction"]["inputs"]["allocator_replay"].clone()
     };
-    rt.block_on(async {
-        exchange(
-            &ep,
-            vec![
-                hello("kept", 0, 1),
-                batch(step1.clone()),
-                trace(chunk.clone()),
-                // What `zero_grad(set_to_none=False)` tells the client.
-                update(stepwatch_proto::v1::ModelFacts {
-                    grads_set_to_none: Some(false),
-                    ..Default::default()
-                }),
-            ],
-        )
-        .await
-        .expect("a facts update is accepted");
-    });
+    let step1_then = |job, facts| {
+        let update = ClientMessage {
+            kind: Some(Kind::ModelUpdate(facts)),
+        };
+        vec![
+            hello(job, 0, 1),
+            batch(step1.clone()),
+            trace(chunk.clone()),
+            update,
+        ]
+    };
+    // What `zero_grad(set_to_none=False)` tells the client.
+    let kept = stepwatch_proto::v1::ModelFacts {
+        grads_set_to_none: Some(false),
+        ..Default::default()
+    };
+    agent.accepts("a facts update", step1_then("kept", kept.clone()));
     agent.wait_metrics("both replays counted", Duration::from_secs(10), |m| {
         m.get(
             "stepwatch_allocator_traces_total",
@@ -604,26 +495,12 @@ fn facts_sent_after_the_hello_replay_step_1_again_and_bad_ones_are_refused() {
     assert_eq!(r["state_bytes"], 16 * MIB, "{r:#}");
 
     // Out of bounds: refused, counted, and the facts stay as they were.
-    rt.block_on(async {
-        expect(
-            exchange(
-                &ep,
-                vec![
-                    hello("bad", 0, 1),
-                    batch(step1.clone()),
-                    trace(chunk.clone()),
-                    update(stepwatch_proto::v1::ModelFacts {
-                        grads_set_to_none: Some(false),
-                        sharding_factor: Some(0),
-                        ..Default::default()
-                    }),
-                ],
-            )
-            .await,
-            Code::InvalidArgument,
-            "sharding_factor must be at least 1",
-        );
-    });
+    let unsharded = stepwatch_proto::v1::ModelFacts {
+        sharding_factor: Some(0),
+        ..kept
+    };
+    let says = "sharding_factor must be at least 1";
+    agent.refuses(step1_then("bad", unsharded), Code::InvalidArgument, says);
     let m = Metrics(agent.metrics());
     assert_eq!(m.rejected("invalid_model_update"), Some(1.0));
     assert_eq!(replay("bad")["grads_persistent"], false);
@@ -641,44 +518,10 @@ fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_afte
         |_| {},
     );
     agent.wait_ready_with_nvml();
-    let ep = agent.endpoint();
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let step1 = step1_to_optimizer_end(1_000);
     // One segment: DDP's 32 MiB bucket (made before the trace), the 8 MiB
     // gradient backward made, 16 MiB of optimizer state, 8 MiB free.
-    let base = 1u64 << 32;
-    let block = |mib: u64, allocated: bool| AllocatorBlock {
-        size: mib * MIB,
-        allocated,
-        gradient: false,
-    };
-    let event = |address: u64, mib: u64, phase: MarkerKind| AllocatorEvent {
-        action: AllocatorAction::Alloc as i32,
-        address,
-        size: mib * MIB,
-        phase: phase as i32,
-        ..Default::default()
-    };
-    let chunk = AllocatorTraceChunk {
-        step: 1,
-        segments: vec![AllocatorSegment {
-            address: base,
-            blocks: vec![
-                block(32, true),
-                block(8, true),
-                block(16, true),
-                block(8, false),
-            ],
-            ..Default::default()
-        }],
-        events: vec![
-            event(base + 32 * MIB, 8, MarkerKind::BackwardBegin),
-            event(base + 40 * MIB, 16, MarkerKind::OptimizerBegin),
-        ],
-        last: true,
-        settings: None,
-        forward_returns: Vec::new(),
-    };
+    let chunk = one_segment_trace(&[(32, true), (8, true), (16, true), (8, false)], 32, 40);
     let rebuild = |old: Vec<u64>, new: Vec<u64>| ClientMessage {
         kind: Some(Kind::ModelUpdate(stepwatch_proto::v1::ModelFacts {
             ddp_bucket_rebuild: Some(stepwatch_proto::v1::DdpBucketRebuild {
@@ -700,21 +543,19 @@ fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_afte
         )
     };
     let new = vec![8 * MIB, 24 * MIB];
-    rt.block_on(async {
-        for (job, facts_first) in [("before", true), ("after", false), ("twice", false)] {
-            let mut messages = vec![hello(job, 0, 1), batch(step1.clone())];
-            let update = || rebuild(vec![32 * MIB], new.clone());
-            if facts_first {
-                messages.extend([update(), trace(chunk.clone())]);
-            } else {
-                messages.extend([trace(chunk.clone()), update()]);
-            }
-            if job == "twice" {
-                messages.push(update());
-            }
-            exchange(&ep, messages).await.expect("accepted");
+    for (job, facts_first) in [("before", true), ("after", false), ("twice", false)] {
+        let mut messages = vec![hello(job, 0, 1), batch(step1.clone())];
+        let update = || rebuild(vec![32 * MIB], new.clone());
+        if facts_first {
+            messages.extend([update(), trace(chunk.clone())]);
+        } else {
+            messages.extend([trace(chunk.clone()), update()]);
         }
-    });
+        if job == "twice" {
+            messages.push(update());
+        }
+        agent.accepts(job, messages);
+    }
     // "before": one replay, with the rebuild; "after": one without, then
     // one with it once the facts came; "twice": the same, the second update
     // leaving the plan as it was. The replays ran before each stream ended.
@@ -738,21 +579,13 @@ fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_afte
     }
 
     // No new buckets: refused and counted.
-    rt.block_on(async {
-        expect(
-            exchange(
-                &ep,
-                vec![
-                    hello("bad-rebuild", 0, 1),
-                    batch(step1.clone()),
-                    rebuild(vec![32 * MIB], Vec::new()),
-                ],
-            )
-            .await,
-            Code::InvalidArgument,
-            "ddp_bucket_rebuild has no new buckets",
-        );
-    });
+    let no_new_buckets = vec![
+        hello("bad-rebuild", 0, 1),
+        batch(step1.clone()),
+        rebuild(vec![32 * MIB], Vec::new()),
+    ];
+    let says = "ddp_bucket_rebuild has no new buckets";
+    agent.refuses(no_new_buckets, Code::InvalidArgument, says);
     let m = Metrics(agent.metrics());
     assert_eq!(m.rejected("invalid_model_update"), Some(1.0));
 
@@ -815,11 +648,9 @@ fn every_refusal_reason_and_known_result_exists_at_zero_from_the_start() {
 #[test]
 fn a_trace_of_a_run_the_process_left_is_refused_and_counted_as_a_rejected_trace() {
     let agent = Agent::start("trace-run-ended", 1);
-    let ep = agent.endpoint();
     let hello_of = |run_id: &str| hello_of_run("left", run_id);
     let steps_of = || {
-        let (_, body) = agent.get("/api/v1/jobs/left/ranks/0");
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        let v = rank_report(&agent, "left", 0).unwrap_or_default();
         (
             v["info"]["run_id"].as_str().map(str::to_owned),
             v["steps"].as_array().map(Vec::len),
@@ -827,7 +658,7 @@ fn a_trace_of_a_run_the_process_left_is_refused_and_counted_as_a_rejected_trace(
     };
     let rt = tokio::runtime::Runtime::new().unwrap();
     let refusal = rt.block_on(async {
-        let (old, mut old_inbound) = open_stream(&ep).await;
+        let (old, mut old_inbound) = open_stream(&agent.endpoint()).await;
         old.send(hello_of("fit-1")).await.unwrap();
         old.send(batch(step1_to_optimizer_end(1_000)))
             .await
@@ -836,7 +667,7 @@ fn a_trace_of_a_run_the_process_left_is_refused_and_counted_as_a_rejected_trace(
             steps_of() == (Some("fit-1".into()), Some(1))
         });
         exchange(
-            &ep,
+            &agent.endpoint(),
             vec![hello_of("fit-2"), batch(step1_to_optimizer_end(1_000))],
         )
         .await
@@ -871,8 +702,6 @@ fn an_oom_report_makes_the_post_mortem_and_a_bad_one_is_counted_not_fatal() {
     use stepwatch_proto::v1::{AllocatorStats, OomReport};
     const MIB: u64 = 1 << 20;
     let agent = Agent::start("oom-report", 1);
-    let ep = agent.endpoint();
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let report = |step, segments| ClientMessage {
         kind: Some(Kind::OomReport(OomReport {
             step,
@@ -895,22 +724,11 @@ fn an_oom_report_makes_the_post_mortem_and_a_bad_one_is_counted_not_fatal() {
         marker(MarkerKind::ForwardBegin, 2, 11_000),
         marker(MarkerKind::Oom, 2, 12_000),
     ]);
-    rt.block_on(async {
-        // Over its bounds, then for a step that did not die, then the real one:
-        // the first two are counted and the stream goes on.
-        exchange(
-            &ep,
-            vec![
-                hello("died", 0, 1),
-                batch(markers),
-                report(2, 9),
-                report(1, 0),
-                report(2, 0),
-            ],
-        )
-        .await
-        .expect("the stream goes on");
-    });
+    // Over its bounds, then for a step that did not die, then the real one:
+    // the first two are counted and the stream goes on.
+    let reports = [report(2, 9), report(1, 0), report(2, 0)];
+    let messages = [vec![hello("died", 0, 1), batch(markers)], reports.to_vec()].concat();
+    agent.accepts("the stream with OOM reports", messages);
     let m = Metrics(agent.metrics());
     assert_eq!(m.rejected("invalid_oom_report"), Some(2.0));
     let (code, body) = agent.get("/api/v1/jobs/died/ranks/0");

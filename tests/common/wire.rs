@@ -7,7 +7,9 @@ use stepwatch_proto::v1::{
     Identity, Marker, MarkerBatch, MarkerKind,
 };
 use tokio::sync::mpsc::Sender;
-use tonic::Streaming;
+use tonic::{Code, Status, Streaming};
+
+use super::Agent;
 
 fn identity(job: &str, rank: u32, world: u32) -> Option<Identity> {
     Some(Identity {
@@ -123,13 +125,7 @@ pub fn metadata(status: &tonic::Status, key: &str) -> Option<String> {
 
 /// Sends `messages` on one stream, then half-closes; returns how it ended.
 pub async fn exchange(endpoint: &str, messages: Vec<ClientMessage>) -> Result<(), tonic::Status> {
-    let mut client = IngestClient::new(connect(endpoint).await);
-    let mut inbound = client
-        .stream(tokio_stream::iter(messages))
-        .await?
-        .into_inner();
-    while inbound.message().await?.is_some() {}
-    Ok(())
+    exchange_collect(endpoint, messages).await.map(drop)
 }
 
 /// [`exchange`], returning what the agent sent back on the stream.
@@ -185,4 +181,39 @@ pub fn warnings(got: Vec<stepwatch_proto::v1::AgentMessage>) -> Vec<stepwatch_pr
         .into_iter()
         .filter(|a| a.kind != stepwatch_proto::v1::AdvisoryKind::PredictionFinal as i32)
         .collect()
+}
+
+/// The runtime the blocking calls below run their streams on, one per test
+/// binary.
+fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RUNTIME.get_or_init(|| tokio::runtime::Runtime::new().expect("a tokio runtime"))
+}
+
+/// Whole streams to the agent's ingest endpoint, for a test that is not
+/// async itself.
+impl Agent {
+    /// Sends `messages` on one stream, then half-closes, and returns what
+    /// the agent sent back; fails the test, naming `what`, if the agent
+    /// ended the stream with a status.
+    pub fn accepts(&self, what: &str, messages: Vec<ClientMessage>) -> Vec<AgentMessage> {
+        runtime()
+            .block_on(exchange_collect(&self.endpoint(), messages))
+            .unwrap_or_else(|status| panic!("{what}: the agent refused it: {status:?}"))
+    }
+
+    /// Sends `messages` on one stream and checks that the agent refused it
+    /// with `code` and a message that says `says`; returns the status.
+    pub fn refuses(&self, messages: Vec<ClientMessage>, code: Code, says: &str) -> Status {
+        let status = runtime()
+            .block_on(exchange(&self.endpoint(), messages))
+            .expect_err("the agent should refuse this");
+        assert_eq!(status.code(), code, "{status:?}");
+        assert!(
+            status.message().contains(says),
+            "status {:?} should mention {says:?}",
+            status.message()
+        );
+        status
+    }
 }
