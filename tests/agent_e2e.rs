@@ -860,23 +860,42 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
     );
 }
 
-#[test]
-fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
-    use common::wire::*;
-    use stepwatch_proto::v1::AllocatorStats;
-
-    const MIB: u64 = 1 << 20;
-    // A process that holds a CUDA context and 1 GiB of allocator cache,
-    // before its client has said hello (clients connect in the background
-    // while training starts).
-    let agent = Agent::start("early-markers", 1);
-    agent.fake.set_process_memory(0, 4242, 1536 * MIB).unwrap();
-    let used = (1536 * MIB) as f64;
+/// An agent whose GPU holds a process of 1536 MiB, seen by its sampler: a
+/// CUDA context and 1 GiB of allocator cache, before the process's client
+/// has said hello (clients connect in the background while training starts).
+fn agent_with_a_process_of_1536_mib(tag: &str) -> Agent {
+    let agent = Agent::start(tag, 1);
+    agent.fake.set_process_memory(0, 4242, 1536 << 20).unwrap();
+    let used = (1536u64 << 20) as f64;
     agent.wait_metrics(
         "the sampler sees the process",
         Duration::from_secs(20),
         |m| m.get("stepwatch_gpu_memory_used_bytes", &[("gpu", "0")]) == Some(used),
     );
+    agent
+}
+
+/// That process's allocator at every marker: 900 MiB allocated, the
+/// allocator's 1 GiB of cache reserved.
+fn allocated_900_of_1024_mib() -> stepwatch_proto::v1::AllocatorStats {
+    const MIB: u64 = 1 << 20;
+    stepwatch_proto::v1::AllocatorStats {
+        allocated_bytes: 900 * MIB,
+        allocated_peak_bytes: 900 * MIB,
+        reserved_bytes: 1024 * MIB,
+        reserved_peak_bytes: 1024 * MIB,
+        active_bytes: 900 * MIB,
+        active_peak_bytes: 900 * MIB,
+        num_alloc_retries: 0,
+    }
+}
+
+#[test]
+fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
+    use common::wire::*;
+
+    const MIB: u64 = 1 << 20;
+    let agent = agent_with_a_process_of_1536_mib("early-markers");
     // Step 1 begins now, so the samples just taken are the ones before it.
     let t0 = stepwatch_proto::clock::monotonic_ns();
     // The hello comes late: a quarter of a second of samples (and the agent's
@@ -886,29 +905,18 @@ fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
     agent.wait_metrics("25 more samples", Duration::from_secs(20), |m| {
         samples(m).is_some_and(|n| n >= before + 25.0)
     });
-    let stats = AllocatorStats {
-        allocated_bytes: 900 * MIB,
-        allocated_peak_bytes: 900 * MIB,
-        reserved_bytes: 1024 * MIB,
-        reserved_peak_bytes: 1024 * MIB,
-        active_bytes: 900 * MIB,
-        active_peak_bytes: 900 * MIB,
-        num_alloc_retries: 0,
-    };
     let markers: Vec<_> = step(1, t0)
         .into_iter()
         .chain(step(2, t0 + 10_000))
         .map(|mut m| {
-            m.allocator = Some(stats);
+            m.allocator = Some(allocated_900_of_1024_mib());
             m
         })
         .collect();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(exchange(
-        &agent.endpoint(),
+    agent.accepts(
+        "a well-formed stream",
         vec![hello("early", 0, 1), batch(markers)],
-    ))
-    .expect("a well-formed stream");
+    );
 
     let (_, body) = agent.get("/api/v1/jobs/early/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -927,27 +935,11 @@ fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
 #[test]
 fn the_prediction_names_the_client_device_memory_as_the_overhead_source() {
     use common::wire::*;
-    use stepwatch_proto::v1::{AllocatorStats, DeviceMemory};
+    use stepwatch_proto::v1::DeviceMemory;
 
     const MIB: u64 = 1 << 20;
-    let agent = Agent::start("device-memory", 1);
-    agent.fake.set_process_memory(0, 4242, 1536 * MIB).unwrap();
-    let used = (1536 * MIB) as f64;
-    agent.wait_metrics(
-        "the sampler sees the process",
-        Duration::from_secs(20),
-        |m| m.get("stepwatch_gpu_memory_used_bytes", &[("gpu", "0")]) == Some(used),
-    );
+    let agent = agent_with_a_process_of_1536_mib("device-memory");
     let t0 = stepwatch_proto::clock::monotonic_ns();
-    let stats = AllocatorStats {
-        allocated_bytes: 900 * MIB,
-        allocated_peak_bytes: 900 * MIB,
-        reserved_bytes: 1024 * MIB,
-        reserved_peak_bytes: 1024 * MIB,
-        active_bytes: 900 * MIB,
-        active_peak_bytes: 900 * MIB,
-        num_alloc_retries: 0,
-    };
     let total = 40 << 30;
     let device = DeviceMemory {
         free_bytes: total - 1024 * MIB - 600 * MIB,
@@ -956,17 +948,15 @@ fn the_prediction_names_the_client_device_memory_as_the_overhead_source() {
     let markers: Vec<_> = step(1, t0)
         .into_iter()
         .map(|mut m| {
-            m.allocator = Some(stats);
+            m.allocator = Some(allocated_900_of_1024_mib());
             m.device_memory = Some(device);
             m
         })
         .collect();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(exchange(
-        &agent.endpoint(),
+    agent.accepts(
+        "a well-formed stream",
         vec![hello("devmem", 0, 1), batch(markers)],
-    ))
-    .expect("a well-formed stream");
+    );
 
     let (_, body) = agent.get("/api/v1/jobs/devmem/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -1019,9 +1009,7 @@ fn a_second_run_in_the_same_process_gets_its_own_step_1_and_prediction() {
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         (v, body)
     };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(exchange(&agent.endpoint(), run("fit-1", 1, 3, 900 * MIB)))
-        .expect("the first run");
+    agent.accepts("the first run", run("fit-1", 1, 3, 900 * MIB));
     let (first, body) = report();
     assert_eq!(first["steps"].as_array().unwrap().len(), 3, "{body}");
     let first_peak = first["prediction_before_step2"]["inputs"]["step1_peak_bytes"]
@@ -1030,8 +1018,10 @@ fn a_second_run_in_the_same_process_gets_its_own_step_1_and_prediction() {
 
     // The same process (same PID), a new run: step 1 again, a third of the
     // memory. Without the run id the agent refuses step 1 after step 3.
-    rt.block_on(exchange(&agent.endpoint(), run("fit-2", 1, 2, 300 * MIB)))
-        .expect("the second run starts at step 1");
+    agent.accepts(
+        "the second run starts at step 1",
+        run("fit-2", 1, 2, 300 * MIB),
+    );
     let (second, body) = report();
     assert_eq!(second["info"]["run_id"], "fit-2", "{body}");
     let steps: Vec<u64> = second["steps"]
@@ -1336,14 +1326,11 @@ fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
     };
     let agent = Agent::start("divergence", 1);
     agent.wait_ready_with_nvml();
-    let rt = tokio::runtime::Runtime::new().unwrap();
     for rank in 0..3 {
-        let got = rt
-            .block_on(exchange_collect(
-                &agent.endpoint(),
-                vec![hello("div", rank, 4), batch(step1(5_000))],
-            ))
-            .expect("a well-formed stream");
+        let got = agent.accepts(
+            "a well-formed stream",
+            vec![hello("div", rank, 4), batch(step1(5_000))],
+        );
         let kinds: Vec<i32> = wire::advisories(got).iter().map(|a| a.kind).collect();
         assert_eq!(
             kinds,
@@ -1351,12 +1338,10 @@ fn the_rank_heavier_in_forward_gets_a_rank_divergence_advisory_on_its_stream() {
             "rank {rank}: only step 1's prediction being final"
         );
     }
-    let got = rt
-        .block_on(exchange_collect(
-            &agent.endpoint(),
-            vec![hello("div", 3, 4), batch(step1(6_200))],
-        ))
-        .expect("a well-formed stream");
+    let got = agent.accepts(
+        "a well-formed stream",
+        vec![hello("div", 3, 4), batch(step1(6_200))],
+    );
     let advisories = wire::warnings(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let a = &advisories[0];
@@ -1436,35 +1421,30 @@ fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
             .collect()
     };
     let agent = Agent::start("retries", 1);
-    let rt = tokio::runtime::Runtime::new().unwrap();
     let labels = [("training_job", "retries"), ("rank", "0")];
     // Steps 1 and 2 without retries: no advisory, the counter at 0.
-    let got = rt
-        .block_on(exchange_collect(
-            &agent.endpoint(),
-            vec![
-                hello("retries", 0, 1),
-                batch(with_retries(1, 1_000_000, 0, 0)),
-                batch(with_retries(2, 2_000_000, 0, 0)),
-            ],
-        ))
-        .expect("a well-formed stream");
+    let got = agent.accepts(
+        "a well-formed stream",
+        vec![
+            hello("retries", 0, 1),
+            batch(with_retries(1, 1_000_000, 0, 0)),
+            batch(with_retries(2, 2_000_000, 0, 0)),
+        ],
+    );
     assert!(retries_advisories(got).is_empty());
     agent.wait_metrics("the counter at 0", Duration::from_secs(10), |m| {
         m.get("stepwatch_rank_allocator_retries_total", &labels) == Some(0.0)
     });
     // The same process resumes: step 3 retries twice (0 → 2), step 4 once
     // more; one advisory, in step 3.
-    let got = rt
-        .block_on(exchange_collect(
-            &agent.endpoint(),
-            vec![
-                hello("retries", 0, 1),
-                batch(with_retries(3, 3_000_000, 0, 2)),
-                batch(with_retries(4, 4_000_000, 3, 3)),
-            ],
-        ))
-        .expect("a well-formed stream");
+    let got = agent.accepts(
+        "a well-formed stream",
+        vec![
+            hello("retries", 0, 1),
+            batch(with_retries(3, 3_000_000, 0, 2)),
+            batch(with_retries(4, 4_000_000, 3, 3)),
+        ],
+    );
     let advisories = retries_advisories(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let a = &advisories[0];
@@ -1551,18 +1531,15 @@ fn low_observed_headroom_after_step_1_is_advised_on_the_stream_and_counted() {
     let (a, b) = hold(40_000 * MIB);
     let (c, d) = hold(80_000 * MIB);
     let mid = c + (d - c) / 2;
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let got = rt
-        .block_on(exchange_collect(
-            &agent.endpoint(),
-            vec![
-                hello("observed", 0, 1),
-                batch(spread(1, a, b)),
-                batch(spread(2, c, mid)),
-                batch(spread(3, mid, d)),
-            ],
-        ))
-        .expect("a well-formed stream");
+    let got = agent.accepts(
+        "a well-formed stream",
+        vec![
+            hello("observed", 0, 1),
+            batch(spread(1, a, b)),
+            batch(spread(2, c, mid)),
+            batch(spread(3, mid, d)),
+        ],
+    );
     let advisories = wire::warnings(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let advisory = &advisories[0];
@@ -1726,10 +1703,7 @@ fn memory_growth_after_step_2_is_advised_on_the_stream_and_forecast_in_metrics()
     });
     let mut messages = vec![hello("leaky", 0, 1)];
     messages.extend((1..=STEPS).map(|n| batch(leaking(n))));
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let got = rt
-        .block_on(exchange_collect(&agent.endpoint(), messages))
-        .expect("a well-formed stream");
+    let got = agent.accepts("a well-formed stream", messages);
     let advisories = wire::warnings(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let a = &advisories[0];
@@ -1886,9 +1860,7 @@ fn passes_and_batches_are_reported_apart_from_the_steps() {
         m.get("stepwatch_gpu_memory_used_bytes", &[("gpu", "0")]) == Some(used as f64)
             && stepwatch_proto::clock::monotonic_ns() > span_end
     });
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(exchange(&agent.endpoint(), messages))
-        .expect("a well-formed stream");
+    agent.accepts("a well-formed stream", messages);
 
     let report = poll("the rank's batches", Duration::from_secs(10), || {
         common::rank_report(&agent, "passes", 0).filter(|r| r["batches"]["largest"].is_object())
