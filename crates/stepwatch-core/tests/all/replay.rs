@@ -19,13 +19,21 @@ struct Recorder {
 }
 
 impl Recorder {
-    fn new() -> Self {
+    /// Records on `alloc`, from step 1's prologue on the default stream.
+    fn on(alloc: CachingAllocator) -> Self {
         Self {
-            alloc: CachingAllocator::new(),
+            alloc,
             events: Vec::new(),
             phase: PhaseKind::Prologue,
             stream: 0,
         }
+    }
+
+    /// With `bytes` allocated before the trace begins (weights, a bucket),
+    /// and so not in it.
+    fn holding(mut self, bytes: u64) -> Self {
+        self.alloc.malloc(bytes, u64::MAX).unwrap();
+        self
     }
 
     fn malloc(&mut self, bytes: u64) -> allocator::AllocId {
@@ -82,8 +90,7 @@ impl Recorder {
 /// Weights, then step 1: two 40 MiB activations, backward frees them and
 /// makes `grad` bytes of gradients, the optimizer makes `state` bytes.
 fn step_one(grad: u64, state: u64) -> (Recorder, u64) {
-    let mut r = Recorder::new();
-    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    let mut r = with_weights();
     r.phase = PhaseKind::Forward;
     let a = r.malloc(40 * MIB);
     let b = r.malloc(40 * MIB);
@@ -125,8 +132,7 @@ fn state_carved_from_cached_activations_forces_new_segments_in_step_2() {
 fn within_the_gpus_limit_releasing_the_cache_can_make_step_2_fit() {
     // Forward also makes a 20 MiB temporary in a segment of its own, free by
     // the end of step 1. State (30 MiB) splits activation A's block.
-    let mut r = Recorder::new();
-    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    let mut r = with_weights();
     r.phase = PhaseKind::Forward;
     let a = r.malloc(40 * MIB);
     let t = r.malloc(20 * MIB);
@@ -175,8 +181,7 @@ fn a_cache_released_every_step_peaks_in_turns_and_the_steady_peak_is_the_highest
     // between steps); the optimizer two 40 MiB tensors of state. Step 1's
     // layout: weights 64, A 40, [H 20 | 10 free], [state 40 | 10 free] (the
     // state took G's freed segment), state 40: 224 MiB.
-    let mut r = Recorder::new();
-    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    let mut r = with_weights();
     r.phase = PhaseKind::Forward;
     let _a = r.malloc(40 * MIB);
     let b = r.malloc(30 * MIB);
@@ -242,8 +247,7 @@ fn a_variable_alive_at_step_1s_end_is_freed_once_step_2_rebinds_it() {
     // `logits = head(x)` makes the logits (L, 100 MiB) and a matmul workspace
     // (W, 30 MiB, freed at once); the loss (B, 100 MiB) comes next. Step 1's
     // logits stay alive past the trace; the state takes W's segment.
-    let mut r = Recorder::new();
-    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    let mut r = with_weights();
     r.phase = PhaseKind::Forward;
     let a = r.malloc(40 * MIB);
     let _logits = r.malloc(100 * MIB);
@@ -288,8 +292,7 @@ fn a_variable_alive_at_step_1s_end_is_freed_once_step_2_rebinds_it() {
 fn kept_gradients_are_made_again_in_step_2_and_added_in() {
     // Backward makes a 30 MiB gradient (its own segment) before it frees the
     // activation.
-    let mut r = Recorder::new();
-    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    let mut r = with_weights();
     r.phase = PhaseKind::Forward;
     let a = r.malloc(40 * MIB);
     r.phase = PhaseKind::Backward;
@@ -548,9 +551,7 @@ fn the_hello_says_what_becomes_of_the_gradients() {
 
 /// 64 MiB of weights, allocated before the trace begins.
 fn with_weights() -> Recorder {
-    let mut r = Recorder::new();
-    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
-    r
+    Recorder::on(CachingAllocator::new()).holding(64 * MIB)
 }
 
 #[test]
@@ -662,9 +663,8 @@ fn the_traced_settings_are_followed_or_the_trace_refused() {
         alloc_conf: "roundup_power2_divisions:4".into(),
         ..TraceSettings::default()
     };
-    let mut r = Recorder::new();
-    r.alloc = CachingAllocator::with_settings(settings.model().unwrap());
-    let _weights = r.alloc.malloc(64 * MIB, u64::MAX).unwrap();
+    let alloc = CachingAllocator::with_settings(settings.model().unwrap());
+    let mut r = Recorder::on(alloc).holding(64 * MIB);
     r.phase = PhaseKind::Forward;
     let a = r.malloc(30 * MIB);
     r.free(a);
@@ -822,8 +822,7 @@ fn hostile_traces_are_replayed_or_refused_never_a_panic() {
 /// and makes a 40 MiB gradient (set to None before step 2); with the
 /// rebuild of `old` into `new` bucket sizes the rank's facts announce.
 fn ddp_step_one(old: &[u64], new: &[u64]) -> (AllocatorTrace, DdpBucketRebuild) {
-    let mut r = Recorder::new();
-    let _bucket = r.alloc.malloc(40 * MIB, u64::MAX).unwrap();
+    let mut r = Recorder::on(CachingAllocator::new()).holding(40 * MIB);
     r.phase = PhaseKind::Forward;
     let a = r.malloc(10 * MIB);
     r.phase = PhaseKind::Backward;

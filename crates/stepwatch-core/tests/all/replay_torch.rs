@@ -47,10 +47,10 @@ fn error(predicted: u64, real: u64) -> f64 {
     (predicted as f64 - real as f64) / real as f64
 }
 
-/// The replay of the fixture's trace, checked against PyTorch's figures:
-/// within 0.1% (the model and PyTorch agree to the byte on these; a 2 MiB
-/// small-pool segment would be 0.09%).
-fn check(name: &str) -> Step2Replay {
+/// The fixture and the replay of its trace, checked against PyTorch's
+/// figures: within 0.1% (the model and PyTorch agree to the byte on these;
+/// a 2 MiB small-pool segment would be 0.09%).
+fn check(name: &str) -> (Fixture, Step2Replay) {
     let f = fixture(name);
     let r = replay_step2_with(&f.trace, f.gradients, None, f.ddp_bucket_rebuild.as_ref()).unwrap();
     let job = &f.job;
@@ -82,7 +82,17 @@ fn check(name: &str) -> Step2Replay {
             e * 100.0
         );
     }
-    r
+    (f, r)
+}
+
+/// Asserts the replay's reserved peaks: in step 2, and in the steady state.
+#[track_caller]
+fn assert_reserved_peaks(r: &Step2Replay, step2: u64, steady: u64) {
+    assert_eq!(
+        (r.reserved_peak_bytes, r.steady_reserved_peak_bytes),
+        (step2, steady),
+        "(step 2, steady) reserved peaks"
+    );
 }
 
 #[test]
@@ -90,7 +100,7 @@ fn adamw_step_1s_logits_and_loss_are_freed_when_step_2_rebinds_them() {
     // Step 1 ends with its logits (412 MB) and loss alive until step 2's
     // `logits = model(x)`; a replay that kept them predicted 2,673,868,800
     // reserved bytes (+18.3%).
-    let r = check("gpt-adamw-small.json");
+    let (_, r) = check("gpt-adamw-small.json");
     assert!(!r.grads_persistent);
     assert_eq!(r.steady_reserved_peak_bytes, 2_260_729_856);
 }
@@ -102,9 +112,8 @@ fn step_1s_model_output_lives_until_step_2s_forward_returns() {
     // forward returns. Placed by the events alone, step 1's logits were freed
     // as soon as step 2's loss computation freed something: 1,894,455,296
     // allocated bytes in step 2, 1.87 MB under PyTorch's.
-    let f = fixture("gpt-loss-in-model-small.json");
+    let (f, r) = check("gpt-loss-in-model-small.json");
     assert_eq!(f.trace.forward_returns.len(), 1);
-    let r = check("gpt-loss-in-model-small.json");
     assert_eq!(r.allocated_peak_bytes, f.real.step2_allocated_peak_bytes);
     let mut blind = f.trace.clone();
     blind.forward_returns.clear();
@@ -121,7 +130,7 @@ fn with_gradient_accumulation_the_first_micro_batch_rebinds_the_logits() {
 
 #[test]
 fn kept_gradients_are_made_again_and_added_in() {
-    let r = check("gpt-zero-grad-keep-small.json");
+    let (_, r) = check("gpt-zero-grad-keep-small.json");
     assert!(r.grads_persistent);
 }
 
@@ -131,7 +140,7 @@ fn under_lightning_gradients_live_through_step_2s_forward() {
     // backward: step 2's forward runs beside step 1's gradients and takes new
     // segments, and step 3 one more. Freed before the step, the replay said
     // 1,992,294,400 (-17.2%).
-    let r = check("lightning-gpt-small.json");
+    let (_, r) = check("lightning-gpt-small.json");
     assert!(r.grads_freed_before_backward);
     assert!(r.steady_reserved_peak_bytes > r.reserved_peak_bytes);
 }
@@ -143,9 +152,8 @@ fn expandable_segments_grow_in_pages_as_pytorch_maps_them() {
     // segments (settings and expandable flags dropped), the same trace says
     // 2,231,369,728 reserved bytes in step 2 (+16.0%) and 2,644,508,672 in the
     // steady state (+37.5%).
-    let f = fixture("gpt-expandable-small.json");
+    let (f, r) = check("gpt-expandable-small.json");
     assert!(f.trace.settings.as_ref().unwrap().expandable_segments);
-    let r = check("gpt-expandable-small.json");
     assert_eq!(r.steady_reserved_peak_bytes, 1_923_088_384);
 }
 
@@ -156,11 +164,9 @@ fn a_side_streams_cached_blocks_serve_only_that_stream() {
     // take new segments. Blind to streams (every event and segment on stream
     // 0), the same trace says 507,510,784 reserved bytes in step 2 (-11.7%)
     // and in the steady state (-20.9%).
-    let f = fixture("side-stream-small.json");
+    let (f, r) = check("side-stream-small.json");
     assert!(f.trace.events.iter().any(|e| e.stream != 0));
-    let r = check("side-stream-small.json");
-    assert_eq!(r.reserved_peak_bytes, 574_619_648);
-    assert_eq!(r.steady_reserved_peak_bytes, 641_728_512);
+    assert_reserved_peaks(&r, 574_619_648, 641_728_512);
 }
 
 #[test]
@@ -169,10 +175,9 @@ fn max_split_size_and_roundup_power2_divisions_are_read_from_the_trace() {
     // read from the snapshot's allocator_settings. With PyTorch's defaults
     // instead, the same trace says 2,262,827,008 reserved bytes (-2.5%) and
     // 1,916,534,272 allocated (-10.7%).
-    let f = fixture("gpt-max-split-roundup-small.json");
+    let (f, r) = check("gpt-max-split-roundup-small.json");
     let settings = f.trace.settings.as_ref().unwrap();
     assert_eq!(settings.max_split_size_bytes, 64 << 20);
-    let r = check("gpt-max-split-roundup-small.json");
     assert_eq!(r.steady_reserved_peak_bytes, 2_321_547_264);
     assert_eq!(r.allocated_peak_bytes, 2_147_220_992);
 }
@@ -185,15 +190,13 @@ fn empty_cache_in_step_1_is_replayed_where_it_was_called() {
     // state (-8.6%). Recording this trace first crashed the agent's replay:
     // a segment placed below the layout overlapped a hole step 1 had left
     // there (allocator test a_hole_below_the_layout_is_not_overlapped_...).
-    let f = fixture("side-stream-empty-cache-small.json");
+    let (f, r) = check("side-stream-empty-cache-small.json");
     assert!(f
         .trace
         .events
         .iter()
         .any(|e| e.action == AllocatorAction::SegmentFree));
-    let r = check("side-stream-empty-cache-small.json");
-    assert_eq!(r.reserved_peak_bytes, 708_837_376);
-    assert_eq!(r.steady_reserved_peak_bytes, 775_946_240);
+    assert_reserved_peaks(&r, 708_837_376, 775_946_240);
 }
 
 #[test]
@@ -202,11 +205,9 @@ fn a_private_pools_cached_block_serves_no_ordinary_allocation() {
     // 64 MiB scratch in a torch.cuda.MemPool. Blind to pool ids, the replay
     // put step 2's activations in the scratch's block and said 641,728,512
     // reserved bytes in step 2 (-9.5%) and the steady state (-17.3%).
-    let f = fixture("side-stream-mempool-small.json");
+    let (f, r) = check("side-stream-mempool-small.json");
     assert!(f.trace.segments.iter().any(|s| s.pool_id != 0));
-    let r = check("side-stream-mempool-small.json");
-    assert_eq!(r.reserved_peak_bytes, 708_837_376);
-    assert_eq!(r.steady_reserved_peak_bytes, 775_946_240);
+    assert_reserved_peaks(&r, 708_837_376, 775_946_240);
 }
 
 #[test]
@@ -216,14 +217,13 @@ fn ddp_frees_its_one_bucket_and_makes_the_rebuilt_ones_at_step_2s_first_forward(
     // the client said it rebuilds it into 13 buckets (9.0 MiB, 11 x 27.0
     // MiB, 166.9 MiB) at step 2's first forward, as PyTorch's own memory
     // history shows (bench/torch-jobs/probe_ddp_step2.py).
-    let f = fixture("ddp-uneven.json");
+    let (f, r) = check("ddp-uneven.json");
     let rebuild = f.ddp_bucket_rebuild.clone().unwrap();
     assert_eq!(rebuild.old_bucket_bytes, [496_330_752]);
     let mut new = vec![9_446_400];
     new.extend([28_351_488; 11]);
     new.push(175_017_984);
     assert_eq!(rebuild.new_bucket_bytes, new);
-    let r = check("ddp-uneven.json");
     assert!(r.ddp_bucket_rebuild.unwrap().modelled);
     // Without the rebuild (the old bucket kept, no new ones), the same trace
     // says 3,946,840,064 reserved bytes in step 2 and the steady state: one
