@@ -1414,38 +1414,31 @@ fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
             })
             .collect()
     };
-    let retries_advisories = |got: Vec<stepwatch_proto::v1::AgentMessage>| -> Vec<_> {
-        wire::warnings(got)
+    let agent = Agent::start("retries", 1);
+    // Two steps on one stream of the rank: the retries advisories it got.
+    let two_steps = |first, second| -> Vec<_> {
+        let messages = vec![hello("retries", 0, 1), batch(first), batch(second)];
+        wire::warnings(agent.accepts("two steps", messages))
             .into_iter()
             .filter(|a| a.kind == AdvisoryKind::AllocatorRetries as i32)
             .collect()
     };
-    let agent = Agent::start("retries", 1);
     let labels = [("training_job", "retries"), ("rank", "0")];
     // Steps 1 and 2 without retries: no advisory, the counter at 0.
-    let got = agent.accepts(
-        "a well-formed stream",
-        vec![
-            hello("retries", 0, 1),
-            batch(with_retries(1, 1_000_000, 0, 0)),
-            batch(with_retries(2, 2_000_000, 0, 0)),
-        ],
+    let advisories = two_steps(
+        with_retries(1, 1_000_000, 0, 0),
+        with_retries(2, 2_000_000, 0, 0),
     );
-    assert!(retries_advisories(got).is_empty());
+    assert!(advisories.is_empty(), "{advisories:?}");
     agent.wait_metrics("the counter at 0", Duration::from_secs(10), |m| {
         m.get("stepwatch_rank_allocator_retries_total", &labels) == Some(0.0)
     });
     // The same process resumes: step 3 retries twice (0 → 2), step 4 once
     // more; one advisory, in step 3.
-    let got = agent.accepts(
-        "a well-formed stream",
-        vec![
-            hello("retries", 0, 1),
-            batch(with_retries(3, 3_000_000, 0, 2)),
-            batch(with_retries(4, 4_000_000, 3, 3)),
-        ],
+    let advisories = two_steps(
+        with_retries(3, 3_000_000, 0, 2),
+        with_retries(4, 4_000_000, 3, 3),
     );
-    let advisories = retries_advisories(got);
     assert_eq!(advisories.len(), 1, "{advisories:?}");
     let a = &advisories[0];
     assert_eq!((a.step, a.severity), (3, Severity::Warning as i32));
