@@ -330,17 +330,16 @@ fn connections_and_streams_draw_from_the_memory_budget() {
 #[test]
 fn a_rank_stays_its_process_s_while_it_reconnects() {
     let agent = Agent::start_with("reconnect", 1, &["--reconnect-window", "10m"], |_| {});
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let endpoint = agent.endpoint();
     let t0 = 1_000_000;
     let steps: Vec<_> = (1..=4).flat_map(|n| step(n, t0 + n * 100_000)).collect();
     // Steps 1–4, then a batch the agent refuses: the stream ends without
     // the client closing it, as when its connection is lost.
-    let ended = rt.block_on(exchange(
-        &endpoint,
-        vec![hello("victim", 0, 2), batch(steps), batch(step(1, t0))],
-    ));
-    assert!(ended.is_err());
+    let messages = vec![hello("victim", 0, 2), batch(steps), batch(step(1, t0))];
+    agent.refuses(
+        messages,
+        tonic::Code::InvalidArgument,
+        "step 1 does not follow step 4",
+    );
     // Another process asks for the rank meanwhile: refused.
     let other = agent.sim("demo-small", "victim", 0, 0, 2, 50.0, &[]);
     agent.wait_metrics("the other process refused", Duration::from_secs(30), |m| {
@@ -352,11 +351,8 @@ fn a_rank_stays_its_process_s_while_it_reconnects() {
     let report = rank_report(&agent, "victim", 0).unwrap();
     assert_eq!(report["info"]["pid"], std::process::id(), "{report}");
     // The process reconnects and goes on from its step 5.
-    rt.block_on(exchange(
-        &endpoint,
-        vec![hello("victim", 0, 2), batch(step(5, t0 + 600_000))],
-    ))
-    .expect("the process resumes its rank");
+    let step5 = vec![hello("victim", 0, 2), batch(step(5, t0 + 600_000))];
+    agent.accepts("the process resumes its rank", step5);
     agent.wait_metrics("five steps", Duration::from_secs(10), |m| {
         m.steps_completed("victim") == Some(5.0)
     });
