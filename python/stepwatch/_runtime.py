@@ -13,7 +13,7 @@ import uuid
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
-from . import _batch, _torch
+from . import _batch, _peaks, _torch
 from ._alloctrace import LayoutSnapshots, Recorder
 from ._client import (
     CHECKPOINT_BEGIN,
@@ -92,6 +92,9 @@ class _Runtime:
         self.device_memory = True
         # Step 1's allocator trace: None = STEPWATCH_ALLOCATOR_TRACE (default on).
         self.allocator_trace: Optional[bool] = None
+        # Reset PyTorch's peak counters at each step's begin from step 2 on
+        # (see _peaks): None = STEPWATCH_EXACT_STEP_PEAKS (default on).
+        self.exact_step_peaks: Optional[bool] = None
         self.recorder = Recorder()
         # Step 1's segment layouts at its optimizer markers, when no trace is recorded.
         self.layouts = LayoutSnapshots()
@@ -165,6 +168,7 @@ class _Runtime:
         framework_version: Optional[str] = None,
         allocator_stats: Optional[bool] = None,
         allocator_trace: Optional[bool] = None,
+        exact_step_peaks: Optional[bool] = None,
         tls_ca: Optional[str] = None,
         tls_cert: Optional[str] = None,
         tls_key: Optional[str] = None,
@@ -189,6 +193,7 @@ class _Runtime:
                 "framework_version": framework_version,
                 "allocator_stats": allocator_stats,
                 "allocator_trace": allocator_trace,
+                "exact_step_peaks": exact_step_peaks,
             }
             for name, value in settings.items():
                 if value is not None:
@@ -501,6 +506,36 @@ class _Runtime:
             return self.allocator_trace
         return _env_flag("STEPWATCH_ALLOCATOR_TRACE", True)
 
+    def exact_step_peaks_enabled(self) -> bool:
+        """watch(exact_step_peaks=) / configure(), else $STEPWATCH_EXACT_STEP_PEAKS
+        (default on); needs the allocator figures (allocator_stats)."""
+        if not self.allocator_stats:
+            return False
+        if self.exact_step_peaks is not None:
+            return self.exact_step_peaks
+        return _env_flag("STEPWATCH_EXACT_STEP_PEAKS", True)
+
+    def _reset_peaks(self, kind: int, step: int, dev: int) -> None:
+        """At a step's begin from step 2 on, and a pass's begin after step 1:
+        reset the device's peak counters, so that this step's (pass's) markers
+        bound its peak exactly (see _peaks). Step 1's counters are left as they
+        are. A failure turns it off for the process, with one warning."""
+        begins = (kind == STEP_BEGIN and step > 1) or (
+            kind in (EVAL_BEGIN, CHECKPOINT_BEGIN) and step >= 1
+        )
+        if not begins or not self.exact_step_peaks_enabled():
+            return
+        try:
+            if _peaks.KEEPER.install():
+                _peaks.KEEPER.reset_for_step(dev)
+        except Exception as e:
+            self.exact_step_peaks = False
+            log.warning(
+                "stepwatch: could not reset PyTorch's peak memory counters (%r); the agent's "
+                "step peaks after step 1 are lower bounds",
+                e,
+            )
+
     def layout_snapshots_enabled(self) -> bool:
         """$STEPWATCH_LAYOUT_SNAPSHOTS (default on); needs the allocator figures."""
         return self.allocator_stats and _env_flag("STEPWATCH_LAYOUT_SNAPSHOTS", True)
@@ -537,9 +572,10 @@ class _Runtime:
         finish = False
         layout = None
         if dev is not None:
+            self._reset_peaks(kind, step, dev)
             stats = _torch.allocator_stats(dev)  # one read: figures and step 1's counters
             if stats is not None:
-                alloc = _torch.allocator_figures(stats)
+                alloc = _torch.allocator_figures(stats, _peaks.KEEPER.step_peaks(dev))
             if recording:
                 finish = rec.note(c, kind, stats)
             elif (
@@ -815,6 +851,7 @@ def watch(
     queue_size: Optional[int] = None,
     allocator_stats: bool = True,
     allocator_trace: Optional[bool] = None,
+    exact_step_peaks: Optional[bool] = None,
     oom_excepthook: bool = True,
     framework: str = "pytorch",
     framework_version: Optional[str] = None,
@@ -872,6 +909,15 @@ def watch(
     record the caching allocator's history during step 1 (no stacks) and send
     it once, after step 1's optimizer phase, so the agent can predict step 2's
     fragmentation. ``False`` (or ``STEPWATCH_ALLOCATOR_TRACE=0``) turns it off.
+
+    ``exact_step_peaks`` (default ``$STEPWATCH_EXACT_STEP_PEAKS``, on): on CUDA,
+    from step 2 on, reset PyTorch's peak memory counters at each step's (and
+    pass's) begin, so that the agent has each step's exact allocator peak;
+    ``torch.cuda.max_memory_allocated()`` and the other peak readers still
+    return peaks since the script's own last reset (stepwatch wraps
+    ``torch._C._cuda_memoryStats`` and ``_cuda_resetPeakMemoryStats`` for
+    that). ``False`` leaves torch unwrapped; the agent's step peaks after
+    step 1 are then lower bounds.
 
     ``optimizer``: a ``torch.optim.Optimizer``, a wrapper of one (accelerate's
     ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``,
@@ -948,6 +994,7 @@ def watch(
             framework_version=framework_version or "",
             allocator_stats=allocator_stats,
             allocator_trace=allocator_trace,
+            exact_step_peaks=exact_step_peaks,
             tls_ca=tls_ca,
             tls_cert=tls_cert,
             tls_key=tls_key,
@@ -1174,3 +1221,4 @@ def reset() -> None:
     with RT.lock:
         RT.recorder.abandon()
         RT._set_defaults()
+    _peaks.KEEPER.uninstall()

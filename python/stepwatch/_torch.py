@@ -18,7 +18,7 @@ from typing import (
     Tuple,
 )
 
-from . import _batch
+from . import _batch, _peaks
 
 if TYPE_CHECKING:  # pragma: no cover
     from ._runtime import _Runtime
@@ -95,7 +95,7 @@ def oom_report(device: int, exc: BaseException, step: int) -> Dict[str, Any]:
     }
     stats = allocator_stats(device)
     if stats is not None:
-        report["allocator"] = allocator_figures(stats)
+        report["allocator"] = allocator_figures(stats, _peaks.KEEPER.step_peaks(device))
         try:
             report["inactive_split_bytes"] = int(stats["inactive_split_bytes"]["all"]["current"])
             report["segment_count"] = int(stats["segment"]["all"]["current"])
@@ -183,18 +183,16 @@ def allocator_stats(device: int) -> Optional[Dict[str, Any]]:
     ``torch.cuda.memory_stats_as_nested_dict`` returns (``torch.cuda.memory_stats``
     flattens the same dict); None when it cannot be read.
 
-    Read straight from ``torch._C._cuda_memoryStats``: the public wrappers
-    resolve the device and flatten ~200 keys on every call. Each marker on
-    CUDA reads it once; its figures (:func:`allocator_figures`) and, during
-    step 1, its event counters (:func:`allocator_event_counters`) come from
-    that one read.
+    Read straight from ``torch._C._cuda_memoryStats`` (unwrapped: see
+    _peaks): the public wrappers resolve the device and flatten ~200 keys on
+    every call. Each marker on CUDA reads it once; its figures
+    (:func:`allocator_figures`) and, during step 1, its event counters
+    (:func:`allocator_event_counters`) come from that one read.
     """
-    torch = sys.modules.get("torch")
-    if torch is None:
+    if sys.modules.get("torch") is None:
         return None
     try:
-        stats: Dict[str, Any] = torch._C._cuda_memoryStats(device)
-        return stats
+        return _peaks.KEEPER.raw_stats(device)
     except Exception as e:
         log.debug("stepwatch: could not read the allocator's stats: %r", e)
         return None
@@ -209,22 +207,26 @@ def device_memory(device: int) -> Tuple[int, int]:
     return int(free), int(total)
 
 
-def allocator_figures(s: Dict[str, Any]) -> Optional[Tuple[int, ...]]:
+def allocator_figures(
+    s: Dict[str, Any], taken: Optional[_peaks.Peaks] = None
+) -> Optional[Tuple[int, ...]]:
     """(allocated, allocated peak, reserved, reserved peak, active, active peak, retries)
-    from :func:`allocator_stats`; None when a figure is missing."""
+    from :func:`allocator_stats`; None when a figure is missing. ``taken``: the
+    peaks a script's own reset took from the current step (_peaks), folded
+    back in."""
+    taken = taken or {}
+
+    def peak(stat: str) -> int:
+        return max(int(s[stat]["all"]["peak"]), taken.get((stat, "all"), 0))
+
     try:
-        a, r, act = (
-            s["allocated_bytes"]["all"],
-            s["reserved_bytes"]["all"],
-            s["active_bytes"]["all"],
-        )
         return (
-            int(a["current"]),
-            int(a["peak"]),
-            int(r["current"]),
-            int(r["peak"]),
-            int(act["current"]),
-            int(act["peak"]),
+            int(s["allocated_bytes"]["all"]["current"]),
+            peak("allocated_bytes"),
+            int(s["reserved_bytes"]["all"]["current"]),
+            peak("reserved_bytes"),
+            int(s["active_bytes"]["all"]["current"]),
+            peak("active_bytes"),
             int(s.get("num_alloc_retries", 0)),
         )
     except Exception:

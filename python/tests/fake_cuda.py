@@ -217,6 +217,12 @@ class FakeCuda:
             "num_ooms": 0,
         }
 
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        """``torch._C._cuda_resetPeakMemoryStats``: each peak down to its current figure."""
+        self.allocated_peak = self.c["allocated_bytes"]
+        self.reserved_peak = self.c["reserved"]
+        self.active_peak = self.c["allocated_bytes"] + self.pending_bytes
+
     def memory_stats(self, device: Any = None) -> collections.OrderedDict[str, int]:
         """``torch.cuda.memory_stats``: the nested dict flattened with "."."""
         flat = []
@@ -286,6 +292,9 @@ class FakeCuda:
         monkeypatch.setattr(st, "cuda_available", lambda: True)
         # What stepwatch reads at each marker (torch.cuda.memory_stats wraps it).
         monkeypatch.setattr(torch._C, "_cuda_memoryStats", self.memory_stats_nested, raising=False)
+        monkeypatch.setattr(
+            torch._C, "_cuda_resetPeakMemoryStats", self.reset_peak_memory_stats, raising=False
+        )
         monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self.record_memory_history)
         monkeypatch.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
         monkeypatch.setattr(torch.cuda.memory, "memory_snapshot", self.memory_snapshot)

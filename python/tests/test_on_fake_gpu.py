@@ -85,9 +85,17 @@ def test_watch_on_cuda_sends_device_identity_allocator_figures_and_the_step1_tra
     assert jump1 == 8 * params
     jump2 = by[("OPTIMIZER_END", 2)].allocated_bytes - by[("OPTIMIZER_BEGIN", 2)].allocated_bytes
     assert jump2 == 0
-    # Peaks are since process start (the client never resets them): they never fall.
-    peaks = [m.allocator.allocated_peak_bytes for m in markers]
+    # Step 1's peaks are since process start: they never fall. From step 2 on
+    # the client resets them at each step's begin (exact_step_peaks): they
+    # start at the step's allocated bytes and never fall within the step.
+    peaks = [m.allocator.allocated_peak_bytes for m in markers if m.step == 1]
     assert peaks == sorted(peaks)
+    for step in (2, 3):
+        begin = by[("STEP_BEGIN", step)]
+        assert begin.allocated_peak_bytes == begin.allocated_bytes
+        assert begin.reserved_peak_bytes == begin.reserved_bytes
+        peaks = [m.allocator.allocated_peak_bytes for m in markers if m.step == step]
+        assert peaks == sorted(peaks)
     # Step 2 stands higher than step 1 in reserved memory: the first-step anomaly.
     assert by[("STEP_END", 2)].reserved_bytes > by[("STEP_END", 1)].reserved_bytes
 
@@ -115,6 +123,87 @@ def test_watch_on_cuda_sends_device_identity_allocator_figures_and_the_step1_tra
     # The layout is what the allocator reserved at that moment.
     layout_bytes = sum(b.size for s in segments for b in s.blocks)
     assert layout_bytes == by[("OPTIMIZER_END", 1)].reserved_bytes
+
+
+# Steps of varying batches, reading the peaks as a script does at each step's
+# end. "truth" resets them itself before each step's forward (no stepwatch);
+# the others do not, except a reset of the script's own before step 5's forward
+# and one inside step 7 ("none": no stepwatch).
+USER_PEAKS = r"""
+import json, sys, torch
+mode = sys.argv[1]
+width = 512
+with torch.device("cuda"):
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width)
+    )
+opt = torch.optim.AdamW(model.parameters())
+if mode in ("watch", "optout"):
+    import stepwatch
+    stepwatch.watch(model, opt, exact_step_peaks=mode == "watch")
+seen = []
+for step, batch in enumerate([256, 2048, 512, 4096, 1024, 256, 3072, 128], 1):
+    x = torch.randn(batch, width, device="cuda")
+    if mode == "truth" or step == 5:
+        torch.cuda.reset_peak_memory_stats()
+    y = model(x)
+    if step == 7 and mode != "truth":
+        torch.cuda.reset_max_memory_allocated()
+    y.square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    s = torch.cuda.memory_stats()
+    nested = torch.cuda.memory_stats_as_nested_dict()
+    seen.append([
+        torch.cuda.max_memory_allocated(),
+        torch.cuda.max_memory_reserved(),
+        s["active_bytes.all.peak"],
+        nested["allocated_bytes"]["large_pool"]["peak"],
+        torch.accelerator.max_memory_allocated(),
+    ])
+    del x, y
+print("seen", json.dumps(seen), flush=True)
+"""
+
+
+def user_peaks(agent, mode: str, job: str) -> List[List[int]]:
+    env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint, STEPWATCH_JOB_ID=job)
+    proc = subprocess.run(
+        [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
+        + ["--", sys.executable, "-c", USER_PEAKS, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.split("seen ")[1])
+
+
+def test_exact_step_peaks_from_step_2_and_the_scripts_peaks_as_without_stepwatch(agent):
+    """From step 2 on each step's last marker carries its exact allocator peak
+    (the script's own per-step readings say what it was), and what the script
+    reads of the peaks (torch.cuda, torch.accelerator; with its own resets) is
+    what it reads without stepwatch; with exact_step_peaks=False too."""
+    truth = user_peaks(agent, "truth", "peaks-truth")
+    without = user_peaks(agent, "none", "peaks-none")
+    assert user_peaks(agent, "watch", "peaks-watch") == without
+    markers = agent.wait_markers(8 * 6)
+    ends = {m.step: m.allocator for m in markers if m.kind == pb.STEP_END}
+    for step in range(2, 9):
+        # The script's reset inside step 7 does not cut the step's figure short.
+        assert ends[step].allocated_peak_bytes == truth[step - 1][0], step
+        assert ends[step].reserved_peak_bytes == truth[step - 1][1], step
+    # Without resets step 3 (512 samples) never shows its own peak under step
+    # 2's (2048); the test proves less if it did.
+    assert without[2][0] == without[1][0] > truth[2][0]
+    # exact_step_peaks=False: torch untouched, the counters never reset by the
+    # client (step 3 begins under step 2's peak).
+    assert user_peaks(agent, "optout", "peaks-optout") == without
+    agent.wait_markers(2 * 8 * 6)
+    (optout,) = [s for s in agent.streams if s.hello.identity.job_id == "peaks-optout"]
+    begin3 = next(m.allocator for m in optout.markers if (m.kind, m.step) == (pb.STEP_BEGIN, 3))
+    assert begin3.allocated_peak_bytes > begin3.allocated_bytes
 
 
 def test_without_the_trace_the_markers_still_carry_allocator_figures(agent, monkeypatch):
