@@ -5,7 +5,11 @@
 //! at step 2. Clients that see the batch say so on the marker that begins a
 //! micro-batch ([`BatchFacts`]); a step keeps the largest its markers
 //! carried. The trailing window (`growth`) then relates each step's
-//! allocated peak to its batch ([`BatchRelation`]): the largest batch seen
+//! allocated peak to its batch ([`BatchRelation`]). Those peaks are exact
+//! when the client resets PyTorch's peak counters at each step's begin (its
+//! default from step 2 on); from a client that does not, they are lower
+//! bounds, and so is what is figured from them ([`BatchOutlook::at_least`]).
+//! From the relation: the largest batch seen
 //! and the peak it needed, and, from the peaks' rise per unit of batch (a
 //! Theil–Sen slope, as for growth), what the largest batch the loader can
 //! produce would need ([`BatchOutlook`]). Activation memory is linear in
@@ -173,8 +177,10 @@ pub struct BatchPoint {
     pub step: u64,
     /// The batch's measure in the relation's unit.
     pub size: u64,
-    /// The step's allocated peak (a lower bound, see `profile`), bytes.
+    /// The step's allocated peak, bytes.
     pub allocated_peak_bytes: u64,
+    /// Whether that peak is exact (else a lower bound, see `profile`).
+    pub exact: bool,
 }
 
 /// How the window's step peaks follow their batches.
@@ -193,6 +199,8 @@ pub struct BatchRelation {
     /// The allocated peak's rise per unit of batch (Theil–Sen over the
     /// steps); None under two distinct sizes.
     pub bytes_per_unit: Option<f64>,
+    /// Whether every step's peak was exact; else some are lower bounds.
+    pub exact_peaks: bool,
 }
 
 impl BatchRelation {
@@ -208,8 +216,8 @@ impl BatchRelation {
             .map(|p| (p.size, p.allocated_peak_bytes))
             .collect();
         by_size.sort_unstable();
-        // The lower peak bound of a repeated size is the tightest it has:
-        // keep each size's highest.
+        // A repeated size keeps its highest peak (the tightest where they
+        // are lower bounds).
         let mut per_size: Vec<(u64, u64)> = Vec::with_capacity(sizes.len());
         for (size, peak) in by_size {
             match per_size.last_mut() {
@@ -227,6 +235,7 @@ impl BatchRelation {
             smallest,
             largest,
             bytes_per_unit,
+            exact_peaks: points.iter().all(|p| p.exact),
         })
     }
 }
@@ -238,9 +247,11 @@ pub struct LargestBatch {
     pub step: u64,
     /// The batch as the client described it.
     pub batch: BatchFacts,
-    /// Its step's allocated peak (a lower bound), bytes.
+    /// Its step's allocated peak, bytes.
     pub allocated_peak_bytes: Option<u64>,
-    /// Its step's reserved peak (a lower bound), bytes.
+    /// Whether that peak is exact (else a lower bound, see `profile`).
+    pub allocated_peak_exact: bool,
+    /// Its step's reserved peak, bytes (by the same rule).
     pub reserved_peak_bytes: Option<u64>,
     /// Its step's device-memory peak (NVML), bytes.
     pub nvml_peak_bytes: Option<u64>,
@@ -309,6 +320,10 @@ pub struct BatchOutlook {
     pub device_peak_bytes: Option<u64>,
     /// Capacity minus that; None without capacity or device figure.
     pub headroom_bytes: Option<i64>,
+    /// Whether the figures are lower bounds: some step peaks they come from
+    /// were (a client without exact step peaks). Else they are estimates
+    /// from exact peaks, as good as the line through them.
+    pub at_least: bool,
 }
 
 /// What `loader_largest` would need, from the largest batch seen and the
@@ -342,6 +357,7 @@ pub fn outlook(
         headroom_bytes: device
             .filter(|_| capacity_bytes > 0)
             .map(|d| capacity_bytes as i64 - d as i64),
+        at_least: !(relation.exact_peaks && largest.allocated_peak_exact),
     })
 }
 
@@ -404,6 +420,7 @@ mod tests {
             step,
             size,
             allocated_peak_bytes: peak,
+            exact: true,
         }
     }
 
@@ -466,6 +483,7 @@ mod tests {
                 ..Default::default()
             },
             allocated_peak_bytes: Some(5096),
+            allocated_peak_exact: true,
             reserved_peak_bytes: Some(5200),
             nvml_peak_bytes: Some(6000),
         };
@@ -483,6 +501,16 @@ mod tests {
         assert_eq!(o.allocated_peak_bytes, 9192);
         assert_eq!(o.device_peak_bytes, Some(10_096));
         assert_eq!(o.headroom_bytes, Some(-96));
+        assert!(!o.at_least);
+        // A lower-bound peak among them: so is the outlook.
+        let mut points = points;
+        points[1].exact = false;
+        let r = BatchRelation::of(BatchUnit::Tokens, &points).unwrap();
+        assert!(
+            outlook(&r, &largest, &loader, 10_000, beyond)
+                .unwrap()
+                .at_least
+        );
     }
 
     #[test]

@@ -50,8 +50,10 @@ use std::collections::VecDeque;
 
 use serde::Serialize;
 
-use crate::batch::{BatchFacts, BatchPoint, BatchRelation, BatchSize, BatchUnit, LargestBatch};
-use crate::profile::phase_allocator_peaks;
+use crate::batch::{
+    BatchFacts, BatchPoint, BatchRelation, BatchSize, BatchUnit, BeyondAllocator, LargestBatch,
+};
+use crate::profile::{phase_allocator_peak_bounds, PeakBounds};
 use crate::timeline::{RankTimeline, StepOutcome, StepRecord};
 
 /// Tunables of the growth estimate.
@@ -137,9 +139,13 @@ pub struct StepFigures {
     pub end_wall_ns: u64,
     /// Highest NVML sample of the step; None without samples.
     pub nvml_peak_bytes: Option<u64>,
-    /// Highest allocated bytes (a lower bound, see `profile`).
+    /// Highest allocated bytes: exact when the client resets the peak
+    /// counters at each step's begin (`allocated_peak_exact`), else a lower
+    /// bound (see `profile`).
     pub allocated_peak_bytes: Option<u64>,
-    /// Highest reserved bytes (a lower bound).
+    /// Whether the counters pinned `allocated_peak_bytes`.
+    pub allocated_peak_exact: bool,
+    /// Highest reserved bytes, by the same rule.
     pub reserved_peak_bytes: Option<u64>,
     /// Allocated bytes at the step-end marker.
     pub allocated_at_end_bytes: Option<u64>,
@@ -156,11 +162,11 @@ impl StepFigures {
         if step.outcome != StepOutcome::Completed {
             return None;
         }
-        let peaks = step.phases.iter().filter_map(phase_allocator_peaks);
+        let peaks = step.phases.iter().filter_map(phase_allocator_peak_bounds);
         let (allocated_peak, reserved_peak) = peaks.fold((None, None), |(a, r), (pa, pr)| {
             (
-                Some(a.map_or(pa, |a: u64| a.max(pa))),
-                Some(r.map_or(pr, |r: u64| r.max(pr))),
+                Some(a.map_or(pa, |a: PeakBounds| a.max(pa))),
+                Some(r.map_or(pr, |r: PeakBounds| r.max(pr))),
             )
         });
         let at_end = step.phases.last().and_then(|p| p.allocator_at_end);
@@ -169,8 +175,9 @@ impl StepFigures {
             end_monotonic_ns: step.end_monotonic_ns?,
             end_wall_ns: step.end_wall_ns.unwrap_or(0),
             nvml_peak_bytes: step.nvml_peak_bytes(),
-            allocated_peak_bytes: allocated_peak,
-            reserved_peak_bytes: reserved_peak,
+            allocated_peak_bytes: allocated_peak.map(|b| b.at_least),
+            allocated_peak_exact: allocated_peak.is_some_and(|b| b.is_exact()),
+            reserved_peak_bytes: reserved_peak.map(|b| b.at_least),
             allocated_at_end_bytes: at_end.map(|a| a.allocated_bytes),
             reserved_at_end_bytes: at_end.map(|a| a.reserved_bytes),
             batch: step.batch.as_ref().map(|b| b.size()),
@@ -321,9 +328,9 @@ pub struct TrailingPeaks {
     pub last_step: u64,
     /// Highest NVML step peak, bytes.
     pub nvml_max_bytes: Option<u64>,
-    /// Highest allocated step peak (lower bounds), bytes.
+    /// Highest allocated step peak (see [`StepFigures`]), bytes.
     pub allocated_max_bytes: Option<u64>,
-    /// Highest reserved step peak (lower bounds), bytes.
+    /// Highest reserved step peak, bytes.
     pub reserved_max_bytes: Option<u64>,
     /// Lowest NVML step peak, bytes: with the highest, the spread of the
     /// step peaks (batches that vary).
@@ -373,6 +380,17 @@ impl MemoryTrend {
     pub fn beyond_reserved_bytes(&self) -> Option<u64> {
         self.nvml_over_reserved_bytes
             .or(self.outside_at_step1_bytes)
+    }
+
+    /// What the device holds beyond the allocator's peaks, as the batch and
+    /// pass figures take it: beyond the reserved peak by
+    /// [`Self::beyond_reserved_bytes`], beyond the allocated peak by the
+    /// window's NVML figure.
+    pub fn beyond_allocator(&self) -> BeyondAllocator {
+        BeyondAllocator {
+            over_reserved_bytes: self.beyond_reserved_bytes(),
+            over_allocated_bytes: self.nvml_over_allocated_bytes,
+        }
     }
 
     /// The trend of a window (steps in order); None when it is empty.
@@ -456,6 +474,7 @@ fn batch_relation(window: &[StepFigures]) -> Option<BatchRelation> {
                 step: s.step,
                 size: s.batch?.measure(unit)?,
                 allocated_peak_bytes: s.allocated_peak_bytes?,
+                exact: s.allocated_peak_exact,
             })
         })
         .collect();
@@ -597,8 +616,8 @@ impl TrendMemo {
     }
 
     /// Keeps `step` as the largest batch if it is larger than the kept one
-    /// (or as large, with a higher allocated peak: the tighter bound), or
-    /// is the kept one with figures that changed.
+    /// (or as large, with a higher allocated peak), or is the kept one with
+    /// figures that changed.
     fn offer_largest(&mut self, batch: Option<&BatchFacts>, f: &StepFigures) {
         let Some(batch) = batch else {
             return;
@@ -607,6 +626,7 @@ impl TrendMemo {
             None => true,
             Some(kept) if kept.step == f.step => {
                 kept.allocated_peak_bytes != f.allocated_peak_bytes
+                    || kept.allocated_peak_exact != f.allocated_peak_exact
                     || kept.reserved_peak_bytes != f.reserved_peak_bytes
                     || kept.nvml_peak_bytes != f.nvml_peak_bytes
             }
@@ -622,6 +642,7 @@ impl TrendMemo {
                 step: f.step,
                 batch: batch.clone(),
                 allocated_peak_bytes: f.allocated_peak_bytes,
+                allocated_peak_exact: f.allocated_peak_exact,
                 reserved_peak_bytes: f.reserved_peak_bytes,
                 nvml_peak_bytes: f.nvml_peak_bytes,
             });

@@ -30,9 +30,11 @@ pub struct PassFigures {
     pub nvml_samples: u64,
     /// Highest NVML sample within it, bytes.
     pub nvml_peak_bytes: Option<u64>,
-    /// Highest allocated bytes (a lower bound, as for phases).
+    /// Highest allocated bytes: exact from a client that resets the peak
+    /// counters at the pass's begin (its default after step 1), else a
+    /// lower bound (as for phases, see `profile`).
     pub allocated_peak_bytes: Option<u64>,
-    /// Highest reserved bytes (a lower bound).
+    /// Highest reserved bytes, by the same rule.
     pub reserved_peak_bytes: Option<u64>,
     /// The device memory it needed: the higher of its NVML peak and its
     /// reserved peak plus what NVML shows beyond the allocator.

@@ -271,11 +271,13 @@ pub struct BatchAtOom {
     pub times_largest_before: Option<f64>,
     /// What this batch needs by the relation of the steps' allocated peaks
     /// to their batches (see `batch::outlook`): allocated and device peak,
-    /// headroom. A lower bound: the steps' allocated peaks are lower bounds
-    /// (allocator figures at phase boundaries), and so is the relation.
+    /// headroom. From exact step peaks an estimate along their line; a lower
+    /// bound (`at_least`) where some were lower bounds (a client without
+    /// exact step peaks).
     pub needs: Option<BatchOutlook>,
     /// The largest batch, in the relation's unit, that can fit by the same
-    /// relation: an upper bound (a batch above it does not fit).
+    /// relation: from lower-bound peaks an upper bound (a batch above it
+    /// does not fit); from exact ones, an estimate.
     pub largest_that_can_fit: Option<u64>,
     /// The relation's unit.
     pub unit: Option<BatchUnit>,
@@ -483,8 +485,9 @@ pub fn post_mortem(i: &PostMortemInputs<'_>) -> Option<PostMortem> {
         .map(|(r, d)| r + d.free_bytes)
         .filter(|&r| r > 0);
     let beyond = BeyondAllocator {
-        over_reserved_bytes: i.trend.and_then(|t| t.nvml_over_reserved_bytes),
-        over_allocated_bytes: i.trend.and_then(|t| t.nvml_over_allocated_bytes),
+        over_reserved_bytes: beyond_reserved,
+        ..i.trend
+            .map_or_else(BeyondAllocator::default, MemoryTrend::beyond_allocator)
     };
     let batch = step
         .and_then(|s| s.batch.as_ref())
@@ -804,8 +807,9 @@ fn larger_batch_words(b: &BatchAtOom, capacity: u64) -> (String, String) {
     }
     if let (Some(n), Some(unit)) = (&b.needs, b.unit) {
         w.push_str(&format!(
-            "; by the steps' allocated peaks against their batches, this one needs at least {} \
+            "; by the steps' allocated peaks against their batches, this one needs {}{} \
              allocated",
+            if n.at_least { "at least " } else { "about " },
             gb(n.allocated_peak_bytes as f64)
         ));
         if let Some(d) = n.device_peak_bytes {

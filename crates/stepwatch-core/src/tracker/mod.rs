@@ -444,7 +444,10 @@ impl Tracker {
         let Some(state) = self.ranks.get(key) else {
             return Vec::new();
         };
-        let outside = state.trend.trend().and_then(|t| t.nvml_over_reserved_bytes);
+        let outside = state
+            .trend
+            .trend()
+            .and_then(MemoryTrend::beyond_reserved_bytes);
         pass_peaks(&state.timeline, self.capacity_of(state), outside)
     }
 
@@ -459,10 +462,7 @@ impl Tracker {
             state.trend.largest_batch(),
             state.info.model.largest_batch.as_ref(),
             self.capacity_of(state),
-            BeyondAllocator {
-                over_reserved_bytes: trend.and_then(|t| t.nvml_over_reserved_bytes),
-                over_allocated_bytes: trend.and_then(|t| t.nvml_over_allocated_bytes),
-            },
+            trend.map_or_else(BeyondAllocator::default, MemoryTrend::beyond_allocator),
         )
     }
 

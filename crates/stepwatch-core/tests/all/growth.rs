@@ -23,6 +23,7 @@ fn window(values: &[(u64, u64, u64)]) -> Vec<StepFigures> {
             end_wall_ns: 1_700_000_000_000_000_000 + step * 1_000_000_000,
             nvml_peak_bytes: Some(n),
             allocated_peak_bytes: Some(a + 2_000 * M),
+            allocated_peak_exact: true,
             reserved_peak_bytes: Some(r),
             allocated_at_end_bytes: Some(a),
             reserved_at_end_bytes: Some(r),
