@@ -5,6 +5,11 @@ stepwatch as a user would (``stepwatch.watch``, ``stepwatch.checkpoint``):
     python batch_pass_loops.py passes     # an evaluation every 5 steps, then a checkpoint
     python batch_pass_loops.py warmup     # step 1 a smaller warm-up batch than the rest
 
+``varlen`` with ``$VARLEN_HOLD_BEFORE_LONG`` set to a path: before the long
+step, flush stepwatch's markers, print ``holding`` and wait (at most 120 s)
+until that path exists, so that a test can read what the agent says then;
+``$VARLEN_LONG_LENGTH``: the long batch's length instead of 1024.
+
 Prints ``step N done <CLOCK_MONOTONIC ns>`` after each step, and
 ``eval begin|end <ns>`` / ``checkpoint begin|end <ns>`` around each pass, for
 the test to read fake CUDA's usage log by; ``warmup`` also prints ``step N
@@ -15,6 +20,7 @@ peak bytes>`` when an advisory reaches the process.
 from __future__ import annotations
 
 import io
+import os
 import random
 import sys
 import time
@@ -51,8 +57,16 @@ if mode == "varlen":
         largest_batch=dict(samples=BATCH, tokens=BATCH * LONG_LENGTH),
     )
     lengths = random.Random(0)
+    hold = os.environ.get("VARLEN_HOLD_BEFORE_LONG")
     for step in range(1, STEPS + 1):
-        n = LONG_LENGTH if step == LONG_STEP else lengths.randint(64, 256)
+        if step == LONG_STEP and hold:
+            stepwatch.flush(10)
+            print("holding", flush=True)
+            deadline = time.monotonic() + 120
+            while not os.path.exists(hold) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        long = int(os.environ.get("VARLEN_LONG_LENGTH", LONG_LENGTH))
+        n = long if step == LONG_STEP else lengths.randint(64, 256)
         ids = torch.randint(0, vocab, (BATCH, n), device="cuda")
         logits = model(ids)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()

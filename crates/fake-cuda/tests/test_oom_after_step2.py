@@ -25,9 +25,11 @@ where no growth may be reported. Run with the test venv (scripts/test does); nee
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import re
+import urllib.error
 from pathlib import Path
 from subprocess import CompletedProcess
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -435,27 +437,100 @@ def test_a_warm_up_step_1_gets_the_step_2_warning_at_step_2s_first_forward(
     )
 
 
-def test_a_long_batch_late_that_does_not_fit_is_named_a_larger_batch(tmp_path: Path) -> None:
+def fits_at(
+    tmp: Path, usable: int, cmd: List[str], step: int, env: Optional[Dict[str, str]] = None
+) -> bool:
+    """Whether `cmd` (with `env`) gets past `step` on a fake GPU of which CUDA
+    can use `usable` bytes."""
+    tmp.mkdir()
+    with agent_on(tmp, usable) as agent:
+        proc = train(agent, f"fit-{usable}", cmd, tmp / "usage", env)
+    if proc.returncode != 0:
+        assert "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
+    return re.search(rf"^step {step} done ", proc.stdout, re.M) is not None
+
+
+def known_rank(agent: FakeGpuAgent, job: str) -> Optional[Dict[str, Any]]:
+    """The rank's report, or None while the agent does not know it yet."""
+    try:
+        return rank(agent, job)
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
+
+
+def metric(agent: FakeGpuAgent, name: str, job: str) -> Optional[float]:
+    """The value of the rank gauge `name` of `job` on the agent's /metrics."""
+    for line in agent.get("/metrics").decode().splitlines():
+        if line.startswith(name + "{") and f'job="{job}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_a_long_batch_late_that_does_not_fit_is_foreseen_and_named_a_larger_batch(
+    tmp_path: Path,
+) -> None:
     """Batches of 8 sequences of 64-256 tokens, then one of 1024 in step 30
-    (batch_pass_loops.py varlen) that does not fit: the post-mortem names a
-    larger batch, with the largest batch before it (its device peak against
-    fake CUDA's usage log), what the long one needs at least by the steps'
-    peaks against their batches (below what it took on a GPU where it fitted,
-    above this GPU's capacity), and the largest batch that can fit."""
+    (batch_pass_loops.py varlen) that does not fit; the client says the loader's
+    largest batch is that one. Held before step 30: the agent's outlook for it
+    (largest_batch=) says it does not fit, on the page and in the alert's metric.
+    Then the post-mortem names a larger batch, with the largest batch before it
+    (its device peak against fake CUDA's usage log), what the long one needs by
+    the steps' exact peaks against their batches, and the largest batch that
+    can fit. What it needs is judged by running the loop again: on a GPU 10%
+    larger than the figure step 30 fits, on one 10% smaller it does not. (On a
+    roomy GPU the step took more: the allocator kept the short batches' cache,
+    which it frees and retries before it fails.)"""
     usable, long_step = 5 * GIB // 4, 30
+    cmd = [str(PASS_LOOPS), "varlen"]
     roomy = tmp_path / "roomy"
     roomy.mkdir()
     with agent_on(roomy, 4 * GIB) as agent:
-        fitted = train(agent, "varlen-roomy", [str(PASS_LOOPS), "varlen"], roomy / "usage")
+        fitted = train(agent, "varlen-roomy", cmd, roomy / "usage")
         assert fitted.returncode == 0, fitted.stderr[-3000:]
         took = Truth(fitted, roomy / "usage", 4 * GIB).step_peak(long_step)
-    with agent_on(tmp_path, usable) as agent:
-        job = "oom-longbatch"
-        cmd = [str(PASS_LOOPS), "varlen"]
-        proc, truth, report = dies(agent, job, cmd, tmp_path / "usage", usable)
-    assert truth.oom_step == long_step
     assert took > usable, (took, usable)  # else this test proves less
-    pm = report["post_mortem"]
+    job = "oom-longbatch"
+    release = tmp_path / "release"
+    with agent_on(tmp_path, usable) as agent:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            env = {"VARLEN_HOLD_BEFORE_LONG": str(release)}
+            running = pool.submit(train, agent, job, cmd, tmp_path / "usage", env)
+            try:
+                report = wait_for(
+                    "29 steps and the loader's outlook",
+                    lambda: (
+                        (r := known_rank(agent, job))
+                        and r["steps_completed"] >= long_step - 1
+                        and (r.get("batches") or {}).get("outlook")
+                        and r
+                    ),
+                    timeout=120,
+                )
+                headroom = wait_for(
+                    "the outlook's metric",
+                    lambda: metric(agent, "stepwatch_rank_batch_outlook_headroom_bytes", job),
+                )
+                assert not running.done(), "the loop did not wait before the long batch"
+            finally:
+                release.touch()
+            proc = running.result()
+        assert proc.returncode != 0 and "OutOfMemoryError" in proc.stderr, proc.stderr[-3000:]
+        assert "holding" in proc.stdout
+        report_after = wait_for(
+            "the post-mortem", lambda: (r := rank(agent, job)).get("post_mortem") and r
+        )
+    truth = Truth(proc, tmp_path / "usage", usable)
+    outlook = report["batches"]["outlook"]
+    assert outlook["batch"] == {"samples": 8, "tokens": 8 * 1024}, outlook
+    assert not outlook["at_least"], outlook  # the client's step peaks are exact
+    assert outlook["headroom_bytes"] < 0 and headroom < 0, (outlook, headroom)
+    assert headroom == outlook["headroom_bytes"], (headroom, outlook)
+    foreseen = outlook["device_peak_bytes"]
+
+    assert truth.oom_step == long_step
+    pm = report_after["post_mortem"]
     assert pm["step"] == long_step, pm["message"]
     assert pm["cause"] == "larger_batch", pm["message"]
     batch = pm["batch"]
@@ -468,19 +543,32 @@ def test_a_long_batch_late_that_does_not_fit_is_named_a_larger_batch(tmp_path: P
     assert before["batch"]["tokens"] == max(t for s, t in tokens.items() if s >= 3), before
     # Its step's device peak, as the agent figures it, against the usage log.
     seen = truth.step_peak(before["step"])
-    device_before = usable - report["batches"]["largest_headroom_bytes"]
+    device_before = usable - report_after["batches"]["largest_headroom_bytes"]
     assert abs(device_before - seen) <= 0.05 * seen, (device_before, seen)
-    needs = batch["needs"]
-    assert usable < needs["device_peak_bytes"] <= took, (needs, took)
+    needs = batch["needs"]["device_peak_bytes"]
+    assert "this one needs about" in pm["message"], pm["message"]
     can_fit = batch["largest_that_can_fit"]
     assert before["batch"]["tokens"] < can_fit < 8 * 1024, batch
     assert f"none above {can_fit} tokens can" in pm["what_would_fit"], pm["what_would_fit"]
+    # Both figures against the truth: the long batch fits 10% above them and
+    # not 10% below.
+    low, high = min(needs, foreseen), max(needs, foreseen)
+    assert fits_at(tmp_path / "above", int(1.1 * high), cmd, long_step), (needs, foreseen)
+    assert not fits_at(tmp_path / "below", int(0.9 * low), cmd, long_step), (needs, foreseen)
+    # And the largest batch that can fit on this GPU: 10% below it fits, 10%
+    # above it does not (8 sequences of that many tokens).
+    length = {"VARLEN_LONG_LENGTH": str(int(0.9 * can_fit) // 8)}
+    assert fits_at(tmp_path / "shorter", usable, cmd, long_step, length), can_fit
+    length = {"VARLEN_LONG_LENGTH": str(-(-int(1.1 * can_fit) // 8))}
+    assert not fits_at(tmp_path / "longer", usable, cmd, long_step, length), can_fit
     print(
-        f"longbatch: step {long_step} (8192 tokens) took {took / MIB:.0f} MiB where it fitted; "
-        f"the post-mortem says at least {needs['device_peak_bytes'] / MIB:.0f} MiB; the largest "
-        f"before ({before['batch']['tokens']} tokens, step {before['step']}) "
-        f"{seen / MIB:.0f} MiB by the usage log, the agent says {device_before / MIB:.0f} MiB. "
-        f"{pm['message']}"
+        f"longbatch: step {long_step} (8192 tokens) fits on {1.1 * high / MIB:.0f} MiB and "
+        f"not on {0.9 * low / MIB:.0f} MiB; on this GPU {0.9 * can_fit:.0f} tokens fit and "
+        f"{1.1 * can_fit:.0f} do not; before it the outlook said "
+        f"{foreseen / MIB:.0f} MiB, the post-mortem {needs / MIB:.0f} MiB (on a roomy GPU "
+        f"it took {took / MIB:.0f} MiB, its cache kept); the largest before "
+        f"({before['batch']['tokens']} tokens, step {before['step']}) {seen / MIB:.0f} MiB by "
+        f"the usage log, the agent says {device_before / MIB:.0f} MiB. {pm['message']}"
     )
 
 

@@ -302,6 +302,21 @@ impl LargestBatch {
             beyond,
         )
     }
+
+    /// The device memory a step of allocated peak `allocated` needs to run
+    /// on this rank: `allocated` plus what the device holds beyond the
+    /// allocator (CUDA context, other libraries). The allocator's cache is
+    /// left out: PyTorch frees it and retries before it raises out of
+    /// memory, so a step that fits only without it still runs (slower:
+    /// `num_alloc_retries`). Without that figure, plus all that this
+    /// largest batch's step held beyond its allocated peak, cache included.
+    pub fn device_need_bytes(&self, allocated: u64, beyond: BeyondAllocator) -> Option<u64> {
+        let outside = beyond.over_reserved_bytes.or_else(|| {
+            let device = self.device_peak_bytes(beyond)?;
+            Some(device.saturating_sub(self.allocated_peak_bytes?))
+        })?;
+        Some(allocated.saturating_add(outside))
+    }
 }
 
 /// What the largest batch the loader can produce would need, from the
@@ -314,9 +329,9 @@ pub struct BatchOutlook {
     pub size: u64,
     /// The allocated peak it would need, bytes.
     pub allocated_peak_bytes: u64,
-    /// The device-memory peak it would need: the allocated peak plus what
-    /// the largest batch seen needed beyond its allocated peak (CUDA
-    /// context, cache; see `device_peak_bytes`), bytes.
+    /// The device memory it would need to run: the allocated peak plus
+    /// what the device holds beyond the allocator (see
+    /// [`LargestBatch::device_need_bytes`]), bytes.
     pub device_peak_bytes: Option<u64>,
     /// Capacity minus that; None without capacity or device figure.
     pub headroom_bytes: Option<i64>,
@@ -346,9 +361,7 @@ pub fn outlook(
     let allocated = (base as f64 + extra)
         .max(0.0)
         .min(MAX_PLAUSIBLE_BYTES as f64) as u64;
-    let device = largest
-        .device_peak_bytes(beyond)
-        .map(|d| allocated.saturating_add(d.saturating_sub(base)));
+    let device = largest.device_need_bytes(allocated, beyond);
     Some(BatchOutlook {
         batch: loader_largest.clone(),
         size,
@@ -496,11 +509,19 @@ mod tests {
             over_allocated_bytes: Some(700),
         };
         let o = outlook(&r, &largest, &loader, 10_000, beyond).unwrap();
-        // 5096 + 2·2048 = 9192 allocated; plus the 904 NVML showed beyond
-        // the allocated peak at step 9: 10096, 96 over capacity.
+        // 5096 + 2·2048 = 9192 allocated; plus the 500 beyond the
+        // allocator (the cache is not needed): 9692, 308 under capacity.
         assert_eq!(o.allocated_peak_bytes, 9192);
-        assert_eq!(o.device_peak_bytes, Some(10_096));
-        assert_eq!(o.headroom_bytes, Some(-96));
+        assert_eq!(o.device_peak_bytes, Some(9_692));
+        assert_eq!(o.headroom_bytes, Some(308));
+        // Without that figure: plus all that step 9 held beyond its
+        // allocated peak (904), cache included.
+        let no_outside = BeyondAllocator {
+            over_reserved_bytes: None,
+            ..beyond
+        };
+        let o2 = outlook(&r, &largest, &loader, 10_000, no_outside).unwrap();
+        assert_eq!(o2.device_peak_bytes, Some(10_096));
         assert!(!o.at_least);
         // A lower-bound peak among them: so is the outlook.
         let mut points = points;

@@ -776,7 +776,7 @@ fn batch_at_oom(
     let largest_that_can_fit = relation.zip(largest).and_then(|(r, l)| {
         let rate = r.bytes_per_unit.filter(|&b| b > 0.0)?;
         let seen = l.batch.size().measure(r.unit)?;
-        let device = l.device_peak_bytes(beyond)?;
+        let device = l.device_need_bytes(l.allocated_peak_bytes?, beyond)?;
         let units = seen as f64 + (i.capacity_bytes as f64 - device as f64) / rate;
         (i.capacity_bytes > 0 && units >= 0.0).then_some(units as u64)
     });
