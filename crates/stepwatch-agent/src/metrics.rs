@@ -498,8 +498,8 @@ pub(crate) const RANK_TRAILING_STEP_PEAK_MAX_BYTES: MetricDef = MetricDef {
     name: "stepwatch_rank_trailing_step_peak_max_bytes",
     kind: MetricKind::Gauge,
     labels: "rank labels, `source`",
-    meaning: "highest step peak of the trailing window (the latest 64 completed steps from step 3 on), `source` `nvml` (device), `allocated` or `reserved` (allocator lower bounds): the job's whole life, where the steady peak stops at step 11",
-    help: "Highest step peak of the trailing window (the latest 64 completed steps from step 3 on), by source: nvml (device memory), allocated or reserved (allocator, lower bounds).",
+    meaning: "highest step peak of the trailing window (the latest 64 completed steps from step 3 on), `source` `nvml` (device), `allocated` or `reserved` (allocator; exact from a client that resets the peak counters at each step, its default, else lower bounds): the job's whole life, where the steady peak stops at step 11",
+    help: "Highest step peak of the trailing window (the latest 64 completed steps from step 3 on), by source: nvml (device memory), allocated or reserved (allocator).",
 };
 
 /// `stepwatch_rank_trailing_headroom_bytes`
@@ -580,7 +580,7 @@ pub(crate) const RANK_BATCH_OUTLOOK_PEAK_BYTES: MetricDef = MetricDef {
     name: "stepwatch_rank_batch_outlook_peak_bytes",
     kind: MetricKind::Gauge,
     labels: "rank labels",
-    meaning: "device peak the loader's largest batch (`largest_batch=` of the client) would need: the largest batch seen's peak plus the peaks' rise per unit of batch (a straight line; attention that materialises its scores grows faster)",
+    meaning: "device memory the loader's largest batch (`largest_batch=` of the client) would need: the largest batch seen's allocated peak plus the peaks' rise per unit of batch (a straight line; attention that materialises its scores grows faster), plus what the device holds beyond the allocator; the allocator's cache is not counted (PyTorch frees it before it fails)",
     help: "Device-memory peak the largest batch the loader can produce would need, from the peaks' rise per unit of batch; absent unless the client said that batch.",
 };
 
