@@ -5,10 +5,12 @@
 //!
 //! Markers carry `torch.cuda.memory_stats()` only at phase boundaries. Its
 //! peak counters (`allocated_bytes.all.peak`, …) are high-water marks *since
-//! the process started* unless something calls
-//! `torch.cuda.reset_peak_memory_stats()`, which the Python client never
-//! does. So the peak of one phase instance is reconstructed from the figures
-//! at its start and end, as bounds ([`PeakBounds`]):
+//! the process started* or since `torch.cuda.reset_peak_memory_stats()`.
+//! The Python client resets them at each step's begin from step 2 on
+//! (`exact_step_peaks`, its default), just before that marker's read; step 1
+//! and a client that opts out keep since-start counters. So the peak of one
+//! phase instance is reconstructed from the figures at its start and end, as
+//! bounds ([`PeakBounds`]):
 //!
 //! * it is at least `max(allocated at start, allocated at end)`;
 //! * when `allocated_peak_bytes` at the end is above its value at the start,
@@ -25,6 +27,11 @@
 //!   counts towards the lower bound, and nothing bounds the peak from above.
 //!   (A reset inside a phase followed by a rise above the old mark reads as
 //!   a rise: the counters cannot tell them apart.)
+//!
+//! After a reset at the step's begin the step's phases run from that marker
+//! on, so the phase in which the counter last rose pins it, and the step's
+//! peak (the highest of its phases' bounds) is exact: the rule needs nothing
+//! more from such a client.
 //!
 //! A phase that is still open has only its start figure, and no upper bound.
 //! Reserved memory follows the same rule with `reserved_bytes` /
