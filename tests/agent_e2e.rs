@@ -9,6 +9,8 @@ use common::*;
 
 const GPU0: &str = "GPU-00000000-0000-0000-0000-000000000000";
 const GPU1: &str = "GPU-00000000-0000-0000-0000-000000000001";
+/// One MiB, the unit of the tests' byte figures.
+const MIB: u64 = 1 << 20;
 
 #[test]
 fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
@@ -37,15 +39,13 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
     // caught the simulated peak although the ranks have finished.
     for gpu in [GPU0, GPU1] {
         let labels = [("gpu_uuid", gpu), ("node", "test-node")];
-        let total = m.get("stepwatch_gpu_memory_total_bytes", &labels).unwrap();
+        let total = m.value("stepwatch_gpu_memory_total_bytes", &labels);
         assert!(total > 80e9, "H100-like capacity, got {total}");
         assert!(m.get("stepwatch_gpu_memory_used_bytes", &labels).is_some());
-        let max = m
-            .get("stepwatch_gpu_memory_used_max_bytes", &labels)
-            .unwrap();
+        let max = m.value("stepwatch_gpu_memory_used_max_bytes", &labels);
         // The simulated rank peaks near 45 GB in steady state.
         assert!(max >= 40e9, "peak was {max}");
-        assert!(m.get("stepwatch_gpu_samples_total", &labels).unwrap() > 10.0);
+        assert!(m.value("stepwatch_gpu_samples_total", &labels) > 10.0);
     }
     assert_eq!(m.get("stepwatch_nvml_up", &[]), Some(1.0));
 
@@ -60,9 +60,7 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
             m.get("stepwatch_rank_gpu_capacity_bytes", &rank),
             total.map(|t| t - fake_nvml::DEFAULT_RESERVED_BYTES as f64)
         );
-        let step = m
-            .get("stepwatch_rank_step_duration_seconds", &rank)
-            .unwrap();
+        let step = m.value("stepwatch_rank_step_duration_seconds", &rank);
         assert!((0.05..2.0).contains(&step), "step took {step} s");
         for phase in ["forward", "backward", "optimizer"] {
             let d = m
@@ -76,17 +74,13 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
                 "{phase} took {d} s of a {step} s step"
             );
         }
-        let first = m
-            .get("stepwatch_rank_first_step_peak_bytes", &rank)
-            .unwrap();
-        let steady = m
-            .get("stepwatch_rank_steady_step_peak_bytes", &rank)
-            .unwrap();
+        let first = m.value("stepwatch_rank_first_step_peak_bytes", &rank);
+        let steady = m.value("stepwatch_rank_steady_step_peak_bytes", &rank);
         assert!(
             steady > first,
             "the first-step anomaly: steady {steady} > first {first}"
         );
-        let predicted = m.get("stepwatch_rank_predicted_peak_bytes", &rank).unwrap();
+        let predicted = m.value("stepwatch_rank_predicted_peak_bytes", &rank);
         let error = (predicted - steady).abs() / steady;
         assert!(
             error < 0.05,
@@ -127,12 +121,7 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
     let steps = report["steps"].as_array().unwrap();
     let numbers: Vec<u64> = steps.iter().map(|s| s["step"].as_u64().unwrap()).collect();
     assert_eq!(numbers, [1, 2, 3]);
-    let phases: Vec<&str> = steps[1]["phases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["phase"].as_str().unwrap())
-        .collect();
+    let phases = phase_names(&steps[1]);
     assert_eq!(
         phases,
         ["prologue", "forward", "backward", "optimizer", "epilogue"]
@@ -158,12 +147,7 @@ fn two_ranks_three_steps_show_in_metrics_and_pass_promtool() {
         "{analysis}"
     );
     for profile in [first, steady] {
-        let phases: Vec<&str> = profile["phases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|p| p["phase"].as_str().unwrap())
-            .collect();
+        let phases = phase_names(profile);
         for phase in ["forward", "backward", "optimizer"] {
             assert!(phases.contains(&phase), "{phase} missing: {profile}");
         }
@@ -226,14 +210,14 @@ fn nvml_unavailable_at_start_then_recovers_without_restart() {
         m.get("stepwatch_nvml_up", &[]) == Some(1.0)
             && m.count("stepwatch_gpu_memory_used_bytes") == 2
     });
-    assert!(m.get("stepwatch_nvml_init_attempts_total", &[]).unwrap() >= 2.0);
+    assert!(m.value("stepwatch_nvml_init_attempts_total", &[]) >= 2.0);
 }
 
 /// `--api-listen` moves the JSON API (tenants' job and pod names) to a
 /// listener of its own: it answers there, and no longer beside `/metrics`.
 #[test]
 fn the_api_can_have_a_listener_of_its_own() {
-    let agent = Agent::start_with("api-listen", 1, &["--api-listen", "127.0.0.1:0"], |_| {});
+    let agent = Agent::start_args("api-listen", &["--api-listen", "127.0.0.1:0"]);
     agent.wait_ready_with_nvml();
     let ready: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(agent.dir.0.join("ready.json")).unwrap())
@@ -292,9 +276,7 @@ fn a_lost_gpu_is_reported_while_the_others_keep_sampling() {
             .unwrap()
             > 0.0
     );
-    let before = m
-        .get("stepwatch_gpu_samples_total", &[("gpu_uuid", GPU0)])
-        .unwrap();
+    let before = m.value("stepwatch_gpu_samples_total", &[("gpu_uuid", GPU0)]);
     agent.wait_metrics("gpu 0 still sampled", Duration::from_secs(5), |m| {
         m.get("stepwatch_gpu_samples_total", &[("gpu_uuid", GPU0)])
             .unwrap()
@@ -415,12 +397,7 @@ fn streams_that_never_say_hello_are_ended_and_do_not_lock_ranks_out() {
     use common::wire::*;
     use stepwatch_proto::v1::{ingest_client::IngestClient, ClientMessage};
 
-    let agent = Agent::start_with(
-        "no-hello",
-        1,
-        &["--max-streams", "2", "--hello-timeout", "2s"],
-        |_| {},
-    );
+    let agent = Agent::start_args("no-hello", &["--max-streams", "2", "--hello-timeout", "2s"]);
     let endpoint = agent.endpoint();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -462,7 +439,7 @@ fn undecodable_oversized_and_empty_floods_are_refused_and_counted() {
     use common::wire::*;
     use stepwatch_proto::v1::{AgentMessage, Marker};
 
-    let agent = Agent::start_with("wire-refusals", 1, &["--max-marker-rate", "100"], |_| {});
+    let agent = Agent::start_args("wire-refusals", &["--max-marker-rate", "100"]);
     let endpoint = agent.endpoint();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
@@ -550,11 +527,9 @@ fn an_ingest_connection_flood_hits_the_cap_not_the_descriptor_limit() {
 /// take every slot are closed after the idle timeout.
 #[test]
 fn silent_http_clients_holding_every_slot_are_closed_after_the_idle_timeout() {
-    let agent = Agent::start_with(
+    let agent = Agent::start_args(
         "http-idle",
-        1,
         &["--max-http-connections", "4", "--idle-timeout", "1s"],
-        |_| {},
     );
     let silent: Vec<_> = (0..4)
         .map(|_| std::net::TcpStream::connect(agent.http).expect("connect"))
@@ -565,7 +540,7 @@ fn silent_http_clients_holding_every_slot_are_closed_after_the_idle_timeout() {
 
 #[test]
 fn finished_jobs_give_their_slots_to_new_ones_when_the_rank_table_is_full() {
-    let agent = Agent::start_with("rank-room", 1, &["--max-ranks", "2"], |_| {});
+    let agent = Agent::start_args("rank-room", &["--max-ranks", "2"]);
     // Two short jobs fill the table and finish.
     for job in ["short-a", "short-b"] {
         wait_ok(agent.sim("demo-small", job, 0, 0, 2, 50.0, &[]), job);
@@ -674,11 +649,7 @@ fn the_metrics_reference_matches_what_the_agent_exports() {
             .filter_map(|l| l.strip_prefix("# HELP "))
             .filter_map(|l| l.split(' ').next())
             .collect();
-    let page = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/docs/src/reference/metrics.md"
-    ))
-    .unwrap();
+    let page = reference_page("metrics.md");
     let section = page
         .split("<!-- BEGIN GENERATED: metrics -->")
         .nth(1)
@@ -830,12 +801,7 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
 
     let (_, body) = agent.get("/api/v1/jobs/healthy/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
-    let kinds: Vec<&serde_json::Value> = report["advisories"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| &a["kind"])
-        .collect();
+    let kinds = advisory_kinds(&report);
     assert_eq!(kinds, ["prediction_final"], "no warning: {body}");
 
     let m = Metrics(agent.metrics());
@@ -865,8 +831,8 @@ fn a_step2_oom_is_advised_during_step_1_and_a_fitting_job_gets_no_warning() {
 /// has said hello (clients connect in the background while training starts).
 fn agent_with_a_process_of_1536_mib(tag: &str) -> Agent {
     let agent = Agent::start(tag, 1);
-    agent.fake.set_process_memory(0, 4242, 1536 << 20).unwrap();
-    let used = (1536u64 << 20) as f64;
+    agent.fake.set_process_memory(0, 4242, 1536 * MIB).unwrap();
+    let used = (1536 * MIB) as f64;
     agent.wait_metrics(
         "the sampler sees the process",
         Duration::from_secs(20),
@@ -878,7 +844,6 @@ fn agent_with_a_process_of_1536_mib(tag: &str) -> Agent {
 /// That process's allocator at every marker: 900 MiB allocated, the
 /// allocator's 1 GiB of cache reserved.
 fn allocated_900_of_1024_mib() -> stepwatch_proto::v1::AllocatorStats {
-    const MIB: u64 = 1 << 20;
     stepwatch_proto::v1::AllocatorStats {
         allocated_bytes: 900 * MIB,
         allocated_peak_bytes: 900 * MIB,
@@ -890,11 +855,23 @@ fn allocated_900_of_1024_mib() -> stepwatch_proto::v1::AllocatorStats {
     }
 }
 
+/// Sends `markers` as the one rank of `job` on one stream; the rank's
+/// report once the stream has ended, and its text.
+fn report_after(
+    agent: &Agent,
+    job: &str,
+    markers: Vec<stepwatch_proto::v1::Marker>,
+) -> (serde_json::Value, String) {
+    use common::wire::{batch, hello};
+    agent.accepts(job, vec![hello(job, 0, 1), batch(markers)]);
+    let (_, body) = agent.get(&format!("/api/v1/jobs/{job}/ranks/0"));
+    (serde_json::from_str(&body).unwrap(), body)
+}
+
 #[test]
 fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
     use common::wire::*;
 
-    const MIB: u64 = 1 << 20;
     let agent = agent_with_a_process_of_1536_mib("early-markers");
     // Step 1 begins now, so the samples just taken are the ones before it.
     let t0 = stepwatch_proto::clock::monotonic_ns();
@@ -913,13 +890,7 @@ fn markers_that_reach_the_agent_after_their_samples_still_get_them() {
             m
         })
         .collect();
-    agent.accepts(
-        "a well-formed stream",
-        vec![hello("early", 0, 1), batch(markers)],
-    );
-
-    let (_, body) = agent.get("/api/v1/jobs/early/ranks/0");
-    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let (report, body) = report_after(&agent, "early", markers);
     let inputs = &report["prediction_before_step2"]["inputs"];
     // The sample before step 1 began bounds NVML's view beyond the allocator:
     // the 512 MiB outside its 1 GiB of cache.
@@ -937,7 +908,6 @@ fn the_prediction_names_the_client_device_memory_as_the_overhead_source() {
     use common::wire::*;
     use stepwatch_proto::v1::DeviceMemory;
 
-    const MIB: u64 = 1 << 20;
     let agent = agent_with_a_process_of_1536_mib("device-memory");
     let t0 = stepwatch_proto::clock::monotonic_ns();
     let total = 40 << 30;
@@ -953,13 +923,7 @@ fn the_prediction_names_the_client_device_memory_as_the_overhead_source() {
             m
         })
         .collect();
-    agent.accepts(
-        "a well-formed stream",
-        vec![hello("devmem", 0, 1), batch(markers)],
-    );
-
-    let (_, body) = agent.get("/api/v1/jobs/devmem/ranks/0");
-    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let (report, body) = report_after(&agent, "devmem", markers);
     let prediction = &report["analysis"]["prediction"];
     let inputs = &prediction["inputs"];
     assert_eq!(inputs["overhead_source"], "client_device_memory", "{body}");
@@ -981,7 +945,6 @@ fn a_second_run_in_the_same_process_gets_its_own_step_1_and_prediction() {
     use common::wire::*;
     use stepwatch_proto::v1::AllocatorStats;
 
-    const MIB: u64 = 1 << 20;
     let agent = Agent::start("second-run", 1);
     let run = |run_id: &str, first_step: u64, steps: u64, allocated: u64| {
         let hello = hello_of_run("refit", run_id);
@@ -1009,12 +972,15 @@ fn a_second_run_in_the_same_process_gets_its_own_step_1_and_prediction() {
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         (v, body)
     };
+    // The step-1 peak the run's prediction before step 2 started from.
+    let step1_peak = |report: &serde_json::Value| {
+        report["prediction_before_step2"]["inputs"]["step1_peak_bytes"].as_u64()
+    };
     agent.accepts("the first run", run("fit-1", 1, 3, 900 * MIB));
     let (first, body) = report();
     assert_eq!(first["steps"].as_array().unwrap().len(), 3, "{body}");
-    let first_peak = first["prediction_before_step2"]["inputs"]["step1_peak_bytes"]
-        .as_u64()
-        .unwrap_or_else(|| panic!("the first run's prediction: {body}"));
+    let first_peak =
+        step1_peak(&first).unwrap_or_else(|| panic!("the first run's prediction: {body}"));
 
     // The same process (same PID), a new run: step 1 again, a third of the
     // memory. Without the run id the agent refuses step 1 after step 3.
@@ -1031,12 +997,14 @@ fn a_second_run_in_the_same_process_gets_its_own_step_1_and_prediction() {
         .map(|s| s["step"].as_u64().unwrap())
         .collect();
     assert_eq!(steps, [1, 2], "only the second run's steps: {body}");
-    let inputs = &second["prediction_before_step2"]["inputs"];
-    assert_eq!(inputs["step"], 1, "{body}");
-    let second_peak = inputs["step1_peak_bytes"].as_u64().unwrap();
+    assert_eq!(
+        second["prediction_before_step2"]["inputs"]["step"], 1,
+        "{body}"
+    );
+    let second_peak = step1_peak(&second);
     assert!(
-        second_peak < first_peak,
-        "the second run's own step 1 ({second_peak}), not the first's ({first_peak}): {body}"
+        second_peak.is_some_and(|peak| peak < first_peak),
+        "the second run's own step 1 ({second_peak:?}), not the first's ({first_peak}): {body}"
     );
 }
 
@@ -1089,14 +1057,7 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
         );
         // The refusal names itself, and tells the client that no retry of
         // fit-1 can pass (a client that retried would loop on rank_held).
-        assert_eq!(
-            metadata(&ended, "stepwatch-refusal").as_deref(),
-            Some("run_ended")
-        );
-        assert_eq!(
-            metadata(&ended, "stepwatch-retry").as_deref(),
-            Some("never")
-        );
+        assert_refusal(&ended, "run_ended", Some("never"), "fit-1's stream");
         let reconnect = exchange(&endpoint, vec![hello_of("fit-1")])
             .await
             .expect_err("fit-1 cannot come back");
@@ -1105,14 +1066,7 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
             tonic::Code::AlreadyExists,
             "{reconnect:?}"
         );
-        assert_eq!(
-            metadata(&reconnect, "stepwatch-refusal").as_deref(),
-            Some("rank_held")
-        );
-        assert_eq!(
-            metadata(&reconnect, "stepwatch-retry").as_deref(),
-            Some("never")
-        );
+        assert_refusal(&reconnect, "rank_held", Some("never"), "fit-1 again");
         agent.wait_metrics("the refused batch counted", Duration::from_secs(5), |m| {
             m.rejected("run_ended") == Some(n as f64)
         });
@@ -1122,12 +1076,7 @@ fn a_still_open_stream_of_a_run_the_process_left_cannot_touch_the_new_runs_step_
     let steps = rank["steps"].as_array().unwrap();
     assert_eq!(steps.len(), 1, "fit-2's step 1 alone: {body}");
     assert_eq!(steps[0]["begin_monotonic_ns"], t0, "fit-2's step 1: {body}");
-    let phases: Vec<_> = steps[0]["phases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["phase"].as_str().unwrap())
-        .collect();
+    let phases = phase_names(&steps[0]);
     assert_eq!(
         phases,
         ["prologue", "forward"],
@@ -1159,7 +1108,7 @@ fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass
     use stepwatch_proto::v1::{client_message::Kind, ClientMessage, Hello};
 
     // Over TCP the agent takes the PID from the hello: two "processes".
-    let agent = Agent::start_with("retry-never", 1, &["--grpc-listen", "127.0.0.1:0"], |_| {});
+    let agent = Agent::start_args("retry-never", &["--grpc-listen", "127.0.0.1:0"]);
     let tcp = format!(
         "http://{}",
         agent.grpc.expect("the agent reports its gRPC address")
@@ -1214,16 +1163,8 @@ fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass
             let refused = exchange(&tcp, messages)
                 .await
                 .expect_err(&format!("{what} is refused"));
-            assert_eq!(
-                metadata(&refused, "stepwatch-refusal").as_deref(),
-                Some(reason),
-                "{what}: {refused:?}"
-            );
-            assert_eq!(
-                metadata(&refused, "stepwatch-retry").as_deref(),
-                Some("never"),
-                "{what}: no reconnect of the process can pass: {refused:?}"
-            );
+            // No reconnect of the process can pass.
+            assert_refusal(&refused, reason, Some("never"), what);
         }
 
         // Process 1 holds rank 0 of "held" on an open stream.
@@ -1236,16 +1177,8 @@ fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass
         let held = exchange(&tcp, vec![hello_with("held", 2, &|_| {})])
             .await
             .expect_err("the rank is held");
-        assert_eq!(
-            metadata(&held, "stepwatch-refusal").as_deref(),
-            Some("rank_held"),
-            "{held:?}"
-        );
-        assert_eq!(
-            metadata(&held, "stepwatch-retry"),
-            None,
-            "the holder may go away: {held:?}"
-        );
+        // The holder may go away: the client may retry.
+        assert_refusal(&held, "rank_held", None, "a held rank");
         // A batch refused after an accepted hello: a new stream does not resend it.
         let regressed = exchange(
             &tcp,
@@ -1253,16 +1186,7 @@ fn an_opening_no_reconnect_can_cure_is_refused_for_good_and_one_a_retry_can_pass
         )
         .await
         .expect_err("step 0 is refused");
-        assert_eq!(
-            metadata(&regressed, "stepwatch-refusal").as_deref(),
-            Some("step_regressed"),
-            "{regressed:?}"
-        );
-        assert_eq!(
-            metadata(&regressed, "stepwatch-retry"),
-            None,
-            "{regressed:?}"
-        );
+        assert_refusal(&regressed, "step_regressed", None, "step 0 after a hello");
 
         // Once the holder's stream has closed, process 2's retry takes the rank.
         drop(holder);
@@ -1462,14 +1386,9 @@ fn allocator_retries_after_step_1_are_advised_on_the_stream_and_counted() {
     let (_, body) = agent.get("/api/v1/jobs/retries/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(report["allocator_retries"], 3, "{body}");
-    let kinds: Vec<&serde_json::Value> = report["advisories"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| &a["kind"])
-        // Its made-up clock is also told (see `wire::advisories`).
-        .filter(|k| *k != "client_clock")
-        .collect();
+    let mut kinds = advisory_kinds(&report);
+    // Its made-up clock is also told (see `wire::advisories`).
+    kinds.retain(|k| *k != "client_clock");
     assert_eq!(kinds, ["prediction_final", "allocator_retries"], "{body}");
 }
 
@@ -1484,7 +1403,6 @@ fn low_observed_headroom_after_step_1_is_advised_on_the_stream_and_counted() {
     use common::wire::*;
     use stepwatch_proto::v1::{AdvisoryKind, Severity};
 
-    const MIB: u64 = 1 << 20;
     let agent = Agent::start("observed", 1);
     let labels = [("training_job", "observed"), ("rank", "0")];
     let kind = [("kind", "ADVISORY_KIND_LOW_OBSERVED_HEADROOM")];
@@ -1573,12 +1491,7 @@ fn low_observed_headroom_after_step_1_is_advised_on_the_stream_and_counted() {
     );
     let (_, body) = agent.get("/api/v1/jobs/observed/ranks/0");
     let report: serde_json::Value = serde_json::from_str(&body).unwrap();
-    let kinds: Vec<&serde_json::Value> = report["advisories"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| &a["kind"])
-        .collect();
+    let kinds = advisory_kinds(&report);
     assert_eq!(
         kinds,
         ["prediction_final", "low_observed_headroom"],
@@ -1586,13 +1499,35 @@ fn low_observed_headroom_after_step_1_is_advised_on_the_stream_and_counted() {
     );
 }
 
+/// A page of the book's reference (docs/src/reference/).
+fn reference_page(name: &str) -> String {
+    let path = repo().join("docs/src/reference").join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The names of the phases of a step or profile in a rank's report.
+fn phase_names(step: &serde_json::Value) -> Vec<&str> {
+    let phases = step["phases"].as_array().expect("a list of phases");
+    phases
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect()
+}
+
+/// The kinds of the advisories in a rank's report, in order.
+fn advisory_kinds(report: &serde_json::Value) -> Vec<&str> {
+    let advisories = report["advisories"]
+        .as_array()
+        .expect("a list of advisories");
+    advisories
+        .iter()
+        .map(|a| a["kind"].as_str().unwrap())
+        .collect()
+}
+
 /// (answer, path) of each row of the HTTP API reference's "JSON paths" table.
 fn documented_json_paths() -> Vec<(String, String)> {
-    let page = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/docs/src/reference/http-api.md"
-    ))
-    .unwrap();
+    let page = reference_page("http-api.md");
     let section = page
         .split("\n## JSON paths")
         .nth(1)
@@ -1670,7 +1605,6 @@ fn memory_growth_after_step_2_is_advised_on_the_stream_and_forecast_in_metrics()
     use common::wire::*;
     use stepwatch_proto::v1::{AdvisoryKind, AllocatorStats, Severity};
 
-    const MIB: u64 = 1 << 20;
     const STEPS: u64 = 40;
     let agent = Agent::start("leaky", 1);
     let labels = [("training_job", "leaky"), ("rank", "0")];
@@ -1719,22 +1653,16 @@ fn memory_growth_after_step_2_is_advised_on_the_stream_and_forecast_in_metrics()
         m.get("stepwatch_rank_memory_forecast_oom_step", &labels)
             .is_some()
     });
-    let step = m
-        .get("stepwatch_rank_memory_forecast_oom_step", &labels)
-        .unwrap();
-    let seconds = m
-        .get("stepwatch_rank_memory_forecast_oom_seconds", &labels)
-        .unwrap();
-    let slope = m
-        .get(
-            "stepwatch_rank_memory_growth_bytes_per_step",
-            &[
-                ("training_job", "leaky"),
-                ("rank", "0"),
-                ("source", "allocated"),
-            ],
-        )
-        .unwrap();
+    let step = m.value("stepwatch_rank_memory_forecast_oom_step", &labels);
+    let seconds = m.value("stepwatch_rank_memory_forecast_oom_seconds", &labels);
+    let slope = m.value(
+        "stepwatch_rank_memory_growth_bytes_per_step",
+        &[
+            ("training_job", "leaky"),
+            ("rank", "0"),
+            ("source", "allocated"),
+        ],
+    );
     println!(
         "slope {slope} B/step (true {}); forecast step {step}, true {true_oom}; {seconds} s",
         200 * MIB
@@ -1900,27 +1828,32 @@ fn passes_and_batches_are_reported_apart_from_the_steps() {
     let capacity = m
         .get("stepwatch_rank_gpu_capacity_bytes", &labels)
         .expect("capacity");
-    assert_eq!(
-        m.get("stepwatch_rank_batch_outlook_peak_bytes", &labels),
-        Some(outlook_peak as f64)
-    );
-    assert_eq!(
-        m.get("stepwatch_rank_batch_outlook_headroom_bytes", &labels),
-        Some(capacity - outlook_peak as f64)
-    );
     let eval_labels = [
         ("training_job", "passes"),
         ("rank", "0"),
         ("kind", "evaluation"),
     ];
-    assert_eq!(
-        m.get("stepwatch_rank_pass_peak_bytes", &eval_labels),
-        Some(eval_peak as f64)
-    );
-    assert_eq!(
-        m.get("stepwatch_rank_pass_headroom_bytes", &eval_labels),
-        Some(capacity - eval_peak as f64)
-    );
+    let (outlook, eval) = (outlook_peak as f64, eval_peak as f64);
+    for (name, labels, expected) in [
+        (
+            "stepwatch_rank_batch_outlook_peak_bytes",
+            &labels[..],
+            outlook,
+        ),
+        (
+            "stepwatch_rank_batch_outlook_headroom_bytes",
+            &labels[..],
+            capacity - outlook,
+        ),
+        ("stepwatch_rank_pass_peak_bytes", &eval_labels[..], eval),
+        (
+            "stepwatch_rank_pass_headroom_bytes",
+            &eval_labels[..],
+            capacity - eval,
+        ),
+    ] {
+        assert_eq!(m.get(name, labels), Some(expected), "{name}");
+    }
     assert!(m
         .get("stepwatch_rank_batch_largest_peak_bytes", &labels)
         .is_some());

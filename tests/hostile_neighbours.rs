@@ -120,16 +120,14 @@ fn probes_answer_while_one_client_holds_idle_and_slow_http_connections() {
 /// throughout, and serves the probes only.
 #[test]
 fn the_probe_listener_answers_while_many_peers_fill_the_http_listener() {
-    let agent = Agent::start_with(
+    let agent = Agent::start_args(
         "probe-listener",
-        1,
         &[
             "--probe-listen",
             "127.0.0.1:0",
             "--max-http-connections",
             "32",
         ],
-        |_| {},
     );
     let probe = agent.probe.expect("the ready file names the probe address");
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -166,7 +164,7 @@ fn the_probe_listener_answers_while_many_peers_fill_the_http_listener() {
 /// stream is closed after the grace.
 #[test]
 fn ingest_connections_that_open_no_stream_do_not_shut_trainers_out() {
-    let agent = Agent::start_with("conn-held", 1, &["--connection-grace", "3s"], |_| {});
+    let agent = Agent::start_args("conn-held", &["--connection-grace", "3s"]);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let endpoint = agent.endpoint();
     // HTTP/2 connections that complete the handshake and open nothing;
@@ -276,7 +274,7 @@ fn connections_and_streams_draw_from_the_memory_budget() {
     // 16 MiB: 2 MiB for connections and streams, 1 MiB of it for one peer,
     // about a connection and 11 streams.
     let args = ["--memory-limit-mib", "16", "--grpc-listen", "127.0.0.1:0"];
-    let agent = Agent::start_with("conn-memory", 1, &args, |_| {});
+    let agent = Agent::start_args("conn-memory", &args);
     let tcp = format!("http://{}", agent.grpc.expect("TCP ingest"));
     let endpoint = agent.endpoint();
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -329,7 +327,7 @@ fn connections_and_streams_draw_from_the_memory_budget() {
 /// process for the reconnect window.
 #[test]
 fn a_rank_stays_its_process_s_while_it_reconnects() {
-    let agent = Agent::start_with("reconnect", 1, &["--reconnect-window", "10m"], |_| {});
+    let agent = Agent::start_args("reconnect", &["--reconnect-window", "10m"]);
     let t0 = 1_000_000;
     let steps: Vec<_> = (1..=4).flat_map(|n| step(n, t0 + n * 100_000)).collect();
     // Steps 1–4, then a batch the agent refuses: the stream ends without
@@ -363,7 +361,7 @@ fn a_rank_stays_its_process_s_while_it_reconnects() {
 /// certificate, no hello over TCP is any other's process.
 #[test]
 fn over_tcp_a_claimed_pid_does_not_join_a_live_rank() {
-    let agent = Agent::start_with("tcp-pid", 1, &["--grpc-listen", "127.0.0.1:0"], |_| {});
+    let agent = Agent::start_args("tcp-pid", &["--grpc-listen", "127.0.0.1:0"]);
     let tcp = format!("http://{}", agent.grpc.expect("TCP ingest"));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let t0 = 1_000_000;
@@ -414,7 +412,7 @@ fn over_tcp_a_claimed_pid_does_not_join_a_live_rank() {
 /// torchrun starts after a failure) takes the rank at once.
 #[test]
 fn a_restarted_worker_takes_the_rank_of_its_dead_predecessor_at_once() {
-    let agent = Agent::start_with("restarted", 1, &["--reconnect-window", "10m"], |_| {});
+    let agent = Agent::start_args("restarted", &["--reconnect-window", "10m"]);
     let connected =
         |m: &Metrics| m.get("stepwatch_rank_connected", &[("training_job", "restarted")]);
     let mut first = agent.sim("demo-small", "restarted", 0, 0, 100_000, 1.0, &[]);

@@ -116,7 +116,7 @@ fn malformed_and_out_of_range_input_is_refused_and_counted() {
 
 #[test]
 fn a_marker_flood_on_one_stream_is_refused_with_resource_exhausted() {
-    let agent = Agent::start_with("flood", 1, &["--max-marker-rate", "100"], |_| {});
+    let agent = Agent::start_args("flood", &["--max-marker-rate", "100"]);
     let mut messages = vec![hello("flood", 0, 1)];
     messages.extend((1..=40u64).map(|s| batch(step(s, s * 10_000))));
     agent.refuses(messages, Code::ResourceExhausted, "markers/s");
@@ -360,16 +360,14 @@ fn chunk_event() -> AllocatorEvent {
 /// trace past either is dropped and counted, and the stream goes on.
 /// An agent whose unfinished traces may hold 1 MiB for 1 s.
 fn small_trace_budget_agent(tag: &str) -> Agent {
-    Agent::start_with(
+    Agent::start_args(
         tag,
-        1,
         &[
             "--max-partial-trace-mib",
             "1",
             "--partial-trace-timeout",
             "1s",
         ],
-        |_| {},
     )
 }
 
@@ -511,12 +509,7 @@ fn a_ddp_bucket_rebuild_in_the_facts_is_replayed_whether_it_comes_before_or_afte
     const MIB: u64 = 1 << 20;
     let records = TempDir::new("ddp-rebuild-record");
     let record = records.0.join("run.jsonl");
-    let mut agent = Agent::start_with(
-        "ddp-rebuild",
-        1,
-        &["--record", record.to_str().unwrap()],
-        |_| {},
-    );
+    let mut agent = Agent::start_args("ddp-rebuild", &["--record", record.to_str().unwrap()]);
     agent.wait_ready_with_nvml();
     let step1 = step1_to_optimizer_end(1_000);
     // One segment: DDP's 32 MiB bucket (made before the trace), the 8 MiB

@@ -17,7 +17,7 @@ fn step_history_survives_an_agent_restart() {
         "--journal-interval",
         "1h",
     ];
-    let mut first = Agent::start_with("journal-1", 1, &args, |_| {});
+    let mut first = Agent::start_args("journal-1", &args);
     wait_ok(first.sim("rank0-skew", "kept", 1, 0, 3, 4.0, &[]), "sim");
     first.wait_metrics("3 steps", Duration::from_secs(10), |m| {
         m.steps_completed("kept") == Some(3.0)
@@ -27,7 +27,7 @@ fn step_history_survives_an_agent_restart() {
     assert!(first.log().contains("journal written"), "{}", first.log());
     drop(first);
 
-    let second = Agent::start_with("journal-2", 1, &args, |_| {});
+    let second = Agent::start_args("journal-2", &args);
     assert!(
         second
             .log()
@@ -69,12 +69,7 @@ fn an_unreadable_journal_is_moved_aside_and_the_agent_starts() {
     let keep = TempDir::new("journal-bad");
     let journal = keep.0.join("journal.json");
     std::fs::write(&journal, "{ not json").unwrap();
-    let agent = Agent::start_with(
-        "journal-bad",
-        1,
-        &["--journal", journal.to_str().unwrap()],
-        |_| {},
-    );
+    let agent = Agent::start_args("journal-bad", &["--journal", journal.to_str().unwrap()]);
     assert_eq!(agent.get("/healthz").0, 200);
     assert!(
         agent.log().contains("the journal is unreadable"),
@@ -97,7 +92,7 @@ fn a_journal_not_in_utf8_or_of_another_version_is_moved_aside_not_overwritten() 
         ("journal-version", &other_version, keep.0.join("b.v7")),
     ] {
         let original = std::fs::read(path).unwrap();
-        let mut agent = Agent::start_with(tag, 1, &["--journal", path.to_str().unwrap()], |_| {});
+        let mut agent = Agent::start_args(tag, &["--journal", path.to_str().unwrap()]);
         assert!(agent.terminate().success(), "{}", agent.log());
         assert!(
             agent.log().contains("the journal is unreadable"),

@@ -51,16 +51,14 @@ fn an_agent_started_while_the_old_one_shuts_down_keeps_its_socket() {
 fn sighup_writes_the_journal_and_the_agent_keeps_running() {
     let keep = TempDir::new("sighup");
     let journal = keep.0.join("journal.json");
-    let agent = Agent::start_with(
+    let agent = Agent::start_args(
         "sighup",
-        1,
         &[
             "--journal",
             journal.to_str().unwrap(),
             "--journal-interval",
             "1h",
         ],
-        |_| {},
     );
     wait_ok(agent.sim("rank0-skew", "hup", 0, 0, 2, 4.0, &[]), "sim");
     signal(&agent, libc::SIGHUP);

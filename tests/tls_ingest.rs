@@ -54,7 +54,7 @@ impl TlsAgent {
             args.extend(["--grpc-tls-client-ca".to_owned(), path("ca.pem")]);
         }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let agent = Agent::start_with(tag, 1, &args, |_| {});
+        let agent = Agent::start_args(tag, &args);
         let grpc = agent.grpc.expect("the agent reports its gRPC address");
         TlsAgent {
             agent,

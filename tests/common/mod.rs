@@ -89,6 +89,12 @@ impl Agent {
         Self::start_full(tag, gpus, None, extra_args, prepare)
     }
 
+    /// One fake GPU, the agent started with `extra_args` (not waiting for
+    /// NVML, unlike [`Agent::start`]).
+    pub fn start_args(tag: &str, extra_args: &[&str]) -> Self {
+        Self::start_with(tag, 1, extra_args, |_| {})
+    }
+
     /// Like `start_with`, with the marker socket at a chosen path.
     pub fn start_full(
         tag: &str,
@@ -538,6 +544,13 @@ impl Metrics {
     /// Value of the first series of `name` whose labels include all of `labels`.
     pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         stepwatch::http_get::metric_value(&self.0, name, labels)
+    }
+
+    /// Value of a series the test expects: [`Metrics::get`], panicking with
+    /// the series named when there is none.
+    pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.get(name, labels)
+            .unwrap_or_else(|| panic!("no series {name} with labels {labels:?}"))
     }
 
     /// Markers and streams refused for `reason`.

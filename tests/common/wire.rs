@@ -123,6 +123,20 @@ pub fn metadata(status: &tonic::Status, key: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// Asserts what a refusal tells the client in its metadata: the reason
+/// (`stepwatch-refusal`) and whether to retry (`stepwatch-retry`: None
+/// when the client may, `never` when no retry can pass); `what` names the
+/// case.
+#[track_caller]
+pub fn assert_refusal(status: &tonic::Status, reason: &str, retry: Option<&str>, what: &str) {
+    let told = (
+        metadata(status, "stepwatch-refusal"),
+        metadata(status, "stepwatch-retry"),
+    );
+    let expected = (Some(reason.to_owned()), retry.map(str::to_owned));
+    assert_eq!(told, expected, "{what}: (refusal, retry) of {status:?}");
+}
+
 /// Sends `messages` on one stream, then half-closes; returns how it ended.
 pub async fn exchange(endpoint: &str, messages: Vec<ClientMessage>) -> Result<(), tonic::Status> {
     exchange_collect(endpoint, messages).await.map(drop)
