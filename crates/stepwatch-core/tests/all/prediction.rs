@@ -51,31 +51,87 @@ const BASE_SAMPLES: [(u64, u64); 5] = [
     (550, 8000),
 ];
 
-fn tracker(facts: ModelFacts) -> (Tracker, RankKey) {
+/// The scenarios' rank: alone on [`GPU`] as process [`PID`].
+fn the_rank() -> RankInfo {
+    RankInfo {
+        pid: PID,
+        ..kit::solo_rank("job", GPU)
+    }
+}
+
+fn tracker(model: ModelFacts) -> (Tracker, RankKey) {
     let mut t = Tracker::new(TrackerConfig::default());
-    let key = t
-        .open(
-            RankInfo {
-                job: "job".into(),
-                world_size: 1,
-                gpu_uuid: GPU.into(),
-                pid: PID,
-                model: facts,
-                ..Default::default()
-            },
-            0,
-        )
-        .unwrap();
+    let key = kit::open(
+        &mut t,
+        RankInfo {
+            model,
+            ..the_rank()
+        },
+    );
     t.set_gpu_processes(GPU, &[(PID, 7000 * M), (OTHER_PID, 300 * M)]);
     (t, key)
 }
 
+/// [`run_with`] without model facts.
+fn run(markers: &[Marker], points: &[(u64, u64)], capacity: u64) -> Prediction {
+    run_with(ModelFacts::default(), markers, points, capacity)
+}
+
 /// Runs the scenario and returns the prediction of the rank analysis.
-fn run(facts: ModelFacts, markers: &[Marker], points: &[(u64, u64)], capacity: u64) -> Prediction {
+fn run_with(
+    facts: ModelFacts,
+    markers: &[Marker],
+    points: &[(u64, u64)],
+    capacity: u64,
+) -> Prediction {
     let (mut t, key) = tracker(facts);
     t.gpu_samples(GPU, &samples(points, capacity));
     t.markers(&key, markers, 0).unwrap();
     t.rank_analysis(&key).unwrap().prediction.unwrap()
+}
+
+/// The base scenario's step 1 with `facts`, on a GPU of 10,000 M.
+fn base(facts: ModelFacts) -> Prediction {
+    run_with(facts, &base_markers(true), &BASE_SAMPLES, 10_000)
+}
+
+/// The base scenario while step 1's backward runs (its first three markers
+/// and samples), with `facts`.
+fn base_in_backward(facts: ModelFacts) -> Prediction {
+    run_with(facts, &base_markers(true)[..3], &BASE_SAMPLES[..3], 10_000)
+}
+
+/// The base scenario with nothing made across the optimizer phase, with
+/// `facts`.
+fn base_without_jump(facts: ModelFacts) -> Prediction {
+    run_with(facts, &no_jump_markers(), &BASE_SAMPLES, 10_000)
+}
+
+/// Facts that say gradients are kept between steps (zeroed, not set to
+/// None), and nothing else.
+fn keep_grads() -> ModelFacts {
+    ModelFacts {
+        grads_set_to_none: Some(false),
+        ..Default::default()
+    }
+}
+
+/// The gradients `p` counts, and where their figure came from.
+fn grads(p: &Prediction) -> (u64, GradsSource) {
+    (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source)
+}
+
+/// The optimizer state `p` counts, and where its figure came from.
+fn state(p: &Prediction) -> (u64, StateSource) {
+    (p.inputs.state.state_bytes, p.inputs.state.state_source)
+}
+
+/// The layout rule's figures of `p`, which both layouts reached.
+fn layout_snapshots(p: &Prediction) -> LayoutEstimate {
+    p.inputs
+        .layout
+        .layout_snapshots
+        .expect("both layouts arrived")
 }
 
 fn adam(params: u64) -> ModelFacts {
@@ -88,22 +144,14 @@ fn adam(params: u64) -> ModelFacts {
 
 #[test]
 fn adam_lazy_state_measured_across_the_optimizer_phase() {
-    let p = run(
-        ModelFacts::default(),
-        &base_markers(true),
-        &BASE_SAMPLES,
-        10_000,
-    );
+    let p = base(ModelFacts::default());
     let i = &p.inputs;
     assert_eq!(i.basis, PredictionBasis::Allocator);
     assert_eq!(i.peaks.first_micro_batch_peak_bytes, 6000 * M);
     assert_eq!(i.peaks.later_micro_batches_peak_bytes, None);
     assert_eq!(i.peaks.optimizer_phase_peak_bytes, Some(2200 * M));
     assert_eq!(i.state.measured_jump_bytes, Some(800 * M as i64));
-    assert_eq!(
-        (i.state.state_bytes, i.state.state_source),
-        (800 * M, StateSource::MeasuredJump)
-    );
+    assert_eq!(state(&p), (800 * M, StateSource::MeasuredJump));
     assert_eq!(i.grads.grads_source, GradsSource::NotPersistent);
     // max(6000 + 800, 2200, 6000) = 6800 allocated.
     assert_eq!(
@@ -137,20 +185,10 @@ fn adam_lazy_state_measured_across_the_optimizer_phase() {
         p.explanation
     );
 
-    let tight = run(
-        ModelFacts::default(),
-        &base_markers(true),
-        &BASE_SAMPLES,
-        9_400,
-    );
+    let tight = run(&base_markers(true), &BASE_SAMPLES, 9_400);
     assert_eq!(tight.headroom_bytes, Some(350 * M as i64));
     assert!(tight.low_headroom && !tight.oom_risk, "350 < 5% of 9400");
-    let over = run(
-        ModelFacts::default(),
-        &base_markers(true),
-        &BASE_SAMPLES,
-        8_800,
-    );
+    let over = run(&base_markers(true), &BASE_SAMPLES, 8_800);
     assert_eq!(over.headroom_bytes, Some(-(250 * M as i64)));
     assert!(over.oom_risk && over.low_headroom);
 }
@@ -159,17 +197,14 @@ fn adam_lazy_state_measured_across_the_optimizer_phase() {
 fn adam_state_from_model_facts_while_backward_runs() {
     // 100 Mi parameters × 8 bytes = 800 M of state, before the optimizer runs.
     let markers = &base_markers(true)[..3];
-    let p = run(adam(100 * M), markers, &BASE_SAMPLES[..3], 10_000);
+    let p = run_with(adam(100 * M), markers, &BASE_SAMPLES[..3], 10_000);
     let i = &p.inputs;
     assert!(p.provisional);
     assert_eq!(i.open_phase, Some(PhaseKind::Backward));
     assert!(!i.optimizer_phase_closed);
     // Forward closed at 5000; the open backward has only its start figure.
     assert_eq!(i.peaks.first_micro_batch_peak_bytes, 5000 * M);
-    assert_eq!(
-        (i.state.state_bytes, i.state.state_source),
-        (800 * M, StateSource::ModelFacts)
-    );
+    assert_eq!(state(&p), (800 * M, StateSource::ModelFacts));
     assert_eq!(i.basis_peak_bytes, 5800 * M);
     // 6250 / 5000 = 1.25 → 7250, + allowance 800 / 16 = 50 (the cache at
     // optimizer begin is not known yet: the whole state counts);
@@ -184,11 +219,21 @@ fn adam_state_from_model_facts_while_backward_runs() {
     assert_eq!(p.predicted_peak_bytes, 7800 * M);
 
     // Without facts the state is unknown until the optimizer phase ends.
-    let p = run(ModelFacts::default(), markers, &BASE_SAMPLES[..3], 10_000);
+    let p = run(markers, &BASE_SAMPLES[..3], 10_000);
     assert_eq!(p.inputs.state.state_source, StateSource::Unknown);
     // max(6250 + 500, the closed phases' NVML peak 3500).
     assert_eq!(p.inputs.predicted_reserved_bytes, Some(6250 * M));
     assert_eq!(p.predicted_peak_bytes, 6750 * M);
+}
+
+/// The base scenario's step 1 with the allocator's peak counter reading
+/// `peaks` (M) at its markers.
+fn with_peaks(peaks: [u64; 6]) -> Vec<Marker> {
+    let mut ms = base_markers(true);
+    for (m, peak) in ms.iter_mut().zip(peaks) {
+        m.allocator.as_mut().unwrap().allocated_peak_bytes = peak * M;
+    }
+    ms
 }
 
 /// A checkpoint loaded onto the GPU before step 1 left the since-start peak
@@ -196,16 +241,8 @@ fn adam_state_from_model_facts_while_backward_runs() {
 /// peaks are known only to lie between their boundary figures and 9000.
 #[test]
 fn a_high_water_mark_from_before_step_one_bounds_what_it_hides() {
-    use MarkerKind::*;
-    let markers = vec![
-        marker(StepBegin, 1, 100, 0, Some((1000, 9000, 1200))),
-        marker(ForwardBegin, 1, 200, 0, Some((1000, 9000, 1200))),
-        marker(BackwardBegin, 1, 300, 0, Some((5000, 9000, 6250))),
-        marker(OptimizerBegin, 1, 400, 0, Some((1400, 9000, 7500))),
-        marker(OptimizerEnd, 1, 500, 0, Some((2200, 9000, 7500))),
-        marker(StepEnd, 1, 600, 0, Some((2200, 9000, 7500))),
-    ];
-    let p = run(ModelFacts::default(), &markers, &BASE_SAMPLES, 10_000);
+    let markers = with_peaks([9000; 6]);
+    let p = run(&markers, &BASE_SAMPLES, 10_000);
     let i = &p.inputs;
     // The boundary figures: forward and backward at least 5000, + state 800.
     assert_eq!(i.peaks.first_micro_batch_peak_bytes, 5000 * M);
@@ -220,15 +257,8 @@ fn a_high_water_mark_from_before_step_one_bounds_what_it_hides() {
     );
     // Same figures with the counters reset at every marker: each phase's
     // own peak is pinned, 6000 in backward, and nothing is hidden.
-    let reset = vec![
-        marker(StepBegin, 1, 100, 0, Some((1000, 9000, 1200))),
-        marker(ForwardBegin, 1, 200, 0, Some((1000, 1000, 1200))),
-        marker(BackwardBegin, 1, 300, 0, Some((5000, 5000, 6250))),
-        marker(OptimizerBegin, 1, 400, 0, Some((1400, 6000, 7500))),
-        marker(OptimizerEnd, 1, 500, 0, Some((2200, 2200, 7500))),
-        marker(StepEnd, 1, 600, 0, Some((2200, 2200, 7500))),
-    ];
-    let r = run(ModelFacts::default(), &reset, &BASE_SAMPLES, 10_000);
+    let reset = with_peaks([9000, 1000, 5000, 6000, 2200, 2200]);
+    let r = run(&reset, &BASE_SAMPLES, 10_000);
     assert_eq!(r.inputs.basis_peak_bytes, 6800 * M);
     assert!(r.inputs.basis_peak_bytes <= i.basis_peak_at_most_bytes.unwrap());
 }
@@ -247,16 +277,13 @@ fn sgd_keeps_no_state() {
         optimizer: OptimizerKind::Sgd,
         ..Default::default()
     };
-    let p = run(sgd.clone(), &no_jump_markers(), &BASE_SAMPLES, 10_000);
-    assert_eq!(
-        (p.inputs.state.state_bytes, p.inputs.state.state_source),
-        (0, StateSource::Stateless)
-    );
+    let p = base_without_jump(sgd.clone());
+    assert_eq!(state(&p), (0, StateSource::Stateless));
     // max(6000, 1400, 6000) = 6000 → reserved max(7500, 7500) → + 500.
     assert_eq!(p.inputs.basis_peak_bytes, 6000 * M);
     assert_eq!(p.predicted_peak_bytes, 8000 * M);
     // Before the optimizer phase: the facts already say stateless.
-    let early = run(sgd, &base_markers(true)[..3], &BASE_SAMPLES[..3], 10_000);
+    let early = base_in_backward(sgd);
     assert_eq!(early.inputs.state.state_source, StateSource::Stateless);
     assert_eq!(early.inputs.state.state_bytes, 0);
 }
@@ -268,35 +295,19 @@ fn pre_created_state_declared_or_detected() {
         ..adam(100 * M)
     };
     // Declared: no state even before the optimizer phase.
-    let p = run(
-        declared,
-        &base_markers(true)[..3],
-        &BASE_SAMPLES[..3],
-        10_000,
-    );
-    assert_eq!(
-        (p.inputs.state.state_bytes, p.inputs.state.state_source),
-        (0, StateSource::DeclaredPrecreated)
-    );
+    let p = base_in_backward(declared);
+    assert_eq!(state(&p), (0, StateSource::DeclaredPrecreated));
     // max(6250 + 500, the closed phases' NVML peak 3500).
     assert_eq!(p.predicted_peak_bytes, 6750 * M);
 
     // Detected: Adam, but nothing appeared across the optimizer phase.
-    let p = run(adam(100 * M), &no_jump_markers(), &BASE_SAMPLES, 10_000);
+    let p = base_without_jump(adam(100 * M));
     assert_eq!(p.inputs.state.measured_jump_bytes, Some(0));
-    assert_eq!(
-        (p.inputs.state.state_bytes, p.inputs.state.state_source),
-        (0, StateSource::DetectedPrecreated)
-    );
+    assert_eq!(state(&p), (0, StateSource::DetectedPrecreated));
     assert_eq!(p.predicted_peak_bytes, 8000 * M);
 
     // No facts: stateless and pre-created look alike; 0 either way.
-    let p = run(
-        ModelFacts::default(),
-        &no_jump_markers(),
-        &BASE_SAMPLES,
-        10_000,
-    );
+    let p = base_without_jump(ModelFacts::default());
     assert_eq!(p.inputs.state.state_source, StateSource::NoJump);
 }
 
@@ -307,18 +318,13 @@ fn sharded_state_from_facts_and_inferred_from_the_jump() {
         sharding_factor: Some(4),
         ..adam(400 * M)
     };
-    let early = run(
-        facts.clone(),
-        &base_markers(true)[..3],
-        &BASE_SAMPLES[..3],
-        10_000,
-    );
+    let early = base_in_backward(facts.clone());
     assert_eq!(early.inputs.state.facts_state_bytes, Some(800 * M));
     assert_eq!(early.inputs.state.sharding_factor, 4);
     assert_eq!(early.predicted_peak_bytes, 7800 * M);
 
     // Unsharded facts, but the measured jump is a quarter of the facts state.
-    let p = run(adam(400 * M), &base_markers(true), &BASE_SAMPLES, 10_000);
+    let p = base(adam(400 * M));
     assert_eq!(p.inputs.state.state_source, StateSource::MeasuredJump);
     assert_eq!(p.inputs.state.inferred_sharding_factor, Some(4));
     assert_eq!(p.predicted_peak_bytes, 9050 * M);
@@ -326,16 +332,10 @@ fn sharded_state_from_facts_and_inferred_from_the_jump() {
 
 #[test]
 fn persistent_grads_are_added_unless_set_to_none() {
-    let keep = ModelFacts {
-        grads_set_to_none: Some(false),
-        ..Default::default()
-    };
-    let p = run(keep, &base_markers(true), &BASE_SAMPLES, 10_000);
+    let keep = keep_grads();
+    let p = base(keep);
     // grads = allocated after the first backward 1400 − before the first forward 1000.
-    assert_eq!(
-        (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source),
-        (400 * M, GradsSource::Measured)
-    );
+    assert_eq!(grads(&p), (400 * M, GradsSource::Measured));
     // max(6000 + 800 + 400, …) = 7200 → × 1.25 = 9000 → + 50 → + 500.
     assert_eq!(p.inputs.basis_peak_bytes, 7200 * M);
     assert_eq!(p.predicted_peak_bytes, 9550 * M);
@@ -344,40 +344,33 @@ fn persistent_grads_are_added_unless_set_to_none() {
         grads_set_to_none: Some(true),
         ..Default::default()
     };
-    let p = run(none, &base_markers(true), &BASE_SAMPLES, 10_000);
-    assert_eq!(
-        (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source),
-        (0, GradsSource::NotPersistent)
-    );
+    let p = base(none);
+    assert_eq!(grads(&p), (0, GradsSource::NotPersistent));
     assert_eq!(p.predicted_peak_bytes, 9050 * M);
 }
 
-/// Two micro-batches; the second forward/backward runs with the gradients of
-/// the first already allocated (400).
+/// Two micro-batches, the first as in the base scenario; the second
+/// forward/backward runs with the gradients of the first already allocated
+/// (400).
 fn accumulation_markers() -> Vec<Marker> {
     use MarkerKind::*;
-    vec![
-        marker(StepBegin, 1, 100, 0, Some((1000, 1000, 1200))),
-        marker(ForwardBegin, 1, 200, 0, Some((1000, 1000, 1200))),
-        marker(BackwardBegin, 1, 300, 0, Some((5000, 5000, 6250))),
+    let mut ms = base_markers(true);
+    ms.truncate(3);
+    ms.extend([
         marker(ForwardBegin, 1, 400, 1, Some((1400, 6000, 7500))),
         marker(BackwardBegin, 1, 500, 1, Some((5400, 6000, 7500))),
         marker(OptimizerBegin, 1, 600, 0, Some((1400, 6400, 8000))),
         marker(OptimizerEnd, 1, 700, 0, Some((2200, 6400, 8000))),
         marker(StepEnd, 1, 800, 0, Some((2200, 6400, 8000))),
-    ]
+    ]);
+    ms
 }
 
 const ACC_SAMPLES: [(u64, u64); 4] = [(150, 1700), (350, 7000), (550, 8500), (750, 8500)];
 
 #[test]
 fn accumulation_adds_grads_only_to_the_first_micro_batch() {
-    let p = run(
-        ModelFacts::default(),
-        &accumulation_markers(),
-        &ACC_SAMPLES,
-        12_000,
-    );
+    let p = run(&accumulation_markers(), &ACC_SAMPLES, 12_000);
     let i = &p.inputs;
     assert_eq!(i.peaks.first_micro_batch_peak_bytes, 6000 * M);
     // Forward 1: max(1400, 5400), high-water mark unmoved; backward 1: 6400.
@@ -395,11 +388,8 @@ fn accumulation_adds_grads_only_to_the_first_micro_batch() {
         "two forward phases"
     );
 
-    let keep = ModelFacts {
-        grads_set_to_none: Some(false),
-        ..Default::default()
-    };
-    let p = run(keep, &accumulation_markers(), &ACC_SAMPLES, 12_000);
+    let keep = keep_grads();
+    let p = run_with(keep, &accumulation_markers(), &ACC_SAMPLES, 12_000);
     // First: 6000 + 800 + 400 = 7200; later micro-batches already hold their
     // grads: 6400 + 800 = 7200, not 6400 + 800 + 400.
     assert_eq!(p.inputs.basis_peak_bytes, 7200 * M);
@@ -426,12 +416,7 @@ const NVML_SAMPLES: [(u64, u64); 8] = [
 
 #[test]
 fn nvml_only_uses_the_level_jump_across_the_optimizer() {
-    let p = run(
-        ModelFacts::default(),
-        &base_markers(false),
-        &NVML_SAMPLES,
-        8_000,
-    );
+    let p = run(&base_markers(false), &NVML_SAMPLES, 8_000);
     let i = &p.inputs;
     assert_eq!(i.basis, PredictionBasis::NvmlOnly);
     assert_eq!(i.peaks.first_micro_batch_peak_bytes, 7100 * M);
@@ -448,25 +433,18 @@ fn nvml_only_uses_the_level_jump_across_the_optimizer() {
 
     // Facts say Adam with 1000 M of state: the 600 M jump was partly served
     // from the cache, so the facts win.
-    let p = run(adam(125 * M), &base_markers(false), &NVML_SAMPLES, 8_000);
-    assert_eq!(
-        (p.inputs.state.state_bytes, p.inputs.state.state_source),
-        (1000 * M, StateSource::ModelFacts)
-    );
+    let p = run_with(adam(125 * M), &base_markers(false), &NVML_SAMPLES, 8_000);
+    assert_eq!(state(&p), (1000 * M, StateSource::ModelFacts));
     assert_eq!(p.predicted_peak_bytes, 8100 * M);
     assert!(p.oom_risk);
 
     // Persistent grads from parameter_bytes.
     let keep = ModelFacts {
         parameter_bytes: Some(200 * M),
-        grads_set_to_none: Some(false),
-        ..Default::default()
+        ..keep_grads()
     };
-    let p = run(keep, &base_markers(false), &NVML_SAMPLES, 8_000);
-    assert_eq!(
-        (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source),
-        (200 * M, GradsSource::ModelFacts)
-    );
+    let p = run_with(keep, &base_markers(false), &NVML_SAMPLES, 8_000);
+    assert_eq!(grads(&p), (200 * M, GradsSource::ModelFacts));
     assert_eq!(p.predicted_peak_bytes, 7900 * M);
 }
 
@@ -635,20 +613,7 @@ fn job_divergence_names_the_outlier_rank() {
     let peaks = [7000, 7000, 9100];
     for (rank, &peak) in peaks.iter().enumerate() {
         let gpu = format!("GPU-{rank}");
-        let key = t
-            .open(
-                RankInfo {
-                    job: "job".into(),
-                    rank: rank as u32,
-                    local_rank: rank as u32,
-                    world_size: 3,
-                    gpu_uuid: gpu.clone(),
-                    pid: 10 + rank as u32,
-                    ..Default::default()
-                },
-                0,
-            )
-            .unwrap();
+        let key = kit::open(&mut t, kit::rank_of("job", rank as u32, 3));
         let mut ms = base_markers(false);
         // Rank 1's step takes 660 ns, the others 500.
         if rank == 1 {
@@ -701,7 +666,7 @@ fn layout_allowance_covers_only_lazily_created_state_from_the_cache() {
     // 800 of state can have landed in it; the rest got segments of its own.
     let mut ms = base_markers(true);
     ms[3].allocator = stats(Some((1400, 6000, 1700)));
-    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
+    let p = run(&ms, &BASE_SAMPLES, 10_000);
     let i = &p.inputs;
     assert_eq!(i.reserved.cache_at_optimizer_begin_bytes, Some(300 * M));
     assert_eq!(i.reserved.state_from_cache_bytes, 300 * M);
@@ -714,7 +679,7 @@ fn layout_allowance_covers_only_lazily_created_state_from_the_cache() {
     );
 
     // Pre-created or absent state strands nothing.
-    let p = run(adam(100 * M), &no_jump_markers(), &BASE_SAMPLES, 10_000);
+    let p = base_without_jump(adam(100 * M));
     assert_eq!(p.inputs.state.state_source, StateSource::DetectedPrecreated);
     assert_eq!(
         (
@@ -740,12 +705,7 @@ fn layout_allowance_covers_only_lazily_created_state_from_the_cache() {
     assert_eq!(p.predicted_peak_bytes, 9000 * M);
 
     // NVML only: no cache figure, no allowance.
-    let p = run(
-        ModelFacts::default(),
-        &base_markers(false),
-        &BASE_SAMPLES,
-        10_000,
-    );
+    let p = run(&base_markers(false), &BASE_SAMPLES, 10_000);
     assert_eq!(p.inputs.basis, PredictionBasis::NvmlOnly);
     assert_eq!(p.inputs.layout.layout_allowance_bytes, 0);
 }
@@ -758,7 +718,7 @@ fn overhead_comes_from_the_tightest_bounds_not_a_late_first_sample() {
     // its start and 6250 at its end.
     let markers = &base_markers(true)[..3];
     let points = [(90, 1700), (290, 6700)];
-    let p = run(adam(100 * M), markers, &points, 10_000);
+    let p = run_with(adam(100 * M), markers, &points, 10_000);
     // Bounds: lower max(1700 − 1200, 6700 − 6250) = 500; upper 6700 − 1200.
     assert_eq!(
         p.inputs.overhead.overhead_bytes,
@@ -768,7 +728,7 @@ fn overhead_comes_from_the_tightest_bounds_not_a_late_first_sample() {
     );
 
     // Without the sample before the step, the forward's own lower bound.
-    let p = run(adam(100 * M), markers, &points[1..], 10_000);
+    let p = run_with(adam(100 * M), markers, &points[1..], 10_000);
     assert_eq!(
         p.inputs.overhead.overhead_bytes,
         Some(450 * M),
@@ -816,7 +776,7 @@ fn big_adam(implementation: OptimizerImplementation) -> ModelFacts {
 
 #[test]
 fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
-    let p = run(
+    let p = run_with(
         big_adam(OptimizerImplementation::Foreach),
         &big_model_markers(),
         &BIG_MODEL_SAMPLES,
@@ -824,10 +784,7 @@ fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
     );
     let i = &p.inputs;
     assert_eq!(i.open_phase, Some(PhaseKind::Optimizer));
-    assert_eq!(
-        (i.state.state_bytes, i.state.state_source),
-        (8000 * M, StateSource::ModelFacts)
-    );
+    assert_eq!(state(&p), (8000 * M, StateSource::ModelFacts));
     assert_eq!(i.optimizer_temporaries_bytes, 4000 * M);
     // Allocated at the optimizer's begin 8000 + state 8000 + temporaries 4000.
     assert_eq!(i.optimizer_phase_estimate_bytes, Some(20_000 * M));
@@ -845,7 +802,7 @@ fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
     assert!(p.oom_risk);
 
     // Unreported implementation: PyTorch's default on CUDA, foreach.
-    let p = run(
+    let p = run_with(
         big_adam(OptimizerImplementation::Unknown),
         &big_model_markers(),
         &BIG_MODEL_SAMPLES,
@@ -855,7 +812,7 @@ fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
 
     // Fused Adam holds no temporaries: 8000 + 8000 = 16000 < 17600, the
     // first micro-batch binds: 17600 + 100 + 500 = 18200, it fits.
-    let p = run(
+    let p = run_with(
         big_adam(OptimizerImplementation::Fused),
         &big_model_markers(),
         &BIG_MODEL_SAMPLES,
@@ -870,7 +827,7 @@ fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
     // Before the optimizer begins, its begin is estimated as allocated at
     // the first forward + the gradients (parameter bytes): 4000 + 4000 +
     // 8000 + 4000 = 20000 again.
-    let p = run(
+    let p = run_with(
         big_adam(OptimizerImplementation::Foreach),
         &big_model_markers()[..3],
         &BIG_MODEL_SAMPLES[..2],
@@ -891,7 +848,7 @@ fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
     ));
     let mut points = BIG_MODEL_SAMPLES.to_vec();
     points.push((450, 20_500));
-    let p = run(
+    let p = run_with(
         big_adam(OptimizerImplementation::Foreach),
         &markers,
         &points,
@@ -908,14 +865,13 @@ fn foreach_adams_temporaries_count_in_the_estimate_from_model_facts() {
 /// backward has closed. Fused Adam (no temporaries), 100 Mi parameters:
 /// state 800 M from facts.
 fn cache_reuse_markers() -> Vec<Marker> {
-    use MarkerKind::*;
-    vec![
-        marker(StepBegin, 1, 100, 0, Some((1000, 1000, 1200))),
-        marker(ForwardBegin, 1, 200, 0, Some((1000, 1000, 1200))),
-        marker(BackwardBegin, 1, 300, 0, Some((5000, 5000, 6250))),
-        marker(OptimizerBegin, 1, 400, 0, Some((1400, 6000, 6250))),
-        marker(OptimizerEnd, 1, 500, 0, Some((2200, 6000, 6250))),
-    ]
+    let mut ms = base_markers(true);
+    ms.truncate(5);
+    for m in &mut ms[3..] {
+        let a = m.allocator.as_mut().unwrap();
+        (a.reserved_bytes, a.reserved_peak_bytes) = (6250 * M, 6250 * M);
+    }
+    ms
 }
 
 #[test]
@@ -984,35 +940,21 @@ fn a_step2_oom_warning_is_withdrawn_only_on_a_measurement() {
     assert_eq!(p.warning_revision, None);
 }
 
-/// NVML only, and the level does not move across the optimizer phase: the
-/// caching allocator served the state from blocks backward freed.
-const NVML_FLAT_SAMPLES: [(u64, u64); 8] = [
-    (150, 2000),
-    (250, 5000),
-    (350, 7100),
-    (390, 7000),
-    (450, 7000),
-    (490, 7000),
-    (550, 7000),
-    (590, 7000),
-];
+/// NVML only, and the level does not move across the optimizer phase
+/// (from 400): the caching allocator served the state from blocks
+/// backward freed.
+fn nvml_flat_samples() -> [(u64, u64); 8] {
+    NVML_SAMPLES.map(|(t, used)| (t, if t > 400 { 7000 } else { used }))
+}
 
 #[test]
 fn nvml_only_says_it_cannot_see_cache_reuse_and_sizes_state_from_the_optimizer_kind() {
     // No facts: no jump proves nothing; state 0, but not as a measurement.
-    let p = run(
-        ModelFacts::default(),
-        &base_markers(false),
-        &NVML_FLAT_SAMPLES,
-        8_000,
-    );
+    let p = run(&base_markers(false), &nvml_flat_samples(), 8_000);
     let i = &p.inputs;
     assert_eq!(i.basis, PredictionBasis::NvmlOnly);
     assert_eq!(i.state.measured_jump_bytes, Some(0));
-    assert_eq!(
-        (i.state.state_bytes, i.state.state_source),
-        (0, StateSource::UnseenOnNvml)
-    );
+    assert_eq!(state(&p), (0, StateSource::UnseenOnNvml));
     assert_eq!(
         i.basis_limits,
         vec![
@@ -1030,12 +972,9 @@ fn nvml_only_says_it_cannot_see_cache_reuse_and_sizes_state_from_the_optimizer_k
         optimizer: OptimizerKind::Adam,
         ..Default::default()
     };
-    let p = run(facts, &base_markers(false), &NVML_FLAT_SAMPLES, 8_000);
+    let p = run_with(facts, &base_markers(false), &nvml_flat_samples(), 8_000);
     let i = &p.inputs;
-    assert_eq!(
-        (i.state.state_bytes, i.state.state_source),
-        (1000 * M, StateSource::ModelFacts)
-    );
+    assert_eq!(state(&p), (1000 * M, StateSource::ModelFacts));
     assert_eq!(
         i.basis_limits,
         vec![BasisLimit::NvmlOnlyCannotSeeCacheReuse]
@@ -1048,7 +987,7 @@ fn nvml_only_says_it_cannot_see_cache_reuse_and_sizes_state_from_the_optimizer_k
         optimizer: OptimizerKind::Sgd,
         ..Default::default()
     };
-    let p = run(sgd, &base_markers(false), &NVML_FLAT_SAMPLES, 8_000);
+    let p = run_with(sgd, &base_markers(false), &nvml_flat_samples(), 8_000);
     assert_eq!(p.inputs.state.state_source, StateSource::Stateless);
     assert_eq!(
         p.inputs.basis_limits,
@@ -1058,23 +997,13 @@ fn nvml_only_says_it_cannot_see_cache_reuse_and_sizes_state_from_the_optimizer_k
     // The allocator basis sees what the cache hands out, but not which
     // cached blocks the lazily made state split (the layout allowance
     // guesses at it).
-    let p = run(
-        ModelFacts::default(),
-        &base_markers(true),
-        &BASE_SAMPLES,
-        10_000,
-    );
+    let p = base(ModelFacts::default());
     assert_eq!(
         p.inputs.basis_limits,
         vec![BasisLimit::AllocatorFiguresCannotSeeLayout]
     );
     // No state made in step 1: nothing to guess.
-    let p = run(
-        ModelFacts::default(),
-        &no_jump_markers(),
-        &BASE_SAMPLES,
-        10_000,
-    );
+    let p = base_without_jump(ModelFacts::default());
     assert!(p.inputs.basis_limits.is_empty(), "{:?}", p.inputs);
 }
 
@@ -1118,19 +1047,14 @@ fn gradients_freed_before_backward_are_alive_in_step_2s_forward() {
     );
     let run_as = |framework: &str| {
         let mut t = Tracker::new(TrackerConfig::default());
-        let key = t
-            .open(
-                RankInfo {
-                    job: "job".into(),
-                    world_size: 1,
-                    gpu_uuid: GPU.into(),
-                    pid: PID,
-                    framework: framework.into(),
-                    ..Default::default()
-                },
-                0,
-            )
-            .unwrap();
+        let framework = framework.into();
+        let key = kit::open(
+            &mut t,
+            RankInfo {
+                framework,
+                ..the_rank()
+            },
+        );
         t.gpu_samples(GPU, &samples(&BASE_SAMPLES, 10_000));
         t.markers(&key, &markers, 0).unwrap();
         t.rank_analysis(&key).unwrap().prediction.unwrap()
@@ -1177,7 +1101,7 @@ fn the_optimizer_estimate_takes_its_new_tensors_at_their_own_size() {
         optimizer_implementation: OptimizerImplementation::Foreach,
         ..Default::default()
     };
-    let p = run(facts, &markers, &[(150, 3500)], 20_000);
+    let p = run_with(facts, &markers, &[(150, 3500)], 20_000);
     let i = &p.inputs;
     // State 250 M × 8 = 2000, temporaries half of it = 1000; the estimate:
     // allocated at the first forward 1000 + gradients 1000 + 2000 + 1000.
@@ -1216,17 +1140,13 @@ fn facts_learnt_after_the_hello_revise_the_prediction_until_step_2() {
 
     // A bad update is refused whole and changes nothing.
     let bad = ModelFacts {
-        grads_set_to_none: Some(false),
         sharding_factor: Some(0),
-        ..Default::default()
+        ..keep_grads()
     };
     assert!(t.update_model_facts(&key, &bad, 650).is_err());
     assert_eq!(t.rank(&key).unwrap().info.model.grads_set_to_none, None);
 
-    let keep = ModelFacts {
-        grads_set_to_none: Some(false),
-        ..Default::default()
-    };
+    let keep = keep_grads();
     let due = t.update_model_facts(&key, &keep, 650).unwrap().unwrap();
     assert_eq!(
         due.iter().map(|a| a.kind).collect::<Vec<_>>(),
@@ -1266,29 +1186,21 @@ fn kept_gradients_are_no_larger_than_the_parameters() {
     // logits), which step 2 rebinds. max(6000 + 800 + 300, …) = 7100 →
     // × 1.25 = 8875 → + 50 → + 500.
     let keep = ModelFacts {
-        grads_set_to_none: Some(false),
         parameter_bytes: Some(300 * M),
-        ..Default::default()
+        ..keep_grads()
     };
-    let p = run(keep, &base_markers(true), &BASE_SAMPLES, 10_000);
-    assert_eq!(
-        (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source),
-        (300 * M, GradsSource::ModelFacts)
-    );
+    let p = base(keep);
+    assert_eq!(grads(&p), (300 * M, GradsSource::ModelFacts));
     assert_eq!(p.inputs.basis_peak_bytes, 7100 * M);
     assert_eq!(p.predicted_peak_bytes, 9425 * M);
 
     // Parameters larger than the measurement leave it alone.
     let keep = ModelFacts {
-        grads_set_to_none: Some(false),
         parameter_bytes: Some(500 * M),
-        ..Default::default()
+        ..keep_grads()
     };
-    let p = run(keep, &base_markers(true), &BASE_SAMPLES, 10_000);
-    assert_eq!(
-        (p.inputs.grads.grad_bytes, p.inputs.grads.grads_source),
-        (400 * M, GradsSource::Measured)
-    );
+    let p = base(keep);
+    assert_eq!(grads(&p), (400 * M, GradsSource::Measured));
 }
 
 /// A large-pool segment at `address` (in M) with blocks (size in M, allocated).
@@ -1340,16 +1252,11 @@ fn segment_layouts_replace_the_guessed_layout_allowance() {
     // `layout_allowance_covers_only_lazily_created_state_from_the_cache`);
     // + 500 overhead. Without layouts the allowance was 800 / 16 = 50 and
     // the device peak 9050.
-    let p = run(
-        ModelFacts::default(),
-        &markers_with_layouts(2100),
-        &BASE_SAMPLES,
-        10_000,
-    );
+    let p = run(&markers_with_layouts(2100), &BASE_SAMPLES, 10_000);
     let i = &p.inputs;
     assert_eq!(i.basis, PredictionBasis::Allocator);
     assert_eq!(i.layout.layout_allowance_bytes, 2100 * M);
-    let l = i.layout.layout_snapshots.expect("both layouts arrived");
+    let l = layout_snapshots(&p);
     assert_eq!(l.new_segment_bytes, 2100 * M);
     assert_eq!(l.cached_at_begin_bytes, 6100 * M);
     assert_eq!(l.blocks_needing_new_segments, 1);
@@ -1373,12 +1280,7 @@ fn segment_layouts_replace_the_guessed_layout_allowance() {
     // Had the state split the 4000 block instead, its 3200 rest would take
     // the 2100 request and only 4000 would be new: which block, not how
     // much state, decides.
-    let p = run(
-        ModelFacts::default(),
-        &markers_with_layouts(4000),
-        &BASE_SAMPLES,
-        10_000,
-    );
+    let p = run(&markers_with_layouts(4000), &BASE_SAMPLES, 10_000);
     assert_eq!(p.inputs.layout.layout_allowance_bytes, 4000 * M);
     assert_eq!(p.predicted_peak_bytes, (7500 + 4000 + 500) * M);
 
@@ -1387,7 +1289,7 @@ fn segment_layouts_replace_the_guessed_layout_allowance() {
     let mut ms = markers_with_layouts(2100);
     ms[4].layout_segments = ms[3].layout_segments.clone();
     ms[4].layout_segments.push(seg(30_000, &[(800, true)]));
-    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
+    let p = run(&ms, &BASE_SAMPLES, 10_000);
     assert_eq!(p.inputs.layout.layout_allowance_bytes, 0);
     assert_eq!(p.predicted_peak_bytes, 9000 * M);
 }
@@ -1411,11 +1313,7 @@ fn layout_new_segments_stop_at_the_reserved_limit_known_before_the_optimizer_end
     t.markers(&key, &ms[..4], 0).unwrap();
     t.markers(&key, &ms[4..], 0).unwrap();
     let p = t.rank_analysis(&key).unwrap().prediction.unwrap();
-    let l = p
-        .inputs
-        .layout
-        .layout_snapshots
-        .expect("both layouts arrived");
+    let l = layout_snapshots(&p);
     assert_eq!(l.new_segment_bytes, 2000 * M);
     assert!(l.capped_at_reserved_limit);
     assert_eq!(p.inputs.predicted_reserved_bytes, Some(9500 * M));
@@ -1435,14 +1333,8 @@ fn layout_new_segments_stop_at_the_reserved_limit_known_before_the_optimizer_end
         advised[0].message
     );
     // One batch: the limit is not known when the end layout arrives.
-    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
-    assert!(
-        !p.inputs
-            .layout
-            .layout_snapshots
-            .unwrap()
-            .capped_at_reserved_limit
-    );
+    let p = run(&ms, &BASE_SAMPLES, 10_000);
+    assert!(!layout_snapshots(&p).capped_at_reserved_limit);
     assert!(p.oom_risk, "{}", p.explanation);
 }
 
@@ -1467,12 +1359,8 @@ fn layouts_with_the_gradients_on_a_side_stream_cascade_to_the_largest_request() 
         parameter_bytes: Some(400 * M),
         ..Default::default()
     };
-    let p = run(facts, &ms, &BASE_SAMPLES, 20_000);
-    let l = p
-        .inputs
-        .layout
-        .layout_snapshots
-        .expect("both layouts arrived");
+    let p = run_with(facts, &ms, &BASE_SAMPLES, 20_000);
+    let l = layout_snapshots(&p);
     assert_eq!(l.new_segment_bytes, 4000 * M);
     assert_eq!(l.blocks_needing_new_segments, 1);
     assert_eq!(p.predicted_peak_bytes, 12_000 * M, "{}", p.explanation);
@@ -1482,7 +1370,7 @@ fn layouts_with_the_gradients_on_a_side_stream_cascade_to_the_largest_request() 
         parameter_bytes: Some(500 * M),
         ..Default::default()
     };
-    let p = run(facts, &ms, &BASE_SAMPLES, 20_000);
+    let p = run_with(facts, &ms, &BASE_SAMPLES, 20_000);
     assert_eq!(p.inputs.layout.layout_allowance_bytes, 2100 * M);
 }
 
@@ -1509,22 +1397,14 @@ fn flagged_gradients_are_freed_and_requests_stay_within_step_1s_peak_plus_state(
         ms[3].allocator.as_mut().unwrap().allocated_peak_bytes = begin_peak * M;
         ms
     };
-    let p = run(ModelFacts::default(), &flagged(6000), &BASE_SAMPLES, 20_000);
-    let l = p
-        .inputs
-        .layout
-        .layout_snapshots
-        .expect("both layouts arrived");
+    let p = run(&flagged(6000), &BASE_SAMPLES, 20_000);
+    let l = layout_snapshots(&p);
     assert_eq!(l.new_segment_bytes, 0);
     assert_eq!(l.cached_at_begin_bytes, 6100 * M);
     // Had step 1 held 8000 at once, both fit under 8800: the 4000 request
     // finds its block split, one new 4000 segment.
-    let p = run(ModelFacts::default(), &flagged(8000), &BASE_SAMPLES, 20_000);
-    let l = p
-        .inputs
-        .layout
-        .layout_snapshots
-        .expect("both layouts arrived");
+    let p = run(&flagged(8000), &BASE_SAMPLES, 20_000);
+    let l = layout_snapshots(&p);
     assert_eq!(l.new_segment_bytes, 4000 * M);
     assert_eq!(l.blocks_needing_new_segments, 1);
 }
@@ -1535,7 +1415,7 @@ fn layouts_count_only_on_step_1s_optimizer_begin_and_end() {
     // The end without the begin: nothing to compare, the guess stands.
     let mut ms = markers_with_layouts(2100);
     ms[3].layout_segments.clear();
-    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
+    let p = run(&ms, &BASE_SAMPLES, 10_000);
     assert_eq!(p.inputs.layout.layout_snapshots, None);
     assert_eq!(p.predicted_peak_bytes, guessed);
     assert!(p
@@ -1546,7 +1426,7 @@ fn layouts_count_only_on_step_1s_optimizer_begin_and_end() {
     // On other markers they are ignored.
     let mut ms = markers_with_layouts(2100);
     ms[2].layout_segments = std::mem::take(&mut ms[3].layout_segments);
-    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
+    let p = run(&ms, &BASE_SAMPLES, 10_000);
     assert_eq!(
         (p.inputs.layout.layout_snapshots, p.predicted_peak_bytes),
         (None, guessed)
@@ -1555,7 +1435,7 @@ fn layouts_count_only_on_step_1s_optimizer_begin_and_end() {
     // A layout the model cannot take (overlapping segments): ignored.
     let mut ms = markers_with_layouts(2100);
     ms[4].layout_segments.push(seg(10_001, &[(10, true)]));
-    let p = run(ModelFacts::default(), &ms, &BASE_SAMPLES, 10_000);
+    let p = run(&ms, &BASE_SAMPLES, 10_000);
     assert_eq!(
         (p.inputs.layout.layout_snapshots, p.predicted_peak_bytes),
         (None, guessed)
@@ -1563,7 +1443,7 @@ fn layouts_count_only_on_step_1s_optimizer_begin_and_end() {
 
     // Before step 1's optimizer phase closes the begin alone changes nothing.
     let ms = markers_with_layouts(2100);
-    let p = run(ModelFacts::default(), &ms[..4], &BASE_SAMPLES, 10_000);
+    let p = run(&ms[..4], &BASE_SAMPLES, 10_000);
     assert_eq!(p.inputs.layout.layout_snapshots, None);
 }
 
@@ -1644,11 +1524,11 @@ fn layouts_are_set_aside_under_gradient_accumulation_and_ddps_bucket_rebuild() {
     let mut ms = accumulation_markers();
     ms[5].layout_segments = layouts[3].layout_segments.clone();
     ms[6].layout_segments = layouts[4].layout_segments.clone();
-    let with = run(ModelFacts::default(), &ms, &ACC_SAMPLES, 10_000);
+    let with = run(&ms, &ACC_SAMPLES, 10_000);
     for m in &mut ms {
         m.layout_segments.clear();
     }
-    let without = run(ModelFacts::default(), &ms, &ACC_SAMPLES, 10_000);
+    let without = run(&ms, &ACC_SAMPLES, 10_000);
     assert_eq!(
         with.inputs.layout.layout_snapshots_set_aside,
         Some(LayoutSetAside::GradientAccumulation)
@@ -1674,7 +1554,7 @@ fn layouts_are_set_aside_under_gradient_accumulation_and_ddps_bucket_rebuild() {
         }),
         ..Default::default()
     };
-    let p = run(ddp, &layouts, &BASE_SAMPLES, 10_000);
+    let p = run_with(ddp, &layouts, &BASE_SAMPLES, 10_000);
     assert_eq!(
         p.inputs.layout.layout_snapshots_set_aside,
         Some(LayoutSetAside::DdpBucketRebuild)
@@ -1726,12 +1606,7 @@ fn precreated_markers(device: bool) -> Vec<Marker> {
 
 #[test]
 fn the_client_device_memory_pins_the_overhead_an_nvml_sample_missed() {
-    let nvml = run(
-        ModelFacts::default(),
-        &precreated_markers(false),
-        &[(250, 6562)],
-        10_000,
-    );
+    let nvml = run(&precreated_markers(false), &[(250, 6562)], 10_000);
     let i = &nvml.inputs;
     assert_eq!(i.predicted_reserved_bytes, Some(7500 * M));
     assert_eq!(
@@ -1749,12 +1624,7 @@ fn the_client_device_memory_pins_the_overhead_an_nvml_sample_missed() {
     // 7500 + 312: the context is lost.
     assert_eq!(nvml.predicted_peak_bytes, 7812 * M);
 
-    let p = run(
-        ModelFacts::default(),
-        &precreated_markers(true),
-        &[(250, 6562)],
-        10_000,
-    );
+    let p = run(&precreated_markers(true), &[(250, 6562)], 10_000);
     let i = &p.inputs;
     assert_eq!(
         i.overhead.overhead_source,
@@ -1817,7 +1687,7 @@ fn the_overhead_is_the_highest_at_any_marker_the_step_end_included() {
         let d = m.device_memory.as_mut().unwrap();
         d.free_bytes -= 200 * M;
     }
-    let p = run(ModelFacts::default(), &markers, &[], 10_000);
+    let p = run(&markers, &[], 10_000);
     assert_eq!(
         p.inputs.overhead.overhead_bytes,
         Some(1012 * M),
@@ -1830,7 +1700,7 @@ fn the_overhead_is_the_highest_at_any_marker_the_step_end_included() {
     // against the last phase's closing reserved bytes (7500).
     let mut markers = precreated_markers(true);
     markers[5].device_memory.as_mut().unwrap().free_bytes -= 200 * M;
-    let p = run(ModelFacts::default(), &markers, &[], 10_000);
+    let p = run(&markers, &[], 10_000);
     assert_eq!(p.inputs.overhead.overhead_bytes, Some(1012 * M));
 
     // Markers without allocator figures give no reading: the overhead is
@@ -1842,7 +1712,7 @@ fn the_overhead_is_the_highest_at_any_marker_the_step_end_included() {
     for m in &mut markers[3..] {
         m.allocator = None;
     }
-    let p = run(ModelFacts::default(), &markers, &[], 10_000);
+    let p = run(&markers, &[], 10_000);
     assert_eq!(
         p.inputs.overhead.overhead_source,
         Some(OverheadSource::Assumed)
