@@ -48,6 +48,27 @@ impl Recorder {
         id
     }
 
+    /// Backward begins, freeing forward's `activations`, the newest first.
+    fn backward_freeing<const N: usize>(&mut self, activations: [allocator::AllocId; N]) {
+        self.phase = PhaseKind::Backward;
+        for id in activations.into_iter().rev() {
+            self.free(id);
+        }
+    }
+
+    /// The optimizer phase makes `state` bytes of state; step 1's trace.
+    fn optimizer_then_trace(&mut self, state: u64) -> AllocatorTrace {
+        self.phase = PhaseKind::Optimizer;
+        self.malloc(state);
+        self.trace()
+    }
+
+    /// Allocates `bytes` and frees them at once: a temporary.
+    fn temporary(&mut self, bytes: u64) {
+        let id = self.malloc(bytes);
+        self.free(id);
+    }
+
     fn free(&mut self, id: allocator::AllocId) {
         self.events.push(AllocatorEvent {
             action: AllocatorAction::Free,
@@ -90,13 +111,10 @@ impl Recorder {
 /// Weights, then step 1: two 40 MiB activations, backward frees them and
 /// makes `grad` bytes of gradients, the optimizer makes `state` bytes.
 fn step_one(grad: u64, state: u64) -> (Recorder, u64) {
-    let mut r = with_weights();
-    r.phase = PhaseKind::Forward;
+    let mut r = in_forward_after_weights();
     let a = r.malloc(40 * MIB);
     let b = r.malloc(40 * MIB);
-    r.phase = PhaseKind::Backward;
-    r.free(b);
-    r.free(a);
+    r.backward_freeing([a, b]);
     if grad > 0 {
         r.malloc(grad);
     }
@@ -132,18 +150,12 @@ fn state_carved_from_cached_activations_forces_new_segments_in_step_2() {
 fn within_the_gpus_limit_releasing_the_cache_can_make_step_2_fit() {
     // Forward also makes a 20 MiB temporary in a segment of its own, free by
     // the end of step 1. State (30 MiB) splits activation A's block.
-    let mut r = with_weights();
-    r.phase = PhaseKind::Forward;
+    let mut r = in_forward_after_weights();
     let a = r.malloc(40 * MIB);
-    let t = r.malloc(20 * MIB);
-    r.free(t);
+    r.temporary(20 * MIB);
     let b = r.malloc(40 * MIB);
-    r.phase = PhaseKind::Backward;
-    r.free(b);
-    r.free(a);
-    r.phase = PhaseKind::Optimizer;
-    r.malloc(30 * MIB);
-    let trace = r.trace();
+    r.backward_freeing([a, b]);
+    let trace = r.optimizer_then_trace(30 * MIB);
 
     // Unlimited, step 2 adds a 40 MiB segment: 164 + 40.
     let free = replay_step2(&trace, false).unwrap();
@@ -181,11 +193,9 @@ fn a_cache_released_every_step_peaks_in_turns_and_the_steady_peak_is_the_highest
     // between steps); the optimizer two 40 MiB tensors of state. Step 1's
     // layout: weights 64, A 40, [H 20 | 10 free], [state 40 | 10 free] (the
     // state took G's freed segment), state 40: 224 MiB.
-    let mut r = with_weights();
-    r.phase = PhaseKind::Forward;
+    let mut r = in_forward_after_weights();
     let _a = r.malloc(40 * MIB);
-    let b = r.malloc(30 * MIB);
-    r.free(b);
+    r.temporary(30 * MIB);
     r.phase = PhaseKind::Backward;
     let g = r.malloc(50 * MIB);
     let _h = r.malloc(20 * MIB);
@@ -247,16 +257,12 @@ fn a_variable_alive_at_step_1s_end_is_freed_once_step_2_rebinds_it() {
     // `logits = head(x)` makes the logits (L, 100 MiB) and a matmul workspace
     // (W, 30 MiB, freed at once); the loss (B, 100 MiB) comes next. Step 1's
     // logits stay alive past the trace; the state takes W's segment.
-    let mut r = with_weights();
-    r.phase = PhaseKind::Forward;
+    let mut r = in_forward_after_weights();
     let a = r.malloc(40 * MIB);
     let _logits = r.malloc(100 * MIB);
-    let w = r.malloc(30 * MIB);
-    r.free(w);
+    r.temporary(30 * MIB);
     let b = r.malloc(100 * MIB);
-    r.phase = PhaseKind::Backward;
-    r.free(b);
-    r.free(a);
+    r.backward_freeing([a, b]);
     r.phase = PhaseKind::Optimizer;
     r.malloc(30 * MIB);
     assert_eq!(r.alloc.reserved(), 334 * MIB);
@@ -292,8 +298,7 @@ fn a_variable_alive_at_step_1s_end_is_freed_once_step_2_rebinds_it() {
 fn kept_gradients_are_made_again_in_step_2_and_added_in() {
     // Backward makes a 30 MiB gradient (its own segment) before it frees the
     // activation.
-    let mut r = with_weights();
-    r.phase = PhaseKind::Forward;
+    let mut r = in_forward_after_weights();
     let a = r.malloc(40 * MIB);
     r.phase = PhaseKind::Backward;
     r.malloc(30 * MIB);
@@ -549,9 +554,12 @@ fn the_hello_says_what_becomes_of_the_gradients() {
     );
 }
 
-/// 64 MiB of weights, allocated before the trace begins.
-fn with_weights() -> Recorder {
-    Recorder::on(CachingAllocator::new()).holding(64 * MIB)
+/// 64 MiB of weights allocated before the trace begins, then step 1's
+/// forward begins.
+fn in_forward_after_weights() -> Recorder {
+    let mut r = Recorder::on(CachingAllocator::new()).holding(64 * MIB);
+    r.phase = PhaseKind::Forward;
+    r
 }
 
 #[test]
@@ -564,18 +572,13 @@ fn a_side_stream_does_not_reuse_the_default_streams_blocks() {
     // stream's 48 MiB cannot use in turn. Blind to streams, a replay reuses
     // the side stream's block and predicts no growth; blind to the events'
     // streams, it puts the 48 MiB on the default stream and grows twice.
-    let mut r = with_weights();
-    r.phase = PhaseKind::Forward;
-    let a = r.malloc(40 * MIB);
-    r.free(a);
+    let mut r = in_forward_after_weights();
+    r.temporary(40 * MIB);
     r.phase = PhaseKind::Backward;
     r.stream = 5;
-    let x = r.malloc(48 * MIB);
-    r.free(x);
+    r.temporary(48 * MIB);
     r.stream = 0;
-    r.phase = PhaseKind::Optimizer;
-    r.malloc(40 * MIB);
-    let t = r.trace();
+    let t = r.optimizer_then_trace(40 * MIB);
     assert_eq!(r.alloc.reserved(), 152 * MIB);
     let replay = replay_step2(&t, false).unwrap();
     assert_eq!(replay.reserved_at_step1_end_bytes, 152 * MIB);
@@ -589,16 +592,11 @@ fn empty_cache_in_step_one_is_replayed_where_it_happened() {
     // the optimizer's 100 MiB of state takes the latter's segment. In step 2
     // the 80 MiB segment is released again before the 100 MiB request, so
     // reserved peaks at 64 + 100 + 100 MiB (264), not 64 + 100 + 80 + 100.
-    let mut r = with_weights();
-    r.phase = PhaseKind::Forward;
-    let a = r.malloc(80 * MIB);
-    r.free(a);
+    let mut r = in_forward_after_weights();
+    r.temporary(80 * MIB);
     r.empty_cache();
-    let c = r.malloc(100 * MIB);
-    r.free(c);
-    r.phase = PhaseKind::Optimizer;
-    r.malloc(100 * MIB);
-    let t = r.trace();
+    r.temporary(100 * MIB);
+    let t = r.optimizer_then_trace(100 * MIB);
     assert_eq!(r.alloc.reserved(), 164 * MIB);
     let replay = replay_step2(&t, false).unwrap();
     assert_eq!(replay.reserved_peak_bytes, 264 * MIB);
@@ -666,8 +664,7 @@ fn the_traced_settings_are_followed_or_the_trace_refused() {
     let alloc = CachingAllocator::with_settings(settings.model().unwrap());
     let mut r = Recorder::on(alloc).holding(64 * MIB);
     r.phase = PhaseKind::Forward;
-    let a = r.malloc(30 * MIB);
-    r.free(a);
+    r.temporary(30 * MIB);
     let mut t = r.trace();
     t.settings = Some(settings.clone());
     let replay = replay_step2(&t, false).unwrap();
