@@ -639,3 +639,51 @@ fn without_an_nvml_slope_the_level_counts_what_nvml_shows_beyond_the_allocator()
         "{f:?}"
     );
 }
+
+/// Step 2's figures from a client that resets the peak counters at the
+/// step's begin (`reset`) or one that never does; step 1 raised the
+/// process's high-water mark to 900 M. Step 2 peaks at 500 M in its
+/// backward, which no marker sees as a current figure.
+fn step2_figures(reset: bool) -> StepFigures {
+    use MarkerKind::*;
+    let peak = |p: u64| if reset { p } else { 900 };
+    let step1 = [
+        (StepBegin, 50, 50),
+        (ForwardBegin, 50, 50),
+        (BackwardBegin, 600, 900),
+        (OptimizerBegin, 100, 900),
+        (OptimizerEnd, 100, 900),
+        (StepEnd, 100, 900),
+    ];
+    let step2 = [
+        (StepBegin, 100, peak(100)),
+        (ForwardBegin, 100, peak(100)),
+        (BackwardBegin, 400, peak(450)),
+        (OptimizerBegin, 150, peak(500)),
+        (OptimizerEnd, 150, peak(500)),
+        (StepEnd, 120, peak(500)),
+    ];
+    let markers: Vec<Marker> = (step1.iter().map(|m| (1, m)))
+        .chain(step2.iter().map(|m| (2, m)))
+        .enumerate()
+        .map(|(i, (step, &(kind, allocated, peak)))| {
+            kit::marker_mib(kind, step, 1_000 + i as u64, (allocated, peak, 1_000))
+        })
+        .collect();
+    let mut timeline = RankTimeline::new(10);
+    timeline.apply_batch(&markers).unwrap();
+    let step2 = timeline.steps().find(|s| s.step == 2).unwrap();
+    StepFigures::of(step2).unwrap()
+}
+
+/// With the counters reset at the step's begin the rule of `profile` pins
+/// the step's peak; with since-start counters it stays a lower bound.
+#[test]
+fn a_step_whose_counters_were_reset_at_its_begin_has_its_exact_peak() {
+    let exact = step2_figures(true);
+    assert_eq!(exact.allocated_peak_bytes, Some(500 * M));
+    assert!(exact.allocated_peak_exact);
+    let bound = step2_figures(false);
+    assert_eq!(bound.allocated_peak_bytes, Some(400 * M));
+    assert!(!bound.allocated_peak_exact);
+}
