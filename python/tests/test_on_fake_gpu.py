@@ -206,6 +206,83 @@ def test_exact_step_peaks_from_step_2_and_the_scripts_peaks_as_without_stepwatch
     assert begin3.allocated_peak_bytes > begin3.allocated_bytes
 
 
+# The Hugging Face Trainer's own memory metrics (skip_memory_metrics=False:
+# it resets the peaks at train begin and reads max_memory_allocated() at its
+# end), on one sequence a step whose longest comes in step 2.
+HF_MEMORY = r"""
+import json, sys, torch
+from transformers import Trainer, TrainingArguments
+mode, out = sys.argv[1:3]
+lengths = [64, 2048, 128, 256, 64, 128]
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(512, 2048), torch.nn.Linear(2048, 512)
+
+    def forward(self, x, labels=None):
+        y = self.b(torch.relu(self.a(x)))
+        return {"loss": torch.nn.functional.mse_loss(y, labels), "logits": y}
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return len(lengths)
+
+    def __getitem__(self, i):
+        x = torch.randn(lengths[i], 512, generator=torch.Generator().manual_seed(i))
+        return {"x": x, "labels": x}
+
+
+class InOrder(Trainer):
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+callbacks = []
+if mode == "watch":
+    from stepwatch.transformers import StepwatchCallback
+
+    callbacks = [StepwatchCallback()]
+args = TrainingArguments(
+    output_dir=out, max_steps=len(lengths), per_device_train_batch_size=1, report_to=[],
+    save_strategy="no", logging_strategy="no", disable_tqdm=True,
+    dataloader_num_workers=0, skip_memory_metrics=False,
+)
+trainer = InOrder(model=Model(), args=args, train_dataset=Data(), callbacks=callbacks)
+metrics = trainer.train().metrics
+print("metrics", json.dumps({k: v for k, v in metrics.items() if "gpu" in k}), flush=True)
+"""
+
+
+def hf_memory_metrics(agent, mode: str, tmp_path: Path) -> Dict[str, Any]:
+    env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint, STEPWATCH_JOB_ID=f"hf-{mode}")
+    proc = subprocess.run(
+        [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
+        + ["--", sys.executable, "-c", HF_MEMORY, mode, str(tmp_path / mode)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics: Dict[str, Any] = json.loads(proc.stdout.split("metrics ")[1])
+    return metrics
+
+
+def test_the_hf_trainers_memory_metrics_are_as_without_stepwatch(agent, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    without = hf_memory_metrics(agent, "none", tmp_path)
+    assert without["train_mem_gpu_peaked_delta"] > 0, without
+    assert hf_memory_metrics(agent, "watch", tmp_path) == without
+    # The client did reset the counters (step 3 begins under step 2's peak).
+    markers = agent.wait_markers(6 * 6)
+    begin3 = next(m.allocator for m in markers if (m.kind, m.step) == (pb.STEP_BEGIN, 3))
+    assert begin3.allocated_peak_bytes == begin3.allocated_bytes
+
+
 def test_without_the_trace_the_markers_still_carry_allocator_figures(agent, monkeypatch):
     monkeypatch.setenv("STEPWATCH_ALLOCATOR_TRACE", "0")
     proc = on_fake_gpu(agent, [], 2, "fake-gpu-no-trace")
