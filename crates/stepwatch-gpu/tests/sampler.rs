@@ -11,7 +11,7 @@ use stepwatch_clock::monotonic_ns;
 use stepwatch_gpu::{MigSlice, NvmlCall, SamplerConfig, SamplerHandle, SamplerSnapshot};
 
 mod common;
-use common::{config, wait_for};
+use common::{config, wait_for, wait_for_within};
 
 fn errors(snap: &SamplerSnapshot, call: NvmlCall) -> u64 {
     snap.errors.iter().find(|(c, _)| *c == call).unwrap().1
@@ -22,9 +22,7 @@ fn samples_every_gpu_each_tick_with_monotonic_timestamps_and_a_lag_histogram() {
     let world = LockedFake::new("rate", 2);
     world.fake.set_base_used(1, 3 << 30);
     let sampler = SamplerHandle::start(config());
-    let snap = wait_for(&sampler, "20 ticks", Duration::from_secs(10), |s| {
-        s.ticks_total >= 20
-    });
+    let snap = wait_for(&sampler, "20 ticks", |s| s.ticks_total >= 20);
     assert!(snap.nvml_up);
     assert_eq!(snap.gpus.len(), 2);
     assert_eq!(snap.gpus[1].last.unwrap().used_bytes, 3 << 30);
@@ -82,17 +80,12 @@ fn each_mig_slice_is_sampled_as_a_device_with_its_own_memory() {
     let slice = w.fake.mig_device(1, 1).unwrap();
     w.fake.set_process_memory(slice, 4242, 6 << 30).unwrap();
     let sampler = SamplerHandle::start(config());
-    let snap = wait_for(
-        &sampler,
-        "samples of the slices",
-        Duration::from_secs(10),
-        |s| {
-            s.gpus
-                .iter()
-                .find(|g| g.uuid == migs[1].uuid)
-                .is_some_and(|g| g.last.is_some() && !g.processes.is_empty())
-        },
-    );
+    let snap = wait_for(&sampler, "samples of the slices", |s| {
+        s.gpus
+            .iter()
+            .find(|g| g.uuid == migs[1].uuid)
+            .is_some_and(|g| g.last.is_some() && !g.processes.is_empty())
+    });
     let uuids: Vec<&str> = snap.gpus.iter().map(|g| g.uuid.as_str()).collect();
     let parent = w.fake.gpu_uuid(1);
     assert_eq!(
@@ -149,7 +142,7 @@ fn a_gpu_whose_mig_calls_fail_is_sampled_whole_and_the_failure_counted() {
     let w = LockedFake::with_mig("mig-fail", 1, &[MigSpec::h100_1g_10gb(0, 7)]);
     w.fake.set_call_failure(Call::Mig, Some(codes::UNKNOWN));
     let sampler = SamplerHandle::start(config());
-    let snap = wait_for(&sampler, "a sample", Duration::from_secs(10), |s| {
+    let snap = wait_for(&sampler, "a sample", |s| {
         s.gpus.first().is_some_and(|g| g.last.is_some())
     });
     assert_eq!(snap.gpus.len(), 1);
@@ -164,9 +157,7 @@ fn pending_samples_are_bounded_and_drops_counted() {
         pending_capacity: 4,
         ..config()
     });
-    let snap = wait_for(&sampler, "drops", Duration::from_secs(10), |s| {
-        s.pending_dropped_total >= 3
-    });
+    let snap = wait_for(&sampler, "drops", |s| s.pending_dropped_total >= 3);
     assert!(snap.gpus[0].samples_total >= 7);
     let drained = sampler.drain_samples();
     assert_eq!(drained[0].1.len(), 4);
@@ -184,11 +175,11 @@ fn pending_samples_are_bounded_and_drops_counted() {
 fn a_lost_gpu_is_retried_once_per_process_interval_while_others_keep_sampling() {
     let world = LockedFake::new("lost", 2);
     let sampler = SamplerHandle::start(config());
-    wait_for(&sampler, "sampling", Duration::from_secs(10), |s| {
+    wait_for(&sampler, "sampling", |s| {
         s.nvml_up && s.gpus.iter().all(|g| g.samples_total > 0)
     });
     world.fake.set_gpu_lost(1, true);
-    let snap = wait_for(&sampler, "gpu 1 down", Duration::from_secs(5), |s| {
+    let snap = wait_for_within(&sampler, "gpu 1 down", Duration::from_secs(5), |s| {
         !s.gpus[1].up
     });
     let (errs0, ticks0, good0) = (
@@ -198,7 +189,7 @@ fn a_lost_gpu_is_retried_once_per_process_interval_while_others_keep_sampling() 
     );
     // At least 1 s and 50 ticks, however slowly a loaded machine runs them.
     let since = Instant::now();
-    let snap = wait_for(&sampler, "50 ticks and 1 s", Duration::from_secs(30), |s| {
+    let snap = wait_for_within(&sampler, "50 ticks and 1 s", Duration::from_secs(30), |s| {
         s.ticks_total - ticks0 >= 50 && since.elapsed() >= Duration::from_secs(1)
     });
     // Bounds the retries from above: read before the snapshot was taken.
@@ -218,7 +209,7 @@ fn a_lost_gpu_is_retried_once_per_process_interval_while_others_keep_sampling() 
     );
 
     world.fake.set_gpu_lost(1, false);
-    wait_for(&sampler, "gpu 1 back", Duration::from_secs(5), |s| {
+    wait_for_within(&sampler, "gpu 1 back", Duration::from_secs(5), |s| {
         s.gpus[1].up
     });
     sampler.stop();
@@ -228,14 +219,14 @@ fn a_lost_gpu_is_retried_once_per_process_interval_while_others_keep_sampling() 
 fn nvml_gone_is_detected_and_reinitialised() {
     let world = LockedFake::new("gone", 2);
     let sampler = SamplerHandle::start(config());
-    wait_for(&sampler, "up", Duration::from_secs(10), |s| s.nvml_up);
+    wait_for(&sampler, "up", |s| s.nvml_up);
     // One GPU lost first: its skipped reads must not hide NVML going away.
     world.fake.set_gpu_lost(1, true);
-    wait_for(&sampler, "gpu 1 down", Duration::from_secs(5), |s| {
+    wait_for_within(&sampler, "gpu 1 down", Duration::from_secs(5), |s| {
         !s.gpus[1].up
     });
     world.fake.set_unavailable(true);
-    let snap = wait_for(&sampler, "down", Duration::from_secs(5), |s| !s.nvml_up);
+    let snap = wait_for_within(&sampler, "down", Duration::from_secs(5), |s| !s.nvml_up);
     assert!(snap.status.contains("NVML"), "{}", snap.status);
     let counted: Vec<u64> = snap.gpus.iter().map(|g| g.samples_total).collect();
     world.fake.set_unavailable(false);
@@ -245,7 +236,7 @@ fn nvml_gone_is_detected_and_reinitialised() {
     // new samples count on from where it stood: no snapshot, from the first
     // one after re-initialisation, shows less (a counter that restarted at 0
     // would, until it caught up).
-    let snap = wait_for(&sampler, "up again", Duration::from_secs(10), |s| {
+    let snap = wait_for(&sampler, "up again", |s| {
         for (g, &before) in s.gpus.iter().zip(&counted) {
             assert!(
                 g.samples_total >= before,
@@ -278,9 +269,7 @@ fn stop_returns_promptly_while_sampling_and_during_backoff() {
         memory_interval: Duration::from_secs(5),
         ..config()
     });
-    wait_for(&sampler, "first tick", Duration::from_secs(10), |s| {
-        s.ticks_total >= 1
-    });
+    wait_for(&sampler, "first tick", |s| s.ticks_total >= 1);
     assert_stops_promptly(sampler);
 
     world.fake.set_unavailable(true);
@@ -289,7 +278,7 @@ fn stop_returns_promptly_while_sampling_and_during_backoff() {
         retry_max: Duration::from_secs(30),
         ..config()
     });
-    wait_for(&sampler, "init failed", Duration::from_secs(10), |s| {
+    wait_for(&sampler, "init failed", |s| {
         s.init_attempts_total >= 1 && !s.nvml_up && s.status.contains("initialised:")
     });
     assert_stops_promptly(sampler);

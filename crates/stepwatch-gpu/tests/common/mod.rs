@@ -18,8 +18,17 @@ pub fn config() -> SamplerConfig {
     }
 }
 
-/// The first snapshot `f` accepts; panics with the last one after `timeout`.
+/// [`wait_for_within`] 10 s, the bound most waits need on a busy machine.
 pub fn wait_for(
+    sampler: &SamplerHandle,
+    what: &str,
+    f: impl Fn(&SamplerSnapshot) -> bool,
+) -> SamplerSnapshot {
+    wait_for_within(sampler, what, Duration::from_secs(10), f)
+}
+
+/// The first snapshot `f` accepts; panics with the last one after `timeout`.
+pub fn wait_for_within(
     sampler: &SamplerHandle,
     what: &str,
     timeout: Duration,
