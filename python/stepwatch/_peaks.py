@@ -85,13 +85,14 @@ class PeakKeeper:
 
     # ------------------------------------------------------------- install
     def install(self) -> bool:
-        """Wrap torch's entry points (once); False when they are not there."""
+        """Wrap torch's entry points (once); False when this torch has no CUDA
+        stats reader and peak resetter (nothing is wrapped then)."""
         with self.lock:
             if self.installed:
                 return True
             torch = sys.modules.get("torch")
             c = getattr(torch, "_C", None)
-            if c is None or not callable(getattr(c, "_cuda_memoryStats", None)):
+            if c is None or not all(callable(getattr(c, n, None)) for n in _ENTRY_POINTS[0]):
                 return False
             for read_name, reset_name in _ENTRY_POINTS:
                 read, reset = getattr(c, read_name, None), getattr(c, reset_name, None)
@@ -122,7 +123,7 @@ class PeakKeeper:
             dev = _device(device) if self.for_users else None
             kept = self.for_users.get(dev) if dev is not None else None
             if kept and isinstance(stats, dict):
-                for (stat, pool), peak in kept.items():
+                for (stat, pool), peak in list(kept.items()):
                     figures = stats.get(stat, {}).get(pool)
                     if isinstance(figures, dict) and figures.get("peak", peak) < peak:
                         figures["peak"] = peak

@@ -528,6 +528,12 @@ class _Runtime:
         try:
             if _peaks.KEEPER.install():
                 _peaks.KEEPER.reset_for_step(dev)
+            else:
+                self.exact_step_peaks = False
+                log.info(
+                    "stepwatch: this PyTorch cannot reset its peak memory counters; the "
+                    "agent's step peaks after step 1 are lower bounds"
+                )
         except Exception as e:
             self.exact_step_peaks = False
             log.warning(
