@@ -489,7 +489,7 @@
     const after = [
       ...(rep.passes || []).map((p) => el("li", { id: `pass-${p.kind}` }, `${p.kind === "evaluation" ? "Evaluation passes" : "Checkpoint saves"} (${p.begun}): highest peak ${gb(p.highest.device_peak_bytes)} after step ${p.highest.after_step}, headroom ${signedGb(p.headroom_bytes)}.`)),
       bt && bt.largest ? el("li", { id: "batch-largest" }, `Largest batch seen: ${batchText(bt.largest.batch)} at step ${bt.largest.step}, peak ${gb(bt.largest_device_peak_bytes)}, headroom ${signedGb(bt.largest_headroom_bytes)}.`) : null,
-      bt && bt.outlook ? el("li", { id: "batch-outlook", class: bt.outlook.headroom_bytes < 0 ? "warn" : "" }, `The loader's largest batch (${batchText(bt.outlook.batch)}) would need about ${gb(bt.outlook.device_peak_bytes)}: headroom ${signedGb(bt.outlook.headroom_bytes)}.`) : null,
+      bt && bt.outlook ? el("li", { id: "batch-outlook", class: bt.outlook.headroom_bytes < 0 ? "warn" : "" }, `The loader's largest batch (${batchText(bt.outlook.batch)}) would need ${bt.outlook.at_least ? "at least" : "about"} ${gb(bt.outlook.device_peak_bytes)}: headroom ${signedGb(bt.outlook.headroom_bytes)}.`) : null,
       trailing && trailing.nvml_max_bytes != null ? el("li", { id: "step-spread" }, `Step peaks of the last ${trailing.steps} steps: ${gb(trailing.nvml_min_bytes)} to ${gb(trailing.nvml_max_bytes)}.`) : null,
     ].filter(Boolean);
     return [
