@@ -63,45 +63,63 @@ pub fn chunk_allocator_trace(
     use prost::Message;
     // Room for the oneof tag, the chunk's length prefix, step and last.
     const BUDGET: usize = MAX_MESSAGE_BYTES - 64;
+    /// The chunks so far and the open one, with its encoded size.
+    struct Chunks {
+        step: u64,
+        closed: Vec<v1::AllocatorTraceChunk>,
+        open: v1::AllocatorTraceChunk,
+        size: usize,
+    }
+    impl Chunks {
+        /// The open chunk with `n` more bytes counted, after closing it when
+        /// they would not fit (a lone item too large still gets a chunk).
+        fn with_room(&mut self, n: usize) -> &mut v1::AllocatorTraceChunk {
+            if self.size + n > BUDGET && self.size > 0 {
+                let next = v1::AllocatorTraceChunk {
+                    step: self.step,
+                    ..Default::default()
+                };
+                self.closed.push(std::mem::replace(&mut self.open, next));
+                self.size = 0;
+            }
+            self.size += n;
+            &mut self.open
+        }
+    }
     let framed = |len: usize| 1 + prost::length_delimiter_len(len) + len;
-    let new_chunk = || v1::AllocatorTraceChunk {
+    let mut chunks = Chunks {
         step,
-        ..Default::default()
+        closed: Vec::new(),
+        open: v1::AllocatorTraceChunk {
+            step,
+            ..Default::default()
+        },
+        size: 0,
     };
-    let mut chunks = Vec::new();
-    let mut chunk = new_chunk();
-    let mut size = settings.as_ref().map_or(0, |s| framed(s.encoded_len()));
-    chunk.settings = settings;
-    // The forward returns go with the settings, packed, in the first chunk.
+    // The settings and the forward returns (packed) go in the first chunk.
     let packed: usize = forward_returns
         .iter()
         .map(|&r| prost::encoding::encoded_len_varint(r))
         .sum();
-    if !forward_returns.is_empty() {
-        size += framed(packed);
-    }
-    chunk.forward_returns = forward_returns;
+    let first = chunks.with_room(
+        settings.as_ref().map_or(0, |s| framed(s.encoded_len()))
+            + if forward_returns.is_empty() {
+                0
+            } else {
+                framed(packed)
+            },
+    );
+    first.settings = settings;
+    first.forward_returns = forward_returns;
     for s in segments {
-        let n = framed(s.encoded_len());
-        if size + n > BUDGET && size > 0 {
-            chunks.push(std::mem::replace(&mut chunk, new_chunk()));
-            size = 0;
-        }
-        size += n;
-        chunk.segments.push(s);
+        chunks.with_room(framed(s.encoded_len())).segments.push(s);
     }
     for e in events {
-        let n = framed(e.encoded_len());
-        if size + n > BUDGET && size > 0 {
-            chunks.push(std::mem::replace(&mut chunk, new_chunk()));
-            size = 0;
-        }
-        size += n;
-        chunk.events.push(e);
+        chunks.with_room(framed(e.encoded_len())).events.push(e);
     }
-    chunk.last = true;
-    chunks.push(chunk);
-    chunks
+    chunks.open.last = true;
+    chunks.closed.push(chunks.open);
+    chunks.closed
 }
 
 /// The two clocks every marker carries (the `stepwatch-clock` crate).
