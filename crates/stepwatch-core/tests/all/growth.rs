@@ -326,30 +326,49 @@ fn batch_step(
     batch: Option<Batch>,
 ) -> Vec<Advisory> {
     let cache = batch.map_or(0, |b| b.cache);
+    kit::leaking::step(t, key, (n, held, cache), |m| with_batch(m, batch))
+}
+
+/// A marker of [`kit::leaking::markers`] with `batch`'s activations in its
+/// allocator figures and its tokens on the forward marker.
+fn with_batch(m: Marker, batch: Option<Batch>) -> Marker {
     let activations = batch.map_or(0, |b| b.activations) * M;
-    kit::leaking::step(t, key, (n, held, cache), |m| {
-        let allocator = m.allocator.map(|a| AllocatorStats {
-            allocated_bytes: a.allocated_bytes
-                + if m.kind == MarkerKind::BackwardBegin {
-                    activations
-                } else {
-                    0
-                },
-            allocated_peak_bytes: a.allocated_peak_bytes + activations,
-            ..a
-        });
-        Marker {
-            wall_ns: 1_700_000_000_000_000_000 + m.monotonic_ns,
-            allocator,
-            batch: batch
-                .filter(|_| m.kind == MarkerKind::ForwardBegin)
-                .map(|b| BatchFacts {
-                    tokens: Some(b.tokens),
-                    ..Default::default()
-                }),
-            ..m
-        }
-    })
+    let allocator = m.allocator.map(|a| AllocatorStats {
+        allocated_bytes: a.allocated_bytes
+            + if m.kind == MarkerKind::BackwardBegin {
+                activations
+            } else {
+                0
+            },
+        allocated_peak_bytes: a.allocated_peak_bytes + activations,
+        ..a
+    });
+    Marker {
+        wall_ns: 1_700_000_000_000_000_000 + m.monotonic_ns,
+        allocator,
+        batch: batch
+            .filter(|_| m.kind == MarkerKind::ForwardBegin)
+            .map(|b| BatchFacts {
+                tokens: Some(b.tokens),
+                ..Default::default()
+            }),
+        ..m
+    }
+}
+
+/// A rank whose client says its loader's largest batch is 4096 tokens.
+fn open_with_loader_of_4096_tokens(t: &mut Tracker) -> RankKey {
+    let mut info = kit::solo_rank("job", GPU);
+    info.model.largest_batch = Some(BatchFacts {
+        tokens: Some(4_096),
+        ..Default::default()
+    });
+    kit::open(t, info)
+}
+
+/// Step `n`'s tokens in the batch tests: 512 to 2048.
+fn varying_tokens(n: u64) -> u64 {
+    [512, 1_024, 2_048, 1_024, 512][n as usize % 5]
 }
 
 fn growth(advisories: &[Advisory]) -> Vec<&Advisory> {
@@ -512,13 +531,8 @@ fn a_leak_under_varying_batches_is_still_told() {
 #[test]
 fn the_batches_the_loader_may_give_are_foreseen() {
     let mut t = Tracker::new(TrackerConfig::default());
-    let mut info = kit::solo_rank("job", GPU);
-    info.model.largest_batch = Some(BatchFacts {
-        tokens: Some(4_096),
-        ..Default::default()
-    });
-    let key = kit::open(&mut t, info);
-    let tokens = |n: u64| [512, 1_024, 2_048, 1_024, 512][n as usize % 5];
+    let key = open_with_loader_of_4096_tokens(&mut t);
+    let tokens = varying_tokens;
     let mut largest = 0;
     for n in 1..=40 {
         largest = largest.max(tokens(n));
@@ -686,4 +700,38 @@ fn a_step_whose_counters_were_reset_at_its_begin_has_its_exact_peak() {
     let bound = step2_figures(false);
     assert_eq!(bound.allocated_peak_bytes, Some(400 * M));
     assert!(!bound.allocated_peak_exact);
+}
+
+/// Batches that vary on steps NVML never sampled (shorter than the
+/// sampler's period), with 2000 M outside the allocator by the driver's
+/// figures at step 1: the largest batch's device peak and the loader's
+/// outlook count those 2000 M, as the forecast does (with no NVML figure
+/// beyond the pool they had none).
+#[test]
+fn the_batch_figures_of_steps_nvml_never_sampled_count_step_1s_driver_figures() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let key = open_with_loader_of_4096_tokens(&mut t);
+    // Step 1's reserved 5500 M and 2000 M beside it.
+    let driver = DeviceMemory {
+        free_bytes: CAPACITY - 7_500 * M,
+        total_bytes: CAPACITY,
+    };
+    for n in 1..=30 {
+        let batch = Batch {
+            tokens: varying_tokens(n),
+            cache: 0,
+            activations: varying_tokens(n) / 512 * 250,
+        };
+        let markers = kit::leaking::markers(n, 2_000, 0, |m| Marker {
+            device_memory: (n == 1).then_some(driver),
+            ..with_batch(m, Some(batch))
+        });
+        t.markers(&key, &markers, n * kit::leaking::PERIOD).unwrap();
+    }
+    let b = t.step_batches(&key).expect("batches were said");
+    // The largest seen, 2048 tokens: 5000 + 1000 M allocated, 5500 M reserved.
+    assert_eq!(b.largest_device_peak_bytes, Some(7_500 * M));
+    let o = b.outlook.expect("the loader's largest batch");
+    assert_eq!(o.allocated_peak_bytes, 7_000 * M);
+    assert_eq!(o.device_peak_bytes, Some(9_000 * M));
 }
