@@ -356,8 +356,6 @@ fn chunk_event() -> AllocatorEvent {
     }
 }
 
-/// Unfinished traces are bounded in bytes across streams and in time; a
-/// trace past either is dropped and counted, and the stream goes on.
 /// An agent whose unfinished traces may hold 1 MiB for 1 s.
 fn small_trace_budget_agent(tag: &str) -> Agent {
     Agent::start_args(
@@ -379,6 +377,8 @@ fn big_chunk() -> ClientMessage {
     trace(c)
 }
 
+/// Unfinished traces are bounded in bytes across streams and in time; a
+/// trace past either is dropped and counted, and the stream goes on.
 #[test]
 fn unfinished_allocator_traces_are_bounded_in_bytes_and_time() {
     let agent = small_trace_budget_agent("trace-budget");
