@@ -190,8 +190,8 @@ def _install() -> None:
     original = _runtime._Runtime.attach
     peers = _Peers()
 
-    def attach(self: Any, model: Any, optimizer: Any = None, **kw: Any) -> Any:
-        client = original(self, model, optimizer, **kw)
+    def attach(self: Any, model: Any, optimizer: Any = None, *args: Any, **kw: Any) -> Any:
+        client = original(self, model, optimizer, *args, **kw)
         try:
             peers.start(model, optimizer)
         except Exception:
