@@ -1,7 +1,8 @@
 //! Rust bindings for stepwatch's wire contract, `proto/stepwatch/v1`.
 //!
-//! The code under `src/generated/` is produced from the `.proto` files and
-//! checked in, so a fresh machine builds without `protoc`. The test
+//! The code under `src/generated/` (our contract) and `src/third_party/`
+//! (the upstream APIs of `proto/third_party/`) is produced from the `.proto`
+//! files and checked in, so a fresh machine builds without `protoc`. The test
 //! `tests/bootstrap.rs` regenerates it and fails when the checked-in copy is
 //! stale.
 
@@ -19,7 +20,7 @@ pub mod podresources {
     /// Package `v1` of `k8s.io/kubelet/pkg/apis/podresources`.
     pub mod v1 {
         #![allow(clippy::all, missing_docs)]
-        include!("generated/v1.rs");
+        include!("third_party/v1.rs");
     }
 }
 
@@ -31,7 +32,7 @@ pub mod csi {
     /// Package `csi.v1`.
     pub mod v1 {
         #![allow(clippy::all, missing_docs)]
-        include!("generated/csi.v1.rs");
+        include!("third_party/csi.v1.rs");
     }
 }
 

@@ -1,4 +1,6 @@
-//! Fails when the checked-in bindings in `src/generated/` are stale.
+//! Fails when the checked-in bindings are stale: `src/generated/` for our
+//! own contract, `src/third_party/` for the upstream APIs of
+//! `proto/third_party/`, kept apart as their sources are.
 //!
 //! The generated code is committed so that building stepwatch needs no
 //! `protoc` (the tokio-console pattern). This test regenerates it with protox,
@@ -9,31 +11,31 @@ use std::path::PathBuf;
 
 #[test]
 fn generated_code_is_up_to_date() {
-    regenerate("stepwatch/v1/ingest.proto", "stepwatch.v1.rs");
+    regenerate("stepwatch/v1/ingest.proto", "generated", "stepwatch.v1.rs");
 }
 
 /// The kubelet's pod-resources API (vendored, see the file's header): the
 /// client is the agent's, the server the fake kubelet of the tests.
 #[test]
 fn generated_pod_resources_code_is_up_to_date() {
-    regenerate("kubelet/podresources/v1/api.proto", "v1.rs");
+    regenerate("kubelet/podresources/v1/api.proto", "third_party", "v1.rs");
 }
 
 /// The CSI spec (vendored, see the file's header): the agent serves its
 /// Identity and Node services with `--csi-socket`; the tests are the kubelet.
 #[test]
 fn generated_csi_code_is_up_to_date() {
-    regenerate("csi/v1/csi.proto", "csi.v1.rs");
+    regenerate("csi/v1/csi.proto", "third_party", "csi.v1.rs");
 }
 
-fn regenerate(proto: &str, generated: &str) {
+fn regenerate(proto: &str, dir: &str, generated: &str) {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     // Upstream APIs, copied verbatim, live apart in proto/third_party/.
     let include = [
         root.join("../../proto"),
         root.join("../../proto/third_party"),
     ];
-    let out_dir = root.join("src/generated");
+    let out_dir = root.join("src").join(dir);
     let fds = protox::compile([proto], include).expect("proto compiles");
 
     let before = std::fs::read_to_string(out_dir.join(generated)).unwrap_or_default();
@@ -48,6 +50,6 @@ fn regenerate(proto: &str, generated: &str) {
 
     assert!(
         before == after,
-        "src/generated/{generated} was stale and has been regenerated; commit the change"
+        "src/{dir}/{generated} was stale and has been regenerated; commit the change"
     );
 }
