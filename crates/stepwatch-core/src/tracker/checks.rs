@@ -28,7 +28,9 @@ pub(super) struct Batch<'a> {
 /// One advisory check.
 pub(super) trait Check {
     /// The advisories due for `key` now; the caller records them as issued.
-    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory>;
+    /// None where the check does not apply yet (no such rank, no step, no
+    /// prediction): the same as nothing due, written with `?`.
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Option<Vec<Advisory>>;
 }
 
 /// Checks that judge step 1: run after step 1's part of a batch, before
@@ -70,23 +72,17 @@ fn rank_at_last_marker<'t>(
 pub(super) struct Step2Prediction;
 
 impl Check for Step2Prediction {
-    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
-        let Some((state, first)) = first_step_is_latest(tracker, key) else {
-            return Vec::new();
-        };
-        let Some(analysis) = tracker.rank_analysis(key) else {
-            return Vec::new();
-        };
-        let Some(prediction) = analysis.prediction else {
-            return Vec::new();
-        };
-        advisory::due(
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Option<Vec<Advisory>> {
+        let (state, first) = first_step_is_latest(tracker, key)?;
+        let analysis = tracker.rank_analysis(key)?;
+        let prediction = analysis.prediction?;
+        Some(advisory::due(
             &prediction,
             analysis.capacity_bytes,
             first.step,
             batch.now_ns,
             &state.advisories,
-        )
+        ))
     }
 }
 
@@ -98,30 +94,23 @@ impl Check for Step2Prediction {
 pub(super) struct Step2LargerBatch;
 
 impl Check for Step2LargerBatch {
-    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
-        let Some(state) = tracker.ranks.get(key) else {
-            return Vec::new();
-        };
-        let Some(prediction) = state
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Option<Vec<Advisory>> {
+        let state = tracker.ranks.get(key)?;
+        let prediction = state
             .prediction_before_step2
             .as_ref()
-            .filter(|p| p.inputs.batch_revision.is_some())
-        else {
-            return Vec::new();
-        };
-        let Some(second) = state.timeline.steps().nth(1).map(|s| s.step) else {
-            return Vec::new();
-        };
+            .filter(|p| p.inputs.batch_revision.is_some())?;
+        let second = state.timeline.steps().nth(1).map(|s| s.step)?;
         if state.timeline.current().map(|s| s.step) != Some(second) {
-            return Vec::new();
+            return None;
         }
-        advisory::due(
+        Some(advisory::due(
             prediction,
             prediction.inputs.capacity_bytes,
             second,
             batch.now_ns,
             &state.advisories,
-        )
+        ))
     }
 }
 
@@ -131,14 +120,12 @@ impl Check for Step2LargerBatch {
 pub(super) struct PredictionFinal;
 
 impl Check for PredictionFinal {
-    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
-        let Some((state, first)) = first_step_is_latest(tracker, key) else {
-            return Vec::new();
-        };
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Option<Vec<Advisory>> {
+        let (state, first) = first_step_is_latest(tracker, key)?;
         if first.outcome != StepOutcome::Completed
             || advisory::already_issued(&state.advisories, advisory::AdvisoryKind::PredictionFinal)
         {
-            return Vec::new();
+            return None;
         }
         let analysis = tracker.rank_analysis(key);
         let capacity = analysis.as_ref().map_or(0, |a| a.capacity_bytes);
@@ -150,8 +137,7 @@ impl Check for PredictionFinal {
             batch.now_ns,
             &state.advisories,
         )
-        .into_iter()
-        .collect()
+        .map(|advisory| vec![advisory])
     }
 }
 
@@ -162,20 +148,20 @@ impl Check for PredictionFinal {
 pub(super) struct RankDivergence;
 
 impl Check for RankDivergence {
-    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Option<Vec<Advisory>> {
         if !batch.boundary {
-            return Vec::new();
+            return None;
         }
-        let Some(state) = tracker.ranks.get(key) else {
-            return Vec::new();
-        };
-        let Some(step) = state.timeline.current().map(|s| s.step) else {
-            return Vec::new();
-        };
-        let Some(div) = tracker.job_divergence(&key.namespace, &key.job) else {
-            return Vec::new();
-        };
-        advisory::divergence_due(&div, key.rank, step, batch.now_ns, &state.advisories)
+        let state = tracker.ranks.get(key)?;
+        let step = state.timeline.current().map(|s| s.step)?;
+        let div = tracker.job_divergence(&key.namespace, &key.job)?;
+        Some(advisory::divergence_due(
+            &div,
+            key.rank,
+            step,
+            batch.now_ns,
+            &state.advisories,
+        ))
     }
 }
 
@@ -185,18 +171,16 @@ impl Check for RankDivergence {
 pub(super) struct AllocatorRetries;
 
 impl Check for AllocatorRetries {
-    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
-        let (Some(growth), Some(state)) = (batch.retry_growth, tracker.ranks.get(key)) else {
-            return Vec::new();
-        };
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Option<Vec<Advisory>> {
+        let growth = batch.retry_growth?;
+        let state = tracker.ranks.get(key)?;
         advisory::retries_due(
             growth,
             state.prediction_before_step2.as_ref(),
             batch.now_ns,
             &state.advisories,
         )
-        .into_iter()
-        .collect()
+        .map(|advisory| vec![advisory])
     }
 }
 
@@ -210,22 +194,18 @@ impl Check for AllocatorRetries {
 pub(super) struct ObservedHeadroom;
 
 impl Check for ObservedHeadroom {
-    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
-        let Some((state, step)) = rank_at_last_marker(tracker, key, batch) else {
-            return Vec::new();
-        };
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Option<Vec<Advisory>> {
+        let (state, step) = rank_at_last_marker(tracker, key, batch)?;
         if !advisory::observed_headroom_open(&state.advisories) {
-            return Vec::new();
+            return None;
         }
         let capacity = tracker
             .latest_sample(&state.info.gpu_uuid)
             .map_or(0, |s| s.capacity_bytes);
         if capacity == 0 {
-            return Vec::new();
+            return None;
         }
-        let Some(steady) = steady_nvml_peak(&state.timeline, &tracker.analysis) else {
-            return Vec::new();
-        };
+        let steady = steady_nvml_peak(&state.timeline, &tracker.analysis)?;
         let observed = advisory::ObservedPeak {
             step,
             steady,
@@ -238,8 +218,7 @@ impl Check for ObservedHeadroom {
             batch.now_ns,
             &state.advisories,
         )
-        .into_iter()
-        .collect()
+        .map(|advisory| vec![advisory])
     }
 }
 
@@ -251,19 +230,14 @@ impl Check for ObservedHeadroom {
 pub(super) struct MemoryGrowth;
 
 impl Check for MemoryGrowth {
-    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Vec<Advisory> {
-        let Some((state, step)) = rank_at_last_marker(tracker, key, batch) else {
-            return Vec::new();
-        };
+    fn due(&self, tracker: &Tracker, key: &RankKey, batch: &Batch<'_>) -> Option<Vec<Advisory>> {
+        let (state, step) = rank_at_last_marker(tracker, key, batch)?;
         if advisory::already_issued(&state.advisories, advisory::AdvisoryKind::MemoryGrowth) {
-            return Vec::new();
+            return None;
         }
-        let (Some(trend), Some(forecast)) = (state.trend.trend(), tracker.memory_growth(key))
-        else {
-            return Vec::new();
-        };
+        let trend = state.trend.trend()?;
+        let forecast = tracker.memory_growth(key)?;
         advisory::growth_due(&forecast, trend, step, batch.now_ns, &state.advisories)
-            .into_iter()
-            .collect()
+            .map(|advisory| vec![advisory])
     }
 }

@@ -635,7 +635,7 @@ impl Tracker {
     ) -> Vec<Advisory> {
         let mut due = Vec::new();
         for check in checks {
-            let found = check.due(self, key, batch);
+            let found = check.due(self, key, batch).unwrap_or_default();
             if let Some(state) = self.ranks.get_mut(key) {
                 state.advisories.extend(found.iter().cloned());
             }
