@@ -176,6 +176,11 @@ class Layout:
         self.row_h = max(self.row_h, h)
         self.panels.append(panel)
 
+    def add_all(self, w, h, *panels):
+        """Places `panels`, all of one size, one after another."""
+        for panel in panels:
+            self.add(panel, w, h)
+
     def newline(self):
         if self.x:
             self.y += self.row_h
@@ -469,7 +474,9 @@ def node_gpu_memory():
     gsel = f'{sel}, gpu=~"$gpu"'
     L = Layout()
     L.row("Agents")
-    L.add(
+    L.add_all(
+        4,
+        4,
         stat(
             "NVML up (nodes)",
             f"sum(stepwatch_nvml_up{{{sel}}})",
@@ -477,10 +484,6 @@ def node_gpu_memory():
             "Nodes whose agent reads GPU memory through NVML.",
             thresholds=GOOD_IS_ONE,
         ),
-        4,
-        4,
-    )
-    L.add(
         stat(
             "NVML down (nodes)",
             f"count(stepwatch_nvml_up{{{sel}}} == 0) or vector(0)",
@@ -488,22 +491,14 @@ def node_gpu_memory():
             "Agents that cannot reach NVML (alert StepwatchNVMLDown).",
             thresholds=ZERO_IS_GOOD,
         ),
-        4,
-        4,
-    )
-    L.add(stat("GPUs", f"count(stepwatch_gpu_info{{{sel}}})", "none"), 4, 4)
-    L.add(stat("Ranks tracked", f"sum(stepwatch_ranks_tracked{{{sel}}})", "none"), 4, 4)
-    L.add(
+        stat("GPUs", f"count(stepwatch_gpu_info{{{sel}}})", "none"),
+        stat("Ranks tracked", f"sum(stepwatch_ranks_tracked{{{sel}}})", "none"),
         stat(
             "Client streams",
             f"sum(stepwatch_ingest_streams_active{{{sel}}})",
             "none",
             "Open marker streams from training processes.",
         ),
-        4,
-        4,
-    )
-    L.add(
         stat(
             "Worst sampler lag",
             f"max(stepwatch_sampler_lag_seconds{{{sel}}})",
@@ -518,8 +513,6 @@ def node_gpu_memory():
                 ],
             },
         ),
-        4,
-        4,
     )
     L.row("GPU memory")
     L.add(
@@ -728,28 +721,22 @@ def step_anatomy():
     jsel = J
     L = Layout()
     L.row("Job")
-    L.add(stat("Ranks", f"count(stepwatch_rank_info{{{sel}}})", "none"), 3, 4)
-    L.add(stat("Last step", f"max(stepwatch_rank_last_step{{{sel}}})", "none"), 3, 4)
-    L.add(
+    L.add_all(
+        3,
+        4,
+        stat("Ranks", f"count(stepwatch_rank_info{{{sel}}})", "none"),
+        stat("Last step", f"max(stepwatch_rank_last_step{{{sel}}})", "none"),
         stat(
             "Median step time",
             f"quantile(0.5, stepwatch_rank_step_duration_median_seconds{{{sel}}})",
             "s",
         ),
-        3,
-        4,
-    )
-    L.add(
         stat(
             "Steps per second",
             f"avg(rate(stepwatch_rank_steps_completed_total{{{sel}}}[$__rate_interval]))",
             "none",
             decimals=3,
         ),
-        3,
-        4,
-    )
-    L.add(
         stat(
             "Steady state reached",
             f"min(stepwatch_rank_steady_state_reached{{{sel}}})",
@@ -760,30 +747,18 @@ def step_anatomy():
                 {"type": "value", "options": {"0": {"text": "not yet"}, "1": {"text": "yes"}}}
             ],
         ),
-        3,
-        4,
-    )
-    L.add(
         stat(
             "Steady / first step peak (worst)",
             f"max(stepwatch_rank_first_step_anomaly_ratio{{{sel}}})",
             "percentunit",
             "Steady-state peak over first-step peak; above 100% the first step under-stated memory.",
         ),
-        3,
-        4,
-    )
-    L.add(
         stat(
             "Worst predicted headroom",
             f"min(stepwatch_rank_predicted_headroom_bytes{{{sel}}})",
             "bytes",
             thresholds=RED_BELOW_ZERO,
         ),
-        3,
-        4,
-    )
-    L.add(
         stat(
             "OOMs in range",
             f"sum(increase(stepwatch_rank_ooms_total{{{sel}}}[$__range]))",
@@ -791,8 +766,6 @@ def step_anatomy():
             thresholds=ZERO_IS_GOOD,
             decimals=0,
         ),
-        3,
-        4,
     )
     L.row("Phase durations")
     L.add(
@@ -971,7 +944,9 @@ def first_step_anomaly():
     sel = f'{J}, node=~"$node", rank=~"$rank"'
     L = Layout()
     L.row("Across all ranks of the job (recording rules, every node)")
-    L.add(
+    L.add_all(
+        4,
+        4,
         stat(
             "Step-1 peak divergence",
             f"max(stepwatch_job:first_step_peak_divergence_ratio{{{jsel}}})",
@@ -979,10 +954,6 @@ def first_step_anomaly():
             "(max - min) / median of the ranks' step-1 peaks. Alert StepwatchFirstStepDivergence above 10%.",
             thresholds=DIVERGENCE,
         ),
-        4,
-        4,
-    )
-    L.add(
         stat(
             "Outlier ranks",
             f"count(stepwatch_job_rank:first_step_peak_outlier{{{jsel}}} == 1) or vector(0)",
@@ -990,30 +961,14 @@ def first_step_anomaly():
             "Ranks whose step-1 peak is more than 10% from the job median.",
             thresholds=ZERO_IS_GOOD,
         ),
-        4,
-        4,
-    )
-    L.add(
         stat("Step-1 peak max", f"max(stepwatch_job:first_step_peak_bytes:max{{{jsel}}})", "bytes"),
-        4,
-        4,
-    )
-    L.add(
         stat(
             "Step-1 peak median",
             f"max(stepwatch_job:first_step_peak_bytes:median{{{jsel}}})",
             "bytes",
         ),
-        4,
-        4,
-    )
-    L.add(
         stat("Step-1 peak min", f"max(stepwatch_job:first_step_peak_bytes:min{{{jsel}}})", "bytes"),
-        4,
-        4,
-    )
-    L.add(
-        stat("Ranks reporting", f"max(stepwatch_job:ranks_reporting:count{{{jsel}}})", "none"), 4, 4
+        stat("Ranks reporting", f"max(stepwatch_job:ranks_reporting:count{{{jsel}}})", "none"),
     )
     L.add(
         bargauge(
@@ -1169,37 +1124,27 @@ def cluster_oom_risk():
     jsel = J
     L = Layout()
     L.row("Now")
-    L.add(
+    L.add_all(
+        4,
+        4,
         stat(
             "Jobs predicted to OOM",
             f"count(stepwatch_job:predicted_headroom_bytes:min{{{jsel}}} < 0) or vector(0)",
             "none",
             thresholds=ZERO_IS_GOOD,
         ),
-        4,
-        4,
-    )
-    L.add(
         stat(
             "Ranks at risk",
             f"sum(stepwatch_job:oom_risk_ranks:sum{{{jsel}}}) or vector(0)",
             "none",
             thresholds=ZERO_IS_GOOD,
         ),
-        4,
-        4,
-    )
-    L.add(
         stat(
             "Jobs under 5% headroom",
             f"count(stepwatch_job:predicted_headroom_ratio:min{{{jsel}}} < 0.05) or vector(0)",
             "none",
             thresholds=ZERO_IS_GOOD,
         ),
-        4,
-        4,
-    )
-    L.add(
         stat(
             "OOMs observed in range",
             f"sum(increase(stepwatch_rank_ooms_total{{{jsel}}}[$__range])) or vector(0)",
@@ -1207,28 +1152,18 @@ def cluster_oom_risk():
             thresholds=ZERO_IS_GOOD,
             decimals=0,
         ),
-        4,
-        4,
-    )
-    L.add(
         stat(
             "Agents up",
             f'sum(up{{job=~"$agent_job", {C}}})',
             "none",
             "Targets of the scrape job matching the agent_job variable.",
         ),
-        4,
-        4,
-    )
-    L.add(
         stat(
             "Nodes with NVML down",
             f"count(stepwatch_nvml_up{{{C}}} == 0) or vector(0)",
             "none",
             thresholds=ZERO_IS_GOOD,
         ),
-        4,
-        4,
     )
     L.add(
         table(
