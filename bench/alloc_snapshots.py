@@ -22,7 +22,7 @@ import json
 import pickle
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 SMALL_SIZE = 1 << 20
 SMALL_BUFFER = 2 << 20
@@ -34,7 +34,7 @@ class _DataOnly(pickle.Unpickler):
         raise pickle.UnpicklingError(f"the snapshot asks for {module}.{name}: refused")
 
 
-def load(path: Path) -> Dict[str, Any]:
+def load(path: Path) -> dict[str, Any]:
     with path.open("rb") as f:
         data = _DataOnly(f).load()
     if not isinstance(data, dict) or "segments" not in data:
@@ -46,7 +46,7 @@ def round_size(n: int) -> int:
     return MIN_BLOCK if n < MIN_BLOCK else (n + MIN_BLOCK - 1) // MIN_BLOCK * MIN_BLOCK
 
 
-def format_hint(data: Dict[str, Any], trace: List[Dict[str, Any]]) -> str:
+def format_hint(data: dict[str, Any], trace: list[dict[str, Any]]) -> str:
     """The PyTorch versions a snapshot's format allows (its keys appeared in
     these releases); the file does not name its version."""
     if "external_annotations" in data:
@@ -62,9 +62,9 @@ class Layout:
     """Segments by address; each a list of [offset, size, used] tiling it."""
 
     def __init__(self) -> None:
-        self.segs: Dict[int, Dict[str, Any]] = {}
+        self.segs: dict[int, dict[str, Any]] = {}
 
-    def find(self, addr: int) -> Optional[Tuple[int, int]]:
+    def find(self, addr: int) -> Optional[tuple[int, int]]:
         for base, s in self.segs.items():
             if base <= addr < base + s["size"]:
                 off = addr - base
@@ -74,7 +74,7 @@ class Layout:
         return None
 
     def merge(self, base: int) -> None:
-        out: List[List[int]] = []
+        out: list[list[int]] = []
         for b in self.segs[base]["blocks"]:
             if out and not out[-1][2] and not b[2]:
                 out[-1][1] += b[1]
@@ -133,11 +133,11 @@ class Layout:
             "blocks": [[0, size, False]],
         }
 
-    def to_json(self) -> List[Dict[str, Any]]:
+    def to_json(self) -> list[dict[str, Any]]:
         out = []
         for base in sorted(self.segs):
             s = self.segs[base]
-            seg: Dict[str, Any] = {
+            seg: dict[str, Any] = {
                 "address": base,
                 "pool": s["pool"],
                 "blocks": [{"size": n, "allocated": bool(u)} for _, n, u in s["blocks"]],
@@ -148,7 +148,7 @@ class Layout:
         return out
 
 
-def extract(data: Dict[str, Any]) -> Dict[str, Any]:
+def extract(data: dict[str, Any]) -> dict[str, Any]:
     traces = data.get("device_traces") or []
     if not traces or not any(traces):
         raise ValueError("no allocator history (record_memory_history was off)")
@@ -212,7 +212,7 @@ def extract(data: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     if len(argv) < 3:
         print(__doc__, file=sys.stderr)
         return 2

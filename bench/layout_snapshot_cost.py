@@ -29,7 +29,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "torch-jobs"))
@@ -42,7 +42,7 @@ from stepwatch import _alloctrace, _torch  # noqa: E402
 from stepwatch._client import load_wire  # noqa: E402
 
 
-def timed(fn: Callable[[], object], repeats: int) -> List[float]:
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -85,7 +85,7 @@ def main() -> int:
     def encode() -> None:
         layout.fill(pb.Marker())
 
-    results: Dict[str, List[float]] = {
+    results: dict[str, list[float]] = {
         "snapshot": timed(_torch.memory_layout, args.repeats),
         "gradients": timed(lambda: _torch.gradient_addresses(model.parameters()), args.repeats),
         "convert": timed(convert, args.repeats),

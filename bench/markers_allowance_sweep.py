@@ -21,12 +21,11 @@ import json
 import os
 import statistics
 import sys
-from typing import List, Tuple
 
 FRACTIONS = [0.0, 0.0625, 0.1, 0.15, 0.21, 0.3, 0.5, 1.0]
 
 
-def load(folder: str) -> List[Tuple[str, int, int, int, int, int, int]]:
+def load(folder: str) -> list[tuple[str, int, int, int, int, int, int]]:
     rows = []
     for path in sorted(glob.glob(os.path.join(folder, "r*", "report-*.json"))):
         with open(path) as f:
@@ -68,7 +67,7 @@ def load(folder: str) -> List[Tuple[str, int, int, int, int, int, int]]:
     return rows
 
 
-def errors(rows: List[Tuple[str, int, int, int, int, int, int]], fraction: float) -> List[float]:
+def errors(rows: list[tuple[str, int, int, int, int, int, int]], fraction: float) -> list[float]:
     out = []
     for _, without, from_cache, overhead, nvml_peak, step1_reserved, step1_nvml in rows:
         reserved = max(without + round(fraction * from_cache), step1_reserved)

@@ -47,9 +47,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from http.client import HTTPConnection
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Optional
 
 import grpc
 from stepwatch._proto.stepwatch.v1 import ingest_pb2 as pb
@@ -65,7 +66,7 @@ def hello(job: str, pid: int) -> pb.ClientMessage:
     )
 
 
-def step_markers(step: int, micro_batches: int, t: List[int]) -> List[pb.Marker]:
+def step_markers(step: int, micro_batches: int, t: list[int]) -> list[pb.Marker]:
     kinds = [pb.STEP_BEGIN]
     for _ in range(micro_batches):
         kinds += [pb.FORWARD_BEGIN, pb.BACKWARD_BEGIN]
@@ -110,7 +111,7 @@ def drain(
     return None
 
 
-def memory_load(sock: str, stop: Stop, rank: int, counts: Dict[str, int]) -> None:
+def memory_load(sock: str, stop: Stop, rank: int, counts: dict[str, int]) -> None:
     """Steps of 510 micro-batches (1024 phases) as fast as one stream goes."""
     pid = 100_000 + rank
     while not stop.done():
@@ -133,12 +134,12 @@ def memory_load(sock: str, stop: Stop, rank: int, counts: Dict[str, int]) -> Non
             time.sleep(0.05)
 
 
-def count(counts: Dict[str, int], key: str) -> None:
+def count(counts: dict[str, int], key: str) -> None:
     """One more ``key`` in ``counts``."""
     counts[key] = counts.get(key, 0) + 1
 
 
-def start_threads(targets: List[Callable[[], None]]) -> List[threading.Thread]:
+def start_threads(targets: list[Callable[[], None]]) -> list[threading.Thread]:
     """A started daemon thread for each target."""
     threads = [threading.Thread(target=t, daemon=True) for t in targets]
     for th in threads:
@@ -146,7 +147,7 @@ def start_threads(targets: List[Callable[[], None]]) -> List[threading.Thread]:
     return threads
 
 
-def silent_streams(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None:
+def silent_streams(sock: str, stop: Stop, counts: dict[str, int], n: int) -> None:
     """Streams that never send a message, reopened when the agent ends them;
     32 to a connection, below the agent's per-connection cap."""
     connections = [
@@ -157,7 +158,7 @@ def silent_streams(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> Non
         th.join()
 
 
-def short_jobs(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
+def short_jobs(sock: str, stop: Stop, counts: dict[str, int]) -> None:
     """A new one-step job after another, each with its own job id and a
     step of 1024 phases: ranks that finish and hold history."""
     n = 0
@@ -176,9 +177,9 @@ def short_jobs(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
             time.sleep(0.005)
 
 
-def connection_flood(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None:
+def connection_flood(sock: str, stop: Stop, counts: dict[str, int], n: int) -> None:
     """Raw connections that send nothing, held and replaced as they close."""
-    held: List[socket.socket] = []
+    held: list[socket.socket] = []
     while not stop.done():
         held = [s for s in held if _alive(s)]
         while len(held) < n and not stop.done():
@@ -212,7 +213,7 @@ def _alive(s: socket.socket) -> bool:
     return True
 
 
-def traces(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
+def traces(sock: str, stop: Stop, counts: dict[str, int]) -> None:
     """Step-1 traces with many segments; every other one never finished."""
     n = 0
     seg_size = 2 << 20
@@ -230,7 +231,7 @@ def traces(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
         first = step_markers(1, 1, t)
 
         def messages(
-            n: int = n, first: List[pb.Marker] = first, segments=segments, finish: bool = finish
+            n: int = n, first: list[pb.Marker] = first, segments=segments, finish: bool = finish
         ) -> Iterator[pb.ClientMessage]:
             yield hello(f"soak-trace-{n}", 300_000 + n)
             yield pb.ClientMessage(markers=pb.MarkerBatch(markers=first[:-1]))
@@ -253,10 +254,10 @@ def traces(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
         time.sleep(0.2)
 
 
-def idle_channels(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None:
+def idle_channels(sock: str, stop: Stop, counts: dict[str, int], n: int) -> None:
     """gRPC connections that connect (HTTP/2 preface, settings) and open no
     stream, reconnected when the agent closes them."""
-    chans: List[grpc.Channel] = []
+    chans: list[grpc.Channel] = []
     while not stop.done():
         while len(chans) < n and not stop.done():
             ch = channel(sock)
@@ -283,7 +284,7 @@ def idle_channels(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None
         ch.close()
 
 
-def one_rank_many_streams(sock: str, stop: Stop, counts: Dict[str, int], n: int) -> None:
+def one_rank_many_streams(sock: str, stop: Stop, counts: dict[str, int], n: int) -> None:
     """One process, one rank: n streams that each say hello and then wait,
     spread over 8 connections."""
     per = max(1, n // 8)
@@ -301,7 +302,7 @@ def one_rank_many_streams(sock: str, stop: Stop, counts: Dict[str, int], n: int)
 def _waiting_streams(
     sock: str,
     stop: Stop,
-    counts: Dict[str, int],
+    counts: dict[str, int],
     n: int,
     label: str,
     first: Optional[pb.ClientMessage] = None,
@@ -334,9 +335,9 @@ def _waiting_streams(
         gate.set()
 
 
-def http_held(port: int, stop: Stop, counts: Dict[str, int], n: int) -> None:
+def http_held(port: int, stop: Stop, counts: dict[str, int], n: int) -> None:
     """Keep-alive HTTP connections that send one byte of a request a minute."""
-    held: List[socket.socket] = []
+    held: list[socket.socket] = []
     last_byte = 0.0
     while not stop.done():
         held = [s for s in held if _alive(s)]
@@ -365,7 +366,7 @@ def http_held(port: int, stop: Stop, counts: Dict[str, int], n: int) -> None:
         s.close()
 
 
-def report_readers(port: int, stop: Stop, counts: Dict[str, int], n: int, steps: List[int]) -> None:
+def report_readers(port: int, stop: Stop, counts: dict[str, int], n: int, steps: list[int]) -> None:
     """n readers at once of a memory rank's report, reader i asking for
     steps[i % len(steps)] of its 1024-phase steps; by default half ask for
     all of it (far past the reports budget), half for 3 (a few fit in the
@@ -394,7 +395,7 @@ def report_readers(port: int, stop: Stop, counts: Dict[str, int], n: int, steps:
         th.join()
 
 
-def clock_jumper(sock: str, stop: Stop, counts: Dict[str, int]) -> None:
+def clock_jumper(sock: str, stop: Stop, counts: dict[str, int]) -> None:
     """A rank that steps every 100 ms; one marker in 50 steps is an hour
     ahead. The steps after it must still be taken."""
     while not stop.done():
@@ -466,7 +467,7 @@ def http(port: int, path: str, timeout: float = 10.0, source: Optional[str] = No
         conn.close()
 
 
-def metric_lines(text: str, name: str) -> Dict[str, float]:
+def metric_lines(text: str, name: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
@@ -537,7 +538,7 @@ def _attack_process(
         os.setgid(uid)
         os.setuid(uid)
     stop = Stop(args["seconds"])
-    counts: Dict[str, int] = {}
+    counts: dict[str, int] = {}
     for th in _attack_loads(name, args, sock, port, stop, counts):
         th.daemon = True
         th.start()
@@ -572,7 +573,7 @@ def polite_progress(port: int) -> tuple:
 STALL_BUCKETS_S = (0.5, 1, 2, 5, 10, 30)
 
 
-def polite_stalls(observed: List[tuple]) -> dict:
+def polite_stalls(observed: list[tuple]) -> dict:
     """The polite rank steps every 100 ms: a stall is a time its completed
     steps in /metrics stood still. Failed scrapes count as no progress, and
     are counted apart so that a blind observer is not read as a stall."""
@@ -603,13 +604,13 @@ def polite_stalls(observed: List[tuple]) -> dict:
     }
 
 
-def polite_client(events: List[tuple], observed: List[tuple]) -> dict:
+def polite_client(events: list[tuple], observed: list[tuple]) -> dict:
     """What the polite rank itself saw (its streams' errors), and how long
     its steps waited to show in /metrics: at each scrape, the oldest step
     sent and not yet counted has waited since it was sent. Steps are
     numbered on from 1 across reconnects, so completed steps n means step
     n + 1 is the next one due (while no stream broke)."""
-    ended: Dict[str, int] = {}
+    ended: dict[str, int] = {}
     sent_at = {e[1]: e[2] for e in events if e[0] == "sent"}
     for e in events:
         if e[0] == "ended":
@@ -792,12 +793,12 @@ def main() -> int:
         for a in attacks:
             a.start()
 
-        probe_ms: List[float] = []
+        probe_ms: list[float] = []
         probes = {"ok": 0, "failed": 0}
         rss_peak_kib = 0
         # (time, the polite rank's completed steps or None, the scrape's seconds)
-        polite_steps: List[tuple] = []
-        polite_events: List[tuple] = []
+        polite_steps: list[tuple] = []
+        polite_events: list[tuple] = []
         last_report = time.monotonic()
         while not stop.done():
             for path in ("/healthz", "/readyz"):
@@ -832,7 +833,7 @@ def main() -> int:
         for line in Path(f"/proc/{agent.pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 hwm_kib = int(line.split()[1])
-        counts: Dict[str, int] = {}
+        counts: dict[str, int] = {}
         until = time.monotonic() + 30
         for _ in attacks:
             try:

@@ -33,7 +33,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -52,14 +52,14 @@ class RankWatch:
 
     def __init__(self) -> None:
         self.steps_completed = 0
-        self.advisory: Optional[Dict[str, Any]] = None
+        self.advisory: Optional[dict[str, Any]] = None
         self.advisory_step: Optional[int] = None
-        self.forecast: Optional[Dict[str, Any]] = None
-        self.largest: Optional[Dict[str, Any]] = None  # slope, with its source
+        self.forecast: Optional[dict[str, Any]] = None
+        self.largest: Optional[dict[str, Any]] = None  # slope, with its source
         self.post_mortem = False
-        self.final_slopes: Dict[str, Any] = {}  # the last report's, by figure
+        self.final_slopes: dict[str, Any] = {}  # the last report's, by figure
 
-    def see(self, rep: Dict[str, Any]) -> None:
+    def see(self, rep: dict[str, Any]) -> None:
         steps = int(rep.get("steps_completed") or 0)
         self.steps_completed = max(self.steps_completed, steps)
         adv = next(
@@ -78,7 +78,7 @@ class RankWatch:
             ):
                 self.largest = dict(s, source=source)
 
-    def row(self, job: ta.Job, rank: int, usable: int) -> Dict[str, Any]:
+    def row(self, job: ta.Job, rank: int, usable: int) -> dict[str, Any]:
         s = self.largest
         counts_below = None
         if s is not None and s["low_bytes_per_step"] > 0:
@@ -102,7 +102,7 @@ class RankWatch:
         }
 
 
-def run_job(h: ta.Harness, job: ta.Job, steps: int, n: int) -> List[Dict[str, Any]]:
+def run_job(h: ta.Harness, job: ta.Job, steps: int, n: int) -> list[dict[str, Any]]:
     """One job for `steps` steps on fresh roomy fake GPUs with its own agent."""
     rundir = h.work / f"r{n:03d}-{job.name}"
     rundir.mkdir()
@@ -152,7 +152,7 @@ def kib(b: float) -> str:
     return f"{b / 1024:+.1f}"
 
 
-def line(r: Dict[str, Any]) -> str:
+def line(r: dict[str, Any]) -> str:
     s = r["largest_slope"]
     slope = (
         f"largest slope {kib(s['bytes_per_step'])} KiB/step ({s['source']},"
@@ -172,7 +172,7 @@ def line(r: Dict[str, Any]) -> str:
     )
 
 
-def table(rows: List[Dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]]) -> str:
     out = [
         "| job | rank | steps | growth advisory | forecast | largest slope, KiB/step (figure;"
         " Sen's lower end) | significant | would count on a GPU under |",
@@ -195,7 +195,7 @@ def table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def parse_args(argv: Optional[List[str]], repo: Path) -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]], repo: Path) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="bench/steady-growth.sh",
         description="Corpus jobs run for many steps on a roomy fake GPU, each with its own"
@@ -229,7 +229,7 @@ PASS_JOBS = ("gpt-eval-every", "gpt-checkpoint", "hf-bert-cls-frozen-emb")
 ORIGINAL_JOBS = 18  # the corpus before issue 28 (bench/torch-jobs/README.md)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     repo = Path(__file__).resolve().parent.parent
     opts = parse_args(argv, repo)
     try:
@@ -249,8 +249,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     jobs = [next(j for j in jobs if j.name == n) for n in want]
     signal.signal(signal.SIGTERM, ta.on_signal)
     signal.signal(signal.SIGINT, ta.on_signal)
-    rows: List[Dict[str, Any]] = []
-    errors: List[str] = []
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
     h: Optional[ta.Harness] = None
     out = Path(opts.out)
     try:

@@ -118,10 +118,11 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Optional
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -174,16 +175,16 @@ def pct(x: Optional[float], signed: bool = True) -> str:
 class Job:
     name: str
     script: Path
-    args: List[str]
+    args: list[str]
     nproc: int
-    env: Dict[str, str]
+    env: dict[str, str]
     steps: int
     covers: str
     set: Optional[str] = None  # "tuning" | "held_out" (bench/torch-jobs/split.py); None: unsplit
     family: str = ""
 
     @staticmethod
-    def load(path: Path, repo: Path) -> List[Job]:
+    def load(path: Path, repo: Path) -> list[Job]:
         try:
             raw = json.loads(path.read_text())
         except (OSError, ValueError) as e:
@@ -222,14 +223,14 @@ class Job:
 
 
 # ----------------------------------------------------------- subprocesses ----
-LIVE: Dict[int, Tuple[subprocess.Popen, bool]] = {}  # pid -> (process, own process group)
+LIVE: dict[int, tuple[subprocess.Popen, bool]] = {}  # pid -> (process, own process group)
 LIVE_LOCK = threading.Lock()
 
 
 STOPPING = threading.Event()  # set on the way out: start nothing more, wait for nothing
 
 
-def start(cmd: List[str], group: bool, **kw: Any) -> subprocess.Popen:
+def start(cmd: list[str], group: bool, **kw: Any) -> subprocess.Popen:
     with LIVE_LOCK:
         if STOPPING.is_set():
             raise HarnessError("stopping")
@@ -285,7 +286,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_get(port: int, path: str, timeout: float = 5.0) -> Tuple[int, bytes]:
+def http_get(port: int, path: str, timeout: float = 5.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
             return r.status, r.read()
@@ -383,9 +384,9 @@ class RankRecord:
     gpu_uuid: str = ""
     local_rank: int = 0
     # (at_ns, "markers" | "allocator_trace" | "model_facts", markers)
-    entries: List[Tuple[int, str, List[Dict[str, Any]]]] = field(default_factory=list)
+    entries: list[tuple[int, str, list[dict[str, Any]]]] = field(default_factory=list)
 
-    def markers(self) -> Iterable[Dict[str, Any]]:
+    def markers(self) -> Iterable[dict[str, Any]]:
         for _, _, ms in self.entries:
             yield from ms
 
@@ -401,7 +402,7 @@ class RankRecord:
                 return int(m["step"])
         return None
 
-    def last_step_end(self) -> Tuple[Optional[int], Optional[int]]:
+    def last_step_end(self) -> tuple[Optional[int], Optional[int]]:
         last = (None, None)
         for m in self.markers():
             if m["kind"] == "step_end":
@@ -416,7 +417,7 @@ class RankRecord:
         """What the agent had applied when it judged the entry at `at_ns`: its last
         marker of step <= `step` (and whether that entry was an allocator trace or
         a model-facts update)."""
-        last: Optional[Dict[str, Any]] = None
+        last: Optional[dict[str, Any]] = None
         for at, kind, ms in self.entries:
             if at > at_ns:
                 break
@@ -433,19 +434,19 @@ class RankRecord:
         return None
 
 
-def oom_warned(row: Dict[str, Any]) -> bool:
+def oom_warned(row: dict[str, Any]) -> bool:
     """A step-2 OOM advisory before step 2, or at step 2's first forward from the
     prediction revised for its larger batch (see the definitions above)."""
     return bool(row["warned_before_step2"] or row.get("warned_at_step2_forward"))
 
 
-def fmt_marker(m: Dict[str, Any]) -> str:
+def fmt_marker(m: dict[str, Any]) -> str:
     mb = m.get("micro_batch") or 0
     return f"step{m['step']}.{m['kind']}" + (f"[mb{mb}]" if mb else "")
 
 
-def read_record(path: Path, job_id: str) -> Dict[int, RankRecord]:
-    ranks: Dict[int, RankRecord] = {}
+def read_record(path: Path, job_id: str) -> dict[int, RankRecord]:
+    ranks: dict[int, RankRecord] = {}
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
@@ -482,8 +483,8 @@ class Usage:
 
     def __init__(self, usage_dir: Path) -> None:
         # uuid -> sorted [(ns, pid, bytes)]; device index by (pid, uuid)
-        self.by_gpu: Dict[str, List[Tuple[int, int, int]]] = {}
-        self.index: Dict[str, int] = {}
+        self.by_gpu: dict[str, list[tuple[int, int, int]]] = {}
+        self.index: dict[str, int] = {}
         for f in sorted(usage_dir.glob("*.tsv")):
             try:
                 pid = int(f.stem)
@@ -513,7 +514,7 @@ class Usage:
     def peak(self, uuid: str, t0: int, t1: int, pid: Optional[int] = None) -> Optional[int]:
         """Max over [t0, t1] of the GPU's used bytes: the sum over the processes on it
         (or only `pid`), including the value it held when the window opened."""
-        cur: Dict[int, int] = {}
+        cur: dict[int, int] = {}
         best: Optional[int] = None
         opened = False
         for ns, p, used in self.by_gpu.get(uuid, []):
@@ -548,13 +549,13 @@ class Harness:
         self.repo = repo
         self.python = Path(opts.python)
         self.work = Path(tempfile.mkdtemp(prefix="tacc.", dir="/tmp"))
-        self.rows: List[Dict[str, Any]] = []
-        self.errors: List[str] = []
+        self.rows: list[dict[str, Any]] = []
+        self.errors: list[str] = []
         self.runs_done = 0
         self.lock = threading.Lock()
-        self.phase_totals: Dict[str, float] = {}
+        self.phase_totals: dict[str, float] = {}
         # job -> rank -> what each peer estimator said (peer_run)
-        self.peers: Dict[str, Dict[int, Dict[str, Any]]] = {}
+        self.peers: dict[str, dict[int, dict[str, Any]]] = {}
         self.fake_cuda = Path(opts.fake_cuda)
         try:
             self.bin, self.nvml_lib = self._agent_binary(Path(opts.bin))
@@ -582,7 +583,7 @@ class Harness:
                 + "\n".join("    " + x for x in lines[-20:])
             )
 
-    def _agent_binary(self, src: Path) -> Tuple[Path, Path]:
+    def _agent_binary(self, src: Path) -> tuple[Path, Path]:
         """A private copy of the agent and the fake NVML library: others rebuild target/."""
         if not os.access(src, os.X_OK):
             raise HarnessError(f"no agent binary at {src} (cargo build -p stepwatch)")
@@ -614,7 +615,7 @@ class Harness:
         if init.returncode != 0:
             raise HarnessError(f"fake-gpu init failed: {init.stderr.strip()}")
 
-    def run(self, job: Job, variant: str, plan: Plan, label: str) -> List[Dict[str, Any]]:
+    def run(self, job: Job, variant: str, plan: Plan, label: str) -> list[dict[str, Any]]:
         """One run: a fresh agent on fresh fake GPUs; the job under fake CUDA. Rows per rank."""
         with self.lock:
             self.runs_done += 1
@@ -630,7 +631,7 @@ class Harness:
         self.init_fake_gpus(nvml_dir, job.nproc, total)
         t_run = time.monotonic()
         agent = Agent(self, rundir, nvml_dir)
-        phases: Dict[str, float] = {}
+        phases: dict[str, float] = {}
         try:
             agent.start()
             phases["agent_up"] = time.monotonic() - t_run
@@ -699,7 +700,7 @@ class Harness:
         nvml_dir: Path,
         usage_dir: Path,
         rundir: Path,
-    ) -> Tuple[int, bool]:
+    ) -> tuple[int, bool]:
         env = self.agent_env(
             job, job_id, agent, nvml_dir, STEPWATCH_FAKE_CUDA_USAGE_LOG=str(usage_dir)
         )
@@ -713,7 +714,7 @@ class Harness:
 
     def agent_env(
         self, job: Job, job_id: str, agent: Agent, nvml_dir: Path, **settings: str
-    ) -> Dict[str, str]:
+    ) -> dict[str, str]:
         """A job's environment (`job_env`) reporting to ``agent`` as ``job_id``, on the
         fake GPUs of ``nvml_dir``."""
         return self.job_env(
@@ -725,7 +726,7 @@ class Harness:
             **settings,
         )
 
-    def job_env(self, job: Job, paths: List[Path], **settings: str) -> Dict[str, str]:
+    def job_env(self, job: Job, paths: list[Path], **settings: str) -> dict[str, str]:
         """This process's environment for a job: without the allocator settings (the job's
         own env decides them), ``paths`` first on PYTHONPATH, unbuffered, ``settings``,
         then the job's env."""
@@ -739,7 +740,7 @@ class Harness:
         env.update(job.env)
         return env
 
-    def job_command(self, job: Job, *extra: str) -> List[str]:
+    def job_command(self, job: Job, *extra: str) -> list[str]:
         """The job's command line (under torchrun when it has several ranks), ``extra``
         flags last."""
         cmd = [str(self.python)]
@@ -749,8 +750,8 @@ class Harness:
         return cmd + [str(job.script)] + job.args + list(extra)
 
     def on_fake_cuda(
-        self, cmd: List[str], gpus: int, usage_dir: Optional[Path] = None
-    ) -> List[str]:
+        self, cmd: list[str], gpus: int, usage_dir: Optional[Path] = None
+    ) -> list[str]:
         """``cmd`` under ``fake-cuda run`` on ``gpus`` GPUs, its usage log in ``usage_dir``."""
         wrap = [str(self.fake_cuda), "run", "--python", str(self.python), "--gpus", str(gpus)]
         if usage_dir is not None:
@@ -761,8 +762,8 @@ class Harness:
         return wrap + ["--"] + cmd
 
     def run_logged(
-        self, rundir: Path, cmd: List[str], env: Dict[str, str]
-    ) -> Tuple[Optional[int], bool]:
+        self, rundir: Path, cmd: list[str], env: dict[str, str]
+    ) -> tuple[Optional[int], bool]:
         """Runs ``cmd`` (written to ``rundir``/cmd; its output to job.out and job.err) until
         it ends or --run-timeout passes; its exit status and whether it timed out."""
         (rundir / "cmd").write_text(" ".join(cmd) + "\n")
@@ -775,7 +776,7 @@ class Harness:
                 timed_out = True
             return stop(p), timed_out
 
-    def peer_run(self, job: Job) -> Dict[int, Dict[str, Any]]:
+    def peer_run(self, job: Job) -> dict[int, dict[str, Any]]:
         """The peer estimators on one run of the job on a roomy fake GPU, without an agent
         (bench/peers/sitecustomize.py, 2 steps): per rank, what each estimated."""
         with self.lock:
@@ -803,7 +804,7 @@ class Harness:
         seconds = time.monotonic() - t0
         with self.lock:
             self.phase_totals["peers"] = self.phase_totals.get("peers", 0.0) + seconds
-        results: Dict[int, Dict[str, Any]] = {}
+        results: dict[int, dict[str, Any]] = {}
         for rank in range(job.nproc):
             f = out_dir / f"peer-{rank}.json"
             try:
@@ -826,9 +827,9 @@ class Harness:
             log(f"  run {n} (peers): {job.name} rank {rank}: {'; '.join(parts)} [{seconds:.1f} s]")
         return results
 
-    def _reports(self, agent: Agent, job: Job, job_id: str) -> Dict[int, Dict[str, Any]]:
+    def _reports(self, agent: Agent, job: Job, job_id: str) -> dict[int, dict[str, Any]]:
         """Each rank's report, once its stream has closed (the agent has applied all of it)."""
-        reports: Dict[int, Dict[str, Any]] = {}
+        reports: dict[int, dict[str, Any]] = {}
         deadline = time.monotonic() + self.opts.report_timeout
         while True:
             listing = agent.get_json(f"/api/v1/jobs/{job_id}") or {}
@@ -861,11 +862,11 @@ class Harness:
         said_oom: bool,
         rank_said_oom: bool,
         seconds: float,
-        rep: Optional[Dict[str, Any]],
+        rep: Optional[dict[str, Any]],
         rec: Optional[RankRecord],
         usage: Optional[Usage],
-    ) -> Dict[str, Any]:
-        row: Dict[str, Any] = {
+    ) -> dict[str, Any]:
+        row: dict[str, Any] = {
             "job": job.name,
             "set": job.set,
             "family": job.family,
@@ -1007,7 +1008,7 @@ class Harness:
         return row
 
 
-def progress_line(row: Dict[str, Any]) -> str:
+def progress_line(row: dict[str, Any]) -> str:
     if row["outcome"] == "fit":
         what = (
             f"fit, pred {gib(row['predicted_peak_bytes'])} actual {gib(row['actual_peak_bytes'])}"
@@ -1033,7 +1034,7 @@ def round_mib(b: float) -> int:
     return int(math.ceil(b / MIB)) * MIB
 
 
-def plan_cases(calib: List[Dict[str, Any]], cases: List[str]) -> Tuple[List[Plan], List[str]]:
+def plan_cases(calib: list[dict[str, Any]], cases: list[str]) -> tuple[list[Plan], list[str]]:
     """Capacities around the calibration run's truth (the rank with the highest steady peak)."""
     fits = [r for r in calib if r["outcome"] == "fit" and r["actual_peak_bytes"]]
     if not fits:
@@ -1047,14 +1048,14 @@ def plan_cases(calib: List[Dict[str, Any]], cases: List[str]) -> Tuple[List[Plan
         f"calibration (rank {top['rank']}): steady peak P {gib(p)} GiB, step-1 peak S1"
         f" {gib(s1)} GiB, steady allocated A {gib(alloc)} GiB, reserved R {gib(reserved)} GiB"
     ]
-    plans: List[Plan] = []
+    plans: list[Plan] = []
     for case, f in FIT_CASES:
         if case in cases:
             plans.append(Plan(case, round_mib(p * f), f"P x {f}"))
     # Allocated memory (plus what NVML shows beyond the allocator) at its steady peak.
     need_alloc = alloc + (p - reserved) if alloc and reserved and reserved <= p else None
     min_band = max(8 * MIB, 0.01 * p)
-    oom_plans: List[Plan] = []
+    oom_plans: list[Plan] = []
     if s1 is None or p - s1 < min_band:
         notes.append(
             f"step2-oom, fragmentation skipped: step 1's peak {gib(s1)} GiB is within"
@@ -1090,9 +1091,9 @@ def plan_cases(calib: List[Dict[str, Any]], cases: List[str]) -> Tuple[List[Plan
 
 
 # --------------------------------------------------------------- summary ----
-def summarize(rows: List[Dict[str, Any]], variants: List[str]) -> Tuple[List[str], List[str]]:
-    lines: List[str] = []
-    missed: List[str] = []
+def summarize(rows: list[dict[str, Any]], variants: list[str]) -> tuple[list[str], list[str]]:
+    lines: list[str] = []
+    missed: list[str] = []
     for v in variants:
         vr = [r for r in rows if r["variant"] == v]
         if not vr:
@@ -1193,7 +1194,7 @@ def summarize(rows: List[Dict[str, Any]], variants: List[str]) -> Tuple[List[str
     return lines, missed
 
 
-def annotate_peers(rows: List[Dict[str, Any]], peers: Dict[str, Dict[int, Dict[str, Any]]]) -> None:
+def annotate_peers(rows: list[dict[str, Any]], peers: dict[str, dict[int, dict[str, Any]]]) -> None:
     """Each row gets ``peers``: per peer estimator, its estimate for the row's job and rank
     (made once, on a roomy GPU), judged against the row's capacity and outcome like ours:
     ``error`` for runs that fit, ``warned`` when the estimate exceeds the usable memory."""
@@ -1202,10 +1203,10 @@ def annotate_peers(rows: List[Dict[str, Any]], peers: Dict[str, Dict[int, Dict[s
         if got is None:
             row.pop("peers", None)
             continue
-        out: Dict[str, Any] = {}
+        out: dict[str, Any] = {}
         for key in PEERS:
             pred = (got.get(key) or {}).get("predicted_peak_bytes")
-            entry: Dict[str, Any] = {"predicted_peak_bytes": pred, "error": None, "warned": False}
+            entry: dict[str, Any] = {"predicted_peak_bytes": pred, "error": None, "warned": False}
             if got.get(f"{key}_failed"):
                 entry["failed"] = got[f"{key}_failed"]
             if key == "accelerate" and got.get(key):
@@ -1220,7 +1221,7 @@ def annotate_peers(rows: List[Dict[str, Any]], peers: Dict[str, Dict[int, Dict[s
         row["peers"] = out
 
 
-def estimator_stats(rows: List[Dict[str, Any]], who: str) -> Dict[str, Any]:
+def estimator_stats(rows: list[dict[str, Any]], who: str) -> dict[str, Any]:
     """Median and max |error| over the runs that fit, step-2 OOMs warned before step 2
     (ours) or caught (a peer's estimate above the usable memory), false alarms (warned,
     and the run fit with >= 5% true headroom). ``who``: a variant (ours) or a peer key;
@@ -1228,30 +1229,30 @@ def estimator_stats(rows: List[Dict[str, Any]], who: str) -> Dict[str, Any]:
     if who in VARIANTS:
         vr = [r for r in rows if r["variant"] == who]
 
-        def pred(r: Dict[str, Any]) -> Optional[int]:
+        def pred(r: dict[str, Any]) -> Optional[int]:
             return r["predicted_peak_bytes"]
 
-        def err(r: Dict[str, Any]) -> Optional[float]:
+        def err(r: dict[str, Any]) -> Optional[float]:
             return r["error"]
 
-        def warned(r: Dict[str, Any]) -> bool:
+        def warned(r: dict[str, Any]) -> bool:
             return oom_warned(r)
 
-        def alarm(r: Dict[str, Any]) -> bool:
+        def alarm(r: dict[str, Any]) -> bool:
             return bool(r["false_alarm"])
     else:
         vr = [r for r in rows if r["variant"] == "trace" and "peers" in r]
 
-        def pred(r: Dict[str, Any]) -> Optional[int]:
+        def pred(r: dict[str, Any]) -> Optional[int]:
             return r["peers"][who]["predicted_peak_bytes"]
 
-        def err(r: Dict[str, Any]) -> Optional[float]:
+        def err(r: dict[str, Any]) -> Optional[float]:
             return r["peers"][who]["error"]
 
-        def warned(r: Dict[str, Any]) -> bool:
+        def warned(r: dict[str, Any]) -> bool:
             return bool(r["peers"][who]["warned"])
 
-        def alarm(r: Dict[str, Any]) -> bool:
+        def alarm(r: dict[str, Any]) -> bool:
             return (
                 warned(r)
                 and r["outcome"] == "fit"
@@ -1285,16 +1286,16 @@ def set_label(s: Optional[str]) -> str:
     return s if s is not None else "unsplit"
 
 
-def sets_of(rows: List[Dict[str, Any]]) -> List[Optional[str]]:
+def sets_of(rows: list[dict[str, Any]]) -> list[Optional[str]]:
     present = {r.get("set") for r in rows}
     return [s for s in (*SETS, None) if s in present]
 
 
 def summary_by_set(
-    rows: List[Dict[str, Any]], variants: List[str], peers: bool
-) -> Dict[str, Dict[str, Any]]:
+    rows: list[dict[str, Any]], variants: list[str], peers: bool
+) -> dict[str, dict[str, Any]]:
     """Per set, per estimator (our variants, then the peers): estimator_stats."""
-    out: Dict[str, Dict[str, Any]] = {}
+    out: dict[str, dict[str, Any]] = {}
     whos = list(variants) + (list(PEERS) if peers else [])
     for st in sets_of(rows):
         srows = [r for r in rows if r.get("set") == st]
@@ -1302,7 +1303,7 @@ def summary_by_set(
     return out
 
 
-def set_table(summary: Dict[str, Dict[str, Any]]) -> str:
+def set_table(summary: dict[str, dict[str, Any]]) -> str:
     """One line per set and estimator: the figures the targets are judged on."""
     names = {"trace": "stepwatch, trace", "markers": "stepwatch, markers only", **PEERS}
     head = [
@@ -1338,7 +1339,7 @@ def set_table(summary: Dict[str, Dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def job_table(rows: List[Dict[str, Any]], variants: List[str], peers: bool) -> str:
+def job_table(rows: list[dict[str, Any]], variants: list[str], peers: bool) -> str:
     """One line per job: its set, our error range and warned step-2 OOMs per variant,
     each peer's error range and caught step-2 OOMs."""
     whos = list(variants) + (list(PEERS) if peers else [])
@@ -1376,7 +1377,7 @@ def job_table(rows: List[Dict[str, Any]], variants: List[str], peers: bool) -> s
     return "\n".join(out)
 
 
-def table(rows: List[Dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]]) -> str:
     head = [
         "job",
         "set",
@@ -1451,7 +1452,7 @@ def add_harness_args(ap: argparse.ArgumentParser, repo: Path, out: str) -> None:
     ap.add_argument("--python", default=sys.executable, help="Python of the jobs (%(default)s)")
 
 
-def parse_args(argv: Optional[List[str]], repo: Path) -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]], repo: Path) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="bench/torch-accuracy.sh",
         description="Step-2 prediction accuracy on real PyTorch jobs on fake GPUs: each job at"
@@ -1555,22 +1556,22 @@ class Task:
     peers: bool = False
 
 
-def run_suite(h: Harness, jobs: List[Job], out: Path) -> None:
+def run_suite(h: Harness, jobs: list[Job], out: Path) -> None:
     """Calibrations first, each job's planned runs as soon as its calibration is in;
     `--parallel` runs at a time (each with its own agent and fake GPUs)."""
     opts = h.opts
     calib_variant = "trace" if "trace" in opts.variants else opts.variants[0]
     peers_on = not opts.no_peers and opts.launcher == "fake-cuda"
     roomy = Plan("roomy", int(opts.calibration_gib * GIB), "calibration")
-    queue: Deque[Task] = deque(
+    queue: deque[Task] = deque(
         Task(i, job, calib_variant, roomy, calibration=True) for i, job in enumerate(jobs)
     )
     left = {job.name: 1 for job in jobs}  # runs not finished, per job
     started = {job.name: 0.0 for job in jobs}
-    running: Dict[Future, Task] = {}
+    running: dict[Future, Task] = {}
     case_order = {c: i for i, c in enumerate(ALL_CASES)}
 
-    def sort_key(r: Dict[str, Any]) -> Tuple[int, int, int, int]:
+    def sort_key(r: dict[str, Any]) -> tuple[int, int, int, int]:
         ji = next(i for i, j in enumerate(jobs) if j.name == r["job"])
         return (ji, case_order.get(r["case"], 99), VARIANTS.index(r["variant"]), r["rank"])
 
@@ -1616,7 +1617,7 @@ def run_suite(h: Harness, jobs: List[Job], out: Path) -> None:
                     if rows is not None and (not t.calibration or "roomy" in opts.cases):
                         h.rows += rows
                     if rows is not None and t.calibration:
-                        plans: List[Plan] = []
+                        plans: list[Plan] = []
                         notes = ["no truth without fake CUDA: no capacity plan"]
                         if opts.launcher == "fake-cuda":
                             try:
@@ -1658,7 +1659,7 @@ def write_json(path: Path, rows: Any) -> None:
     tmp.replace(path)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     repo = Path(__file__).resolve().parent.parent
     opts = parse_args(argv, repo)
     try:
@@ -1731,7 +1732,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print()
     print(job_table(h.rows, opts.variants, peers_on))
     print()
-    missed: List[str] = []
+    missed: list[str] = []
     for st in sets_of(h.rows):
         srows = [r for r in h.rows if r.get("set") == st]
         label = set_label(st)

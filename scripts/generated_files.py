@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 
 def sync(root: str, want: Mapping[str, str], check: bool, shown_as: str = "") -> list[str]:

@@ -36,7 +36,7 @@ import json
 import os
 import sys
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 OUT = os.environ.get("STEPWATCH_PEER_OUT")
 
@@ -44,10 +44,10 @@ OUT = os.environ.get("STEPWATCH_PEER_OUT")
 class _Peers:
     def __init__(self) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
-        self.result: Dict[str, Any] = {"rank": self.rank, "errors": []}
+        self.result: dict[str, Any] = {"rank": self.rank, "errors": []}
         self.tracker: Any = None
-        self.steps: Dict[int, int] = {}
-        self.opts: List[Any] = []
+        self.steps: dict[int, int] = {}
+        self.opts: list[Any] = []
         self.done = False
         self.autocast_seen: Optional[bool] = None
         self.total_bytes: Optional[int] = None

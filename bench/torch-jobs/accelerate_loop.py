@@ -12,7 +12,7 @@ optimizer step.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import stepwatch
 import torch
@@ -24,7 +24,7 @@ import common
 import hf_models
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.parser(__doc__.split("\n\n")[0])
     common.add_gpt_args(p, layers=8, batch=8, vocab=50257)
     p.add_argument(

@@ -9,7 +9,7 @@ after each optimizer step.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -17,7 +17,7 @@ import common
 from models import ResNet
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.parser(__doc__.split("\n\n")[0])
     common.add_image_args(p, batch=128, image_size=224, classes=1000, width=64)
     p.add_argument("--blocks", default="2,2,2,2", help="BasicBlocks per stage (2,2,2,2: ResNet-18)")

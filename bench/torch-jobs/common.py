@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
 
 import stepwatch
 import torch
@@ -163,7 +164,7 @@ def setup_device(name: str, index: Optional[int] = None) -> torch.device:
     return device
 
 
-def init_distributed(device_name: str) -> Tuple[int, int, torch.device]:
+def init_distributed(device_name: str) -> tuple[int, int, torch.device]:
     """torchrun's process group: NCCL on CUDA (one GPU per local rank), gloo on CPU.
 
     Returns (rank, world size, device).
@@ -183,7 +184,7 @@ class Lion(torch.optim.Optimizer):
         self,
         params: Any,
         lr: float = 1e-4,
-        betas: Tuple[float, float] = (0.9, 0.99),
+        betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,
     ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
@@ -243,7 +244,7 @@ def build_model(
     device: torch.device,
     make_model: Any,
     detail: str,
-) -> Tuple[torch.nn.Module, torch.optim.Optimizer]:
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The job's model, built on ``device`` from ``args.seed``, and its optimizer
     (``args.optimizer``, ``args.lr``); prints one line saying what was built."""
     torch.manual_seed(args.seed)
@@ -257,7 +258,7 @@ def build_model(
 
 def start_job(
     name: str, args: argparse.Namespace, make_model: Any, detail: str
-) -> Tuple[torch.nn.Module, torch.optim.Optimizer, torch.device]:
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.device]:
     """What a one-GPU job does before its loop: the device (``args.device``), the
     model and optimizer of ``build_model`` on it, and ``stepwatch.watch`` on both."""
     device = setup_device(args.device)
@@ -345,7 +346,7 @@ def autocast(device: torch.device, precision: str) -> torch.autocast:
 
 def random_tokens(
     batch: int, seq_len: int, vocab: int, device: torch.device
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of random token ids and its next-token targets."""
     t = torch.randint(vocab, (batch, seq_len + 1), device=device)
     return t[:, :-1], t[:, 1:]
@@ -353,7 +354,7 @@ def random_tokens(
 
 def random_images(
     batch: int, size: int, classes: int, device: torch.device, *, per_pixel: bool = False
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random images and class labels (one per image, or one per pixel), made on the
     host and copied to ``device``, as a data loader hands them over."""
     images = torch.randn(batch, 3, size, size)
@@ -372,7 +373,7 @@ class RandomTokens(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         ids = torch.randint(self.vocab, (self.seq_len,))
         if self.attention_mask:
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}

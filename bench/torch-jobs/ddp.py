@@ -13,7 +13,7 @@ all-reduce). Rank 0 prints ``step N done`` after each optimizer step.
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from typing import Optional
 
 import stepwatch
 import torch
@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
 import common
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.gpt_parser(__doc__.split("\n\n")[0])
     common.add_precision_arg(p)
     p.add_argument("--uneven", action="store_true", help="the last rank's batch is twice --batch")

@@ -14,7 +14,7 @@ optimizer step.
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817
@@ -25,7 +25,7 @@ import common
 from models import Block
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.gpt_parser(__doc__.split("\n\n")[0], layers=8, hidden=768)
     common.add_mixed_precision_arg(
         p, "MixedPrecision(param_dtype=bf16, reduce_dtype=fp32, buffer_dtype=bf16)"

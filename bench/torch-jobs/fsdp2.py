@@ -12,7 +12,7 @@ prints ``step N done`` after each optimizer step.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import common
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.gpt_parser(__doc__.split("\n\n")[0])
     common.add_mixed_precision_arg(p, "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
     p.add_argument(

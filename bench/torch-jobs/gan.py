@@ -12,7 +12,7 @@ has none). Prints ``step N done`` after each generator step.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import stepwatch
 import torch
@@ -24,7 +24,7 @@ import common
 
 def generator(latent: int, width: int, size: int) -> nn.Sequential:
     ups = size.bit_length() - 3  # 4x4 -> size x size
-    layers: List[nn.Module] = [
+    layers: list[nn.Module] = [
         nn.ConvTranspose2d(latent, width * 2 ** (ups - 1), 4, 1, 0, bias=False),
         nn.BatchNorm2d(width * 2 ** (ups - 1)),
         nn.ReLU(True),
@@ -41,7 +41,7 @@ def generator(latent: int, width: int, size: int) -> nn.Sequential:
 
 def discriminator(width: int, size: int) -> nn.Sequential:
     downs = size.bit_length() - 3
-    layers: List[nn.Module] = [nn.Conv2d(3, width, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, True)]
+    layers: list[nn.Module] = [nn.Conv2d(3, width, 4, 2, 1, bias=False), nn.LeakyReLU(0.2, True)]
     for i in range(downs - 1):
         layers += [
             nn.Conv2d(width * 2**i, width * 2 ** (i + 1), 4, 2, 1, bias=False),
@@ -52,7 +52,7 @@ def discriminator(width: int, size: int) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.parser(__doc__.split("\n\n")[0])
     common.add_image_args(
         p, batch=64, image_size=128, width=64, image_size_help="a power of 2, at least 16"

@@ -13,7 +13,7 @@ Prints ``step N done`` after each optimizer step.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import stepwatch
 import torch
@@ -41,7 +41,7 @@ def precreate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> List[Dict[str, Any]]:
+def param_groups(model: torch.nn.Module, weight_decay: float = 0.1) -> list[dict[str, Any]]:
     """nanoGPT's split: weight decay on matrices (and embeddings), none on biases and norms."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
@@ -61,7 +61,7 @@ def cosine_with_warmup(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def checkpoint_to_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+def checkpoint_to_host(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The model's and the optimizer's state_dict, every tensor copied to the host, as a
     checkpoint writer does before it serialises."""
 
@@ -86,7 +86,7 @@ class LossInModel(torch.nn.Module):
         super().__init__()
         self.gpt = gpt
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.gpt(idx)
         shifted = logits[:, :-1, :].contiguous().float()
         labels = targets[:, 1:].contiguous()
@@ -94,7 +94,7 @@ class LossInModel(torch.nn.Module):
         return {"logits": logits, "loss": loss}
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.gpt_parser(__doc__.split("\n\n")[0])
     p.add_argument(
         "--precision",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import stepwatch
 import torch
@@ -137,7 +137,7 @@ def make_model(args: argparse.Namespace) -> PreTrainedModel:
     )
 
 
-def make_batch(args: argparse.Namespace, batch: int, device: torch.device) -> Dict[str, Any]:
+def make_batch(args: argparse.Namespace, batch: int, device: torch.device) -> dict[str, Any]:
     """A random batch as a collator makes it, on the host, then moved to the device."""
     b, t, v = batch, args.seq_len, args.vocab
     if args.model in ("gpt2", "llama"):
@@ -178,7 +178,7 @@ def evaluate(model: nn.Module, args: argparse.Namespace, device: torch.device, a
     return float(out.loss)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=MODELS, default="gpt2", help="architecture")
     # --layers: t5 has that many in each of encoder and decoder; --batch: vit's are images.

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 from stepwatch.transformers import StepwatchCallback
@@ -39,7 +39,7 @@ def make_model(args: argparse.Namespace) -> PreTrainedModel:
     return hf_models.llama(args, args.intermediate)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--model", choices=["llama", "gpt2"], default="llama", help="architecture")
     p.add_argument("--layers", type=int, default=8, help="decoder layers")

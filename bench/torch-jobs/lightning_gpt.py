@@ -10,7 +10,7 @@ after each optimizer step.
 from __future__ import annotations
 
 import argparse
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
 import lightning as L  # noqa: N812 (the usual spelling)
 import torch
@@ -29,7 +29,7 @@ class RandomTokens(Dataset):
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.randint(self.vocab, (self.seq_len + 1,))
         return t[:-1], t[1:]
 
@@ -63,7 +63,7 @@ class PrintSteps(L.Callback):
             print(f"step {self.last} done", flush=True)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.gpt_parser(__doc__.split("\n\n")[0])
     p.add_argument(
         "--precision", choices=["32-true", "bf16-mixed"], default="bf16-mixed", help="Trainer"

@@ -10,7 +10,7 @@ PyTorch's native LSTM cells. Prints ``step N done`` after each optimizer step.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
@@ -29,13 +29,13 @@ class LSTMLM(nn.Module):
         self.decoder.weight = self.embed.weight  # tied
 
     def forward(
-        self, idx: torch.Tensor, state: Tuple[torch.Tensor, torch.Tensor]
-    ) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        self, idx: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         y, state = self.lstm(self.drop(self.embed(idx)), state)
         return self.decoder(self.drop(y)), state
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.parser(__doc__.split("\n\n")[0])
     # --seq-len: the BPTT length; --vocab: WikiText-2's (WikiText-103's is 267k).
     common.add_gpt_args(p, layers=2, hidden=1024, heads=None, seq_len=128, batch=32, vocab=33278)

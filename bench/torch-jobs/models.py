@@ -12,8 +12,8 @@ so that no host copy of the weights is made.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)

@@ -13,7 +13,7 @@ prediction error was traced to DDP's bucket rebuild (BENCHMARKS.md).
 from __future__ import annotations
 
 import collections
-from typing import Dict, List, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,7 @@ import common
 PHASES = ["begin", "fwd", "bwd", "opt", "zero"]
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.gpt_parser(__doc__.split("\n\n")[0])
     common.add_precision_arg(p)
     p.add_argument("--uneven", action="store_true", help="the last rank's batch is twice --batch")
@@ -41,7 +41,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     torch.cuda.memory._record_memory_history(
         enabled="all", context=None, stacks="python", max_entries=1_000_000
     )
-    marks: List[Tuple[str, int, int]] = []
+    marks: list[tuple[str, int, int]] = []
 
     def mark(name: str) -> None:
         torch.cuda.synchronize()
@@ -64,7 +64,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     mark("end")
     trace = torch.cuda.memory._snapshot()["device_traces"][device.index]
     if rank == 0:
-        spans: Dict[str, List[dict]] = {}
+        spans: dict[str, list[dict]] = {}
         for (name, start, reserved), (_, end, _) in zip(marks, marks[1:]):
             events = trace[start:end]
             spans[name] = events

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import common
 
 
-def step_peaks(marks: List[Dict[str, Any]], events: List[List[Any]]) -> List[str]:
+def step_peaks(marks: list[dict[str, Any]], events: list[list[Any]]) -> list[str]:
     """Per step: the reserved peak (from the segment events) and the cache releases."""
     starts = [(m["name"].split(".")[0], m["events"]) for m in marks if m["name"].endswith(".begin")]
     ends = [e for _, e in starts[1:]] + [marks[-1]["events"]]
@@ -52,7 +52,7 @@ def step_peaks(marks: List[Dict[str, Any]], events: List[List[Any]]) -> List[str
     return lines
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.gpt_parser(__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for history-<rank>.json")
     args = p.parse_args(argv)
@@ -66,8 +66,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     optimizer = common.make_optimizer(args.optimizer, model.parameters(), args.lr)
 
-    marks: List[Dict[str, Any]] = []
-    segments_after_step1: List[Any] = []
+    marks: list[dict[str, Any]] = []
+    segments_after_step1: list[Any] = []
 
     def mark(name: str) -> None:
         # No synchronisation: the job itself does none between phases.

@@ -11,7 +11,7 @@ state (one accumulator per parameter) is made in its constructor, before step
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
@@ -20,8 +20,8 @@ from torch import nn
 import common
 
 
-def mlp(sizes: List[int]) -> nn.Sequential:
-    layers: List[nn.Module] = []
+def mlp(sizes: list[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
     for a, b in zip(sizes[:-1], sizes[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
@@ -47,7 +47,7 @@ class DLRM(nn.Module):
         return self.top(torch.cat([x, inter[:, i, j]], dim=1)).squeeze(1)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.parser(__doc__.split("\n\n")[0])
     p.add_argument("--tables", type=int, default=8, help="categorical features (tables)")
     p.add_argument("--rows", type=int, default=400_000, help="rows per embedding table")

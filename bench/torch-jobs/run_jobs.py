@@ -25,13 +25,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 
 # Sizes small enough for a CPU run of a few seconds, per script.
 GPT_TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--batch", "2"]
-TINY: Dict[str, List[str]] = {
+TINY: dict[str, list[str]] = {
     "gpt.py": [*GPT_TINY, "--vocab", "256"],
     "ddp.py": [*GPT_TINY, "--vocab", "256"],
     "fsdp2.py": [*GPT_TINY, "--vocab", "256"],
@@ -48,7 +48,7 @@ TINY: Dict[str, List[str]] = {
 }
 
 
-def command(job: Dict[str, Any], args: argparse.Namespace) -> List[str]:
+def command(job: dict[str, Any], args: argparse.Namespace) -> list[str]:
     nproc = job["nproc"] if args.max_nproc is None else min(job["nproc"], args.max_nproc)
     cmd = [args.python]
     if nproc > 1:
@@ -63,7 +63,7 @@ def command(job: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     return cmd
 
 
-def run(job: Dict[str, Any], args: argparse.Namespace) -> bool:
+def run(job: dict[str, Any], args: argparse.Namespace) -> bool:
     cmd = command(job, args)
     env = {**os.environ, **job["env"]}
     steps = args.steps if args.steps is not None else job["steps"]
@@ -94,7 +94,7 @@ def _text(b: Optional[bytes]) -> str:
     return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("jobs", nargs="*", help="job names (default: all)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

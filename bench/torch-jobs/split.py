@@ -28,7 +28,6 @@ import hashlib
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 SEED = "stepwatch-28-split:"
@@ -53,10 +52,10 @@ def h(s: str) -> int:
     return int(hashlib.sha256((SEED + s).encode()).hexdigest(), 16)
 
 
-def split(jobs: List[Dict]) -> Dict[str, str]:
+def split(jobs: list[dict]) -> dict[str, str]:
     """name -> set, by the rule above."""
-    out: Dict[str, str] = {}
-    families: Dict[str, List[str]] = {}
+    out: dict[str, str] = {}
+    families: dict[str, list[str]] = {}
     for j in jobs:
         if j["name"] in SPLIT_2026_12_07:
             families.setdefault(j["family"], []).append(j["name"])
@@ -69,7 +68,7 @@ def split(jobs: List[Dict]) -> Dict[str, str]:
     return out
 
 
-def main(argv: List[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--manifest", default=str(HERE / "jobs.json"))
     g = p.add_mutually_exclusive_group()
@@ -89,7 +88,7 @@ def main(argv: List[str] | None = None) -> int:
         path.write_text(json.dumps(jobs, indent=2) + "\n")
         return 0
     if args.show:
-        fams: Dict[str, Dict[str, List[str]]] = {}
+        fams: dict[str, dict[str, list[str]]] = {}
         for j in jobs:
             fams.setdefault(j["family"], {s: [] for s in SETS})[want[j["name"]]].append(j["name"])
         for fam, by_set in fams.items():

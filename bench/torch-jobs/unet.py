@@ -11,7 +11,7 @@ convolution kernels. Prints ``step N done`` after each optimizer step.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the usual spelling)
@@ -60,7 +60,7 @@ class UNet(nn.Module):
         return self.head(x)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[list[str]] = None) -> None:
     p = common.parser(__doc__.split("\n\n")[0])
     common.add_image_args(p, batch=8, image_size=256, classes=21, width=32)
     p.add_argument("--depth", type=int, default=4, help="down-sampling levels")

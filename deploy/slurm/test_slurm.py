@@ -26,7 +26,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Optional
 
 import pytest
 
@@ -70,7 +70,7 @@ class FakeAlertmanager:
     """Alertmanager's v2 API, as far as the agent's fast path uses it."""
 
     def __init__(self) -> None:
-        self.alerts: List[dict] = []
+        self.alerts: list[dict] = []
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -99,7 +99,7 @@ class Cluster:
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="stepwatch-slurm-", dir="/tmp"))
         self.dir.chmod(0o755)  # the other user reaches the socket and slurm.conf
-        self.procs: Dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
         self.node = socket.gethostname().split(".")[0]
         self.map = self.dir / "job-map"
         self.nvml = self.dir / "nvml"
@@ -236,7 +236,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         except OSError:
             return b""
 
-    def metrics(self, name: str) -> List[tuple]:
+    def metrics(self, name: str) -> list[tuple]:
         """(labels, value) of each series of ``name`` on /metrics."""
         out = []
         for line in self.get("/metrics").decode().splitlines():
@@ -253,7 +253,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
             if labels.get("reason") == reason
         )
 
-    def mapped_jobs(self) -> Dict[str, List[str]]:
+    def mapped_jobs(self) -> dict[str, list[str]]:
         if not self.map.is_dir():
             return {}
         return {

@@ -29,17 +29,11 @@ from __future__ import annotations
 import logging
 import os
 from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import (
     Any,
     Callable,
-    Dict,
-    Iterable,
-    Iterator,
-    List,
-    Mapping,
     Optional,
-    Sequence,
-    Tuple,
 )
 
 from . import _torch
@@ -88,7 +82,7 @@ ROUNDUP_INTERVALS = 16
 PHASE_KINDS = (STEP_BEGIN, FORWARD_BEGIN, BACKWARD_BEGIN, OPTIMIZER_BEGIN, OPTIMIZER_END)
 
 # (marker kind, active.all.allocated, active.all.freed) at a step-1 marker
-Mark = Tuple[int, int, int]
+Mark = tuple[int, int, int]
 
 
 class TraceRefused(Exception):
@@ -115,8 +109,8 @@ def _add_segment(
     repeated: Any,
     address: int,
     small: bool,
-    blocks: Sequence[Tuple[Any, ...]],
-    home: Tuple[int, int, bool],
+    blocks: Sequence[tuple[Any, ...]],
+    home: tuple[int, int, bool],
 ) -> None:
     """Appends one segment and its blocks to a repeated ``AllocatorSegment``
     field: a trace chunk's segments or a marker's layout. A block is (size,
@@ -140,8 +134,8 @@ def _add_segment(
 def _segment_bytes(
     address: int,
     small: bool,
-    blocks: Sequence[Tuple[Any, ...]],
-    home: Tuple[int, int, bool] = (0, 0, False),
+    blocks: Sequence[tuple[Any, ...]],
+    home: tuple[int, int, bool] = (0, 0, False),
 ) -> int:
     stream, pool_id, expandable = home
     n = (1 + _vlen(address) if address else 0) + (2 if small else 0)
@@ -187,18 +181,18 @@ class AllocatorTrace:
     def __init__(self, step: int = 1) -> None:
         self.step = step
         # (address, small pool, [(size, allocated), ...] in address order)
-        self.segments: List[Tuple[int, bool, List[Tuple[int, bool]]]] = []
+        self.segments: list[tuple[int, bool, list[tuple[int, bool]]]] = []
         # per segment: (stream, private pool id (0: default pool), expandable)
-        self.segment_homes: List[Tuple[int, int, bool]] = []
+        self.segment_homes: list[tuple[int, int, bool]] = []
         # AllocatorSettings fields from the snapshot's allocator_settings, or None
-        self.settings: Optional[Dict[str, Any]] = None
+        self.settings: Optional[dict[str, Any]] = None
         self.ev_action = array("B")
         self.ev_address = array("Q")
         self.ev_size = array("Q")
         self.ev_phase = array("B")
         self.ev_stream = array("Q")
         # positions in the events where the watched model's forward returned
-        self.forward_returns: List[int] = []
+        self.forward_returns: list[int] = []
 
     @property
     def num_events(self) -> int:
@@ -215,10 +209,10 @@ class AllocatorTrace:
         self.ev_phase.append(phase)
         self.ev_stream.append(stream)
 
-    def events(self) -> Iterator[Tuple[int, int, int, int]]:
+    def events(self) -> Iterator[tuple[int, int, int, int]]:
         return zip(self.ev_action, self.ev_address, self.ev_size, self.ev_phase)
 
-    def homes(self) -> List[Tuple[int, int, bool]]:
+    def homes(self) -> list[tuple[int, int, bool]]:
         """Each segment's (stream, pool id, expandable); the default one when not set."""
         if len(self.segment_homes) == len(self.segments):
             return self.segment_homes
@@ -339,10 +333,10 @@ def trace_from_snapshot(
     device: int,
     marks: Sequence[Mark],
     *,
-    end_counters: Optional[Tuple[int, int]] = None,
+    end_counters: Optional[tuple[int, int]] = None,
     max_entries: Optional[int] = HISTORY_MAX_ENTRIES,
     step: int = 1,
-    forward_returns: Sequence[Tuple[int, int]] = (),
+    forward_returns: Sequence[tuple[int, int]] = (),
 ) -> AllocatorTrace:
     """Build step 1's trace from a ``torch.cuda.memory._snapshot()`` dict.
 
@@ -378,7 +372,7 @@ def trace_from_snapshot(
     # Counters relative to the start; they never go back unless someone calls
     # torch.cuda.reset_accumulated_memory_stats() during the step.
     a0, f0 = marks[0][1], marks[0][2]
-    rel: List[Mark] = []
+    rel: list[Mark] = []
     pa = pf = 0
     for kind, a, f in marks:
         ra, rf = a - a0, f - f0
@@ -473,7 +467,7 @@ def trace_from_snapshot(
     return trace
 
 
-def _segments_of(snapshot_segments: Any, device: int) -> List[Tuple[Any, ...]]:
+def _segments_of(snapshot_segments: Any, device: int) -> list[tuple[Any, ...]]:
     """``device``'s segments of a snapshot, by address: (address, small, [(size,
     allocated)], (stream, pool_id, expandable))."""
     segments = []
@@ -511,7 +505,7 @@ class Layout:
 
     __slots__ = ("segments", "nbytes")
 
-    def __init__(self, segments: List[Tuple[Any, ...]]) -> None:
+    def __init__(self, segments: list[tuple[Any, ...]]) -> None:
         self.segments = segments
         # Encoded size of the repeated field (1-byte tag, as for a trace's segments).
         self.nbytes = sum(_segment_bytes(*s) for s in segments)
@@ -628,7 +622,7 @@ def _pool_id(value: Any) -> int:
     return ((first & 0xFFFFFFFF) << 32 | (second & 0xFFFFFFFF)) & _U64
 
 
-def settings_from_snapshot(snapshot: Any) -> Optional[Dict[str, Any]]:
+def settings_from_snapshot(snapshot: Any) -> Optional[dict[str, Any]]:
     """The AllocatorSettings fields from a snapshot's ``allocator_settings`` (torch
     2.5 and later), or None when it has none (the agent then assumes PyTorch's
     defaults). What the allocator really runs with, whatever set it (the
@@ -636,7 +630,7 @@ def settings_from_snapshot(snapshot: Any) -> Optional[Dict[str, Any]]:
     raw = snapshot.get("allocator_settings") if isinstance(snapshot, dict) else None
     if not raw:
         return None
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     max_split = int(raw.get("max_split_size", -1) or -1)
     out["max_split_size_bytes"] = max_split if max_split > 0 else 0
     divisions = raw.get("roundup_power2_divisions") or {}
@@ -659,13 +653,13 @@ def settings_from_snapshot(snapshot: Any) -> Optional[Dict[str, Any]]:
 # blocks are released in ways it does not model, so the history is not even
 # recorded under them; the agent also refuses a trace whose settings (from the
 # snapshot, whatever set them) show one.
-_UNMODELLED_SETTINGS: Dict[str, Callable[[str], bool]] = {
+_UNMODELLED_SETTINGS: dict[str, Callable[[str], bool]] = {
     "garbage_collection_threshold": lambda v: True,
     "backend": lambda v: v.strip() != "native",
 }
 
 
-def unmodelled_allocator_settings(env: Optional[Dict[str, str]] = None) -> List[str]:
+def unmodelled_allocator_settings(env: Optional[dict[str, str]] = None) -> list[str]:
     """Settings in ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` that the
     agent's allocator model does not follow, as ``key:value`` strings."""
     source: Mapping[str, str] = os.environ if env is None else env
@@ -697,10 +691,10 @@ class Recorder:
         self.state = _IDLE
         self.max_entries = max_entries
         self.device = 0
-        self.marks: List[Mark] = []
+        self.marks: list[Mark] = []
         # (active.all.allocated, active.all.freed) each time the watched model's
         # forward returned during step 1
-        self.returns: List[Tuple[int, int]] = []
+        self.returns: list[tuple[int, int]] = []
 
     @property
     def done(self) -> bool:
@@ -750,7 +744,7 @@ class Recorder:
             return False
         return True
 
-    def note(self, client: Any, kind: int, stats: Optional[Dict[str, Any]]) -> bool:
+    def note(self, client: Any, kind: int, stats: Optional[dict[str, Any]]) -> bool:
         """The marker's one read of the allocator's stats (:func:`_torch.allocator_stats`,
         None when it failed): note its event counters.
 

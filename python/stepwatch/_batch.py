@@ -10,9 +10,10 @@ largest batch the loader can produce would be.
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, Mapping, Optional, Tuple
+from collections.abc import Mapping
+from typing import Any, Optional
 
-Batch = Tuple[Optional[int], Optional[int], Tuple[int, ...]]
+Batch = tuple[Optional[int], Optional[int], tuple[int, ...]]
 
 # The agent's bounds (stepwatch-core: MAX_BATCH_DIMS, MAX_PLAUSIBLE_STEP for
 # counts, MAX_PLAUSIBLE_BYTES for a shape's elements): a marker beyond them
@@ -40,7 +41,7 @@ def stated(samples: Any = None, tokens: Any = None, shape: Any = None) -> Batch:
     """A batch from what a user or a framework says; ValueError when a figure
     cannot be right (not a whole number >= 1, more than 8 dimensions, more
     than 2**50 elements) or none is given."""
-    dims: Tuple[int, ...] = ()
+    dims: tuple[int, ...] = ()
     if shape is not None:
         try:
             dims = tuple(shape)
@@ -72,13 +73,13 @@ def from_mapping(facts: Mapping[str, Any]) -> Batch:
     return stated(facts.get("samples"), facts.get("tokens"), facts.get("shape"))
 
 
-def as_fields(b: Batch) -> Dict[str, Any]:
+def as_fields(b: Batch) -> dict[str, Any]:
     """BatchFacts fields by name (for ModelFacts.largest_batch)."""
     samples, tokens, shape = b
     return {"samples": samples, "tokens": tokens, "shape": list(shape)}
 
 
-def of_shape(shape: Tuple[int, ...], integer: bool) -> Optional[Batch]:
+def of_shape(shape: tuple[int, ...], integer: bool) -> Optional[Batch]:
     """A batch read from the shape of a forward's main input (no data read,
     no device sync): dimension 0 is the samples of a tensor of two or more
     dimensions; an integer tensor of one or two dimensions holds token ids,

@@ -19,8 +19,9 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Union
 
 from ._tls import TlsMaterial
 
@@ -80,10 +81,10 @@ STOPPED_FORKED = "forked"
 #  device memory (free, total) or None, batch facts or None), and on step 1's
 # optimizer markers without a trace a 9th item: the segment layout
 # (_alloctrace.Layout).
-MarkerTuple = Tuple[Any, ...]
+MarkerTuple = tuple[Any, ...]
 # BatchFacts as the client queues them: (samples or None, tokens or None,
 # shape as a tuple of ints, possibly empty).
-Batch = Tuple[Optional[int], Optional[int], Tuple[int, ...]]
+Batch = tuple[Optional[int], Optional[int], tuple[int, ...]]
 
 _monotonic_ns = time.monotonic_ns
 _time_ns = time.time_ns
@@ -173,7 +174,7 @@ def _env_int(name: str, default: int) -> int:
 _all_clients: weakref.WeakSet[Client] = weakref.WeakSet()
 
 # grpc and the stubs (ingest_pb2, ingest_pb2_grpc), once load_wire imported them.
-_wire: Optional[Tuple[Any, Any, Any]] = None
+_wire: Optional[tuple[Any, Any, Any]] = None
 
 # What the stubs and the client are tested on (tests/test_protobuf_compat.py).
 SUPPORTED_RUNTIMES = "grpcio >= 1.51.3 and protobuf >= 4.21.6, < 8"
@@ -202,7 +203,7 @@ def _import_grpc_without_fork_support() -> None:
         os.environ.pop(_GRPC_FORK_SUPPORT, None)
 
 
-def load_wire() -> Tuple[Any, Any, Any]:
+def load_wire() -> tuple[Any, Any, Any]:
     """grpc, ingest_pb2 and ingest_pb2_grpc, imported once. An environment whose
     grpcio or protobuf the stubs cannot use (e.g. protobuf 3.20, pinned by old
     TensorFlow) raises :class:`StepwatchError` naming it and what is supported:
@@ -292,7 +293,7 @@ class Client:
         # MarkerTuples, and at most one _alloctrace.AllocatorTrace (step 1's).
         # maxlen: the queue's bound as `mark` reads it (0 once stopped).
         self.maxlen = self._queue_size
-        self._q: Deque[Any] = collections.deque(maxlen=self.maxlen)
+        self._q: collections.deque[Any] = collections.deque(maxlen=self.maxlen)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -303,8 +304,8 @@ class Client:
         self._agent_absent = False
         self._in_flight = 0
         self._pid = os.getpid()
-        self.counters: Dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
-        self._warned: Dict[str, float] = {}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        self._warned: dict[str, float] = {}
         # Why the client sends nothing for the rest of its life (None while it
         # does): the agent refused its run for good, or it lives in a child
         # forked from a process that used gRPC. Its markers are discarded.
@@ -345,12 +346,12 @@ class Client:
         blocks."""
         self._enqueue(NewRun(run_id))
 
-    def send_model_update(self, facts: Dict[str, Any]) -> None:
+    def send_model_update(self, facts: dict[str, Any]) -> None:
         """Queue facts learnt after the hello (ModelFacts fields by name) after
         the markers queued so far; the agent merges them into the hello's."""
         self._enqueue(QueuedMessage("model_update", facts, "model_updates_sent"))
 
-    def send_oom_report(self, report: Dict[str, Any]) -> None:
+    def send_oom_report(self, report: dict[str, Any]) -> None:
         """Queue what the allocator knew at an OOM (OomReport fields by name)
         after the markers queued so far: the OOM marker comes first."""
         self._enqueue(QueuedMessage("oom_report", report, "oom_reports_sent"))
@@ -370,8 +371,8 @@ class Client:
         kind: int,
         step: int,
         micro_batch: int = 0,
-        allocator: Optional[Tuple[int, ...]] = None,
-        device: Optional[Tuple[int, int]] = None,
+        allocator: Optional[tuple[int, ...]] = None,
+        device: Optional[tuple[int, int]] = None,
         layout: Any = None,
         batch: Optional[Batch] = None,
     ) -> None:
@@ -422,8 +423,8 @@ class Client:
         if self._thread is None:
             self._start()
 
-    def stats(self) -> Dict[str, Any]:
-        s: Dict[str, Any] = dict(self.counters)
+    def stats(self) -> dict[str, Any]:
+        s: dict[str, Any] = dict(self.counters)
         s["queued"] = len(self._q)
         s["connected"] = self._connected
         s["endpoint"] = self.target
@@ -543,7 +544,7 @@ class Client:
         backoff = self.backoff_initial
         first = True
         while not self._closed.is_set():
-            options: List[Tuple[str, Union[int, str]]] = [
+            options: list[tuple[str, Union[int, str]]] = [
                 ("grpc.use_local_subchannel_pool", 1),
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
@@ -791,7 +792,7 @@ class Client:
                 self._in_flight = 0
                 continue
             if q or stream.held is not None:
-                items: List[MarkerTuple] = []
+                items: list[MarkerTuple] = []
                 size = 0
                 if stream.held is not None:
                     items.append(stream.held)
@@ -859,7 +860,7 @@ class QueuedMessage:
 
     __slots__ = ("kind", "fields", "counter")
 
-    def __init__(self, kind: str, fields: Dict[str, Any], counter: str) -> None:
+    def __init__(self, kind: str, fields: dict[str, Any], counter: str) -> None:
         self.kind = kind
         self.fields = dict(fields)
         self.counter = counter
@@ -872,7 +873,7 @@ class QueuedMessage:
         return msg
 
 
-def _fill_oom_report(m: Any, r: Dict[str, Any]) -> None:
+def _fill_oom_report(m: Any, r: dict[str, Any]) -> None:
     for key in (
         "step",
         "requested_bytes",
@@ -898,7 +899,7 @@ def _fill_oom_report(m: Any, r: Dict[str, Any]) -> None:
         )
 
 
-def _fill_allocator(a: Any, alloc: Tuple[int, ...]) -> None:
+def _fill_allocator(a: Any, alloc: tuple[int, ...]) -> None:
     """AllocatorStats from the 7-tuple of ``_torch.allocator_figures``."""
     (
         a.allocated_bytes,
@@ -911,7 +912,7 @@ def _fill_allocator(a: Any, alloc: Tuple[int, ...]) -> None:
     ) = alloc
 
 
-def set_model_facts(m: Any, facts: Dict[str, Any]) -> None:
+def set_model_facts(m: Any, facts: dict[str, Any]) -> None:
     """Fill a ModelFacts message from facts by field name (None: left unset); a
     dict fills a nested message (its lists the repeated fields)."""
     for key, value in facts.items():
@@ -929,7 +930,7 @@ def set_model_facts(m: Any, facts: Dict[str, Any]) -> None:
             setattr(m, key, value)
 
 
-_FILL: Dict[str, Callable[[Any, Dict[str, Any]], None]] = {
+_FILL: dict[str, Callable[[Any, dict[str, Any]], None]] = {
     "model_update": set_model_facts,
     "oom_report": _fill_oom_report,
 }
@@ -967,7 +968,7 @@ def _unix_socket_path(target: str) -> Optional[str]:
     return None
 
 
-def _refusal_of(e: Any) -> Tuple[str, bool]:
+def _refusal_of(e: Any) -> tuple[str, bool]:
     """The reason an agent named in a refused stream's trailing metadata ("" from
     agents before it, or when the stream ended otherwise), and whether the
     refusal is for good (no stream of this run will be accepted again)."""
@@ -1011,7 +1012,7 @@ def _to_pb(pb: Any, t: MarkerTuple) -> Any:
 
 # gRPC objects a forked child inherited from its parent's clients: held for the
 # child's lifetime so that it never finalizes them (see _after_fork_in_child).
-_PARENT_GRPC_OBJECTS: List[Tuple[Any, Any]] = []
+_PARENT_GRPC_OBJECTS: list[tuple[Any, Any]] = []
 
 # In a child forked after stepwatch had used gRPC (in this process or an
 # ancestor): the PID of the process it was forked from; every client here

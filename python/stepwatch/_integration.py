@@ -4,7 +4,7 @@ attaching the run to the trainer's model, passes, and the end of training."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Optional
 
 from ._client import Prediction
 from ._runtime import RT, WatchHandle
@@ -24,7 +24,7 @@ class TrainerCallbackBase:
         precision: Optional[str] = None,
         sharding_factor: Optional[int] = None,
         micro_batch_size: Optional[int] = None,
-        largest_batch: Optional[Dict[str, Any]] = None,
+        largest_batch: Optional[dict[str, Any]] = None,
         strict: bool = False,
     ) -> None:
         super().__init__()

@@ -32,12 +32,12 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional
 
 log = logging.getLogger("stepwatch")
 
 # (stat, pool) -> peak, e.g. ("allocated_bytes", "all") -> bytes.
-Peaks = Dict[Tuple[str, str], int]
+Peaks = dict[tuple[str, str], int]
 
 # The wrapped entry points: (stats reader, peak resetter) pairs of torch._C.
 _ENTRY_POINTS = (
@@ -46,7 +46,7 @@ _ENTRY_POINTS = (
 )
 
 
-def _peaks_of(stats: Dict[str, Any]) -> Peaks:
+def _peaks_of(stats: dict[str, Any]) -> Peaks:
     """Every peak of a nested stats dict (``torch._C._cuda_memoryStats``)."""
     out: Peaks = {}
     for stat, pools in stats.items():
@@ -79,9 +79,9 @@ class PeakKeeper:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.installed = False
-        self.originals: Dict[str, Callable[..., Any]] = {}
-        self.for_users: Dict[int, Peaks] = {}
-        self.for_step: Dict[int, Peaks] = {}
+        self.originals: dict[str, Callable[..., Any]] = {}
+        self.for_users: dict[int, Peaks] = {}
+        self.for_step: dict[int, Peaks] = {}
 
     # ------------------------------------------------------------- install
     def install(self) -> bool:
@@ -152,12 +152,12 @@ class PeakKeeper:
         return reset_peak_stats
 
     # -------------------------------------------------------- stepwatch's
-    def raw_stats(self, device: int) -> Dict[str, Any]:
+    def raw_stats(self, device: int) -> dict[str, Any]:
         """The allocator's stats as torch keeps them (raises on failure)."""
         read = self.originals.get("_cuda_memoryStats")
         if read is None:
             read = sys.modules["torch"]._C._cuda_memoryStats
-        stats: Dict[str, Any] = read(device)
+        stats: dict[str, Any] = read(device)
         return stats
 
     def reset_for_step(self, device: int) -> None:

@@ -11,7 +11,8 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable, Optional
 
 from . import _batch, _peaks, _torch
 from ._alloctrace import LayoutSnapshots, Recorder
@@ -74,17 +75,17 @@ class _Runtime:
         # watch() calls that failed in part (stats()["watch_errors"]).
         self.watch_errors = 0
         self._reset_run_predictions()
-        self.identity_overrides: Dict[str, Any] = {}
+        self.identity_overrides: dict[str, Any] = {}
         self.identity: Optional[Identity] = None
         self.endpoint: Optional[str] = None
         # tls_ca= / tls_cert= / tls_key= given to watch() or configure().
-        self.tls_paths: Dict[str, str] = {}
+        self.tls_paths: dict[str, str] = {}
         self.on_advisory: Optional[Callable[[Prediction], None]] = None
         self.strict = False
         self.queue_size: Optional[int] = None
         self.framework = "pytorch"
         self.framework_version = ""
-        self.facts: Dict[str, Any] = {}
+        self.facts: dict[str, Any] = {}
         self.gpu_uuid = ""
         self.allocator_stats = True
         # cudaMemGetInfo at step 1's markers and OOM markers; off for the
@@ -131,10 +132,10 @@ class _Runtime:
         # agent's word that the prediction is final (step 2 fits).
         self.prediction_in = threading.Event()
         # Marker kinds of the run's step 1: whether the agent can predict step 2.
-        self.step1_kinds: Set[int] = set()
+        self.step1_kinds: set[int] = set()
         self.held = False  # step 2 was held once already (or needed no hold)
         # (elements, shapes) of the inputs of the run's first forward
-        self.step1_inputs: Optional[Tuple[int, List[Tuple[int, ...]]]] = None
+        self.step1_inputs: Optional[tuple[int, list[tuple[int, ...]]]] = None
         # step 2's first forward took more input elements than step 1's
         self.step2_inputs_larger = False
         self.raised = False  # PredictedOutOfMemoryError was raised once already
@@ -236,7 +237,7 @@ class _Runtime:
         self,
         model: Any,
         optimizer: Any = None,
-        stated: Optional[Dict[str, Any]] = None,
+        stated: Optional[dict[str, Any]] = None,
         **configure: Any,
     ) -> Client:
         """What watch() and the integrations share: the model's device and facts
@@ -605,7 +606,7 @@ class _Runtime:
         params = getattr(model, "parameters", None)
         return params() if callable(params) else ()
 
-    def _device_memory(self, dev: int) -> Optional[Tuple[int, int]]:
+    def _device_memory(self, dev: int) -> Optional[tuple[int, int]]:
         """(free, total) from cudaMemGetInfo for step 1's markers and OOM markers
         only: a driver call each, which later steps do without. The agent measures
         the memory outside the allocator from it exactly (its NVML samples only
@@ -787,7 +788,7 @@ def _stop_after_step() -> Optional[int]:
     return None
 
 
-_WARNED_STOP_VALUES: Set[str] = set()
+_WARNED_STOP_VALUES: set[str] = set()
 
 
 def _oom_flush_timeout() -> float:
@@ -817,7 +818,7 @@ class WatchHandle:
     """What ``watch()`` returns. ``remove()`` takes every hook out again."""
 
     def __init__(self) -> None:
-        self._handles: List[Any] = []
+        self._handles: list[Any] = []
         self._excepthook = False
 
     def remove(self) -> None:
@@ -867,7 +868,7 @@ def watch(
     tls_key: Optional[str] = None,
     hold_step2_for_prediction: Optional[float] = None,
     raise_on_predicted_oom: bool = False,
-    largest_batch: Optional[Dict[str, Any]] = None,
+    largest_batch: Optional[dict[str, Any]] = None,
 ) -> WatchHandle:
     """Hook a PyTorch model (and its optimizer) so every training step is reported.
 
@@ -951,7 +952,7 @@ def watch(
     and ``stats()["watch_errors"]`` counts such calls.
     """
     handle = WatchHandle()
-    failed: List[str] = []
+    failed: list[str] = []
 
     def part(what: str, fn: Callable[[], Any]) -> Any:
         try:
@@ -1010,7 +1011,7 @@ def watch(
     if client is None and not strict:
         client = RT.client  # configured all the same when only the facts failed
 
-    def add(hooks: Optional[List[Any]]) -> None:
+    def add(hooks: Optional[list[Any]]) -> None:
         if hooks:
             handle._handles += hooks
 
@@ -1071,7 +1072,7 @@ def step(number: Optional[int] = None) -> Iterator[int]:
     propagates; no error is ever swallowed.
     """
     tr = RT.tracker
-    n: List[int] = [number or 0]
+    n: list[int] = [number or 0]
 
     def begin() -> None:
         n[0] = tr.begin_step(number, manual=True)
@@ -1134,7 +1135,7 @@ def batch(samples: Any = None, tokens: Any = None, shape: Any = None) -> None:
     RT.state_batch(b)
 
 
-_WARNED_BATCHES: Set[str] = set()
+_WARNED_BATCHES: set[str] = set()
 
 
 @contextlib.contextmanager
@@ -1183,11 +1184,11 @@ def configure(**kwargs: Any) -> None:
     RT.configure(**kwargs)
 
 
-def stats() -> Dict[str, Any]:
+def stats() -> dict[str, Any]:
     """Counters of this process's client: sent, dropped, reconnects, … (see README)."""
     c = RT.client
     if c is None:
-        s: Dict[str, Any] = dict.fromkeys(COUNTER_NAMES, 0)
+        s: dict[str, Any] = dict.fromkeys(COUNTER_NAMES, 0)
         s["queued"] = 0
         s["connected"] = False
         s["endpoint"] = endpoint_target(RT.endpoint)

@@ -10,8 +10,9 @@ stay plaintext. A file that cannot be read is not raised: the error is kept on
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
+from typing import Optional
 
 from ._identity import DEFAULT_ENDPOINT
 
@@ -48,7 +49,7 @@ class TlsMaterial:
 
 def _pick(
     arg: Optional[str], env: Mapping[str, str], name: str, kw: str
-) -> Tuple[Optional[str], str]:
+) -> tuple[Optional[str], str]:
     if arg:
         return os.fspath(arg), f"{kw}="
     value = (env.get(name) or "").strip()

@@ -5,17 +5,12 @@ from __future__ import annotations
 import logging
 import re
 import sys
+from collections.abc import Iterable, Iterator
 from typing import (
     TYPE_CHECKING,
     Any,
     Callable,
-    Dict,
-    Iterable,
-    Iterator,
-    List,
     Optional,
-    Set,
-    Tuple,
 )
 
 from . import _batch, _peaks
@@ -81,14 +76,14 @@ def requested_bytes(message: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)]) if m else 0
 
 
-def oom_report(device: int, exc: BaseException, step: int) -> Dict[str, Any]:
+def oom_report(device: int, exc: BaseException, step: int) -> dict[str, Any]:
     """What the caching allocator knows at an OOM, bounded: its statistics,
     the largest segments with their largest free block, the device's free
     memory and the request that failed. Figures that cannot be read are left
     out; the agent reads a missing one as unknown."""
     torch = sys.modules["torch"]
     text = str(exc)
-    report: Dict[str, Any] = {
+    report: dict[str, Any] = {
         "step": step,
         "requested_bytes": requested_bytes(text),
         "message": text.encode()[:MAX_OOM_MESSAGE_BYTES].decode(errors="ignore"),
@@ -178,7 +173,7 @@ def gpu_uuid_for(model: Any) -> str:
     return uuid
 
 
-def allocator_stats(device: int) -> Optional[Dict[str, Any]]:
+def allocator_stats(device: int) -> Optional[dict[str, Any]]:
     """One read of the caching allocator's statistics, as the nested dict
     ``torch.cuda.memory_stats_as_nested_dict`` returns (``torch.cuda.memory_stats``
     flattens the same dict); None when it cannot be read.
@@ -198,7 +193,7 @@ def allocator_stats(device: int) -> Optional[Dict[str, Any]]:
         return None
 
 
-def device_memory(device: int) -> Tuple[int, int]:
+def device_memory(device: int) -> tuple[int, int]:
     """(free, total) bytes of ``device`` as the CUDA driver reports them
     (``torch.cuda.mem_get_info``, cudaMemGetInfo): total is what processes can
     use, free what none holds. Raises when they cannot be read."""
@@ -208,8 +203,8 @@ def device_memory(device: int) -> Tuple[int, int]:
 
 
 def allocator_figures(
-    s: Dict[str, Any], taken: Optional[_peaks.Peaks] = None
-) -> Optional[Tuple[int, ...]]:
+    s: dict[str, Any], taken: Optional[_peaks.Peaks] = None
+) -> Optional[tuple[int, ...]]:
     """(allocated, allocated peak, reserved, reserved peak, active, active peak, retries)
     from :func:`allocator_stats`; None when a figure is missing. ``taken``: the
     peaks a script's own reset took from the current step (_peaks), folded
@@ -271,7 +266,7 @@ def memory_history_enabled() -> bool:
         return False
 
 
-def _history_kwargs(fn: Any) -> Tuple[bool, bool]:
+def _history_kwargs(fn: Any) -> tuple[bool, bool]:
     """(takes clear_history, takes skip_actions): both are newer than the string API."""
     import inspect
 
@@ -299,7 +294,7 @@ def start_memory_history(max_entries: int) -> None:
 
     fn = torch.cuda.memory._record_memory_history
     clear, skip = _history_kwargs(fn)
-    kwargs: Dict[str, Any] = dict(
+    kwargs: dict[str, Any] = dict(
         enabled="all", context=None, stacks="python", max_entries=int(max_entries)
     )
     if clear:
@@ -314,7 +309,7 @@ def stop_memory_history() -> None:
 
     fn = torch.cuda.memory._record_memory_history
     clear, _ = _history_kwargs(fn)
-    kwargs: Dict[str, Any] = dict(enabled=None, context=None, stacks="python")
+    kwargs: dict[str, Any] = dict(enabled=None, context=None, stacks="python")
     if clear:
         kwargs["clear_history"] = True  # frees the ring buffer
     fn(**kwargs)
@@ -339,14 +334,14 @@ def memory_layout() -> Any:
         return fn()
 
 
-def gradient_addresses(parameters: Iterable[Any]) -> Set[int]:
+def gradient_addresses(parameters: Iterable[Any]) -> set[int]:
     """Where the parameters' gradients start (``.grad``'s storage), for the layouts'
     gradient flags (``AllocatorBlock.gradient``). Only a gradient that owns its
     storage whole counts: setting it to None frees that block. A view into a
     shared buffer (DDP's ``gradient_as_bucket_view``, a flat-parameter scheme)
     does not, nor then does the buffer. A DTensor's (FSDP2) local shard counts.
     A parameter whose gradient cannot be read is skipped."""
-    out: Set[int] = set()
+    out: set[int] = set()
     for p in parameters:
         g = getattr(p, "grad", None)
         if g is None:
@@ -361,7 +356,7 @@ def gradient_addresses(parameters: Iterable[Any]) -> Set[int]:
     return out
 
 
-def allocator_event_counters(s: Dict[str, Any]) -> Tuple[int, int]:
+def allocator_event_counters(s: dict[str, Any]) -> tuple[int, int]:
     """(blocks handed out, blocks returned to the cache) since the process began.
 
     In c10's CUDACachingAllocator, ``alloc_found_block`` records the trace's
@@ -379,7 +374,7 @@ def allocator_event_counters(s: Dict[str, Any]) -> Tuple[int, int]:
 
 
 # --------------------------------------------------------- model facts
-def _optimizers(optimizer: Any) -> List[Any]:
+def _optimizers(optimizer: Any) -> list[Any]:
     if optimizer is None:
         return []
     if isinstance(optimizer, (list, tuple)):
@@ -422,7 +417,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     return optimizer
 
 
-def _optimizer_chain(optimizer: Any) -> List[Any]:
+def _optimizer_chain(optimizer: Any) -> list[Any]:
     """``optimizer`` and the optimizers inside it, outermost first."""
     chain = [optimizer]
     for _ in range(_WRAP_DEPTH):
@@ -463,7 +458,7 @@ def hookable_optimizer(optimizer: Any) -> Optional[Any]:
     return None
 
 
-def optimizer_kind(optimizer: Any) -> Tuple[int, Optional[int]]:
+def optimizer_kind(optimizer: Any) -> tuple[int, Optional[int]]:
     """(OptimizerKind, state tensors per parameter or None when unknown)."""
     opt = unwrap_optimizer(optimizer)
     import torch
@@ -521,7 +516,7 @@ def _state_exists(optimizer: Any) -> bool:
         return False
 
 
-def _state_bytes(opts: List[Any], tensors: List[Optional[int]]) -> Optional[int]:
+def _state_bytes(opts: list[Any], tensors: list[Optional[int]]) -> Optional[int]:
     """Bytes of state the optimizers make for their parameters (each parameter's
     elements held on this rank, times its element size, times the optimizer's
     state tensors per parameter); None when one optimizer's is unknown or its
@@ -533,7 +528,7 @@ def _state_bytes(opts: List[Any], tensors: List[Optional[int]]) -> Optional[int]
         groups = getattr(unwrap_optimizer(opt), "param_groups", None)
         if not groups:
             return None
-        seen: Set[int] = set()
+        seen: set[int] = set()
         try:
             for g in groups:
                 for p in g.get("params", []):
@@ -556,15 +551,15 @@ def model_facts(
     sharding_factor: Optional[int] = None,
     grads_set_to_none: Optional[bool] = None,
     micro_batch_size: Optional[int] = None,
-    largest_batch: Optional[Dict[str, Any]] = None,
-) -> Dict[str, Any]:
+    largest_batch: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """ModelFacts fields (unknown ones left out) from a model and its optimizer.
 
     ``micro_batch_size`` (samples per forward on this rank) lets the agent size
     step 1's activations per sample and say which micro-batch would fit;
     ``largest_batch`` (samples, tokens, shape) the largest batch the loader can
     produce, whose need the agent then foresees."""
-    facts: Dict[str, Any] = {}
+    facts: dict[str, Any] = {}
     count = 0
     nbytes = 0
     elem_size = None
@@ -689,17 +684,17 @@ def batch_of(args: Any, kwargs: Any) -> Optional[_batch.Batch]:
     return _batch.of_shape(tuple(int(d) for d in main.shape), integer)
 
 
-def input_sizes(args: Any, kwargs: Any) -> Tuple[int, List[Tuple[int, ...]]]:
+def input_sizes(args: Any, kwargs: Any) -> tuple[int, list[tuple[int, ...]]]:
     """A forward's inputs: the elements of its tensors (positional and keyword,
     looked into as :func:`_tensors` does) and the first four shapes."""
     import torch
 
-    seen: Set[int] = set()
+    seen: set[int] = set()
     tensors = list(_tensors(list(args) + list((kwargs or {}).values()), torch.Tensor, seen))
     return sum(t.numel() for t in tensors), [tuple(t.shape) for t in tensors[:4]]
 
 
-def _tensors(obj: Any, tensor_type: Any, seen: Set[int], depth: int = 0) -> Iterator[Any]:
+def _tensors(obj: Any, tensor_type: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
     """Tensors in a module output: a tensor, tuple/list, dict/ModelOutput (bounded),
     each once (``seen`` holds the ids already yielded)."""
     if isinstance(obj, tensor_type):
@@ -717,7 +712,7 @@ def _tensors(obj: Any, tensor_type: Any, seen: Set[int], depth: int = 0) -> Iter
             yield from _tensors(item, tensor_type, seen, depth + 1)
 
 
-def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
+def install_module_hooks(rt: _Runtime, model: Any) -> list[Any]:
     """FORWARD_BEGIN (with the batch's size) on the top module's forward pre
     hook; BACKWARD_BEGIN when the gradient reaches the model's output; OOM when
     a CUDA OOM escapes forward. A forward in eval mode or without gradients
@@ -767,7 +762,7 @@ def install_module_hooks(rt: _Runtime, model: Any) -> List[Any]:
 
         rt.guarded(register)
 
-    handles: List[Any] = []
+    handles: list[Any] = []
     for module in forward_modules(model):
         # First among the pre hooks: the step begins before FSDP's (registered
         # earlier, itself prepended) all-gathers the root's parameters, so step
@@ -790,7 +785,7 @@ _CONTAINER_DEPTH = 3
 _CONTAINER_MODULES = 64
 
 
-def forward_modules(model: Any) -> List[Any]:
+def forward_modules(model: Any) -> list[Any]:
     """The modules whose forward the training loop calls: the model itself,
     or, for a container that has no ``forward`` of its own (a module holding a
     GAN's generator and discriminator, an ``nn.ModuleDict``), its children,
@@ -798,7 +793,7 @@ def forward_modules(model: Any) -> List[Any]:
     import torch
 
     unimplemented = torch.nn.Module.forward
-    out: List[Any] = []
+    out: list[Any] = []
 
     def visit(module: Any, depth: int) -> None:
         if len(out) >= _CONTAINER_MODULES:
@@ -815,7 +810,7 @@ def forward_modules(model: Any) -> List[Any]:
     return out
 
 
-def install_optimizer_hooks(rt: _Runtime, optimizer: Any, *, begin: bool = True) -> List[Any]:
+def install_optimizer_hooks(rt: _Runtime, optimizer: Any, *, begin: bool = True) -> list[Any]:
     """OPTIMIZER_BEGIN/END (and STEP_END) from Optimizer step pre/post hooks (torch >= 2.0).
 
     A wrapper (accelerate's ``AcceleratedOptimizer``, Lightning's
@@ -830,8 +825,8 @@ def install_optimizer_hooks(rt: _Runtime, optimizer: Any, *, begin: bool = True)
     passes between them belong to the step's optimizer phase.
     """
     opts = _optimizers(optimizer)
-    handles: List[Any] = []
-    targets: List[Any] = []
+    handles: list[Any] = []
+    targets: list[Any] = []
     for opt in opts:
         target = hookable_optimizer(opt)
         if target is None:
@@ -936,18 +931,18 @@ class _ZeroGradWatch:
             del self.obj.zero_grad
 
 
-def install_zero_grad_watch(rt: _Runtime, model: Any, optimizer: Any) -> List[Any]:
+def install_zero_grad_watch(rt: _Runtime, model: Any, optimizer: Any) -> list[Any]:
     """Learn from ``zero_grad(set_to_none=...)`` whether gradients outlive a step.
 
     The answer comes only when the training loop calls it (often right after
     step 1's optimizer phase, after the hello), and decides step 2's peak: kept
     gradients are alive through step 2's forward and backward. The model's and
     each optimizer's ``zero_grad`` are wrapped on the instance."""
-    handles: List[Any] = []
+    handles: list[Any] = []
     # The optimizer as given and each one it wraps: a wrapper's zero_grad may
     # call the wrapped one's (accelerate) or not (ZeroRedundancyOptimizer).
     objs = [model] + [o for opt in _optimizers(optimizer) for o in _optimizer_chain(opt)]
-    seen: Set[int] = set()
+    seen: set[int] = set()
     for obj in objs:
         if obj is None or id(obj) in seen or not callable(getattr(obj, "zero_grad", None)):
             continue
@@ -986,13 +981,13 @@ class DdpBucketWatch:
     def __init__(self, ddp: Any) -> None:
         self.ddp = ddp
         params, sparse = ddp._build_params_for_reducer()
-        self.params: List[Any] = list(params)
-        self.sparse: List[bool] = [bool(s) for s in sparse]
-        self.order: List[int] = []
-        self.seen: Set[int] = set()
-        self.ready_order: Optional[List[int]] = None
+        self.params: list[Any] = list(params)
+        self.sparse: list[bool] = [bool(s) for s in sparse]
+        self.order: list[int] = []
+        self.seen: set[int] = set()
+        self.ready_order: Optional[list[int]] = None
         self.synced = True
-        self.handles: List[Any] = []
+        self.handles: list[Any] = []
         for i, p in enumerate(self.params):
             self.handles.append(p.register_post_accumulate_grad_hook(self._ready_hook(i)))
         self.handles.append(ddp.register_forward_pre_hook(self._forward))
@@ -1036,7 +1031,7 @@ class DdpBucketWatch:
         )
         return not any(unmodelled)
 
-    def _bucket_size_limits(self) -> List[int]:
+    def _bucket_size_limits(self) -> list[int]:
         """The limits DDP's reducer rebuilds with (``bucket_size_limits_for_rebuilding``,
         else the first bucket's cap and then ``bucket_cap_mb``)."""
         import torch.distributed as dist
@@ -1054,7 +1049,7 @@ class DdpBucketWatch:
         first = _private(dist)._DEFAULT_FIRST_BUCKET_BYTES
         return [int(first), int(d.bucket_bytes_cap)]
 
-    def facts(self) -> Optional[Dict[str, List[int]]]:
+    def facts(self) -> Optional[dict[str, list[int]]]:
         """``{"old_bucket_bytes": [...], "new_bucket_bytes": [...]}`` (DdpBucketRebuild),
         or None when no rebuild as modelled is to come."""
         order = self.ready_order
@@ -1080,7 +1075,7 @@ class DdpBucketWatch:
         return {"old_bucket_bytes": old, "new_bucket_bytes": new}
 
 
-def install_ddp_bucket_watch(rt: _Runtime, model: Any) -> List[Any]:
+def install_ddp_bucket_watch(rt: _Runtime, model: Any) -> list[Any]:
     """Watch a DistributedDataParallel model's step 1 for its bucket rebuild
     (:class:`DdpBucketWatch`); the runtime sends what it learnt before step
     1's optimizer phase and removes the hooks. Nothing for other models."""

@@ -17,7 +17,7 @@ the next step's first marker is preceded by the end of the pass that runs.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Set
+from typing import Callable, Optional
 
 from ._client import (
     BACKWARD_BEGIN,
@@ -58,7 +58,7 @@ class StepTracker:
         # its first forward until each of them has stepped (OPTIMIZER_BEGIN at
         # the first one's step, OPTIMIZER_END after the last one's).
         self.optimizer_count = 1
-        self.stepped: Set[int] = set()  # the optimizers that stepped in this step
+        self.stepped: set[int] = set()  # the optimizers that stepped in this step
         self.optimizer_steps = 0  # optimizer steps in this step
         self.gate: Optional[Gate] = None
         # The BEGIN kind of the evaluation pass or checkpoint save that runs.

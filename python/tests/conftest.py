@@ -10,7 +10,7 @@ import threading
 import time
 from concurrent import futures
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Optional
 
 import grpc
 import pytest
@@ -64,9 +64,9 @@ def mark_steps(n: int, start: int = 1) -> None:
                 pass
 
 
-def expected(steps: int, micro: int = 1) -> List[tuple]:
+def expected(steps: int, micro: int = 1) -> list[tuple]:
     """summary() of ``steps`` steps of ``micro`` forward/backward pairs each."""
-    out: List[tuple] = []
+    out: list[tuple] = []
     for s in range(1, steps + 1):
         out.append(("STEP_BEGIN", s, 0))
         for m in range(micro):
@@ -173,18 +173,18 @@ def agent_binary() -> Path:
 class RecordedStream:
     def __init__(self) -> None:
         self.hello: Optional[pb.Hello] = None
-        self.messages: List[pb.ClientMessage] = []
-        self.markers: List[pb.Marker] = []
+        self.messages: list[pb.ClientMessage] = []
+        self.markers: list[pb.Marker] = []
         # Allocator-trace chunks, as received.
-        self.traces: List[pb.AllocatorTraceChunk] = []
+        self.traces: list[pb.AllocatorTraceChunk] = []
         # ModelFacts updates, as received.
-        self.model_updates: List[pb.ModelFacts] = []
+        self.model_updates: list[pb.ModelFacts] = []
         # OOM reports, as received.
-        self.oom_reports: List[pb.OomReport] = []
+        self.oom_reports: list[pb.OomReport] = []
         # The stream's content in order: ("marker", kind, step) / ("trace", last) /
         # ("model_update",) / ("oom_report", step).
-        self.order: List[tuple] = []
-        self.sizes: List[int] = []
+        self.order: list[tuple] = []
+        self.sizes: list[int] = []
         self.ended = False  # the client half-closed
         self.outbox: queue.Queue[Optional[pb.AgentMessage]] = queue.Queue()
 
@@ -195,11 +195,11 @@ class FakeAgent(pb_grpc.IngestServicer):
     def __init__(self, path: str) -> None:
         self.path = path
         self.endpoint = "unix://" + path
-        self.streams: List[RecordedStream] = []
+        self.streams: list[RecordedStream] = []
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         # (code, details) to abort the next N streams with, after their Hello.
-        self.reject: List[Any] = []
+        self.reject: list[Any] = []
         self.on_marker: Optional[Callable[[RecordedStream, pb.Marker], None]] = None
         self.server: Any = None
 
@@ -288,7 +288,7 @@ class FakeAgent(pb_grpc.IngestServicer):
         except OSError:
             pass
 
-    def all_markers(self) -> List[pb.Marker]:
+    def all_markers(self) -> list[pb.Marker]:
         with self.lock:
             return [m for s in self.streams for m in s.markers]
 
@@ -304,7 +304,7 @@ class FakeAgent(pb_grpc.IngestServicer):
                 self.changed.wait(min(left, 0.05))
         return True
 
-    def wait_markers(self, n: int, timeout: float = 60.0) -> List[pb.Marker]:
+    def wait_markers(self, n: int, timeout: float = 60.0) -> list[pb.Marker]:
         ok = self.wait_for(lambda: sum(len(s.markers) for s in self.streams) >= n, timeout)
         got = self.all_markers()
         assert ok, f"expected {n} markers, got {len(got)}: {summary(got)}"
@@ -318,7 +318,7 @@ class FakeAgent(pb_grpc.IngestServicer):
             s.outbox.put(msg)
 
 
-def summary(markers: List[pb.Marker]) -> List[tuple]:
+def summary(markers: list[pb.Marker]) -> list[tuple]:
     """Markers as (KIND, step, micro_batch) for readable asserts."""
     return [(KIND[m.kind], m.step, m.micro_batch) for m in markers]
 

@@ -13,7 +13,7 @@ them, "active_pending_free" where the docstring says "active_awaiting_free").
 from __future__ import annotations
 
 import collections
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 SMALL = 1 << 20  # requests up to 1 MiB go to the small pool
 SMALL_SEGMENT = 2 << 20
@@ -28,16 +28,16 @@ class FakeCuda:
     def __init__(self, base: int = 0x7F00_0000_0000) -> None:
         self.next_segment = base
         # address -> {"small", "size", "blocks": [[offset, size, allocated, requested]]}
-        self.segments: Dict[int, Dict[str, Any]] = {}
-        self.live: Dict[int, int] = {}  # address -> segment address
+        self.segments: dict[int, dict[str, Any]] = {}
+        self.live: dict[int, int] = {}  # address -> segment address
         self.recording = False
         self.max_entries = 1 << 62
         self.skip: set = set()
         self.trace: collections.deque = collections.deque()
-        self.history_calls: List[Dict[str, Any]] = []
+        self.history_calls: list[dict[str, Any]] = []
         self.snapshots = 0
         # include_traces of each torch.cuda.memory_snapshot() call (step 1's layouts).
-        self.layout_snapshots: List[bool] = []
+        self.layout_snapshots: list[bool] = []
         self.time_us = 1_700_000_000_000_000
         self.c = collections.Counter()  # allocated/freed counters and byte figures
         self.reserved_peak = 0
@@ -48,7 +48,7 @@ class FakeCuda:
         self.pending_bytes = 0
         self.retries = 0
         # (action, address, requested, label, recording at the time)
-        self.log: List[tuple] = []
+        self.log: list[tuple] = []
 
     # ------------------------------------------------------------ history
     def _record(self, action: str, addr: int, size: int) -> None:
@@ -71,7 +71,7 @@ class FakeCuda:
         clear_history: bool = False,
         compile_context: bool = False,
         global_record_annotations: bool = False,
-        skip_actions: Optional[List[str]] = None,
+        skip_actions: Optional[list[str]] = None,
         record_pinned_host_memory: bool = False,
         record_cuda: bool = True,
     ) -> None:
@@ -190,7 +190,7 @@ class FakeCuda:
             )
 
     # ------------------------------------------------------------- torch API
-    def memory_stats_nested(self, device: Any = None) -> Dict[str, Any]:
+    def memory_stats_nested(self, device: Any = None) -> dict[str, Any]:
         """What ``torch._C._cuda_memoryStats(device)`` returns (the dict
         ``torch.cuda.memory_stats_as_nested_dict`` passes on): each stat is
         ``{"all"|"small_pool"|"large_pool": {"current", "peak", "allocated",
@@ -200,7 +200,7 @@ class FakeCuda:
         active_bytes = c["allocated_bytes"] + self.pending_bytes
         self.active_peak = max(self.active_peak, active_bytes)
 
-        def stat(current: int, peak: int, allocated: int = 0, freed: int = 0) -> Dict[str, Any]:
+        def stat(current: int, peak: int, allocated: int = 0, freed: int = 0) -> dict[str, Any]:
             return {
                 "all": {"current": current, "peak": peak, "allocated": allocated, "freed": freed}
             }
@@ -227,7 +227,7 @@ class FakeCuda:
         """``torch.cuda.memory_stats``: the nested dict flattened with "."."""
         flat = []
 
-        def walk(prefix: str, d: Dict[str, Any]) -> None:
+        def walk(prefix: str, d: dict[str, Any]) -> None:
             for k, v in d.items():
                 if isinstance(v, dict):
                     walk(f"{prefix}{k}.", v)
@@ -237,7 +237,7 @@ class FakeCuda:
         walk("", self.memory_stats_nested(device))
         return collections.OrderedDict(sorted(flat))
 
-    def snapshot(self, device: Any = None, augment_with_fx_traces: bool = False) -> Dict[str, Any]:
+    def snapshot(self, device: Any = None, augment_with_fx_traces: bool = False) -> dict[str, Any]:
         self.snapshots += 1
         segments = []
         for saddr in sorted(self.segments):
@@ -309,7 +309,7 @@ class FakeCuda:
         monkeypatch.setattr(st, "device_memory", self.device_memory)
         return self
 
-    def device_memory(self, device: int) -> Tuple[int, int]:
+    def device_memory(self, device: int) -> tuple[int, int]:
         total = 80 << 30
         return total - (512 << 20) - self.c["reserved"], total
 
@@ -326,9 +326,9 @@ class FakeWorkload:
 
     def __init__(self, fake: FakeCuda, model: Any, opt: Any) -> None:
         self.fake = fake
-        self.acts: List[int] = []
-        self.grads: List[int] = []
-        self.state: List[int] = []
+        self.acts: list[int] = []
+        self.grads: list[int] = []
+        self.state: list[int] = []
         self.hooks = [model.register_forward_hook(self.forward)]
         self.param = next(iter(model.parameters()))
         self.hooks.append(self.param.register_hook(self.backward))

@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import pytest
 from conftest import KIND, REPO, STEP, summary
@@ -42,7 +42,7 @@ print("params", sum(p.numel() for p in model.parameters()), flush=True)
 SIZES = ["1024", "8", "4096"]
 
 
-def on_fake_gpu(agent, args: List[str], steps: int, job: str) -> subprocess.CompletedProcess:
+def on_fake_gpu(agent, args: list[str], steps: int, job: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint, STEPWATCH_JOB_ID=job)
     if not FAKE_CUDA.exists():
         pytest.fail(f"{FAKE_CUDA} is missing")
@@ -166,7 +166,7 @@ print("seen", json.dumps(seen), flush=True)
 """
 
 
-def user_peaks(agent, mode: str, job: str) -> List[List[int]]:
+def user_peaks(agent, mode: str, job: str) -> list[list[int]]:
     env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint, STEPWATCH_JOB_ID=job)
     proc = subprocess.run(
         [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
@@ -256,7 +256,7 @@ print("metrics", json.dumps({k: v for k, v in metrics.items() if "gpu" in k}), f
 """
 
 
-def hf_memory_metrics(agent, mode: str, tmp_path: Path) -> Dict[str, Any]:
+def hf_memory_metrics(agent, mode: str, tmp_path: Path) -> dict[str, Any]:
     env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint, STEPWATCH_JOB_ID=f"hf-{mode}")
     proc = subprocess.run(
         [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
@@ -267,7 +267,7 @@ def hf_memory_metrics(agent, mode: str, tmp_path: Path) -> Dict[str, Any]:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    metrics: Dict[str, Any] = json.loads(proc.stdout.split("metrics ")[1])
+    metrics: dict[str, Any] = json.loads(proc.stdout.split("metrics ")[1])
     return metrics
 
 
@@ -386,7 +386,7 @@ dist.destroy_process_group()
 """
 
 
-def ddp_on_fake_gpu(agent, tmp_path: Path, find_unused: bool) -> Dict[int, Any]:
+def ddp_on_fake_gpu(agent, tmp_path: Path, find_unused: bool) -> dict[int, Any]:
     """Runs DDP_TRAIN on two fake GPUs; returns each rank's RESULT."""
     script = tmp_path / "ddp_train.py"
     script.write_text(DDP_TRAIN)
@@ -415,7 +415,7 @@ def round512(n: int) -> int:
     return max(512, (n + 511) // 512 * 512)
 
 
-def rebuilds(agent) -> Dict[int, Any]:
+def rebuilds(agent) -> dict[int, Any]:
     """Each rank's DdpBucketRebuild, once both streams have sent step 1's trace."""
     assert agent.wait_for(
         lambda: (

@@ -5,7 +5,7 @@ test_on_fake_gpu.py."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import pytest
 
@@ -26,7 +26,7 @@ class Counters:
         self.current = n
         self.peak = max(self.peak, n)
 
-    def stats(self, device: Any) -> Dict[str, Any]:
+    def stats(self, device: Any) -> dict[str, Any]:
         assert device == 0
         return {
             "allocated_bytes": {"all": {"current": self.current, "peak": self.peak}},

@@ -12,7 +12,6 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import List
 
 import pytest
 from conftest import FLUSH_S
@@ -104,7 +103,7 @@ class _TlsAgent:
         return self.agent.grpc
 
 
-def _start_tls_agent(sock_dir: str, tmp_path: Path, args: List[str]):
+def _start_tls_agent(sock_dir: str, tmp_path: Path, args: list[str]):
     from conftest import agent_binary
     from test_agent_integration import _Agent
 
@@ -128,7 +127,7 @@ def _wait_refused_twice(timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _tls_agent(certs: Path, sock_dir: str, tmp_path: Path, extra: List[str]):
+def _tls_agent(certs: Path, sock_dir: str, tmp_path: Path, extra: list[str]):
     """The agent with the server certificate and ``extra`` flags; stopped after the test."""
     tls = [
         "--grpc-tls-cert",

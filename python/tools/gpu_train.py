@@ -33,7 +33,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 try:
     import stepwatch
@@ -52,7 +52,7 @@ from models import GPT, GPTConfig  # noqa: E402
 GIB = 1024**3
 
 
-def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optimizer", choices=["adamw", "sgd", "sgd-momentum"], default="adamw")
     p.add_argument("--steps", type=int, default=12)
@@ -80,7 +80,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def memory(device: torch.device) -> Dict[str, int]:
+def memory(device: torch.device) -> dict[str, int]:
     if device.type != "cuda":
         return {}
     return {
@@ -91,7 +91,7 @@ def memory(device: torch.device) -> Dict[str, int]:
     }
 
 
-def fmt_memory(m: Dict[str, int]) -> str:
+def fmt_memory(m: dict[str, int]) -> str:
     if not m:
         return ""
     return (
@@ -105,7 +105,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     # The client's warnings and the agent's advisories go to the `stepwatch` logger.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -149,7 +149,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     autocast = torch.autocast(
         device_type=device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"
     )
-    steps: List[Dict[str, Any]] = []
+    steps: list[dict[str, Any]] = []
     for step in range(1, args.steps + 1):
         sync(device)
         t0 = time.perf_counter()

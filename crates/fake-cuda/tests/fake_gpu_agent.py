@@ -15,8 +15,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -101,19 +102,19 @@ class FakeGpuAgent:
         with urllib.request.urlopen(f"http://{self.http}{path}", timeout=10) as r:
             return bytes(r.read())
 
-    def rank_report(self, job: str, steps: Optional[int] = None) -> Dict[str, Any]:
+    def rank_report(self, job: str, steps: Optional[int] = None) -> dict[str, Any]:
         query = f"?steps={steps}" if steps is not None else ""
         return dict(json.loads(self.get(f"/api/v1/jobs/{job}/ranks/0{query}")))
 
     def run(
         self,
-        argv: List[str],
+        argv: list[str],
         job: str,
         *,
         usage_log: Optional[Path] = None,
         cwd: Optional[Path] = None,
         device: str = "",
-        env: Optional[Dict[str, str]] = None,
+        env: Optional[dict[str, str]] = None,
         timeout: float = 300,
     ) -> subprocess.CompletedProcess:
         """``python *argv`` under fake CUDA on this GPU, reporting to the agent

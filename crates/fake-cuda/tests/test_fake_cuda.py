@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable
 
 import pytest
 
@@ -57,7 +57,7 @@ KNOWN_EXIT_ABORT = "terminate called without an active exception"
 
 def retry_known_exit_abort(
     run: Callable[[Path], subprocess.CompletedProcess], tmp_path: Path, ok: int
-) -> Tuple[subprocess.CompletedProcess, Path]:
+) -> tuple[subprocess.CompletedProcess, Path]:
     """Known flake, not yet understood: after a script on fake CUDA has done
     its work (results printed, or the expected OOM raised), PyTorch may abort
     at interpreter exit with "terminate called without an active exception"
@@ -72,7 +72,7 @@ def retry_known_exit_abort(
     return proc, tmp_path
 
 
-def fake_cuda(args: List[str], cmd: List[str], **kw: Any) -> subprocess.CompletedProcess:
+def fake_cuda(args: list[str], cmd: list[str], **kw: Any) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
@@ -92,15 +92,15 @@ def fake_cuda(args: List[str], cmd: List[str], **kw: Any) -> subprocess.Complete
     )
 
 
-def result(proc: subprocess.CompletedProcess) -> Dict[str, Any]:
+def result(proc: subprocess.CompletedProcess) -> dict[str, Any]:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stdout + proc.stderr
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def usage(log_dir: Path) -> Dict[int, List[tuple]]:
+def usage(log_dir: Path) -> dict[int, list[tuple]]:
     """pid -> [(ns, device, uuid, bytes)] from --usage-log."""
-    out: Dict[int, List[tuple]] = {}
+    out: dict[int, list[tuple]] = {}
     for f in log_dir.glob("*.tsv"):
         rows = [ln.split("\t") for ln in f.read_text().splitlines()]
         out[int(f.stem)] = [(int(t), int(d), u, int(b)) for t, d, u, b in rows]
@@ -108,7 +108,7 @@ def usage(log_dir: Path) -> Dict[int, List[tuple]]:
 
 
 @pytest.fixture(scope="module")
-def calibration(tmp_path_factory) -> Dict[str, Any]:
+def calibration(tmp_path_factory) -> dict[str, Any]:
     """Three steps at 80 GiB: what the job needs, as PyTorch and NVML see it."""
     log = tmp_path_factory.mktemp("usage")
     proc = fake_cuda(["--usage-log", str(log)], [sys.executable, "-c", TRAIN, *SIZES, "3"])

@@ -30,9 +30,10 @@ import contextlib
 import os
 import re
 import urllib.error
+from collections.abc import Iterator
 from pathlib import Path
 from subprocess import CompletedProcess
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Optional
 
 import pytest
 from fake_gpu_agent import (
@@ -64,16 +65,16 @@ def agent_on(tmp: Path, usable: int, sample_hz: int = 100) -> Iterator[FakeGpuAg
         yield a
 
 
-def rank(agent: FakeGpuAgent, job: str) -> Dict[str, Any]:
+def rank(agent: FakeGpuAgent, job: str) -> dict[str, Any]:
     return agent.rank_report(job, steps=1)
 
 
 def train(
     agent: FakeGpuAgent,
     job: str,
-    cmd: List[str],
+    cmd: list[str],
     usage: Path,
-    env: Optional[Dict[str, str]] = None,
+    env: Optional[dict[str, str]] = None,
 ) -> CompletedProcess:
     """`cmd` (a python script and its flags) on the agent's fake GPU, watched by
     stepwatch (this tree's client), with fake CUDA's usage log in `usage` and
@@ -91,8 +92,8 @@ class Truth:
             for m in re.finditer(r"^step (\d+) done (\d+)\b", proc.stdout, re.M)
         }
         # (begin, end) ns of each pass a loop printed, by kind ("eval", "checkpoint").
-        self.passes: Dict[str, List[Tuple[int, int]]] = {}
-        begun: Dict[str, int] = {}
+        self.passes: dict[str, list[tuple[int, int]]] = {}
+        begun: dict[str, int] = {}
         for m in re.finditer(r"^(eval|checkpoint) (begin|end) (\d+)$", proc.stdout, re.M):
             kind, edge, t = m.group(1), m.group(2), int(m.group(3))
             if edge == "begin":
@@ -105,7 +106,7 @@ class Truth:
         self.oom_step = max(self.step_end_ns) + 1
 
     @staticmethod
-    def _rows(log: Path) -> List[Tuple[int, int]]:
+    def _rows(log: Path) -> list[tuple[int, int]]:
         rows = []
         for line in log.read_text().splitlines():
             t, _dev, _uuid, b = line.split("\t")
@@ -134,13 +135,13 @@ class Truth:
         return self.peak_between(self.step_end_ns[step - 1], self.step_end_ns[step])
 
 
-def growth_advisory(report: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+def growth_advisory(report: dict[str, Any]) -> Optional[dict[str, Any]]:
     return next((a for a in report["advisories"] if a["kind"] == "memory_growth"), None)
 
 
 def dies(
-    agent: FakeGpuAgent, job: str, cmd: List[str], usage: Path, usable: int
-) -> Tuple[CompletedProcess, Truth, Dict[str, Any]]:
+    agent: FakeGpuAgent, job: str, cmd: list[str], usage: Path, usable: int
+) -> tuple[CompletedProcess, Truth, dict[str, Any]]:
     """`cmd` until PyTorch raises OutOfMemoryError; what happened, and the rank's
     report once its post-mortem is in."""
     proc = train(agent, job, cmd, usage)
@@ -166,7 +167,7 @@ LEAKS = [
     ids=[f"{m}" if hz == 100 else f"{m}-unsampled" for m, _, _, hz in LEAKS],
 )
 def test_a_leak_is_reported_early_forecast_within_ten_percent_and_named(
-    tmp_path: Path, mode: str, flags: List[str], usable: int, sample_hz: int
+    tmp_path: Path, mode: str, flags: list[str], usable: int, sample_hz: int
 ) -> None:
     with agent_on(tmp_path, usable, sample_hz) as agent:
         job = f"oom-{mode}"
@@ -235,7 +236,7 @@ STEADY_JOBS = [
 
 @pytest.mark.parametrize("name,cmd", STEADY_JOBS, ids=[n for n, _ in STEADY_JOBS])
 def test_no_growth_is_reported_on_jobs_that_do_not_grow(
-    tmp_path: Path, name: str, cmd: List[str]
+    tmp_path: Path, name: str, cmd: list[str]
 ) -> None:
     with agent_on(tmp_path, 80 * GIB - DRIVER_RESERVED) as agent:
         job = f"steady-{name}"
@@ -312,7 +313,7 @@ def test_evaluations_and_checkpoints_are_passes_with_their_own_headroom(tmp_path
         evals, saves = len(truth.passes["eval"]), len(truth.passes["checkpoint"])
         assert (evals, saves) == (9, 8), truth.passes
 
-        def counted(r: Dict[str, Any]) -> bool:
+        def counted(r: dict[str, Any]) -> bool:
             begun = {p["kind"]: p["begun"] for p in r.get("passes") or []}
             return begun == {"evaluation": evals, "checkpoint": saves}
 
@@ -343,7 +344,7 @@ def test_evaluations_and_checkpoints_are_passes_with_their_own_headroom(tmp_path
     )
 
 
-def advisories_told(stdout: str) -> List[Tuple[str, int, int]]:
+def advisories_told(stdout: str) -> list[tuple[str, int, int]]:
     """(kind, CLOCK_MONOTONIC ns, predicted peak bytes) of each advisory the
     process printed as it reached it (batch_pass_loops.py warmup)."""
     return [
@@ -438,7 +439,7 @@ def test_a_warm_up_step_1_gets_the_step_2_warning_at_step_2s_first_forward(
 
 
 def fits_at(
-    tmp: Path, usable: int, cmd: List[str], step: int, env: Optional[Dict[str, str]] = None
+    tmp: Path, usable: int, cmd: list[str], step: int, env: Optional[dict[str, str]] = None
 ) -> bool:
     """Whether `cmd` (with `env`) gets past `step` on a fake GPU of which CUDA
     can use `usable` bytes."""
@@ -450,7 +451,7 @@ def fits_at(
     return re.search(rf"^step {step} done ", proc.stdout, re.M) is not None
 
 
-def known_rank(agent: FakeGpuAgent, job: str) -> Optional[Dict[str, Any]]:
+def known_rank(agent: FakeGpuAgent, job: str) -> Optional[dict[str, Any]]:
     """The rank's report, or None while the agent does not know it yet."""
     try:
         return rank(agent, job)

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import pytest
 
@@ -36,7 +36,7 @@ def binary() -> Path:
     return b
 
 
-def env() -> Dict[str, str]:
+def env() -> dict[str, str]:
     e = dict(os.environ)
     for name in list(e):
         if name.startswith("STEPWATCH_") and name != "STEPWATCH_BIN":
@@ -47,17 +47,17 @@ def env() -> Dict[str, str]:
     return e
 
 
-ROOMY: Dict[Tuple[str, ...], Tuple[int, Dict[str, Any], str]] = {}
+ROOMY: dict[tuple[str, ...], tuple[int, dict[str, Any], str]] = {}
 
 
-def roomy(cmd: List[str]) -> Tuple[int, Dict[str, Any], str]:
+def roomy(cmd: list[str]) -> tuple[int, dict[str, Any], str]:
     """preflight on an H100 80GB, once per command for the whole module."""
     if tuple(cmd) not in ROOMY:
         ROOMY[tuple(cmd)] = preflight(["--gpu", "h100-80gb"], cmd)
     return ROOMY[tuple(cmd)]
 
 
-def preflight(capacity: List[str], cmd: List[str]) -> Tuple[int, Dict[str, Any], str]:
+def preflight(capacity: list[str], cmd: list[str]) -> tuple[int, dict[str, Any], str]:
     p = subprocess.run(
         [str(binary()), "preflight", *capacity, "--json", "--", *cmd],
         env=env(),
@@ -74,7 +74,7 @@ def preflight(capacity: List[str], cmd: List[str]) -> Tuple[int, Dict[str, Any],
 
 
 def plain_run(
-    usable: int, cmd: List[str], gpus: int = 1, steps: int = 3
+    usable: int, cmd: list[str], gpus: int = 1, steps: int = 3
 ) -> subprocess.CompletedProcess:
     """The script under fake-cuda alone (no agent, no preflight) at `usable` bytes."""
     e = env()
