@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, NoReturn, Optional, Set, Tuple
+from typing import NoReturn, Optional
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE / "csrc"
@@ -80,7 +80,7 @@ def parse_duration(text: str) -> int:
 
 
 # ------------------------------------------------------------------ build
-def default_python(cmd: List[str]) -> str:
+def default_python(cmd: list[str]) -> str:
     """The Python whose torch the libraries must match: the command's own
     interpreter when it is one, else the test venv's, else python3."""
     if cmd and Path(cmd[0]).name.startswith("python"):
@@ -94,7 +94,7 @@ def default_python(cmd: List[str]) -> str:
     return sys.executable
 
 
-def torch_location(python: str) -> Tuple[Path, str]:
+def torch_location(python: str) -> tuple[Path, str]:
     """torch's folder and version for `python`, without importing torch (that
     takes seconds of CPU, paid on every `run`): its spec and its version.py."""
     code = (
@@ -118,7 +118,7 @@ def torch_location(python: str) -> Tuple[Path, str]:
     return Path(torch_dir), version
 
 
-def undefined_symbols(libs: List[Path]) -> List[str]:
+def undefined_symbols(libs: list[Path]) -> list[str]:
     if not libs:
         return []
     r = subprocess.run(
@@ -132,19 +132,19 @@ def undefined_symbols(libs: List[Path]) -> List[str]:
     return out
 
 
-def defined_symbols(obj: Path) -> Set[str]:
+def defined_symbols(obj: Path) -> set[str]:
     r = subprocess.run(["nm", "--defined-only", "-g", str(obj)], capture_output=True, text=True)
     return {ln.split()[-1] for ln in r.stdout.splitlines() if len(ln.split()) >= 3}
 
 
-def imported(torch_dir: Path) -> Dict[str, Set[str]]:
+def imported(torch_dir: Path) -> dict[str, set[str]]:
     """What torch's libraries (and cuSOLVER, for torch.linalg) import from each
     library this stands in for: {soname: {symbol}}. Versioned symbols carry
     their library's version node, which is also its SONAME."""
     site = torch_dir.parent
     libs = sorted((torch_dir / "lib").glob("*.so"))
     libs += sorted(site.glob("nvidia/cu*/lib/libcusolver*.so*"))
-    by_lib: Dict[str, Set[str]] = {}
+    by_lib: dict[str, set[str]] = {}
     for sym in undefined_symbols(libs):
         name, _, node = sym.partition("@")
         node = node.lstrip("@")
@@ -163,7 +163,7 @@ def imported(torch_dir: Path) -> Dict[str, Set[str]]:
     return by_lib
 
 
-def include_dirs(torch_dir: Path) -> List[str]:
+def include_dirs(torch_dir: Path) -> list[str]:
     site = torch_dir.parent
     cuda = [p.parent for p in site.glob("nvidia/cu*/include/cuda_runtime_api.h")]
     cuda += [p.parent for p in site.glob("nvidia/cuda_runtime/include/cuda_runtime_api.h")]
@@ -235,7 +235,9 @@ def build_into(out: Path, torch_dir: Path, version: str) -> None:
     log(f"building the stand-in libraries for torch {version} in {out} (once per torch)")
     out.mkdir(parents=True, exist_ok=True)
     by_lib = imported(torch_dir)
+    # Stubs ignore most of their parameters, so unused ones are not flagged.
     cflags = ["-O2", "-fPIC", "-fvisibility=hidden", "-Wall", "-Wextra", "-Werror"]
+    cflags += ["-Wno-unused-parameter"]
     cflags += include_dirs(torch_dir)
     cudart = next(k for k in by_lib if k.startswith("libcudart."))
     cublas = next(k for k in by_lib if k.startswith("libcublas."))
@@ -249,7 +251,7 @@ def build_into(out: Path, torch_dir: Path, version: str) -> None:
     ]
     for soname, source, extra, versioned, link in plan:
         objs = []
-        implemented: Set[str] = set()
+        implemented: set[str] = set()
         if source:
             obj = out / f"{soname}.impl.o"
             run(["gcc", *cflags, *extra, "-c", str(SRC / source), "-o", str(obj)])
@@ -318,7 +320,7 @@ static void trace(const char *name) {{
 """
 
 
-def run(cmd: List[str]) -> None:
+def run(cmd: list[str]) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         die(f"{' '.join(cmd[:3])} ... failed:\n{r.stderr.strip()}", code=1)
@@ -448,7 +450,7 @@ def cmd_info(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python -m stepwatch.fake_cuda",
         description=__doc__,

@@ -34,7 +34,6 @@ HANDLE_CREATE_DESTROY(cublasCreate_v2, cublasDestroy_v2, cublasHandle_t)
 /* A handle's setting: `value` is written to the one out-parameter. */
 #define GETTER(name, type, value)                                        \
   EXPORT cublasStatus_t name(cublasHandle_t h, type *out) {              \
-    (void)h;                                                             \
     if (out) *out = (value);                                             \
     return CUBLAS_STATUS_SUCCESS;                                        \
   }
@@ -58,8 +57,6 @@ HANDLE_CREATE_DESTROY(cublasLtCreate, cublasLtDestroy, cublasLtHandle_t)
 
 EXPORT cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t *d, cublasComputeType_t c,
                                                cudaDataType_t s) {
-  (void)c;
-  (void)s;
   if (!d) return CUBLAS_STATUS_INVALID_VALUE;
   *d = (cublasLtMatmulDesc_t)new_handle();
   return CUBLAS_STATUS_SUCCESS;
@@ -69,10 +66,6 @@ HANDLE_DESTROY(cublasLtMatmulDescDestroy, cublasLtMatmulDesc_t)
 
 EXPORT cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t *l, cudaDataType t,
                                                  uint64_t rows, uint64_t cols, int64_t ld) {
-  (void)t;
-  (void)rows;
-  (void)cols;
-  (void)ld;
   if (!l) return CUBLAS_STATUS_INVALID_VALUE;
   *l = (cublasLtMatrixLayout_t)new_handle();
   return CUBLAS_STATUS_SUCCESS;
@@ -88,7 +81,6 @@ EXPORT cublasStatus_t cublasLtMatmulAlgoGetHeuristic(
     cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
     cublasLtMatmulPreference_t pref, int requested, cublasLtMatmulHeuristicResult_t results[],
     int *returned) {
-  (void)h; (void)op; (void)a; (void)b; (void)c; (void)d; (void)pref;
   if (!returned || (requested > 0 && !results)) return CUBLAS_STATUS_INVALID_VALUE;
   *returned = 0;
   if (requested > 0) {
@@ -106,7 +98,6 @@ EXPORT cublasStatus_t cublasLtMatmulAlgoCheck(cublasLtHandle_t h, cublasLtMatmul
                                               cublasLtMatrixLayout_t c, cublasLtMatrixLayout_t d,
                                               const cublasLtMatmulAlgo_t *algo,
                                               cublasLtMatmulHeuristicResult_t *result) {
-  (void)h; (void)op; (void)a; (void)b; (void)c; (void)d;
   if (!result) return CUBLAS_STATUS_INVALID_VALUE;
   memset(result, 0, sizeof *result);
   if (algo) result->algo = *algo;
@@ -118,8 +109,6 @@ EXPORT cublasStatus_t cublasLtMatmulAlgoCheck(cublasLtHandle_t h, cublasLtMatmul
 EXPORT cublasStatus_t cublasLtMatmulAlgoConfigGetAttribute(const cublasLtMatmulAlgo_t *algo,
                                                            cublasLtMatmulAlgoConfigAttributes_t attr,
                                                            void *buf, size_t size, size_t *written) {
-  (void)algo;
-  (void)attr;
   if (buf) memset(buf, 0, size);
   if (written) *written = size;
   return CUBLAS_STATUS_SUCCESS;

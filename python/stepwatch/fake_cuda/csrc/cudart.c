@@ -685,8 +685,6 @@ EXPORT cudaError_t cudaDeviceGetPCIBusId(char *bus, int len, int dev) {
 }
 
 EXPORT cudaError_t cudaDeviceCanAccessPeer(int *can, int dev, int peer) {
-  (void)dev;
-  (void)peer;
   if (!can) return fail(cudaErrorInvalidValue);
   *can = 0;
   return cudaSuccess;
@@ -715,12 +713,10 @@ EXPORT cudaError_t cudaMalloc(void **ptr, size_t size) {
 }
 
 EXPORT cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t stream) {
-  (void)stream;
   return cudaMalloc(ptr, size);
 }
 
 EXPORT cudaError_t cudaMallocManaged(void **ptr, size_t size, unsigned int flags) {
-  (void)flags;
   return cudaMalloc(ptr, size);
 }
 
@@ -734,7 +730,6 @@ EXPORT cudaError_t cudaFree(void *ptr) {
 }
 
 EXPORT cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream) {
-  (void)stream;
   return cudaFree(ptr);
 }
 
@@ -754,7 +749,6 @@ static cudaError_t host_alloc(void **ptr, size_t size) {
 }
 
 EXPORT cudaError_t cudaHostAlloc(void **ptr, size_t size, unsigned int flags) {
-  (void)flags;
   return host_alloc(ptr, size);
 }
 
@@ -773,7 +767,6 @@ EXPORT cudaError_t cudaFreeHost(void *ptr) {
 }
 
 EXPORT cudaError_t cudaHostRegister(void *ptr, size_t size, unsigned int flags) {
-  (void)flags;
   if (!ptr || !size) return fail(cudaErrorInvalidValue);
   pthread_mutex_lock(&lock);
   int ok = add_range((struct range){(uintptr_t)ptr, size, 0, -1, 2});
@@ -824,7 +817,6 @@ static void copy(void *dst, const void *src, size_t n) {
 }
 
 EXPORT cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind) {
-  (void)kind;
   wait_idle(); /* a blocking copy waits for the work before it */
   copy(dst, src, n);
   return cudaSuccess;
@@ -832,8 +824,6 @@ EXPORT cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMem
 
 EXPORT cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind kind,
                                    cudaStream_t stream) {
-  (void)kind;
-  (void)stream;
   copy(dst, src, n);
   return cudaSuccess;
 }
@@ -841,8 +831,6 @@ EXPORT cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cu
 EXPORT cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch,
                                      size_t width, size_t height, enum cudaMemcpyKind kind,
                                      cudaStream_t stream) {
-  (void)kind;
-  (void)stream;
   for (size_t row = 0; row < height; row++)
     copy((char *)dst + row * dpitch, src ? (const char *)src + row * spitch : NULL, width);
   return cudaSuccess;
@@ -854,12 +842,10 @@ EXPORT cudaError_t cudaMemset(void *dst, int value, size_t n) {
 }
 
 EXPORT cudaError_t cudaMemsetAsync(void *dst, int value, size_t n, cudaStream_t stream) {
-  (void)stream;
   return cudaMemset(dst, value, n);
 }
 
 EXPORT cudaError_t cudaGetSymbolAddress(void **dev_ptr, const void *symbol) {
-  (void)symbol;
   if (!dev_ptr) return fail(cudaErrorInvalidValue);
   if (!ready()) return fail((cudaError_t)init_error);
   *dev_ptr = (void *)va_base; /* the globals page (see load) */
@@ -868,8 +854,6 @@ EXPORT cudaError_t cudaGetSymbolAddress(void **dev_ptr, const void *symbol) {
 
 EXPORT cudaError_t cudaLibraryGetGlobal(void **dptr, size_t *bytes, cudaLibrary_t lib,
                                         const char *name) {
-  (void)lib;
-  (void)name;
   if (!ready()) return fail((cudaError_t)init_error);
   if (dptr) *dptr = (void *)va_base;
   if (bytes) *bytes = 8;
@@ -897,18 +881,14 @@ static void *new_handle(void) {
 CREATE_IN_CONTEXT(cudaStreamCreate, cudaStream_t)
 
 EXPORT cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned int flags) {
-  (void)flags;
   return cudaStreamCreate(s);
 }
 
 EXPORT cudaError_t cudaStreamCreateWithPriority(cudaStream_t *s, unsigned int flags, int priority) {
-  (void)flags;
-  (void)priority;
   return cudaStreamCreate(s);
 }
 
 EXPORT cudaError_t cudaStreamGetPriority(cudaStream_t s, int *priority) {
-  (void)s;
   if (priority) *priority = 0;
   return cudaSuccess;
 }
@@ -916,19 +896,15 @@ EXPORT cudaError_t cudaStreamGetPriority(cudaStream_t s, int *priority) {
 CREATE_IN_CONTEXT(cudaEventCreate, cudaEvent_t)
 
 EXPORT cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int flags) {
-  (void)flags;
   return cudaEventCreate(e);
 }
 
 EXPORT cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
-  (void)a;
-  (void)b;
   if (ms) *ms = 0.0f;
   return cudaSuccess;
 }
 
 EXPORT cudaError_t cudaStreamIsCapturing(cudaStream_t s, enum cudaStreamCaptureStatus *status) {
-  (void)s;
   if (!status) return fail(cudaErrorInvalidValue);
   *status = cudaStreamCaptureStatusNone;
   return cudaSuccess;
@@ -938,7 +914,6 @@ EXPORT cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, enum cudaStreamCaptu
                                             unsigned long long *id, cudaGraph_t *graph,
                                             const cudaGraphNode_t **deps,
                                             const cudaGraphEdgeData **edges, size_t *ndeps) {
-  (void)s;
   if (status) *status = cudaStreamCaptureStatusNone;
   if (id) *id = 0;
   if (graph) *graph = NULL;
@@ -949,20 +924,17 @@ EXPORT cudaError_t cudaStreamGetCaptureInfo(cudaStream_t s, enum cudaStreamCaptu
 }
 
 EXPORT cudaError_t cudaLaunchHostFunc(cudaStream_t s, cudaHostFn_t fn, void *data) {
-  (void)s;
   if (fn) fn(data);
   return cudaSuccess;
 }
 
 EXPORT cudaError_t cudaStreamAddCallback(cudaStream_t s, cudaStreamCallback_t cb, void *data,
                                          unsigned int flags) {
-  (void)flags;
   if (cb) cb(s, cudaSuccess, data);
   return cudaSuccess;
 }
 
 EXPORT cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *pool, int dev) {
-  (void)dev;
   if (!pool) return fail(cudaErrorInvalidValue);
   static char default_pool[64];
   *pool = (cudaMemPool_t)default_pool;
@@ -971,7 +943,6 @@ EXPORT cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t *pool, int dev) {
 
 EXPORT cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, enum cudaMemPoolAttr attr,
                                            void *value) {
-  (void)pool;
   if (!value) return fail(cudaErrorInvalidValue);
   switch (attr) {
   case cudaMemPoolAttrReleaseThreshold:
@@ -989,18 +960,12 @@ EXPORT cudaError_t cudaMemPoolGetAttribute(cudaMemPool_t pool, enum cudaMemPoolA
 
 EXPORT cudaError_t cudaDeviceGetGraphMemAttribute(int dev, enum cudaGraphMemAttributeType attr,
                                                   void *value) {
-  (void)dev;
-  (void)attr;
   if (value) *(unsigned long long *)value = 0;
   return cudaSuccess;
 }
 
 EXPORT cudaError_t cudaUserObjectCreate(cudaUserObject_t *obj, void *ptr, cudaHostFn_t destroy,
                                         unsigned int refs, unsigned int flags) {
-  (void)ptr;
-  (void)destroy;
-  (void)refs;
-  (void)flags;
   if (!obj) return fail(cudaErrorInvalidValue);
   *obj = (cudaUserObject_t)new_handle();
   return cudaSuccess;
@@ -1046,7 +1011,6 @@ static void wait_idle(void) {
 
 EXPORT cudaError_t cudaLaunchKernel(const void *fn, dim3 grid, dim3 block, void **args,
                                     size_t smem, cudaStream_t stream) {
-  (void)fn; (void)grid; (void)block; (void)args; (void)smem; (void)stream;
   stepwatchFakeCudaKernel();
   return cudaSuccess;
 }
@@ -1064,7 +1028,6 @@ EXPORT cudaError_t __cudaLaunchKernel(void) {
 
 EXPORT cudaError_t cudaLaunchKernelExC(const cudaLaunchConfig_t *config, const void *fn,
                                        void **args) {
-  (void)config; (void)fn; (void)args;
   return __cudaLaunchKernel();
 }
 
@@ -1075,17 +1038,14 @@ EXPORT cudaError_t cudaDeviceSynchronize(void) {
 
 /* Each device runs one queue: a stream or an event is done when its device is idle. */
 EXPORT cudaError_t cudaStreamSynchronize(cudaStream_t s) {
-  (void)s;
   return cudaDeviceSynchronize();
 }
 
 EXPORT cudaError_t cudaEventSynchronize(cudaEvent_t e) {
-  (void)e;
   return cudaDeviceSynchronize();
 }
 
 EXPORT cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes *a, const void *fn) {
-  (void)fn;
   if (!a) return fail(cudaErrorInvalidValue);
   memset(a, 0, sizeof *a);
   a->maxThreadsPerBlock = 1024;
@@ -1099,9 +1059,6 @@ EXPORT cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes *a, const voi
 
 EXPORT cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *n, const void *fn, int block,
                                                                  size_t smem) {
-  (void)fn;
-  (void)block;
-  (void)smem;
   if (n) *n = 4;
   return cudaSuccess;
 }
@@ -1109,29 +1066,24 @@ EXPORT cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *n, const v
 EXPORT cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int *n, const void *fn,
                                                                           int block, size_t smem,
                                                                           unsigned int flags) {
-  (void)flags;
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, fn, block, smem);
 }
 
 EXPORT cudaError_t cudaLibraryLoadData(cudaLibrary_t *lib, const void *code,
                                        enum cudaJitOption *jo, void **jv, unsigned int nj,
                                        enum cudaLibraryOption *lo, void **lv, unsigned int nl) {
-  (void)code; (void)jo; (void)jv; (void)nj; (void)lo; (void)lv; (void)nl;
   if (!lib) return fail(cudaErrorInvalidValue);
   *lib = (cudaLibrary_t)new_handle();
   return cudaSuccess;
 }
 
 EXPORT cudaError_t cudaLibraryGetKernel(cudaKernel_t *k, cudaLibrary_t lib, const char *name) {
-  (void)lib;
-  (void)name;
   if (!k) return fail(cudaErrorInvalidValue);
   *k = (cudaKernel_t)new_handle();
   return cudaSuccess;
 }
 
 EXPORT cudaError_t cudaLibraryGetKernelCount(unsigned int *count, cudaLibrary_t lib) {
-  (void)lib;
   if (count) *count = 0;
   return cudaSuccess;
 }
@@ -1140,7 +1092,6 @@ EXPORT cudaError_t cudaLibraryGetKernelCount(unsigned int *count, cudaLibrary_t 
 static void *fatbin_handle[4];
 
 EXPORT void **__cudaRegisterFatBinary(void *fatbin) {
-  (void)fatbin;
   return fatbin_handle;
 }
 
@@ -1184,7 +1135,6 @@ struct phys { int device; size_t size; };
 
 static CUresult drv_cuMemCreate(CUmemGenericAllocationHandle *h, size_t size,
                                 const CUmemAllocationProp *prop, unsigned long long flags) {
-  (void)flags;
   if (!h || !prop) return CUDA_ERROR_INVALID_VALUE;
   if (!ready()) return CUDA_ERROR_NOT_INITIALIZED;
   int dev = prop->location.id;
@@ -1215,9 +1165,6 @@ static CUresult drv_cuMemRelease(CUmemGenericAllocationHandle h) {
 
 static CUresult drv_cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align,
                                         CUdeviceptr addr, unsigned long long flags) {
-  (void)align;
-  (void)addr;
-  (void)flags;
   if (!ptr) return CUDA_ERROR_INVALID_VALUE;
   if (!ready()) return CUDA_ERROR_NOT_INITIALIZED;
   pthread_mutex_lock(&lock);
@@ -1230,7 +1177,6 @@ static CUresult drv_cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t al
 }
 
 static CUresult drv_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
-  (void)size;
   pthread_mutex_lock(&lock);
   struct range *r = range_of((void *)(uintptr_t)ptr);
   if (r && !r->host && !r->charged) {
@@ -1243,8 +1189,6 @@ static CUresult drv_cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 
 static CUresult drv_cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *prop,
                                                   CUmemAllocationGranularity_flags option) {
-  (void)prop;
-  (void)option;
   if (!g) return CUDA_ERROR_INVALID_VALUE;
   *g = PAGE;
   return CUDA_SUCCESS;
@@ -1302,9 +1246,6 @@ static CUresult drv_cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *
 
 static CUresult drv_cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                              CUmemGenericAllocationHandle h, unsigned long long flags) {
-  (void)offset;
-  (void)h;
-  (void)flags;
   return map_pages((uintptr_t)ptr, size) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -1364,8 +1305,6 @@ EXPORT cudaError_t cudaGetDriverEntryPointByVersion(const char *symbol, void **f
                                                     unsigned int version,
                                                     unsigned long long flags,
                                                     enum cudaDriverEntryPointQueryResult *status) {
-  (void)version;
-  (void)flags;
   if (!symbol || !fn) return fail(cudaErrorInvalidValue);
   for (size_t i = 0; i < sizeof driver_table / sizeof driver_table[0]; i++) {
     if (strcmp(symbol, driver_table[i].name) == 0) {

@@ -217,7 +217,6 @@ static void reduce_all(ncclComm_t comm, const struct collective *op,
 
 static void from_root(ncclComm_t comm, const struct collective *op,
                       const unsigned char *const *all) {
-  (void)comm;
   memmove(op->recv, all[op->root], op->bytes);
 }
 
@@ -240,7 +239,6 @@ static void gather_mine(ncclComm_t comm, const struct collective *op,
 
 EXPORT ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, ncclDataType_t t,
                                   ncclComm_t comm, cudaStream_t stream) {
-  (void)stream;
   if (!comm) return ncclInvalidArgument;
   struct collective op = {
       .name = "allgather", .send = send, .recv = recv, .count = count, .type = t, .parts = 1,
@@ -250,7 +248,6 @@ EXPORT ncclResult_t ncclAllGather(const void *send, void *recv, size_t count, nc
 
 EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, ncclDataType_t t,
                                   ncclRedOp_t redop, ncclComm_t comm, cudaStream_t stream) {
-  (void)stream;
   if (!comm) return ncclInvalidArgument;
   struct collective op = {
       .name = "allreduce", .send = send, .recv = recv, .count = count, .type = t, .op = redop,
@@ -260,7 +257,6 @@ EXPORT ncclResult_t ncclAllReduce(const void *send, void *recv, size_t count, nc
 
 EXPORT ncclResult_t ncclBroadcast(const void *send, void *recv, size_t count, ncclDataType_t t,
                                   int root, ncclComm_t comm, cudaStream_t stream) {
-  (void)stream;
   if (!comm || root < 0 || root >= comm->nranks) return ncclInvalidArgument;
   /* Non-root ranks may pass no send buffer: they offer their receive buffer. */
   struct collective op = {
@@ -277,7 +273,6 @@ EXPORT ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t t, int ro
 EXPORT ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count,
                                       ncclDataType_t t, ncclRedOp_t redop, ncclComm_t comm,
                                       cudaStream_t stream) {
-  (void)stream;
   if (!comm) return ncclInvalidArgument;
   struct collective op = {
       .name = "reduce-scatter", .send = send, .recv = recv, .count = count, .type = t,
@@ -287,7 +282,6 @@ EXPORT ncclResult_t ncclReduceScatter(const void *send, void *recv, size_t count
 
 EXPORT ncclResult_t ncclAlltoAll(const void *send, void *recv, size_t count, ncclDataType_t t,
                                  ncclComm_t comm, cudaStream_t stream) {
-  (void)stream;
   if (!comm) return ncclInvalidArgument;
   struct collective op = {
       .name = "all-to-all", .send = send, .recv = recv, .count = count, .type = t,
@@ -338,18 +332,15 @@ EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId 
 
 EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId id, int rank,
                                            ncclConfig_t *config) {
-  (void)config;
   return new_comm(comm, nranks, rank, &id);
 }
 
 EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t *comm, int nranks, int rank, int nids,
                                              ncclUniqueId *ids, ncclConfig_t *config) {
-  (void)config;
   return new_comm(comm, nranks, rank, nids > 0 ? &ids[0] : NULL);
 }
 
 EXPORT ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
-  (void)devlist;
   for (int i = 0; i < ndev; i++) {
     ncclResult_t r = new_comm(&comms[i], ndev, i, NULL); /* one process: nothing to exchange */
     if (r != ncclSuccess) return r;
@@ -359,7 +350,6 @@ EXPORT ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devl
 
 EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm,
                                   ncclConfig_t *config) {
-  (void)config;
   if (!comm || !newcomm) return ncclInvalidArgument;
   if (color == NCCL_SPLIT_NOCOLOR) {
     *newcomm = NULL;
@@ -367,7 +357,6 @@ EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_
   }
   /* Which ranks chose the same color is not known here: the new communicator
    * keeps the parent's size and rank, and exchanges nothing. */
-  (void)key;
   return new_comm(newcomm, comm->nranks, comm->rank, NULL);
 }
 
@@ -398,14 +387,12 @@ EXPORT ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank) {
 }
 
 EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *err) {
-  (void)comm;
   if (!err) return ncclInvalidArgument;
   *err = ncclSuccess;
   return ncclSuccess;
 }
 
 EXPORT ncclResult_t ncclCommMemStats(ncclComm_t comm, ncclCommMemStat_t stat, uint64_t *value) {
-  (void)stat;
   if (value) *value = comm && comm->buffers ? 1 : 0;
   return ncclSuccess;
 }
@@ -415,32 +402,22 @@ EXPORT const char *ncclGetErrorString(ncclResult_t r) {
 }
 
 EXPORT const char *ncclGetLastError(ncclComm_t comm) {
-  (void)comm;
   return "";
 }
 
 EXPORT ncclResult_t ncclCommRegister(const ncclComm_t comm, void *buff, size_t size, void **handle) {
-  (void)comm;
-  (void)size;
   if (handle) *handle = buff ? buff : (void *)comm;
   return ncclSuccess;
 }
 
 EXPORT ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void *buff, size_t size,
                                            ncclWindow_t *win, int flags) {
-  (void)comm;
-  (void)size;
-  (void)flags;
   if (win) *win = (ncclWindow_t)buff;
   return ncclSuccess;
 }
 
 EXPORT ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar, ncclDataType_t type,
                                              ncclScalarResidence_t residence, ncclComm_t comm) {
-  (void)scalar;
-  (void)type;
-  (void)residence;
-  (void)comm;
   if (!op) return ncclInvalidArgument;
   *op = (ncclRedOp_t)ncclNumOps;
   return ncclSuccess;
