@@ -1,7 +1,7 @@
-//! Diagnostic (issue #10): can step 2's own optimizer-begin/end layouts,
-//! put through the markers-only layout rule
-//! ([`stepwatch_core::step2_new_segments_with`]), predict what the cache
-//! grows by after step 2, as step 1's predict step 2's growth?
+//! Diagnostic: can step 2's own optimizer-begin/end layouts, put through the
+//! markers-only layout rule ([`stepwatch_core::step2_new_segments_with`]),
+//! predict what the cache grows by after step 2, as step 1's predict step
+//! 2's growth?
 //!
 //! Input: kept `--record` files of the trace variant (real PyTorch 2.15 on
 //! fake CUDA, `bench/torch-accuracy.sh --variants trace --keep`). For each
@@ -10,8 +10,8 @@
 //! layouts it passes through at each step's optimizer begin and end are
 //! what a markers-only client would snapshot there. Step 1's pair is
 //! rebuilt from the trace (the optimizer's events undone from the end
-//! layout, `common::layout_at_optimizer_begin`, shared with `layout_probe`). Both pairs go through
-//! the rule with the context the tracker builds (the hello's parameter
+//! layout, `common::layout_at_optimizer_begin`). Both pairs go through the
+//! rule with the context the tracker builds (the hello's parameter
 //! bytes, the gradients' fate; no reserved limit), large pool only, as the
 //! client sends them.
 //!

@@ -1,5 +1,5 @@
-//! What the diagnostic examples `layout_probe` and `step3_probe` and the
-//! test `tests/replay_torch.rs` share:
+//! What the diagnostic example `step3_probe` and the test
+//! `tests/replay_torch.rs` share:
 //! step 1's layout at a phase boundary, rebuilt from an allocator trace by
 //! undoing the later phases' events on the trace's end layout (what a
 //! markers-only client would have snapshotted there).
