@@ -56,6 +56,22 @@ def on_fake_gpu(agent, args: list[str], steps: int, job: str) -> subprocess.Comp
     )
 
 
+def printed_by(agent, job: str, script: str, tag: str, *args: str) -> Any:
+    """Runs ``script`` (``python -c``) under fake-cuda against the agent as job
+    ``job``; the JSON it printed after ``tag``."""
+    env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint, STEPWATCH_JOB_ID=job)
+    proc = subprocess.run(
+        [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
+        + ["--", sys.executable, "-c", script, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout.split(f"{tag} ")[1])
+
+
 def test_watch_on_cuda_sends_device_identity_allocator_figures_and_the_step1_trace(agent):
     proc = on_fake_gpu(agent, [], 3, "fake-gpu-client")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -166,28 +182,14 @@ print("seen", json.dumps(seen), flush=True)
 """
 
 
-def user_peaks(agent, mode: str, job: str) -> list[list[int]]:
-    env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint, STEPWATCH_JOB_ID=job)
-    proc = subprocess.run(
-        [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
-        + ["--", sys.executable, "-c", USER_PEAKS, mode],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(proc.stdout.split("seen ")[1])
-
-
 def test_exact_step_peaks_from_step_2_and_the_scripts_peaks_as_without_stepwatch(agent):
     """From step 2 on each step's last marker carries its exact allocator peak
     (the script's own per-step readings say what it was), and what the script
     reads of the peaks (torch.cuda, torch.accelerator; with its own resets) is
     what it reads without stepwatch; with exact_step_peaks=False too."""
-    truth = user_peaks(agent, "truth", "peaks-truth")
-    without = user_peaks(agent, "none", "peaks-none")
-    assert user_peaks(agent, "watch", "peaks-watch") == without
+    truth = printed_by(agent, "peaks-truth", USER_PEAKS, "seen", "truth")
+    without = printed_by(agent, "peaks-none", USER_PEAKS, "seen", "none")
+    assert printed_by(agent, "peaks-watch", USER_PEAKS, "seen", "watch") == without
     markers = agent.wait_markers(8 * 6)
     ends = {m.step: m.allocator for m in markers if m.kind == pb.STEP_END}
     for step in range(2, 9):
@@ -199,7 +201,7 @@ def test_exact_step_peaks_from_step_2_and_the_scripts_peaks_as_without_stepwatch
     assert without[2][0] == without[1][0] > truth[2][0]
     # exact_step_peaks=False: torch untouched, the counters never reset by the
     # client (step 3 begins under step 2's peak).
-    assert user_peaks(agent, "optout", "peaks-optout") == without
+    assert printed_by(agent, "peaks-optout", USER_PEAKS, "seen", "optout") == without
     agent.wait_markers(2 * 8 * 6)
     (optout,) = [s for s in agent.streams if s.hello.identity.job_id == "peaks-optout"]
     begin3 = next(m.allocator for m in optout.markers if (m.kind, m.step) == (pb.STEP_BEGIN, 3))
@@ -256,27 +258,84 @@ print("metrics", json.dumps({k: v for k, v in metrics.items() if "gpu" in k}), f
 """
 
 
-def hf_memory_metrics(agent, mode: str, tmp_path: Path) -> dict[str, Any]:
-    env = dict(os.environ, STEPWATCH_ENDPOINT=agent.endpoint, STEPWATCH_JOB_ID=f"hf-{mode}")
-    proc = subprocess.run(
-        [sys.executable, str(FAKE_CUDA), "run", "--quiet", "--python", sys.executable]
-        + ["--", sys.executable, "-c", HF_MEMORY, mode, str(tmp_path / mode)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    metrics: dict[str, Any] = json.loads(proc.stdout.split("metrics ")[1])
-    return metrics
-
-
 def test_the_hf_trainers_memory_metrics_are_as_without_stepwatch(agent, tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    without = hf_memory_metrics(agent, "none", tmp_path)
+    without = printed_by(agent, "hf-none", HF_MEMORY, "metrics", "none", str(tmp_path / "none"))
     assert without["train_mem_gpu_peaked_delta"] > 0, without
-    assert hf_memory_metrics(agent, "watch", tmp_path) == without
+    watched = printed_by(agent, "hf-watch", HF_MEMORY, "metrics", "watch", str(tmp_path / "watch"))
+    assert watched == without
+    # The client did reset the counters (step 3 begins under step 2's peak).
+    markers = agent.wait_markers(6 * 6)
+    begin3 = next(m.allocator for m in markers if (m.kind, m.step) == (pb.STEP_BEGIN, 3))
+    assert begin3.allocated_peak_bytes == begin3.allocated_bytes
+
+
+# Lightning's DeviceStatsMonitor logs torch.cuda.memory_stats() at each
+# batch's start and end; stepwatch's callback (listed first, so its resets
+# come before the monitor's reads) must leave every figure as it was.
+LIGHTNING_STATS = r"""
+import json, sys, torch
+import lightning as L
+from lightning.pytorch.callbacks import DeviceStatsMonitor
+from lightning.pytorch.loggers.logger import Logger
+mode = sys.argv[1]
+sizes = [8, 256, 16, 64, 8, 32]
+
+
+class Recorder(Logger):
+    rows = []
+
+    @property
+    def name(self):
+        return "recorder"
+
+    @property
+    def version(self):
+        return "0"
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append({k: v for k, v in metrics.items() if "bytes" in k})
+
+    def log_hyperparams(self, *args, **kwargs):
+        pass
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(512, 2048), torch.nn.Linear(2048, 512)
+
+    def training_step(self, x, i):
+        return self.b(torch.relu(self.a(x))).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+batches = [torch.randn(n, 512, generator=torch.Generator().manual_seed(n)) for n in sizes]
+callbacks = [DeviceStatsMonitor(cpu_stats=False)]
+if mode == "watch":
+    from stepwatch.lightning import StepwatchCallback
+
+    callbacks.insert(0, StepwatchCallback())
+trainer = L.Trainer(
+    accelerator="gpu", devices=1, max_steps=len(sizes), callbacks=callbacks,
+    logger=Recorder(), log_every_n_steps=1, enable_checkpointing=False,
+    enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(Model(), torch.utils.data.DataLoader(batches, batch_size=None))
+print("rows", json.dumps(Recorder.rows), flush=True)
+"""
+
+
+def test_lightnings_device_stats_monitor_logs_as_without_stepwatch(agent):
+    pytest.importorskip("lightning")
+    without = printed_by(agent, "pl-none", LIGHTNING_STATS, "rows", "none")
+    peaks = [v for row in without for k, v in row.items() if k.endswith("allocated_bytes.all.peak")]
+    # One row per hook and step, and peaks that change over the run.
+    assert len(without) == 2 * 6 and len(set(peaks)) > 1, without
+    assert printed_by(agent, "pl-watch", LIGHTNING_STATS, "rows", "watch") == without
     # The client did reset the counters (step 3 begins under step 2's peak).
     markers = agent.wait_markers(6 * 6)
     begin3 = next(m.allocator for m in markers if (m.kind, m.step) == (pb.STEP_BEGIN, 3))
