@@ -11,7 +11,7 @@
 //! A [`RecordEntry`] is also how every caller describes an input to
 //! [`crate::feed::apply`], the step model's one input path: what the agent
 //! records is the input it applied. A marker batch may be borrowed
-//! ([`Cow`]): the agent applies each batch from the stream's own buffer and
+//! ([`Cow`](std::borrow::Cow)): the agent applies each batch from the stream's own buffer and
 //! copies it ([`RecordEntry::into_owned`]) only when recording.
 
 use serde::Serialize;

@@ -57,7 +57,7 @@ pub(super) fn binding_words(term: BindingTerm) -> &'static str {
     }
 }
 
-/// The formula with its figures, in decimal GB (see [`crate::advisory::gb`]).
+/// The formula with its figures, in decimal GB (see [`crate::units::gb`]).
 pub(super) fn explain(i: &PredictionInputs, device: u64, headroom: Option<i64>) -> String {
     let g = |b: u64| gb(b as f64);
     let unit = match i.basis {
