@@ -47,7 +47,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::batch::BatchFacts;
+use crate::marker::BatchFacts;
 
 /// The term of the max that set the prediction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::batch::BatchFacts;
+use crate::marker::BatchFacts;
 
 use crate::error::HelloError;
 use crate::marker::MAX_PLAUSIBLE_BYTES;

@@ -25,6 +25,7 @@ mod growth;
 mod identity;
 mod layout;
 mod marker;
+mod overhead;
 mod pass;
 mod postmortem;
 mod predict;
@@ -32,6 +33,7 @@ mod profile;
 mod record;
 mod replay;
 mod sample;
+mod slope;
 mod timeline;
 mod tracker;
 mod units;
@@ -46,8 +48,8 @@ pub use analysis::{
     SteadyNvmlPeak, SteadyState,
 };
 pub use batch::{
-    outlook, BatchFacts, BatchOutlook, BatchPoint, BatchRelation, BatchSize, BatchUnit,
-    BeyondAllocator, LargestBatch, StepBatches, MAX_BATCH_DIMS,
+    outlook, BatchOutlook, BatchPoint, BatchRelation, BatchSize, BatchUnit, BeyondAllocator,
+    LargestBatch, StepBatches,
 };
 pub use divergence::{
     activation_peak_bytes, divergence, ActivationPeak, Divergence, DivergenceFigure, NamedOutlier,
@@ -58,8 +60,8 @@ pub use error::{HelloError, MarkerError};
 pub use feed::{RecordEntry, RecordError};
 pub use fit::{BindingTerm, WhatWouldFit};
 pub use growth::{
-    forecast, grows, seasonal_theil_sen, theil_sen, GrowthConfig, GrowthForecast, GrowthSource,
-    MemoryTrend, Slope, StepFigures, TrailingPeaks, RECHECK_STEPS,
+    forecast, grows, GrowthConfig, GrowthForecast, GrowthSource, MemoryTrend, StepFigures,
+    TrailingPeaks, RECHECK_STEPS,
 };
 pub use identity::{
     DdpBucketRebuild, ModelFacts, OptimizerImplementation, OptimizerKind, Precision, RankInfo,
@@ -69,7 +71,8 @@ pub use layout::{
     step2_new_segments, step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS,
 };
 pub use marker::{
-    AllocatorStats, DeviceMemory, Marker, MarkerKind, PassKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
+    AllocatorStats, BatchFacts, DeviceMemory, Marker, MarkerKind, PassKind, PhaseKind,
+    MAX_BATCH_DIMS, MAX_PLAUSIBLE_BYTES,
 };
 pub use pass::{pass_peaks, PassFigures, PassPeaks};
 pub use postmortem::{
@@ -95,6 +98,7 @@ pub use replay::{
     MAX_EVENT_BYTES, MAX_TRACE_BLOCKS, MAX_TRACE_EVENTS, REPLAYED_STEPS,
 };
 pub use sample::GpuSample;
+pub use slope::{seasonal_theil_sen, theil_sen, Slope};
 pub use timeline::{
     PassOutcome, PassRecord, PhaseRecord, RankTimeline, SampleEdges, SampleStats, StepOutcome,
     StepRecord, BEFORE_BEGIN_WINDOW_NS, MAX_PHASES_PER_STEP, MAX_RETAINED_PASSES,

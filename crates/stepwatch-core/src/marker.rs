@@ -3,7 +3,6 @@
 use serde::{Deserialize, Serialize};
 
 use crate::allocator::SegmentLayout;
-use crate::batch::BatchFacts;
 
 /// The event a marker records. The order of the variants is the order in
 /// which they occur within one step.
@@ -204,6 +203,77 @@ pub const MAX_PLAUSIBLE_BYTES: u64 = 1 << 50;
 pub const MAX_PLAUSIBLE_STEP: u64 = 1 << 48;
 /// Largest CLOCK_MONOTONIC reading, ns: 2^62, about 146 years of uptime.
 pub const MAX_PLAUSIBLE_MONOTONIC_NS: u64 = 1 << 62;
+
+/// Most dimensions a batch's shape may have.
+pub const MAX_BATCH_DIMS: usize = 8;
+
+/// A batch's size as the client knows it; every field optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchFacts {
+    /// Samples (sequences, images).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub samples: Option<u64>,
+    /// Tokens (samples times padded sequence length).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<u64>,
+    /// The shape of the batch's main input tensor.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shape: Vec<u64>,
+}
+
+impl BatchFacts {
+    /// Whether it says nothing (what an empty message on the wire is).
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_none() && self.tokens.is_none() && self.shape.is_empty()
+    }
+
+    /// The first figure that cannot be right, as (field, value, limit): a
+    /// count above 2^48, more than [`MAX_BATCH_DIMS`] dimensions, or a
+    /// shape of more than 2^50 elements.
+    pub fn implausible(&self) -> Option<(&'static str, u64, u64)> {
+        for (field, value) in [
+            ("batch.samples", self.samples),
+            ("batch.tokens", self.tokens),
+        ] {
+            if let Some(v) = value.filter(|&v| v > MAX_PLAUSIBLE_STEP) {
+                return Some((field, v, MAX_PLAUSIBLE_STEP));
+            }
+        }
+        if self.shape.len() > MAX_BATCH_DIMS {
+            return Some((
+                "batch.shape (dimensions)",
+                self.shape.len() as u64,
+                MAX_BATCH_DIMS as u64,
+            ));
+        }
+        let elements = self
+            .shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .unwrap_or(u64::MAX);
+        (elements > MAX_PLAUSIBLE_BYTES).then_some((
+            "batch.shape (elements)",
+            elements,
+            MAX_PLAUSIBLE_BYTES,
+        ))
+    }
+
+    /// How a person reads it, e.g. "8 samples, 16384 tokens, shape 8×2048".
+    pub fn describe(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(n) = self.samples {
+            parts.push(format!("{n} samples"));
+        }
+        if let Some(n) = self.tokens {
+            parts.push(format!("{n} tokens"));
+        }
+        if !self.shape.is_empty() {
+            let dims: Vec<String> = self.shape.iter().map(u64::to_string).collect();
+            parts.push(format!("shape {}", dims.join("×")));
+        }
+        parts.join(", ")
+    }
+}
 
 impl AllocatorStats {
     /// The first field above [`MAX_PLAUSIBLE_BYTES`], as (name, value).

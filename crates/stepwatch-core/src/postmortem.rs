@@ -36,12 +36,14 @@
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::batch::{outlook, BatchFacts, BatchOutlook, BatchUnit, BeyondAllocator, LargestBatch};
-use crate::growth::{grows, GrowthConfig, GrowthSource, MemoryTrend, Slope};
+use crate::batch::{outlook, BatchOutlook, BatchUnit, BeyondAllocator, LargestBatch};
+use crate::growth::{grows, GrowthConfig, GrowthSource, MemoryTrend};
+use crate::marker::BatchFacts;
 use crate::marker::{AllocatorStats, DeviceMemory, PassKind, PhaseKind, MAX_PLAUSIBLE_BYTES};
 use crate::pass::PassFigures;
 use crate::predict::Prediction;
 use crate::profile::{SteadyProfile, StepProfile};
+use crate::slope::Slope;
 use crate::timeline::{PassOutcome, PassRecord, RankTimeline, StepOutcome, StepRecord};
 use crate::units::gb;
 

@@ -302,7 +302,7 @@ impl StepProfile {
         let reserved = fold_bounds(|p| p.peaks.reserved_bounds());
         let nvml_peak_bytes = fold(|p| p.nvml_peak_bytes);
         let bounded = reserved
-            .zip(crate::predict::step_overhead(step))
+            .zip(crate::overhead::step_overhead(step))
             .map(|(r, overhead)| r.at_least.saturating_add(overhead));
         StepProfile {
             step: step.step,

@@ -4,8 +4,8 @@ use std::collections::VecDeque;
 
 use serde::{Deserialize, Serialize};
 
-use crate::batch::BatchFacts;
 use crate::error::{kind_name, MarkerError};
+use crate::marker::BatchFacts;
 use crate::marker::{
     AllocatorStats, DeviceMemory, Marker, MarkerKind, PassKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
     MAX_PLAUSIBLE_MONOTONIC_NS, MAX_PLAUSIBLE_STEP,

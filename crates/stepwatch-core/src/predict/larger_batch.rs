@@ -25,7 +25,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::batch::{BatchFacts, BatchUnit};
+use crate::batch::BatchUnit;
+use crate::marker::BatchFacts;
 
 /// How the prediction was revised for step 2's larger batch.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

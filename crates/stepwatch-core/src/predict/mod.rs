@@ -149,11 +149,11 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::batch::BatchFacts;
 use crate::divergence::activation_peak_bytes;
 use crate::fit::{micro_batch_size, what_would_fit, BindingTerm, FitInputs, WhatWouldFit};
 use crate::identity::{ModelFacts, OptimizerImplementation, OptimizerKind, Precision};
 use crate::layout::LayoutEstimate;
+use crate::marker::BatchFacts;
 use crate::marker::{AllocatorStats, PhaseKind};
 use crate::profile::{max_opt, phase_allocator_peak_bounds, phase_allocator_peaks, PeakBounds};
 use crate::replay::{Gradients, Step2Replay};
@@ -167,8 +167,8 @@ mod larger_batch;
 mod outcome;
 mod step1;
 
+pub(crate) use device::jump_across;
 use device::*;
-pub(crate) use device::{jump_across, step_overhead};
 use explain::*;
 pub use larger_batch::{revise_for_batch, BatchRevision};
 pub use outcome::*;

@@ -17,12 +17,13 @@ use crate::advisory::{self, Advisory, AdvisoryKind};
 use crate::allocator::SegmentLayout;
 use crate::analysis::{analyze_rank, AnalysisConfig, RankAnalysis};
 use crate::analysis::{RankInputs, SteadyMemo};
-use crate::batch::{BatchFacts, BeyondAllocator, StepBatches};
+use crate::batch::{BeyondAllocator, StepBatches};
 use crate::divergence::{divergence, Divergence, RankFigures};
 use crate::error::{HelloError, MarkerError};
 use crate::growth::{forecast, GrowthForecast, MemoryTrend, TrendMemo};
 use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::layout::{step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS};
+use crate::marker::BatchFacts;
 use crate::marker::{Marker, MarkerKind};
 use crate::pass::{pass_peaks, PassPeaks};
 use crate::postmortem::{

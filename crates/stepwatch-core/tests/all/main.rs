@@ -16,6 +16,7 @@ mod journal;
 mod larger_step2_batch;
 mod low_observed_headroom;
 mod memory_budget;
+mod module_cycles;
 mod passes;
 mod postmortem;
 mod prediction;
