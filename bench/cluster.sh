@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A simulated cluster on one machine, measured (issue #16).
+# A simulated cluster on one machine, measured (BENCHMARKS.md).
 #
 # N agents on fake NVML (G GPUs each, low sampling rate), every GPU running a
 # simulated rank of an 8-rank zero-sharded-8 job that spans two nodes: node n

@@ -1,4 +1,4 @@
-//! The cluster view on sharded Prometheus (issue #16): four agents on fake
+//! The cluster view on sharded Prometheus: four agents on fake
 //! NVML, two Prometheus servers in agent mode each scraping half of them
 //! (`hashmod` relabelling), remote-writing to a central Prometheus that
 //! evaluates the shipped rules. One 4-rank job (rank0-skew: rank 0 runs out

@@ -421,9 +421,10 @@ pub struct AgentConfig {
     #[cfg_attr(feature = "cli", arg(long, env = "STEPWATCH_ALERTMANAGER_RESEND_INTERVAL", default_value = "1m", value_parser = parse_duration))]
     pub alertmanager_resend_interval: Duration,
 
-    /// Which per-phase rank series `/metrics` carries. They are most of a
-    /// node's series (about 23 of a rank's 38–47: `stepwatch_rank_phase_peak_bytes`
-    /// and `stepwatch_rank_phase_duration_seconds`; BENCHMARKS.md, issue #16).
+    /// Which per-phase rank series `/metrics` carries
+    /// (`stepwatch_rank_phase_peak_bytes` and
+    /// `stepwatch_rank_phase_duration_seconds`: 23 of a rank's 56 series;
+    /// BENCHMARKS.md).
     /// `all`: both, for step 1 and the steady state. `first-step`: step 1's
     /// phase peaks only (the first-step anomaly dashboard's panel), no steady
     /// phase peaks and no phase durations. `none`: neither; the step-anatomy

@@ -39,15 +39,7 @@
 //! target/debug/examples/step3_probe /tmp/tacc.*/rNNN/record.jsonl ...
 //! ```
 //!
-//! Findings (kept trace runs of commit 3344016, 2026-12-02): step 2's pair
-//! gives 0 for every job, the two that grow in step 3 included (Lightning
-//! 0 for 394 real, expandable segments 4 for 400): step 2's optimizer makes
-//! no state, so its begin and end layouts match (`end-vs-end` is the same
-//! figure), every segment is one the optimizer left alone, and no request
-//! is displaced. Step 3's growth comes from where step 2's backward put
-//! blocks relative to step 2's forward, which neither snapshot shows.
-//! `flagged` finds Lightning's 394 but also 394 for FSDP2 and 40 to 872
-//! for four other jobs that do not grow.
+//! What it found is in BENCHMARKS.md, under "Step 3".
 mod common;
 use common::layout_at_optimizer_begin;
 

@@ -10,17 +10,11 @@
 //! capacity by default, [`crate::PredictConfig::low_headroom_fraction`]):
 //! `need = predicted peak − (capacity − target)`. The margin is there
 //! because the figure under the advice is itself a prediction, and because
-//! a smaller micro-batch changes the caching allocator's layout. Measured on
-//! real PyTorch (fake CUDA, `bench/fit-advice.sh`: an 8-layer 4096-wide MLP
-//! with AdamW on a 5.0 GB GPU): activations were linear in the micro-batch
-//! (196 608 – 197 132 B per sample from 4 096 to 16 384 samples), but the
-//! replayed reserved peak did not fall with them (16 384 → 14 516 samples:
-//! allocated −0.40 GB, reserved +0.01 GB); the job that did not fit at
-//! 16 384 fitted at 11 000 and not at 11 533, while the advice was 13 243
-//! from the prediction frozen at step 2 and 11 533 in the last advisory
-//! (from a higher provisional prediction). The prediction itself was low
-//! there: it gave 0.11 GB of headroom at 11 533, which ran out of memory. Read the
-//! micro-batch as an upper bound to try first, not a guarantee.
+//! a smaller micro-batch changes the caching allocator's layout. On real
+//! PyTorch (`bench/fit-advice.sh`, figures in BENCHMARKS.md) activations are
+//! linear in the micro-batch, but the reserved peak need not fall with them
+//! and the prediction under the advice can be low: read the micro-batch as
+//! an upper bound to try first, not a guarantee.
 //!
 //! * **Micro-batch.** `activation` is step 1's forward/backward peak above
 //!   the memory at step begin ([`crate::divergence::activation_peak_bytes`],

@@ -2,8 +2,8 @@
 //! measured (the steady NVML peak, `stepwatch_rank_steady_step_peak_bytes`),
 //! leave under 5% of the GPU's capacity. Step 1 cannot always show it: on
 //! real PyTorch (fake CUDA) `lightning-gpt` without the allocator trace was
-//! predicted at 11% headroom and ran at 1.5% from step 3 on, and until now
-//! only a Prometheus rule said so, not the training log.
+//! predicted at 11% headroom and ran at 1.5% from step 3 on; without this
+//! advisory only a Prometheus rule says so, not the training log.
 //!
 //! The figures are hand-made (unit M = 1 MiB). Step 1 is the base scenario
 //! of `prediction.rs`: allocator figures without a trace (markers only),
