@@ -2,10 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::marker::BatchFacts;
-
 use crate::error::HelloError;
-use crate::marker::MAX_PLAUSIBLE_BYTES;
+use crate::marker::{BatchFacts, MAX_PLAUSIBLE_BYTES};
 
 /// Longest accepted identifier (job id, namespace, framework, …), in bytes.
 pub const MAX_IDENTIFIER_BYTES: usize = 128;

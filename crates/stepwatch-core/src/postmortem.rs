@@ -38,8 +38,9 @@ use thiserror::Error;
 
 use crate::batch::{outlook, BatchOutlook, BatchUnit, BeyondAllocator, LargestBatch};
 use crate::growth::{grows, GrowthConfig, GrowthSource, MemoryTrend};
-use crate::marker::BatchFacts;
-use crate::marker::{AllocatorStats, DeviceMemory, PassKind, PhaseKind, MAX_PLAUSIBLE_BYTES};
+use crate::marker::{
+    AllocatorStats, BatchFacts, DeviceMemory, PassKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
+};
 use crate::pass::PassFigures;
 use crate::predict::Prediction;
 use crate::profile::{SteadyProfile, StepProfile};

@@ -5,10 +5,9 @@ use std::collections::VecDeque;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{kind_name, MarkerError};
-use crate::marker::BatchFacts;
 use crate::marker::{
-    AllocatorStats, DeviceMemory, Marker, MarkerKind, PassKind, PhaseKind, MAX_PLAUSIBLE_BYTES,
-    MAX_PLAUSIBLE_MONOTONIC_NS, MAX_PLAUSIBLE_STEP,
+    AllocatorStats, BatchFacts, DeviceMemory, Marker, MarkerKind, PassKind, PhaseKind,
+    MAX_PLAUSIBLE_BYTES, MAX_PLAUSIBLE_MONOTONIC_NS, MAX_PLAUSIBLE_STEP,
 };
 
 /// A step holds at most this many phases: a forward and a backward for each

@@ -23,8 +23,7 @@ use crate::error::{HelloError, MarkerError};
 use crate::growth::{forecast, GrowthForecast, MemoryTrend, TrendMemo};
 use crate::identity::{ModelFacts, RankInfo, RankKey};
 use crate::layout::{step2_new_segments_with, LayoutContext, LayoutEstimate, MAX_LAYOUT_BLOCKS};
-use crate::marker::BatchFacts;
-use crate::marker::{Marker, MarkerKind};
+use crate::marker::{BatchFacts, Marker, MarkerKind};
 use crate::pass::{pass_peaks, PassPeaks};
 use crate::postmortem::{
     post_mortem, Died, OomReport, OomReportError, PostMortem, PostMortemInputs,
