@@ -22,6 +22,8 @@ use serde::{Deserialize, Serialize};
 use crate::marker::{BatchFacts, MAX_PLAUSIBLE_BYTES};
 use crate::slope::theil_sen;
 
+// BatchFacts rides on markers and is declared in `marker`; its measure in
+// this module's terms is kept here, beside BatchSize.
 impl BatchFacts {
     /// Its measures (checked figures: see [`BatchFacts::implausible`]).
     pub fn size(&self) -> BatchSize {
