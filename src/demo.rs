@@ -2,6 +2,7 @@
 //! all local, no GPU needed. It shows what a user sees on a real node.
 
 use std::net::SocketAddr;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use fake_nvml::{FakeNvml, GpuSpec};
+use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 
 use stepwatch::http_get;
 
@@ -26,7 +28,9 @@ pub struct DemoArgs {
     pub every: u64,
 }
 
-/// Child processes, stopped (SIGTERM, then SIGKILL) when dropped.
+/// Child processes, stopped (SIGTERM, then SIGKILL) when dropped. Each
+/// runs in its own process group, so a terminal's Ctrl-C reaches only the
+/// demo, which stops them in this order instead of finding them gone.
 struct Children(Vec<(String, Child)>);
 
 impl Drop for Children {
@@ -77,6 +81,7 @@ impl DemoJob {
         if let Some(steps) = self.steps {
             cmd.args(["--steps", &steps.to_string()]);
         }
+        cmd.process_group(0);
         self.child = Some(cmd.spawn().context("cannot start a simulated job")?);
         self.ended = None;
         Ok(())
@@ -84,9 +89,11 @@ impl DemoJob {
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    // Ctrl-C and SIGTERM end the loop below, which stops the children.
+    // Ctrl-C, SIGTERM and a closed terminal (SIGHUP) end the loop below,
+    // which stops the children: they are in their own process groups and
+    // hear none of these themselves.
     let interrupted = Arc::new(AtomicBool::new(false));
-    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+    for signal in [SIGINT, SIGTERM, SIGHUP] {
         signal_hook::flag::register(signal, Arc::clone(&interrupted))
             .context("cannot handle Ctrl-C")?;
     }
@@ -149,6 +156,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         .env(fake_nvml::STATE_DIR_ENV, &dir)
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log_path)?)
+        .process_group(0)
         .spawn()
         .context("cannot start the agent")?;
     children.0.push(("agent".into(), agent));

@@ -5,6 +5,7 @@
 mod common;
 
 use std::io::BufRead;
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,8 @@ fn the_demo_predicts_the_doomed_job_before_it_dies() {
         .args(["demo", "--every", "1", "--http-listen", "127.0.0.1:0"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        // Its own process group, to be stopped as a terminal's Ctrl-C does.
+        .process_group(0)
         .spawn()
         .expect("run stepwatch demo");
     // Read until the story has been told (however slow the machine), then stop it.
@@ -61,8 +64,10 @@ fn the_demo_predicts_the_doomed_job_before_it_dies() {
     let (code, body) = common::http_get(addr.parse().unwrap(), &format!("/{path}")).unwrap();
     assert_eq!(code, 200, "{url}: {body}");
     assert!(body.contains("\"outcome\":\"oom\""), "{url}: {body}");
-    // SAFETY: kill(2) on our own child.
-    unsafe { libc::kill(demo.id() as i32, libc::SIGTERM) };
+    // Ctrl-C: SIGINT to the whole foreground process group. The demo stops
+    // its agent and jobs itself; it must not take their exit for a failure.
+    // SAFETY: kill(2) on our own child's process group.
+    unsafe { libc::kill(-(demo.id() as i32), libc::SIGINT) };
     let out = demo.wait_with_output().expect("the demo stops");
     while let Ok(line) = rx.recv_timeout(Duration::from_secs(5)) {
         seen.push(line);
